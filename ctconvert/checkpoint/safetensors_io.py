@@ -1,0 +1,278 @@
+"""Low-level safetensors file access: header parsing, ranged reads, planned writes.
+
+The safetensors container (https://github.com/huggingface/safetensors, "Format"):
+an 8-byte little-endian u64 ``N``, then ``N`` bytes of JSON mapping each tensor
+name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to
+the data section that follows the header) plus an optional ``__metadata__`` map
+of strings. Data is little-endian, row-major, and the ranges tile the data
+section without gaps or overlaps.
+
+Reading goes through ``os.pread`` into tensors that we own (no mmap), so the
+bytes held in memory are exactly the bytes asked for, and a row range of a
+tensor can be read on its own. Writing pre-computes every header from the plan
+and then writes each tensor (or row range) at its final offset with
+``os.pwrite``: a shard never has to be assembled in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import BadInputError, OutputError
+
+#: safetensors dtype string -> (torch dtype, bytes per element)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+}
+TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
+for _name, _dt in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _dt):
+        DTYPES[_name] = (getattr(torch, _dt), int(_name[1:]) // 8)
+        TORCH_TO_ST[getattr(torch, _dt)] = _name
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself enforces
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: file, dtype string, shape, absolute byte range."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute offset in the file
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate the header of one safetensors file.
+
+    Returns ``(tensors, metadata)``. Raises :class:`BadInputError` naming the
+    file (and tensor) when the file is truncated, the header is oversized or
+    not JSON, a dtype is unknown, a byte range disagrees with dtype x shape, or
+    the ranges do not tile the data section.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise BadInputError("file is shorter than a safetensors header (truncated?)", file=path)
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                raise BadInputError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt file?)", file=path)
+            if 8 + n > size:
+                raise BadInputError(f"header length {n} runs past the end of the {size}-byte file (truncated?)", file=path)
+            raw = f.read(n)
+    except OSError as e:
+        raise BadInputError(f"cannot read: {e.strerror or e}", file=path) from e
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInputError(f"header is not valid JSON ({e})", file=path) from e
+    if not isinstance(header, dict):
+        raise BadInputError("header is not a JSON object", file=path)
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    data_len = size - data_start
+    tensors: dict[str, TensorInfo] = {}
+    ranges = []
+    for name, entry in header.items():
+        try:
+            dtype = entry["dtype"]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadInputError("malformed header entry", file=path, tensor=name) from e
+        if dtype not in DTYPES:
+            raise BadInputError(f"unknown dtype {dtype!r}", file=path, tensor=name)
+        if any(d < 0 for d in shape):
+            raise BadInputError(f"negative dimension in shape {list(shape)}", file=path, tensor=name)
+        expect = math.prod(shape) * DTYPES[dtype][1]
+        if end - begin != expect:
+            raise BadInputError(
+                f"byte range [{begin}, {end}) holds {end - begin} bytes but {dtype}{list(shape)} needs {expect}",
+                file=path, tensor=name,
+            )
+        if end > data_len:
+            raise BadInputError(
+                f"data ends at byte {data_start + end} but the file has {size} bytes (truncated?)",
+                file=path, tensor=name,
+            )
+        tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, end - begin)
+        ranges.append((begin, end, name))
+    ranges.sort()
+    pos = 0
+    for begin, end, name in ranges:
+        if begin != pos:
+            raise BadInputError(f"byte ranges overlap or leave a gap at offset {pos}", file=path, tensor=name)
+        pos = end
+    return tensors, metadata
+
+
+def read_bytes(info: TensorInfo, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Read ``nbytes`` of a tensor's data starting ``offset`` bytes into it.
+
+    Returns a uint8 tensor (``out`` when given: a contiguous uint8 CPU tensor,
+    e.g. pinned, of at least ``nbytes``). Raises :class:`BadInputError` on a
+    short read.
+    """
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+    view = memoryview(out.numpy()).cast("B")[:nbytes]
+    fd = os.open(info.file, os.O_RDONLY)
+    try:
+        got = 0
+        while got < nbytes:
+            k = os.preadv(fd, [view[got:]], info.start + offset + got)
+            if k <= 0:
+                raise BadInputError("unexpected end of file while reading tensor data (truncated?)", file=info.file, tensor=info.name)
+            got += k
+    except OSError as e:
+        raise BadInputError(f"read failed: {e.strerror or e}", file=info.file, tensor=info.name) from e
+    finally:
+        os.close(fd)
+    return out[:nbytes]
+
+
+def read_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
+    """Read rows ``[row0, row1)`` of a tensor (dim 0), as a tensor of its dtype.
+
+    Shape ``[row1 - row0, *shape[1:]]``. A 0-D or 1-D tensor is read whole.
+    """
+    if len(info.shape) < 1:
+        raw = read_bytes(info, 0, info.nbytes)
+        return raw.view(info.torch_dtype).reshape(info.shape)
+    row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+    raw = read_bytes(info, row0 * row_bytes, (row1 - row0) * row_bytes)
+    return raw.view(info.torch_dtype).reshape((row1 - row0, *info.shape[1:]))
+
+
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """Read a whole tensor into a new CPU tensor of its dtype and shape."""
+    raw = read_bytes(info, 0, info.nbytes)
+    return raw.view(info.torch_dtype).reshape(info.shape)
+
+
+@dataclass
+class PlannedTensor:
+    """One output tensor: name, safetensors dtype string and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][1]
+
+
+class ShardFile:
+    """A safetensors file whose header is fixed up front; data is written in place.
+
+    ``tensors`` gives every tensor the file will hold. The data section is laid
+    out largest element size first (so every tensor is aligned to its element
+    size, as safetensors' own writer does), then in the given order. The file
+    is created at full size; :meth:`write` puts bytes at their final offsets,
+    and :meth:`close` checks that every byte range was written.
+    """
+
+    def __init__(self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        order = sorted(range(len(tensors)), key=lambda i: -DTYPES[tensors[i].dtype][1])
+        header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        self.offsets: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for i in order:
+            t = tensors[i]
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+            self.offsets[t.name] = (pos, t.nbytes)
+            pos += t.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        self.data_start = 8 + len(raw)
+        self.size = self.data_start + pos
+        self.written: dict[str, int] = {t.name: 0 for t in tensors}
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.ftruncate(self.fd, self.size)
+            self._pwrite(struct.pack("<Q", len(raw)) + raw, 0)
+        except OSError as e:
+            raise OutputError(f"cannot create shard: {e.strerror or e}", file=self.path) from e
+
+    def _pwrite(self, data, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def write(self, name: str, tensor: torch.Tensor, byte_offset: int = 0) -> None:
+        """Write ``tensor``'s bytes into tensor ``name`` starting ``byte_offset`` bytes in.
+
+        ``tensor`` must be a CPU tensor; its raw bytes (row-major) are written,
+        so a row range of a row-major tensor can be written on its own.
+        """
+        start, nbytes = self.offsets[name]
+        t = tensor.detach().contiguous()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        n = len(raw)
+        if byte_offset + n > nbytes:
+            raise OutputError(f"internal: write of {n} bytes at {byte_offset} overflows {nbytes}", file=self.path, tensor=name)
+        try:
+            if n:
+                self._pwrite(raw, self.data_start + start + byte_offset)
+        except OSError as e:
+            raise OutputError(f"write failed: {e.strerror or e}", file=self.path, tensor=name) from e
+        self.written[name] += n
+
+    def close(self) -> None:
+        """Flush to disk and check that every tensor got all its bytes."""
+        try:
+            missing = [n for n, k in self.written.items() if k != self.offsets[n][1]]
+            if missing:
+                raise OutputError(f"internal: {len(missing)} tensors incompletely written, e.g. {missing[0]}", file=self.path)
+            os.fsync(self.fd)
+        except OSError as e:
+            raise OutputError(f"cannot flush: {e.strerror or e}", file=self.path) from e
+        finally:
+            os.close(self.fd)
+
+    def abort(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass

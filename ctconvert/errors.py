@@ -1,0 +1,58 @@
+"""Error classes and the exit codes they map to.
+
+Every error carries a one-line message that names the file and, where there is
+one, the tensor. The CLI prints ``error: <message>`` and exits with
+``exit_code``; it prints a traceback only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+# Documented exit codes (README "Exit codes").
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_BAD_INPUT = 3
+EXIT_UNSUPPORTED = 4
+EXIT_VERIFY_FAILED = 5
+EXIT_OUTPUT = 6
+
+
+class CTConvertError(Exception):
+    """Base class: a clear, one-line error with an exit code."""
+
+    exit_code = EXIT_INTERNAL
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        self.file = file
+        self.tensor = tensor
+        where = []
+        if file:
+            where.append(str(file))
+        if tensor:
+            where.append(f"tensor {tensor!r}")
+        prefix = ": ".join(where)
+        super().__init__(f"{prefix}: {message}" if prefix else message)
+
+
+class UsageError(CTConvertError):
+    """Bad arguments (unknown scheme, conflicting options)."""
+
+    exit_code = EXIT_USAGE
+
+
+class BadInputError(CTConvertError):
+    """The input checkpoint is unreadable or inconsistent, or a tensor is invalid."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class UnsupportedError(CTConvertError):
+    """The input is valid but asks for something ctconvert cannot do (yet)."""
+
+    exit_code = EXIT_UNSUPPORTED
+
+
+class OutputError(CTConvertError):
+    """The output path cannot be written (exists, read-only, disk full)."""
+
+    exit_code = EXIT_OUTPUT

@@ -1,0 +1,67 @@
+"""Shared helpers for the quantization formats (compressed-tensors-format.md §6.1)."""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0  # E4M3FN largest finite value (format spec §5.3)
+FP4_MAX = 6.0  # E2M1 largest value (§5.2)
+
+
+def dtype_eps(dtype: torch.dtype) -> float:
+    """The value compressed-tensors puts in place of a zero scale of ``dtype`` (§6.1).
+
+    bf16 -> 2^-7, fp16 -> 2^-10, fp32 -> 2^-23 (``torch.finfo(dtype).eps``),
+    float8_e4m3fn -> 0.125, integer dtypes -> 1.
+    """
+    if dtype == torch.float8_e4m3fn:
+        return 0.125
+    if dtype.is_floating_point:
+        return torch.finfo(dtype).eps
+    return 1.0
+
+
+def rd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round an fp32 tensor to ``dtype`` (RNE) and back to fp32.
+
+    Models one arithmetic step done "in D" by torch on the CPU, which computes
+    bf16/fp16 ops in fp32 and rounds the result.
+    """
+    if dtype == torch.float32:
+        return x
+    return x.to(dtype).to(torch.float32)
+
+
+def group_absmax(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per-group ``max(|min(x, 0)|, max(x, 0))`` along the last dim, in fp32.
+
+    ``w``: ``[N, K]`` with ``K % group_size == 0``. Returns ``[N, K // group_size]``.
+    Exact in any input dtype (min/max/abs do not round).
+    """
+    n, k = w.shape
+    g = w.reshape(n, k // group_size, group_size)
+    mn, mx = torch.aminmax(g, dim=-1)
+    return torch.maximum(mx.clamp_min(0), mn.clamp_max(0).neg()).to(torch.float32)
+
+
+def group_minmax(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group ``(min(x, 0), max(x, 0))`` along the last dim, in fp32."""
+    n, k = w.shape
+    g = w.reshape(n, k // group_size, group_size)
+    mn, mx = torch.aminmax(g, dim=-1)
+    return mn.clamp_max(0).to(torch.float32), mx.clamp_min(0).to(torch.float32)
+
+
+def tensor_absmax(w: torch.Tensor) -> torch.Tensor:
+    """``max(|min(x, 0)|, max(x, 0))`` over the whole tensor, fp32 0-d."""
+    if w.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=w.device)
+    mn, mx = torch.aminmax(w)
+    return torch.maximum(mx.clamp_min(0), mn.clamp_max(0).neg()).to(torch.float32)
+
+
+def check_finite(w: torch.Tensor) -> int:
+    """Number of NaN/inf elements in ``w`` (0 when all finite)."""
+    if w.dtype.is_floating_point:
+        return int((~torch.isfinite(w)).sum().item())
+    return 0

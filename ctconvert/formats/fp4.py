@@ -1,0 +1,128 @@
+"""FP4 E2M1 weights: NVFP4 (E4M3 scales per 16 + fp32 global scale) and MXFP4 (E8M0 per 32).
+
+Format facts (compressed-tensors-format.md): E2M1 codes and nibble order §5.2
+(even column in the low nibble; a negative value that rounds to zero keeps its
+sign bit, 0x8); NVFP4 layout §4.4 and math §6.4 (``gs = D(D(1/amax) * 2688)``
+as an fp32 divisor, ``s = e4m3(clamp(gs * D(amax_g / 6), ±448))`` with 0 ->
+0.125, elements ``w / (s / gs)`` in fp32, E2M1 ties to even); MX layout §4.5 and
+math §6.5 (power-of-two rounding on the D bit pattern, E8M0 bias 127).
+NVFP4: NVIDIA, "Introducing NVFP4" (2025); MX: OCP Microscaling Formats v1.0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import FP4_MAX, FP8_MAX, dtype_eps, group_absmax, rd
+
+NVFP4_GROUP = 16
+MXFP4_GROUP = 32
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 ``x`` (already scaled) to E2M1 and return 4-bit codes (uint8).
+
+    Magnitude thresholds (ties to the even mantissa): <=0.25 -> 0, <0.75 -> 0.5,
+    <=1.25 -> 1, <1.75 -> 1.5, <=2.5 -> 2, <3.5 -> 3, <=5 -> 4, else 6; values
+    beyond ±6 saturate. Bit 3 is set for ``x < 0`` (so -0.0 encodes as 0x0).
+    """
+    a = x.abs()
+    code = (a > 0.25).to(torch.uint8)
+    code += a >= 0.75
+    code += a > 1.25
+    code += a >= 1.75
+    code += a > 2.5
+    code += a >= 3.5
+    code += a > 5.0
+    code |= (x < 0).to(torch.uint8) << 3
+    return code
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[N, K]`` (K even) -> bytes ``[N, K/2]``, element 2j in the low nibble."""
+    n, k = codes.shape
+    c = codes.reshape(n, k // 2, 2)
+    return (c[..., 0] | (c[..., 1] << 4)).contiguous()
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes ``[N, K/2]`` -> fp32 E2M1 values ``[N, K]`` (inverse of the two above)."""
+    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=packed.device)
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    return lut[codes.long()]
+
+
+def nvfp4_global_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """NVFP4 ``weight_global_scale`` from the absmax of a tensor or fused set.
+
+    ``amax``: fp32 0-d holding a value of dtype D. Computes
+    ``D(D(1 / max(amax, tiny(D))) * 2688)``; NaN/inf become 1.0 (an all-zero
+    tensor gets 1.0). Returns fp32 ``[1]``. compressed-tensors-format.md §6.4.
+    """
+    a = torch.clamp(amax.to(torch.float32), min=torch.finfo(dtype).tiny)
+    gs = rd(rd(1.0 / a, dtype) * (FP8_MAX * FP4_MAX), dtype)
+    gs = torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
+    return gs.reshape(1).to(torch.float32)
+
+
+def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """NVFP4 weight with a given global scale (shared by the fused set).
+
+    ``w``: ``[N, K]`` bf16/fp16/fp32 with ``K % 16 == 0``; ``global_scale``: fp32
+    ``[1]`` from :func:`nvfp4_global_scale`. Returns ``weight_packed`` uint8
+    ``[N, K/2]`` and ``weight_scale`` float8_e4m3fn ``[N, K/16]``.
+    """
+    d = w.dtype
+    n, k = w.shape
+    gs = global_scale.to(device=w.device, dtype=torch.float32)
+    amax = group_absmax(w, NVFP4_GROUP)
+    s = (gs * rd(amax / FP4_MAX, d)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    s = torch.where(s == 0, torch.full_like(s, 0.125), s)
+    eff = s / gs
+    x = w.to(torch.float32).reshape(n, k // NVFP4_GROUP, NVFP4_GROUP) / eff.unsqueeze(-1)
+    codes = e2m1_codes(x.clamp_(-FP4_MAX, FP4_MAX).reshape(n, k))
+    return {"weight_packed": pack_nibbles(codes), "weight_scale": s.to(torch.float8_e4m3fn)}
+
+
+def _round_pow2_bits(amax_d: torch.Tensor) -> torch.Tensor:
+    """Round positive D values to a power of two on their bit pattern (§6.5).
+
+    Adds half of the E2M1 mantissa step (``1 << (m_D - 2)``) and clears the
+    mantissa bits. Returns the power of two as fp32.
+    """
+    d = amax_d.dtype
+    if d == torch.float32:
+        bits, mant, exp = amax_d.view(torch.int32).to(torch.int64) & 0xFFFFFFFF, 23, 8
+    else:
+        bits = amax_d.view(torch.int16).to(torch.int64) & 0xFFFF
+        mant, exp = (7, 8) if d == torch.bfloat16 else (10, 5)
+    add = 1 << (mant - 1 - 1)
+    mask = ((1 << (exp + 1)) - 1) << mant
+    r = (bits + add) & mask
+    if d == torch.float32:
+        r = torch.where(r >= 2**31, r - 2**32, r).to(torch.int32).view(torch.float32)
+    else:
+        r = torch.where(r >= 2**15, r - 2**16, r).to(torch.int16).view(d).to(torch.float32)
+    return r
+
+
+def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """MXFP4 weight: E2M1 values with one E8M0 scale per 32 (OCP MX v1.0).
+
+    ``w``: ``[N, K]`` bf16/fp16/fp32 with ``K % 32 == 0``. Returns
+    ``weight_packed`` uint8 ``[N, K/2]`` and ``weight_scale`` uint8 ``[N, K/32]``
+    (the biased exponent: scale = 2^(byte - 127)).
+    """
+    d = w.dtype
+    n, k = w.shape
+    amax = group_absmax(w, MXFP4_GROUP).to(d)
+    p2 = _round_pow2_bits(amax)
+    e = torch.floor(torch.log2(p2)) + (127 - 2)  # offset floor(log2(6)) = 2
+    e = torch.round(e.clamp(0, 255))  # -inf (amax 0) -> 0
+    scale = rd(torch.exp2(e - 127), d)
+    scale = torch.where(scale == 0, torch.full_like(scale, dtype_eps(torch.uint8)), scale)
+    x = rd(w.to(torch.float32).reshape(n, k // MXFP4_GROUP, MXFP4_GROUP) / scale.unsqueeze(-1), d)
+    codes = e2m1_codes(x.clamp_(-FP4_MAX, FP4_MAX).reshape(n, k))
+    byte = (127 + torch.floor(torch.log2(scale))).to(torch.int32).to(torch.uint8)
+    return {"weight_packed": pack_nibbles(codes), "weight_scale": byte}

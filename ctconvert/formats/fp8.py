@@ -1,0 +1,67 @@
+"""FP8 E4M3 weights with symmetric scales: per-tensor, per-channel, per-block.
+
+Format facts (compressed-tensors-format.md): layout §4.2 (``weight`` F8_E4M3
+``[N, K]``, ``weight_scale`` in the model dtype D), math §6.2 and §6.1:
+``scale = D(amax / 448)``, zero scales replaced by ``eps(D)``,
+``q = e4m3_rne(clamp(D(w / scale) + 0, ±448))`` (the double rounding fp32 -> D ->
+E4M3 is part of the format). Block scales are computed on the zero-padded
+weight, and the stored weight is cut back to ``[N, K]`` (§4.2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import FP8_MAX, dtype_eps, group_absmax, rd, tensor_absmax
+
+
+def fp8_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scale from an fp32 absmax: ``D(amax / 448)``, zeros -> ``eps(D)``; returns fp32."""
+    s = rd(amax / FP8_MAX, dtype)
+    return torch.where(s == 0, torch.full_like(s, dtype_eps(dtype)), s)
+
+
+def fp8_quantize_values(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``e4m3(clamp(D(w / scale), ±448))`` with ``scale`` (fp32) broadcastable to ``w``."""
+    # "+ 0.0": compressed-tensors adds the (all-zero) symmetric zero point, which
+    # turns -0.0 into +0.0 before the cast (byte 0x00, not 0x80).
+    x = rd(w.to(torch.float32) / scale, w.dtype) + 0.0
+    return x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_fp8_channel(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-output-channel FP8. ``w``: ``[N, K]`` bf16/fp16/fp32.
+
+    Returns ``weight`` float8_e4m3fn ``[N, K]`` and ``weight_scale`` D ``[N, 1]``.
+    """
+    s = fp8_scale(group_absmax(w, w.shape[1]), w.dtype)
+    return {"weight": fp8_quantize_values(w, s), "weight_scale": s.to(w.dtype)}
+
+
+def quantize_fp8_tensor(w: torch.Tensor, amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Per-tensor FP8; ``amax`` (fp32 0-d) overrides the tensor's own absmax.
+
+    Returns ``weight`` float8_e4m3fn ``[N, K]`` and ``weight_scale`` D ``[1]``.
+    """
+    a = tensor_absmax(w) if amax is None else amax
+    s = fp8_scale(a.reshape(1), w.dtype)
+    return {"weight": fp8_quantize_values(w, s), "weight_scale": s.to(w.dtype)}
+
+
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> dict[str, torch.Tensor]:
+    """Per-block FP8 with ``block = (bh, bw)``.
+
+    ``w``: ``[N, K]``; any N, K (the padding is zeros, which never changes an
+    absmax). Returns ``weight`` float8_e4m3fn ``[N, K]`` and ``weight_scale`` D
+    ``[ceil(N/bh), ceil(K/bw)]``.
+    """
+    bh, bw = block
+    n, k = w.shape
+    pn, pk = -n % bh, -k % bw
+    wp = torch.nn.functional.pad(w, (0, pk, 0, pn)) if (pn or pk) else w
+    nb, kb = wp.shape[0] // bh, wp.shape[1] // bw
+    # [nb, bh, kb, bw] -> absmax over each bh x bw block
+    blocks = wp.reshape(nb, bh, kb, bw).transpose(1, 2).reshape(nb * kb, bh * bw)
+    s = fp8_scale(group_absmax(blocks, bh * bw).reshape(nb, kb), w.dtype)
+    s_full = s.repeat_interleave(bh, 0).repeat_interleave(bw, 1)[:n, :k]
+    return {"weight": fp8_quantize_values(w, s_full), "weight_scale": s.to(w.dtype)}

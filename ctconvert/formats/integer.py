@@ -1,0 +1,112 @@
+"""Integer weights (INT4/INT8 ...), symmetric or asymmetric, per-group or per-channel.
+
+Format facts (compressed-tensors-format.md): math §6.3 and §6.1 (divisor
+``(2^B - 1) / 2`` for symmetric scales, ``(2^B - 1)`` for asymmetric, each step
+rounded to the model dtype D, zero scales replaced by ``eps(D)``, round half to
+even), layouts §4.2 (``int-quantized``: unpacked I8) and §4.3
+(``pack-quantized``: I32 words, §5.1 bit order).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .common import dtype_eps, group_absmax, group_minmax, rd
+
+
+def int_range(num_bits: int) -> tuple[int, int]:
+    """``(qmin, qmax) = (-2^(B-1), 2^(B-1) - 1)``."""
+    return -(1 << (num_bits - 1)), (1 << (num_bits - 1)) - 1
+
+
+def quantize_int(
+    w: torch.Tensor, num_bits: int, group_size: int | None, symmetric: bool = True
+) -> dict[str, torch.Tensor]:
+    """Quantize ``w`` ``[N, K]`` (bf16/fp16/fp32) to signed B-bit integers.
+
+    ``group_size=None`` means one scale per output channel. Requires
+    ``K % group_size == 0`` (the caller checks and reports it). Returns
+    ``weight`` int8 ``[N, K]`` (values in ``[qmin, qmax]``), ``weight_scale`` D
+    ``[N, K/G]`` (or ``[N, 1]``) and, when asymmetric, ``weight_zero_point``
+    int8 of the scale's shape.
+    """
+    d = w.dtype
+    n, k = w.shape
+    g = k if group_size is None else group_size
+    qmin, qmax = int_range(num_bits)
+    out: dict[str, torch.Tensor] = {}
+    if symmetric:
+        amax = group_absmax(w, g)
+        s = rd(amax / ((2**num_bits - 1) / 2), d)
+        zp = None
+    else:
+        mn, mx = group_minmax(w, g)
+        s = rd(rd(mx - mn, d) / (2**num_bits - 1), d)
+        zpf = rd(qmin - rd(mn / s, d), d).clamp(qmin, qmax)
+        zpf = torch.nan_to_num(zpf, nan=0.0)
+        zp = torch.round(zpf)
+    s = torch.where(s == 0, torch.full_like(s, dtype_eps(d)), s)
+    x = rd(w.to(torch.float32).reshape(n, k // g, g) / s.unsqueeze(-1), d)
+    if zp is not None:
+        x = rd(x + zp.unsqueeze(-1), d)
+    q = torch.round(x.clamp_(qmin, qmax)).to(torch.int8).reshape(n, k)
+    out["weight"] = q
+    out["weight_scale"] = s.to(d)
+    if zp is not None:
+        out["weight_zero_point"] = zp.to(torch.int8)
+    return out
+
+
+def pack_int32(q: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Pack signed B-bit values (int8 ``[R, C]``) into int32 words along the last dim.
+
+    Each value is offset to unsigned (``u = q + 2^(B-1)``) and placed at bit
+    ``i*B`` of the row, LSB first, spilling into the next word when it crosses a
+    word boundary; rows are padded with ``u = 0`` (format spec §5.1). Returns
+    int32 ``[R, ceil(C*B/32)]``.
+    """
+    r, c = q.shape
+    words = math.ceil(c * num_bits / 32)
+    u = q.to(torch.int64) + (1 << (num_bits - 1))
+    pad = -c % 32
+    if pad:
+        u = torch.nn.functional.pad(u, (0, pad))
+    u = u.reshape(r, -1, 32)  # 32 values fill exactly B words
+    if 32 % num_bits == 0:
+        per = 32 // num_bits
+        shifts = torch.arange(per, device=q.device, dtype=torch.int64) * num_bits
+        acc = (u.reshape(r, -1, per) << shifts).sum(-1)  # [R, words_padded]
+    else:
+        bit = torch.arange(32, device=q.device, dtype=torch.int64) * num_bits
+        word, off = bit // 32, bit % 32
+        lo = (u << off) & 0xFFFFFFFF
+        acc = torch.zeros(r, u.shape[1], num_bits, dtype=torch.int64, device=q.device)
+        acc.index_add_(2, word, lo)
+        spill = off + num_bits > 32
+        if bool(spill.any()):
+            hi = u[..., spill] >> (32 - off[spill])
+            acc.index_add_(2, word[spill] + 1, hi)
+        acc = acc.reshape(r, -1)
+    acc = acc[:, :words]
+    acc = torch.where(acc >= 2**31, acc - 2**32, acc)
+    return acc.to(torch.int32).contiguous()
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, length: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int32`: int32 ``[R, W]`` -> int8 ``[R, length]``."""
+    r, wcount = packed.shape
+    p = packed.to(torch.int64) & 0xFFFFFFFF
+    bit = torch.arange(length, device=packed.device, dtype=torch.int64) * num_bits
+    word, off = bit // 32, bit % 32
+    lo = p[:, word] >> off
+    nxt = torch.clamp(word + 1, max=wcount - 1)
+    hi = torch.where(off + num_bits > 32, p[:, nxt] << (32 - off), torch.zeros_like(lo))
+    u = (lo | hi) & ((1 << num_bits) - 1)
+    return (u - (1 << (num_bits - 1))).to(torch.int8)
+
+
+def pack_int32_dim0(q: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Pack along dim 0 (zero points, §4.3): int8 ``[R, C]`` -> int32 ``[ceil(R*B/32), C]``."""
+    return pack_int32(q.t().contiguous(), num_bits).t().contiguous()
