@@ -1,0 +1,1 @@
+"""Checkpoint I/O: safetensors headers and ranged reads, validation, atomic writing."""

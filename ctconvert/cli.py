@@ -1,0 +1,234 @@
+"""The command line: a thin click shell over :mod:`ctconvert.api`.
+
+Machine-readable output (``--json``) is one JSON document on stdout; human
+output (tables) goes to stdout and logs/progress to stderr. Errors print one
+line, ``error: ...``, and exit with the code of their class
+(:mod:`ctconvert.errors`); ``--debug`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import traceback
+
+import click
+
+from . import __version__, errors
+
+
+class _Ctx:
+    def __init__(self, as_json: bool, debug: bool, quiet: bool):
+        self.json = as_json
+        self.debug = debug
+        self.quiet = quiet
+
+    def console(self, stderr: bool = False):
+        from rich.console import Console
+
+        return Console(stderr=stderr, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+
+    def emit_json(self, data: dict) -> None:
+        click.echo(json.dumps(data, indent=2, default=str))
+
+
+def _run(ctx: _Ctx, fn):
+    """Call ``fn``; turn errors into one line and an exit code."""
+    try:
+        return fn()
+    except errors.CTConvertError as e:
+        if ctx.debug:
+            traceback.print_exc()
+        if ctx.json:
+            ctx.emit_json({"ok": False, "error": str(e), "exit_code": e.exit_code, "type": type(e).__name__})
+        click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted; nothing was written to the output path", err=True)
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - last-resort reporting
+        if ctx.debug:
+            traceback.print_exc()
+        msg = f"internal error: {type(e).__name__}: {e}" + ("" if ctx.debug else " (run with --debug for the traceback)")
+        if ctx.json:
+            ctx.emit_json({"ok": False, "error": msg, "exit_code": errors.EXIT_INTERNAL, "type": type(e).__name__})
+        click.echo(f"error: {msg}", err=True)
+        sys.exit(errors.EXIT_INTERNAL)
+
+
+def _progress_factory(ctx: _Ctx):
+    if ctx.json or ctx.quiet or not sys.stderr.isatty():
+        return None
+
+    @contextlib.contextmanager
+    def factory(total: int):
+        from tqdm import tqdm
+
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="quantize", file=sys.stderr, dynamic_ncols=True) as bar:
+            yield bar
+
+    return factory
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ctconvert")
+@click.option("--json", "as_json", is_flag=True, help="Print one machine-readable JSON document on stdout.")
+@click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary.")
+@click.pass_context
+def main(click_ctx, as_json, debug, quiet):
+    """Convert Hugging Face checkpoints to compressed-tensors checkpoints that vLLM loads."""
+    click_ctx.obj = _Ctx(as_json, debug, quiet)
+
+
+def _split(values: tuple[str, ...]) -> list[str]:
+    out = []
+    for v in values:
+        out += [x.strip() for x in v.split(",") if x.strip()] if not v.startswith("re:") else [v]
+    return out
+
+
+@main.command()
+@click.argument("src", type=click.Path(file_okay=False, path_type=str))
+@click.option("-o", "--output", "output", type=click.Path(path_type=str), help="Output folder (created; must not exist unless --overwrite).")
+@click.option("-s", "--scheme", required=True, help="compressed-tensors preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W4A16, W4A16_ASYM, W8A16, NVFP4A16, MXFP4A16.")
+@click.option("--lm-head", type=click.Choice(["none", "nvfp4a16", "fp8"], case_sensitive=False), default="none", show_default=True,
+              help="Also quantize lm_head (own config group).")
+@click.option("--targets", multiple=True, help="Modules to quantize: names, re:patterns or Linear (default Linear).")
+@click.option("--ignore", multiple=True, help="Modules to leave dense (names or re:patterns); added to the defaults.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard (e.g. 5GB, 500MB).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder (atomically, at the end).")
+@click.option("--dry-run", is_flag=True, help="Print the plan and exit without reading tensor data.")
+@click.option("--skip-incompatible", is_flag=True, help="Keep weights the scheme cannot take dense (listed in ignore and reported) instead of failing.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--lm-head-chunk-rows", type=click.IntRange(min=1), default=8192, show_default=True, help="Rows of lm_head processed at a time.")
+@click.pass_obj
+def quantize(ctx: _Ctx, src, output, scheme, lm_head, targets, ignore, max_shard_size, overwrite, dry_run, skip_incompatible, device, lm_head_chunk_rows):
+    """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint."""
+    from . import api
+
+    if not dry_run and not output:
+        raise click.UsageError("missing option -o/--output (or use --dry-run)")
+    result = _run(ctx, lambda: api.quantize(
+        src, output, scheme, lm_head=lm_head, targets=_split(targets) or None, ignore=_split(ignore),
+        max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run, skip_incompatible=skip_incompatible,
+        device=device, lm_head_chunk_rows=lm_head_chunk_rows, progress=_progress_factory(ctx),
+    ))
+    if ctx.json:
+        ctx.emit_json({"ok": True, **result.to_dict()})
+        return
+    if dry_run:
+        _print_plan(ctx, result)
+        return
+    if not ctx.quiet:
+        ratio = result.input_bytes / max(1, result.output_bytes)
+        click.echo(
+            f"wrote {result.output}: {result.scheme} ({result.format}), {result.quantized_modules} Linear layers quantized, "
+            f"{len(result.shards)} shard(s), {_human(result.input_bytes)} -> {_human(result.output_bytes)} ({ratio:.2f}x) "
+            f"in {result.seconds:.1f} s on {result.device}"
+        )
+        for n in result.notes:
+            click.echo(f"note: {n}", err=True)
+
+
+def _print_plan(ctx: _Ctx, result) -> None:
+    from rich.table import Table
+
+    plan = result.plan
+    table = Table(title=f"plan: {plan.scheme.name} ({plan.format})", show_lines=False)
+    for col in ("tensor", "dtype", "shape", "action", "scheme", "fused set / reason"):
+        table.add_column(col, overflow="fold")
+    for r in plan.rows:
+        style = {"quantize": "green", "ignore": "yellow"}.get(r.action)
+        table.add_row(r.name, r.dtype, "x".join(map(str, r.shape)), r.action, r.scheme or "", r.fused_set or r.reason or "", style=style)
+    con = ctx.console()
+    con.print(table)
+    counts = {a: sum(1 for r in plan.rows if r.action == a) for a in ("quantize", "ignore", "copy")}
+    con.print(f"{counts['quantize']} tensors to quantize, {counts['ignore']} Linear kept dense (ignore), {counts['copy']} copied")
+    con.print(f"ignore: {plan.ignore}")
+    for n in plan.notes:
+        con.print(f"note: {n}")
+
+
+@main.command("inspect")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--all-layers", is_flag=True, help="List every layer (default: every layer when <= 60, else a summary per scheme).")
+@click.pass_obj
+def inspect_cmd(ctx: _Ctx, path, all_layers):
+    """Show per-layer scheme, format, dtypes, shapes, bytes, bits per weight and problems of PATH."""
+    from . import api
+
+    report = _run(ctx, lambda: api.inspect(path))
+    errs = [p for p in report["problems"] if p["severity"] == "error"]
+    if ctx.json:
+        ctx.emit_json({"ok": not errs, **report})
+    else:
+        _print_inspect(ctx, report, all_layers)
+    if errs:
+        sys.exit(errors.EXIT_BAD_INPUT)
+
+
+def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
+    from rich.table import Table
+
+    con = ctx.console()
+    q = report["quantization_config"]
+    con.print(f"[bold]{report['path']}[/bold]: " + (f"{q['quant_method']} / {q['format']} / {q['quantization_status']}" if q else "dense (no quantization_config)"))
+    for g, v in report["config_groups"].items():
+        con.print(f"  group {g}: targets={v['targets']} scheme={v['scheme']} format={v['format']}")
+    layers = report["layers"]
+    table = Table(show_lines=False)
+    for col in ("layer", "scheme", "format", "tensors (dtype shape)", "bytes", "bits/w"):
+        table.add_column(col, overflow="fold")
+    if all_layers or len(layers) <= 60:
+        for r in layers:
+            ts = ", ".join(f"{p}:{t['dtype']}{t['shape']}" for p, t in r["tensors"].items())
+            table.add_row(r["module"], r["scheme"] or "", r["format"] or "", ts, _human(r["bytes"]), str(r["bits_per_weight"]))
+    else:
+        agg: dict[tuple, list] = {}
+        for r in layers:
+            a = agg.setdefault((r["scheme"], r["format"]), [0, 0, 0])
+            a[0] += 1
+            a[1] += r["bytes"]
+            a[2] += r["params"]
+        for (s, f), (n, b, p) in agg.items():
+            table.add_row(f"{n} layers", s or "", f or "", "", _human(b), f"{8 * b / p:.3f}" if p else "")
+    con.print(table)
+    t = report["totals"]
+    con.print(
+        f"{t['tensors']} tensors in {t['files']} file(s), {_human(t['bytes'])}; {t['quantized_layers']}/{t['linear_layers']} Linear layers quantized, "
+        f"{t['linear_bits_per_weight']} bits per Linear weight"
+    )
+    if report["problems"]:
+        for p in report["problems"]:
+            where = " ".join(x for x in (p.get("file"), p.get("tensor")) if x)
+            con.print(f"[{'red' if p['severity'] == 'error' else 'yellow'}]{p['severity']}[/]: {where}: {p['message']}")
+    else:
+        con.print("no problems found")
+
+
+@main.command()
+@click.pass_obj
+def schemes(ctx: _Ctx):
+    """List the schemes and the compressed-tensors format each writes."""
+    from .schemes import get_scheme, scheme_names
+
+    rows = [(n, get_scheme(n).format, get_scheme(n).kind) for n in scheme_names()]
+    if ctx.json:
+        ctx.emit_json({"schemes": [{"name": n, "format": f, "kind": k} for n, f, k in rows]})
+        return
+    for n, f, k in rows:
+        click.echo(f"{n:12s} {f:22s} {k}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Summarize a checkpoint: per-layer scheme, format, dtypes, shapes, bytes, bits per weight, problems.
+
+Works on dense and compressed-tensors checkpoints from the headers (plus the
+few tiny tensors that carry shapes and global scales). Problems found:
+anything :func:`ctconvert.checkpoint.reader.open_checkpoint` reports (missing
+shard, stale index, duplicates, unreadable files), quantized tensors that the
+``quantization_config`` does not explain, dense Linear weights a loader would
+expect quantized (not in ``ignore``), and fused sets whose NVFP4 global
+scales differ (compressed-tensors-format.md §9.1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from .checkpoint.reader import Problem, open_checkpoint
+from .checkpoint.safetensors_io import read_tensor
+from .plan import _BLOCK, _FUSED_OF, is_linear_weight, matches
+
+_QUANT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape", "input_global_scale", "input_scale", "weight_g_idx")
+
+
+def _group_of(module: str, qcfg: dict, is_linear: bool) -> str | None:
+    if matches(module, qcfg.get("ignore") or [], is_linear=is_linear):
+        return None
+    for gname, g in (qcfg.get("config_groups") or {}).items():
+        if matches(module, g.get("targets") or [], is_linear=is_linear):
+            return gname
+    return None
+
+
+def inspect_checkpoint(path: Path) -> dict:
+    """Return the inspection report of the checkpoint folder ``path`` (a JSON-ready dict)."""
+    ckpt = open_checkpoint(path, strict=False)
+    problems: list[Problem] = list(ckpt.problems)
+    qcfg = ckpt.quantization_config or {}
+    groups = qcfg.get("config_groups") or {}
+    modules: dict[str, dict[str, object]] = defaultdict(dict)
+    for name, info in ckpt.tensors.items():
+        mod, _, part = name.rpartition(".")
+        modules[mod][part] = info
+
+    layers = []
+    tot_bytes = sum(t.nbytes for t in ckpt.tensors.values())
+    lin_bytes = lin_params = 0
+    gs_by_set: dict[tuple[str, tuple], dict[str, float]] = defaultdict(dict)
+    for mod in sorted(modules, key=lambda m: (str(ckpt.tensors[next(iter(modules[m].values())).name].file), m)):
+        parts = modules[mod]
+        quantized = any(p in parts for p in ("weight_packed", "weight_scale"))
+        dense = parts.get("weight")
+        if not quantized and (dense is None or not is_linear_weight(mod + ".weight", dense)):
+            continue
+        infos = {p: i for p, i in parts.items() if p == "weight" or p in _QUANT_PARTS}
+        group = _group_of(mod, qcfg, True) if qcfg else None
+        fmt = None
+        if group is not None:
+            fmt = groups[group].get("format") or qcfg.get("format")
+        if quantized:
+            params = _logical_params(parts, fmt)
+            if not qcfg:
+                problems.append(Problem("error", "quantized tensors but config.json has no quantization_config", tensor=mod))
+            elif group is None:
+                problems.append(Problem("error", "quantized tensors that no config group targets (or listed in ignore)", tensor=mod))
+        else:
+            params = dense.numel
+            if qcfg and group is not None:
+                problems.append(Problem(
+                    "error",
+                    f"dense Linear weight matched by config group {group!r} but not in ignore: loaders expect quantized tensors (they would load garbage)",
+                    tensor=mod,
+                ))
+        nbytes = sum(i.nbytes for i in infos.values())
+        lin_bytes += nbytes
+        lin_params += params
+        scheme = None
+        if group is not None:
+            w = groups[group].get("weights") or {}
+            scheme = _describe(w)
+        row = {
+            "module": mod,
+            "group": group if quantized or group else None,
+            "scheme": scheme if quantized else "dense",
+            "format": fmt if quantized else "dense",
+            "tensors": {p: {"dtype": i.dtype, "shape": list(i.shape)} for p, i in sorted(infos.items())},
+            "bytes": nbytes,
+            "params": params,
+            "bits_per_weight": round(8 * nbytes / params, 3) if params else None,
+        }
+        layers.append(row)
+        if "weight_global_scale" in parts:
+            parent, _, leaf = mod.rpartition(".")
+            if leaf in _FUSED_OF:
+                try:
+                    gs_by_set[(parent, _FUSED_OF[leaf])][leaf] = float(read_tensor(parts["weight_global_scale"]).float().reshape(-1)[0])
+                except Exception as e:  # noqa: BLE001 - reported, not fatal
+                    problems.append(Problem("error", f"cannot read weight_global_scale: {e}", tensor=mod))
+    for (parent, _), vals in gs_by_set.items():
+        if len(set(vals.values())) > 1:
+            problems.append(Problem(
+                "warning",
+                f"fused set members have different NVFP4 global scales {vals}; vLLM keeps only the largest",
+                tensor=parent,
+            ))
+    n_quant = sum(1 for r in layers if r["format"] != "dense")
+    return {
+        "path": str(path),
+        "quantization_config": {k: qcfg.get(k) for k in ("quant_method", "format", "quantization_status")} if qcfg else None,
+        "config_groups": {g: {"targets": v.get("targets"), "format": v.get("format"), "scheme": _describe(v.get("weights") or {})} for g, v in groups.items()},
+        "ignore": qcfg.get("ignore") if qcfg else None,
+        "layers": layers,
+        "totals": {
+            "tensors": len(ckpt.tensors),
+            "files": len(ckpt.files),
+            "bytes": tot_bytes,
+            "linear_layers": len(layers),
+            "quantized_layers": n_quant,
+            "linear_bytes": lin_bytes,
+            "linear_params": lin_params,
+            "linear_bits_per_weight": round(8 * lin_bytes / lin_params, 3) if lin_params else None,
+            "in_blocks": sum(1 for r in layers if _BLOCK.search(r["module"] + ".")),
+        },
+        "problems": [p.to_dict() for p in problems],
+    }
+
+
+def _describe(w: dict) -> str | None:
+    if not w:
+        return None
+    t = "fp" if w.get("type") == "float" else "int"
+    s = w.get("strategy")
+    g = w.get("group_size")
+    extra = f"g{g}" if s in ("group", "tensor_group") and g else (
+        "x".join(map(str, w.get("block_structure") or [])) if s == "block" else s)
+    sym = "" if w.get("symmetric", True) else " asym"
+    return f"{t}{w.get('num_bits')} {extra}{sym}"
+
+
+def _logical_params(parts: dict, fmt: str | None) -> int:
+    if "weight_shape" in parts:
+        try:
+            shape = read_tensor(parts["weight_shape"]).tolist()
+            return int(math.prod(shape))
+        except Exception:  # noqa: BLE001
+            pass
+    if "weight" in parts:
+        return parts["weight"].numel
+    packed = parts.get("weight_packed")
+    if packed is not None:
+        if packed.dtype == "U8":  # two E2M1 codes per byte
+            return packed.numel * 2
+        if packed.dtype == "I32" and "weight_scale" in parts:
+            return packed.numel * 8  # assume 4-bit when the shape is unknown
+    return 0
+

@@ -1,0 +1,175 @@
+"""Quantization schemes by compressed-tensors preset name, and what each writes.
+
+A :class:`Scheme` ties a preset (``FP8_DYNAMIC``, ``W4A16`` ...; the names and
+their QuantizationArgs are compressed-tensors' own presets,
+``compressed_tensors.quantization.quant_scheme``) to:
+
+* the compressed-tensors ``format`` its tensors are written in
+  (compressed-tensors-format.md §3.3),
+* the output tensors per quantized Linear, with dtypes and shapes (§4),
+* the function of :mod:`ctconvert.formats` that computes them, on a row chunk,
+* the shape rules it imposes (K divisible by the group size; row alignment of
+  chunks so that block scales and dim-0 packed zero points stay whole).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+import torch
+
+from .checkpoint.safetensors_io import TORCH_TO_ST
+from .errors import UnsupportedError, UsageError
+from .formats import fp4, fp8, integer
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One weight quantization recipe.
+
+    ``kind``: ``fp8_channel`` | ``fp8_block`` | ``int`` | ``nvfp4`` | ``mxfp4``.
+    ``group_size``: columns per scale (``None`` = one per row). ``row_align``:
+    row chunks must start at multiples of this. ``global_scale``: needs one
+    absmax over the fused set before any chunk is quantized.
+    """
+
+    name: str
+    preset: str
+    format: str
+    kind: str
+    num_bits: int = 8
+    group_size: int | None = None
+    symmetric: bool = True
+    block: tuple[int, int] | None = None
+
+    @property
+    def global_scale(self) -> bool:
+        return self.kind == "nvfp4"
+
+    @property
+    def row_align(self) -> int:
+        if self.kind == "fp8_block":
+            return self.block[0]
+        if self.kind == "int" and not self.symmetric:
+            return 32  # zero points are packed along dim 0, 32 rows -> B words
+        return 1
+
+    @property
+    def k_multiple(self) -> int:
+        """K must be a multiple of this (1 = any)."""
+        if self.kind in ("nvfp4", "mxfp4", "int") and self.group_size:
+            return self.group_size
+        return 1
+
+    def outputs(self, module: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, str, tuple[int, ...]]]:
+        """Output tensors ``(name, safetensors dtype, shape)`` replacing ``module.weight``."""
+        n, k = shape
+        d = TORCH_TO_ST[dtype]
+        m = module + "."
+        if self.kind == "fp8_channel":
+            return [(m + "weight", "F8_E4M3", (n, k)), (m + "weight_scale", d, (n, 1))]
+        if self.kind == "fp8_block":
+            bh, bw = self.block
+            return [(m + "weight", "F8_E4M3", (n, k)), (m + "weight_scale", d, (math.ceil(n / bh), math.ceil(k / bw)))]
+        if self.kind == "int":
+            g = 1 if self.group_size is None else k // self.group_size
+            if self.format == "int-quantized":
+                out = [(m + "weight", "I8", (n, k)), (m + "weight_scale", d, (n, g))]
+                if not self.symmetric:
+                    out.append((m + "weight_zero_point", "I8", (n, g)))
+                return out
+            out = [
+                (m + "weight_packed", "I32", (n, math.ceil(k * self.num_bits / 32))),
+                (m + "weight_scale", d, (n, g)),
+                (m + "weight_shape", "I64", (2,)),
+            ]
+            if not self.symmetric:
+                out.append((m + "weight_zero_point", "I32", (math.ceil(n * self.num_bits / 32), g)))
+            return out
+        if self.kind == "nvfp4":
+            return [
+                (m + "weight_packed", "U8", (n, k // 2)),
+                (m + "weight_scale", "F8_E4M3", (n, k // 16)),
+                (m + "weight_global_scale", "F32", (1,)),
+            ]
+        if self.kind == "mxfp4":
+            return [(m + "weight_packed", "U8", (n, k // 2)), (m + "weight_scale", "U8", (n, k // 32))]
+        raise AssertionError(self.kind)
+
+    def quantize_rows(self, w: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Quantize a row chunk ``w`` ``[r, K]``; keys are local names (``weight_packed`` ...).
+
+        Row-wise outputs cover the same rows; ``fp8_block`` scales cover
+        ``ceil(r / bh)`` block rows; asymmetric packed zero points cover
+        ``ceil(r * B / 32)`` words. ``weight_shape`` and ``weight_global_scale``
+        are not produced here (they belong to the whole tensor).
+        """
+        if self.kind == "fp8_channel":
+            return fp8.quantize_fp8_channel(w)
+        if self.kind == "fp8_block":
+            return fp8.quantize_fp8_block(w, self.block)
+        if self.kind == "int":
+            r = integer.quantize_int(w, self.num_bits, self.group_size, self.symmetric)
+            if self.format == "int-quantized":
+                return r
+            out = {"weight_packed": integer.pack_int32(r["weight"], self.num_bits), "weight_scale": r["weight_scale"]}
+            if not self.symmetric:
+                out["weight_zero_point"] = integer.pack_int32_dim0(r["weight_zero_point"], self.num_bits)
+            return out
+        if self.kind == "nvfp4":
+            return fp4.quantize_nvfp4(w, global_scale)
+        if self.kind == "mxfp4":
+            return fp4.quantize_mxfp4(w)
+        raise AssertionError(self.kind)
+
+    def config_group(self, targets: list[str]) -> dict:
+        """The ``config_groups`` entry for this scheme, as compressed-tensors serializes it."""
+        from compressed_tensors.quantization import preset_name_to_scheme
+
+        s = preset_name_to_scheme(self.preset, targets)
+        s.format = self.format
+        return s.model_dump()
+
+
+_SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        Scheme("FP8_DYNAMIC", "FP8_DYNAMIC", "float-quantized", "fp8_channel"),
+        Scheme("FP8_BLOCK", "FP8_BLOCK", "float-quantized", "fp8_block", block=(128, 128)),
+        Scheme("W8A8", "W8A8", "int-quantized", "int", num_bits=8, group_size=None),
+        Scheme("W4A16", "W4A16", "pack-quantized", "int", num_bits=4, group_size=128),
+        Scheme("W4A16_ASYM", "W4A16_ASYM", "pack-quantized", "int", num_bits=4, group_size=128, symmetric=False),
+        Scheme("W8A16", "W8A16", "pack-quantized", "int", num_bits=8, group_size=128),
+        Scheme("NVFP4A16", "NVFP4A16", "nvfp4-pack-quantized", "nvfp4", num_bits=4, group_size=16),
+        Scheme("MXFP4A16", "MXFP4A16", "mxfp4-pack-quantized", "mxfp4", num_bits=4, group_size=32),
+    )
+}
+_ALIASES = {"INT8": "W8A8"}
+
+#: quantized lm_head choices (``--lm-head``): NVFP4A16, or FP8 per-row weights
+#: with dynamic per-token activations (the FP8_DYNAMIC preset aimed at the head).
+LM_HEAD_SCHEMES = {"none": None, "nvfp4a16": "NVFP4A16", "fp8": "FP8_DYNAMIC"}
+
+
+def scheme_names() -> list[str]:
+    """Every accepted scheme name (upper case), aliases included."""
+    return sorted([*_SCHEMES, *_ALIASES])
+
+
+def get_scheme(name: str) -> Scheme:
+    """Look a scheme up by preset name, case-insensitively.
+
+    Raises :class:`UnsupportedError` for NVFP4 (W4A4: needs calibrated
+    activation scales) and :class:`UsageError` for an unknown name.
+    """
+    key = name.strip().upper()
+    key = _ALIASES.get(key, key)
+    if key in _SCHEMES:
+        return _SCHEMES[key]
+    if key in ("NVFP4", "W4A4_NVFP4"):
+        raise UnsupportedError(
+            "scheme NVFP4 (W4A4) needs calibrated activation global scales (input_global_scale), "
+            "which data-free conversion cannot produce; use --scheme NVFP4A16 (weight-only NVFP4) instead"
+        )
+    raise UsageError(f"unknown scheme {name!r}; choose one of: {', '.join(scheme_names())}")
+

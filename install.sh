@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install ctconvert into the current Python environment (a virtualenv, or the
+# machine's Python). Keeps a torch that is already installed (e.g. a CUDA
+# build); where there is none, installs the CPU build of torch 2.13.0 first so
+# that nothing pulls a multi-GB CUDA wheel.
+#   ./install.sh            # the tool
+#   ./install.sh test       # the tool and what the test suite needs
+set -euo pipefail
+cd "$(dirname "$0")"
+PY="${PYTHON:-python3}"
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    "$PY" -m pip install --quiet "torch==2.13.0"
+fi
+extra=""
+[ "${1:-}" = "test" ] && extra="[test]"
+"$PY" -m pip install --quiet -e ".${extra}"
