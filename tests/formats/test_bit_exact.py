@@ -1,0 +1,124 @@
+"""Every scheme, every input dtype, awkward inputs: our bytes == compressed-tensors' bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import cuda_params
+from ct_reference import ct_compress
+from ctconvert.formats.common import tensor_absmax
+from ctconvert.formats.fp4 import nvfp4_global_scale
+from ctconvert.schemes import get_scheme
+
+SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+CASES = ["randn", "zeros", "tiny", "huge", "neg_to_zero", "mixed"]
+
+
+def make_weight(case: str, dtype: torch.dtype, n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    fp16 = dtype == torch.float16
+    if case == "zeros":
+        w[0] = 0
+        w[n // 2, : min(k, 160)] = 0  # zero groups (g16, g32, g128) inside a non-zero row
+        w[:, 3] = 0
+    elif case == "tiny":
+        w[1] = torch.randn(k, generator=g) * (1e-6 if fp16 else 1e-30)
+        w[2, :64] = 1e-7 if fp16 else 1e-38
+    elif case == "huge":
+        w[1] = (torch.randn(k, generator=g) * (1e4 if fp16 else 1e30)).clamp(-4.8e4, 4.8e4) if fp16 else torch.randn(k, generator=g) * 1e30
+        w[3, 7] = 4.8e4 if fp16 else -3e37
+    elif case == "neg_to_zero":
+        w = w.abs()
+        w[:, ::16] = 1.0  # big value per group, the rest tiny and negative
+        w[:, 1::16] = -1e-3
+        w[:, 2::16] = -0.0
+    elif case == "mixed":
+        w[0] = 0
+        w[1] *= 1e-4
+        w[2, 5] = -0.0
+        w[3] *= 100
+        w[4, :16] = -1e-5
+    return w.to(dtype)
+
+
+def ours(scheme_name: str, w: torch.Tensor, device: str = "cpu", fused: list[torch.Tensor] | None = None) -> dict:
+    """Our full per-module output, as the pipeline writes it."""
+    s = get_scheme(scheme_name)
+    wd = w.to(device)
+    gs = None
+    if s.global_scale:
+        amax = torch.stack([tensor_absmax(m.to(device)) for m in (fused or [w])]).amax()
+        gs = nvfp4_global_scale(amax, w.dtype)
+    out = {k: v.cpu() for k, v in s.quantize_rows(wd, gs).items()}
+    if s.kind == "int" and s.format == "pack-quantized":
+        out["weight_shape"] = torch.tensor(list(w.shape))
+    if gs is not None:
+        out["weight_global_scale"] = gs.cpu()
+    return out
+
+
+def assert_same_bytes(ref: dict, got: dict) -> None:
+    assert set(ref) == set(got), (sorted(ref), sorted(got))
+    for key in ref:
+        a, b = ref[key], got[key]
+        assert a.dtype == b.dtype, (key, a.dtype, b.dtype)
+        assert tuple(a.shape) == tuple(b.shape), (key, a.shape, b.shape)
+        ab = a.contiguous().reshape(-1).view(torch.uint8)
+        bb = b.contiguous().reshape(-1).view(torch.uint8)
+        if not torch.equal(ab, bb):
+            diff = (ab != bb).nonzero().reshape(-1)
+            raise AssertionError(f"{key}: {diff.numel()} of {ab.numel()} bytes differ, first at byte {diff[0].item()}")
+
+
+def shape_for(scheme: str) -> tuple[int, int]:
+    # N never a multiple of 8, 16, 32 or 128; K a multiple of the group only where required
+    return (200, 300) if scheme == "FP8_BLOCK" else (37, 256) if scheme == "W4A16_ASYM" else (45, 384)
+
+
+@pytest.mark.parametrize("device", cuda_params())
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_matches_compressed_tensors(scheme, dtype, case, device):
+    n, k = shape_for(scheme)
+    w = make_weight(case, dtype, n, k, seed=hash((scheme, case)) % 2**31)
+    assert_same_bytes(ct_compress(w, scheme), ours(scheme, w, device))
+
+
+@pytest.mark.parametrize("device", cuda_params())
+@pytest.mark.parametrize("seed", range(4))
+def test_nvfp4_fused_set_shares_global_scale(seed, device):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(64, 256, generator=g) * 0.02).to(torch.bfloat16)
+    k = (torch.randn(32, 256, generator=g) * 0.07).to(torch.bfloat16)
+    v = (torch.randn(32, 256, generator=g) * 0.01).to(torch.bfloat16)
+    members = [q, k, v]
+    outs = [ours("NVFP4A16", m, device, fused=members) for m in members]
+    for m, o in zip(members, outs):
+        assert_same_bytes(ct_compress(m, "NVFP4A16", fused_with=members), o)
+    gss = {o["weight_global_scale"].item() for o in outs}
+    assert len(gss) == 1
+    # and it is the scale of the largest member, not each member's own
+    assert gss.pop() == ct_compress(k, "NVFP4A16")["weight_global_scale"].item()
+
+
+def test_random_shapes_and_scales_many_seeds():
+    """Fresh random inputs of varied shape and scale, bf16, every scheme."""
+    for seed in range(6):
+        g = torch.Generator().manual_seed(1000 + seed)
+        n = int(torch.randint(1, 90, (1,), generator=g))
+        scale = float(10 ** torch.empty(1).uniform_(-6, 3, generator=g))
+        for scheme in SCHEMES:
+            k = 128 * int(torch.randint(1, 4, (1,), generator=g)) if scheme != "FP8_BLOCK" else int(torch.randint(1, 400, (1,), generator=g))
+            w = (torch.randn(n, k, generator=g) * scale).to(torch.bfloat16)
+            assert_same_bytes(ct_compress(w, scheme), ours(scheme, w))
+
+
+def test_mxfp4_scale_overflow_is_an_error():
+    w = torch.full((2, 64), 0.5, dtype=torch.float16)
+    w[1, 3] = 60000.0  # rounds up to 2^16, which fp16 cannot hold
+    with pytest.raises(ValueError, match="MXFP4 scale overflows"):
+        ours("MXFP4A16", w)
