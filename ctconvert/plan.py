@@ -312,8 +312,10 @@ def make_plan(
 
     config_groups: dict[str, tuple[Scheme, list[str]]] = {}
     if head_scheme is not None:
-        # The head's group is named and listed first: compressed-tensors takes the first
-        # matching group, and vLLM matches names before class names (§7.5, field-notes F6).
+        # The head gets its own group targeting it by name. Both compressed-tensors
+        # (utils/match.py: exact names, then regexes, then class names) and vLLM
+        # match names before the class name "Linear", so the head takes this
+        # group whatever the group order (§7.5, field-notes F6).
         config_groups["lm_head"] = (head_scheme, ["lm_head"])
     if to_quantize:
         config_groups[group0] = (scheme, targets)
