@@ -124,6 +124,9 @@ class Scheme:
 
     def config_group(self, targets: list[str]) -> dict:
         """The ``config_groups`` entry for this scheme, as compressed-tensors serializes it."""
+        from ._ct import import_compressed_tensors
+
+        import_compressed_tensors()
         from compressed_tensors.quantization import preset_name_to_scheme
 
         s = preset_name_to_scheme(self.preset, targets)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import copy
 
+from .._ct import import_compressed_tensors
+
 
 def build_quantization_config(groups: dict[str, tuple[object, list[str]]], fmt: str, ignore: list[str]) -> dict:
     """``groups``: name -> (Scheme, targets). Returns the ``quantization_config`` dict."""
-    import compressed_tensors
+    compressed_tensors = import_compressed_tensors()
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     config_groups = {name: QuantizationScheme.model_validate(s.config_group(t)) for name, (s, t) in groups.items()}

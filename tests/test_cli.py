@@ -1,0 +1,143 @@
+"""The command line: exit codes, one-line errors, --json documents, inspect reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from ctconvert.cli import main
+
+
+def run(*args):
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    return r.exit_code, r.stdout, r.stderr
+
+
+def test_quantize_then_inspect_json(tiny_llama, tmp_path):
+    out = tmp_path / "o"
+    code, stdout, _ = run("--json", "quantize", tiny_llama, "-s", "w4a16", "-o", out, "--max-shard-size", "200KB")
+    assert code == 0
+    doc = json.loads(stdout)
+    assert doc["ok"] and doc["scheme"] == "W4A16" and doc["format"] == "pack-quantized" and doc["quantized_modules"] == 14
+    code, stdout, _ = run("--json", "inspect", out)
+    rep = json.loads(stdout)
+    assert code == 0 and rep["ok"] and rep["problems"] == []
+    assert rep["totals"]["quantized_layers"] == 14 and rep["totals"]["linear_layers"] == 15
+    layer = next(r for r in rep["layers"] if r["module"] == "model.layers.0.mlp.down_proj")
+    assert layer["scheme"] == "int4 g128" and layer["format"] == "pack-quantized"
+    assert layer["tensors"]["weight_packed"] == {"dtype": "I32", "shape": [256, 64]}
+    assert layer["bits_per_weight"] == pytest.approx(8 * (256 * 64 * 4 + 256 * 4 * 2 + 16) / (256 * 512), abs=1e-3)
+    head = next(r for r in rep["layers"] if r["module"] == "lm_head")
+    assert head["format"] == "dense" and head["bits_per_weight"] == 16.0
+
+
+def test_human_output(tiny_llama, tmp_path):
+    code, stdout, _ = run("quantize", tiny_llama, "-s", "nvfp4a16", "-o", tmp_path / "o")
+    assert code == 0 and "NVFP4A16 (nvfp4-pack-quantized), 14 Linear layers quantized" in stdout
+    code, stdout, _ = run("inspect", tmp_path / "o")
+    assert code == 0 and "no problems found" in stdout and "fp4 g16" in stdout
+    code, stdout, _ = run("inspect", tiny_llama)
+    assert code == 0 and "dense (no quantization_config)" in stdout
+
+
+def test_dry_run_table(tiny_llama, tmp_path):
+    code, stdout, _ = run("quantize", tiny_llama, "-s", "fp8_dynamic", "--dry-run")
+    assert code == 0 and "14 tensors to quantize, 1 Linear kept dense" in stdout and "q_proj,k_proj,v_proj" in stdout
+    code, stdout, _ = run("--json", "quantize", tiny_llama, "-s", "fp8_dynamic", "--dry-run", "-o", tmp_path / "o")
+    assert code == 0 and json.loads(stdout)["plan"]["ignore"] == ["lm_head"] and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args,code,msg", [
+    (["-s", "nope"], 2, "unknown scheme 'nope'"),
+    (["-s", "NVFP4"], 4, "use --scheme NVFP4A16"),
+])
+def test_usage_errors(tiny_llama, tmp_path, args, code, msg):
+    c, _, err = run("quantize", tiny_llama, "-o", tmp_path / "o", *args)
+    assert c == code and msg in err and "Traceback" not in err
+    assert err.count("\n") == 1
+
+
+def test_inspect_reports_missing_shard_and_stale_index(tiny_llama, tmp_path):
+    out = tmp_path / "o"
+    run("quantize", tiny_llama, "-s", "w8a16", "-o", out, "--max-shard-size", "200KB")
+    shards = sorted(out.glob("model-*.safetensors"))
+    shards[-1].unlink()
+    code, stdout, _ = run("--json", "inspect", out)
+    rep = json.loads(stdout)
+    assert code == 3 and not rep["ok"]
+    assert any("does not exist" in p["message"] for p in rep["problems"])
+
+
+def test_inspect_reports_dense_linear_not_in_ignore(tiny_llama, tmp_path):
+    out = tmp_path / "o"
+    run("quantize", tiny_llama, "-s", "w8a16", "-o", out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = []
+    (out / "config.json").write_text(json.dumps(cfg))
+    code, stdout, _ = run("--json", "inspect", out)
+    rep = json.loads(stdout)
+    assert code == 3 and any(p.get("tensor") == "lm_head" and "not in ignore" in p["message"] for p in rep["problems"])
+
+
+def test_inspect_reports_unequal_fused_global_scales(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "o"
+    run("quantize", tiny_llama, "-s", "nvfp4a16", "-o", out)
+    f = out / "model.safetensors"
+    t = load_file(f)
+    t["model.layers.0.self_attn.k_proj.weight_global_scale"] = t["model.layers.0.self_attn.k_proj.weight_global_scale"] * 2
+    save_file(t, f, metadata={"format": "pt"})
+    code, stdout, _ = run("--json", "inspect", out)
+    rep = json.loads(stdout)
+    assert any("different NVFP4 global scales" in p["message"] for p in rep["problems"])
+
+
+def test_subprocess_nan_error_exit_code_no_traceback(tmp_path, monkeypatch):
+    monkeypatch.delenv("CT_ENFORCE_EAGER", raising=False)
+    src = llama_tensors(LLAMA_CONFIG)
+    src["model.layers.0.self_attn.v_proj.weight"][0, 0] = float("nan")
+    ckpt = write_checkpoint(tmp_path / "m", src, LLAMA_CONFIG)
+    r = subprocess.run([sys.executable, "-m", "ctconvert", "quantize", str(ckpt), "-s", "W4A16", "-o", str(tmp_path / "o")],
+                       capture_output=True, text=True)
+    assert r.returncode == 3
+    assert r.stderr.strip().startswith("error: model.safetensors: tensor 'model.layers.0.self_attn.v_proj.weight': weight holds 1 non-finite")
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+    r = subprocess.run([sys.executable, "-m", "ctconvert", "--debug", "quantize", str(ckpt), "-s", "W4A16", "-o", str(tmp_path / "o")],
+                       capture_output=True, text=True)
+    assert r.returncode == 3 and "Traceback" in r.stderr
+
+
+def test_schemes_command():
+    code, stdout, _ = run("--json", "schemes")
+    names = {s["name"] for s in json.loads(stdout)["schemes"]}
+    assert {"FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"} <= names
+
+
+def test_output_exists_exit_code(tiny_llama, tmp_path):
+    (tmp_path / "o").mkdir()
+    code, _, err = run("quantize", tiny_llama, "-s", "W8A16", "-o", tmp_path / "o")
+    assert code == 6 and "--overwrite" in err
+
+
+def test_read_only_output_parent(tiny_llama, tmp_path):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root ignores directory permissions")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    code, _, err = run("quantize", tiny_llama, "-s", "W8A16", "-o", ro / "o")
+    assert code == 6
+
+
+def test_help():
+    r = subprocess.run([sys.executable, "-m", "ctconvert", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "quantize" in r.stdout and "inspect" in r.stdout
