@@ -21,7 +21,7 @@ from .formats.fp4 import nvfp4_global_scale
 from .plan import Plan, Unit
 
 COPY_CHUNK_BYTES = 64 * 2**20
-DEFAULT_CHUNK_ELEMS = 16 * 2**20
+DEFAULT_CHUNK_ELEMS = 4 * 2**20
 
 
 @dataclass
