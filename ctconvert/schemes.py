@@ -20,7 +20,7 @@ import torch
 
 from .checkpoint.safetensors_io import TORCH_TO_ST
 from .errors import UnsupportedError, UsageError
-from .formats import fp4, fp8, integer
+from .formats import fp4, fp8, integer, native
 
 
 @dataclass(frozen=True)
@@ -96,14 +96,40 @@ class Scheme:
             return [(m + "weight_packed", "U8", (n, k // 2)), (m + "weight_scale", "U8", (n, k // 32))]
         raise AssertionError(self.kind)
 
-    def quantize_rows(self, w: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def quantize_rows(self, w: torch.Tensor, global_scale: torch.Tensor | None = None, impl: str = "auto") -> dict[str, torch.Tensor]:
         """Quantize a row chunk ``w`` ``[r, K]``; keys are local names (``weight_packed`` ...).
 
         Row-wise outputs cover the same rows; ``fp8_block`` scales cover
         ``ceil(r / bh)`` block rows; asymmetric packed zero points cover
         ``ceil(r * B / 32)`` words. ``weight_shape`` and ``weight_global_scale``
         are not produced here (they belong to the whole tensor).
+
+        ``impl``: ``auto`` (the fused C kernels for CPU tensors when they are
+        available, else the torch reference), ``torch`` or ``native``. Every
+        implementation gives the same bytes.
         """
+        if impl == "native" or (impl == "auto" and w.device.type == "cpu" and native.available()):
+            return self._quantize_native(w, global_scale)
+        return self._quantize_torch(w, global_scale)
+
+    def _quantize_native(self, w: torch.Tensor, global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        if self.kind == "fp8_channel":
+            return native.fp8_channel(w)
+        if self.kind == "fp8_block":
+            return native.fp8_block(w, self.block)
+        if self.kind == "int":
+            pack = self.format == "pack-quantized"
+            out = native.int_quant(w, self.num_bits, self.group_size, self.symmetric, pack)
+            if pack and not self.symmetric:
+                out["weight_zero_point"] = integer.pack_int32_dim0(out["weight_zero_point"], self.num_bits)
+            return out
+        if self.kind == "nvfp4":
+            return native.nvfp4(w, global_scale)
+        if self.kind == "mxfp4":
+            return native.mxfp4(w)
+        raise AssertionError(self.kind)
+
+    def _quantize_torch(self, w: torch.Tensor, global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
         if self.kind == "fp8_channel":
             return fp8.quantize_fp8_channel(w)
         if self.kind == "fp8_block":

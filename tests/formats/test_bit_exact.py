@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import cuda_params
 from ct_reference import ct_compress
 from ctconvert.formats.common import tensor_absmax
+from ctconvert.formats import native
 from ctconvert.formats.fp4 import nvfp4_global_scale
 from ctconvert.schemes import get_scheme
 
@@ -44,15 +44,21 @@ def make_weight(case: str, dtype: torch.dtype, n: int, k: int, seed: int) -> tor
     return w.to(dtype)
 
 
+IMPLS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not native.available(), reason="no C compiler")),
+         pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available"))]
+
+
 def ours(scheme_name: str, w: torch.Tensor, device: str = "cpu", fused: list[torch.Tensor] | None = None) -> dict:
-    """Our full per-module output, as the pipeline writes it."""
+    """Our full per-module output, as the pipeline writes it. ``device``: torch | native | cuda | cpu (auto)."""
+    impl = {"torch": "torch", "native": "native"}.get(device, "auto")
+    device = "cpu" if device in ("torch", "native") else device
     s = get_scheme(scheme_name)
     wd = w.to(device)
     gs = None
     if s.global_scale:
         amax = torch.stack([tensor_absmax(m.to(device)) for m in (fused or [w])]).amax()
         gs = nvfp4_global_scale(amax, w.dtype)
-    out = {k: v.cpu() for k, v in s.quantize_rows(wd, gs).items()}
+    out = {k: v.cpu() for k, v in s.quantize_rows(wd, gs, impl=impl).items()}
     if s.kind == "int" and s.format == "pack-quantized":
         out["weight_shape"] = torch.tensor(list(w.shape))
     if gs is not None:
@@ -78,7 +84,7 @@ def shape_for(scheme: str) -> tuple[int, int]:
     return (200, 300) if scheme == "FP8_BLOCK" else (37, 256) if scheme == "W4A16_ASYM" else (45, 384)
 
 
-@pytest.mark.parametrize("device", cuda_params())
+@pytest.mark.parametrize("device", IMPLS)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -88,7 +94,7 @@ def test_matches_compressed_tensors(scheme, dtype, case, device):
     assert_same_bytes(ct_compress(w, scheme), ours(scheme, w, device))
 
 
-@pytest.mark.parametrize("device", cuda_params())
+@pytest.mark.parametrize("device", IMPLS)
 @pytest.mark.parametrize("seed", range(4))
 def test_nvfp4_fused_set_shares_global_scale(seed, device):
     g = torch.Generator().manual_seed(seed)
@@ -114,11 +120,15 @@ def test_random_shapes_and_scales_many_seeds():
         for scheme in SCHEMES:
             k = 128 * int(torch.randint(1, 4, (1,), generator=g)) if scheme != "FP8_BLOCK" else int(torch.randint(1, 400, (1,), generator=g))
             w = (torch.randn(n, k, generator=g) * scale).to(torch.bfloat16)
-            assert_same_bytes(ct_compress(w, scheme), ours(scheme, w))
+            ref = ct_compress(w, scheme)
+            assert_same_bytes(ref, ours(scheme, w, "torch"))
+            if native.available():
+                assert_same_bytes(ref, ours(scheme, w, "native"))
 
 
-def test_mxfp4_scale_overflow_is_an_error():
+@pytest.mark.parametrize("device", IMPLS)
+def test_mxfp4_scale_overflow_is_an_error(device):
     w = torch.full((2, 64), 0.5, dtype=torch.float16)
     w[1, 3] = 60000.0  # rounds up to 2^16, which fp16 cannot hold
     with pytest.raises(ValueError, match="MXFP4 scale overflows"):
-        ours("MXFP4A16", w)
+        ours("MXFP4A16", w, device)

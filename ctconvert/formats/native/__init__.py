@@ -1,0 +1,220 @@
+"""Fused CPU kernels (``quant.c``), compiled on first use and called through ctypes.
+
+The C file is built once per machine with the system C compiler (``cc -O3``,
+never ``-ffast-math``) into a cache folder (``$CTCONVERT_CACHE`` or
+``~/.cache/ctconvert``), keyed by the source's hash. Each function here has
+the same signature and returns the same bytes as its torch reference in
+:mod:`ctconvert.formats` (the tests compare them); rows are split over
+threads, since ctypes releases the GIL.
+
+:func:`available` is False when there is no compiler or
+``CTCONVERT_NATIVE=0``; callers then use the torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).with_name("quant.c")
+_DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_lib = None
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_tried = False
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off", "-std=gnu11"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        try:
+            cpu = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpu = ""
+        if " avx2 " in cpu and " f16c " in cpu and " fma " in cpu:
+            flags += ["-mavx2", "-mf16c", "-mfma"]
+    return flags
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        return None
+    flags = _flags()
+    key = hashlib.sha256(_SRC.read_bytes() + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("CTCONVERT_CACHE") or Path.home() / ".cache" / "ctconvert")
+    so = cache / f"quant-{key}.so"
+    if not so.exists():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            os.close(fd)
+            subprocess.run([cc, *flags, str(_SRC), "-o", tmp, "-lm"], check=True, capture_output=True)
+            os.replace(tmp, so)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+    lib = ctypes.CDLL(str(so))
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ct_fp8_channel.argtypes = [p, i32, i64, i64, p, p]
+    lib.ct_fp8_block.argtypes = [p, i32, i64, i64, i64, i64, p, p]
+    lib.ct_int.argtypes = [p, i32, i64, i64, i64, i32, i32, i32, p, p, p, p]
+    lib.ct_nvfp4.argtypes = [p, i32, i64, i64, ctypes.c_float, p, p]
+    lib.ct_mxfp4.argtypes = [p, i32, i64, i64, p, p]
+    lib.ct_mxfp4.restype = i32
+    lib.ct_absmax.argtypes = [p, i32, i64, p]
+    lib.ct_absmax.restype = i64
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled kernels can be used (builds them on first call)."""
+    global _lib, _tried
+    if os.environ.get("CTCONVERT_NATIVE", "1") == "0":
+        return False
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _lib = _build()
+            except OSError:
+                _lib = None
+    return _lib is not None
+
+
+def _L() -> ctypes.CDLL:
+    if not available():
+        raise RuntimeError("the native CPU kernels are not available (no C compiler, or CTCONVERT_NATIVE=0)")
+    return _lib
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _parallel_rows(n: int, align: int, fn) -> None:
+    """Run ``fn(r0, r1)`` over row ranges (starts aligned to ``align``) on the thread pool."""
+    global _pool
+    t = min(_threads(), max(1, n // max(align, 16)))
+    if t <= 1:
+        fn(0, n)
+        return
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=_threads(), thread_name_prefix="ctconvert-cpu")
+    step = -(-n // t)
+    step = -(-step // align) * align
+    futs = [_pool.submit(fn, r0, min(n, r0 + step)) for r0 in range(0, n, step)]
+    for f in futs:
+        f.result()
+
+
+def _ptr(t: torch.Tensor, row0: int = 0) -> int:
+    return t.data_ptr() + row0 * (t.stride(0) if t.dim() else 0) * t.element_size()
+
+
+def _check(w: torch.Tensor) -> int:
+    if w.device.type != "cpu" or w.dtype not in _DT or w.dim() != 2:
+        raise ValueError("native kernels take a 2-D CPU bf16/fp16/fp32 tensor")
+    return _DT[w.dtype]
+
+
+def fp8_channel(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Same as :func:`ctconvert.formats.fp8.quantize_fp8_channel`."""
+    dt, w = _check(w), w.contiguous()
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.uint8)
+    s = torch.empty(n, 1, dtype=w.dtype)
+    _parallel_rows(n, 1, lambda a, b: _L().ct_fp8_channel(_ptr(w, a), dt, b - a, k, _ptr(q, a), _ptr(s, a)))
+    return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
+
+
+def fp8_block(w: torch.Tensor, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Same as :func:`ctconvert.formats.fp8.quantize_fp8_block`."""
+    dt, w = _check(w), w.contiguous()
+    n, k = w.shape
+    bh, bw = block
+    q = torch.empty(n, k, dtype=torch.uint8)
+    s = torch.empty(-(-n // bh), -(-k // bw), dtype=w.dtype)
+    _parallel_rows(n, bh, lambda a, b: _L().ct_fp8_block(_ptr(w, a), dt, b - a, k, bh, bw, _ptr(q, a), _ptr(s, a // bh)))
+    return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
+
+
+def int_quant(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric: bool, pack: bool) -> dict[str, torch.Tensor]:
+    """Same as :func:`ctconvert.formats.integer.quantize_int`, plus :func:`pack_int32` when ``pack``.
+
+    Returns ``weight`` (int8 ``[N, K]``) or ``weight_packed`` (int32), ``weight_scale``
+    and, when asymmetric, the unpacked int8 ``weight_zero_point``.
+    """
+    dt, w = _check(w), w.contiguous()
+    n, k = w.shape
+    g = k if group_size is None else group_size
+    words = -(-k * num_bits // 32)
+    out = torch.empty(n, words, dtype=torch.int32) if pack else torch.empty(n, k, dtype=torch.int8)
+    s = torch.empty(n, k // g, dtype=w.dtype)
+    zp = None if symmetric else torch.empty(n, k // g, dtype=torch.int8)
+
+    def run(a, b):
+        tmp = torch.empty(k, dtype=torch.int8)
+        _L().ct_int(_ptr(w, a), dt, b - a, k, g, num_bits, int(symmetric), int(pack), _ptr(out, a), _ptr(s, a),
+                    _ptr(zp, a) if zp is not None else None, tmp.data_ptr())
+
+    _parallel_rows(n, 1, run)
+    res = {"weight_packed" if pack else "weight": out, "weight_scale": s}
+    if zp is not None:
+        res["weight_zero_point"] = zp
+    return res
+
+
+def nvfp4(w: torch.Tensor, global_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Same as :func:`ctconvert.formats.fp4.quantize_nvfp4`."""
+    dt, w = _check(w), w.contiguous()
+    n, k = w.shape
+    gs = float(global_scale.reshape(-1)[0])
+    packed = torch.empty(n, k // 2, dtype=torch.uint8)
+    s = torch.empty(n, k // 16, dtype=torch.uint8)
+    _parallel_rows(n, 1, lambda a, b: _L().ct_nvfp4(_ptr(w, a), dt, b - a, k, gs, _ptr(packed, a), _ptr(s, a)))
+    return {"weight_packed": packed, "weight_scale": s.view(torch.float8_e4m3fn)}
+
+
+def mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Same as :func:`ctconvert.formats.fp4.quantize_mxfp4` (raises ``ValueError`` on scale overflow)."""
+    dt, w = _check(w), w.contiguous()
+    n, k = w.shape
+    packed = torch.empty(n, k // 2, dtype=torch.uint8)
+    s = torch.empty(n, k // 32, dtype=torch.uint8)
+    errs = []
+
+    def run(a, b):
+        if _L().ct_mxfp4(_ptr(w, a), dt, b - a, k, _ptr(packed, a), _ptr(s, a)):
+            errs.append((a, b))
+
+    _parallel_rows(n, 1, run)
+    if errs:
+        raise ValueError(f"MXFP4 scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
+    return {"weight_packed": packed, "weight_scale": s}
+
+
+def absmax(w: torch.Tensor) -> tuple[float, int]:
+    """``(max |x|, number of non-finite elements)`` of a CPU tensor."""
+    dt, w = _check(w.reshape(1, -1) if w.dim() != 2 else w), w.contiguous()
+    res: list[tuple[float, int]] = []
+    flat = w.reshape(-1)
+
+    def run(a, b):
+        out = ctypes.c_float(0.0)
+        bad = _L().ct_absmax(flat.data_ptr() + a * flat.element_size(), dt, b - a, ctypes.byref(out))
+        res.append((out.value, bad))
+
+    _parallel_rows(flat.numel(), 4096, run)
+    if not res:
+        return 0.0, 0
+    return max(r[0] for r in res), sum(r[1] for r in res)

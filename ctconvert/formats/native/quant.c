@@ -1,0 +1,266 @@
+/*
+ * ctconvert CPU kernels: fused, single-pass-per-row quantizers.
+ *
+ * Each function reads a row-major block of rows once (bf16, fp16 or fp32),
+ * and writes the packed values and the scales once. The arithmetic is the
+ * same, operation for operation, as the torch reference in ../fp8.py,
+ * ../integer.py and ../fp4.py (and so as compressed-tensors' CPU path,
+ * compressed-tensors-format.md section 6): every step "in D" is an fp32
+ * operation rounded to D with round-to-nearest-even.
+ *
+ * Build: cc -O3 -shared -fPIC (no -ffast-math: IEEE division and rounding
+ * are part of the format). Called through ctypes, which releases the GIL, so
+ * Python threads can run disjoint row ranges in parallel.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { DT_BF16 = 0, DT_F16 = 1, DT_F32 = 2 };
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline uint16_t f32_to_bf16_bits(float x) {
+    uint32_t u = f2u(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Round an fp32 value to D and back (the result of one arithmetic step in D). */
+static inline float rd(float x, int dt) {
+    if (dt == DT_BF16) return u2f((uint32_t)f32_to_bf16_bits(x) << 16);
+    if (dt == DT_F16) return (float)(_Float16)x;
+    return x;
+}
+
+static inline float load(const void *p, int dt, int64_t i) {
+    if (dt == DT_BF16) return u2f((uint32_t)((const uint16_t *)p)[i] << 16);
+    if (dt == DT_F16) return (float)((const _Float16 *)p)[i];
+    return ((const float *)p)[i];
+}
+
+/* Store x (already a value of D) as D. */
+static inline void store_d(void *p, int dt, int64_t i, float x) {
+    if (dt == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16_bits(x);
+    else if (dt == DT_F16) ((_Float16 *)p)[i] = (_Float16)x;
+    else ((float *)p)[i] = x;
+}
+
+static inline float eps_of(int dt) {
+    return dt == DT_BF16 ? 0.0078125f : dt == DT_F16 ? 0.0009765625f : 1.1920928955078125e-07f;
+}
+
+/* fp32 -> E4M3FN byte, round to nearest even; |x| <= 448 and finite (callers clamp).
+ * Branch-free so that loops vectorize: the normal path rounds the fp32 mantissa to
+ * 3 bits in place (carry into the exponent included) and rebiases 127 -> 7; the
+ * subnormal path counts multiples of 2^-9 (m == 8 is the smallest normal, 0x08). */
+static inline uint8_t f32_to_e4m3(float x) {
+    uint32_t u = f2u(x);
+    uint32_t sign = (u >> 24) & 0x80u;
+    float a = fabsf(x);
+    uint32_t ua = f2u(a);
+    uint32_t norm = ((ua + 0x7FFFFu + ((ua >> 20) & 1u)) >> 20) - (120u << 3);
+    uint32_t sub = (uint32_t)rintf(a * 512.0f);
+    return (uint8_t)(sign | (a < 0.015625f ? sub : norm));
+}
+
+static inline float e4m3_to_f32(uint8_t b) {
+    int e = (b >> 3) & 0xF, m = b & 7;
+    float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
+    return (b & 0x80) ? -v : v;
+}
+
+/* E2M1 magnitude index with ties to even (thresholds of compressed-tensors-format.md 6.4). */
+static inline uint8_t e2m1_code(float x) {
+    float a = fabsf(x);
+    uint8_t c = (uint8_t)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f));
+    return c | (uint8_t)((x < 0.0f) << 3);
+}
+
+static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+/* ---- FP8 per channel: q [n, k] E4M3 bytes, scale [n] in D ---- */
+void ct_fp8_channel(const void *w, int dt, int64_t n, int64_t k, uint8_t *q, void *scale) {
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t base = r * k;
+        float amax = 0.0f;
+        for (int64_t j = 0; j < k; j++) { float a = fabsf(load(w, dt, base + j)); amax = a > amax ? a : amax; }
+        float s = rd(amax / 448.0f, dt);
+        if (s == 0.0f) s = eps_of(dt);
+        store_d(scale, dt, r, s);
+        for (int64_t j = 0; j < k; j++) {
+            float v = rd(load(w, dt, base + j) / s, dt) + 0.0f;
+            q[base + j] = f32_to_e4m3(clampf(v, -448.0f, 448.0f));
+        }
+    }
+}
+
+/* ---- FP8 per block: rows [0, n) of one band group; n need not divide bh on the last call.
+ * scale is [ceil(n/bh), ceil(k/bw)] in D for these rows. ---- */
+void ct_fp8_block(const void *w, int dt, int64_t n, int64_t k, int64_t bh, int64_t bw, uint8_t *q, void *scale) {
+    const int64_t kb = (k + bw - 1) / bw;
+    for (int64_t r0 = 0, br = 0; r0 < n; r0 += bh, br++) {
+        const int64_t r1 = r0 + bh < n ? r0 + bh : n;
+        for (int64_t bc = 0; bc < kb; bc++) {
+            const int64_t c0 = bc * bw, c1 = c0 + bw < k ? c0 + bw : k;
+            float amax = 0.0f;
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t j = c0; j < c1; j++) { float a = fabsf(load(w, dt, r * k + j)); amax = a > amax ? a : amax; }
+            float s = rd(amax / 448.0f, dt);
+            if (s == 0.0f) s = eps_of(dt);
+            store_d(scale, dt, br * kb + bc, s);
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t j = c0; j < c1; j++) {
+                    float v = rd(load(w, dt, r * k + j) / s, dt) + 0.0f;
+                    q[r * k + j] = f32_to_e4m3(clampf(v, -448.0f, 448.0f));
+                }
+        }
+    }
+}
+
+/* ---- Integer, per group (g == k for per channel), symmetric or asymmetric.
+ * pack == 0: out is int8 [n, k]; pack == 1: out is int32 [n, ceil(k*bits/32)] (LSB first, u = q + 2^(B-1)).
+ * scale [n, k/g] in D; zp [n, k/g] int8 (asymmetric only, else NULL). ---- */
+void ct_int(const void *w, int dt, int64_t n, int64_t k, int64_t g, int bits, int sym, int pack,
+            void *out, void *scale, int8_t *zp, int8_t *tmp /* [k] scratch per call */) {
+    const float qmin = -(float)(1 << (bits - 1)), qmax = (float)((1 << (bits - 1)) - 1);
+    const int64_t groups = k / g;
+    const int64_t words = (k * bits + 31) / 32;
+    const float full = (float)((1 << bits) - 1);
+    const float half = full / 2.0f;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t base = r * k;
+        int8_t *qrow = pack ? tmp : (int8_t *)out + base;
+        for (int64_t gi = 0; gi < groups; gi++) {
+            const int64_t c0 = gi * g;
+            float s, z = 0.0f;
+            if (sym) {
+                float amax = 0.0f;
+                for (int64_t j = 0; j < g; j++) { float a = fabsf(load(w, dt, base + c0 + j)); amax = a > amax ? a : amax; }
+                s = rd(amax / half, dt);
+            } else {
+                float mn = 0.0f, mx = 0.0f;
+                for (int64_t j = 0; j < g; j++) {
+                    float x = load(w, dt, base + c0 + j);
+                    mn = x < mn ? x : mn;
+                    mx = x > mx ? x : mx;
+                }
+                s = rd(rd(mx - mn, dt) / full, dt);
+                float zf = rd(qmin - rd(mn / s, dt), dt);
+                if (isnan(zf)) zf = 0.0f;
+                z = rintf(clampf(zf, qmin, qmax));
+                zp[r * groups + gi] = (int8_t)z;
+            }
+            if (s == 0.0f) s = eps_of(dt);
+            store_d(scale, dt, r * groups + gi, s);
+            for (int64_t j = 0; j < g; j++) {
+                float v = rd(load(w, dt, base + c0 + j) / s, dt);
+                if (!sym) v = rd(v + z, dt);
+                qrow[c0 + j] = (int8_t)rintf(clampf(v, qmin, qmax));
+            }
+        }
+        if (pack) {
+            int32_t *o = (int32_t *)out + r * words;
+            const uint32_t off = 1u << (bits - 1);
+            if (bits == 4 || bits == 8) {
+                const int per = 32 / bits;
+                for (int64_t wi = 0; wi < words; wi++) {
+                    uint32_t acc = 0;
+                    for (int e = 0; e < per; e++) {
+                        int64_t j = wi * per + e;
+                        uint32_t u = j < k ? (uint32_t)((int32_t)qrow[j] + (int32_t)off) : 0u;
+                        acc |= u << (e * bits);
+                    }
+                    o[wi] = (int32_t)acc;
+                }
+            } else {
+                memset(o, 0, (size_t)words * 4);
+                for (int64_t j = 0; j < k; j++) {
+                    uint64_t u = (uint64_t)((int32_t)qrow[j] + (int32_t)off);
+                    int64_t bit = j * bits, wi = bit >> 5;
+                    int sh = (int)(bit & 31);
+                    ((uint32_t *)o)[wi] |= (uint32_t)(u << sh);
+                    if (sh + bits > 32) ((uint32_t *)o)[wi + 1] |= (uint32_t)(u >> (32 - sh));
+                }
+            }
+        }
+    }
+}
+
+/* ---- NVFP4: packed [n, k/2] (even column in the low nibble), scale [n, k/16] E4M3 bytes. ---- */
+void ct_nvfp4(const void *w, int dt, int64_t n, int64_t k, float gs, uint8_t *packed, uint8_t *scale) {
+    const int64_t groups = k / 16;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t base = r * k;
+        for (int64_t gi = 0; gi < groups; gi++) {
+            const int64_t c0 = base + gi * 16;
+            float x[16];
+            float amax = 0.0f;
+            for (int j = 0; j < 16; j++) { x[j] = load(w, dt, c0 + j); float a = fabsf(x[j]); amax = a > amax ? a : amax; }
+            float t = rd(amax / 6.0f, dt);
+            uint8_t sb = f32_to_e4m3(clampf(gs * t, -448.0f, 448.0f));
+            float s = e4m3_to_f32(sb);
+            if (s == 0.0f) { s = 0.125f; sb = 0x20; }
+            scale[r * groups + gi] = sb;
+            const float eff = s / gs;
+            uint8_t c[16];
+            for (int j = 0; j < 16; j++) c[j] = e2m1_code(clampf(x[j] / eff, -6.0f, 6.0f));
+            uint8_t *o = packed + (c0 >> 1);
+            for (int j = 0; j < 8; j++) o[j] = c[2 * j] | (uint8_t)(c[2 * j + 1] << 4);
+        }
+    }
+}
+
+/* ---- MXFP4: packed [n, k/2], scale [n, k/32] E8M0 bytes. Returns 0, or 1 when a
+ * group's power-of-two scale overflows D (the caller raises). ---- */
+int ct_mxfp4(const void *w, int dt, int64_t n, int64_t k, uint8_t *packed, uint8_t *scale) {
+    const int64_t groups = k / 32;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t base = r * k;
+        for (int64_t gi = 0; gi < groups; gi++) {
+            const int64_t c0 = base + gi * 32;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) { float a = fabsf(load(w, dt, c0 + j)); amax = a > amax ? a : amax; }
+            int E; /* exponent of the power of two, or INT32_MIN for zero */
+            if (dt == DT_BF16) {
+                uint32_t b = ((f2u(amax) >> 16) + (1u << 5)) & 0xFF80u;
+                if ((b & 0x7F80u) == 0x7F80u) return 1;
+                E = (b >> 7) == 0 ? INT32_MIN : (int)(b >> 7) - 127;
+            } else if (dt == DT_F16) {
+                _Float16 h = (_Float16)amax; uint16_t hb; memcpy(&hb, &h, 2);
+                uint32_t b = ((uint32_t)hb + (1u << 8)) & 0xFC00u;
+                if ((b & 0x7C00u) == 0x7C00u) return 1;
+                E = (b >> 10) == 0 ? INT32_MIN : (int)(b >> 10) - 15;
+            } else {
+                uint64_t b = ((uint64_t)f2u(amax) + (1u << 21)) & 0xFF800000u;
+                if ((b & 0x7F800000u) == 0x7F800000u) return 1;
+                E = (b >> 23) == 0 ? INT32_MIN : (int)(b >> 23) - 127;
+            }
+            int e = E == INT32_MIN ? 0 : E + 125;
+            e = e < 0 ? 0 : (e > 255 ? 255 : e);
+            float s = rd(ldexpf(1.0f, e - 127), dt);
+            if (s == 0.0f) s = 1.0f;
+            scale[r * groups + gi] = (uint8_t)(127 + ilogbf(s));
+            uint8_t c[32];
+            for (int j = 0; j < 32; j++) c[j] = e2m1_code(clampf(rd(load(w, dt, c0 + j) / s, dt), -6.0f, 6.0f));
+            uint8_t *o = packed + (c0 >> 1);
+            for (int j = 0; j < 16; j++) o[j] = c[2 * j] | (uint8_t)(c[2 * j + 1] << 4);
+        }
+    }
+    return 0;
+}
+
+/* ---- max |x| over count elements, and the number of non-finite ones. ---- */
+int64_t ct_absmax(const void *w, int dt, int64_t count, float *amax_out) {
+    float amax = 0.0f;
+    int64_t bad = 0;
+    for (int64_t i = 0; i < count; i++) {
+        float a = fabsf(load(w, dt, i));
+        bad += !(a <= 3.4028234663852886e38f);
+        amax = a > amax ? a : amax;
+    }
+    *amax_out = amax;
+    return bad;
+}
