@@ -1,40 +1,52 @@
 """The streaming executor: read -> quantize -> write, one row chunk at a time.
 
-Memory is bounded by a few row chunks (``chunk_elems`` elements each), never
-by a tensor or a shard: inputs are read by row range, and every output tensor
-is written at its final offset in its shard as soon as a chunk is done. This
-is the only module that knows about devices, threads and progress.
+Memory is bounded by a few row chunks, never by a tensor or a shard: inputs are
+read by row range, and every output tensor is written at its final offset in
+its shard as soon as a chunk is done. A reader thread reads the next chunks
+(into pinned host buffers when the device is a GPU) while the current one is
+quantized, so disk, host-to-device copies and compute overlap.
+
+NVFP4 needs one absmax over each fused set before any member is quantized
+(compressed-tensors-format.md §9.1): a set of up to ``hold_bytes`` is read
+once and held (on the device) until its global scale is known; a larger set
+is read twice (absmax pass, then quantize pass).
+
+This is the only module that knows about devices, threads and progress.
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
+import queue
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
 from .checkpoint.reader import Checkpoint
 from .checkpoint.safetensors_io import ShardFile, TensorInfo, read_bytes, read_rows
-from .errors import BadInputError
+from .errors import BadInputError, UsageError
+from .formats import native
 from .formats.common import tensor_absmax
 from .formats.fp4 import nvfp4_global_scale
 from .plan import Plan, Unit
 
 COPY_CHUNK_BYTES = 64 * 2**20
 DEFAULT_CHUNK_ELEMS = 4 * 2**20
+DEFAULT_HOLD_BYTES = 1 << 30
+READ_AHEAD = 3
 
 
 @dataclass
 class ExecOptions:
     device: torch.device
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
+    hold_bytes: int = DEFAULT_HOLD_BYTES
     progress: object | None = None  # anything with .update(nbytes)
+    impl: str = "auto"
 
 
 def resolve_device(spec: str | None) -> torch.device:
     """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``."""
-    from .errors import UsageError
-
     s = (spec or "auto").strip().lower()
     if s == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -42,105 +54,283 @@ def resolve_device(spec: str | None) -> torch.device:
         dev = torch.device(s)
     except RuntimeError:
         raise UsageError(f"unknown device {spec!r}; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"device {spec!r} requested but CUDA is not available")
     if dev.type not in ("cpu", "cuda"):
         raise UsageError(f"unsupported device {spec!r}; use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"device {spec!r} requested but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"device {spec!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
     return dev
 
 
-def _chunk_rows(info: TensorInfo, unit: Unit, opts: ExecOptions) -> int:
+@dataclass
+class Job:
+    """One read: a byte range of a copied tensor, or a row range of a quantized member."""
+
+    unit: int
+    kind: str  # copy | amax | quant
+    member: int = 0
+    start: int = 0  # byte offset (copy) or first row
+    stop: int = 0
+    hold: bool = False  # keep the chunk until the set's global scale is known
+    end_of_pass: bool = False  # last job of an amax pass / of a unit
+
+
+def _chunk_rows(info: TensorInfo, unit: Unit, chunk_elems: int) -> int:
     align = unit.scheme.row_align
-    k = max(1, info.shape[1])
-    rows = unit.chunk_rows or max(1, opts.chunk_elems // k)
-    rows = max(align, rows // align * align)
-    return rows
+    rows = unit.chunk_rows or max(1, chunk_elems // max(1, info.shape[1]))
+    return max(align, rows // align * align)
 
 
-def _load(info: TensorInfo, r0: int, r1: int, device: torch.device) -> torch.Tensor:
-    w = read_rows(info, r0, r1)
-    if device.type != "cpu":
-        w = w.pin_memory().to(device, non_blocking=True)
-    return w
+def make_jobs(ckpt: Checkpoint, plan: Plan, opts: ExecOptions):
+    """The reads of the whole conversion, in order."""
+    for ui, unit in enumerate(plan.units):
+        if unit.kind == "copy":
+            info = ckpt.tensors[unit.sources[0]]
+            for b0 in range(0, info.nbytes, COPY_CHUNK_BYTES):
+                yield Job(ui, "copy", 0, b0, min(info.nbytes, b0 + COPY_CHUNK_BYTES))
+            if info.nbytes == 0:
+                yield Job(ui, "copy", 0, 0, 0)
+            continue
+        infos = [ckpt.tensors[s] for s in unit.sources]
+        chunks = [(m, r0, min(r0 + step, info.shape[0]))
+                  for m, info in enumerate(infos)
+                  for step in [_chunk_rows(info, unit, opts.chunk_elems)]
+                  for r0 in range(0, info.shape[0], step)]
+        if unit.scheme.global_scale:
+            hold = sum(i.nbytes for i in infos) <= opts.hold_bytes
+            for j, (m, r0, r1) in enumerate(chunks):
+                yield Job(ui, "amax", m, r0, r1, hold=hold, end_of_pass=j == len(chunks) - 1)
+            if hold:
+                continue
+        for j, (m, r0, r1) in enumerate(chunks):
+            yield Job(ui, "quant", m, r0, r1, end_of_pass=j == len(chunks) - 1)
 
 
-def _check_finite(w: torch.Tensor, info: TensorInfo, r0: int) -> None:
-    bad = ~torch.isfinite(w)
-    if bool(bad.any()):
-        idx = bad.nonzero()[0].tolist()
-        kind = "NaN" if bool(torch.isnan(w).any()) else "inf"
-        raise BadInputError(
-            f"weight holds {int(bad.sum())} non-finite values ({kind}; first at row {r0 + idx[0]}, column {idx[1]}); "
-            "refusing to quantize",
-            file=info.file.name, tensor=info.name,
-        )
+class _PinnedPool:
+    """Reusable pinned host buffers for host-to-device copies (pageable copies are ~8x slower)."""
+
+    def __init__(self, count: int):
+        self.free: queue.Queue = queue.Queue()
+        self.count = count
+        self.made = 0
+        self.lock = threading.Lock()
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        with self.lock:
+            if self.made < self.count:
+                self.made += 1
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        buf, event = self.free.get()
+        if event is not None:
+            event.synchronize()
+        if buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return buf
+
+    def put(self, buf: torch.Tensor, event) -> None:
+        self.free.put((buf, event))
 
 
-def run_unit(ckpt: Checkpoint, unit: Unit, shards: dict[str, ShardFile], opts: ExecOptions) -> None:
-    """Execute one unit of the plan, writing its outputs into ``shards``."""
-    if unit.kind == "copy":
-        info = ckpt.tensors[unit.sources[0]]
-        f = shards[info.name]
-        pos = 0
-        while pos < info.nbytes:
-            n = min(COPY_CHUNK_BYTES, info.nbytes - pos)
-            f.write(info.name, read_bytes(info, pos, n), pos)
-            pos += n
-            if opts.progress:
-                opts.progress.update(n)
+@dataclass
+class _UnitState:
+    cursors: dict = field(default_factory=dict)  # (member, key) -> byte offset
+    amax: torch.Tensor | None = None
+    gs: torch.Tensor | None = None
+    held: list = field(default_factory=list)
+    checks: list = field(default_factory=list)  # device amax per chunk, checked at the end (GPU)
+
+
+class Executor:
+    """Runs the jobs of a plan: a reader thread feeds a bounded queue; this thread computes and writes."""
+
+    def __init__(self, ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions):
+        self.ckpt, self.plan, self.shards, self.opts = ckpt, plan, shards, opts
+        self.dev = opts.device
+        self.cuda = self.dev.type == "cuda"
+        self.pool = _PinnedPool(READ_AHEAD + 2) if self.cuda else None
+        self.stream = torch.cuda.Stream(self.dev) if self.cuda else None
+        self.use_native = not self.cuda and opts.impl in ("auto", "native") and native.available()
+
+    # -- reading ---------------------------------------------------------------
+    def _read(self, job: Job):
+        unit = self.plan.units[job.unit]
+        info = self.ckpt.tensors[unit.sources[job.member]]
+        if job.kind == "copy":
+            return read_bytes(info, job.start, job.stop - job.start)
+        if not self.cuda:
+            return read_rows(info, job.start, job.stop)
+        row_bytes = info.nbytes // info.shape[0]
+        n = (job.stop - job.start) * row_bytes
+        buf = self.pool.get(n)
+        read_bytes(info, job.start * row_bytes, n, out=buf)
+        return buf
+
+    def _reader(self, jobs, q: queue.Queue, stop: threading.Event):
+        try:
+            for job in jobs:
+                if stop.is_set():
+                    return
+                q.put((job, self._read(job)))
+            q.put(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put(e)
+
+    # -- computing ---------------------------------------------------------------
+    def run(self) -> None:
+        q: queue.Queue = queue.Queue(maxsize=READ_AHEAD)
+        stop = threading.Event()
+        t = threading.Thread(target=self._reader, args=(make_jobs(self.ckpt, self.plan, self.opts), q, stop), daemon=True, name="ctconvert-reader")
+        t.start()
+        states: dict[int, _UnitState] = {}
+        try:
+            with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else _null()):
+                while True:
+                    item = q.get()
+                    if item is None:
+                        break
+                    if isinstance(item, BaseException):
+                        raise item
+                    job, data = item
+                    self._handle(job, data, states.setdefault(job.unit, _UnitState()))
+                    if job.end_of_pass and job.kind == "quant":
+                        states.pop(job.unit, None)
+        finally:
+            stop.set()
+            while t.is_alive():
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    t.join(0.05)
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+
+    def _to_device(self, job: Job, info: TensorInfo, data: torch.Tensor) -> torch.Tensor:
+        shape = (job.stop - job.start, *info.shape[1:])
+        if not self.cuda:
+            return data.view(info.torch_dtype).reshape(shape)
+        n = (job.stop - job.start) * (info.nbytes // info.shape[0])
+        w = data[:n].to(self.dev, non_blocking=True).view(info.torch_dtype).reshape(shape)
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        self.pool.put(data, ev)
+        return w
+
+    def _handle(self, job: Job, data: torch.Tensor, st: _UnitState) -> None:
+        unit = self.plan.units[job.unit]
+        info = self.ckpt.tensors[unit.sources[job.member]]
+        if job.kind == "copy":
+            self.shards[info.name].write(info.name, data, job.start)
+            self._progress(job.stop - job.start)
+            return
+        w = self._to_device(job, info, data)
+        if job.kind == "amax":
+            a = self._absmax(w, info, job)
+            st.amax = a if st.amax is None else torch.maximum(st.amax, a)
+            if job.hold:
+                st.held.append((job, w))
+            if job.end_of_pass:
+                self._check_unit(unit, st)
+                st.gs = nvfp4_global_scale(st.amax, info.torch_dtype)
+                for hjob, hw in st.held:
+                    self._quantize(unit, hjob, hw, st)
+                st.held.clear()
+            return
+        if not unit.scheme.global_scale:
+            self._absmax(w, info, job, st)
+        self._quantize(unit, job, w, st)
+        if job.end_of_pass:
+            self._check_unit(unit, st)
+
+    def _absmax(self, w: torch.Tensor, info: TensorInfo, job: Job, st: _UnitState | None = None) -> torch.Tensor:
+        """fp32 0-d absmax of the chunk; NaN/inf are reported (on the GPU: at the end of the unit)."""
+        if self.use_native:
+            amax, bad = native.absmax(w)
+            if bad:
+                _raise_nonfinite(info)
+            return torch.tensor(amax, dtype=torch.float32)
+        a = tensor_absmax(w)
+        if self.cuda:
+            if st is not None:
+                st.checks.append((info, a))
+            return a
+        if not bool(torch.isfinite(a)):
+            _raise_nonfinite(info)
+        return a
+
+    def _check_unit(self, unit: Unit, st: _UnitState) -> None:
+        if self.cuda:
+            if st.amax is not None and not bool(torch.isfinite(st.amax)):
+                for name in unit.sources:
+                    _raise_nonfinite(self.ckpt.tensors[name], only_if_found=True)
+            if st.checks:
+                vals = torch.stack([a for _, a in st.checks])
+                if not bool(torch.isfinite(vals).all()):
+                    _raise_nonfinite(st.checks[int((~torch.isfinite(vals)).nonzero()[0])][0])
+                st.checks.clear()
+
+    def _quantize(self, unit: Unit, job: Job, w: torch.Tensor, st: _UnitState) -> None:
+        info = self.ckpt.tensors[unit.sources[job.member]]
+        prefix = unit.modules[job.member] + "."
+        try:
+            out = unit.scheme.quantize_rows(w, st.gs, impl=self.opts.impl)
+        except ValueError as e:
+            raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=info.file.name, tensor=info.name) from e
+        for key, t in out.items():
+            name = prefix + key
+            if t.device.type != "cpu":
+                t = t.cpu()
+            pos = st.cursors.get((job.member, key), 0)
+            self.shards[name].write(name, t, pos)
+            st.cursors[(job.member, key)] = pos + t.numel() * t.element_size()
+        if job.stop == info.shape[0]:  # last chunk of this member: whole-tensor outputs
+            if unit.scheme.kind == "int" and unit.scheme.format == "pack-quantized":
+                name = prefix + "weight_shape"
+                self.shards[name].write(name, torch.tensor(list(info.shape), dtype=torch.int64))
+            if st.gs is not None:
+                name = prefix + "weight_global_scale"
+                self.shards[name].write(name, st.gs.cpu())
+        self._progress((job.stop - job.start) * info.nbytes // max(1, info.shape[0]))
+
+    def _progress(self, n: int) -> None:
+        if self.opts.progress is not None:
+            self.opts.progress.update(n)
+
+
+def _raise_nonfinite(info: TensorInfo, only_if_found: bool = False) -> None:
+    """Find the first NaN/inf of a tensor (re-reading it on the CPU) and raise a one-line error."""
+    rows = max(1, (64 * 2**20) // max(1, info.nbytes // max(1, info.shape[0])))
+    total = 0
+    first = None
+    kind = "inf"
+    for r0 in range(0, info.shape[0], rows):
+        w = read_rows(info, r0, min(info.shape[0], r0 + rows))
+        bad = ~torch.isfinite(w)
+        cnt = int(bad.sum())
+        if cnt:
+            if first is None:
+                idx = bad.nonzero()[0].tolist()
+                first = (r0 + idx[0], idx[1] if len(idx) > 1 else 0)
+            if bool(torch.isnan(w).any()):
+                kind = "NaN"
+            total += cnt
+    if total == 0 and only_if_found:
         return
+    raise BadInputError(
+        f"weight holds {total} non-finite values ({kind}; first at row {first[0]}, column {first[1]}); refusing to quantize",
+        file=info.file.name, tensor=info.name,
+    )
 
-    scheme = unit.scheme
-    infos = [ckpt.tensors[s] for s in unit.sources]
-    dev = opts.device
-    gs = None
-    cache: dict[tuple[str, int], torch.Tensor] = {}
-    if scheme.global_scale:
-        # One absmax over the whole fused set before any member is quantized (§9.1).
-        total = sum(i.numel for i in infos)
-        keep = total <= 4 * opts.chunk_elems
-        amax = torch.zeros((), dtype=torch.float32, device=dev)
-        for info in infos:
-            step = _chunk_rows(info, unit, opts)
-            for r0 in range(0, info.shape[0], step):
-                w = _load(info, r0, min(r0 + step, info.shape[0]), dev)
-                _check_finite(w, info, r0)
-                amax = torch.maximum(amax, tensor_absmax(w))
-                if keep:
-                    cache[(info.name, r0)] = w
-        gs = nvfp4_global_scale(amax, infos[0].torch_dtype)
-    for info, module in zip(infos, unit.modules):
-        prefix = module + "."
-        cursors: dict[str, int] = {}
-        step = _chunk_rows(info, unit, opts)
-        for r0 in range(0, info.shape[0], step):
-            r1 = min(r0 + step, info.shape[0])
-            w = cache.pop((info.name, r0), None)
-            if w is None:
-                w = _load(info, r0, r1, dev)
-                if gs is None:
-                    _check_finite(w, info, r0)
-            try:
-                out = scheme.quantize_rows(w, gs)
-            except ValueError as e:
-                raise BadInputError(f"cannot quantize with {scheme.name}: {e}", file=info.file.name, tensor=info.name) from e
-            for key, t in out.items():
-                name = prefix + key
-                shards[name].write(name, t.cpu() if t.device.type != "cpu" else t, cursors.get(key, 0))
-                cursors[key] = cursors.get(key, 0) + t.numel() * t.element_size()
-            if opts.progress:
-                opts.progress.update((r1 - r0) * info.nbytes // max(1, info.shape[0]))
-        if scheme.kind == "int" and scheme.format == "pack-quantized":
-            name = prefix + "weight_shape"
-            shards[name].write(name, torch.tensor(list(info.shape), dtype=torch.int64))
-        if gs is not None:
-            name = prefix + "weight_global_scale"
-            shards[name].write(name, gs.cpu())
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
 
 
 def execute(ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions) -> None:
-    """Run every unit of ``plan`` in order."""
-    ctx = torch.inference_mode()
-    with ctx, contextlib.ExitStack():
-        for unit in plan.units:
-            run_unit(ckpt, unit, shards, opts)
+    """Run every unit of ``plan`` in order, writing into ``shards``."""
+    Executor(ckpt, plan, shards, opts).run()

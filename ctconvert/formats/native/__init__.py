@@ -35,7 +35,7 @@ _tried = False
 
 
 def _flags() -> list[str]:
-    flags = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off", "-std=gnu11"]
+    flags = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off", "-fno-trapping-math", "-std=gnu11"]
     if platform.machine() in ("x86_64", "AMD64"):
         try:
             cpu = Path("/proc/cpuinfo").read_text()

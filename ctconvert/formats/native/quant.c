@@ -21,12 +21,15 @@ enum { DT_BF16 = 0, DT_F16 = 1, DT_F32 = 2 };
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
+/* RNE to bf16, branch-free (a default NaN, e.g. from 0/0, stays a NaN). */
 static inline uint16_t f32_to_bf16_bits(float x) {
     uint32_t u = f2u(x);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
+
+/* |x| as ordered bits: for non-NaN floats, max over these integers is the max |x|
+ * (integer max vectorizes; NaN/inf are rejected before quantization). */
+static inline uint32_t absbits(float x) { return f2u(x) & 0x7FFFFFFFu; }
 
 /* Round an fp32 value to D and back (the result of one arithmetic step in D). */
 static inline float rd(float x, int dt) {
@@ -62,7 +65,7 @@ static inline uint8_t f32_to_e4m3(float x) {
     float a = fabsf(x);
     uint32_t ua = f2u(a);
     uint32_t norm = ((ua + 0x7FFFFu + ((ua >> 20) & 1u)) >> 20) - (120u << 3);
-    uint32_t sub = (uint32_t)rintf(a * 512.0f);
+    uint32_t sub = (uint32_t)(int32_t)rintf(a * 512.0f);
     return (uint8_t)(sign | (a < 0.015625f ? sub : norm));
 }
 
@@ -73,20 +76,21 @@ static inline float e4m3_to_f32(uint8_t b) {
 }
 
 /* E2M1 magnitude index with ties to even (thresholds of compressed-tensors-format.md 6.4). */
-static inline uint8_t e2m1_code(float x) {
+static inline int32_t e2m1_code(float x) {
     float a = fabsf(x);
-    uint8_t c = (uint8_t)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f));
-    return c | (uint8_t)((x < 0.0f) << 3);
+    int32_t c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+    return c | ((x < 0.0f) << 3);
 }
 
 static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
 /* ---- FP8 per channel: q [n, k] E4M3 bytes, scale [n] in D ---- */
-void ct_fp8_channel(const void *w, int dt, int64_t n, int64_t k, uint8_t *q, void *scale) {
+static inline __attribute__((always_inline)) void ct_fp8_channel_impl(const void *w, int dt, int64_t n, int64_t k, uint8_t *q, void *scale) {
     for (int64_t r = 0; r < n; r++) {
         const int64_t base = r * k;
-        float amax = 0.0f;
-        for (int64_t j = 0; j < k; j++) { float a = fabsf(load(w, dt, base + j)); amax = a > amax ? a : amax; }
+        uint32_t amax_b = 0;
+        for (int64_t j = 0; j < k; j++) { uint32_t a = absbits(load(w, dt, base + j)); amax_b = a > amax_b ? a : amax_b; }
+        float amax = u2f(amax_b);
         float s = rd(amax / 448.0f, dt);
         if (s == 0.0f) s = eps_of(dt);
         store_d(scale, dt, r, s);
@@ -99,15 +103,16 @@ void ct_fp8_channel(const void *w, int dt, int64_t n, int64_t k, uint8_t *q, voi
 
 /* ---- FP8 per block: rows [0, n) of one band group; n need not divide bh on the last call.
  * scale is [ceil(n/bh), ceil(k/bw)] in D for these rows. ---- */
-void ct_fp8_block(const void *w, int dt, int64_t n, int64_t k, int64_t bh, int64_t bw, uint8_t *q, void *scale) {
+static inline __attribute__((always_inline)) void ct_fp8_block_impl(const void *w, int dt, int64_t n, int64_t k, int64_t bh, int64_t bw, uint8_t *q, void *scale) {
     const int64_t kb = (k + bw - 1) / bw;
     for (int64_t r0 = 0, br = 0; r0 < n; r0 += bh, br++) {
         const int64_t r1 = r0 + bh < n ? r0 + bh : n;
         for (int64_t bc = 0; bc < kb; bc++) {
             const int64_t c0 = bc * bw, c1 = c0 + bw < k ? c0 + bw : k;
-            float amax = 0.0f;
+            uint32_t amax_b = 0;
             for (int64_t r = r0; r < r1; r++)
-                for (int64_t j = c0; j < c1; j++) { float a = fabsf(load(w, dt, r * k + j)); amax = a > amax ? a : amax; }
+                for (int64_t j = c0; j < c1; j++) { uint32_t a = absbits(load(w, dt, r * k + j)); amax_b = a > amax_b ? a : amax_b; }
+            float amax = u2f(amax_b);
             float s = rd(amax / 448.0f, dt);
             if (s == 0.0f) s = eps_of(dt);
             store_d(scale, dt, br * kb + bc, s);
@@ -123,7 +128,7 @@ void ct_fp8_block(const void *w, int dt, int64_t n, int64_t k, int64_t bh, int64
 /* ---- Integer, per group (g == k for per channel), symmetric or asymmetric.
  * pack == 0: out is int8 [n, k]; pack == 1: out is int32 [n, ceil(k*bits/32)] (LSB first, u = q + 2^(B-1)).
  * scale [n, k/g] in D; zp [n, k/g] int8 (asymmetric only, else NULL). ---- */
-void ct_int(const void *w, int dt, int64_t n, int64_t k, int64_t g, int bits, int sym, int pack,
+static inline __attribute__((always_inline)) void ct_int_impl(const void *w, int dt, int64_t n, int64_t k, int64_t g, int bits, int sym, int pack,
             void *out, void *scale, int8_t *zp, int8_t *tmp /* [k] scratch per call */) {
     const float qmin = -(float)(1 << (bits - 1)), qmax = (float)((1 << (bits - 1)) - 1);
     const int64_t groups = k / g;
@@ -137,8 +142,9 @@ void ct_int(const void *w, int dt, int64_t n, int64_t k, int64_t g, int bits, in
             const int64_t c0 = gi * g;
             float s, z = 0.0f;
             if (sym) {
-                float amax = 0.0f;
-                for (int64_t j = 0; j < g; j++) { float a = fabsf(load(w, dt, base + c0 + j)); amax = a > amax ? a : amax; }
+                uint32_t amax_b = 0;
+                for (int64_t j = 0; j < g; j++) { uint32_t a = absbits(load(w, dt, base + c0 + j)); amax_b = a > amax_b ? a : amax_b; }
+                float amax = u2f(amax_b);
                 s = rd(amax / half, dt);
             } else {
                 float mn = 0.0f, mx = 0.0f;
@@ -190,39 +196,41 @@ void ct_int(const void *w, int dt, int64_t n, int64_t k, int64_t g, int bits, in
 }
 
 /* ---- NVFP4: packed [n, k/2] (even column in the low nibble), scale [n, k/16] E4M3 bytes. ---- */
-void ct_nvfp4(const void *w, int dt, int64_t n, int64_t k, float gs, uint8_t *packed, uint8_t *scale) {
+static inline __attribute__((always_inline)) void ct_nvfp4_impl(const void *w, int dt, int64_t n, int64_t k, float gs, uint8_t *packed, uint8_t *scale) {
     const int64_t groups = k / 16;
     for (int64_t r = 0; r < n; r++) {
         const int64_t base = r * k;
         for (int64_t gi = 0; gi < groups; gi++) {
             const int64_t c0 = base + gi * 16;
             float x[16];
-            float amax = 0.0f;
-            for (int j = 0; j < 16; j++) { x[j] = load(w, dt, c0 + j); float a = fabsf(x[j]); amax = a > amax ? a : amax; }
+            uint32_t amax_b = 0;
+            for (int j = 0; j < 16; j++) { x[j] = load(w, dt, c0 + j); uint32_t a = absbits(x[j]); amax_b = a > amax_b ? a : amax_b; }
+            float amax = u2f(amax_b);
             float t = rd(amax / 6.0f, dt);
             uint8_t sb = f32_to_e4m3(clampf(gs * t, -448.0f, 448.0f));
             float s = e4m3_to_f32(sb);
             if (s == 0.0f) { s = 0.125f; sb = 0x20; }
             scale[r * groups + gi] = sb;
             const float eff = s / gs;
-            uint8_t c[16];
+            int32_t c[16];
             for (int j = 0; j < 16; j++) c[j] = e2m1_code(clampf(x[j] / eff, -6.0f, 6.0f));
             uint8_t *o = packed + (c0 >> 1);
-            for (int j = 0; j < 8; j++) o[j] = c[2 * j] | (uint8_t)(c[2 * j + 1] << 4);
+            for (int j = 0; j < 8; j++) o[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
         }
     }
 }
 
 /* ---- MXFP4: packed [n, k/2], scale [n, k/32] E8M0 bytes. Returns 0, or 1 when a
  * group's power-of-two scale overflows D (the caller raises). ---- */
-int ct_mxfp4(const void *w, int dt, int64_t n, int64_t k, uint8_t *packed, uint8_t *scale) {
+static inline __attribute__((always_inline)) int ct_mxfp4_impl(const void *w, int dt, int64_t n, int64_t k, uint8_t *packed, uint8_t *scale) {
     const int64_t groups = k / 32;
     for (int64_t r = 0; r < n; r++) {
         const int64_t base = r * k;
         for (int64_t gi = 0; gi < groups; gi++) {
             const int64_t c0 = base + gi * 32;
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) { float a = fabsf(load(w, dt, c0 + j)); amax = a > amax ? a : amax; }
+            uint32_t amax_b = 0;
+            for (int j = 0; j < 32; j++) { uint32_t a = absbits(load(w, dt, c0 + j)); amax_b = a > amax_b ? a : amax_b; }
+            float amax = u2f(amax_b);
             int E; /* exponent of the power of two, or INT32_MIN for zero */
             if (dt == DT_BF16) {
                 uint32_t b = ((f2u(amax) >> 16) + (1u << 5)) & 0xFF80u;
@@ -243,17 +251,17 @@ int ct_mxfp4(const void *w, int dt, int64_t n, int64_t k, uint8_t *packed, uint8
             float s = rd(ldexpf(1.0f, e - 127), dt);
             if (s == 0.0f) s = 1.0f;
             scale[r * groups + gi] = (uint8_t)(127 + ilogbf(s));
-            uint8_t c[32];
+            int32_t c[32];
             for (int j = 0; j < 32; j++) c[j] = e2m1_code(clampf(rd(load(w, dt, c0 + j) / s, dt), -6.0f, 6.0f));
             uint8_t *o = packed + (c0 >> 1);
-            for (int j = 0; j < 16; j++) o[j] = c[2 * j] | (uint8_t)(c[2 * j + 1] << 4);
+            for (int j = 0; j < 16; j++) o[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
         }
     }
     return 0;
 }
 
 /* ---- max |x| over count elements, and the number of non-finite ones. ---- */
-int64_t ct_absmax(const void *w, int dt, int64_t count, float *amax_out) {
+static inline __attribute__((always_inline)) int64_t ct_absmax_impl(const void *w, int dt, int64_t count, float *amax_out) {
     float amax = 0.0f;
     int64_t bad = 0;
     for (int64_t i = 0; i < count; i++) {
@@ -263,4 +271,41 @@ int64_t ct_absmax(const void *w, int dt, int64_t count, float *amax_out) {
     }
     *amax_out = amax;
     return bad;
+}
+
+/* ---- exported entry points: dispatch on the dtype so each body is compiled (and vectorized) per D ---- */
+void ct_fp8_channel(const void *w, int dt, int64_t n, int64_t k, uint8_t *q, void *scale) {
+    if (dt == DT_BF16) ct_fp8_channel_impl(w, DT_BF16, n, k, q, scale);
+    else if (dt == DT_F16) ct_fp8_channel_impl(w, DT_F16, n, k, q, scale);
+    else ct_fp8_channel_impl(w, DT_F32, n, k, q, scale);
+}
+
+void ct_fp8_block(const void *w, int dt, int64_t n, int64_t k, int64_t bh, int64_t bw, uint8_t *q, void *scale) {
+    if (dt == DT_BF16) ct_fp8_block_impl(w, DT_BF16, n, k, bh, bw, q, scale);
+    else if (dt == DT_F16) ct_fp8_block_impl(w, DT_F16, n, k, bh, bw, q, scale);
+    else ct_fp8_block_impl(w, DT_F32, n, k, bh, bw, q, scale);
+}
+
+void ct_nvfp4(const void *w, int dt, int64_t n, int64_t k, float gs, uint8_t *packed, uint8_t *scale) {
+    if (dt == DT_BF16) ct_nvfp4_impl(w, DT_BF16, n, k, gs, packed, scale);
+    else if (dt == DT_F16) ct_nvfp4_impl(w, DT_F16, n, k, gs, packed, scale);
+    else ct_nvfp4_impl(w, DT_F32, n, k, gs, packed, scale);
+}
+
+int ct_mxfp4(const void *w, int dt, int64_t n, int64_t k, uint8_t *packed, uint8_t *scale) {
+    if (dt == DT_BF16) return ct_mxfp4_impl(w, DT_BF16, n, k, packed, scale);
+    else if (dt == DT_F16) return ct_mxfp4_impl(w, DT_F16, n, k, packed, scale);
+    else return ct_mxfp4_impl(w, DT_F32, n, k, packed, scale);
+}
+
+int64_t ct_absmax(const void *w, int dt, int64_t count, float *amax_out) {
+    if (dt == DT_BF16) return ct_absmax_impl(w, DT_BF16, count, amax_out);
+    else if (dt == DT_F16) return ct_absmax_impl(w, DT_F16, count, amax_out);
+    else return ct_absmax_impl(w, DT_F32, count, amax_out);
+}
+
+void ct_int(const void *w, int dt, int64_t n, int64_t k, int64_t g, int bits, int sym, int pack, void *out, void *scale, int8_t *zp, int8_t *tmp) {
+    if (dt == DT_BF16) ct_int_impl(w, DT_BF16, n, k, g, bits, sym, pack, out, scale, zp, tmp);
+    else if (dt == DT_F16) ct_int_impl(w, DT_F16, n, k, g, bits, sym, pack, out, scale, zp, tmp);
+    else ct_int_impl(w, DT_F32, n, k, g, bits, sym, pack, out, scale, zp, tmp);
 }
