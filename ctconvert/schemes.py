@@ -20,7 +20,7 @@ import torch
 
 from .checkpoint.safetensors_io import TORCH_TO_ST
 from .errors import UnsupportedError, UsageError
-from .formats import fp4, fp8, integer, native
+from .formats import fp4, fp8, gpu, integer, native
 
 
 @dataclass(frozen=True)
@@ -104,13 +104,36 @@ class Scheme:
         ``ceil(r * B / 32)`` words. ``weight_shape`` and ``weight_global_scale``
         are not produced here (they belong to the whole tensor).
 
-        ``impl``: ``auto`` (the fused C kernels for CPU tensors when they are
-        available, else the torch reference), ``torch`` or ``native``. Every
-        implementation gives the same bytes.
+        ``impl``: ``auto`` (the fused C kernels for CPU tensors, the Triton
+        kernels for CUDA tensors, when available; else the torch reference),
+        ``torch``, ``native`` or ``triton``. Every implementation gives the
+        same bytes.
         """
         if impl == "native" or (impl == "auto" and w.device.type == "cpu" and native.available()):
             return self._quantize_native(w, global_scale)
+        if impl in ("auto", "triton") and w.device.type == "cuda" and gpu.available():
+            try:
+                return self._quantize_gpu(w, global_scale)
+            except NotImplementedError:
+                pass
         return self._quantize_torch(w, global_scale)
+
+    def _quantize_gpu(self, w: torch.Tensor, global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        if self.kind == "fp8_channel":
+            return gpu.fp8_channel(w)
+        if self.kind == "fp8_block":
+            return gpu.fp8_block(w, self.block)
+        if self.kind == "int":
+            pack = self.format == "pack-quantized"
+            out = gpu.int_quant(w, self.num_bits, self.group_size, self.symmetric, pack)
+            if pack and not self.symmetric:
+                out["weight_zero_point"] = integer.pack_int32_dim0(out["weight_zero_point"], self.num_bits)
+            return out
+        if self.kind == "nvfp4":
+            return gpu.nvfp4(w, global_scale)
+        if self.kind == "mxfp4":
+            return gpu.mxfp4(w)
+        raise AssertionError(self.kind)
 
     def _quantize_native(self, w: torch.Tensor, global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
         if self.kind == "fp8_channel":
@@ -149,15 +172,43 @@ class Scheme:
         raise AssertionError(self.kind)
 
     def config_group(self, targets: list[str]) -> dict:
-        """The ``config_groups`` entry for this scheme, as compressed-tensors serializes it."""
-        from ._ct import import_compressed_tensors
+        """The ``config_groups`` entry: compressed-tensors' preset, serialized as its 0.20 ``model_dump``.
 
-        import_compressed_tensors()
-        from compressed_tensors.quantization import preset_name_to_scheme
+        The QuantizationArgs of each preset are compressed-tensors'
+        (``quant_scheme.PRESET_SCHEMES``); ``tests/test_config.py`` checks this
+        table against the library, key for key. Kept as data so that a
+        conversion does not pay compressed-tensors' multi-second import.
+        """
+        weights, inputs = _PRESET_ARGS[self.preset]
+        return {
+            "targets": list(targets),
+            "weights": dict(weights),
+            "input_activations": dict(inputs) if inputs else None,
+            "output_activations": None,
+            "format": self.format,
+        }
 
-        s = preset_name_to_scheme(self.preset, targets)
-        s.format = self.format
-        return s.model_dump()
+
+def _args(num_bits, type_, strategy, group_size=None, symmetric=True, dynamic=False, **extra):
+    d = {"num_bits": num_bits, "type": type_, "symmetric": symmetric, "group_size": group_size, "strategy": strategy}
+    if "block_structure" in extra:
+        d["block_structure"] = extra.pop("block_structure")
+    d["dynamic"] = dynamic
+    d.update(extra)
+    return d
+
+
+_FP8_TOKEN = _args(8, "float", "token", dynamic=True)
+_PRESET_ARGS: dict[str, tuple[dict, dict | None]] = {
+    "FP8_DYNAMIC": (_args(8, "float", "channel"), _FP8_TOKEN),
+    "FP8_BLOCK": (_args(8, "float", "block", block_structure=[128, 128]), _args(8, "float", "group", 128, dynamic=True)),
+    "W8A8": (_args(8, "int", "channel"), _args(8, "int", "token", dynamic=True)),
+    "W4A16": (_args(4, "int", "group", 128), None),
+    "W4A16_ASYM": (_args(4, "int", "group", 128, symmetric=False), None),
+    "W8A16": (_args(8, "int", "group", 128), None),
+    "NVFP4A16": (_args(4, "float", "tensor_group", 16, scale_dtype="torch.float8_e4m3fn"), None),
+    "MXFP4A16": (_args(4, "float", "group", 32, scale_dtype="torch.uint8"), None),
+}
 
 
 _SCHEMES: dict[str, Scheme] = {

@@ -1,33 +1,41 @@
-"""Build ``config.json``'s ``quantization_config`` with compressed-tensors' own schema.
+"""Build ``config.json``'s ``quantization_config`` in compressed-tensors' own serialization.
 
-The groups come from compressed-tensors presets (``preset_name_to_scheme``) and
-the whole block is validated and serialized by its pydantic
-``QuantizationConfig``, then completed with the keys its ``update_config``
-adds (compressed-tensors-format.md §7.1, §7.4): ``quant_method``, ``version``,
-``sparsity_config: {}`` and ``transform_config: {}``.
+The block is what compressed-tensors' ``ModelCompressor.update_config``
+writes (compressed-tensors-format.md §7.1, §7.4): its pydantic
+``QuantizationConfig.model_dump`` (config groups from the presets, ``format``,
+``ignore``, ``quantization_status: "compressed"``, the null optional keys)
+plus ``quant_method``, ``version``, ``sparsity_config: {}`` and
+``transform_config: {}``. ``tests/test_config.py`` builds the same block with
+the library and checks equality, and that the library validates ours.
 """
 
 from __future__ import annotations
 
 import copy
+from importlib import metadata
 
-from .._ct import import_compressed_tensors
+
+def _ct_version() -> str:
+    try:
+        return metadata.version("compressed-tensors")
+    except metadata.PackageNotFoundError:  # pragma: no cover - a dependency
+        return "0.20.1"
 
 
 def build_quantization_config(groups: dict[str, tuple[object, list[str]]], fmt: str, ignore: list[str]) -> dict:
     """``groups``: name -> (Scheme, targets). Returns the ``quantization_config`` dict."""
-    compressed_tensors = import_compressed_tensors()
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
-
-    config_groups = {name: QuantizationScheme.model_validate(s.config_group(t)) for name, (s, t) in groups.items()}
-    q = QuantizationConfig(config_groups=config_groups, format=fmt, ignore=list(ignore), quantization_status="compressed")
-    data = q.model_dump(exclude=["quant_method"])
     return {
-        "version": compressed_tensors.__version__,
+        "version": _ct_version(),
         "quant_method": "compressed-tensors",
         "sparsity_config": {},
         "transform_config": {},
-        **data,
+        "config_groups": {name: s.config_group(t) for name, (s, t) in groups.items()},
+        "kv_cache_scheme": None,
+        "format": fmt,
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "ignore": list(ignore),
+        "moe_sparsity_config": None,
     }
 
 

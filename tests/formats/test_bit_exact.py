@@ -44,14 +44,15 @@ def make_weight(case: str, dtype: torch.dtype, n: int, k: int, seed: int) -> tor
     return w.to(dtype)
 
 
+_no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
 IMPLS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not native.available(), reason="no C compiler")),
-         pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available"))]
+         pytest.param("cuda", marks=_no_cuda), pytest.param("cuda-torch", marks=_no_cuda)]
 
 
 def ours(scheme_name: str, w: torch.Tensor, device: str = "cpu", fused: list[torch.Tensor] | None = None) -> dict:
     """Our full per-module output, as the pipeline writes it. ``device``: torch | native | cuda | cpu (auto)."""
-    impl = {"torch": "torch", "native": "native"}.get(device, "auto")
-    device = "cpu" if device in ("torch", "native") else device
+    impl = {"torch": "torch", "native": "native", "cuda-torch": "torch"}.get(device, "auto")
+    device = {"torch": "cpu", "native": "cpu", "cuda-torch": "cuda"}.get(device, device)
     s = get_scheme(scheme_name)
     wd = w.to(device)
     gs = None
