@@ -32,6 +32,16 @@ def rd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).to(torch.float32)
 
 
+def sdiv(a: torch.Tensor, b: float) -> torch.Tensor:
+    """``a / b`` for fp32 ``a`` and a constant ``b``, correctly rounded on every device.
+
+    (On CUDA, PyTorch turns division by a Python scalar into a multiplication
+    by its reciprocal, which rounds differently; a device tensor divisor keeps
+    IEEE division.)
+    """
+    return a / torch.tensor(b, dtype=torch.float32, device=a.device)
+
+
 def group_absmax(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """Per-group ``max(|min(x, 0)|, max(x, 0))`` along the last dim, in fp32.
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import FP4_MAX, FP8_MAX, dtype_eps, group_absmax, rd
+from .common import FP4_MAX, FP8_MAX, dtype_eps, group_absmax, rd, sdiv
 
 NVFP4_GROUP = 16
 MXFP4_GROUP = 32
@@ -61,7 +61,7 @@ def nvfp4_global_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     tensor gets 1.0). Returns fp32 ``[1]``. compressed-tensors-format.md §6.4.
     """
     a = torch.clamp(amax.to(torch.float32), min=torch.finfo(dtype).tiny)
-    gs = rd(rd(1.0 / a, dtype) * (FP8_MAX * FP4_MAX), dtype)
+    gs = rd(rd(torch.ones_like(a) / a, dtype) * (FP8_MAX * FP4_MAX), dtype)
     gs = torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
     return gs.reshape(1).to(torch.float32)
 
@@ -77,7 +77,7 @@ def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor) -> dict[str, tor
     n, k = w.shape
     gs = global_scale.to(device=w.device, dtype=torch.float32)
     amax = group_absmax(w, NVFP4_GROUP)
-    s = (gs * rd(amax / FP4_MAX, d)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    s = (gs * rd(sdiv(amax, FP4_MAX), d)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
     s = torch.where(s == 0, torch.full_like(s, 0.125), s)
     eff = s / gs
     x = w.to(torch.float32).reshape(n, k // NVFP4_GROUP, NVFP4_GROUP) / eff.unsqueeze(-1)

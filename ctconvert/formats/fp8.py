@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from .common import FP8_MAX, dtype_eps, group_absmax, rd, tensor_absmax
+from .common import FP8_MAX, dtype_eps, group_absmax, rd, sdiv, tensor_absmax
 
 
 def fp8_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Scale from an fp32 absmax: ``D(amax / 448)``, zeros -> ``eps(D)``; returns fp32."""
-    s = rd(amax / FP8_MAX, dtype)
+    s = rd(sdiv(amax, FP8_MAX), dtype)
     return torch.where(s == 0, torch.full_like(s, dtype_eps(dtype)), s)
 
 

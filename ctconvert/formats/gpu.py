@@ -30,6 +30,14 @@ def available() -> bool:
 
 
 _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+#: launch configurations (scripts/tune_gpu.py sweeps them on a large weight)
+TUNE = {
+    "fp8_row": {"max_single": 16384, "num_warps": 8},
+    "fp8_block": {"num_warps": 8},
+    "int_group": {"elems": 8192, "num_warps": 4},
+    "fp4": {"br": 16, "cols": 256, "num_warps": 4},
+}
 _EPS = {0: 2.0**-7, 1: 2.0**-10, 2: 2.0**-23}
 
 if _HAVE_TRITON:
@@ -79,6 +87,19 @@ if _HAVE_TRITON:
             v = _rd(tl.div_rn(x, s), DT) + 0.0
             v = tl.minimum(tl.maximum(v, -448.0), 448.0)
             tl.store(q_ptr + base + offs, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=offs < K)
+
+    @triton.jit
+    def _fp8_row1_kernel(w_ptr, q_ptr, s_ptr, K, DT: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+        """Per-channel FP8 for rows that fit one block: read once, write once."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(w_ptr + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        s = _rd(tl.div_rn(tl.max(tl.abs(x), axis=0), 448.0), DT)
+        s = tl.where(s == 0.0, EPS, s)
+        tl.store(s_ptr + row, _to_d(s, DT))
+        v = _rd(tl.div_rn(x, s), DT) + 0.0
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        tl.store(q_ptr + row * K + offs, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=offs < K)
 
     @triton.jit
     def _fp8_block_kernel(w_ptr, q_ptr, s_ptr, N, K, KB, DT: tl.constexpr, EPS: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr):
@@ -231,8 +252,11 @@ def fp8_channel(w: torch.Tensor) -> dict[str, torch.Tensor]:
     n, k = w.shape
     q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
     s = torch.empty(n, 1, dtype=w.dtype, device=w.device)
-    if n:
-        _fp8_row_kernel[(n,)](w, q, s, k, DT=dt, EPS=_EPS[dt], BLOCK=1024, num_warps=4)
+    cfg = TUNE["fp8_row"]
+    if n and k <= cfg["max_single"]:
+        _fp8_row1_kernel[(n,)](w, q, s, k, DT=dt, EPS=_EPS[dt], BLOCK=triton.next_power_of_2(k), num_warps=cfg["num_warps"])
+    elif n:
+        _fp8_row_kernel[(n,)](w, q, s, k, DT=dt, EPS=_EPS[dt], BLOCK=4096, num_warps=cfg["num_warps"])
     return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
 
 
@@ -245,7 +269,7 @@ def fp8_block(w: torch.Tensor, block: tuple[int, int]) -> dict[str, torch.Tensor
     q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
     s = torch.empty(nb, kb, dtype=w.dtype, device=w.device)
     if n and k:
-        _fp8_block_kernel[(nb, kb)](w, q, s, n, k, kb, DT=dt, EPS=_EPS[dt], BH=bh, BW=bw, num_warps=8)
+        _fp8_block_kernel[(nb, kb)](w, q, s, n, k, kb, DT=dt, EPS=_EPS[dt], BH=bh, BW=bw, num_warps=TUNE["fp8_block"]["num_warps"])
     return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
 
 
@@ -273,10 +297,11 @@ def int_quant(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric:
     out = torch.empty(n, k * num_bits // 32, dtype=torch.int32, device=w.device) if pack else torch.empty(n, k, dtype=torch.int8, device=w.device)
     s = torch.empty(n, ng, dtype=w.dtype, device=w.device)
     zp = None if symmetric else torch.empty(n, ng, dtype=torch.int8, device=w.device)
-    br = max(1, min(64, 8192 // g))
+    cfg = TUNE["int_group"]
+    br = max(1, min(128, cfg["elems"] // g))
     if n and ng:
         _int_group_kernel[(triton.cdiv(n, br), ng)](w, out, s, zp if zp is not None else s, n, k, G=g, BITS=num_bits, SYM=symmetric,
-                                                    PACK=pack, DT=dt, EPS=_EPS[dt], BR=br, num_warps=4)
+                                                    PACK=pack, DT=dt, EPS=_EPS[dt], BR=br, num_warps=cfg["num_warps"])
     res = {"weight_packed" if pack else "weight": out, "weight_scale": s}
     if zp is not None:
         res["weight_zero_point"] = zp
@@ -290,10 +315,12 @@ def _fp4(w: torch.Tensor, nvfp4: bool, gs: torch.Tensor | None) -> dict[str, tor
     ng = k // g
     packed = torch.empty(n, k // 2, dtype=torch.uint8, device=w.device)
     s = torch.empty(n, ng, dtype=torch.uint8, device=w.device)
-    br, bg = 16, max(1, 256 // g)
+    cfg = TUNE["fp4"]
+    br, bg = cfg["br"], max(1, cfg["cols"] // g)
     if n and ng:
         gs_t = gs.to(device=w.device, dtype=torch.float32).reshape(1) if nvfp4 else s
-        _fp4_kernel[(triton.cdiv(n, br), triton.cdiv(ng, bg))](w, packed, s, gs_t, n, k, NVFP4=nvfp4, G=g, DT=dt, BR=br, BG=bg, num_warps=4)
+        _fp4_kernel[(triton.cdiv(n, br), triton.cdiv(ng, bg))](w, packed, s, gs_t, n, k, NVFP4=nvfp4, G=g, DT=dt, BR=br, BG=bg,
+                                                              num_warps=cfg["num_warps"])
     return {"weight_packed": packed, "weight_scale": s.view(torch.float8_e4m3fn) if nvfp4 else s}
 
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .common import dtype_eps, group_absmax, group_minmax, rd
+from .common import dtype_eps, group_absmax, group_minmax, rd, sdiv
 
 
 def int_range(num_bits: int) -> tuple[int, int]:
@@ -39,11 +39,11 @@ def quantize_int(
     out: dict[str, torch.Tensor] = {}
     if symmetric:
         amax = group_absmax(w, g)
-        s = rd(amax / ((2**num_bits - 1) / 2), d)
+        s = rd(sdiv(amax, (2**num_bits - 1) / 2), d)
         zp = None
     else:
         mn, mx = group_minmax(w, g)
-        s = rd(rd(mx - mn, d) / (2**num_bits - 1), d)
+        s = rd(sdiv(rd(mx - mn, d), 2**num_bits - 1), d)
         zpf = rd(qmin - rd(mn / s, d), d).clamp(qmin, qmax)
         zpf = torch.nan_to_num(zpf, nan=0.0)
         zp = torch.round(zpf)

@@ -1,0 +1,80 @@
+"""Sweep the Triton kernels' launch configurations on one large bf16 weight (CUDA only).
+
+    python scripts/tune_gpu.py [--rows 28672 --cols 8192]
+
+For each scheme and configuration: median kernel time over 20 runs (CUDA
+events, after warm-up), bf16 input TB/s, and whether the bytes equal the
+default configuration's (they must: a configuration changes only speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import statistics
+
+import torch
+
+from ctconvert.formats import gpu
+from ctconvert.formats.common import tensor_absmax
+from ctconvert.formats.fp4 import nvfp4_global_scale
+from ctconvert.schemes import get_scheme
+
+SPACE = {
+    "fp8_row": [{"max_single": m, "num_warps": nw} for m, nw in itertools.product([0, 16384], [4, 8, 16])],
+    "fp8_block": [{"num_warps": nw} for nw in (4, 8, 16)],
+    "int_group": [{"elems": e, "num_warps": nw} for e, nw in itertools.product([4096, 8192, 16384], [4, 8])],
+    "fp4": [{"br": br, "cols": c, "num_warps": nw} for br, c, nw in itertools.product([8, 16, 32], [128, 256, 512], [4, 8])],
+}
+USES = {"FP8_DYNAMIC": "fp8_row", "FP8_BLOCK": "fp8_block", "W4A16": "int_group", "W4A16_ASYM": "int_group", "W8A16": "int_group",
+        "NVFP4A16": "fp4", "MXFP4A16": "fp4"}
+
+
+def time_it(fn, repeat=20):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(repeat):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1000)
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=28672)
+    ap.add_argument("--cols", type=int, default=8192)
+    a = ap.parse_args()
+    w = (torch.randn(a.rows, a.cols, device="cuda") * 0.02).to(torch.bfloat16)
+    default = copy.deepcopy(gpu.TUNE)
+    best = {}
+    for scheme, kernel in USES.items():
+        s = get_scheme(scheme)
+        gs = nvfp4_global_scale(tensor_absmax(w), w.dtype) if s.global_scale else None
+        ref = {k: v.clone() for k, v in s.quantize_rows(w, gs).items()}
+        for cfg in SPACE[kernel]:
+            gpu.TUNE[kernel] = cfg
+            try:
+                dt = time_it(lambda: s.quantize_rows(w, gs))
+                out = s.quantize_rows(w, gs)
+                same = all(torch.equal(out[k].view(torch.uint8) if out[k].element_size() == 1 else out[k],
+                                       ref[k].view(torch.uint8) if ref[k].element_size() == 1 else ref[k]) for k in ref)
+            except Exception as e:  # noqa: BLE001
+                print(json.dumps({"scheme": scheme, "config": cfg, "error": str(e)[:200]}))
+                continue
+            tbps = w.numel() * 2 / dt / 1e12
+            print(json.dumps({"scheme": scheme, "kernel": kernel, "config": cfg, "seconds": dt, "TBps": round(tbps, 3), "same_bytes": same}))
+            if same and tbps > best.get(scheme, (0, None))[0]:
+                best[scheme] = (tbps, cfg)
+        gpu.TUNE[kernel] = default[kernel]
+    print(json.dumps({"best": best}))
+
+
+if __name__ == "__main__":
+    main()
