@@ -34,6 +34,7 @@ COPY_CHUNK_BYTES = 64 * 2**20
 DEFAULT_CHUNK_ELEMS = 4 * 2**20
 DEFAULT_HOLD_BYTES = 1 << 30
 READ_AHEAD = 3
+WRITE_BEHIND = 8
 
 
 @dataclass
@@ -152,6 +153,27 @@ class Executor:
         self.pool = _PinnedPool(READ_AHEAD + 2) if self.cuda else None
         self.stream = torch.cuda.Stream(self.dev) if self.cuda else None
         self.use_native = not self.cuda and opts.impl in ("auto", "native") and native.available()
+        self.wq: queue.Queue = queue.Queue(maxsize=WRITE_BEHIND)
+        self.write_error: BaseException | None = None
+
+    # -- writing (a thread of its own: output bytes go to disk while the next chunks compute) --
+    def _writer(self) -> None:
+        while True:
+            item = self.wq.get()
+            if item is None:
+                return
+            if self.write_error is not None:
+                continue
+            name, t, pos = item
+            try:
+                self.shards[name].write(name, t, pos)
+            except BaseException as e:  # noqa: BLE001 - re-raised by the computing thread
+                self.write_error = e
+
+    def _write(self, name: str, t: torch.Tensor, pos: int = 0) -> None:
+        if self.write_error is not None:
+            raise self.write_error
+        self.wq.put((name, t, pos))
 
     # -- reading ---------------------------------------------------------------
     def _read(self, job: Job):
@@ -183,6 +205,8 @@ class Executor:
         stop = threading.Event()
         t = threading.Thread(target=self._reader, args=(make_jobs(self.ckpt, self.plan, self.opts), q, stop), daemon=True, name="ctconvert-reader")
         t.start()
+        wt = threading.Thread(target=self._writer, daemon=True, name="ctconvert-writer")
+        wt.start()
         states: dict[int, _UnitState] = {}
         try:
             with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else _null()):
@@ -203,6 +227,10 @@ class Executor:
                     q.get_nowait()
                 except queue.Empty:
                     t.join(0.05)
+            self.wq.put(None)
+            wt.join()
+        if self.write_error is not None:
+            raise self.write_error
         if self.cuda:
             torch.cuda.synchronize(self.dev)
 
@@ -221,7 +249,7 @@ class Executor:
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
         if job.kind == "copy":
-            self.shards[info.name].write(info.name, data, job.start)
+            self._write(info.name, data, job.start)
             self._progress(job.stop - job.start)
             return
         w = self._to_device(job, info, data)
@@ -282,15 +310,15 @@ class Executor:
             if t.device.type != "cpu":
                 t = t.cpu()
             pos = st.cursors.get((job.member, key), 0)
-            self.shards[name].write(name, t, pos)
+            self._write(name, t, pos)
             st.cursors[(job.member, key)] = pos + t.numel() * t.element_size()
         if job.stop == info.shape[0]:  # last chunk of this member: whole-tensor outputs
             if unit.scheme.kind == "int" and unit.scheme.format == "pack-quantized":
                 name = prefix + "weight_shape"
-                self.shards[name].write(name, torch.tensor(list(info.shape), dtype=torch.int64))
+                self._write(name, torch.tensor(list(info.shape), dtype=torch.int64))
             if st.gs is not None:
                 name = prefix + "weight_global_scale"
-                self.shards[name].write(name, st.gs.cpu())
+                self._write(name, st.gs.cpu())
         self._progress((job.stop - job.start) * info.nbytes // max(1, info.shape[0]))
 
     def _progress(self, n: int) -> None:

@@ -34,8 +34,8 @@ _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 #: launch configurations (scripts/tune_gpu.py sweeps them on a large weight)
 TUNE = {
     "fp8_row": {"max_single": 16384, "num_warps": 8},
-    "fp8_block": {"num_warps": 8},
-    "int_group": {"elems": 8192, "num_warps": 4},
+    "fp8_block": {"num_warps": 16},
+    "int_group": {"elems": 4096, "num_warps": 4},
     "fp4": {"br": 16, "cols": 256, "num_warps": 4},
 }
 _EPS = {0: 2.0**-7, 1: 2.0**-10, 2: 2.0**-23}
@@ -121,22 +121,27 @@ if _HAVE_TRITON:
     @triton.jit
     def _int_group_kernel(w_ptr, out_ptr, s_ptr, zp_ptr, N, K, G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
                           PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr):
+        """One group of G columns for BR rows, loaded as [BR, G/PER, PER] so that packing PER values into
+        a word is a reduction over the last axis (no reshape, no shared-memory shuffle)."""
         pr = tl.program_id(0).to(tl.int64)
         gi = tl.program_id(1).to(tl.int64)
         NG = K // G
+        PER: tl.constexpr = 32 // BITS if PACK else 1
         rows = pr * BR + tl.arange(0, BR)
-        cols = gi * G + tl.arange(0, G)
         rmask = rows < N
-        x = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        wi = tl.arange(0, G // PER)
+        ei = tl.arange(0, PER)
+        cols = gi * G + wi[:, None] * PER + ei[None, :]  # [G/PER, PER]
+        x = tl.load(w_ptr + rows[:, None, None] * K + cols[None, :, :], mask=rmask[:, None, None], other=0.0).to(tl.float32)
         QMIN: tl.constexpr = -(1 << (BITS - 1))
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
         if SYM:
-            amax = tl.max(tl.abs(x), axis=1)
+            amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
             s = _rd(tl.div_rn(amax, ((1 << BITS) - 1) / 2.0), DT)
             z = tl.zeros([BR], dtype=tl.float32)
         else:
-            mn = tl.minimum(tl.min(x, axis=1), 0.0)
-            mx = tl.maximum(tl.max(x, axis=1), 0.0)
+            mn = tl.minimum(tl.min(tl.min(x, axis=2), axis=1), 0.0)
+            mx = tl.maximum(tl.max(tl.max(x, axis=2), axis=1), 0.0)
             s = _rd(tl.div_rn(_rd(mx - mn, DT), ((1 << BITS) - 1) * 1.0), DT)
             zf = _rd(QMIN - _rd(tl.div_rn(mn, s), DT), DT)
             zf = tl.where(zf != zf, 0.0, zf)
@@ -145,22 +150,19 @@ if _HAVE_TRITON:
             tl.store(zp_ptr + rows * NG + gi, z.to(tl.int8), mask=rmask)
         s = tl.where(s == 0.0, EPS, s)
         tl.store(s_ptr + rows * NG + gi, _to_d(s, DT), mask=rmask)
-        v = _rd(tl.div_rn(x, s[:, None]), DT)
+        v = _rd(tl.div_rn(x, s[:, None, None]), DT)
         if not SYM:
-            v = _rd(v + z[:, None], DT)
+            v = _rd(v + z[:, None, None], DT)
         v = tl.minimum(tl.maximum(v, QMIN * 1.0), QMAX * 1.0)
         q = libdevice.rint(v).to(tl.int32)
         if PACK:
-            PER: tl.constexpr = 32 // BITS
             u = (q + (1 << (BITS - 1))).to(tl.uint32)
-            u = tl.reshape(u, [BR, G // PER, PER])
-            sh = (tl.arange(0, PER) * BITS).to(tl.uint32)
-            word = tl.sum(u << sh[None, None, :], axis=2)
+            word = tl.sum(u << (ei * BITS).to(tl.uint32)[None, None, :], axis=2)
             W = K // PER
-            wcols = gi * (G // PER) + tl.arange(0, G // PER)
+            wcols = gi * (G // PER) + wi
             tl.store(out_ptr + rows[:, None] * W + wcols[None, :], word.to(tl.int32, bitcast=True), mask=rmask[:, None])
         else:
-            tl.store(out_ptr + rows[:, None] * K + cols[None, :], q.to(tl.int8), mask=rmask[:, None])
+            tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :], q.to(tl.int8), mask=rmask[:, None, None])
 
     @triton.jit
     def _int_channel_kernel(w_ptr, out_ptr, s_ptr, K, BITS: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
@@ -183,32 +185,44 @@ if _HAVE_TRITON:
             tl.store(out_ptr + base + offs, libdevice.rint(v).to(tl.int8), mask=offs < K)
 
     @triton.jit
+    def _fp4_codes(x, inv_or_s, NVFP4: tl.constexpr, DT: tl.constexpr):
+        if NVFP4:
+            v = tl.div_rn(x, inv_or_s)
+        else:
+            v = _rd(tl.div_rn(x, inv_or_s), DT)
+        return _e2m1(tl.minimum(tl.maximum(v, -6.0), 6.0))
+
+    @triton.jit
     def _fp4_kernel(w_ptr, p_ptr, s_ptr, gs_ptr, N, K, NVFP4: tl.constexpr, G: tl.constexpr, DT: tl.constexpr,
                     BR: tl.constexpr, BG: tl.constexpr):
-        """NVFP4 (G=16, E4M3 scales, global scale) or MXFP4 (G=32, E8M0 scales)."""
+        """NVFP4 (G=16, E4M3 scales, global scale) or MXFP4 (G=32, E8M0 scales).
+
+        Even and odd columns are loaded as two [BR, BG, G/2] tensors, so the two
+        nibbles of each output byte meet without any reshape."""
         pr = tl.program_id(0).to(tl.int64)
         pg = tl.program_id(1).to(tl.int64)
         NG = K // G
+        H: tl.constexpr = G // 2
         rows = pr * BR + tl.arange(0, BR)
         groups = pg * BG + tl.arange(0, BG)
-        cols = groups[:, None] * G + tl.arange(0, G)[None, :]  # [BG, G]
+        pidx = groups[:, None] * H + tl.arange(0, H)[None, :]  # byte index within the row, [BG, H]
         rmask = rows < N
         gmask = groups < NG
         m3 = rmask[:, None, None] & gmask[None, :, None]
-        x = tl.load(w_ptr + rows[:, None, None] * K + cols[None, :, :], mask=m3, other=0.0).to(tl.float32)  # [BR, BG, G]
-        amax = tl.max(tl.abs(x), axis=2)  # [BR, BG]
+        base = w_ptr + rows[:, None, None] * K + 2 * pidx[None, :, :]
+        xe = tl.load(base, mask=m3, other=0.0).to(tl.float32)
+        xo = tl.load(base + 1, mask=m3, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))  # [BR, BG]
         m2 = rmask[:, None] & gmask[None, :]
         if NVFP4:
             gs = tl.load(gs_ptr)
             t = _rd(tl.div_rn(amax, 6.0), DT)
-            sc = tl.minimum(tl.maximum(gs * t, -448.0), 448.0).to(tl.float8e4nv)
-            s = sc.to(tl.float32)
+            s = tl.minimum(tl.maximum(gs * t, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
             s = tl.where(s == 0.0, 0.125, s)
             tl.store(s_ptr + rows[:, None] * NG + groups[None, :], s.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m2)
-            eff = tl.div_rn(s, gs)
-            v = tl.div_rn(x, eff[:, :, None])
+            d = tl.div_rn(s, gs)
         else:
-            # power of two of amax on D's bit pattern (compressed-tensors-format.md §6.5)
+            # power of two of amax on D's bit pattern (compressed-tensors-format.md §6.5), all in integers
             if DT == 0:
                 b = amax.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
                 b = (b + 32) & 0xFF80
@@ -226,18 +240,15 @@ if _HAVE_TRITON:
                 zero = (b >> 23) == 0
             e = tl.where(zero, 0, E + 125)
             e = tl.minimum(tl.maximum(e, 0), 255)
-            s = _rd(tl.exp2((e - 127).to(tl.float32)), DT)
-            s = tl.where(s == 0.0, 1.0, s)
-            byte = 127 + tl.floor(tl.log2(s)).to(tl.int32)
-            tl.store(s_ptr + rows[:, None] * NG + groups[None, :], byte.to(tl.uint8), mask=m2)
-            v = _rd(tl.div_rn(x, s[:, :, None]), DT)
-        v = tl.minimum(tl.maximum(v, -6.0), 6.0)
-        c = _e2m1(v)  # [BR, BG, G]
-        c = tl.reshape(c, [BR, BG * G // 2, 2])
-        lo, hi = tl.split(c)
+            if DT == 1:  # 2^(e-127) underflows fp16 below 2^-24: compressed-tensors then uses scale 1
+                e = tl.where(e < 103, 127, e)
+            tl.store(s_ptr + rows[:, None] * NG + groups[None, :], e.to(tl.uint8), mask=m2)
+            # 2^(e-127) as fp32 bits: normal for e >= 1; e == 0 is the subnormal 2^-127 (0x00400000)
+            d = tl.where(e == 0, 4194304, e << 23).to(tl.float32, bitcast=True)
+        lo = _fp4_codes(xe, d[:, :, None], NVFP4, DT)
+        hi = _fp4_codes(xo, d[:, :, None], NVFP4, DT)
         packed = (lo | (hi << 4)).to(tl.uint8)
-        pcols = pg * (BG * G // 2) + tl.arange(0, BG * G // 2)
-        tl.store(p_ptr + rows[:, None] * (K // 2) + pcols[None, :], packed, mask=rmask[:, None] & (pcols[None, :] < K // 2))
+        tl.store(p_ptr + rows[:, None, None] * (K // 2) + pidx[None, :, :], packed, mask=m3)
 
 
 def _prep(w: torch.Tensor) -> tuple[torch.Tensor, int]:
