@@ -16,7 +16,7 @@ from .checkpoint.reader import CONFIG_NAME, open_checkpoint
 from .checkpoint.safetensors_io import PlannedTensor
 from .checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
 from .inspect import inspect_checkpoint
-from .pipeline import DEFAULT_CHUNK_ELEMS, ExecOptions, execute, resolve_device
+from .pipeline import DEFAULT_CHUNK_ELEMS, ExecOptions, execute, resolve_devices
 from .plan import Plan, make_plan
 
 
@@ -68,6 +68,8 @@ def quantize(
     ``lm_head``: ``none`` | ``nvfp4a16`` | ``fp8``. ``targets``/``ignore``:
     compressed-tensors style names, ``re:`` patterns or ``Linear``.
     ``progress``: a callable ``(total_bytes) -> context manager with .update(n)``.
+    ``device``: ``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``cuda:0,1`` or ``all``
+    (several GPUs share the work by fused set and tensor).
 
     The plan (every tensor's fate) is made from the headers before any data is
     read; with ``dry_run`` nothing else happens. The output is written into a
@@ -79,7 +81,7 @@ def quantize(
     t0 = time.perf_counter()
     src = Path(src)
     shard_limit = parse_size(max_shard_size)
-    dev = resolve_device(device)
+    devs = resolve_devices(device)
     ckpt = open_checkpoint(src, strict=True)
     plan = make_plan(
         ckpt, scheme, targets=targets, ignore=ignore, lm_head=lm_head,
@@ -88,7 +90,7 @@ def quantize(
     result = QuantizeResult(
         output=str(out) if out is not None else None, scheme=plan.scheme.name, format=plan.format, dry_run=dry_run,
         input_bytes=ckpt.total_bytes, quantized_modules=plan.quantized_modules, ignore=plan.ignore,
-        notes=plan.notes, device=str(dev), plan=plan,
+        notes=plan.notes, device=",".join(map(str, devs)), plan=plan,
     )
     if dry_run:
         result.seconds = time.perf_counter() - t0
@@ -104,13 +106,13 @@ def quantize(
     folder = OutputFolder(out, overwrite=overwrite)
     try:
         shards = folder.open_shards(assign_shards(planned, shard_limit))
-        opts = ExecOptions(device=dev, chunk_elems=chunk_elems)
+        opts = ExecOptions(device=devs[0], chunk_elems=chunk_elems)
         if progress is not None:
             with progress(ckpt.total_bytes) as bar:
                 opts.progress = bar
-                execute(ckpt, plan, shards, opts)
+                execute(ckpt, plan, shards, opts, devs)
         else:
-            execute(ckpt, plan, shards, opts)
+            execute(ckpt, plan, shards, opts, devs)
         folder.copy_files(src, skip={CONFIG_NAME})
         total = sum(t.nbytes for t in planned)
         folder.finish(updated_config(ckpt.config, qconfig, plan.config_updates), total)

@@ -109,7 +109,7 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder (atomically, at the end).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and exit without reading tensor data.")
 @click.option("--skip-incompatible", is_flag=True, help="Keep weights the scheme cannot take dense (listed in ignore and reported) instead of failing.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N, cuda:0,1 or all (every GPU).")
 @click.option("--lm-head-chunk-rows", type=click.IntRange(min=1), default=8192, show_default=True, help="Rows of lm_head processed at a time.")
 @click.pass_obj
 def quantize(ctx: _Ctx, src, output, scheme, lm_head, targets, ignore, max_shard_size, overwrite, dry_run, skip_incompatible, device, lm_head_chunk_rows):

@@ -46,6 +46,27 @@ class ExecOptions:
     impl: str = "auto"
 
 
+def resolve_devices(spec: str | None) -> list[torch.device]:
+    """Parse ``--device``: ``auto``, ``cpu``, ``cuda``, ``cuda:N``, a list (``cuda:0,1`` or
+    ``cuda:0,cuda:1``), or ``all`` (every CUDA device). Raises :class:`UsageError`."""
+    s = (spec or "auto").strip().lower()
+    if s == "all":
+        if not torch.cuda.is_available():
+            raise UsageError("--device all needs CUDA devices, and none is available")
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    if "," in s:
+        parts = [p.strip() for p in s.split(",") if p.strip()]
+        out = []
+        for p in parts:
+            if p.isdigit():
+                p = f"cuda:{p}"
+            out.append(resolve_device(p))
+        if len(set(out)) != len(out) and any(d.type == "cuda" for d in out):
+            raise UsageError(f"device {spec!r} names a GPU twice")
+        return out
+    return [resolve_device(s)]
+
+
 def resolve_device(spec: str | None) -> torch.device:
     """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``."""
     s = (spec or "auto").strip().lower()
@@ -359,6 +380,49 @@ class _null:
         return False
 
 
-def execute(ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions) -> None:
-    """Run every unit of ``plan`` in order, writing into ``shards``."""
-    Executor(ckpt, plan, shards, opts).run()
+def unit_bytes(ckpt: Checkpoint, unit: Unit) -> int:
+    return sum(ckpt.tensors[s].nbytes for s in unit.sources)
+
+
+def split_units(ckpt: Checkpoint, units: list[Unit], parts: int) -> list[list[Unit]]:
+    """Deal units (fused sets, tensors) to ``parts`` workers, largest first, to the least loaded."""
+    load = [0] * parts
+    out: list[list[Unit]] = [[] for _ in range(parts)]
+    for u in sorted(units, key=lambda u: -unit_bytes(ckpt, u)):
+        i = load.index(min(load))
+        out[i].append(u)
+        load[i] += unit_bytes(ckpt, u)
+    order = {id(u): k for k, u in enumerate(units)}
+    return [sorted(p, key=lambda u: order[id(u)]) for p in out]
+
+
+def execute(ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions,
+            devices: list[torch.device] | None = None) -> None:
+    """Run every unit of ``plan``, writing into ``shards``.
+
+    With several devices, units (a fused set or a tensor: the unit of work)
+    are dealt to one executor per device by size; all write into the same
+    shard files at disjoint offsets, so the output is the same bytes.
+    """
+    import dataclasses
+
+    devices = devices or [opts.device]
+    if len(devices) == 1:
+        Executor(ckpt, plan, shards, dataclasses.replace(opts, device=devices[0])).run()
+        return
+    errors: list[BaseException] = []
+
+    def work(units: list[Unit], dev: torch.device) -> None:
+        try:
+            Executor(ckpt, dataclasses.replace(plan, units=units), shards, dataclasses.replace(opts, device=dev)).run()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(part, dev), name=f"ctconvert-{dev}")
+               for part, dev in zip(split_units(ckpt, plan.units, len(devices)), devices) if part]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

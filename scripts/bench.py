@@ -107,7 +107,11 @@ def make_model(path: Path, shards: int = 4) -> Path:
 
 
 def timed(cmd: list[str], env: dict | None = None) -> dict:
-    """Run ``cmd``; wall seconds and its own peak RSS (bytes) from wait4."""
+    """Run ``cmd``; wall seconds and its peak RSS (bytes) from wait4.
+
+    A child's peak RSS starts at its parent's RSS at fork time (Linux keeps the
+    high-water mark across fork and exec), so this process never imports torch.
+    """
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     out, err = b"", b""
@@ -133,10 +137,16 @@ def main() -> None:
     ap.add_argument("--schemes", default="FP8_DYNAMIC,W4A16,NVFP4A16")
     ap.add_argument("--peer-python", default=os.environ.get("CTCONVERT_PEER_PYTHON", "/work/venvs/llmc/bin/python"))
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--make-model", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.make_model:  # run in a child so that this process stays small (children inherit its peak RSS)
+        make_model(Path(a.make_model))
+        return
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    src = Path(a.model) if a.model else make_model(work / "llama-1b-bf16")
+    src = Path(a.model) if a.model else work / "llama-1b-bf16"
+    if not a.model and not (src / "model.safetensors.index.json").exists():
+        subprocess.run([sys.executable, __file__, "--make-model", str(src)], check=True)
     in_bytes = dir_bytes(src)
     peer_ok = not a.no_peer and Path(a.peer_python).exists()
     py = sys.executable

@@ -238,3 +238,23 @@ def test_fp16_and_fp32_inputs(tmp_path):
         ref = ct_compress(src[w + ".weight"], "W4A16")
         assert got[w + ".weight_scale"].dtype == dtype
         assert bytes_of(got[w + ".weight_packed"]) == bytes_of(ref["weight_packed"])
+
+
+def test_several_workers_write_the_same_bytes(tiny_llama, tmp_path):
+    """--device with several devices deals units to one executor each; the output is identical."""
+    for scheme in ("NVFP4A16", "W4A16_ASYM"):
+        a, b = tmp_path / f"a{scheme}", tmp_path / f"b{scheme}"
+        api.quantize(tiny_llama, a, scheme, max_shard_size="300KB")
+        api.quantize(tiny_llama, b, scheme, max_shard_size="300KB", device="cpu,cpu,cpu")
+        for f in sorted(p.name for p in a.iterdir()):
+            assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+def test_device_spec_errors():
+    from ctconvert.pipeline import resolve_devices
+
+    assert [str(d) for d in resolve_devices("cpu")] == ["cpu"]
+    with pytest.raises(UsageError, match="CUDA"):
+        resolve_devices("all" if not torch.cuda.is_available() else "cuda:99")
+    with pytest.raises(UsageError, match="unknown device"):
+        resolve_devices("tpu:0,cpu")

@@ -185,11 +185,13 @@ if _HAVE_TRITON:
             tl.store(out_ptr + base + offs, libdevice.rint(v).to(tl.int8), mask=offs < K)
 
     @triton.jit
-    def _fp4_codes(x, inv_or_s, NVFP4: tl.constexpr, DT: tl.constexpr):
+    def _fp4_codes(x, d, NVFP4: tl.constexpr, DT: tl.constexpr):
         if NVFP4:
-            v = tl.div_rn(x, inv_or_s)
+            v = tl.div_rn(x, d)
         else:
-            v = _rd(tl.div_rn(x, inv_or_s), DT)
+            # d is 2^(127-e), the exact reciprocal of the power-of-two scale: x * d and x / 2^(e-127)
+            # are the same real number, so they round to the same fp32 value
+            v = _rd(x * d, DT)
         return _e2m1(tl.minimum(tl.maximum(v, -6.0), 6.0))
 
     @triton.jit
@@ -243,8 +245,8 @@ if _HAVE_TRITON:
             if DT == 1:  # 2^(e-127) underflows fp16 below 2^-24: compressed-tensors then uses scale 1
                 e = tl.where(e < 103, 127, e)
             tl.store(s_ptr + rows[:, None] * NG + groups[None, :], e.to(tl.uint8), mask=m2)
-            # 2^(e-127) as fp32 bits: normal for e >= 1; e == 0 is the subnormal 2^-127 (0x00400000)
-            d = tl.where(e == 0, 4194304, e << 23).to(tl.float32, bitcast=True)
+            # the reciprocal of the scale 2^(e-127): 2^(127-e), fp32 bits (254 - e) << 23 (normal for e <= 253)
+            d = ((254 - e) << 23).to(tl.float32, bitcast=True)
         lo = _fp4_codes(xe, d[:, :, None], NVFP4, DT)
         hi = _fp4_codes(xo, d[:, :, None], NVFP4, DT)
         packed = (lo | (hi << 4)).to(tl.uint8)
