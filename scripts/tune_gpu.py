@@ -23,10 +23,10 @@ from ctconvert.formats.fp4 import nvfp4_global_scale
 from ctconvert.schemes import get_scheme
 
 SPACE = {
-    "fp8_row": [{"max_single": m, "num_warps": nw} for m, nw in itertools.product([0, 16384], [4, 8, 16])],
+    "fp8_row": [{"max_single": m, "num_warps": nw} for m, nw in itertools.product([0, 16384], [4, 8])],
     "fp8_block": [{"num_warps": nw} for nw in (4, 8, 16)],
-    "int_group": [{"elems": e, "num_warps": nw} for e, nw in itertools.product([4096, 8192, 16384], [4, 8])],
-    "fp4": [{"br": br, "cols": c, "num_warps": nw} for br, c, nw in itertools.product([8, 16, 32], [128, 256, 512], [4, 8])],
+    "int_group": [{"elems": e, "num_warps": nw} for e, nw in itertools.product([1024, 2048, 4096, 8192], [2, 4])],
+    "fp4": [{"br": br, "cols": c, "num_warps": nw} for br, c, nw in itertools.product([2, 4, 8], [256, 512, 1024], [2, 4])],
 }
 USES = {"FP8_DYNAMIC": "fp8_row", "FP8_BLOCK": "fp8_block", "W4A16": "int_group", "W4A16_ASYM": "int_group", "W8A16": "int_group",
         "NVFP4A16": "fp4", "MXFP4A16": "fp4"}

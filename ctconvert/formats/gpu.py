@@ -33,10 +33,10 @@ _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 #: launch configurations (scripts/tune_gpu.py sweeps them on a large weight)
 TUNE = {
-    "fp8_row": {"max_single": 16384, "num_warps": 8},
+    "fp8_row": {"max_single": 0, "num_warps": 8},
     "fp8_block": {"num_warps": 16},
     "int_group": {"elems": 4096, "num_warps": 4},
-    "fp4": {"br": 16, "cols": 256, "num_warps": 4},
+    "fp4": {"br": 8, "cols": 512, "num_warps": 4},
 }
 _EPS = {0: 2.0**-7, 1: 2.0**-10, 2: 2.0**-23}
 
