@@ -258,3 +258,14 @@ def test_device_spec_errors():
         resolve_devices("all" if not torch.cuda.is_available() else "cuda:99")
     with pytest.raises(UsageError, match="unknown device"):
         resolve_devices("tpu:0,cpu")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_all_gpus_write_the_same_bytes_as_the_cpu(tiny_llama, tmp_path):
+    for scheme in ("NVFP4A16", "W4A16", "FP8_BLOCK"):
+        a, b = tmp_path / f"a{scheme}", tmp_path / f"b{scheme}"
+        api.quantize(tiny_llama, a, scheme, device="cpu")
+        res = api.quantize(tiny_llama, b, scheme, device="all")
+        assert res.device.count("cuda") >= 2
+        for f in sorted(p.name for p in a.iterdir()):
+            assert (a / f).read_bytes() == (b / f).read_bytes(), f
