@@ -47,6 +47,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 src, out, nbytes, device = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+device = "cpu" if device == "cpu" else "cuda"  # the floor uses one device
 files = sorted(src.glob("*.safetensors"))
 total = 0
 for f in files:
