@@ -126,6 +126,20 @@ def quantize(
     return result
 
 
+def verify(path: str | Path, reference: str | Path | None = None) -> dict:
+    """Check a compressed-tensors checkpoint (and its error against ``reference``); see :mod:`ctconvert.verify`."""
+    from .verify import verify as _verify
+
+    return _verify(path, reference)
+
+
+def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_shard_size: str | int = "5GB", overwrite: bool = False) -> dict:
+    """Write a dense copy of a compressed-tensors checkpoint; see :mod:`ctconvert.decompress`."""
+    from .decompress import decompress as _decompress
+
+    return _decompress(src, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+
+
 def inspect(path: str | Path) -> dict:
     """Summarize a dense or compressed-tensors checkpoint; see :mod:`ctconvert.inspect`."""
     return inspect_checkpoint(Path(path))

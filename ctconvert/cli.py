@@ -216,6 +216,56 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
         con.print("no problems found")
 
 
+@main.command("verify")
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--reference", type=click.Path(file_okay=False, path_type=str), help="The dense source: compare every tensor with it.")
+@click.pass_obj
+def verify_cmd(ctx: _Ctx, path, reference):
+    """Check the compressed-tensors checkpoint PATH; exit 5 when a check fails."""
+    from . import api
+
+    report = _run(ctx, lambda: api.verify(path, reference))
+    if ctx.json:
+        ctx.emit_json(report)
+    else:
+        from rich.table import Table
+
+        con = ctx.console()
+        if report["tensors"]:
+            t = Table(title=f"error against {reference}")
+            for col in ("module", "format", "rel L2", "max abs", "SNR dB", "limit", "ok"):
+                t.add_column(col)
+            for r in report["tensors"]:
+                t.add_row(r["module"], r["format"], f"{r['rel_l2']:.4f}", f"{r['max_abs']:.3g}", f"{r['snr_db']:.1f}", str(r["threshold"]),
+                          "[green]yes[/]" if r["ok"] else "[red]NO[/]")
+            con.print(t)
+        for p in report["problems"]:
+            where = " ".join(x for x in (p.get("file"), p.get("tensor")) if x)
+            con.print(f"[{'red' if p['severity'] == 'error' else 'yellow'}]{p['severity']}[/]: {where}: {p['message']}")
+        con.print("[green]verify: passed[/]" if report["ok"] else "[red]verify: FAILED[/]")
+    if not report["ok"]:
+        sys.exit(errors.EXIT_VERIFY_FAILED)
+
+
+@main.command("decompress")
+@click.argument("src", type=click.Path(file_okay=False, path_type=str))
+@click.option("-o", "--output", "output", required=True, type=click.Path(path_type=str), help="Output folder.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option("--max-shard-size", default="5GB", show_default=True)
+@click.option("--overwrite", is_flag=True)
+@click.pass_obj
+def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
+    """Write a dense copy of the compressed-tensors checkpoint SRC."""
+    from . import api
+
+    res = _run(ctx, lambda: api.decompress(src, output, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite))
+    if ctx.json:
+        ctx.emit_json({"ok": True, **res})
+    elif not ctx.quiet:
+        click.echo(f"wrote {res['output']}: {res['modules_decompressed']} modules decompressed to {dtype}, "
+                   f"{_human(res['input_bytes'])} -> {_human(res['output_bytes'])} in {res['seconds']:.1f} s")
+
+
 @main.command()
 @click.pass_obj
 def schemes(ctx: _Ctx):

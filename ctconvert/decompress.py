@@ -1,0 +1,148 @@
+"""compressed-tensors checkpoint -> dense checkpoint (bf16 by default).
+
+Every quantized Linear (any format ctconvert writes: float-, int-, naive-,
+pack-, nvfp4-pack- and mxfp4-pack-quantized) becomes a dense ``weight``
+computed as compressed-tensors' own ``decompress`` computes it
+(:mod:`ctconvert.formats.dequant`), row chunk by row chunk; activation
+scales are dropped; every other tensor is copied unchanged; ``config.json``
+loses its ``quantization_config``. Written atomically like ``quantize``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from .checkpoint.reader import CONFIG_NAME, open_checkpoint
+from .checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, read_bytes, read_rows, read_tensor
+from .checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
+from .errors import BadInputError, UnsupportedError, UsageError
+from .formats.dequant import dequantize_weight, logical_shape
+from .modules import ACT_PARTS, QUANT_PARTS, Module, modules_of
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KNOWN_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+
+
+def _rows_of(info, r0: int, r1: int) -> torch.Tensor:
+    return read_rows(info, r0, r1)
+
+
+def module_rows(m: Module, r0: int, r1: int, n: int) -> dict[str, torch.Tensor]:
+    """The compressed tensors of module ``m`` that cover dense rows ``[r0, r1)`` of ``n``."""
+    w = m.weights or {}
+    strategy = w.get("strategy")
+    bits = int(w.get("num_bits") or 8)
+    out: dict[str, torch.Tensor] = {}
+    for part, info in m.parts.items():
+        if part in ("weight", "weight_packed"):
+            out[part] = _rows_of(info, r0, r1)
+        elif part in ("weight_scale", "weight_zero_point"):
+            if info.numel <= 1 or strategy == "tensor" or len(info.shape) < 2:
+                out[part] = read_tensor(info)
+            elif strategy == "block":
+                bh = (w.get("block_structure") or [128, 128])[0]
+                out[part] = _rows_of(info, r0 // bh, min(info.shape[0], math.ceil(r1 / bh)))
+            elif part == "weight_zero_point" and info.dtype == "I32":  # packed along dim 0
+                out[part] = _rows_of(info, r0 * bits // 32, min(info.shape[0], math.ceil(r1 * bits / 32)))
+            else:
+                out[part] = _rows_of(info, r0, r1)
+        elif part == "weight_global_scale":
+            out[part] = read_tensor(info)
+    return out
+
+
+def _shape(m: Module) -> tuple[int, int]:
+    ws = m.parts.get("weight_shape")
+    shape = [int(x) for x in read_tensor(ws).tolist()] if ws is not None else None
+    return logical_shape({p: i.shape for p, i in m.parts.items()}, m.weights or {}, m.format, shape)
+
+
+def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_shard_size: str | int = "5GB",
+               overwrite: bool = False, chunk_elems: int = 16 * 2**20, progress=None) -> dict:
+    """Write a dense copy of the compressed-tensors checkpoint ``src`` to ``out``.
+
+    Raises :class:`UnsupportedError` for formats or features it cannot
+    dequantize (sparse formats, ``weight_g_idx`` act-order), and the usual
+    input/output errors. Returns a summary dict.
+    """
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    od = DTYPES[dtype]
+    ckpt = open_checkpoint(src, strict=True)
+    qcfg = ckpt.quantization_config
+    if not qcfg or qcfg.get("quant_method") != "compressed-tensors":
+        raise UnsupportedError("not a compressed-tensors checkpoint (no quantization_config with quant_method compressed-tensors)", file=src / CONFIG_NAME)
+    if (qcfg.get("sparsity_config") or {}).get("format"):
+        raise UnsupportedError(f"sparse format {qcfg['sparsity_config']['format']!r} cannot be decompressed", file=src / CONFIG_NAME)
+    check_output_path(src, out, overwrite)
+    mods = modules_of(ckpt)
+    planned: list[PlannedTensor] = []
+    jobs: list[tuple[str, object]] = []
+    order = sorted(ckpt.tensors, key=lambda n: (str(ckpt.tensors[n].file), ckpt.tensors[n].start))
+    done_modules: set[str] = set()
+    for name in order:
+        mod, _, part = name.rpartition(".")
+        m = mods.get(mod)
+        if m is not None and m.quantized:
+            if m.group is None:
+                raise BadInputError("quantized tensors that no config group targets", file=ckpt.tensors[name].file.name, tensor=name)
+            if m.format not in KNOWN_FORMATS:
+                raise UnsupportedError(f"format {m.format!r} cannot be decompressed", file=ckpt.tensors[name].file.name, tensor=name)
+            if "weight_g_idx" in m.parts:
+                raise UnsupportedError("act-order weights (weight_g_idx) cannot be decompressed", file=ckpt.tensors[name].file.name, tensor=name)
+            if part in QUANT_PARTS or part in ACT_PARTS or part == "weight":
+                if mod not in done_modules:
+                    done_modules.add(mod)
+                    n, k = _shape(m)
+                    planned.append(PlannedTensor(mod + ".weight", TORCH_TO_ST[od], (n, k)))
+                    jobs.append(("dequant", (m, n, k)))
+                continue
+        info = ckpt.tensors[name]
+        planned.append(PlannedTensor(name, info.dtype, info.shape))
+        jobs.append(("copy", info))
+    folder = OutputFolder(out, overwrite=overwrite)
+    try:
+        shards = folder.open_shards(assign_shards(planned, parse_size(max_shard_size)))
+        with torch.inference_mode():
+            for kind, job in jobs:
+                if kind == "copy":
+                    info = job
+                    for b0 in range(0, info.nbytes, 64 * 2**20):
+                        nb = min(64 * 2**20, info.nbytes - b0)
+                        shards[info.name].write(info.name, read_bytes(info, b0, nb), b0)
+                    continue
+                m, n, k = job
+                name = m.name + ".weight"
+                step = max(128, (chunk_elems // max(1, k)) // 128 * 128)
+                pos = 0
+                for r0 in range(0, n, step):
+                    r1 = min(n, r0 + step)
+                    parts = module_rows(m, r0, r1, n)
+                    if "weight_shape" in m.parts:
+                        parts["weight_shape"] = torch.tensor([r1 - r0, k])
+                    try:
+                        dense = dequantize_weight(parts, m.weights, m.format).to(od)
+                    except (KeyError, ValueError, RuntimeError) as e:
+                        raise BadInputError(f"cannot dequantize ({m.format}): {e}", file=m.parts[next(iter(m.parts))].file.name, tensor=name) from e
+                    shards[name].write(name, dense, pos)
+                    pos += dense.numel() * dense.element_size()
+        cfg = copy.deepcopy(ckpt.config)
+        cfg.pop("quantization_config", None)
+        if isinstance(cfg.get("text_config"), dict):
+            cfg["text_config"].pop("quantization_config", None)
+        folder.copy_files(src, skip={CONFIG_NAME})
+        total = sum(t.nbytes for t in planned)
+        folder.finish(cfg, total)
+        folder.commit()
+    except BaseException:
+        folder.abort()
+        raise
+    return {"output": str(out), "modules_decompressed": len(done_modules), "dtype": dtype, "input_bytes": ckpt.total_bytes,
+            "output_bytes": total, "seconds": round(time.perf_counter() - t0, 3)}

@@ -1,0 +1,166 @@
+"""Verify a compressed-tensors checkpoint: structure, values, and (with a reference) error per tensor.
+
+Structure: the folder validates (index, shards, no duplicates); the config
+says ``quant_method: compressed-tensors`` and ``quantization_status:
+compressed``; every quantized module is explained by a config group and has
+its format's tensors; every dense Linear is in ``ignore``; NVFP4 fused sets
+share one global scale (compressed-tensors-format.md §9.1); no float tensor
+holds NaN/inf and no E4M3 byte is NaN (0x7F/0xFF, field-notes report 2).
+
+With ``reference`` (the dense source): every quantized weight is dequantized
+and compared (relative L2, max abs, SNR in dB) against a per-format threshold;
+every other tensor must equal its source exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from .checkpoint.reader import Problem, open_checkpoint
+from .checkpoint.safetensors_io import read_bytes, read_rows, read_tensor
+from .decompress import _shape, module_rows
+from .formats.dequant import dequantize_weight
+from .modules import ACT_PARTS, QUANT_PARTS, modules_of
+from .plan import _FUSED_OF, _find_embedding
+
+#: largest relative L2 error accepted per (type, bits) of the weights
+THRESHOLDS = {("float", 8): 0.08, ("int", 8): 0.04, ("int", 4): 0.25, ("float", 4): 0.30}
+REQUIRED = {
+    "pack-quantized": ("weight_packed", "weight_scale", "weight_shape"),
+    "nvfp4-pack-quantized": ("weight_packed", "weight_scale", "weight_global_scale"),
+    "mxfp4-pack-quantized": ("weight_packed", "weight_scale"),
+    "float-quantized": ("weight", "weight_scale"),
+    "int-quantized": ("weight", "weight_scale"),
+    "naive-quantized": ("weight", "weight_scale"),
+}
+CHUNK = 16 * 2**20
+
+
+def _threshold(weights: dict) -> float:
+    return THRESHOLDS.get((weights.get("type"), int(weights.get("num_bits") or 0)), 0.3)
+
+
+def verify(path: str | Path, reference: str | Path | None = None) -> dict:
+    """Return the verification report (``ok`` is the verdict)."""
+    path = Path(path)
+    ckpt = open_checkpoint(path, strict=False)
+    problems: list[Problem] = list(ckpt.problems)
+    qcfg = ckpt.quantization_config
+
+    def err(msg, tensor=None, file=None):
+        problems.append(Problem("error", msg, file, tensor))
+
+    if not qcfg:
+        err("config.json has no quantization_config", file=str(path / "config.json"))
+        qcfg = {}
+    else:
+        if qcfg.get("quant_method") != "compressed-tensors":
+            err(f"quant_method is {qcfg.get('quant_method')!r}, not 'compressed-tensors'")
+        if qcfg.get("quantization_status") != "compressed":
+            err(f"quantization_status is {qcfg.get('quantization_status')!r}; transformers then initializes weights randomly")
+    mods = modules_of(ckpt)
+    gs_sets: dict[tuple, dict[str, float]] = {}
+    for m in mods.values():
+        if m.quantized:
+            if m.group is None:
+                err("quantized tensors that no config group explains (or listed in ignore)", tensor=m.name)
+                continue
+            missing = [p for p in REQUIRED.get(m.format or "", ()) if p not in m.parts]
+            if m.format not in REQUIRED:
+                err(f"unknown format {m.format!r}", tensor=m.name)
+            elif missing:
+                err(f"format {m.format} needs {', '.join(missing)}", tensor=m.name)
+            if "weight_global_scale" in m.parts:
+                parent, _, leaf = m.name.rpartition(".")
+                if leaf in _FUSED_OF:
+                    gs_sets.setdefault((parent, _FUSED_OF[leaf]), {})[leaf] = float(read_tensor(m.parts["weight_global_scale"]).float().reshape(-1)[0])
+        elif m.group is not None and "weight" in m.parts:
+            err(f"dense Linear weight matched by config group {m.group!r} but not in ignore", tensor=m.name)
+    for (parent, _), vals in gs_sets.items():
+        if len(set(vals.values())) > 1:
+            err(f"fused set members have different NVFP4 global scales {vals}", tensor=parent)
+    # values: NaN/inf in float tensors, NaN bytes in E4M3 tensors
+    for name, info in ckpt.tensors.items():
+        if info.dtype in ("BF16", "F16", "F32", "F64", "F8_E4M3"):
+            bad = 0
+            rows = max(1, CHUNK // max(1, info.nbytes // max(1, info.shape[0]))) if info.shape else 1
+            for r0 in range(0, info.shape[0] if info.shape else 1, rows):
+                t = read_rows(info, r0, min(info.shape[0], r0 + rows)) if info.shape else read_tensor(info)
+                if info.dtype == "F8_E4M3":
+                    b = t.view(torch.uint8)
+                    bad += int(((b & 0x7F) == 0x7F).sum())
+                else:
+                    bad += int((~torch.isfinite(t)).sum())
+            if bad:
+                err(f"{bad} NaN/inf values" + (" (E4M3 NaN bytes 0x7F/0xFF)" if info.dtype == "F8_E4M3" else ""), tensor=name, file=info.file.name)
+    rows_out = []
+    if reference is not None:
+        ref = open_checkpoint(reference, strict=True)
+        emb = _find_embedding(ref.tensors)
+        for m in mods.values():
+            if not (m.quantized and m.group is not None and m.format in REQUIRED):
+                continue
+            src = ref.tensors.get(m.name + ".weight")
+            if src is None and m.name.endswith("lm_head") and emb:
+                src = ref.tensors[emb]
+            if src is None:
+                err("no reference weight for this module", tensor=m.name)
+                continue
+            n, k = _shape(m)
+            if tuple(src.shape) != (n, k):
+                err(f"shape {n}x{k} differs from the reference {list(src.shape)}", tensor=m.name)
+                continue
+            se = sr = 0.0
+            mx = 0.0
+            step = max(128, (CHUNK // max(1, k)) // 128 * 128)
+            for r0 in range(0, n, step):
+                r1 = min(n, r0 + step)
+                parts = module_rows(m, r0, r1, n)
+                if "weight_shape" in m.parts:
+                    parts["weight_shape"] = torch.tensor([r1 - r0, k])
+                got = dequantize_weight(parts, m.weights, m.format).float()
+                want = read_rows(src, r0, r1).float()
+                d = got - want
+                se += float((d * d).sum())
+                sr += float((want * want).sum())
+                mx = max(mx, float(d.abs().max()) if d.numel() else 0.0)
+            rel = math.sqrt(se / sr) if sr > 0 else (0.0 if se == 0 else math.inf)
+            snr = 10 * math.log10(sr / se) if se > 0 and sr > 0 else math.inf
+            limit = _threshold(m.weights or {})
+            ok = rel <= limit
+            rows_out.append({"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "ok": ok})
+            if not ok:
+                err(f"relative L2 error {rel:.4f} exceeds {limit} for {m.format}", tensor=m.name)
+        # tensors that are not quantized weights must equal the source
+        for name, info in ckpt.tensors.items():
+            mod, _, part = name.rpartition(".")
+            mm = mods.get(mod)
+            if mm is not None and mm.quantized and (part in QUANT_PARTS or part in ACT_PARTS or part == "weight"):
+                continue
+            s = ref.tensors.get(name)
+            if s is None:
+                if not (name.startswith("lm_head.") and emb):
+                    err("tensor not in the reference", tensor=name)
+                continue
+            if s.dtype != info.dtype or s.shape != info.shape:
+                err(f"{info.dtype}{list(info.shape)} differs from the reference {s.dtype}{list(s.shape)}", tensor=name)
+                continue
+            same = True
+            for b0 in range(0, info.nbytes, CHUNK):
+                nb = min(CHUNK, info.nbytes - b0)
+                if not torch.equal(read_bytes(info, b0, nb), read_bytes(s, b0, nb)):
+                    same = False
+                    break
+            if not same:
+                err("bytes differ from the reference (a pass-through tensor was changed)", tensor=name)
+    errors = [p for p in problems if p.severity == "error"]
+    return {
+        "path": str(path),
+        "reference": str(reference) if reference else None,
+        "ok": not errors,
+        "problems": [p.to_dict() for p in problems],
+        "tensors": rows_out,
+    }

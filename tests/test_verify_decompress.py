@@ -1,0 +1,95 @@
+"""verify (structure, values, error against the source) and decompress (back to dense)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from ct_reference import PRESET_FORMAT
+from ctconvert import api
+from ctconvert.cli import main
+
+SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_verify_passes_and_decompress_matches_compressed_tensors(tiny_llama, tmp_path, scheme):
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, scheme, max_shard_size="300KB", lm_head="nvfp4a16")
+    rep = api.verify(q, tiny_llama)
+    assert rep["ok"], rep["problems"]
+    assert len(rep["tensors"]) == 15 and all(r["rel_l2"] < r["threshold"] for r in rep["tensors"])
+    d = tmp_path / "d"
+    res = api.decompress(q, d)
+    assert res["modules_decompressed"] == 15
+    cfg = json.loads((d / "config.json").read_text())
+    assert "quantization_config" not in cfg
+    dense = {}
+    for f in d.glob("*.safetensors"):
+        dense.update(load_file(f))
+    comp = {}
+    for f in q.glob("*.safetensors"):
+        comp.update(load_file(f))
+    src = llama_tensors(LLAMA_CONFIG)
+    assert set(dense) == set(src)
+    m = "model.layers.1.mlp.up_proj"
+    sd = {k.rpartition(".")[2]: v for k, v in comp.items() if k.startswith(m + ".")}
+    ref = BaseCompressor.get_value_from_registry(PRESET_FORMAT[scheme]).decompress(sd, preset_name_to_scheme(scheme, ["Linear"]))["weight"]
+    assert torch.equal(dense[m + ".weight"], ref.to(torch.bfloat16))
+    assert torch.equal(dense["model.norm.weight"], src["model.norm.weight"])
+
+
+def test_decompressed_model_loads_in_transformers(tiny_llama, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    api.quantize(tiny_llama, tmp_path / "q", "W4A16")
+    api.decompress(tmp_path / "q", tmp_path / "d")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "d"), dtype=torch.bfloat16)
+    assert getattr(model.config, "quantization_config", None) is None
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_verify_catches_problems(tiny_llama, tmp_path):
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, "NVFP4A16")
+    f = q / "model.safetensors"
+    t = load_file(f)
+    t["model.layers.0.self_attn.k_proj.weight_global_scale"] *= 2
+    sc = t["model.layers.0.mlp.down_proj.weight_scale"].view(torch.uint8).clone()
+    sc[0, 0] = 0x7F
+    t["model.layers.0.mlp.down_proj.weight_scale"] = sc.view(torch.float8_e4m3fn)
+    t["model.norm.weight"] = t["model.norm.weight"].clone()
+    t["model.norm.weight"][0] = 2.0
+    save_file(t, f, metadata={"format": "pt"})
+    rep = api.verify(q, tiny_llama)
+    msgs = " | ".join(p["message"] for p in rep["problems"])
+    assert not rep["ok"]
+    assert "different NVFP4 global scales" in msgs and "E4M3 NaN bytes" in msgs and "pass-through tensor was changed" in msgs
+    r = CliRunner().invoke(main, ["verify", str(q), "--reference", str(tiny_llama)])
+    assert r.exit_code == 5 and "FAILED" in r.stdout
+
+
+def test_verify_threshold_fails_on_a_wrong_scale(tiny_llama, tmp_path):
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, "W4A16")
+    f = q / "model.safetensors"
+    t = load_file(f)
+    t["model.layers.1.mlp.gate_proj.weight_scale"] = t["model.layers.1.mlp.gate_proj.weight_scale"] * 1.5
+    save_file(t, f, metadata={"format": "pt"})
+    rep = api.verify(q, tiny_llama)
+    bad = [r for r in rep["tensors"] if not r["ok"]]
+    assert [r["module"] for r in bad] == ["model.layers.1.mlp.gate_proj"]
+    r = CliRunner().invoke(main, ["--json", "verify", str(q), "--reference", str(tiny_llama)])
+    assert r.exit_code == 5 and json.loads(r.stdout)["ok"] is False
+
+
+def test_decompress_refuses_dense_input(tiny_llama, tmp_path):
+    r = CliRunner().invoke(main, ["decompress", str(tiny_llama), "-o", str(tmp_path / "d")])
+    assert r.exit_code == 4 and "not a compressed-tensors checkpoint" in r.stderr
