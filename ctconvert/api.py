@@ -7,9 +7,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from . import __version__
+from .checkpoint.hashing import HASH_NAME, hash_tensor_bytes, new_hasher
+from .checkpoint.reader import INDEX_NAME
+from .checkpoint.writer import shard_names
+from .errors import OutputError
 
 from .checkpoint.config import build_quantization_config, updated_config
 from .checkpoint.reader import CONFIG_NAME, open_checkpoint
@@ -36,6 +45,8 @@ class QuantizeResult:
     ignore: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     device: str = "cpu"
+    reused_shards: list[str] = field(default_factory=list)
+    rewritten_shards: list[str] = field(default_factory=list)
     plan: Plan | None = None
 
     def to_dict(self) -> dict:
@@ -60,6 +71,8 @@ def quantize(
     device: str = "auto",
     lm_head_chunk_rows: int = 8192,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    resume: bool = False,
+    refresh: bool = False,
     progress=None,
 ) -> QuantizeResult:
     """Convert the dense checkpoint ``src`` to a compressed-tensors checkpoint at ``out``.
@@ -73,7 +86,11 @@ def quantize(
 
     The plan (every tensor's fate) is made from the headers before any data is
     read; with ``dry_run`` nothing else happens. The output is written into a
-    temporary folder and renamed into place only when complete.
+    hidden folder and renamed into place only when complete. ``resume`` keeps
+    the shards an interrupted run of the same command finished (checked by
+    sha256); ``refresh`` re-derives, against an existing output, only the
+    tensors whose source bytes changed and rewrites only their shards. Every
+    output records per-tensor provenance in ``ctconvert-provenance.json``.
 
     Raises :class:`ctconvert.errors.CTConvertError` subclasses with one-line
     messages naming the file and tensor.
@@ -100,30 +117,123 @@ def quantize(
 
         raise UsageError("an output folder is required (-o/--output)")
     out = Path(out)
-    check_output_path(src, out, overwrite)
+    options = {"scheme": plan.scheme.name, "lm_head": lm_head.lower(), "targets": targets or ["Linear"], "ignore": list(ignore or []),
+               "max_shard_size": shard_limit, "skip_incompatible": skip_incompatible, "lm_head_chunk_rows": lm_head_chunk_rows}
+    old_prov = None
+    if refresh:
+        old_prov = _load_provenance(out, options)
+    else:
+        check_output_path(src, out, overwrite)
     qconfig = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
     planned = [PlannedTensor(n, d, s) for n, d, s in plan.output_tensors]
-    folder = OutputFolder(out, overwrite=overwrite)
+    assignment = assign_shards(planned, shard_limit)
+    fingerprint = _fingerprint(ckpt, options, planned)
+    folder = OutputFolder(out, overwrite=overwrite or refresh, fingerprint=fingerprint, resume=resume)
+    keep_partial = False
     try:
-        shards = folder.open_shards(assign_shards(planned, shard_limit))
-        opts = ExecOptions(device=devs[0], chunk_elems=chunk_elems)
+        reuse_from = None
+        units = plan.units
+        if old_prov is not None:
+            reuse_from, units, result.rewritten_shards = _refresh_plan(ckpt, plan, assignment, out, old_prov)
+        shards = folder.open_shards(assignment, reuse_from=reuse_from)
+        done = folder.completed
+        shard_of = folder.weight_map
+        todo = [u for u in units if any(shard_of[o[0]] not in done for o in u.outputs)]
+        hashes = {s: new_hasher() for u in todo for s in u.sources}
+        opts = ExecOptions(device=devs[0], chunk_elems=chunk_elems, hashes=hashes)
+        run_plan = dataclasses.replace(plan, units=todo)
+        keep_partial = True
         if progress is not None:
-            with progress(ckpt.total_bytes) as bar:
+            with progress(sum(ckpt.tensors[s].nbytes for u in todo for s in u.sources)) as bar:
                 opts.progress = bar
-                execute(ckpt, plan, shards, opts, devs)
+                execute(ckpt, run_plan, shards, opts, devs)
         else:
-            execute(ckpt, plan, shards, opts, devs)
-        folder.copy_files(src, skip={CONFIG_NAME})
+            execute(ckpt, run_plan, shards, opts, devs)
+        src_hashes = {n: h.hexdigest() for n, h in hashes.items()}
+        for u in plan.units:  # units kept from an earlier run: hash their sources now
+            for s in u.sources:
+                if s not in src_hashes:
+                    src_hashes[s] = (old_prov or {}).get("_hashes", {}).get(s) or hash_tensor_bytes(ckpt.tensors[s])
+        folder.copy_files(src, skip={CONFIG_NAME, PROVENANCE})
         total = sum(t.nbytes for t in planned)
-        folder.finish(updated_config(ckpt.config, qconfig, plan.config_updates), total)
+        prov = _provenance(ckpt, plan, options, src_hashes)
+        folder.finish(updated_config(ckpt.config, qconfig, plan.config_updates), total, {PROVENANCE: prov})
         result.shards = sorted(set(folder.weight_map.values()))
+        result.reused_shards = sorted(n for n, why in folder.reused.items() if why == "resume")
         folder.commit()
+    except (KeyboardInterrupt, OutputError, OSError):
+        folder.abort(keep=keep_partial)
+        raise
     except BaseException:
         folder.abort()
         raise
     result.output_bytes = total
     result.seconds = time.perf_counter() - t0
     return result
+
+
+PROVENANCE = "ctconvert-provenance.json"
+
+
+def _fingerprint(ckpt, options: dict, planned: list[PlannedTensor]) -> str:
+    """Identity of a run: ctconvert version, options, source files (name, size, mtime) and the output layout."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"version": __version__, "options": options}, sort_keys=True).encode())
+    for f in ckpt.files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for t in planned:
+        h.update(f"{t.name}:{t.dtype}:{t.shape}".encode())
+    return h.hexdigest()
+
+
+def _provenance(ckpt, plan: Plan, options: dict, src_hashes: dict[str, str]) -> dict:
+    """Per output tensor: the source tensors (file, name, content hash) it was derived from."""
+    tensors = {}
+    for u in plan.units:
+        srcs = [{"file": ckpt.tensors[s].file.name, "tensor": s, HASH_NAME: src_hashes[s]} for s in u.sources]
+        for name, _, _ in u.outputs:
+            if u.kind == "quantize" and not (u.scheme.global_scale and u.fused):
+                mod = name.rpartition(".")[0]
+                srcs_t = [x for x, m in zip(srcs, u.modules) if m == mod] or srcs
+            else:
+                srcs_t = srcs
+            tensors[name] = srcs_t
+    return {"ctconvert": __version__, "hash": HASH_NAME, "source": str(ckpt.path), "options": options, "tensors": tensors}
+
+
+def _load_provenance(out: Path, options: dict) -> dict:
+    from .errors import UsageError
+
+    p = out / PROVENANCE
+    if not p.is_file():
+        raise UsageError("--refresh needs an earlier ctconvert output with ctconvert-provenance.json", file=out)
+    prov = json.loads(p.read_text())
+    if prov.get("options") != json.loads(json.dumps(options)):
+        raise UsageError("--refresh needs the same options as the earlier conversion "
+                         f"(earlier: {prov.get('options')}); run a full conversion with --overwrite instead", file=p)
+    if prov.get("hash") != HASH_NAME:
+        raise UsageError(f"earlier provenance uses {prov.get('hash')}, this install {HASH_NAME}; run a full conversion", file=p)
+    prov["_hashes"] = {s["tensor"]: s[HASH_NAME] for srcs in prov["tensors"].values() for s in srcs}
+    return prov
+
+
+def _refresh_plan(ckpt, plan: Plan, assignment, out: Path, prov: dict):
+    """Which shards of the earlier output can be reused, which units must run, which shards are rewritten."""
+    old_index = json.loads((out / INDEX_NAME).read_text())["weight_map"]
+    new_map = {t.name: name for name, ts in zip(shard_names(len(assignment)), assignment) for t in ts}
+    if old_index != new_map:
+        dirty = set(new_map.values())  # layout changed: everything is rewritten
+    else:
+        dirty = set()
+        for u in plan.units:
+            for s in u.sources:
+                if prov["_hashes"].get(s) != hash_tensor_bytes(ckpt.tensors[s]):
+                    dirty.update(new_map[o[0]] for o in u.outputs)
+                    break
+    reuse = {name: out / name for name in set(new_map.values()) - dirty}
+    units = [u for u in plan.units if any(new_map[o[0]] in dirty for o in u.outputs)]
+    return reuse, units, sorted(dirty)
 
 
 def verify(path: str | Path, reference: str | Path | None = None) -> dict:

@@ -90,6 +90,18 @@ def main(click_ctx, as_json, debug, quiet):
     click_ctx.obj = _Ctx(as_json, debug, quiet)
 
 
+def _json_option(f):
+    """``--json`` accepted after the command name too (``ctconvert inspect X --json``)."""
+
+    def cb(click_ctx, _param, value):
+        if value:
+            click_ctx.find_object(_Ctx).json = True
+        return value
+
+    return click.option("--json", "json_flag", is_flag=True, expose_value=False, callback=cb, is_eager=True,
+                        help="One machine-readable JSON document on stdout.")(f)
+
+
 def _split(values: tuple[str, ...]) -> list[str]:
     out = []
     for v in values:
@@ -111,8 +123,12 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--skip-incompatible", is_flag=True, help="Keep weights the scheme cannot take dense (listed in ignore and reported) instead of failing.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N, cuda:0,1 or all (every GPU).")
 @click.option("--lm-head-chunk-rows", type=click.IntRange(min=1), default=8192, show_default=True, help="Rows of lm_head processed at a time.")
+@click.option("--resume", is_flag=True, help="Reuse the shards an interrupted run of the same command finished (checked by sha256).")
+@click.option("--refresh", is_flag=True, help="Against an existing output: re-derive only tensors whose source changed; rewrite only their shards.")
+@_json_option
 @click.pass_obj
-def quantize(ctx: _Ctx, src, output, scheme, lm_head, targets, ignore, max_shard_size, overwrite, dry_run, skip_incompatible, device, lm_head_chunk_rows):
+def quantize(ctx: _Ctx, src, output, scheme, lm_head, targets, ignore, max_shard_size, overwrite, dry_run, skip_incompatible, device,
+             lm_head_chunk_rows, resume, refresh):
     """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint."""
     from . import api
 
@@ -121,7 +137,7 @@ def quantize(ctx: _Ctx, src, output, scheme, lm_head, targets, ignore, max_shard
     result = _run(ctx, lambda: api.quantize(
         src, output, scheme, lm_head=lm_head, targets=_split(targets) or None, ignore=_split(ignore),
         max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run, skip_incompatible=skip_incompatible,
-        device=device, lm_head_chunk_rows=lm_head_chunk_rows, progress=_progress_factory(ctx),
+        device=device, lm_head_chunk_rows=lm_head_chunk_rows, resume=resume, refresh=refresh, progress=_progress_factory(ctx),
     ))
     if ctx.json:
         ctx.emit_json({"ok": True, **result.to_dict()})
@@ -136,6 +152,10 @@ def quantize(ctx: _Ctx, src, output, scheme, lm_head, targets, ignore, max_shard
             f"{len(result.shards)} shard(s), {_human(result.input_bytes)} -> {_human(result.output_bytes)} ({ratio:.2f}x) "
             f"in {result.seconds:.1f} s on {result.device}"
         )
+        if result.reused_shards:
+            click.echo(f"resumed: {len(result.reused_shards)} shard(s) kept from the interrupted run", err=True)
+        if refresh:
+            click.echo(f"refreshed: rewrote {len(result.rewritten_shards)} of {len(result.shards)} shard(s)", err=True)
         for n in result.notes:
             click.echo(f"note: {n}", err=True)
 
@@ -162,6 +182,7 @@ def _print_plan(ctx: _Ctx, result) -> None:
 @main.command("inspect")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--all-layers", is_flag=True, help="List every layer (default: every layer when <= 60, else a summary per scheme).")
+@_json_option
 @click.pass_obj
 def inspect_cmd(ctx: _Ctx, path, all_layers):
     """Show per-layer scheme, format, dtypes, shapes, bytes, bits per weight and problems of PATH."""
@@ -219,6 +240,7 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
 @main.command("verify")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--reference", type=click.Path(file_okay=False, path_type=str), help="The dense source: compare every tensor with it.")
+@_json_option
 @click.pass_obj
 def verify_cmd(ctx: _Ctx, path, reference):
     """Check the compressed-tensors checkpoint PATH; exit 5 when a check fails."""
@@ -253,6 +275,7 @@ def verify_cmd(ctx: _Ctx, path, reference):
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--max-shard-size", default="5GB", show_default=True)
 @click.option("--overwrite", is_flag=True)
+@_json_option
 @click.pass_obj
 def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
     """Write a dense copy of the compressed-tensors checkpoint SRC."""
@@ -267,6 +290,7 @@ def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
 
 
 @main.command()
+@_json_option
 @click.pass_obj
 def schemes(ctx: _Ctx):
     """List the schemes and the compressed-tensors format each writes."""

@@ -16,8 +16,10 @@ This is the only module that knows about devices, threads and progress.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +46,7 @@ class ExecOptions:
     hold_bytes: int = DEFAULT_HOLD_BYTES
     progress: object | None = None  # anything with .update(nbytes)
     impl: str = "auto"
+    hashes: dict | None = None  # source tensor name -> hasher, fed as the bytes stream by
 
 
 def resolve_devices(spec: str | None) -> list[torch.device]:
@@ -179,6 +182,7 @@ class Executor:
 
     # -- writing (a thread of its own: output bytes go to disk while the next chunks compute) --
     def _writer(self) -> None:
+        delay = float(os.environ.get("CTCONVERT_TEST_SLOW_WRITE", "0") or 0)  # fault-injection hook for the kill tests
         while True:
             item = self.wq.get()
             if item is None:
@@ -186,6 +190,8 @@ class Executor:
             if self.write_error is not None:
                 continue
             name, t, pos = item
+            if delay:
+                time.sleep(delay)
             try:
                 self.shards[name].write(name, t, pos)
             except BaseException as e:  # noqa: BLE001 - re-raised by the computing thread
@@ -210,12 +216,31 @@ class Executor:
         read_bytes(info, job.start * row_bytes, n, out=buf)
         return buf
 
+    def _hash(self, job: Job, data: torch.Tensor) -> None:
+        """Feed a source tensor's hash: every byte once, in order (not on the second NVFP4 pass)."""
+        unit = self.plan.units[job.unit]
+        if job.kind == "quant" and unit.scheme.global_scale:
+            return
+        info = self.ckpt.tensors[unit.sources[job.member]]
+        h = self.opts.hashes.get(info.name)
+        if h is None:
+            return
+        if job.kind == "copy":
+            n = job.stop - job.start
+        else:
+            n = (job.stop - job.start) * (info.nbytes // max(1, info.shape[0]))
+        raw = data.reshape(-1).view(torch.uint8) if data.dtype != torch.uint8 else data.reshape(-1)
+        h.update(raw[:n].numpy())
+
     def _reader(self, jobs, q: queue.Queue, stop: threading.Event):
         try:
             for job in jobs:
                 if stop.is_set():
                     return
-                q.put((job, self._read(job)))
+                data = self._read(job)
+                if self.opts.hashes is not None:
+                    self._hash(job, data)
+                q.put((job, data))
             q.put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             q.put(e)

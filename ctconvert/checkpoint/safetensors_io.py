@@ -20,6 +20,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,10 +210,15 @@ class ShardFile:
     and :meth:`close` checks that every byte range was written.
     """
 
-    def __init__(self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None):
+    def __init__(self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None, on_complete=None):
         self.path = Path(path)
+        self.on_complete = on_complete
+        self.kept = False
+        self.closed = False
+        self._lock = threading.Lock()
         order = sorted(range(len(tensors)), key=lambda i: -DTYPES[tensors[i].dtype][1])
-        header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        existing = metadata == "__existing__"
+        header: dict[str, object] = {"__metadata__": {"format": "pt"} if existing or not metadata else dict(metadata)}
         self.offsets: dict[str, tuple[int, int]] = {}
         pos = 0
         for i in order:
@@ -225,12 +231,25 @@ class ShardFile:
         self.data_start = 8 + len(raw)
         self.size = self.data_start + pos
         self.written: dict[str, int] = {t.name: 0 for t in tensors}
+        self.remaining = pos
+        self._header = raw
+        if existing:
+            return
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             os.ftruncate(self.fd, self.size)
             self._pwrite(struct.pack("<Q", len(raw)) + raw, 0)
         except OSError as e:
             raise OutputError(f"cannot create shard: {e.strerror or e}", file=self.path) from e
+
+    @classmethod
+    def existing(cls, path: Path, tensors: list[PlannedTensor]) -> "ShardFile":
+        """A shard finished by an earlier run: writes to it are dropped."""
+        f = cls(path, tensors, metadata="__existing__")
+        f.kept = True
+        f.closed = True
+        f.written = {t.name: f.offsets[t.name][1] for t in tensors}
+        return f
 
     def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
@@ -244,6 +263,8 @@ class ShardFile:
         ``tensor`` must be a CPU tensor; its raw bytes (row-major) are written,
         so a row range of a row-major tensor can be written on its own.
         """
+        if self.kept:
+            return
         start, nbytes = self.offsets[name]
         t = tensor.detach().contiguous()
         if t.device.type != "cpu":
@@ -257,10 +278,19 @@ class ShardFile:
                 self._pwrite(raw, self.data_start + start + byte_offset)
         except OSError as e:
             raise OutputError(f"write failed: {e.strerror or e}", file=self.path, tensor=name) from e
-        self.written[name] += n
+        with self._lock:
+            self.written[name] += n
+            self.remaining -= n
+            done = self.remaining == 0 and self.on_complete is not None
+        if done:
+            self.on_complete(self)
 
     def close(self) -> None:
-        """Flush to disk and check that every tensor got all its bytes."""
+        """Flush to disk and check that every tensor got all its bytes (once)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
         try:
             missing = [n for n, k in self.written.items() if k != self.offsets[n][1]]
             if missing:
@@ -272,6 +302,10 @@ class ShardFile:
             os.close(self.fd)
 
     def abort(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
         try:
             os.close(self.fd)
         except OSError:

@@ -1,17 +1,22 @@
 """Write a checkpoint folder atomically: shards, index, config.json, copied files.
 
-Everything goes into a hidden temporary folder next to the output
-(``.<name>.ctconvert-tmp-<pid>``); only when every shard is flushed, the index
+Everything goes into a hidden folder next to the output
+(``.<name>.ctconvert-partial``); only when every shard is flushed, the index
 and ``config.json`` written and the other files copied is that folder renamed
 to the output path. A run that dies leaves only the hidden folder, which no
-loader takes for a checkpoint, and a later run removes stale ones.
+loader takes for a checkpoint (it has no ``config.json`` or index); a later
+run either resumes from it (``--resume``) or clears it.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import OutputError, UsageError
@@ -74,37 +79,124 @@ def check_output_path(src: Path, out: Path, overwrite: bool) -> None:
         raise OutputError("output path exists and is not a folder", file=out)
 
 
-class OutputFolder:
-    """The temporary folder that becomes the output checkpoint on :meth:`commit`."""
+JOURNAL = "ctconvert-journal.json"
 
-    def __init__(self, out: Path, overwrite: bool = False):
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes (the content hash recorded per finished shard)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class OutputFolder:
+    """The hidden folder that becomes the output checkpoint on :meth:`commit`.
+
+    It is named ``.<out>.ctconvert-partial`` next to the output and holds a
+    journal (``ctconvert-journal.json``): a fingerprint of the run (source
+    identity and options) and, for every shard finished so far, its size and
+    sha256. A later run with ``resume`` and the same fingerprint keeps every
+    journaled shard whose bytes still hash the same; any other run starts it
+    afresh. A lock (``flock``) keeps two runs out of one folder.
+    """
+
+    def __init__(self, out: Path, overwrite: bool = False, fingerprint: str = "", resume: bool = False):
         self.out = Path(out).absolute()
         self.overwrite = overwrite
+        self.fingerprint = fingerprint
         parent = self.out.parent
+        self.tmp = parent / f".{self.out.name}.ctconvert-partial"
+        self.journal: dict = {"fingerprint": fingerprint, "shards": {}}
+        self.reused: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._hasher: ThreadPoolExecutor | None = None
+        self._pending: list = []
         try:
             parent.mkdir(parents=True, exist_ok=True)
             for stale in parent.glob(f".{self.out.name}.ctconvert-tmp-*"):
-                pid = stale.name.rsplit("-", 1)[-1]
-                if not (pid.isdigit() and _pid_alive(int(pid))):
-                    shutil.rmtree(stale, ignore_errors=True)
-            self.tmp = parent / f".{self.out.name}.ctconvert-tmp-{os.getpid()}"
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            self.tmp.mkdir()
+                shutil.rmtree(stale, ignore_errors=True)
+            self.tmp.mkdir(exist_ok=True)
+            self._lockfd = os.open(self.tmp / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise OutputError("another ctconvert run is writing this output", file=self.out) from None
+            old = self._read_journal()
+            if resume and old.get("fingerprint") == fingerprint:
+                self.journal["shards"] = {k: v for k, v in old.get("shards", {}).items() if self._still_valid(k, v)}
+            else:
+                for p in self.tmp.iterdir():
+                    if p.name != ".lock":
+                        shutil.rmtree(p) if p.is_dir() else p.unlink()
+            self._save_journal()
         except OSError as e:
-            raise OutputError(f"cannot create the output folder: {e.strerror or e}", file=parent) from e
+            raise OutputError(f"cannot prepare the output folder: {e.strerror or e}", file=self.tmp) from e
         self.shards: list[ShardFile] = []
         self.weight_map: dict[str, str] = {}
 
-    def open_shards(self, shards: list[list[PlannedTensor]]) -> dict[str, ShardFile]:
-        """Create every shard file with its final header; return tensor name -> shard."""
+    def _read_journal(self) -> dict:
+        try:
+            return json.loads((self.tmp / JOURNAL).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _still_valid(self, name: str, rec: dict) -> bool:
+        p = self.tmp / name
+        return p.is_file() and p.stat().st_size == rec.get("size") and file_sha256(p) == rec.get("sha256")
+
+    def _save_journal(self) -> None:
+        with self._lock:
+            data = json.dumps(self.journal, indent=1)
+            tmp = self.tmp / (JOURNAL + ".new")
+            tmp.write_text(data)
+            os.replace(tmp, self.tmp / JOURNAL)
+
+    @property
+    def completed(self) -> set[str]:
+        """Shard names already finished and journaled (kept from an earlier run)."""
+        return set(self.journal["shards"])
+
+    def open_shards(self, shards: list[list[PlannedTensor]], reuse_from: dict[str, Path] | None = None) -> dict[str, ShardFile]:
+        """Create every shard file with its final header; return tensor name -> shard.
+
+        Shards already completed (resume) are kept as they are; those named in
+        ``reuse_from`` (refresh) are copied from there and journaled. Writes
+        aimed at kept shards are dropped.
+        """
         by_tensor: dict[str, ShardFile] = {}
+        reuse_from = reuse_from or {}
         for name, tensors in zip(shard_names(len(shards)), shards):
-            f = ShardFile(self.tmp / name, tensors)
+            if name in reuse_from and name not in self.journal["shards"]:
+                shutil.copyfile(reuse_from[name], self.tmp / name)
+                self.journal["shards"][name] = {"size": (self.tmp / name).stat().st_size, "sha256": file_sha256(self.tmp / name)}
+                self.reused[name] = "refresh"
+            if name in self.journal["shards"]:
+                self.reused.setdefault(name, "resume")
+                f = ShardFile.existing(self.tmp / name, tensors)
+            else:
+                f = ShardFile(self.tmp / name, tensors, on_complete=self._shard_done)
             self.shards.append(f)
             for t in tensors:
                 by_tensor[t.name] = f
                 self.weight_map[t.name] = name
+        self._save_journal()
         return by_tensor
+
+    def _shard_done(self, shard: ShardFile) -> None:
+        """A shard got all its bytes: flush it, then hash and journal it in the background."""
+        shard.close()
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctconvert-hash")
+
+        def record():
+            rec = {"size": shard.path.stat().st_size, "sha256": file_sha256(shard.path)}
+            with self._lock:
+                self.journal["shards"][shard.path.name] = rec
+            self._save_journal()
+
+        self._pending.append(self._hasher.submit(record))
 
     def write_json(self, name: str, data: dict, **kw) -> None:
         try:
@@ -132,16 +224,25 @@ class OutputFolder:
             copied.append(str(rel))
         return copied
 
-    def finish(self, config: dict, total_size: int) -> None:
-        """Close shards, write the index and ``config.json`` (last)."""
+    def finish(self, config: dict, total_size: int, extra_json: dict[str, dict] | None = None) -> None:
+        """Close shards, write the index, extra JSON files and ``config.json`` (last)."""
         for f in self.shards:
             f.close()
+        for fut in self._pending:
+            fut.result()
         self.write_json(INDEX_NAME, {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(self.weight_map.items()))})
+        for name, data in (extra_json or {}).items():
+            self.write_json(name, data)
         self.write_json(CONFIG_NAME, config, sort_keys=True)
         _fsync_dir(self.tmp)
 
     def commit(self) -> None:
         """Rename the finished folder into place (replacing an old output with ``overwrite``)."""
+        for name in (JOURNAL, ".lock"):
+            try:
+                (self.tmp / name).unlink()
+            except OSError:
+                pass
         old = None
         try:
             if self.out.exists():
@@ -153,14 +254,26 @@ class OutputFolder:
             if old is not None and not self.out.exists():
                 os.rename(old, self.out)
             raise OutputError(f"cannot move the finished output into place: {e.strerror or e}", file=self.out) from e
+        finally:
+            os.close(self._lockfd)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
-    def abort(self) -> None:
-        """Drop everything written so far."""
+    def abort(self, keep: bool = False) -> None:
+        """Stop writing. With ``keep`` the partial folder stays for ``--resume``; else it is removed."""
         for f in self.shards:
             f.abort()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        for fut in self._pending:
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001
+                pass
+        if not keep:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        try:
+            os.close(self._lockfd)
+        except OSError:
+            pass
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1,0 +1,218 @@
+"""The fault suite: every case gives a clear error or a correct result, never touches the input,
+and never leaves a folder at the output path that a loader would take for a checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from ctconvert import api
+from ctconvert.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tree_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(path)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def run_cli(*args):
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    return r.exit_code, r.stdout, r.stderr
+
+
+def assert_no_checkpoint(out: Path):
+    assert not out.exists() or not (out / "config.json").exists()
+
+
+def _mutate(case: str, m: Path) -> None:
+    shard = m / "model-00002-of-00003.safetensors"
+    if case == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-1000])
+    elif case == "corrupt_header":
+        b = bytearray(shard.read_bytes())
+        b[8:20] = b"#garbage####"
+        shard.write_bytes(bytes(b))
+    elif case == "oversized_header":
+        b = bytearray(shard.read_bytes())
+        b[0:8] = (2**50).to_bytes(8, "little")
+        shard.write_bytes(bytes(b))
+    elif case == "missing_shard":
+        shard.unlink()
+    elif case == "unindexed_shard":
+        (m / "extra.safetensors").write_bytes((m / "model-00001-of-00003.safetensors").read_bytes())
+    elif case == "duplicate_tensor":
+        idx = json.loads((m / "model.safetensors.index.json").read_text())
+        from safetensors.torch import load_file, save_file
+
+        t = load_file(shard)
+        name = next(n for n in idx["weight_map"] if idx["weight_map"][n] == "model-00001-of-00003.safetensors")
+        t[name] = torch.zeros(1)
+        save_file(t, shard)
+    elif case == "config_missing":
+        (m / "config.json").unlink()
+    elif case == "config_invalid":
+        (m / "config.json").write_text("{not json")
+
+
+@pytest.mark.parametrize("case,code,msg", [
+    ("truncated", 3, "truncated"),
+    ("corrupt_header", 3, "not valid JSON"),
+    ("oversized_header", 3, "exceeds"),
+    ("missing_shard", 3, "does not exist"),
+    ("unindexed_shard", 3, "not listed in the index"),
+    ("duplicate_tensor", 3, "also stored in"),
+    ("config_missing", 3, "config.json is missing"),
+    ("config_invalid", 3, "not valid JSON"),
+])
+def test_bad_input(tiny_llama, tmp_path, case, code, msg):
+    _mutate(case, tiny_llama)
+    before = tree_hash(tiny_llama)
+    out = tmp_path / "o"
+    c, _, err = run_cli("quantize", tiny_llama, "-s", "W4A16", "-o", out)
+    assert c == code and msg in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert tree_hash(tiny_llama) == before
+    assert not out.exists() and not list(tmp_path.glob(".o.ctconvert-*"))
+
+
+@pytest.mark.parametrize("shape,msg", [((256,), "1-D weight"), ((2, 256, 256), "3-D weight")])
+def test_wrong_rank_weight(tmp_path, shape, msg):
+    src = llama_tensors(LLAMA_CONFIG)
+    src["model.layers.0.mlp.down_proj.weight"] = torch.zeros(shape, dtype=torch.bfloat16)
+    m = write_checkpoint(tmp_path / "m", src, LLAMA_CONFIG)
+    c, _, err = run_cli("quantize", m, "-s", "W4A16", "-o", tmp_path / "o", "--targets", "re:.*_proj$")
+    assert c == 4 and msg in err
+    assert_no_checkpoint(tmp_path / "o")
+
+
+@pytest.mark.parametrize("row", ["zeros", "tiny"])
+def test_zero_and_tiny_rows_convert(tmp_path, row):
+    src = llama_tensors(LLAMA_CONFIG)
+    w = src["model.layers.0.mlp.down_proj.weight"]
+    w[0] = 0
+    w[1] = 1e-30 if row == "tiny" else 0
+    m = write_checkpoint(tmp_path / "m", src, LLAMA_CONFIG)
+    for s in ("NVFP4A16", "W4A16_ASYM", "FP8_DYNAMIC"):
+        api.quantize(m, tmp_path / s, s)
+        assert api.verify(tmp_path / s, m)["ok"]
+
+
+def test_output_exists(tiny_llama, tmp_path):
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "config.json").write_text("{}")
+    c, _, err = run_cli("quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "o")
+    assert c == 6 and (tmp_path / "o" / "config.json").read_text() == "{}"
+
+
+def _mount_tmpfs(path: Path, size: str, ro: bool = False) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size}" + (",ro" if ro else "")
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True).returncode == 0
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", str(path)], capture_output=True)
+
+
+def test_read_only_output_folder(tiny_llama, tmp_path):
+    mnt = tmp_path / "ro"
+    if not _mount_tmpfs(mnt, "4m", ro=True):
+        pytest.skip("cannot mount a read-only filesystem here")
+    try:
+        before = tree_hash(tiny_llama)
+        c, _, err = run_cli("quantize", tiny_llama, "-s", "W4A16", "-o", mnt / "o")
+        assert c == 6 and "Read-only" in err and "Traceback" not in err
+        assert tree_hash(tiny_llama) == before
+        assert not (mnt / "o").exists()
+    finally:
+        _umount(mnt)
+
+
+def test_disk_full(tiny_llama, tmp_path):
+    mnt = tmp_path / "small"
+    if not _mount_tmpfs(mnt, "300k"):
+        pytest.skip("cannot mount a small filesystem here")
+    try:
+        before = tree_hash(tiny_llama)
+        c, _, err = run_cli("quantize", tiny_llama, "-s", "W8A16", "-o", mnt / "o", "--max-shard-size", "100KB")
+        assert c == 6 and "No space left" in err and "Traceback" not in err, err
+        assert tree_hash(tiny_llama) == before
+        assert not (mnt / "o").exists()
+        assert not any((p / "config.json").exists() for p in mnt.iterdir())
+    finally:
+        _umount(mnt)
+
+
+def _big_model(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(5)
+    t = {f"model.layers.{i}.mlp.{m}.weight": (torch.randn(1024, 2048, generator=g) * 0.02).to(torch.bfloat16)
+         for i in range(12) for m in ("gate_proj", "up_proj", "down_proj")}
+    return write_checkpoint(tmp_path / "m", t, {"architectures": ["LlamaForCausalLM"]}, shards=2)
+
+
+def test_sigkill_then_resume_is_identical(tmp_path):
+    m = _big_model(tmp_path)
+    before = tree_hash(m)
+    ref = tmp_path / "ref"
+    api.quantize(m, ref, "NVFP4A16", max_shard_size="8MB")
+    out = tmp_path / "o"
+    partial = tmp_path / ".o.ctconvert-partial"
+    cmd = [sys.executable, "-m", "ctconvert", "quantize", str(m), "-s", "NVFP4A16", "-o", str(out), "--max-shard-size", "8MB"]
+    env = dict(os.environ, CTCONVERT_TEST_SLOW_WRITE="0.05")
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        j = partial / "ctconvert-journal.json"
+        if j.exists() and len(json.loads(j.read_text() or "{}").get("shards", {})) >= 2:
+            break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not out.exists() and partial.exists() and not (partial / "config.json").exists()
+    r = subprocess.run([*cmd, "--resume", "--json"], capture_output=True, text=True, env={k: v for k, v in os.environ.items()})
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert len(doc["reused_shards"]) >= 2
+    assert tree_hash(out) == tree_hash(ref)
+    assert tree_hash(m) == before
+    assert not partial.exists()
+
+
+def test_refresh_rewrites_only_changed_shards(tmp_path):
+    m = _big_model(tmp_path)
+    out = tmp_path / "o"
+    api.quantize(m, out, "W4A16", max_shard_size="4MB")
+    prov = json.loads((out / "ctconvert-provenance.json").read_text())
+    rec = prov["tensors"]["model.layers.3.mlp.up_proj.weight_packed"]
+    assert rec[0]["tensor"] == "model.layers.3.mlp.up_proj.weight" and len(rec[0][prov["hash"]]) > 8
+    # a fine-tuning step changes one tensor
+    from safetensors.torch import load_file, save_file
+
+    idx = json.loads((m / "model.safetensors.index.json").read_text())
+    f = m / idx["weight_map"]["model.layers.3.mlp.up_proj.weight"]
+    t = load_file(f)
+    t["model.layers.3.mlp.up_proj.weight"] = t["model.layers.3.mlp.up_proj.weight"] * 1.01
+    save_file(t, f, metadata={"format": "pt"})
+    res = api.quantize(m, out, "W4A16", max_shard_size="4MB", refresh=True)
+    assert 1 <= len(res.rewritten_shards) < len(res.shards)
+    full = tmp_path / "full"
+    api.quantize(m, full, "W4A16", max_shard_size="4MB")
+    assert tree_hash(out) == tree_hash(full)
+    with pytest.raises(Exception, match="same options"):
+        api.quantize(m, out, "W8A16", max_shard_size="4MB", refresh=True)
