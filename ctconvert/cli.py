@@ -289,6 +289,20 @@ def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
                    f"{_human(res['input_bytes'])} -> {_human(res['output_bytes'])} in {res['seconds']:.1f} s")
 
 
+@main.command("batch")
+@click.argument("jobs_file", type=click.Path(dir_okay=False, path_type=str))
+@click.option("--keep-going", is_flag=True, help="Run every job even after one fails.")
+@_json_option
+@click.pass_obj
+def batch_cmd(ctx: _Ctx, jobs_file, keep_going):
+    """Run the conversions listed in JOBS_FILE (YAML or JSON); one JSON line per job on stdout."""
+    from .batch import load_jobs, run_jobs
+
+    jobs = _run(ctx, lambda: load_jobs(jobs_file))
+    code = _run(ctx, lambda: run_jobs(jobs, keep_going=keep_going, emit=click.echo))
+    sys.exit(code)
+
+
 @main.command()
 @_json_option
 @click.pass_obj

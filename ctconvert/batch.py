@@ -1,0 +1,97 @@
+"""Many conversions in one call: a YAML (or JSON) file of jobs, one JSON line of result per job.
+
+    defaults:            # optional, applied to every job
+      scheme: W4A16
+      max_shard_size: 5GB
+    jobs:
+      - model: /models/llama-8b
+        output: /out/llama-8b-w4a16
+      - model: /models/llama-8b
+        output: /out/llama-8b-nvfp4
+        scheme: NVFP4A16
+        lm_head: nvfp4a16
+        ignore: ["re:.*mlp.gate$"]
+
+Keys of a job are the keyword arguments of :func:`ctconvert.api.quantize`
+(``scheme``, ``lm_head``, ``targets``, ``ignore``, ``max_shard_size``,
+``overwrite``, ``skip_incompatible``, ``device``, ``resume``, ``refresh``)
+plus ``model`` and ``output``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .errors import EXIT_INTERNAL, CTConvertError, UsageError
+
+ALLOWED = {"model", "output", "scheme", "lm_head", "targets", "ignore", "max_shard_size", "overwrite", "skip_incompatible",
+           "device", "resume", "refresh", "lm_head_chunk_rows"}
+
+
+def load_jobs(path: str | Path) -> list[dict]:
+    """Read and check the jobs file. Raises :class:`UsageError` naming the file and job."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise UsageError(f"cannot read the jobs file: {e.strerror or e}", file=p) from e
+    try:
+        if p.suffix == ".json":
+            doc = json.loads(text)
+        else:
+            import yaml
+
+            doc = yaml.safe_load(text)
+    except Exception as e:  # noqa: BLE001 - yaml and json raise different classes
+        raise UsageError(f"jobs file is not valid YAML/JSON ({e})", file=p) from e
+    if isinstance(doc, list):
+        doc = {"jobs": doc}
+    if not isinstance(doc, dict) or not isinstance(doc.get("jobs"), list):
+        raise UsageError("jobs file needs a 'jobs' list", file=p)
+    defaults = doc.get("defaults") or {}
+    jobs = []
+    for i, j in enumerate(doc["jobs"]):
+        if not isinstance(j, dict):
+            raise UsageError(f"job {i} is not a mapping", file=p)
+        job = {**defaults, **j}
+        unknown = set(job) - ALLOWED
+        if unknown:
+            raise UsageError(f"job {i}: unknown keys {sorted(unknown)}", file=p)
+        for k in ("model", "output", "scheme"):
+            if k not in job:
+                raise UsageError(f"job {i}: missing {k!r}", file=p)
+        jobs.append(job)
+    return jobs
+
+
+def run_jobs(jobs: list[dict], keep_going: bool = False, emit=print) -> int:
+    """Run the jobs in order; ``emit`` gets one JSON line per job. Returns the exit code.
+
+    The exit code is 0 when every job succeeded, else that of the first failure.
+    Without ``keep_going`` the jobs after a failure are reported as skipped.
+    """
+    from . import api
+
+    code = 0
+    for i, job in enumerate(jobs):
+        if code and not keep_going:
+            emit(json.dumps({"job": i, "status": "skipped", "model": str(job["model"]), "output": str(job["output"])}))
+            continue
+        t0 = time.perf_counter()
+        kw = {k: v for k, v in job.items() if k not in ("model", "output", "scheme")}
+        line = {"job": i, "model": str(job["model"]), "output": str(job["output"]), "scheme": job["scheme"]}
+        try:
+            r = api.quantize(job["model"], job["output"], job["scheme"], **kw)
+            line.update(status="ok", input_bytes=r.input_bytes, output_bytes=r.output_bytes, shards=len(r.shards),
+                        seconds=round(time.perf_counter() - t0, 3), error=None)
+        except CTConvertError as e:
+            line.update(status="error", seconds=round(time.perf_counter() - t0, 3), error=str(e), exit_code=e.exit_code)
+            code = code or e.exit_code
+        except Exception as e:  # noqa: BLE001 - reported per job
+            line.update(status="error", seconds=round(time.perf_counter() - t0, 3), error=f"internal error: {type(e).__name__}: {e}",
+                        exit_code=EXIT_INTERNAL)
+            code = code or EXIT_INTERNAL
+        emit(json.dumps(line))
+    return code
