@@ -11,7 +11,6 @@ run either resumes from it (``--resume``) or clears it.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from ..errors import OutputError, UsageError
 from .reader import CONFIG_NAME, INDEX_NAME
+from .hashing import HASH_NAME, new_hasher
 from .safetensors_io import PlannedTensor, ShardFile
 
 
@@ -82,9 +82,9 @@ def check_output_path(src: Path, out: Path, overwrite: bool) -> None:
 JOURNAL = "ctconvert-journal.json"
 
 
-def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes (the content hash recorded per finished shard)."""
-    h = hashlib.sha256()
+def file_hash(path: Path) -> str:
+    """Content hash of a file's bytes (recorded per finished shard; :mod:`.hashing`'s algorithm)."""
+    h = new_hasher()
     with open(path, "rb") as f:
         while chunk := f.read(16 * 2**20):
             h.update(chunk)
@@ -97,7 +97,7 @@ class OutputFolder:
     It is named ``.<out>.ctconvert-partial`` next to the output and holds a
     journal (``ctconvert-journal.json``): a fingerprint of the run (source
     identity and options) and, for every shard finished so far, its size and
-    sha256. A later run with ``resume`` and the same fingerprint keeps every
+    content hash (xxh3-128). A later run with ``resume`` and the same fingerprint keeps every
     journaled shard whose bytes still hash the same; any other run starts it
     afresh. A lock (``flock``) keeps two runs out of one folder.
     """
@@ -144,7 +144,7 @@ class OutputFolder:
 
     def _still_valid(self, name: str, rec: dict) -> bool:
         p = self.tmp / name
-        return p.is_file() and p.stat().st_size == rec.get("size") and file_sha256(p) == rec.get("sha256")
+        return p.is_file() and p.stat().st_size == rec.get("size") and file_hash(p) == rec.get(HASH_NAME)
 
     def _save_journal(self) -> None:
         with self._lock:
@@ -170,7 +170,7 @@ class OutputFolder:
         for name, tensors in zip(shard_names(len(shards)), shards):
             if name in reuse_from and name not in self.journal["shards"]:
                 shutil.copyfile(reuse_from[name], self.tmp / name)
-                self.journal["shards"][name] = {"size": (self.tmp / name).stat().st_size, "sha256": file_sha256(self.tmp / name)}
+                self.journal["shards"][name] = {"size": (self.tmp / name).stat().st_size, HASH_NAME: file_hash(self.tmp / name)}
                 self.reused[name] = "refresh"
             if name in self.journal["shards"]:
                 self.reused.setdefault(name, "resume")
@@ -191,7 +191,7 @@ class OutputFolder:
             self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctconvert-hash")
 
         def record():
-            rec = {"size": shard.path.stat().st_size, "sha256": file_sha256(shard.path)}
+            rec = {"size": shard.path.stat().st_size, HASH_NAME: file_hash(shard.path)}
             with self._lock:
                 self.journal["shards"][shard.path.name] = rec
             self._save_journal()
