@@ -25,7 +25,7 @@ from .checkpoint.reader import CONFIG_NAME, open_checkpoint
 from .checkpoint.safetensors_io import PlannedTensor
 from .checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
 from .inspect import inspect_checkpoint
-from .pipeline import DEFAULT_CHUNK_ELEMS, ExecOptions, execute, resolve_devices
+from .pipeline import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES, ExecOptions, execute, resolve_devices
 from .plan import Plan, make_plan
 
 
@@ -71,6 +71,7 @@ def quantize(
     device: str = "auto",
     lm_head_chunk_rows: int = 8192,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    hold_bytes: int = DEFAULT_HOLD_BYTES,
     resume: bool = False,
     refresh: bool = False,
     progress=None,
@@ -82,7 +83,9 @@ def quantize(
     compressed-tensors style names, ``re:`` patterns or ``Linear``.
     ``progress``: a callable ``(total_bytes) -> context manager with .update(n)``.
     ``device``: ``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``cuda:0,1`` or ``all``
-    (several GPUs share the work by fused set and tensor).
+    (several GPUs share the work by fused set and tensor). ``chunk_elems``:
+    elements per row chunk; ``hold_bytes``: largest NVFP4 fused set read once
+    and held until its global scale is known (larger sets are read twice).
 
     The plan (every tensor's fate) is made from the headers before any data is
     read; with ``dry_run`` nothing else happens. The output is written into a
@@ -140,7 +143,7 @@ def quantize(
         shard_of = folder.weight_map
         todo = [u for u in units if any(shard_of[o[0]] not in done for o in u.outputs)]
         hashes = {s: new_hasher() for u in todo for s in u.sources}
-        opts = ExecOptions(device=devs[0], chunk_elems=chunk_elems, hashes=hashes)
+        opts = ExecOptions(device=devs[0], chunk_elems=chunk_elems, hold_bytes=hold_bytes, hashes=hashes)
         run_plan = dataclasses.replace(plan, units=todo)
         keep_partial = True
         if progress is not None:

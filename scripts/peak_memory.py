@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("scheme")
     ap.add_argument("--chunk-elems", type=int, default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--hold-bytes", type=int, default=None)
     a = ap.parse_args()
     from ctconvert import api
     from ctconvert.checkpoint.config import build_quantization_config
@@ -43,6 +44,8 @@ def main() -> None:
         f.write("5")
     base = rss_now_kib()
     kw = {"chunk_elems": a.chunk_elems} if a.chunk_elems else {}
+    if a.hold_bytes is not None:
+        kw["hold_bytes"] = a.hold_bytes
     t0 = time.perf_counter()
     res = api.quantize(a.src, a.out, a.scheme, device=a.device, **kw)
     dt = time.perf_counter() - t0
