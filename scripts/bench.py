@@ -125,6 +125,26 @@ def timed(cmd: list[str], env: dict | None = None) -> dict:
     return {"seconds": dt, "peak_rss_bytes": ru.ru_maxrss * 1024, "stdout": out.decode()}
 
 
+COMPARE = r"""
+import json, sys, torch
+from pathlib import Path
+from safetensors import safe_open
+a, b = Path(sys.argv[1]), Path(sys.argv[2])
+ia = json.loads((a / "model.safetensors.index.json").read_text())["weight_map"]
+ib = json.loads((b / "model.safetensors.index.json").read_text())["weight_map"]
+same = set(ia) == set(ib)
+for n in ia if same else []:
+    with safe_open(a / ia[n], "pt") as f:
+        x = f.get_tensor(n)
+    with safe_open(b / ib[n], "pt") as f:
+        y = f.get_tensor(n)
+    if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+        same = False
+        break
+print(json.dumps({"identical": same, "tensors": len(ia)}))
+"""
+
+
 def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*.safetensors"))
 
@@ -171,6 +191,9 @@ def main() -> None:
                 pr = timed([a.peer_python, str(ROOT / "scripts" / "peer_llmc.py"), str(src), str(po), "--scheme", scheme, "--device", a.device])
                 doc = json.loads(pr["stdout"].strip().splitlines()[-1])
                 pr["call_seconds"] = doc.get("seconds")
+                if rep == 0:  # every tensor byte-identical to llm-compressor's?
+                    cmp = timed([py, "-c", COMPARE, str(out), str(po)], env)
+                    pr["identical"] = json.loads(cmp["stdout"].strip().splitlines()[-1])["identical"]
                 runs.setdefault((scheme, "peer"), []).append(pr)
             print(f"[rep {rep + 1}] {scheme}: " + ", ".join(f"{k}={runs[(scheme, k)][-1]['seconds']:.2f}s" for k in ("floor", "ctconvert", "peer") if (scheme, k) in runs), file=sys.stderr)
     results = []
@@ -185,6 +208,7 @@ def main() -> None:
                         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs)}
             if who == "peer":
                 row[who]["call_seconds"] = round(statistics.median(r["call_seconds"] for r in rs), 3)
+                row["outputs_identical_to_peer"] = rs[0].get("identical")
         c = row["ctconvert"]
         row["ctconvert"]["output_bytes"] = runs[(scheme, "ctconvert")][-1]["output_bytes"]
         row["ratio_ctconvert_over_floor"] = round(c["seconds"] / row["floor"]["seconds"], 3)
