@@ -289,6 +289,31 @@ def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
                    f"{_human(res['input_bytes'])} -> {_human(res['output_bytes'])} in {res['seconds']:.1f} s")
 
 
+@main.command("repack")
+@click.argument("src", type=click.Path(file_okay=False, path_type=str))
+@click.option("-o", "--output", "output", required=True, type=click.Path(path_type=str), help="Output folder.")
+@click.option("-t", "--target", required=True, type=click.Choice(["marlin", "cutlass-nvfp4", "compressed-tensors"]),
+              help="Kernel layout to build, or compressed-tensors to undo a repack.")
+@click.option("--layout-version", default="0.33", show_default=True, help="vLLM release whose layout to build (0.21, 0.25, 0.29 ... 0.33).")
+@click.option("--act-dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True, help="Activation dtype the kernel will run with.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--max-shard-size", default="5GB", show_default=True)
+@click.option("--overwrite", is_flag=True)
+@_json_option
+@click.pass_obj
+def repack_cmd(ctx: _Ctx, src, output, target, layout_version, act_dtype, device, max_shard_size, overwrite):
+    """Rebuild the quantized weights of SRC in a kernel-native layout (or back to compressed-tensors)."""
+    from .repack import repack
+
+    res = _run(ctx, lambda: repack(src, output, target, layout_version=layout_version, act_dtype=act_dtype, device=device,
+                                   max_shard_size=max_shard_size, overwrite=overwrite))
+    if ctx.json:
+        ctx.emit_json({"ok": True, **res})
+    elif not ctx.quiet:
+        click.echo(f"wrote {res['output']}: {res['modules']} modules repacked for {target} (vLLM layout {layout_version}) "
+                   f"in {res['seconds']:.1f} s on {res['device']}")
+
+
 @main.command("batch")
 @click.argument("jobs_file", type=click.Path(dir_okay=False, path_type=str))
 @click.option("--keep-going", is_flag=True, help="Run every job even after one fails.")

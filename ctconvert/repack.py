@@ -1,0 +1,204 @@
+"""``ctconvert repack``: compressed-tensors <-> kernel-native layouts, module by module.
+
+Forward (``--target marlin`` or ``cutlass-nvfp4``): every quantized module
+whose format the target kernel takes is rebuilt in the layout vLLM would build
+at load time (:mod:`ctconvert.layouts.targets`); other tensors are copied.
+The output carries its own tag so that no loader mistakes it for plain
+compressed-tensors (it would repack a second time, kernel-layouts.md §10):
+
+    "quantization_config": {
+        "quant_method": "ctconvert-kernel-native", "format": "kernel-native",
+        "target": ..., "layout_version": ..., "act_dtype": ...,
+        "modules": {module: {"kernel": ..., sizes, padding, ...}},
+        "source_quantization_config": {the compressed-tensors config}}
+
+Inverse (``--target compressed-tensors`` on such a checkpoint) rebuilds the
+compressed-tensors tensors bit for bit from each module's record.
+
+Modules are processed whole (on the GPU when there is one: the layouts are
+torch index math), one at a time; memory is a module's tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import torch
+
+from .checkpoint.reader import CONFIG_NAME, open_checkpoint
+from .checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, read_bytes, read_tensor
+from .checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
+from .errors import BadInputError, UnsupportedError, UsageError
+from .layouts import targets
+from .modules import modules_of
+
+KERNEL_NATIVE = "ctconvert-kernel-native"
+TARGETS = ("marlin", "cutlass-nvfp4", "compressed-tensors")
+ACT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def is_kernel_native(config: dict) -> bool:
+    q = config.get("quantization_config") or {}
+    return q.get("quant_method") == KERNEL_NATIVE
+
+
+def _device(spec: str) -> torch.device:
+    from .pipeline import resolve_device
+
+    return resolve_device(spec)
+
+
+def _load(parts: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    return {p: read_tensor(i).to(device) for p, i in parts.items()}
+
+
+def _plan_module(kernel: str, m, layout_version: str, act_dtype: torch.dtype):
+    """Output tensors (shapes, dtypes) and the module record, without reading data when possible.
+
+    The layouts are index math, so they run on meta tensors; a layout that
+    needs values (e.g. to sort act-order indices) is run on the real tensors.
+    """
+    with torch.device("meta"):
+        meta_in = {p: torch.empty(i.shape, dtype=i.torch_dtype) for p, i in m.parts.items()}
+    try:
+        return targets.repack_module(kernel, meta_in, m.weights or {}, m.format, layout_version, act_dtype)
+    except (ValueError, NotImplementedError):
+        raise
+    except Exception:  # noqa: BLE001 - meta tensors cannot run value-dependent code: use the values
+        return targets.repack_module(kernel, _load(m.parts, torch.device("cpu")), m.weights or {}, m.format, layout_version, act_dtype)
+
+
+def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str = targets.DEFAULT_LAYOUT_VERSION,
+           act_dtype: str = "bf16", device: str = "auto", max_shard_size: str | int = "5GB", overwrite: bool = False) -> dict:
+    """Rewrite ``src`` for ``target``; see the module docstring. Returns a summary dict.
+
+    Raises :class:`UsageError` (unknown target or dtype), :class:`UnsupportedError`
+    (a module the target kernel cannot take, or an input that is neither
+    compressed-tensors nor ctconvert kernel-native) and the usual I/O errors.
+    """
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    if target not in TARGETS:
+        raise UsageError(f"unknown --target {target!r}; choose one of {', '.join(TARGETS)}")
+    if act_dtype not in ACT_DTYPES:
+        raise UsageError(f"unknown --act-dtype {act_dtype!r}; choose bf16 or fp16")
+    if layout_version not in targets.LAYOUT_VERSIONS:
+        raise UsageError(f"unknown --layout-version {layout_version!r}; choose one of {', '.join(targets.LAYOUT_VERSIONS)}")
+    dev = _device(device)
+    ckpt = open_checkpoint(src, strict=True)
+    qcfg = ckpt.quantization_config or {}
+    inverse = qcfg.get("quant_method") == KERNEL_NATIVE
+    if inverse and target != "compressed-tensors":
+        raise UsageError("input is already kernel-native; repack --target compressed-tensors first", file=src)
+    if not inverse and qcfg.get("quant_method") != "compressed-tensors":
+        raise UnsupportedError("input is neither compressed-tensors nor ctconvert kernel-native", file=src / CONFIG_NAME)
+    if not inverse and target == "compressed-tensors":
+        raise UsageError("input is already compressed-tensors", file=src)
+    check_output_path(src, out, overwrite)
+
+    jobs: list[tuple[str, object]] = []
+    planned: list[PlannedTensor] = []
+    records: dict[str, dict] = {}
+    order = sorted(ckpt.tensors, key=lambda n: (str(ckpt.tensors[n].file), ckpt.tensors[n].start))
+    if inverse:
+        records_in = qcfg.get("modules") or {}
+        owned = {f"{m}.{p}" for m, rec in records_in.items() for p in rec["tensors"]}
+        seen = set()
+        for name in order:
+            mod = name.rpartition(".")[0]
+            if name in owned:
+                if mod in seen:
+                    continue
+                seen.add(mod)
+                rec = records_in[mod]
+                shapes = rec["source_tensors"]
+                for p, (dt, shape) in shapes.items():
+                    planned.append(PlannedTensor(f"{mod}.{p}", dt, tuple(shape)))
+                jobs.append(("inverse", (mod, rec)))
+                continue
+            info = ckpt.tensors[name]
+            planned.append(PlannedTensor(name, info.dtype, info.shape))
+            jobs.append(("copy", info))
+    else:
+        mods = modules_of(ckpt)
+        seen = set()
+        for name in order:
+            mod, _, part = name.rpartition(".")
+            m = mods.get(mod)
+            kernel = targets.choose_kernel(target, m.format, m.weights or {}, set(m.parts)) if (m and m.quantized and m.group) else None
+            if kernel is None and m is not None and m.quantized and m.group and target != "compressed-tensors":
+                raise UnsupportedError(f"target {target!r} cannot take this module ({m.format}, {m.weights})",
+                                       file=ckpt.tensors[name].file.name, tensor=name)
+            if kernel is not None:
+                if mod in seen:
+                    continue
+                seen.add(mod)
+                try:
+                    outs, rec = _plan_module(kernel, m, layout_version, ACT_DTYPES[act_dtype])
+                except (ValueError, NotImplementedError) as e:
+                    raise UnsupportedError(f"cannot repack for {kernel}: {e}", file=ckpt.tensors[name].file.name, tensor=name) from e
+                rec["source_tensors"] = {p: [i.dtype, list(i.shape)] for p, i in m.parts.items()}
+                rec["tensors"] = sorted(outs)
+                records[mod] = rec
+                for p, t in outs.items():
+                    planned.append(PlannedTensor(f"{mod}.{p}", TORCH_TO_ST[t.dtype], tuple(t.shape)))
+                jobs.append(("forward", (m, kernel)))
+                continue
+            info = ckpt.tensors[name]
+            planned.append(PlannedTensor(name, info.dtype, info.shape))
+            jobs.append(("copy", info))
+    folder = OutputFolder(out, overwrite=overwrite)
+    try:
+        shards = folder.open_shards(assign_shards(planned, parse_size(max_shard_size)))
+        with torch.inference_mode():
+            for kind, job in jobs:
+                if kind == "copy":
+                    info = job
+                    for b0 in range(0, info.nbytes, 64 * 2**20):
+                        nb = min(64 * 2**20, info.nbytes - b0)
+                        shards[info.name].write(info.name, read_bytes(info, b0, nb), b0)
+                    continue
+                if kind == "forward":
+                    m, kernel = job
+                    vals = _load(m.parts, dev)
+                    outs, rec = targets.repack_module(kernel, vals, m.weights or {}, m.format, layout_version, ACT_DTYPES[act_dtype])
+                    mod = m.name
+                    records[mod].update(rec)  # value-dependent fields (e.g. scale factors) come from the real run
+                else:
+                    mod, rec = job
+                    vals = {p: read_tensor(ckpt.tensors[f"{mod}.{p}"]).to(dev) for p in rec["tensors"]}
+                    try:
+                        outs = targets.unrepack_module(vals, rec)
+                    except ValueError as e:
+                        raise BadInputError(f"cannot invert {rec.get('kernel')}: {e}", tensor=mod) from e
+                for p, t in outs.items():
+                    name = f"{mod}.{p}"
+                    shards[name].write(name, t.cpu())
+        if inverse:
+            cfg = copy.deepcopy(ckpt.config)
+            cfg["quantization_config"] = qcfg["source_quantization_config"]
+        else:
+            cfg = copy.deepcopy(ckpt.config)
+            cfg["quantization_config"] = {
+                "quant_method": KERNEL_NATIVE,
+                "format": "kernel-native",
+                "target": target,
+                "layout_version": layout_version,
+                "act_dtype": str(ACT_DTYPES[act_dtype]).replace("torch.", ""),
+                "note": "tensors are already in the kernel's layout: a compressed-tensors loader must not repack them; "
+                        "`ctconvert repack --target compressed-tensors` restores the source",
+                "modules": records,
+                "source_quantization_config": qcfg,
+            }
+        folder.copy_files(src, skip={CONFIG_NAME})
+        total = sum(t.nbytes for t in planned)
+        folder.finish(cfg, total)
+        folder.commit()
+    except BaseException:
+        folder.abort()
+        raise
+    n = sum(1 for k, _ in jobs if k in ("forward", "inverse"))
+    return {"output": str(out), "target": target, "layout_version": layout_version, "modules": n, "input_bytes": ckpt.total_bytes,
+            "output_bytes": total, "device": str(dev), "seconds": round(time.perf_counter() - t0, 3)}

@@ -1,0 +1,62 @@
+"""ctconvert repack: kernel-native output with its own tag, and the exact way back."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ctconvert import api
+from ctconvert.cli import main
+from ctconvert.repack import repack
+
+
+def tree_hash(path: Path, skip=()) -> str:
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and p.name not in skip:
+            h.update(str(p.relative_to(path)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM", "W8A16"])
+def test_marlin_int_round_trip(tiny_llama, tmp_path, scheme):
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, scheme, max_shard_size="300KB")
+    k = tmp_path / "k"
+    res = repack(q, k, "marlin", device="cpu")
+    assert res["modules"] == 14
+    cfg = json.loads((k / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "ctconvert-kernel-native" and cfg["target"] == "marlin" and cfg["layout_version"] == "0.33"
+    assert cfg["source_quantization_config"]["quant_method"] == "compressed-tensors"
+    rec = cfg["modules"]["model.layers.0.mlp.down_proj"]
+    assert rec["kernel"] == "marlin-int" and rec["size_k"] == 512 and rec["size_n"] == 256
+    back = tmp_path / "b"
+    repack(k, back, "compressed-tensors", device="cpu")
+    # the safetensors bytes may be laid out in other shards; compare tensors and config
+    from safetensors.torch import load_file
+
+    def tensors(d):
+        out = {}
+        for f in d.glob("*.safetensors"):
+            out.update(load_file(f))
+        return out
+
+    a, b = tensors(q), tensors(back)
+    assert a.keys() == b.keys()
+    for n in a:
+        assert a[n].dtype == b[n].dtype and torch.equal(a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8)), n
+    assert json.loads((back / "config.json").read_text()) == json.loads((q / "config.json").read_text())
+
+
+def test_repack_refuses_what_the_target_cannot_take(tiny_llama, tmp_path):
+    api.quantize(tiny_llama, tmp_path / "q", "FP8_BLOCK")
+    r = CliRunner().invoke(main, ["repack", str(tmp_path / "q"), "-o", str(tmp_path / "k"), "--target", "marlin"])
+    assert r.exit_code == 4 and "cannot take this module" in r.stderr
+    r = CliRunner().invoke(main, ["repack", str(tiny_llama), "-o", str(tmp_path / "k"), "--target", "marlin"])
+    assert r.exit_code == 4 and "neither compressed-tensors" in r.stderr
