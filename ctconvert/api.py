@@ -239,6 +239,31 @@ def _refresh_plan(ckpt, plan: Plan, assignment, out: Path, prov: dict):
     return reuse, units, sorted(dirty)
 
 
+def quantize_to_target(src, out, scheme: str, target: str, *, layout_version: str = "0.33", act_dtype: str = "bf16",
+                       overwrite: bool = False, device: str = "auto", max_shard_size: str | int = "5GB", **kw) -> QuantizeResult:
+    """``quantize`` then ``repack`` in one command: the compressed-tensors stage is a hidden folder beside
+    ``out`` that is removed afterwards; ``out`` gets the kernel-native checkpoint."""
+    import shutil
+
+    from .checkpoint.writer import check_output_path
+    from .repack import repack
+
+    out = Path(out)
+    check_output_path(Path(src), out, overwrite)
+    stage = out.parent / f".{out.name}.ctconvert-stage"
+    try:
+        res = quantize(src, stage, scheme, overwrite=True, device=device, max_shard_size=max_shard_size, **kw)
+        r = repack(stage, out, target, layout_version=layout_version, act_dtype=act_dtype, device=device,
+                   max_shard_size=max_shard_size, overwrite=overwrite)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    res.output = str(out)
+    res.output_bytes = r["output_bytes"]
+    res.seconds += r["seconds"]
+    res.notes.append(f"repacked {r['modules']} modules for {target} (vLLM layout {layout_version})")
+    return res
+
+
 def verify(path: str | Path, reference: str | Path | None = None) -> dict:
     """Check a compressed-tensors checkpoint (and its error against ``reference``); see :mod:`ctconvert.verify`."""
     from .verify import verify as _verify

@@ -125,20 +125,29 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--lm-head-chunk-rows", type=click.IntRange(min=1), default=8192, show_default=True, help="Rows of lm_head processed at a time.")
 @click.option("--resume", is_flag=True, help="Reuse the shards an interrupted run of the same command finished (checked by sha256).")
 @click.option("--refresh", is_flag=True, help="Against an existing output: re-derive only tensors whose source changed; rewrite only their shards.")
+@click.option("--target", "target", type=click.Choice(["marlin", "cutlass-nvfp4"]), default=None,
+              help="Also repack into this kernel-native layout (see `ctconvert repack`).")
+@click.option("--layout-version", default="0.33", show_default=True, help="With --target: vLLM release whose layout to build.")
+@click.option("--act-dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True, help="With --target: activation dtype.")
 @_json_option
 @click.pass_obj
 def quantize(ctx: _Ctx, src, output, scheme, lm_head, targets, ignore, max_shard_size, overwrite, dry_run, skip_incompatible, device,
-             lm_head_chunk_rows, resume, refresh):
+             lm_head_chunk_rows, resume, refresh, target, layout_version, act_dtype):
     """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint."""
     from . import api
 
     if not dry_run and not output:
         raise click.UsageError("missing option -o/--output (or use --dry-run)")
-    result = _run(ctx, lambda: api.quantize(
-        src, output, scheme, lm_head=lm_head, targets=_split(targets) or None, ignore=_split(ignore),
-        max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run, skip_incompatible=skip_incompatible,
-        device=device, lm_head_chunk_rows=lm_head_chunk_rows, resume=resume, refresh=refresh, progress=_progress_factory(ctx),
-    ))
+    kw = dict(lm_head=lm_head, targets=_split(targets) or None, ignore=_split(ignore), max_shard_size=max_shard_size,
+              overwrite=overwrite, skip_incompatible=skip_incompatible, device=device, lm_head_chunk_rows=lm_head_chunk_rows)
+    if target and not dry_run:
+        if resume or refresh:
+            raise click.UsageError("--target cannot be combined with --resume or --refresh")
+        result = _run(ctx, lambda: api.quantize_to_target(src, output, scheme, target, layout_version=layout_version,
+                                                          act_dtype=act_dtype, progress=_progress_factory(ctx), **kw))
+    else:
+        result = _run(ctx, lambda: api.quantize(src, output, scheme, dry_run=dry_run, resume=resume, refresh=refresh,
+                                                progress=_progress_factory(ctx), **kw))
     if ctx.json:
         ctx.emit_json({"ok": True, **result.to_dict()})
         return
@@ -203,7 +212,11 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
 
     con = ctx.console()
     q = report["quantization_config"]
-    con.print(f"[bold]{report['path']}[/bold]: " + (f"{q['quant_method']} / {q['format']} / {q['quantization_status']}" if q else "dense (no quantization_config)"))
+    if q and q.get("quant_method") == "ctconvert-kernel-native":
+        con.print(f"[bold]{report['path']}[/bold]: kernel-native ({q['target']}, vLLM layout {q['layout_version']}, activations {q['act_dtype']}); "
+                  "not loadable as compressed-tensors: `ctconvert repack --target compressed-tensors` restores it")
+    else:
+        con.print(f"[bold]{report['path']}[/bold]: " + (f"{q['quant_method']} / {q['format']} / {q['quantization_status']}" if q else "dense (no quantization_config)"))
     for g, v in report["config_groups"].items():
         con.print(f"  group {g}: targets={v['targets']} scheme={v['scheme']} format={v['format']}")
     layers = report["layers"]

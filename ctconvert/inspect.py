@@ -31,9 +31,45 @@ def _group_of(module: str, qcfg: dict, is_linear: bool) -> str | None:
     return None
 
 
+def _inspect_kernel_native(ckpt, path: Path) -> dict:
+    q = ckpt.quantization_config
+    problems = list(ckpt.problems)
+    layers = []
+    for mod, rec in (q.get("modules") or {}).items():
+        infos = {p: ckpt.tensors.get(f"{mod}.{p}") for p in rec.get("tensors", [])}
+        missing = [p for p, i in infos.items() if i is None]
+        if missing:
+            problems.append(Problem("error", f"kernel-native module lacks {', '.join(missing)}", tensor=mod))
+            continue
+        n, k = rec.get("size_n"), rec.get("size_k")
+        nbytes = sum(i.nbytes for i in infos.values())
+        params = (n or 0) * (k or 0)
+        layers.append({
+            "module": mod, "group": None, "scheme": rec["kernel"], "format": f"{rec['kernel']} (vLLM {rec.get('layout_version')})",
+            "tensors": {p: {"dtype": i.dtype, "shape": list(i.shape)} for p, i in sorted(infos.items())},
+            "bytes": nbytes, "params": params, "bits_per_weight": round(8 * nbytes / params, 3) if params else None,
+            "padded": [rec.get("padded_n"), rec.get("padded_k")],
+        })
+    lb = sum(r["bytes"] for r in layers)
+    lp = sum(r["params"] for r in layers)
+    return {
+        "path": str(path),
+        "quantization_config": {k: q.get(k) for k in ("quant_method", "format", "target", "layout_version", "act_dtype")},
+        "config_groups": {},
+        "ignore": (q.get("source_quantization_config") or {}).get("ignore"),
+        "layers": layers,
+        "totals": {"tensors": len(ckpt.tensors), "files": len(ckpt.files), "bytes": ckpt.total_bytes, "linear_layers": len(layers),
+                   "quantized_layers": len(layers), "linear_bytes": lb, "linear_params": lp,
+                   "linear_bits_per_weight": round(8 * lb / lp, 3) if lp else None, "in_blocks": len(layers)},
+        "problems": [p.to_dict() for p in problems],
+    }
+
+
 def inspect_checkpoint(path: Path) -> dict:
     """Return the inspection report of the checkpoint folder ``path`` (a JSON-ready dict)."""
     ckpt = open_checkpoint(path, strict=False)
+    if (ckpt.quantization_config or {}).get("quant_method") == "ctconvert-kernel-native":
+        return _inspect_kernel_native(ckpt, path)
     problems: list[Problem] = list(ckpt.problems)
     qcfg = ckpt.quantization_config or {}
     groups = qcfg.get("config_groups") or {}

@@ -60,3 +60,39 @@ def test_repack_refuses_what_the_target_cannot_take(tiny_llama, tmp_path):
     assert r.exit_code == 4 and "cannot take this module" in r.stderr
     r = CliRunner().invoke(main, ["repack", str(tiny_llama), "-o", str(tmp_path / "k"), "--target", "marlin"])
     assert r.exit_code == 4 and "neither compressed-tensors" in r.stderr
+
+
+def test_inspect_and_verify_kernel_native(tiny_llama, tmp_path):
+    q, k = tmp_path / "q", tmp_path / "k"
+    api.quantize(tiny_llama, q, "W4A16_ASYM")
+    repack(q, k, "marlin", device="cpu")
+    rep = api.inspect(k)
+    assert rep["quantization_config"]["quant_method"] == "ctconvert-kernel-native" and not rep["problems"]
+    assert {r["scheme"] for r in rep["layers"]} == {"marlin-int"} and len(rep["layers"]) == 14
+    v = api.verify(k, q)
+    assert v["ok"] and all(r["round_trip"] and r["equals_reference"] for r in v["modules"])
+    # corrupt one stored byte: the round trip catches it
+    from safetensors.torch import load_file, save_file
+
+    f = next(k.glob("*.safetensors"))
+    t = load_file(f)
+    name = next(n for n in t if n.endswith("down_proj.weight_packed"))
+    t[name] = t[name].clone()
+    t[name].view(-1)[5] ^= 1
+    save_file(t, f, metadata={"format": "pt"})
+    v = api.verify(k, q)
+    assert not v["ok"] and any("differs from the reference" in p["message"] for p in v["problems"])
+    r = CliRunner().invoke(main, ["inspect", str(k)])
+    assert "kernel-native (marlin" in r.stdout
+
+
+def test_quantize_with_target_in_one_command(tiny_llama, tmp_path):
+    r = CliRunner().invoke(main, ["--json", "quantize", str(tiny_llama), "-s", "W4A16", "-o", str(tmp_path / "k"), "--target", "marlin"])
+    assert r.exit_code == 0, r.stderr
+    cfg = json.loads((tmp_path / "k" / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "ctconvert-kernel-native"
+    assert not list(tmp_path.glob(".k.ctconvert-*"))
+    # same bytes as quantize, then repack
+    api.quantize(tiny_llama, tmp_path / "q", "W4A16")
+    repack(tmp_path / "q", tmp_path / "k2", "marlin", device="cpu")
+    assert tree_hash(tmp_path / "k", skip=("ctconvert-provenance.json",)) == tree_hash(tmp_path / "k2", skip=("ctconvert-provenance.json",))
