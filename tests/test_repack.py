@@ -96,3 +96,67 @@ def test_quantize_with_target_in_one_command(tiny_llama, tmp_path):
     api.quantize(tiny_llama, tmp_path / "q", "W4A16")
     repack(tmp_path / "q", tmp_path / "k2", "marlin", device="cpu")
     assert tree_hash(tmp_path / "k", skip=("ctconvert-provenance.json",)) == tree_hash(tmp_path / "k2", skip=("ctconvert-provenance.json",))
+
+
+@pytest.mark.parametrize("scheme,act", [("FP8_DYNAMIC", "bf16"), ("FP8_DYNAMIC", "fp16"), ("NVFP4A16", "bf16"), ("NVFP4A16", "fp16")])
+def test_marlin_fp_round_trip(tiny_llama, tmp_path, scheme, act):
+    q, k, b = tmp_path / "q", tmp_path / "k", tmp_path / "b"
+    api.quantize(tiny_llama, q, scheme, lm_head="nvfp4a16" if scheme == "NVFP4A16" else "none")
+    res = repack(q, k, "marlin", act_dtype=act, device="cpu")
+    assert res["modules"] == (15 if scheme == "NVFP4A16" else 14)
+    v = api.verify(k, q)
+    assert v["ok"], v["problems"]
+    repack(k, b, "compressed-tensors", device="cpu")
+    assert api.verify(b, tiny_llama)["ok"]
+    from safetensors.torch import load_file
+
+    ta = {}
+    tb = {}
+    for f in q.glob("*.safetensors"):
+        ta.update(load_file(f))
+    for f in b.glob("*.safetensors"):
+        tb.update(load_file(f))
+    assert ta.keys() == tb.keys()
+    assert all(torch.equal(ta[n].reshape(-1).view(torch.uint8), tb[n].reshape(-1).view(torch.uint8)) for n in ta)
+
+
+def test_cutlass_needs_input_global_scale(tiny_llama, tmp_path):
+    api.quantize(tiny_llama, tmp_path / "q", "NVFP4A16")
+    r = CliRunner().invoke(main, ["repack", str(tmp_path / "q"), "-o", str(tmp_path / "k"), "--target", "cutlass-nvfp4"])
+    assert r.exit_code == 4 and "cannot take this module" in r.stderr
+
+
+def test_cutlass_round_trip_on_a_w4a4_checkpoint(tiny_llama, tmp_path):
+    """NVFP4 W4A4 checkpoints come from calibrating tools: add an input_global_scale to ours."""
+    from safetensors.torch import load_file, save_file
+
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, "NVFP4A16")
+    cfg = json.loads((q / "config.json").read_text())
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    g = preset_name_to_scheme("NVFP4", ["Linear"]).model_dump()
+    g["format"] = "nvfp4-pack-quantized"
+    cfg["quantization_config"]["config_groups"]["group_0"] = g
+    (q / "config.json").write_text(json.dumps(cfg))
+    f = next(q.glob("*.safetensors"))
+    t = load_file(f)
+    for n in [n for n in t if n.endswith(".weight_global_scale")]:
+        t[n.replace("weight_global_scale", "input_global_scale")] = torch.tensor([617.5], dtype=torch.float32)
+    save_file(t, f, metadata={"format": "pt"})
+    idx = json.loads((q / "model.safetensors.index.json").read_text())
+    idx["weight_map"] = {n: f.name for n in t}
+    (q / "model.safetensors.index.json").write_text(json.dumps(idx))
+    k, b = tmp_path / "k", tmp_path / "b"
+    repack(q, k, "cutlass-nvfp4", device="cpu")
+    kt = {}
+    for ff in k.glob("*.safetensors"):
+        kt.update(load_file(ff))
+    alpha = kt["model.layers.0.mlp.up_proj.alpha"]
+    assert alpha.dtype == torch.float32 and alpha.numel() == 1
+    assert api.verify(k, q)["ok"]
+    repack(k, b, "compressed-tensors", device="cpu")
+    tb = {}
+    for ff in b.glob("*.safetensors"):
+        tb.update(load_file(ff))
+    assert all(torch.equal(t[n].reshape(-1).view(torch.uint8), tb[n].reshape(-1).view(torch.uint8)) for n in t)
