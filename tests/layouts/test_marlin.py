@@ -32,7 +32,7 @@ from ctconvert.layouts.marlin import (
     pack_quantized_to_gptq,
 )
 
-VECTORS = Path(os.environ.get("CTCONVERT_TESTVECTORS", "/work/shared/testvectors"))
+VECTORS = Path(os.environ.get("CTCONVERT_TESTVECTORS") or Path(__file__).resolve().parents[1] / "data" / "testvectors")
 INT_WEIGHTS = VECTORS / "marlin_int_weights.safetensors"
 SCALES = VECTORS / "marlin_scales.safetensors"
 ZERO_POINTS = VECTORS / "marlin_zero_points.safetensors"

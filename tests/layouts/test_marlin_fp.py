@@ -37,6 +37,7 @@ def _vector_dir() -> Path | None:
     here = Path(__file__).resolve()
     for cand in (
         os.environ.get("CTCONVERT_TESTVECTORS"),
+        here.parents[1] / "data" / "testvectors",
         here.parents[2] / "shared" / "testvectors",
         here.parents[3] / "shared" / "testvectors",
         "/work/shared/testvectors",
