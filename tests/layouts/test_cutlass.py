@@ -89,7 +89,7 @@ def test_reference_vectors(idx, device):
     elif kind == "pad":
         w, nbytes = pad_nvfp4_weight(ins["weight_packed"], p["alignment"])
         assert nbytes == p["weights_padding_bytes"]
-        got = {"weight_padded": w, "weights_padding_bytes": torch.tensor(nbytes, dtype=torch.int64)}
+        got = {"weight_padded": w, "weights_padding_bytes": torch.tensor(nbytes, dtype=torch.int64, device=device)}
         back = unpad_nvfp4_weight(w, p["N"], p["K"], check_padding=True)
         assert bitwise_equal(back, ins["weight_packed"])
     else:
