@@ -441,6 +441,12 @@ def marlin_repack(
     pf, padded_n, padded_k = _repack_dims(size_k, size_n, num_bits, group_size, layout_version, act is not None)
     _check_tensor("q_w", q_w, torch.int32, (size_k // pf, size_n))
 
+    from . import gpu
+
+    if act is None and gpu.available(q_w):  # fused Triton kernel: read once, write once (same bytes)
+        qp = torch.nn.functional.pad(q_w, (0, padded_n - size_n, 0, (padded_k - size_k) // pf)) if (padded_n, padded_k) != (size_n, size_k) else q_w
+        return gpu.marlin_tiles(qp, num_bits, _tile_src_index(num_bits)[0])
+
     w = _gptq_unpack(q_w, num_bits)  # uint8 (K, N)
     if act is not None:
         w = w.index_select(0, act)  # tile row r of k-tile kt reads source row perm[16*kt + r] (§3.3)
