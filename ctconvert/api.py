@@ -18,7 +18,7 @@ from . import __version__
 from .checkpoint.hashing import HASH_NAME, hash_tensor_bytes, new_hasher
 from .checkpoint.reader import INDEX_NAME
 from .checkpoint.writer import shard_names
-from .errors import OutputError
+from .errors import OutputError, UnsupportedError
 
 from .checkpoint.config import build_quantization_config, updated_config
 from .checkpoint.reader import CONFIG_NAME, open_checkpoint
@@ -46,11 +46,14 @@ class QuantizeResult:
     notes: list[str] = field(default_factory=list)
     device: str = "cpu"
     reused_shards: list[str] = field(default_factory=list)
+    error: Exception | None = None  # dry run only: why the real run would stop
     rewritten_shards: list[str] = field(default_factory=list)
     plan: Plan | None = None
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "plan"}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("plan", "error")}
+        if self.error is not None:
+            d["error"] = str(self.error)
         if self.dry_run and self.plan is not None:
             d["plan"] = self.plan.to_dict()
         return d
@@ -103,10 +106,16 @@ def quantize(
     shard_limit = parse_size(max_shard_size)
     devs = resolve_devices(device)
     ckpt = open_checkpoint(src, strict=True)
-    plan = make_plan(
-        ckpt, scheme, targets=targets, ignore=ignore, lm_head=lm_head,
-        lm_head_chunk_rows=lm_head_chunk_rows, skip_incompatible=skip_incompatible,
-    )
+    plan_kw = dict(targets=targets, ignore=ignore, lm_head=lm_head, lm_head_chunk_rows=lm_head_chunk_rows)
+    dry_error = None
+    try:
+        plan = make_plan(ckpt, scheme, skip_incompatible=skip_incompatible, **plan_kw)
+    except UnsupportedError as e:
+        if not dry_run or skip_incompatible:
+            raise
+        # a dry run still shows the whole plan, with the tensors the real run would stop at
+        plan = make_plan(ckpt, scheme, skip_incompatible=True, **plan_kw)
+        dry_error = e
     result = QuantizeResult(
         output=str(out) if out is not None else None, scheme=plan.scheme.name, format=plan.format, dry_run=dry_run,
         input_bytes=ckpt.total_bytes, quantized_modules=plan.quantized_modules, ignore=plan.ignore,
@@ -114,6 +123,7 @@ def quantize(
     )
     if dry_run:
         result.seconds = time.perf_counter() - t0
+        result.error = dry_error
         return result
     if out is None:
         from .errors import UsageError
@@ -139,6 +149,8 @@ def quantize(
         if old_prov is not None:
             reuse_from, units, result.rewritten_shards = _refresh_plan(ckpt, plan, assignment, out, old_prov)
         shards = folder.open_shards(assignment, reuse_from=reuse_from)
+        if resume and getattr(folder, "discarded_partial", False):
+            result.notes.append("--resume: the interrupted run used other inputs or options; starting over")
         done = folder.completed
         shard_of = folder.weight_map
         todo = [u for u in units if any(shard_of[o[0]] not in done for o in u.outputs)]

@@ -15,7 +15,8 @@
 Keys of a job are the keyword arguments of :func:`ctconvert.api.quantize`
 (``scheme``, ``lm_head``, ``targets``, ``ignore``, ``max_shard_size``,
 ``overwrite``, ``skip_incompatible``, ``device``, ``resume``, ``refresh``)
-plus ``model`` and ``output``.
+plus ``model`` and ``output``. Relative paths are relative to the jobs file;
+scheme names are checked before any job runs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 from .errors import EXIT_INTERNAL, CTConvertError, UsageError
+from .schemes import get_scheme
 
 ALLOWED = {"model", "output", "scheme", "lm_head", "targets", "ignore", "max_shard_size", "overwrite", "skip_incompatible",
            "device", "resume", "refresh", "lm_head_chunk_rows"}
@@ -45,7 +47,8 @@ def load_jobs(path: str | Path) -> list[dict]:
 
             doc = yaml.safe_load(text)
     except Exception as e:  # noqa: BLE001 - yaml and json raise different classes
-        raise UsageError(f"jobs file is not valid YAML/JSON ({e})", file=p) from e
+        first = " ".join(str(e).split())
+        raise UsageError(f"jobs file is not valid YAML/JSON ({first})", file=p) from e
     if isinstance(doc, list):
         doc = {"jobs": doc}
     if not isinstance(doc, dict) or not isinstance(doc.get("jobs"), list):
@@ -62,6 +65,13 @@ def load_jobs(path: str | Path) -> list[dict]:
         for k in ("model", "output", "scheme"):
             if k not in job:
                 raise UsageError(f"job {i}: missing {k!r}", file=p)
+        try:
+            job["scheme"] = get_scheme(str(job["scheme"])).name
+        except CTConvertError as e:
+            raise UsageError(f"job {i}: {e}", file=p) from None
+        for k in ("model", "output"):  # relative paths are relative to the jobs file
+            q = Path(str(job[k])).expanduser()
+            job[k] = str(q if q.is_absolute() else (p.parent / q))
         jobs.append(job)
     return jobs
 

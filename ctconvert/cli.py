@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import traceback
 
@@ -45,12 +46,13 @@ def _run(ctx: _Ctx, fn):
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        click.echo("interrupted; nothing was written to the output path", err=True)
-        sys.exit(130)
+        click.echo("interrupted: nothing was written to the output path (run the same command with --resume to reuse "
+                   "the shards already finished)", err=True)
+        sys.exit(errors.EXIT_INTERRUPTED)
     except Exception as e:  # noqa: BLE001 - last-resort reporting
         if ctx.debug:
             traceback.print_exc()
-        msg = f"internal error: {type(e).__name__}: {e}" + ("" if ctx.debug else " (run with --debug for the traceback)")
+        msg = f"internal error: {type(e).__name__}: {str(e).removeprefix('error: ')}" + ("" if ctx.debug else " (run with --debug for the traceback)")
         if ctx.json:
             ctx.emit_json({"ok": False, "error": msg, "exit_code": errors.EXIT_INTERNAL, "type": type(e).__name__})
         click.echo(f"error: {msg}", err=True)
@@ -103,9 +105,16 @@ def _json_option(f):
 
 
 def _split(values: tuple[str, ...]) -> list[str]:
+    """Repeated options, each possibly a comma-separated list: names split on commas; a ``re:``
+    pattern runs to the next ``,re:`` (a regex may itself hold commas, e.g. ``{1,3}``)."""
     out = []
     for v in values:
-        out += [x.strip() for x in v.split(",") if x.strip()] if not v.startswith("re:") else [v]
+        for part in re.split(r",(?=\s*re:)", v):
+            part = part.strip()
+            if part.startswith("re:"):
+                out.append(part)
+            else:
+                out += [x.strip() for x in part.split(",") if x.strip()]
     return out
 
 
@@ -115,15 +124,15 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("-s", "--scheme", required=True, help="compressed-tensors preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W4A16, W4A16_ASYM, W8A16, NVFP4A16, MXFP4A16.")
 @click.option("--lm-head", type=click.Choice(["none", "nvfp4a16", "fp8"], case_sensitive=False), default="none", show_default=True,
               help="Also quantize lm_head (own config group).")
-@click.option("--targets", multiple=True, help="Modules to quantize: names, re:patterns or Linear (default Linear).")
-@click.option("--ignore", multiple=True, help="Modules to leave dense (names or re:patterns); added to the defaults.")
+@click.option("--targets", multiple=True, help="Modules to quantize: names, re:patterns or Linear (default Linear). Repeat, or separate with commas.")
+@click.option("--ignore", multiple=True, help="Modules to leave dense (names or re:patterns), added to the defaults. Repeat, or separate with commas.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard (e.g. 5GB, 500MB).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder (atomically, at the end).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and exit without reading tensor data.")
 @click.option("--skip-incompatible", is_flag=True, help="Keep weights the scheme cannot take dense (listed in ignore and reported) instead of failing.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N, cuda:0,1 or all (every GPU).")
 @click.option("--lm-head-chunk-rows", type=click.IntRange(min=1), default=8192, show_default=True, help="Rows of lm_head processed at a time.")
-@click.option("--resume", is_flag=True, help="Reuse the shards an interrupted run of the same command finished (checked by sha256).")
+@click.option("--resume", is_flag=True, help="Reuse the shards an interrupted run of the same command finished (checked by content hash).")
 @click.option("--refresh", is_flag=True, help="Against an existing output: re-derive only tensors whose source changed; rewrite only their shards.")
 @click.option("--target", "target", type=click.Choice(["marlin", "cutlass-nvfp4"]), default=None,
               help="Also repack into this kernel-native layout (see `ctconvert repack`).")
@@ -149,10 +158,15 @@ def quantize(ctx: _Ctx, src, output, scheme, lm_head, targets, ignore, max_shard
         result = _run(ctx, lambda: api.quantize(src, output, scheme, dry_run=dry_run, resume=resume, refresh=refresh,
                                                 progress=_progress_factory(ctx), **kw))
     if ctx.json:
-        ctx.emit_json({"ok": True, **result.to_dict()})
+        ctx.emit_json({"ok": result.error is None, **result.to_dict()})
+        if result.error is not None:
+            sys.exit(result.error.exit_code)
         return
     if dry_run:
         _print_plan(ctx, result)
+        if result.error is not None:
+            click.echo(f"error: {result.error}", err=True)
+            sys.exit(result.error.exit_code)
         return
     if not ctx.quiet:
         ratio = result.input_bytes / max(1, result.output_bytes)
@@ -239,8 +253,8 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
     con.print(table)
     t = report["totals"]
     con.print(
-        f"{t['tensors']} tensors in {t['files']} file(s), {_human(t['bytes'])}; {t['quantized_layers']}/{t['linear_layers']} Linear layers quantized, "
-        f"{t['linear_bits_per_weight']} bits per Linear weight"
+        f"{t['tensors']} tensors in {t['files']} file(s), {_human(t['bytes'])}; {t['quantized_layers']}/{t['linear_layers']} Linear layers quantized"
+        + (f", {t['linear_bits_per_weight']} bits per Linear weight" if t["linear_bits_per_weight"] is not None else "")
     )
     if report["problems"]:
         for p in report["problems"]:
@@ -348,13 +362,35 @@ def schemes(ctx: _Ctx):
     """List the schemes and the compressed-tensors format each writes."""
     from .schemes import get_scheme, scheme_names
 
-    rows = [(n, get_scheme(n).format, get_scheme(n).kind) for n in scheme_names()]
+    def desc(s):
+        w = s.config_group(["Linear"])["weights"]
+        unit = {"channel": "per channel", "tensor": "per tensor", "block": "block 128x128"}.get(w["strategy"], f"group {w['group_size']}")
+        return f"{w['type']}{w['num_bits']} {unit}{'' if w['symmetric'] else ' asymmetric'}"
+
+    rows = [(n, get_scheme(n).format, desc(get_scheme(n))) for n in scheme_names()]
     if ctx.json:
-        ctx.emit_json({"schemes": [{"name": n, "format": f, "kind": k} for n, f, k in rows]})
+        ctx.emit_json({"schemes": [{"name": n, "format": f, "weights": d} for n, f, d in rows]})
         return
-    for n, f, k in rows:
-        click.echo(f"{n:12s} {f:22s} {k}")
+    for n, f, d in rows:
+        click.echo(f"{n:12s} {f:22s} {d}")
+
+
+def run() -> None:
+    """Console entry point: click's own handling, except that Ctrl-C exits 130 with one line."""
+    try:
+        main.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("interrupted: nothing was written to the output path", err=True)
+        sys.exit(errors.EXIT_INTERRUPTED)
+    except KeyboardInterrupt:
+        click.echo("interrupted: nothing was written to the output path", err=True)
+        sys.exit(errors.EXIT_INTERRUPTED)
+    except click.exceptions.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -4,7 +4,7 @@ Every quantized Linear (any format ctconvert writes: float-, int-, naive-,
 pack-, nvfp4-pack- and mxfp4-pack-quantized) becomes a dense ``weight``
 computed as compressed-tensors' own ``decompress`` computes it
 (:mod:`ctconvert.formats.dequant`), row chunk by row chunk; activation
-scales are dropped; every other tensor is copied unchanged; ``config.json``
+scales are dropped; other floating-point tensors are cast to the output dtype and the rest copied; ``config.json``
 loses its ``quantization_config``. Written atomically like ``quantize``.
 """
 
@@ -105,13 +105,26 @@ def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_sha
                     jobs.append(("dequant", (m, n, k)))
                 continue
         info = ckpt.tensors[name]
-        planned.append(PlannedTensor(name, info.dtype, info.shape))
-        jobs.append(("copy", info))
+        if info.dtype in ("F32", "F16", "BF16") and info.dtype != TORCH_TO_ST[od]:
+            planned.append(PlannedTensor(name, TORCH_TO_ST[od], info.shape))
+            jobs.append(("cast", info))
+        else:
+            planned.append(PlannedTensor(name, info.dtype, info.shape))
+            jobs.append(("copy", info))
     folder = OutputFolder(out, overwrite=overwrite)
     try:
         shards = folder.open_shards(assign_shards(planned, parse_size(max_shard_size)))
         with torch.inference_mode():
             for kind, job in jobs:
+                if kind == "cast":
+                    info = job
+                    rows = max(1, (64 * 2**20) // max(1, info.nbytes // max(1, info.shape[0]))) if info.shape else 1
+                    pos = 0
+                    for r0 in range(0, info.shape[0] if info.shape else 1, rows):
+                        t = (read_rows(info, r0, min(info.shape[0], r0 + rows)) if info.shape else read_tensor(info)).to(od)
+                        shards[info.name].write(info.name, t, pos)
+                        pos += t.numel() * t.element_size()
+                    continue
                 if kind == "copy":
                     info = job
                     for b0 in range(0, info.nbytes, 64 * 2**20):
@@ -137,7 +150,7 @@ def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_sha
         cfg.pop("quantization_config", None)
         if isinstance(cfg.get("text_config"), dict):
             cfg["text_config"].pop("quantization_config", None)
-        folder.copy_files(src, skip={CONFIG_NAME})
+        folder.copy_files(src, skip={CONFIG_NAME, "ctconvert-provenance.json"})
         total = sum(t.nbytes for t in planned)
         folder.finish(cfg, total)
         folder.commit()

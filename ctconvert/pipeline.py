@@ -350,7 +350,7 @@ class Executor:
         try:
             out = unit.scheme.quantize_rows(w, st.gs, impl=self.opts.impl)
         except ValueError as e:
-            raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=info.file.name, tensor=info.name) from e
+            raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=str(info.file), tensor=info.name) from e
         for key, t in out.items():
             name = prefix + key
             if t.device.type != "cpu":
@@ -393,7 +393,7 @@ def _raise_nonfinite(info: TensorInfo, only_if_found: bool = False) -> None:
         return
     raise BadInputError(
         f"weight holds {total} non-finite values ({kind}; first at row {first[0]}, column {first[1]}); refusing to quantize",
-        file=info.file.name, tensor=info.name,
+        file=str(info.file), tensor=info.name,
     )
 
 
@@ -443,7 +443,7 @@ def execute(ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: Ex
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(part, dev), name=f"ctconvert-{dev}")
+    threads = [threading.Thread(target=work, args=(part, dev), name=f"ctconvert-{dev}", daemon=True)
                for part, dev in zip(split_units(ckpt, plan.units, len(devices)), devices) if part]
     for t in threads:
         t.start()

@@ -180,6 +180,12 @@ def make_plan(
     head_scheme = get_scheme(LM_HEAD_SCHEMES[lm_key]) if LM_HEAD_SCHEMES[lm_key] else None
     targets = list(targets) if targets else ["Linear"]
     user_ignore = list(ignore or [])
+    for pat in targets + user_ignore:
+        if pat.startswith("re:"):
+            try:
+                re.compile(pat[3:])
+            except re.error as e:
+                raise UsageError(f"invalid pattern {pat!r}: {e}") from None
     notes: list[str] = []
 
     tensors = ckpt.tensors
@@ -192,7 +198,7 @@ def make_plan(
         if not skip_incompatible:
             raise UnsupportedError(
                 f"{msg}; leave it dense with --ignore {module!r} or pass --skip-incompatible",
-                file=info.file.name, tensor=name,
+                file=str(info.file), tensor=name,
             )
         rows[name].action = "ignore"
         rows[name].reason = msg + " (skipped: --skip-incompatible)"
@@ -200,6 +206,8 @@ def make_plan(
         ignored.append(module)
 
     head_name = None
+    used_targets: set[str] = set()
+    used_ignore: set[str] = set()
     for name in order:
         info = tensors[name]
         row = TensorPlan(name, info.file.name, info.dtype, info.shape, "copy")
@@ -217,6 +225,7 @@ def make_plan(
         hit = matches(module, targets, is_linear=linear)
         if hit is None:
             continue
+        used_targets.add(hit)
         if hit == "Linear" and (m := next((k for k, p in DEFAULT_IGNORE_PATTERNS.items() if k != "lm_head" and p.search(module)), None)):
             row.action, row.reason = "ignore", f"{m} (default)"
             ignored.append(module)
@@ -226,6 +235,7 @@ def make_plan(
             ignored.append(module)
             continue
         if (u := matches(module, user_ignore, is_linear=linear)) is not None:
+            used_ignore.add(u)
             row.action, row.reason = "ignore", f"--ignore {u}"
             if linear:
                 ignored.append(module)
@@ -236,12 +246,24 @@ def make_plan(
         if len(info.shape) != 2:
             fail_or_skip(name, module, f"{len(info.shape)}-D weight {list(info.shape)}; only 2-D Linear weights can be quantized", info)
             continue
-        k = info.shape[1]
+        n_rows, k = info.shape
         if k % scheme.k_multiple:
-            fail_or_skip(name, module, f"K={k} is not a multiple of the group size {scheme.k_multiple} of {scheme.name}", info)
+            what = "block width" if scheme.kind == "fp8_block" else "group size"
+            fail_or_skip(name, module, f"K={k} is not a multiple of the {what} {scheme.k_multiple} of {scheme.name}", info)
+            continue
+        if scheme.kind == "fp8_block" and n_rows % scheme.block[0]:
+            fail_or_skip(name, module, f"N={n_rows} is not a multiple of the block height {scheme.block[0]} of {scheme.name} "
+                         "(transformers and vLLM need whole blocks)", info)
             continue
         to_quantize[name] = module
         row.action, row.scheme = "quantize", scheme.name
+
+    for pat in targets:
+        if pat not in used_targets:
+            notes.append(f"--targets {pat!r} matched no tensor")
+    for pat in user_ignore:
+        if pat not in used_ignore:
+            notes.append(f"--ignore {pat!r} matched no tensor")
 
     # Fused sets: group members by parent; a set is all-quantized or all-dense.
     sets: dict[tuple, list[str]] = {}
@@ -294,7 +316,7 @@ def make_plan(
         if head_name is None:
             emb = _find_embedding(tensors)
             if emb is None or not tie:
-                raise BadInputError(
+                raise UsageError(
                     "--lm-head was given but the checkpoint has no lm_head.weight and no tied embedding to take it from",
                     file=ckpt.path,
                 )
@@ -336,9 +358,9 @@ def make_plan(
 
 def _head_unit(src: str, info: TensorInfo, scheme: Scheme, chunk_rows: int, row: TensorPlan, module: str = "lm_head") -> Unit:
     if info.dtype not in FLOAT_DTYPES or len(info.shape) != 2:
-        raise UnsupportedError(f"lm_head must be a 2-D bf16/fp16/fp32 weight, got {info.dtype}{list(info.shape)}", file=info.file.name, tensor=src)
+        raise UnsupportedError(f"lm_head must be a 2-D bf16/fp16/fp32 weight, got {info.dtype}{list(info.shape)}", file=str(info.file), tensor=src)
     if info.shape[1] % scheme.k_multiple:
-        raise UnsupportedError(f"lm_head K={info.shape[1]} is not a multiple of {scheme.k_multiple} ({scheme.name})", file=info.file.name, tensor=src)
+        raise UnsupportedError(f"lm_head K={info.shape[1]} is not a multiple of {scheme.k_multiple} ({scheme.name})", file=str(info.file), tensor=src)
     row.action, row.scheme, row.reason = "quantize", scheme.name, "--lm-head"
     unit = Unit("quantize", [src], [module], scheme, "lm_head", chunk_rows=chunk_rows)
     unit.outputs = scheme.outputs(module, info.shape, info.torch_dtype)

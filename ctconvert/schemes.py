@@ -59,6 +59,8 @@ class Scheme:
         """K must be a multiple of this (1 = any)."""
         if self.kind in ("nvfp4", "mxfp4", "int") and self.group_size:
             return self.group_size
+        if self.kind == "fp8_block":
+            return self.block[1]
         return 1
 
     def outputs(self, module: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, str, tuple[int, ...]]]:

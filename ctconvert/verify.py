@@ -147,7 +147,7 @@ def verify(path: str | Path, reference: str | Path | None = None) -> dict:
                 else:
                     bad += int((~torch.isfinite(t)).sum())
             if bad:
-                err(f"{bad} NaN/inf values" + (" (E4M3 NaN bytes 0x7F/0xFF)" if info.dtype == "F8_E4M3" else ""), tensor=name, file=info.file.name)
+                err(f"{bad} NaN/inf values" + (" (E4M3 NaN bytes 0x7F/0xFF)" if info.dtype == "F8_E4M3" else ""), tensor=name, file=str(info.file))
     rows_out = []
     if reference is not None:
         ref = open_checkpoint(reference, strict=True)
@@ -194,8 +194,7 @@ def verify(path: str | Path, reference: str | Path | None = None) -> dict:
                 continue
             s = ref.tensors.get(name)
             if s is None:
-                if not (name.startswith("lm_head.") and emb):
-                    err("tensor not in the reference", tensor=name)
+                err("tensor not in the reference", tensor=name)
                 continue
             if s.dtype != info.dtype or s.shape != info.shape:
                 err(f"{info.dtype}{list(info.shape)} differs from the reference {s.dtype}{list(s.shape)}", tensor=name)
@@ -208,6 +207,11 @@ def verify(path: str | Path, reference: str | Path | None = None) -> dict:
                     break
             if not same:
                 err("bytes differ from the reference (a pass-through tensor was changed)", tensor=name)
+        # and nothing of the reference is missing from the output
+        quant_weights = {m.name + ".weight" for m in mods.values() if m.quantized}
+        for name in ref.tensors:
+            if name not in ckpt.tensors and name not in quant_weights:
+                err("tensor of the reference is missing from the output", tensor=name)
     errors = [p for p in problems if p.severity == "error"]
     return {
         "path": str(path),

@@ -47,3 +47,16 @@ def test_batch_bad_file(tmp_path):
     f.write_text("jobs:\n  - {model: x, output: y, scheme: W4A16, colour: red}\n")
     r = CliRunner().invoke(main, ["batch", str(f)])
     assert r.exit_code == 2 and "unknown keys ['colour']" in r.stderr
+
+
+def test_batch_checks_schemes_up_front_and_paths_are_relative_to_the_file(tiny_llama, tmp_path):
+    d = tmp_path / "jobs"
+    d.mkdir()
+    f = d / "j.yaml"
+    f.write_text(f"jobs:\n  - {{model: {tiny_llama}, output: out-a, scheme: w8a8}}\n  - {{model: {tiny_llama}, output: out-b, scheme: W3A17}}\n")
+    r = CliRunner().invoke(main, ["batch", str(f)])
+    assert r.exit_code == 2 and "job 1" in r.stderr and "unknown scheme" in r.stderr and not (d / "out-a").exists()
+    f.write_text(f"jobs:\n  - {{model: {tiny_llama}, output: out-a, scheme: w8a8}}\n")
+    r = CliRunner().invoke(main, ["batch", str(f)])
+    line = json.loads(r.stdout)
+    assert r.exit_code == 0 and line["scheme"] == "W8A8" and (d / "out-a" / "config.json").exists()

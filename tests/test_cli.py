@@ -106,7 +106,7 @@ def test_subprocess_nan_error_exit_code_no_traceback(tmp_path, monkeypatch):
     r = subprocess.run([sys.executable, "-m", "ctconvert", "quantize", str(ckpt), "-s", "W4A16", "-o", str(tmp_path / "o")],
                        capture_output=True, text=True)
     assert r.returncode == 3
-    assert r.stderr.strip().startswith("error: model.safetensors: tensor 'model.layers.0.self_attn.v_proj.weight': weight holds 1 non-finite")
+    assert r.stderr.strip().startswith(f"error: {ckpt / 'model.safetensors'}: tensor 'model.layers.0.self_attn.v_proj.weight': weight holds 1 non-finite")
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
     r = subprocess.run([sys.executable, "-m", "ctconvert", "--debug", "quantize", str(ckpt), "-s", "W4A16", "-o", str(tmp_path / "o")],

@@ -216,3 +216,23 @@ def test_refresh_rewrites_only_changed_shards(tmp_path):
     assert tree_hash(out) == tree_hash(full)
     with pytest.raises(Exception, match="same options"):
         api.quantize(m, out, "W8A16", max_shard_size="4MB", refresh=True)
+
+
+def test_ctrl_c_twice_exits_130_promptly(tmp_path):
+    m = _big_model(tmp_path)
+    out = tmp_path / "o"
+    env = dict(os.environ, CTCONVERT_TEST_SLOW_WRITE="0.05")
+    p = subprocess.Popen([sys.executable, "-m", "ctconvert", "quantize", str(m), "-s", "NVFP4A16", "-o", str(out), "--max-shard-size", "8MB"],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.5)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    try:
+        _, err = p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("ctconvert did not exit after Ctrl-C")
+    assert p.returncode == 130, err
+    assert "interrupted" in err
+    assert_no_checkpoint(out)

@@ -177,8 +177,11 @@ def test_group_size_must_divide(tmp_path):
     assert "model.layers.0.mlp.down_proj" in res.ignore and res.notes
     cfg = json.loads((tmp_path / "o" / "config.json").read_text())
     assert "model.layers.0.mlp.down_proj" in cfg["quantization_config"]["ignore"]
-    # FP8_BLOCK takes any shape (padding while computing scales)
-    api.quantize(ckpt, tmp_path / "o2", "FP8_BLOCK")
+    # FP8_BLOCK needs whole 128x128 blocks: transformers and vLLM cannot load partial ones
+    with pytest.raises(UnsupportedError, match=r"K=500 is not a multiple of the block width 128 of FP8_BLOCK"):
+        api.quantize(ckpt, tmp_path / "o2", "FP8_BLOCK")
+    res = api.quantize(ckpt, tmp_path / "o2", "FP8_BLOCK", skip_incompatible=True)
+    assert "model.layers.0.mlp.down_proj" in res.ignore
 
 
 def test_output_exists_and_overwrite(tiny_llama, tmp_path):

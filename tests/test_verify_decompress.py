@@ -93,3 +93,25 @@ def test_verify_threshold_fails_on_a_wrong_scale(tiny_llama, tmp_path):
 def test_decompress_refuses_dense_input(tiny_llama, tmp_path):
     r = CliRunner().invoke(main, ["decompress", str(tiny_llama), "-o", str(tmp_path / "d")])
     assert r.exit_code == 4 and "not a compressed-tensors checkpoint" in r.stderr
+
+
+def test_verify_compares_tensor_sets(tmp_path):
+    tied = dict(LLAMA_CONFIG, tie_word_embeddings=True)
+    untied = write_checkpoint(tmp_path / "u", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG)
+    t = write_checkpoint(tmp_path / "t", llama_tensors(tied), tied)
+    api.quantize(t, tmp_path / "qt", "W8A8")
+    api.quantize(untied, tmp_path / "qu", "W8A8")
+    rep = api.verify(tmp_path / "qt", untied)
+    assert not rep["ok"] and any("missing from the output" in p["message"] and p["tensor"] == "lm_head.weight" for p in rep["problems"])
+    rep = api.verify(tmp_path / "qu", t)
+    assert not rep["ok"] and any("not in the reference" in p["message"] and p["tensor"] == "lm_head.weight" for p in rep["problems"])
+
+
+def test_dry_run_shows_the_plan_even_when_the_run_would_stop(tmp_path):
+    src = llama_tensors(LLAMA_CONFIG)
+    src["model.layers.0.mlp.down_proj.weight"] = torch.zeros(256, 500, dtype=torch.bfloat16)
+    m = write_checkpoint(tmp_path / "m", src, LLAMA_CONFIG)
+    r = CliRunner().invoke(main, ["--json", "quantize", str(m), "-s", "W4A16", "--dry-run"])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 4 and doc["ok"] is False and "K=500" in doc["error"]
+    assert "model.layers.0.mlp.down_proj" in doc["plan"]["ignore"]

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import OutputError, UsageError
@@ -74,7 +73,7 @@ def check_output_path(src: Path, out: Path, overwrite: bool) -> None:
     if o == s or s in o.parents or o in s.parents:
         raise UsageError(f"output {out} overlaps the input {src}; ctconvert never writes into its input")
     if o.exists() and not overwrite:
-        raise OutputError("output path exists; pass --overwrite to replace it", file=out)
+        raise OutputError("output path exists; pass --overwrite (overwrite=True in the API and batch jobs) to replace it", file=out)
     if o.exists() and not o.is_dir():
         raise OutputError("output path exists and is not a folder", file=out)
 
@@ -111,7 +110,6 @@ class OutputFolder:
         self.journal: dict = {"fingerprint": fingerprint, "shards": {}}
         self.reused: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._hasher: ThreadPoolExecutor | None = None
         self._pending: list = []
         try:
             parent.mkdir(parents=True, exist_ok=True)
@@ -124,6 +122,7 @@ class OutputFolder:
             except BlockingIOError:
                 raise OutputError("another ctconvert run is writing this output", file=self.out) from None
             old = self._read_journal()
+            self.discarded_partial = bool(old.get("shards")) and old.get("fingerprint") != fingerprint
             if resume and old.get("fingerprint") == fingerprint:
                 self.journal["shards"] = {k: v for k, v in old.get("shards", {}).items() if self._still_valid(k, v)}
             else:
@@ -187,16 +186,22 @@ class OutputFolder:
     def _shard_done(self, shard: ShardFile) -> None:
         """A shard got all its bytes: flush it, then hash and journal it in the background."""
         shard.close()
-        if self._hasher is None:
-            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctconvert-hash")
+        done = threading.Event()
+        errors: list[BaseException] = []
 
         def record():
-            rec = {"size": shard.path.stat().st_size, HASH_NAME: file_hash(shard.path)}
-            with self._lock:
-                self.journal["shards"][shard.path.name] = rec
-            self._save_journal()
+            try:
+                rec = {"size": shard.path.stat().st_size, HASH_NAME: file_hash(shard.path)}
+                with self._lock:
+                    self.journal["shards"][shard.path.name] = rec
+                self._save_journal()
+            except BaseException as e:  # noqa: BLE001 - surfaced by finish()
+                errors.append(e)
+            finally:
+                done.set()
 
-        self._pending.append(self._hasher.submit(record))
+        threading.Thread(target=record, daemon=True, name="ctconvert-hash").start()
+        self._pending.append((done, errors))
 
     def write_json(self, name: str, data: dict, **kw) -> None:
         try:
@@ -228,8 +233,10 @@ class OutputFolder:
         """Close shards, write the index, extra JSON files and ``config.json`` (last)."""
         for f in self.shards:
             f.close()
-        for fut in self._pending:
-            fut.result()
+        for done, errors in self._pending:
+            done.wait()
+            if errors:
+                raise OutputError(f"cannot record a finished shard: {errors[0]}", file=self.tmp)
         self.write_json(INDEX_NAME, {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(self.weight_map.items()))})
         for name, data in (extra_json or {}).items():
             self.write_json(name, data)
@@ -263,11 +270,8 @@ class OutputFolder:
         """Stop writing. With ``keep`` the partial folder stays for ``--resume``; else it is removed."""
         for f in self.shards:
             f.abort()
-        for fut in self._pending:
-            try:
-                fut.result()
-            except Exception:  # noqa: BLE001
-                pass
+        for done, _ in self._pending:
+            done.wait(5)
         if not keep:
             shutil.rmtree(self.tmp, ignore_errors=True)
         try:

@@ -21,7 +21,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,7 +29,6 @@ _SRC = Path(__file__).with_name("quant.c")
 _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _lib = None
 _lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
 _tried = False
 
 
@@ -102,19 +100,31 @@ def _threads() -> int:
 
 
 def _parallel_rows(n: int, align: int, fn) -> None:
-    """Run ``fn(r0, r1)`` over row ranges (starts aligned to ``align``) on the thread pool."""
-    global _pool
+    """Run ``fn(r0, r1)`` over row ranges (starts aligned to ``align``), one range on this thread and
+    the others on daemon threads (daemon: an interrupted run never waits for them at exit)."""
     t = min(_threads(), max(1, n // max(align, 16)))
     if t <= 1:
         fn(0, n)
         return
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=_threads(), thread_name_prefix="ctconvert-cpu")
     step = -(-n // t)
     step = -(-step // align) * align
-    futs = [_pool.submit(fn, r0, min(n, r0 + step)) for r0 in range(0, n, step)]
-    for f in futs:
-        f.result()
+    ranges = [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
+    errors: list[BaseException] = []
+
+    def run(a: int, b: int) -> None:
+        try:
+            fn(a, b)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=r, daemon=True, name="ctconvert-cpu") for r in ranges[1:]]
+    for th in threads:
+        th.start()
+    run(*ranges[0])
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
 
 
 def _ptr(t: torch.Tensor, row0: int = 0) -> int:
