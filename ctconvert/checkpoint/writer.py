@@ -110,6 +110,7 @@ class OutputFolder:
         self.journal: dict = {"fingerprint": fingerprint, "shards": {}}
         self.reused: dict[str, str] = {}
         self._lock = threading.Lock()
+        self._committing = False
         self._pending: list = []
         try:
             parent.mkdir(parents=True, exist_ok=True)
@@ -147,6 +148,8 @@ class OutputFolder:
 
     def _save_journal(self) -> None:
         with self._lock:
+            if self._committing:
+                return
             data = json.dumps(self.journal, indent=1)
             tmp = self.tmp / (JOURNAL + ".new")
             tmp.write_text(data)
@@ -233,10 +236,8 @@ class OutputFolder:
         """Close shards, write the index, extra JSON files and ``config.json`` (last)."""
         for f in self.shards:
             f.close()
-        for done, errors in self._pending:
-            done.wait()
-            if errors:
-                raise OutputError(f"cannot record a finished shard: {errors[0]}", file=self.tmp)
+        # Shard hashes still running only serve a resume of this run, which is finishing: not waited for
+        # (commit stops them from writing the journal).
         self.write_json(INDEX_NAME, {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(self.weight_map.items()))})
         for name, data in (extra_json or {}).items():
             self.write_json(name, data)
@@ -245,7 +246,9 @@ class OutputFolder:
 
     def commit(self) -> None:
         """Rename the finished folder into place (replacing an old output with ``overwrite``)."""
-        for name in (JOURNAL, ".lock"):
+        self._lock.acquire()
+        self._committing = True
+        for name in (JOURNAL, JOURNAL + ".new", ".lock"):
             try:
                 (self.tmp / name).unlink()
             except OSError:
@@ -263,6 +266,7 @@ class OutputFolder:
             raise OutputError(f"cannot move the finished output into place: {e.strerror or e}", file=self.out) from e
         finally:
             os.close(self._lockfd)
+            self._lock.release()
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
