@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .checkpoint.reader import Checkpoint
-from .checkpoint.safetensors_io import ShardFile, TensorInfo, read_bytes, read_rows
+from .checkpoint.safetensors_io import ShardFile, TensorInfo, map_rows, read_bytes, read_rows
 from .errors import BadInputError, UsageError
 from .formats import native
 from .formats.common import tensor_absmax
@@ -36,6 +36,7 @@ COPY_CHUNK_BYTES = 64 * 2**20
 DEFAULT_CHUNK_ELEMS = 4 * 2**20
 DEFAULT_HOLD_BYTES = 1 << 30
 READ_AHEAD = 3
+MAP_INPUT = os.environ.get("CTCONVERT_MMAP", "1") != "0"  # CPU: chunks are views of the file, not copies
 WRITE_BEHIND = 8
 
 
@@ -209,6 +210,8 @@ class Executor:
         if job.kind == "copy":
             return read_bytes(info, job.start, job.stop - job.start)
         if not self.cuda:
+            if MAP_INPUT:
+                return map_rows(info, job.start, job.stop)
             return read_rows(info, job.start, job.stop)
         row_bytes = info.nbytes // info.shape[0]
         n = (job.stop - job.start) * row_bytes

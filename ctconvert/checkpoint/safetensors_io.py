@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
 import threading
@@ -178,6 +179,31 @@ def read_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
         return raw.view(info.torch_dtype).reshape(info.shape)
     row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
     raw = read_bytes(info, row0 * row_bytes, (row1 - row0) * row_bytes)
+    return raw.view(info.torch_dtype).reshape((row1 - row0, *info.shape[1:]))
+
+
+def map_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
+    """Rows ``[row0, row1)`` as a read-only view of a private mapping of the file (no copy).
+
+    The mapping covers only these rows and lives as long as the returned tensor;
+    writing to the tensor is not allowed. Falls back to :func:`read_rows` when
+    the range cannot be mapped. Raises :class:`BadInputError` on a short file.
+    """
+    if len(info.shape) < 1 or info.shape[0] == 0:
+        return read_rows(info, row0, row1)
+    row_bytes = info.nbytes // info.shape[0]
+    start = info.start + row0 * row_bytes
+    n = (row1 - row0) * row_bytes
+    if n == 0:
+        return read_rows(info, row0, row1)
+    page = mmap.ALLOCATIONGRANULARITY
+    base = start - start % page
+    try:
+        with open(info.file, "rb") as f:
+            mm = mmap.mmap(f.fileno(), n + (start - base), access=mmap.ACCESS_COPY, offset=base)
+    except (OSError, ValueError):
+        return read_rows(info, row0, row1)
+    raw = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=start - base)
     return raw.view(info.torch_dtype).reshape((row1 - row0, *info.shape[1:]))
 
 
