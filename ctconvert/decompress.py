@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint.reader import CONFIG_NAME, open_checkpoint
-from .checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, read_bytes, read_rows, read_tensor
+from .checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, copy_tensor, read_rows, read_tensor
 from .checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
 from .errors import BadInputError, UnsupportedError, UsageError
 from .formats.dequant import dequantize_weight, logical_shape
@@ -126,10 +126,7 @@ def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_sha
                         pos += t.numel() * t.element_size()
                     continue
                 if kind == "copy":
-                    info = job
-                    for b0 in range(0, info.nbytes, 64 * 2**20):
-                        nb = min(64 * 2**20, info.nbytes - b0)
-                        shards[info.name].write(info.name, read_bytes(info, b0, nb), b0)
+                    copy_tensor(job, shards[job.name])
                     continue
                 m, n, k = job
                 name = m.name + ".weight"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from .checkpoint.reader import Checkpoint
 from .checkpoint.safetensors_io import TensorInfo
-from .errors import BadInputError, UnsupportedError, UsageError
+from .errors import UnsupportedError, UsageError
 from .schemes import LM_HEAD_SCHEMES, Scheme, get_scheme
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint.reader import CONFIG_NAME, open_checkpoint
-from .checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, read_bytes, read_tensor
+from .checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, copy_tensor, read_tensor
 from .checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
 from .errors import BadInputError, UnsupportedError, UsageError
 from .layouts import targets
@@ -155,10 +155,7 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
         with torch.inference_mode():
             for kind, job in jobs:
                 if kind == "copy":
-                    info = job
-                    for b0 in range(0, info.nbytes, 64 * 2**20):
-                        nb = min(64 * 2**20, info.nbytes - b0)
-                        shards[info.name].write(info.name, read_bytes(info, b0, nb), b0)
+                    copy_tensor(job, shards[job.name])
                     continue
                 if kind == "forward":
                     m, kernel = job

@@ -3,7 +3,6 @@ and never leaves a folder at the output path that a loader would take for a chec
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -18,18 +17,12 @@ from click.testing import CliRunner
 
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 from ctconvert import api
+from helpers import tree_hash
 from ctconvert.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tree_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(path)).encode())
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 def run_cli(*args):

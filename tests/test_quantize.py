@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from safetensors import safe_open
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 from ct_reference import ct_compress
 from ctconvert import api
+from helpers import tree_hash
 from ctconvert.errors import BadInputError, OutputError, UnsupportedError, UsageError
 
 SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"]
@@ -30,13 +30,6 @@ def load_output(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, index
 
 
-def tree_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(path)).encode())
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 def fused_members(src: dict[str, torch.Tensor], module: str) -> list[torch.Tensor]:

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 from ctconvert import api
+from helpers import tree_hash
 from ctconvert.cli import main
 from ctconvert.repack import repack
 
 
-def tree_hash(path: Path, skip=()) -> str:
-    h = hashlib.sha256()
-    for p in sorted(path.rglob("*")):
-        if p.is_file() and p.name not in skip:
-            h.update(str(p.relative_to(path)).encode())
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM", "W8A16"])

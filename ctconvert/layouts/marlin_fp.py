@@ -43,7 +43,6 @@ import torch
 from .cutlass import reciprocal_preimage
 from .marlin import (
     gptq_to_pack_quantized,
-    marlin_padded_nk,
     marlin_permute_scales,
     marlin_repack,
     marlin_unpermute_scales,

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import bitwise_equal
+
 from ctconvert.layouts.cutlass import (
     nvfp4_cutlass_layer,
     nvfp4_cutlass_scalars,
@@ -38,13 +40,6 @@ def _vector_dir() -> Path | None:
             return Path(cand)
     return None
 
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    a = a.detach().cpu().contiguous().reshape(-1).view(_INT[a.element_size()])
-    b = b.detach().cpu().contiguous().reshape(-1).view(_INT[b.element_size()])
-    return torch.equal(a, b)
 
 
 def load_cases(name: str) -> list[tuple[int, dict, dict, dict]]:

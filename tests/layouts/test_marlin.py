@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import bitwise_equal
 from safetensors import safe_open
 
 from ctconvert.layouts.marlin import (
@@ -40,13 +42,6 @@ ZERO_POINTS = VECTORS / "marlin_zero_points.safetensors"
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 VERSION_OF_LAYOUT = {"current": "0.33", "act_order": "0.29"}
 
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    a = a.detach().cpu().contiguous().reshape(-1).view(_INT[a.element_size()])
-    b = b.detach().cpu().contiguous().reshape(-1).view(_INT[b.element_size()])
-    return torch.equal(a, b)
 
 
 def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import bitwise_equal
+
 from ctconvert.layouts.marlin import marlin_padded_nk
 from ctconvert.layouts.marlin_fp import (
     fp8_fold_exponent_bias,
@@ -50,9 +52,6 @@ def _vector_dir() -> Path | None:
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(_INT[t.element_size()])
 
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a).reshape(-1), bits(b).reshape(-1))
 
 
 def load_cases(name: str) -> list[tuple[int, dict, dict, dict]]:
