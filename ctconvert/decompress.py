@@ -11,7 +11,6 @@ loses its ``quantization_config``. Written atomically like ``quantize``.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from pathlib import Path
 
@@ -21,45 +20,10 @@ from .checkpoint.reader import CONFIG_NAME, open_checkpoint
 from .checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, copy_tensor, read_rows, read_tensor
 from .checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
 from .errors import BadInputError, UnsupportedError, UsageError
-from .formats.dequant import dequantize_weight, logical_shape
-from .modules import ACT_PARTS, QUANT_PARTS, Module, modules_of
+from .modules import ACT_PARTS, QUANT_PARTS, dense_row_chunks, dense_shape, modules_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KNOWN_FORMATS = ("float-quantized", "int-quantized", "naive-quantized", "pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
-
-
-def _rows_of(info, r0: int, r1: int) -> torch.Tensor:
-    return read_rows(info, r0, r1)
-
-
-def module_rows(m: Module, r0: int, r1: int, n: int) -> dict[str, torch.Tensor]:
-    """The compressed tensors of module ``m`` that cover dense rows ``[r0, r1)`` of ``n``."""
-    w = m.weights or {}
-    strategy = w.get("strategy")
-    bits = int(w.get("num_bits") or 8)
-    out: dict[str, torch.Tensor] = {}
-    for part, info in m.parts.items():
-        if part in ("weight", "weight_packed"):
-            out[part] = _rows_of(info, r0, r1)
-        elif part in ("weight_scale", "weight_zero_point"):
-            if info.numel <= 1 or strategy == "tensor" or len(info.shape) < 2:
-                out[part] = read_tensor(info)
-            elif strategy == "block":
-                bh = (w.get("block_structure") or [128, 128])[0]
-                out[part] = _rows_of(info, r0 // bh, min(info.shape[0], math.ceil(r1 / bh)))
-            elif part == "weight_zero_point" and info.dtype == "I32":  # packed along dim 0
-                out[part] = _rows_of(info, r0 * bits // 32, min(info.shape[0], math.ceil(r1 * bits / 32)))
-            else:
-                out[part] = _rows_of(info, r0, r1)
-        elif part == "weight_global_scale":
-            out[part] = read_tensor(info)
-    return out
-
-
-def _shape(m: Module) -> tuple[int, int]:
-    ws = m.parts.get("weight_shape")
-    shape = [int(x) for x in read_tensor(ws).tolist()] if ws is not None else None
-    return logical_shape({p: i.shape for p, i in m.parts.items()}, m.weights or {}, m.format, shape)
 
 
 def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_shard_size: str | int = "5GB",
@@ -100,7 +64,7 @@ def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_sha
             if part in QUANT_PARTS or part in ACT_PARTS or part == "weight":
                 if mod not in done_modules:
                     done_modules.add(mod)
-                    n, k = _shape(m)
+                    n, k = dense_shape(m)
                     planned.append(PlannedTensor(mod + ".weight", TORCH_TO_ST[od], (n, k)))
                     jobs.append(("dequant", (m, n, k)))
                 continue
@@ -130,19 +94,14 @@ def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_sha
                     continue
                 m, n, k = job
                 name = m.name + ".weight"
-                step = max(128, (chunk_elems // max(1, k)) // 128 * 128)
                 pos = 0
-                for r0 in range(0, n, step):
-                    r1 = min(n, r0 + step)
-                    parts = module_rows(m, r0, r1, n)
-                    if "weight_shape" in m.parts:
-                        parts["weight_shape"] = torch.tensor([r1 - r0, k])
-                    try:
-                        dense = dequantize_weight(parts, m.weights, m.format).to(od)
-                    except (KeyError, ValueError, RuntimeError) as e:
-                        raise BadInputError(f"cannot dequantize ({m.format}): {e}", file=m.parts[next(iter(m.parts))].file.name, tensor=name) from e
-                    shards[name].write(name, dense, pos)
-                    pos += dense.numel() * dense.element_size()
+                try:
+                    for _, _, dense in dense_row_chunks(m, chunk_elems):
+                        dense = dense.to(od)
+                        shards[name].write(name, dense, pos)
+                        pos += dense.numel() * dense.element_size()
+                except (KeyError, ValueError, RuntimeError) as e:
+                    raise BadInputError(f"cannot dequantize ({m.format}): {e}", file=str(next(iter(m.parts.values())).file), tensor=name) from e
         cfg = copy.deepcopy(ckpt.config)
         cfg.pop("quantization_config", None)
         if isinstance(cfg.get("text_config"), dict):

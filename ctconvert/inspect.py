@@ -12,23 +12,11 @@ scales differ (compressed-tensors-format.md §9.1).
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from pathlib import Path
 
 from .checkpoint.reader import Problem, open_checkpoint
-from .checkpoint.safetensors_io import read_tensor
-from .plan import _BLOCK, _FUSED_OF, is_linear_weight, matches
-
-_QUANT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape", "input_global_scale", "input_scale", "weight_g_idx")
-
-
-def _group_of(module: str, qcfg: dict, is_linear: bool) -> str | None:
-    if matches(module, qcfg.get("ignore") or [], is_linear=is_linear):
-        return None
-    for gname, g in (qcfg.get("config_groups") or {}).items():
-        if matches(module, g.get("targets") or [], is_linear=is_linear):
-            return gname
-    return None
+from .modules import ACT_PARTS, QUANT_PARTS, dense_shape, fused_global_scales, modules_of
+from .plan import _BLOCK, is_linear_weight
 
 
 def _inspect_kernel_native(ckpt, path: Path) -> dict:
@@ -73,71 +61,58 @@ def inspect_checkpoint(path: Path) -> dict:
     problems: list[Problem] = list(ckpt.problems)
     qcfg = ckpt.quantization_config or {}
     groups = qcfg.get("config_groups") or {}
-    modules: dict[str, dict[str, object]] = defaultdict(dict)
-    for name, info in ckpt.tensors.items():
-        mod, _, part = name.rpartition(".")
-        modules[mod][part] = info
-
+    mods = modules_of(ckpt)
     layers = []
     tot_bytes = sum(t.nbytes for t in ckpt.tensors.values())
     lin_bytes = lin_params = 0
-    gs_by_set: dict[tuple[str, tuple], dict[str, float]] = defaultdict(dict)
-    for mod in sorted(modules, key=lambda m: (str(ckpt.tensors[next(iter(modules[m].values())).name].file), m)):
-        parts = modules[mod]
-        quantized = any(p in parts for p in ("weight_packed", "weight_scale"))
-        dense = parts.get("weight")
-        if not quantized and (dense is None or not is_linear_weight(mod + ".weight", dense)):
+    for m in sorted(mods.values(), key=lambda m: (str(next(iter(m.parts.values())).file), m.name)):
+        quantized = m.quantized
+        dense = m.parts.get("weight")
+        if not quantized and (dense is None or not is_linear_weight(m.name + ".weight", dense)):
             continue
-        infos = {p: i for p, i in parts.items() if p == "weight" or p in _QUANT_PARTS}
-        group = _group_of(mod, qcfg, True) if qcfg else None
-        fmt = None
-        if group is not None:
-            fmt = groups[group].get("format") or qcfg.get("format")
+        infos = {p: i for p, i in m.parts.items() if p == "weight" or p in QUANT_PARTS or p in ACT_PARTS}
+        group = m.group
         if quantized:
-            params = _logical_params(parts, fmt)
+            try:
+                params = math.prod(dense_shape(m))
+            except Exception:  # noqa: BLE001 - an unreadable shape is reported through the bits per weight
+                params = 0
             if not qcfg:
-                problems.append(Problem("error", "quantized tensors but config.json has no quantization_config", tensor=mod))
+                problems.append(Problem("error", "quantized tensors but config.json has no quantization_config", tensor=m.name))
             elif group is None:
-                problems.append(Problem("error", "quantized tensors that no config group targets (or listed in ignore)", tensor=mod))
+                problems.append(Problem("error", "quantized tensors that no config group targets (or listed in ignore)", tensor=m.name))
         else:
             params = dense.numel
-            if qcfg and group is not None:
+            if group is not None:
                 problems.append(Problem(
                     "error",
                     f"dense Linear weight matched by config group {group!r} but not in ignore: loaders expect quantized tensors (they would load garbage)",
-                    tensor=mod,
+                    tensor=m.name,
                 ))
         nbytes = sum(i.nbytes for i in infos.values())
         lin_bytes += nbytes
         lin_params += params
-        scheme = None
-        if group is not None:
-            w = groups[group].get("weights") or {}
-            scheme = _describe(w)
-        row = {
-            "module": mod,
-            "group": group if quantized or group else None,
-            "scheme": scheme if quantized else "dense",
-            "format": fmt if quantized else "dense",
+        layers.append({
+            "module": m.name,
+            "group": group,
+            "scheme": _describe(m.weights or {}) if quantized else "dense",
+            "format": m.format if quantized else "dense",
             "tensors": {p: {"dtype": i.dtype, "shape": list(i.shape)} for p, i in sorted(infos.items())},
             "bytes": nbytes,
             "params": params,
             "bits_per_weight": round(8 * nbytes / params, 3) if params else None,
-        }
-        layers.append(row)
-        if "weight_global_scale" in parts:
-            parent, _, leaf = mod.rpartition(".")
-            if leaf in _FUSED_OF:
-                try:
-                    gs_by_set[(parent, _FUSED_OF[leaf])][leaf] = float(read_tensor(parts["weight_global_scale"]).float().reshape(-1)[0])
-                except Exception as e:  # noqa: BLE001 - reported, not fatal
-                    problems.append(Problem("error", f"cannot read weight_global_scale: {e}", tensor=mod))
-    for (parent, _), vals in gs_by_set.items():
+        })
+    try:
+        fused = fused_global_scales(mods)
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        fused = {}
+        problems.append(Problem("error", f"cannot read a weight_global_scale: {e}"))
+    for fused_set, vals in fused.items():
         if len(set(vals.values())) > 1:
             problems.append(Problem(
                 "warning",
                 f"fused set members have different NVFP4 global scales {vals}; vLLM keeps only the largest",
-                tensor=parent,
+                tensor=fused_set,
             ))
     n_quant = sum(1 for r in layers if r["format"] != "dense")
     return {
@@ -171,22 +146,3 @@ def _describe(w: dict) -> str | None:
         "x".join(map(str, w.get("block_structure") or [])) if s == "block" else s)
     sym = "" if w.get("symmetric", True) else " asym"
     return f"{t}{w.get('num_bits')} {extra}{sym}"
-
-
-def _logical_params(parts: dict, fmt: str | None) -> int:
-    if "weight_shape" in parts:
-        try:
-            shape = read_tensor(parts["weight_shape"]).tolist()
-            return int(math.prod(shape))
-        except Exception:  # noqa: BLE001
-            pass
-    if "weight" in parts:
-        return parts["weight"].numel
-    packed = parts.get("weight_packed")
-    if packed is not None:
-        if packed.dtype == "U8":  # two E2M1 codes per byte
-            return packed.numel * 2
-        if packed.dtype == "I32" and "weight_scale" in parts:
-            return packed.numel * 8  # assume 4-bit when the shape is unknown
-    return 0
-

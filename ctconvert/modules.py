@@ -8,13 +8,17 @@ which win over the class name ``Linear``; ties go to the first group.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import torch
+
 from .checkpoint.reader import Checkpoint
-from .checkpoint.safetensors_io import TensorInfo
-from .plan import is_linear_weight, matches
+from .checkpoint.safetensors_io import TensorInfo, read_rows, read_tensor
+from .formats.dequant import dequantize_weight, logical_shape
+from .plan import _FUSED_OF, is_linear_weight, matches
 
 QUANT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape", "weight_g_idx")
 ACT_PARTS = ("input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point")
@@ -74,3 +78,63 @@ def modules_of(ckpt: Checkpoint) -> dict[str, Module]:
             m.format = groups[g].get("format") or qcfg.get("format")
             m.weights = groups[g].get("weights") or {}
     return dict(mods)
+
+
+def dense_shape(m: Module) -> tuple[int, int]:
+    """``[N, K]`` of a quantized module: ``weight_shape`` when stored, else from the tensor shapes
+    (a packed weight without a known format is taken as FP4 when uint8, else int4)."""
+    ws = m.parts.get("weight_shape")
+    shape = [int(x) for x in read_tensor(ws).tolist()] if ws is not None else None
+    fmt = m.format
+    if fmt is None and "weight_packed" in m.parts:
+        fmt = "nvfp4-pack-quantized" if m.parts["weight_packed"].dtype == "U8" else "pack-quantized"
+    return logical_shape({p: i.shape for p, i in m.parts.items()}, m.weights or {"num_bits": 4}, fmt, shape)
+
+
+def module_rows(m: Module, r0: int, r1: int) -> dict[str, torch.Tensor]:
+    """The compressed tensors of module ``m`` that cover dense rows ``[r0, r1)``."""
+    w = m.weights or {}
+    strategy = w.get("strategy")
+    bits = int(w.get("num_bits") or 8)
+    out: dict[str, torch.Tensor] = {}
+    for part, info in m.parts.items():
+        if part in ("weight", "weight_packed"):
+            out[part] = read_rows(info, r0, r1)
+        elif part in ("weight_scale", "weight_zero_point"):
+            if info.numel <= 1 or strategy == "tensor" or len(info.shape) < 2:
+                out[part] = read_tensor(info)
+            elif strategy == "block":
+                bh = (w.get("block_structure") or [128, 128])[0]
+                out[part] = read_rows(info, r0 // bh, min(info.shape[0], math.ceil(r1 / bh)))
+            elif part == "weight_zero_point" and info.dtype == "I32":  # packed along dim 0
+                out[part] = read_rows(info, r0 * bits // 32, min(info.shape[0], math.ceil(r1 * bits / 32)))
+            else:
+                out[part] = read_rows(info, r0, r1)
+        elif part == "weight_global_scale":
+            out[part] = read_tensor(info)
+    return out
+
+
+def dense_row_chunks(m: Module, chunk_elems: int):
+    """Yield ``(r0, r1, dense rows)`` of a quantized module, dequantized as compressed-tensors does,
+    in chunks of about ``chunk_elems`` elements (multiples of 128 rows, so blocks and packed
+    zero points stay whole). Raises what :func:`dequantize_weight` raises."""
+    n, k = dense_shape(m)
+    step = max(128, (chunk_elems // max(1, k)) // 128 * 128)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        parts = module_rows(m, r0, r1)
+        if "weight_shape" in m.parts:
+            parts["weight_shape"] = torch.tensor([r1 - r0, k])
+        yield r0, r1, dequantize_weight(parts, m.weights, m.format)
+
+
+def fused_global_scales(mods: dict[str, Module]) -> dict[str, dict[str, float]]:
+    """NVFP4 ``weight_global_scale`` of every fused-set member, by set (parent module name)."""
+    sets: dict[str, dict[str, float]] = {}
+    for m in mods.values():
+        parent, _, leaf = m.name.rpartition(".")
+        if "weight_global_scale" in m.parts and leaf in _FUSED_OF:
+            sets.setdefault(f"{parent}.{{{','.join(_FUSED_OF[leaf])}}}", {})[leaf] = float(
+                read_tensor(m.parts["weight_global_scale"]).float().reshape(-1)[0])
+    return sets

@@ -112,46 +112,31 @@ class Scheme:
         same bytes.
         """
         if impl == "native" or (impl == "auto" and w.device.type == "cpu" and native.available()):
-            return self._quantize_native(w, global_scale)
+            return self._quantize_fused(native, w, global_scale)
         if impl in ("auto", "triton") and w.device.type == "cuda" and gpu.available():
             try:
-                return self._quantize_gpu(w, global_scale)
+                return self._quantize_fused(gpu, w, global_scale)
             except NotImplementedError:
                 pass
         return self._quantize_torch(w, global_scale)
 
-    def _quantize_gpu(self, w: torch.Tensor, global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    def _quantize_fused(self, kernels, w: torch.Tensor, global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Through a fused-kernel module, :mod:`.formats.native` (CPU) or :mod:`.formats.gpu` (CUDA):
+        both expose the same functions."""
         if self.kind == "fp8_channel":
-            return gpu.fp8_channel(w)
+            return kernels.fp8_channel(w)
         if self.kind == "fp8_block":
-            return gpu.fp8_block(w, self.block)
+            return kernels.fp8_block(w, self.block)
         if self.kind == "int":
             pack = self.format == "pack-quantized"
-            out = gpu.int_quant(w, self.num_bits, self.group_size, self.symmetric, pack)
+            out = kernels.int_quant(w, self.num_bits, self.group_size, self.symmetric, pack)
             if pack and not self.symmetric:
                 out["weight_zero_point"] = integer.pack_int32_dim0(out["weight_zero_point"], self.num_bits)
             return out
         if self.kind == "nvfp4":
-            return gpu.nvfp4(w, global_scale)
+            return kernels.nvfp4(w, global_scale)
         if self.kind == "mxfp4":
-            return gpu.mxfp4(w)
-        raise AssertionError(self.kind)
-
-    def _quantize_native(self, w: torch.Tensor, global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        if self.kind == "fp8_channel":
-            return native.fp8_channel(w)
-        if self.kind == "fp8_block":
-            return native.fp8_block(w, self.block)
-        if self.kind == "int":
-            pack = self.format == "pack-quantized"
-            out = native.int_quant(w, self.num_bits, self.group_size, self.symmetric, pack)
-            if pack and not self.symmetric:
-                out["weight_zero_point"] = integer.pack_int32_dim0(out["weight_zero_point"], self.num_bits)
-            return out
-        if self.kind == "nvfp4":
-            return native.nvfp4(w, global_scale)
-        if self.kind == "mxfp4":
-            return native.mxfp4(w)
+            return kernels.mxfp4(w)
         raise AssertionError(self.kind)
 
     def _quantize_torch(self, w: torch.Tensor, global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:

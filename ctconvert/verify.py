@@ -21,10 +21,8 @@ import torch
 
 from .checkpoint.reader import Problem, open_checkpoint
 from .checkpoint.safetensors_io import read_bytes, read_rows, read_tensor
-from .decompress import _shape, module_rows
-from .formats.dequant import dequantize_weight
-from .modules import ACT_PARTS, QUANT_PARTS, modules_of
-from .plan import _FUSED_OF, _find_embedding
+from .modules import ACT_PARTS, QUANT_PARTS, dense_row_chunks, dense_shape, fused_global_scales, modules_of
+from .plan import _find_embedding
 
 #: largest relative L2 error accepted per (type, bits) of the weights
 THRESHOLDS = {("float", 8): 0.08, ("int", 8): 0.04, ("int", 4): 0.25, ("float", 4): 0.30}
@@ -114,7 +112,6 @@ def verify(path: str | Path, reference: str | Path | None = None) -> dict:
         if qcfg.get("quantization_status") != "compressed":
             err(f"quantization_status is {qcfg.get('quantization_status')!r}; transformers then initializes weights randomly")
     mods = modules_of(ckpt)
-    gs_sets: dict[tuple, dict[str, float]] = {}
     for m in mods.values():
         if m.quantized:
             if m.group is None:
@@ -125,15 +122,11 @@ def verify(path: str | Path, reference: str | Path | None = None) -> dict:
                 err(f"unknown format {m.format!r}", tensor=m.name)
             elif missing:
                 err(f"format {m.format} needs {', '.join(missing)}", tensor=m.name)
-            if "weight_global_scale" in m.parts:
-                parent, _, leaf = m.name.rpartition(".")
-                if leaf in _FUSED_OF:
-                    gs_sets.setdefault((parent, _FUSED_OF[leaf]), {})[leaf] = float(read_tensor(m.parts["weight_global_scale"]).float().reshape(-1)[0])
         elif m.group is not None and "weight" in m.parts:
             err(f"dense Linear weight matched by config group {m.group!r} but not in ignore", tensor=m.name)
-    for (parent, _), vals in gs_sets.items():
+    for fused_set, vals in fused_global_scales(mods).items():
         if len(set(vals.values())) > 1:
-            err(f"fused set members have different NVFP4 global scales {vals}", tensor=parent)
+            err(f"fused set members have different NVFP4 global scales {vals}", tensor=fused_set)
     # values: NaN/inf in float tensors, NaN bytes in E4M3 tensors
     for name, info in ckpt.tensors.items():
         if info.dtype in ("BF16", "F16", "F32", "F64", "F8_E4M3"):
@@ -161,19 +154,14 @@ def verify(path: str | Path, reference: str | Path | None = None) -> dict:
             if src is None:
                 err("no reference weight for this module", tensor=m.name)
                 continue
-            n, k = _shape(m)
+            n, k = dense_shape(m)
             if tuple(src.shape) != (n, k):
                 err(f"shape {n}x{k} differs from the reference {list(src.shape)}", tensor=m.name)
                 continue
             se = sr = 0.0
             mx = 0.0
-            step = max(128, (CHUNK // max(1, k)) // 128 * 128)
-            for r0 in range(0, n, step):
-                r1 = min(n, r0 + step)
-                parts = module_rows(m, r0, r1, n)
-                if "weight_shape" in m.parts:
-                    parts["weight_shape"] = torch.tensor([r1 - r0, k])
-                got = dequantize_weight(parts, m.weights, m.format).float()
+            for r0, r1, got in dense_row_chunks(m, CHUNK):
+                got = got.float()
                 want = read_rows(src, r0, r1).float()
                 d = got - want
                 se += float((d * d).sum())
