@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint.reader import CONFIG_NAME, open_checkpoint
-from .checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, copy_tensor, read_rows, read_tensor
-from .checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
+from .checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, copy_tensor, iter_row_chunks
+from .checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from .errors import BadInputError, UnsupportedError, UsageError
 from .modules import ACT_PARTS, QUANT_PARTS, dense_row_chunks, dense_shape, modules_of
 
@@ -75,18 +75,14 @@ def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_sha
         else:
             planned.append(PlannedTensor(name, info.dtype, info.shape))
             jobs.append(("copy", info))
-    folder = OutputFolder(out, overwrite=overwrite)
-    try:
-        shards = folder.open_shards(assign_shards(planned, parse_size(max_shard_size)))
+    def fill(shards):
         with torch.inference_mode():
             for kind, job in jobs:
                 if kind == "cast":
-                    info = job
-                    rows = max(1, (64 * 2**20) // max(1, info.nbytes // max(1, info.shape[0]))) if info.shape else 1
                     pos = 0
-                    for r0 in range(0, info.shape[0] if info.shape else 1, rows):
-                        t = (read_rows(info, r0, min(info.shape[0], r0 + rows)) if info.shape else read_tensor(info)).to(od)
-                        shards[info.name].write(info.name, t, pos)
+                    for _, t in iter_row_chunks(job):
+                        t = t.to(od)
+                        shards[job.name].write(job.name, t, pos)
                         pos += t.numel() * t.element_size()
                     continue
                 if kind == "copy":
@@ -102,16 +98,15 @@ def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_sha
                         pos += dense.numel() * dense.element_size()
                 except (KeyError, ValueError, RuntimeError) as e:
                     raise BadInputError(f"cannot dequantize ({m.format}): {e}", file=str(next(iter(m.parts.values())).file), tensor=name) from e
+
+    def config():
         cfg = copy.deepcopy(ckpt.config)
         cfg.pop("quantization_config", None)
         if isinstance(cfg.get("text_config"), dict):
             cfg["text_config"].pop("quantization_config", None)
-        folder.copy_files(src, skip={CONFIG_NAME, "ctconvert-provenance.json"})
-        total = sum(t.nbytes for t in planned)
-        folder.finish(cfg, total)
-        folder.commit()
-    except BaseException:
-        folder.abort()
-        raise
+        return cfg
+
+    total = write_checkpoint(src, out, planned, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, fill=fill,
+                             config=config, skip={"ctconvert-provenance.json"})
     return {"output": str(out), "modules_decompressed": len(done_modules), "dtype": dtype, "input_bytes": ckpt.total_bytes,
             "output_bytes": total, "seconds": round(time.perf_counter() - t0, 3)}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .checkpoint.reader import Checkpoint
-from .checkpoint.safetensors_io import ShardFile, TensorInfo, map_rows, read_bytes, read_rows
+from .checkpoint.safetensors_io import ShardFile, TensorInfo, iter_row_chunks, map_rows, read_bytes, read_rows
 from .errors import BadInputError, UsageError
 from .formats import native
 from .formats.common import tensor_absmax
@@ -377,12 +377,10 @@ class Executor:
 
 def _raise_nonfinite(info: TensorInfo, only_if_found: bool = False) -> None:
     """Find the first NaN/inf of a tensor (re-reading it on the CPU) and raise a one-line error."""
-    rows = max(1, (64 * 2**20) // max(1, info.nbytes // max(1, info.shape[0])))
     total = 0
     first = None
     kind = "inf"
-    for r0 in range(0, info.shape[0], rows):
-        w = read_rows(info, r0, min(info.shape[0], r0 + rows))
+    for r0, w in iter_row_chunks(info):
         bad = ~torch.isfinite(w)
         cnt = int(bad.sum())
         if cnt:

@@ -29,7 +29,7 @@ import torch
 
 from .checkpoint.reader import CONFIG_NAME, open_checkpoint
 from .checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, copy_tensor, read_tensor
-from .checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
+from .checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from .errors import BadInputError, UnsupportedError, UsageError
 from .layouts import targets
 from .modules import modules_of
@@ -149,9 +149,7 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
             info = ckpt.tensors[name]
             planned.append(PlannedTensor(name, info.dtype, info.shape))
             jobs.append(("copy", info))
-    folder = OutputFolder(out, overwrite=overwrite)
-    try:
-        shards = folder.open_shards(assign_shards(planned, parse_size(max_shard_size)))
+    def fill(shards):
         with torch.inference_mode():
             for kind, job in jobs:
                 if kind == "copy":
@@ -173,11 +171,12 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
                 for p, t in outs.items():
                     name = f"{mod}.{p}"
                     shards[name].write(name, t.cpu())
+
+    def config():
+        cfg = copy.deepcopy(ckpt.config)
         if inverse:
-            cfg = copy.deepcopy(ckpt.config)
             cfg["quantization_config"] = qcfg["source_quantization_config"]
         else:
-            cfg = copy.deepcopy(ckpt.config)
             cfg["quantization_config"] = {
                 "quant_method": KERNEL_NATIVE,
                 "format": "kernel-native",
@@ -189,13 +188,9 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
                 "modules": records,
                 "source_quantization_config": qcfg,
             }
-        folder.copy_files(src, skip={CONFIG_NAME})
-        total = sum(t.nbytes for t in planned)
-        folder.finish(cfg, total)
-        folder.commit()
-    except BaseException:
-        folder.abort()
-        raise
+        return cfg
+
+    total = write_checkpoint(src, out, planned, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, fill=fill, config=config)
     n = sum(1 for k, _ in jobs if k in ("forward", "inverse"))
     return {"output": str(out), "target": target, "layout_version": layout_version, "modules": n, "input_bytes": ckpt.total_bytes,
             "output_bytes": total, "device": str(dev), "seconds": round(time.perf_counter() - t0, 3)}

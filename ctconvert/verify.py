@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint.reader import Problem, open_checkpoint
-from .checkpoint.safetensors_io import read_bytes, read_rows, read_tensor
+from .checkpoint.safetensors_io import iter_row_chunks, read_bytes, read_rows, read_tensor
 from .modules import ACT_PARTS, QUANT_PARTS, dense_row_chunks, dense_shape, fused_global_scales, modules_of
 from .plan import _find_embedding
 
@@ -131,9 +131,7 @@ def verify(path: str | Path, reference: str | Path | None = None) -> dict:
     for name, info in ckpt.tensors.items():
         if info.dtype in ("BF16", "F16", "F32", "F64", "F8_E4M3"):
             bad = 0
-            rows = max(1, CHUNK // max(1, info.nbytes // max(1, info.shape[0]))) if info.shape else 1
-            for r0 in range(0, info.shape[0] if info.shape else 1, rows):
-                t = read_rows(info, r0, min(info.shape[0], r0 + rows)) if info.shape else read_tensor(info)
+            for _, t in iter_row_chunks(info, CHUNK):
                 if info.dtype == "F8_E4M3":
                     b = t.view(torch.uint8)
                     bad += int(((b & 0x7F) == 0x7F).sum())

@@ -182,6 +182,17 @@ def read_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
     return raw.view(info.torch_dtype).reshape((row1 - row0, *info.shape[1:]))
 
 
+def iter_row_chunks(info: TensorInfo, chunk_bytes: int = 64 * 2**20):
+    """Yield ``(row0, rows)`` over a tensor in row ranges of about ``chunk_bytes``
+    (a 0-D tensor is one chunk, ``row0 = 0``)."""
+    if not info.shape:
+        yield 0, read_tensor(info)
+        return
+    step = max(1, chunk_bytes // max(1, info.nbytes // max(1, info.shape[0])))
+    for r0 in range(0, info.shape[0], step):
+        yield r0, read_rows(info, r0, min(info.shape[0], r0 + step))
+
+
 def map_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
     """Rows ``[row0, row1)`` as a read-only view of a private mapping of the file (no copy).
 

@@ -284,6 +284,25 @@ class OutputFolder:
             pass
 
 
+def write_checkpoint(src: Path, out: Path, planned: list[PlannedTensor], *, max_shard_size: int, overwrite: bool,
+                     fill, config, skip: set[str] = frozenset()) -> int:
+    """Write a whole checkpoint atomically: ``fill(shards)`` writes every planned tensor, then the
+    other files of ``src`` are copied (but ``config.json`` and ``skip``), the index and
+    ``config()`` (called after ``fill``) written, and the folder renamed into place. On any error
+    nothing is left at ``out``. Returns the bytes of tensor data written."""
+    folder = OutputFolder(out, overwrite=overwrite)
+    try:
+        fill(folder.open_shards(assign_shards(planned, max_shard_size)))
+        folder.copy_files(src, skip={CONFIG_NAME, *skip})
+        total = sum(t.nbytes for t in planned)
+        folder.finish(config(), total)
+        folder.commit()
+    except BaseException:
+        folder.abort()
+        raise
+    return total
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
