@@ -146,15 +146,16 @@ def quantize(
     try:
         reuse_from = None
         units = plan.units
+        known: dict[str, str] = {}  # source tensor -> content hash, computed already
         if old_prov is not None:
-            reuse_from, units, result.rewritten_shards = _refresh_plan(ckpt, plan, assignment, out, old_prov)
+            reuse_from, units, result.rewritten_shards, known = _refresh_plan(ckpt, plan, assignment, out, old_prov)
         shards = folder.open_shards(assignment, reuse_from=reuse_from)
         if resume and getattr(folder, "discarded_partial", False):
             result.notes.append("--resume: the interrupted run used other inputs or options; starting over")
         done = folder.completed
         shard_of = folder.weight_map
         todo = [u for u in units if any(shard_of[o[0]] not in done for o in u.outputs)]
-        hashes = {s: new_hasher() for u in todo for s in u.sources}
+        hashes = {s: new_hasher() for u in todo for s in u.sources if s not in known}  # hashed as they stream by
         opts = ExecOptions(device=devs[0], chunk_elems=chunk_elems, hold_bytes=hold_bytes, hashes=hashes)
         run_plan = dataclasses.replace(plan, units=todo)
         keep_partial = True
@@ -164,11 +165,11 @@ def quantize(
                 execute(ckpt, run_plan, shards, opts, devs)
         else:
             execute(ckpt, run_plan, shards, opts, devs)
-        src_hashes = {n: h.hexdigest() for n, h in hashes.items()}
-        for u in plan.units:  # units kept from an earlier run: hash their sources now
+        src_hashes = {**known, **{n: h.hexdigest() for n, h in hashes.items()}}
+        for u in plan.units:  # units kept from an interrupted run: hash their sources now
             for s in u.sources:
                 if s not in src_hashes:
-                    src_hashes[s] = (old_prov or {}).get("_hashes", {}).get(s) or hash_tensor_bytes(ckpt.tensors[s])
+                    src_hashes[s] = hash_tensor_bytes(ckpt.tensors[s])
         folder.copy_files(src, skip={CONFIG_NAME, PROVENANCE})
         total = sum(t.nbytes for t in planned)
         prov = _provenance(ckpt, plan, options, src_hashes)
@@ -234,8 +235,10 @@ def _load_provenance(out: Path, options: dict) -> dict:
 
 
 def _refresh_plan(ckpt, plan: Plan, assignment, out: Path, prov: dict):
-    """Which shards of the earlier output can be reused, which units must run, which shards are rewritten."""
+    """Which shards of the earlier output can be reused, which units must run, which shards are
+    rewritten, and the source hashes computed on the way."""
     old_index = json.loads((out / INDEX_NAME).read_text())["weight_map"]
+    current: dict[str, str] = {}
     new_map = {t.name: name for name, ts in zip(shard_names(len(assignment)), assignment) for t in ts}
     if old_index != new_map:
         dirty = set(new_map.values())  # layout changed: everything is rewritten
@@ -243,12 +246,13 @@ def _refresh_plan(ckpt, plan: Plan, assignment, out: Path, prov: dict):
         dirty = set()
         for u in plan.units:
             for s in u.sources:
-                if prov["_hashes"].get(s) != hash_tensor_bytes(ckpt.tensors[s]):
+                current[s] = hash_tensor_bytes(ckpt.tensors[s])
+                if prov["_hashes"].get(s) != current[s]:
                     dirty.update(new_map[o[0]] for o in u.outputs)
                     break
     reuse = {name: out / name for name in set(new_map.values()) - dirty}
     units = [u for u in plan.units if any(new_map[o[0]] in dirty for o in u.outputs)]
-    return reuse, units, sorted(dirty)
+    return reuse, units, sorted(dirty), current
 
 
 def quantize_to_target(src, out, scheme: str, target: str, *, layout_version: str = "0.33", act_dtype: str = "bf16",
