@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -27,3 +30,26 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     a = a.detach().cpu().contiguous().reshape(-1).view(_INT[a.element_size()])
     b = b.detach().cpu().contiguous().reshape(-1).view(_INT[b.element_size()])
     return torch.equal(a, b)
+
+
+#: the kernel-layout reference vectors (a copy of shared/testvectors; $CTCONVERT_TESTVECTORS overrides)
+VECTORS = Path(os.environ.get("CTCONVERT_TESTVECTORS") or Path(__file__).resolve().parent / "data" / "testvectors")
+
+
+@lru_cache(maxsize=None)
+def vector_cases(name: str) -> tuple:
+    """Every case of a vector file as ``(i, params, inputs, expected)``; empty when the file is absent."""
+    path = VECTORS / name
+    if not path.is_file():
+        return ()
+    from safetensors import safe_open
+
+    out = []
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        for i in range(json.loads(meta["file"])["num_cases"]):
+            p = json.loads(meta[f"case{i}"])
+            ins = {n: f.get_tensor(f"case{i}.input.{n}") for n in p["inputs"]}
+            exp = {n: f.get_tensor(f"case{i}.expected.{n}") for n in p["expected"]}
+            out.append((i, p, ins, exp))
+    return tuple(out)

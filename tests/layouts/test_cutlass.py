@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import bitwise_equal
+from helpers import bitwise_equal, vector_cases
 
 from ctconvert.layouts.cutlass import (
     nvfp4_cutlass_layer,
@@ -27,39 +24,12 @@ _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _vector_dir() -> Path | None:
-    here = Path(__file__).resolve()
-    for cand in (
-        os.environ.get("CTCONVERT_TESTVECTORS"),
-        here.parents[1] / "data" / "testvectors",
-        here.parents[2] / "shared" / "testvectors",
-        here.parents[3] / "shared" / "testvectors",
-        "/work/shared/testvectors",
-    ):
-        if cand and Path(cand).is_dir():
-            return Path(cand)
-    return None
 
 
 
-def load_cases(name: str) -> list[tuple[int, dict, dict, dict]]:
-    d = _vector_dir()
-    if d is None or not (d / name).is_file():
-        return []
-    from safetensors import safe_open
-
-    out = []
-    with safe_open(str(d / name), "pt") as f:
-        meta = f.metadata()
-        for i in range(json.loads(meta["file"])["num_cases"]):
-            p = json.loads(meta[f"case{i}"])
-            ins = {n: f.get_tensor(f"case{i}.input.{n}") for n in p["inputs"]}
-            exp = {n: f.get_tensor(f"case{i}.expected.{n}") for n in p["expected"]}
-            out.append((i, p, ins, exp))
-    return out
 
 
-CASES = load_cases("cutlass_nvfp4.safetensors")
+CASES = list(vector_cases("cutlass_nvfp4.safetensors"))
 needs_vectors = pytest.mark.skipif(not CASES, reason="cutlass_nvfp4.safetensors not found")
 
 

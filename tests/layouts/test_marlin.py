@@ -9,14 +9,12 @@ independent per-lane transcription of kernel-layouts.md §3.1 on small shapes.
 from __future__ import annotations
 
 import json
-import os
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import bitwise_equal
+from helpers import VECTORS, bitwise_equal, vector_cases
 from safetensors import safe_open
 
 from ctconvert.layouts.marlin import (
@@ -34,7 +32,6 @@ from ctconvert.layouts.marlin import (
     pack_quantized_to_gptq,
 )
 
-VECTORS = Path(os.environ.get("CTCONVERT_TESTVECTORS") or Path(__file__).resolve().parents[1] / "data" / "testvectors")
 INT_WEIGHTS = VECTORS / "marlin_int_weights.safetensors"
 SCALES = VECTORS / "marlin_scales.safetensors"
 ZERO_POINTS = VECTORS / "marlin_zero_points.safetensors"
@@ -51,18 +48,9 @@ def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert bitwise_equal(got, want), f"{what}: bytes differ"
 
 
-@lru_cache(maxsize=None)
 def load_cases(path: Path) -> tuple:
     """All cases of a vector file: ((params, inputs, expected), ...)."""
-    out = []
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-        for i in range(json.loads(meta["file"])["num_cases"]):
-            p = json.loads(meta[f"case{i}"])
-            ins = {n: f.get_tensor(f"case{i}.input.{n}") for n in p["inputs"]}
-            exp = {n: f.get_tensor(f"case{i}.expected.{n}") for n in p["expected"]}
-            out.append((p, ins, exp))
-    return tuple(out)
+    return tuple((p, ins, exp) for _, p, ins, exp in vector_cases(path.name))
 
 
 def case_ids(path: Path) -> list[int]:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import bitwise_equal
+from helpers import bitwise_equal, vector_cases
 
 from ctconvert.layouts.marlin import marlin_padded_nk
 from ctconvert.layouts.marlin_fp import (
@@ -35,18 +32,6 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 ACT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _vector_dir() -> Path | None:
-    here = Path(__file__).resolve()
-    for cand in (
-        os.environ.get("CTCONVERT_TESTVECTORS"),
-        here.parents[1] / "data" / "testvectors",
-        here.parents[2] / "shared" / "testvectors",
-        here.parents[3] / "shared" / "testvectors",
-        "/work/shared/testvectors",
-    ):
-        if cand and Path(cand).is_dir():
-            return Path(cand)
-    return None
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -54,25 +39,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 
-def load_cases(name: str) -> list[tuple[int, dict, dict, dict]]:
-    d = _vector_dir()
-    if d is None or not (d / name).is_file():
-        return []
-    from safetensors import safe_open
-
-    out = []
-    with safe_open(str(d / name), "pt") as f:
-        meta = f.metadata()
-        for i in range(json.loads(meta["file"])["num_cases"]):
-            p = json.loads(meta[f"case{i}"])
-            ins = {n: f.get_tensor(f"case{i}.input.{n}") for n in p["inputs"]}
-            exp = {n: f.get_tensor(f"case{i}.expected.{n}") for n in p["expected"]}
-            out.append((i, p, ins, exp))
-    return out
 
 
-FP8_CASES = load_cases("marlin_fp8.safetensors")
-NVFP4_CASES = load_cases("marlin_nvfp4.safetensors")
+FP8_CASES = list(vector_cases("marlin_fp8.safetensors"))
+NVFP4_CASES = list(vector_cases("marlin_nvfp4.safetensors"))
 
 
 def _assert_kernel_equal(got: dict, want: dict, ctx) -> None:
