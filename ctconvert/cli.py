@@ -226,7 +226,9 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
 
     con = ctx.console()
     q = report["quantization_config"]
-    if q and q.get("quant_method") == "ctconvert-kernel-native":
+    from .repack import is_kernel_native
+
+    if is_kernel_native(q):
         con.print(f"[bold]{report['path']}[/bold]: kernel-native ({q['target']}, vLLM layout {q['layout_version']}, activations {q['act_dtype']}); "
                   "not loadable as compressed-tensors: `ctconvert repack --target compressed-tensors` restores it")
     else:

@@ -17,6 +17,7 @@ from pathlib import Path
 from .checkpoint.reader import Problem, open_checkpoint
 from .modules import ACT_PARTS, QUANT_PARTS, dense_shape, fused_global_scales, modules_of
 from .plan import _BLOCK, is_linear_weight
+from .repack import is_kernel_native
 
 
 def _inspect_kernel_native(ckpt, path: Path) -> dict:
@@ -56,7 +57,7 @@ def _inspect_kernel_native(ckpt, path: Path) -> dict:
 def inspect_checkpoint(path: Path) -> dict:
     """Return the inspection report of the checkpoint folder ``path`` (a JSON-ready dict)."""
     ckpt = open_checkpoint(path, strict=False)
-    if (ckpt.quantization_config or {}).get("quant_method") == "ctconvert-kernel-native":
+    if is_kernel_native(ckpt.quantization_config):
         return _inspect_kernel_native(ckpt, path)
     problems: list[Problem] = list(ckpt.problems)
     qcfg = ckpt.quantization_config or {}

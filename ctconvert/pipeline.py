@@ -16,6 +16,7 @@ This is the only module that knows about devices, threads and progress.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -258,7 +259,7 @@ class Executor:
         wt.start()
         states: dict[int, _UnitState] = {}
         try:
-            with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else _null()):
+            with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()):
                 while True:
                     item = q.get()
                     if item is None:
@@ -396,14 +397,6 @@ def _raise_nonfinite(info: TensorInfo, only_if_found: bool = False) -> None:
         f"weight holds {total} non-finite values ({kind}; first at row {first[0]}, column {first[1]}); refusing to quantize",
         file=str(info.file), tensor=info.name,
     )
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def unit_bytes(ckpt: Checkpoint, unit: Unit) -> int:

@@ -33,21 +33,16 @@ from .checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from .errors import BadInputError, UnsupportedError, UsageError
 from .layouts import targets
 from .modules import modules_of
+from .pipeline import resolve_device
 
 KERNEL_NATIVE = "ctconvert-kernel-native"
 TARGETS = ("marlin", "cutlass-nvfp4", "compressed-tensors")
 ACT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def is_kernel_native(config: dict) -> bool:
-    q = config.get("quantization_config") or {}
-    return q.get("quant_method") == KERNEL_NATIVE
-
-
-def _device(spec: str) -> torch.device:
-    from .pipeline import resolve_device
-
-    return resolve_device(spec)
+def is_kernel_native(qcfg: dict | None) -> bool:
+    """Whether a ``quantization_config`` is ctconvert's kernel-native tag."""
+    return (qcfg or {}).get("quant_method") == KERNEL_NATIVE
 
 
 def _load(parts: dict, device: torch.device) -> dict[str, torch.Tensor]:
@@ -86,10 +81,10 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
         raise UsageError(f"unknown --act-dtype {act_dtype!r}; choose bf16 or fp16")
     if layout_version not in targets.LAYOUT_VERSIONS:
         raise UsageError(f"unknown --layout-version {layout_version!r}; choose one of {', '.join(targets.LAYOUT_VERSIONS)}")
-    dev = _device(device)
+    dev = resolve_device(device)
     ckpt = open_checkpoint(src, strict=True)
     qcfg = ckpt.quantization_config or {}
-    inverse = qcfg.get("quant_method") == KERNEL_NATIVE
+    inverse = is_kernel_native(qcfg)
     if inverse and target != "compressed-tensors":
         raise UsageError("input is already kernel-native; repack --target compressed-tensors first", file=src)
     if not inverse and qcfg.get("quant_method") != "compressed-tensors":

@@ -23,6 +23,7 @@ from .checkpoint.reader import Problem, open_checkpoint
 from .checkpoint.safetensors_io import iter_row_chunks, read_bytes, read_rows, read_tensor
 from .modules import ACT_PARTS, QUANT_PARTS, dense_row_chunks, dense_shape, fused_global_scales, modules_of
 from .plan import _find_embedding
+from .repack import is_kernel_native
 
 #: largest relative L2 error accepted per (type, bits) of the weights
 THRESHOLDS = {("float", 8): 0.08, ("int", 8): 0.04, ("int", 4): 0.25, ("float", 4): 0.30}
@@ -95,7 +96,7 @@ def verify(path: str | Path, reference: str | Path | None = None) -> dict:
     """Return the verification report (``ok`` is the verdict)."""
     path = Path(path)
     ckpt = open_checkpoint(path, strict=False)
-    if (ckpt.quantization_config or {}).get("quant_method") == "ctconvert-kernel-native":
+    if is_kernel_native(ckpt.quantization_config):
         return verify_kernel_native(ckpt, path, reference)
     problems: list[Problem] = list(ckpt.problems)
     qcfg = ckpt.quantization_config

@@ -275,7 +275,6 @@ class ShardFile:
         self.size = self.data_start + pos
         self.written: dict[str, int] = {t.name: 0 for t in tensors}
         self.remaining = pos
-        self._header = raw
         if existing:
             return
         try:

@@ -68,10 +68,3 @@ def tensor_absmax(w: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=w.device)
     mn, mx = torch.aminmax(w)
     return torch.maximum(mx.clamp_min(0), mn.clamp_max(0).neg()).to(torch.float32)
-
-
-def check_finite(w: torch.Tensor) -> int:
-    """Number of NaN/inf elements in ``w`` (0 when all finite)."""
-    if w.dtype.is_floating_point:
-        return int((~torch.isfinite(w)).sum().item())
-    return 0

@@ -1,4 +1,4 @@
-"""FP8 E4M3 weights with symmetric scales: per-tensor, per-channel, per-block.
+"""FP8 E4M3 weights with symmetric scales: per-channel and per-block.
 
 Format facts (compressed-tensors-format.md): layout §4.2 (``weight`` F8_E4M3
 ``[N, K]``, ``weight_scale`` in the model dtype D), math §6.2 and §6.1:
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import FP8_MAX, dtype_eps, group_absmax, rd, sdiv, tensor_absmax
+from .common import FP8_MAX, dtype_eps, group_absmax, rd, sdiv
 
 
 def fp8_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -35,16 +35,6 @@ def quantize_fp8_channel(w: torch.Tensor) -> dict[str, torch.Tensor]:
     Returns ``weight`` float8_e4m3fn ``[N, K]`` and ``weight_scale`` D ``[N, 1]``.
     """
     s = fp8_scale(group_absmax(w, w.shape[1]), w.dtype)
-    return {"weight": fp8_quantize_values(w, s), "weight_scale": s.to(w.dtype)}
-
-
-def quantize_fp8_tensor(w: torch.Tensor, amax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Per-tensor FP8; ``amax`` (fp32 0-d) overrides the tensor's own absmax.
-
-    Returns ``weight`` float8_e4m3fn ``[N, K]`` and ``weight_scale`` D ``[1]``.
-    """
-    a = tensor_absmax(w) if amax is None else amax
-    s = fp8_scale(a.reshape(1), w.dtype)
     return {"weight": fp8_quantize_values(w, s), "weight_scale": s.to(w.dtype)}
 
 
