@@ -34,7 +34,7 @@ class Module:
 
     @property
     def quantized(self) -> bool:
-        return "weight_packed" in self.parts or ("weight_scale" in self.parts and ("weight" in self.parts or "weight_packed" in self.parts))
+        return "weight_packed" in self.parts or {"weight", "weight_scale"} <= self.parts.keys()
 
 
 def resolve_group(module: str, qcfg: dict, is_linear: bool) -> str | None:
