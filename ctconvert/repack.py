@@ -15,13 +15,16 @@ compressed-tensors (it would repack a second time, kernel-layouts.md §10):
 Inverse (``--target compressed-tensors`` on such a checkpoint) rebuilds the
 compressed-tensors tensors bit for bit from each module's record.
 
-Modules are processed whole (on the GPU when there is one: the layouts are
-torch index math), one at a time; memory is a module's tensors.
+Modules of one kernel and shape are repacked together (:mod:`.layouts.batched`:
+one Triton launch per shape on a GPU, module by module on the CPU), in batches
+of at most 1 GiB of source tensors on a GPU (64 MiB on the CPU); memory is one
+batch, its output, and their host copies.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import time
 from pathlib import Path
 
@@ -31,12 +34,13 @@ from .checkpoint.reader import CONFIG_NAME, open_checkpoint
 from .checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, copy_tensor, read_tensor
 from .checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from .errors import BadInputError, UnsupportedError, UsageError
-from .layouts import targets
+from .layouts import batched, targets
 from .modules import modules_of
 from .pipeline import resolve_device
 
 KERNEL_NATIVE = "ctconvert-kernel-native"
 TARGETS = ("marlin", "cutlass-nvfp4", "compressed-tensors")
+_BATCH_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # source bytes repacked together per launch
 ACT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
@@ -118,6 +122,7 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
             jobs.append(("copy", info))
     else:
         mods = modules_of(ckpt)
+        batches: dict[tuple, list] = {}  # same kernel and shapes: repacked together (layouts.batched)
         seen = set()
         for name in order:
             mod, _, part = name.rpartition(".")
@@ -139,11 +144,19 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
                 records[mod] = rec
                 for p, t in outs.items():
                     planned.append(PlannedTensor(f"{mod}.{p}", TORCH_TO_ST[t.dtype], tuple(t.shape)))
-                jobs.append(("forward", (m, kernel)))
+                sig = (kernel, m.format, json.dumps(m.weights or {}, sort_keys=True), rec["size_n"], rec["size_k"],
+                       tuple(sorted((p, i.dtype, tuple(i.shape)) for p, i in m.parts.items())))
+                batches.setdefault(sig, []).append(m)
                 continue
             info = ckpt.tensors[name]
             planned.append(PlannedTensor(name, info.dtype, info.shape))
             jobs.append(("copy", info))
+        cap = _BATCH_BYTES[dev.type]
+        for sig, ms in batches.items():
+            size = sum(i.nbytes for i in ms[0].parts.values())
+            step = max(1, cap // max(size, 1))
+            jobs.extend(("forward", (sig[0], ms[i:i + step])) for i in range(0, len(ms), step))
+
     def fill(shards):
         with torch.inference_mode():
             for kind, job in jobs:
@@ -151,11 +164,16 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
                     copy_tensor(job, shards[job.name])
                     continue
                 if kind == "forward":
-                    m, kernel = job
-                    vals = _load(m.parts, dev)
-                    outs, rec = targets.repack_module(kernel, vals, m.weights or {}, m.format, layout_version, ACT_DTYPES[act_dtype])
-                    mod = m.name
-                    records[mod].update(rec)  # value-dependent fields (e.g. scale factors) come from the real run
+                    kernel, ms = job
+                    m = ms[0]
+                    vals = {p: torch.stack([read_tensor(x.parts[p]) for x in ms]).to(dev) for p in m.parts}
+                    outs, recs = batched.repack_batch(kernel, vals, m.weights or {}, m.format, layout_version, ACT_DTYPES[act_dtype])
+                    outs = {p: t.cpu() for p, t in outs.items()}
+                    for i, x in enumerate(ms):
+                        records[x.name].update(recs[i])  # value-dependent fields (e.g. scale factors) come from the real run
+                        for p, t in outs.items():
+                            shards[f"{x.name}.{p}"].write(f"{x.name}.{p}", t[i])
+                    continue
                 else:
                     mod, rec = job
                     vals = {p: read_tensor(ckpt.tensors[f"{mod}.{p}"]).to(dev) for p in rec["tensors"]}
@@ -186,6 +204,6 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
         return cfg
 
     total = write_checkpoint(src, out, planned, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, fill=fill, config=config)
-    n = sum(1 for k, _ in jobs if k in ("forward", "inverse"))
+    n = len(records) if not inverse else sum(1 for k, _ in jobs if k == "inverse")
     return {"output": str(out), "target": target, "layout_version": layout_version, "modules": n, "input_bytes": ckpt.total_bytes,
             "output_bytes": total, "device": str(dev), "seconds": round(time.perf_counter() - t0, 3)}

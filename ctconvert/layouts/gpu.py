@@ -1,10 +1,20 @@
-"""Triton kernel for the Marlin weight tiles (kernel-layouts.md §3.1) on CUDA.
+"""Triton kernels for the Marlin layouts on CUDA (kernel-layouts.md §3.1, §4, §5.2).
 
-One program builds a row of output tiles: every output word gathers its
-``pf`` values (4-bit nibbles or bytes) from the GPTQ words of one 16 x 64
-tile, at the tile-local positions :func:`ctconvert.layouts.marlin._tile_src_index`
-gives, so the weight is read once and written once. Same bytes as the torch
-path in :mod:`.marlin` (the tests compare them).
+* :func:`marlin_tiles`: compressed-tensors (or GPTQ) words -> Marlin weight tiles,
+  for a batch of same-shaped modules in one launch. The source is addressed
+  through strides, so ``weight_packed (N, K/pf)`` and its transpose (the GPTQ
+  ``(K/pf, N)`` layout) are read in place: no transpose copy, no padding copy
+  (rows and columns past K and N read as zero, which is vLLM's tile padding,
+  §3.4). Each program owns one 64-column tile strip over ``BKT`` k-tiles; a
+  thread reads the words of output columns ``c`` and ``c + 8`` and emits the
+  four (4-bit) or eight (8-bit) tile words they feed, by bit moves alone, so
+  every input word is read once and every output word written once.
+* :func:`permute_scales`: the scale / zero-pad / ``scale_perm`` gather of §4
+  (plus, for NVFP4, the ``[0,2,1,3]`` reorder and the S0E5M3 encoding of §5.2
+  step 3) in one pass over a batch.
+
+Same bytes as the torch paths in :mod:`.marlin` and :mod:`.marlin_fp` (the
+tests compare them on CUDA).
 """
 
 from __future__ import annotations
@@ -27,37 +37,139 @@ def available(t: torch.Tensor) -> bool:
 if _HAVE:
 
     @triton.jit
-    def _marlin_tiles_kernel(q_ptr, out_ptr, src_ptr, NP, NT, BITS: tl.constexpr, PF: tl.constexpr, T: tl.constexpr,
-                             NT_B: tl.constexpr):
-        kt = tl.program_id(0).to(tl.int64)
-        ntb = tl.program_id(1).to(tl.int64)
-        w = tl.arange(0, T)
-        j = tl.arange(0, PF)
-        src = tl.load(src_ptr + w[:, None] * PF + j[None, :])  # tile-local r*64 + c, [T, PF]
-        r = src // 64
-        c = src % 64
-        row = kt * 16 + r
-        for i in range(NT_B):
-            nt = ntb * NT_B + i
-            if nt < NT:
-                col = nt * 64 + c
-                word = tl.load(q_ptr + (row // PF) * NP + col)
-                val = (word >> ((row % PF) * BITS).to(tl.int32)) & ((1 << BITS) - 1)
-                packed = tl.sum(val.to(tl.uint32) << (j * BITS).to(tl.uint32)[None, :], axis=1)
-                tl.store(out_ptr + (kt * NT + nt) * T + w, packed.to(tl.int32, bitcast=True))
+    def _word4(xa, xb, ya, yb):
+        # nibbles a0 a2 b0 b2 a1 a3 b1 b3 (§3.1): low/high nibble of a byte = rows 2i / 2i+1
+        return ((xa & 15) | ((xb & 15) << 4) | ((ya & 15) << 8) | ((yb & 15) << 12)
+                | ((xa >> 4) << 16) | ((xb >> 4) << 20) | ((ya >> 4) << 24) | ((yb >> 4) << 28))
+
+    @triton.jit
+    def _word8(lo, hi, sh):
+        # bytes a0 a2 a1 a3 (§3.1): rows 2i, 2i+8, 2i+1, 2i+9 of one column
+        a = (lo >> sh) & 0xFFFF
+        c = (hi >> sh) & 0xFFFF
+        return (a & 0xFF) | ((c & 0xFF) << 8) | ((a >> 8) << 16) | ((c >> 8) << 24)
+
+    @triton.jit
+    def _ld(base, n, kw, N, KW, s_n, s_k):
+        m = (n < N)[None, :] & (kw < KW)[:, None]
+        return tl.load(base + n[None, :].to(tl.int64) * s_n + kw[:, None].to(tl.int64) * s_k, mask=m, other=0)
+
+    @triton.jit
+    def _marlin_tiles_kernel(w_ptr, out_ptr, N, KW, KT, s_b, s_n, s_k, o_b, o_k, BITS: tl.constexpr, BKT: tl.constexpr):
+        nt = tl.program_id(1)
+        bb = tl.program_id(2).to(tl.int64)
+        kt = tl.program_id(0) * BKT + tl.arange(0, BKT)
+        cb = tl.arange(0, 32)
+        n0 = nt * 64 + 16 * (cb // 8) + cb % 8  # columns c and c + 8 of the tile
+        n1 = n0 + 8
+        base = w_ptr + bb * s_b
+        obase = out_ptr + bb * o_b + kt[:, None].to(tl.int64) * o_k + nt * (1024 // (32 // BITS))
+        om = (kt < KT)[:, None]
+        if BITS == 4:
+            kw = kt * 2
+            x0 = _ld(base, n0, kw, N, KW, s_n, s_k)
+            x1 = _ld(base, n0, kw + 1, N, KW, s_n, s_k)
+            y0 = _ld(base, n1, kw, N, KW, s_n, s_k)
+            y1 = _ld(base, n1, kw + 1, N, KW, s_n, s_k)
+            w = (16 * (cb % 8) + cb // 8)[None, :]  # tile word 4*th + warp, th = 4*(c % 16) + byte
+            for b in tl.static_range(4):
+                sh = 8 * b
+                word = _word4((x0 >> sh) & 0xFF, (x1 >> sh) & 0xFF, (y0 >> sh) & 0xFF, (y1 >> sh) & 0xFF)
+                tl.store(obase + w + 4 * b, word, mask=om)
+        else:
+            kw = kt * 4
+            x0 = _ld(base, n0, kw, N, KW, s_n, s_k)
+            x1 = _ld(base, n0, kw + 1, N, KW, s_n, s_k)
+            x2 = _ld(base, n0, kw + 2, N, KW, s_n, s_k)
+            x3 = _ld(base, n0, kw + 3, N, KW, s_n, s_k)
+            y0 = _ld(base, n1, kw, N, KW, s_n, s_k)
+            y1 = _ld(base, n1, kw + 1, N, KW, s_n, s_k)
+            y2 = _ld(base, n1, kw + 2, N, KW, s_n, s_k)
+            y3 = _ld(base, n1, kw + 3, N, KW, s_n, s_k)
+            w = (32 * (cb % 8) + 2 * (cb // 8))[None, :]  # tile word 8*th + 2*warp + h
+            tl.store(obase + w + 0, _word8(x0, x2, 0), mask=om)
+            tl.store(obase + w + 8, _word8(x0, x2, 16), mask=om)
+            tl.store(obase + w + 16, _word8(x1, x3, 0), mask=om)
+            tl.store(obase + w + 24, _word8(x1, x3, 16), mask=om)
+            tl.store(obase + w + 1, _word8(y0, y2, 0), mask=om)
+            tl.store(obase + w + 9, _word8(y0, y2, 16), mask=om)
+            tl.store(obase + w + 17, _word8(y1, y3, 0), mask=om)
+            tl.store(obase + w + 25, _word8(y1, y3, 16), mask=om)
+
+    @triton.jit
+    def _permute_scales_kernel(s_ptr, out_ptr, idx_ptr, sf_ptr, N, G, GP, NP, s_b, s_n, s_g, o_b,
+                               R: tl.constexpr, BG: tl.constexpr, BP: tl.constexpr, ENCODE: tl.constexpr):
+        bb = tl.program_id(2).to(tl.int64)
+        g = tl.program_id(0) * BG + tl.arange(0, BG)
+        p = tl.program_id(1) * BP + tl.arange(0, BP)
+        n = (p // R) * R + tl.load(idx_ptr + p % R)
+        m = (g < G)[:, None] & (n < N)[None, :]
+        v = tl.load(s_ptr + bb * s_b + n[None, :].to(tl.int64) * s_n + g[:, None].to(tl.int64) * s_g, mask=m, other=0)
+        if ENCODE:
+            # e4m3 byte -> fp32 (exact), * sf, -> fp16, * 128 in fp16, flush < 2, S0E5M3 code = bits >> 7 (§5.2 step 3)
+            v = v.to(tl.int32) & 0xFF
+            e = (v >> 3) & 15
+            mant = v & 7
+            mag = tl.where(e == 0, mant.to(tl.float32) * 0.001953125,
+                           ((e + 120) << 23 | (mant << 20)).to(tl.float32, bitcast=True))
+            mag = tl.where((e == 15) & (mant == 7), float("nan"), mag)
+            x = tl.where((v & 0x80) != 0, -mag, mag)
+            sf = tl.load(sf_ptr + bb)
+            h = (x * sf).to(tl.float16)
+            h = (h.to(tl.float32) * 128.0).to(tl.float16)
+            h = tl.where(h < 2.0, 0.0, h.to(tl.float32)).to(tl.float16)
+            v = ((h.to(tl.int16, bitcast=True).to(tl.int32) >> 7) & 0xFF).to(tl.uint8)
+        om = (g < GP)[:, None] & (p < NP)[None, :]
+        tl.store(out_ptr + bb * o_b + g[:, None].to(tl.int64) * NP + p[None, :], v, mask=om)
 
 
-def marlin_tiles(q_w_padded: torch.Tensor, num_bits: int, src: torch.Tensor) -> torch.Tensor:
-    """GPTQ int32 ``(Kp/pf, Np)`` (already padded) -> Marlin int32 ``(Kp/16, Np*16/pf)``."""
+def marlin_tiles(words: torch.Tensor, num_bits: int, size_n: int, size_k: int, padded_n: int, padded_k: int) -> torch.Tensor:
+    """Marlin weight tiles (``gptq_marlin_repack`` with vLLM's zero padding, §3.1, §3.4) for a batch.
+
+    Args:
+        words: int32 ``(B, N, K/pf)`` compressed-tensors ``weight_packed`` (pack
+            along K, low bits first), any strides (so a ``(B, K/pf, N)`` GPTQ
+            tensor passed as ``.transpose(1, 2)`` is read in place); CUDA.
+        num_bits: 4 or 8; size_n, size_k: N and K; padded_n, padded_k: the
+            padded sizes (multiples of 64 and 16).
+
+    Returns:
+        int32 ``(B, padded_k/16, padded_n*16/pf)``, contiguous.
+    """
     pf = 32 // num_bits
-    rows, np_ = q_w_padded.shape
-    kp = rows * pf
-    kt, nt = kp // 16, np_ // 64
-    t = 1024 // pf
-    out = torch.empty(kt, nt * t, dtype=torch.int32, device=q_w_padded.device)
-    src_dev = src.to(device=q_w_padded.device, dtype=torch.int32).contiguous()
-    ntb = 4
-    if kt and nt:
-        _marlin_tiles_kernel[(kt, triton.cdiv(nt, ntb))](q_w_padded.contiguous(), out, src_dev, np_, nt, BITS=num_bits, PF=pf, T=t,
-                                                      NT_B=ntb, num_warps=4)
+    b = words.shape[0]
+    kt, nt = padded_k // 16, padded_n // 64
+    out = torch.empty(b, kt, nt * (1024 // pf), dtype=torch.int32, device=words.device)
+    bkt = 16
+    if b and kt and nt:
+        _marlin_tiles_kernel[(triton.cdiv(kt, bkt), nt, b)](
+            words, out, size_n, size_k // pf, kt, words.stride(0), words.stride(1), words.stride(2), out.stride(0), out.stride(1),
+            BITS=num_bits, BKT=bkt, num_warps=4)
     return out
+
+
+def permute_scales(s: torch.Tensor, padded_g: int, padded_n: int, idx: torch.Tensor, sf: torch.Tensor | None = None) -> torch.Tensor:
+    """Zero-pad and ``scale_perm``-gather a batch of transposed scales (§4); with ``sf``, S0E5M3-encode them (§5.2).
+
+    Args:
+        s: ``(B, N, G)`` checkpoint scales (any strides), 16-bit (moved as bits)
+            or, with ``sf``, float8_e4m3fn / uint8.
+        padded_g, padded_n: output sizes.
+        idx: int ``(R,)`` column gather within each run of R (64 or 32).
+        sf: float32 ``(B,)`` NVFP4 scale factors, or None.
+
+    Returns:
+        ``(B, padded_g, padded_n)``: s's dtype, or uint8 codes with ``sf``.
+    """
+    b, n, g = s.shape
+    bits = s.view(torch.uint8) if s.element_size() == 1 else s.view(torch.int16)
+    out = torch.empty(b, padded_g, padded_n, dtype=bits.dtype, device=s.device)
+    r = idx.numel()
+    bg, bp = 16, 128
+    idx = idx.to(device=s.device, dtype=torch.int32)
+    sf_arg = sf if sf is not None else idx
+    if b and padded_g and padded_n:
+        _permute_scales_kernel[(triton.cdiv(padded_g, bg), triton.cdiv(padded_n, bp), b)](
+            bits, out, idx, sf_arg, n, g, padded_g, padded_n, bits.stride(0), bits.stride(1), bits.stride(2), out.stride(0),
+            R=r, BG=bg, BP=bp, ENCODE=sf is not None, num_warps=4)
+    return out if sf is not None else out.view(s.dtype)

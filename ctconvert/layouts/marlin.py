@@ -443,9 +443,8 @@ def marlin_repack(
 
     from . import gpu
 
-    if act is None and gpu.available(q_w):  # fused Triton kernel: read once, write once (same bytes)
-        qp = torch.nn.functional.pad(q_w, (0, padded_n - size_n, 0, (padded_k - size_k) // pf)) if (padded_n, padded_k) != (size_n, size_k) else q_w
-        return gpu.marlin_tiles(qp, num_bits, _tile_src_index(num_bits)[0])
+    if act is None and gpu.available(q_w):  # Triton: reads q_w in place (padding reads as zero), writes the tiles once
+        return gpu.marlin_tiles(q_w.t().unsqueeze(0), num_bits, size_n, size_k, padded_n, padded_k)[0]
 
     w = _gptq_unpack(q_w, num_bits)  # uint8 (K, N)
     if act is not None:

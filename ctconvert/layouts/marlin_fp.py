@@ -62,6 +62,7 @@ __all__ = [
     "marlin_fp8_unrepack",
     "marlin_fp8_lost_scales",
     "nvfp4_scale_factor",
+    "nvfp4_scale_factor_from_max",
     "nvfp4_encode_s0e5m3",
     "nvfp4_decode_s0e5m3",
     "nvfp4_marlin_process_scales",
@@ -373,14 +374,28 @@ def nvfp4_scale_factor(scales: torch.Tensor, act_dtype, layout_version: str = "0
     Returns:
         0-dim float32 tensor on the scales' device.
     """
-    dt = _act_dtype(act_dtype)
     if scales.dtype == torch.uint8:  # raw e4m3 bytes
         scales = scales.view(torch.float8_e4m3fn)
-    one = torch.ones((), dtype=torch.float32, device=scales.device)
-    if dt == torch.float16 or _version(layout_version) < _SF_SINCE or scales.numel() == 0:
+    if scales.numel() == 0:
+        return torch.ones((), dtype=torch.float32, device=scales.device)
+    x = scales.float()
+    return nvfp4_scale_factor_from_max(torch.where(x > 0, x, torch.zeros_like(x)).amax(), act_dtype, layout_version)
+
+
+def nvfp4_scale_factor_from_max(top: torch.Tensor, act_dtype, layout_version: str = "0.33") -> torch.Tensor:
+    """:func:`nvfp4_scale_factor` from each module's largest positive scale (0 when there is none).
+
+    Args:
+        top: any shape, e4m3 values (float8_e4m3fn or any float dtype), >= 0.
+
+    Returns:
+        float32, top's shape: one sf per entry (§5.2 step 3.2).
+    """
+    dt = _act_dtype(act_dtype)
+    one = torch.ones(top.shape, dtype=torch.float32, device=top.device)
+    if dt == torch.float16 or _version(layout_version) < _SF_SINCE:
         return one
-    x = scales.float() * 128.0
-    m = torch.where(x > 0, x, torch.zeros_like(x)).amax()
+    m = top.float() * 128.0
     _, e = torch.frexp(torch.full_like(m, _FP8_MAX_SCALED) / m)  # ratio = mant * 2^e, mant in [0.5, 1)
     sf = torch.ldexp(one, (e - 1).to(torch.float32))
     return torch.where((m > 0) & (m < _FP8_MAX_SCALED), sf, one)
@@ -455,7 +470,7 @@ def nvfp4_marlin_unprocess_scales(codes: torch.Tensor, scale_factor: torch.Tenso
 
 
 def nvfp4_marlin_global_scale(
-    weight_global_scale: torch.Tensor, act_dtype, scale_factor: torch.Tensor
+    weight_global_scale: torch.Tensor, act_dtype, scale_factor: torch.Tensor, dim: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Global scale of the NVFP4 Marlin path (§5.2 intro and step 4).
 
@@ -464,10 +479,11 @@ def nvfp4_marlin_global_scale(
 
     Args:
         weight_global_scale: ``(S,)`` checkpoint divisors, one per fused shard.
-        scale_factor: 0-dim float32 sf.
+        scale_factor: 0-dim float32 sf (or one per module, with ``dim``).
+        dim: reduce over this dim only (a batch of modules, one row each).
 
     Returns:
-        ``(ct, marlin)``, 0-dim float32 tensors.
+        ``(ct, marlin)``, 0-dim float32 tensors (one per row with ``dim``).
 
     Raises:
         TypeError/ValueError: not a non-empty float tensor; bad act_dtype.
@@ -477,7 +493,8 @@ def nvfp4_marlin_global_scale(
     if weight_global_scale.numel() == 0:
         raise ValueError("weight_global_scale is empty")
     b = _exponent_bias_nvfp4(act_dtype)
-    ct = 1.0 / weight_global_scale.max().to(torch.float32)
+    top = weight_global_scale.max() if dim is None else weight_global_scale.amax(dim=dim)
+    ct = 1.0 / top.to(torch.float32)
     return ct, (ct * 2.0 ** (b - 7)) / scale_factor
 
 
