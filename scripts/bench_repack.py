@@ -3,11 +3,17 @@
     python scripts/bench_repack.py SRC_BF16 [--workdir /tmp/ctrepack] [--device cuda] [--schemes W4A16,FP8_DYNAMIC,NVFP4A16]
 
 For each scheme: quantize SRC once (ctconvert), load every quantized module's
-tensors onto the device, then time ``repack_module`` over all of them (CUDA
-events after a warm-up pass, median of --repeat passes) and report weight
-bytes (the compressed tensors read) per second. Then time, as separate
-processes, ``ctconvert quantize`` and ``ctconvert quantize --target marlin``.
-One JSON line per scheme.
+tensors onto the device, stacked by shape as ``ctconvert repack`` batches them,
+then time the repack of all of them (``layouts.batched.repack_batch``, the
+function the command runs; CUDA events after a warm-up pass, median of
+--repeat passes). Reported: weight bytes (the compressed-tensors tensors read)
+per second (``repack_TBps``), and all bytes read and written per second
+(``moved_TBps``, to set against the HBM bandwidth), from CUDA events around
+the whole repack (launch gaps included); on CUDA also the same from the sum
+of the kernels' own durations (``kernel_*``, torch.profiler). ``--per-module`` times the
+per-module path instead (``targets.repack_module``), for comparison. Then
+time, as separate processes, ``ctconvert quantize`` and ``ctconvert quantize
+--target marlin``. One JSON line per scheme.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 from ctconvert import api
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.checkpoint.safetensors_io import read_tensor
-from ctconvert.layouts import targets
+from ctconvert.layouts import batched, targets
 from ctconvert.modules import modules_of
 
 
@@ -37,6 +43,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--schemes", default="W4A16,FP8_DYNAMIC,NVFP4A16")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--per-module", action="store_true", help="time the per-module path instead of the batched one")
+    ap.add_argument("--no-e2e", action="store_true", help="skip the quantize / quantize --target timings")
     a = ap.parse_args()
     dev = torch.device(a.device)
     work = Path(a.workdir)
@@ -47,17 +55,29 @@ def main() -> None:
             api.quantize(a.src, q, scheme, device=a.device)
         ck = open_checkpoint(q)
         mods = [m for m in modules_of(ck).values() if m.quantized and m.group]
-        jobs = []
-        nbytes = 0
+        groups: dict[tuple, list] = {}
         for m in mods:
             kernel = targets.choose_kernel("marlin", m.format, m.weights or {}, set(m.parts))
-            t = {p: read_tensor(i).to(dev) for p, i in m.parts.items()}
+            sig = (kernel, tuple(sorted((p, tuple(i.shape)) for p, i in m.parts.items())))
+            groups.setdefault(sig, []).append(m)
+        jobs = []
+        nbytes = 0
+        for (kernel, _), ms in groups.items():
+            t = {p: torch.stack([read_tensor(x.parts[p]) for x in ms]).to(dev) for p in ms[0].parts}
             nbytes += sum(x.numel() * x.element_size() for x in t.values())
-            jobs.append((kernel, t, m.weights or {}, m.format))
+            jobs.append((kernel, t, ms[0].weights or {}, ms[0].format))
+        out_bytes = 0
+        for kernel, t, w, fmt in jobs:
+            outs, _ = batched.repack_batch(kernel, t, w, fmt, "0.33", torch.bfloat16)
+            out_bytes += sum(x.numel() * x.element_size() for p, x in outs.items() if not p.endswith("_source"))
 
         def run_all():
             for kernel, t, w, fmt in jobs:
-                targets.repack_module(kernel, t, w, fmt, "0.33", torch.bfloat16)
+                if a.per_module:
+                    for i in range(next(iter(t.values())).shape[0]):
+                        targets.repack_module(kernel, {p: x[i] for p, x in t.items()}, w, fmt, "0.33", torch.bfloat16)
+                else:
+                    batched.repack_batch(kernel, t, w, fmt, "0.33", torch.bfloat16)
 
         run_all()
         times = []
@@ -75,16 +95,30 @@ def main() -> None:
                 run_all()
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
+        kernel_s = None
+        if dev.type == "cuda":  # GPU busy time: the sum of the kernels' durations, without host gaps between launches
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run_all()
+                torch.cuda.synchronize()
+            evs = prof.key_averages()
+            kernel_s = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) for e in evs) / 1e6
         walls = {}
-        for label, extra in (("quantize", []), ("quantize_target_marlin", ["--target", "marlin"])):
+        for label, extra in () if a.no_e2e else (("quantize", []), ("quantize_target_marlin", ["--target", "marlin"])):
             out = work / f"o-{scheme}-{label}"
             shutil.rmtree(out, ignore_errors=True)
             t0 = time.perf_counter()
             subprocess.run([sys.executable, "-m", "ctconvert", "-q", "quantize", a.src, "-s", scheme, "-o", str(out), "--device", a.device, *extra],
                            check=True)
             walls[label] = round(time.perf_counter() - t0, 3)
-        print(json.dumps({"scheme": scheme, "device": a.device, "modules": len(jobs), "weight_bytes": nbytes, "repack_seconds": round(med, 5),
-                          "repack_TBps": round(nbytes / med / 1e12, 3), "wall_seconds": walls}), flush=True)
+        print(json.dumps({"scheme": scheme, "device": a.device, "path": "per-module" if a.per_module else "batched", "modules": len(mods),
+                          "batches": len(jobs), "weight_bytes": nbytes, "output_bytes": out_bytes, "repack_seconds": round(med, 6),
+                          "repack_TBps": round(nbytes / med / 1e12, 3), "moved_TBps": round((nbytes + out_bytes) / med / 1e12, 3),
+                          "kernel_seconds": kernel_s and round(kernel_s, 6),
+                          "kernel_TBps": kernel_s and round(nbytes / kernel_s / 1e12, 3),
+                          "kernel_moved_TBps": kernel_s and round((nbytes + out_bytes) / kernel_s / 1e12, 3),
+                          "wall_seconds": walls}), flush=True)
 
 
 if __name__ == "__main__":
