@@ -32,8 +32,19 @@ import torch
 from ctconvert import api
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.checkpoint.safetensors_io import read_tensor
-from ctconvert.layouts import batched, targets
+from ctconvert.layouts import batched, gpu, targets
 from ctconvert.modules import modules_of
+
+
+def kernel_seconds(fn) -> float:
+    """GPU busy time of ``fn``: the sum of its kernels' durations (torch.profiler), without host gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = prof.key_averages()
+    return sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) for e in evs) / 1e6
 
 
 def main() -> None:
@@ -44,9 +55,11 @@ def main() -> None:
     ap.add_argument("--schemes", default="W4A16,FP8_DYNAMIC,NVFP4A16")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--per-module", action="store_true", help="time the per-module path instead of the batched one")
+    ap.add_argument("--tune", action="store_true", help="sweep the Marlin tile kernel's block and warps (CUDA)")
     ap.add_argument("--no-e2e", action="store_true", help="skip the quantize / quantize --target timings")
     a = ap.parse_args()
     dev = torch.device(a.device)
+    default_tune = dict(gpu.TUNE)
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     for scheme in a.schemes.split(","):
@@ -96,14 +109,15 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
         kernel_s = None
-        if dev.type == "cuda":  # GPU busy time: the sum of the kernels' durations, without host gaps between launches
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                run_all()
-                torch.cuda.synchronize()
-            evs = prof.key_averages()
-            kernel_s = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) for e in evs) / 1e6
+        if dev.type == "cuda":
+            if a.tune:
+                for bkt in (4, 8, 16, 32, 64):
+                    for warps in (2, 4, 8):
+                        gpu.TUNE.update(bkt=bkt, num_warps=warps)
+                        run_all()
+                        print(json.dumps({"scheme": scheme, "tune": dict(gpu.TUNE), "kernel_seconds": kernel_seconds(run_all)}), flush=True)
+                gpu.TUNE.update(default_tune)
+            kernel_s = statistics.median(kernel_seconds(run_all) for _ in range(3))
         walls = {}
         for label, extra in () if a.no_e2e else (("quantize", []), ("quantize_target_marlin", ["--target", "marlin"])):
             out = work / f"o-{scheme}-{label}"

@@ -39,6 +39,20 @@ def _meta(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _plan(kernel, tensors, weights, fmt, v, act_dtype):
+    """Output shapes/dtypes and record of one module of the batch (meta tensors; cached per shape)."""
+    meta = _meta(tensors)
+    key = (kernel, fmt, v, act_dtype, repr(sorted(weights.items())),
+           tuple(sorted((p, t.dtype, tuple(t.shape), tuple(t.tolist()) if p == "weight_shape" else None) for p, t in meta.items())))
+    if key not in _PLANS:
+        _PLANS[key] = targets.repack_module(kernel, meta, weights, fmt, v, act_dtype)
+    outs, rec = _PLANS[key]
+    return outs, dict(rec)
+
+
 def _per_module(kernel, tensors, weights, fmt, v, act_dtype):
     b = next(iter(tensors.values())).shape[0]
     res = [targets.repack_module(kernel, {p: t[i] for p, t in tensors.items()}, weights, fmt, v, act_dtype) for i in range(b)]
@@ -79,7 +93,7 @@ def repack_batch(kernel: str, tensors: dict[str, torch.Tensor], weights: dict, f
         raise ValueError("a batch must hold modules of one shape")
     if not _fast(kernel, tensors):
         return _per_module(kernel, tensors, weights, fmt, layout_version, act_dtype)
-    meta_outs, rec = targets.repack_module(kernel, _meta(tensors), weights, fmt, layout_version, act_dtype)
+    meta_outs, rec = _plan(kernel, tensors, weights, fmt, layout_version, act_dtype)
     b = next(iter(tensors.values())).shape[0]
     if kernel == "marlin-int":
         outs = _marlin_int(tensors, rec)

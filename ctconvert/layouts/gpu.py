@@ -5,10 +5,12 @@
   through strides, so ``weight_packed (N, K/pf)`` and its transpose (the GPTQ
   ``(K/pf, N)`` layout) are read in place: no transpose copy, no padding copy
   (rows and columns past K and N read as zero, which is vLLM's tile padding,
-  §3.4). Each program owns one 64-column tile strip over ``BKT`` k-tiles; a
-  thread reads the words of output columns ``c`` and ``c + 8`` and emits the
-  four (4-bit) or eight (8-bit) tile words they feed, by bit moves alone, so
-  every input word is read once and every output word written once.
+  §3.4). Each program owns one 64-column tile strip over ``BKT`` k-tiles: it
+  reads the source words of columns ``c`` and ``c + 8`` (contiguous along K),
+  builds the four (4-bit) or eight (8-bit) tile words they feed by bit moves
+  alone, and reorders them in registers so that each tile is stored as one
+  contiguous run: every input word is read once and every output word
+  written once, both coalesced.
 * :func:`permute_scales`: the scale / zero-pad / ``scale_perm`` gather of §4
   (plus, for NVFP4, the ``[0,2,1,3]`` reorder and the S0E5M3 encoding of §5.2
   step 3) in one pass over a batch.
@@ -28,6 +30,9 @@ try:
     _HAVE = True
 except Exception:  # noqa: BLE001
     _HAVE = False
+
+
+TUNE = {"bkt": 16, "num_warps": 4}  # marlin_tiles: k-tiles per program, warps (scripts/bench_repack.py --tune)
 
 
 def available(t: torch.Tensor) -> bool:
@@ -50,51 +55,48 @@ if _HAVE:
         return (a & 0xFF) | ((c & 0xFF) << 8) | ((a >> 8) << 16) | ((c >> 8) << 24)
 
     @triton.jit
-    def _ld(base, n, kw, N, KW, s_n, s_k):
-        m = (n < N)[None, :] & (kw < KW)[:, None]
-        return tl.load(base + n[None, :].to(tl.int64) * s_n + kw[:, None].to(tl.int64) * s_k, mask=m, other=0)
-
-    @triton.jit
     def _marlin_tiles_kernel(w_ptr, out_ptr, N, KW, KT, s_b, s_n, s_k, o_b, o_k, BITS: tl.constexpr, BKT: tl.constexpr):
+        WPT: tl.constexpr = BITS // 2  # source words per k-tile and column: 16 rows / pf
         nt = tl.program_id(1)
         bb = tl.program_id(2).to(tl.int64)
         kt = tl.program_id(0) * BKT + tl.arange(0, BKT)
-        cb = tl.arange(0, 32)
-        n0 = nt * 64 + 16 * (cb // 8) + cb % 8  # columns c and c + 8 of the tile
-        n1 = n0 + 8
-        base = w_ptr + bb * s_b
-        obase = out_ptr + bb * o_b + kt[:, None].to(tl.int64) * o_k + nt * (1024 // (32 // BITS))
-        om = (kt < KT)[:, None]
+        cb = tl.arange(0, 32)  # 4*i + warp: tile columns c = 16*warp + i and c + 8, i < 8
+        n0 = nt * 64 + 16 * (cb % 4) + cb // 4
+        j = tl.arange(0, WPT)
+        kw = kt[None, :, None] * WPT + j[None, None, :]  # (32, BKT, WPT): contiguous along K
+        base = w_ptr + bb * s_b + kw.to(tl.int64) * s_k
+        mk = kw < KW
+        x = tl.load(base + n0[:, None, None].to(tl.int64) * s_n, mask=(n0 < N)[:, None, None] & mk, other=0)
+        y = tl.load(base + (n0 + 8)[:, None, None].to(tl.int64) * s_n, mask=(n0 + 8 < N)[:, None, None] & mk, other=0)
         if BITS == 4:
-            kw = kt * 2
-            x0 = _ld(base, n0, kw, N, KW, s_n, s_k)
-            x1 = _ld(base, n0, kw + 1, N, KW, s_n, s_k)
-            y0 = _ld(base, n1, kw, N, KW, s_n, s_k)
-            y1 = _ld(base, n1, kw + 1, N, KW, s_n, s_k)
-            w = (16 * (cb % 8) + cb // 8)[None, :]  # tile word 4*th + warp, th = 4*(c % 16) + byte
-            for b in tl.static_range(4):
-                sh = 8 * b
-                word = _word4((x0 >> sh) & 0xFF, (x1 >> sh) & 0xFF, (y0 >> sh) & 0xFF, (y1 >> sh) & 0xFF)
-                tl.store(obase + w + 4 * b, word, mask=om)
+            x0, x1 = tl.split(x)
+            y0, y1 = tl.split(y)
+            w0 = _word4(x0 & 0xFF, x1 & 0xFF, y0 & 0xFF, y1 & 0xFF)
+            w1 = _word4((x0 >> 8) & 0xFF, (x1 >> 8) & 0xFF, (y0 >> 8) & 0xFF, (y1 >> 8) & 0xFF)
+            w2 = _word4((x0 >> 16) & 0xFF, (x1 >> 16) & 0xFF, (y0 >> 16) & 0xFF, (y1 >> 16) & 0xFF)
+            w3 = _word4((x0 >> 24) & 0xFF, (x1 >> 24) & 0xFF, (y0 >> 24) & 0xFF, (y1 >> 24) & 0xFF)
+            t = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # (32, BKT, u, v): byte b = 2v + u
+            t = tl.reshape(t, (8, 4, BKT, 2, 2))  # (i, warp, kt, u, v)
+            t = tl.permute(t, (2, 0, 4, 3, 1))  # tile word 16*i + 4*b + warp (4*th + warp, th = 4*i + b)
+            T: tl.constexpr = 128
         else:
-            kw = kt * 4
-            x0 = _ld(base, n0, kw, N, KW, s_n, s_k)
-            x1 = _ld(base, n0, kw + 1, N, KW, s_n, s_k)
-            x2 = _ld(base, n0, kw + 2, N, KW, s_n, s_k)
-            x3 = _ld(base, n0, kw + 3, N, KW, s_n, s_k)
-            y0 = _ld(base, n1, kw, N, KW, s_n, s_k)
-            y1 = _ld(base, n1, kw + 1, N, KW, s_n, s_k)
-            y2 = _ld(base, n1, kw + 2, N, KW, s_n, s_k)
-            y3 = _ld(base, n1, kw + 3, N, KW, s_n, s_k)
-            w = (32 * (cb % 8) + 2 * (cb // 8))[None, :]  # tile word 8*th + 2*warp + h
-            tl.store(obase + w + 0, _word8(x0, x2, 0), mask=om)
-            tl.store(obase + w + 8, _word8(x0, x2, 16), mask=om)
-            tl.store(obase + w + 16, _word8(x1, x3, 0), mask=om)
-            tl.store(obase + w + 24, _word8(x1, x3, 16), mask=om)
-            tl.store(obase + w + 1, _word8(y0, y2, 0), mask=om)
-            tl.store(obase + w + 9, _word8(y0, y2, 16), mask=om)
-            tl.store(obase + w + 17, _word8(y1, y3, 0), mask=om)
-            tl.store(obase + w + 25, _word8(y1, y3, 16), mask=om)
+            xe, xo = tl.split(tl.reshape(x, (32, BKT, 2, 2)))  # j = 2u + v: xe = j in {0, 2}, xo = j in {1, 3}
+            x0, x2 = tl.split(xe)
+            x1, x3 = tl.split(xo)
+            ye, yo = tl.split(tl.reshape(y, (32, BKT, 2, 2)))
+            y0, y2 = tl.split(ye)
+            y1, y3 = tl.split(yo)
+            h0 = tl.join(_word8(x0, x2, 0), _word8(y0, y2, 0))
+            h1 = tl.join(_word8(x0, x2, 16), _word8(y0, y2, 16))
+            h2 = tl.join(_word8(x1, x3, 0), _word8(y1, y3, 0))
+            h3 = tl.join(_word8(x1, x3, 16), _word8(y1, y3, 16))
+            t = tl.join(tl.join(h0, h1), tl.join(h2, h3))  # (32, BKT, h, u, v): b = 2v + u
+            t = tl.reshape(t, (8, 4, BKT, 2, 2, 2))  # (i, warp, kt, h, u, v)
+            t = tl.permute(t, (2, 0, 5, 4, 1, 3))  # tile word 32*i + 8*b + 2*warp + h
+            T: tl.constexpr = 256
+        t = tl.reshape(t, (BKT, T))
+        offs = bb * o_b + kt[:, None].to(tl.int64) * o_k + nt * T + tl.arange(0, T)[None, :]
+        tl.store(out_ptr + offs, t, mask=(kt < KT)[:, None])
 
     @triton.jit
     def _permute_scales_kernel(s_ptr, out_ptr, idx_ptr, sf_ptr, N, G, GP, NP, s_b, s_n, s_g, o_b,
@@ -103,8 +105,8 @@ if _HAVE:
         g = tl.program_id(0) * BG + tl.arange(0, BG)
         p = tl.program_id(1) * BP + tl.arange(0, BP)
         n = (p // R) * R + tl.load(idx_ptr + p % R)
-        m = (g < G)[:, None] & (n < N)[None, :]
-        v = tl.load(s_ptr + bb * s_b + n[None, :].to(tl.int64) * s_n + g[:, None].to(tl.int64) * s_g, mask=m, other=0)
+        m = (n < N)[:, None] & (g < G)[None, :]
+        v = tl.load(s_ptr + bb * s_b + n[:, None].to(tl.int64) * s_n + g[None, :].to(tl.int64) * s_g, mask=m, other=0)  # (BP, BG)
         if ENCODE:
             # e4m3 byte -> fp32 (exact), * sf, -> fp16, * 128 in fp16, flush < 2, S0E5M3 code = bits >> 7 (§5.2 step 3)
             v = v.to(tl.int32) & 0xFF
@@ -119,8 +121,8 @@ if _HAVE:
             h = (h.to(tl.float32) * 128.0).to(tl.float16)
             h = tl.where(h < 2.0, 0.0, h.to(tl.float32)).to(tl.float16)
             v = ((h.to(tl.int16, bitcast=True).to(tl.int32) >> 7) & 0xFF).to(tl.uint8)
-        om = (g < GP)[:, None] & (p < NP)[None, :]
-        tl.store(out_ptr + bb * o_b + g[:, None].to(tl.int64) * NP + p[None, :], v, mask=om)
+        om = (p < NP)[:, None] & (g < GP)[None, :]
+        tl.store(out_ptr + bb * o_b + g[None, :].to(tl.int64) * NP + p[:, None], v, mask=om)
 
 
 def marlin_tiles(words: torch.Tensor, num_bits: int, size_n: int, size_k: int, padded_n: int, padded_k: int) -> torch.Tensor:
@@ -140,11 +142,11 @@ def marlin_tiles(words: torch.Tensor, num_bits: int, size_n: int, size_k: int, p
     b = words.shape[0]
     kt, nt = padded_k // 16, padded_n // 64
     out = torch.empty(b, kt, nt * (1024 // pf), dtype=torch.int32, device=words.device)
-    bkt = 16
+    bkt = TUNE["bkt"]
     if b and kt and nt:
         _marlin_tiles_kernel[(triton.cdiv(kt, bkt), nt, b)](
             words, out, size_n, size_k // pf, kt, words.stride(0), words.stride(1), words.stride(2), out.stride(0), out.stride(1),
-            BITS=num_bits, BKT=bkt, num_warps=4)
+            BITS=num_bits, BKT=bkt, num_warps=TUNE["num_warps"])
     return out
 
 
@@ -165,7 +167,7 @@ def permute_scales(s: torch.Tensor, padded_g: int, padded_n: int, idx: torch.Ten
     bits = s.view(torch.uint8) if s.element_size() == 1 else s.view(torch.int16)
     out = torch.empty(b, padded_g, padded_n, dtype=bits.dtype, device=s.device)
     r = idx.numel()
-    bg, bp = 16, 128
+    bg, bp = 32, 64
     idx = idx.to(device=s.device, dtype=torch.int32)
     sf_arg = sf if sf is not None else idx
     if b and padded_g and padded_n:
