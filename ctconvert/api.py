@@ -78,6 +78,7 @@ def quantize(
     resume: bool = False,
     refresh: bool = False,
     progress=None,
+    kernel_target=None,
 ) -> QuantizeResult:
     """Convert the dense checkpoint ``src`` to a compressed-tensors checkpoint at ``out``.
 
@@ -97,6 +98,8 @@ def quantize(
     sha256); ``refresh`` re-derives, against an existing output, only the
     tensors whose source bytes changed and rewrites only their shards. Every
     output records per-tensor provenance in ``ctconvert-provenance.json``.
+    ``kernel_target`` (a :class:`ctconvert.repack.KernelTarget`; see
+    :func:`quantize_to_target`) writes kernel-native layouts instead.
 
     Raises :class:`ctconvert.errors.CTConvertError` subclasses with one-line
     messages naming the file and tensor.
@@ -138,6 +141,13 @@ def quantize(
     else:
         check_output_path(src, out, overwrite)
     qconfig = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
+    if kernel_target is not None:
+        if resume or refresh:
+            from .errors import UsageError
+
+            raise UsageError("--target cannot be combined with --resume or --refresh")
+        options["target"] = [kernel_target.target, kernel_target.layout_version, kernel_target.act_dtype]
+        plan = kernel_target.plan(plan, ckpt, qconfig)
     planned = [PlannedTensor(n, d, s) for n, d, s in plan.output_tensors]
     assignment = assign_shards(planned, shard_limit)
     fingerprint = _fingerprint(ckpt, options, planned)
@@ -156,7 +166,7 @@ def quantize(
         shard_of = folder.weight_map
         todo = [u for u in units if any(shard_of[o[0]] not in done for o in u.outputs)]
         hashes = {s: new_hasher() for u in todo for s in u.sources if s not in known}  # hashed as they stream by
-        opts = ExecOptions(device=devs[0], chunk_elems=chunk_elems, hold_bytes=hold_bytes, hashes=hashes)
+        opts = ExecOptions(device=devs[0], chunk_elems=chunk_elems, hold_bytes=hold_bytes, hashes=hashes, post=kernel_target)
         run_plan = dataclasses.replace(plan, units=todo)
         keep_partial = True
         if progress is not None:
@@ -173,7 +183,10 @@ def quantize(
         folder.copy_files(src, skip={CONFIG_NAME, PROVENANCE})
         total = sum(t.nbytes for t in planned)
         prov = _provenance(ckpt, plan, options, src_hashes)
-        folder.finish(updated_config(ckpt.config, qconfig, plan.config_updates), total, {PROVENANCE: prov})
+        cfg = updated_config(ckpt.config, qconfig, plan.config_updates)
+        if kernel_target is not None:
+            cfg["quantization_config"] = kernel_target.config(cfg["quantization_config"])
+        folder.finish(cfg, total, {PROVENANCE: prov})
         result.shards = sorted(set(folder.weight_map.values()))
         result.reused_shards = sorted(n for n, why in folder.reused.items() if why == "resume")
         folder.commit()
@@ -256,27 +269,20 @@ def _refresh_plan(ckpt, plan: Plan, assignment, out: Path, prov: dict):
 
 
 def quantize_to_target(src, out, scheme: str, target: str, *, layout_version: str = "0.33", act_dtype: str = "bf16",
-                       overwrite: bool = False, device: str = "auto", max_shard_size: str | int = "5GB", **kw) -> QuantizeResult:
-    """``quantize`` then ``repack`` in one command: the compressed-tensors stage is a hidden folder beside
-    ``out`` that is removed afterwards; ``out`` gets the kernel-native checkpoint."""
-    import shutil
+                       **kw) -> QuantizeResult:
+    """``quantize`` straight into a kernel-native layout (``--target marlin|cutlass-nvfp4``), in one pass.
 
-    from .checkpoint.writer import check_output_path
-    from .repack import repack
+    Each module is repacked on the device right after it is quantized
+    (:class:`ctconvert.repack.KernelTarget`); no compressed-tensors checkpoint is
+    written on the way. The tensors and config equal ``quantize`` followed by ``repack``.
+    Other keyword arguments are those of :func:`quantize` (not ``resume``/``refresh``).
+    """
+    from .repack import KernelTarget
 
-    out = Path(out)
-    check_output_path(Path(src), out, overwrite)
-    stage = out.parent / f".{out.name}.ctconvert-stage"
-    try:
-        res = quantize(src, stage, scheme, overwrite=True, device=device, max_shard_size=max_shard_size, **kw)
-        r = repack(stage, out, target, layout_version=layout_version, act_dtype=act_dtype, device=device,
-                   max_shard_size=max_shard_size, overwrite=overwrite)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    res.output = str(out)
-    res.output_bytes = r["output_bytes"]
-    res.seconds += r["seconds"]
-    res.notes.append(f"repacked {r['modules']} modules for {target} (vLLM layout {layout_version})")
+    kt = KernelTarget(target, layout_version, act_dtype)
+    res = quantize(src, out, scheme, kernel_target=kt, **kw)
+    if not res.dry_run:
+        res.notes.append(f"repacked {len(kt.records)} modules for {target} (vLLM layout {layout_version})")
     return res
 
 

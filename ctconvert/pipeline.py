@@ -49,6 +49,7 @@ class ExecOptions:
     progress: object | None = None  # anything with .update(nbytes)
     impl: str = "auto"
     hashes: dict | None = None  # source tensor name -> hasher, fed as the bytes stream by
+    post: object | None = None  # (module, {part: whole tensor}) -> {part: tensor}: e.g. a kernel layout (repack.KernelTarget)
 
 
 def resolve_devices(spec: str | None) -> list[torch.device]:
@@ -167,6 +168,7 @@ class _UnitState:
     gs: torch.Tensor | None = None
     held: list = field(default_factory=list)
     checks: list = field(default_factory=list)  # device amax per chunk, checked at the end (GPU)
+    parts: dict = field(default_factory=dict)  # with ExecOptions.post: member -> {part: [chunks]}
 
 
 class Executor:
@@ -355,6 +357,20 @@ class Executor:
             out = unit.scheme.quantize_rows(w, st.gs, impl=self.opts.impl)
         except ValueError as e:
             raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=str(info.file), tensor=info.name) from e
+        if self.opts.post is not None:  # whole modules go through post (on the device), then are written
+            chunks = st.parts.setdefault(job.member, {})
+            for key, t in out.items():
+                chunks.setdefault(key, []).append(t)
+            if job.stop == info.shape[0]:
+                whole = {key: torch.cat(ts) if len(ts) > 1 else ts[0] for key, ts in st.parts.pop(job.member).items()}
+                if unit.scheme.kind == "int" and unit.scheme.format == "pack-quantized":
+                    whole["weight_shape"] = torch.tensor([list(info.shape)], dtype=torch.int64)[0]
+                if st.gs is not None:
+                    whole["weight_global_scale"] = st.gs.reshape(1)
+                for key, t in self.opts.post(unit.modules[job.member], whole).items():
+                    self._write(prefix + key, t.cpu().contiguous())
+            self._progress((job.stop - job.start) * info.nbytes // max(1, info.shape[0]))
+            return
         for key, t in out.items():
             name = prefix + key
             if t.device.type != "cpu":

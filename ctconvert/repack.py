@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint.reader import CONFIG_NAME, open_checkpoint
-from .checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, copy_tensor, read_tensor
+from .checkpoint.safetensors_io import DTYPES, TORCH_TO_ST, PlannedTensor, copy_tensor, read_tensor
 from .checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from .errors import BadInputError, UnsupportedError, UsageError
 from .layouts import batched, targets
@@ -47,6 +47,99 @@ ACT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.
 def is_kernel_native(qcfg: dict | None) -> bool:
     """Whether a ``quantization_config`` is ctconvert's kernel-native tag."""
     return (qcfg or {}).get("quant_method") == KERNEL_NATIVE
+
+
+def kernel_native_config(qcfg: dict, target: str, layout_version: str, act_dtype: str, records: dict) -> dict:
+    """The ``quantization_config`` of a kernel-native checkpoint (module docstring)."""
+    return {
+        "quant_method": KERNEL_NATIVE,
+        "format": "kernel-native",
+        "target": target,
+        "layout_version": layout_version,
+        "act_dtype": str(ACT_DTYPES[act_dtype]).replace("torch.", ""),
+        "note": "tensors are already in the kernel's layout: a compressed-tensors loader must not repack them; "
+                "`ctconvert repack --target compressed-tensors` restores the source",
+        "modules": records,
+        "source_quantization_config": qcfg,
+    }
+
+
+def _check_options(target: str, act_dtype: str, layout_version: str) -> None:
+    if target not in TARGETS:
+        raise UsageError(f"unknown --target {target!r}; choose one of {', '.join(TARGETS)}")
+    if act_dtype not in ACT_DTYPES:
+        raise UsageError(f"unknown --act-dtype {act_dtype!r}; choose bf16 or fp16")
+    if layout_version not in targets.LAYOUT_VERSIONS:
+        raise UsageError(f"unknown --layout-version {layout_version!r}; choose one of {', '.join(targets.LAYOUT_VERSIONS)}")
+
+
+class KernelTarget:
+    """``quantize --target`` in one pass: each module is repacked as soon as it is quantized.
+
+    :meth:`plan` rewrites a quantize plan so that each quantized module's
+    compressed-tensors outputs are replaced, in place, by its kernel tensors
+    (planned on meta tensors, as ``repack`` does); the executor then hands each
+    finished module's tensors (on its device) to the instance, which returns the
+    kernel tensors. The tensors and config equal ``quantize`` followed by
+    ``repack``, bit for bit, without the intermediate checkpoint (tensors may
+    sit at other offsets: the plan's order is kept).
+    """
+
+    def __init__(self, target: str, layout_version: str = targets.DEFAULT_LAYOUT_VERSION, act_dtype: str = "bf16"):
+        _check_options(target, act_dtype, layout_version)
+        if target == "compressed-tensors":
+            raise UsageError("--target compressed-tensors is what quantize writes already; leave --target out")
+        self.target, self.layout_version, self.act_dtype = target, layout_version, act_dtype
+        self.records: dict[str, dict] = {}
+        self.kernels: dict[str, tuple[str, dict, str]] = {}
+
+    def plan(self, plan, ckpt, qcfg: dict):
+        """A copy of ``plan`` whose quantize units output kernel tensors. Raises :class:`UnsupportedError`."""
+        import dataclasses
+
+        units = []
+        for u in plan.units:
+            if u.kind != "quantize":
+                units.append(u)
+                continue
+            grp = qcfg["config_groups"][u.group]
+            weights, fmt = grp.get("weights") or {}, grp.get("format") or qcfg.get("format")
+            by_mod: dict[str, list] = {}
+            for o in u.outputs:
+                by_mod.setdefault(o[0].rpartition(".")[0], []).append(o)
+            outputs = []
+            for mod, outs in by_mod.items():
+                src = ckpt.tensors[u.sources[u.modules.index(mod)]]
+                parts = {name.rpartition(".")[2]: (dt, tuple(shape)) for name, dt, shape in outs}
+                kernel = targets.choose_kernel(self.target, fmt, weights, set(parts))
+                if kernel is None:
+                    raise UnsupportedError(f"target {self.target!r} cannot take {plan.scheme.name} modules ({fmt}, {weights})",
+                                           file=src.file.name, tensor=src.name)
+                meta = {p: torch.empty(shape, dtype=DTYPES[dt][0], device="meta") for p, (dt, shape) in parts.items()}
+                if "weight_shape" in meta:
+                    meta["weight_shape"] = torch.tensor(list(src.shape), dtype=torch.int64)
+                try:
+                    kouts, rec = targets.repack_module(kernel, meta, weights, fmt, self.layout_version, ACT_DTYPES[self.act_dtype])
+                except (ValueError, NotImplementedError) as e:
+                    raise UnsupportedError(f"cannot repack for {kernel}: {e}", file=src.file.name, tensor=src.name) from e
+                rec["source_tensors"] = {p: [dt, list(shape)] for p, (dt, shape) in parts.items()}
+                rec["tensors"] = sorted(kouts)
+                self.records[mod] = rec
+                self.kernels[mod] = (kernel, weights, fmt)
+                outputs += [(f"{mod}.{p}", TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in kouts.items()]
+            units.append(dataclasses.replace(u, outputs=outputs))
+        return dataclasses.replace(plan, units=units)
+
+    def __call__(self, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Kernel tensors of one quantized module (its compressed-tensors tensors, whole, on any device)."""
+        kernel, weights, fmt = self.kernels[module]
+        outs, recs = batched.repack_batch(kernel, {p: t.unsqueeze(0) for p, t in tensors.items()}, weights, fmt,
+                                          self.layout_version, ACT_DTYPES[self.act_dtype])
+        self.records[module].update(recs[0])
+        return {p: t[0] for p, t in outs.items()}
+
+    def config(self, qcfg: dict) -> dict:
+        return kernel_native_config(qcfg, self.target, self.layout_version, self.act_dtype, self.records)
 
 
 def _load(parts: dict, device: torch.device) -> dict[str, torch.Tensor]:
@@ -79,12 +172,7 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
     """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    if target not in TARGETS:
-        raise UsageError(f"unknown --target {target!r}; choose one of {', '.join(TARGETS)}")
-    if act_dtype not in ACT_DTYPES:
-        raise UsageError(f"unknown --act-dtype {act_dtype!r}; choose bf16 or fp16")
-    if layout_version not in targets.LAYOUT_VERSIONS:
-        raise UsageError(f"unknown --layout-version {layout_version!r}; choose one of {', '.join(targets.LAYOUT_VERSIONS)}")
+    _check_options(target, act_dtype, layout_version)
     dev = resolve_device(device)
     ckpt = open_checkpoint(src, strict=True)
     qcfg = ckpt.quantization_config or {}
@@ -190,17 +278,7 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
         if inverse:
             cfg["quantization_config"] = qcfg["source_quantization_config"]
         else:
-            cfg["quantization_config"] = {
-                "quant_method": KERNEL_NATIVE,
-                "format": "kernel-native",
-                "target": target,
-                "layout_version": layout_version,
-                "act_dtype": str(ACT_DTYPES[act_dtype]).replace("torch.", ""),
-                "note": "tensors are already in the kernel's layout: a compressed-tensors loader must not repack them; "
-                        "`ctconvert repack --target compressed-tensors` restores the source",
-                "modules": records,
-                "source_quantization_config": qcfg,
-            }
+            cfg["quantization_config"] = kernel_native_config(qcfg, target, layout_version, act_dtype, records)
         return cfg
 
     total = write_checkpoint(src, out, planned, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, fill=fill, config=config)

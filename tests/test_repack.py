@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from ctconvert import api
-from helpers import tree_hash
+from helpers import bitwise_equal, tree_hash
 from ctconvert.cli import main
 from ctconvert.repack import repack
 
@@ -84,10 +84,34 @@ def test_quantize_with_target_in_one_command(tiny_llama, tmp_path):
     cfg = json.loads((tmp_path / "k" / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "ctconvert-kernel-native"
     assert not list(tmp_path.glob(".k.ctconvert-*"))
-    # same bytes as quantize, then repack
+    # one pass (no compressed-tensors stage): the same tensors and config as quantize, then repack
     api.quantize(tiny_llama, tmp_path / "q", "W4A16")
     repack(tmp_path / "q", tmp_path / "k2", "marlin", device="cpu")
-    assert tree_hash(tmp_path / "k", skip=("ctconvert-provenance.json",)) == tree_hash(tmp_path / "k2", skip=("ctconvert-provenance.json",))
+    _assert_same_checkpoint(tmp_path / "k", tmp_path / "k2")
+
+
+def _assert_same_checkpoint(a, b):
+    from safetensors.torch import load_file
+
+    ta, tb = {}, {}
+    for f in a.glob("*.safetensors"):
+        ta.update(load_file(f))
+    for f in b.glob("*.safetensors"):
+        tb.update(load_file(f))
+    assert ta.keys() == tb.keys() and len(ta) > 20
+    for name, t in ta.items():
+        assert bitwise_equal(t, tb[name]), name
+    assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
+
+
+@pytest.mark.parametrize("scheme,target,act,lm_head", [("NVFP4A16", "marlin", "fp16", "nvfp4a16"), ("FP8_DYNAMIC", "marlin", "bf16", "none"),
+                                                       ("W4A16_ASYM", "marlin", "bf16", "none"), ("NVFP4A16", "marlin", "bf16", "none")])
+def test_quantize_with_target_equals_quantize_then_repack(tiny_llama, tmp_path, scheme, target, act, lm_head):
+    api.quantize_to_target(tiny_llama, tmp_path / "k", scheme, target, act_dtype=act, lm_head=lm_head, chunk_elems=4096, device="cpu")
+    api.quantize(tiny_llama, tmp_path / "q", scheme, lm_head=lm_head, device="cpu")
+    repack(tmp_path / "q", tmp_path / "k2", target, act_dtype=act, device="cpu")
+    _assert_same_checkpoint(tmp_path / "k", tmp_path / "k2")
+    assert api.verify(tmp_path / "k", tmp_path / "q")["ok"]
 
 
 @pytest.mark.parametrize("scheme,act", [("FP8_DYNAMIC", "bf16"), ("FP8_DYNAMIC", "fp16"), ("NVFP4A16", "bf16"), ("NVFP4A16", "fp16")])
