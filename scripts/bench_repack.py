@@ -10,7 +10,8 @@ function the command runs; CUDA events after a warm-up pass, median of
 per second (``repack_TBps``), and all bytes read and written per second
 (``moved_TBps``, to set against the HBM bandwidth), from CUDA events around
 the whole repack (launch gaps included); on CUDA also the same from the sum
-of the kernels' own durations (``kernel_*``, torch.profiler). ``--per-module`` times the
+of the kernels' own durations (``kernel_*``, torch.profiler), and, as the
+yardstick, a plain device-to-device copy of the same input bytes (``copy_*``). ``--per-module`` times the
 per-module path instead (``targets.repack_module``), for comparison. Then
 time, as separate processes, ``ctconvert quantize`` and ``ctconvert quantize
 --target marlin``. One JSON line per scheme.
@@ -108,7 +109,7 @@ def main() -> None:
                 run_all()
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
-        kernel_s = None
+        kernel_s = copy_s = None
         if dev.type == "cuda":
             if a.tune:
                 for bkt in (4, 8, 16, 32, 64):
@@ -118,6 +119,15 @@ def main() -> None:
                         print(json.dumps({"scheme": scheme, "tune": dict(gpu.TUNE), "kernel_seconds": kernel_seconds(run_all)}), flush=True)
                 gpu.TUNE.update(default_tune)
             kernel_s = statistics.median(kernel_seconds(run_all) for _ in range(3))
+            dst = [{p: torch.empty_like(x) for p, x in t.items()} for _, t, _, _ in jobs]
+
+            def copy_all():  # the same bytes read and written by a plain device copy: what the memory allows
+                for (_, t, _, _), d in zip(jobs, dst):
+                    for p, x in t.items():
+                        d[p].copy_(x)
+
+            copy_all()
+            copy_s = statistics.median(kernel_seconds(copy_all) for _ in range(3))
         walls = {}
         for label, extra in () if a.no_e2e else (("quantize", []), ("quantize_target_marlin", ["--target", "marlin"])):
             out = work / f"o-{scheme}-{label}"
@@ -132,6 +142,7 @@ def main() -> None:
                           "kernel_seconds": kernel_s and round(kernel_s, 6),
                           "kernel_TBps": kernel_s and round(nbytes / kernel_s / 1e12, 3),
                           "kernel_moved_TBps": kernel_s and round((nbytes + out_bytes) / kernel_s / 1e12, 3),
+                          "copy_seconds": copy_s and round(copy_s, 6), "copy_TBps": copy_s and round(nbytes / copy_s / 1e12, 3),
                           "wall_seconds": walls}), flush=True)
 
 

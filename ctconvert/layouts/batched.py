@@ -148,9 +148,8 @@ def _marlin_nvfp4(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype,
     pn, pk = M.marlin_padded_nk(n, k, g, v)
     ws = t["weight_scale"].view(torch.uint8)  # (B, N, K/16) e4m3 bytes
     b = ws.shape[0]
-    # sf from the largest positive finite scale of each module: e4m3 bytes 0x01..0x7E order as their values
-    top = torch.where(ws < 0x7F, ws, torch.zeros_like(ws)).reshape(b, -1).amax(dim=1)
-    sf = F.nvfp4_scale_factor_from_max(top.view(torch.float8_e4m3fn), act_dtype, v)
+    # sf from the largest positive finite scale of each module
+    sf = F.nvfp4_scale_factor_from_max(gpu.e4m3_top(ws), act_dtype, v)
     perm = M._scale_perms()[0]
     idx = perm[(torch.arange(64) // 4) * 4 + torch.tensor(F._REORDER4).repeat(16)]  # scale_perm, then [0,2,1,3] per 4
     codes = gpu.permute_scales(ws, pk // g, pn, idx, sf)

@@ -99,6 +99,14 @@ if _HAVE:
         tl.store(out_ptr + offs, t, mask=(kt < KT)[:, None])
 
     @triton.jit
+    def _e4m3_top_kernel(s_ptr, out_ptr, L, s_b, BLOCK: tl.constexpr):
+        bb = tl.program_id(1).to(tl.int64)
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(s_ptr + bb * s_b + i, mask=i < L, other=0).to(tl.int32)
+        v = tl.where(v < 0x7F, v, 0)
+        tl.atomic_max(out_ptr + bb, tl.max(v, axis=0))
+
+    @triton.jit
     def _permute_scales_kernel(s_ptr, out_ptr, idx_ptr, sf_ptr, N, G, GP, NP, s_b, s_n, s_g, o_b,
                                R: tl.constexpr, BG: tl.constexpr, BP: tl.constexpr, ENCODE: tl.constexpr):
         bb = tl.program_id(2).to(tl.int64)
@@ -123,6 +131,22 @@ if _HAVE:
             v = ((h.to(tl.int16, bitcast=True).to(tl.int32) >> 7) & 0xFF).to(tl.uint8)
         om = (p < NP)[:, None] & (g < GP)[None, :]
         tl.store(out_ptr + bb * o_b + g[None, :].to(tl.int64) * NP + p[:, None], v, mask=om)
+
+
+def e4m3_top(s: torch.Tensor) -> torch.Tensor:
+    """Largest positive finite e4m3 value of each module: ``(B, ...)`` float8_e4m3fn / uint8 -> ``(B,)`` float8_e4m3fn (0 if none).
+
+    Non-negative e4m3 bytes 0x00..0x7E order as their values (0x7F is NaN,
+    0x80 and up are negative), so this is an integer max over those bytes.
+    """
+    b = s.shape[0]
+    flat = s.reshape(b, -1).view(torch.uint8)
+    out = torch.zeros(b, dtype=torch.int32, device=s.device)
+    n = flat.shape[1]
+    block = 8192
+    if b and n:
+        _e4m3_top_kernel[(triton.cdiv(n, block), b)](flat, out, n, flat.stride(0), BLOCK=block, num_warps=8)
+    return out.to(torch.uint8).view(torch.float8_e4m3fn)
 
 
 def marlin_tiles(words: torch.Tensor, num_bits: int, size_n: int, size_k: int, padded_n: int, padded_k: int) -> torch.Tensor:
@@ -167,7 +191,7 @@ def permute_scales(s: torch.Tensor, padded_g: int, padded_n: int, idx: torch.Ten
     bits = s.view(torch.uint8) if s.element_size() == 1 else s.view(torch.int16)
     out = torch.empty(b, padded_g, padded_n, dtype=bits.dtype, device=s.device)
     r = idx.numel()
-    bg, bp = 32, 64
+    bg, bp = 64, 128
     idx = idx.to(device=s.device, dtype=torch.int32)
     sf_arg = sf if sf is not None else idx
     if b and padded_g and padded_n:
