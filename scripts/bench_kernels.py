@@ -3,7 +3,10 @@
     python scripts/bench_kernels.py [--rows 28672 --cols 8192] [--device cpu|cuda] [--impl auto|torch|native|triton]
 
 CPU: wall time, median of --repeat runs. CUDA: CUDA events after warm-up, median
-of --repeat runs. Throughput is bf16 input bytes per second.
+of --repeat runs. Throughput is bf16 input bytes per second. On CUDA, a device
+copy of the weight is timed too: ``memory_bound_GBps`` is the input rate a
+kernel would reach if it moved its bytes (input read + outputs written) at
+copy speed, and ``of_bound`` the fraction of it reached.
 """
 
 from __future__ import annotations
@@ -34,6 +37,20 @@ def main() -> None:
     dev = torch.device(a.device)
     w = (torch.randn(a.rows, a.cols, device=dev) * 0.02).to(torch.bfloat16)
     nbytes = w.numel() * 2
+    copy_bps = None
+    if dev.type == "cuda":  # yardstick: a device copy of the weight moves 2 x its bytes; each scheme is bounded by it
+        dst = torch.empty_like(w)
+        ts = []
+        for i in range(a.repeat + 1):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            dst.copy_(w)
+            e1.record()
+            torch.cuda.synchronize()
+            if i:
+                ts.append(e0.elapsed_time(e1) / 1000)
+        copy_bps = 2 * nbytes / statistics.median(ts)  # bytes read + written per second
+        print(json.dumps({"copy": True, "moved_GBps": copy_bps / 1e9}))
     for name in a.schemes.split(","):
         s = get_scheme(name)
         gs = nvfp4_global_scale(tensor_absmax(w), w.dtype).to(dev) if s.global_scale else None
@@ -53,7 +70,13 @@ def main() -> None:
             if i:  # the first run is warm-up
                 times.append(dt)
         med = statistics.median(times)
-        print(json.dumps({"scheme": name, "device": a.device, "impl": a.impl, "shape": [a.rows, a.cols], "seconds": med, "GBps": nbytes / med / 1e9}))
+        doc = {"scheme": name, "device": a.device, "impl": a.impl, "shape": [a.rows, a.cols], "seconds": med, "GBps": nbytes / med / 1e9}
+        if copy_bps:
+            out = s.quantize_rows(w, gs, impl=a.impl)
+            moved = nbytes + sum(t.numel() * t.element_size() for t in out.values())
+            doc["memory_bound_GBps"] = copy_bps * nbytes / moved / 1e9  # input rate if the kernel moved its bytes at copy speed
+            doc["of_bound"] = round(doc["GBps"] / doc["memory_bound_GBps"], 3)
+        print(json.dumps(doc))
 
 
 if __name__ == "__main__":
