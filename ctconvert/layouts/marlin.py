@@ -277,7 +277,7 @@ def _resolve_act_order(perm, size_k, size_n, layout_version, device):
 # --------------------------------------------------------------------------- §2
 
 
-def pack_quantized_to_gptq(weight_packed: torch.Tensor, num_bits: int, size_k: int) -> torch.Tensor:
+def pack_quantized_to_gptq(weight_packed: torch.Tensor, num_bits: int, size_k: int, *, copy: bool = True) -> torch.Tensor:
     """compressed-tensors ``weight_packed`` -> GPTQ layout (kernel-layouts §2).
 
     Both layouts pack along K, low bits first, so this is a plain transpose: no
@@ -290,8 +290,11 @@ def pack_quantized_to_gptq(weight_packed: torch.Tensor, num_bits: int, size_k: i
         size_k: K; must be a multiple of ``pf = 32 // num_bits`` (vLLM's
             ``marlin_pad_qweight`` derives pf from ``K / rows``).
 
+        copy: False returns the transposed view (no copy): :func:`marlin_repack`
+            reads it in place.
+
     Returns:
-        int32 ``(size_k*num_bits//32, N)``, contiguous, same device.
+        int32 ``(size_k*num_bits//32, N)``, contiguous (a view with ``copy=False``), same device.
 
     Raises:
         ValueError: bits not in {4, 8}; size_k not positive or not a multiple of
@@ -304,7 +307,7 @@ def pack_quantized_to_gptq(weight_packed: torch.Tensor, num_bits: int, size_k: i
     if not isinstance(weight_packed, torch.Tensor) or weight_packed.dim() != 2:
         raise ValueError("weight_packed must be a 2-D tensor (N, K*bits/32) (§2)")
     _check_tensor("weight_packed", weight_packed, torch.int32, (weight_packed.shape[0], size_k // pf))
-    return _rowmajor(weight_packed.t())
+    return _rowmajor(weight_packed.t()) if copy else weight_packed.t()
 
 
 def gptq_to_pack_quantized(q_w: torch.Tensor, num_bits: int, size_k: int) -> torch.Tensor:
@@ -441,10 +444,12 @@ def marlin_repack(
     pf, padded_n, padded_k = _repack_dims(size_k, size_n, num_bits, group_size, layout_version, act is not None)
     _check_tensor("q_w", q_w, torch.int32, (size_k // pf, size_n))
 
-    from . import gpu
+    from . import cpu, gpu
 
-    if act is None and gpu.available(q_w):  # Triton: reads q_w in place (padding reads as zero), writes the tiles once
-        return gpu.marlin_tiles(q_w.t().unsqueeze(0), num_bits, size_n, size_k, padded_n, padded_k)[0]
+    if act is None:  # Triton (CUDA) or C (CPU): read q_w in place (padding reads as zero), write the tiles once
+        for impl in (gpu, cpu):
+            if impl.available(q_w):
+                return impl.marlin_tiles(q_w.t().unsqueeze(0), num_bits, size_n, size_k, padded_n, padded_k)[0]
 
     w = _gptq_unpack(q_w, num_bits)  # uint8 (K, N)
     if act is not None:

@@ -294,7 +294,7 @@ def marlin_fp8_repack(
     if k % 4 or n == 0 or k == 0:
         raise ValueError(f"FP8 Marlin needs K % 4 == 0 and non-empty shapes (pack_fp8_to_int32), got (N, K) = ({n}, {k})")
     words = weight_fp8.contiguous().view(torch.uint8).view(torch.int32)  # (N, K/4), little-endian
-    q_w = pack_quantized_to_gptq(words, 8, k)  # (K/4, N)
+    q_w = pack_quantized_to_gptq(words, 8, k, copy=False)  # (K/4, N), a view
     marlin_q_w = marlin_repack(q_w, k, n, 8, None, layout_version, group_size=-1)
     permuted = marlin_fp8_permuted_scales(weight_scale, k, n, act_dtype, logical_widths, layout_version)
     return {"marlin_q_w": marlin_q_w, "marlin_scales": fp8_fold_exponent_bias(permuted)}
@@ -554,7 +554,7 @@ def marlin_nvfp4_repack(
     """
     dt = _act_dtype(act_dtype)
     n, k = _check_nvfp4(weight_packed, weight_scale)
-    q_w = pack_quantized_to_gptq(weight_packed.contiguous().view(torch.int32), 4, k)  # (K/8, N)
+    q_w = pack_quantized_to_gptq(weight_packed.contiguous().view(torch.int32), 4, k, copy=False)  # (K/8, N), a view
     marlin_q_w = marlin_repack(q_w, k, n, 4, None, layout_version, group_size=NVFP4_GROUP_SIZE)
     s = weight_scale.view(torch.float8_e4m3fn).t().to(dt)  # (K/16, N), exact
     permuted = marlin_permute_scales(s, k, n, NVFP4_GROUP_SIZE, layout_version)

@@ -55,7 +55,7 @@ def _marlin_int(t: dict[str, torch.Tensor], weights: dict, v: str) -> tuple[dict
     n, k = (int(x) for x in t["weight_shape"].tolist()) if t["weight_shape"].device.type != "meta" else _shape_from(t, weights)
     bits = int(weights["num_bits"])
     g = _group(weights, k)
-    q_w = M.pack_quantized_to_gptq(t["weight_packed"], bits, k)
+    q_w = M.pack_quantized_to_gptq(t["weight_packed"], bits, k, copy=False)
     perm = sorted_g = None
     if "weight_g_idx" in t:
         sorted_g, perm = M.marlin_sort_g_idx(t["weight_g_idx"])

@@ -1,8 +1,6 @@
 """Fused CPU kernels (``quant.c``), compiled on first use and called through ctypes.
 
-The C file is built once per machine with the system C compiler (``cc -O3``,
-never ``-ffast-math``) into a cache folder (``$CTCONVERT_CACHE`` or
-``~/.cache/ctconvert``), keyed by the source's hash. Each function here has
+The C file is built once per machine (:mod:`ctconvert.cbuild`). Each function here has
 the same signature and returns the same bytes as its torch reference in
 :mod:`ctconvert.formats` (the tests compare them); rows are split over
 threads, since ctypes releases the GIL.
@@ -14,16 +12,13 @@ threads, since ctypes releases the GIL.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from ... import cbuild
 
 _SRC = Path(__file__).with_name("quant.c")
 _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -32,36 +27,10 @@ _lock = threading.Lock()
 _tried = False
 
 
-def _flags() -> list[str]:
-    flags = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off", "-fno-trapping-math", "-std=gnu11"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        try:
-            cpu = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpu = ""
-        if " avx2 " in cpu and " f16c " in cpu and " fma " in cpu:
-            flags += ["-mavx2", "-mf16c", "-mfma"]
-    return flags
-
-
 def _build() -> ctypes.CDLL | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
+    lib = cbuild.build(_SRC)
+    if lib is None:
         return None
-    flags = _flags()
-    key = hashlib.sha256(_SRC.read_bytes() + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("CTCONVERT_CACHE") or Path.home() / ".cache" / "ctconvert")
-    so = cache / f"quant-{key}.so"
-    if not so.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-            os.close(fd)
-            subprocess.run([cc, *flags, str(_SRC), "-o", tmp, "-lm"], check=True, capture_output=True)
-            os.replace(tmp, so)
-        except (OSError, subprocess.CalledProcessError):
-            return None
-    lib = ctypes.CDLL(str(so))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ct_fp8_channel.argtypes = [p, i32, i64, i64, p, p]
     lib.ct_fp8_block.argtypes = [p, i32, i64, i64, i64, i64, p, p]
@@ -95,36 +64,8 @@ def _L() -> ctypes.CDLL:
     return _lib
 
 
-def _threads() -> int:
-    return max(1, torch.get_num_threads())
-
-
-def _parallel_rows(n: int, align: int, fn) -> None:
-    """Run ``fn(r0, r1)`` over row ranges (starts aligned to ``align``), one range on this thread and
-    the others on daemon threads (daemon: an interrupted run never waits for them at exit)."""
-    t = min(_threads(), max(1, n // max(align, 16)))
-    if t <= 1:
-        fn(0, n)
-        return
-    step = -(-n // t)
-    step = -(-step // align) * align
-    ranges = [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
-    errors: list[BaseException] = []
-
-    def run(a: int, b: int) -> None:
-        try:
-            fn(a, b)
-        except BaseException as e:  # noqa: BLE001 - re-raised by the caller
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=r, daemon=True, name="ctconvert-cpu") for r in ranges[1:]]
-    for th in threads:
-        th.start()
-    run(*ranges[0])
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
+_threads = cbuild.threads
+_parallel_rows = cbuild.parallel_ranges
 
 
 def _ptr(t: torch.Tensor, row0: int = 0) -> int:

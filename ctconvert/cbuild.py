@@ -1,0 +1,92 @@
+"""Build a C source file into a shared library on first use, and split work over threads.
+
+Used by the CPU kernels (:mod:`ctconvert.formats.native`,
+:mod:`ctconvert.layouts.native`). A library is built once per machine with the
+system C compiler (``cc -O3``, never ``-ffast-math``: results must equal the
+torch references bit for bit) into a cache folder (``$CTCONVERT_CACHE`` or
+``~/.cache/ctconvert``), keyed by the source's hash and the flags. No
+compiler, a failed build or ``CTCONVERT_NATIVE=0`` gives ``None``; callers then
+use their torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+
+def flags() -> list[str]:
+    out = ["-O3", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off", "-fno-trapping-math", "-std=gnu11"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        try:
+            cpu = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpu = ""
+        if " avx2 " in cpu and " f16c " in cpu and " fma " in cpu:
+            out += ["-mavx2", "-mf16c", "-mfma"]
+    return out
+
+
+def build(src: Path) -> ctypes.CDLL | None:
+    """The compiled library of ``src`` (built now if not cached), or None."""
+    if os.environ.get("CTCONVERT_NATIVE", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        return None
+    fl = flags()
+    key = hashlib.sha256(src.read_bytes() + " ".join([cc, *fl, platform.machine()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("CTCONVERT_CACHE") or Path.home() / ".cache" / "ctconvert")
+    so = cache / f"{src.stem}-{key}.so"
+    try:
+        if not so.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            os.close(fd)
+            subprocess.run([cc, *fl, str(src), "-o", tmp, "-lm"], check=True, capture_output=True)
+            os.replace(tmp, so)
+        return ctypes.CDLL(str(so))
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def parallel_ranges(n: int, align: int, fn) -> None:
+    """Run ``fn(r0, r1)`` over ranges of ``range(n)`` (starts aligned to ``align``), one range on this
+    thread and the others on daemon threads (daemon: an interrupted run never waits for them at exit).
+    ctypes releases the GIL, so the ranges run in parallel."""
+    t = min(threads(), max(1, n // max(align, 16)))
+    if t <= 1:
+        fn(0, n)
+        return
+    step = -(-n // t)
+    step = -(-step // align) * align
+    ranges = [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
+    errors: list[BaseException] = []
+
+    def run(a: int, b: int) -> None:
+        try:
+            fn(a, b)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+            errors.append(e)
+
+    workers = [threading.Thread(target=run, args=r, daemon=True, name="ctconvert-cpu") for r in ranges[1:]]
+    for th in workers:
+        th.start()
+    run(*ranges[0])
+    for th in workers:
+        th.join()
+    if errors:
+        raise errors[0]
