@@ -37,7 +37,7 @@ from ctconvert.layouts import batched, gpu, targets
 from ctconvert.modules import modules_of
 
 
-def kernel_seconds(fn) -> float:
+def kernel_seconds(fn, table: bool = False) -> float:
     """GPU busy time of ``fn``: the sum of its kernels' durations (torch.profiler), without host gaps."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -45,6 +45,8 @@ def kernel_seconds(fn) -> float:
         fn()
         torch.cuda.synchronize()
     evs = prof.key_averages()
+    if table:
+        print(evs.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60), file=sys.stderr)
     return sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) for e in evs) / 1e6
 
 
@@ -57,6 +59,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--per-module", action="store_true", help="time the per-module path instead of the batched one")
     ap.add_argument("--tune", action="store_true", help="sweep the Marlin tile kernel's block and warps (CUDA)")
+    ap.add_argument("--profile", action="store_true", help="print the kernels' time table (CUDA)")
     ap.add_argument("--no-e2e", action="store_true", help="skip the quantize / quantize --target timings")
     a = ap.parse_args()
     dev = torch.device(a.device)
@@ -119,6 +122,8 @@ def main() -> None:
                         print(json.dumps({"scheme": scheme, "tune": dict(gpu.TUNE), "kernel_seconds": kernel_seconds(run_all)}), flush=True)
                 gpu.TUNE.update(default_tune)
             kernel_s = statistics.median(kernel_seconds(run_all) for _ in range(3))
+            if a.profile:
+                kernel_seconds(run_all, table=True)
             dst = [{p: torch.empty_like(x) for p, x in t.items()} for _, t, _, _ in jobs]
 
             def copy_all():  # the same bytes read and written by a plain device copy: what the memory allows
