@@ -115,11 +115,14 @@ def main() -> None:
         kernel_s = copy_s = None
         if dev.type == "cuda":
             if a.tune:
-                for bkt in (4, 8, 16, 32, 64):
-                    for warps in (2, 4, 8):
-                        gpu.TUNE.update(bkt=bkt, num_warps=warps)
-                        run_all()
-                        print(json.dumps({"scheme": scheme, "tune": dict(gpu.TUNE), "kernel_seconds": kernel_seconds(run_all)}), flush=True)
+                grid = [dict(bkt=b, num_warps=w) for b in (8, 16, 32, 64) for w in (4, 8)]
+                if scheme.startswith("NVFP4"):
+                    grid += [dict(scale_bg=g, scale_bp=p) for g, p in ((32, 64), (32, 256), (64, 64), (128, 64), (64, 256), (16, 512))]
+                for cfg in grid:
+                    gpu.TUNE.update(default_tune)
+                    gpu.TUNE.update(cfg)
+                    run_all()
+                    print(json.dumps({"scheme": scheme, "tune": dict(gpu.TUNE), "kernel_seconds": kernel_seconds(run_all)}), flush=True)
                 gpu.TUNE.update(default_tune)
             kernel_s = statistics.median(kernel_seconds(run_all) for _ in range(3))
             if a.profile:

@@ -32,7 +32,8 @@ except Exception:  # noqa: BLE001
     _HAVE = False
 
 
-TUNE = {"bkt": 16, "num_warps": 4}  # marlin_tiles: k-tiles per program, warps (scripts/bench_repack.py --tune)
+#: launch configurations (scripts/bench_repack.py --tune): marlin_tiles k-tiles per program and warps; permute_scales block
+TUNE = {"bkt": 16, "num_warps": 4, "scale_bg": 64, "scale_bp": 128}
 
 
 def available(t: torch.Tensor) -> bool:
@@ -62,12 +63,14 @@ if _HAVE:
         kt = tl.program_id(0) * BKT + tl.arange(0, BKT)
         cb = tl.arange(0, 32)  # 4*i + warp: tile columns c = 16*warp + i and c + 8, i < 8
         n0 = nt * 64 + 16 * (cb % 4) + cb // 4
-        j = tl.arange(0, WPT)
-        kw = kt[None, :, None] * WPT + j[None, None, :]  # (32, BKT, WPT): contiguous along K
-        base = w_ptr + bb * s_b + kw.to(tl.int64) * s_k
-        mk = kw < KW
-        x = tl.load(base + n0[:, None, None].to(tl.int64) * s_n, mask=(n0 < N)[:, None, None] & mk, other=0)
-        y = tl.load(base + (n0 + 8)[:, None, None].to(tl.int64) * s_n, mask=(n0 + 8 < N)[:, None, None] & mk, other=0)
+        # (32, BKT*WPT) words, one contiguous run along K per column (wide loads), then (32, BKT, WPT)
+        kw = tl.program_id(0) * (BKT * WPT) + tl.arange(0, BKT * WPT)
+        base = w_ptr + bb * s_b + kw[None, :].to(tl.int64) * s_k
+        mk = (kw < KW)[None, :]
+        x = tl.load(base + n0[:, None].to(tl.int64) * s_n, mask=(n0 < N)[:, None] & mk, other=0)
+        y = tl.load(base + (n0 + 8)[:, None].to(tl.int64) * s_n, mask=(n0 + 8 < N)[:, None] & mk, other=0)
+        x = tl.reshape(x, (32, BKT, WPT))
+        y = tl.reshape(y, (32, BKT, WPT))
         if BITS == 4:
             x0, x1 = tl.split(x)
             y0, y1 = tl.split(y)
@@ -191,7 +194,7 @@ def permute_scales(s: torch.Tensor, padded_g: int, padded_n: int, idx: torch.Ten
     bits = s.view(torch.uint8) if s.element_size() == 1 else s.view(torch.int16)
     out = torch.empty(b, padded_g, padded_n, dtype=bits.dtype, device=s.device)
     r = idx.numel()
-    bg, bp = 64, 128
+    bg, bp = TUNE["scale_bg"], TUNE["scale_bp"]
     idx = idx.to(device=s.device, dtype=torch.int32)
     sf_arg = sf if sf is not None else idx
     if b and padded_g and padded_n:
