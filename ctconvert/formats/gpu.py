@@ -199,9 +199,9 @@ if _HAVE_TRITON:
                     BR: tl.constexpr, BG: tl.constexpr):
         """NVFP4 (G=16, E4M3 scales, global scale) or MXFP4 (G=32, E8M0 scales).
 
-        The weight is loaded once, contiguously, as [BR, BG*G], viewed as
-        [BR, BG, G/2, 2] and split into even and odd columns, so the two
-        nibbles of each output byte meet without a shuffle."""
+        The weight is loaded once, contiguously, as [BR, BG, G/2, 2] and split
+        into even and odd columns, so the two nibbles of each output byte meet
+        without any reshape."""
         pr = tl.program_id(0).to(tl.int64)
         pg = tl.program_id(1).to(tl.int64)
         NG = K // G
@@ -212,10 +212,10 @@ if _HAVE_TRITON:
         rmask = rows < N
         gmask = groups < NG
         m3 = rmask[:, None, None] & gmask[None, :, None]
-        # one contiguous [BR, BG*G] load (wide loads), viewed as [BR, BG, H, 2] and split into even and odd columns
-        cols = pg * (BG * G) + tl.arange(0, BG * G)
-        x = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
-        xe, xo = tl.split(tl.reshape(x.to(tl.float32), (BR, BG, H, 2)))
+        # one contiguous load of [BR, BG, H, 2], split into even and odd columns in registers
+        cols = 2 * pidx[None, :, :, None] + tl.arange(0, 2)[None, None, None, :]
+        x = tl.load(w_ptr + rows[:, None, None, None] * K + cols, mask=m3[:, :, :, None], other=0.0).to(tl.float32)
+        xe, xo = tl.split(x)
         amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))  # [BR, BG]
         m2 = rmask[:, None] & gmask[None, :]
         if NVFP4:
