@@ -211,6 +211,19 @@ def test_refresh_rewrites_only_changed_shards(tmp_path):
         api.quantize(m, out, "W8A16", max_shard_size="4MB", refresh=True)
 
 
+def test_ctrl_c_during_startup_exits_130(tmp_path):
+    """Ctrl-C while torch is still importing (seconds on a cold machine): one line, exit 130, no traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "ctconvert", "quantize", str(tmp_path / "nothing"), "-s", "W4A16", "-o", str(tmp_path / "o")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+
+
 def test_ctrl_c_twice_exits_130_promptly(tmp_path):
     m = _big_model(tmp_path)
     out = tmp_path / "o"
