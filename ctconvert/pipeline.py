@@ -317,8 +317,8 @@ class Executor:
                     self._quantize(unit, hjob, hw, st)
                 st.held.clear()
             return
-        if not unit.scheme.global_scale:
-            self._absmax(w, info, job, st)
+        if not unit.scheme.global_scale and not (self.use_native and unit.scheme.scale_flags_nonfinite):
+            self._absmax(w, info, job, st)  # NaN/inf scan (else the scales show them: Scheme.scale_flags_nonfinite)
         self._quantize(unit, job, w, st)
         if job.end_of_pass:
             self._check_unit(unit, st)
@@ -357,6 +357,8 @@ class Executor:
             out = unit.scheme.quantize_rows(w, st.gs, impl=self.opts.impl)
         except ValueError as e:
             raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=str(info.file), tensor=info.name) from e
+        if self.use_native and unit.scheme.scale_flags_nonfinite and not bool(torch.isfinite(out["weight_scale"]).all()):
+            _raise_nonfinite(info)
         if self.opts.post is not None:  # whole modules go through post (on the device), then are written
             chunks = st.parts.setdefault(job.member, {})
             for key, t in out.items():

@@ -47,6 +47,14 @@ class Scheme:
         return self.kind == "nvfp4"
 
     @property
+    def scale_flags_nonfinite(self) -> bool:
+        """Whether ``weight_scale`` is non-finite exactly when its group holds a NaN/inf: the scale is
+        max|x| / constant (max over the abs bit patterns in the C kernels, NaN-propagating ``amax`` in
+        torch), so a finite group gives a finite scale and NaN/inf give NaN/inf. Then the separate
+        NaN/inf scan of the input can be skipped."""
+        return self.kind in ("fp8_channel", "fp8_block") or (self.kind == "int" and self.symmetric)
+
+    @property
     def row_align(self) -> int:
         if self.kind == "fp8_block":
             return self.block[0]

@@ -147,8 +147,8 @@ def test_tied_without_quantized_head_lists_lm_head_in_ignore(tmp_path):
     assert cfg_out["quantization_config"]["ignore"] == ["lm_head"]
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16", "FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16_ASYM", "W8A16", "MXFP4A16"])
 def test_non_finite_weight_is_an_error_and_nothing_is_written(tmp_path, bad, scheme):
     src = llama_tensors(LLAMA_CONFIG)
     src["model.layers.1.mlp.down_proj.weight"][3, 5] = bad
