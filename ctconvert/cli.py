@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import signal
 import sys
 import traceback
 
@@ -381,12 +383,13 @@ def run() -> None:
     """Console entry point: click's own handling, except that Ctrl-C exits 130 with one line."""
     try:
         main.main(standalone_mode=False)
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C during shutdown must not turn 130 into a signal death
         click.echo("interrupted: nothing was written to the output path", err=True)
-        sys.exit(errors.EXIT_INTERRUPTED)
-    except KeyboardInterrupt:
-        click.echo("interrupted: nothing was written to the output path", err=True)
-        sys.exit(errors.EXIT_INTERRUPTED)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # the output folder was already aborted (api); exit hooks of half-finished library work could hang or re-raise
+        os._exit(errors.EXIT_INTERRUPTED)
     except click.exceptions.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

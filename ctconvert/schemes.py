@@ -20,7 +20,7 @@ import torch
 
 from .checkpoint.safetensors_io import TORCH_TO_ST
 from .errors import UnsupportedError, UsageError
-from .formats import fp4, fp8, gpu, integer, native
+from .formats import fp4, fp8, integer, native
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,11 @@ class Scheme:
         """
         if impl == "native" or (impl == "auto" and w.device.type == "cpu" and native.available()):
             return self._quantize_fused(native, w, global_scale)
-        if impl in ("auto", "triton") and w.device.type == "cuda" and gpu.available():
+        if impl in ("auto", "triton") and w.device.type == "cuda":
+            from .formats import gpu  # imports Triton: only when a CUDA tensor needs it
+
+            if not gpu.available():
+                return self._quantize_torch(w, global_scale)
             try:
                 return self._quantize_fused(gpu, w, global_scale)
             except NotImplementedError:

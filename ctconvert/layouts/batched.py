@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from . import gpu
 from . import marlin as M
 from . import marlin_fp as F
 from . import targets
@@ -62,7 +61,11 @@ def _per_module(kernel, tensors, weights, fmt, v, act_dtype):
 
 def _fast(kernel: str, tensors: dict[str, torch.Tensor]) -> bool:
     w = tensors.get("weight_packed", tensors.get("weight"))
-    if w is None or not gpu.available(w):
+    if w is None or not w.is_cuda:
+        return False
+    from . import gpu  # imports Triton: only for CUDA tensors
+
+    if not gpu.available(w):
         return False
     if kernel == "marlin-int":
         return "weight_g_idx" not in tensors
@@ -113,6 +116,8 @@ def repack_batch(kernel: str, tensors: dict[str, torch.Tensor], weights: dict, f
 
 
 def _marlin_int(t: dict[str, torch.Tensor], rec: dict) -> dict[str, torch.Tensor]:
+    from . import gpu
+
     n, k, bits, g, v = rec["size_n"], rec["size_k"], rec["num_bits"], rec["group_size"], rec["layout_version"]
     pn, pk = rec["padded_n"], rec["padded_k"]
     out = {"weight_packed": gpu.marlin_tiles(t["weight_packed"], bits, n, k, pn, pk)}
@@ -129,6 +134,8 @@ def _marlin_int(t: dict[str, torch.Tensor], rec: dict) -> dict[str, torch.Tensor
 
 
 def _marlin_fp8(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from . import gpu
+
     n, k, v = rec["size_n"], rec["size_k"], rec["layout_version"]
     pn, pk = M.marlin_padded_nk(n, k, -1, v)
     w = t["weight"]
@@ -143,6 +150,8 @@ def _marlin_fp8(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype) -
 
 
 def _marlin_nvfp4(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype, v: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    from . import gpu
+
     n, k = rec["size_n"], rec["size_k"]
     g = F.NVFP4_GROUP_SIZE
     pn, pk = M.marlin_padded_nk(n, k, g, v)

@@ -444,12 +444,13 @@ def marlin_repack(
     pf, padded_n, padded_k = _repack_dims(size_k, size_n, num_bits, group_size, layout_version, act is not None)
     _check_tensor("q_w", q_w, torch.int32, (size_k // pf, size_n))
 
-    from . import cpu, gpu
-
     if act is None:  # Triton (CUDA) or C (CPU): read q_w in place (padding reads as zero), write the tiles once
-        for impl in (gpu, cpu):
-            if impl.available(q_w):
-                return impl.marlin_tiles(q_w.t().unsqueeze(0), num_bits, size_n, size_k, padded_n, padded_k)[0]
+        if q_w.is_cuda:
+            from . import gpu as impl  # imports Triton: only for CUDA tensors
+        else:
+            from . import cpu as impl
+        if impl.available(q_w):
+            return impl.marlin_tiles(q_w.t().unsqueeze(0), num_bits, size_n, size_k, padded_n, padded_k)[0]
 
     w = _gptq_unpack(q_w, num_bits)  # uint8 (K, N)
     if act is not None:
