@@ -356,6 +356,7 @@ class Executor:
         try:
             out = unit.scheme.quantize_rows(w, st.gs, impl=self.opts.impl)
         except ValueError as e:
+            self._check_unit(unit, st)  # on a GPU the NaN/inf checks are still pending: they explain a failure first
             raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=str(info.file), tensor=info.name) from e
         if self.use_native and unit.scheme.scale_flags_nonfinite and not bool(torch.isfinite(out["weight_scale"]).all()):
             _raise_nonfinite(info)
