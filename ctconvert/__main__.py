@@ -1,23 +1,33 @@
 """``python -m ctconvert`` and the ``ctconvert`` console script.
 
-The CLI imports torch, which can take seconds; a Ctrl-C that lands during
-those imports must still give the one-line message and exit code 130
-(never a traceback), so the imports happen inside the handler.
+Every command imports torch, which can take seconds. A Ctrl-C that lands
+during those imports must still give the one-line message and exit code 130,
+never a traceback, and must never be lost: a KeyboardInterrupt raised inside
+torch's import can be swallowed, and the conversion then runs to the end. So
+the heavy imports happen here, up front, while SIGINT only sets a flag, which
+is checked once they are done.
 """
 
 import os
 import signal
 import sys
 
+INTERRUPTED = "interrupted: nothing was written to the output path"
+
 
 def main() -> None:
+    hits: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
     try:
+        from . import api  # noqa: F401 - torch and the rest of the heavy imports, inside the window
         from .cli import run
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not turn the exit into a traceback
-        sys.stderr.write("interrupted: nothing was written to the output path\n")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if hits:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.stderr.write(INTERRUPTED + "\n")
         sys.stderr.flush()
-        os._exit(130)  # nothing was opened yet; a half-imported torch must not run its exit hooks
+        os._exit(130)  # nothing was opened yet
     run()
 
 

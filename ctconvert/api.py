@@ -168,7 +168,7 @@ def quantize(
         hashes = {s: new_hasher() for u in todo for s in u.sources if s not in known}  # hashed as they stream by
         opts = ExecOptions(device=devs[0], chunk_elems=chunk_elems, hold_bytes=hold_bytes, hashes=hashes, post=kernel_target)
         run_plan = dataclasses.replace(plan, units=todo)
-        keep_partial = True
+        keep_partial = kernel_target is None  # an interrupted run is kept for --resume, which --target does not offer
         if progress is not None:
             with progress(sum(ckpt.tensors[s].nbytes for u in todo for s in u.sources)) as bar:
                 opts.progress = bar
@@ -281,6 +281,7 @@ def quantize_to_target(src, out, scheme: str, target: str, *, layout_version: st
 
     kt = KernelTarget(target, layout_version, act_dtype)
     res = quantize(src, out, scheme, kernel_target=kt, **kw)
+    res.format = f"kernel-native ({target}, from {res.format})"
     if not res.dry_run:
         res.notes.append(f"repacked {len(kt.records)} modules for {target} (vLLM layout {layout_version})")
     return res

@@ -95,7 +95,7 @@ def run_jobs(jobs: list[dict], keep_going: bool = False, emit=print) -> int:
         try:
             r = api.quantize(job["model"], job["output"], job["scheme"], **kw)
             line.update(status="ok", input_bytes=r.input_bytes, output_bytes=r.output_bytes, shards=len(r.shards),
-                        seconds=round(time.perf_counter() - t0, 3), error=None)
+                        seconds=round(time.perf_counter() - t0, 3), error=None, exit_code=0)
         except CTConvertError as e:
             line.update(status="error", seconds=round(time.perf_counter() - t0, 3), error=str(e), exit_code=e.exit_code)
             code = code or e.exit_code

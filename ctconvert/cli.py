@@ -36,10 +36,29 @@ class _Ctx:
         click.echo(json.dumps(data, indent=2, default=str))
 
 
-def _run(ctx: _Ctx, fn):
+_AS_PROGRAM = False  # set by run(): the process is ctconvert itself (not a test runner or a host program)
+
+
+def _interrupted(resumable: bool = False):
+    """Ctrl-C: one line, exit 130. A second Ctrl-C is ignored; the output folder was already aborted
+    (by the API), and the exit skips library exit hooks, which could re-raise the interrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    msg = "interrupted: nothing was written to the output path"
+    if resumable:
+        msg += " (run the same command with --resume to reuse the shards already finished)"
+    click.echo(msg, err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(errors.EXIT_INTERRUPTED)
+
+
+def _run(ctx: _Ctx, fn, resumable: bool = False):
     """Call ``fn``; turn errors into one line and an exit code."""
     try:
-        return fn()
+        out = fn()
+        if _AS_PROGRAM:  # done, the output is in place: a Ctrl-C now must not report a failure (or die by signal at exit)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return out
     except errors.CTConvertError as e:
         if ctx.debug:
             traceback.print_exc()
@@ -48,9 +67,7 @@ def _run(ctx: _Ctx, fn):
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        click.echo("interrupted: nothing was written to the output path (run the same command with --resume to reuse "
-                   "the shards already finished)", err=True)
-        sys.exit(errors.EXIT_INTERRUPTED)
+        _interrupted(resumable)
     except Exception as e:  # noqa: BLE001 - last-resort reporting
         if ctx.debug:
             traceback.print_exc()
@@ -157,7 +174,7 @@ def quantize(ctx: _Ctx, src, output, scheme, lm_head, targets, ignore, max_shard
         result = _run(ctx, lambda: api.quantize_to_target(src, output, scheme, target, layout_version=layout_version,
                                                           act_dtype=act_dtype, progress=_progress_factory(ctx), **kw))
     else:
-        result = _run(ctx, lambda: api.quantize(src, output, scheme, dry_run=dry_run, resume=resume, refresh=refresh,
+        result = _run(ctx, resumable=not dry_run, fn=lambda: api.quantize(src, output, scheme, dry_run=dry_run, resume=resume, refresh=refresh,
                                                 progress=_progress_factory(ctx), **kw))
     if ctx.json:
         ctx.emit_json({"ok": result.error is None, **result.to_dict()})
@@ -381,17 +398,19 @@ def schemes(ctx: _Ctx):
 
 def run() -> None:
     """Console entry point: click's own handling, except that Ctrl-C exits 130 with one line."""
+    global _AS_PROGRAM
+    _AS_PROGRAM = True
     try:
         main.main(standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C during shutdown must not turn 130 into a signal death
-        click.echo("interrupted: nothing was written to the output path", err=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # the output folder was already aborted (api); exit hooks of half-finished library work could hang or re-raise
-        os._exit(errors.EXIT_INTERRUPTED)
-    except click.exceptions.ClickException as e:
-        e.show()
+        _interrupted()
+    except click.exceptions.ClickException as e:  # usage errors: one line too, and a JSON document with --json
+        msg = e.format_message()
+        if "--json" in sys.argv[1:]:
+            click.echo(json.dumps({"ok": False, "error": msg, "exit_code": e.exit_code, "type": type(e).__name__}))
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None and isinstance(e, click.UsageError) else ""
+        click.echo(f"error: {msg}{hint}", err=True)
         sys.exit(e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)

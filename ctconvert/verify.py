@@ -21,6 +21,7 @@ import torch
 
 from .checkpoint.reader import Problem, open_checkpoint
 from .checkpoint.safetensors_io import iter_row_chunks, read_bytes, read_rows, read_tensor
+from .errors import UsageError
 from .modules import ACT_PARTS, QUANT_PARTS, dense_row_chunks, dense_shape, fused_global_scales, modules_of
 from .plan import _find_embedding
 from .repack import is_kernel_native
@@ -50,6 +51,10 @@ def verify_kernel_native(ckpt, path: Path, reference: str | Path | None) -> dict
     problems: list[Problem] = list(ckpt.problems)
     q = ckpt.quantization_config
     ref = open_checkpoint(reference, strict=True) if reference is not None else None
+    if ref is not None and (ref.quantization_config or {}).get("quant_method") != "compressed-tensors":
+        raise UsageError("a kernel-native checkpoint is verified against its compressed-tensors source (the checkpoint "
+                         "`repack` read or `quantize` would write), not a dense one; or verify "
+                         "`repack --target compressed-tensors` of it against the dense model", file=reference)
     rows = []
     src_cfg = q.get("source_quantization_config") or {}
     groups = src_cfg.get("config_groups") or {}

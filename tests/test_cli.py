@@ -129,3 +129,20 @@ def test_output_exists_exit_code(tiny_llama, tmp_path):
 def test_help():
     r = subprocess.run([sys.executable, "-m", "ctconvert", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "quantize" in r.stdout and "inspect" in r.stdout
+
+
+def test_usage_errors_are_one_line_and_json(tmp_path):
+    """click's own usage errors follow the same rules as ours: one line on stderr, a JSON document with --json."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "ctconvert", "--json", "quantize", str(tmp_path), "-s", "W4A16", "-o", str(tmp_path / "o"),
+                        "--target", "marlin", "--resume"], capture_output=True, text=True)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --target cannot be combined with --resume or --refresh (see `")
+    assert lines[0].endswith("ctconvert quantize --help`)")
+    doc = json.loads(p.stdout)
+    assert doc["ok"] is False and doc["exit_code"] == 2 and "--resume" in doc["error"]
+    p = subprocess.run([sys.executable, "-m", "ctconvert", "quantize", str(tmp_path), "-s", "W4A16"], capture_output=True, text=True)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("error: ") and p.stdout == ""

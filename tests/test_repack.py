@@ -63,6 +63,9 @@ def test_inspect_and_verify_kernel_native(tiny_llama, tmp_path):
     assert {r["scheme"] for r in rep["layers"]} == {"marlin-int"} and len(rep["layers"]) == 14
     v = api.verify(k, q)
     assert v["ok"] and all(r["round_trip"] and r["equals_reference"] for r in v["modules"])
+    # the reference must be the compressed-tensors source: a dense one is a usage error, not 112 "differs"
+    r = CliRunner().invoke(main, ["verify", str(k), "--reference", str(tiny_llama)])
+    assert r.exit_code == 2 and "verified against its compressed-tensors source" in r.stderr
     # corrupt one stored byte: the round trip catches it
     from safetensors.torch import load_file, save_file
 
