@@ -358,8 +358,9 @@ def repack_cmd(ctx: _Ctx, src, output, target, layout_version, act_dtype, device
     if ctx.json:
         ctx.emit_json({"ok": True, **res})
     elif not ctx.quiet:
-        click.echo(f"wrote {res['output']}: {res['modules']} modules repacked for {target} (vLLM layout {layout_version}) "
-                   f"in {res['seconds']:.1f} s on {res['device']}")
+        what = ("restored to compressed-tensors" if target == "compressed-tensors"
+                else f"repacked for {target} (vLLM layout {layout_version})")
+        click.echo(f"wrote {res['output']}: {res['modules']} modules {what} in {res['seconds']:.1f} s on {res['device']}")
 
 
 @main.command("batch")

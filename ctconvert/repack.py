@@ -217,8 +217,11 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
             m = mods.get(mod)
             kernel = targets.choose_kernel(target, m.format, m.weights or {}, set(m.parts)) if (m and m.quantized and m.group) else None
             if kernel is None and m is not None and m.quantized and m.group and target != "compressed-tensors":
-                raise UnsupportedError(f"target {target!r} cannot take this module ({m.format}, {m.weights})",
-                                       file=ckpt.tensors[name].file.name, tensor=name)
+                w = m.weights or {}
+                desc = f"{m.format}, {w.get('type')} {w.get('num_bits')}-bit {w.get('strategy')}"
+                raise UnsupportedError(f"module {mod!r} ({desc}): target {target!r} does not take it; "
+                                       f"marlin takes int4/int8, FP8 channel/tensor and NVFP4, cutlass-nvfp4 takes NVFP4 W4A4",
+                                       file=ckpt.tensors[name].file.name)
             if kernel is not None:
                 if mod in seen:
                     continue
