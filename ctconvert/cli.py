@@ -47,8 +47,7 @@ def _interrupted(resumable: bool = False):
     if resumable:
         msg += " (run the same command with --resume to reuse the shards already finished)"
     click.echo(msg, err=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush()
     os._exit(errors.EXIT_INTERRUPTED)
 
 
@@ -401,6 +400,7 @@ def run() -> None:
     """Console entry point: click's own handling, except that Ctrl-C exits 130 with one line."""
     global _AS_PROGRAM
     _AS_PROGRAM = True
+    code = 0
     try:
         main.main(standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
@@ -412,9 +412,23 @@ def run() -> None:
         ctx = getattr(e, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None and isinstance(e, click.UsageError) else ""
         click.echo(f"error: {msg}{hint}", err=True)
-        sys.exit(e.exit_code)
+        code = e.exit_code
     except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
+        code = e.exit_code
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    # Every file is written, synced and renamed (or removed) by now. Skip the interpreter's teardown: its
+    # final garbage collection over torch's objects costs ~0.8 s of a 4 s conversion on 2 cores.
+    _flush()
+    os._exit(code)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`| head`): nothing more can be said there
+            pass
 
 
 if __name__ == "__main__":
