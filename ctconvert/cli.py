@@ -400,6 +400,8 @@ def run() -> None:
     """Console entry point: click's own handling, except that Ctrl-C exits 130 with one line."""
     global _AS_PROGRAM
     _AS_PROGRAM = True
+    if hasattr(signal, "SIGPIPE"):  # `ctconvert inspect OUT | head`: end quietly like other Unix tools, not "exit 1"
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     code = 0
     try:
         main.main(standalone_mode=False)

@@ -10,10 +10,12 @@ run either resumes from it (``--resume``) or clears it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import shutil
+import signal
 import threading
 from pathlib import Path
 
@@ -245,7 +247,16 @@ class OutputFolder:
         _fsync_dir(self.tmp)
 
     def commit(self) -> None:
-        """Rename the finished folder into place (replacing an old output with ``overwrite``)."""
+        """Rename the finished folder into place (replacing an old output with ``overwrite``).
+
+        Ctrl-C is held off for the whole step: between moving an old output aside and renaming the
+        new one in, an interrupt would leave neither at the path, and once the new one is in place
+        the run has succeeded (a late Ctrl-C must not report a failure or leave the old one behind).
+        """
+        with _interrupts_held():
+            self._commit()
+
+    def _commit(self) -> None:
         self._lock.acquire()
         self._committing = True
         for name in (JOURNAL, JOURNAL + ".new", ".lock"):
@@ -282,6 +293,20 @@ class OutputFolder:
             os.close(self._lockfd)
         except OSError:
             pass
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """Defer Ctrl-C (SIGINT; main thread only, where Python runs signal handlers) for a critical step;
+    an interrupt that arrives meanwhile is dropped: the step completes and the run succeeds."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def write_checkpoint(src: Path, out: Path, planned: list[PlannedTensor], *, max_shard_size: int, overwrite: bool,
