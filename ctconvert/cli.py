@@ -51,11 +51,12 @@ def _interrupted(resumable: bool = False):
     os._exit(errors.EXIT_INTERRUPTED)
 
 
-def _run(ctx: _Ctx, fn, resumable: bool = False):
-    """Call ``fn``; turn errors into one line and an exit code."""
+def _run(ctx: _Ctx, fn, resumable: bool = False, last: bool = True):
+    """Call ``fn``; turn errors into one line and an exit code. ``last``: the command's work is done
+    when ``fn`` returns (from then on Ctrl-C is ignored: it must not turn a success into a failure)."""
     try:
         out = fn()
-        if _AS_PROGRAM:  # done, the output is in place: a Ctrl-C now must not report a failure (or die by signal at exit)
+        if _AS_PROGRAM and last:  # done, the output is in place: a Ctrl-C now must not report a failure (or die by signal at exit)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         return out
     except errors.CTConvertError as e:
@@ -371,7 +372,7 @@ def batch_cmd(ctx: _Ctx, jobs_file, keep_going):
     """Run the conversions listed in JOBS_FILE (YAML or JSON); one JSON line per job on stdout."""
     from .batch import load_jobs, run_jobs
 
-    jobs = _run(ctx, lambda: load_jobs(jobs_file))
+    jobs = _run(ctx, lambda: load_jobs(jobs_file), last=False)
     code = _run(ctx, lambda: run_jobs(jobs, keep_going=keep_going, emit=click.echo))
     sys.exit(code)
 

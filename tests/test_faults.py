@@ -266,3 +266,19 @@ def test_ctrl_c_with_target_leaves_nothing(tmp_path):
     assert p.returncode == 130, err
     assert err.strip().splitlines()[-1] == "interrupted: nothing was written to the output path"
     assert not out.exists() and not list(tmp_path.glob(".o.ctconvert-*"))
+
+
+def test_ctrl_c_stops_a_batch(tmp_path):
+    """Ctrl-C during `batch` (after its jobs file was read) interrupts the running job: exit 130, no checkpoint."""
+    m = _big_model(tmp_path)
+    jobs = tmp_path / "jobs.json"
+    jobs.write_text(json.dumps({"defaults": {"scheme": "W8A16", "max_shard_size": "8MB"},
+                                "jobs": [{"model": str(m), "output": str(tmp_path / "a")}, {"model": str(m), "output": str(tmp_path / "b")}]}))
+    p = subprocess.Popen([sys.executable, "-m", "ctconvert", "batch", str(jobs)], env=dict(os.environ, CTCONVERT_TEST_SLOW_WRITE="0.05"),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.5)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert_no_checkpoint(tmp_path / "a")
+    assert_no_checkpoint(tmp_path / "b")
