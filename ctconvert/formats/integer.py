@@ -97,6 +97,12 @@ def pack_int32(q: torch.Tensor, num_bits: int) -> torch.Tensor:
 def unpack_int32(packed: torch.Tensor, num_bits: int, length: int) -> torch.Tensor:
     """Inverse of :func:`pack_int32`: int32 ``[R, W]`` -> int8 ``[R, length]``."""
     r, wcount = packed.shape
+    if num_bits in (4, 8) and packed.is_contiguous():
+        # whole bytes: value j of a word sits in little-endian byte j*B/8 (low nibble first for 4 bits)
+        b = packed.view(torch.uint8)
+        if num_bits == 4:
+            b = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(r, -1)
+        return (b[:, :length].to(torch.int16) - (1 << (num_bits - 1))).to(torch.int8)
     p = packed.to(torch.int64) & 0xFFFFFFFF
     bit = torch.arange(length, device=packed.device, dtype=torch.int64) * num_bits
     word, off = bit // 32, bit % 32

@@ -83,6 +83,8 @@ def test_pack_unpack_roundtrip(bits):
         packed = integer.pack_int32(q, bits)
         assert packed.shape == (5, -(-cols * bits // 32))
         assert torch.equal(integer.unpack_int32(packed, bits, cols), q)
+        # the strided (general bit-offset) path gives the same: 4 and 8 bits also take a byte path when contiguous
+        assert torch.equal(integer.unpack_int32(packed.t().contiguous().t(), bits, cols), q)
 
 
 def test_pack_matches_compressed_tensors_all_widths():
