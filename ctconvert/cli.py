@@ -411,7 +411,7 @@ def run() -> None:
     except click.exceptions.ClickException as e:  # usage errors: one line too, and a JSON document with --json
         msg = e.format_message()
         if "--json" in sys.argv[1:]:
-            click.echo(json.dumps({"ok": False, "error": msg, "exit_code": e.exit_code, "type": type(e).__name__}))
+            click.echo(json.dumps({"ok": False, "error": msg, "exit_code": e.exit_code, "type": type(e).__name__}, indent=2))
         ctx = getattr(e, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None and isinstance(e, click.UsageError) else ""
         click.echo(f"error: {msg}{hint}", err=True)
