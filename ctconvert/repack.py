@@ -111,19 +111,12 @@ class KernelTarget:
             for mod, outs in by_mod.items():
                 src = ckpt.tensors[u.sources[u.modules.index(mod)]]
                 parts = {name.rpartition(".")[2]: (dt, tuple(shape)) for name, dt, shape in outs}
-                kernel = targets.choose_kernel(self.target, fmt, weights, set(parts))
-                if kernel is None:
-                    raise UnsupportedError(f"target {self.target!r} cannot take {plan.scheme.name} modules ({fmt}, {weights})",
-                                           file=src.file.name, tensor=src.name)
+                kernel = _kernel_for(self.target, mod, fmt, weights, set(parts), src.file.name)
                 meta = {p: torch.empty(shape, dtype=DTYPES[dt][0], device="meta") for p, (dt, shape) in parts.items()}
                 if "weight_shape" in meta:
                     meta["weight_shape"] = torch.tensor(list(src.shape), dtype=torch.int64)
-                try:
-                    kouts, rec = targets.repack_module(kernel, meta, weights, fmt, self.layout_version, ACT_DTYPES[self.act_dtype])
-                except (ValueError, NotImplementedError) as e:
-                    raise UnsupportedError(f"cannot repack for {kernel}: {e}", file=src.file.name, tensor=src.name) from e
-                rec["source_tensors"] = {p: [dt, list(shape)] for p, (dt, shape) in parts.items()}
-                rec["tensors"] = sorted(kouts)
+                kouts, rec = _plan_kernel(kernel, meta, parts, weights, fmt, self.layout_version, ACT_DTYPES[self.act_dtype],
+                                          src.file.name, src.name)
                 self.records[mod] = rec
                 self.kernels[mod] = (kernel, weights, fmt)
                 outputs += [(f"{mod}.{p}", TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in kouts.items()]
@@ -146,20 +139,39 @@ def _load(parts: dict, device: torch.device) -> dict[str, torch.Tensor]:
     return {p: read_tensor(i).to(device) for p, i in parts.items()}
 
 
-def _plan_module(kernel: str, m, layout_version: str, act_dtype: torch.dtype):
-    """Output tensors (shapes, dtypes) and the module record, without reading data when possible.
+def _kernel_for(target: str, module: str, fmt: str | None, weights: dict, parts: set[str], file: str) -> str:
+    """The kernel ``target`` gives this module; :class:`UnsupportedError` naming the module when there is none."""
+    kernel = targets.choose_kernel(target, fmt, weights, parts)
+    if kernel is None:
+        desc = f"{fmt}, {weights.get('type')} {weights.get('num_bits')}-bit {weights.get('strategy')}"
+        raise UnsupportedError(f"module {module!r} ({desc}): target {target!r} does not take it; "
+                               f"marlin takes int4/int8, FP8 channel/tensor and NVFP4, cutlass-nvfp4 takes NVFP4 W4A4", file=file)
+    return kernel
 
-    The layouts are index math, so they run on meta tensors; a layout that
-    needs values (e.g. to sort act-order indices) is run on the real tensors.
+
+def _plan_kernel(kernel: str, meta_in: dict[str, torch.Tensor], source: dict[str, tuple[str, tuple[int, ...]]], weights: dict,
+                 fmt: str | None, layout_version: str, act_dtype: torch.dtype, file: str, tensor: str, values=None):
+    """One module's kernel outputs (shapes, dtypes) and its record, planned without reading data when possible.
+
+    The layouts are index math, so they run on the meta tensors ``meta_in``; a layout that needs values
+    (e.g. to sort act-order indices) runs on ``values()`` when given. ``source``: part -> (safetensors
+    dtype, shape) of the compressed-tensors tensors, kept in the record for the inverse. Raises
+    :class:`UnsupportedError` for a shape the kernel rejects.
     """
-    with torch.device("meta"):
-        meta_in = {p: torch.empty(i.shape, dtype=i.torch_dtype) for p, i in m.parts.items()}
     try:
-        return targets.repack_module(kernel, meta_in, m.weights or {}, m.format, layout_version, act_dtype)
-    except (ValueError, NotImplementedError):
-        raise
-    except Exception:  # noqa: BLE001 - meta tensors cannot run value-dependent code: use the values
-        return targets.repack_module(kernel, _load(m.parts, torch.device("cpu")), m.weights or {}, m.format, layout_version, act_dtype)
+        try:
+            outs, rec = targets.repack_module(kernel, meta_in, weights, fmt, layout_version, act_dtype)
+        except (ValueError, NotImplementedError):
+            raise
+        except Exception:  # noqa: BLE001 - meta tensors cannot run value-dependent code: use the values
+            if values is None:
+                raise
+            outs, rec = targets.repack_module(kernel, values(), weights, fmt, layout_version, act_dtype)
+    except (ValueError, NotImplementedError) as e:
+        raise UnsupportedError(f"cannot repack for {kernel}: {e}", file=file, tensor=tensor) from e
+    rec["source_tensors"] = {p: [dt, list(shape)] for p, (dt, shape) in source.items()}
+    rec["tensors"] = sorted(outs)
+    return outs, rec
 
 
 def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str = targets.DEFAULT_LAYOUT_VERSION,
@@ -215,23 +227,17 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
         for name in order:
             mod, _, part = name.rpartition(".")
             m = mods.get(mod)
-            kernel = targets.choose_kernel(target, m.format, m.weights or {}, set(m.parts)) if (m and m.quantized and m.group) else None
-            if kernel is None and m is not None and m.quantized and m.group and target != "compressed-tensors":
-                w = m.weights or {}
-                desc = f"{m.format}, {w.get('type')} {w.get('num_bits')}-bit {w.get('strategy')}"
-                raise UnsupportedError(f"module {mod!r} ({desc}): target {target!r} does not take it; "
-                                       f"marlin takes int4/int8, FP8 channel/tensor and NVFP4, cutlass-nvfp4 takes NVFP4 W4A4",
-                                       file=ckpt.tensors[name].file.name)
-            if kernel is not None:
+            if m is not None and m.quantized and m.group:
                 if mod in seen:
                     continue
                 seen.add(mod)
-                try:
-                    outs, rec = _plan_module(kernel, m, layout_version, ACT_DTYPES[act_dtype])
-                except (ValueError, NotImplementedError) as e:
-                    raise UnsupportedError(f"cannot repack for {kernel}: {e}", file=ckpt.tensors[name].file.name, tensor=name) from e
-                rec["source_tensors"] = {p: [i.dtype, list(i.shape)] for p, i in m.parts.items()}
-                rec["tensors"] = sorted(outs)
+                file = ckpt.tensors[name].file.name
+                kernel = _kernel_for(target, mod, m.format, m.weights or {}, set(m.parts), file)
+                with torch.device("meta"):
+                    meta_in = {p: torch.empty(i.shape, dtype=i.torch_dtype) for p, i in m.parts.items()}
+                outs, rec = _plan_kernel(kernel, meta_in, {p: (i.dtype, i.shape) for p, i in m.parts.items()}, m.weights or {}, m.format,
+                                         layout_version, ACT_DTYPES[act_dtype], file, name,
+                                         values=lambda m=m: _load(m.parts, torch.device("cpu")))
                 records[mod] = rec
                 for p, t in outs.items():
                     planned.append(PlannedTensor(f"{mod}.{p}", TORCH_TO_ST[t.dtype], tuple(t.shape)))
