@@ -317,8 +317,8 @@ class Executor:
                     self._quantize(unit, hjob, hw, st)
                 st.held.clear()
             return
-        if not unit.scheme.global_scale and not (self.use_native and unit.scheme.scale_flags_nonfinite):
-            self._absmax(w, info, job, st)  # NaN/inf scan (else the scales show them: Scheme.scale_flags_nonfinite)
+        if not unit.scheme.global_scale and not self._scales_show_nonfinite(unit):
+            self._absmax(w, info, job, st)  # NaN/inf scan
         self._quantize(unit, job, w, st)
         if job.end_of_pass:
             self._check_unit(unit, st)
@@ -358,37 +358,41 @@ class Executor:
         except ValueError as e:
             self._check_unit(unit, st)  # on a GPU the NaN/inf checks are still pending: they explain a failure first
             raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=str(info.file), tensor=info.name) from e
-        if self.use_native and unit.scheme.scale_flags_nonfinite and not bool(torch.isfinite(out["weight_scale"]).all()):
+        if self._scales_show_nonfinite(unit) and not bool(torch.isfinite(out["weight_scale"]).all()):
             _raise_nonfinite(info)
-        if self.opts.post is not None:  # whole modules go through post (on the device), then are written
+        last = job.stop == info.shape[0]
+        if self.opts.post is None:  # row chunks go straight to their offsets
+            for key, t in out.items():
+                pos = st.cursors.get((job.member, key), 0)
+                self._write(prefix + key, t.cpu(), pos)
+                st.cursors[(job.member, key)] = pos + t.numel() * t.element_size()
+            if last:
+                for key, t in self._whole_tensor_outputs(unit, info, st).items():
+                    self._write(prefix + key, t.cpu())
+        else:  # whole modules go through post (on the device), then are written
             chunks = st.parts.setdefault(job.member, {})
             for key, t in out.items():
                 chunks.setdefault(key, []).append(t)
-            if job.stop == info.shape[0]:
+            if last:
                 whole = {key: torch.cat(ts) if len(ts) > 1 else ts[0] for key, ts in st.parts.pop(job.member).items()}
-                if unit.scheme.kind == "int" and unit.scheme.format == "pack-quantized":
-                    whole["weight_shape"] = torch.tensor([list(info.shape)], dtype=torch.int64)[0]
-                if st.gs is not None:
-                    whole["weight_global_scale"] = st.gs.reshape(1)
+                whole.update(self._whole_tensor_outputs(unit, info, st))
                 for key, t in self.opts.post(unit.modules[job.member], whole).items():
                     self._write(prefix + key, t.cpu().contiguous())
-            self._progress((job.stop - job.start) * info.nbytes // max(1, info.shape[0]))
-            return
-        for key, t in out.items():
-            name = prefix + key
-            if t.device.type != "cpu":
-                t = t.cpu()
-            pos = st.cursors.get((job.member, key), 0)
-            self._write(name, t, pos)
-            st.cursors[(job.member, key)] = pos + t.numel() * t.element_size()
-        if job.stop == info.shape[0]:  # last chunk of this member: whole-tensor outputs
-            if unit.scheme.kind == "int" and unit.scheme.format == "pack-quantized":
-                name = prefix + "weight_shape"
-                self._write(name, torch.tensor(list(info.shape), dtype=torch.int64))
-            if st.gs is not None:
-                name = prefix + "weight_global_scale"
-                self._write(name, st.gs.cpu())
         self._progress((job.stop - job.start) * info.nbytes // max(1, info.shape[0]))
+
+    @staticmethod
+    def _whole_tensor_outputs(unit: Unit, info: TensorInfo, st: _UnitState) -> dict[str, torch.Tensor]:
+        """The outputs that belong to the whole tensor, known once its last chunk is done."""
+        out = {}
+        if unit.scheme.kind == "int" and unit.scheme.format == "pack-quantized":
+            out["weight_shape"] = torch.tensor(list(info.shape), dtype=torch.int64)
+        if st.gs is not None:
+            out["weight_global_scale"] = st.gs.reshape(1)
+        return out
+
+    def _scales_show_nonfinite(self, unit: Unit) -> bool:
+        """NaN/inf are found from the scales the C kernels return, not by a separate scan (Scheme.scale_flags_nonfinite)."""
+        return self.use_native and unit.scheme.scale_flags_nonfinite
 
     def _progress(self, n: int) -> None:
         if self.opts.progress is not None:
