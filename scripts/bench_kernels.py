@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 from ctconvert.formats.common import tensor_absmax
 from ctconvert.formats.fp4 import nvfp4_global_scale
 from ctconvert.schemes import get_scheme
+from timing import median_seconds
 
 SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"]
 
@@ -40,36 +39,12 @@ def main() -> None:
     copy_bps = None
     if dev.type == "cuda":  # yardstick: a device copy of the weight moves 2 x its bytes; each scheme is bounded by it
         dst = torch.empty_like(w)
-        ts = []
-        for i in range(a.repeat + 1):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            dst.copy_(w)
-            e1.record()
-            torch.cuda.synchronize()
-            if i:
-                ts.append(e0.elapsed_time(e1) / 1000)
-        copy_bps = 2 * nbytes / statistics.median(ts)  # bytes read + written per second
+        copy_bps = 2 * nbytes / median_seconds(lambda: dst.copy_(w), a.repeat, dev)  # bytes read + written per second
         print(json.dumps({"copy": True, "moved_GBps": copy_bps / 1e9}))
     for name in a.schemes.split(","):
         s = get_scheme(name)
         gs = nvfp4_global_scale(tensor_absmax(w), w.dtype).to(dev) if s.global_scale else None
-        times = []
-        for i in range(a.repeat + 1):
-            if dev.type == "cuda":
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                s.quantize_rows(w, gs, impl=a.impl)
-                e1.record()
-                torch.cuda.synchronize()
-                dt = e0.elapsed_time(e1) / 1000
-            else:
-                t0 = time.perf_counter()
-                s.quantize_rows(w, gs, impl=a.impl)
-                dt = time.perf_counter() - t0
-            if i:  # the first run is warm-up
-                times.append(dt)
-        med = statistics.median(times)
+        med = median_seconds(lambda: s.quantize_rows(w, gs, impl=a.impl), a.repeat, dev)
         doc = {"scheme": name, "device": a.device, "impl": a.impl, "shape": [a.rows, a.cols], "seconds": med, "GBps": nbytes / med / 1e9}
         if copy_bps:
             out = s.quantize_rows(w, gs, impl=a.impl)

@@ -35,6 +35,7 @@ from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.checkpoint.safetensors_io import read_tensor
 from ctconvert.layouts import batched, gpu, targets
 from ctconvert.modules import modules_of
+from timing import median_seconds
 
 
 def kernel_seconds(fn, table: bool = False) -> float:
@@ -96,22 +97,7 @@ def main() -> None:
                 else:
                     batched.repack_batch(kernel, t, w, fmt, "0.33", torch.bfloat16)
 
-        run_all()
-        times = []
-        for _ in range(a.repeat):
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                run_all()
-                e1.record()
-                torch.cuda.synchronize()
-                times.append(e0.elapsed_time(e1) / 1000)
-            else:
-                t0 = time.perf_counter()
-                run_all()
-                times.append(time.perf_counter() - t0)
-        med = statistics.median(times)
+        med = median_seconds(run_all, a.repeat, dev)
         kernel_s = copy_s = None
         if dev.type == "cuda":
             if a.tune:

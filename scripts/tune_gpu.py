@@ -13,7 +13,6 @@ import argparse
 import copy
 import itertools
 import json
-import statistics
 
 import torch
 
@@ -21,6 +20,7 @@ from ctconvert.formats import gpu
 from ctconvert.formats.common import tensor_absmax
 from ctconvert.formats.fp4 import nvfp4_global_scale
 from ctconvert.schemes import get_scheme
+from timing import median_seconds
 
 SPACE = {
     "fp8_row": [{"max_single": m, "num_warps": nw} for m, nw in itertools.product([0, 16384], [4, 8])],
@@ -30,20 +30,6 @@ SPACE = {
 }
 USES = {"FP8_DYNAMIC": "fp8_row", "FP8_BLOCK": "fp8_block", "W4A16": "int_group", "W4A16_ASYM": "int_group", "W8A16": "int_group",
         "NVFP4A16": "fp4", "MXFP4A16": "fp4"}
-
-
-def time_it(fn, repeat=20):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeat):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1000)
-    return statistics.median(ts)
 
 
 def main():
@@ -61,7 +47,7 @@ def main():
         for cfg in SPACE[kernel]:
             gpu.TUNE[kernel] = cfg
             try:
-                dt = time_it(lambda: s.quantize_rows(w, gs))
+                dt = median_seconds(lambda: s.quantize_rows(w, gs), 20)
                 out = s.quantize_rows(w, gs)
                 same = all(torch.equal(out[k].view(torch.uint8) if out[k].element_size() == 1 else out[k],
                                        ref[k].view(torch.uint8) if ref[k].element_size() == 1 else ref[k]) for k in ref)
