@@ -18,7 +18,7 @@ from . import __version__
 from .checkpoint.hashing import HASH_NAME, hash_tensor_bytes, new_hasher
 from .checkpoint.reader import INDEX_NAME
 from .checkpoint.writer import shard_names
-from .errors import OutputError, UnsupportedError
+from .errors import OutputError, UnsupportedError, UsageError
 
 from .checkpoint.config import build_quantization_config, updated_config
 from .checkpoint.reader import CONFIG_NAME, open_checkpoint
@@ -129,8 +129,6 @@ def quantize(
         result.error = dry_error
         return result
     if out is None:
-        from .errors import UsageError
-
         raise UsageError("an output folder is required (-o/--output)")
     out = Path(out)
     options = {"scheme": plan.scheme.name, "lm_head": lm_head.lower(), "targets": targets or ["Linear"], "ignore": list(ignore or []),
@@ -143,8 +141,6 @@ def quantize(
     qconfig = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
     if kernel_target is not None:
         if resume or refresh:
-            from .errors import UsageError
-
             raise UsageError("--target cannot be combined with --resume or --refresh")
         options["target"] = [kernel_target.target, kernel_target.layout_version, kernel_target.act_dtype]
         plan = kernel_target.plan(plan, ckpt, qconfig)
@@ -232,8 +228,6 @@ def _provenance(ckpt, plan: Plan, options: dict, src_hashes: dict[str, str]) -> 
 
 
 def _load_provenance(out: Path, options: dict) -> dict:
-    from .errors import UsageError
-
     p = out / PROVENANCE
     if not p.is_file():
         raise UsageError("--refresh needs an earlier ctconvert output with ctconvert-provenance.json", file=out)

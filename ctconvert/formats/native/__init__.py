@@ -64,7 +64,6 @@ def _L() -> ctypes.CDLL:
     return _lib
 
 
-_threads = cbuild.threads
 _parallel_rows = cbuild.parallel_ranges
 
 
