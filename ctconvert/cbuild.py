@@ -59,6 +59,36 @@ def build(src: Path) -> ctypes.CDLL | None:
         return None
 
 
+class Library:
+    """A C source built on first use (once per process, thread-safe) with its functions' ctypes signatures.
+
+    ``signatures``: function name -> (argtypes, restype or None). :meth:`get` gives the loaded
+    library, or None without a compiler, after a failed build, or while ``CTCONVERT_NATIVE=0``.
+    """
+
+    def __init__(self, src: Path, signatures: dict[str, tuple[list, object]]):
+        self.src, self.signatures = src, signatures
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+        self._lock = threading.Lock()
+
+    def get(self) -> ctypes.CDLL | None:
+        if os.environ.get("CTCONVERT_NATIVE", "1") == "0":
+            return None
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                lib = build(self.src)
+                if lib is not None:
+                    for name, (argtypes, restype) in self.signatures.items():
+                        fn = getattr(lib, name)
+                        fn.argtypes = argtypes
+                        if restype is not None:
+                            fn.restype = restype
+                self._lib = lib
+        return self._lib
+
+
 def threads() -> int:
     return max(1, torch.get_num_threads())
 

@@ -12,8 +12,6 @@ threads, since ctypes releases the GIL.
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 from pathlib import Path
 
 import torch
@@ -22,46 +20,27 @@ from ... import cbuild
 
 _SRC = Path(__file__).with_name("quant.c")
 _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_lib = None
-_lock = threading.Lock()
-_tried = False
-
-
-def _build() -> ctypes.CDLL | None:
-    lib = cbuild.build(_SRC)
-    if lib is None:
-        return None
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ct_fp8_channel.argtypes = [p, i32, i64, i64, p, p]
-    lib.ct_fp8_block.argtypes = [p, i32, i64, i64, i64, i64, p, p]
-    lib.ct_int.argtypes = [p, i32, i64, i64, i64, i32, i32, i32, p, p, p, p]
-    lib.ct_nvfp4.argtypes = [p, i32, i64, i64, ctypes.c_float, p, p]
-    lib.ct_mxfp4.argtypes = [p, i32, i64, i64, p, p]
-    lib.ct_mxfp4.restype = i32
-    lib.ct_absmax.argtypes = [p, i32, i64, p]
-    lib.ct_absmax.restype = i64
-    return lib
+_p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_LIB = cbuild.Library(_SRC, {
+    "ct_fp8_channel": ([_p, _i32, _i64, _i64, _p, _p], None),
+    "ct_fp8_block": ([_p, _i32, _i64, _i64, _i64, _i64, _p, _p], None),
+    "ct_int": ([_p, _i32, _i64, _i64, _i64, _i32, _i32, _i32, _p, _p, _p, _p], None),
+    "ct_nvfp4": ([_p, _i32, _i64, _i64, ctypes.c_float, _p, _p], None),
+    "ct_mxfp4": ([_p, _i32, _i64, _i64, _p, _p], _i32),
+    "ct_absmax": ([_p, _i32, _i64, _p], _i64),
+})
 
 
 def available() -> bool:
     """Whether the compiled kernels can be used (builds them on first call)."""
-    global _lib, _tried
-    if os.environ.get("CTCONVERT_NATIVE", "1") == "0":
-        return False
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                _lib = _build()
-            except OSError:
-                _lib = None
-    return _lib is not None
+    return _LIB.get() is not None
 
 
 def _L() -> ctypes.CDLL:
-    if not available():
+    lib = _LIB.get()
+    if lib is None:
         raise RuntimeError("the native CPU kernels are not available (no C compiler, or CTCONVERT_NATIVE=0)")
-    return _lib
+    return lib
 
 
 _parallel_rows = cbuild.parallel_ranges
