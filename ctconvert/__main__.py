@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-INTERRUPTED = "interrupted: nothing was written to the output path"
+from .errors import EXIT_INTERRUPTED, INTERRUPTED_MESSAGE  # light: no torch
 
 
 def main() -> None:
@@ -25,9 +25,9 @@ def main() -> None:
         signal.signal(signal.SIGINT, previous)
     if hits:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        sys.stderr.write(INTERRUPTED + "\n")
+        sys.stderr.write(INTERRUPTED_MESSAGE + "\n")
         sys.stderr.flush()
-        os._exit(130)  # nothing was opened yet
+        os._exit(EXIT_INTERRUPTED)  # nothing was opened yet
     run()
 
 

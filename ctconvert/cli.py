@@ -43,7 +43,7 @@ def _interrupted(resumable: bool = False):
     """Ctrl-C: one line, exit 130. A second Ctrl-C is ignored; the output folder was already aborted
     (by the API), and the exit skips library exit hooks, which could re-raise the interrupt."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    msg = "interrupted: nothing was written to the output path"
+    msg = errors.INTERRUPTED_MESSAGE
     if resumable:
         msg += " (run the same command with --resume to reuse the shards already finished)"
     click.echo(msg, err=True)

@@ -16,6 +16,7 @@ EXIT_UNSUPPORTED = 4
 EXIT_VERIFY_FAILED = 5
 EXIT_OUTPUT = 6
 EXIT_INTERRUPTED = 130
+INTERRUPTED_MESSAGE = "interrupted: nothing was written to the output path"
 
 
 class CTConvertError(Exception):
