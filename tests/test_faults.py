@@ -211,24 +211,36 @@ def test_refresh_rewrites_only_changed_shards(tmp_path):
         api.quantize(m, out, "W8A16", max_shard_size="4MB", refresh=True)
 
 
+def _ctrl_c(args: list[str], after: float, twice: bool = False, slow_write: str = "0.05", timeout: float = 60) -> tuple[int, str]:
+    """Run ``ctconvert *args``, press Ctrl-C after ``after`` seconds (and again 0.05 s later with ``twice``);
+    returns (exit code, stderr). Fails if the process does not end within ``timeout`` seconds."""
+    p = subprocess.Popen([sys.executable, "-m", "ctconvert", *args], env=dict(os.environ, CTCONVERT_TEST_SLOW_WRITE=slow_write),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    time.sleep(after)
+    p.send_signal(signal.SIGINT)
+    if twice:
+        time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+    try:
+        _, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("ctconvert did not exit after Ctrl-C") from None
+    return p.returncode, err
+
+
 @pytest.mark.parametrize("delay", [0.1, 0.2, 0.3, 0.4, 0.6, 0.9])
 def test_ctrl_c_is_never_lost(tiny_llama, tmp_path, delay):
     """Ctrl-C at any moment of start-up (torch importing, planning, converting): exit 130 with one line and no
     checkpoint, or, if the conversion had already finished, exit 0 with the whole checkpoint. Never a
     swallowed interrupt (a KeyboardInterrupt raised inside torch's import can be lost), never a traceback."""
     out = tmp_path / "o"
-    p = subprocess.Popen([sys.executable, "-m", "ctconvert", "quantize", str(tiny_llama), "-s", "W4A16", "-o", str(out)],
-                         env=dict(os.environ, CTCONVERT_TEST_SLOW_WRITE="0.01"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(delay)
-    p.send_signal(signal.SIGINT)
-    time.sleep(0.05)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=60)
+    code, err = _ctrl_c(["quantize", str(tiny_llama), "-s", "W4A16", "-o", str(out)], delay, twice=True, slow_write="0.01")
     assert "Traceback" not in err
-    if p.returncode == 0:
+    if code == 0:
         assert (out / "config.json").exists() and delay >= 0.9, err  # finished before the signal: then it counts
     else:
-        assert p.returncode == 130, err
+        assert code == 130, err
         assert err.strip().splitlines()[-1].startswith("interrupted: nothing was written")
         assert_no_checkpoint(out)
 
@@ -236,19 +248,8 @@ def test_ctrl_c_is_never_lost(tiny_llama, tmp_path, delay):
 def test_ctrl_c_twice_exits_130_promptly(tmp_path):
     m = _big_model(tmp_path)
     out = tmp_path / "o"
-    env = dict(os.environ, CTCONVERT_TEST_SLOW_WRITE="0.05")
-    p = subprocess.Popen([sys.executable, "-m", "ctconvert", "quantize", str(m), "-s", "NVFP4A16", "-o", str(out), "--max-shard-size", "8MB"],
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(2.5)
-    p.send_signal(signal.SIGINT)
-    time.sleep(0.05)
-    p.send_signal(signal.SIGINT)
-    try:
-        _, err = p.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        raise AssertionError("ctconvert did not exit after Ctrl-C")
-    assert p.returncode == 130, err
+    code, err = _ctrl_c(["quantize", str(m), "-s", "NVFP4A16", "-o", str(out), "--max-shard-size", "8MB"], 2.5, twice=True, timeout=30)
+    assert code == 130, err
     assert "interrupted" in err
     assert_no_checkpoint(out)
 
@@ -257,13 +258,8 @@ def test_ctrl_c_with_target_leaves_nothing(tmp_path):
     """quantize --target cannot be resumed: an interrupted run leaves no partial folder and does not advise --resume."""
     m = _big_model(tmp_path)
     out = tmp_path / "o"
-    p = subprocess.Popen([sys.executable, "-m", "ctconvert", "quantize", str(m), "-s", "W4A16", "-o", str(out), "--target", "marlin",
-                          "--max-shard-size", "8MB"], env=dict(os.environ, CTCONVERT_TEST_SLOW_WRITE="0.05"),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(2.5)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err
+    code, err = _ctrl_c(["quantize", str(m), "-s", "W4A16", "-o", str(out), "--target", "marlin", "--max-shard-size", "8MB"], 2.5)
+    assert code == 130, err
     assert err.strip().splitlines()[-1] == "interrupted: nothing was written to the output path"
     assert not out.exists() and not list(tmp_path.glob(".o.ctconvert-*"))
 
@@ -274,11 +270,7 @@ def test_ctrl_c_stops_a_batch(tmp_path):
     jobs = tmp_path / "jobs.json"
     jobs.write_text(json.dumps({"defaults": {"scheme": "W8A16", "max_shard_size": "8MB"},
                                 "jobs": [{"model": str(m), "output": str(tmp_path / "a")}, {"model": str(m), "output": str(tmp_path / "b")}]}))
-    p = subprocess.Popen([sys.executable, "-m", "ctconvert", "batch", str(jobs)], env=dict(os.environ, CTCONVERT_TEST_SLOW_WRITE="0.05"),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(2.5)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err
+    code, err = _ctrl_c(["batch", str(jobs)], 2.5)
+    assert code == 130, err
     assert_no_checkpoint(tmp_path / "a")
     assert_no_checkpoint(tmp_path / "b")
