@@ -10,7 +10,10 @@ from pathlib import Path
 
 import torch
 
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: the integer dtype of each element size, to compare or rebuild tensors bit for bit
+INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: devices for device-parametrized tests: the CPU, and CUDA when present
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def tree_hash(path: Path, skip: tuple[str, ...] = ()) -> str:
@@ -23,13 +26,16 @@ def tree_hash(path: Path, skip: tuple[str, ...] = ()) -> str:
     return h.hexdigest()
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns, on the CPU, as the integer dtype of its element size."""
+    return t.detach().cpu().contiguous().view(INT_BY_SIZE[t.element_size()])
+
+
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (NaN payloads and -0.0 included)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    a = a.detach().cpu().contiguous().reshape(-1).view(_INT[a.element_size()])
-    b = b.detach().cpu().contiguous().reshape(-1).view(_INT[b.element_size()])
-    return torch.equal(a, b)
+    return torch.equal(bits(a.reshape(-1)), bits(b.reshape(-1)))
 
 
 #: the kernel-layout reference vectors (a copy of shared/testvectors; $CTCONVERT_TESTVECTORS overrides)

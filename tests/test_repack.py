@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from ctconvert import api
-from helpers import bitwise_equal, tree_hash
+from helpers import bitwise_equal
 from ctconvert.cli import main
 from ctconvert.repack import repack
 

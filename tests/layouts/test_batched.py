@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ctconvert.layouts import batched, targets
+from helpers import DEVICES, bitwise_equal
 
 B = 3
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _rint(gen, shape):
@@ -61,13 +61,6 @@ def _cases():
     return out
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    def bits(x):
-        x = x.contiguous()
-        return x.view(torch.uint8) if x.element_size() == 1 else x
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a.cpu()), bits(b))
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", range(len(_cases())))
@@ -78,7 +71,7 @@ def test_batch_equals_per_module(device, act, case):
         ref, rec = targets.repack_module(kernel, {p: x[i] for p, x in t.items()}, w, fmt, "0.33", act)
         assert outs.keys() == ref.keys()
         for p in ref:
-            assert _same(outs[p][i], ref[p]), (kernel, p, i)
+            assert bitwise_equal(outs[p][i], ref[p]), (kernel, p, i)
         assert recs[i] == rec
     if kernel == "marlin-nvfp4" and act == torch.bfloat16:
         assert recs[1]["scale_factor"] > 1 and recs[2]["scale_factor"] == 1  # both branches of the sf rule ran

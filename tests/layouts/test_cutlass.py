@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import bitwise_equal, vector_cases
+from helpers import DEVICES, bitwise_equal, vector_cases
 
 from ctconvert.layouts.cutlass import (
     nvfp4_cutlass_layer,
@@ -20,8 +20,6 @@ from ctconvert.layouts.cutlass import (
     unswizzle_blockscale,
 )
 
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import VECTORS, bitwise_equal, vector_cases
+from helpers import INT_BY_SIZE, VECTORS, bitwise_equal, vector_cases
 from safetensors import safe_open
 
 from ctconvert.layouts.marlin import (
@@ -36,7 +36,6 @@ INT_WEIGHTS = VECTORS / "marlin_int_weights.safetensors"
 SCALES = VECTORS / "marlin_scales.safetensors"
 ZERO_POINTS = VECTORS / "marlin_zero_points.safetensors"
 
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 VERSION_OF_LAYOUT = {"current": "0.33", "act_order": "0.29"}
 
 
@@ -127,7 +126,7 @@ def random_float_bits(shape, dtype, gen: torch.Generator) -> torch.Tensor:
     """Random bit patterns in a float dtype: NaN payloads, infinities, -0.0, subnormals included."""
     size = torch.finfo(dtype).bits // 8
     raw = torch.randint(0, 256, (*shape, size), dtype=torch.uint8, generator=gen)
-    return raw.view(_INT[size]).squeeze(-1).view(dtype)
+    return raw.view(INT_BY_SIZE[size]).squeeze(-1).view(dtype)
 
 
 def unpacked_gptq(q_w: torch.Tensor, bits: int) -> torch.Tensor:

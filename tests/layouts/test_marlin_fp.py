@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import bitwise_equal, vector_cases
+from helpers import DEVICES, bits, bitwise_equal, vector_cases
 
 from ctconvert.layouts.marlin import marlin_padded_nk
 from ctconvert.layouts.marlin_fp import (
@@ -27,15 +27,9 @@ from ctconvert.layouts.marlin_fp import (
     nvfp4_scale_factor,
 )
 
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 ACT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().view(_INT[t.element_size()])
 
 
 
