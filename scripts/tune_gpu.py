@@ -25,8 +25,10 @@ from timing import median_seconds
 SPACE = {
     "fp8_row": [{"max_single": m, "num_warps": nw} for m, nw in itertools.product([0, 16384], [4, 8])],
     "fp8_block": [{"num_warps": nw} for nw in (4, 8, 16)],
-    "int_group": [{"elems": e, "num_warps": nw} for e, nw in itertools.product([1024, 2048, 4096, 8192], [2, 4])],
-    "fp4": [{"br": br, "cols": c, "num_warps": nw} for br, c, nw in itertools.product([2, 4, 8], [256, 512, 1024], [2, 4])],
+    "int_group": [{"elems": e, "num_warps": nw, "cols_first": cf}
+                  for e, nw, cf in itertools.product([2048, 4096, 8192], [4, 8], [True, False])],
+    "fp4": [{"br": br, "cols": c, "num_warps": nw, "cols_first": cf}
+            for br, c, nw, cf in itertools.product([4, 8, 16], [256, 512], [4, 8], [True, False])],
 }
 USES = {"FP8_DYNAMIC": "fp8_row", "FP8_BLOCK": "fp8_block", "W4A16": "int_group", "W4A16_ASYM": "int_group", "W8A16": "int_group",
         "NVFP4A16": "fp4", "MXFP4A16": "fp4"}

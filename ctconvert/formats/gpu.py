@@ -1,11 +1,28 @@
 """Fused Triton kernels for CUDA tensors: read the weight once, write values and scales once.
 
-Same arithmetic, step for step, as the torch reference (``fp8.py``,
+Same results, bit for bit, as the torch reference (``fp8.py``,
 ``integer.py``, ``fp4.py``) and so as compressed-tensors' CPU path
-(compressed-tensors-format.md §6): fp32 math with ``div_rn`` (IEEE division,
-not the fast approximate one), and explicit RNE casts to the model dtype D
-where the reference rounds. The tests compare every kernel with the CPU
-result byte for byte.
+(compressed-tensors-format.md §6): fp32 math with IEEE (correctly rounded)
+division, and explicit RNE casts to the model dtype D where the reference
+rounds. The tests compare every kernel with the CPU result byte for byte.
+
+Where the arithmetic differs from the reference's steps, it gives the same
+values by construction:
+
+* ``x / s`` for every element of a group with one divisor ``s``: ``r =
+  RN(1/s)`` once per group, then ``q = RN(x·r)`` and one correction ``q' =
+  RN(q + RN(x − s·q)·r)`` (two FMAs). Markstein's theorem (Markstein 1990;
+  Muller et al., *Handbook of Floating-Point Arithmetic*, 2nd ed., §4.7) makes
+  ``q'`` the correctly rounded quotient when nothing underflows. A block uses
+  this path only when all its divisors lie in [2^-64, 2^64]; there every
+  quotient that can change an output code has ``|x| >= 2^-76`` and the residual
+  is exact. Elsewhere it divides with ``div_rn``. Tiny quotients that may be
+  off round to a zero code either way; the sign of zero is taken from ``x``.
+* rounding to an integer: ``v + 1.5·2^23`` (fp32 addition rounds to the
+  nearest integer, ties to even, as ``rint``) instead of a conversion
+  instruction; the integer is the low bits of the sum.
+* E2M1 codes from the fp32 bit pattern (see :func:`_e2m1_mag`) instead of
+  seven comparisons.
 
 :func:`available` is False without CUDA or Triton; callers then use the torch
 reference on the GPU.
@@ -18,7 +35,6 @@ import torch
 try:  # Triton is optional: CPU-only installs do not have it
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 
     _HAVE_TRITON = True
 except Exception:  # noqa: BLE001
@@ -35,8 +51,8 @@ _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 TUNE = {
     "fp8_row": {"max_single": 0, "num_warps": 8},
     "fp8_block": {"num_warps": 16},
-    "int_group": {"elems": 4096, "num_warps": 4},
-    "fp4": {"br": 8, "cols": 512, "num_warps": 4},
+    "int_group": {"elems": 4096, "num_warps": 4, "cols_first": True},
+    "fp4": {"br": 8, "cols": 512, "num_warps": 4, "cols_first": True},
 }
 _EPS = {0: 2.0**-7, 1: 2.0**-10, 2: 2.0**-23}
 
@@ -46,27 +62,86 @@ if _HAVE_TRITON:
     def _rd(x, DT: tl.constexpr):
         """Round fp32 to D (RNE) and back."""
         if DT == 0:
-            return x.to(tl.bfloat16).to(tl.float32)
+            return x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
         elif DT == 1:
-            return x.to(tl.float16).to(tl.float32)
+            return x.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
         else:
             return x
 
     @triton.jit
     def _to_d(x, DT: tl.constexpr):
         if DT == 0:
-            return x.to(tl.bfloat16)
+            return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
         elif DT == 1:
-            return x.to(tl.float16)
+            return x.to(tl.float16, fp_downcast_rounding="rtne")
         else:
             return x
 
+    # divisors in [2^-64, 2^64] take the reciprocal path (module docstring)
+    _LO = tl.constexpr(2.0**-64)
+    _HI = tl.constexpr(2.0**64)
+
     @triton.jit
-    def _e2m1(x):
-        a = tl.abs(x)
-        c = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32) \
-            + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
-        return c | ((x < 0.0).to(tl.int32) << 3)
+    def _in_range(s):
+        return (s >= _LO) & (s <= _HI)
+
+    @triton.jit
+    def _qdiv(x, s, r):
+        """RN(x / s) from r = RN(1/s): one product and one FMA correction (Markstein)."""
+        q = x * r
+        e = tl.fma(-q, s, x)
+        return tl.fma(e, r, q)
+
+    @triton.jit
+    def _sign_of(q, x):
+        """q with the sign bit of x or'ed in: -0.0 / s is -0.0, which the FMA correction would make +0.0."""
+        b = q.to(tl.uint32, bitcast=True) | (x.to(tl.uint32, bitcast=True) & 0x80000000)
+        return b.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _rne_int(v, OFF: tl.constexpr):
+        """RNE(v) + OFF as int32, for |v + OFF| < 2^22: the fp32 sum with 1.5 * 2^23 rounds to an integer."""
+        return (v + (12582912.0 + OFF)).to(tl.int32, bitcast=True) - 0x4B400000
+
+    @triton.jit
+    def _e2m1_mag(a):
+        """E2M1 code 0..7 of a in [0, 6], round to nearest, ties to even (fp4 values 0 .5 1 1.5 2 3 4 6).
+
+        Below 1 the grid step is 0.5: the code is RNE(2a). From 1 up the code is
+        the fp32 pattern's exponent and top mantissa bit, 2 + 2(E - 127) + m,
+        which is the pattern minus 0x3F000000 over 2^22, rounded to nearest even;
+        a carry out of the mantissa moves to the next binade, as rounding does."""
+        lo = (a * 2.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+        y = a.to(tl.int32, bitcast=True) - 0x3F000000
+        hi = (y + 0x1FFFFF + ((y >> 22) & 1)) >> 22
+        return tl.where(a < 1.0, lo, hi)
+
+    @triton.jit
+    def _neg_nonzero_bound(d):
+        """For positive normal fp32 d: bits B such that, as unsigned integers, bits(x) > B
+        exactly when x < 0 and RN(x / d) != 0, i.e. |x| > d * 2^-150 (a quotient of
+        2^-150 ties to zero). B is 0x80000000 | bits(RD(d * 2^-150))."""
+        db = d.to(tl.int32, bitcast=True)
+        ex = db >> 23
+        mant = (db & 0x7FFFFF) | 0x800000
+        t = tl.where(ex >= 151, db - (150 << 23), mant >> tl.minimum(151 - ex, 31))
+        return t.to(tl.uint32, bitcast=True) | 0x80000000
+
+    @triton.jit
+    def _fp8_codes(x, s, r, FAST, DT: tl.constexpr):
+        """E4M3 bytes of D(x / s) clamped to ±448 (fp8.py); FAST: s is in [2^-64, 2^64] and r = RN(1/s)."""
+        if FAST:
+            q = _sign_of(_qdiv(x, s, r), x)
+        else:
+            q = tl.div_rn(x, s)
+        v = _rd(q, DT) + 0.0
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+
+    @triton.jit
+    def _fp8_scale(m, DT: tl.constexpr, EPS: tl.constexpr):
+        s = _rd(tl.div_rn(m, 448.0), DT)
+        return tl.where(s == 0.0, EPS, s)
 
     @triton.jit
     def _fp8_row_kernel(w_ptr, q_ptr, s_ptr, K, DT: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
@@ -77,16 +152,14 @@ if _HAVE_TRITON:
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(w_ptr + base + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        m = tl.max(amax, axis=0)
-        s = _rd(tl.div_rn(m, 448.0), DT)
-        s = tl.where(s == 0.0, EPS, s)
+        s = _fp8_scale(tl.max(amax, axis=0), DT, EPS)
         tl.store(s_ptr + row, _to_d(s, DT))
+        r = tl.div_rn(1.0, s)
+        fast = _in_range(s)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(w_ptr + base + offs, mask=offs < K, other=0.0).to(tl.float32)
-            v = _rd(tl.div_rn(x, s), DT) + 0.0
-            v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-            tl.store(q_ptr + base + offs, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=offs < K)
+            tl.store(q_ptr + base + offs, _fp8_codes(x, s, r, fast, DT), mask=offs < K)
 
     @triton.jit
     def _fp8_row1_kernel(w_ptr, q_ptr, s_ptr, K, DT: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
@@ -94,12 +167,9 @@ if _HAVE_TRITON:
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         x = tl.load(w_ptr + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
-        s = _rd(tl.div_rn(tl.max(tl.abs(x), axis=0), 448.0), DT)
-        s = tl.where(s == 0.0, EPS, s)
+        s = _fp8_scale(tl.max(tl.abs(x), axis=0), DT, EPS)
         tl.store(s_ptr + row, _to_d(s, DT))
-        v = _rd(tl.div_rn(x, s), DT) + 0.0
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        tl.store(q_ptr + row * K + offs, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=offs < K)
+        tl.store(q_ptr + row * K + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), _in_range(s), DT), mask=offs < K)
 
     @triton.jit
     def _fp8_block_kernel(w_ptr, q_ptr, s_ptr, N, K, KB, DT: tl.constexpr, EPS: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr):
@@ -110,21 +180,38 @@ if _HAVE_TRITON:
         mask = (rows[:, None] < N) & (cols[None, :] < K)
         offs = rows[:, None] * K + cols[None, :]
         x = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        s = _rd(tl.div_rn(m, 448.0), DT)
-        s = tl.where(s == 0.0, EPS, s)
+        s = _fp8_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0), DT, EPS)
         tl.store(s_ptr + br * KB + bc, _to_d(s, DT))
-        v = _rd(tl.div_rn(x, s), DT) + 0.0
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        tl.store(q_ptr + offs, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+        tl.store(q_ptr + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), _in_range(s), DT), mask=mask)
+
+    @triton.jit
+    def _int_codes(x, s, r, z, FAST, QMIN: tl.constexpr, QMAX: tl.constexpr, OFF: tl.constexpr, SYM: tl.constexpr,
+                   DT: tl.constexpr):
+        """RNE(clamp(D(D(x / s) + z))) + OFF as int32 (integer.py; no ``+ z`` when SYM).
+        FAST: every s is in [2^-64, 2^64] and r = RN(1/s). The sign of a zero quotient
+        does not matter here: it rounds to the integer 0 either way."""
+        if FAST:
+            q = _qdiv(x, s, r)
+        else:
+            q = tl.div_rn(x, s)
+        v = _rd(q, DT)
+        if not SYM:
+            v = _rd(v + z, DT)
+        v = tl.minimum(tl.maximum(v, QMIN * 1.0), QMAX * 1.0)
+        return _rne_int(v, OFF)
 
     @triton.jit
     def _int_group_kernel(w_ptr, out_ptr, s_ptr, zp_ptr, N, K, G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
-                          PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr):
+                          PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, COLS_FIRST: tl.constexpr):
         """One group of G columns for BR rows, loaded as [BR, G/PER, PER] so that packing PER values into
-        a word is a reduction over the last axis (no reshape, no shared-memory shuffle)."""
-        pr = tl.program_id(0).to(tl.int64)
-        gi = tl.program_id(1).to(tl.int64)
+        a word is a reduction over the last axis (no reshape, no shared-memory shuffle).
+        COLS_FIRST: consecutive programs take consecutive groups of the same rows (grid (groups, row blocks))."""
+        if COLS_FIRST:
+            gi = tl.program_id(0).to(tl.int64)
+            pr = tl.program_id(1).to(tl.int64)
+        else:
+            pr = tl.program_id(0).to(tl.int64)
+            gi = tl.program_id(1).to(tl.int64)
         NG = K // G
         PER: tl.constexpr = 32 // BITS if PACK else 1
         rows = pr * BR + tl.arange(0, BR)
@@ -146,23 +233,20 @@ if _HAVE_TRITON:
             zf = _rd(QMIN - _rd(tl.div_rn(mn, s), DT), DT)
             zf = tl.where(zf != zf, 0.0, zf)
             zf = tl.minimum(tl.maximum(zf, QMIN * 1.0), QMAX * 1.0)
-            z = libdevice.rint(zf)
+            z = _rne_int(zf, 0).to(tl.float32)
             tl.store(zp_ptr + rows * NG + gi, z.to(tl.int8), mask=rmask)
         s = tl.where(s == 0.0, EPS, s)
         tl.store(s_ptr + rows * NG + gi, _to_d(s, DT), mask=rmask)
-        v = _rd(tl.div_rn(x, s[:, None, None]), DT)
-        if not SYM:
-            v = _rd(v + z[:, None, None], DT)
-        v = tl.minimum(tl.maximum(v, QMIN * 1.0), QMAX * 1.0)
-        q = libdevice.rint(v).to(tl.int32)
-        if PACK:
-            u = (q + (1 << (BITS - 1))).to(tl.uint32)
-            word = tl.sum(u << (ei * BITS).to(tl.uint32)[None, None, :], axis=2)
+        fast = tl.min(_in_range(s).to(tl.int32), axis=0) != 0
+        OFF: tl.constexpr = (1 << (BITS - 1)) if PACK else 0
+        u = _int_codes(x, s[:, None, None], tl.div_rn(1.0, s)[:, None, None], z[:, None, None], fast, QMIN, QMAX, OFF, SYM, DT)
+        if PACK:  # u in [0, 2^BITS): each value in its own bit field
+            word = tl.sum(u.to(tl.uint32) << (ei * BITS).to(tl.uint32)[None, None, :], axis=2)
             W = K // PER
             wcols = gi * (G // PER) + wi
             tl.store(out_ptr + rows[:, None] * W + wcols[None, :], word.to(tl.int32, bitcast=True), mask=rmask[:, None])
         else:
-            tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :], q.to(tl.int8), mask=rmask[:, None, None])
+            tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :], u.to(tl.int8), mask=rmask[:, None, None])
 
     @triton.jit
     def _int_channel_kernel(w_ptr, out_ptr, s_ptr, K, BITS: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
@@ -176,34 +260,50 @@ if _HAVE_TRITON:
         s = _rd(tl.div_rn(tl.max(amax, axis=0), ((1 << BITS) - 1) / 2.0), DT)
         s = tl.where(s == 0.0, EPS, s)
         tl.store(s_ptr + row, _to_d(s, DT))
+        r = tl.div_rn(1.0, s)
+        fast = _in_range(s)
         QMIN: tl.constexpr = -(1 << (BITS - 1))
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(w_ptr + base + offs, mask=offs < K, other=0.0).to(tl.float32)
-            v = tl.minimum(tl.maximum(_rd(tl.div_rn(x, s), DT), QMIN * 1.0), QMAX * 1.0)
-            tl.store(out_ptr + base + offs, libdevice.rint(v).to(tl.int8), mask=offs < K)
+            u = _int_codes(x, s, r, 0.0, fast, QMIN, QMAX, 0, True, DT)
+            tl.store(out_ptr + base + offs, u.to(tl.int8), mask=offs < K)
 
     @triton.jit
-    def _fp4_codes(x, d, NVFP4: tl.constexpr, DT: tl.constexpr):
+    def _fp4_codes(x, d, r, neg, FAST, NVFP4: tl.constexpr, DT: tl.constexpr):
+        """E2M1 codes (sign in bit 3) of x / d clamped to ±6 (fp4.py).
+
+        NVFP4: d is the group's divisor scale / global scale, r = RN(1/d) and
+        neg the bound of :func:`_neg_nonzero_bound`: the sign bit is set exactly
+        where the reference's quotient is below zero (not for -0.0). MXFP4: d is
+        2^(127-e), the exact reciprocal of the power-of-two scale, so x * d and
+        x / 2^(e-127) are the same real number and round to the same value."""
         if NVFP4:
-            v = tl.div_rn(x, d)
+            if FAST:
+                v = _qdiv(x, d, r)
+            else:
+                v = tl.div_rn(x, d)
+            sign = (x.to(tl.uint32, bitcast=True) > neg).to(tl.int32)
         else:
-            # d is 2^(127-e), the exact reciprocal of the power-of-two scale: x * d and x / 2^(e-127)
-            # are the same real number, so they round to the same fp32 value
             v = _rd(x * d, DT)
-        return _e2m1(tl.minimum(tl.maximum(v, -6.0), 6.0))
+            sign = (v < 0.0).to(tl.int32)
+        return _e2m1_mag(tl.minimum(tl.abs(v), 6.0)) | (sign << 3)
 
     @triton.jit
     def _fp4_kernel(w_ptr, p_ptr, s_ptr, gs_ptr, N, K, NVFP4: tl.constexpr, G: tl.constexpr, DT: tl.constexpr,
-                    BR: tl.constexpr, BG: tl.constexpr):
+                    BR: tl.constexpr, BG: tl.constexpr, COLS_FIRST: tl.constexpr):
         """NVFP4 (G=16, E4M3 scales, global scale) or MXFP4 (G=32, E8M0 scales).
 
         The weight is loaded once, contiguously, as [BR, BG, G/2, 2] and split
         into even and odd columns, so the two nibbles of each output byte meet
-        without any reshape."""
-        pr = tl.program_id(0).to(tl.int64)
-        pg = tl.program_id(1).to(tl.int64)
+        without any reshape. COLS_FIRST: grid (group blocks, row blocks)."""
+        if COLS_FIRST:
+            pg = tl.program_id(0).to(tl.int64)
+            pr = tl.program_id(1).to(tl.int64)
+        else:
+            pr = tl.program_id(0).to(tl.int64)
+            pg = tl.program_id(1).to(tl.int64)
         NG = K // G
         H: tl.constexpr = G // 2
         rows = pr * BR + tl.arange(0, BR)
@@ -221,10 +321,13 @@ if _HAVE_TRITON:
         if NVFP4:
             gs = tl.load(gs_ptr)
             t = _rd(tl.div_rn(amax, 6.0), DT)
-            s = tl.minimum(tl.maximum(gs * t, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+            s = tl.minimum(tl.maximum(gs * t, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
             s = tl.where(s == 0.0, 0.125, s)
-            tl.store(s_ptr + rows[:, None] * NG + groups[None, :], s.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=m2)
+            tl.store(s_ptr + rows[:, None] * NG + groups[None, :], s.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True), mask=m2)
             d = tl.div_rn(s, gs)
+            r = tl.div_rn(1.0, d)
+            neg = _neg_nonzero_bound(d)[:, :, None]
+            fast = tl.min(tl.min(_in_range(d).to(tl.int32), axis=1), axis=0) != 0
         else:
             # power of two of amax on D's bit pattern (compressed-tensors-format.md §6.5), all in integers
             if DT == 0:
@@ -249,8 +352,11 @@ if _HAVE_TRITON:
             tl.store(s_ptr + rows[:, None] * NG + groups[None, :], e.to(tl.uint8), mask=m2)
             # the reciprocal of the scale 2^(e-127): 2^(127-e), fp32 bits (254 - e) << 23 (normal for e <= 253)
             d = ((254 - e) << 23).to(tl.float32, bitcast=True)
-        lo = _fp4_codes(xe, d[:, :, None], NVFP4, DT)
-        hi = _fp4_codes(xo, d[:, :, None], NVFP4, DT)
+            r = d
+            neg = 0
+            fast = False
+        lo = _fp4_codes(xe, d[:, :, None], r[:, :, None], neg, fast, NVFP4, DT)
+        hi = _fp4_codes(xo, d[:, :, None], r[:, :, None], neg, fast, NVFP4, DT)
         packed = (lo | (hi << 4)).to(tl.uint8)
         tl.store(p_ptr + rows[:, None, None] * (K // 2) + pidx[None, :, :], packed, mask=m3)
 
@@ -315,8 +421,10 @@ def int_quant(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric:
     cfg = TUNE["int_group"]
     br = max(1, min(128, cfg["elems"] // g))
     if n and ng:
-        _int_group_kernel[(triton.cdiv(n, br), ng)](w, out, s, zp if zp is not None else s, n, k, G=g, BITS=num_bits, SYM=symmetric,
-                                                    PACK=pack, DT=dt, EPS=_EPS[dt], BR=br, num_warps=cfg["num_warps"])
+        cf = cfg.get("cols_first", False) and triton.cdiv(n, br) <= 65535  # grid y is at most 65535
+        grid = (ng, triton.cdiv(n, br)) if cf else (triton.cdiv(n, br), ng)
+        _int_group_kernel[grid](w, out, s, zp if zp is not None else s, n, k, G=g, BITS=num_bits, SYM=symmetric,
+                                PACK=pack, DT=dt, EPS=_EPS[dt], BR=br, COLS_FIRST=cf, num_warps=cfg["num_warps"])
     res = {"weight_packed" if pack else "weight": out, "weight_scale": s}
     if zp is not None:
         res["weight_zero_point"] = zp
@@ -334,8 +442,9 @@ def _fp4(w: torch.Tensor, nvfp4: bool, gs: torch.Tensor | None) -> dict[str, tor
     br, bg = cfg["br"], max(1, cfg["cols"] // g)
     if n and ng:
         gs_t = gs.to(device=w.device, dtype=torch.float32).reshape(1) if nvfp4 else s
-        _fp4_kernel[(triton.cdiv(n, br), triton.cdiv(ng, bg))](w, packed, s, gs_t, n, k, NVFP4=nvfp4, G=g, DT=dt, BR=br, BG=bg,
-                                                              num_warps=cfg["num_warps"])
+        cf = cfg.get("cols_first", False) and triton.cdiv(n, br) <= 65535
+        grid = (triton.cdiv(ng, bg), triton.cdiv(n, br)) if cf else (triton.cdiv(n, br), triton.cdiv(ng, bg))
+        _fp4_kernel[grid](w, packed, s, gs_t, n, k, NVFP4=nvfp4, G=g, DT=dt, BR=br, BG=bg, COLS_FIRST=cf, num_warps=cfg["num_warps"])
     return {"weight_packed": packed, "weight_scale": s.view(torch.float8_e4m3fn) if nvfp4 else s}
 
 
