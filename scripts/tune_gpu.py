@@ -23,12 +23,13 @@ from ctconvert.schemes import get_scheme
 from timing import median_seconds
 
 SPACE = {
-    "fp8_row": [{"max_single": m, "num_warps": nw} for m, nw in itertools.product([0, 16384], [4, 8])],
-    "fp8_block": [{"num_warps": nw} for nw in (4, 8, 16)],
-    "int_group": [{"elems": e, "num_warps": nw, "cols_first": cf}
-                  for e, nw, cf in itertools.product([2048, 4096, 8192], [4, 8], [True, False])],
-    "fp4": [{"br": br, "cols": c, "num_warps": nw, "cols_first": cf}
-            for br, c, nw, cf in itertools.product([4, 8, 16], [256, 512], [4, 8], [True, False])],
+    "fp8_row": [{"max_single": m, "num_warps": nw, "ctas_per_sm": c} for m, nw, c in [(0, 8, 0), (16384, 4, 0), (16384, 8, 0),
+                                                                                     (16384, 8, 1), (16384, 8, 2), (16384, 4, 4)]],
+    "fp8_block": [{"num_warps": nw} for nw in (4, 8)],
+    "int_group": [{"elems": e, "num_warps": nw, "ctas_per_sm": c}
+                  for e, nw, c in itertools.product([2048, 4096], [4], [0, 2, 3, 4, 5, 6])] +
+                 [{"elems": e, "num_warps": 8, "ctas_per_sm": c} for e, c in itertools.product([4096, 8192], [0, 2, 3])],
+    "fp4": [{"br": br, "cols": c, "num_warps": 4, "ctas_per_sm": n} for br, c, n in itertools.product([4, 8], [256, 512], [0, 2, 3, 4])],
 }
 USES = {"FP8_DYNAMIC": "fp8_row", "FP8_BLOCK": "fp8_block", "W4A16": "int_group", "W4A16_ASYM": "int_group", "W8A16": "int_group",
         "NVFP4A16": "fp4", "MXFP4A16": "fp4"}

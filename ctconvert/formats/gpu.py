@@ -49,10 +49,10 @@ _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 #: launch configurations (scripts/tune_gpu.py sweeps them on a large weight)
 TUNE = {
-    "fp8_row": {"max_single": 0, "num_warps": 8},
+    "fp8_row": {"max_single": 16384, "num_warps": 8, "ctas_per_sm": 0},
     "fp8_block": {"num_warps": 16},
-    "int_group": {"elems": 4096, "num_warps": 4, "cols_first": True},
-    "fp4": {"br": 8, "cols": 512, "num_warps": 4, "cols_first": True},
+    "int_group": {"elems": 4096, "num_warps": 4, "ctas_per_sm": 8},
+    "fp4": {"br": 8, "cols": 512, "num_warps": 4, "ctas_per_sm": 8},
 }
 _EPS = {0: 2.0**-7, 1: 2.0**-10, 2: 2.0**-23}
 
@@ -162,14 +162,21 @@ if _HAVE_TRITON:
             tl.store(q_ptr + base + offs, _fp8_codes(x, s, r, fast, DT), mask=offs < K)
 
     @triton.jit
-    def _fp8_row1_kernel(w_ptr, q_ptr, s_ptr, K, DT: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
-        """Per-channel FP8 for rows that fit one block: read once, write once."""
-        row = tl.program_id(0).to(tl.int64)
+    def _fp8_row1_kernel(w_ptr, q_ptr, s_ptr, N, K, DT: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+        """Per-channel FP8 for rows that fit one block: read once, write once. Programs loop over rows
+        pid, pid + P, ... and load the next row before computing the current one."""
+        pid = tl.program_id(0)
+        npg = tl.num_programs(0)
         offs = tl.arange(0, BLOCK)
-        x = tl.load(w_ptr + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
-        s = _fp8_scale(tl.max(tl.abs(x), axis=0), DT, EPS)
-        tl.store(s_ptr + row, _to_d(s, DT))
-        tl.store(q_ptr + row * K + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), _in_range(s), DT), mask=offs < K)
+        m = offs < K
+        xn = tl.load(w_ptr + pid.to(tl.int64) * K + offs, mask=m & (offs * 0 + pid < N), other=0.0)
+        for r0 in range(pid, N, npg):
+            row = tl.cast(r0, tl.int64)
+            x = xn.to(tl.float32)
+            xn = tl.load(w_ptr + (row + npg) * K + offs, mask=m & (offs * 0 + row + npg < N), other=0.0)
+            s = _fp8_scale(tl.max(tl.abs(x), axis=0), DT, EPS)
+            tl.store(s_ptr + row, _to_d(s, DT))
+            tl.store(q_ptr + row * K + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), _in_range(s), DT), mask=m)
 
     @triton.jit
     def _fp8_block_kernel(w_ptr, q_ptr, s_ptr, N, K, KB, DT: tl.constexpr, EPS: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr):
@@ -201,31 +208,20 @@ if _HAVE_TRITON:
         return _rne_int(v, OFF)
 
     @triton.jit
-    def _int_group_kernel(w_ptr, out_ptr, s_ptr, zp_ptr, N, K, G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
-                          PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, COLS_FIRST: tl.constexpr):
-        """One group of G columns for BR rows, loaded as [BR, G/PER, PER] so that packing PER values into
-        a word is a reduction over the last axis (no reshape, no shared-memory shuffle).
-        COLS_FIRST: consecutive programs take consecutive groups of the same rows (grid (groups, row blocks))."""
-        if COLS_FIRST:
-            gi = tl.program_id(0).to(tl.int64)
-            pr = tl.program_id(1).to(tl.int64)
-        else:
-            pr = tl.program_id(0).to(tl.int64)
-            gi = tl.program_id(1).to(tl.int64)
+    def _int_group_tile(x, rows, gi, out_ptr, s_ptr, zp_ptr, N, K, G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
+                        PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr):
+        """Quantize one tile x [BR, G/PER, PER] (fp32): group gi of the given rows; store values, scales, zero points."""
         NG = K // G
         PER: tl.constexpr = 32 // BITS if PACK else 1
-        rows = pr * BR + tl.arange(0, BR)
         rmask = rows < N
         wi = tl.arange(0, G // PER)
         ei = tl.arange(0, PER)
-        cols = gi * G + wi[:, None] * PER + ei[None, :]  # [G/PER, PER]
-        x = tl.load(w_ptr + rows[:, None, None] * K + cols[None, :, :], mask=rmask[:, None, None], other=0.0).to(tl.float32)
         QMIN: tl.constexpr = -(1 << (BITS - 1))
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
         if SYM:
             amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
             s = _rd(tl.div_rn(amax, ((1 << BITS) - 1) / 2.0), DT)
-            z = tl.zeros([BR], dtype=tl.float32)
+            z = tl.zeros_like(amax)
         else:
             mn = tl.minimum(tl.min(tl.min(x, axis=2), axis=1), 0.0)
             mx = tl.maximum(tl.max(tl.max(x, axis=2), axis=1), 0.0)
@@ -246,7 +242,36 @@ if _HAVE_TRITON:
             wcols = gi * (G // PER) + wi
             tl.store(out_ptr + rows[:, None] * W + wcols[None, :], word.to(tl.int32, bitcast=True), mask=rmask[:, None])
         else:
+            cols = gi * G + wi[:, None] * PER + ei[None, :]
             tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :], u.to(tl.int8), mask=rmask[:, None, None])
+
+    @triton.jit
+    def _int_group_kernel(w_ptr, out_ptr, s_ptr, zp_ptr, N, K, NT, G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
+                          PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr):
+        """Tiles of BR rows x one group of G columns, tile t = (row block t // NG, group t % NG), so that
+        consecutive tiles read consecutive bytes of the same rows. A tile is loaded as [BR, G/PER, PER]:
+        packing PER values into a word is then a reduction over the last axis, in registers.
+
+        Each program takes tiles pid, pid + P, ... (P programs) and loads the next tile before it
+        computes the current one, so that loads stay in flight while it computes. A tile past the
+        end has rows >= N and is masked out."""
+        NG = K // G
+        PER: tl.constexpr = 32 // BITS if PACK else 1
+        lcols = tl.arange(0, G // PER)[:, None] * PER + tl.arange(0, PER)[None, :]  # [G/PER, PER] within a group
+        pid = tl.program_id(0)
+        npg = tl.num_programs(0)
+        t = pid.to(tl.int64)
+        rows = (t // NG) * BR + tl.arange(0, BR)
+        xn = tl.load(w_ptr + rows[:, None, None] * K + ((t % NG) * G + lcols)[None, :, :], mask=(rows < N)[:, None, None], other=0.0)
+        for t0 in range(pid, NT, npg):
+            t = tl.cast(t0, tl.int64)
+            x = xn
+            t2 = t + npg
+            rows2 = (t2 // NG) * BR + tl.arange(0, BR)
+            xn = tl.load(w_ptr + rows2[:, None, None] * K + ((t2 % NG) * G + lcols)[None, :, :], mask=(rows2 < N)[:, None, None],
+                         other=0.0)
+            rows = (t // NG) * BR + tl.arange(0, BR)
+            _int_group_tile(x.to(tl.float32), rows, t % NG, out_ptr, s_ptr, zp_ptr, N, K, G, BITS, SYM, PACK, DT, EPS)
 
     @triton.jit
     def _int_channel_kernel(w_ptr, out_ptr, s_ptr, K, BITS: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
@@ -291,30 +316,45 @@ if _HAVE_TRITON:
         return _e2m1_mag(tl.minimum(tl.abs(v), 6.0)) | (sign << 3)
 
     @triton.jit
-    def _fp4_kernel(w_ptr, p_ptr, s_ptr, gs_ptr, N, K, NVFP4: tl.constexpr, G: tl.constexpr, DT: tl.constexpr,
-                    BR: tl.constexpr, BG: tl.constexpr, COLS_FIRST: tl.constexpr):
+    def _fp4_ptrs(w_ptr, t, N, K, G: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr):
+        """Tile t = (row block t // NGB, group block t % NGB): rows [BR], groups [BG], byte index within
+        the row [BG, G/2], the [BR, BG, G/2, 2] input pointers and their mask."""
+        NG = K // G
+        NGB = tl.cdiv(NG, BG)
+        H: tl.constexpr = G // 2
+        rows = (t // NGB) * BR + tl.arange(0, BR)
+        groups = (t % NGB) * BG + tl.arange(0, BG)
+        pidx = groups[:, None] * H + tl.arange(0, H)[None, :]
+        m3 = (rows < N)[:, None, None] & (groups < NG)[None, :, None]
+        cols = 2 * pidx[None, :, :, None] + tl.arange(0, 2)[None, None, None, :]
+        return rows, groups, pidx, w_ptr + rows[:, None, None, None] * K + cols, m3
+
+    @triton.jit
+    def _fp4_kernel(w_ptr, p_ptr, s_ptr, gs_ptr, N, K, NT, NVFP4: tl.constexpr, G: tl.constexpr, DT: tl.constexpr,
+                    BR: tl.constexpr, BG: tl.constexpr):
         """NVFP4 (G=16, E4M3 scales, global scale) or MXFP4 (G=32, E8M0 scales).
 
-        The weight is loaded once, contiguously, as [BR, BG, G/2, 2] and split
-        into even and odd columns, so the two nibbles of each output byte meet
-        without any reshape. COLS_FIRST: grid (group blocks, row blocks)."""
-        if COLS_FIRST:
-            pg = tl.program_id(0).to(tl.int64)
-            pr = tl.program_id(1).to(tl.int64)
-        else:
-            pr = tl.program_id(0).to(tl.int64)
-            pg = tl.program_id(1).to(tl.int64)
+        A tile of BR rows x BG groups is loaded once, contiguously, as [BR, BG,
+        G/2, 2] and split into even and odd columns, so the two nibbles of each
+        output byte meet without any reshape. Programs loop over tiles and load
+        the next tile before computing the current one (as _int_group_kernel)."""
+        pid = tl.program_id(0)
+        npg = tl.num_programs(0)
+        _r, _g, _p, ptrs, m = _fp4_ptrs(w_ptr, pid.to(tl.int64), N, K, G, BR, BG)
+        xn = tl.load(ptrs, mask=m[:, :, :, None], other=0.0)
+        for t0 in range(pid, NT, npg):
+            t = tl.cast(t0, tl.int64)
+            x = xn
+            _r, _g, _p, ptrs, m = _fp4_ptrs(w_ptr, t + npg, N, K, G, BR, BG)
+            xn = tl.load(ptrs, mask=m[:, :, :, None], other=0.0)
+            rows, groups, pidx, _ptrs, m3 = _fp4_ptrs(w_ptr, t, N, K, G, BR, BG)
+            _fp4_tile(x.to(tl.float32), rows, groups, pidx, m3, p_ptr, s_ptr, gs_ptr, N, K, NVFP4, G, DT)
+
+    @triton.jit
+    def _fp4_tile(x, rows, groups, pidx, m3, p_ptr, s_ptr, gs_ptr, N, K, NVFP4: tl.constexpr, G: tl.constexpr, DT: tl.constexpr):
         NG = K // G
-        H: tl.constexpr = G // 2
-        rows = pr * BR + tl.arange(0, BR)
-        groups = pg * BG + tl.arange(0, BG)
-        pidx = groups[:, None] * H + tl.arange(0, H)[None, :]  # byte index within the row, [BG, H]
         rmask = rows < N
         gmask = groups < NG
-        m3 = rmask[:, None, None] & gmask[None, :, None]
-        # one contiguous load of [BR, BG, H, 2], split into even and odd columns in registers
-        cols = 2 * pidx[None, :, :, None] + tl.arange(0, 2)[None, None, None, :]
-        x = tl.load(w_ptr + rows[:, None, None, None] * K + cols, mask=m3[:, :, :, None], other=0.0).to(tl.float32)
         xe, xo = tl.split(x)
         amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))  # [BR, BG]
         m2 = rmask[:, None] & gmask[None, :]
@@ -335,16 +375,21 @@ if _HAVE_TRITON:
                 b = (b + 32) & 0xFF80
                 E = (b >> 7) - 127
                 zero = (b >> 7) == 0
+                ovf = (b >> 7) == 255
             elif DT == 1:
                 b = amax.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
                 b = (b + 256) & 0xFC00
                 E = (b >> 10) - 15
                 zero = (b >> 10) == 0
+                ovf = (b >> 10) == 31
             else:
                 b = amax.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
                 b = (b + 2097152) & 0xFF800000
                 E = ((b >> 23) - 127).to(tl.int32)
                 zero = (b >> 23) == 0
+                ovf = (b >> 23) == 255
+            # the power of two rounds past D's largest: flag it (gs_ptr is an int32 flag for MXFP4)
+            tl.store(gs_ptr + tl.zeros_like(E), 1, mask=ovf & m2)
             e = tl.where(zero, 0, E + 125)
             e = tl.minimum(tl.maximum(e, 0), 255)
             if DT == 1:  # 2^(e-127) underflows fp16 below 2^-24: compressed-tensors then uses scale 1
@@ -361,6 +406,20 @@ if _HAVE_TRITON:
         tl.store(p_ptr + rows[:, None, None] * (K // 2) + pidx[None, :, :], packed, mask=m3)
 
 
+_SMS: dict[int, int] = {}
+
+
+def _programs(w: torch.Tensor, tiles: int, cfg: dict) -> int:
+    """Programs for a tile-looping kernel: ``cfg["ctas_per_sm"]`` per multiprocessor, or one per tile when 0."""
+    per_sm = cfg.get("ctas_per_sm", 0)
+    if not per_sm:
+        return tiles
+    i = w.device.index if w.device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return max(1, min(tiles, per_sm * _SMS[i]))
+
+
 def _prep(w: torch.Tensor) -> tuple[torch.Tensor, int]:
     if w.device.type != "cuda" or w.dtype not in _DT or w.dim() != 2:
         raise ValueError("GPU kernels take a 2-D CUDA bf16/fp16/fp32 tensor")
@@ -375,7 +434,8 @@ def fp8_channel(w: torch.Tensor) -> dict[str, torch.Tensor]:
     s = torch.empty(n, 1, dtype=w.dtype, device=w.device)
     cfg = TUNE["fp8_row"]
     if n and k <= cfg["max_single"]:
-        _fp8_row1_kernel[(n,)](w, q, s, k, DT=dt, EPS=_EPS[dt], BLOCK=triton.next_power_of_2(k), num_warps=cfg["num_warps"])
+        _fp8_row1_kernel[(_programs(w, n, cfg),)](w, q, s, n, k, DT=dt, EPS=_EPS[dt], BLOCK=triton.next_power_of_2(k),
+                                                  num_warps=cfg["num_warps"])
     elif n:
         _fp8_row_kernel[(n,)](w, q, s, k, DT=dt, EPS=_EPS[dt], BLOCK=4096, num_warps=cfg["num_warps"])
     return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
@@ -421,10 +481,9 @@ def int_quant(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric:
     cfg = TUNE["int_group"]
     br = max(1, min(128, cfg["elems"] // g))
     if n and ng:
-        cf = cfg.get("cols_first", False) and triton.cdiv(n, br) <= 65535  # grid y is at most 65535
-        grid = (ng, triton.cdiv(n, br)) if cf else (triton.cdiv(n, br), ng)
-        _int_group_kernel[grid](w, out, s, zp if zp is not None else s, n, k, G=g, BITS=num_bits, SYM=symmetric,
-                                PACK=pack, DT=dt, EPS=_EPS[dt], BR=br, COLS_FIRST=cf, num_warps=cfg["num_warps"])
+        nt = triton.cdiv(n, br) * ng
+        _int_group_kernel[(_programs(w, nt, cfg),)](w, out, s, zp if zp is not None else s, n, k, nt, G=g, BITS=num_bits,
+                                                    SYM=symmetric, PACK=pack, DT=dt, EPS=_EPS[dt], BR=br, num_warps=cfg["num_warps"])
     res = {"weight_packed" if pack else "weight": out, "weight_scale": s}
     if zp is not None:
         res["weight_zero_point"] = zp
@@ -441,10 +500,12 @@ def _fp4(w: torch.Tensor, nvfp4: bool, gs: torch.Tensor | None) -> dict[str, tor
     cfg = TUNE["fp4"]
     br, bg = cfg["br"], max(1, cfg["cols"] // g)
     if n and ng:
-        gs_t = gs.to(device=w.device, dtype=torch.float32).reshape(1) if nvfp4 else s
-        cf = cfg.get("cols_first", False) and triton.cdiv(n, br) <= 65535
-        grid = (triton.cdiv(ng, bg), triton.cdiv(n, br)) if cf else (triton.cdiv(n, br), triton.cdiv(ng, bg))
-        _fp4_kernel[grid](w, packed, s, gs_t, n, k, NVFP4=nvfp4, G=g, DT=dt, BR=br, BG=bg, COLS_FIRST=cf, num_warps=cfg["num_warps"])
+        gs_t = gs.to(device=w.device, dtype=torch.float32).reshape(1) if nvfp4 else torch.zeros(1, dtype=torch.int32, device=w.device)
+        nt = triton.cdiv(n, br) * triton.cdiv(ng, bg)
+        _fp4_kernel[(_programs(w, nt, cfg),)](w, packed, s, gs_t, n, k, nt, NVFP4=nvfp4, G=g, DT=dt, BR=br, BG=bg,
+                                              num_warps=cfg["num_warps"])
+        if not nvfp4 and bool(gs_t):
+            raise ValueError(f"MXFP4 scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
     return {"weight_packed": packed, "weight_scale": s.view(torch.float8_e4m3fn) if nvfp4 else s}
 
 
@@ -454,11 +515,8 @@ def nvfp4(w: torch.Tensor, global_scale: torch.Tensor) -> dict[str, torch.Tensor
 
 
 def mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Same as :func:`ctconvert.formats.fp4.quantize_mxfp4`, on CUDA (raises ``ValueError`` on scale overflow)."""
-    from .common import tensor_absmax
-    from .fp4 import _round_pow2_bits
+    """Same as :func:`ctconvert.formats.fp4.quantize_mxfp4`, on CUDA.
 
-    # rounding to a power of two is monotonic: the largest group overflows first
-    if w.numel() and bool(torch.isinf(_round_pow2_bits(tensor_absmax(w).to(w.dtype).reshape(1)))):
-        raise ValueError(f"MXFP4 scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
+    Raises ``ValueError`` when a group's absmax rounds past the largest power of
+    two of the weight's dtype (the kernel flags it; one read of the weight)."""
     return _fp4(w, False, None)
