@@ -49,10 +49,10 @@ _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 #: launch configurations (scripts/tune_gpu.py sweeps them on a large weight)
 TUNE = {
-    "fp8_row": {"max_single": 16384, "num_warps": 8, "ctas_per_sm": 0},
+    "fp8_row": {"max_single": 16384, "num_warps": 4, "ctas_per_sm": 4},
     "fp8_block": {"num_warps": 16},
-    "int_group": {"elems": 4096, "num_warps": 4, "ctas_per_sm": 8},
-    "fp4": {"br": 8, "cols": 512, "num_warps": 4, "ctas_per_sm": 8},
+    "int_group": {"elems": 4096, "num_warps": 4, "ctas_per_sm": 0},
+    "fp4": {"br": 8, "cols": 512, "num_warps": 4, "ctas_per_sm": 4},
 }
 _EPS = {0: 2.0**-7, 1: 2.0**-10, 2: 2.0**-23}
 
@@ -247,14 +247,14 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _int_group_kernel(w_ptr, out_ptr, s_ptr, zp_ptr, N, K, NT, G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
-                          PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr):
+                          PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, LOOP: tl.constexpr):
         """Tiles of BR rows x one group of G columns, tile t = (row block t // NG, group t % NG), so that
         consecutive tiles read consecutive bytes of the same rows. A tile is loaded as [BR, G/PER, PER]:
         packing PER values into a word is then a reduction over the last axis, in registers.
 
-        Each program takes tiles pid, pid + P, ... (P programs) and loads the next tile before it
-        computes the current one, so that loads stay in flight while it computes. A tile past the
-        end has rows >= N and is masked out."""
+        LOOP: each program takes tiles pid, pid + P, ... (P programs) and loads the next tile before
+        it computes the current one, so that loads stay in flight while it computes. A tile past the
+        end has rows >= N and is masked out. Else one program per tile (fewer registers)."""
         NG = K // G
         PER: tl.constexpr = 32 // BITS if PACK else 1
         lcols = tl.arange(0, G // PER)[:, None] * PER + tl.arange(0, PER)[None, :]  # [G/PER, PER] within a group
@@ -263,6 +263,9 @@ if _HAVE_TRITON:
         t = pid.to(tl.int64)
         rows = (t // NG) * BR + tl.arange(0, BR)
         xn = tl.load(w_ptr + rows[:, None, None] * K + ((t % NG) * G + lcols)[None, :, :], mask=(rows < N)[:, None, None], other=0.0)
+        if not LOOP:  # one program per tile
+            _int_group_tile(xn.to(tl.float32), rows, t % NG, out_ptr, s_ptr, zp_ptr, N, K, G, BITS, SYM, PACK, DT, EPS)
+            return
         for t0 in range(pid, NT, npg):
             t = tl.cast(t0, tl.int64)
             x = xn
@@ -331,17 +334,20 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _fp4_kernel(w_ptr, p_ptr, s_ptr, gs_ptr, N, K, NT, NVFP4: tl.constexpr, G: tl.constexpr, DT: tl.constexpr,
-                    BR: tl.constexpr, BG: tl.constexpr):
+                    BR: tl.constexpr, BG: tl.constexpr, LOOP: tl.constexpr):
         """NVFP4 (G=16, E4M3 scales, global scale) or MXFP4 (G=32, E8M0 scales).
 
         A tile of BR rows x BG groups is loaded once, contiguously, as [BR, BG,
         G/2, 2] and split into even and odd columns, so the two nibbles of each
-        output byte meet without any reshape. Programs loop over tiles and load
-        the next tile before computing the current one (as _int_group_kernel)."""
+        output byte meet without any reshape. LOOP: programs loop over tiles and
+        load the next tile before computing the current one (as _int_group_kernel)."""
         pid = tl.program_id(0)
         npg = tl.num_programs(0)
-        _r, _g, _p, ptrs, m = _fp4_ptrs(w_ptr, pid.to(tl.int64), N, K, G, BR, BG)
+        rows, groups, pidx, ptrs, m = _fp4_ptrs(w_ptr, pid.to(tl.int64), N, K, G, BR, BG)
         xn = tl.load(ptrs, mask=m[:, :, :, None], other=0.0)
+        if not LOOP:  # one program per tile
+            _fp4_tile(xn.to(tl.float32), rows, groups, pidx, m, p_ptr, s_ptr, gs_ptr, N, K, NVFP4, G, DT)
+            return
         for t0 in range(pid, NT, npg):
             t = tl.cast(t0, tl.int64)
             x = xn
@@ -482,8 +488,9 @@ def int_quant(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric:
     br = max(1, min(128, cfg["elems"] // g))
     if n and ng:
         nt = triton.cdiv(n, br) * ng
-        _int_group_kernel[(_programs(w, nt, cfg),)](w, out, s, zp if zp is not None else s, n, k, nt, G=g, BITS=num_bits,
-                                                    SYM=symmetric, PACK=pack, DT=dt, EPS=_EPS[dt], BR=br, num_warps=cfg["num_warps"])
+        npg = _programs(w, nt, cfg)
+        _int_group_kernel[(npg,)](w, out, s, zp if zp is not None else s, n, k, nt, G=g, BITS=num_bits, SYM=symmetric, PACK=pack,
+                                  DT=dt, EPS=_EPS[dt], BR=br, LOOP=npg < nt, num_warps=cfg["num_warps"])
     res = {"weight_packed" if pack else "weight": out, "weight_scale": s}
     if zp is not None:
         res["weight_zero_point"] = zp
@@ -502,8 +509,9 @@ def _fp4(w: torch.Tensor, nvfp4: bool, gs: torch.Tensor | None) -> dict[str, tor
     if n and ng:
         gs_t = gs.to(device=w.device, dtype=torch.float32).reshape(1) if nvfp4 else torch.zeros(1, dtype=torch.int32, device=w.device)
         nt = triton.cdiv(n, br) * triton.cdiv(ng, bg)
-        _fp4_kernel[(_programs(w, nt, cfg),)](w, packed, s, gs_t, n, k, nt, NVFP4=nvfp4, G=g, DT=dt, BR=br, BG=bg,
-                                              num_warps=cfg["num_warps"])
+        npg = _programs(w, nt, cfg)
+        _fp4_kernel[(npg,)](w, packed, s, gs_t, n, k, nt, NVFP4=nvfp4, G=g, DT=dt, BR=br, BG=bg, LOOP=npg < nt,
+                            num_warps=cfg["num_warps"])
         if not nvfp4 and bool(gs_t):
             raise ValueError(f"MXFP4 scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
     return {"weight_packed": packed, "weight_scale": s.view(torch.float8_e4m3fn) if nvfp4 else s}

@@ -112,6 +112,21 @@ def test_nvfp4_fused_set_shares_global_scale(seed, device):
     assert gss.pop() == ct_compress(k, "NVFP4A16")["weight_global_scale"].item()
 
 
+@_no_cuda
+@pytest.mark.parametrize("programs", [1, 3])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_gpu_kernels_that_loop_over_tiles(scheme, programs, monkeypatch):
+    """Few programs, so that each loops over many tiles (rows for FP8) and prefetches the next: same bytes."""
+    from ctconvert.formats import gpu
+
+    monkeypatch.setattr(gpu, "_programs", lambda w, tiles, cfg: min(tiles, programs))
+    n, k = shape_for(scheme)
+    for case in ("mixed", "huge"):
+        for dtype in DTYPES:
+            w = make_weight(case, dtype, n, k, seed=7)
+            assert_same_bytes(ct_compress(w, scheme), ours(scheme, w, "cuda"))
+
+
 def test_random_shapes_and_scales_many_seeds():
     """Fresh random inputs of varied shape and scale, bf16, every scheme."""
     for seed in range(6):
