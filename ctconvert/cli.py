@@ -39,19 +39,27 @@ class _Ctx:
 _AS_PROGRAM = False  # set by run(): the process is ctconvert itself (not a test runner or a host program)
 
 
-def _interrupted(resumable: bool = False):
+def _interrupted(resumable=None):
     """Ctrl-C: one line, exit 130. A second Ctrl-C is ignored; the output folder was already aborted
-    (by the API), and the exit skips library exit hooks, which could re-raise the interrupt."""
+    (by the API), and the exit skips library exit hooks, which could re-raise the interrupt.
+    ``resumable``: a function giving how many shards ``--resume`` would keep (the hint needs one)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     msg = errors.INTERRUPTED_MESSAGE
-    if resumable:
-        msg += " (run the same command with --resume to reuse the shards already finished)"
+    done = resumable() if resumable else 0
+    if done:
+        msg += f" (run the same command with --resume to reuse the {done} shard(s) already finished)"
     click.echo(msg, err=True)
     _flush()
     os._exit(errors.EXIT_INTERRUPTED)
 
 
-def _run(ctx: _Ctx, fn, resumable: bool = False, last: bool = True):
+def _finished_shards(output) -> int:
+    from .checkpoint.writer import finished_shards
+
+    return finished_shards(output)
+
+
+def _run(ctx: _Ctx, fn, resumable=None, last: bool = True):
     """Call ``fn``; turn errors into one line and an exit code. ``last``: the command's work is done
     when ``fn`` returns (from then on Ctrl-C is ignored: it must not turn a success into a failure)."""
     try:
@@ -174,7 +182,7 @@ def quantize(ctx: _Ctx, src, output, scheme, lm_head, targets, ignore, max_shard
         result = _run(ctx, lambda: api.quantize_to_target(src, output, scheme, target, layout_version=layout_version,
                                                           act_dtype=act_dtype, progress=_progress_factory(ctx), **kw))
     else:
-        result = _run(ctx, resumable=not dry_run, fn=lambda: api.quantize(src, output, scheme, dry_run=dry_run, resume=resume, refresh=refresh,
+        result = _run(ctx, resumable=None if dry_run else lambda: _finished_shards(output), fn=lambda: api.quantize(src, output, scheme, dry_run=dry_run, resume=resume, refresh=refresh,
                                                 progress=_progress_factory(ctx), **kw))
     if ctx.json:
         ctx.emit_json({"ok": result.error is None, **result.to_dict()})

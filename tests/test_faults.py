@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 from ctconvert import api
 from helpers import tree_hash
+from ctconvert.checkpoint.writer import JOURNAL, finished_shards
 from ctconvert.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,7 +243,21 @@ def test_ctrl_c_is_never_lost(tiny_llama, tmp_path, delay):
     else:
         assert code == 130, err
         assert err.strip().splitlines()[-1].startswith("interrupted: nothing was written")
+        assert ("--resume" in err) == (finished_shards(out) > 0), err  # the hint only where a shard would be kept
         assert_no_checkpoint(out)
+
+
+def test_finished_shards_reads_the_partial_journal(tmp_path):
+    out = tmp_path / "o"
+    assert finished_shards(out) == 0  # no partial folder
+    partial = tmp_path / ".o.ctconvert-partial"
+    partial.mkdir()
+    (partial / JOURNAL).write_text("{not json")
+    assert finished_shards(out) == 0
+    (partial / JOURNAL).write_text(json.dumps({"fingerprint": "f", "shards": {}}))
+    assert finished_shards(out) == 0
+    (partial / JOURNAL).write_text(json.dumps({"fingerprint": "f", "shards": {"a.safetensors": {}, "b.safetensors": {}}}))
+    assert finished_shards(out) == 2
 
 
 def test_ctrl_c_twice_exits_130_promptly(tmp_path):

@@ -92,6 +92,16 @@ def file_hash(path: Path) -> str:
     return h.hexdigest()
 
 
+def finished_shards(out: Path) -> int:
+    """How many shards an interrupted run toward ``out`` finished and journaled (what ``--resume`` keeps)."""
+    out = Path(out).absolute()
+    try:
+        journal = json.loads((out.parent / f".{out.name}.ctconvert-partial" / JOURNAL).read_text())
+        return len(journal.get("shards", {}))
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 class OutputFolder:
     """The hidden folder that becomes the output checkpoint on :meth:`commit`.
 

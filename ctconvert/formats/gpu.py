@@ -13,11 +13,17 @@ values by construction:
   RN(1/s)`` once per group, then ``q = RN(x·r)`` and one correction ``q' =
   RN(q + RN(x − s·q)·r)`` (two FMAs). Markstein's theorem (Markstein 1990;
   Muller et al., *Handbook of Floating-Point Arithmetic*, 2nd ed., §4.7) makes
-  ``q'`` the correctly rounded quotient when nothing underflows. A block uses
-  this path only when all its divisors lie in [2^-64, 2^64]; there every
-  quotient that can change an output code has ``|x| >= 2^-76`` and the residual
-  is exact. Elsewhere it divides with ``div_rn``. Tiny quotients that may be
-  off round to a zero code either way; the sign of zero is taken from ``x``.
+  ``q'`` the correctly rounded quotient when nothing underflows: for divisors
+  in [2^-64, 2^64], ``|x| >= 2^-100`` and quotients of at least 2^-60. A block
+  uses this path only when all its divisors lie in that range, else it divides
+  with ``div_rn``. Integer codes and E2M1 magnitudes depend only on quotients
+  of at least 2^-3; smaller ones round to code 0 whatever their error. The
+  NVFP4 sign bit (set where the reference quotient is below zero) comes from
+  ``x`` and the divisor exactly (:func:`_neg_nonzero_bound`). An FP8 row or
+  block takes the path only when each non-zero ``|x|`` also meets the bounds
+  above (:func:`_fp8_fast`), since E4M3 keeps the sign of a tiny quotient.
+  ``tests/formats/test_gpu_division.py`` checks these claims on every bf16
+  value.
 * rounding to an integer: ``v + 1.5·2^23`` (fp32 addition rounds to the
   nearest integer, ties to even, as ``rint``) instead of a conversion
   instruction; the integer is the low bits of the sum.
@@ -93,12 +99,6 @@ if _HAVE_TRITON:
         return tl.fma(e, r, q)
 
     @triton.jit
-    def _sign_of(q, x):
-        """q with the sign bit of x or'ed in: -0.0 / s is -0.0, which the FMA correction would make +0.0."""
-        b = q.to(tl.uint32, bitcast=True) | (x.to(tl.uint32, bitcast=True) & 0x80000000)
-        return b.to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _rne_int(v, OFF: tl.constexpr):
         """RNE(v) + OFF as int32, for |v + OFF| < 2^22: the fp32 sum with 1.5 * 2^23 rounds to an integer."""
         return (v + (12582912.0 + OFF)).to(tl.int32, bitcast=True) - 0x4B400000
@@ -128,10 +128,23 @@ if _HAVE_TRITON:
         return t.to(tl.uint32, bitcast=True) | 0x80000000
 
     @triton.jit
+    def _fp8_fast(s, amin):
+        """Whether a row or block may take the reciprocal path: s in [2^-64, 2^64] and every non-zero
+        |x| (amin: their least) at least 2^-100 and s * 2^-60. Then every non-zero quotient is a normal
+        number >= 2^-60, where the FMA correction is exact; a zero quotient is +0.0 either way, as the
+        reference adds +0.0 (so a tiny negative quotient, which E4M3 keeps as -0, is never rounded)."""
+        return _in_range(s) & (amin >= 2.0**-100) & (amin >= s * 2.0**-60)
+
+    @triton.jit
+    def _nz_abs(x):
+        """|x|, with zeros as +inf: its minimum is the least non-zero magnitude."""
+        return tl.where(x == 0.0, float("inf"), tl.abs(x))
+
+    @triton.jit
     def _fp8_codes(x, s, r, FAST, DT: tl.constexpr):
-        """E4M3 bytes of D(x / s) clamped to ±448 (fp8.py); FAST: s is in [2^-64, 2^64] and r = RN(1/s)."""
+        """E4M3 bytes of D(x / s) clamped to ±448 (fp8.py); FAST: :func:`_fp8_fast` and r = RN(1/s)."""
         if FAST:
-            q = _sign_of(_qdiv(x, s, r), x)
+            q = _qdiv(x, s, r)
         else:
             q = tl.div_rn(x, s)
         v = _rd(q, DT) + 0.0
@@ -148,14 +161,16 @@ if _HAVE_TRITON:
         row = tl.program_id(0).to(tl.int64)
         base = row * K
         amax = tl.zeros([BLOCK], dtype=tl.float32)
+        amin = tl.full([BLOCK], float("inf"), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(w_ptr + base + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
+            amin = tl.minimum(amin, _nz_abs(x))
         s = _fp8_scale(tl.max(amax, axis=0), DT, EPS)
         tl.store(s_ptr + row, _to_d(s, DT))
         r = tl.div_rn(1.0, s)
-        fast = _in_range(s)
+        fast = _fp8_fast(s, tl.min(amin, axis=0))
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(w_ptr + base + offs, mask=offs < K, other=0.0).to(tl.float32)
@@ -176,7 +191,8 @@ if _HAVE_TRITON:
             xn = tl.load(w_ptr + (row + npg) * K + offs, mask=m & (offs * 0 + row + npg < N), other=0.0)
             s = _fp8_scale(tl.max(tl.abs(x), axis=0), DT, EPS)
             tl.store(s_ptr + row, _to_d(s, DT))
-            tl.store(q_ptr + row * K + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), _in_range(s), DT), mask=m)
+            fast = _fp8_fast(s, tl.min(_nz_abs(x), axis=0))
+            tl.store(q_ptr + row * K + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), fast, DT), mask=m)
 
     @triton.jit
     def _fp8_block_kernel(w_ptr, q_ptr, s_ptr, N, K, KB, DT: tl.constexpr, EPS: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr):
@@ -189,7 +205,8 @@ if _HAVE_TRITON:
         x = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         s = _fp8_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0), DT, EPS)
         tl.store(s_ptr + br * KB + bc, _to_d(s, DT))
-        tl.store(q_ptr + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), _in_range(s), DT), mask=mask)
+        fast = _fp8_fast(s, tl.min(tl.min(_nz_abs(x), axis=1), axis=0))
+        tl.store(q_ptr + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), fast, DT), mask=mask)
 
     @triton.jit
     def _int_codes(x, s, r, z, FAST, QMIN: tl.constexpr, QMAX: tl.constexpr, OFF: tl.constexpr, SYM: tl.constexpr,

@@ -27,6 +27,7 @@ def make_weight(case: str, dtype: torch.dtype, n: int, k: int, seed: int) -> tor
     elif case == "tiny":
         w[1] = torch.randn(k, generator=g) * (1e-6 if fp16 else 1e-30)
         w[2, :64] = 1e-7 if fp16 else 1e-38
+        w[4, 5:40:3] = -1e-7 if fp16 else -1e-40  # subnormal values in a normal row (bf16 and fp32 subnormals)
     elif case == "huge":
         w[1] = (torch.randn(k, generator=g) * (1e4 if fp16 else 1e30)).clamp(-4.8e4, 4.8e4) if fp16 else torch.randn(k, generator=g) * 1e30
         w[3, 7] = 4.8e4 if fp16 else -3e37
