@@ -147,8 +147,8 @@ if _HAVE_TRITON:
             q = _qdiv(x, s, r)
         else:
             q = tl.div_rn(x, s)
-        v = _rd(q, DT) + 0.0
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        # clamp, then + 0.0 (-0.0 becomes +0.0), as fp8.py; clamping first lets it run on D pairs
+        v = tl.minimum(tl.maximum(_rd(q, DT), -448.0), 448.0) + 0.0
         return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
 
     @triton.jit
