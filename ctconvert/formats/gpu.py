@@ -22,6 +22,9 @@ values by construction:
   ``x`` and the divisor exactly (:func:`_neg_nonzero_bound`). An FP8 row or
   block takes the path only when each non-zero ``|x|`` also meets the bounds
   above (:func:`_fp8_fast`), since E4M3 keeps the sign of a tiny quotient.
+  NVFP4 also computes its per-group ``amax / 6`` and ``s / gs`` this way when
+  the global scale lies in [2^-55, 2^55] (one test per tensor, no block
+  reduction).
   ``tests/formats/test_gpu_division.py`` checks these claims on every bf16
   value.
 * rounding to an integer: ``v + 1.5·2^23`` (fp32 addition rounds to the
@@ -86,6 +89,7 @@ if _HAVE_TRITON:
     # divisors in [2^-64, 2^64] take the reciprocal path (module docstring)
     _LO = tl.constexpr(2.0**-64)
     _HI = tl.constexpr(2.0**64)
+    _R6 = tl.constexpr((torch.tensor(1.0) / torch.tensor(6.0)).item())  # RN(1/6) in fp32, exactly
 
     @triton.jit
     def _in_range(s):
@@ -383,14 +387,23 @@ if _HAVE_TRITON:
         m2 = rmask[:, None] & gmask[None, :]
         if NVFP4:
             gs = tl.load(gs_ptr)
-            t = _rd(tl.div_rn(amax, 6.0), DT)
+            # gs in [2^-55, 2^55]: every divisor d = s / gs then lies in [2^-64, 2^64] (s is an E4M3 value
+            # in [2^-9, 448]), and the two per-group divisions take the reciprocal path too: amax / 6 is
+            # exact for amax >= 2^-100, and a smaller amax gives gs * t < 2^-45, an E4M3 zero either way
+            fast = (gs >= 2.0**-55) & (gs <= 2.0**55)
+            if fast:
+                t = _rd(_qdiv(amax, 6.0, _R6), DT)
+            else:
+                t = _rd(tl.div_rn(amax, 6.0), DT)
             s = tl.minimum(tl.maximum(gs * t, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
             s = tl.where(s == 0.0, 0.125, s)
             tl.store(s_ptr + rows[:, None] * NG + groups[None, :], s.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True), mask=m2)
-            d = tl.div_rn(s, gs)
+            if fast:
+                d = _qdiv(s, gs, tl.div_rn(1.0, gs))
+            else:
+                d = tl.div_rn(s, gs)
             r = tl.div_rn(1.0, d)
             neg = _neg_nonzero_bound(d)[:, :, None]
-            fast = tl.min(tl.min(_in_range(d).to(tl.int32), axis=1), axis=0) != 0
         else:
             # power of two of amax on D's bit pattern (compressed-tensors-format.md §6.5), all in integers
             if DT == 0:
