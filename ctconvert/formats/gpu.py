@@ -89,7 +89,11 @@ if _HAVE_TRITON:
     # divisors in [2^-64, 2^64] take the reciprocal path (module docstring)
     _LO = tl.constexpr(2.0**-64)
     _HI = tl.constexpr(2.0**64)
-    _R6 = tl.constexpr((torch.tensor(1.0) / torch.tensor(6.0)).item())  # RN(1/6) in fp32, exactly
+    def _rn_recip(q: float) -> float:
+        """RN(1/q) in fp32, exactly (an fp32 division)."""
+        return (torch.tensor(1.0) / torch.tensor(q)).item()
+
+    _R6 = tl.constexpr(_rn_recip(6.0))
 
     @triton.jit
     def _in_range(s):
@@ -230,8 +234,9 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _int_group_tile(x, rows, gi, out_ptr, s_ptr, zp_ptr, N, K, G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
-                        PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr):
-        """Quantize one tile x [BR, G/PER, PER] (fp32): group gi of the given rows; store values, scales, zero points."""
+                        PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, RQ: tl.constexpr):
+        """Quantize one tile x [BR, G/PER, PER] (fp32): group gi of the given rows; store values, scales, zero points.
+        RQ: RN(1/Q) in fp32 for the scale's divisor Q ((2^B - 1) / 2 symmetric, 2^B - 1 asymmetric)."""
         NG = K // G
         PER: tl.constexpr = 32 // BITS if PACK else 1
         rmask = rows < N
@@ -239,24 +244,38 @@ if _HAVE_TRITON:
         ei = tl.arange(0, PER)
         QMIN: tl.constexpr = -(1 << (BITS - 1))
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+        # the scale divides amax (symmetric) or the range by Q; zero points divide mn by the scale
+        Q: tl.constexpr = ((1 << BITS) - 1) / 2.0 if SYM else ((1 << BITS) - 1) * 1.0
         if SYM:
-            amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
-            s = _rd(tl.div_rn(amax, ((1 << BITS) - 1) / 2.0), DT)
-            z = tl.zeros_like(amax)
+            sc = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
         else:
             mn = tl.minimum(tl.min(tl.min(x, axis=2), axis=1), 0.0)
-            mx = tl.maximum(tl.max(tl.max(x, axis=2), axis=1), 0.0)
-            s = _rd(tl.div_rn(_rd(mx - mn, DT), ((1 << BITS) - 1) * 1.0), DT)
-            zf = _rd(QMIN - _rd(tl.div_rn(mn, s), DT), DT)
-            zf = tl.where(zf != zf, 0.0, zf)
+            sc = _rd(tl.maximum(tl.max(tl.max(x, axis=2), axis=1), 0.0) - mn, DT)
+        # the reciprocal path for the whole tile when every sc is 0 or in [2^-60, 2^60]: then sc / Q is
+        # exact (sc >= 2^-100), every scale is in [2^-64, 2^64], and mn / s is exact where it matters
+        # (|mn / s| >= 2^-10; below that QMIN - it rounds to QMIN in D either way)
+        fast = tl.min((((sc >= 2.0**-60) & (sc <= 2.0**60)) | (sc == 0.0)).to(tl.int32), axis=0) != 0
+        if fast:
+            s0 = _rd(_qdiv(sc, Q, RQ), DT)
+        else:
+            s0 = _rd(tl.div_rn(sc, Q), DT)
+        s = tl.where(s0 == 0.0, EPS, s0)
+        r = tl.div_rn(1.0, s)
+        if SYM:
+            z = tl.zeros_like(sc)
+        else:
+            if fast:
+                zq = _qdiv(mn, s, r)
+            else:
+                zq = tl.div_rn(mn, s0)
+            zf = _rd(QMIN - _rd(zq, DT), DT)
+            zf = tl.where((zf != zf) | (s0 == 0.0), 0.0, zf)  # mn / 0 is NaN in the reference: zero point 0
             zf = tl.minimum(tl.maximum(zf, QMIN * 1.0), QMAX * 1.0)
             z = _rne_int(zf, 0).to(tl.float32)
             tl.store(zp_ptr + rows * NG + gi, z.to(tl.int8), mask=rmask)
-        s = tl.where(s == 0.0, EPS, s)
         tl.store(s_ptr + rows * NG + gi, _to_d(s, DT), mask=rmask)
-        fast = tl.min(_in_range(s).to(tl.int32), axis=0) != 0
         OFF: tl.constexpr = (1 << (BITS - 1)) if PACK else 0
-        u = _int_codes(x, s[:, None, None], tl.div_rn(1.0, s)[:, None, None], z[:, None, None], fast, QMIN, QMAX, OFF, SYM, DT)
+        u = _int_codes(x, s[:, None, None], r[:, None, None], z[:, None, None], fast, QMIN, QMAX, OFF, SYM, DT)
         if PACK:  # u in [0, 2^BITS): each value in its own bit field
             word = tl.sum(u.to(tl.uint32) << (ei * BITS).to(tl.uint32)[None, None, :], axis=2)
             W = K // PER
@@ -268,7 +287,8 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _int_group_kernel(w_ptr, out_ptr, s_ptr, zp_ptr, N, K, NT, G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
-                          PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, LOOP: tl.constexpr):
+                          PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, RQ: tl.constexpr, BR: tl.constexpr,
+                          LOOP: tl.constexpr):
         """Tiles of BR rows x one group of G columns, tile t = (row block t // NG, group t % NG), so that
         consecutive tiles read consecutive bytes of the same rows. A tile is loaded as [BR, G/PER, PER]:
         packing PER values into a word is then a reduction over the last axis, in registers.
@@ -285,7 +305,7 @@ if _HAVE_TRITON:
         rows = (t // NG) * BR + tl.arange(0, BR)
         xn = tl.load(w_ptr + rows[:, None, None] * K + ((t % NG) * G + lcols)[None, :, :], mask=(rows < N)[:, None, None], other=0.0)
         if not LOOP:  # one program per tile
-            _int_group_tile(xn.to(tl.float32), rows, t % NG, out_ptr, s_ptr, zp_ptr, N, K, G, BITS, SYM, PACK, DT, EPS)
+            _int_group_tile(xn.to(tl.float32), rows, t % NG, out_ptr, s_ptr, zp_ptr, N, K, G, BITS, SYM, PACK, DT, EPS, RQ)
             return
         for t0 in range(pid, NT, npg):
             t = tl.cast(t0, tl.int64)
@@ -295,7 +315,7 @@ if _HAVE_TRITON:
             xn = tl.load(w_ptr + rows2[:, None, None] * K + ((t2 % NG) * G + lcols)[None, :, :], mask=(rows2 < N)[:, None, None],
                          other=0.0)
             rows = (t // NG) * BR + tl.arange(0, BR)
-            _int_group_tile(x.to(tl.float32), rows, t % NG, out_ptr, s_ptr, zp_ptr, N, K, G, BITS, SYM, PACK, DT, EPS)
+            _int_group_tile(x.to(tl.float32), rows, t % NG, out_ptr, s_ptr, zp_ptr, N, K, G, BITS, SYM, PACK, DT, EPS, RQ)
 
     @triton.jit
     def _int_channel_kernel(w_ptr, out_ptr, s_ptr, K, BITS: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
@@ -520,7 +540,8 @@ def int_quant(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric:
         nt = triton.cdiv(n, br) * ng
         npg = _programs(w, nt, cfg)
         _int_group_kernel[(npg,)](w, out, s, zp if zp is not None else s, n, k, nt, G=g, BITS=num_bits, SYM=symmetric, PACK=pack,
-                                  DT=dt, EPS=_EPS[dt], BR=br, LOOP=npg < nt, num_warps=cfg["num_warps"])
+                                  DT=dt, EPS=_EPS[dt], RQ=_rn_recip(((1 << num_bits) - 1) / (2 if symmetric else 1)), BR=br,
+                                  LOOP=npg < nt, num_warps=cfg["num_warps"])
     res = {"weight_packed" if pack else "weight": out, "weight_scale": s}
     if zp is not None:
         res["weight_zero_point"] = zp
