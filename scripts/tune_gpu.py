@@ -23,9 +23,9 @@ from ctconvert.schemes import get_scheme
 from timing import median_seconds
 
 SPACE = {
-    "fp8_row": [{"max_single": m, "num_warps": nw, "ctas_per_sm": c} for m, nw, c in [(0, 8, 0), (16384, 4, 0), (16384, 8, 0),
-                                                                                     (16384, 8, 1), (16384, 8, 2), (16384, 4, 4)]],
-    "fp8_block": [{"num_warps": nw} for nw in (4, 8)],
+    "fp8_row": [{"max_single": m, "num_warps": nw, "ctas_per_sm": c, "recip": r}
+                for (m, nw, c), r in itertools.product([(0, 8, 0), (16384, 4, 4), (16384, 8, 2), (16384, 8, 0)], [True, False])],
+    "fp8_block": [{"num_warps": nw, "recip": r} for nw, r in itertools.product([4, 8], [True, False])],
     "int_group": [{"elems": e, "num_warps": nw, "ctas_per_sm": c}
                   for e, nw, c in itertools.product([2048, 4096], [4], [0, 2, 3, 4, 5, 6])] +
                  [{"elems": e, "num_warps": 8, "ctas_per_sm": c} for e, c in itertools.product([4096, 8192], [0, 2, 3])],
@@ -39,11 +39,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=28672)
     ap.add_argument("--cols", type=int, default=8192)
+    ap.add_argument("--schemes", default=",".join(USES))
     a = ap.parse_args()
     w = (torch.randn(a.rows, a.cols, device="cuda") * 0.02).to(torch.bfloat16)
     default = copy.deepcopy(gpu.TUNE)
     best = {}
-    for scheme, kernel in USES.items():
+    for scheme in a.schemes.split(","):
+        kernel = USES[scheme]
         s = get_scheme(scheme)
         gs = nvfp4_global_scale(tensor_absmax(w), w.dtype) if s.global_scale else None
         ref = {k: v.clone() for k, v in s.quantize_rows(w, gs).items()}

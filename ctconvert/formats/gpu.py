@@ -58,8 +58,8 @@ _DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 #: launch configurations (scripts/tune_gpu.py sweeps them on a large weight)
 TUNE = {
-    "fp8_row": {"max_single": 16384, "num_warps": 4, "ctas_per_sm": 4},
-    "fp8_block": {"num_warps": 16},
+    "fp8_row": {"max_single": 16384, "num_warps": 4, "ctas_per_sm": 4, "recip": True},
+    "fp8_block": {"num_warps": 4, "recip": True},
     "int_group": {"elems": 4096, "num_warps": 4, "ctas_per_sm": 0},
     "fp4": {"br": 8, "cols": 512, "num_warps": 4, "ctas_per_sm": 4},
 }
@@ -165,7 +165,7 @@ if _HAVE_TRITON:
         return tl.where(s == 0.0, EPS, s)
 
     @triton.jit
-    def _fp8_row_kernel(w_ptr, q_ptr, s_ptr, K, DT: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+    def _fp8_row_kernel(w_ptr, q_ptr, s_ptr, K, DT: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr, RECIP: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         base = row * K
         amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -174,18 +174,19 @@ if _HAVE_TRITON:
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(w_ptr + base + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-            amin = tl.minimum(amin, _nz_abs(x))
+            if RECIP:
+                amin = tl.minimum(amin, _nz_abs(x))
         s = _fp8_scale(tl.max(amax, axis=0), DT, EPS)
         tl.store(s_ptr + row, _to_d(s, DT))
         r = tl.div_rn(1.0, s)
-        fast = _fp8_fast(s, tl.min(amin, axis=0))
+        fast = _fp8_fast(s, tl.min(amin, axis=0)) if RECIP else False
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(w_ptr + base + offs, mask=offs < K, other=0.0).to(tl.float32)
             tl.store(q_ptr + base + offs, _fp8_codes(x, s, r, fast, DT), mask=offs < K)
 
     @triton.jit
-    def _fp8_row1_kernel(w_ptr, q_ptr, s_ptr, N, K, DT: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+    def _fp8_row1_kernel(w_ptr, q_ptr, s_ptr, N, K, DT: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr, RECIP: tl.constexpr):
         """Per-channel FP8 for rows that fit one block: read once, write once. Programs loop over rows
         pid, pid + P, ... and load the next row before computing the current one."""
         pid = tl.program_id(0)
@@ -199,11 +200,12 @@ if _HAVE_TRITON:
             xn = tl.load(w_ptr + (row + npg) * K + offs, mask=m & (offs * 0 + row + npg < N), other=0.0)
             s = _fp8_scale(tl.max(tl.abs(x), axis=0), DT, EPS)
             tl.store(s_ptr + row, _to_d(s, DT))
-            fast = _fp8_fast(s, tl.min(_nz_abs(x), axis=0))
+            fast = _fp8_fast(s, tl.min(_nz_abs(x), axis=0)) if RECIP else False
             tl.store(q_ptr + row * K + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), fast, DT), mask=m)
 
     @triton.jit
-    def _fp8_block_kernel(w_ptr, q_ptr, s_ptr, N, K, KB, DT: tl.constexpr, EPS: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr):
+    def _fp8_block_kernel(w_ptr, q_ptr, s_ptr, N, K, KB, DT: tl.constexpr, EPS: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
+                          RECIP: tl.constexpr):
         br = tl.program_id(0).to(tl.int64)
         bc = tl.program_id(1).to(tl.int64)
         rows = br * BH + tl.arange(0, BH)
@@ -213,7 +215,7 @@ if _HAVE_TRITON:
         x = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         s = _fp8_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0), DT, EPS)
         tl.store(s_ptr + br * KB + bc, _to_d(s, DT))
-        fast = _fp8_fast(s, tl.min(tl.min(_nz_abs(x), axis=1), axis=0))
+        fast = _fp8_fast(s, tl.min(tl.min(_nz_abs(x), axis=1), axis=0)) if RECIP else False
         tl.store(q_ptr + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), fast, DT), mask=mask)
 
     @triton.jit
@@ -490,10 +492,10 @@ def fp8_channel(w: torch.Tensor) -> dict[str, torch.Tensor]:
     s = torch.empty(n, 1, dtype=w.dtype, device=w.device)
     cfg = TUNE["fp8_row"]
     if n and k <= cfg["max_single"]:
-        _fp8_row1_kernel[(_programs(w, n, cfg),)](w, q, s, n, k, DT=dt, EPS=_EPS[dt], BLOCK=triton.next_power_of_2(k),
+        _fp8_row1_kernel[(_programs(w, n, cfg),)](w, q, s, n, k, DT=dt, EPS=_EPS[dt], BLOCK=triton.next_power_of_2(k), RECIP=cfg["recip"],
                                                   num_warps=cfg["num_warps"])
     elif n:
-        _fp8_row_kernel[(n,)](w, q, s, k, DT=dt, EPS=_EPS[dt], BLOCK=4096, num_warps=cfg["num_warps"])
+        _fp8_row_kernel[(n,)](w, q, s, k, DT=dt, EPS=_EPS[dt], BLOCK=4096, RECIP=cfg["recip"], num_warps=cfg["num_warps"])
     return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
 
 
@@ -506,7 +508,8 @@ def fp8_block(w: torch.Tensor, block: tuple[int, int]) -> dict[str, torch.Tensor
     q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
     s = torch.empty(nb, kb, dtype=w.dtype, device=w.device)
     if n and k:
-        _fp8_block_kernel[(nb, kb)](w, q, s, n, k, kb, DT=dt, EPS=_EPS[dt], BH=bh, BW=bw, num_warps=TUNE["fp8_block"]["num_warps"])
+        cfg = TUNE["fp8_block"]
+        _fp8_block_kernel[(nb, kb)](w, q, s, n, k, kb, DT=dt, EPS=_EPS[dt], BH=bh, BW=bw, RECIP=cfg["recip"], num_warps=cfg["num_warps"])
     return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
 
 
