@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -15,6 +16,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("CT_ENFORCE_EAGER", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# A run started in the background by a non-interactive shell inherits SIGINT ignored, and passes that
+# on to every child process; the Ctrl-C tests need it delivered (in this process and in their children).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
