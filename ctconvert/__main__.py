@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from .errors import EXIT_INTERRUPTED, INTERRUPTED_MESSAGE  # light: no torch
+from .errors import EXIT_INTERRUPTED, interrupted_message  # light: no torch
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
         signal.signal(signal.SIGINT, previous)
     if hits:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        sys.stderr.write(INTERRUPTED_MESSAGE + "\n")
+        sys.stderr.write(interrupted_message(sys.argv[1:]) + "\n")
         sys.stderr.flush()
         os._exit(EXIT_INTERRUPTED)  # nothing was opened yet
     run()

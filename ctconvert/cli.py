@@ -44,7 +44,7 @@ def _interrupted(resumable=None):
     (by the API), and the exit skips library exit hooks, which could re-raise the interrupt.
     ``resumable``: a function giving how many shards ``--resume`` would keep (the hint needs one)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    msg = errors.INTERRUPTED_MESSAGE
+    msg = errors.interrupted_message(sys.argv[1:]) if _AS_PROGRAM else errors.INTERRUPTED_MESSAGE
     done = resumable() if resumable else 0
     if done:
         msg += f" (run the same command with --resume to reuse the {done} shard(s) already finished)"

@@ -17,6 +17,14 @@ EXIT_VERIFY_FAILED = 5
 EXIT_OUTPUT = 6
 EXIT_INTERRUPTED = 130
 INTERRUPTED_MESSAGE = "interrupted: nothing was written to the output path"
+#: commands that write an output path (the others only read)
+WRITING_COMMANDS = ("quantize", "repack", "decompress", "batch")
+
+
+def interrupted_message(argv: list[str]) -> str:
+    """The Ctrl-C line for the command in ``argv``: read-only commands have no output path to mention."""
+    command = next((a for a in argv if not a.startswith("-")), "")  # the group's own options are flags
+    return INTERRUPTED_MESSAGE if command in WRITING_COMMANDS else "interrupted"
 
 
 class CTConvertError(Exception):
@@ -27,6 +35,7 @@ class CTConvertError(Exception):
     def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
         self.file = file
         self.tensor = tensor
+        self.message = message  # without the file and tensor prefix
         where = []
         if file:
             where.append(str(file))

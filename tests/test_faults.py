@@ -85,6 +85,33 @@ def test_bad_input(tiny_llama, tmp_path, case, code, msg):
     assert not out.exists() and not list(tmp_path.glob(".o.ctconvert-*"))
 
 
+@pytest.mark.parametrize("case", ["truncated", "corrupt_header", "config_invalid"])
+def test_inspect_names_the_file_once(tiny_llama, case):
+    """inspect lists a bad file as a problem: exit 3, the file named once (in its own field), not in the message too."""
+    _mutate(case, tiny_llama)
+    c, out, _ = run_cli("--json", "inspect", tiny_llama)
+    problems = [p for p in json.loads(out)["problems"] if p["severity"] == "error"]
+    assert c == 3 and problems
+    for p in problems:
+        assert p["file"] and p["file"] not in p["message"], p
+
+
+def test_output_under_a_file(tiny_llama, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    c, _, err = run_cli("quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "afile" / "sub")
+    assert c == 6 and "afile is a file, not a folder" in err and err.count("\n") == 1, err
+
+
+def test_interrupt_message_names_an_output_only_for_writing_commands():
+    from ctconvert.errors import INTERRUPTED_MESSAGE, interrupted_message
+
+    assert interrupted_message(["--json", "quantize", "m", "-o", "o"]) == INTERRUPTED_MESSAGE
+    assert interrupted_message(["batch", "jobs.yaml"]) == INTERRUPTED_MESSAGE
+    assert interrupted_message(["verify", "quantize"]) == "interrupted"  # a folder named like a command
+    assert interrupted_message(["--debug", "inspect", "m"]) == "interrupted"
+    assert interrupted_message([]) == "interrupted"
+
+
 @pytest.mark.parametrize("shape,msg", [((256,), "1-D weight"), ((2, 256, 256), "3-D weight")])
 def test_wrong_rank_weight(tmp_path, shape, msg):
     src = llama_tensors(LLAMA_CONFIG)

@@ -98,7 +98,7 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
         except BadInputError as e:
             if strict:
                 raise
-            problems.append(Problem("error", str(e), str(cfg_path)))
+            problems.append(Problem("error", e.message, str(e.file or cfg_path), e.tensor))
 
     index_path = root / INDEX_NAME
     index = None
@@ -136,7 +136,7 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
         except BadInputError as e:
             if strict:
                 raise
-            problems.append(Problem("error", str(e), str(f)))
+            problems.append(Problem("error", e.message, str(e.file or f), e.tensor))
             continue
         for name, info in infos.items():
             if name in tensors:

@@ -78,6 +78,11 @@ def check_output_path(src: Path, out: Path, overwrite: bool) -> None:
         raise OutputError("output path exists; pass --overwrite (overwrite=True in the API and batch jobs) to replace it", file=out)
     if o.exists() and not o.is_dir():
         raise OutputError("output path exists and is not a folder", file=out)
+    for parent in o.parents:  # the first existing ancestor must be a folder
+        if parent.exists():
+            if not parent.is_dir():
+                raise OutputError(f"cannot create the output folder: {parent} is a file, not a folder", file=out)
+            break
 
 
 JOURNAL = "ctconvert-journal.json"
