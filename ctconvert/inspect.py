@@ -12,6 +12,7 @@ scales differ (compressed-tensors-format.md §9.1).
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from .checkpoint.reader import Problem, open_checkpoint
@@ -54,12 +55,34 @@ def _inspect_kernel_native(ckpt, path: Path) -> dict:
     }
 
 
+_DECODER_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.")
+
+
+def _missing_layers(ckpt, path: Path) -> Problem | None:
+    """A warning when config.json's ``num_hidden_layers`` names decoder layers that no tensor holds
+    (a partial copy or download). Checked for plain decoder models only (``model.layers.N.``)."""
+    n = ckpt.config.get("num_hidden_layers")
+    if not isinstance(n, int) or n <= 0:
+        return None
+    present = {int(m.group(1)) for name in ckpt.tensors if (m := _DECODER_LAYER.match(name))}
+    if not present:
+        return None
+    missing = sorted(set(range(n)) - present)
+    if not missing:
+        return None
+    shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+    return Problem("warning", f"config.json has num_hidden_layers={n} but no tensor of layer(s) {shown} "
+                              f"({len(missing)} missing): a partial copy?", file=str(Path(path) / "config.json"))
+
+
 def inspect_checkpoint(path: Path) -> dict:
     """Return the inspection report of the checkpoint folder ``path`` (a JSON-ready dict)."""
     ckpt = open_checkpoint(path, strict=False)
     if is_kernel_native(ckpt.quantization_config):
         return _inspect_kernel_native(ckpt, path)
     problems: list[Problem] = list(ckpt.problems)
+    if (missing := _missing_layers(ckpt, path)) is not None:
+        problems.append(missing)
     qcfg = ckpt.quantization_config or {}
     groups = qcfg.get("config_groups") or {}
     mods = modules_of(ckpt)

@@ -73,6 +73,16 @@ def test_inspect_reports_missing_shard_and_stale_index(tiny_llama, tmp_path):
     assert any("does not exist" in p["message"] for p in rep["problems"])
 
 
+def test_inspect_warns_of_missing_decoder_layers(tmp_path):
+    """config.json names 4 layers, the tensors hold 2 (a partial copy): a warning naming layers 2 and 3."""
+    m = write_checkpoint(tmp_path / "m", llama_tensors(LLAMA_CONFIG), dict(LLAMA_CONFIG, num_hidden_layers=4))
+    code, stdout, _ = run("--json", "inspect", m)
+    warn = [p for p in json.loads(stdout)["problems"] if p["severity"] == "warning"]
+    assert code == 0 and len(warn) == 1 and "num_hidden_layers=4" in warn[0]["message"] and "2, 3 (2 missing)" in warn[0]["message"]
+    full = write_checkpoint(tmp_path / "full", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG)
+    assert json.loads(run("--json", "inspect", full)[1])["problems"] == []
+
+
 def test_inspect_reports_dense_linear_not_in_ignore(tiny_llama, tmp_path):
     out = tmp_path / "o"
     run("quantize", tiny_llama, "-s", "w8a16", "-o", out)
