@@ -273,12 +273,16 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
     else:
         agg: dict[tuple, list] = {}
         for r in layers:
-            a = agg.setdefault((r["scheme"], r["format"]), [0, 0, 0])
+            a = agg.setdefault((r["scheme"], r["format"]), [0, 0, 0, {}])
             a[0] += 1
             a[1] += r["bytes"]
             a[2] += r["params"]
-        for (s, f), (n, b, p) in agg.items():
-            table.add_row(f"{n} layers", s or "", f or "", "", _human(b), f"{8 * b / p:.3f}" if p else "")
+            for part, t in r["tensors"].items():
+                a[3].setdefault(part, set()).add(t["dtype"])
+        for (s, f), (n, b, p, parts) in agg.items():
+            ts = ", ".join(f"{part}:{'/'.join(sorted(d))}" for part, d in sorted(parts.items()))  # shapes differ: dtypes only
+            table.add_row(f"{n} layer" + ("s" if n != 1 else ""), s or "", f or "", ts, _human(b), f"{8 * b / p:.3f}" if p else "")
+        table.caption = f"{len(layers)} Linear layers summarized per scheme; --all-layers lists each"
     con.print(table)
     t = report["totals"]
     con.print(

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from .checkpoint.reader import Problem, open_checkpoint
-from .modules import ACT_PARTS, QUANT_PARTS, dense_shape, fused_global_scales, modules_of
+from .modules import ACT_PARTS, QUANT_PARTS, dense_shape, fused_global_scales, modules_of, natural_key
 from .plan import _BLOCK, is_linear_weight
 from .repack import is_kernel_native
 
@@ -89,7 +89,7 @@ def inspect_checkpoint(path: Path) -> dict:
     layers = []
     tot_bytes = sum(t.nbytes for t in ckpt.tensors.values())
     lin_bytes = lin_params = 0
-    for m in sorted(mods.values(), key=lambda m: (str(next(iter(m.parts.values())).file), m.name)):
+    for m in sorted(mods.values(), key=lambda m: (str(next(iter(m.parts.values())).file), natural_key(m.name))):
         quantized = m.quantized
         dense = m.parts.get("weight")
         if not quantized and (dense is None or not is_linear_weight(m.name + ".weight", dense)):

@@ -57,6 +57,11 @@ def resolve_group(module: str, qcfg: dict, is_linear: bool) -> str | None:
     return best[1] if best else None
 
 
+def natural_key(name: str) -> list:
+    """Sort key that orders ``layers.9`` before ``layers.10`` (numbers compare as numbers)."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name)]
+
+
 def modules_of(ckpt: Checkpoint) -> dict[str, Module]:
     """Group tensors by module and attach each quantized module's group, format and weight args."""
     qcfg = ckpt.quantization_config or {}

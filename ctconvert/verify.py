@@ -22,7 +22,7 @@ import torch
 from .checkpoint.reader import Problem, open_checkpoint
 from .checkpoint.safetensors_io import iter_row_chunks, read_bytes, read_rows, read_tensor
 from .errors import UsageError
-from .modules import ACT_PARTS, QUANT_PARTS, dense_row_chunks, dense_shape, fused_global_scales, modules_of
+from .modules import ACT_PARTS, QUANT_PARTS, dense_row_chunks, dense_shape, fused_global_scales, modules_of, natural_key
 from .plan import _find_embedding
 from .repack import is_kernel_native
 
@@ -149,7 +149,7 @@ def verify(path: str | Path, reference: str | Path | None = None) -> dict:
     if reference is not None:
         ref = open_checkpoint(reference, strict=True)
         emb = _find_embedding(ref.tensors)
-        for m in mods.values():
+        for m in sorted(mods.values(), key=lambda m: natural_key(m.name)):
             if not (m.quantized and m.group is not None and m.format in REQUIRED):
                 continue
             src = ref.tensors.get(m.name + ".weight")

@@ -115,3 +115,13 @@ def test_dry_run_shows_the_plan_even_when_the_run_would_stop(tmp_path):
     doc = json.loads(r.stdout)
     assert r.exit_code == 4 and doc["ok"] is False and "K=500" in doc["error"]
     assert "model.layers.0.mlp.down_proj" in doc["plan"]["ignore"]
+
+
+def test_verify_lists_modules_in_layer_order(tmp_path):
+    """Rows follow the layer numbers (layers.9 before layers.10), not the shards' alphabetical order."""
+    cfg = dict(LLAMA_CONFIG, num_hidden_layers=11)
+    m = write_checkpoint(tmp_path / "m", llama_tensors(cfg), cfg)
+    api.quantize(m, tmp_path / "q", "W8A16")
+    names = [r["module"] for r in api.verify(tmp_path / "q", m)["tensors"]]
+    layer = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.")]
+    assert layer == sorted(layer) and 10 in layer and len(names) == 11 * 7
