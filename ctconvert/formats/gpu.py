@@ -39,6 +39,8 @@ reference on the GPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:  # Triton is optional: CPU-only installs do not have it
@@ -89,6 +91,8 @@ if _HAVE_TRITON:
     # divisors in [2^-64, 2^64] take the reciprocal path (module docstring)
     _LO = tl.constexpr(2.0**-64)
     _HI = tl.constexpr(2.0**64)
+
+    @functools.lru_cache(maxsize=None)
     def _rn_recip(q: float) -> float:
         """RN(1/q) in fp32, exactly (an fp32 division)."""
         return (torch.tensor(1.0) / torch.tensor(q)).item()
@@ -105,6 +109,15 @@ if _HAVE_TRITON:
         q = x * r
         e = tl.fma(-q, s, x)
         return tl.fma(e, r, q)
+
+    @triton.jit
+    def _div(x, s, r, FAST):
+        """RN(x / s): by the reciprocal r = RN(1/s) (:func:`_qdiv`) where FAST says the block may, else ``div_rn``."""
+        if FAST:
+            q = _qdiv(x, s, r)
+        else:
+            q = tl.div_rn(x, s)
+        return q
 
     @triton.jit
     def _rne_int(v, OFF: tl.constexpr):
@@ -151,10 +164,7 @@ if _HAVE_TRITON:
     @triton.jit
     def _fp8_codes(x, s, r, FAST, DT: tl.constexpr):
         """E4M3 bytes of D(x / s) clamped to ±448 (fp8.py); FAST: :func:`_fp8_fast` and r = RN(1/s)."""
-        if FAST:
-            q = _qdiv(x, s, r)
-        else:
-            q = tl.div_rn(x, s)
+        q = _div(x, s, r, FAST)
         # clamp, then + 0.0 (-0.0 becomes +0.0), as fp8.py; clamping first lets it run on D pairs
         v = tl.minimum(tl.maximum(_rd(q, DT), -448.0), 448.0) + 0.0
         return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
@@ -224,11 +234,7 @@ if _HAVE_TRITON:
         """RNE(clamp(D(D(x / s) + z))) + OFF as int32 (integer.py; no ``+ z`` when SYM).
         FAST: every s is in [2^-64, 2^64] and r = RN(1/s). The sign of a zero quotient
         does not matter here: it rounds to the integer 0 either way."""
-        if FAST:
-            q = _qdiv(x, s, r)
-        else:
-            q = tl.div_rn(x, s)
-        v = _rd(q, DT)
+        v = _rd(_div(x, s, r, FAST), DT)
         if not SYM:
             v = _rd(v + z, DT)
         v = tl.minimum(tl.maximum(v, QMIN * 1.0), QMAX * 1.0)
@@ -257,20 +263,13 @@ if _HAVE_TRITON:
         # exact (sc >= 2^-100), every scale is in [2^-64, 2^64], and mn / s is exact where it matters
         # (|mn / s| >= 2^-10; below that QMIN - it rounds to QMIN in D either way)
         fast = tl.min((((sc >= 2.0**-60) & (sc <= 2.0**60)) | (sc == 0.0)).to(tl.int32), axis=0) != 0
-        if fast:
-            s0 = _rd(_qdiv(sc, Q, RQ), DT)
-        else:
-            s0 = _rd(tl.div_rn(sc, Q), DT)
+        s0 = _rd(_div(sc, Q, RQ, fast), DT)
         s = tl.where(s0 == 0.0, EPS, s0)
         r = tl.div_rn(1.0, s)
         if SYM:
             z = tl.zeros_like(sc)
         else:
-            if fast:
-                zq = _qdiv(mn, s, r)
-            else:
-                zq = tl.div_rn(mn, s0)
-            zf = _rd(QMIN - _rd(zq, DT), DT)
+            zf = _rd(QMIN - _rd(_div(mn, s, r, fast), DT), DT)  # s == s0 except where s0 == 0
             zf = tl.where((zf != zf) | (s0 == 0.0), 0.0, zf)  # mn / 0 is NaN in the reference: zero point 0
             zf = tl.minimum(tl.maximum(zf, QMIN * 1.0), QMAX * 1.0)
             z = _rne_int(zf, 0).to(tl.float32)
@@ -351,10 +350,7 @@ if _HAVE_TRITON:
         2^(127-e), the exact reciprocal of the power-of-two scale, so x * d and
         x / 2^(e-127) are the same real number and round to the same value."""
         if NVFP4:
-            if FAST:
-                v = _qdiv(x, d, r)
-            else:
-                v = tl.div_rn(x, d)
+            v = _div(x, d, r, FAST)
             sign = (x.to(tl.uint32, bitcast=True) > neg).to(tl.int32)
         else:
             v = _rd(x * d, DT)
@@ -413,17 +409,11 @@ if _HAVE_TRITON:
             # in [2^-9, 448]), and the two per-group divisions take the reciprocal path too: amax / 6 is
             # exact for amax >= 2^-100, and a smaller amax gives gs * t < 2^-45, an E4M3 zero either way
             fast = (gs >= 2.0**-55) & (gs <= 2.0**55)
-            if fast:
-                t = _rd(_qdiv(amax, 6.0, _R6), DT)
-            else:
-                t = _rd(tl.div_rn(amax, 6.0), DT)
+            t = _rd(_div(amax, 6.0, _R6, fast), DT)
             s = tl.minimum(tl.maximum(gs * t, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
             s = tl.where(s == 0.0, 0.125, s)
             tl.store(s_ptr + rows[:, None] * NG + groups[None, :], s.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True), mask=m2)
-            if fast:
-                d = _qdiv(s, gs, tl.div_rn(1.0, gs))
-            else:
-                d = tl.div_rn(s, gs)
+            d = _div(s, gs, tl.div_rn(1.0, gs), fast)
             r = tl.div_rn(1.0, d)
             neg = _neg_nonzero_bound(d)[:, :, None]
         else:
