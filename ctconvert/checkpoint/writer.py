@@ -97,14 +97,25 @@ def file_hash(path: Path) -> str:
     return h.hexdigest()
 
 
+def partial_folder(out: Path) -> Path:
+    """The hidden folder a run toward ``out`` writes into, next to it: ``.<name>.ctconvert-partial``."""
+    out = Path(out).absolute()
+    return out.parent / f".{out.name}.ctconvert-partial"
+
+
+def _read_journal(folder: Path) -> dict:
+    """The journal of a partial folder; {} when there is none or it is unreadable."""
+    try:
+        journal = json.loads((folder / JOURNAL).read_text())
+    except (OSError, ValueError):
+        return {}
+    return journal if isinstance(journal, dict) else {}
+
+
 def finished_shards(out: Path) -> int:
     """How many shards an interrupted run toward ``out`` finished and journaled (what ``--resume`` keeps)."""
-    out = Path(out).absolute()
-    try:
-        journal = json.loads((out.parent / f".{out.name}.ctconvert-partial" / JOURNAL).read_text())
-        return len(journal.get("shards", {}))
-    except (OSError, ValueError, AttributeError):
-        return 0
+    shards = _read_journal(partial_folder(out)).get("shards")
+    return len(shards) if isinstance(shards, dict) else 0
 
 
 class OutputFolder:
@@ -123,7 +134,7 @@ class OutputFolder:
         self.overwrite = overwrite
         self.fingerprint = fingerprint
         parent = self.out.parent
-        self.tmp = parent / f".{self.out.name}.ctconvert-partial"
+        self.tmp = partial_folder(self.out)
         self.journal: dict = {"fingerprint": fingerprint, "shards": {}}
         self.reused: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -139,7 +150,7 @@ class OutputFolder:
                 fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise OutputError("another ctconvert run is writing this output", file=self.out) from None
-            old = self._read_journal()
+            old = _read_journal(self.tmp)
             self.discarded_partial = bool(old.get("shards")) and old.get("fingerprint") != fingerprint
             if resume and old.get("fingerprint") == fingerprint:
                 self.journal["shards"] = {k: v for k, v in old.get("shards", {}).items() if self._still_valid(k, v)}
@@ -152,12 +163,6 @@ class OutputFolder:
             raise OutputError(f"cannot prepare the output folder: {e.strerror or e}", file=self.tmp) from e
         self.shards: list[ShardFile] = []
         self.weight_map: dict[str, str] = {}
-
-    def _read_journal(self) -> dict:
-        try:
-            return json.loads((self.tmp / JOURNAL).read_text())
-        except (OSError, ValueError):
-            return {}
 
     def _still_valid(self, name: str, rec: dict) -> bool:
         p = self.tmp / name
