@@ -54,9 +54,15 @@ def _interrupted(resumable=None):
 
 
 def _finished_shards(output) -> int:
-    from .checkpoint.writer import finished_shards
+    from . import api
 
-    return finished_shards(output)
+    return api.finished_shards(output)
+
+
+def _print_problems(con, problems: list[dict]) -> None:
+    for p in problems:
+        where = " ".join(x for x in (p.get("file"), p.get("tensor")) if x)
+        con.print(f"[{'red' if p['severity'] == 'error' else 'yellow'}]{p['severity']}[/]: {where}: {p['message']}")
 
 
 def _run(ctx: _Ctx, fn, resumable=None, last: bool = True):
@@ -253,9 +259,9 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
 
     con = ctx.console()
     q = report["quantization_config"]
-    from .repack import is_kernel_native
+    from . import api
 
-    if is_kernel_native(q):
+    if api.is_kernel_native(q):
         con.print(f"[bold]{report['path']}[/bold]: kernel-native ({q['target']}, vLLM layout {q['layout_version']}, activations {q['act_dtype']}); "
                   "not loadable as compressed-tensors: `ctconvert repack --target compressed-tensors` restores it")
     else:
@@ -290,9 +296,7 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
         + (f", {t['linear_bits_per_weight']} bits per Linear weight" if t["linear_bits_per_weight"] is not None else "")
     )
     if report["problems"]:
-        for p in report["problems"]:
-            where = " ".join(x for x in (p.get("file"), p.get("tensor")) if x)
-            con.print(f"[{'red' if p['severity'] == 'error' else 'yellow'}]{p['severity']}[/]: {where}: {p['message']}")
+        _print_problems(con, report["problems"])
     else:
         con.print("no problems found")
 
@@ -321,9 +325,7 @@ def verify_cmd(ctx: _Ctx, path, reference):
                 t.add_row(r["module"], r["format"], f"{r['rel_l2']:.4f}", f"{r['max_abs']:.3g}", f"{r['snr_db']:.1f}", str(r["threshold"]),
                           "[green]yes[/]" if r["ok"] else "[red]NO[/]")
             con.print(t)
-        for p in report["problems"]:
-            where = " ".join(x for x in (p.get("file"), p.get("tensor")) if x)
-            con.print(f"[{'red' if p['severity'] == 'error' else 'yellow'}]{p['severity']}[/]: {where}: {p['message']}")
+        _print_problems(con, report["problems"])
         con.print("[green]verify: passed[/]" if report["ok"] else "[red]verify: FAILED[/]")
     if not report["ok"]:
         sys.exit(errors.EXIT_VERIFY_FAILED)
@@ -363,9 +365,9 @@ def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
 @click.pass_obj
 def repack_cmd(ctx: _Ctx, src, output, target, layout_version, act_dtype, device, max_shard_size, overwrite):
     """Rebuild the quantized weights of SRC in a kernel-native layout (or back to compressed-tensors)."""
-    from .repack import repack
+    from . import api
 
-    res = _run(ctx, lambda: repack(src, output, target, layout_version=layout_version, act_dtype=act_dtype, device=device,
+    res = _run(ctx, lambda: api.repack(src, output, target, layout_version=layout_version, act_dtype=act_dtype, device=device,
                                    max_shard_size=max_shard_size, overwrite=overwrite))
     if ctx.json:
         ctx.emit_json({"ok": True, **res})
@@ -382,10 +384,10 @@ def repack_cmd(ctx: _Ctx, src, output, target, layout_version, act_dtype, device
 @click.pass_obj
 def batch_cmd(ctx: _Ctx, jobs_file, keep_going):
     """Run the conversions listed in JOBS_FILE (YAML or JSON); one JSON line per job on stdout."""
-    from .batch import load_jobs, run_jobs
+    from . import api
 
-    jobs = _run(ctx, lambda: load_jobs(jobs_file), last=False)
-    code = _run(ctx, lambda: run_jobs(jobs, keep_going=keep_going, emit=click.echo))
+    jobs = _run(ctx, lambda: api.load_jobs(jobs_file), last=False)
+    code = _run(ctx, lambda: api.run_jobs(jobs, keep_going=keep_going, emit=click.echo))
     sys.exit(code)
 
 
@@ -394,19 +396,14 @@ def batch_cmd(ctx: _Ctx, jobs_file, keep_going):
 @click.pass_obj
 def schemes(ctx: _Ctx):
     """List the schemes and the compressed-tensors format each writes."""
-    from .schemes import get_scheme, scheme_names
+    from . import api
 
-    def desc(s):
-        w = s.config_group(["Linear"])["weights"]
-        unit = {"channel": "per channel", "tensor": "per tensor", "block": "block 128x128"}.get(w["strategy"], f"group {w['group_size']}")
-        return f"{w['type']}{w['num_bits']} {unit}{'' if w['symmetric'] else ' asymmetric'}"
-
-    rows = [(n, get_scheme(n).format, desc(get_scheme(n))) for n in scheme_names()]
+    rows = api.schemes()
     if ctx.json:
-        ctx.emit_json({"schemes": [{"name": n, "format": f, "weights": d} for n, f, d in rows]})
+        ctx.emit_json({"schemes": rows})
         return
-    for n, f, d in rows:
-        click.echo(f"{n:12s} {f:22s} {d}")
+    for r in rows:
+        click.echo(f"{r['name']:12s} {r['format']:22s} {r['weights']}")
 
 
 def run() -> None:

@@ -12,7 +12,7 @@ per second (``repack_TBps``), and all bytes read and written per second
 the whole repack (launch gaps included); on CUDA also the same from the sum
 of the kernels' own durations (``kernel_*``, torch.profiler), and, as the
 yardstick, a plain device-to-device copy of the same input bytes (``copy_*``). ``--per-module`` times the
-per-module path instead (``targets.repack_module``), for comparison. Then
+per-module path instead (``kernels.repack_module``), for comparison. Then
 time, as separate processes, ``ctconvert quantize`` and ``ctconvert quantize
 --target marlin``. One JSON line per scheme.
 """
@@ -33,8 +33,8 @@ import torch
 from ctconvert import api
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.checkpoint.safetensors_io import read_tensor
-from ctconvert.layouts import batched, gpu, targets
-from ctconvert.modules import modules_of
+from ctconvert.layouts import batched, gpu, kernels
+from ctconvert.checkpoint.modules import modules_of
 from timing import median_seconds
 
 
@@ -75,7 +75,7 @@ def main() -> None:
         mods = [m for m in modules_of(ck).values() if m.quantized and m.group]
         groups: dict[tuple, list] = {}
         for m in mods:
-            kernel = targets.choose_kernel("marlin", m.format, m.weights or {}, set(m.parts))
+            kernel = kernels.choose_kernel("marlin", m.weights or {}, set(m.parts))
             sig = (kernel, tuple(sorted((p, tuple(i.shape)) for p, i in m.parts.items())))
             groups.setdefault(sig, []).append(m)
         jobs = []
@@ -86,16 +86,16 @@ def main() -> None:
             jobs.append((kernel, t, ms[0].weights or {}, ms[0].format))
         out_bytes = 0
         for kernel, t, w, fmt in jobs:
-            outs, _ = batched.repack_batch(kernel, t, w, fmt, "0.33", torch.bfloat16)
+            outs, _ = batched.repack_batch(kernel, t, w, "0.33", torch.bfloat16)
             out_bytes += sum(x.numel() * x.element_size() for p, x in outs.items() if not p.endswith("_source"))
 
         def run_all():
             for kernel, t, w, fmt in jobs:
                 if a.per_module:
                     for i in range(next(iter(t.values())).shape[0]):
-                        targets.repack_module(kernel, {p: x[i] for p, x in t.items()}, w, fmt, "0.33", torch.bfloat16)
+                        kernels.repack_module(kernel, {p: x[i] for p, x in t.items()}, w, "0.33", torch.bfloat16)
                 else:
-                    batched.repack_batch(kernel, t, w, fmt, "0.33", torch.bfloat16)
+                    batched.repack_batch(kernel, t, w, "0.33", torch.bfloat16)
 
         med = median_seconds(run_all, a.repeat, dev)
         kernel_s = copy_s = None

@@ -35,7 +35,7 @@ def main() -> None:
     a = ap.parse_args()
     from ctconvert import api
     from ctconvert.checkpoint.config import build_quantization_config
-    from ctconvert.schemes import get_scheme
+    from ctconvert.plan.schemes import get_scheme
 
     s = get_scheme(a.scheme)
     build_quantization_config({"g": (s, ["Linear"])}, s.format, [])

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from ctconvert.formats import gpu  # noqa: E402
 from ctconvert.formats.common import tensor_absmax  # noqa: E402
 from ctconvert.formats.fp4 import nvfp4_global_scale  # noqa: E402
-from ctconvert.schemes import get_scheme  # noqa: E402
+from ctconvert.plan.schemes import get_scheme  # noqa: E402
 from formats.test_bit_exact import CASES, DTYPES, SCHEMES, make_weight, shape_for  # noqa: E402
 
 _TORCH = {tl.bfloat16: torch.bfloat16, tl.float16: torch.float16, tl.float32: torch.float32, tl.float8e4nv: torch.float8_e4m3fn}

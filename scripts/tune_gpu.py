@@ -19,7 +19,7 @@ import torch
 from ctconvert.formats import gpu
 from ctconvert.formats.common import tensor_absmax
 from ctconvert.formats.fp4 import nvfp4_global_scale
-from ctconvert.schemes import get_scheme
+from ctconvert.plan.schemes import get_scheme
 from timing import median_seconds
 
 SPACE = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 from functools import lru_cache
 from pathlib import Path
 
@@ -14,6 +15,15 @@ import torch
 INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: devices for device-parametrized tests: the CPU, and CUDA when present
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def stable_seed(*parts) -> int:
+    """A generator seed from ``parts`` that is the same in every process.
+
+    ``hash()`` of a str (or of a tuple holding one) changes with PYTHONHASHSEED, so a
+    failure seeded from it cannot be reproduced; crc32 of the parts' ``repr`` can.
+    """
+    return zlib.crc32(repr(parts).encode())
 
 
 def tree_hash(path: Path, skip: tuple[str, ...] = ()) -> str:

@@ -22,6 +22,8 @@ from ctconvert.checkpoint.writer import JOURNAL, finished_shards
 from ctconvert.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the CLI with delayed shard writes (slow enough to interrupt), see slow_ctconvert.py
+SLOW_CTCONVERT = [sys.executable, str(Path(__file__).with_name("slow_ctconvert.py"))]
 
 
 
@@ -194,9 +196,9 @@ def test_sigkill_then_resume_is_identical(tmp_path):
     api.quantize(m, ref, "NVFP4A16", max_shard_size="8MB")
     out = tmp_path / "o"
     partial = tmp_path / ".o.ctconvert-partial"
-    cmd = [sys.executable, "-m", "ctconvert", "quantize", str(m), "-s", "NVFP4A16", "-o", str(out), "--max-shard-size", "8MB"]
-    env = dict(os.environ, CTCONVERT_TEST_SLOW_WRITE="0.05")
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = ["quantize", str(m), "-s", "NVFP4A16", "-o", str(out), "--max-shard-size", "8MB"]
+    cmd = [sys.executable, "-m", "ctconvert", *args]
+    p = subprocess.Popen([*SLOW_CTCONVERT, "0.05", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while time.time() < deadline:
         j = partial / "ctconvert-journal.json"
@@ -242,8 +244,7 @@ def test_refresh_rewrites_only_changed_shards(tmp_path):
 def _ctrl_c(args: list[str], after: float, twice: bool = False, slow_write: str = "0.05", timeout: float = 60) -> tuple[int, str]:
     """Run ``ctconvert *args``, press Ctrl-C after ``after`` seconds (and again 0.05 s later with ``twice``);
     returns (exit code, stderr). Fails if the process does not end within ``timeout`` seconds."""
-    p = subprocess.Popen([sys.executable, "-m", "ctconvert", *args], env=dict(os.environ, CTCONVERT_TEST_SLOW_WRITE=slow_write),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([*SLOW_CTCONVERT, slow_write, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(after)
     p.send_signal(signal.SIGINT)
     if twice:

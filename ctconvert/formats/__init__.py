@@ -1,7 +1,34 @@
-"""Numeric formats: pure, device-agnostic functions on tensors.
+"""Numeric formats: pure, device-agnostic quantization math, one object per compressed-tensors format.
 
-Nothing here imports from the rest of the package. Every function computes in
-fp32 and rounds to the model dtype ``D`` exactly where compressed-tensors'
-CPU path rounds (compressed-tensors-format.md §6), so the results are the same
-bytes on any device.
+Nothing here imports from the rest of the package but :mod:`ctconvert.cbuild`
+(the C build of :mod:`.native`). Every function computes in fp32 and rounds
+to the model dtype ``D`` exactly where compressed-tensors' CPU path rounds
+(docs/compressed-tensors-format.md §6), so the results are the same bytes on
+any device.
+
+:data:`FORMATS` maps each :class:`CompressionFormat` to its
+:class:`WeightFormat` object (see :mod:`.base`).
 """
+
+from __future__ import annotations
+
+from .base import CompressionFormat, WeightArgs, WeightFormat
+from .fp4 import MXFP4PackQuantized, NVFP4PackQuantized
+from .fp8 import FloatQuantized, NaiveQuantized
+from .integer import IntQuantized, PackQuantized
+
+__all__ = ["FORMATS", "CompressionFormat", "WeightArgs", "WeightFormat", "get_format"]
+
+#: every weight format ctconvert reads, by name; ``writes`` says which it also produces
+FORMATS: dict[CompressionFormat, WeightFormat] = {
+    f.name: f
+    for f in (FloatQuantized(), IntQuantized(), NaiveQuantized(), PackQuantized(), NVFP4PackQuantized(), MXFP4PackQuantized())
+}
+
+
+def get_format(name: str | None) -> WeightFormat | None:
+    """The format object of a compressed-tensors format name, or None for an unknown (or missing) name."""
+    try:
+        return FORMATS.get(CompressionFormat(name))
+    except ValueError:
+        return None

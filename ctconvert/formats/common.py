@@ -1,4 +1,4 @@
-"""Shared helpers for the quantization formats (compressed-tensors-format.md §6.1)."""
+"""Shared helpers for the quantization formats (docs/compressed-tensors-format.md §6.1)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import torch
 
 FP8_MAX = 448.0  # E4M3FN largest finite value (format spec §5.3)
 FP4_MAX = 6.0  # E2M1 largest value (§5.2)
+#: dtype codes of the fused kernels (``quant.c`` and the Triton kernels of :mod:`.gpu`)
+KERNEL_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def dtype_eps(dtype: torch.dtype) -> float:

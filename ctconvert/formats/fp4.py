@@ -11,9 +11,15 @@ NVFP4: NVIDIA, "Introducing NVFP4" (2025); MX: OCP Microscaling Formats v1.0.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from .base import CompressionFormat, WeightFormat, expand_scale
 from .common import FP4_MAX, FP8_MAX, dtype_eps, group_absmax, rd, sdiv
+
+__all__ = ["MXFP4PackQuantized", "NVFP4PackQuantized", "e2m1_codes", "nvfp4_global_scale", "pack_nibbles",
+           "quantize_mxfp4", "quantize_nvfp4", "unpack_e2m1"]
 
 NVFP4_GROUP = 16
 MXFP4_GROUP = 32
@@ -132,3 +138,68 @@ def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
     codes = e2m1_codes(x.clamp_(-FP4_MAX, FP4_MAX).reshape(n, k))
     byte = (127 + torch.floor(torch.log2(scale))).to(torch.int32).to(torch.uint8)
     return {"weight_packed": pack_nibbles(codes), "weight_scale": byte}
+
+
+class _FP4(WeightFormat):
+    """E2M1 values, two per byte (element 2j in the low nibble), ``weight_packed [N, K/2]`` uint8."""
+
+    def dense_shape(self, shapes, args, weight_shape=None):
+        if weight_shape is not None:
+            return tuple(int(x) for x in weight_shape)
+        n, w = shapes["weight_packed"]
+        return n, 2 * w
+
+
+class NVFP4PackQuantized(_FP4):
+    """``nvfp4-pack-quantized``: E4M3 ``weight_scale [N, K/16]`` and fp32 ``weight_global_scale [1]``,
+    one absmax over the fused set (docs/compressed-tensors-format.md §4.4, §9.1)."""
+
+    name = CompressionFormat.NVFP4_PACK_QUANTIZED
+    required = ("weight_packed", "weight_scale", "weight_global_scale")
+    needs_global_scale = True
+
+    def outputs(self, shape, dtype, args):
+        n, k = shape
+        return {"weight_packed": (torch.uint8, (n, k // 2)), "weight_scale": (torch.float8_e4m3fn, (n, k // NVFP4_GROUP)),
+                "weight_global_scale": (torch.float32, (1,))}
+
+    def whole_tensor_outputs(self, shape, global_scale):
+        return {"weight_global_scale": global_scale.reshape(1)}
+
+    def _reference(self, w, args, global_scale):
+        return quantize_nvfp4(w, global_scale)
+
+    def _fused(self, kernels, w, args, global_scale):
+        return kernels.nvfp4(w, global_scale)
+
+    def dequantize(self, tensors, args):
+        vals = unpack_e2m1(tensors["weight_packed"])
+        n, k = vals.shape
+        gs = tensors["weight_global_scale"].to(torch.float32).reshape(1, 1)
+        s = tensors["weight_scale"].to(torch.float32) / gs
+        return (vals * expand_scale(s, n, k, replace(args, strategy="group", group_size=args.group_size or NVFP4_GROUP))).to(torch.bfloat16)
+
+
+class MXFP4PackQuantized(_FP4):
+    """``mxfp4-pack-quantized``: E8M0 ``weight_scale [N, K/32]`` uint8, scale = 2^(byte - 127)
+    (docs/compressed-tensors-format.md §4.5; OCP Microscaling Formats v1.0)."""
+
+    name = CompressionFormat.MXFP4_PACK_QUANTIZED
+    required = ("weight_packed", "weight_scale")
+
+    def outputs(self, shape, dtype, args):
+        n, k = shape
+        return {"weight_packed": (torch.uint8, (n, k // 2)), "weight_scale": (torch.uint8, (n, k // MXFP4_GROUP))}
+
+    def _reference(self, w, args, global_scale):
+        return quantize_mxfp4(w)
+
+    def _fused(self, kernels, w, args, global_scale):
+        return kernels.mxfp4(w)
+
+    def dequantize(self, tensors, args):
+        vals = unpack_e2m1(tensors["weight_packed"])
+        n, k = vals.shape
+        e = tensors["weight_scale"].to(torch.int32) - 127
+        s = torch.pow(2.0, e.to(torch.float32)).to(torch.bfloat16).to(torch.float32)
+        return (vals * expand_scale(s, n, k, replace(args, strategy="group", group_size=args.group_size or MXFP4_GROUP))).to(torch.bfloat16)

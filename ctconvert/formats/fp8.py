@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import torch
 
+import math
+
+from .base import CompressionFormat, WeightFormat, dequantize_unpacked
 from .common import FP8_MAX, dtype_eps, group_absmax, rd, sdiv
+
+__all__ = ["FloatQuantized", "NaiveQuantized", "fp8_quantize_values", "fp8_scale", "quantize_fp8_block", "quantize_fp8_channel"]
 
 
 def fp8_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -55,3 +60,56 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
     s = fp8_scale(group_absmax(blocks, bh * bw).reshape(nb, kb), w.dtype)
     s_full = s.repeat_interleave(bh, 0).repeat_interleave(bw, 1)[:n, :k]
     return {"weight": fp8_quantize_values(w, s_full), "weight_scale": s.to(w.dtype)}
+
+
+class FloatQuantized(WeightFormat):
+    """``float-quantized``: E4M3 ``weight [N, K]`` and a D ``weight_scale`` per channel ``[N, 1]``
+    or per block ``[ceil(N/bh), ceil(K/bw)]`` (docs/compressed-tensors-format.md §4.2)."""
+
+    name = CompressionFormat.FLOAT_QUANTIZED
+    required = ("weight", "weight_scale")
+
+    def outputs(self, shape, dtype, args):
+        n, k = shape
+        if args.strategy == "block":
+            bh, bw = args.block_structure
+            return {"weight": (torch.float8_e4m3fn, (n, k)), "weight_scale": (dtype, (math.ceil(n / bh), math.ceil(k / bw)))}
+        if args.strategy == "channel":
+            return {"weight": (torch.float8_e4m3fn, (n, k)), "weight_scale": (dtype, (n, 1))}
+        raise NotImplementedError(f"float-quantized strategy {args.strategy!r} is not written by ctconvert")
+
+    def row_align(self, args):
+        return args.block_structure[0] if args.strategy == "block" else 1
+
+    def k_multiple(self, args):
+        return args.block_structure[1] if args.strategy == "block" else 1
+
+    def n_multiple(self, args):
+        return args.block_structure[0] if args.strategy == "block" else 1
+
+    def scale_flags_nonfinite(self, args):
+        return True
+
+    def _reference(self, w, args, global_scale):
+        if args.strategy == "block":
+            return quantize_fp8_block(w, args.block_structure)
+        return quantize_fp8_channel(w)
+
+    def _fused(self, kernels, w, args, global_scale):
+        if args.strategy == "block":
+            return kernels.fp8_block(w, args.block_structure)
+        return kernels.fp8_channel(w)
+
+    def dequantize(self, tensors, args):
+        return dequantize_unpacked(tensors, args)
+
+
+class NaiveQuantized(WeightFormat):
+    """``naive-quantized``: an unpacked ``weight`` with its scale (and zero point); read only."""
+
+    name = CompressionFormat.NAIVE_QUANTIZED
+    required = ("weight", "weight_scale")
+    writes = False
+
+    def dequantize(self, tensors, args):
+        return dequantize_unpacked(tensors, args)

@@ -43,6 +43,8 @@ import functools
 
 import torch
 
+from .common import KERNEL_DTYPES as _DT
+
 try:  # Triton is optional: CPU-only installs do not have it
     import triton
     import triton.language as tl
@@ -56,7 +58,6 @@ def available() -> bool:
     return _HAVE_TRITON and torch.cuda.is_available()
 
 
-_DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 #: launch configurations (scripts/tune_gpu.py sweeps them on a large weight)
 TUNE = {

@@ -13,7 +13,10 @@ import math
 
 import torch
 
+from .base import CompressionFormat, WeightFormat, dequantize_unpacked, expand_scale
 from .common import dtype_eps, group_absmax, group_minmax, rd, sdiv
+
+__all__ = ["IntQuantized", "PackQuantized", "int_range", "pack_int32", "pack_int32_dim0", "quantize_int", "unpack_int32"]
 
 
 def int_range(num_bits: int) -> tuple[int, int]:
@@ -116,3 +119,97 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, length: int) -> torch.Tens
 def pack_int32_dim0(q: torch.Tensor, num_bits: int) -> torch.Tensor:
     """Pack along dim 0 (zero points, §4.3): int8 ``[R, C]`` -> int32 ``[ceil(R*B/32), C]``."""
     return pack_int32(q.t().contiguous(), num_bits).t().contiguous()
+
+
+class _Integer(WeightFormat):
+    """What the two integer formats share: ``(2^B - 1)/2`` or ``2^B - 1`` divisors per group or channel."""
+
+    def row_align(self, args):
+        return 1 if args.symmetric else 32  # asymmetric zero points are packed along dim 0: 32 rows -> B words
+
+    def scale_flags_nonfinite(self, args):
+        return args.symmetric  # amax / Q; the asymmetric range (max - min) can be finite around a NaN
+
+
+class IntQuantized(_Integer):
+    """``int-quantized``: unpacked int8 ``weight [N, K]``, D ``weight_scale [N, G]`` and, when
+    asymmetric, int8 ``weight_zero_point [N, G]`` (docs/compressed-tensors-format.md §4.2)."""
+
+    name = CompressionFormat.INT_QUANTIZED
+    required = ("weight", "weight_scale")
+
+    def outputs(self, shape, dtype, args):
+        n, k = shape
+        g = 1 if args.group_size is None else k // args.group_size
+        out = {"weight": (torch.int8, (n, k)), "weight_scale": (dtype, (n, g))}
+        if not args.symmetric:
+            out["weight_zero_point"] = (torch.int8, (n, g))
+        return out
+
+    def _reference(self, w, args, global_scale):
+        return quantize_int(w, args.num_bits, args.group_size, args.symmetric)
+
+    def _fused(self, kernels, w, args, global_scale):
+        return kernels.int_quant(w, args.num_bits, args.group_size, args.symmetric, False)
+
+    def dequantize(self, tensors, args):
+        return dequantize_unpacked(tensors, args)
+
+
+class PackQuantized(_Integer):
+    """``pack-quantized``: B-bit values in int32 ``weight_packed [N, ceil(K*B/32)]`` (§5.1 bit
+    order), D ``weight_scale [N, G]``, int64 ``weight_shape [2]`` and, when asymmetric, int32
+    ``weight_zero_point [ceil(N*B/32), G]`` packed along dim 0 (docs/compressed-tensors-format.md §4.3)."""
+
+    name = CompressionFormat.PACK_QUANTIZED
+    required = ("weight_packed", "weight_scale", "weight_shape")
+
+    def outputs(self, shape, dtype, args):
+        n, k = shape
+        bits = args.num_bits
+        g = 1 if args.group_size is None else k // args.group_size
+        out = {"weight_packed": (torch.int32, (n, math.ceil(k * bits / 32))), "weight_scale": (dtype, (n, g)),
+               "weight_shape": (torch.int64, (2,))}
+        if not args.symmetric:
+            out["weight_zero_point"] = (torch.int32, (math.ceil(n * bits / 32), g))
+        return out
+
+    def dense_shape(self, shapes, args, weight_shape=None):
+        if weight_shape is not None:
+            return tuple(int(x) for x in weight_shape)
+        n, words = shapes["weight_packed"]
+        if args.strategy == "group" and args.group_size and "weight_scale" in shapes:
+            return n, shapes["weight_scale"][1] * args.group_size
+        return n, words * 32 // args.num_bits
+
+    def whole_tensor_outputs(self, shape, global_scale):
+        return {"weight_shape": torch.tensor(list(shape), dtype=torch.int64)}
+
+    def _reference(self, w, args, global_scale):
+        r = quantize_int(w, args.num_bits, args.group_size, args.symmetric)
+        out = {"weight_packed": pack_int32(r["weight"], args.num_bits), "weight_scale": r["weight_scale"]}
+        if not args.symmetric:
+            out["weight_zero_point"] = pack_int32_dim0(r["weight_zero_point"], args.num_bits)
+        return out
+
+    def _fused(self, kernels, w, args, global_scale):
+        out = kernels.int_quant(w, args.num_bits, args.group_size, args.symmetric, True)
+        if not args.symmetric:
+            out["weight_zero_point"] = pack_int32_dim0(out["weight_zero_point"], args.num_bits)
+        return out
+
+    def dequantize(self, tensors, args):
+        bits = args.num_bits
+        packed = tensors["weight_packed"]
+        shape = [int(x) for x in tensors["weight_shape"].tolist()] if "weight_shape" in tensors else None
+        n = packed.shape[0]
+        k = shape[1] if shape else packed.shape[1] * 32 // bits
+        q = unpack_int32(packed, bits, k).to(torch.float32)
+        scale = tensors["weight_scale"]
+        d = scale.dtype if scale.dtype.is_floating_point else torch.float16
+        zp = tensors.get("weight_zero_point")
+        if zp is not None:
+            if zp.dtype == torch.int32:
+                zp = unpack_int32(zp.t().contiguous(), bits, n).t()
+            q = q - expand_scale(zp, n, k, args)
+        return (q * expand_scale(scale, n, k, args)).to(d)

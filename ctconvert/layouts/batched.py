@@ -1,4 +1,4 @@
-"""Repack a batch of same-shaped modules at once (same bytes as :func:`.targets.repack_module` per module).
+"""Repack a batch of same-shaped modules at once (same bytes as :func:`.kernels.repack_module` per module).
 
 A model repeats a few Linear shapes many times (q/k/v/o, gate/up/down per
 layer), so the repack runs per *shape*, not per module: the tensors of B
@@ -11,10 +11,10 @@ launches made the repack bound by launch overhead (13 GB/s on an H200 for
 Fast paths (CUDA with Triton): ``marlin-int`` without act-order (zero points
 and bias go module by module: they are tiny), ``marlin-fp8`` with channel
 scales, ``marlin-nvfp4``. Everything else (the CPU, ``cutlass-nvfp4``,
-act-order, per-tensor FP8 scales) runs :func:`.targets.repack_module` per
+act-order, per-tensor FP8 scales) runs :func:`.kernels.repack_module` per
 module and stacks the results, so the contract is the same everywhere.
 
-The record (:func:`.targets.repack_module`'s second value) is computed once
+The record (:func:`.kernels.repack_module`'s second value) is computed once
 per batch on meta tensors; value-dependent fields (the NVFP4 ``scale_factor``)
 are filled in per module.
 """
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import marlin as M
-from . import marlin_fp as F
-from . import targets
+from . import kernels, marlin, marlin_fp8, marlin_nvfp4
 
 
 def _meta(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -41,20 +39,20 @@ def _meta(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 _PLANS: dict[tuple, tuple] = {}
 
 
-def _plan(kernel, tensors, weights, fmt, v, act_dtype):
+def _plan(kernel, tensors, weights, v, act_dtype):
     """Output shapes/dtypes and record of one module of the batch (meta tensors; cached per shape)."""
     meta = _meta(tensors)
-    key = (kernel, fmt, v, act_dtype, repr(sorted(weights.items())),
+    key = (kernel, v, act_dtype, repr(sorted(weights.items())),
            tuple(sorted((p, t.dtype, tuple(t.shape), tuple(t.tolist()) if p == "weight_shape" else None) for p, t in meta.items())))
     if key not in _PLANS:
-        _PLANS[key] = targets.repack_module(kernel, meta, weights, fmt, v, act_dtype)
+        _PLANS[key] = kernels.repack_module(kernel, meta, weights, v, act_dtype)
     outs, rec = _PLANS[key]
     return outs, dict(rec)
 
 
-def _per_module(kernel, tensors, weights, fmt, v, act_dtype):
+def _per_module(kernel, tensors, weights, v, act_dtype):
     b = next(iter(tensors.values())).shape[0]
-    res = [targets.repack_module(kernel, {p: t[i] for p, t in tensors.items()}, weights, fmt, v, act_dtype) for i in range(b)]
+    res = [kernels.repack_module(kernel, {p: t[i] for p, t in tensors.items()}, weights, v, act_dtype) for i in range(b)]
     outs = {p: torch.stack([r[0][p] for r in res]) for p in res[0][0]}
     return outs, [r[1] for r in res]
 
@@ -75,19 +73,19 @@ def _fast(kernel: str, tensors: dict[str, torch.Tensor]) -> bool:
     return kernel == "marlin-nvfp4"
 
 
-def repack_batch(kernel: str, tensors: dict[str, torch.Tensor], weights: dict, fmt: str, layout_version: str,
+def repack_batch(kernel: str, tensors: dict[str, torch.Tensor], weights: dict, layout_version: str,
                  act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Kernel-layout tensors for B modules of one shape, stacked, and one record per module.
 
     Args:
-        kernel: as :func:`.targets.choose_kernel` returns.
+        kernel: as :func:`.kernels.choose_kernel` returns.
         tensors: local part name -> ``(B, *shape)`` tensor: the modules' compressed-tensors
             tensors, stacked (same shapes, dtypes and ``weight_shape`` values).
-        weights, fmt, layout_version, act_dtype: as :func:`.targets.repack_module`.
+        weights, layout_version, act_dtype: as :func:`.kernels.repack_module`.
 
     Returns:
         ``(outs, records)``: part name -> ``(B, *kernel_shape)`` and B records,
-        each equal to what :func:`.targets.repack_module` gives for that module.
+        each equal to what :func:`.kernels.repack_module` gives for that module.
 
     Raises:
         ValueError: shapes the kernel rejects, or modules whose ``weight_shape`` differ.
@@ -95,8 +93,8 @@ def repack_batch(kernel: str, tensors: dict[str, torch.Tensor], weights: dict, f
     if "weight_shape" in tensors and not bool((tensors["weight_shape"] == tensors["weight_shape"][:1]).all()):
         raise ValueError("a batch must hold modules of one shape")
     if not _fast(kernel, tensors):
-        return _per_module(kernel, tensors, weights, fmt, layout_version, act_dtype)
-    meta_outs, rec = _plan(kernel, tensors, weights, fmt, layout_version, act_dtype)
+        return _per_module(kernel, tensors, weights, layout_version, act_dtype)
+    meta_outs, rec = _plan(kernel, tensors, weights, layout_version, act_dtype)
     b = next(iter(tensors.values())).shape[0]
     if kernel == "marlin-int":
         outs = _marlin_int(tensors, rec)
@@ -121,15 +119,15 @@ def _marlin_int(t: dict[str, torch.Tensor], rec: dict) -> dict[str, torch.Tensor
     n, k, bits, g, v = rec["size_n"], rec["size_k"], rec["num_bits"], rec["group_size"], rec["layout_version"]
     pn, pk = rec["padded_n"], rec["padded_k"]
     out = {"weight_packed": gpu.marlin_tiles(t["weight_packed"], bits, n, k, pn, pk)}
-    ng, _, _, pg = M._scale_dims(k, n, g, v)
+    ng, _, _, pg = marlin.scale_dims(k, n, g, v)
     s = t["weight_scale"]  # (B, N, G)
     if s.shape[1:] != (n, ng):
         raise ValueError(f"weight_scale must be (N, G) = ({n}, {ng}), got {tuple(s.shape[1:])}")
-    out["weight_scale"] = gpu.permute_scales(s, pg, pn, M._scale_perm_for(g, pk))
+    out["weight_scale"] = gpu.permute_scales(s, pg, pn, marlin.scale_perm_for(g, pk))
     if "weight_zero_point" in t:
-        out["weight_zero_point"] = torch.stack([M.marlin_zero_points(z, k, n, bits, v, group_size=g) for z in t["weight_zero_point"]])
+        out["weight_zero_point"] = torch.stack([marlin.marlin_zero_points(z, k, n, bits, v, group_size=g) for z in t["weight_zero_point"]])
     if "bias" in t:
-        out["bias"] = torch.stack([M.marlin_permute_bias(x, k, n, g, v) for x in t["bias"]])
+        out["bias"] = torch.stack([marlin.marlin_permute_bias(x, k, n, g, v) for x in t["bias"]])
     return out
 
 
@@ -137,12 +135,12 @@ def _marlin_fp8(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype) -
     from . import gpu
 
     n, k, v = rec["size_n"], rec["size_k"], rec["layout_version"]
-    pn, pk = M.marlin_padded_nk(n, k, -1, v)
+    pn, pk = marlin.marlin_padded_nk(n, k, -1, v)
     w = t["weight"]
     words = w.view(torch.uint8).view(torch.int32)  # (B, N, K/4): byte j of a word = k element 4i+j (§5.1)
     s = t["weight_scale"].to(torch.float32).to(act_dtype)  # fp8_expand_scales, channel (§5.1 step 2)
-    permuted = gpu.permute_scales(s, 1, pn, M._scale_perms()[1])
-    out = {"weight": gpu.marlin_tiles(words, 8, n, k, pn, pk), "weight_scale": F.fp8_fold_exponent_bias(permuted),
+    permuted = gpu.permute_scales(s, 1, pn, marlin.scale_perms()[1])
+    out = {"weight": gpu.marlin_tiles(words, 8, n, k, pn, pk), "weight_scale": marlin_fp8.fp8_fold_exponent_bias(permuted),
            "weight_scale_source": t["weight_scale"]}
     if "bias" in t:
         out["bias"] = t["bias"]
@@ -153,18 +151,18 @@ def _marlin_nvfp4(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype,
     from . import gpu
 
     n, k = rec["size_n"], rec["size_k"]
-    g = F.NVFP4_GROUP_SIZE
-    pn, pk = M.marlin_padded_nk(n, k, g, v)
+    g = marlin_nvfp4.NVFP4_GROUP_SIZE
+    pn, pk = marlin.marlin_padded_nk(n, k, g, v)
     ws = t["weight_scale"].view(torch.uint8)  # (B, N, K/16) e4m3 bytes
     b = ws.shape[0]
     # sf from the largest positive finite scale of each module
-    sf = F.nvfp4_scale_factor_from_max(gpu.e4m3_top(ws), act_dtype, v)
-    perm = M._scale_perms()[0]
-    idx = perm[(torch.arange(64) // 4) * 4 + torch.tensor(F._REORDER4).repeat(16)]  # scale_perm, then [0,2,1,3] per 4
+    sf = marlin_nvfp4.nvfp4_scale_factor_from_max(gpu.e4m3_top(ws), act_dtype, v)
+    perm = marlin.scale_perms()[0]
+    idx = perm[(torch.arange(64) // 4) * 4 + torch.tensor(marlin_nvfp4.REORDER4).repeat(16)]  # scale_perm, then [0,2,1,3] per 4
     codes = gpu.permute_scales(ws, pk // g, pn, idx, sf)
     words = t["weight_packed"].view(torch.int32)  # (B, N, K/8), nibble j of a word = k element 8i+j
     gs = t["weight_global_scale"].reshape(b, -1)
-    _, marlin_gs = F.nvfp4_marlin_global_scale(gs, act_dtype, sf, dim=1)
+    _, marlin_gs = marlin_nvfp4.nvfp4_marlin_global_scale(gs, act_dtype, sf, dim=1)
     out = {"weight_packed": gpu.marlin_tiles(words, 4, n, k, pn, pk), "weight_scale": codes.view(torch.float8_e4m3fn),
            "weight_global_scale": marlin_gs, "weight_scale_source": t["weight_scale"],
            "weight_global_scale_source": t["weight_global_scale"]}

@@ -1,4 +1,4 @@
-"""NVFP4 tensors for vLLM's CUTLASS / FlashInfer W4A4 kernels (kernel-layouts.md §6).
+"""NVFP4 tensors for vLLM's CUTLASS / FlashInfer W4A4 kernels (docs/kernel-layouts.md §6).
 
 Everything here is pure index math or exact IEEE arithmetic on whole tensors:
 no Python loops over elements, no host synchronisation (unless a ``check_*``
@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+
+from .common import LayoutTypeError, round_up
 
 __all__ = [
     "SWIZZLE_ATOM_ROWS",
@@ -36,15 +38,11 @@ SWIZZLE_ATOM_ROWS = 128
 SWIZZLE_ATOM_COLS = 4
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def _check_one_byte(t: torch.Tensor, name: str) -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise LayoutTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.element_size() != 1 or t.is_complex() or t.dtype == torch.bool:
-        raise TypeError(f"{name} must be float8_e4m3fn or uint8 (1-byte elements), got {t.dtype}")
+        raise LayoutTypeError(f"{name} must be float8_e4m3fn or uint8 (1-byte elements), got {t.dtype}")
 
 
 # ---------------------------------------------------------------------------
@@ -78,7 +76,7 @@ def swizzle_blockscale(scale: torch.Tensor) -> torch.Tensor:
     if src.ndim == 2:
         src = src.unsqueeze(0)
     b, m, kb = src.shape
-    mp, kp = _round_up(m, SWIZZLE_ATOM_ROWS), _round_up(kb, SWIZZLE_ATOM_COLS)
+    mp, kp = round_up(m, SWIZZLE_ATOM_ROWS), round_up(kb, SWIZZLE_ATOM_COLS)
     buf = torch.zeros((b, mp, kp), dtype=torch.uint8, device=scale.device)
     buf[:, :m, :kb] = src
     # (b, mt, m4, m32, kt, k4) -> (b, mt, kt, m32, m4, k4)
@@ -115,7 +113,7 @@ def unswizzle_blockscale(
         raise ValueError(f"swizzled must be 2-D or 3-D, got shape {tuple(swizzled.shape)}")
     if M < 0 or K_blocks < 0:
         raise ValueError(f"M and K_blocks must be >= 0, got {M}, {K_blocks}")
-    mp, kp = _round_up(M, SWIZZLE_ATOM_ROWS), _round_up(K_blocks, SWIZZLE_ATOM_COLS)
+    mp, kp = round_up(M, SWIZZLE_ATOM_ROWS), round_up(K_blocks, SWIZZLE_ATOM_COLS)
     if tuple(swizzled.shape[-2:]) != (mp, kp):
         raise ValueError(
             f"swizzled has shape {tuple(swizzled.shape)}, expected (..., {mp}, {kp}) "
@@ -167,8 +165,8 @@ def pad_nvfp4_weight(weight_packed: torch.Tensor, alignment: int = 32) -> tuple[
     if weight_packed.ndim != 2:
         raise ValueError(f"weight_packed must be 2-D (N, K/2), got shape {tuple(weight_packed.shape)}")
     n, kbytes = weight_packed.shape
-    np_ = _round_up(n, alignment)
-    pad_bytes = (_round_up(2 * kbytes, alignment) - 2 * kbytes) // 2
+    np_ = round_up(n, alignment)
+    pad_bytes = (round_up(2 * kbytes, alignment) - 2 * kbytes) // 2
     if np_ == n and pad_bytes == 0:
         return weight_packed.contiguous(), 0
     out = torch.zeros((np_, kbytes + pad_bytes), dtype=torch.uint8, device=weight_packed.device)
@@ -214,7 +212,7 @@ def unpad_nvfp4_weight(
 
 def _check_float_tensor(t: torch.Tensor, name: str) -> None:
     if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.element_size() < 2:
-        raise TypeError(f"{name} must be a float tensor (fp16/bf16/fp32), got {getattr(t, 'dtype', type(t))}")
+        raise LayoutTypeError(f"{name} must be a float tensor (fp16/bf16/fp32), got {getattr(t, 'dtype', type(t))}")
     if t.numel() == 0:
         raise ValueError(f"{name} is empty")
 

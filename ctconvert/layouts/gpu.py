@@ -1,4 +1,4 @@
-"""Triton kernels for the Marlin layouts on CUDA (kernel-layouts.md §3.1, §4, §5.2).
+"""Triton kernels for the Marlin layouts on CUDA (docs/kernel-layouts.md §3.1, §4, §5.2).
 
 * :func:`marlin_tiles`: compressed-tensors (or GPTQ) words -> Marlin weight tiles,
   for a batch of same-shaped modules in one launch. The source is addressed
@@ -15,7 +15,7 @@
   (plus, for NVFP4, the ``[0,2,1,3]`` reorder and the S0E5M3 encoding of §5.2
   step 3) in one pass over a batch.
 
-Same bytes as the torch paths in :mod:`.marlin` and :mod:`.marlin_fp` (the
+Same bytes as the torch paths in :mod:`.marlin`, :mod:`.marlin_fp8` and :mod:`.marlin_nvfp4` (the
 tests compare them on CUDA).
 """
 

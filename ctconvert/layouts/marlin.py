@@ -6,8 +6,7 @@ value is converted, and every function runs unchanged on CUDA tensors (the small
 index vectors are moved to the input's device). Every forward transform has an
 exact inverse that gives back the input bit for bit.
 
-Sections (§) refer to ``docs/kernel-layouts.md`` (the shared copy in
-``/work/shared/docs``). Conventions (§0.2): ``K`` = in-features, ``N`` =
+Sections (§) refer to ``docs/kernel-layouts.md``. Conventions (§0.2): ``K`` = in-features, ``N`` =
 out-features, both per tensor-parallel partition; ``pf = 32 // num_bits``; the
 GPTQ layout is int32 ``(K/pf, N)`` whose word ``(i, n)`` holds ``W[i*pf + j, n]``
 in bits ``[j*bits, (j+1)*bits)``; all int32 words are little-endian.
@@ -36,10 +35,11 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import sys
 
 import torch
+
+from .common import check_tensor, int_view, parse_version, round_up
 
 __all__ = [
     "pack_quantized_to_gptq",
@@ -54,6 +54,9 @@ __all__ = [
     "marlin_unpermute_bias",
     "marlin_zero_points",
     "marlin_unzero_points",
+    "scale_dims",
+    "scale_perm_for",
+    "scale_perms",
 ]
 
 if sys.byteorder != "little":  # pragma: no cover - every torch target is little-endian
@@ -69,15 +72,6 @@ _LAST_ACT_ORDER = (0, 29)  # §0.1, §3.3
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _parse_version(layout_version: str) -> tuple[int, int]:
-    m = re.fullmatch(r"v?(\d+)\.(\d+)(?:\.\d+)?(?:[.+-].*)?", str(layout_version).strip())
-    if m is None:
-        raise ValueError(
-            f"layout_version must be a vLLM release like '0.33' or '0.29.0', got {layout_version!r}"
-        )
-    return int(m.group(1)), int(m.group(2))
 
 
 def _check_bits(num_bits: int) -> int:
@@ -109,15 +103,6 @@ def _num_groups(size_k: int, group_size: int) -> int:
 def _padded_groups(padded_k: int, group_size: int) -> int:
     """G after padding (vLLM's ``marlin_pad_scales``: ``padded_k // group``; §3.4 step 3)."""
     return 1 if group_size == -1 else max(1, padded_k // group_size)
-
-
-def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | None, shape: tuple[int, ...]) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtype is not None and t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
 def _unpack_words(words: torch.Tensor, num_bits: int) -> torch.Tensor:
@@ -182,7 +167,7 @@ def _tile_src_index(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=None)
-def _scale_perms() -> tuple[torch.Tensor, torch.Tensor]:
+def scale_perms() -> tuple[torch.Tensor, torch.Tensor]:
     """``scale_perm`` (64: ``i + 8j``, an 8x8 transpose) and ``scale_perm_single``
     (32: ``2i + {0,1,8,9,16,17,24,25}``), int64 on the CPU (§4 ``get_scale_perms``)."""
     grouped = (torch.arange(8).view(8, 1) + 8 * torch.arange(8).view(1, 8)).reshape(-1)
@@ -194,7 +179,7 @@ def _scale_perms() -> tuple[torch.Tensor, torch.Tensor]:
 def _zp_perm(num_bits: int) -> torch.Tensor:
     """One 64-entry gather for zero points: ``scale_perm``, then the per-8 (4-bit,
     ``[0,2,4,6,1,3,5,7]``) or per-4 (8-bit, ``[0,2,1,3]``) interleave (§4)."""
-    grouped, _ = _scale_perms()
+    grouped, _ = scale_perms()
     il = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7] if num_bits == 4 else [0, 2, 1, 3])
     n = il.numel()
     pos = (torch.arange(64) // n) * n + il.repeat(64 // n)
@@ -232,16 +217,9 @@ def _pad2(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
-def _as_int_bits(x: torch.Tensor) -> torch.Tensor:
-    """Reinterpret any tensor as same-size integers (so -0.0 and NaN payloads count as non-zero bits)."""
-    if not (x.is_floating_point() or x.is_complex()):
-        return x
-    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
-
-
 def _unpad2(x: torch.Tensor, rows: int, cols: int, check: bool, what: str) -> torch.Tensor:
     if check and tuple(x.shape) != (rows, cols):
-        bits = _as_int_bits(x)
+        bits = int_view(x)
         if bool(bits[rows:].any()) or bool(bits[:, cols:].any()):
             raise ValueError(f"{what}: the padding region (§3.4) holds non-zero bits; not a tensor built by vLLM")
     return _rowmajor(x[:rows, :cols])
@@ -262,7 +240,7 @@ def _resolve_act_order(perm, size_k, size_n, layout_version, device):
     """Validate ``perm`` against the version and shape rules; return int64 perm or None (§3.3)."""
     if perm is None or (isinstance(perm, torch.Tensor) and perm.numel() == 0):
         return None  # vLLM passes an empty perm for "no act-order"
-    if _parse_version(layout_version) > _LAST_ACT_ORDER:
+    if parse_version(layout_version) > _LAST_ACT_ORDER:
         raise ValueError(
             f"act-order (perm) was removed in vLLM 0.30 (§0.1, §3.3); layout_version {layout_version!r} has none"
         )
@@ -306,7 +284,7 @@ def pack_quantized_to_gptq(weight_packed: torch.Tensor, num_bits: int, size_k: i
         raise ValueError(f"size_k {size_k} must be a multiple of the pack factor {pf} (§2)")
     if not isinstance(weight_packed, torch.Tensor) or weight_packed.dim() != 2:
         raise ValueError("weight_packed must be a 2-D tensor (N, K*bits/32) (§2)")
-    _check_tensor("weight_packed", weight_packed, torch.int32, (weight_packed.shape[0], size_k // pf))
+    check_tensor(weight_packed, "weight_packed", torch.int32, (weight_packed.shape[0], size_k // pf))
     return _rowmajor(weight_packed.t()) if copy else weight_packed.t()
 
 
@@ -331,7 +309,7 @@ def gptq_to_pack_quantized(q_w: torch.Tensor, num_bits: int, size_k: int) -> tor
         raise ValueError(f"size_k {size_k} must be a multiple of the pack factor {pf} (§2)")
     if not isinstance(q_w, torch.Tensor) or q_w.dim() != 2:
         raise ValueError("q_w must be a 2-D tensor (K*bits/32, N) (§0.2)")
-    _check_tensor("q_w", q_w, torch.int32, (size_k // pf, q_w.shape[1]))
+    check_tensor(q_w, "q_w", torch.int32, (size_k // pf, q_w.shape[1]))
     return _rowmajor(q_w.t())
 
 
@@ -365,7 +343,7 @@ def marlin_padded_nk(size_n: int, size_k: int, group_size: int, layout_version: 
     _check_positive("size_n", size_n)
     _check_positive("size_k", size_k)
     _check_group(group_size, size_k)
-    if _parse_version(layout_version) < _PADDING_SINCE:
+    if parse_version(layout_version) < _PADDING_SINCE:
         if size_n % _STRICT_N or size_k % _STRICT_K:
             raise ValueError(
                 f"vLLM {layout_version} has no Marlin tile padding and needs N % 64 == 0 and K % 128 == 0 "
@@ -373,13 +351,10 @@ def marlin_padded_nk(size_n: int, size_k: int, group_size: int, layout_version: 
             )
         return size_n, size_k
 
-    def up(x: int, m: int) -> int:
-        return -(-x // m) * m
-
     g = group_size if group_size > 0 else 1
     candidates = (
-        (up(size_n, 64), up(size_k, math.lcm(128, g))),
-        (up(size_n, 128), up(size_k, math.lcm(64, g))),
+        (round_up(size_n, 64), round_up(size_k, math.lcm(128, g))),
+        (round_up(size_n, 128), round_up(size_k, math.lcm(64, g))),
     )
     return min(candidates, key=lambda nk: (nk[0] * nk[1], nk[0] + nk[1]))
 
@@ -442,7 +417,7 @@ def marlin_repack(
     """
     act = _resolve_act_order(perm, size_k, size_n, layout_version, getattr(q_w, "device", None))
     pf, padded_n, padded_k = _repack_dims(size_k, size_n, num_bits, group_size, layout_version, act is not None)
-    _check_tensor("q_w", q_w, torch.int32, (size_k // pf, size_n))
+    check_tensor(q_w, "q_w", torch.int32, (size_k // pf, size_n))
 
     if act is None:  # Triton (CUDA) or C (CPU): read q_w in place (padding reads as zero), write the tiles once
         if q_w.is_cuda:
@@ -498,7 +473,7 @@ def marlin_unrepack(
     pf, padded_n, padded_k = _repack_dims(size_k, size_n, num_bits, group_size, layout_version, act is not None)
     kt, nt = padded_k // _TILE_K, padded_n // _TILE_N
     words_per_tile = (_TILE_K * _TILE_N) // pf
-    _check_tensor("marlin_q_w", marlin_q_w, torch.int32, (kt, nt * words_per_tile))
+    check_tensor(marlin_q_w, "marlin_q_w", torch.int32, (kt, nt * words_per_tile))
 
     vals = _unpack_words(marlin_q_w.reshape(kt, nt, words_per_tile), num_bits)  # (kt, nt, T, pf)
     _, inv = _tile_src_index(num_bits)
@@ -538,15 +513,17 @@ def marlin_sort_g_idx(g_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------- §4 scales and bias
 
 
-def _scale_dims(size_k, size_n, group_size, layout_version):
+def scale_dims(size_k: int, size_n: int, group_size: int, layout_version: str) -> tuple[int, int, int, int]:
+    """``(G, padded_n, padded_k, padded_G)`` of a module's scales (§2, §3.4 step 3). Raises ``ValueError``."""
     _check_positive("size_k", size_k)
     _check_positive("size_n", size_n)
     padded_n, padded_k = marlin_padded_nk(size_n, size_k, group_size, layout_version)
     return _num_groups(size_k, group_size), padded_n, padded_k, _padded_groups(padded_k, group_size)
 
 
-def _scale_perm_for(group_size: int, padded_k: int) -> torch.Tensor:
-    grouped, single = _scale_perms()
+def scale_perm_for(group_size: int, padded_k: int) -> torch.Tensor:
+    """The scale permutation vLLM applies: ``scale_perm`` for groups smaller than the padded K, else ``scale_perm_single`` (§4)."""
+    grouped, single = scale_perms()
     # vLLM: grouped iff group_size != -1 and group_size < size_k, with the *padded* K (§4)
     return grouped if group_size != -1 and group_size < padded_k else single
 
@@ -576,10 +553,10 @@ def marlin_permute_scales(
     Raises:
         ValueError: bad sizes/group/version, s not 2-D ``(G, size_n)``.
     """
-    g, padded_n, padded_k, padded_g = _scale_dims(size_k, size_n, group_size, layout_version)
-    _check_tensor("s", s, None, (g, size_n))
+    g, padded_n, padded_k, padded_g = scale_dims(size_k, size_n, group_size, layout_version)
+    check_tensor(s, "s", None, (g, size_n))
     s = _pad2(s, padded_g, padded_n)
-    return _gather_last(s, _scale_perm_for(group_size, padded_k)).reshape(padded_g, padded_n)
+    return _gather_last(s, scale_perm_for(group_size, padded_k)).reshape(padded_g, padded_n)
 
 
 def marlin_unpermute_scales(
@@ -605,9 +582,9 @@ def marlin_unpermute_scales(
     Raises:
         ValueError: bad arguments, a wrong shape, or non-zero padding.
     """
-    g, padded_n, padded_k, padded_g = _scale_dims(size_k, size_n, group_size, layout_version)
-    _check_tensor("marlin_s", marlin_s, None, (padded_g, padded_n))
-    inv = _inverse(_scale_perm_for(group_size, padded_k))
+    g, padded_n, padded_k, padded_g = scale_dims(size_k, size_n, group_size, layout_version)
+    check_tensor(marlin_s, "marlin_s", None, (padded_g, padded_n))
+    inv = _inverse(scale_perm_for(group_size, padded_k))
     s = _gather_last(marlin_s, inv).reshape(padded_g, padded_n)
     return _unpad2(s, g, size_n, check_padding, "marlin_s")
 
@@ -630,10 +607,10 @@ def marlin_permute_bias(
     Raises:
         ValueError: bad arguments or b not ``(size_n,)``.
     """
-    _, padded_n, _, _ = _scale_dims(size_k, size_n, group_size, layout_version)
-    _check_tensor("b", b, None, (size_n,))
+    _, padded_n, _, _ = scale_dims(size_k, size_n, group_size, layout_version)
+    check_tensor(b, "b", None, (size_n,))
     b = _pad2(b.reshape(1, size_n), 1, padded_n)
-    return _gather_last(b, _scale_perms()[1]).reshape(padded_n)
+    return _gather_last(b, scale_perms()[1]).reshape(padded_n)
 
 
 def marlin_unpermute_bias(
@@ -658,9 +635,9 @@ def marlin_unpermute_bias(
     Raises:
         ValueError: bad arguments, a wrong shape, or non-zero padding.
     """
-    _, padded_n, _, _ = _scale_dims(size_k, size_n, group_size, layout_version)
-    _check_tensor("marlin_b", marlin_b, None, (padded_n,))
-    b = _gather_last(marlin_b, _inverse(_scale_perms()[1])).reshape(1, padded_n)
+    _, padded_n, _, _ = scale_dims(size_k, size_n, group_size, layout_version)
+    check_tensor(marlin_b, "marlin_b", None, (padded_n,))
+    b = _gather_last(marlin_b, _inverse(scale_perms()[1])).reshape(1, padded_n)
     return _unpad2(b, 1, size_n, check_padding, "marlin_b").reshape(size_n)
 
 
@@ -669,7 +646,7 @@ def marlin_unpermute_bias(
 
 def _zp_dims(size_k, size_n, num_bits, group_size, layout_version):
     pf = _check_bits(num_bits)
-    g, padded_n, padded_k, padded_g = _scale_dims(size_k, size_n, group_size, layout_version)
+    g, padded_n, padded_k, padded_g = scale_dims(size_k, size_n, group_size, layout_version)
     if size_n % pf:
         raise ValueError(f"size_n {size_n} must be a multiple of the pack factor {pf} (vLLM's unpack_cols, §4)")
     return pf, g, padded_n, padded_g
@@ -709,7 +686,7 @@ def marlin_zero_points(
         ValueError: bad bits/sizes/group/version, zp not int32 of that shape.
     """
     pf, g, padded_n, padded_g = _zp_dims(size_k, size_n, num_bits, group_size, layout_version)
-    _check_tensor("zp", zp, torch.int32, (size_n // pf, g))
+    check_tensor(zp, "zp", torch.int32, (size_n // pf, g))
     z = _unpack_words(zp, num_bits).permute(1, 0, 2).reshape(g, size_n)  # unpack_cols(zp.T): (G, N)
     z = _pad2(z, padded_g, padded_n)
     z = _gather_last(z, _zp_perm(num_bits)).reshape(padded_g, padded_n // pf, pf)
@@ -741,7 +718,7 @@ def marlin_unzero_points(
         ValueError: bad arguments, a wrong shape/dtype, or non-zero padding.
     """
     pf, g, padded_n, padded_g = _zp_dims(size_k, size_n, num_bits, group_size, layout_version)
-    _check_tensor("marlin_zp", marlin_zp, torch.int32, (padded_g, padded_n // pf))
+    check_tensor(marlin_zp, "marlin_zp", torch.int32, (padded_g, padded_n // pf))
     z = _unpack_words(marlin_zp, num_bits).reshape(padded_g, padded_n)
     z = _gather_last(z, _inverse(_zp_perm(num_bits))).reshape(padded_g, padded_n)
     z = _unpad2(z, g, size_n, check_padding, "marlin_zp")

@@ -1,4 +1,4 @@
-"""Batched repack (layouts.batched) == per-module repack (layouts.targets), bit for bit.
+"""Batched repack (layouts.batched) == per-module repack (layouts.kernels), bit for bit.
 
 On the CPU ``repack_batch`` runs module by module; on CUDA it runs the Triton
 kernels (one launch per batch). Both are compared with the per-module torch
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctconvert.layouts import batched, targets
+from ctconvert.layouts import batched, kernels
 from helpers import DEVICES, bitwise_equal
 
 B = 3
@@ -66,9 +66,9 @@ def _cases():
 @pytest.mark.parametrize("case", range(len(_cases())))
 def test_batch_equals_per_module(device, act, case):
     kernel, t, w, fmt = _cases()[case]
-    outs, recs = batched.repack_batch(kernel, {p: x.to(device) for p, x in t.items()}, w, fmt, "0.33", act)
+    outs, recs = batched.repack_batch(kernel, {p: x.to(device) for p, x in t.items()}, w, "0.33", act)
     for i in range(B):
-        ref, rec = targets.repack_module(kernel, {p: x[i] for p, x in t.items()}, w, fmt, "0.33", act)
+        ref, rec = kernels.repack_module(kernel, {p: x[i] for p, x in t.items()}, w, "0.33", act)
         assert outs.keys() == ref.keys()
         for p in ref:
             assert bitwise_equal(outs[p][i], ref[p]), (kernel, p, i)
@@ -81,4 +81,4 @@ def test_batch_of_mixed_shapes_is_refused():
     _, t, w, fmt = _int_case(torch.Generator().manual_seed(0), 64, 128, -1, 4)
     t["weight_shape"][1] = torch.tensor([64, 120])
     with pytest.raises(ValueError, match="one shape"):
-        batched.repack_batch("marlin-int", t, w, fmt, "0.33", torch.bfloat16)
+        batched.repack_batch("marlin-int", t, w, "0.33", torch.bfloat16)

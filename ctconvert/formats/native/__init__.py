@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from ... import cbuild
+from ..common import KERNEL_DTYPES as _DT
 
 _SRC = Path(__file__).with_name("quant.c")
-_DT = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _LIB = cbuild.Library(_SRC, {
     "ct_fp8_channel": ([_p, _i32, _i64, _i64, _p, _p], None),
@@ -43,9 +43,6 @@ def _L() -> ctypes.CDLL:
     return lib
 
 
-_parallel_rows = cbuild.parallel_ranges
-
-
 def _ptr(t: torch.Tensor, row0: int = 0) -> int:
     return t.data_ptr() + row0 * (t.stride(0) if t.dim() else 0) * t.element_size()
 
@@ -62,7 +59,7 @@ def fp8_channel(w: torch.Tensor) -> dict[str, torch.Tensor]:
     n, k = w.shape
     q = torch.empty(n, k, dtype=torch.uint8)
     s = torch.empty(n, 1, dtype=w.dtype)
-    _parallel_rows(n, 1, lambda a, b: _L().ct_fp8_channel(_ptr(w, a), dt, b - a, k, _ptr(q, a), _ptr(s, a)))
+    cbuild.parallel_ranges(n, 1, lambda a, b: _L().ct_fp8_channel(_ptr(w, a), dt, b - a, k, _ptr(q, a), _ptr(s, a)))
     return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
 
 
@@ -73,7 +70,7 @@ def fp8_block(w: torch.Tensor, block: tuple[int, int]) -> dict[str, torch.Tensor
     bh, bw = block
     q = torch.empty(n, k, dtype=torch.uint8)
     s = torch.empty(-(-n // bh), -(-k // bw), dtype=w.dtype)
-    _parallel_rows(n, bh, lambda a, b: _L().ct_fp8_block(_ptr(w, a), dt, b - a, k, bh, bw, _ptr(q, a), _ptr(s, a // bh)))
+    cbuild.parallel_ranges(n, bh, lambda a, b: _L().ct_fp8_block(_ptr(w, a), dt, b - a, k, bh, bw, _ptr(q, a), _ptr(s, a // bh)))
     return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
 
 
@@ -96,7 +93,7 @@ def int_quant(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric:
         _L().ct_int(_ptr(w, a), dt, b - a, k, g, num_bits, int(symmetric), int(pack), _ptr(out, a), _ptr(s, a),
                     _ptr(zp, a) if zp is not None else None, tmp.data_ptr())
 
-    _parallel_rows(n, 1, run)
+    cbuild.parallel_ranges(n, 1, run)
     res = {"weight_packed" if pack else "weight": out, "weight_scale": s}
     if zp is not None:
         res["weight_zero_point"] = zp
@@ -110,7 +107,7 @@ def nvfp4(w: torch.Tensor, global_scale: torch.Tensor) -> dict[str, torch.Tensor
     gs = float(global_scale.reshape(-1)[0])
     packed = torch.empty(n, k // 2, dtype=torch.uint8)
     s = torch.empty(n, k // 16, dtype=torch.uint8)
-    _parallel_rows(n, 1, lambda a, b: _L().ct_nvfp4(_ptr(w, a), dt, b - a, k, gs, _ptr(packed, a), _ptr(s, a)))
+    cbuild.parallel_ranges(n, 1, lambda a, b: _L().ct_nvfp4(_ptr(w, a), dt, b - a, k, gs, _ptr(packed, a), _ptr(s, a)))
     return {"weight_packed": packed, "weight_scale": s.view(torch.float8_e4m3fn)}
 
 
@@ -126,7 +123,7 @@ def mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
         if _L().ct_mxfp4(_ptr(w, a), dt, b - a, k, _ptr(packed, a), _ptr(s, a)):
             errs.append((a, b))
 
-    _parallel_rows(n, 1, run)
+    cbuild.parallel_ranges(n, 1, run)
     if errs:
         raise ValueError(f"MXFP4 scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
     return {"weight_packed": packed, "weight_scale": s}
@@ -143,7 +140,7 @@ def absmax(w: torch.Tensor) -> tuple[float, int]:
         bad = _L().ct_absmax(flat.data_ptr() + a * flat.element_size(), dt, b - a, ctypes.byref(out))
         res.append((out.value, bad))
 
-    _parallel_rows(flat.numel(), 4096, run)
+    cbuild.parallel_ranges(flat.numel(), 4096, run)
     if not res:
         return 0.0, 0
     return max(r[0] for r in res), sum(r[1] for r in res)

@@ -247,7 +247,7 @@ def test_several_workers_write_the_same_bytes(tiny_llama, tmp_path):
 
 
 def test_device_spec_errors():
-    from ctconvert.pipeline import resolve_devices
+    from ctconvert.pipeline.devices import resolve_devices
 
     assert [str(d) for d in resolve_devices("cpu")] == ["cpu"]
     with pytest.raises(UsageError, match="CUDA"):

@@ -8,7 +8,7 @@ import torch
 from conftest import write_checkpoint
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.errors import UnsupportedError, UsageError
-from ctconvert.plan import make_plan
+from ctconvert.plan.planner import make_plan
 
 
 def bf(*shape):

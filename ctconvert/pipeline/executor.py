@@ -11,89 +11,65 @@ NVFP4 needs one absmax over each fused set before any member is quantized
 once and held (on the device) until its global scale is known; a larger set
 is read twice (absmax pass, then quantize pass).
 
-This is the only module that knows about devices, threads and progress.
+With a kernel-native target (``quantize --target``) each module's finished
+tensors go through :attr:`ExecOptions.repack` on the device before they are
+written. This package is the only place that knows about devices, threads and
+progress.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .checkpoint.reader import Checkpoint
-from .checkpoint.safetensors_io import ShardFile, TensorInfo, iter_row_chunks, map_rows, read_bytes, read_rows
-from .errors import BadInputError, UsageError
-from .formats import native
-from .formats.common import tensor_absmax
-from .formats.fp4 import nvfp4_global_scale
-from .plan import Plan, Unit
+from ..checkpoint.reader import Checkpoint
+from ..checkpoint.safetensors_io import ShardFile, TensorInfo, iter_row_chunks, map_rows, read_bytes, read_rows
+from ..errors import BadInputError
+from ..formats import native
+from ..formats.common import tensor_absmax
+from ..formats.fp4 import nvfp4_global_scale
+from ..plan.planner import Plan, WorkUnit
+
+__all__ = ["DEFAULT_CHUNK_ELEMS", "DEFAULT_HOLD_BYTES", "ExecOptions", "Read", "execute", "make_reads", "split_units"]
 
 COPY_CHUNK_BYTES = 64 * 2**20
 DEFAULT_CHUNK_ELEMS = 4 * 2**20
 DEFAULT_HOLD_BYTES = 1 << 30
 READ_AHEAD = 3
-MAP_INPUT = os.environ.get("CTCONVERT_MMAP", "1") != "0"  # CPU: chunks are views of the file, not copies
 WRITE_BEHIND = 8
+
+
+def map_input_default() -> bool:
+    """Whether CPU runs map the input files (chunks are views of the page cache, not copies): yes, unless
+    the environment says ``CTCONVERT_MMAP=0``."""
+    return os.environ.get("CTCONVERT_MMAP", "1") != "0"
 
 
 @dataclass
 class ExecOptions:
+    """How the executor runs. ``impl``: quantizer implementation (see ``WeightFormat.quantize``);
+    ``map_input``: on the CPU, read row chunks as views of the mapped file; ``repack``: the
+    kernel-layout step, ``(module, {part: whole tensor}) -> {part: tensor}``
+    (:class:`ctconvert.plan.layout.LayoutStage`), or None to write compressed-tensors tensors."""
+
     device: torch.device
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     hold_bytes: int = DEFAULT_HOLD_BYTES
     progress: object | None = None  # anything with .update(nbytes)
     impl: str = "auto"
     hashes: dict | None = None  # source tensor name -> hasher, fed as the bytes stream by
-    post: object | None = None  # (module, {part: whole tensor}) -> {part: tensor}: e.g. a kernel layout (repack.KernelTarget)
-
-
-def resolve_devices(spec: str | None) -> list[torch.device]:
-    """Parse ``--device``: ``auto``, ``cpu``, ``cuda``, ``cuda:N``, a list (``cuda:0,1`` or
-    ``cuda:0,cuda:1``), or ``all`` (every CUDA device). Raises :class:`UsageError`."""
-    s = (spec or "auto").strip().lower()
-    if s == "all":
-        if not torch.cuda.is_available():
-            raise UsageError("--device all needs CUDA devices, and none is available")
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    if "," in s:
-        parts = [p.strip() for p in s.split(",") if p.strip()]
-        out = []
-        for p in parts:
-            if p.isdigit():
-                p = f"cuda:{p}"
-            out.append(resolve_device(p))
-        if len(set(out)) != len(out) and any(d.type == "cuda" for d in out):
-            raise UsageError(f"device {spec!r} names a GPU twice")
-        return out
-    return [resolve_device(s)]
-
-
-def resolve_device(spec: str | None) -> torch.device:
-    """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``."""
-    s = (spec or "auto").strip().lower()
-    if s == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(s)
-    except RuntimeError:
-        raise UsageError(f"unknown device {spec!r}; use auto, cpu, cuda or cuda:N") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise UsageError(f"unsupported device {spec!r}; use auto, cpu, cuda or cuda:N")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"device {spec!r} requested but CUDA is not available")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UsageError(f"device {spec!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
-    return dev
+    repack: object | None = None
+    map_input: bool = field(default_factory=map_input_default)
 
 
 @dataclass
-class Job:
+class Read:
     """One read: a byte range of a copied tensor, or a row range of a quantized member."""
 
     unit: int
@@ -105,21 +81,21 @@ class Job:
     end_of_pass: bool = False  # last job of an amax pass / of a unit
 
 
-def _chunk_rows(info: TensorInfo, unit: Unit, chunk_elems: int) -> int:
+def _chunk_rows(info: TensorInfo, unit: WorkUnit, chunk_elems: int) -> int:
     align = unit.scheme.row_align
     rows = unit.chunk_rows or max(1, chunk_elems // max(1, info.shape[1]))
     return max(align, rows // align * align)
 
 
-def make_jobs(ckpt: Checkpoint, plan: Plan, opts: ExecOptions):
+def make_reads(ckpt: Checkpoint, plan: Plan, opts: ExecOptions):
     """The reads of the whole conversion, in order."""
     for ui, unit in enumerate(plan.units):
         if unit.kind == "copy":
             info = ckpt.tensors[unit.sources[0]]
             for b0 in range(0, info.nbytes, COPY_CHUNK_BYTES):
-                yield Job(ui, "copy", 0, b0, min(info.nbytes, b0 + COPY_CHUNK_BYTES))
+                yield Read(ui, "copy", 0, b0, min(info.nbytes, b0 + COPY_CHUNK_BYTES))
             if info.nbytes == 0:
-                yield Job(ui, "copy", 0, 0, 0)
+                yield Read(ui, "copy", 0, 0, 0)
             continue
         infos = [ckpt.tensors[s] for s in unit.sources]
         chunks = [(m, r0, min(r0 + step, info.shape[0]))
@@ -129,11 +105,11 @@ def make_jobs(ckpt: Checkpoint, plan: Plan, opts: ExecOptions):
         if unit.scheme.global_scale:
             hold = sum(i.nbytes for i in infos) <= opts.hold_bytes
             for j, (m, r0, r1) in enumerate(chunks):
-                yield Job(ui, "amax", m, r0, r1, hold=hold, end_of_pass=j == len(chunks) - 1)
+                yield Read(ui, "amax", m, r0, r1, hold=hold, end_of_pass=j == len(chunks) - 1)
             if hold:
                 continue
         for j, (m, r0, r1) in enumerate(chunks):
-            yield Job(ui, "quant", m, r0, r1, end_of_pass=j == len(chunks) - 1)
+            yield Read(ui, "quant", m, r0, r1, end_of_pass=j == len(chunks) - 1)
 
 
 class _PinnedPool:
@@ -168,7 +144,7 @@ class _UnitState:
     gs: torch.Tensor | None = None
     held: list = field(default_factory=list)
     checks: list = field(default_factory=list)  # device amax per chunk, checked at the end (GPU)
-    parts: dict = field(default_factory=dict)  # with ExecOptions.post: member -> {part: [chunks]}
+    parts: dict = field(default_factory=dict)  # with ExecOptions.repack: member -> {part: [chunks]}
 
 
 class Executor:
@@ -186,7 +162,6 @@ class Executor:
 
     # -- writing (a thread of its own: output bytes go to disk while the next chunks compute) --
     def _writer(self) -> None:
-        delay = float(os.environ.get("CTCONVERT_TEST_SLOW_WRITE", "0") or 0)  # fault-injection hook for the kill tests
         while True:
             item = self.wq.get()
             if item is None:
@@ -194,8 +169,6 @@ class Executor:
             if self.write_error is not None:
                 continue
             name, t, pos = item
-            if delay:
-                time.sleep(delay)
             try:
                 self.shards[name].write(name, t, pos)
             except BaseException as e:  # noqa: BLE001 - re-raised by the computing thread
@@ -207,13 +180,13 @@ class Executor:
         self.wq.put((name, t, pos))
 
     # -- reading ---------------------------------------------------------------
-    def _read(self, job: Job):
+    def _read(self, job: Read):
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
         if job.kind == "copy":
             return read_bytes(info, job.start, job.stop - job.start)
         if not self.cuda:
-            if MAP_INPUT:
+            if self.opts.map_input:
                 return map_rows(info, job.start, job.stop)
             return read_rows(info, job.start, job.stop)
         row_bytes = info.nbytes // info.shape[0]
@@ -222,7 +195,7 @@ class Executor:
         read_bytes(info, job.start * row_bytes, n, out=buf)
         return buf
 
-    def _hash(self, job: Job, data: torch.Tensor) -> None:
+    def _hash(self, job: Read, data: torch.Tensor) -> None:
         """Feed a source tensor's hash: every byte once, in order (not on the second NVFP4 pass)."""
         unit = self.plan.units[job.unit]
         if job.kind == "quant" and unit.scheme.global_scale:
@@ -255,7 +228,7 @@ class Executor:
     def run(self) -> None:
         q: queue.Queue = queue.Queue(maxsize=READ_AHEAD)
         stop = threading.Event()
-        t = threading.Thread(target=self._reader, args=(make_jobs(self.ckpt, self.plan, self.opts), q, stop), daemon=True, name="ctconvert-reader")
+        t = threading.Thread(target=self._reader, args=(make_reads(self.ckpt, self.plan, self.opts), q, stop), daemon=True, name="ctconvert-reader")
         t.start()
         wt = threading.Thread(target=self._writer, daemon=True, name="ctconvert-writer")
         wt.start()
@@ -286,7 +259,7 @@ class Executor:
         if self.cuda:
             torch.cuda.synchronize(self.dev)
 
-    def _to_device(self, job: Job, info: TensorInfo, data: torch.Tensor) -> torch.Tensor:
+    def _to_device(self, job: Read, info: TensorInfo, data: torch.Tensor) -> torch.Tensor:
         shape = (job.stop - job.start, *info.shape[1:])
         if not self.cuda:
             return data.view(info.torch_dtype).reshape(shape)
@@ -297,7 +270,7 @@ class Executor:
         self.pool.put(data, ev)
         return w
 
-    def _handle(self, job: Job, data: torch.Tensor, st: _UnitState) -> None:
+    def _handle(self, job: Read, data: torch.Tensor, st: _UnitState) -> None:
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
         if job.kind == "copy":
@@ -323,7 +296,7 @@ class Executor:
         if job.end_of_pass:
             self._check_unit(unit, st)
 
-    def _absmax(self, w: torch.Tensor, info: TensorInfo, job: Job, st: _UnitState | None = None) -> torch.Tensor:
+    def _absmax(self, w: torch.Tensor, info: TensorInfo, job: Read, st: _UnitState | None = None) -> torch.Tensor:
         """fp32 0-d absmax of the chunk; NaN/inf are reported (on the GPU: at the end of the unit)."""
         if self.use_native:
             amax, bad = native.absmax(w)
@@ -339,7 +312,7 @@ class Executor:
             _raise_nonfinite(info)
         return a
 
-    def _check_unit(self, unit: Unit, st: _UnitState) -> None:
+    def _check_unit(self, unit: WorkUnit, st: _UnitState) -> None:
         if self.cuda:
             if st.amax is not None and not bool(torch.isfinite(st.amax)):
                 for name in unit.sources:
@@ -350,7 +323,7 @@ class Executor:
                     _raise_nonfinite(st.checks[int((~torch.isfinite(vals)).nonzero()[0])][0])
                 st.checks.clear()
 
-    def _quantize(self, unit: Unit, job: Job, w: torch.Tensor, st: _UnitState) -> None:
+    def _quantize(self, unit: WorkUnit, job: Read, w: torch.Tensor, st: _UnitState) -> None:
         info = self.ckpt.tensors[unit.sources[job.member]]
         prefix = unit.modules[job.member] + "."
         try:
@@ -361,36 +334,26 @@ class Executor:
         if self._scales_show_nonfinite(unit) and not bool(torch.isfinite(out["weight_scale"]).all()):
             _raise_nonfinite(info)
         last = job.stop == info.shape[0]
-        if self.opts.post is None:  # row chunks go straight to their offsets
+        if self.opts.repack is None:  # row chunks go straight to their offsets
             for key, t in out.items():
                 pos = st.cursors.get((job.member, key), 0)
                 self._write(prefix + key, t.cpu(), pos)
                 st.cursors[(job.member, key)] = pos + t.numel() * t.element_size()
             if last:
-                for key, t in self._whole_tensor_outputs(unit, info, st).items():
+                for key, t in unit.scheme.whole_tensor_outputs(info.shape, st.gs).items():
                     self._write(prefix + key, t.cpu())
-        else:  # whole modules go through post (on the device), then are written
+        else:  # whole modules go through the kernel layout (on the device), then are written
             chunks = st.parts.setdefault(job.member, {})
             for key, t in out.items():
                 chunks.setdefault(key, []).append(t)
             if last:
                 whole = {key: torch.cat(ts) if len(ts) > 1 else ts[0] for key, ts in st.parts.pop(job.member).items()}
-                whole.update(self._whole_tensor_outputs(unit, info, st))
-                for key, t in self.opts.post(unit.modules[job.member], whole).items():
+                whole.update(unit.scheme.whole_tensor_outputs(info.shape, st.gs))
+                for key, t in self.opts.repack(unit.modules[job.member], whole).items():
                     self._write(prefix + key, t.cpu().contiguous())
         self._progress((job.stop - job.start) * info.nbytes // max(1, info.shape[0]))
 
-    @staticmethod
-    def _whole_tensor_outputs(unit: Unit, info: TensorInfo, st: _UnitState) -> dict[str, torch.Tensor]:
-        """The outputs that belong to the whole tensor, known once its last chunk is done."""
-        out = {}
-        if unit.scheme.kind == "int" and unit.scheme.format == "pack-quantized":
-            out["weight_shape"] = torch.tensor(list(info.shape), dtype=torch.int64)
-        if st.gs is not None:
-            out["weight_global_scale"] = st.gs.reshape(1)
-        return out
-
-    def _scales_show_nonfinite(self, unit: Unit) -> bool:
+    def _scales_show_nonfinite(self, unit: WorkUnit) -> bool:
         """NaN/inf are found from the scales the C kernels return, not by a separate scan (Scheme.scale_flags_nonfinite)."""
         return self.use_native and unit.scheme.scale_flags_nonfinite
 
@@ -422,14 +385,14 @@ def _raise_nonfinite(info: TensorInfo, only_if_found: bool = False) -> None:
     )
 
 
-def unit_bytes(ckpt: Checkpoint, unit: Unit) -> int:
+def unit_bytes(ckpt: Checkpoint, unit: WorkUnit) -> int:
     return sum(ckpt.tensors[s].nbytes for s in unit.sources)
 
 
-def split_units(ckpt: Checkpoint, units: list[Unit], parts: int) -> list[list[Unit]]:
+def split_units(ckpt: Checkpoint, units: list[WorkUnit], parts: int) -> list[list[WorkUnit]]:
     """Deal units (fused sets, tensors) to ``parts`` workers, largest first, to the least loaded."""
     load = [0] * parts
-    out: list[list[Unit]] = [[] for _ in range(parts)]
+    out: list[list[WorkUnit]] = [[] for _ in range(parts)]
     for u in sorted(units, key=lambda u: -unit_bytes(ckpt, u)):
         i = load.index(min(load))
         out[i].append(u)
@@ -446,15 +409,13 @@ def execute(ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: Ex
     are dealt to one executor per device by size; all write into the same
     shard files at disjoint offsets, so the output is the same bytes.
     """
-    import dataclasses
-
     devices = devices or [opts.device]
     if len(devices) == 1:
         Executor(ckpt, plan, shards, dataclasses.replace(opts, device=devices[0])).run()
         return
     errors: list[BaseException] = []
 
-    def work(units: list[Unit], dev: torch.device) -> None:
+    def work(units: list[WorkUnit], dev: torch.device) -> None:
         try:
             Executor(ckpt, dataclasses.replace(plan, units=units), shards, dataclasses.replace(opts, device=dev)).run()
         except BaseException as e:  # noqa: BLE001 - re-raised below

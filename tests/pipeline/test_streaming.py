@@ -12,7 +12,7 @@ import torch
 
 from conftest import write_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("scheme", ["NVFP4A16", "W4A16"])

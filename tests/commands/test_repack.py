@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from ctconvert import api
 from helpers import bitwise_equal
 from ctconvert.cli import main
-from ctconvert.repack import repack
+from ctconvert.commands.repack import repack
 
 
 

@@ -1,4 +1,4 @@
-"""Many conversions in one call: a YAML (or JSON) file of jobs, one JSON line of result per job.
+"""``ctconvert batch``: many conversions in one call: a YAML (or JSON) file of jobs, one JSON line of result per job.
 
     defaults:            # optional, applied to every job
       scheme: W4A16
@@ -25,8 +25,12 @@ import json
 import time
 from pathlib import Path
 
-from .errors import EXIT_INTERNAL, CTConvertError, UsageError
-from .schemes import get_scheme
+from collections.abc import Callable
+
+from ..errors import EXIT_INTERNAL, CTConvertError, UsageError
+from ..plan.schemes import get_scheme
+
+__all__ = ["ALLOWED", "load_jobs", "run_jobs"]
 
 ALLOWED = {"model", "output", "scheme", "lm_head", "targets", "ignore", "max_shard_size", "overwrite", "skip_incompatible",
            "device", "resume", "refresh", "lm_head_chunk_rows"}
@@ -76,14 +80,13 @@ def load_jobs(path: str | Path) -> list[dict]:
     return jobs
 
 
-def run_jobs(jobs: list[dict], keep_going: bool = False, emit=print) -> int:
-    """Run the jobs in order; ``emit`` gets one JSON line per job. Returns the exit code.
+def run_jobs(jobs: list[dict], convert: Callable, keep_going: bool = False, emit=print) -> int:
+    """Run the jobs in order through ``convert(model, output, scheme, **options)`` (the API's
+    ``quantize``); ``emit`` gets one JSON line per job. Returns the exit code.
 
     The exit code is 0 when every job succeeded, else that of the first failure.
     Without ``keep_going`` the jobs after a failure are reported as skipped.
     """
-    from . import api
-
     code = 0
     for i, job in enumerate(jobs):
         if code and not keep_going:
@@ -93,7 +96,7 @@ def run_jobs(jobs: list[dict], keep_going: bool = False, emit=print) -> int:
         kw = {k: v for k, v in job.items() if k not in ("model", "output", "scheme")}
         line = {"job": i, "model": str(job["model"]), "output": str(job["output"]), "scheme": job["scheme"]}
         try:
-            r = api.quantize(job["model"], job["output"], job["scheme"], **kw)
+            r = convert(job["model"], job["output"], job["scheme"], **kw)
             line.update(status="ok", input_bytes=r.input_bytes, output_bytes=r.output_bytes, shards=len(r.shards),
                         seconds=round(time.perf_counter() - t0, 3), error=None, exit_code=0)
         except CTConvertError as e:

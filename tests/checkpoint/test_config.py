@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ctconvert.checkpoint.config import build_quantization_config
-from ctconvert.schemes import get_scheme, scheme_names
+from ctconvert.plan.schemes import get_scheme, scheme_names
 
 
 def ct_build(groups: dict, fmt: str, ignore: list[str]) -> dict:
@@ -15,7 +15,7 @@ def ct_build(groups: dict, fmt: str, ignore: list[str]) -> dict:
 
     cg = {}
     for name, (scheme, targets) in groups.items():
-        s = preset_name_to_scheme(scheme.preset, targets)
+        s = preset_name_to_scheme(scheme.name, targets)
         s.format = scheme.format
         cg[name] = s
     q = QuantizationConfig(config_groups=cg, format=fmt, ignore=ignore, quantization_status="compressed")

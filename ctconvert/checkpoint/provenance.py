@@ -1,0 +1,87 @@
+"""Provenance of a conversion: what each output tensor was made from, the run's identity, and ``--refresh``.
+
+Every output holds ``ctconvert-provenance.json``: for every output tensor the
+source file, tensor and content hash (:data:`.hashing.HASH_NAME`) of the bytes
+it was derived from, and the options of the run. ``--resume`` compares a run's
+:func:`fingerprint` with the interrupted one's; ``--refresh`` compares the
+source hashes with an earlier output's provenance (:func:`refresh_plan`) and
+redoes only what changed.
+
+The work units given here are the plan's (anything with ``sources``,
+``outputs`` and ``output_sources()``); this module does not depend on how they
+were planned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .. import __version__
+from ..errors import UsageError
+from .hashing import HASH_NAME, hash_tensor_bytes
+from .reader import INDEX_NAME, Checkpoint
+from .safetensors_io import PlannedTensor
+from .writer import shard_names
+
+__all__ = ["PROVENANCE", "fingerprint", "load_provenance", "provenance", "refresh_plan"]
+
+PROVENANCE = "ctconvert-provenance.json"
+
+
+def fingerprint(ckpt: Checkpoint, options: dict, planned: list[PlannedTensor]) -> str:
+    """Identity of a run: ctconvert version, options, source files (name, size, mtime) and the output layout (sha256 hex)."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"version": __version__, "options": options}, sort_keys=True).encode())
+    for f in ckpt.files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    for t in planned:
+        h.update(f"{t.name}:{t.dtype}:{t.shape}".encode())
+    return h.hexdigest()
+
+
+def provenance(ckpt: Checkpoint, units: list, options: dict, src_hashes: dict[str, str]) -> dict:
+    """The provenance document: per output tensor, the source tensors (file, name, content hash) it derives from."""
+    tensors = {}
+    for u in units:
+        for name, sources in u.output_sources().items():
+            tensors[name] = [{"file": ckpt.tensors[s].file.name, "tensor": s, HASH_NAME: src_hashes[s]} for s in sources]
+    return {"ctconvert": __version__, "hash": HASH_NAME, "source": str(ckpt.path), "options": options, "tensors": tensors}
+
+
+def load_provenance(out: Path, options: dict) -> dict:
+    """An earlier output's provenance, checked for ``--refresh`` (same options, same hash). Raises :class:`UsageError`."""
+    p = out / PROVENANCE
+    if not p.is_file():
+        raise UsageError("--refresh needs an earlier ctconvert output with ctconvert-provenance.json", file=out)
+    prov = json.loads(p.read_text())
+    if prov.get("options") != json.loads(json.dumps(options)):
+        raise UsageError("--refresh needs the same options as the earlier conversion "
+                         f"(earlier: {prov.get('options')}); run a full conversion with --overwrite instead", file=p)
+    if prov.get("hash") != HASH_NAME:
+        raise UsageError(f"earlier provenance uses {prov.get('hash')}, this install {HASH_NAME}; run a full conversion", file=p)
+    prov["_hashes"] = {s["tensor"]: s[HASH_NAME] for srcs in prov["tensors"].values() for s in srcs}
+    return prov
+
+
+def refresh_plan(ckpt: Checkpoint, units: list, assignment: list[list[PlannedTensor]], out: Path, prov: dict):
+    """Against the earlier output at ``out``: ``(shards to reuse {name: path}, units to run, shards
+    rewritten, source hashes computed on the way)``. A changed shard layout rewrites everything."""
+    old_index = json.loads((out / INDEX_NAME).read_text())["weight_map"]
+    current: dict[str, str] = {}
+    new_map = {t.name: name for name, ts in zip(shard_names(len(assignment)), assignment) for t in ts}
+    if old_index != new_map:
+        dirty = set(new_map.values())
+    else:
+        dirty = set()
+        for u in units:
+            for s in u.sources:
+                current[s] = hash_tensor_bytes(ckpt.tensors[s])
+                if prov["_hashes"].get(s) != current[s]:
+                    dirty.update(new_map[o[0]] for o in u.outputs)
+                    break
+    reuse = {name: out / name for name in set(new_map.values()) - dirty}
+    todo = [u for u in units if any(new_map[o[0]] in dirty for o in u.outputs)]
+    return reuse, todo, sorted(dirty), current

@@ -1,0 +1,119 @@
+"""``ctconvert decompress``: a compressed-tensors checkpoint -> a dense checkpoint (bf16 by default).
+
+Every quantized Linear (any format of :data:`ctconvert.formats.FORMATS`:
+float-, int-, naive-, pack-, nvfp4-pack- and mxfp4-pack-quantized) becomes a
+dense ``weight`` computed as compressed-tensors' own ``decompress`` computes it
+(the format's ``dequantize``), row chunk by row chunk; activation scales are
+dropped; other floating-point tensors are cast to the output dtype and the rest
+copied; ``config.json`` loses its ``quantization_config``. Written atomically
+like ``quantize``.
+
+Reads top to bottom: check the input -> plan every output tensor -> run the
+copy, cast and dequantize tasks -> write the config.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, modules_of
+from ..checkpoint.provenance import PROVENANCE
+from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
+from ..checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor
+from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
+from ..errors import BadInputError, UnsupportedError, UsageError
+from ..formats import get_format
+from ..pipeline.tasks import CastTensor, Compute, CopyTensor, run_tasks
+
+__all__ = ["DTYPES", "decompress"]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_FLOAT = ("F32", "F16", "BF16")
+
+
+def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_shard_size: str | int = "5GB",
+               overwrite: bool = False, chunk_elems: int = 16 * 2**20) -> dict:
+    """Write a dense copy of ``src`` at ``out``; see :func:`ctconvert.api.decompress`. Returns a summary dict."""
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    od = DTYPES[dtype]
+    ckpt = open_checkpoint(src, strict=True)
+    _check_input(ckpt, src)
+    check_output_path(src, out, overwrite)
+    planned, tasks, n_modules = _plan(ckpt, od, chunk_elems)
+
+    def config():
+        cfg = copy.deepcopy(ckpt.config)
+        cfg.pop("quantization_config", None)
+        if isinstance(cfg.get("text_config"), dict):
+            cfg["text_config"].pop("quantization_config", None)
+        return cfg
+
+    total = write_checkpoint(src, out, planned, max_shard_size=parse_size(max_shard_size), overwrite=overwrite,
+                             fill=lambda shards: run_tasks(tasks, shards), config=config, skip={PROVENANCE})
+    return {"output": str(out), "modules_decompressed": n_modules, "dtype": dtype, "input_bytes": ckpt.total_bytes,
+            "output_bytes": total, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _check_input(ckpt: Checkpoint, src: Path) -> None:
+    qcfg = ckpt.quantization_config
+    if not qcfg or qcfg.get("quant_method") != "compressed-tensors":
+        raise UnsupportedError("not a compressed-tensors checkpoint (no quantization_config with quant_method compressed-tensors)",
+                               file=src / CONFIG_NAME)
+    if (qcfg.get("sparsity_config") or {}).get("format"):
+        raise UnsupportedError(f"sparse format {qcfg['sparsity_config']['format']!r} cannot be decompressed", file=src / CONFIG_NAME)
+
+
+def _check_module(m: Module, info) -> None:
+    """Raise for a quantized module that cannot be dequantized."""
+    where = dict(file=info.file.name, tensor=info.name)
+    if m.group is None:
+        raise BadInputError("quantized tensors that no config group targets", **where)
+    if get_format(m.format) is None:
+        raise UnsupportedError(f"format {m.format!r} cannot be decompressed", **where)
+    if "weight_g_idx" in m.parts:
+        raise UnsupportedError("act-order weights (weight_g_idx) cannot be decompressed", **where)
+
+
+def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int):
+    """``(output tensors, tasks, modules dequantized)``: one dense weight per quantized module, casts and copies."""
+    mods = modules_of(ckpt)
+    planned: list[PlannedTensor] = []
+    tasks: list = []
+    done: set[str] = set()
+    for name in sorted(ckpt.tensors, key=lambda n: (str(ckpt.tensors[n].file), ckpt.tensors[n].start)):
+        mod, _, part = name.rpartition(".")
+        m = mods.get(mod)
+        info = ckpt.tensors[name]
+        if m is not None and m.quantized:
+            _check_module(m, info)
+            if part in QUANT_PARTS or part in ACT_PARTS or part == "weight":
+                if mod not in done:
+                    done.add(mod)
+                    planned.append(PlannedTensor(mod + ".weight", TORCH_TO_ST[od], dense_shape(m)))
+                    tasks.append(Compute(lambda m=m: _dequantize(m, od, chunk_elems)))
+                continue
+        if info.dtype in _FLOAT and info.dtype != TORCH_TO_ST[od]:
+            planned.append(PlannedTensor(name, TORCH_TO_ST[od], info.shape))
+            tasks.append(CastTensor(info, od))
+        else:
+            planned.append(PlannedTensor(name, info.dtype, info.shape))
+            tasks.append(CopyTensor(info))
+    return planned, tasks, len(done)
+
+
+def _dequantize(m: Module, od: torch.dtype, chunk_elems: int):
+    name, pos = m.name + ".weight", 0
+    try:
+        for _, _, dense in dense_row_chunks(m, chunk_elems):
+            dense = dense.to(od)
+            yield name, dense, pos
+            pos += dense.numel() * dense.element_size()
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise BadInputError(f"cannot dequantize ({m.format}): {e}", file=str(next(iter(m.parts.values())).file), tensor=name) from e

@@ -1,0 +1,184 @@
+"""``ctconvert inspect``: per-layer scheme, format, dtypes, shapes, bytes, bits per weight, problems.
+
+Works on dense and compressed-tensors checkpoints from the headers (plus the
+few tiny tensors that carry shapes and global scales). Problems found:
+anything :func:`ctconvert.checkpoint.reader.open_checkpoint` reports (missing
+shard, stale index, duplicates, unreadable files), quantized tensors that the
+``quantization_config`` does not explain, dense Linear weights a loader would
+expect quantized (not in ``ignore``), and fused sets whose NVFP4 global
+scales differ (docs/compressed-tensors-format.md §9.1). A kernel-native
+checkpoint (:mod:`ctconvert.checkpoint.kernel_native`) is summarized from its
+module records.
+
+Reads top to bottom: open the folder (problems collected, not raised) -> one
+row per Linear layer -> fused-set checks -> totals.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..checkpoint.kernel_native import is_kernel_native, missing_tensors
+from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fused_global_scales, modules_of
+from ..checkpoint.naming import BLOCK, decoder_layer_index, is_linear_weight, natural_key
+from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
+
+__all__ = ["describe_weights", "inspect_checkpoint"]
+
+
+def _inspect_kernel_native(ckpt, path: Path) -> dict:
+    q = ckpt.quantization_config
+    problems = list(ckpt.problems)
+    layers = []
+    for mod, rec in (q.get("modules") or {}).items():
+        if (problem := missing_tensors(ckpt, mod, rec)) is not None:
+            problems.append(problem)
+            continue
+        infos = {p: ckpt.tensors[f"{mod}.{p}"] for p in rec.get("tensors", [])}
+        n, k = rec.get("size_n"), rec.get("size_k")
+        nbytes = sum(i.nbytes for i in infos.values())
+        params = (n or 0) * (k or 0)
+        layers.append({
+            "module": mod, "group": None, "scheme": rec["kernel"], "format": f"{rec['kernel']} (vLLM {rec.get('layout_version')})",
+            "tensors": {p: {"dtype": i.dtype, "shape": list(i.shape)} for p, i in sorted(infos.items())},
+            "bytes": nbytes, "params": params, "bits_per_weight": round(8 * nbytes / params, 3) if params else None,
+            "padded": [rec.get("padded_n"), rec.get("padded_k")],
+        })
+    lb = sum(r["bytes"] for r in layers)
+    lp = sum(r["params"] for r in layers)
+    return {
+        "path": str(path),
+        "quantization_config": {k: q.get(k) for k in ("quant_method", "format", "target", "layout_version", "act_dtype")},
+        "config_groups": {},
+        "ignore": (q.get("source_quantization_config") or {}).get("ignore"),
+        "layers": layers,
+        "totals": {"tensors": len(ckpt.tensors), "files": len(ckpt.files), "bytes": ckpt.total_bytes, "linear_layers": len(layers),
+                   "quantized_layers": len(layers), "linear_bytes": lb, "linear_params": lp,
+                   "linear_bits_per_weight": round(8 * lb / lp, 3) if lp else None, "in_blocks": len(layers)},
+        "problems": [p.to_dict() for p in problems],
+    }
+
+
+def _missing_layers(ckpt, path: Path) -> Problem | None:
+    """A warning when config.json's ``num_hidden_layers`` names decoder layers that no tensor holds
+    (a partial copy or download). Checked for plain decoder models only (``model.layers.N.``)."""
+    n = ckpt.config.get("num_hidden_layers")
+    if not isinstance(n, int) or n <= 0:
+        return None
+    present = {i for name in ckpt.tensors if (i := decoder_layer_index(name)) is not None}
+    if not present:
+        return None
+    missing = sorted(set(range(n)) - present)
+    if not missing:
+        return None
+    shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+    return Problem("warning", f"config.json has num_hidden_layers={n} but no tensor of layer(s) {shown} "
+                              f"({len(missing)} missing): a partial copy?", file=str(Path(path) / "config.json"))
+
+
+def inspect_checkpoint(path: Path) -> dict:
+    """Return the inspection report of the checkpoint folder ``path`` (a JSON-ready dict)."""
+    ckpt = open_checkpoint(path, strict=False)
+    if is_kernel_native(ckpt.quantization_config):
+        return _inspect_kernel_native(ckpt, path)
+    problems: list[Problem] = list(ckpt.problems)
+    if (missing := _missing_layers(ckpt, path)) is not None:
+        problems.append(missing)
+    qcfg = ckpt.quantization_config or {}
+    groups = qcfg.get("config_groups") or {}
+    mods = modules_of(ckpt)
+    layers = []
+    for m in sorted(mods.values(), key=lambda m: (str(next(iter(m.parts.values())).file), natural_key(m.name))):
+        row = _layer(m, qcfg, problems)
+        if row is not None:
+            layers.append(row)
+    problems += _fused_set_problems(mods)
+    return {
+        "path": str(path),
+        "quantization_config": {k: qcfg.get(k) for k in ("quant_method", "format", "quantization_status")} if qcfg else None,
+        "config_groups": {g: {"targets": v.get("targets"), "format": v.get("format"), "scheme": describe_weights(v.get("weights") or {})}
+                          for g, v in groups.items()},
+        "ignore": qcfg.get("ignore") if qcfg else None,
+        "layers": layers,
+        "totals": _totals(ckpt, layers),
+        "problems": [p.to_dict() for p in problems],
+    }
+
+
+def _layer(m: Module, qcfg: dict, problems: list[Problem]) -> dict | None:
+    """The report row of a Linear layer (None for a module that is not one); its problems go to ``problems``."""
+    quantized = m.quantized
+    dense = m.parts.get("weight")
+    if not quantized and (dense is None or not is_linear_weight(m.name + ".weight", dense)):
+        return None
+    infos = {p: i for p, i in m.parts.items() if p == "weight" or p in QUANT_PARTS or p in ACT_PARTS}
+    group = m.group
+    if quantized:
+        try:
+            params = math.prod(dense_shape(m))
+        except Exception:  # noqa: BLE001 - an unreadable shape is reported through the bits per weight
+            params = 0
+        if not qcfg:
+            problems.append(Problem("error", "quantized tensors but config.json has no quantization_config", tensor=m.name))
+        elif group is None:
+            problems.append(Problem("error", "quantized tensors that no config group targets (or listed in ignore)", tensor=m.name))
+    else:
+        params = dense.numel
+        if group is not None:
+            problems.append(Problem(
+                "error",
+                f"dense Linear weight matched by config group {group!r} but not in ignore: loaders expect quantized tensors (they would load garbage)",
+                tensor=m.name,
+            ))
+    nbytes = sum(i.nbytes for i in infos.values())
+    return {
+        "module": m.name,
+        "group": group,
+        "scheme": describe_weights(m.weights or {}) if quantized else "dense",
+        "format": m.format if quantized else "dense",
+        "tensors": {p: {"dtype": i.dtype, "shape": list(i.shape)} for p, i in sorted(infos.items())},
+        "bytes": nbytes,
+        "params": params,
+        "bits_per_weight": round(8 * nbytes / params, 3) if params else None,
+    }
+
+
+def _fused_set_problems(mods: dict[str, Module]) -> list[Problem]:
+    """A warning per fused set whose NVFP4 global scales differ (vLLM keeps one)."""
+    try:
+        fused = fused_global_scales(mods)
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        return [Problem("error", f"cannot read a weight_global_scale: {e}")]
+    return [Problem("warning", f"fused set members have different NVFP4 global scales {vals}; vLLM keeps only the largest",
+                    tensor=fused_set)
+            for fused_set, vals in fused.items() if len(set(vals.values())) > 1]
+
+
+def _totals(ckpt: Checkpoint, layers: list[dict]) -> dict:
+    lin_bytes = sum(r["bytes"] for r in layers)
+    lin_params = sum(r["params"] for r in layers)
+    return {
+        "tensors": len(ckpt.tensors),
+        "files": len(ckpt.files),
+        "bytes": sum(t.nbytes for t in ckpt.tensors.values()),
+        "linear_layers": len(layers),
+        "quantized_layers": sum(1 for r in layers if r["format"] != "dense"),
+        "linear_bytes": lin_bytes,
+        "linear_params": lin_params,
+        "linear_bits_per_weight": round(8 * lin_bytes / lin_params, 3) if lin_params else None,
+        "in_blocks": sum(1 for r in layers if BLOCK.search(r["module"] + ".")),
+    }
+
+
+def describe_weights(w: dict) -> str | None:
+    """A short name of weight QuantizationArgs: ``int4 g128``, ``fp8 channel``, ``int4 g128 asym``, ``fp8 128x128``."""
+    if not w:
+        return None
+    t = "fp" if w.get("type") == "float" else "int"
+    s = w.get("strategy")
+    g = w.get("group_size")
+    extra = f"g{g}" if s in ("group", "tensor_group") and g else (
+        "x".join(map(str, w.get("block_structure") or [])) if s == "block" else s)
+    sym = "" if w.get("symmetric", True) else " asym"
+    return f"{t}{w.get('num_bits')} {extra}{sym}"

@@ -1,0 +1,168 @@
+"""``ctconvert quantize``: a dense checkpoint -> a compressed-tensors (or kernel-native) checkpoint.
+
+Reads top to bottom: open the checkpoint (headers only) -> plan every tensor
+(:func:`ctconvert.plan.planner.make_plan`; a dry run stops here) -> with a
+``--target``, plan the kernel layout -> open the output folder (hidden,
+resumable) -> stream the work units through the executor, hashing the source
+bytes as they pass -> copy the other files, write the config and provenance ->
+rename into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..checkpoint.config import build_quantization_config, updated_config
+from ..checkpoint.hashing import hash_tensor_bytes, new_hasher
+from ..checkpoint.provenance import PROVENANCE, fingerprint, load_provenance, provenance, refresh_plan
+from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
+from ..checkpoint.safetensors_io import PlannedTensor
+from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
+from ..errors import OutputError, UnsupportedError, UsageError
+from ..pipeline.devices import resolve_devices
+from ..pipeline.executor import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES, ExecOptions, execute, map_input_default
+from ..plan.layout import LayoutStage
+from ..plan.planner import Plan, make_plan
+
+__all__ = ["QuantizeResult", "quantize"]
+
+
+@dataclass
+class QuantizeResult:
+    """What a conversion did (``to_dict`` is the ``--json`` document)."""
+
+    output: str | None
+    scheme: str
+    format: str
+    dry_run: bool
+    input_bytes: int
+    output_bytes: int = 0
+    seconds: float = 0.0
+    shards: list[str] = field(default_factory=list)
+    quantized_modules: int = 0
+    ignore: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    reused_shards: list[str] = field(default_factory=list)
+    error: Exception | None = None  # dry run only: why the real run would stop
+    rewritten_shards: list[str] = field(default_factory=list)
+    plan: Plan | None = None
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k not in ("plan", "error")}
+        if self.error is not None:
+            d["error"] = str(self.error)
+        if self.dry_run and self.plan is not None:
+            d["plan"] = self.plan.to_dict()
+        return d
+
+
+def quantize(src: str | Path, out: str | Path | None, scheme: str, *, lm_head: str = "none", targets: list[str] | None = None,
+             ignore: list[str] | None = None, max_shard_size: str | int = "5GB", overwrite: bool = False, dry_run: bool = False,
+             skip_incompatible: bool = False, device: str = "auto", lm_head_chunk_rows: int = 8192,
+             chunk_elems: int = DEFAULT_CHUNK_ELEMS, hold_bytes: int = DEFAULT_HOLD_BYTES, resume: bool = False,
+             refresh: bool = False, progress=None, layout: LayoutStage | None = None, impl: str = "auto",
+             map_input: bool | None = None) -> QuantizeResult:
+    """Convert ``src`` to ``out``; see :func:`ctconvert.api.quantize` for the arguments and errors.
+
+    ``layout``: a :class:`ctconvert.plan.layout.LayoutStage` to write kernel-native tensors in the
+    same pass (``quantize --target``)."""
+    t0 = time.perf_counter()
+    src = Path(src)
+    shard_limit = parse_size(max_shard_size)
+    devs = resolve_devices(device)
+    ckpt = open_checkpoint(src, strict=True)
+    plan_kw = dict(targets=targets, ignore=ignore, lm_head=lm_head, lm_head_chunk_rows=lm_head_chunk_rows)
+    plan, dry_error = _plan(ckpt, scheme, dry_run, skip_incompatible, plan_kw)
+    result = QuantizeResult(
+        output=str(out) if out is not None else None, scheme=plan.scheme.name, format=plan.format, dry_run=dry_run,
+        input_bytes=ckpt.total_bytes, quantized_modules=plan.quantized_modules, ignore=plan.ignore,
+        notes=plan.notes, device=",".join(map(str, devs)), plan=plan,
+    )
+    if dry_run:
+        result.seconds = time.perf_counter() - t0
+        result.error = dry_error
+        return result
+    if out is None:
+        raise UsageError("an output folder is required (-o/--output)")
+    out = Path(out)
+    options = {"scheme": plan.scheme.name, "lm_head": lm_head.lower(), "targets": targets or ["Linear"], "ignore": list(ignore or []),
+               "max_shard_size": shard_limit, "skip_incompatible": skip_incompatible, "lm_head_chunk_rows": lm_head_chunk_rows}
+    old_prov = load_provenance(out, options) if refresh else None
+    if not refresh:
+        check_output_path(src, out, overwrite)
+    qconfig = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
+    if layout is not None:
+        if resume or refresh:
+            raise UsageError("--target cannot be combined with --resume or --refresh")
+        options["target"] = [layout.target, layout.layout_version, layout.act_dtype]
+        plan = layout.plan(plan, ckpt, qconfig)
+    opts = ExecOptions(device=devs[0], chunk_elems=chunk_elems, hold_bytes=hold_bytes, repack=layout, impl=impl,
+                       map_input=map_input_default() if map_input is None else map_input)
+    _convert(ckpt, plan, out, devs, opts, result, options=options, qconfig=qconfig, shard_limit=shard_limit,
+             overwrite=overwrite, resume=resume, old_prov=old_prov, progress=progress, layout=layout)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _plan(ckpt: Checkpoint, scheme: str, dry_run: bool, skip_incompatible: bool, plan_kw: dict):
+    """The plan, and for a dry run the error the real run would stop at (the plan then shows every tensor)."""
+    try:
+        return make_plan(ckpt, scheme, skip_incompatible=skip_incompatible, **plan_kw), None
+    except UnsupportedError as e:
+        if not dry_run or skip_incompatible:
+            raise
+        return make_plan(ckpt, scheme, skip_incompatible=True, **plan_kw), e
+
+
+def _convert(ckpt: Checkpoint, plan: Plan, out: Path, devs, opts: ExecOptions, result: QuantizeResult, *, options: dict,
+             qconfig: dict, shard_limit: int, overwrite: bool, resume: bool, old_prov: dict | None, progress, layout) -> None:
+    """Write the output folder: shards (reused where ``--resume``/``--refresh`` allow), files, config, provenance."""
+    planned = [PlannedTensor(n, d, s) for n, d, s in plan.output_tensors]
+    assignment = assign_shards(planned, shard_limit)
+    folder = OutputFolder(out, overwrite=overwrite or old_prov is not None, fingerprint=fingerprint(ckpt, options, planned), resume=resume)
+    keep_partial = False
+    try:
+        reuse_from, units, known = None, plan.units, {}  # known: source tensor -> content hash, computed already
+        if old_prov is not None:
+            reuse_from, units, result.rewritten_shards, known = refresh_plan(ckpt, plan.units, assignment, out, old_prov)
+        shards = folder.open_shards(assignment, reuse_from=reuse_from)
+        if resume and getattr(folder, "discarded_partial", False):
+            result.notes.append("--resume: the interrupted run used other inputs or options; starting over")
+        todo = [u for u in units if any(folder.weight_map[o[0]] not in folder.completed for o in u.outputs)]
+        opts.hashes = {s: new_hasher() for u in todo for s in u.sources if s not in known}  # hashed as they stream by
+        keep_partial = layout is None  # an interrupted run is kept for --resume, which --target does not offer
+        _execute(ckpt, dataclasses.replace(plan, units=todo), shards, opts, devs, progress)
+        src_hashes = {**known, **{n: h.hexdigest() for n, h in opts.hashes.items()}}
+        for u in plan.units:  # units kept from an interrupted run: hash their sources now
+            for s in u.sources:
+                if s not in src_hashes:
+                    src_hashes[s] = hash_tensor_bytes(ckpt.tensors[s])
+        folder.copy_files(ckpt.path, skip={CONFIG_NAME, PROVENANCE})
+        total = sum(t.nbytes for t in planned)
+        cfg = updated_config(ckpt.config, qconfig, plan.config_updates)
+        if layout is not None:
+            cfg["quantization_config"] = layout.config(cfg["quantization_config"])
+        folder.finish(cfg, total, {PROVENANCE: provenance(ckpt, plan.units, options, src_hashes)})
+        result.shards = sorted(set(folder.weight_map.values()))
+        result.reused_shards = sorted(n for n, why in folder.reused.items() if why == "resume")
+        folder.commit()
+    except (KeyboardInterrupt, OutputError, OSError):
+        folder.abort(keep=keep_partial)
+        raise
+    except BaseException:
+        folder.abort()
+        raise
+    result.output_bytes = total
+
+
+def _execute(ckpt: Checkpoint, plan: Plan, shards, opts: ExecOptions, devs, progress) -> None:
+    if progress is None:
+        execute(ckpt, plan, shards, opts, devs)
+        return
+    with progress(sum(ckpt.tensors[s].nbytes for u in plan.units for s in u.sources)) as bar:
+        opts.progress = bar
+        execute(ckpt, plan, shards, opts, devs)

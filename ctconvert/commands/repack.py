@@ -1,0 +1,175 @@
+"""``ctconvert repack``: compressed-tensors <-> kernel-native layouts, module by module.
+
+Forward (``--target marlin`` or ``cutlass-nvfp4``): every quantized module
+whose weights the target kernel takes is rebuilt in the layout vLLM would
+build at load time (:mod:`ctconvert.layouts.kernels`); other tensors are
+copied; the output carries the kernel-native tag
+(:mod:`ctconvert.checkpoint.kernel_native`). Inverse (``--target
+compressed-tensors`` on such a checkpoint) rebuilds the compressed-tensors
+tensors bit for bit from each module's record.
+
+Reads top to bottom: check the input -> plan every output tensor (kernels
+planned on meta tensors) -> run the copy and repack tasks -> write the config.
+Modules of one kernel and shape are repacked together
+(:mod:`ctconvert.layouts.batched`: one Triton launch per shape on a GPU,
+module by module on the CPU), in batches of at most 1 GiB of source tensors
+on a GPU (64 MiB on the CPU); memory is one batch, its output, and their host
+copies.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.kernel_native import check_act_dtype, is_kernel_native, kernel_native_config
+from ..checkpoint.modules import Module, dense_shape, modules_of
+from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
+from ..checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, read_tensor
+from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
+from ..errors import BadInputError, UnsupportedError, UsageError
+from ..layouts import batched, kernels
+from ..pipeline.devices import resolve_device
+from ..pipeline.tasks import Compute, CopyTensor, run_tasks
+from ..plan.layout import INVERSE_TARGET, check_layout_options, kernel_for, plan_module
+
+__all__ = ["repack"]
+
+_BATCH_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # source bytes repacked together per launch
+
+
+def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str = kernels.DEFAULT_LAYOUT_VERSION,
+           act_dtype: str = "bf16", device: str = "auto", max_shard_size: str | int = "5GB", overwrite: bool = False) -> dict:
+    """Rewrite ``src`` for ``target``; see :func:`ctconvert.api.repack`. Returns a summary dict."""
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    check_layout_options(target, act_dtype, layout_version)
+    dev = resolve_device(device)
+    ckpt = open_checkpoint(src, strict=True)
+    qcfg = ckpt.quantization_config or {}
+    inverse = _check_input(qcfg, target, src)
+    check_output_path(src, out, overwrite)
+    order = sorted(ckpt.tensors, key=lambda n: (str(ckpt.tensors[n].file), ckpt.tensors[n].start))
+    records: dict[str, dict] = {}
+    if inverse:
+        planned, tasks = _plan_inverse(ckpt, order, qcfg.get("modules") or {}, dev)
+    else:
+        planned, tasks = _plan_forward(ckpt, order, target, layout_version, check_act_dtype(act_dtype), dev, records)
+
+    def config():
+        cfg = copy.deepcopy(ckpt.config)
+        if inverse:
+            cfg["quantization_config"] = qcfg["source_quantization_config"]
+        else:
+            cfg["quantization_config"] = kernel_native_config(qcfg, target, layout_version, act_dtype, records)
+        return cfg
+
+    total = write_checkpoint(src, out, planned, max_shard_size=parse_size(max_shard_size), overwrite=overwrite,
+                             fill=lambda shards: run_tasks(tasks, shards), config=config)
+    n = sum(isinstance(t, Compute) for t in tasks) if inverse else len(records)
+    return {"output": str(out), "target": target, "layout_version": layout_version, "modules": n, "input_bytes": ckpt.total_bytes,
+            "output_bytes": total, "device": str(dev), "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _check_input(qcfg: dict, target: str, src: Path) -> bool:
+    """Whether this is the inverse direction; :class:`UsageError` / :class:`UnsupportedError` for an input the target cannot take."""
+    inverse = is_kernel_native(qcfg)
+    if inverse and target != INVERSE_TARGET:
+        raise UsageError("input is already kernel-native; repack --target compressed-tensors first", file=src)
+    if not inverse and qcfg.get("quant_method") != "compressed-tensors":
+        raise UnsupportedError("input is neither compressed-tensors nor ctconvert kernel-native", file=src / CONFIG_NAME)
+    if not inverse and target == INVERSE_TARGET:
+        raise UsageError("input is already compressed-tensors", file=src)
+    return inverse
+
+
+def _plan_inverse(ckpt: Checkpoint, order: list[str], records: dict, dev: torch.device):
+    """Output tensors and tasks of kernel-native -> compressed-tensors: each module from its record, the rest copied."""
+    owned = {f"{m}.{p}" for m, rec in records.items() for p in rec["tensors"]}
+    planned: list[PlannedTensor] = []
+    tasks: list = []
+    seen: set[str] = set()
+    for name in order:
+        mod = name.rpartition(".")[0]
+        if name not in owned:
+            info = ckpt.tensors[name]
+            planned.append(PlannedTensor(name, info.dtype, info.shape))
+            tasks.append(CopyTensor(info))
+        elif mod not in seen:
+            seen.add(mod)
+            rec = records[mod]
+            planned += [PlannedTensor(f"{mod}.{p}", dt, tuple(shape)) for p, (dt, shape) in rec["source_tensors"].items()]
+            tasks.append(Compute(lambda mod=mod, rec=rec: _invert(ckpt, mod, rec, dev)))
+    return planned, tasks
+
+
+def _invert(ckpt: Checkpoint, mod: str, rec: dict, dev: torch.device):
+    vals = {p: read_tensor(ckpt.tensors[f"{mod}.{p}"]).to(dev) for p in rec["tensors"]}
+    try:
+        outs = kernels.unrepack_module(vals, rec)
+    except ValueError as e:
+        raise BadInputError(f"cannot invert {rec.get('kernel')}: {e}", tensor=mod) from e
+    for p, t in outs.items():
+        yield f"{mod}.{p}", t, 0
+
+
+def _plan_forward(ckpt: Checkpoint, order: list[str], target: str, layout_version: str, act: torch.dtype, dev: torch.device,
+                  records: dict):
+    """Output tensors and tasks of compressed-tensors -> kernel layout; fills ``records`` (module -> record)."""
+    mods = modules_of(ckpt)
+    planned: list[PlannedTensor] = []
+    tasks: list = []
+    batches: dict[tuple, list[Module]] = {}  # same kernel and shapes: repacked together (layouts.batched)
+    seen: set[str] = set()
+    for name in order:
+        mod = name.rpartition(".")[0]
+        m = mods.get(mod)
+        if m is None or not m.quantized or not m.group:
+            info = ckpt.tensors[name]
+            planned.append(PlannedTensor(name, info.dtype, info.shape))
+            tasks.append(CopyTensor(info))
+            continue
+        if mod in seen:
+            continue
+        seen.add(mod)
+        kernel, outs, rec = _plan_forward_module(m, ckpt.tensors[name], target, layout_version, act)
+        records[mod] = rec
+        planned += [PlannedTensor(f"{mod}.{p}", TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in outs.items()]
+        sig = (kernel, m.format, json.dumps(m.weights or {}, sort_keys=True), rec["size_n"], rec["size_k"],
+               tuple(sorted((p, i.dtype, tuple(i.shape)) for p, i in m.parts.items())))
+        batches.setdefault(sig, []).append(m)
+    cap = _BATCH_BYTES[dev.type]
+    for sig, ms in batches.items():
+        step = max(1, cap // max(sum(i.nbytes for i in ms[0].parts.values()), 1))
+        for i in range(0, len(ms), step):
+            tasks.append(Compute(lambda kernel=sig[0], ms=ms[i:i + step]: _repack_batch(kernel, ms, layout_version, act, dev, records)))
+    return planned, tasks
+
+
+def _plan_forward_module(m: Module, first, target: str, layout_version: str, act: torch.dtype):
+    """``(kernel, output meta tensors, record)`` of one quantized module, from its headers."""
+    file = first.file.name
+    weights = m.weights or {}
+    kernel = kernel_for(target, m.name, m.format, weights, set(m.parts), file)
+    with torch.device("meta"):
+        meta_in = {p: torch.empty(i.shape, dtype=i.torch_dtype) for p, i in m.parts.items()}
+    if "weight_shape" in meta_in:  # its values: the layout needs N and K
+        meta_in["weight_shape"] = torch.tensor(list(dense_shape(m)), dtype=torch.int64)
+    outs, rec = plan_module(kernel, meta_in, {p: (i.dtype, i.shape) for p, i in m.parts.items()}, weights, layout_version, act,
+                            file, first.name, values=lambda: {p: read_tensor(i) for p, i in m.parts.items()})
+    return kernel, outs, rec
+
+
+def _repack_batch(kernel: str, ms: list[Module], layout_version: str, act: torch.dtype, dev: torch.device, records: dict):
+    m = ms[0]
+    vals = {p: torch.stack([read_tensor(x.parts[p]) for x in ms]).to(dev) for p in m.parts}
+    outs, recs = batched.repack_batch(kernel, vals, m.weights or {}, layout_version, act)
+    outs = {p: t.cpu() for p, t in outs.items()}
+    for i, x in enumerate(ms):
+        records[x.name].update(recs[i])  # value-dependent fields (e.g. scale factors) come from the real run
+        for p, t in outs.items():
+            yield f"{x.name}.{p}", t[i], 0

@@ -1,0 +1,252 @@
+"""``ctconvert verify``: structure, values, and (with a reference) error per tensor of a compressed-tensors checkpoint.
+
+Structure: the folder validates (index, shards, no duplicates); the config
+says ``quant_method: compressed-tensors`` and ``quantization_status:
+compressed``; every quantized module is explained by a config group and has
+the tensors its format requires (:data:`ctconvert.formats.FORMATS`); every
+dense Linear is in ``ignore``; NVFP4 fused sets share one global scale
+(docs/compressed-tensors-format.md §9.1); no float tensor holds NaN/inf and no
+E4M3 byte is NaN (0x7F/0xFF, docs/field-notes.md report 2).
+
+With ``reference`` (the dense source): every quantized weight is dequantized
+and compared (relative L2, max abs, SNR in dB) against a per-format threshold;
+every other tensor must equal its source exactly.
+
+A kernel-native checkpoint is verified by its round trip: every module is
+inverted and repacked again, and must give the stored bytes (and, with a
+reference, the compressed-tensors source).
+
+Reads top to bottom: structure -> values -> reference errors -> the report.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.kernel_native import is_kernel_native
+from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of
+from ..checkpoint.naming import find_embedding, natural_key, resolve_group
+from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
+from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_bytes, read_rows, read_tensor
+from ..errors import UsageError
+from ..formats import get_format
+from ..layouts import kernels
+
+__all__ = ["THRESHOLDS", "verify"]
+
+#: largest relative L2 error accepted per (type, bits) of the weights
+THRESHOLDS = {("float", 8): 0.08, ("int", 8): 0.04, ("int", 4): 0.25, ("float", 4): 0.30}
+_CHUNK = 16 * 2**20
+_FLOAT_OR_E4M3 = ("BF16", "F16", "F32", "F64", "F8_E4M3")
+
+
+def verify(path: str | Path, reference: str | Path | None = None) -> dict:
+    """Return the verification report of ``path`` (``ok`` is the verdict); see :func:`ctconvert.api.verify`."""
+    path = Path(path)
+    ckpt = open_checkpoint(path, strict=False)
+    if is_kernel_native(ckpt.quantization_config):
+        return _verify_kernel_native(ckpt, path, reference)
+    problems: list[Problem] = list(ckpt.problems)
+    mods = modules_of(ckpt)
+    problems += _config_problems(ckpt, path)
+    problems += _module_problems(mods)
+    problems += _value_problems(ckpt)
+    rows: list[dict] = []
+    if reference is not None:
+        ref = open_checkpoint(reference, strict=True)
+        rows, ref_problems = _compare_weights(mods, ref)
+        problems += ref_problems + _compare_others(ckpt, mods, ref)
+    errors = [p for p in problems if p.severity == "error"]
+    return {"path": str(path), "reference": str(reference) if reference else None, "ok": not errors,
+            "problems": [p.to_dict() for p in problems], "tensors": rows}
+
+
+def _error(msg: str, tensor: str | None = None, file: str | None = None) -> Problem:
+    return Problem("error", msg, file, tensor)
+
+
+# -- structure ---------------------------------------------------------------------
+
+
+def _config_problems(ckpt: Checkpoint, path: Path) -> list[Problem]:
+    qcfg = ckpt.quantization_config
+    if not qcfg:
+        return [_error("config.json has no quantization_config", file=str(path / "config.json"))]
+    out = []
+    if qcfg.get("quant_method") != "compressed-tensors":
+        out.append(_error(f"quant_method is {qcfg.get('quant_method')!r}, not 'compressed-tensors'"))
+    if qcfg.get("quantization_status") != "compressed":
+        out.append(_error(f"quantization_status is {qcfg.get('quantization_status')!r}; transformers then initializes weights randomly"))
+    return out
+
+
+def _module_problems(mods: dict[str, Module]) -> list[Problem]:
+    out = []
+    for m in mods.values():
+        if m.quantized:
+            if m.group is None:
+                out.append(_error("quantized tensors that no config group explains (or listed in ignore)", tensor=m.name))
+                continue
+            fmt = get_format(m.format)
+            if fmt is None:
+                out.append(_error(f"unknown format {m.format!r}", tensor=m.name))
+            elif missing := [p for p in fmt.required if p not in m.parts]:
+                out.append(_error(f"format {m.format} needs {', '.join(missing)}", tensor=m.name))
+        elif m.group is not None and "weight" in m.parts:
+            out.append(_error(f"dense Linear weight matched by config group {m.group!r} but not in ignore", tensor=m.name))
+    for fused_set, vals in fused_global_scales(mods).items():
+        if len(set(vals.values())) > 1:
+            out.append(_error(f"fused set members have different NVFP4 global scales {vals}", tensor=fused_set))
+    return out
+
+
+# -- values -----------------------------------------------------------------------------
+
+
+def _value_problems(ckpt: Checkpoint) -> list[Problem]:
+    """NaN/inf in float tensors, NaN bytes in E4M3 tensors."""
+    out = []
+    for name, info in ckpt.tensors.items():
+        if info.dtype not in _FLOAT_OR_E4M3:
+            continue
+        bad = 0
+        for _, t in iter_row_chunks(info, _CHUNK):
+            if info.dtype == "F8_E4M3":
+                bad += int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+            else:
+                bad += int((~torch.isfinite(t)).sum())
+        if bad:
+            what = " (E4M3 NaN bytes 0x7F/0xFF)" if info.dtype == "F8_E4M3" else ""
+            out.append(_error(f"{bad} NaN/inf values{what}", tensor=name, file=str(info.file)))
+    return out
+
+
+# -- against the reference -------------------------------------------------------------------
+
+
+def _threshold(weights: dict) -> float:
+    return THRESHOLDS.get((weights.get("type"), int(weights.get("num_bits") or 0)), 0.3)
+
+
+def _compare_weights(mods: dict[str, Module], ref: Checkpoint) -> tuple[list[dict], list[Problem]]:
+    """One error row per quantized module: its dequantized weight against the reference's."""
+    rows, problems = [], []
+    emb = find_embedding(ref.tensors)
+    for m in sorted(mods.values(), key=lambda m: natural_key(m.name)):
+        if not (m.quantized and m.group is not None and get_format(m.format) is not None):
+            continue
+        src = ref.tensors.get(m.name + ".weight")
+        if src is None and m.name.endswith("lm_head") and emb:
+            src = ref.tensors[emb]
+        if src is None:
+            problems.append(_error("no reference weight for this module", tensor=m.name))
+            continue
+        n, k = dense_shape(m)
+        if tuple(src.shape) != (n, k):
+            problems.append(_error(f"shape {n}x{k} differs from the reference {list(src.shape)}", tensor=m.name))
+            continue
+        row = _error_row(m, src)
+        rows.append(row)
+        if not row["ok"]:
+            problems.append(_error(f"relative L2 error {row['rel_l2']:.4f} exceeds {row['threshold']} for {m.format}", tensor=m.name))
+    return rows, problems
+
+
+def _error_row(m: Module, src) -> dict:
+    se = sr = mx = 0.0
+    for r0, r1, got in dense_row_chunks(m, _CHUNK):
+        d = got.float() - (want := read_rows(src, r0, r1).float())
+        se += float((d * d).sum())
+        sr += float((want * want).sum())
+        mx = max(mx, float(d.abs().max()) if d.numel() else 0.0)
+    rel = math.sqrt(se / sr) if sr > 0 else (0.0 if se == 0 else math.inf)
+    snr = 10 * math.log10(sr / se) if se > 0 and sr > 0 else math.inf
+    limit = _threshold(m.weights or {})
+    return {"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "ok": rel <= limit}
+
+
+def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint) -> list[Problem]:
+    """Tensors that are not quantized weights must equal the source; nothing of the source may be missing."""
+    out = []
+    for name, info in ckpt.tensors.items():
+        mod, _, part = name.rpartition(".")
+        mm = mods.get(mod)
+        if mm is not None and mm.quantized and (part in QUANT_PARTS or part in ACT_PARTS or part == "weight"):
+            continue
+        s = ref.tensors.get(name)
+        if s is None:
+            out.append(_error("tensor not in the reference", tensor=name))
+        elif s.dtype != info.dtype or s.shape != info.shape:
+            out.append(_error(f"{info.dtype}{list(info.shape)} differs from the reference {s.dtype}{list(s.shape)}", tensor=name))
+        elif not _same_bytes(info, s):
+            out.append(_error("bytes differ from the reference (a pass-through tensor was changed)", tensor=name))
+    quant_weights = {m.name + ".weight" for m in mods.values() if m.quantized}
+    out += [_error("tensor of the reference is missing from the output", tensor=name)
+            for name in ref.tensors if name not in ckpt.tensors and name not in quant_weights]
+    return out
+
+
+def _same_bytes(a, b) -> bool:
+    for b0 in range(0, a.nbytes, _CHUNK):
+        nb = min(_CHUNK, a.nbytes - b0)
+        if not torch.equal(read_bytes(a, b0, nb), read_bytes(b, b0, nb)):
+            return False
+    return True
+
+
+# -- kernel-native ------------------------------------------------------------------------------
+
+
+def _verify_kernel_native(ckpt: Checkpoint, path: Path, reference: str | Path | None) -> dict:
+    """Round trip of every kernel-native module: invert, re-apply, compare bit for bit; with a reference
+    (the compressed-tensors source), the inverse must equal it bit for bit."""
+    problems: list[Problem] = list(ckpt.problems)
+    q = ckpt.quantization_config
+    ref = open_checkpoint(reference, strict=True) if reference is not None else None
+    if ref is not None and (ref.quantization_config or {}).get("quant_method") != "compressed-tensors":
+        raise UsageError("a kernel-native checkpoint is verified against its compressed-tensors source (the checkpoint "
+                         "`repack` read or `quantize` would write), not a dense one; or verify "
+                         "`repack --target compressed-tensors` of it against the dense model", file=reference)
+    src_cfg = q.get("source_quantization_config") or {}
+    rows = []
+    for mod, rec in (q.get("modules") or {}).items():
+        try:
+            stored = {p: read_tensor(ckpt.tensors[f"{mod}.{p}"]) for p in rec["tensors"]}
+            back, again = _round_trip(stored, rec, mod, src_cfg, q)
+        except (KeyError, ValueError) as e:
+            problems.append(_error(f"cannot invert: {e}", tensor=mod))
+            continue
+        same = all(_bits_equal(again[p], stored[p]) for p in stored)
+        if not same:
+            problems.append(_error("round trip (invert, then repack) does not give the stored bytes", tensor=mod))
+        ref_ok = None if ref is None else _equals_reference(back, ref, mod, problems)
+        rows.append({"module": mod, "kernel": rec["kernel"], "round_trip": same, "equals_reference": ref_ok})
+    errors = [p for p in problems if p.severity == "error"]
+    return {"path": str(path), "reference": str(reference) if reference else None, "ok": not errors,
+            "problems": [p.to_dict() for p in problems], "tensors": [], "modules": rows}
+
+
+def _round_trip(stored: dict, rec: dict, mod: str, src_cfg: dict, q: dict):
+    """``(inverse, inverse repacked again)`` of one kernel-native module."""
+    back = kernels.unrepack_module(stored, rec)
+    groups = src_cfg.get("config_groups") or {}
+    g = groups.get(resolve_group(mod, src_cfg, True), next(iter(groups.values()), {}) if groups else {})
+    again, _ = kernels.repack_module(rec["kernel"], back, g.get("weights") or {}, rec["layout_version"],
+                                     getattr(torch, q.get("act_dtype", "bfloat16")))
+    return back, again
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _equals_reference(back: dict, ref: Checkpoint, mod: str, problems: list[Problem]) -> bool:
+    for p, t in back.items():
+        r = ref.tensors.get(f"{mod}.{p}")
+        if r is None or r.dtype != TORCH_TO_ST[t.dtype] or tuple(r.shape) != tuple(t.shape) or not _bits_equal(read_tensor(r), t):
+            problems.append(_error(f"inverse of {p} differs from the reference", tensor=mod))
+            return False
+    return True

@@ -1,0 +1,229 @@
+"""What every weight format shares: its name, its quantization arguments, and the object interface.
+
+A format is one object (:class:`WeightFormat`), the way compressed-tensors
+registers one compressor class per ``CompressionFormat``
+(``compressed_tensors/compressors/base.py``, ``BaseCompressor.register``,
+release 0.20): the tensors it writes (names, dtypes, shapes), its quantizers
+(the torch reference, the fused C kernels of :mod:`.native`, the Triton kernels
+of :mod:`.gpu`), its dequantizer, the tensors a reader requires, the outputs
+that belong to the whole tensor, and its shape rules. The objects live beside
+their bit helpers (:mod:`.fp8`, :mod:`.integer`, :mod:`.fp4`) and are
+registered in :data:`ctconvert.formats.FORMATS`.
+
+Granularity has one vocabulary, as in compressed-tensors' ``QuantizationStrategy``
+(``compressed_tensors/quantization/quant_args.py``): ``tensor``, ``channel``,
+``group``, ``tensor_group`` (a group scale plus a global scale) and ``block``;
+:func:`expand_scale` broadcasts a scale of any of them to the weight's shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from . import native
+
+__all__ = ["CompressionFormat", "WeightArgs", "WeightFormat", "dequantize_unpacked", "expand_scale", "part_rows"]
+
+
+class CompressionFormat(str, Enum):
+    """compressed-tensors format names (``compressed_tensors/config/base.py``, ``CompressionFormat``, 0.20)."""
+
+    FLOAT_QUANTIZED = "float-quantized"
+    INT_QUANTIZED = "int-quantized"
+    NAIVE_QUANTIZED = "naive-quantized"
+    PACK_QUANTIZED = "pack-quantized"
+    NVFP4_PACK_QUANTIZED = "nvfp4-pack-quantized"
+    MXFP4_PACK_QUANTIZED = "mxfp4-pack-quantized"
+    MIXED_PRECISION = "mixed-precision"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+@dataclass(frozen=True)
+class WeightArgs:
+    """The weight ``QuantizationArgs`` the bytes depend on (compressed-tensors ``quant_args.py``, 0.20).
+
+    ``type``: ``"int"`` | ``"float"``; ``strategy``: see the module docstring;
+    ``group_size``: columns per scale (``None`` for tensor/channel/block);
+    ``block_structure``: ``(rows, cols)`` of a block scale.
+    """
+
+    type: str = "int"
+    num_bits: int = 8
+    strategy: str = "channel"
+    group_size: int | None = None
+    symmetric: bool = True
+    block_structure: tuple[int, int] | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None, *, num_bits: int = 8) -> WeightArgs:
+        """From a ``config_groups[*].weights`` dict; ``num_bits`` is the default when it is missing.
+
+        A missing ``strategy`` is ``group`` when a ``group_size`` is given, else ``channel``; a
+        ``block_structure`` may be a list or a ``"128x128"`` string, and defaults to 128x128 for
+        strategy ``block``."""
+        d = d or {}
+        g = d.get("group_size")
+        strategy = d.get("strategy") or ("group" if g else "channel")
+        block = d.get("block_structure")
+        if isinstance(block, str):
+            block = [int(x) for x in block.lower().split("x")]
+        if block is None and strategy == "block":
+            block = [128, 128]
+        return cls(
+            type=d.get("type") or "int",
+            num_bits=int(d.get("num_bits") or num_bits),
+            strategy=strategy,
+            group_size=int(g) if g else None,
+            symmetric=bool(d.get("symmetric", True)),
+            block_structure=tuple(int(x) for x in block) if block else None,
+        )
+
+
+def expand_scale(scale: torch.Tensor, n: int, k: int, args: WeightArgs) -> torch.Tensor:
+    """Broadcast a scale (or zero point) of ``args.strategy`` to ``[n, k]``, in fp32.
+
+    ``tensor`` (or one element): everywhere; ``channel``: ``[n, 1]`` along rows;
+    ``group``/``tensor_group``: ``[n, G]`` repeated ``group_size`` times; ``block``: ``[ceil(n/bh), ceil(k/bw)]`` repeated in
+    both dims, cut to ``[n, k]``. Raises ``ValueError`` for an unknown strategy.
+    """
+    s = scale.to(torch.float32)
+    strategy = args.strategy
+    if strategy == "tensor" or s.numel() == 1:
+        return s.reshape(1, 1).expand(n, k)
+    if strategy == "channel":
+        return s.reshape(n, 1).expand(n, k)
+    if strategy in ("group", "tensor_group"):
+        return s.repeat_interleave(args.group_size, dim=1)[:, :k]
+    if strategy == "block":
+        bh, bw = args.block_structure
+        return s.repeat_interleave(bh, 0).repeat_interleave(bw, 1)[:n, :k]
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def part_rows(part: str, shape: tuple[int, ...], dtype: str, r0: int, r1: int, args: WeightArgs):
+    """Which rows of a module's stored tensor ``part`` cover its dense rows ``[r0, r1)``.
+
+    Returns ``(a, b)`` (a row range of the stored tensor), ``None`` (the whole tensor: per-tensor
+    scales, global scales) or ``False`` (not a weight tensor: ``weight_shape``, activation scales).
+    ``dtype`` is the safetensors dtype: a zero point stored as I32 is packed along dim 0
+    (docs/compressed-tensors-format.md §4.3).
+    """
+    if part in ("weight", "weight_packed"):
+        return r0, r1
+    if part in ("weight_scale", "weight_zero_point"):
+        numel = math.prod(shape)
+        if numel <= 1 or args.strategy == "tensor" or len(shape) < 2:
+            return None
+        if args.strategy == "block":
+            bh = args.block_structure[0]
+            return r0 // bh, min(shape[0], math.ceil(r1 / bh))
+        if part == "weight_zero_point" and dtype == "I32":
+            bits = args.num_bits
+            return r0 * bits // 32, min(shape[0], math.ceil(r1 * bits / 32))
+        return r0, r1
+    if part == "weight_global_scale":
+        return None
+    return False
+
+def dequantize_unpacked(tensors: dict[str, torch.Tensor], args: WeightArgs) -> torch.Tensor:
+    """``(q - zp) * scale`` of an unpacked ``weight`` (FP8 or int8), in the scale's dtype (fp16 for an
+    integer scale), as compressed-tensors' ``_dequantize`` computes it (docs/compressed-tensors-format.md §10)."""
+    scale = tensors["weight_scale"]
+    d = scale.dtype if scale.dtype.is_floating_point else torch.float16
+    w = tensors["weight"]
+    q = w.to(torch.float32)
+    n, k = w.shape
+    zp = tensors.get("weight_zero_point")
+    if zp is not None:
+        q = q - expand_scale(zp, n, k, args)
+    return (q * expand_scale(scale, n, k, args)).to(d)
+
+
+class WeightFormat:
+    """One compressed-tensors weight format. Subclasses set the class attributes and the hooks.
+
+    ``name``: the :class:`CompressionFormat`; ``required``: tensors a reader needs (local names);
+    ``needs_global_scale``: one absmax over the fused set before any chunk is quantized;
+    ``writes``: whether ctconvert quantizes into it (``naive-quantized`` is read only).
+    """
+
+    name: CompressionFormat
+    required: tuple[str, ...] = ()
+    needs_global_scale = False
+    writes = True
+
+    # -- shapes ------------------------------------------------------------------
+    def outputs(self, shape: tuple[int, int], dtype: torch.dtype, args: WeightArgs) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Tensors replacing ``module.weight`` ``[N, K]`` of ``dtype``: local name -> (dtype, shape)."""
+        raise NotImplementedError(f"{self.name} is not written by ctconvert")
+
+    def dense_shape(self, shapes: dict[str, tuple[int, ...]], args: WeightArgs, weight_shape=None) -> tuple[int, int]:
+        """The dense ``[N, K]`` from the stored tensors' shapes (``weight_shape``'s values when given)."""
+        if weight_shape is not None:
+            return tuple(int(x) for x in weight_shape)
+        return tuple(shapes["weight"])
+
+    def row_align(self, args: WeightArgs) -> int:
+        """Row chunks must start at multiples of this."""
+        return 1
+
+    def k_multiple(self, args: WeightArgs) -> int:
+        """K must be a multiple of this (1 = any)."""
+        return args.group_size or 1
+
+    def n_multiple(self, args: WeightArgs) -> int:
+        """N must be a multiple of this for loaders (1 = any)."""
+        return 1
+
+    def scale_flags_nonfinite(self, args: WeightArgs) -> bool:
+        """Whether ``weight_scale`` is non-finite exactly when its group holds a NaN/inf (the scale is
+        ``max|x| / constant``: NaN-propagating in torch, over abs bit patterns in C), so that a separate
+        NaN/inf scan of the input may be skipped."""
+        return False
+
+    # -- quantizing ----------------------------------------------------------------
+    def quantize(self, w: torch.Tensor, args: WeightArgs, global_scale: torch.Tensor | None = None,
+                 impl: str = "auto") -> dict[str, torch.Tensor]:
+        """Quantize a row chunk ``w`` ``[r, K]``; keys are local names (``weight_packed`` ...).
+
+        ``impl``: ``auto`` (the C kernels for CPU tensors, the Triton kernels for CUDA tensors, when
+        available; else the torch reference), ``torch``, ``native`` or ``triton``: the same bytes.
+        Whole-tensor outputs (:meth:`whole_tensor_outputs`) are not produced here. Raises
+        ``ValueError`` for values the format cannot hold.
+        """
+        if impl == "native" or (impl == "auto" and w.device.type == "cpu" and native.available()):
+            return self._fused(native, w, args, global_scale)
+        if impl in ("auto", "triton") and w.device.type == "cuda":
+            from . import gpu  # imports Triton: only when a CUDA tensor needs it
+
+            if gpu.available():
+                try:
+                    return self._fused(gpu, w, args, global_scale)
+                except NotImplementedError:
+                    pass
+        return self._reference(w, args, global_scale)
+
+    def whole_tensor_outputs(self, shape: tuple[int, int], global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Outputs that belong to the whole tensor, known once its last chunk is done."""
+        return {}
+
+    def _reference(self, w, args, global_scale):
+        raise NotImplementedError(f"{self.name} is not written by ctconvert")
+
+    def _fused(self, kernels, w, args, global_scale):
+        """Through :mod:`.native` (CPU) or :mod:`.gpu` (CUDA): both expose the same functions."""
+        raise NotImplementedError(f"{self.name} is not written by ctconvert")
+
+    # -- reading -------------------------------------------------------------------
+    def dequantize(self, tensors: dict[str, torch.Tensor], args: WeightArgs) -> torch.Tensor:
+        """Dense ``[N, K]`` from the compressed tensors, as compressed-tensors' ``decompress`` computes it."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<format {self.name.value}>"

@@ -1,0 +1,239 @@
+"""The kernels table: which module each kernel takes, its repack into vLLM's layout, and the exact inverse.
+
+:data:`KERNELS` holds one :class:`Kernel` per kernel layout. ``repack`` takes one
+module's compressed-tensors tensors (local names: ``weight_packed``,
+``weight_scale``, ...) and returns the tensors the kernel's layer holds after
+vLLM's ``process_weights_after_loading`` (same parameter names, kernel layout)
+plus a JSON-able record of everything ``unrepack`` needs. A kernel decides what
+it takes from the weight ``QuantizationArgs`` (a dict, as in the checkpoint's
+config) and the names of the module's tensors, not from format names:
+
+* ``marlin-int``: packed int4/int8 (``weight_packed`` int32 words), symmetric or
+  asymmetric, grouped or channelwise, act-order (``weight_g_idx``, layout <= 0.29);
+  docs/kernel-layouts.md §2-§4.
+* ``marlin-fp8``: FP8 weight-only Marlin, channel or tensor scales (§5.1).
+* ``marlin-nvfp4``: NVFP4 weights on Marlin, W4A16 (§5.2).
+* ``cutlass-nvfp4``: NVFP4 W4A4 on CUTLASS: swizzled block scales, padded weight, ``alpha`` (§6).
+
+Where vLLM's processing loses information (scales cast or folded into the
+activation dtype, fused shards' global-scale divisors reduced to one
+reciprocal; see :mod:`.marlin_fp8`, :mod:`.marlin_nvfp4`, :mod:`.cutlass`),
+the source tensor is kept beside the kernel tensors as ``<name>_source`` so
+that the inverse is exact; a kernel never reads those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import cutlass, marlin, marlin_fp8, marlin_nvfp4
+
+__all__ = ["DEFAULT_LAYOUT_VERSION", "KERNELS", "LAYOUT_VERSIONS", "TARGETS", "Kernel", "choose_kernel", "repack_module",
+           "unrepack_module"]
+
+LAYOUT_VERSIONS = ("0.33", "0.32", "0.31", "0.30", "0.29", "0.25", "0.21")
+DEFAULT_LAYOUT_VERSION = "0.33"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel layout. ``accepts(weights, parts)``; ``repack(tensors, weights, layout_version, act_dtype)
+    -> (tensors, record)``; ``unrepack(tensors, record) -> tensors``."""
+
+    name: str
+    target: str  # the --target that builds it
+    accepts: Callable[[dict, set], bool]
+    repack: Callable[[dict, dict, str, torch.dtype], tuple[dict, dict]]
+    unrepack: Callable[[dict, dict], dict]
+
+
+def _bits_type(weights: dict) -> tuple[int, str | None]:
+    return int(weights.get("num_bits") or 0), weights.get("type")
+
+
+# ------------------------------------------------------------------ marlin-int (§2-§4)
+
+
+def _takes_marlin_int(weights: dict, parts: set) -> bool:
+    bits, typ = _bits_type(weights)
+    return "weight_packed" in parts and typ == "int" and bits in (4, 8)
+
+
+def _group(weights: dict, k: int) -> int:
+    s = weights.get("strategy")
+    g = weights.get("group_size")
+    return int(g) if s == "group" and g and int(g) != k else -1
+
+
+def _marlin_int(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: torch.dtype) -> tuple[dict, dict]:
+    if "weight_shape" not in t or t["weight_shape"].device.type == "meta":
+        raise ValueError("pack-quantized module without weight_shape values")  # (also when planning on meta tensors)
+    n, k = (int(x) for x in t["weight_shape"].tolist())
+    bits = int(weights["num_bits"])
+    g = _group(weights, k)
+    q_w = marlin.pack_quantized_to_gptq(t["weight_packed"], bits, k, copy=False)
+    perm = sorted_g = None
+    if "weight_g_idx" in t:
+        sorted_g, perm = marlin.marlin_sort_g_idx(t["weight_g_idx"])
+    out = {"weight_packed": marlin.marlin_repack(q_w, k, n, bits, perm, v, group_size=g),
+           "weight_scale": marlin.marlin_permute_scales(t["weight_scale"].t(), k, n, g, v)}
+    if "weight_zero_point" in t:
+        out["weight_zero_point"] = marlin.marlin_zero_points(t["weight_zero_point"], k, n, bits, v, group_size=g)
+    if "bias" in t:
+        out["bias"] = marlin.marlin_permute_bias(t["bias"], k, n, g, v)
+    if perm is not None:
+        out["weight_g_idx"] = sorted_g
+        out["g_idx_sort_indices"] = perm
+    pn, pk = (n, k) if perm is not None else marlin.marlin_padded_nk(n, k, g, v)
+    rec = {"kernel": "marlin-int", "size_n": n, "size_k": k, "num_bits": bits, "group_size": g, "padded_n": pn, "padded_k": pk,
+           "act_order": perm is not None, "layout_version": v, "weight_g_idx_dtype": str(t["weight_g_idx"].dtype) if perm is not None else None}
+    return out, rec
+
+
+def _unmarlin_int(t: dict[str, torch.Tensor], rec: dict) -> dict:
+    n, k, bits, g, v = rec["size_n"], rec["size_k"], rec["num_bits"], rec["group_size"], rec["layout_version"]
+    perm = t.get("g_idx_sort_indices")
+    q_w = marlin.marlin_unrepack(t["weight_packed"], k, n, bits, perm, v, group_size=g)
+    out = {"weight_packed": marlin.gptq_to_pack_quantized(q_w, bits, k),
+           "weight_scale": marlin.marlin_unpermute_scales(t["weight_scale"], k, n, g, v).t().contiguous(),
+           "weight_shape": torch.tensor([n, k], dtype=torch.int64, device=q_w.device)}
+    if "weight_zero_point" in t:
+        out["weight_zero_point"] = marlin.marlin_unzero_points(t["weight_zero_point"], k, n, bits, v, group_size=g)
+    if "bias" in t:
+        out["bias"] = marlin.marlin_unpermute_bias(t["bias"], k, n, g, v)
+    if perm is not None:
+        g_idx = torch.empty_like(t["weight_g_idx"])
+        g_idx[perm.long()] = t["weight_g_idx"]
+        out["weight_g_idx"] = g_idx
+    return out
+
+
+
+# ------------------------------------------------------------------ marlin-fp8 (§5.1)
+
+
+def _takes_marlin_fp8(weights: dict, parts: set) -> bool:
+    bits, typ = _bits_type(weights)
+    return "weight" in parts and typ == "float" and bits == 8 and weights.get("strategy") in ("channel", "tensor")
+
+
+def _marlin_fp8(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: torch.dtype) -> tuple[dict, dict]:
+    w = t["weight"]
+    n, k = w.shape
+    k_out = marlin_fp8.marlin_fp8_repack(w, t["weight_scale"], act_dtype, v)
+    out = {"weight": k_out["marlin_q_w"], "weight_scale": k_out["marlin_scales"], "weight_scale_source": t["weight_scale"]}
+    if "bias" in t:
+        out["bias"] = t["bias"]
+    rec = {"kernel": "marlin-fp8", "size_n": n, "size_k": k, "strategy": weights.get("strategy") or "channel", "layout_version": v,
+           "scale_dtype": str(t["weight_scale"].dtype)}
+    return out, rec
+
+
+def _unmarlin_fp8(t: dict[str, torch.Tensor], rec: dict) -> dict:
+    back = marlin_fp8.marlin_fp8_unrepack({"marlin_q_w": t["weight"], "marlin_scales": t["weight_scale"]}, rec["size_n"], rec["size_k"],
+                                          rec["layout_version"], strategy=rec["strategy"],
+                                          scale_dtype=getattr(torch, rec["scale_dtype"].replace("torch.", "")))
+    out = {"weight": back["weight"], "weight_scale": t["weight_scale_source"]}
+    if "bias" in t:
+        out["bias"] = t["bias"]
+    return out
+
+
+# ------------------------------------------------------------------ NVFP4: marlin-nvfp4 (§5.2), cutlass-nvfp4 (§6)
+
+
+def _takes_nvfp4(weights: dict, parts: set) -> bool:
+    bits, typ = _bits_type(weights)
+    return {"weight_packed", "weight_global_scale"} <= parts and typ == "float" and bits == 4
+
+
+def _takes_cutlass_nvfp4(weights: dict, parts: set) -> bool:
+    return _takes_nvfp4(weights, parts) and "input_global_scale" in parts
+
+
+def _marlin_nvfp4(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: torch.dtype) -> tuple[dict, dict]:
+    wp = t["weight_packed"]
+    n, k = wp.shape[0], wp.shape[1] * 2
+    k_out = marlin_nvfp4.marlin_nvfp4_repack(wp, t["weight_scale"], t["weight_global_scale"], act_dtype, v)
+    out = {"weight_packed": k_out["marlin_q_w"], "weight_scale": k_out["marlin_scales"],
+           "weight_global_scale": k_out["marlin_global_scale"],
+           "weight_scale_source": t["weight_scale"], "weight_global_scale_source": t["weight_global_scale"]}
+    sf = k_out["scale_factor"]
+    rec = {"kernel": "marlin-nvfp4", "size_n": n, "size_k": k, "layout_version": v, "act_dtype": str(act_dtype).replace("torch.", ""),
+           "scale_factor": float(sf) if sf.device.type != "meta" else None}
+    return out, rec
+
+
+def _unmarlin_nvfp4(t: dict[str, torch.Tensor], rec: dict) -> dict:
+    act = torch.float16 if rec.get("act_dtype") == "float16" else torch.bfloat16
+    back = marlin_nvfp4.marlin_nvfp4_unrepack({"marlin_q_w": t["weight_packed"], "marlin_scales": t["weight_scale"],
+                                               "marlin_global_scale": t["weight_global_scale"],
+                                               "scale_factor": torch.tensor(rec["scale_factor"] or 1.0)},
+                                              rec["size_n"], rec["size_k"], act, rec["layout_version"],
+                                              weight_global_scale=t["weight_global_scale_source"])
+    return {"weight_packed": back["weight_packed"], "weight_scale": t["weight_scale_source"],
+            "weight_global_scale": t["weight_global_scale_source"]}
+
+
+def _cutlass_nvfp4(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: torch.dtype) -> tuple[dict, dict]:
+    wp = t["weight_packed"]
+    n, k = wp.shape[0], wp.shape[1] * 2
+    k_out = cutlass.nvfp4_cutlass_layer(wp, t["weight_scale"], t["weight_global_scale"], t["input_global_scale"])
+    out = {"weight_packed": k_out["weight"], "weight_scale": k_out["weight_scale"], "alpha": k_out["alpha"],
+           "input_global_scale_inv": k_out["input_global_scale_inv"],
+           "weight_global_scale_source": t["weight_global_scale"], "input_global_scale_source": t["input_global_scale"]}
+    rec = {"kernel": "cutlass-nvfp4", "size_n": n, "size_k": k, "layout_version": v,
+           "weights_padding_bytes": int(k_out["weights_padding_bytes"]) if wp.device.type != "meta" else None}
+    return out, rec
+
+
+def _uncutlass_nvfp4(t: dict[str, torch.Tensor], rec: dict) -> dict:
+    back = cutlass.nvfp4_cutlass_unlayer({"weight": t["weight_packed"], "weight_scale": t["weight_scale"], "alpha": t["alpha"],
+                                          "input_global_scale_inv": t["input_global_scale_inv"]}, rec["size_n"], rec["size_k"],
+                                         weight_global_scale=t["weight_global_scale_source"])
+    return {"weight_packed": back["weight_packed"], "weight_scale": back["weight_scale"],
+            "weight_global_scale": t["weight_global_scale_source"], "input_global_scale": t["input_global_scale_source"]}
+
+
+# ------------------------------------------------------------------ the table
+
+
+#: every kernel layout, in the order a target tries them
+KERNELS: dict[str, Kernel] = {
+    k.name: k
+    for k in (
+        Kernel("marlin-int", "marlin", _takes_marlin_int, _marlin_int, _unmarlin_int),
+        Kernel("marlin-fp8", "marlin", _takes_marlin_fp8, _marlin_fp8, _unmarlin_fp8),
+        Kernel("marlin-nvfp4", "marlin", _takes_nvfp4, _marlin_nvfp4, _unmarlin_nvfp4),
+        Kernel("cutlass-nvfp4", "cutlass-nvfp4", _takes_cutlass_nvfp4, _cutlass_nvfp4, _uncutlass_nvfp4),
+    )
+}
+#: the kernel-layout targets (``--target``) and what each takes, for messages
+TARGETS = {"marlin": "int4/int8, FP8 channel/tensor and NVFP4", "cutlass-nvfp4": "NVFP4 W4A4"}
+
+
+def choose_kernel(target: str, weights: dict, parts: set[str]) -> str | None:
+    """The kernel a module goes to under ``target`` (None: the target does not take it).
+
+    ``weights``: the module's weight QuantizationArgs (a dict); ``parts``: the names of its tensors."""
+    return next((k.name for k in KERNELS.values() if k.target == target and k.accepts(weights, set(parts))), None)
+
+
+def repack_module(kernel: str, tensors: dict[str, torch.Tensor], weights: dict, layout_version: str,
+                  act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+    """Kernel-layout tensors and the inverse's record for one module. Raises ``ValueError`` on shapes the kernel
+    rejects or an unknown kernel."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}")
+    return KERNELS[kernel].repack(tensors, weights, layout_version, act_dtype)
+
+
+def unrepack_module(tensors: dict[str, torch.Tensor], rec: dict) -> dict[str, torch.Tensor]:
+    """The compressed-tensors tensors of one module, bit for bit, from its kernel layout and record."""
+    kernel = rec["kernel"]
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}")
+    return KERNELS[kernel].unrepack(tensors, rec)

@@ -1,0 +1,140 @@
+"""Planning kernel-native layouts: which kernel takes each module, and its output tensors, before any data is read.
+
+``repack`` (from a compressed-tensors checkpoint) and ``quantize --target``
+(in one pass) plan the same way: :func:`kernel_for` picks the module's kernel
+from :data:`ctconvert.layouts.kernels.KERNELS` (or names the module it cannot
+take), and :func:`plan_module` runs the kernel's index math on meta tensors to
+get the output names, dtypes and shapes and the record the inverse needs.
+
+:class:`LayoutStage` is the ``(repack)`` step of ``quantize --target``: it
+rewrites a quantize plan so that each quantized module outputs its kernel
+tensors, and is then called by the executor on each finished module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..checkpoint.kernel_native import check_act_dtype, kernel_native_config
+from ..checkpoint.reader import Checkpoint
+from ..checkpoint.safetensors_io import DTYPES, TORCH_TO_ST
+from ..errors import UnsupportedError, UsageError
+from ..layouts import batched, kernels
+from .planner import Plan
+
+__all__ = ["INVERSE_TARGET", "LayoutStage", "check_layout_options", "kernel_for", "plan_module"]
+
+#: ``repack --target compressed-tensors``: undo a kernel-native checkpoint
+INVERSE_TARGET = "compressed-tensors"
+
+
+def check_layout_options(target: str, act_dtype: str, layout_version: str) -> None:
+    """Raise :class:`UsageError` for an unknown target, activation dtype or layout version."""
+    targets = [*kernels.TARGETS, INVERSE_TARGET]
+    if target not in targets:
+        raise UsageError(f"unknown --target {target!r}; choose one of {', '.join(targets)}")
+    check_act_dtype(act_dtype)
+    if layout_version not in kernels.LAYOUT_VERSIONS:
+        raise UsageError(f"unknown --layout-version {layout_version!r}; choose one of {', '.join(kernels.LAYOUT_VERSIONS)}")
+
+
+def kernel_for(target: str, module: str, fmt: str | None, weights: dict, parts: set[str], file: str) -> str:
+    """The kernel ``target`` gives this module; :class:`UnsupportedError` naming the module when there is none."""
+    kernel = kernels.choose_kernel(target, weights, parts)
+    if kernel is None:
+        desc = f"{fmt}, {weights.get('type')} {weights.get('num_bits')}-bit {weights.get('strategy')}"
+        takes = ", ".join(f"{t} takes {what}" for t, what in kernels.TARGETS.items())
+        raise UnsupportedError(f"module {module!r} ({desc}): target {target!r} does not take it; {takes}", file=file)
+    return kernel
+
+
+def plan_module(kernel: str, meta_in: dict[str, torch.Tensor], source: dict[str, tuple[str, tuple[int, ...]]], weights: dict,
+                layout_version: str, act_dtype: torch.dtype, file: str, tensor: str, values=None):
+    """One module's kernel outputs (meta tensors: shapes, dtypes) and its record, planned without reading data when possible.
+
+    The layouts are index math, so they run on the meta tensors ``meta_in`` (``weight_shape``, when
+    present, must hold its values); a layout that needs values (e.g. to sort act-order indices) runs on
+    ``values()`` when given. ``source``: part -> (safetensors dtype, shape) of the compressed-tensors
+    tensors, kept in the record for the inverse. Raises :class:`UnsupportedError` for a shape the
+    kernel rejects.
+    """
+    try:
+        try:
+            outs, rec = kernels.repack_module(kernel, meta_in, weights, layout_version, act_dtype)
+        except (ValueError, NotImplementedError):
+            raise
+        except Exception:  # noqa: BLE001 - meta tensors cannot run value-dependent code: use the values
+            if values is None:
+                raise
+            outs, rec = kernels.repack_module(kernel, values(), weights, layout_version, act_dtype)
+    except (ValueError, NotImplementedError) as e:
+        raise UnsupportedError(f"cannot repack for {kernel}: {e}", file=file, tensor=tensor) from e
+    rec["source_tensors"] = {p: [dt, list(shape)] for p, (dt, shape) in source.items()}
+    rec["tensors"] = sorted(outs)
+    return outs, rec
+
+
+class LayoutStage:
+    """``quantize --target`` in one pass: each module is repacked as soon as it is quantized.
+
+    :meth:`plan` rewrites a quantize plan so that each quantized module's
+    compressed-tensors outputs are replaced, in place, by its kernel tensors
+    (planned on meta tensors, as ``repack`` does); the executor then calls the
+    instance on each finished module's tensors (on its device), and gets the
+    kernel tensors back. The tensors and config equal ``quantize`` followed by
+    ``repack``, bit for bit, without the intermediate checkpoint (tensors may
+    sit at other offsets: the plan's order is kept).
+    """
+
+    def __init__(self, target: str, layout_version: str = kernels.DEFAULT_LAYOUT_VERSION, act_dtype: str = "bf16"):
+        check_layout_options(target, act_dtype, layout_version)
+        if target == INVERSE_TARGET:
+            raise UsageError("--target compressed-tensors is what quantize writes already; leave --target out")
+        self.target, self.layout_version, self.act_dtype = target, layout_version, act_dtype
+        self.records: dict[str, dict] = {}
+        self.kernels: dict[str, tuple[str, dict]] = {}  # module -> (kernel, weight args)
+
+    def plan(self, plan: Plan, ckpt: Checkpoint, qcfg: dict) -> Plan:
+        """A copy of ``plan`` whose quantize units output kernel tensors. Raises :class:`UnsupportedError`."""
+        units = []
+        for u in plan.units:
+            if u.kind != "quantize":
+                units.append(u)
+                continue
+            grp = qcfg["config_groups"][u.group]
+            weights, fmt = grp.get("weights") or {}, grp.get("format") or qcfg.get("format")
+            by_mod: dict[str, list] = {}
+            for o in u.outputs:
+                by_mod.setdefault(o[0].rpartition(".")[0], []).append(o)
+            outputs = []
+            for mod, outs in by_mod.items():
+                src = ckpt.tensors[u.sources[u.modules.index(mod)]]
+                outputs += self._plan_module(mod, outs, src, weights, fmt)
+            units.append(dataclasses.replace(u, outputs=outputs))
+        return dataclasses.replace(plan, units=units)
+
+    def _plan_module(self, mod: str, outs: list, src, weights: dict, fmt: str) -> list[tuple[str, str, tuple[int, ...]]]:
+        parts = {name.rpartition(".")[2]: (dt, tuple(shape)) for name, dt, shape in outs}
+        kernel = kernel_for(self.target, mod, fmt, weights, set(parts), src.file.name)
+        meta = {p: torch.empty(shape, dtype=DTYPES[dt][0], device="meta") for p, (dt, shape) in parts.items()}
+        if "weight_shape" in meta:
+            meta["weight_shape"] = torch.tensor(list(src.shape), dtype=torch.int64)
+        kouts, rec = plan_module(kernel, meta, parts, weights, self.layout_version, check_act_dtype(self.act_dtype),
+                                 src.file.name, src.name)
+        self.records[mod] = rec
+        self.kernels[mod] = (kernel, weights)
+        return [(f"{mod}.{p}", TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in kouts.items()]
+
+    def __call__(self, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Kernel tensors of one quantized module (its compressed-tensors tensors, whole, on any device)."""
+        kernel, weights = self.kernels[module]
+        outs, recs = batched.repack_batch(kernel, {p: t.unsqueeze(0) for p, t in tensors.items()}, weights,
+                                          self.layout_version, check_act_dtype(self.act_dtype))
+        self.records[module].update(recs[0])
+        return {p: t[0] for p, t in outs.items()}
+
+    def config(self, qcfg: dict) -> dict:
+        """The kernel-native ``quantization_config`` wrapping the compressed-tensors one."""
+        return kernel_native_config(qcfg, self.target, self.layout_version, self.act_dtype, self.records)

@@ -1,0 +1,376 @@
+"""The plan: what happens to every tensor, decided from the headers alone.
+
+For each input tensor the plan says *quantize* (with which scheme, in which
+fused set), *copy* (pass through), or *ignore* (a Linear kept dense and listed
+in ``ignore``), with the reason. It also fixes every output tensor's name,
+dtype and shape and the ``quantization_config`` groups, before any tensor data
+is read. Shape problems (a group size that does not divide K, 3-D weights,
+partly ignored fused sets) are found here. The naming rules it applies
+(fused sets, default ignores, blocks, embeddings, target matching) are those of
+:mod:`ctconvert.checkpoint.naming`.
+
+:func:`make_plan` runs in phases, each a function below: check the options,
+decide every tensor, check the fused sets, make the work units, plan
+``lm_head``, and name the config groups.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..checkpoint.naming import (
+    BLOCK,
+    DEFAULT_IGNORE_PATTERNS,
+    FLOAT_DTYPES,
+    find_embedding,
+    fused_key,
+    fused_set_name,
+    is_generative,
+    is_linear_weight,
+    matches,
+    tie_word_embeddings,
+)
+from ..checkpoint.reader import Checkpoint
+from ..checkpoint.safetensors_io import TensorInfo
+from ..errors import UnsupportedError, UsageError
+from .schemes import LM_HEAD_SCHEMES, Scheme, get_scheme
+
+__all__ = ["Plan", "TensorDecision", "WorkUnit", "make_plan"]
+
+_HEAD_GROUP = "lm_head"
+_MAIN_GROUP = "group_0"
+
+
+@dataclass
+class WorkUnit:
+    """One unit of work: a fused set (or single Linear) to quantize, or a tensor to copy."""
+
+    kind: str  # "quantize" | "copy"
+    sources: list[str]  # input tensor names (for a quantized lm_head from a tied embedding: the embedding)
+    modules: list[str] = field(default_factory=list)  # output module names, parallel to sources
+    scheme: Scheme | None = None
+    group: str | None = None  # config group name
+    outputs: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)
+    chunk_rows: int | None = None  # row chunk override (lm_head)
+
+    @property
+    def fused(self) -> bool:
+        return len(self.sources) > 1
+
+    def output_sources(self) -> dict[str, list[str]]:
+        """Output tensor name -> the source tensors its bytes derive from: a module's own weight,
+        except for NVFP4 fused sets, whose shared global scale derives from every member."""
+        shared = self.kind != "quantize" or (self.scheme.global_scale and self.fused)
+        out = {}
+        for name, _, _ in self.outputs:
+            mod = name.rpartition(".")[0]
+            own = [] if shared else [s for s, m in zip(self.sources, self.modules) if m == mod]
+            out[name] = own or list(self.sources)
+        return out
+
+
+@dataclass
+class TensorDecision:
+    """Row of the plan table: one input tensor and what happens to it."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    action: str  # quantize | ignore | copy
+    scheme: str | None = None
+    fused_set: str | None = None
+    reason: str | None = None
+
+
+@dataclass
+class Plan:
+    """The complete plan of one conversion."""
+
+    scheme: Scheme
+    units: list[WorkUnit]
+    rows: list[TensorDecision]
+    ignore: list[str]
+    config_groups: dict[str, tuple[Scheme, list[str]]]
+    config_updates: dict
+    notes: list[str]
+    input_bytes: int
+
+    @property
+    def quantized_modules(self) -> int:
+        return sum(len(u.modules) for u in self.units if u.kind == "quantize")
+
+    @property
+    def output_tensors(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        return [o for u in self.units for o in u.outputs]
+
+    def to_dict(self) -> dict:
+        return {
+            "scheme": self.scheme.name,
+            "format": self.format,
+            "quantized_modules": self.quantized_modules,
+            "ignore": self.ignore,
+            "notes": self.notes,
+            "tensors": [{k: v for k, v in r.__dict__.items() if v is not None} for r in self.rows],
+        }
+
+    @property
+    def format(self) -> str:
+        fmts = {s.format for s, _ in self.config_groups.values()}
+        return fmts.pop() if len(fmts) == 1 else "mixed-precision"
+
+
+@dataclass
+class _Decisions:
+    """What the per-tensor phase found (the later phases read it)."""
+
+    rows: dict[str, TensorDecision] = field(default_factory=dict)
+    to_quantize: dict[str, str] = field(default_factory=dict)  # tensor name -> module
+    ignored: list[str] = field(default_factory=list)  # modules listed in ignore
+    notes: list[str] = field(default_factory=list)
+    head_name: str | None = None
+    used_targets: set[str] = field(default_factory=set)
+    used_ignore: set[str] = field(default_factory=set)
+
+
+def make_plan(
+    ckpt: Checkpoint,
+    scheme_name: str,
+    *,
+    targets: list[str] | None = None,
+    ignore: list[str] | None = None,
+    lm_head: str = "none",
+    lm_head_chunk_rows: int = 8192,
+    skip_incompatible: bool = False,
+) -> Plan:
+    """Decide every tensor's fate. Raises before any data is read.
+
+    Raises :class:`UsageError` (bad ``lm_head`` choice, partly ignored fused
+    set), :class:`UnsupportedError` (already-quantized input, NVFP4 W4A4, a
+    targeted weight whose shape the scheme cannot take, unless
+    ``skip_incompatible``, in which case it is kept dense, listed in ``ignore``
+    and reported in ``notes``) or :class:`BadInputError`.
+
+    Example::
+
+        plan = make_plan(open_checkpoint("model/"), "W4A16")
+        [r.action for r in plan.rows]   # 'quantize' | 'ignore' | 'copy', one per tensor
+    """
+    scheme = get_scheme(scheme_name)
+    _refuse_quantized(ckpt)
+    head_scheme = _head_scheme(lm_head)
+    targets = list(targets) if targets else ["Linear"]
+    user_ignore = list(ignore or [])
+    _check_patterns(targets + user_ignore)
+
+    tensors = ckpt.tensors
+    order = sorted(tensors, key=lambda n: (str(tensors[n].file), tensors[n].start))
+    d = _Decisions()
+    for name in order:
+        _decide(d, name, tensors[name], scheme, targets, user_ignore, head_scheme is not None, skip_incompatible)
+    d.notes += [f"--targets {p!r} matched no tensor" for p in targets if p not in d.used_targets]
+    d.notes += [f"--ignore {p!r} matched no tensor" for p in user_ignore if p not in d.used_ignore]
+    sets = _fused_sets(d, tensors, scheme)
+    units = _units(d, order, tensors, sets, scheme, head_scheme, lm_head_chunk_rows)
+    config_updates = _plan_head(d, ckpt, units, head_scheme, lm_head_chunk_rows)
+    config_groups: dict[str, tuple[Scheme, list[str]]] = {}
+    if head_scheme is not None:
+        # The head gets its own group targeting it by name. Both compressed-tensors
+        # (utils/match.py: exact names, then regexes, then class names) and vLLM
+        # match names before the class name "Linear", so the head takes this
+        # group whatever the group order (docs/compressed-tensors-format.md §7.5, docs/field-notes.md F6).
+        config_groups[_HEAD_GROUP] = (head_scheme, ["lm_head"])
+    if d.to_quantize:
+        config_groups[_MAIN_GROUP] = (scheme, targets)
+    if not config_groups:
+        raise UsageError("nothing to quantize: no tensor matches the targets (check --targets/--ignore)")
+    return Plan(scheme=scheme, units=units, rows=[d.rows[n] for n in order], ignore=list(dict.fromkeys(d.ignored)),
+                config_groups=config_groups, config_updates=config_updates, notes=d.notes, input_bytes=ckpt.total_bytes)
+
+
+# -- phase 1: options ---------------------------------------------------------------
+
+
+def _refuse_quantized(ckpt: Checkpoint) -> None:
+    if ckpt.quantization_config is not None:
+        qm = ckpt.quantization_config.get("quant_method", "?")
+        raise UnsupportedError(
+            f"input is already quantized (quant_method {qm!r}); ctconvert quantize needs a dense bf16/fp16/fp32 checkpoint",
+            file=ckpt.path / "config.json",
+        )
+
+
+def _head_scheme(lm_head: str) -> Scheme | None:
+    key = lm_head.lower()
+    if key not in LM_HEAD_SCHEMES:
+        raise UsageError(f"unknown --lm-head {lm_head!r}; choose one of: {', '.join(LM_HEAD_SCHEMES)}")
+    return get_scheme(LM_HEAD_SCHEMES[key]) if LM_HEAD_SCHEMES[key] else None
+
+
+def _check_patterns(patterns: list[str]) -> None:
+    for pat in patterns:
+        if pat.startswith("re:"):
+            try:
+                re.compile(pat[3:])
+            except re.error as e:
+                raise UsageError(f"invalid pattern {pat!r}: {e}") from None
+
+
+# -- phase 2: every tensor ------------------------------------------------------------
+
+
+def _decide(d: _Decisions, name: str, info: TensorInfo, scheme: Scheme, targets: list[str], user_ignore: list[str],
+            head_quantized: bool, skip_incompatible: bool) -> None:
+    """Record one tensor's decision in ``d``."""
+    row = d.rows[name] = TensorDecision(name, info.file.name, info.dtype, info.shape, "copy")
+    if not name.endswith(".weight"):
+        return
+    module = name[: -len(".weight")]
+    linear = is_linear_weight(name, info)
+
+    def keep_dense(reason: str, listed: bool = True) -> None:
+        row.action, row.reason = "ignore", reason
+        if listed:
+            d.ignored.append(module)
+
+    if DEFAULT_IGNORE_PATTERNS["lm_head"].search(module) and linear:
+        d.head_name = name
+        if not head_quantized:
+            keep_dense("lm_head (default; see --lm-head)")
+        return
+    hit = matches(module, targets, is_linear=linear)
+    if hit is None:
+        return
+    d.used_targets.add(hit)
+    if hit == "Linear":
+        default = next((k for k, p in DEFAULT_IGNORE_PATTERNS.items() if k != "lm_head" and p.search(module)), None)
+        if default is not None:
+            return keep_dense(f"{default} (default)")
+        if not BLOCK.search(module):
+            return keep_dense("Linear outside the transformer blocks (default)")
+    if (u := matches(module, user_ignore, is_linear=linear)) is not None:
+        d.used_ignore.add(u)
+        return keep_dense(f"--ignore {u}", listed=linear)
+    problem = _shape_problem(info, scheme)
+    if problem is not None:
+        if not skip_incompatible:
+            raise UnsupportedError(f"{problem}; leave it dense with --ignore {module!r} or pass --skip-incompatible",
+                                   file=str(info.file), tensor=name)
+        keep_dense(problem + " (skipped: --skip-incompatible)")
+        d.notes.append(f"{name}: {problem}; kept dense and listed in ignore")
+        return
+    d.to_quantize[name] = module
+    row.action, row.scheme = "quantize", scheme.name
+
+
+def _shape_problem(info: TensorInfo, scheme: Scheme) -> str | None:
+    """Why ``scheme`` cannot take this targeted weight, or None."""
+    if info.dtype not in FLOAT_DTYPES:
+        return f"dtype {info.dtype} is not bf16/fp16/fp32"
+    if len(info.shape) != 2:
+        return f"{len(info.shape)}-D weight {list(info.shape)}; only 2-D Linear weights can be quantized"
+    n_rows, k = info.shape
+    block = scheme.weights.strategy == "block"
+    if k % scheme.k_multiple:
+        what = "block width" if block else "group size"
+        return f"K={k} is not a multiple of the {what} {scheme.k_multiple} of {scheme.name}"
+    if n_rows % scheme.n_multiple:
+        return (f"N={n_rows} is not a multiple of the block height {scheme.n_multiple} of {scheme.name} "
+                "(transformers and vLLM need whole blocks)")
+    return None
+
+
+# -- phase 3: fused sets ------------------------------------------------------------------
+
+
+def _fused_sets(d: _Decisions, tensors: dict[str, TensorInfo], scheme: Scheme) -> dict[tuple, list[str]]:
+    """Members to quantize grouped by fused set; a set is all-quantized or all-dense (else ``UsageError``)."""
+    sets: dict[tuple, list[str]] = {}
+    for name, module in d.to_quantize.items():
+        key = fused_key(module)
+        if key is not None:
+            sets.setdefault(key, []).append(name)
+    all_modules = {n[: -len(".weight")] for n in tensors if n.endswith(".weight")}
+    for (parent, members), names in sets.items():
+        present = [m for m in members if f"{parent}.{m}" in all_modules]
+        if len(names) != len(present):
+            dense = [m for m in present if f"{parent}.{m}.weight" not in d.to_quantize]
+            raise UsageError(
+                f"fused set {fused_set_name(parent, members)} is only partly quantized ({', '.join(dense)} would stay dense); "
+                "vLLM needs one scheme per fused layer: ignore all of its members or none"
+            )
+        missing = [m for m in members if m not in present]
+        if missing and scheme.global_scale:
+            d.notes.append(f"{parent}: fused set without {', '.join(missing)}; global scale shared by the members present")
+    return sets
+
+
+# -- phase 4: work units ----------------------------------------------------------------------
+
+
+def _units(d: _Decisions, order: list[str], tensors: dict[str, TensorInfo], sets: dict[tuple, list[str]], scheme: Scheme,
+           head_scheme: Scheme | None, head_chunk_rows: int) -> list[WorkUnit]:
+    """Work units in file order: one per fused set or quantized Linear, one per copied tensor."""
+    units: list[WorkUnit] = []
+    seen: set[str] = set()
+    for name in order:
+        if name in seen:
+            continue
+        row = d.rows[name]
+        if row.action == "quantize":
+            key = fused_key(d.to_quantize[name])
+            names = sorted(sets[key], key=lambda n: key[1].index(d.to_quantize[n].rpartition(".")[2])) if key else [name]
+            seen.update(names)
+            if len(names) > 1:
+                label = fused_set_name(key[0], (d.to_quantize[m].rpartition(".")[2] for m in names))
+                for n in names:
+                    d.rows[n].fused_set = label
+            unit = WorkUnit("quantize", names, [d.to_quantize[n] for n in names], scheme, _MAIN_GROUP)
+            for n in names:
+                unit.outputs += scheme.outputs(d.to_quantize[n], tensors[n].shape, tensors[n].torch_dtype)
+            units.append(unit)
+        elif name == d.head_name and head_scheme is not None:
+            units.append(_head_unit(name, tensors[name], head_scheme, head_chunk_rows, row))
+            seen.add(name)
+        else:
+            info = tensors[name]
+            units.append(WorkUnit("copy", [name], [], outputs=[(name, info.dtype, info.shape)]))
+            seen.add(name)
+    return units
+
+
+def _head_unit(src: str, info: TensorInfo, scheme: Scheme, chunk_rows: int, row: TensorDecision, module: str = "lm_head") -> WorkUnit:
+    if info.dtype not in FLOAT_DTYPES or len(info.shape) != 2:
+        raise UnsupportedError(f"lm_head must be a 2-D bf16/fp16/fp32 weight, got {info.dtype}{list(info.shape)}", file=str(info.file), tensor=src)
+    if info.shape[1] % scheme.k_multiple:
+        raise UnsupportedError(f"lm_head K={info.shape[1]} is not a multiple of {scheme.k_multiple} ({scheme.name})", file=str(info.file), tensor=src)
+    row.action, row.scheme, row.reason = "quantize", scheme.name, "--lm-head"
+    unit = WorkUnit("quantize", [src], [module], scheme, _HEAD_GROUP, chunk_rows=chunk_rows)
+    unit.outputs = scheme.outputs(module, info.shape, info.torch_dtype)
+    return unit
+
+
+# -- phase 5: lm_head and tied embeddings ------------------------------------------------------------
+
+
+def _plan_head(d: _Decisions, ckpt: Checkpoint, units: list[WorkUnit], head_scheme: Scheme | None, chunk_rows: int) -> dict:
+    """A quantized head from a tied embedding (appended to ``units``), the ``ignore`` entry of a tied
+    dense head, and the config updates (untied embeddings)."""
+    tensors = ckpt.tensors
+    tie = tie_word_embeddings(ckpt.config)
+    if head_scheme is None:
+        if d.head_name is None and tie and is_generative(ckpt.config):
+            d.ignored.append("lm_head")  # the model builds an lm_head Linear from the tied embedding
+        return {}
+    if d.head_name is None:
+        emb = find_embedding(tensors)
+        if emb is None or not tie:
+            raise UsageError("--lm-head was given but the checkpoint has no lm_head.weight and no tied embedding to take it from",
+                             file=ckpt.path)
+        row = TensorDecision(emb, tensors[emb].file.name, tensors[emb].dtype, tensors[emb].shape, "copy")
+        units.append(_head_unit(emb, tensors[emb], head_scheme, chunk_rows, row, module="lm_head"))
+        d.notes.append(f"tied embeddings untied: lm_head quantized from {emb}, which is also kept dense; tie_word_embeddings set to false")
+    elif tie:
+        d.notes.append("tie_word_embeddings set to false: lm_head is quantized and stored separately")
+    return {"tie_word_embeddings": False} if tie else {}

@@ -1,0 +1,178 @@
+"""Quantization schemes by compressed-tensors preset name, and what each writes.
+
+A :class:`Scheme` binds a preset (``FP8_DYNAMIC``, ``W4A16`` ...; the names
+and their QuantizationArgs are compressed-tensors' own presets,
+``compressed_tensors/quantization/quant_scheme.py``, ``PRESET_SCHEMES``,
+release 0.20) to its weight format object (:data:`ctconvert.formats.FORMATS`),
+which knows the output tensors, the quantizers and the shape rules
+(docs/compressed-tensors-format.md §3.3, §4). Everything a scheme says about
+its tensors is the format's answer for the scheme's weight arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint.safetensors_io import TORCH_TO_ST
+from ..errors import UnsupportedError, UsageError
+from ..formats import FORMATS, CompressionFormat, WeightArgs, WeightFormat
+
+__all__ = ["LM_HEAD_SCHEMES", "Scheme", "get_scheme", "scheme_names"]
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One weight quantization recipe: a preset name, its compressed-tensors format and weight arguments."""
+
+    name: str
+    format: CompressionFormat
+    weights: WeightArgs
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        return FORMATS[self.format]
+
+    # the weight arguments, by their compressed-tensors names
+    @property
+    def num_bits(self) -> int:
+        return self.weights.num_bits
+
+    @property
+    def group_size(self) -> int | None:
+        return self.weights.group_size
+
+    @property
+    def symmetric(self) -> bool:
+        return self.weights.symmetric
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        return self.weights.block_structure
+
+    # what the format says for these arguments
+    @property
+    def global_scale(self) -> bool:
+        """Needs one absmax over the fused set before any chunk is quantized (NVFP4)."""
+        return self.weight_format.needs_global_scale
+
+    @property
+    def scale_flags_nonfinite(self) -> bool:
+        """See :meth:`ctconvert.formats.base.WeightFormat.scale_flags_nonfinite`."""
+        return self.weight_format.scale_flags_nonfinite(self.weights)
+
+    @property
+    def row_align(self) -> int:
+        """Row chunks must start at multiples of this (block scales, dim-0 packed zero points stay whole)."""
+        return self.weight_format.row_align(self.weights)
+
+    @property
+    def k_multiple(self) -> int:
+        """K must be a multiple of this (1 = any)."""
+        return self.weight_format.k_multiple(self.weights)
+
+    @property
+    def n_multiple(self) -> int:
+        """N must be a multiple of this for transformers and vLLM (1 = any)."""
+        return self.weight_format.n_multiple(self.weights)
+
+    def outputs(self, module: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, str, tuple[int, ...]]]:
+        """Output tensors ``(name, safetensors dtype, shape)`` replacing ``module.weight`` ``[N, K]`` of ``dtype``."""
+        outs = self.weight_format.outputs(tuple(shape), dtype, self.weights)
+        return [(f"{module}.{part}", TORCH_TO_ST[dt], tuple(s)) for part, (dt, s) in outs.items()]
+
+    def quantize_rows(self, w: torch.Tensor, global_scale: torch.Tensor | None = None, impl: str = "auto") -> dict[str, torch.Tensor]:
+        """Quantize a row chunk ``w`` ``[r, K]``; see :meth:`ctconvert.formats.base.WeightFormat.quantize`."""
+        return self.weight_format.quantize(w, self.weights, global_scale, impl)
+
+    def whole_tensor_outputs(self, shape: tuple[int, int], global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The outputs that belong to the whole tensor (``weight_shape``, ``weight_global_scale``)."""
+        return self.weight_format.whole_tensor_outputs(tuple(shape), global_scale)
+
+    def config_group(self, targets: list[str]) -> dict:
+        """The ``config_groups`` entry: compressed-tensors' preset, serialized as its 0.20 ``model_dump``.
+
+        The QuantizationArgs of each preset are compressed-tensors' (``PRESET_SCHEMES``);
+        ``tests/checkpoint/test_config.py`` checks this table against the library, key for key.
+        Kept as data so that a conversion does not pay compressed-tensors' multi-second import.
+        """
+        weights, inputs = _PRESET_ARGS[self.name]
+        return {
+            "targets": list(targets),
+            "weights": dict(weights),
+            "input_activations": dict(inputs) if inputs else None,
+            "output_activations": None,
+            "format": self.format.value,
+        }
+
+    def describe(self) -> str:
+        """One line for ``ctconvert schemes``: type, bits, granularity (e.g. ``int4 group 128``)."""
+        w = self.weights
+        unit = {"channel": "per channel", "tensor": "per tensor", "block": "block 128x128"}.get(w.strategy, f"group {w.group_size}")
+        return f"{w.type}{w.num_bits} {unit}{'' if w.symmetric else ' asymmetric'}"
+
+
+def _args(num_bits, type_, strategy, group_size=None, symmetric=True, dynamic=False, **extra):
+    d = {"num_bits": num_bits, "type": type_, "symmetric": symmetric, "group_size": group_size, "strategy": strategy}
+    if "block_structure" in extra:
+        d["block_structure"] = extra.pop("block_structure")
+    d["dynamic"] = dynamic
+    d.update(extra)
+    return d
+
+
+_FP8_TOKEN = _args(8, "float", "token", dynamic=True)
+#: preset -> (weights, input_activations) QuantizationArgs, as compressed-tensors 0.20 dumps them
+_PRESET_ARGS: dict[str, tuple[dict, dict | None]] = {
+    "FP8_DYNAMIC": (_args(8, "float", "channel"), _FP8_TOKEN),
+    "FP8_BLOCK": (_args(8, "float", "block", block_structure=[128, 128]), _args(8, "float", "group", 128, dynamic=True)),
+    "W8A8": (_args(8, "int", "channel"), _args(8, "int", "token", dynamic=True)),
+    "W4A16": (_args(4, "int", "group", 128), None),
+    "W4A16_ASYM": (_args(4, "int", "group", 128, symmetric=False), None),
+    "W8A16": (_args(8, "int", "group", 128), None),
+    "NVFP4A16": (_args(4, "float", "tensor_group", 16, scale_dtype="torch.float8_e4m3fn"), None),
+    "MXFP4A16": (_args(4, "float", "group", 32, scale_dtype="torch.uint8"), None),
+}
+#: preset -> the compressed-tensors format its weights are written in (docs/compressed-tensors-format.md §3.3)
+_PRESET_FORMAT = {
+    "FP8_DYNAMIC": CompressionFormat.FLOAT_QUANTIZED,
+    "FP8_BLOCK": CompressionFormat.FLOAT_QUANTIZED,
+    "W8A8": CompressionFormat.INT_QUANTIZED,
+    "W4A16": CompressionFormat.PACK_QUANTIZED,
+    "W4A16_ASYM": CompressionFormat.PACK_QUANTIZED,
+    "W8A16": CompressionFormat.PACK_QUANTIZED,
+    "NVFP4A16": CompressionFormat.NVFP4_PACK_QUANTIZED,
+    "MXFP4A16": CompressionFormat.MXFP4_PACK_QUANTIZED,
+}
+_SCHEMES: dict[str, Scheme] = {
+    name: Scheme(name, _PRESET_FORMAT[name], WeightArgs.from_dict(weights)) for name, (weights, _) in _PRESET_ARGS.items()
+}
+_ALIASES = {"INT8": "W8A8"}
+
+#: quantized lm_head choices (``--lm-head``): NVFP4A16, or FP8 per-row weights
+#: with dynamic per-token activations (the FP8_DYNAMIC preset aimed at the head).
+LM_HEAD_SCHEMES = {"none": None, "nvfp4a16": "NVFP4A16", "fp8": "FP8_DYNAMIC"}
+
+
+def scheme_names() -> list[str]:
+    """Every accepted scheme name (upper case), aliases included."""
+    return sorted([*_SCHEMES, *_ALIASES])
+
+
+def get_scheme(name: str) -> Scheme:
+    """Look a scheme up by preset name, case-insensitively.
+
+    Raises :class:`UnsupportedError` for NVFP4 (W4A4: needs calibrated
+    activation scales) and :class:`UsageError` for an unknown name.
+    """
+    key = name.strip().upper()
+    key = _ALIASES.get(key, key)
+    if key in _SCHEMES:
+        return _SCHEMES[key]
+    if key in ("NVFP4", "W4A4_NVFP4"):
+        raise UnsupportedError(
+            "scheme NVFP4 (W4A4) needs calibrated activation global scales (input_global_scale), "
+            "which data-free conversion cannot produce; use --scheme NVFP4A16 (weight-only NVFP4) instead"
+        )
+    raise UsageError(f"unknown scheme {name!r}; choose one of: {', '.join(scheme_names())}")
