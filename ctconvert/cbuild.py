@@ -1,7 +1,7 @@
 """Build a C source file into a shared library on first use, and split work over threads.
 
-Used by the CPU kernels (:mod:`ctconvert.formats.native`,
-:mod:`ctconvert.layouts.native`). A library is built once per machine with the
+Used by the CPU kernels (:mod:`ctconvert.formats.native`, the quantizers, and
+:mod:`ctconvert.layouts.cpu`, the Marlin tiles). A library is built once per machine with the
 system C compiler (``cc -O3``, never ``-ffast-math``: results must equal the
 torch references bit for bit) into a cache folder (``$CTCONVERT_CACHE`` or
 ``~/.cache/ctconvert``), keyed by the source's hash and the flags. No

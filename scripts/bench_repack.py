@@ -83,14 +83,14 @@ def main() -> None:
         for (kernel, _), ms in groups.items():
             t = {p: torch.stack([read_tensor(x.parts[p]) for x in ms]).to(dev) for p in ms[0].parts}
             nbytes += sum(x.numel() * x.element_size() for x in t.values())
-            jobs.append((kernel, t, ms[0].weights or {}, ms[0].format))
+            jobs.append((kernel, t, ms[0].weights or {}))
         out_bytes = 0
-        for kernel, t, w, fmt in jobs:
+        for kernel, t, w in jobs:
             outs, _ = batched.repack_batch(kernel, t, w, "0.33", torch.bfloat16)
             out_bytes += sum(x.numel() * x.element_size() for p, x in outs.items() if not p.endswith("_source"))
 
         def run_all():
-            for kernel, t, w, fmt in jobs:
+            for kernel, t, w in jobs:
                 if a.per_module:
                     for i in range(next(iter(t.values())).shape[0]):
                         kernels.repack_module(kernel, {p: x[i] for p, x in t.items()}, w, "0.33", torch.bfloat16)

@@ -23,7 +23,7 @@ def _load(cls, path, scheme):
     kw = {"dtype": torch.bfloat16}
     if scheme == "W4A16_ASYM":
         # transformers 5.24 + compressed-tensors 0.20.1 cannot build packed zero points
-        # in compressed mode (compressed-tensors-format.md §8.2, a reader bug); the
+        # in compressed mode (docs/compressed-tensors-format.md §8.2, a reader bug); the
         # decompress-on-load path reads the same files.
         kw["quantization_config"] = transformers.CompressedTensorsConfig(dequantize=True)
     return cls.from_pretrained(str(path), **kw).eval()

@@ -1,7 +1,7 @@
 """Build ``config.json``'s ``quantization_config`` in compressed-tensors' own serialization.
 
 The block is what compressed-tensors' ``ModelCompressor.update_config``
-writes (compressed-tensors-format.md §7.1, §7.4): its pydantic
+writes (docs/compressed-tensors-format.md §7.1, §7.4): its pydantic
 ``QuantizationConfig.model_dump`` (config groups from the presets, ``format``,
 ``ignore``, ``quantization_status: "compressed"``, the null optional keys)
 plus ``quant_method``, ``version``, ``sparsity_config: {}`` and

@@ -7,9 +7,11 @@ the data section that follows the header) plus an optional ``__metadata__`` map
 of strings. Data is little-endian, row-major, and the ranges tile the data
 section without gaps or overlaps.
 
-Reading goes through ``os.pread`` into tensors that we own (no mmap), so the
-bytes held in memory are exactly the bytes asked for, and a row range of a
-tensor can be read on its own. Writing pre-computes every header from the plan
+Reading goes through ``os.pread`` into tensors that we own (:func:`read_rows`,
+:func:`read_bytes`), so the bytes held in memory are exactly the bytes asked
+for, and a row range of a tensor can be read on its own; on the CPU the
+executor may instead take row ranges as read-only views of a private mapping
+of the file (:func:`map_rows`: no copy, the page cache is the buffer). Writing pre-computes every header from the plan
 and then writes each tensor (or row range) at its final offset with
 ``os.pwrite``: a shard never has to be assembled in memory.
 """

@@ -1,6 +1,6 @@
 """FP4 E2M1 weights: NVFP4 (E4M3 scales per 16 + fp32 global scale) and MXFP4 (E8M0 per 32).
 
-Format facts (compressed-tensors-format.md): E2M1 codes and nibble order §5.2
+Format facts (docs/compressed-tensors-format.md): E2M1 codes and nibble order §5.2
 (even column in the low nibble; a negative value that rounds to zero keeps its
 sign bit, 0x8); NVFP4 layout §4.4 and math §6.4 (``gs = D(D(1/amax) * 2688)``
 as an fp32 divisor, ``s = e4m3(clamp(gs * D(amax_g / 6), ±448))`` with 0 ->
@@ -64,7 +64,7 @@ def nvfp4_global_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     ``amax``: fp32 0-d holding a value of dtype D. Computes
     ``D(D(1 / max(amax, tiny(D))) * 2688)``; NaN/inf become 1.0 (an all-zero
-    tensor gets 1.0). Returns fp32 ``[1]``. compressed-tensors-format.md §6.4.
+    tensor gets 1.0). Returns fp32 ``[1]``. docs/compressed-tensors-format.md §6.4.
     """
     a = torch.clamp(amax.to(torch.float32), min=torch.finfo(dtype).tiny)
     gs = rd(rd(torch.ones_like(a) / a, dtype) * (FP8_MAX * FP4_MAX), dtype)

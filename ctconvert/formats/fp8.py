@@ -1,6 +1,6 @@
 """FP8 E4M3 weights with symmetric scales: per-channel and per-block.
 
-Format facts (compressed-tensors-format.md): layout §4.2 (``weight`` F8_E4M3
+Format facts (docs/compressed-tensors-format.md): layout §4.2 (``weight`` F8_E4M3
 ``[N, K]``, ``weight_scale`` in the model dtype D), math §6.2 and §6.1:
 ``scale = D(amax / 448)``, zero scales replaced by ``eps(D)``,
 ``q = e4m3_rne(clamp(D(w / scale) + 0, ±448))`` (the double rounding fp32 -> D ->

@@ -2,7 +2,7 @@
 
 Same results, bit for bit, as the torch reference (``fp8.py``,
 ``integer.py``, ``fp4.py``) and so as compressed-tensors' CPU path
-(compressed-tensors-format.md §6): fp32 math with IEEE (correctly rounded)
+(docs/compressed-tensors-format.md §6): fp32 math with IEEE (correctly rounded)
 division, and explicit RNE casts to the model dtype D where the reference
 rounds. The tests compare every kernel with the CPU result byte for byte.
 
@@ -418,7 +418,7 @@ if _HAVE_TRITON:
             r = tl.div_rn(1.0, d)
             neg = _neg_nonzero_bound(d)[:, :, None]
         else:
-            # power of two of amax on D's bit pattern (compressed-tensors-format.md §6.5), all in integers
+            # power of two of amax on D's bit pattern (docs/compressed-tensors-format.md §6.5), all in integers
             if DT == 0:
                 b = amax.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
                 b = (b + 32) & 0xFF80

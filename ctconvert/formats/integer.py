@@ -1,6 +1,6 @@
 """Integer weights (INT4/INT8 ...), symmetric or asymmetric, per-group or per-channel.
 
-Format facts (compressed-tensors-format.md): math §6.3 and §6.1 (divisor
+Format facts (docs/compressed-tensors-format.md): math §6.3 and §6.1 (divisor
 ``(2^B - 1) / 2`` for symmetric scales, ``(2^B - 1)`` for asymmetric, each step
 rounded to the model dtype D, zero scales replaced by ``eps(D)``, round half to
 even), layouts §4.2 (``int-quantized``: unpacked I8) and §4.3

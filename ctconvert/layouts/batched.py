@@ -16,7 +16,7 @@ module and stacks the results, so the contract is the same everywhere.
 
 The record (:func:`.kernels.repack_module`'s second value) is computed once
 per batch on meta tensors; value-dependent fields (the NVFP4 ``scale_factor``)
-are filled in per module.
+are filled in per module. Sections (§) refer to docs/kernel-layouts.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ no Python loops over elements, no host synchronisation (unless a ``check_*``
 flag asks for one), and every result lives on the device of its input, so the
 functions run unchanged on CUDA tensors. Each transform has an exact inverse.
 
-Reference (vLLM 0.33.0, kernel-layouts.md §12):
+Reference (vLLM 0.33.0, docs/kernel-layouts.md §12):
 ``swizzle_blockscale`` and ``pad_nvfp4_weight_for_cutlass`` in
 ``vllm/model_executor/layers/quantization/utils/nvfp4_utils.py``, and the
 scalars of ``CompressedTensorsW4A4Fp4.process_weights_after_loading``.

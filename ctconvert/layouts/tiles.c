@@ -1,4 +1,4 @@
-/* Marlin weight tiles on the CPU (kernel-layouts.md §3.1, §3.4): the same bit moves as the
+/* Marlin weight tiles on the CPU (docs/kernel-layouts.md §3.1, §3.4): the same bit moves as the
  * Triton kernel in gpu.py. Source: int32 words W[n, kw] (compressed-tensors weight_packed,
  * or a GPTQ tensor through its strides), pack factor 32/bits along K, low bits first;
  * words past N or KW read as zero (vLLM's tile padding). Output: int32 [KT, NT*T],

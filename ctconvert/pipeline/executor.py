@@ -7,7 +7,7 @@ its shard as soon as a chunk is done. A reader thread reads the next chunks
 quantized, so disk, host-to-device copies and compute overlap.
 
 NVFP4 needs one absmax over each fused set before any member is quantized
-(compressed-tensors-format.md §9.1): a set of up to ``hold_bytes`` is read
+(docs/compressed-tensors-format.md §9.1): a set of up to ``hold_bytes`` is read
 once and held (on the device) until its global scale is known; a larger set
 is read twice (absmax pass, then quantize pass).
 

@@ -1,4 +1,4 @@
-"""Bit-level encodings against the worked examples of compressed-tensors-format.md (§5, §6)."""
+"""Bit-level encodings against the worked examples of docs/compressed-tensors-format.md (§5, §6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CUTLASS / FlashInfer NVFP4 layouts (kernel-layouts.md §6) against vLLM 0.33.0 reference vectors."""
+"""CUTLASS / FlashInfer NVFP4 layouts (docs/kernel-layouts.md §6) against vLLM 0.33.0 reference vectors."""
 
 from __future__ import annotations
 

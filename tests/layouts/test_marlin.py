@@ -3,7 +3,7 @@
 Every case of marlin_int_weights / marlin_scales / marlin_zero_points
 (/work/shared/testvectors, override with $CTCONVERT_TESTVECTORS) is checked with
 the parameters from its metadata, plus round trips on fresh random inputs and an
-independent per-lane transcription of kernel-layouts.md §3.1 on small shapes.
+independent per-lane transcription of docs/kernel-layouts.md §3.1 on small shapes.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def unpack_along_last(words: torch.Tensor, bits: int, count: int) -> torch.Tenso
 
 
 def reference_repack(w: torch.Tensor, bits: int) -> torch.Tensor:
-    """Literal, loop-per-lane transcription of kernel-layouts.md §3.1 (small shapes only).
+    """Literal, loop-per-lane transcription of docs/kernel-layouts.md §3.1 (small shapes only).
 
     w: int (K, N) unsigned values, K % 16 == 0 and N % 64 == 0 (already padded/permuted).
     """

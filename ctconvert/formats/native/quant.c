@@ -5,7 +5,7 @@
  * and writes the packed values and the scales once. The arithmetic is the
  * same, operation for operation, as the torch reference in ../fp8.py,
  * ../integer.py and ../fp4.py (and so as compressed-tensors' CPU path,
- * compressed-tensors-format.md section 6): every step "in D" is an fp32
+ * docs/compressed-tensors-format.md section 6): every step "in D" is an fp32
  * operation rounded to D with round-to-nearest-even.
  *
  * Build: cc -O3 -shared -fPIC (no -ffast-math: IEEE division and rounding
@@ -75,7 +75,7 @@ static inline float e4m3_to_f32(uint8_t b) {
     return (b & 0x80) ? -v : v;
 }
 
-/* E2M1 magnitude index with ties to even (thresholds of compressed-tensors-format.md 6.4). */
+/* E2M1 magnitude index with ties to even (thresholds of docs/compressed-tensors-format.md 6.4). */
 static inline int32_t e2m1_code(float x) {
     float a = fabsf(x);
     int32_t c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);

@@ -1,0 +1,157 @@
+"""The package's import rules hold (README "Layout"): read from the source with ``ast``, nothing is imported.
+
+* no command module imports another command;
+* ``cli`` reaches the engine only through ``api`` (and the error vocabulary, ``errors``);
+* ``formats/`` and ``layouts/`` import nothing of the package but the C-build helper (and their own folder);
+* data flows one way: the lower layers never import the higher ones;
+* no module imports another module's ``_private`` name, or reads one as ``module._name``;
+* no import circles (module-level and function-level imports alike).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "ctconvert"
+#: layer of each top-level part, lowest first; a module may import only its own layer or lower ones
+LAYERS = {
+    "errors": 0, "cbuild": 0, "__init__": 0,
+    "formats": 1, "layouts": 1,
+    "checkpoint": 2,
+    "plan": 3,
+    "pipeline": 4,
+    "commands": 5,
+    "api": 6,
+    "cli": 7, "__main__": 8,
+}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _resolve(mod: str, is_pkg: bool, level: int, target: str | None) -> str:
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join([*base, target] if target else base)
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(mod: str) -> ast.Module:
+    return ast.parse(MODULES[mod].read_text())
+
+
+def _imports(mod: str):
+    """``(imported module, imported names, node)`` of every import of ``mod`` that names a ctconvert module."""
+    path = MODULES[mod]
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(_tree(mod)):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("ctconvert"):
+                    yield a.name, [], node
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(mod, is_pkg, node.level, node.module) if node.level else node.module
+            if not target or not target.startswith("ctconvert"):
+                continue
+            names = [a.name for a in node.names]
+            subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+            rest = [n for n in names if f"{target}.{n}" not in MODULES]
+            if rest:
+                yield target, rest, node
+            for s in subs:
+                yield s, [], node
+
+
+def _part(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+@functools.lru_cache(maxsize=None)
+def _edges() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {m: set() for m in MODULES}
+    for m in MODULES:
+        for target, _, _ in _imports(m):
+            if target in MODULES and target != m:
+                out[m].add(target)
+    return out
+
+
+def test_modules_found():
+    assert {"ctconvert.api", "ctconvert.cli", "ctconvert.commands.quantize", "ctconvert.formats.base",
+            "ctconvert.layouts.kernels"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("mod", [m for m in MODULES if m.startswith("ctconvert.commands.")])
+def test_no_command_imports_another(mod):
+    others = {t for t in _edges()[mod] if t.startswith("ctconvert.commands") and t != mod}
+    assert not others, f"{mod} imports {sorted(others)}"
+
+
+def test_cli_goes_through_api():
+    allowed = {"ctconvert", "ctconvert.api", "ctconvert.errors"}
+    assert _edges()["ctconvert.cli"] <= allowed, sorted(_edges()["ctconvert.cli"] - allowed)
+
+
+@pytest.mark.parametrize("mod", [m for m in MODULES if _part(m) in ("formats", "layouts")])
+def test_formats_and_layouts_are_pure(mod):
+    own = mod.split(".")[1]
+    bad = {t for t in _edges()[mod] if _part(t) not in (own, "cbuild")}
+    assert not bad, f"{mod} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("mod", sorted(MODULES))
+def test_data_flows_one_way(mod):
+    up = {t for t in _edges()[mod] if LAYERS[_part(t)] > LAYERS[_part(mod)]}
+    assert not up, f"{mod} (layer {_part(mod)}) imports higher layers {sorted(up)}"
+
+
+@pytest.mark.parametrize("mod", sorted(MODULES))
+def test_no_private_names_of_other_modules(mod):
+    bad = []
+    aliases: set[str] = set()  # local names bound to ctconvert modules
+    for target, names, node in _imports(mod):
+        bad += [f"{target}.{n}" for n in names if n.startswith("_") and not n.startswith("__")]
+        if isinstance(node, ast.Import):
+            aliases.update(a.asname or a.name.split(".")[0] for a in node.names)
+        elif target in MODULES and not names:  # ``from pkg import module [as alias]``
+            aliases.update(a.asname or a.name for a in node.names if target.endswith("." + a.name) or target == a.name)
+    for node in ast.walk(_tree(mod)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                bad.append(f"{node.value.id}.{node.attr}")
+    assert not bad, f"{mod} uses private names {bad}"
+
+
+def test_no_import_circles():
+    edges = _edges()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(t):] + [t]))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
