@@ -29,8 +29,20 @@ from .pipeline.executor import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
 from .plan.layout import LayoutStage
 
 __all__ = [
-    "KERNEL_NATIVE", "QuantizeResult", "batch", "decompress", "finished_shards", "inspect", "is_kernel_native", "load_jobs",
-    "quantize", "quantize_to_target", "repack", "run_jobs", "schemes", "verify",
+    "KERNEL_NATIVE",
+    "QuantizeResult",
+    "batch",
+    "decompress",
+    "finished_shards",
+    "inspect",
+    "is_kernel_native",
+    "load_jobs",
+    "quantize",
+    "quantize_to_target",
+    "repack",
+    "run_jobs",
+    "schemes",
+    "verify",
 ]
 
 
@@ -90,14 +102,30 @@ def quantize(
         r = api.quantize("llama/", "llama-w4a16/", "W4A16", lm_head="fp8")
         print(r.quantized_modules, r.output_bytes)
     """
-    return _quantize.quantize(src, out, scheme, lm_head=lm_head, targets=targets, ignore=ignore, max_shard_size=max_shard_size,
-                              overwrite=overwrite, dry_run=dry_run, skip_incompatible=skip_incompatible, device=device,
-                              lm_head_chunk_rows=lm_head_chunk_rows, chunk_elems=chunk_elems, hold_bytes=hold_bytes, resume=resume,
-                              refresh=refresh, progress=progress, impl=impl, map_input=map_input)
+    return _quantize.quantize(
+        src,
+        out,
+        scheme,
+        lm_head=lm_head,
+        targets=targets,
+        ignore=ignore,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        dry_run=dry_run,
+        skip_incompatible=skip_incompatible,
+        device=device,
+        lm_head_chunk_rows=lm_head_chunk_rows,
+        chunk_elems=chunk_elems,
+        hold_bytes=hold_bytes,
+        resume=resume,
+        refresh=refresh,
+        progress=progress,
+        impl=impl,
+        map_input=map_input,
+    )
 
 
-def quantize_to_target(src, out, scheme: str, target: str, *, layout_version: str = DEFAULT_LAYOUT_VERSION, act_dtype: str = "bf16",
-                       **kw) -> QuantizeResult:
+def quantize_to_target(src, out, scheme: str, target: str, *, layout_version: str = DEFAULT_LAYOUT_VERSION, act_dtype: str = "bf16", **kw) -> QuantizeResult:
     """``quantize`` straight into a kernel-native layout (``--target marlin|cutlass-nvfp4``), in one pass.
 
     Each module is repacked on the device right after it is quantized; no
@@ -117,8 +145,17 @@ def quantize_to_target(src, out, scheme: str, target: str, *, layout_version: st
     return res
 
 
-def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str = DEFAULT_LAYOUT_VERSION, act_dtype: str = "bf16",
-           device: str = "auto", max_shard_size: str | int = "5GB", overwrite: bool = False) -> dict:
+def repack(
+    src: str | Path,
+    out: str | Path,
+    target: str,
+    *,
+    layout_version: str = DEFAULT_LAYOUT_VERSION,
+    act_dtype: str = "bf16",
+    device: str = "auto",
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+) -> dict:
     """Rewrite a compressed-tensors checkpoint in a kernel-native layout, or (``target="compressed-tensors"``) back.
 
     ``target``: ``marlin`` | ``cutlass-nvfp4`` | ``compressed-tensors``; ``layout_version``: the vLLM
@@ -132,12 +169,12 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
         api.repack("llama-w4a16/", "llama-marlin/", "marlin")
         api.repack("llama-marlin/", "back/", "compressed-tensors")   # bit for bit the source
     """
-    return _repack.repack(src, out, target, layout_version=layout_version, act_dtype=act_dtype, device=device,
-                          max_shard_size=max_shard_size, overwrite=overwrite)
+    return _repack.repack(
+        src, out, target, layout_version=layout_version, act_dtype=act_dtype, device=device, max_shard_size=max_shard_size, overwrite=overwrite
+    )
 
 
-def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_shard_size: str | int = "5GB",
-               overwrite: bool = False) -> dict:
+def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_shard_size: str | int = "5GB", overwrite: bool = False) -> dict:
     """Write a dense copy (``dtype`` ``bf16`` | ``fp16`` | ``fp32``) of a compressed-tensors checkpoint.
 
     Raises :class:`UnsupportedError` for formats or features it cannot dequantize (sparse

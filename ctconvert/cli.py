@@ -133,8 +133,9 @@ def _json_option(f):
             click_ctx.find_object(_Ctx).json = True
         return value
 
-    return click.option("--json", "json_flag", is_flag=True, expose_value=False, callback=cb, is_eager=True,
-                        help="One machine-readable JSON document on stdout.")(f)
+    return click.option(
+        "--json", "json_flag", is_flag=True, expose_value=False, callback=cb, is_eager=True, help="One machine-readable JSON document on stdout."
+    )(f)
 
 
 def _split(values: tuple[str, ...]) -> list[str]:
@@ -155,8 +156,13 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.argument("src", type=click.Path(file_okay=False, path_type=str))
 @click.option("-o", "--output", "output", type=click.Path(path_type=str), help="Output folder (created; must not exist unless --overwrite).")
 @click.option("-s", "--scheme", required=True, help="compressed-tensors preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W4A16, W4A16_ASYM, W8A16, NVFP4A16, MXFP4A16.")
-@click.option("--lm-head", type=click.Choice(["none", "nvfp4a16", "fp8"], case_sensitive=False), default="none", show_default=True,
-              help="Also quantize lm_head (own config group).")
+@click.option(
+    "--lm-head",
+    type=click.Choice(["none", "nvfp4a16", "fp8"], case_sensitive=False),
+    default="none",
+    show_default=True,
+    help="Also quantize lm_head (own config group).",
+)
 @click.option("--targets", multiple=True, help="Modules to quantize: names, re:patterns or Linear (default Linear). Repeat, or separate with commas.")
 @click.option("--ignore", multiple=True, help="Modules to leave dense (names or re:patterns), added to the defaults. Repeat, or separate with commas.")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard (e.g. 5GB, 500MB).")
@@ -167,29 +173,67 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--lm-head-chunk-rows", type=click.IntRange(min=1), default=8192, show_default=True, help="Rows of lm_head processed at a time.")
 @click.option("--resume", is_flag=True, help="Reuse the shards an interrupted run of the same command finished (checked by content hash).")
 @click.option("--refresh", is_flag=True, help="Against an existing output: re-derive only tensors whose source changed; rewrite only their shards.")
-@click.option("--target", "target", type=click.Choice(["marlin", "cutlass-nvfp4"]), default=None,
-              help="Also repack into this kernel-native layout (see `ctconvert repack`).")
+@click.option(
+    "--target",
+    "target",
+    type=click.Choice(["marlin", "cutlass-nvfp4"]),
+    default=None,
+    help="Also repack into this kernel-native layout (see `ctconvert repack`).",
+)
 @click.option("--layout-version", default="0.33", show_default=True, help="With --target: vLLM release whose layout to build.")
 @click.option("--act-dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True, help="With --target: activation dtype.")
 @_json_option
 @click.pass_obj
-def quantize(ctx: _Ctx, src, output, scheme, lm_head, targets, ignore, max_shard_size, overwrite, dry_run, skip_incompatible, device,
-             lm_head_chunk_rows, resume, refresh, target, layout_version, act_dtype):
+def quantize(
+    ctx: _Ctx,
+    src,
+    output,
+    scheme,
+    lm_head,
+    targets,
+    ignore,
+    max_shard_size,
+    overwrite,
+    dry_run,
+    skip_incompatible,
+    device,
+    lm_head_chunk_rows,
+    resume,
+    refresh,
+    target,
+    layout_version,
+    act_dtype,
+):
     """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint."""
     from . import api
 
     if not dry_run and not output:
         raise click.UsageError("missing option -o/--output (or use --dry-run)")
-    kw = dict(lm_head=lm_head, targets=_split(targets) or None, ignore=_split(ignore), max_shard_size=max_shard_size,
-              overwrite=overwrite, skip_incompatible=skip_incompatible, device=device, lm_head_chunk_rows=lm_head_chunk_rows)
+    kw = dict(
+        lm_head=lm_head,
+        targets=_split(targets) or None,
+        ignore=_split(ignore),
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        skip_incompatible=skip_incompatible,
+        device=device,
+        lm_head_chunk_rows=lm_head_chunk_rows,
+    )
     if target and not dry_run:
         if resume or refresh:
             raise click.UsageError("--target cannot be combined with --resume or --refresh")
-        result = _run(ctx, lambda: api.quantize_to_target(src, output, scheme, target, layout_version=layout_version,
-                                                          act_dtype=act_dtype, progress=_progress_factory(ctx), **kw))
+        result = _run(
+            ctx,
+            lambda: api.quantize_to_target(
+                src, output, scheme, target, layout_version=layout_version, act_dtype=act_dtype, progress=_progress_factory(ctx), **kw
+            ),
+        )
     else:
-        result = _run(ctx, resumable=None if dry_run else lambda: _finished_shards(output), fn=lambda: api.quantize(src, output, scheme, dry_run=dry_run, resume=resume, refresh=refresh,
-                                                progress=_progress_factory(ctx), **kw))
+        result = _run(
+            ctx,
+            resumable=None if dry_run else lambda: _finished_shards(output),
+            fn=lambda: api.quantize(src, output, scheme, dry_run=dry_run, resume=resume, refresh=refresh, progress=_progress_factory(ctx), **kw),
+        )
     if ctx.json:
         ctx.emit_json({"ok": result.error is None, **result.to_dict()})
         if result.error is not None:
@@ -262,10 +306,15 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
     from . import api
 
     if api.is_kernel_native(q):
-        con.print(f"[bold]{report['path']}[/bold]: kernel-native ({q['target']}, vLLM layout {q['layout_version']}, activations {q['act_dtype']}); "
-                  "not loadable as compressed-tensors: `ctconvert repack --target compressed-tensors` restores it")
+        con.print(
+            f"[bold]{report['path']}[/bold]: kernel-native ({q['target']}, vLLM layout {q['layout_version']}, activations {q['act_dtype']}); "
+            "not loadable as compressed-tensors: `ctconvert repack --target compressed-tensors` restores it"
+        )
     else:
-        con.print(f"[bold]{report['path']}[/bold]: " + (f"{q['quant_method']} / {q['format']} / {q['quantization_status']}" if q else "dense (no quantization_config)"))
+        con.print(
+            f"[bold]{report['path']}[/bold]: "
+            + (f"{q['quant_method']} / {q['format']} / {q['quantization_status']}" if q else "dense (no quantization_config)")
+        )
     for g, v in report["config_groups"].items():
         con.print(f"  group {g}: targets={v['targets']} scheme={v['scheme']} format={v['format']}")
     layers = report["layers"]
@@ -322,8 +371,15 @@ def verify_cmd(ctx: _Ctx, path, reference):
             for col in ("module", "format", "rel L2", "max abs", "SNR dB", "limit", "ok"):
                 t.add_column(col)
             for r in report["tensors"]:
-                t.add_row(r["module"], r["format"], f"{r['rel_l2']:.4f}", f"{r['max_abs']:.3g}", f"{r['snr_db']:.1f}", str(r["threshold"]),
-                          "[green]yes[/]" if r["ok"] else "[red]NO[/]")
+                t.add_row(
+                    r["module"],
+                    r["format"],
+                    f"{r['rel_l2']:.4f}",
+                    f"{r['max_abs']:.3g}",
+                    f"{r['snr_db']:.1f}",
+                    str(r["threshold"]),
+                    "[green]yes[/]" if r["ok"] else "[red]NO[/]",
+                )
             con.print(t)
         _print_problems(con, report["problems"])
         con.print("[green]verify: passed[/]" if report["ok"] else "[red]verify: FAILED[/]")
@@ -347,15 +403,22 @@ def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
     if ctx.json:
         ctx.emit_json({"ok": True, **res})
     elif not ctx.quiet:
-        click.echo(f"wrote {res['output']}: {res['modules_decompressed']} modules decompressed to {dtype}, "
-                   f"{_human(res['input_bytes'])} -> {_human(res['output_bytes'])} in {res['seconds']:.1f} s")
+        click.echo(
+            f"wrote {res['output']}: {res['modules_decompressed']} modules decompressed to {dtype}, "
+            f"{_human(res['input_bytes'])} -> {_human(res['output_bytes'])} in {res['seconds']:.1f} s"
+        )
 
 
 @main.command("repack")
 @click.argument("src", type=click.Path(file_okay=False, path_type=str))
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=str), help="Output folder.")
-@click.option("-t", "--target", required=True, type=click.Choice(["marlin", "cutlass-nvfp4", "compressed-tensors"]),
-              help="Kernel layout to build, or compressed-tensors to undo a repack.")
+@click.option(
+    "-t",
+    "--target",
+    required=True,
+    type=click.Choice(["marlin", "cutlass-nvfp4", "compressed-tensors"]),
+    help="Kernel layout to build, or compressed-tensors to undo a repack.",
+)
 @click.option("--layout-version", default="0.33", show_default=True, help="vLLM release whose layout to build (0.21, 0.25, 0.29 ... 0.33).")
 @click.option("--act-dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True, help="Activation dtype the kernel will run with.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
@@ -367,13 +430,16 @@ def repack_cmd(ctx: _Ctx, src, output, target, layout_version, act_dtype, device
     """Rebuild the quantized weights of SRC in a kernel-native layout (or back to compressed-tensors)."""
     from . import api
 
-    res = _run(ctx, lambda: api.repack(src, output, target, layout_version=layout_version, act_dtype=act_dtype, device=device,
-                                   max_shard_size=max_shard_size, overwrite=overwrite))
+    res = _run(
+        ctx,
+        lambda: api.repack(
+            src, output, target, layout_version=layout_version, act_dtype=act_dtype, device=device, max_shard_size=max_shard_size, overwrite=overwrite
+        ),
+    )
     if ctx.json:
         ctx.emit_json({"ok": True, **res})
     elif not ctx.quiet:
-        what = ("restored to compressed-tensors" if target == "compressed-tensors"
-                else f"repacked for {target} (vLLM layout {layout_version})")
+        what = "restored to compressed-tensors" if target == "compressed-tensors" else f"repacked for {target} (vLLM layout {layout_version})"
         click.echo(f"wrote {res['output']}: {res['modules']} modules {what} in {res['seconds']:.1f} s on {res['device']}")
 
 

@@ -34,10 +34,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "num_hidden_layers": 16, "vocab_size": 32000,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_hidden_layers": 16,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
 }
 
 FLOOR = r"""
@@ -86,17 +97,24 @@ def make_model(path: Path, shards: int = 4) -> Path:
     names = [("model.embed_tokens.weight", (v, h)), ("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
     for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}."
-        names += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-                  (p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
-                  (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, q)),
-                  (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)), (p + "mlp.down_proj.weight", (h, i))]
+        names += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "mlp.gate_proj.weight", (i, h)),
+            (p + "mlp.up_proj.weight", (i, h)),
+            (p + "mlp.down_proj.weight", (h, i)),
+        ]
     per = -(-len(names) // shards)
     weight_map, total = {}, 0
     g = torch.Generator().manual_seed(0)
     for s in range(shards):
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         part = {}
-        for n, shape in names[s * per:(s + 1) * per]:
+        for n, shape in names[s * per : (s + 1) * per]:
             part[n] = torch.ones(shape, dtype=torch.bfloat16) if len(shape) == 1 else (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
             weight_map[n] = fname
             total += part[n].numel() * 2
@@ -196,7 +214,11 @@ def main() -> None:
                     cmp = timed([py, "-c", COMPARE, str(out), str(po)], env)
                     pr["identical"] = json.loads(cmp["stdout"].strip().splitlines()[-1])["identical"]
                 runs.setdefault((scheme, "peer"), []).append(pr)
-            print(f"[rep {rep + 1}] {scheme}: " + ", ".join(f"{k}={runs[(scheme, k)][-1]['seconds']:.2f}s" for k in ("floor", "ctconvert", "peer") if (scheme, k) in runs), file=sys.stderr)
+            print(
+                f"[rep {rep + 1}] {scheme}: "
+                + ", ".join(f"{k}={runs[(scheme, k)][-1]['seconds']:.2f}s" for k in ("floor", "ctconvert", "peer") if (scheme, k) in runs),
+                file=sys.stderr,
+            )
     results = []
     for scheme in a.schemes.split(","):
         row = {"scheme": scheme, "device": a.device, "input_bytes": in_bytes}
@@ -205,8 +227,7 @@ def main() -> None:
             if not rs:
                 continue
             sec = statistics.median(r["seconds"] for r in rs)
-            row[who] = {"seconds": round(sec, 3), "GBps_input": round(in_bytes / sec / 1e9, 3),
-                        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs)}
+            row[who] = {"seconds": round(sec, 3), "GBps_input": round(in_bytes / sec / 1e9, 3), "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs)}
             if who in ("peer", "ctconvert"):
                 row[who]["call_seconds"] = round(statistics.median(r["call_seconds"] for r in rs), 3)
             if who == "peer":
@@ -242,8 +263,16 @@ def _table(results: list[dict]) -> None:
     for r in results:
         peer = f"{cell(r, 'peer')} / {r['peer']['call_seconds']:.2f}s" if "peer" in r else "-"
         ct = f"{cell(r, 'ctconvert')} / {r['ctconvert']['call_seconds']:.2f}s"
-        t.add_row(r["scheme"], r["device"], cell(r, "floor"), ct, peer, str(r["ratio_ctconvert_over_floor"]),
-                  str(r.get("ratio_wall_ctconvert_over_peer", "-")), str(r.get("ratio_rss_ctconvert_over_peer", "-")))
+        t.add_row(
+            r["scheme"],
+            r["device"],
+            cell(r, "floor"),
+            ct,
+            peer,
+            str(r["ratio_ctconvert_over_floor"]),
+            str(r.get("ratio_wall_ctconvert_over_peer", "-")),
+            str(r.get("ratio_rss_ctconvert_over_peer", "-")),
+        )
     Console(stderr=True, width=200).print(t)
 
 

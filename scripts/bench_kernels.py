@@ -19,6 +19,7 @@ import torch
 from ctconvert.formats.common import tensor_absmax
 from ctconvert.formats.fp4 import nvfp4_global_scale
 from ctconvert.plan.schemes import get_scheme
+
 from timing import median_seconds
 
 SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"]

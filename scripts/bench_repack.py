@@ -31,10 +31,11 @@ from pathlib import Path
 import torch
 
 from ctconvert import api
+from ctconvert.checkpoint.modules import modules_of
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.checkpoint.safetensors_io import read_tensor
 from ctconvert.layouts import batched, gpu, kernels
-from ctconvert.checkpoint.modules import modules_of
+
 from timing import median_seconds
 
 
@@ -113,10 +114,10 @@ def main() -> None:
             kernel_s = statistics.median(kernel_seconds(run_all) for _ in range(3))
             if a.profile:
                 kernel_seconds(run_all, table=True)
-            dst = [{p: torch.empty_like(x) for p, x in t.items()} for _, t, _, _ in jobs]
+            dst = [{p: torch.empty_like(x) for p, x in t.items()} for _, t, _ in jobs]
 
             def copy_all():  # the same bytes read and written by a plain device copy: what the memory allows
-                for (_, t, _, _), d in zip(jobs, dst):
+                for (_, t, _), d in zip(jobs, dst):
                     for p, x in t.items():
                         d[p].copy_(x)
 
@@ -127,17 +128,31 @@ def main() -> None:
             out = work / f"o-{scheme}-{label}"
             shutil.rmtree(out, ignore_errors=True)
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "ctconvert", "-q", "quantize", a.src, "-s", scheme, "-o", str(out), "--device", a.device, *extra],
-                           check=True)
+            subprocess.run([sys.executable, "-m", "ctconvert", "-q", "quantize", a.src, "-s", scheme, "-o", str(out), "--device", a.device, *extra], check=True)
             walls[label] = round(time.perf_counter() - t0, 3)
-        print(json.dumps({"scheme": scheme, "device": a.device, "path": "per-module" if a.per_module else "batched", "modules": len(mods),
-                          "batches": len(jobs), "weight_bytes": nbytes, "output_bytes": out_bytes, "repack_seconds": round(med, 6),
-                          "repack_TBps": round(nbytes / med / 1e12, 3), "moved_TBps": round((nbytes + out_bytes) / med / 1e12, 3),
-                          "kernel_seconds": kernel_s and round(kernel_s, 6),
-                          "kernel_TBps": kernel_s and round(nbytes / kernel_s / 1e12, 3),
-                          "kernel_moved_TBps": kernel_s and round((nbytes + out_bytes) / kernel_s / 1e12, 3),
-                          "copy_seconds": copy_s and round(copy_s, 6), "copy_TBps": copy_s and round(nbytes / copy_s / 1e12, 3),
-                          "wall_seconds": walls}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "scheme": scheme,
+                    "device": a.device,
+                    "path": "per-module" if a.per_module else "batched",
+                    "modules": len(mods),
+                    "batches": len(jobs),
+                    "weight_bytes": nbytes,
+                    "output_bytes": out_bytes,
+                    "repack_seconds": round(med, 6),
+                    "repack_TBps": round(nbytes / med / 1e12, 3),
+                    "moved_TBps": round((nbytes + out_bytes) / med / 1e12, 3),
+                    "kernel_seconds": kernel_s and round(kernel_s, 6),
+                    "kernel_TBps": kernel_s and round(nbytes / kernel_s / 1e12, 3),
+                    "kernel_moved_TBps": kernel_s and round((nbytes + out_bytes) / kernel_s / 1e12, 3),
+                    "copy_seconds": copy_s and round(copy_s, 6),
+                    "copy_TBps": copy_s and round(nbytes / copy_s / 1e12, 3),
+                    "wall_seconds": walls,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -51,11 +51,19 @@ def main() -> None:
     dt = time.perf_counter() - t0
     with open("/proc/self/status") as f:
         hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    json.dump({
-        "scheme": res.scheme, "input_bytes": res.input_bytes, "output_bytes": res.output_bytes, "seconds": round(dt, 3),
-        "baseline_rss_bytes": base * 1024, "peak_rss_bytes": hwm * 1024, "peak_rss_delta_bytes": (hwm - base) * 1024,
-        "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-    }, sys.stdout)
+    json.dump(
+        {
+            "scheme": res.scheme,
+            "input_bytes": res.input_bytes,
+            "output_bytes": res.output_bytes,
+            "seconds": round(dt, 3),
+            "baseline_rss_bytes": base * 1024,
+            "peak_rss_bytes": hwm * 1024,
+            "peak_rss_delta_bytes": (hwm - base) * 1024,
+            "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        },
+        sys.stdout,
+    )
     print()
 
 

@@ -49,8 +49,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--ignore",
         nargs="*",
         default=None,
-        help="extra module-name patterns to ignore, appended to the defaults "
-        f"{DEFAULT_IGNORE}",
+        help=f"extra module-name patterns to ignore, appended to the defaults {DEFAULT_IGNORE}",
     )
     ap.add_argument("--max-workers", type=int, default=1)
     return ap.parse_args(argv)

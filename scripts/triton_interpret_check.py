@@ -32,11 +32,12 @@ import triton.runtime.interpreter as interp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
+from formats.test_bit_exact import CASES, DTYPES, SCHEMES, make_weight, shape_for  # noqa: E402
+
 from ctconvert.formats import gpu  # noqa: E402
 from ctconvert.formats.common import tensor_absmax  # noqa: E402
 from ctconvert.formats.fp4 import nvfp4_global_scale  # noqa: E402
 from ctconvert.plan.schemes import get_scheme  # noqa: E402
-from formats.test_bit_exact import CASES, DTYPES, SCHEMES, make_weight, shape_for  # noqa: E402
 
 _TORCH = {tl.bfloat16: torch.bfloat16, tl.float16: torch.float16, tl.float32: torch.float32, tl.float8e4nv: torch.float8_e4m3fn}
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}

@@ -95,7 +95,10 @@ def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict,
 def tiny_llama(tmp_path) -> Path:
     """A 2-layer bf16 Llama in 3 shards; q/k/v and gate/up members spread over different shards."""
     return write_checkpoint(
-        tmp_path / "tiny-llama", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG, shards=3,
+        tmp_path / "tiny-llama",
+        llama_tensors(LLAMA_CONFIG),
+        LLAMA_CONFIG,
+        shards=3,
         extra_files={"tokenizer_config.json": "{}", "generation_config.json": '{"bos_token_id": 1}'},
     )
 

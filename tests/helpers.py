@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 import zlib
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -52,7 +52,7 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 VECTORS = Path(os.environ.get("CTCONVERT_TESTVECTORS") or Path(__file__).resolve().parent / "data" / "testvectors")
 
 
-@lru_cache(maxsize=None)
+@cache
 def vector_cases(name: str) -> tuple:
     """Every case of a vector file as ``(i, params, inputs, expected)``; empty when the file is absent."""
     path = VECTORS / name

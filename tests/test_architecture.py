@@ -19,14 +19,18 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "ctconvert"
 #: layer of each top-level part, lowest first; a module may import only its own layer or lower ones
 LAYERS = {
-    "errors": 0, "cbuild": 0, "__init__": 0,
-    "formats": 1, "layouts": 1,
+    "errors": 0,
+    "cbuild": 0,
+    "__init__": 0,
+    "formats": 1,
+    "layouts": 1,
     "checkpoint": 2,
     "plan": 3,
     "pipeline": 4,
     "commands": 5,
     "api": 6,
-    "cli": 7, "__main__": 8,
+    "cli": 7,
+    "__main__": 8,
 }
 
 
@@ -48,7 +52,7 @@ def _resolve(mod: str, is_pkg: bool, level: int, target: str | None) -> str:
     return ".".join([*base, target] if target else base)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tree(mod: str) -> ast.Module:
     return ast.parse(MODULES[mod].read_text())
 
@@ -80,7 +84,7 @@ def _part(mod: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _edges() -> dict[str, set[str]]:
     out: dict[str, set[str]] = {m: set() for m in MODULES}
     for m in MODULES:
@@ -91,8 +95,7 @@ def _edges() -> dict[str, set[str]]:
 
 
 def test_modules_found():
-    assert {"ctconvert.api", "ctconvert.cli", "ctconvert.commands.quantize", "ctconvert.formats.base",
-            "ctconvert.layouts.kernels"} <= set(MODULES)
+    assert {"ctconvert.api", "ctconvert.cli", "ctconvert.commands.quantize", "ctconvert.formats.base", "ctconvert.layouts.kernels"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("mod", [m for m in MODULES if m.startswith("ctconvert.commands.")])
@@ -146,7 +149,7 @@ def test_no_import_circles():
         stack.append(m)
         for t in sorted(edges[m]):
             if state.get(t) == 1:
-                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(t):] + [t]))
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(t) :] + [t]))
             if t not in state:
                 visit(t)
         stack.pop()

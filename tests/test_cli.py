@@ -9,8 +9,9 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 from ctconvert.cli import main
+
+from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 
 
 def run(*args):
@@ -52,10 +53,13 @@ def test_dry_run_table(tiny_llama, tmp_path):
     assert code == 0 and json.loads(stdout)["plan"]["ignore"] == ["lm_head"] and not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("args,code,msg", [
-    (["-s", "nope"], 2, "unknown scheme 'nope'"),
-    (["-s", "NVFP4"], 4, "use --scheme NVFP4A16"),
-])
+@pytest.mark.parametrize(
+    "args,code,msg",
+    [
+        (["-s", "nope"], 2, "unknown scheme 'nope'"),
+        (["-s", "NVFP4"], 4, "use --scheme NVFP4A16"),
+    ],
+)
 def test_usage_errors(tiny_llama, tmp_path, args, code, msg):
     c, _, err = run("quantize", tiny_llama, "-o", tmp_path / "o", *args)
     assert c == code and msg in err and "Traceback" not in err
@@ -113,14 +117,14 @@ def test_subprocess_nan_error_exit_code_no_traceback(tmp_path, monkeypatch):
     src = llama_tensors(LLAMA_CONFIG)
     src["model.layers.0.self_attn.v_proj.weight"][0, 0] = float("nan")
     ckpt = write_checkpoint(tmp_path / "m", src, LLAMA_CONFIG)
-    r = subprocess.run([sys.executable, "-m", "ctconvert", "quantize", str(ckpt), "-s", "W4A16", "-o", str(tmp_path / "o")],
-                       capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "ctconvert", "quantize", str(ckpt), "-s", "W4A16", "-o", str(tmp_path / "o")], capture_output=True, text=True)
     assert r.returncode == 3
     assert r.stderr.strip().startswith(f"error: {ckpt / 'model.safetensors'}: tensor 'model.layers.0.self_attn.v_proj.weight': weight holds 1 non-finite")
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
-    r = subprocess.run([sys.executable, "-m", "ctconvert", "--debug", "quantize", str(ckpt), "-s", "W4A16", "-o", str(tmp_path / "o")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "ctconvert", "--debug", "quantize", str(ckpt), "-s", "W4A16", "-o", str(tmp_path / "o")], capture_output=True, text=True
+    )
     assert r.returncode == 3 and "Traceback" in r.stderr
 
 
@@ -146,8 +150,11 @@ def test_usage_errors_are_one_line_and_json(tmp_path):
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-m", "ctconvert", "--json", "quantize", str(tmp_path), "-s", "W4A16", "-o", str(tmp_path / "o"),
-                        "--target", "marlin", "--resume"], capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "ctconvert", "--json", "quantize", str(tmp_path), "-s", "W4A16", "-o", str(tmp_path / "o"), "--target", "marlin", "--resume"],
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --target cannot be combined with --resume or --refresh (see `")

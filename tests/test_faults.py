@@ -15,17 +15,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 from ctconvert import api
-from helpers import tree_hash
 from ctconvert.checkpoint.writer import JOURNAL, finished_shards
 from ctconvert.cli import main
+
+from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from helpers import tree_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the CLI with delayed shard writes (slow enough to interrupt), see slow_ctconvert.py
 SLOW_CTCONVERT = [sys.executable, str(Path(__file__).with_name("slow_ctconvert.py"))]
-
-
 
 
 def run_cli(*args):
@@ -67,16 +66,19 @@ def _mutate(case: str, m: Path) -> None:
         (m / "config.json").write_text("{not json")
 
 
-@pytest.mark.parametrize("case,code,msg", [
-    ("truncated", 3, "truncated"),
-    ("corrupt_header", 3, "not valid JSON"),
-    ("oversized_header", 3, "exceeds"),
-    ("missing_shard", 3, "does not exist"),
-    ("unindexed_shard", 3, "not listed in the index"),
-    ("duplicate_tensor", 3, "also stored in"),
-    ("config_missing", 3, "config.json is missing"),
-    ("config_invalid", 3, "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "case,code,msg",
+    [
+        ("truncated", 3, "truncated"),
+        ("corrupt_header", 3, "not valid JSON"),
+        ("oversized_header", 3, "exceeds"),
+        ("missing_shard", 3, "does not exist"),
+        ("unindexed_shard", 3, "not listed in the index"),
+        ("duplicate_tensor", 3, "also stored in"),
+        ("config_missing", 3, "config.json is missing"),
+        ("config_invalid", 3, "not valid JSON"),
+    ],
+)
 def test_bad_input(tiny_llama, tmp_path, case, code, msg):
     _mutate(case, tiny_llama)
     before = tree_hash(tiny_llama)
@@ -184,8 +186,11 @@ def test_disk_full(tiny_llama, tmp_path):
 
 def _big_model(tmp_path: Path) -> Path:
     g = torch.Generator().manual_seed(5)
-    t = {f"model.layers.{i}.mlp.{m}.weight": (torch.randn(1024, 2048, generator=g) * 0.02).to(torch.bfloat16)
-         for i in range(12) for m in ("gate_proj", "up_proj", "down_proj")}
+    t = {
+        f"model.layers.{i}.mlp.{m}.weight": (torch.randn(1024, 2048, generator=g) * 0.02).to(torch.bfloat16)
+        for i in range(12)
+        for m in ("gate_proj", "up_proj", "down_proj")
+    }
     return write_checkpoint(tmp_path / "m", t, {"architectures": ["LlamaForCausalLM"]}, shards=2)
 
 
@@ -311,8 +316,14 @@ def test_ctrl_c_stops_a_batch(tmp_path):
     """Ctrl-C during `batch` (after its jobs file was read) interrupts the running job: exit 130, no checkpoint."""
     m = _big_model(tmp_path)
     jobs = tmp_path / "jobs.json"
-    jobs.write_text(json.dumps({"defaults": {"scheme": "W8A16", "max_shard_size": "8MB"},
-                                "jobs": [{"model": str(m), "output": str(tmp_path / "a")}, {"model": str(m), "output": str(tmp_path / "b")}]}))
+    jobs.write_text(
+        json.dumps(
+            {
+                "defaults": {"scheme": "W8A16", "max_shard_size": "8MB"},
+                "jobs": [{"model": str(m), "output": str(tmp_path / "a")}, {"model": str(m), "output": str(tmp_path / "b")}],
+            }
+        )
+    )
     code, err = _ctrl_c(["batch", str(jobs)], 2.5)
     assert code == 130, err
     assert_no_checkpoint(tmp_path / "a")

@@ -49,7 +49,7 @@ def kernel_native_config(qcfg: dict, target: str, layout_version: str, act_dtype
         "layout_version": layout_version,
         "act_dtype": str(ACT_DTYPES[act_dtype]).replace("torch.", ""),
         "note": "tensors are already in the kernel's layout: a compressed-tensors loader must not repack them; "
-                "`ctconvert repack --target compressed-tensors` restores the source",
+        "`ctconvert repack --target compressed-tensors` restores the source",
         "modules": records,
         "source_quantization_config": qcfg,
     }

@@ -111,6 +111,5 @@ def fused_global_scales(mods: dict[str, Module]) -> dict[str, dict[str, float]]:
     for m in mods.values():
         parent, _, leaf = m.name.rpartition(".")
         if "weight_global_scale" in m.parts and leaf in FUSED_OF:
-            sets.setdefault(fused_set_name(parent, FUSED_OF[leaf]), {})[leaf] = float(
-                read_tensor(m.parts["weight_global_scale"]).float().reshape(-1)[0])
+            sets.setdefault(fused_set_name(parent, FUSED_OF[leaf]), {})[leaf] = float(read_tensor(m.parts["weight_global_scale"]).float().reshape(-1)[0])
     return sets

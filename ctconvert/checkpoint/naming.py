@@ -23,8 +23,20 @@ import re
 from .safetensors_io import TensorInfo
 
 __all__ = [
-    "BLOCK", "DEFAULT_IGNORE_PATTERNS", "FLOAT_DTYPES", "FUSED_OF", "FUSED_SETS", "decoder_layer_index", "find_embedding",
-    "fused_key", "fused_set_name", "is_generative", "is_linear_weight", "matches", "natural_key", "resolve_group",
+    "BLOCK",
+    "DEFAULT_IGNORE_PATTERNS",
+    "FLOAT_DTYPES",
+    "FUSED_OF",
+    "FUSED_SETS",
+    "decoder_layer_index",
+    "find_embedding",
+    "fused_key",
+    "fused_set_name",
+    "is_generative",
+    "is_linear_weight",
+    "matches",
+    "natural_key",
+    "resolve_group",
     "tie_word_embeddings",
 ]
 

@@ -58,8 +58,10 @@ def load_provenance(out: Path, options: dict) -> dict:
         raise UsageError("--refresh needs an earlier ctconvert output with ctconvert-provenance.json", file=out)
     prov = json.loads(p.read_text())
     if prov.get("options") != json.loads(json.dumps(options)):
-        raise UsageError("--refresh needs the same options as the earlier conversion "
-                         f"(earlier: {prov.get('options')}); run a full conversion with --overwrite instead", file=p)
+        raise UsageError(
+            f"--refresh needs the same options as the earlier conversion (earlier: {prov.get('options')}); run a full conversion with --overwrite instead",
+            file=p,
+        )
     if prov.get("hash") != HASH_NAME:
         raise UsageError(f"earlier provenance uses {prov.get('hash')}, this install {HASH_NAME}; run a full conversion", file=p)
     prov["_hashes"] = {s["tensor"]: s[HASH_NAME] for srcs in prov["tensors"].values() for s in srcs}

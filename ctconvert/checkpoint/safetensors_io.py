@@ -128,12 +128,14 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         if end - begin != expect:
             raise BadInputError(
                 f"byte range [{begin}, {end}) holds {end - begin} bytes but {dtype}{list(shape)} needs {expect}",
-                file=path, tensor=name,
+                file=path,
+                tensor=name,
             )
         if end > data_len:
             raise BadInputError(
                 f"data ends at byte {data_start + end} but the file has {size} bytes (truncated?)",
-                file=path, tensor=name,
+                file=path,
+                tensor=name,
             )
         tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, end - begin)
         ranges.append((begin, end, name))
@@ -226,7 +228,7 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
     return raw.view(info.torch_dtype).reshape(info.shape)
 
 
-def copy_tensor(info: TensorInfo, shard: "ShardFile", chunk: int = 64 * 2**20) -> None:
+def copy_tensor(info: TensorInfo, shard: ShardFile, chunk: int = 64 * 2**20) -> None:
     """Copy a tensor's bytes unchanged into ``shard`` (same name), ``chunk`` bytes at a time."""
     for b0 in range(0, info.nbytes, chunk):
         shard.write(info.name, read_bytes(info, b0, min(chunk, info.nbytes - b0)), b0)
@@ -287,7 +289,7 @@ class ShardFile:
             raise OutputError(f"cannot create shard: {e.strerror or e}", file=self.path) from e
 
     @classmethod
-    def existing(cls, path: Path, tensors: list[PlannedTensor]) -> "ShardFile":
+    def existing(cls, path: Path, tensors: list[PlannedTensor]) -> ShardFile:
         """A shard finished by an earlier run: writes to it are dropped."""
         f = cls(path, tensors, metadata="__existing__")
         f.kept = True

@@ -20,8 +20,8 @@ import threading
 from pathlib import Path
 
 from ..errors import OutputError, UsageError
-from .reader import CONFIG_NAME, INDEX_NAME
 from .hashing import HASH_NAME, new_hasher
+from .reader import CONFIG_NAME, INDEX_NAME
 from .safetensors_io import PlannedTensor, ShardFile
 
 
@@ -31,7 +31,7 @@ def parse_size(text: str | int) -> int:
         return text
     t = text.strip().upper().replace(" ", "")
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    for u, mult in units.items():
+    for u, mult in units.items():  # noqa: B007 - mult is read after the loop (break)
         if t.endswith(u):
             num = t[: -len(u)]
             break
@@ -329,8 +329,9 @@ def _interrupts_held():
         signal.signal(signal.SIGINT, previous)
 
 
-def write_checkpoint(src: Path, out: Path, planned: list[PlannedTensor], *, max_shard_size: int, overwrite: bool,
-                     fill, config, skip: set[str] = frozenset()) -> int:
+def write_checkpoint(
+    src: Path, out: Path, planned: list[PlannedTensor], *, max_shard_size: int, overwrite: bool, fill, config, skip: set[str] = frozenset()
+) -> int:
     """Write a whole checkpoint atomically: ``fill(shards)`` writes every planned tensor, then the
     other files of ``src`` are copied (but ``config.json`` and ``skip``), the index and
     ``config()`` (called after ``fill``) written, and the folder renamed into place. On any error

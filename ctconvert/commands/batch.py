@@ -23,17 +23,29 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
-
 from collections.abc import Callable
+from pathlib import Path
 
 from ..errors import EXIT_INTERNAL, CTConvertError, UsageError
 from ..plan.schemes import get_scheme
 
 __all__ = ["ALLOWED", "load_jobs", "run_jobs"]
 
-ALLOWED = {"model", "output", "scheme", "lm_head", "targets", "ignore", "max_shard_size", "overwrite", "skip_incompatible",
-           "device", "resume", "refresh", "lm_head_chunk_rows"}
+ALLOWED = {
+    "model",
+    "output",
+    "scheme",
+    "lm_head",
+    "targets",
+    "ignore",
+    "max_shard_size",
+    "overwrite",
+    "skip_incompatible",
+    "device",
+    "resume",
+    "refresh",
+    "lm_head_chunk_rows",
+}
 
 
 def load_jobs(path: str | Path) -> list[dict]:
@@ -97,14 +109,20 @@ def run_jobs(jobs: list[dict], convert: Callable, keep_going: bool = False, emit
         line = {"job": i, "model": str(job["model"]), "output": str(job["output"]), "scheme": job["scheme"]}
         try:
             r = convert(job["model"], job["output"], job["scheme"], **kw)
-            line.update(status="ok", input_bytes=r.input_bytes, output_bytes=r.output_bytes, shards=len(r.shards),
-                        seconds=round(time.perf_counter() - t0, 3), error=None, exit_code=0)
+            line.update(
+                status="ok",
+                input_bytes=r.input_bytes,
+                output_bytes=r.output_bytes,
+                shards=len(r.shards),
+                seconds=round(time.perf_counter() - t0, 3),
+                error=None,
+                exit_code=0,
+            )
         except CTConvertError as e:
             line.update(status="error", seconds=round(time.perf_counter() - t0, 3), error=str(e), exit_code=e.exit_code)
             code = code or e.exit_code
         except Exception as e:  # noqa: BLE001 - reported per job
-            line.update(status="error", seconds=round(time.perf_counter() - t0, 3), error=f"internal error: {type(e).__name__}: {e}",
-                        exit_code=EXIT_INTERNAL)
+            line.update(status="error", seconds=round(time.perf_counter() - t0, 3), error=f"internal error: {type(e).__name__}: {e}", exit_code=EXIT_INTERNAL)
             code = code or EXIT_INTERNAL
         emit(json.dumps(line))
     return code

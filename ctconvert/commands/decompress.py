@@ -35,8 +35,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _FLOAT = ("F32", "F16", "BF16")
 
 
-def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_shard_size: str | int = "5GB",
-               overwrite: bool = False, chunk_elems: int = 16 * 2**20) -> dict:
+def decompress(
+    src: str | Path, out: str | Path, *, dtype: str = "bf16", max_shard_size: str | int = "5GB", overwrite: bool = False, chunk_elems: int = 16 * 2**20
+) -> dict:
     """Write a dense copy of ``src`` at ``out``; see :func:`ctconvert.api.decompress`. Returns a summary dict."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
@@ -55,17 +56,30 @@ def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_sha
             cfg["text_config"].pop("quantization_config", None)
         return cfg
 
-    total = write_checkpoint(src, out, planned, max_shard_size=parse_size(max_shard_size), overwrite=overwrite,
-                             fill=lambda shards: run_tasks(tasks, shards), config=config, skip={PROVENANCE})
-    return {"output": str(out), "modules_decompressed": n_modules, "dtype": dtype, "input_bytes": ckpt.total_bytes,
-            "output_bytes": total, "seconds": round(time.perf_counter() - t0, 3)}
+    total = write_checkpoint(
+        src,
+        out,
+        planned,
+        max_shard_size=parse_size(max_shard_size),
+        overwrite=overwrite,
+        fill=lambda shards: run_tasks(tasks, shards),
+        config=config,
+        skip={PROVENANCE},
+    )
+    return {
+        "output": str(out),
+        "modules_decompressed": n_modules,
+        "dtype": dtype,
+        "input_bytes": ckpt.total_bytes,
+        "output_bytes": total,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
 
 
 def _check_input(ckpt: Checkpoint, src: Path) -> None:
     qcfg = ckpt.quantization_config
     if not qcfg or qcfg.get("quant_method") != "compressed-tensors":
-        raise UnsupportedError("not a compressed-tensors checkpoint (no quantization_config with quant_method compressed-tensors)",
-                               file=src / CONFIG_NAME)
+        raise UnsupportedError("not a compressed-tensors checkpoint (no quantization_config with quant_method compressed-tensors)", file=src / CONFIG_NAME)
     if (qcfg.get("sparsity_config") or {}).get("format"):
         raise UnsupportedError(f"sparse format {qcfg['sparsity_config']['format']!r} cannot be decompressed", file=src / CONFIG_NAME)
 

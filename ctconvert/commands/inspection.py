@@ -39,12 +39,19 @@ def _inspect_kernel_native(ckpt, path: Path) -> dict:
         n, k = rec.get("size_n"), rec.get("size_k")
         nbytes = sum(i.nbytes for i in infos.values())
         params = (n or 0) * (k or 0)
-        layers.append({
-            "module": mod, "group": None, "scheme": rec["kernel"], "format": f"{rec['kernel']} (vLLM {rec.get('layout_version')})",
-            "tensors": {p: {"dtype": i.dtype, "shape": list(i.shape)} for p, i in sorted(infos.items())},
-            "bytes": nbytes, "params": params, "bits_per_weight": round(8 * nbytes / params, 3) if params else None,
-            "padded": [rec.get("padded_n"), rec.get("padded_k")],
-        })
+        layers.append(
+            {
+                "module": mod,
+                "group": None,
+                "scheme": rec["kernel"],
+                "format": f"{rec['kernel']} (vLLM {rec.get('layout_version')})",
+                "tensors": {p: {"dtype": i.dtype, "shape": list(i.shape)} for p, i in sorted(infos.items())},
+                "bytes": nbytes,
+                "params": params,
+                "bits_per_weight": round(8 * nbytes / params, 3) if params else None,
+                "padded": [rec.get("padded_n"), rec.get("padded_k")],
+            }
+        )
     lb = sum(r["bytes"] for r in layers)
     lp = sum(r["params"] for r in layers)
     return {
@@ -53,9 +60,17 @@ def _inspect_kernel_native(ckpt, path: Path) -> dict:
         "config_groups": {},
         "ignore": (q.get("source_quantization_config") or {}).get("ignore"),
         "layers": layers,
-        "totals": {"tensors": len(ckpt.tensors), "files": len(ckpt.files), "bytes": ckpt.total_bytes, "linear_layers": len(layers),
-                   "quantized_layers": len(layers), "linear_bytes": lb, "linear_params": lp,
-                   "linear_bits_per_weight": round(8 * lb / lp, 3) if lp else None, "in_blocks": len(layers)},
+        "totals": {
+            "tensors": len(ckpt.tensors),
+            "files": len(ckpt.files),
+            "bytes": ckpt.total_bytes,
+            "linear_layers": len(layers),
+            "quantized_layers": len(layers),
+            "linear_bytes": lb,
+            "linear_params": lp,
+            "linear_bits_per_weight": round(8 * lb / lp, 3) if lp else None,
+            "in_blocks": len(layers),
+        },
         "problems": [p.to_dict() for p in problems],
     }
 
@@ -73,8 +88,11 @@ def _missing_layers(ckpt, path: Path) -> Problem | None:
     if not missing:
         return None
     shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
-    return Problem("warning", f"config.json has num_hidden_layers={n} but no tensor of layer(s) {shown} "
-                              f"({len(missing)} missing): a partial copy?", file=str(Path(path) / "config.json"))
+    return Problem(
+        "warning",
+        f"config.json has num_hidden_layers={n} but no tensor of layer(s) {shown} ({len(missing)} missing): a partial copy?",
+        file=str(Path(path) / "config.json"),
+    )
 
 
 def inspect_checkpoint(path: Path) -> dict:
@@ -97,8 +115,9 @@ def inspect_checkpoint(path: Path) -> dict:
     return {
         "path": str(path),
         "quantization_config": {k: qcfg.get(k) for k in ("quant_method", "format", "quantization_status")} if qcfg else None,
-        "config_groups": {g: {"targets": v.get("targets"), "format": v.get("format"), "scheme": describe_weights(v.get("weights") or {})}
-                          for g, v in groups.items()},
+        "config_groups": {
+            g: {"targets": v.get("targets"), "format": v.get("format"), "scheme": describe_weights(v.get("weights") or {})} for g, v in groups.items()
+        },
         "ignore": qcfg.get("ignore") if qcfg else None,
         "layers": layers,
         "totals": _totals(ckpt, layers),
@@ -126,11 +145,13 @@ def _layer(m: Module, qcfg: dict, problems: list[Problem]) -> dict | None:
     else:
         params = dense.numel
         if group is not None:
-            problems.append(Problem(
-                "error",
-                f"dense Linear weight matched by config group {group!r} but not in ignore: loaders expect quantized tensors (they would load garbage)",
-                tensor=m.name,
-            ))
+            problems.append(
+                Problem(
+                    "error",
+                    f"dense Linear weight matched by config group {group!r} but not in ignore: loaders expect quantized tensors (they would load garbage)",
+                    tensor=m.name,
+                )
+            )
     nbytes = sum(i.nbytes for i in infos.values())
     return {
         "module": m.name,
@@ -150,9 +171,11 @@ def _fused_set_problems(mods: dict[str, Module]) -> list[Problem]:
         fused = fused_global_scales(mods)
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         return [Problem("error", f"cannot read a weight_global_scale: {e}")]
-    return [Problem("warning", f"fused set members have different NVFP4 global scales {vals}; vLLM keeps only the largest",
-                    tensor=fused_set)
-            for fused_set, vals in fused.items() if len(set(vals.values())) > 1]
+    return [
+        Problem("warning", f"fused set members have different NVFP4 global scales {vals}; vLLM keeps only the largest", tensor=fused_set)
+        for fused_set, vals in fused.items()
+        if len(set(vals.values())) > 1
+    ]
 
 
 def _totals(ckpt: Checkpoint, layers: list[dict]) -> dict:
@@ -178,7 +201,6 @@ def describe_weights(w: dict) -> str | None:
     t = "fp" if w.get("type") == "float" else "int"
     s = w.get("strategy")
     g = w.get("group_size")
-    extra = f"g{g}" if s in ("group", "tensor_group") and g else (
-        "x".join(map(str, w.get("block_structure") or [])) if s == "block" else s)
+    extra = f"g{g}" if s in ("group", "tensor_group") and g else ("x".join(map(str, w.get("block_structure") or [])) if s == "block" else s)
     sym = "" if w.get("symmetric", True) else " asym"
     return f"{t}{w.get('num_bits')} {extra}{sym}"

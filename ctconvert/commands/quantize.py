@@ -60,12 +60,29 @@ class QuantizeResult:
         return d
 
 
-def quantize(src: str | Path, out: str | Path | None, scheme: str, *, lm_head: str = "none", targets: list[str] | None = None,
-             ignore: list[str] | None = None, max_shard_size: str | int = "5GB", overwrite: bool = False, dry_run: bool = False,
-             skip_incompatible: bool = False, device: str = "auto", lm_head_chunk_rows: int = 8192,
-             chunk_elems: int = DEFAULT_CHUNK_ELEMS, hold_bytes: int = DEFAULT_HOLD_BYTES, resume: bool = False,
-             refresh: bool = False, progress=None, layout: LayoutStage | None = None, impl: str = "auto",
-             map_input: bool | None = None) -> QuantizeResult:
+def quantize(
+    src: str | Path,
+    out: str | Path | None,
+    scheme: str,
+    *,
+    lm_head: str = "none",
+    targets: list[str] | None = None,
+    ignore: list[str] | None = None,
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+    dry_run: bool = False,
+    skip_incompatible: bool = False,
+    device: str = "auto",
+    lm_head_chunk_rows: int = 8192,
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    hold_bytes: int = DEFAULT_HOLD_BYTES,
+    resume: bool = False,
+    refresh: bool = False,
+    progress=None,
+    layout: LayoutStage | None = None,
+    impl: str = "auto",
+    map_input: bool | None = None,
+) -> QuantizeResult:
     """Convert ``src`` to ``out``; see :func:`ctconvert.api.quantize` for the arguments and errors.
 
     ``layout``: a :class:`ctconvert.plan.layout.LayoutStage` to write kernel-native tensors in the
@@ -78,9 +95,16 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, lm_head: s
     plan_kw = dict(targets=targets, ignore=ignore, lm_head=lm_head, lm_head_chunk_rows=lm_head_chunk_rows)
     plan, dry_error = _plan(ckpt, scheme, dry_run, skip_incompatible, plan_kw)
     result = QuantizeResult(
-        output=str(out) if out is not None else None, scheme=plan.scheme.name, format=plan.format, dry_run=dry_run,
-        input_bytes=ckpt.total_bytes, quantized_modules=plan.quantized_modules, ignore=plan.ignore,
-        notes=plan.notes, device=",".join(map(str, devs)), plan=plan,
+        output=str(out) if out is not None else None,
+        scheme=plan.scheme.name,
+        format=plan.format,
+        dry_run=dry_run,
+        input_bytes=ckpt.total_bytes,
+        quantized_modules=plan.quantized_modules,
+        ignore=plan.ignore,
+        notes=plan.notes,
+        device=",".join(map(str, devs)),
+        plan=plan,
     )
     if dry_run:
         result.seconds = time.perf_counter() - t0
@@ -89,8 +113,15 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, lm_head: s
     if out is None:
         raise UsageError("an output folder is required (-o/--output)")
     out = Path(out)
-    options = {"scheme": plan.scheme.name, "lm_head": lm_head.lower(), "targets": targets or ["Linear"], "ignore": list(ignore or []),
-               "max_shard_size": shard_limit, "skip_incompatible": skip_incompatible, "lm_head_chunk_rows": lm_head_chunk_rows}
+    options = {
+        "scheme": plan.scheme.name,
+        "lm_head": lm_head.lower(),
+        "targets": targets or ["Linear"],
+        "ignore": list(ignore or []),
+        "max_shard_size": shard_limit,
+        "skip_incompatible": skip_incompatible,
+        "lm_head_chunk_rows": lm_head_chunk_rows,
+    }
     old_prov = load_provenance(out, options) if refresh else None
     if not refresh:
         check_output_path(src, out, overwrite)
@@ -100,10 +131,30 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, lm_head: s
             raise UsageError("--target cannot be combined with --resume or --refresh")
         options["target"] = [layout.target, layout.layout_version, layout.act_dtype]
         plan = layout.plan(plan, ckpt, qconfig)
-    opts = ExecOptions(device=devs[0], chunk_elems=chunk_elems, hold_bytes=hold_bytes, repack=layout, impl=impl,
-                       map_input=map_input_default() if map_input is None else map_input)
-    _convert(ckpt, plan, out, devs, opts, result, options=options, qconfig=qconfig, shard_limit=shard_limit,
-             overwrite=overwrite, resume=resume, old_prov=old_prov, progress=progress, layout=layout)
+    opts = ExecOptions(
+        device=devs[0],
+        chunk_elems=chunk_elems,
+        hold_bytes=hold_bytes,
+        repack=layout,
+        impl=impl,
+        map_input=map_input_default() if map_input is None else map_input,
+    )
+    _convert(
+        ckpt,
+        plan,
+        out,
+        devs,
+        opts,
+        result,
+        options=options,
+        qconfig=qconfig,
+        shard_limit=shard_limit,
+        overwrite=overwrite,
+        resume=resume,
+        old_prov=old_prov,
+        progress=progress,
+        layout=layout,
+    )
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -118,8 +169,23 @@ def _plan(ckpt: Checkpoint, scheme: str, dry_run: bool, skip_incompatible: bool,
         return make_plan(ckpt, scheme, skip_incompatible=True, **plan_kw), e
 
 
-def _convert(ckpt: Checkpoint, plan: Plan, out: Path, devs, opts: ExecOptions, result: QuantizeResult, *, options: dict,
-             qconfig: dict, shard_limit: int, overwrite: bool, resume: bool, old_prov: dict | None, progress, layout) -> None:
+def _convert(
+    ckpt: Checkpoint,
+    plan: Plan,
+    out: Path,
+    devs,
+    opts: ExecOptions,
+    result: QuantizeResult,
+    *,
+    options: dict,
+    qconfig: dict,
+    shard_limit: int,
+    overwrite: bool,
+    resume: bool,
+    old_prov: dict | None,
+    progress,
+    layout,
+) -> None:
     """Write the output folder: shards (reused where ``--resume``/``--refresh`` allow), files, config, provenance."""
     planned = [PlannedTensor(n, d, s) for n, d, s in plan.output_tensors]
     assignment = assign_shards(planned, shard_limit)

@@ -42,8 +42,17 @@ __all__ = ["repack"]
 _BATCH_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # source bytes repacked together per launch
 
 
-def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str = kernels.DEFAULT_LAYOUT_VERSION,
-           act_dtype: str = "bf16", device: str = "auto", max_shard_size: str | int = "5GB", overwrite: bool = False) -> dict:
+def repack(
+    src: str | Path,
+    out: str | Path,
+    target: str,
+    *,
+    layout_version: str = kernels.DEFAULT_LAYOUT_VERSION,
+    act_dtype: str = "bf16",
+    device: str = "auto",
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+) -> dict:
     """Rewrite ``src`` for ``target``; see :func:`ctconvert.api.repack`. Returns a summary dict."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
@@ -68,11 +77,20 @@ def repack(src: str | Path, out: str | Path, target: str, *, layout_version: str
             cfg["quantization_config"] = kernel_native_config(qcfg, target, layout_version, act_dtype, records)
         return cfg
 
-    total = write_checkpoint(src, out, planned, max_shard_size=parse_size(max_shard_size), overwrite=overwrite,
-                             fill=lambda shards: run_tasks(tasks, shards), config=config)
+    total = write_checkpoint(
+        src, out, planned, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, fill=lambda shards: run_tasks(tasks, shards), config=config
+    )
     n = sum(isinstance(t, Compute) for t in tasks) if inverse else len(records)
-    return {"output": str(out), "target": target, "layout_version": layout_version, "modules": n, "input_bytes": ckpt.total_bytes,
-            "output_bytes": total, "device": str(dev), "seconds": round(time.perf_counter() - t0, 3)}
+    return {
+        "output": str(out),
+        "target": target,
+        "layout_version": layout_version,
+        "modules": n,
+        "input_bytes": ckpt.total_bytes,
+        "output_bytes": total,
+        "device": str(dev),
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
 
 
 def _check_input(qcfg: dict, target: str, src: Path) -> bool:
@@ -117,8 +135,7 @@ def _invert(ckpt: Checkpoint, mod: str, rec: dict, dev: torch.device):
         yield f"{mod}.{p}", t, 0
 
 
-def _plan_forward(ckpt: Checkpoint, order: list[str], target: str, layout_version: str, act: torch.dtype, dev: torch.device,
-                  records: dict):
+def _plan_forward(ckpt: Checkpoint, order: list[str], target: str, layout_version: str, act: torch.dtype, dev: torch.device, records: dict):
     """Output tensors and tasks of compressed-tensors -> kernel layout; fills ``records`` (module -> record)."""
     mods = modules_of(ckpt)
     planned: list[PlannedTensor] = []
@@ -139,14 +156,20 @@ def _plan_forward(ckpt: Checkpoint, order: list[str], target: str, layout_versio
         kernel, outs, rec = _plan_forward_module(m, ckpt.tensors[name], target, layout_version, act)
         records[mod] = rec
         planned += [PlannedTensor(f"{mod}.{p}", TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in outs.items()]
-        sig = (kernel, m.format, json.dumps(m.weights or {}, sort_keys=True), rec["size_n"], rec["size_k"],
-               tuple(sorted((p, i.dtype, tuple(i.shape)) for p, i in m.parts.items())))
+        sig = (
+            kernel,
+            m.format,
+            json.dumps(m.weights or {}, sort_keys=True),
+            rec["size_n"],
+            rec["size_k"],
+            tuple(sorted((p, i.dtype, tuple(i.shape)) for p, i in m.parts.items())),
+        )
         batches.setdefault(sig, []).append(m)
     cap = _BATCH_BYTES[dev.type]
     for sig, ms in batches.items():
         step = max(1, cap // max(sum(i.nbytes for i in ms[0].parts.values()), 1))
         for i in range(0, len(ms), step):
-            tasks.append(Compute(lambda kernel=sig[0], ms=ms[i:i + step]: _repack_batch(kernel, ms, layout_version, act, dev, records)))
+            tasks.append(Compute(lambda kernel=sig[0], ms=ms[i : i + step]: _repack_batch(kernel, ms, layout_version, act, dev, records)))
     return planned, tasks
 
 
@@ -159,8 +182,17 @@ def _plan_forward_module(m: Module, first, target: str, layout_version: str, act
         meta_in = {p: torch.empty(i.shape, dtype=i.torch_dtype) for p, i in m.parts.items()}
     if "weight_shape" in meta_in:  # its values: the layout needs N and K
         meta_in["weight_shape"] = torch.tensor(list(dense_shape(m)), dtype=torch.int64)
-    outs, rec = plan_module(kernel, meta_in, {p: (i.dtype, i.shape) for p, i in m.parts.items()}, weights, layout_version, act,
-                            file, first.name, values=lambda: {p: read_tensor(i) for p, i in m.parts.items()})
+    outs, rec = plan_module(
+        kernel,
+        meta_in,
+        {p: (i.dtype, i.shape) for p, i in m.parts.items()},
+        weights,
+        layout_version,
+        act,
+        file,
+        first.name,
+        values=lambda: {p: read_tensor(i) for p, i in m.parts.items()},
+    )
     return kernel, outs, rec
 
 

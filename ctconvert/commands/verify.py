@@ -60,8 +60,13 @@ def verify(path: str | Path, reference: str | Path | None = None) -> dict:
         rows, ref_problems = _compare_weights(mods, ref)
         problems += ref_problems + _compare_others(ckpt, mods, ref)
     errors = [p for p in problems if p.severity == "error"]
-    return {"path": str(path), "reference": str(reference) if reference else None, "ok": not errors,
-            "problems": [p.to_dict() for p in problems], "tensors": rows}
+    return {
+        "path": str(path),
+        "reference": str(reference) if reference else None,
+        "ok": not errors,
+        "problems": [p.to_dict() for p in problems],
+        "tensors": rows,
+    }
 
 
 def _error(msg: str, tensor: str | None = None, file: str | None = None) -> Problem:
@@ -184,8 +189,11 @@ def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint) 
         elif not _same_bytes(info, s):
             out.append(_error("bytes differ from the reference (a pass-through tensor was changed)", tensor=name))
     quant_weights = {m.name + ".weight" for m in mods.values() if m.quantized}
-    out += [_error("tensor of the reference is missing from the output", tensor=name)
-            for name in ref.tensors if name not in ckpt.tensors and name not in quant_weights]
+    out += [
+        _error("tensor of the reference is missing from the output", tensor=name)
+        for name in ref.tensors
+        if name not in ckpt.tensors and name not in quant_weights
+    ]
     return out
 
 
@@ -207,9 +215,12 @@ def _verify_kernel_native(ckpt: Checkpoint, path: Path, reference: str | Path | 
     q = ckpt.quantization_config
     ref = open_checkpoint(reference, strict=True) if reference is not None else None
     if ref is not None and (ref.quantization_config or {}).get("quant_method") != "compressed-tensors":
-        raise UsageError("a kernel-native checkpoint is verified against its compressed-tensors source (the checkpoint "
-                         "`repack` read or `quantize` would write), not a dense one; or verify "
-                         "`repack --target compressed-tensors` of it against the dense model", file=reference)
+        raise UsageError(
+            "a kernel-native checkpoint is verified against its compressed-tensors source (the checkpoint "
+            "`repack` read or `quantize` would write), not a dense one; or verify "
+            "`repack --target compressed-tensors` of it against the dense model",
+            file=reference,
+        )
     src_cfg = q.get("source_quantization_config") or {}
     rows = []
     for mod, rec in (q.get("modules") or {}).items():
@@ -225,8 +236,14 @@ def _verify_kernel_native(ckpt: Checkpoint, path: Path, reference: str | Path | 
         ref_ok = None if ref is None else _equals_reference(back, ref, mod, problems)
         rows.append({"module": mod, "kernel": rec["kernel"], "round_trip": same, "equals_reference": ref_ok})
     errors = [p for p in problems if p.severity == "error"]
-    return {"path": str(path), "reference": str(reference) if reference else None, "ok": not errors,
-            "problems": [p.to_dict() for p in problems], "tensors": [], "modules": rows}
+    return {
+        "path": str(path),
+        "reference": str(reference) if reference else None,
+        "ok": not errors,
+        "problems": [p.to_dict() for p in problems],
+        "tensors": [],
+        "modules": rows,
+    }
 
 
 def _round_trip(stored: dict, rec: dict, mod: str, src_cfg: dict, q: dict):
@@ -234,8 +251,7 @@ def _round_trip(stored: dict, rec: dict, mod: str, src_cfg: dict, q: dict):
     back = kernels.unrepack_module(stored, rec)
     groups = src_cfg.get("config_groups") or {}
     g = groups.get(resolve_group(mod, src_cfg, True), next(iter(groups.values()), {}) if groups else {})
-    again, _ = kernels.repack_module(rec["kernel"], back, g.get("weights") or {}, rec["layout_version"],
-                                     getattr(torch, q.get("act_dtype", "bfloat16")))
+    again, _ = kernels.repack_module(rec["kernel"], back, g.get("weights") or {}, rec["layout_version"], getattr(torch, q.get("act_dtype", "bfloat16")))
     return back, again
 
 

@@ -21,8 +21,7 @@ __all__ = ["FORMATS", "CompressionFormat", "WeightArgs", "WeightFormat", "get_fo
 
 #: every weight format ctconvert reads, by name; ``writes`` says which it also produces
 FORMATS: dict[CompressionFormat, WeightFormat] = {
-    f.name: f
-    for f in (FloatQuantized(), IntQuantized(), NaiveQuantized(), PackQuantized(), NVFP4PackQuantized(), MXFP4PackQuantized())
+    f.name: f for f in (FloatQuantized(), IntQuantized(), NaiveQuantized(), PackQuantized(), NVFP4PackQuantized(), MXFP4PackQuantized())
 }
 
 

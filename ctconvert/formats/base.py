@@ -131,6 +131,7 @@ def part_rows(part: str, shape: tuple[int, ...], dtype: str, r0: int, r1: int, a
         return None
     return False
 
+
 def dequantize_unpacked(tensors: dict[str, torch.Tensor], args: WeightArgs) -> torch.Tensor:
     """``(q - zp) * scale`` of an unpacked ``weight`` (FP8 or int8), in the scale's dtype (fp16 for an
     integer scale), as compressed-tensors' ``_dequantize`` computes it (docs/compressed-tensors-format.md §10)."""
@@ -188,8 +189,7 @@ class WeightFormat:
         return False
 
     # -- quantizing ----------------------------------------------------------------
-    def quantize(self, w: torch.Tensor, args: WeightArgs, global_scale: torch.Tensor | None = None,
-                 impl: str = "auto") -> dict[str, torch.Tensor]:
+    def quantize(self, w: torch.Tensor, args: WeightArgs, global_scale: torch.Tensor | None = None, impl: str = "auto") -> dict[str, torch.Tensor]:
         """Quantize a row chunk ``w`` ``[r, K]``; keys are local names (``weight_packed`` ...).
 
         ``impl``: ``auto`` (the C kernels for CPU tensors, the Triton kernels for CUDA tensors, when

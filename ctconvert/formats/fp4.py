@@ -18,8 +18,7 @@ import torch
 from .base import CompressionFormat, WeightFormat, expand_scale
 from .common import FP4_MAX, FP8_MAX, dtype_eps, group_absmax, rd, sdiv
 
-__all__ = ["MXFP4PackQuantized", "NVFP4PackQuantized", "e2m1_codes", "nvfp4_global_scale", "pack_nibbles",
-           "quantize_mxfp4", "quantize_nvfp4", "unpack_e2m1"]
+__all__ = ["MXFP4PackQuantized", "NVFP4PackQuantized", "e2m1_codes", "nvfp4_global_scale", "pack_nibbles", "quantize_mxfp4", "quantize_nvfp4", "unpack_e2m1"]
 
 NVFP4_GROUP = 16
 MXFP4_GROUP = 32
@@ -127,9 +126,7 @@ def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
     amax = group_absmax(w, MXFP4_GROUP).to(d)
     p2 = _round_pow2_bits(amax)
     if bool(torch.isinf(p2).any()):
-        raise ValueError(
-            f"MXFP4 scale overflows {d}: a group absmax of {amax.max().item():g} rounds past the largest power of two of {d}"
-        )
+        raise ValueError(f"MXFP4 scale overflows {d}: a group absmax of {amax.max().item():g} rounds past the largest power of two of {d}")
     e = torch.floor(torch.log2(p2)) + (127 - 2)  # offset floor(log2(6)) = 2
     e = torch.round(e.clamp(0, 255))  # -inf (amax 0) -> 0
     scale = rd(torch.exp2(e - 127), d)
@@ -160,8 +157,11 @@ class NVFP4PackQuantized(_FP4):
 
     def outputs(self, shape, dtype, args):
         n, k = shape
-        return {"weight_packed": (torch.uint8, (n, k // 2)), "weight_scale": (torch.float8_e4m3fn, (n, k // NVFP4_GROUP)),
-                "weight_global_scale": (torch.float32, (1,))}
+        return {
+            "weight_packed": (torch.uint8, (n, k // 2)),
+            "weight_scale": (torch.float8_e4m3fn, (n, k // NVFP4_GROUP)),
+            "weight_global_scale": (torch.float32, (1,)),
+        }
 
     def whole_tensor_outputs(self, shape, global_scale):
         return {"weight_global_scale": global_scale.reshape(1)}

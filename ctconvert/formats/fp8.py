@@ -10,9 +10,9 @@ weight, and the stored weight is cut back to ``[N, K]`` (§4.2).
 
 from __future__ import annotations
 
-import torch
-
 import math
+
+import torch
 
 from .base import CompressionFormat, WeightFormat, dequantize_unpacked
 from .common import FP8_MAX, dtype_eps, group_absmax, rd, sdiv

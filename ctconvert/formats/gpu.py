@@ -58,7 +58,6 @@ def available() -> bool:
     return _HAVE_TRITON and torch.cuda.is_available()
 
 
-
 #: launch configurations (scripts/tune_gpu.py sweeps them on a large weight)
 TUNE = {
     "fp8_row": {"max_single": 16384, "num_warps": 4, "ctas_per_sm": 4, "recip": True},
@@ -93,7 +92,7 @@ if _HAVE_TRITON:
     _LO = tl.constexpr(2.0**-64)
     _HI = tl.constexpr(2.0**64)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def _rn_recip(q: float) -> float:
         """RN(1/q) in fp32, exactly (an fp32 division)."""
         return (torch.tensor(1.0) / torch.tensor(q)).item()
@@ -215,8 +214,7 @@ if _HAVE_TRITON:
             tl.store(q_ptr + row * K + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), fast, DT), mask=m)
 
     @triton.jit
-    def _fp8_block_kernel(w_ptr, q_ptr, s_ptr, N, K, KB, DT: tl.constexpr, EPS: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
-                          RECIP: tl.constexpr):
+    def _fp8_block_kernel(w_ptr, q_ptr, s_ptr, N, K, KB, DT: tl.constexpr, EPS: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, RECIP: tl.constexpr):
         br = tl.program_id(0).to(tl.int64)
         bc = tl.program_id(1).to(tl.int64)
         rows = br * BH + tl.arange(0, BH)
@@ -230,8 +228,7 @@ if _HAVE_TRITON:
         tl.store(q_ptr + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), fast, DT), mask=mask)
 
     @triton.jit
-    def _int_codes(x, s, r, z, FAST, QMIN: tl.constexpr, QMAX: tl.constexpr, OFF: tl.constexpr, SYM: tl.constexpr,
-                   DT: tl.constexpr):
+    def _int_codes(x, s, r, z, FAST, QMIN: tl.constexpr, QMAX: tl.constexpr, OFF: tl.constexpr, SYM: tl.constexpr, DT: tl.constexpr):
         """RNE(clamp(D(D(x / s) + z))) + OFF as int32 (integer.py; no ``+ z`` when SYM).
         FAST: every s is in [2^-64, 2^64] and r = RN(1/s). The sign of a zero quotient
         does not matter here: it rounds to the integer 0 either way."""
@@ -242,8 +239,23 @@ if _HAVE_TRITON:
         return _rne_int(v, OFF)
 
     @triton.jit
-    def _int_group_tile(x, rows, gi, out_ptr, s_ptr, zp_ptr, N, K, G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
-                        PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, RQ: tl.constexpr):
+    def _int_group_tile(
+        x,
+        rows,
+        gi,
+        out_ptr,
+        s_ptr,
+        zp_ptr,
+        N,
+        K,
+        G: tl.constexpr,
+        BITS: tl.constexpr,
+        SYM: tl.constexpr,
+        PACK: tl.constexpr,
+        DT: tl.constexpr,
+        EPS: tl.constexpr,
+        RQ: tl.constexpr,
+    ):
         """Quantize one tile x [BR, G/PER, PER] (fp32): group gi of the given rows; store values, scales, zero points.
         RQ: RN(1/Q) in fp32 for the scale's divisor Q ((2^B - 1) / 2 symmetric, 2^B - 1 asymmetric)."""
         NG = K // G
@@ -288,9 +300,24 @@ if _HAVE_TRITON:
             tl.store(out_ptr + rows[:, None, None] * K + cols[None, :, :], u.to(tl.int8), mask=rmask[:, None, None])
 
     @triton.jit
-    def _int_group_kernel(w_ptr, out_ptr, s_ptr, zp_ptr, N, K, NT, G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
-                          PACK: tl.constexpr, DT: tl.constexpr, EPS: tl.constexpr, RQ: tl.constexpr, BR: tl.constexpr,
-                          LOOP: tl.constexpr):
+    def _int_group_kernel(
+        w_ptr,
+        out_ptr,
+        s_ptr,
+        zp_ptr,
+        N,
+        K,
+        NT,
+        G: tl.constexpr,
+        BITS: tl.constexpr,
+        SYM: tl.constexpr,
+        PACK: tl.constexpr,
+        DT: tl.constexpr,
+        EPS: tl.constexpr,
+        RQ: tl.constexpr,
+        BR: tl.constexpr,
+        LOOP: tl.constexpr,
+    ):
         """Tiles of BR rows x one group of G columns, tile t = (row block t // NG, group t % NG), so that
         consecutive tiles read consecutive bytes of the same rows. A tile is loaded as [BR, G/PER, PER]:
         packing PER values into a word is then a reduction over the last axis, in registers.
@@ -314,8 +341,7 @@ if _HAVE_TRITON:
             x = xn
             t2 = t + npg
             rows2 = (t2 // NG) * BR + tl.arange(0, BR)
-            xn = tl.load(w_ptr + rows2[:, None, None] * K + ((t2 % NG) * G + lcols)[None, :, :], mask=(rows2 < N)[:, None, None],
-                         other=0.0)
+            xn = tl.load(w_ptr + rows2[:, None, None] * K + ((t2 % NG) * G + lcols)[None, :, :], mask=(rows2 < N)[:, None, None], other=0.0)
             rows = (t // NG) * BR + tl.arange(0, BR)
             _int_group_tile(x.to(tl.float32), rows, t % NG, out_ptr, s_ptr, zp_ptr, N, K, G, BITS, SYM, PACK, DT, EPS, RQ)
 
@@ -373,8 +399,9 @@ if _HAVE_TRITON:
         return rows, groups, pidx, w_ptr + rows[:, None, None, None] * K + cols, m3
 
     @triton.jit
-    def _fp4_kernel(w_ptr, p_ptr, s_ptr, gs_ptr, N, K, NT, NVFP4: tl.constexpr, G: tl.constexpr, DT: tl.constexpr,
-                    BR: tl.constexpr, BG: tl.constexpr, LOOP: tl.constexpr):
+    def _fp4_kernel(
+        w_ptr, p_ptr, s_ptr, gs_ptr, N, K, NT, NVFP4: tl.constexpr, G: tl.constexpr, DT: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr, LOOP: tl.constexpr
+    ):
         """NVFP4 (G=16, E4M3 scales, global scale) or MXFP4 (G=32, E8M0 scales).
 
         A tile of BR rows x BG groups is loaded once, contiguously, as [BR, BG,
@@ -483,8 +510,9 @@ def fp8_channel(w: torch.Tensor) -> dict[str, torch.Tensor]:
     s = torch.empty(n, 1, dtype=w.dtype, device=w.device)
     cfg = TUNE["fp8_row"]
     if n and k <= cfg["max_single"]:
-        _fp8_row1_kernel[(_programs(w, n, cfg),)](w, q, s, n, k, DT=dt, EPS=_EPS[dt], BLOCK=triton.next_power_of_2(k), RECIP=cfg["recip"],
-                                                  num_warps=cfg["num_warps"])
+        _fp8_row1_kernel[(_programs(w, n, cfg),)](
+            w, q, s, n, k, DT=dt, EPS=_EPS[dt], BLOCK=triton.next_power_of_2(k), RECIP=cfg["recip"], num_warps=cfg["num_warps"]
+        )
     elif n:
         _fp8_row_kernel[(n,)](w, q, s, k, DT=dt, EPS=_EPS[dt], BLOCK=4096, RECIP=cfg["recip"], num_warps=cfg["num_warps"])
     return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
@@ -533,9 +561,25 @@ def int_quant(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric:
     if n and ng:
         nt = triton.cdiv(n, br) * ng
         npg = _programs(w, nt, cfg)
-        _int_group_kernel[(npg,)](w, out, s, zp if zp is not None else s, n, k, nt, G=g, BITS=num_bits, SYM=symmetric, PACK=pack,
-                                  DT=dt, EPS=_EPS[dt], RQ=_rn_recip(((1 << num_bits) - 1) / (2 if symmetric else 1)), BR=br,
-                                  LOOP=npg < nt, num_warps=cfg["num_warps"])
+        _int_group_kernel[(npg,)](
+            w,
+            out,
+            s,
+            zp if zp is not None else s,
+            n,
+            k,
+            nt,
+            G=g,
+            BITS=num_bits,
+            SYM=symmetric,
+            PACK=pack,
+            DT=dt,
+            EPS=_EPS[dt],
+            RQ=_rn_recip(((1 << num_bits) - 1) / (2 if symmetric else 1)),
+            BR=br,
+            LOOP=npg < nt,
+            num_warps=cfg["num_warps"],
+        )
     res = {"weight_packed" if pack else "weight": out, "weight_scale": s}
     if zp is not None:
         res["weight_zero_point"] = zp
@@ -555,8 +599,7 @@ def _fp4(w: torch.Tensor, nvfp4: bool, gs: torch.Tensor | None) -> dict[str, tor
         gs_t = gs.to(device=w.device, dtype=torch.float32).reshape(1) if nvfp4 else torch.zeros(1, dtype=torch.int32, device=w.device)
         nt = triton.cdiv(n, br) * triton.cdiv(ng, bg)
         npg = _programs(w, nt, cfg)
-        _fp4_kernel[(npg,)](w, packed, s, gs_t, n, k, nt, NVFP4=nvfp4, G=g, DT=dt, BR=br, BG=bg, LOOP=npg < nt,
-                            num_warps=cfg["num_warps"])
+        _fp4_kernel[(npg,)](w, packed, s, gs_t, n, k, nt, NVFP4=nvfp4, G=g, DT=dt, BR=br, BG=bg, LOOP=npg < nt, num_warps=cfg["num_warps"])
         if not nvfp4 and bool(gs_t):
             raise ValueError(f"MXFP4 scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
     return {"weight_packed": packed, "weight_scale": s.view(torch.float8_e4m3fn) if nvfp4 else s}

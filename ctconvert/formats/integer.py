@@ -24,9 +24,7 @@ def int_range(num_bits: int) -> tuple[int, int]:
     return -(1 << (num_bits - 1)), (1 << (num_bits - 1)) - 1
 
 
-def quantize_int(
-    w: torch.Tensor, num_bits: int, group_size: int | None, symmetric: bool = True
-) -> dict[str, torch.Tensor]:
+def quantize_int(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric: bool = True) -> dict[str, torch.Tensor]:
     """Quantize ``w`` ``[N, K]`` (bf16/fp16/fp32) to signed B-bit integers.
 
     ``group_size=None`` means one scale per output channel. Requires
@@ -168,8 +166,7 @@ class PackQuantized(_Integer):
         n, k = shape
         bits = args.num_bits
         g = 1 if args.group_size is None else k // args.group_size
-        out = {"weight_packed": (torch.int32, (n, math.ceil(k * bits / 32))), "weight_scale": (dtype, (n, g)),
-               "weight_shape": (torch.int64, (2,))}
+        out = {"weight_packed": (torch.int32, (n, math.ceil(k * bits / 32))), "weight_scale": (dtype, (n, g)), "weight_shape": (torch.int64, (2,))}
         if not args.symmetric:
             out["weight_zero_point"] = (torch.int32, (math.ceil(n * bits / 32), g))
         return out

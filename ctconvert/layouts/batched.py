@@ -42,8 +42,13 @@ _PLANS: dict[tuple, tuple] = {}
 def _plan(kernel, tensors, weights, v, act_dtype):
     """Output shapes/dtypes and record of one module of the batch (meta tensors; cached per shape)."""
     meta = _meta(tensors)
-    key = (kernel, v, act_dtype, repr(sorted(weights.items())),
-           tuple(sorted((p, t.dtype, tuple(t.shape), tuple(t.tolist()) if p == "weight_shape" else None) for p, t in meta.items())))
+    key = (
+        kernel,
+        v,
+        act_dtype,
+        repr(sorted(weights.items())),
+        tuple(sorted((p, t.dtype, tuple(t.shape), tuple(t.tolist()) if p == "weight_shape" else None) for p, t in meta.items())),
+    )
     if key not in _PLANS:
         _PLANS[key] = kernels.repack_module(kernel, meta, weights, v, act_dtype)
     outs, rec = _PLANS[key]
@@ -73,8 +78,9 @@ def _fast(kernel: str, tensors: dict[str, torch.Tensor]) -> bool:
     return kernel == "marlin-nvfp4"
 
 
-def repack_batch(kernel: str, tensors: dict[str, torch.Tensor], weights: dict, layout_version: str,
-                 act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def repack_batch(
+    kernel: str, tensors: dict[str, torch.Tensor], weights: dict, layout_version: str, act_dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Kernel-layout tensors for B modules of one shape, stacked, and one record per module.
 
     Args:
@@ -140,8 +146,11 @@ def _marlin_fp8(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype) -
     words = w.view(torch.uint8).view(torch.int32)  # (B, N, K/4): byte j of a word = k element 4i+j (§5.1)
     s = t["weight_scale"].to(torch.float32).to(act_dtype)  # fp8_expand_scales, channel (§5.1 step 2)
     permuted = gpu.permute_scales(s, 1, pn, marlin.scale_perms()[1])
-    out = {"weight": gpu.marlin_tiles(words, 8, n, k, pn, pk), "weight_scale": marlin_fp8.fp8_fold_exponent_bias(permuted),
-           "weight_scale_source": t["weight_scale"]}
+    out = {
+        "weight": gpu.marlin_tiles(words, 8, n, k, pn, pk),
+        "weight_scale": marlin_fp8.fp8_fold_exponent_bias(permuted),
+        "weight_scale_source": t["weight_scale"],
+    }
     if "bias" in t:
         out["bias"] = t["bias"]
     return out
@@ -163,7 +172,11 @@ def _marlin_nvfp4(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype,
     words = t["weight_packed"].view(torch.int32)  # (B, N, K/8), nibble j of a word = k element 8i+j
     gs = t["weight_global_scale"].reshape(b, -1)
     _, marlin_gs = marlin_nvfp4.nvfp4_marlin_global_scale(gs, act_dtype, sf, dim=1)
-    out = {"weight_packed": gpu.marlin_tiles(words, 4, n, k, pn, pk), "weight_scale": codes.view(torch.float8_e4m3fn),
-           "weight_global_scale": marlin_gs, "weight_scale_source": t["weight_scale"],
-           "weight_global_scale_source": t["weight_global_scale"]}
+    out = {
+        "weight_packed": gpu.marlin_tiles(words, 4, n, k, pn, pk),
+        "weight_scale": codes.view(torch.float8_e4m3fn),
+        "weight_global_scale": marlin_gs,
+        "weight_scale_source": t["weight_scale"],
+        "weight_global_scale_source": t["weight_global_scale"],
+    }
     return out, sf

@@ -85,9 +85,7 @@ def swizzle_blockscale(scale: torch.Tensor) -> torch.Tensor:
     return out[0] if scale.ndim == 2 else out
 
 
-def unswizzle_blockscale(
-    swizzled: torch.Tensor, M: int, K_blocks: int, *, check_padding: bool = False
-) -> torch.Tensor:
+def unswizzle_blockscale(swizzled: torch.Tensor, M: int, K_blocks: int, *, check_padding: bool = False) -> torch.Tensor:
     """Exact inverse of :func:`swizzle_blockscale`: un-swizzle and drop the padding.
 
     Args:
@@ -115,10 +113,7 @@ def unswizzle_blockscale(
         raise ValueError(f"M and K_blocks must be >= 0, got {M}, {K_blocks}")
     mp, kp = round_up(M, SWIZZLE_ATOM_ROWS), round_up(K_blocks, SWIZZLE_ATOM_COLS)
     if tuple(swizzled.shape[-2:]) != (mp, kp):
-        raise ValueError(
-            f"swizzled has shape {tuple(swizzled.shape)}, expected (..., {mp}, {kp}) "
-            f"for M={M}, K_blocks={K_blocks}"
-        )
+        raise ValueError(f"swizzled has shape {tuple(swizzled.shape)}, expected (..., {mp}, {kp}) for M={M}, K_blocks={K_blocks}")
     src = swizzled.view(torch.uint8)
     if src.ndim == 2:
         src = src.unsqueeze(0)
@@ -174,9 +169,7 @@ def pad_nvfp4_weight(weight_packed: torch.Tensor, alignment: int = 32) -> tuple[
     return out.view(weight_packed.dtype), pad_bytes
 
 
-def unpad_nvfp4_weight(
-    weight_padded: torch.Tensor, N: int, K: int, *, check_padding: bool = False
-) -> torch.Tensor:
+def unpad_nvfp4_weight(weight_padded: torch.Tensor, N: int, K: int, *, check_padding: bool = False) -> torch.Tensor:
     """Exact inverse of :func:`pad_nvfp4_weight`: keep the first ``N`` rows and ``K/2`` bytes.
 
     Args:
@@ -238,9 +231,7 @@ def reciprocal_preimage(y: torch.Tensor) -> torch.Tensor:
     return cand.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
 
-def nvfp4_cutlass_scalars(
-    weight_global_scale: torch.Tensor, input_global_scale: torch.Tensor
-) -> dict[str, torch.Tensor]:
+def nvfp4_cutlass_scalars(weight_global_scale: torch.Tensor, input_global_scale: torch.Tensor) -> dict[str, torch.Tensor]:
     """The fp32 scalars vLLM's compressed-tensors NVFP4 W4A4 scheme builds (§6.2).
 
     Args:
@@ -271,9 +262,7 @@ def nvfp4_cutlass_scalars(
     }
 
 
-def nvfp4_cutlass_unscalars(
-    scalars: Mapping[str, torch.Tensor], weight_global_scale: torch.Tensor | None = None
-) -> dict[str, torch.Tensor]:
+def nvfp4_cutlass_unscalars(scalars: Mapping[str, torch.Tensor], weight_global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Inverse of :func:`nvfp4_cutlass_scalars`: checkpoint divisors, shape ``(1,)`` fp32.
 
     ``input_global_scale`` = ``input_global_scale_inv`` (bit-exact: it *is* the
@@ -330,8 +319,7 @@ def nvfp4_cutlass_layer(
     n, kb2 = weight_packed.shape
     if (2 * kb2) % 16 or tuple(weight_scale.shape) != (n, 2 * kb2 // 16):
         raise ValueError(
-            f"weight_scale {tuple(weight_scale.shape)} does not match weight_packed {tuple(weight_packed.shape)}: "
-            "expected (N, K/16) with K % 16 == 0"
+            f"weight_scale {tuple(weight_scale.shape)} does not match weight_packed {tuple(weight_packed.shape)}: expected (N, K/16) with K % 16 == 0"
         )
     weight, pad_bytes = pad_nvfp4_weight(weight_packed, alignment)
     out = {"weight": weight, "weight_scale": swizzle_blockscale(weight_scale)}

@@ -45,8 +45,9 @@ if _HAVE:
     @triton.jit
     def _word4(xa, xb, ya, yb):
         # nibbles a0 a2 b0 b2 a1 a3 b1 b3 (§3.1): low/high nibble of a byte = rows 2i / 2i+1
-        return ((xa & 15) | ((xb & 15) << 4) | ((ya & 15) << 8) | ((yb & 15) << 12)
-                | ((xa >> 4) << 16) | ((xb >> 4) << 20) | ((ya >> 4) << 24) | ((yb >> 4) << 28))
+        return (
+            (xa & 15) | ((xb & 15) << 4) | ((ya & 15) << 8) | ((yb & 15) << 12) | ((xa >> 4) << 16) | ((xb >> 4) << 20) | ((ya >> 4) << 24) | ((yb >> 4) << 28)
+        )
 
     @triton.jit
     def _word8(lo, hi, sh):
@@ -110,8 +111,9 @@ if _HAVE:
         tl.atomic_max(out_ptr + bb, tl.max(v, axis=0))
 
     @triton.jit
-    def _permute_scales_kernel(s_ptr, out_ptr, idx_ptr, sf_ptr, N, G, GP, NP, s_b, s_n, s_g, o_b,
-                               R: tl.constexpr, BG: tl.constexpr, BP: tl.constexpr, ENCODE: tl.constexpr):
+    def _permute_scales_kernel(
+        s_ptr, out_ptr, idx_ptr, sf_ptr, N, G, GP, NP, s_b, s_n, s_g, o_b, R: tl.constexpr, BG: tl.constexpr, BP: tl.constexpr, ENCODE: tl.constexpr
+    ):
         bb = tl.program_id(2).to(tl.int64)
         g = tl.program_id(0) * BG + tl.arange(0, BG)
         p = tl.program_id(1) * BP + tl.arange(0, BP)
@@ -123,8 +125,7 @@ if _HAVE:
             v = v.to(tl.int32) & 0xFF
             e = (v >> 3) & 15
             mant = v & 7
-            mag = tl.where(e == 0, mant.to(tl.float32) * 0.001953125,
-                           ((e + 120) << 23 | (mant << 20)).to(tl.float32, bitcast=True))
+            mag = tl.where(e == 0, mant.to(tl.float32) * 0.001953125, ((e + 120) << 23 | (mant << 20)).to(tl.float32, bitcast=True))
             mag = tl.where((e == 15) & (mant == 7), float("nan"), mag)
             x = tl.where((v & 0x80) != 0, -mag, mag)
             sf = tl.load(sf_ptr + bb)
@@ -172,8 +173,20 @@ def marlin_tiles(words: torch.Tensor, num_bits: int, size_n: int, size_k: int, p
     bkt = TUNE["bkt"]
     if b and kt and nt:
         _marlin_tiles_kernel[(triton.cdiv(kt, bkt), nt, b)](
-            words, out, size_n, size_k // pf, kt, words.stride(0), words.stride(1), words.stride(2), out.stride(0), out.stride(1),
-            BITS=num_bits, BKT=bkt, num_warps=TUNE["num_warps"])
+            words,
+            out,
+            size_n,
+            size_k // pf,
+            kt,
+            words.stride(0),
+            words.stride(1),
+            words.stride(2),
+            out.stride(0),
+            out.stride(1),
+            BITS=num_bits,
+            BKT=bkt,
+            num_warps=TUNE["num_warps"],
+        )
     return out
 
 
@@ -199,6 +212,22 @@ def permute_scales(s: torch.Tensor, padded_g: int, padded_n: int, idx: torch.Ten
     sf_arg = sf if sf is not None else idx
     if b and padded_g and padded_n:
         _permute_scales_kernel[(triton.cdiv(padded_g, bg), triton.cdiv(padded_n, bp), b)](
-            bits, out, idx, sf_arg, n, g, padded_g, padded_n, bits.stride(0), bits.stride(1), bits.stride(2), out.stride(0),
-            R=r, BG=bg, BP=bp, ENCODE=sf is not None, num_warps=4)
+            bits,
+            out,
+            idx,
+            sf_arg,
+            n,
+            g,
+            padded_g,
+            padded_n,
+            bits.stride(0),
+            bits.stride(1),
+            bits.stride(2),
+            out.stride(0),
+            R=r,
+            BG=bg,
+            BP=bp,
+            ENCODE=sf is not None,
+            num_warps=4,
+        )
     return out if sf is not None else out.view(s.dtype)

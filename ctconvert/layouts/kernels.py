@@ -31,8 +31,7 @@ import torch
 
 from . import cutlass, marlin, marlin_fp8, marlin_nvfp4
 
-__all__ = ["DEFAULT_LAYOUT_VERSION", "KERNELS", "LAYOUT_VERSIONS", "TARGETS", "Kernel", "choose_kernel", "repack_module",
-           "unrepack_module"]
+__all__ = ["DEFAULT_LAYOUT_VERSION", "KERNELS", "LAYOUT_VERSIONS", "TARGETS", "Kernel", "choose_kernel", "repack_module", "unrepack_module"]
 
 LAYOUT_VERSIONS = ("0.33", "0.32", "0.31", "0.30", "0.29", "0.25", "0.21")
 DEFAULT_LAYOUT_VERSION = "0.33"
@@ -78,8 +77,10 @@ def _marlin_int(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: to
     perm = sorted_g = None
     if "weight_g_idx" in t:
         sorted_g, perm = marlin.marlin_sort_g_idx(t["weight_g_idx"])
-    out = {"weight_packed": marlin.marlin_repack(q_w, k, n, bits, perm, v, group_size=g),
-           "weight_scale": marlin.marlin_permute_scales(t["weight_scale"].t(), k, n, g, v)}
+    out = {
+        "weight_packed": marlin.marlin_repack(q_w, k, n, bits, perm, v, group_size=g),
+        "weight_scale": marlin.marlin_permute_scales(t["weight_scale"].t(), k, n, g, v),
+    }
     if "weight_zero_point" in t:
         out["weight_zero_point"] = marlin.marlin_zero_points(t["weight_zero_point"], k, n, bits, v, group_size=g)
     if "bias" in t:
@@ -88,8 +89,18 @@ def _marlin_int(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: to
         out["weight_g_idx"] = sorted_g
         out["g_idx_sort_indices"] = perm
     pn, pk = (n, k) if perm is not None else marlin.marlin_padded_nk(n, k, g, v)
-    rec = {"kernel": "marlin-int", "size_n": n, "size_k": k, "num_bits": bits, "group_size": g, "padded_n": pn, "padded_k": pk,
-           "act_order": perm is not None, "layout_version": v, "weight_g_idx_dtype": str(t["weight_g_idx"].dtype) if perm is not None else None}
+    rec = {
+        "kernel": "marlin-int",
+        "size_n": n,
+        "size_k": k,
+        "num_bits": bits,
+        "group_size": g,
+        "padded_n": pn,
+        "padded_k": pk,
+        "act_order": perm is not None,
+        "layout_version": v,
+        "weight_g_idx_dtype": str(t["weight_g_idx"].dtype) if perm is not None else None,
+    }
     return out, rec
 
 
@@ -97,9 +108,11 @@ def _unmarlin_int(t: dict[str, torch.Tensor], rec: dict) -> dict:
     n, k, bits, g, v = rec["size_n"], rec["size_k"], rec["num_bits"], rec["group_size"], rec["layout_version"]
     perm = t.get("g_idx_sort_indices")
     q_w = marlin.marlin_unrepack(t["weight_packed"], k, n, bits, perm, v, group_size=g)
-    out = {"weight_packed": marlin.gptq_to_pack_quantized(q_w, bits, k),
-           "weight_scale": marlin.marlin_unpermute_scales(t["weight_scale"], k, n, g, v).t().contiguous(),
-           "weight_shape": torch.tensor([n, k], dtype=torch.int64, device=q_w.device)}
+    out = {
+        "weight_packed": marlin.gptq_to_pack_quantized(q_w, bits, k),
+        "weight_scale": marlin.marlin_unpermute_scales(t["weight_scale"], k, n, g, v).t().contiguous(),
+        "weight_shape": torch.tensor([n, k], dtype=torch.int64, device=q_w.device),
+    }
     if "weight_zero_point" in t:
         out["weight_zero_point"] = marlin.marlin_unzero_points(t["weight_zero_point"], k, n, bits, v, group_size=g)
     if "bias" in t:
@@ -109,7 +122,6 @@ def _unmarlin_int(t: dict[str, torch.Tensor], rec: dict) -> dict:
         g_idx[perm.long()] = t["weight_g_idx"]
         out["weight_g_idx"] = g_idx
     return out
-
 
 
 # ------------------------------------------------------------------ marlin-fp8 (§5.1)
@@ -127,15 +139,26 @@ def _marlin_fp8(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: to
     out = {"weight": k_out["marlin_q_w"], "weight_scale": k_out["marlin_scales"], "weight_scale_source": t["weight_scale"]}
     if "bias" in t:
         out["bias"] = t["bias"]
-    rec = {"kernel": "marlin-fp8", "size_n": n, "size_k": k, "strategy": weights.get("strategy") or "channel", "layout_version": v,
-           "scale_dtype": str(t["weight_scale"].dtype)}
+    rec = {
+        "kernel": "marlin-fp8",
+        "size_n": n,
+        "size_k": k,
+        "strategy": weights.get("strategy") or "channel",
+        "layout_version": v,
+        "scale_dtype": str(t["weight_scale"].dtype),
+    }
     return out, rec
 
 
 def _unmarlin_fp8(t: dict[str, torch.Tensor], rec: dict) -> dict:
-    back = marlin_fp8.marlin_fp8_unrepack({"marlin_q_w": t["weight"], "marlin_scales": t["weight_scale"]}, rec["size_n"], rec["size_k"],
-                                          rec["layout_version"], strategy=rec["strategy"],
-                                          scale_dtype=getattr(torch, rec["scale_dtype"].replace("torch.", "")))
+    back = marlin_fp8.marlin_fp8_unrepack(
+        {"marlin_q_w": t["weight"], "marlin_scales": t["weight_scale"]},
+        rec["size_n"],
+        rec["size_k"],
+        rec["layout_version"],
+        strategy=rec["strategy"],
+        scale_dtype=getattr(torch, rec["scale_dtype"].replace("torch.", "")),
+    )
     out = {"weight": back["weight"], "weight_scale": t["weight_scale_source"]}
     if "bias" in t:
         out["bias"] = t["bias"]
@@ -158,44 +181,78 @@ def _marlin_nvfp4(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: 
     wp = t["weight_packed"]
     n, k = wp.shape[0], wp.shape[1] * 2
     k_out = marlin_nvfp4.marlin_nvfp4_repack(wp, t["weight_scale"], t["weight_global_scale"], act_dtype, v)
-    out = {"weight_packed": k_out["marlin_q_w"], "weight_scale": k_out["marlin_scales"],
-           "weight_global_scale": k_out["marlin_global_scale"],
-           "weight_scale_source": t["weight_scale"], "weight_global_scale_source": t["weight_global_scale"]}
+    out = {
+        "weight_packed": k_out["marlin_q_w"],
+        "weight_scale": k_out["marlin_scales"],
+        "weight_global_scale": k_out["marlin_global_scale"],
+        "weight_scale_source": t["weight_scale"],
+        "weight_global_scale_source": t["weight_global_scale"],
+    }
     sf = k_out["scale_factor"]
-    rec = {"kernel": "marlin-nvfp4", "size_n": n, "size_k": k, "layout_version": v, "act_dtype": str(act_dtype).replace("torch.", ""),
-           "scale_factor": float(sf) if sf.device.type != "meta" else None}
+    rec = {
+        "kernel": "marlin-nvfp4",
+        "size_n": n,
+        "size_k": k,
+        "layout_version": v,
+        "act_dtype": str(act_dtype).replace("torch.", ""),
+        "scale_factor": float(sf) if sf.device.type != "meta" else None,
+    }
     return out, rec
 
 
 def _unmarlin_nvfp4(t: dict[str, torch.Tensor], rec: dict) -> dict:
     act = torch.float16 if rec.get("act_dtype") == "float16" else torch.bfloat16
-    back = marlin_nvfp4.marlin_nvfp4_unrepack({"marlin_q_w": t["weight_packed"], "marlin_scales": t["weight_scale"],
-                                               "marlin_global_scale": t["weight_global_scale"],
-                                               "scale_factor": torch.tensor(rec["scale_factor"] or 1.0)},
-                                              rec["size_n"], rec["size_k"], act, rec["layout_version"],
-                                              weight_global_scale=t["weight_global_scale_source"])
-    return {"weight_packed": back["weight_packed"], "weight_scale": t["weight_scale_source"],
-            "weight_global_scale": t["weight_global_scale_source"]}
+    back = marlin_nvfp4.marlin_nvfp4_unrepack(
+        {
+            "marlin_q_w": t["weight_packed"],
+            "marlin_scales": t["weight_scale"],
+            "marlin_global_scale": t["weight_global_scale"],
+            "scale_factor": torch.tensor(rec["scale_factor"] or 1.0),
+        },
+        rec["size_n"],
+        rec["size_k"],
+        act,
+        rec["layout_version"],
+        weight_global_scale=t["weight_global_scale_source"],
+    )
+    return {"weight_packed": back["weight_packed"], "weight_scale": t["weight_scale_source"], "weight_global_scale": t["weight_global_scale_source"]}
 
 
 def _cutlass_nvfp4(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: torch.dtype) -> tuple[dict, dict]:
     wp = t["weight_packed"]
     n, k = wp.shape[0], wp.shape[1] * 2
     k_out = cutlass.nvfp4_cutlass_layer(wp, t["weight_scale"], t["weight_global_scale"], t["input_global_scale"])
-    out = {"weight_packed": k_out["weight"], "weight_scale": k_out["weight_scale"], "alpha": k_out["alpha"],
-           "input_global_scale_inv": k_out["input_global_scale_inv"],
-           "weight_global_scale_source": t["weight_global_scale"], "input_global_scale_source": t["input_global_scale"]}
-    rec = {"kernel": "cutlass-nvfp4", "size_n": n, "size_k": k, "layout_version": v,
-           "weights_padding_bytes": int(k_out["weights_padding_bytes"]) if wp.device.type != "meta" else None}
+    out = {
+        "weight_packed": k_out["weight"],
+        "weight_scale": k_out["weight_scale"],
+        "alpha": k_out["alpha"],
+        "input_global_scale_inv": k_out["input_global_scale_inv"],
+        "weight_global_scale_source": t["weight_global_scale"],
+        "input_global_scale_source": t["input_global_scale"],
+    }
+    rec = {
+        "kernel": "cutlass-nvfp4",
+        "size_n": n,
+        "size_k": k,
+        "layout_version": v,
+        "weights_padding_bytes": int(k_out["weights_padding_bytes"]) if wp.device.type != "meta" else None,
+    }
     return out, rec
 
 
 def _uncutlass_nvfp4(t: dict[str, torch.Tensor], rec: dict) -> dict:
-    back = cutlass.nvfp4_cutlass_unlayer({"weight": t["weight_packed"], "weight_scale": t["weight_scale"], "alpha": t["alpha"],
-                                          "input_global_scale_inv": t["input_global_scale_inv"]}, rec["size_n"], rec["size_k"],
-                                         weight_global_scale=t["weight_global_scale_source"])
-    return {"weight_packed": back["weight_packed"], "weight_scale": back["weight_scale"],
-            "weight_global_scale": t["weight_global_scale_source"], "input_global_scale": t["input_global_scale_source"]}
+    back = cutlass.nvfp4_cutlass_unlayer(
+        {"weight": t["weight_packed"], "weight_scale": t["weight_scale"], "alpha": t["alpha"], "input_global_scale_inv": t["input_global_scale_inv"]},
+        rec["size_n"],
+        rec["size_k"],
+        weight_global_scale=t["weight_global_scale_source"],
+    )
+    return {
+        "weight_packed": back["weight_packed"],
+        "weight_scale": back["weight_scale"],
+        "weight_global_scale": t["weight_global_scale_source"],
+        "input_global_scale": t["input_global_scale_source"],
+    }
 
 
 # ------------------------------------------------------------------ the table
@@ -222,8 +279,9 @@ def choose_kernel(target: str, weights: dict, parts: set[str]) -> str | None:
     return next((k.name for k in KERNELS.values() if k.target == target and k.accepts(weights, set(parts))), None)
 
 
-def repack_module(kernel: str, tensors: dict[str, torch.Tensor], weights: dict, layout_version: str,
-                  act_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+def repack_module(
+    kernel: str, tensors: dict[str, torch.Tensor], weights: dict, layout_version: str, act_dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], dict]:
     """Kernel-layout tensors and the inverse's record for one module. Raises ``ValueError`` on shapes the kernel
     rejects or an unknown kernel."""
     if kernel not in KERNELS:

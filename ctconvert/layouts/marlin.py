@@ -89,10 +89,7 @@ def _check_group(group_size: int, size_k: int) -> None:
     if not isinstance(group_size, int) or isinstance(group_size, bool) or (group_size <= 0 and group_size != -1):
         raise ValueError(f"group_size must be -1 (channelwise) or a positive int, got {group_size!r}")
     if 0 < group_size < size_k and size_k % group_size:
-        raise ValueError(
-            f"group_size {group_size} does not divide size_k {size_k}: vLLM's Marlin rejects a group "
-            "that straddles the partition (§3.4)"
-        )
+        raise ValueError(f"group_size {group_size} does not divide size_k {size_k}: vLLM's Marlin rejects a group that straddles the partition (§3.4)")
 
 
 def _num_groups(size_k: int, group_size: int) -> int:
@@ -137,7 +134,7 @@ def _gptq_pack(w: torch.Tensor, num_bits: int) -> torch.Tensor:
     return _pack_words(w.reshape(k // pf, pf, n).permute(0, 2, 1), num_bits)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tile_src_index(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each value of a Marlin tile comes from (§3.1), and the inverse map.
 
@@ -166,7 +163,7 @@ def _tile_src_index(num_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     return src, inv
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def scale_perms() -> tuple[torch.Tensor, torch.Tensor]:
     """``scale_perm`` (64: ``i + 8j``, an 8x8 transpose) and ``scale_perm_single``
     (32: ``2i + {0,1,8,9,16,17,24,25}``), int64 on the CPU (§4 ``get_scale_perms``)."""
@@ -175,7 +172,7 @@ def scale_perms() -> tuple[torch.Tensor, torch.Tensor]:
     return grouped, single
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _zp_perm(num_bits: int) -> torch.Tensor:
     """One 64-entry gather for zero points: ``scale_perm``, then the per-8 (4-bit,
     ``[0,2,4,6,1,3,5,7]``) or per-4 (8-bit, ``[0,2,1,3]``) interleave (§4)."""
@@ -241,14 +238,9 @@ def _resolve_act_order(perm, size_k, size_n, layout_version, device):
     if perm is None or (isinstance(perm, torch.Tensor) and perm.numel() == 0):
         return None  # vLLM passes an empty perm for "no act-order"
     if parse_version(layout_version) > _LAST_ACT_ORDER:
-        raise ValueError(
-            f"act-order (perm) was removed in vLLM 0.30 (§0.1, §3.3); layout_version {layout_version!r} has none"
-        )
+        raise ValueError(f"act-order (perm) was removed in vLLM 0.30 (§0.1, §3.3); layout_version {layout_version!r} has none")
     if size_n % _STRICT_N or size_k % _STRICT_K:
-        raise ValueError(
-            f"act-order layers are never tile-padded: vLLM <= 0.29 needs N % 64 == 0 and K % 128 == 0 "
-            f"(§3.3, §3.4), got N={size_n}, K={size_k}"
-        )
+        raise ValueError(f"act-order layers are never tile-padded: vLLM <= 0.29 needs N % 64 == 0 and K % 128 == 0 (§3.3, §3.4), got N={size_n}, K={size_k}")
     return _check_perm(perm, size_k, device)
 
 
@@ -345,10 +337,7 @@ def marlin_padded_nk(size_n: int, size_k: int, group_size: int, layout_version: 
     _check_group(group_size, size_k)
     if parse_version(layout_version) < _PADDING_SINCE:
         if size_n % _STRICT_N or size_k % _STRICT_K:
-            raise ValueError(
-                f"vLLM {layout_version} has no Marlin tile padding and needs N % 64 == 0 and K % 128 == 0 "
-                f"(§3.4), got N={size_n}, K={size_k}"
-            )
+            raise ValueError(f"vLLM {layout_version} has no Marlin tile padding and needs N % 64 == 0 and K % 128 == 0 (§3.4), got N={size_n}, K={size_k}")
         return size_n, size_k
 
     g = group_size if group_size > 0 else 1
@@ -528,9 +517,7 @@ def scale_perm_for(group_size: int, padded_k: int) -> torch.Tensor:
     return grouped if group_size != -1 and group_size < padded_k else single
 
 
-def marlin_permute_scales(
-    s: torch.Tensor, size_k: int, size_n: int, group_size: int, layout_version: str = "0.33"
-) -> torch.Tensor:
+def marlin_permute_scales(s: torch.Tensor, size_k: int, size_n: int, group_size: int, layout_version: str = "0.33") -> torch.Tensor:
     """``marlin_pad_scales`` + ``marlin_permute_scales`` (kernel-layouts §3.4, §4).
 
     Zero-pads ``s`` to ``(padded_G, padded_n)`` with ``padded_G = padded_k / group``
@@ -589,9 +576,7 @@ def marlin_unpermute_scales(
     return _unpad2(s, g, size_n, check_padding, "marlin_s")
 
 
-def marlin_permute_bias(
-    b: torch.Tensor, size_k: int, size_n: int, group_size: int, layout_version: str = "0.33"
-) -> torch.Tensor:
+def marlin_permute_bias(b: torch.Tensor, size_k: int, size_n: int, group_size: int, layout_version: str = "0.33") -> torch.Tensor:
     """``marlin_pad_dim`` + ``marlin_permute_bias`` (kernel-layouts §3.4, §4).
 
     Zero-pads the bias to ``padded_n`` (which depends on K and the group, so

@@ -81,8 +81,7 @@ def _fp8_widths(weight_scale: torch.Tensor, size_n: int, logical_widths: Sequenc
         return "channel", None
     if weight_scale.ndim > 1 and weight_scale.numel() != 1:
         raise ValueError(
-            f"weight_scale must be (N, 1) per channel or (S,) per tensor/shard, got {tuple(weight_scale.shape)} "
-            "(block-wise FP8 scales are not supported)"
+            f"weight_scale must be (N, 1) per channel or (S,) per tensor/shard, got {tuple(weight_scale.shape)} (block-wise FP8 scales are not supported)"
         )
     s = weight_scale.numel()
     if logical_widths is None:
@@ -96,9 +95,7 @@ def _fp8_widths(weight_scale: torch.Tensor, size_n: int, logical_widths: Sequenc
     return "tensor", widths
 
 
-def fp8_expand_scales(
-    weight_scale: torch.Tensor, size_n: int, act_dtype, logical_widths: Sequence[int] | None = None
-) -> torch.Tensor:
+def fp8_expand_scales(weight_scale: torch.Tensor, size_n: int, act_dtype, logical_widths: Sequence[int] | None = None) -> torch.Tensor:
     """Checkpoint FP8 scales -> one ``act_dtype`` scale per output row (§5.1 step 2, §7.1).
 
     vLLM loads the scale as fp32, expands a per-tensor scale over the rows of its
@@ -264,9 +261,7 @@ def marlin_fp8_unrepack(
     return {"weight": weight, "weight_scale": fp8_collapse_scales(s, strategy, logical_widths, scale_dtype)}
 
 
-def marlin_fp8_lost_scales(
-    weight_scale: torch.Tensor, size_n: int, act_dtype, logical_widths: Sequence[int] | None = None
-) -> torch.Tensor:
+def marlin_fp8_lost_scales(weight_scale: torch.Tensor, size_n: int, act_dtype, logical_widths: Sequence[int] | None = None) -> torch.Tensor:
     """Bool mask, shaped like ``weight_scale``: True where the FP8 Marlin round trip
     (cast to act_dtype, fold, unfold, cast back to ``weight_scale.dtype``) does not
     give the checkpoint value back bit for bit (§5.1 steps 2 and 4)."""

@@ -150,9 +150,7 @@ def nvfp4_decode_s0e5m3(codes: torch.Tensor, scale_factor: torch.Tensor) -> torc
     return (h.float() / 128.0 / scale_factor).to(torch.float8_e4m3fn)
 
 
-def nvfp4_marlin_process_scales(
-    permuted_scales: torch.Tensor, act_dtype, layout_version: str = "0.33"
-) -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_marlin_process_scales(permuted_scales: torch.Tensor, act_dtype, layout_version: str = "0.33") -> tuple[torch.Tensor, torch.Tensor]:
     """``nvfp4_marlin_process_scales`` with the factor rule (§5.2 step 3).
 
     Args:
@@ -211,9 +209,7 @@ def nvfp4_marlin_global_scale(
     return ct, (ct * 2.0 ** (b - 7)) / scale_factor
 
 
-def nvfp4_marlin_unglobal_scale(
-    marlin_global_scale: torch.Tensor, act_dtype, scale_factor: torch.Tensor
-) -> torch.Tensor:
+def nvfp4_marlin_unglobal_scale(marlin_global_scale: torch.Tensor, act_dtype, scale_factor: torch.Tensor) -> torch.Tensor:
     """Inverse of the second half of :func:`nvfp4_marlin_global_scale`: ``ct`` (0-dim fp32).
 
     Exact unless the forward overflowed to inf."""
@@ -324,9 +320,7 @@ def marlin_nvfp4_unrepack(
     return {"weight_packed": weight_packed, "weight_scale": weight_scale, "weight_global_scale": weight_global_scale}
 
 
-def marlin_nvfp4_lost_scales(
-    weight_scale: torch.Tensor, act_dtype, layout_version: str = "0.33"
-) -> torch.Tensor:
+def marlin_nvfp4_lost_scales(weight_scale: torch.Tensor, act_dtype, layout_version: str = "0.33") -> torch.Tensor:
     """Bool ``(N, K/16)`` mask: True where the Marlin S0E5M3 codes cannot give the
     checkpoint block scale back bit for bit (flushed below 2/(128*sf), negative,
     -0.0 or NaN; §5.2 step 3). The round trip is exact iff the mask is all False."""

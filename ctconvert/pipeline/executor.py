@@ -98,10 +98,12 @@ def make_reads(ckpt: Checkpoint, plan: Plan, opts: ExecOptions):
                 yield Read(ui, "copy", 0, 0, 0)
             continue
         infos = [ckpt.tensors[s] for s in unit.sources]
-        chunks = [(m, r0, min(r0 + step, info.shape[0]))
-                  for m, info in enumerate(infos)
-                  for step in [_chunk_rows(info, unit, opts.chunk_elems)]
-                  for r0 in range(0, info.shape[0], step)]
+        chunks = [
+            (m, r0, min(r0 + step, info.shape[0]))
+            for m, info in enumerate(infos)
+            for step in [_chunk_rows(info, unit, opts.chunk_elems)]
+            for r0 in range(0, info.shape[0], step)
+        ]
         if unit.scheme.global_scale:
             hold = sum(i.nbytes for i in infos) <= opts.hold_bytes
             for j, (m, r0, r1) in enumerate(chunks):
@@ -234,7 +236,7 @@ class Executor:
         wt.start()
         states: dict[int, _UnitState] = {}
         try:
-            with torch.inference_mode(), (torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()):
+            with torch.inference_mode(), torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
                 while True:
                     item = q.get()
                     if item is None:
@@ -381,7 +383,8 @@ def _raise_nonfinite(info: TensorInfo, only_if_found: bool = False) -> None:
         return
     raise BadInputError(
         f"weight holds {total} non-finite values ({kind}; first at row {first[0]}, column {first[1]}); refusing to quantize",
-        file=str(info.file), tensor=info.name,
+        file=str(info.file),
+        tensor=info.name,
     )
 
 
@@ -401,8 +404,7 @@ def split_units(ckpt: Checkpoint, units: list[WorkUnit], parts: int) -> list[lis
     return [sorted(p, key=lambda u: order[id(u)]) for p in out]
 
 
-def execute(ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions,
-            devices: list[torch.device] | None = None) -> None:
+def execute(ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions, devices: list[torch.device] | None = None) -> None:
     """Run every unit of ``plan``, writing into ``shards``.
 
     With several devices, units (a fused set or a tensor: the unit of work)
@@ -421,8 +423,11 @@ def execute(ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: Ex
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(part, dev), name=f"ctconvert-{dev}", daemon=True)
-               for part, dev in zip(split_units(ckpt, plan.units, len(devices)), devices) if part]
+    threads = [
+        threading.Thread(target=work, args=(part, dev), name=f"ctconvert-{dev}", daemon=True)
+        for part, dev in zip(split_units(ckpt, plan.units, len(devices)), devices)
+        if part
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -50,8 +50,17 @@ def kernel_for(target: str, module: str, fmt: str | None, weights: dict, parts: 
     return kernel
 
 
-def plan_module(kernel: str, meta_in: dict[str, torch.Tensor], source: dict[str, tuple[str, tuple[int, ...]]], weights: dict,
-                layout_version: str, act_dtype: torch.dtype, file: str, tensor: str, values=None):
+def plan_module(
+    kernel: str,
+    meta_in: dict[str, torch.Tensor],
+    source: dict[str, tuple[str, tuple[int, ...]]],
+    weights: dict,
+    layout_version: str,
+    act_dtype: torch.dtype,
+    file: str,
+    tensor: str,
+    values=None,
+):
     """One module's kernel outputs (meta tensors: shapes, dtypes) and its record, planned without reading data when possible.
 
     The layouts are index math, so they run on the meta tensors ``meta_in`` (``weight_shape``, when
@@ -121,8 +130,7 @@ class LayoutStage:
         meta = {p: torch.empty(shape, dtype=DTYPES[dt][0], device="meta") for p, (dt, shape) in parts.items()}
         if "weight_shape" in meta:
             meta["weight_shape"] = torch.tensor(list(src.shape), dtype=torch.int64)
-        kouts, rec = plan_module(kernel, meta, parts, weights, self.layout_version, check_act_dtype(self.act_dtype),
-                                 src.file.name, src.name)
+        kouts, rec = plan_module(kernel, meta, parts, weights, self.layout_version, check_act_dtype(self.act_dtype), src.file.name, src.name)
         self.records[mod] = rec
         self.kernels[mod] = (kernel, weights)
         return [(f"{mod}.{p}", TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in kouts.items()]
@@ -130,8 +138,9 @@ class LayoutStage:
     def __call__(self, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Kernel tensors of one quantized module (its compressed-tensors tensors, whole, on any device)."""
         kernel, weights = self.kernels[module]
-        outs, recs = batched.repack_batch(kernel, {p: t.unsqueeze(0) for p, t in tensors.items()}, weights,
-                                          self.layout_version, check_act_dtype(self.act_dtype))
+        outs, recs = batched.repack_batch(
+            kernel, {p: t.unsqueeze(0) for p, t in tensors.items()}, weights, self.layout_version, check_act_dtype(self.act_dtype)
+        )
         self.records[module].update(recs[0])
         return {p: t[0] for p, t in outs.items()}
 

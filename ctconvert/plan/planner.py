@@ -185,8 +185,16 @@ def make_plan(
         config_groups[_MAIN_GROUP] = (scheme, targets)
     if not config_groups:
         raise UsageError("nothing to quantize: no tensor matches the targets (check --targets/--ignore)")
-    return Plan(scheme=scheme, units=units, rows=[d.rows[n] for n in order], ignore=list(dict.fromkeys(d.ignored)),
-                config_groups=config_groups, config_updates=config_updates, notes=d.notes, input_bytes=ckpt.total_bytes)
+    return Plan(
+        scheme=scheme,
+        units=units,
+        rows=[d.rows[n] for n in order],
+        ignore=list(dict.fromkeys(d.ignored)),
+        config_groups=config_groups,
+        config_updates=config_updates,
+        notes=d.notes,
+        input_bytes=ckpt.total_bytes,
+    )
 
 
 # -- phase 1: options ---------------------------------------------------------------
@@ -220,8 +228,9 @@ def _check_patterns(patterns: list[str]) -> None:
 # -- phase 2: every tensor ------------------------------------------------------------
 
 
-def _decide(d: _Decisions, name: str, info: TensorInfo, scheme: Scheme, targets: list[str], user_ignore: list[str],
-            head_quantized: bool, skip_incompatible: bool) -> None:
+def _decide(
+    d: _Decisions, name: str, info: TensorInfo, scheme: Scheme, targets: list[str], user_ignore: list[str], head_quantized: bool, skip_incompatible: bool
+) -> None:
     """Record one tensor's decision in ``d``."""
     row = d.rows[name] = TensorDecision(name, info.file.name, info.dtype, info.shape, "copy")
     if not name.endswith(".weight"):
@@ -255,8 +264,7 @@ def _decide(d: _Decisions, name: str, info: TensorInfo, scheme: Scheme, targets:
     problem = _shape_problem(info, scheme)
     if problem is not None:
         if not skip_incompatible:
-            raise UnsupportedError(f"{problem}; leave it dense with --ignore {module!r} or pass --skip-incompatible",
-                                   file=str(info.file), tensor=name)
+            raise UnsupportedError(f"{problem}; leave it dense with --ignore {module!r} or pass --skip-incompatible", file=str(info.file), tensor=name)
         keep_dense(problem + " (skipped: --skip-incompatible)")
         d.notes.append(f"{name}: {problem}; kept dense and listed in ignore")
         return
@@ -276,8 +284,7 @@ def _shape_problem(info: TensorInfo, scheme: Scheme) -> str | None:
         what = "block width" if block else "group size"
         return f"K={k} is not a multiple of the {what} {scheme.k_multiple} of {scheme.name}"
     if n_rows % scheme.n_multiple:
-        return (f"N={n_rows} is not a multiple of the block height {scheme.n_multiple} of {scheme.name} "
-                "(transformers and vLLM need whole blocks)")
+        return f"N={n_rows} is not a multiple of the block height {scheme.n_multiple} of {scheme.name} (transformers and vLLM need whole blocks)"
     return None
 
 
@@ -309,8 +316,15 @@ def _fused_sets(d: _Decisions, tensors: dict[str, TensorInfo], scheme: Scheme) -
 # -- phase 4: work units ----------------------------------------------------------------------
 
 
-def _units(d: _Decisions, order: list[str], tensors: dict[str, TensorInfo], sets: dict[tuple, list[str]], scheme: Scheme,
-           head_scheme: Scheme | None, head_chunk_rows: int) -> list[WorkUnit]:
+def _units(
+    d: _Decisions,
+    order: list[str],
+    tensors: dict[str, TensorInfo],
+    sets: dict[tuple, list[str]],
+    scheme: Scheme,
+    head_scheme: Scheme | None,
+    head_chunk_rows: int,
+) -> list[WorkUnit]:
     """Work units in file order: one per fused set or quantized Linear, one per copied tensor."""
     units: list[WorkUnit] = []
     seen: set[str] = set()
@@ -366,8 +380,7 @@ def _plan_head(d: _Decisions, ckpt: Checkpoint, units: list[WorkUnit], head_sche
     if d.head_name is None:
         emb = find_embedding(tensors)
         if emb is None or not tie:
-            raise UsageError("--lm-head was given but the checkpoint has no lm_head.weight and no tied embedding to take it from",
-                             file=ckpt.path)
+            raise UsageError("--lm-head was given but the checkpoint has no lm_head.weight and no tied embedding to take it from", file=ckpt.path)
         row = TensorDecision(emb, tensors[emb].file.name, tensors[emb].dtype, tensors[emb].shape, "copy")
         units.append(_head_unit(emb, tensors[emb], head_scheme, chunk_rows, row, module="lm_head"))
         d.notes.append(f"tied embeddings untied: lm_head quantized from {emb}, which is also kept dense; tie_word_embeddings set to false")

@@ -145,9 +145,7 @@ _PRESET_FORMAT = {
     "NVFP4A16": CompressionFormat.NVFP4_PACK_QUANTIZED,
     "MXFP4A16": CompressionFormat.MXFP4_PACK_QUANTIZED,
 }
-_SCHEMES: dict[str, Scheme] = {
-    name: Scheme(name, _PRESET_FORMAT[name], WeightArgs.from_dict(weights)) for name, (weights, _) in _PRESET_ARGS.items()
-}
+_SCHEMES: dict[str, Scheme] = {name: Scheme(name, _PRESET_FORMAT[name], WeightArgs.from_dict(weights)) for name, (weights, _) in _PRESET_ARGS.items()}
 _ALIASES = {"INT8": "W8A8"}
 
 #: quantized lm_head choices (``--lm-head``): NVFP4A16, or FP8 per-row weights

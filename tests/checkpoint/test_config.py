@@ -19,8 +19,13 @@ def ct_build(groups: dict, fmt: str, ignore: list[str]) -> dict:
         s.format = scheme.format
         cg[name] = s
     q = QuantizationConfig(config_groups=cg, format=fmt, ignore=ignore, quantization_status="compressed")
-    return {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors", "sparsity_config": {},
-            "transform_config": {}, **q.model_dump(exclude=["quant_method"])}
+    return {
+        "version": compressed_tensors.__version__,
+        "quant_method": "compressed-tensors",
+        "sparsity_config": {},
+        "transform_config": {},
+        **q.model_dump(exclude=["quant_method"]),
+    }
 
 
 @pytest.mark.parametrize("name", scheme_names())

@@ -8,10 +8,11 @@ import struct
 import pytest
 import torch
 
-from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.checkpoint.safetensors_io import PlannedTensor, ShardFile, read_header, read_rows, read_tensor
 from ctconvert.errors import BadInputError
+
+from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 
 
 def test_sharded_headers_and_lazy_rows(tiny_llama):
@@ -99,7 +100,10 @@ def test_shard_file_layout_roundtrips_through_safetensors(tmp_path):
     from safetensors.torch import load_file
 
     ts = {"b": torch.arange(7, dtype=torch.uint8), "a": torch.randn(3, 5).to(torch.bfloat16), "c": torch.tensor([1, 2], dtype=torch.int64)}
-    f = ShardFile(tmp_path / "s.safetensors", [PlannedTensor(n, {torch.uint8: "U8", torch.bfloat16: "BF16", torch.int64: "I64"}[t.dtype], tuple(t.shape)) for n, t in ts.items()])
+    f = ShardFile(
+        tmp_path / "s.safetensors",
+        [PlannedTensor(n, {torch.uint8: "U8", torch.bfloat16: "BF16", torch.int64: "I64"}[t.dtype], tuple(t.shape)) for n, t in ts.items()],
+    )
     f.write("a", ts["a"][:2])  # row ranges at offsets
     f.write("a", ts["a"][2:], byte_offset=2 * 5 * 2)
     f.write("b", ts["b"])

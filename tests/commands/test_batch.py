@@ -16,13 +16,13 @@ defaults:
   max_shard_size: 300KB
 jobs:
   - model: {tiny_llama}
-    output: {tmp_path / 'a'}
+    output: {tmp_path / "a"}
     scheme: W4A16
-  - model: {tmp_path / 'missing'}
-    output: {tmp_path / 'b'}
+  - model: {tmp_path / "missing"}
+    output: {tmp_path / "b"}
     scheme: W4A16
   - model: {tiny_llama}
-    output: {tmp_path / 'c'}
+    output: {tmp_path / "c"}
     scheme: nvfp4a16
     lm_head: fp8
 """)

@@ -9,11 +9,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from ctconvert import api
+from ctconvert.errors import BadInputError, OutputError, UnsupportedError, UsageError
+
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 from ct_reference import ct_compress
-from ctconvert import api
 from helpers import tree_hash
-from ctconvert.errors import BadInputError, OutputError, UnsupportedError, UsageError
 
 SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"]
 
@@ -28,8 +29,6 @@ def load_output(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
                 tensors[k] = h.get_tensor(k)
     assert set(tensors) == set(index["weight_map"])
     return tensors, index
-
-
 
 
 def fused_members(src: dict[str, torch.Tensor], module: str) -> list[torch.Tensor]:

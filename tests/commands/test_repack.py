@@ -9,11 +9,10 @@ import torch
 from click.testing import CliRunner
 
 from ctconvert import api
-from helpers import bitwise_equal
 from ctconvert.cli import main
 from ctconvert.commands.repack import repack
 
-
+from helpers import bitwise_equal
 
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM", "W8A16"])
@@ -107,8 +106,15 @@ def _assert_same_checkpoint(a, b):
     assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
 
 
-@pytest.mark.parametrize("scheme,target,act,lm_head", [("NVFP4A16", "marlin", "fp16", "nvfp4a16"), ("FP8_DYNAMIC", "marlin", "bf16", "none"),
-                                                       ("W4A16_ASYM", "marlin", "bf16", "none"), ("NVFP4A16", "marlin", "bf16", "none")])
+@pytest.mark.parametrize(
+    "scheme,target,act,lm_head",
+    [
+        ("NVFP4A16", "marlin", "fp16", "nvfp4a16"),
+        ("FP8_DYNAMIC", "marlin", "bf16", "none"),
+        ("W4A16_ASYM", "marlin", "bf16", "none"),
+        ("NVFP4A16", "marlin", "bf16", "none"),
+    ],
+)
 def test_quantize_with_target_equals_quantize_then_repack(tiny_llama, tmp_path, scheme, target, act, lm_head):
     api.quantize_to_target(tiny_llama, tmp_path / "k", scheme, target, act_dtype=act, lm_head=lm_head, chunk_elems=4096, device="cpu")
     api.quantize(tiny_llama, tmp_path / "q", scheme, lm_head=lm_head, device="cpu")

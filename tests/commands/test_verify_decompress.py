@@ -9,10 +9,11 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
-from ct_reference import PRESET_FORMAT
 from ctconvert import api
 from ctconvert.cli import main
+
+from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from ct_reference import PRESET_FORMAT
 
 SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"]
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ct_reference import ct_compress
-from helpers import stable_seed
-from ctconvert.formats.common import tensor_absmax
 from ctconvert.formats import native
+from ctconvert.formats.common import tensor_absmax
 from ctconvert.formats.fp4 import nvfp4_global_scale
 from ctconvert.plan.schemes import get_scheme
+
+from ct_reference import ct_compress
+from helpers import stable_seed
 
 SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -47,8 +48,12 @@ def make_weight(case: str, dtype: torch.dtype, n: int, k: int, seed: int) -> tor
 
 
 _no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-IMPLS = ["torch", pytest.param("native", marks=pytest.mark.skipif(not native.available(), reason="no C compiler")),
-         pytest.param("cuda", marks=_no_cuda), pytest.param("cuda-torch", marks=_no_cuda)]
+IMPLS = [
+    "torch",
+    pytest.param("native", marks=pytest.mark.skipif(not native.available(), reason="no C compiler")),
+    pytest.param("cuda", marks=_no_cuda),
+    pytest.param("cuda-torch", marks=_no_cuda),
+]
 
 
 def ours(scheme_name: str, w: torch.Tensor, device: str = "cpu", fused: list[torch.Tensor] | None = None) -> dict:

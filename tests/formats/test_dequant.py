@@ -7,9 +7,10 @@ import torch
 from compressed_tensors.compressors.base import BaseCompressor
 from compressed_tensors.quantization import preset_name_to_scheme
 
-from ct_reference import PRESET_FORMAT, ct_compress
 from ctconvert.formats.dequant import dequantize_weight
 from formats.test_bit_exact import SCHEMES, make_weight, shape_for
+
+from ct_reference import PRESET_FORMAT, ct_compress
 
 
 @pytest.mark.parametrize("case", ["randn", "mixed", "zeros"])
@@ -24,8 +25,9 @@ def test_dequant_matches_compressed_tensors(scheme, dtype, case):
     ref = BaseCompressor.get_value_from_registry(fmt).decompress(dict(comp), sch)["weight"]
     got = dequantize_weight(comp, sch.weights.model_dump(), fmt)
     assert got.dtype == ref.dtype and got.shape == ref.shape
-    assert torch.equal(got.view(torch.int16) if got.element_size() == 2 else got.view(torch.int32),
-                       ref.view(torch.int16) if ref.element_size() == 2 else ref.view(torch.int32))
+    assert torch.equal(
+        got.view(torch.int16) if got.element_size() == 2 else got.view(torch.int32), ref.view(torch.int16) if ref.element_size() == 2 else ref.view(torch.int32)
+    )
     # and it is close to the input
     rel = (got.float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)
     assert rel < 0.2

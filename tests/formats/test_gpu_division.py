@@ -44,8 +44,9 @@ if torch.cuda.is_available():
 
 
 def _divisors(g: torch.Generator) -> torch.Tensor:
-    edges = torch.tensor([2.0**-64, 2.0**64, 1.0, 7.5, 6.0, 448.0, 0.125, 3.0, 2.0**-7, 1.5 * 2.0**-64, 2.0**64 * 0.999,
-                          2.0**24, 2.0**24 * 1.5, 2.0**23 * 1.75])
+    edges = torch.tensor(
+        [2.0**-64, 2.0**64, 1.0, 7.5, 6.0, 448.0, 0.125, 3.0, 2.0**-7, 1.5 * 2.0**-64, 2.0**64 * 0.999, 2.0**24, 2.0**24 * 1.5, 2.0**23 * 1.75]
+    )
     logs = torch.rand(600, generator=g, dtype=torch.float64) * 128 - 64  # log2 uniform over the whole range
     rand = (torch.exp2(logs).float() * (1 + torch.rand(600, generator=g))).clamp(2.0**-64, 2.0**64)
     return torch.cat([edges, rand, rand.to(torch.bfloat16).float()])

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from ctconvert.layouts import batched, kernels
+
 from helpers import DEVICES, bitwise_equal
 
 B = 3
 
 
 def _rint(gen, shape):
-    return torch.randint(-2**31, 2**31 - 1, shape, generator=gen, dtype=torch.int64).to(torch.int32)
+    return torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int64).to(torch.int32)
 
 
 def _bytes(gen, shape, hi=256):
@@ -28,10 +29,12 @@ def _bytes(gen, shape, hi=256):
 def _int_case(gen, n, k, g, bits, asym=False):
     pf = 32 // bits
     groups = k // g if g > 0 else 1
-    w = {"num_bits": bits, "type": "int", "strategy": "group" if g > 0 else "channel", "group_size": g if g > 0 else None,
-         "symmetric": not asym}
-    t = {"weight_packed": _rint(gen, (B, n, k // pf)), "weight_scale": torch.randn(B, n, groups, generator=gen).to(torch.bfloat16),
-         "weight_shape": torch.tensor([[n, k]] * B)}
+    w = {"num_bits": bits, "type": "int", "strategy": "group" if g > 0 else "channel", "group_size": g if g > 0 else None, "symmetric": not asym}
+    t = {
+        "weight_packed": _rint(gen, (B, n, k // pf)),
+        "weight_scale": torch.randn(B, n, groups, generator=gen).to(torch.bfloat16),
+        "weight_shape": torch.tensor([[n, k]] * B),
+    }
     if asym:
         t["weight_zero_point"] = _rint(gen, (B, n // pf, groups))
     return "marlin-int", t, w, "pack-quantized"
@@ -46,15 +49,19 @@ def _nvfp4_case(gen, n, k):
     sc = _bytes(gen, (B, n, k // 16), 0x7F)  # every e4m3 value >= 0: zero, subnormals, normals up to 448
     sc[1] = sc[1].clamp(max=20)  # small scales: scale factor > 1 (§5.2 step 3.2)
     sc[2, 0, 0] = 0x7E  # 448: scale factor 1
-    t = {"weight_packed": _bytes(gen, (B, n, k // 2)), "weight_scale": sc.view(torch.float8_e4m3fn),
-         "weight_global_scale": torch.rand(B, 1, generator=gen) * 1000 + 1}
+    t = {
+        "weight_packed": _bytes(gen, (B, n, k // 2)),
+        "weight_scale": sc.view(torch.float8_e4m3fn),
+        "weight_global_scale": torch.rand(B, 1, generator=gen) * 1000 + 1,
+    }
     return "marlin-nvfp4", t, {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}, "nvfp4-pack-quantized"
 
 
 def _cases():
     gen = torch.Generator().manual_seed(1234)
-    out = [_int_case(gen, n, k, g, bits) for n, k, g, bits in
-           [(256, 256, 128, 4), (72, 200, -1, 4), (1000, 384, 128, 4), (192, 1024, 128, 8), (64, 128, -1, 8)]]
+    out = [
+        _int_case(gen, n, k, g, bits) for n, k, g, bits in [(256, 256, 128, 4), (72, 200, -1, 4), (1000, 384, 128, 4), (192, 1024, 128, 8), (64, 128, -1, 8)]
+    ]
     out.append(_int_case(gen, 256, 512, 128, 4, asym=True))
     out += [_fp8_case(gen, n, k) for n, k in [(256, 256), (72, 200), (1000, 384)]]
     out += [_nvfp4_case(gen, n, k) for n, k in [(256, 256), (72, 208), (1000, 384), (64, 64)]]

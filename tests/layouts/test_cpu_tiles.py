@@ -17,7 +17,7 @@ needs_cc = pytest.mark.skipif(not cpu.available(torch.empty(1)), reason="no C co
 def test_c_tiles_match_torch(monkeypatch, bits, k, n, g):
     gen = torch.Generator().manual_seed(k * 3 + n + bits)
     pf = 32 // bits
-    q_w = torch.randint(-2**31, 2**31 - 1, (k // pf, n), generator=gen, dtype=torch.int64).to(torch.int32)
+    q_w = torch.randint(-(2**31), 2**31 - 1, (k // pf, n), generator=gen, dtype=torch.int64).to(torch.int32)
     native = marlin_repack(q_w, k, n, bits, group_size=g)
     monkeypatch.setenv("CTCONVERT_NATIVE", "0")
     ref = marlin_repack(q_w, k, n, bits, group_size=g)

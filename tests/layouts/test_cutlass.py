@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
-from helpers import DEVICES, VECTORS, bitwise_equal, stable_seed, vector_cases
 
 from ctconvert.layouts.cutlass import (
     nvfp4_cutlass_layer,
@@ -20,12 +17,7 @@ from ctconvert.layouts.cutlass import (
     unswizzle_blockscale,
 )
 
-
-
-
-
-
-
+from helpers import DEVICES, VECTORS, bitwise_equal, stable_seed, vector_cases
 
 VECTOR_FILE = "cutlass_nvfp4.safetensors"
 CASES = list(vector_cases(VECTOR_FILE))
@@ -61,7 +53,10 @@ def test_reference_vectors(idx, device):
     else:
         assert kind == "layer"
         got = nvfp4_cutlass_layer(
-            ins["weight_packed"], ins["weight_scale"], ins["weight_global_scale"], ins["input_global_scale"],
+            ins["weight_packed"],
+            ins["weight_scale"],
+            ins["weight_global_scale"],
+            ins["input_global_scale"],
             alignment=p["alignment"],
         )
         assert int(got["weights_padding_bytes"]) == p["weights_padding_bytes"]

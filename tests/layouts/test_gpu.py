@@ -16,7 +16,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_triton_tiles_match_torch(monkeypatch, bits, k, n, g):
     gen = torch.Generator().manual_seed(k * 7 + n + bits)
     pf = 32 // bits
-    q_w = torch.randint(-2**31, 2**31 - 1, (k // pf, n), generator=gen, dtype=torch.int64).to(torch.int32)
+    q_w = torch.randint(-(2**31), 2**31 - 1, (k // pf, n), generator=gen, dtype=torch.int64).to(torch.int32)
     with monkeypatch.context() as m:  # the torch index math, not the C tile kernel (layouts/cpu.py)
         m.setenv("CTCONVERT_NATIVE", "0")
         cpu = marlin_repack(q_w, k, n, bits, group_size=g)

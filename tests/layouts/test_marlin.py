@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from helpers import INT_BY_SIZE, VECTORS, bitwise_equal, vector_cases
 from safetensors import safe_open
 
 from ctconvert.layouts.marlin import (
@@ -32,12 +30,13 @@ from ctconvert.layouts.marlin import (
     pack_quantized_to_gptq,
 )
 
+from helpers import INT_BY_SIZE, VECTORS, bitwise_equal, vector_cases
+
 INT_WEIGHTS = VECTORS / "marlin_int_weights.safetensors"
 SCALES = VECTORS / "marlin_scales.safetensors"
 ZERO_POINTS = VECTORS / "marlin_zero_points.safetensors"
 
 VERSION_OF_LAYOUT = {"current": "0.33", "act_order": "0.29"}
-
 
 
 def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -113,8 +112,7 @@ def reference_repack(w: torch.Tensor, bits: int) -> torch.Tensor:
                     if bits == 4:
                         slots = {4 * th + warp: [a[0], a[2], b[0], b[2], a[1], a[3], b[1], b[3]]}
                     else:
-                        slots = {8 * th + 2 * warp: [a[0], a[2], a[1], a[3]],
-                                 8 * th + 2 * warp + 1: [b[0], b[2], b[1], b[3]]}
+                        slots = {8 * th + 2 * warp: [a[0], a[2], a[1], a[3]], 8 * th + 2 * warp + 1: [b[0], b[2], b[1], b[3]]}
                     for word, vals in slots.items():
                         x = sum(v << (bits * j) for j, v in enumerate(vals))
                         out[kt][base + word] = x - (1 << 32) if x >= 1 << 31 else x

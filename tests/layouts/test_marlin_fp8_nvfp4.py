@@ -7,8 +7,6 @@ import math
 import pytest
 import torch
 
-from helpers import DEVICES, VECTORS, bits, bitwise_equal, vector_cases
-
 from ctconvert.layouts.marlin import marlin_padded_nk
 from ctconvert.layouts.marlin_fp8 import (
     fp8_fold_exponent_bias,
@@ -29,12 +27,9 @@ from ctconvert.layouts.marlin_nvfp4 import (
     nvfp4_scale_factor,
 )
 
+from helpers import DEVICES, VECTORS, bits, bitwise_equal, vector_cases
+
 ACT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-
-
-
 
 
 FP8_FILE, NVFP4_FILE = "marlin_fp8.safetensors", "marlin_nvfp4.safetensors"

@@ -18,15 +18,19 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("scheme", ["NVFP4A16", "W4A16"])
 def test_peak_rss_is_a_fraction_of_the_checkpoint(tmp_path, scheme):
     g = torch.Generator().manual_seed(0)
-    t = {f"model.layers.{i}.mlp.{m}.weight": torch.randn(2048, 4096, generator=g).to(torch.bfloat16)
-         for i in range(8) for m in ("gate_proj", "up_proj", "down_proj")}  # 24 x 16 MiB = 384 MiB
+    t = {
+        f"model.layers.{i}.mlp.{m}.weight": torch.randn(2048, 4096, generator=g).to(torch.bfloat16)
+        for i in range(8)
+        for m in ("gate_proj", "up_proj", "down_proj")
+    }  # 24 x 16 MiB = 384 MiB
     src = write_checkpoint(tmp_path / "m", t, {"architectures": ["LlamaForCausalLM"]}, shards=3)
     del t
     size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "peak_memory.py"), str(src), str(tmp_path / "o"), scheme, "--chunk-elems", str(2**20),
-         "--hold-bytes", "0"],
-        capture_output=True, text=True, check=True,
+        [sys.executable, str(ROOT / "scripts" / "peak_memory.py"), str(src), str(tmp_path / "o"), scheme, "--chunk-elems", str(2**20), "--hold-bytes", "0"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     doc = json.loads(r.stdout.strip().splitlines()[-1])
     budget = size // 4  # the conversion may use a quarter of the checkpoint's size

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import write_checkpoint
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.errors import UnsupportedError, UsageError
 from ctconvert.plan.planner import make_plan
+
+from conftest import write_checkpoint
 
 
 def bf(*shape):
@@ -55,8 +56,12 @@ def test_defaults_keep_head_router_vision_dense_and_listed(moe_vlm):
     assert acts["model.language_model.norm.weight"] == "copy"
     assert acts["model.language_model.layers.0.mlp.experts.1.down_proj.weight"] == "quantize"
     assert set(plan.ignore) == {
-        "lm_head", "model.language_model.layers.0.mlp.gate", "model.language_model.layers.0.mlp.shared_expert_gate",
-        "model.visual.blocks.0.attn.qkv", "model.visual.merger.mlp.0", "model.multi_modal_projector.linear_1",
+        "lm_head",
+        "model.language_model.layers.0.mlp.gate",
+        "model.language_model.layers.0.mlp.shared_expert_gate",
+        "model.visual.blocks.0.attn.qkv",
+        "model.visual.merger.mlp.0",
+        "model.multi_modal_projector.linear_1",
     }
 
 
@@ -108,7 +113,10 @@ def test_bert_names(minilm_path):
     plan = make_plan(open_checkpoint(minilm_path), "w4a16")
     fused = [u.modules for u in plan.units if u.fused]
     assert len(fused) == 6 and fused[0] == [
-        "encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.key", "encoder.layer.0.attention.self.value"]
+        "encoder.layer.0.attention.self.query",
+        "encoder.layer.0.attention.self.key",
+        "encoder.layer.0.attention.self.value",
+    ]
     acts = {r.name: r.action for r in plan.rows}
     assert acts["embeddings.word_embeddings.weight"] == "copy"
     assert acts["embeddings.position_embeddings.weight"] == "copy"

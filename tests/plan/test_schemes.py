@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from ctconvert.formats import native
-from helpers import stable_seed
 from ctconvert.plan.schemes import get_scheme, scheme_names
+
+from helpers import stable_seed
 
 FLAGGING = [n for n in scheme_names() if get_scheme(n).scale_flags_nonfinite]
 IMPLS = ["torch"] + (["native"] if native.available() else [])

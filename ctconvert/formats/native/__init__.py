@@ -21,14 +21,17 @@ from ..common import KERNEL_DTYPES as _DT
 
 _SRC = Path(__file__).with_name("quant.c")
 _p, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_LIB = cbuild.Library(_SRC, {
-    "ct_fp8_channel": ([_p, _i32, _i64, _i64, _p, _p], None),
-    "ct_fp8_block": ([_p, _i32, _i64, _i64, _i64, _i64, _p, _p], None),
-    "ct_int": ([_p, _i32, _i64, _i64, _i64, _i32, _i32, _i32, _p, _p, _p, _p], None),
-    "ct_nvfp4": ([_p, _i32, _i64, _i64, ctypes.c_float, _p, _p], None),
-    "ct_mxfp4": ([_p, _i32, _i64, _i64, _p, _p], _i32),
-    "ct_absmax": ([_p, _i32, _i64, _p], _i64),
-})
+_LIB = cbuild.Library(
+    _SRC,
+    {
+        "ct_fp8_channel": ([_p, _i32, _i64, _i64, _p, _p], None),
+        "ct_fp8_block": ([_p, _i32, _i64, _i64, _i64, _i64, _p, _p], None),
+        "ct_int": ([_p, _i32, _i64, _i64, _i64, _i32, _i32, _i32, _p, _p, _p, _p], None),
+        "ct_nvfp4": ([_p, _i32, _i64, _i64, ctypes.c_float, _p, _p], None),
+        "ct_mxfp4": ([_p, _i32, _i64, _i64, _p, _p], _i32),
+        "ct_absmax": ([_p, _i32, _i64, _p], _i64),
+    },
+)
 
 
 def available() -> bool:
@@ -90,8 +93,9 @@ def int_quant(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric:
 
     def run(a, b):
         tmp = torch.empty(k, dtype=torch.int8)
-        _L().ct_int(_ptr(w, a), dt, b - a, k, g, num_bits, int(symmetric), int(pack), _ptr(out, a), _ptr(s, a),
-                    _ptr(zp, a) if zp is not None else None, tmp.data_ptr())
+        _L().ct_int(
+            _ptr(w, a), dt, b - a, k, g, num_bits, int(symmetric), int(pack), _ptr(out, a), _ptr(s, a), _ptr(zp, a) if zp is not None else None, tmp.data_ptr()
+        )
 
     cbuild.parallel_ranges(n, 1, run)
     res = {"weight_packed" if pack else "weight": out, "weight_scale": s}
