@@ -62,20 +62,18 @@ def _per_module(kernel, tensors, weights, v, act_dtype):
     return outs, [r[1] for r in res]
 
 
-def _fast(kernel: str, tensors: dict[str, torch.Tensor]) -> bool:
+def _on_gpu(tensors: dict[str, torch.Tensor]) -> bool:
     w = tensors.get("weight_packed", tensors.get("weight"))
     if w is None or not w.is_cuda:
         return False
     from . import gpu  # imports Triton: only for CUDA tensors
 
-    if not gpu.available(w):
-        return False
-    if kernel == "marlin-int":
-        return "weight_g_idx" not in tensors
-    if kernel == "marlin-fp8":
-        s = tensors["weight_scale"]
-        return s.dim() == 3 and s.shape[1] == w.shape[1] and s.shape[2] == 1 and w.shape[1] != 1
-    return kernel == "marlin-nvfp4"
+    return gpu.available(w)
+
+
+def _fp8_channel_scales(t: dict[str, torch.Tensor]) -> bool:
+    w, s = t["weight"], t["weight_scale"]
+    return s.dim() == 3 and s.shape[1] == w.shape[1] and s.shape[2] == 1 and w.shape[1] != 1
 
 
 def repack_batch(
@@ -98,19 +96,13 @@ def repack_batch(
     """
     if "weight_shape" in tensors and not bool((tensors["weight_shape"] == tensors["weight_shape"][:1]).all()):
         raise ValueError("a batch must hold modules of one shape")
-    if not _fast(kernel, tensors):
+    fast = _FAST.get(kernel)
+    if fast is None or not _on_gpu(tensors) or not fast[0](tensors):
         return _per_module(kernel, tensors, weights, layout_version, act_dtype)
     meta_outs, rec = _plan(kernel, tensors, weights, layout_version, act_dtype)
     b = next(iter(tensors.values())).shape[0]
-    if kernel == "marlin-int":
-        outs = _marlin_int(tensors, rec)
-        recs = [dict(rec) for _ in range(b)]
-    elif kernel == "marlin-fp8":
-        outs = _marlin_fp8(tensors, rec, act_dtype)
-        recs = [dict(rec) for _ in range(b)]
-    else:
-        outs, sf = _marlin_nvfp4(tensors, rec, act_dtype, layout_version)
-        recs = [dict(rec, scale_factor=float(x)) for x in sf.tolist()]
+    outs, per_module = fast[1](tensors, rec, act_dtype, layout_version)
+    recs = [dict(rec, **(per_module[i] if per_module else {})) for i in range(b)]
     if outs.keys() != meta_outs.keys():  # the planned (per-module) names, shapes and dtypes hold
         raise AssertionError(f"batched {kernel}: {sorted(outs)} != {sorted(meta_outs)}")
     for p, t in meta_outs.items():
@@ -119,10 +111,10 @@ def repack_batch(
     return outs, recs
 
 
-def _marlin_int(t: dict[str, torch.Tensor], rec: dict) -> dict[str, torch.Tensor]:
+def _marlin_int(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype, v: str):
     from . import gpu
 
-    n, k, bits, g, v = rec["size_n"], rec["size_k"], rec["num_bits"], rec["group_size"], rec["layout_version"]
+    n, k, bits, g = rec["size_n"], rec["size_k"], rec["num_bits"], rec["group_size"]
     pn, pk = rec["padded_n"], rec["padded_k"]
     out = {"weight_packed": gpu.marlin_tiles(t["weight_packed"], bits, n, k, pn, pk)}
     ng, _, _, pg = marlin.scale_dims(k, n, g, v)
@@ -134,13 +126,13 @@ def _marlin_int(t: dict[str, torch.Tensor], rec: dict) -> dict[str, torch.Tensor
         out["weight_zero_point"] = torch.stack([marlin.marlin_zero_points(z, k, n, bits, v, group_size=g) for z in t["weight_zero_point"]])
     if "bias" in t:
         out["bias"] = torch.stack([marlin.marlin_permute_bias(x, k, n, g, v) for x in t["bias"]])
-    return out
+    return out, None
 
 
-def _marlin_fp8(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _marlin_fp8(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype, v: str):
     from . import gpu
 
-    n, k, v = rec["size_n"], rec["size_k"], rec["layout_version"]
+    n, k = rec["size_n"], rec["size_k"]
     pn, pk = marlin.marlin_padded_nk(n, k, -1, v)
     w = t["weight"]
     words = w.view(torch.uint8).view(torch.int32)  # (B, N, K/4): byte j of a word = k element 4i+j (§5.1)
@@ -153,10 +145,10 @@ def _marlin_fp8(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype) -
     }
     if "bias" in t:
         out["bias"] = t["bias"]
-    return out
+    return out, None
 
 
-def _marlin_nvfp4(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype, v: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _marlin_nvfp4(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype, v: str):
     from . import gpu
 
     n, k = rec["size_n"], rec["size_k"]
@@ -179,4 +171,13 @@ def _marlin_nvfp4(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype,
         "weight_scale_source": t["weight_scale"],
         "weight_global_scale_source": t["weight_global_scale"],
     }
-    return out, sf
+    return out, [{"scale_factor": float(x)} for x in sf.tolist()]
+
+
+#: the CUDA fast paths: kernel -> (whether a batch qualifies, run(stacked tensors, record, act_dtype, version)
+#: -> (stacked outputs, per-module record fields or None)); other kernels and batches go module by module
+_FAST = {
+    "marlin-int": (lambda t: "weight_g_idx" not in t, _marlin_int),
+    "marlin-fp8": (_fp8_channel_scales, _marlin_fp8),
+    "marlin-nvfp4": (lambda t: True, _marlin_nvfp4),
+}
