@@ -1,35 +1,43 @@
-"""``python slow_ctconvert.py SECONDS ARGS...``: the ctconvert CLI with every shard write delayed by SECONDS.
+"""``python slow_ctconvert.py SECONDS ARGS...``: ``python -m ctconvert ARGS...`` with every shard write delayed by SECONDS.
 
 For the interrupt tests (tests/test_faults.py): a conversion slow enough to be
-interrupted mid-way. The delay is installed after ctconvert's own deferred
-imports (so a Ctrl-C during them is handled as in production), by wrapping
-``ctconvert.cli.run``; the production code has no hook for it.
+interrupted mid-way. Nothing of ctconvert is imported here: an import hook
+wraps ``ShardFile.write`` when ``ctconvert.checkpoint.safetensors_io`` is first
+loaded, inside ctconvert's own Ctrl-C-deferred imports, and the CLI then runs
+exactly as ``python -m ctconvert`` does. The production code has no hook for it.
 """
 
+import importlib.abc
+import importlib.util
+import runpy
 import sys
 import time
 
-import ctconvert.cli as cli
-
 DELAY = float(sys.argv.pop(1))
-_run = cli.run
+TARGET = "ctconvert.checkpoint.safetensors_io"
 
 
-def _slow_run() -> None:
-    from ctconvert.checkpoint.safetensors_io import ShardFile
+class _SlowWrites(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
 
-    write = ShardFile.write
+        def exec_module(module):
+            run(module)
+            write = module.ShardFile.write
 
-    def slow_write(self, *args, **kwargs):
-        time.sleep(DELAY)
-        return write(self, *args, **kwargs)
+            def slow_write(self, *args, **kwargs):
+                time.sleep(DELAY)
+                return write(self, *args, **kwargs)
 
-    ShardFile.write = slow_write
-    _run()
+            module.ShardFile.write = slow_write
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
-cli.run = _slow_run
-
-from ctconvert.__main__ import main  # noqa: E402 - after the wrap
-
-main()
+sys.meta_path.insert(0, _SlowWrites())
+runpy.run_module("ctconvert", run_name="__main__", alter_sys=True)

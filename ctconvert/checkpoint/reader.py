@@ -79,77 +79,96 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
     collected in ``Checkpoint.problems`` and reading goes on where it can.
     """
     root = Path(path)
-    problems: list[Problem] = []
-
-    def problem(message: str, file=None, tensor=None, severity: str = "error"):
-        if strict and severity == "error":
-            raise BadInputError(message, file=file, tensor=tensor)
-        problems.append(Problem(severity, message, str(file) if file else None, tensor))
-
+    problems = _Problems(strict)
     if not root.is_dir():
         raise BadInputError("not a checkpoint folder (does not exist or is not a directory)", file=root)
-    cfg_path = root / CONFIG_NAME
-    config: dict = {}
-    if not cfg_path.is_file():
-        problem("config.json is missing", file=cfg_path)
-    else:
-        try:
-            config = _load_json(cfg_path, "config.json")
-        except BadInputError as e:
-            if strict:
-                raise
-            problems.append(Problem("error", e.message, str(e.file or cfg_path), e.tensor))
+    config = _config(root, problems)
+    index, files, weight_map = _shard_files(root, problems)
+    tensors = _headers(files, weight_map, problems)
+    if weight_map is not None:
+        present_files = {f.name for f in files}
+        for name, fname in weight_map.items():
+            if name not in tensors and fname in present_files:
+                problems.add(f"index lists this tensor in {fname!r} but the shard does not hold it", file=root / INDEX_NAME, tensor=name)
+    return Checkpoint(root, config, tensors, files, index, problems.found)
 
+
+class _Problems:
+    """Findings of validation: raised at once when strict, else collected."""
+
+    def __init__(self, strict: bool):
+        self.strict, self.found = strict, []
+
+    def add(self, message: str, file=None, tensor=None, severity: str = "error") -> None:
+        if self.strict and severity == "error":
+            raise BadInputError(message, file=file, tensor=tensor)
+        self.found.append(Problem(severity, message, str(file) if file else None, tensor))
+
+    def caught(self, e: BadInputError, file) -> None:
+        """A read that failed: re-raised when strict, else recorded with its own file."""
+        if self.strict:
+            raise e
+        self.found.append(Problem("error", e.message, str(e.file or file), e.tensor))
+
+
+def _config(root: Path, problems: _Problems) -> dict:
+    cfg_path = root / CONFIG_NAME
+    if not cfg_path.is_file():
+        problems.add("config.json is missing", file=cfg_path)
+        return {}
+    try:
+        return _load_json(cfg_path, "config.json")
+    except BadInputError as e:
+        problems.caught(e, cfg_path)
+        return {}
+
+
+def _shard_files(root: Path, problems: _Problems) -> tuple[dict | None, list[Path], dict[str, str] | None]:
+    """``(index, shard files, weight_map)``: from the index when there is one, else the folder's ``*.safetensors``."""
     index_path = root / INDEX_NAME
-    index = None
-    files: list[Path]
-    weight_map: dict[str, str] | None = None
-    if index_path.is_file():
-        index = _load_json(index_path, "the index")
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise BadInputError("index has no weight_map object", file=index_path)
-        names = sorted(set(weight_map.values()))
-        files = []
-        for n in names:
-            p = root / n
-            if not p.is_file():
-                problem(f"index names shard {n!r}, which does not exist", file=index_path)
-            else:
-                files.append(p)
-        listed = set(names)
-        for p in sorted(root.glob("*.safetensors")):
-            if p.name not in listed:
-                problem(f"shard {p.name!r} is not listed in the index", file=index_path)
-    else:
+    if not index_path.is_file():
         files = sorted(root.glob("*.safetensors"))
         if not files:
             raise BadInputError("no *.safetensors file and no model.safetensors.index.json", file=root)
         if len(files) > 1 and (root / "model.safetensors").is_file():
-            problem("several .safetensors files but no index; only model.safetensors is used", file=root, severity="warning")
+            problems.add("several .safetensors files but no index; only model.safetensors is used", file=root, severity="warning")
             files = [root / "model.safetensors"]
+        return None, files, None
+    index = _load_json(index_path, "the index")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise BadInputError("index has no weight_map object", file=index_path)
+    names = sorted(set(weight_map.values()))
+    files = []
+    for n in names:
+        p = root / n
+        if not p.is_file():
+            problems.add(f"index names shard {n!r}, which does not exist", file=index_path)
+        else:
+            files.append(p)
+    listed = set(names)
+    for p in sorted(root.glob("*.safetensors")):
+        if p.name not in listed:
+            problems.add(f"shard {p.name!r} is not listed in the index", file=index_path)
+    return index, files, weight_map
 
+
+def _headers(files: list[Path], weight_map: dict[str, str] | None, problems: _Problems) -> dict[str, TensorInfo]:
+    """Every tensor of every shard, each once and (with an index) in the shard the index names."""
     tensors: dict[str, TensorInfo] = {}
     for f in files:
         try:
             infos, _meta = read_header(f)
         except BadInputError as e:
-            if strict:
-                raise
-            problems.append(Problem("error", e.message, str(e.file or f), e.tensor))
+            problems.caught(e, f)
             continue
         for name, info in infos.items():
             if name in tensors:
-                problem(f"tensor also stored in {tensors[name].file.name}", file=f, tensor=name)
+                problems.add(f"tensor also stored in {tensors[name].file.name}", file=f, tensor=name)
                 continue
             if weight_map is not None and weight_map.get(name) != f.name:
                 where = weight_map.get(name)
                 msg = "tensor is not in the index" if where is None else f"index says this tensor is in {where!r}"
-                problem(msg, file=f, tensor=name)
+                problems.add(msg, file=f, tensor=name)
             tensors[name] = info
-    if weight_map is not None:
-        present_files = {f.name for f in files}
-        for name, fname in weight_map.items():
-            if name not in tensors and fname in present_files:
-                problem(f"index lists this tensor in {fname!r} but the shard does not hold it", file=index_path, tensor=name)
-    return Checkpoint(root, config, tensors, files, index, problems)
+    return tensors

@@ -88,6 +88,28 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     the ranges do not tile the data section.
     """
     path = Path(path)
+    raw, size = _raw_header(path)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInputError(f"header is not valid JSON ({e})", file=path) from e
+    if not isinstance(header, dict):
+        raise BadInputError("header is not a JSON object", file=path)
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + len(raw)
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        tensors[name] = _entry(path, name, entry, data_start, size)
+    pos = 0
+    for info in sorted(tensors.values(), key=lambda i: (i.start, i.start + i.nbytes, i.name)):
+        if info.start - data_start != pos:
+            raise BadInputError(f"byte ranges overlap or leave a gap at offset {pos}", file=path, tensor=info.name)
+        pos = info.start - data_start + info.nbytes
+    return tensors, metadata
+
+
+def _raw_header(path: Path) -> tuple[bytes, int]:
+    """The JSON bytes of the header and the file size; :class:`BadInputError` for a truncated or corrupt file."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -99,53 +121,29 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                 raise BadInputError(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (corrupt file?)", file=path)
             if 8 + n > size:
                 raise BadInputError(f"header length {n} runs past the end of the {size}-byte file (truncated?)", file=path)
-            raw = f.read(n)
+            return f.read(n), size
     except OSError as e:
         raise BadInputError(f"cannot read: {e.strerror or e}", file=path) from e
+
+
+def _entry(path: Path, name: str, entry, data_start: int, size: int) -> TensorInfo:
+    """One header entry, checked: known dtype, non-negative shape, byte range of dtype x shape inside the file."""
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInputError(f"header is not valid JSON ({e})", file=path) from e
-    if not isinstance(header, dict):
-        raise BadInputError("header is not a JSON object", file=path)
-    metadata = header.pop("__metadata__", None) or {}
-    data_start = 8 + n
-    data_len = size - data_start
-    tensors: dict[str, TensorInfo] = {}
-    ranges = []
-    for name, entry in header.items():
-        try:
-            dtype = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadInputError("malformed header entry", file=path, tensor=name) from e
-        if dtype not in DTYPES:
-            raise BadInputError(f"unknown dtype {dtype!r}", file=path, tensor=name)
-        if any(d < 0 for d in shape):
-            raise BadInputError(f"negative dimension in shape {list(shape)}", file=path, tensor=name)
-        expect = math.prod(shape) * DTYPES[dtype][1]
-        if end - begin != expect:
-            raise BadInputError(
-                f"byte range [{begin}, {end}) holds {end - begin} bytes but {dtype}{list(shape)} needs {expect}",
-                file=path,
-                tensor=name,
-            )
-        if end > data_len:
-            raise BadInputError(
-                f"data ends at byte {data_start + end} but the file has {size} bytes (truncated?)",
-                file=path,
-                tensor=name,
-            )
-        tensors[name] = TensorInfo(name, path, dtype, shape, data_start + begin, end - begin)
-        ranges.append((begin, end, name))
-    ranges.sort()
-    pos = 0
-    for begin, end, name in ranges:
-        if begin != pos:
-            raise BadInputError(f"byte ranges overlap or leave a gap at offset {pos}", file=path, tensor=name)
-        pos = end
-    return tensors, metadata
+        dtype = entry["dtype"]
+        shape = tuple(int(d) for d in entry["shape"])
+        begin, end = (int(x) for x in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise BadInputError("malformed header entry", file=path, tensor=name) from e
+    if dtype not in DTYPES:
+        raise BadInputError(f"unknown dtype {dtype!r}", file=path, tensor=name)
+    if any(d < 0 for d in shape):
+        raise BadInputError(f"negative dimension in shape {list(shape)}", file=path, tensor=name)
+    expect = math.prod(shape) * DTYPES[dtype][1]
+    if end - begin != expect:
+        raise BadInputError(f"byte range [{begin}, {end}) holds {end - begin} bytes but {dtype}{list(shape)} needs {expect}", file=path, tensor=name)
+    if end > size - data_start:
+        raise BadInputError(f"data ends at byte {data_start + end} but the file has {size} bytes (truncated?)", file=path, tensor=name)
+    return TensorInfo(name, path, dtype, shape, data_start + begin, end - begin)
 
 
 def read_bytes(info: TensorInfo, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:

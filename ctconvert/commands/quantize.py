@@ -51,6 +51,21 @@ class QuantizeResult:
     rewritten_shards: list[str] = field(default_factory=list)
     plan: Plan | None = None
 
+    @classmethod
+    def of_plan(cls, plan: Plan, out, dry_run: bool, input_bytes: int, devs) -> QuantizeResult:
+        return cls(
+            output=str(out) if out is not None else None,
+            scheme=plan.scheme.name,
+            format=plan.format,
+            dry_run=dry_run,
+            input_bytes=input_bytes,
+            quantized_modules=plan.quantized_modules,
+            ignore=plan.ignore,
+            notes=plan.notes,
+            device=",".join(map(str, devs)),
+            plan=plan,
+        )
+
     def to_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k not in ("plan", "error")}
         if self.error is not None:
@@ -94,18 +109,7 @@ def quantize(
     ckpt = open_checkpoint(src, strict=True)
     plan_kw = dict(targets=targets, ignore=ignore, lm_head=lm_head, lm_head_chunk_rows=lm_head_chunk_rows)
     plan, dry_error = _plan(ckpt, scheme, dry_run, skip_incompatible, plan_kw)
-    result = QuantizeResult(
-        output=str(out) if out is not None else None,
-        scheme=plan.scheme.name,
-        format=plan.format,
-        dry_run=dry_run,
-        input_bytes=ckpt.total_bytes,
-        quantized_modules=plan.quantized_modules,
-        ignore=plan.ignore,
-        notes=plan.notes,
-        device=",".join(map(str, devs)),
-        plan=plan,
-    )
+    result = QuantizeResult.of_plan(plan, out, dry_run, ckpt.total_bytes, devs)
     if dry_run:
         result.seconds = time.perf_counter() - t0
         result.error = dry_error
@@ -113,15 +117,7 @@ def quantize(
     if out is None:
         raise UsageError("an output folder is required (-o/--output)")
     out = Path(out)
-    options = {
-        "scheme": plan.scheme.name,
-        "lm_head": lm_head.lower(),
-        "targets": targets or ["Linear"],
-        "ignore": list(ignore or []),
-        "max_shard_size": shard_limit,
-        "skip_incompatible": skip_incompatible,
-        "lm_head_chunk_rows": lm_head_chunk_rows,
-    }
+    options = _run_options(plan, lm_head, targets, ignore, shard_limit, skip_incompatible, lm_head_chunk_rows)
     old_prov = load_provenance(out, options) if refresh else None
     if not refresh:
         check_output_path(src, out, overwrite)
@@ -157,6 +153,19 @@ def quantize(
     )
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _run_options(plan: Plan, lm_head, targets, ignore, shard_limit: int, skip_incompatible: bool, lm_head_chunk_rows: int) -> dict:
+    """The options that define a run's output (its fingerprint, and what ``--refresh`` must match)."""
+    return {
+        "scheme": plan.scheme.name,
+        "lm_head": lm_head.lower(),
+        "targets": targets or ["Linear"],
+        "ignore": list(ignore or []),
+        "max_shard_size": shard_limit,
+        "skip_incompatible": skip_incompatible,
+        "lm_head_chunk_rows": lm_head_chunk_rows,
+    }
 
 
 def _plan(ckpt: Checkpoint, scheme: str, dry_run: bool, skip_incompatible: bool, plan_kw: dict):
