@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .checkpoint.kernel_native import KERNEL_NATIVE, is_kernel_native
-from .checkpoint.writer import finished_shards
+from .checkpoint.writer import finished_shards, partial_output
 from .commands import batch as _batch
 from .commands import decompress as _decompress
 from .commands import inspection as _inspection
@@ -67,6 +67,8 @@ def quantize(
     progress=None,
     impl: str = "auto",
     map_input: bool | None = None,
+    allow_nonfinite: bool = False,
+    keep_other_weights: bool = False,
 ) -> QuantizeResult:
     """Convert the dense checkpoint ``src`` to a compressed-tensors checkpoint at ``out``.
 
@@ -88,6 +90,11 @@ def quantize(
             disables the C kernels.
         map_input: on the CPU, read row chunks as views of the mapped input files (default: yes,
             unless ``CTCONVERT_MMAP=0``).
+        allow_nonfinite: copy pass-through tensors (norms, embeddings, a dense ``lm_head``) that hold
+            NaN/inf, with a note naming them; by default such a tensor is refused
+            (:class:`BadInputError`, exit 3). Quantized weights with NaN/inf are always refused.
+        keep_other_weights: also copy weights in other formats (``*.bin``, ``*.pth``, ``original/``,
+            ``*.gguf`` ...); by default they are left out and listed in the notes.
 
     Returns:
         A :class:`QuantizeResult` (``to_dict()`` is the ``--json`` document).
@@ -122,6 +129,8 @@ def quantize(
         progress=progress,
         impl=impl,
         map_input=map_input,
+        allow_nonfinite=allow_nonfinite,
+        keep_other_weights=keep_other_weights,
     )
 
 
@@ -241,3 +250,9 @@ def schemes() -> list[dict]:
         [s["name"] for s in api.schemes()]   # ['FP8_BLOCK', 'FP8_DYNAMIC', 'INT8', ...]
     """
     return _schemes.list_schemes()
+
+
+def partial_hint(out: str | Path) -> str | None:
+    """What an interrupted or failed ``quantize`` toward ``out`` left, and how to resume or remove it (None: nothing)."""
+    left = partial_output(Path(out))
+    return _quantize.partial_hint(left) if left else None

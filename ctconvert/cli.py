@@ -39,24 +39,44 @@ class _Ctx:
 _AS_PROGRAM = False  # set by run(): the process is ctconvert itself (not a test runner or a host program)
 
 
-def _interrupted(resumable=None):
-    """Ctrl-C: one line, exit 130. A second Ctrl-C is ignored; the output folder was already aborted
-    (by the API), and the exit skips library exit hooks, which could re-raise the interrupt.
-    ``resumable``: a function giving how many shards ``--resume`` would keep (the hint needs one)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+#: the signals that stop a command like Ctrl-C (batch schedulers send SIGTERM, a closed terminal SIGHUP)
+STOP_SIGNALS = tuple(sig for sig in (signal.SIGINT, getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if sig is not None)
+_received: list[int] = []  # the stop signals received, in order
+
+
+def _stop(signum, frame) -> None:
+    """SIGTERM/SIGHUP: stop the command the way Ctrl-C does (the API then aborts or keeps its partial output)."""
+    _received.append(signum)
+    raise KeyboardInterrupt
+
+
+def _ignore_stops() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _interrupted(hint=None):
+    """Ctrl-C, SIGTERM or SIGHUP: one line, exit 130 (128 + the signal for the others). A second signal is
+    ignored; the output folder was already aborted (by the API), and the exit skips library exit hooks,
+    which could re-raise the interrupt. ``hint``: a function giving what was left behind and how to resume
+    or remove it (None when nothing was)."""
+    _ignore_stops()
     msg = errors.interrupted_message(sys.argv[1:]) if _AS_PROGRAM else errors.INTERRUPTED_MESSAGE
-    done = resumable() if resumable else 0
-    if done:
-        msg += f" (run the same command with --resume to reuse the {done} shard(s) already finished)"
+    signum = _received[0] if _received else signal.SIGINT
+    if signum != signal.SIGINT:
+        msg = f"{signal.Signals(signum).name}: " + msg
+    left = hint() if hint else None
+    if left:
+        msg += f"; {left}"
     click.echo(msg, err=True)
     _flush()
-    os._exit(errors.EXIT_INTERRUPTED)
+    os._exit(errors.EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum)
 
 
-def _finished_shards(output) -> int:
+def _partial_hint(output) -> str | None:
     from . import api
 
-    return api.finished_shards(output)
+    return api.partial_hint(output)
 
 
 def _print_problems(con, problems: list[dict]) -> None:
@@ -65,13 +85,13 @@ def _print_problems(con, problems: list[dict]) -> None:
         con.print(f"[{'red' if p['severity'] == 'error' else 'yellow'}]{p['severity']}[/]: {where}: {p['message']}")
 
 
-def _run(ctx: _Ctx, fn, resumable=None, last: bool = True):
+def _run(ctx: _Ctx, fn, hint=None, last: bool = True):
     """Call ``fn``; turn errors into one line and an exit code. ``last``: the command's work is done
     when ``fn`` returns (from then on Ctrl-C is ignored: it must not turn a success into a failure)."""
     try:
         out = fn()
         if _AS_PROGRAM and last:  # done, the output is in place: a Ctrl-C now must not report a failure (or die by signal at exit)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            _ignore_stops()
         return out
     except errors.CTConvertError as e:
         if ctx.debug:
@@ -81,7 +101,7 @@ def _run(ctx: _Ctx, fn, resumable=None, last: bool = True):
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        _interrupted(resumable)
+        _interrupted(hint)
     except Exception as e:  # noqa: BLE001 - last-resort reporting
         if ctx.debug:
             traceback.print_exc()
@@ -182,6 +202,8 @@ def _split(values: tuple[str, ...]) -> list[str]:
 )
 @click.option("--layout-version", default="0.33", show_default=True, help="With --target: vLLM release whose layout to build.")
 @click.option("--act-dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True, help="With --target: activation dtype.")
+@click.option("--allow-non-finite", is_flag=True, help="Copy pass-through tensors holding NaN/inf (with a note) instead of failing.")
+@click.option("--keep-other-weights", is_flag=True, help="Also copy weights in other formats (*.bin, *.pth, original/, *.gguf ...).")
 @_json_option
 @click.pass_obj
 def quantize(
@@ -203,6 +225,8 @@ def quantize(
     target,
     layout_version,
     act_dtype,
+    allow_non_finite,
+    keep_other_weights,
 ):
     """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint."""
     from . import api
@@ -218,6 +242,8 @@ def quantize(
         skip_incompatible=skip_incompatible,
         device=device,
         lm_head_chunk_rows=lm_head_chunk_rows,
+        allow_nonfinite=allow_non_finite,
+        keep_other_weights=keep_other_weights,
     )
     if target and not dry_run:
         if resume or refresh:
@@ -231,7 +257,7 @@ def quantize(
     else:
         result = _run(
             ctx,
-            resumable=None if dry_run else lambda: _finished_shards(output),
+            hint=None if dry_run else lambda: _partial_hint(output),
             fn=lambda: api.quantize(src, output, scheme, dry_run=dry_run, resume=resume, refresh=refresh, progress=_progress_factory(ctx), **kw),
         )
     if ctx.json:
@@ -274,6 +300,7 @@ def _print_plan(ctx: _Ctx, result) -> None:
     con.print(table)
     counts = {a: sum(1 for r in plan.rows if r.action == a) for a in ("quantize", "ignore", "copy")}
     con.print(f"{counts['quantize']} tensors to quantize, {counts['ignore']} Linear kept dense (ignore), {counts['copy']} copied")
+    con.print(f"output: {_human(result.output_bytes)} of tensors (input {_human(result.input_bytes)})")
     con.print(f"ignore: {plan.ignore}")
     for n in plan.notes:
         con.print(f"note: {n}")
@@ -478,6 +505,8 @@ def run() -> None:
     _AS_PROGRAM = True
     if hasattr(signal, "SIGPIPE"):  # `ctconvert inspect OUT | head`: end quietly like other Unix tools, not "exit 1"
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    for sig in STOP_SIGNALS[1:]:
+        signal.signal(sig, _stop)
     code = 0
     try:
         main.main(standalone_mode=False)

@@ -25,7 +25,7 @@ from .reader import INDEX_NAME, Checkpoint
 from .safetensors_io import PlannedTensor
 from .writer import shard_names
 
-__all__ = ["PROVENANCE", "fingerprint", "load_provenance", "provenance", "refresh_plan"]
+__all__ = ["PROVENANCE", "fingerprint", "load_provenance", "provenance", "refresh_plan", "shard_map", "sources_by_shard"]
 
 PROVENANCE = "ctconvert-provenance.json"
 
@@ -68,12 +68,26 @@ def load_provenance(out: Path, options: dict) -> dict:
     return prov
 
 
+def shard_map(assignment: list[list[PlannedTensor]]) -> dict[str, str]:
+    """Output tensor -> the name of the shard it goes to."""
+    return {t.name: name for name, ts in zip(shard_names(len(assignment)), assignment) for t in ts}
+
+
+def sources_by_shard(units: list, shard_of: dict[str, str]) -> dict[str, set[str]]:
+    """Shard name -> the source tensors its tensors derive from."""
+    out: dict[str, set[str]] = {}
+    for u in units:
+        for name, sources in u.output_sources().items():
+            out.setdefault(shard_of[name], set()).update(sources)
+    return out
+
+
 def refresh_plan(ckpt: Checkpoint, units: list, assignment: list[list[PlannedTensor]], out: Path, prov: dict):
     """Against the earlier output at ``out``: ``(shards to reuse {name: path}, units to run, shards
     rewritten, source hashes computed on the way)``. A changed shard layout rewrites everything."""
     old_index = json.loads((out / INDEX_NAME).read_text())["weight_map"]
     current: dict[str, str] = {}
-    new_map = {t.name: name for name, ts in zip(shard_names(len(assignment)), assignment) for t in ts}
+    new_map = shard_map(assignment)
     if old_index != new_map:
         dirty = set(new_map.values())
     else:

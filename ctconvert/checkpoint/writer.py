@@ -11,6 +11,7 @@ run either resumes from it (``--resume``) or clears it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -19,6 +20,7 @@ import signal
 import threading
 from pathlib import Path
 
+from .. import __version__
 from ..errors import OutputError, UsageError
 from .hashing import HASH_NAME, new_hasher
 from .reader import CONFIG_NAME, INDEX_NAME
@@ -78,6 +80,14 @@ def check_output_path(src: Path, out: Path, overwrite: bool) -> None:
         raise OutputError("output path exists; pass --overwrite (overwrite=True in the API and batch jobs) to replace it", file=out)
     if o.exists() and not o.is_dir():
         raise OutputError("output path exists and is not a folder", file=out)
+    if o.exists() and not replaceable(o):
+        entries = sorted(p.name for p in o.iterdir())
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        raise OutputError(
+            f"--overwrite replaces only an earlier ctconvert output or an empty folder, and this folder holds {len(entries)} "
+            f"other entries ({shown}); remove it yourself or choose another -o",
+            file=out,
+        )
     for parent in o.parents:  # the first existing ancestor must be a folder
         if parent.exists():
             if not parent.is_dir():
@@ -86,6 +96,46 @@ def check_output_path(src: Path, out: Path, overwrite: bool) -> None:
 
 
 JOURNAL = "ctconvert-journal.json"
+#: the index metadata key that marks a folder as written by ctconvert (what ``--overwrite`` may replace)
+MARKER = "ctconvert"
+_PROVENANCE = "ctconvert-provenance.json"  # quantize outputs of releases before the marker
+
+
+def replaceable(folder: Path) -> bool:
+    """Whether ``--overwrite`` may replace ``folder``: empty, or written by ctconvert (its index says so)."""
+    if not any(folder.iterdir()):
+        return True
+    try:
+        index = json.loads((folder / INDEX_NAME).read_text())
+    except (OSError, ValueError):
+        index = None
+    if isinstance(index, dict) and isinstance(index.get("metadata"), dict) and MARKER in index["metadata"]:
+        return True
+    return (folder / _PROVENANCE).is_file() and (folder / INDEX_NAME).is_file()
+
+
+#: files of other weight formats that a converted checkpoint must not carry along (dense copies of the weights)
+OTHER_WEIGHT_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".onnx_data", ".tflite", ".mlmodel", ".npz")
+OTHER_WEIGHT_FOLDERS = ("original", "onnx", "openvino", "coreml", "tflite", "gguf", "flax")
+
+
+def is_other_weights(rel: Path) -> bool:
+    """Whether a file of the input (path relative to its folder) holds weights in another format."""
+    return rel.suffix.lower() in OTHER_WEIGHT_SUFFIXES or (len(rel.parts) > 1 and rel.parts[0].lower() in OTHER_WEIGHT_FOLDERS)
+
+
+def free_space_problem(out: Path, needed: int) -> str | None:
+    """Why ``needed`` bytes cannot be written next to ``out`` (a message), or None."""
+    parent = Path(out).absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    try:
+        free = shutil.disk_usage(parent).free
+    except OSError:
+        return None
+    if free >= needed:
+        return None
+    return f"not enough free space: the output needs {needed / 2**30:.2f} GiB and {parent} has {free / 2**30:.2f} GiB free"
 
 
 def file_hash(path: Path) -> str:
@@ -112,6 +162,24 @@ def _read_journal(folder: Path) -> dict:
     return journal if isinstance(journal, dict) else {}
 
 
+def partial_output(out: Path) -> dict | None:
+    """What an interrupted or failed run toward ``out`` left: ``{"path", "bytes", "shards"}``, or None."""
+    folder = partial_folder(out)
+    if not folder.is_dir():
+        return None
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    return {"path": str(folder), "bytes": size, "shards": finished_shards(out)}
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether an error (or one it was raised from) is a full disk or an exhausted quota."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def finished_shards(out: Path) -> int:
     """How many shards an interrupted run toward ``out`` finished and journaled (what ``--resume`` keeps)."""
     shards = _read_journal(partial_folder(out)).get("shards")
@@ -129,8 +197,9 @@ class OutputFolder:
     afresh. A lock (``flock``) keeps two runs out of one folder.
     """
 
-    def __init__(self, out: Path, overwrite: bool = False, fingerprint: str = "", resume: bool = False):
+    def __init__(self, out: Path, overwrite: bool = False, fingerprint: str = "", resume: bool = False, shard_sources=None):
         self.out = Path(out).absolute()
+        self.shard_sources = shard_sources  # shard name -> {source tensor: content hash}, journaled with the shard
         self.overwrite = overwrite
         self.fingerprint = fingerprint
         parent = self.out.parent
@@ -160,7 +229,7 @@ class OutputFolder:
                         shutil.rmtree(p) if p.is_dir() else p.unlink()
             self._save_journal()
         except OSError as e:
-            raise OutputError(f"cannot prepare the output folder: {e.strerror or e}", file=self.tmp) from e
+            raise OutputError(f"cannot create the output folder (-o): {e.strerror or e}", file=self.out) from e
         self.shards: list[ShardFile] = []
         self.weight_map: dict[str, str] = {}
 
@@ -176,6 +245,17 @@ class OutputFolder:
             tmp = self.tmp / (JOURNAL + ".new")
             tmp.write_text(data)
             os.replace(tmp, self.tmp / JOURNAL)
+
+    def journaled(self, name: str) -> dict:
+        """The journal record of a finished shard (``size``, hash, ``sources`` when recorded)."""
+        return self.journal["shards"][name]
+
+    def forget(self, names) -> None:
+        """Drop finished shards from the journal (and delete them): they are written again."""
+        for name in names:
+            self.journal["shards"].pop(name, None)
+            (self.tmp / name).unlink(missing_ok=True)
+        self._save_journal()
 
     @property
     def completed(self) -> set[str]:
@@ -217,6 +297,8 @@ class OutputFolder:
         def record():
             try:
                 rec = {"size": shard.path.stat().st_size, HASH_NAME: file_hash(shard.path)}
+                if self.shard_sources is not None:
+                    rec["sources"] = self.shard_sources(shard.path.name)
                 with self._lock:
                     self.journal["shards"][shard.path.name] = rec
                 self._save_journal()
@@ -236,14 +318,20 @@ class OutputFolder:
         except OSError as e:
             raise OutputError(f"cannot write: {e.strerror or e}", file=self.tmp / name) from e
 
-    def copy_files(self, src: Path, skip: set[str]) -> list[str]:
-        """Copy every file of ``src`` (recursively) except safetensors, the index and ``skip``."""
+    def copy_files(self, src: Path, skip: set[str], keep_other_weights: bool = False) -> list[str]:
+        """Copy every file of ``src`` (recursively) except safetensors, the index, ``skip`` and, unless
+        ``keep_other_weights``, weights in other formats (:func:`is_other_weights`; listed in
+        :attr:`skipped`). Returns the copied paths (relative)."""
         copied = []
+        self.skipped: list[str] = []
         for p in sorted(src.rglob("*")):
             rel = p.relative_to(src)
             if not p.is_file() or p.suffix == ".safetensors" or rel.name == INDEX_NAME or str(rel) in skip:
                 continue
             if any(part.startswith(".") and part != ".gitattributes" for part in rel.parts):
+                continue
+            if not keep_other_weights and is_other_weights(rel):
+                self.skipped.append(str(rel))
                 continue
             dest = self.tmp / rel
             try:
@@ -260,7 +348,8 @@ class OutputFolder:
             f.close()
         # Shard hashes still running only serve a resume of this run, which is finishing: not waited for
         # (commit stops them from writing the journal).
-        self.write_json(INDEX_NAME, {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(self.weight_map.items()))})
+        meta = {"total_size": total_size, MARKER: __version__}
+        self.write_json(INDEX_NAME, {"metadata": meta, "weight_map": dict(sorted(self.weight_map.items()))})
         for name, data in (extra_json or {}).items():
             self.write_json(name, data)
         self.write_json(CONFIG_NAME, config, sort_keys=True)
@@ -317,16 +406,18 @@ class OutputFolder:
 
 @contextlib.contextmanager
 def _interrupts_held():
-    """Defer Ctrl-C (SIGINT; main thread only, where Python runs signal handlers) for a critical step;
-    an interrupt that arrives meanwhile is dropped: the step completes and the run succeeds."""
+    """Defer Ctrl-C, SIGTERM and SIGHUP (main thread only, where Python runs signal handlers) for a critical
+    step; an interrupt that arrives meanwhile is dropped: the step completes and the run succeeds."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    held = [sig for sig in (signal.SIGINT, getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if sig is not None]
+    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in held}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def write_checkpoint(
@@ -336,6 +427,8 @@ def write_checkpoint(
     other files of ``src`` are copied (but ``config.json`` and ``skip``), the index and
     ``config()`` (called after ``fill``) written, and the folder renamed into place. On any error
     nothing is left at ``out``. Returns the bytes of tensor data written."""
+    if (problem := free_space_problem(out, sum(t.nbytes for t in planned))) is not None:
+        raise OutputError(problem, file=out)
     folder = OutputFolder(out, overwrite=overwrite)
     try:
         fill(folder.open_shards(assign_shards(planned, max_shard_size)))

@@ -45,6 +45,8 @@ ALLOWED = {
     "resume",
     "refresh",
     "lm_head_chunk_rows",
+    "allow_non_finite",
+    "keep_other_weights",
 }
 
 
@@ -106,6 +108,8 @@ def run_jobs(jobs: list[dict], convert: Callable, keep_going: bool = False, emit
             continue
         t0 = time.perf_counter()
         kw = {k: v for k, v in job.items() if k not in ("model", "output", "scheme")}
+        if "allow_non_finite" in kw:  # the option's name on the command line
+            kw["allow_nonfinite"] = kw.pop("allow_non_finite")
         line = {"job": i, "model": str(job["model"]), "output": str(job["output"]), "scheme": job["scheme"]}
         try:
             r = convert(job["model"], job["output"], job["scheme"], **kw)

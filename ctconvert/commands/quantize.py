@@ -11,16 +11,26 @@ rename into place.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint.config import build_quantization_config, updated_config
 from ..checkpoint.hashing import hash_tensor_bytes, new_hasher
-from ..checkpoint.provenance import PROVENANCE, fingerprint, load_provenance, provenance, refresh_plan
+from ..checkpoint.provenance import PROVENANCE, fingerprint, load_provenance, provenance, refresh_plan, shard_map, sources_by_shard
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
-from ..checkpoint.safetensors_io import PlannedTensor
-from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
+from ..checkpoint.safetensors_io import DTYPES, PlannedTensor
+from ..checkpoint.writer import (
+    OutputFolder,
+    assign_shards,
+    check_output_path,
+    disk_full,
+    free_space_problem,
+    parse_size,
+    partial_output,
+    shard_names,
+)
 from ..errors import OutputError, UnsupportedError, UsageError
 from ..pipeline.devices import resolve_devices
 from ..pipeline.executor import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES, ExecOptions, execute, map_input_default
@@ -97,6 +107,8 @@ def quantize(
     layout: LayoutStage | None = None,
     impl: str = "auto",
     map_input: bool | None = None,
+    allow_nonfinite: bool = False,
+    keep_other_weights: bool = False,
 ) -> QuantizeResult:
     """Convert ``src`` to ``out``; see :func:`ctconvert.api.quantize` for the arguments and errors.
 
@@ -111,6 +123,7 @@ def quantize(
     plan, dry_error = _plan(ckpt, scheme, dry_run, skip_incompatible, plan_kw)
     result = QuantizeResult.of_plan(plan, out, dry_run, ckpt.total_bytes, devs)
     if dry_run:
+        result.output_bytes = sum(math.prod(shape) * DTYPES[dt][1] for _, dt, shape in plan.output_tensors)
         result.seconds = time.perf_counter() - t0
         result.error = dry_error
         return result
@@ -134,6 +147,7 @@ def quantize(
         repack=layout,
         impl=impl,
         map_input=map_input_default() if map_input is None else map_input,
+        allow_nonfinite=allow_nonfinite,
     )
     _convert(
         ckpt,
@@ -150,6 +164,7 @@ def quantize(
         old_prov=old_prov,
         progress=progress,
         layout=layout,
+        keep_other_weights=keep_other_weights,
     )
     result.seconds = time.perf_counter() - t0
     return result
@@ -194,16 +209,30 @@ def _convert(
     old_prov: dict | None,
     progress,
     layout,
+    keep_other_weights: bool = False,
 ) -> None:
     """Write the output folder: shards (reused where ``--resume``/``--refresh`` allow), files, config, provenance."""
     planned = [PlannedTensor(n, d, s) for n, d, s in plan.output_tensors]
     assignment = assign_shards(planned, shard_limit)
-    folder = OutputFolder(out, overwrite=overwrite or old_prov is not None, fingerprint=fingerprint(ckpt, options, planned), resume=resume)
+    shard_of = shard_map(assignment)
+    by_shard = sources_by_shard(plan.units, shard_of)
+    known: dict[str, str] = {}  # source tensor -> content hash, computed already
+
+    def journaled_sources(shard: str) -> dict[str, str]:  # what a finished shard was made from (for --resume)
+        return {s: known[s] if s in known else opts.hashes[s].hexdigest() for s in sorted(by_shard.get(shard, ()))}
+
+    folder = OutputFolder(
+        out, overwrite=overwrite or old_prov is not None, fingerprint=fingerprint(ckpt, options, planned), resume=resume, shard_sources=journaled_sources
+    )
     keep_partial = False
     try:
-        reuse_from, units, known = None, plan.units, {}  # known: source tensor -> content hash, computed already
+        reuse_from, units = None, plan.units
         if old_prov is not None:
-            reuse_from, units, result.rewritten_shards, known = refresh_plan(ckpt, plan.units, assignment, out, old_prov)
+            reuse_from, units, result.rewritten_shards, computed = refresh_plan(ckpt, plan.units, assignment, out, old_prov)
+            known.update(computed)
+        if resume:
+            _drop_stale_shards(ckpt, folder, by_shard, known, result)
+        _check_free_space(out, assignment, folder, reuse_from)
         shards = folder.open_shards(assignment, reuse_from=reuse_from)
         if resume and getattr(folder, "discarded_partial", False):
             result.notes.append("--resume: the interrupted run used other inputs or options; starting over")
@@ -211,12 +240,15 @@ def _convert(
         opts.hashes = {s: new_hasher() for u in todo for s in u.sources if s not in known}  # hashed as they stream by
         keep_partial = layout is None  # an interrupted run is kept for --resume, which --target does not offer
         _execute(ckpt, dataclasses.replace(plan, units=todo), shards, opts, devs, progress)
+        result.notes += [f"{name}: holds non-finite values (NaN/inf); copied as it is (--allow-non-finite)" for name in opts.nonfinite]
         src_hashes = {**known, **{n: h.hexdigest() for n, h in opts.hashes.items()}}
-        for u in plan.units:  # units kept from an interrupted run: hash their sources now
+        for u in plan.units:  # units kept from an interrupted run (hashed in _drop_stale_shards) or by --refresh
             for s in u.sources:
                 if s not in src_hashes:
                     src_hashes[s] = hash_tensor_bytes(ckpt.tensors[s])
-        folder.copy_files(ckpt.path, skip={CONFIG_NAME, PROVENANCE})
+        folder.copy_files(ckpt.path, skip={CONFIG_NAME, PROVENANCE}, keep_other_weights=keep_other_weights)
+        if folder.skipped:
+            result.notes.append(f"not copied, weights in other formats (--keep-other-weights copies them): {', '.join(folder.skipped)}")
         total = sum(t.nbytes for t in planned)
         cfg = updated_config(ckpt.config, qconfig, plan.config_updates)
         if layout is not None:
@@ -225,13 +257,56 @@ def _convert(
         result.shards = sorted(set(folder.weight_map.values()))
         result.reused_shards = sorted(n for n, why in folder.reused.items() if why == "resume")
         folder.commit()
-    except (KeyboardInterrupt, OutputError, OSError):
-        folder.abort(keep=keep_partial)
+    except (KeyboardInterrupt, OutputError, OSError) as e:
+        full = disk_full(e)
+        folder.abort(keep=keep_partial and not full)  # a partial folder on a full disk only keeps it full
+        if full:
+            raise OutputError(f"{e}; the partial output was removed to free the disk", file=out) from e
+        if isinstance(e, OutputError) and keep_partial and (left := partial_output(out)) is not None:
+            raise OutputError(f"{e.message}; {partial_hint(left)}", file=e.file, tensor=e.tensor) from e
         raise
     except BaseException:
         folder.abort()
         raise
     result.output_bytes = total
+
+
+def partial_hint(left: dict) -> str:
+    """How to continue from, or remove, what an interrupted or failed run left (:func:`partial_output`)."""
+    size = f"{left['bytes'] / 2**20:.1f} MiB"
+    if not left["shards"]:
+        return f"partial data ({size}, no shard finished yet) is kept in {left['path']}: remove that folder, or run the same command again"
+    return (
+        f"partial data ({size}, {left['shards']} finished shard(s)) is kept in {left['path']}: run the same command with --resume "
+        "to reuse the finished shards, or remove that folder"
+    )
+
+
+def _drop_stale_shards(ckpt: Checkpoint, folder: OutputFolder, by_shard: dict, known: dict, result: QuantizeResult) -> None:
+    """``--resume``: hash the sources of every finished shard now, and write again each shard whose sources
+    changed since it was made (or whose journal does not say what it was made from)."""
+    stale = []
+    for name in sorted(folder.completed):
+        made_from = folder.journaled(name).get("sources")
+        now = {}
+        for s in sorted(by_shard.get(name, ())):
+            if s not in known:
+                known[s] = hash_tensor_bytes(ckpt.tensors[s])
+            now[s] = known[s]
+        if made_from != now:
+            stale.append(name)
+    if stale:
+        folder.forget(stale)
+        result.notes.append(f"--resume: {len(stale)} finished shard(s) were made from source bytes that changed since; written again")
+
+
+def _check_free_space(out: Path, assignment, folder: OutputFolder, reuse_from) -> None:
+    """Refuse before writing when the disk cannot hold the shards still to write."""
+    names = shard_names(len(assignment))
+    kept = folder.completed | set(reuse_from or {})
+    needed = sum(t.nbytes for name, ts in zip(names, assignment) if name not in kept for t in ts)
+    if (problem := free_space_problem(out, needed)) is not None:
+        raise OutputError(problem, file=out)
 
 
 def _execute(ckpt: Checkpoint, plan: Plan, shards, opts: ExecOptions, devs, progress) -> None:

@@ -39,6 +39,7 @@ from ..plan.planner import Plan, WorkUnit
 __all__ = ["DEFAULT_CHUNK_ELEMS", "DEFAULT_HOLD_BYTES", "ExecOptions", "Read", "execute", "make_reads", "split_units"]
 
 COPY_CHUNK_BYTES = 64 * 2**20
+_CHECKED_COPY = ("BF16", "F16", "F32", "F64", "F8_E4M3")  # pass-through dtypes whose values are checked
 DEFAULT_CHUNK_ELEMS = 4 * 2**20
 DEFAULT_HOLD_BYTES = 1 << 30
 READ_AHEAD = 3
@@ -66,6 +67,8 @@ class ExecOptions:
     hashes: dict | None = None  # source tensor name -> hasher, fed as the bytes stream by
     repack: object | None = None
     map_input: bool = field(default_factory=map_input_default)
+    allow_nonfinite: bool = False  # copy pass-through tensors that hold NaN/inf (listed in nonfinite) instead of refusing
+    nonfinite: list = field(default_factory=list)  # pass-through tensors found holding NaN/inf (with allow_nonfinite)
 
 
 @dataclass
@@ -276,6 +279,7 @@ class Executor:
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
         if job.kind == "copy":
+            self._check_copy(info, data)
             self._write(info.name, data, job.start)
             self._progress(job.stop - job.start)
             return
@@ -297,6 +301,23 @@ class Executor:
         self._quantize(unit, job, w, st)
         if job.end_of_pass:
             self._check_unit(unit, st)
+
+    def _check_copy(self, info: TensorInfo, data: torch.Tensor) -> None:
+        """A pass-through chunk of a floating tensor must be finite (an E4M3 byte must not be NaN), checked on the
+        bytes in memory as they are copied; else the tensor is refused by name, or listed with ``allow_nonfinite``."""
+        if info.dtype not in _CHECKED_COPY or info.name in self.opts.nonfinite or not data.numel():
+            return
+        if info.dtype == "F8_E4M3":
+            bad = bool(((data.view(torch.uint8) & 0x7F) == 0x7F).any())
+        elif self.use_native and info.dtype != "F64":
+            bad = native.absmax(data.view(info.torch_dtype).reshape(1, -1))[1] > 0
+        else:
+            bad = not bool(torch.isfinite(data.view(info.torch_dtype)).all())
+        if not bad:
+            return
+        if not self.opts.allow_nonfinite:
+            _raise_nonfinite(info, what="tensor", action="refusing to copy it (--allow-non-finite copies it with a note)")
+        self.opts.nonfinite.append(info.name)
 
     def _absmax(self, w: torch.Tensor, info: TensorInfo, job: Read, st: _UnitState | None = None) -> torch.Tensor:
         """fp32 0-d absmax of the chunk; NaN/inf are reported (on the GPU: at the end of the unit)."""
@@ -364,25 +385,26 @@ class Executor:
             self.opts.progress.update(n)
 
 
-def _raise_nonfinite(info: TensorInfo, only_if_found: bool = False) -> None:
+def _raise_nonfinite(info: TensorInfo, only_if_found: bool = False, what: str = "weight", action: str = "refusing to quantize") -> None:
     """Find the first NaN/inf of a tensor (re-reading it on the CPU) and raise a one-line error."""
     total = 0
     first = None
     kind = "inf"
     for r0, w in iter_row_chunks(info):
+        w = w.float().reshape(w.shape[0] if w.dim() else 1, -1)  # E4M3 NaN -> NaN; 0-D and 1-D as rows
         bad = ~torch.isfinite(w)
         cnt = int(bad.sum())
         if cnt:
             if first is None:
                 idx = bad.nonzero()[0].tolist()
-                first = (r0 + idx[0], idx[1] if len(idx) > 1 else 0)
+                first = (r0 + idx[0], idx[1])
             if bool(torch.isnan(w).any()):
                 kind = "NaN"
             total += cnt
     if total == 0 and only_if_found:
         return
     raise BadInputError(
-        f"weight holds {total} non-finite values ({kind}; first at row {first[0]}, column {first[1]}); refusing to quantize",
+        f"{what} holds {total} non-finite values ({kind}; first at row {first[0]}, column {first[1]}); {action}",
         file=str(info.file),
         tensor=info.name,
     )

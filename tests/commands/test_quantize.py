@@ -177,14 +177,21 @@ def test_group_size_must_divide(tmp_path):
 
 
 def test_output_exists_and_overwrite(tiny_llama, tmp_path):
+    """--overwrite replaces an empty folder or an earlier ctconvert output, and refuses any other folder."""
     out = tmp_path / "o"
     out.mkdir()
     (out / "keep.txt").write_text("x")
     with pytest.raises(OutputError, match="exists"):
         api.quantize(tiny_llama, out, "W8A16")
-    assert (out / "keep.txt").exists()
-    api.quantize(tiny_llama, out, "W8A16", overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    with pytest.raises(OutputError, match="replaces only an earlier ctconvert output or an empty folder"):
+        api.quantize(tiny_llama, out, "W8A16", overwrite=True)
+    assert (out / "keep.txt").read_text() == "x" and not (out / "config.json").exists()
+    (out / "keep.txt").unlink()
+    api.quantize(tiny_llama, out, "W8A16", overwrite=True)  # empty: replaced
+    assert (out / "config.json").exists()
+    (out / "stray.txt").write_text("y")  # an earlier ctconvert output (with anything added) is replaced
+    api.quantize(tiny_llama, out, "W4A16", overwrite=True)
+    assert not (out / "stray.txt").exists() and json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
 
 
 def test_never_writes_into_the_input(tiny_llama):
