@@ -98,3 +98,60 @@ def test_minilm_loads_and_matches_dense(minilm_path, minilm_dense, tmp_path, sch
         y = model(**batch).last_hidden_state
     assert torch.isfinite(y).all()
     assert MIN_COS[scheme] - 0.05 <= _cos(ref, y) < 1.0
+
+
+@pytest.fixture(scope="module")
+def llava_dense(tmp_path_factory):
+    """A LLaVA checkpoint as transformers 5 saves it (legacy names: ``language_model.*``, ``vision_tower.*``,
+    ``multi_modal_projector.*``), and its logits on an image and text prompt."""
+    torch.manual_seed(0)
+    tc = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_hidden_layers=2,
+        vocab_size=1024,
+        max_position_embeddings=256,
+    )
+    vc = transformers.CLIPVisionConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_hidden_layers=2, image_size=32, patch_size=8)
+    cfg = transformers.LlavaConfig(text_config=tc, vision_config=vc, image_token_id=1000, projector_hidden_act="gelu")
+    model = transformers.LlavaForConditionalGeneration(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+    path = tmp_path_factory.mktemp("llava") / "m"
+    model.save_pretrained(str(path))
+    g = torch.Generator().manual_seed(0)
+    inputs = {
+        "input_ids": torch.cat([torch.full((1, 16), 1000), torch.randint(2, 999, (1, 12), generator=g)], dim=1),
+        "pixel_values": torch.randn(1, 3, 32, 32, generator=g).to(torch.bfloat16),
+    }
+    dense = transformers.LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        logits = dense(**inputs).logits
+    return path, inputs, logits
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "FP8_DYNAMIC", "NVFP4A16"])
+def test_llava_loads_with_its_towers_dense(llava_dense, tmp_path, scheme):
+    """The stored names are not the modules transformers builds (it renames them on load): ``ignore`` must
+    match both, or transformers quantizes the vision tower and the head and the logits are garbage."""
+    path, inputs, ref = llava_dense
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert any(k.startswith("vision_tower.") for k in f.keys()) and "language_model.lm_head.weight" in f.keys()  # legacy names
+    res = api.quantize(path, tmp_path / "q", scheme)
+    assert r"re:(.*\.)?vision_tower\..*" in res.ignore and r"re:(.*\.)?lm_head$" in res.ignore
+    assert "language_model.lm_head" in res.ignore and "vision_tower.encoder.layers.0.mlp.fc1" in res.ignore  # vLLM's names
+    model = _load(transformers.LlavaForConditionalGeneration, tmp_path / "q", scheme)
+    for name, mod in model.named_modules():  # what transformers built: every tower module and the head stay dense
+        if "vision_tower" in name or "multi_modal_projector" in name or name == "lm_head":
+            assert not hasattr(mod, "quantization_scheme") or mod.quantization_scheme is None, name
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert torch.isfinite(logits).all()
+    assert 0.9 <= _cos(ref, logits) < 1.0

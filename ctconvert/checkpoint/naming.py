@@ -34,6 +34,8 @@ __all__ = [
     "fused_set_name",
     "is_generative",
     "is_linear_weight",
+    "is_multimodal",
+    "loader_patterns",
     "matches",
     "natural_key",
     "resolve_group",
@@ -162,3 +164,42 @@ def tie_word_embeddings(config: dict) -> bool:
 def is_generative(config: dict) -> bool:
     """Whether the architecture builds an ``lm_head`` (``*ForCausalLM``, ``*ForConditionalGeneration``, ``*LMHeadModel``)."""
     return any(a.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")) for a in config.get("architectures") or [])
+
+
+def is_multimodal(config: dict) -> bool:
+    """Whether a config nests its text model beside other towers (``text_config``, ``vision_config``, ``audio_config``)."""
+    return any(isinstance(config.get(k), dict) for k in ("text_config", "vision_config", "audio_config"))
+
+
+def loader_patterns(ignored: list[str], linear_modules: set[str], config: dict) -> list[str]:
+    r"""``ignore`` patterns that also match the module names loaders build from a legacy multimodal layout.
+
+    LLaVA-style checkpoints store ``language_model.model.*``, ``language_model.lm_head``,
+    ``vision_tower.*``, ``multi_modal_projector.*``; transformers 5 renames them on load to
+    ``model.language_model.*``, ``lm_head``, ``model.vision_tower.*``, ``model.multi_modal_projector.*``
+    (``transformers/conversion_mapping.py``, the ``llava`` family's ``WeightRenaming`` list, release 5.24),
+    while vLLM keeps the stored names. For every ignored module of such a layout (a name not under
+    ``model.``), a pattern matches both: ``re:(.*\.)?lm_head$`` for the head,
+    ``re:(.*\.)?language_model\.(model\.)?X$`` for a text module, and for another component one
+    pattern ``re:(.*\.)?vision_tower\..*`` when all its Linear layers are ignored (else one per module).
+    Nothing is added for other layouts."""
+    if not is_multimodal(config):
+        return []
+    out: list[str] = []
+    groups: dict[str, list[str]] = {}
+    for n in ignored:
+        if not n.startswith("model.") and n != "lm_head" and "." in n:
+            groups.setdefault(n.split(".", 1)[0], []).append(n)
+    for comp, names in groups.items():
+        if comp == "language_model":
+            for n in names:
+                rest = n[len("language_model.") :]
+                if rest == "lm_head":
+                    out.append(r"re:(.*\.)?lm_head$")
+                else:
+                    out.append(rf"re:(.*\.)?language_model\.(model\.)?{re.escape(rest.removeprefix('model.'))}$")
+        elif {m for m in linear_modules if m.startswith(comp + ".")} <= set(names):
+            out.append(rf"re:(.*\.)?{re.escape(comp)}\..*")
+        else:
+            out += [rf"re:(.*\.)?{re.escape(n)}$" for n in names]
+    return out

@@ -28,6 +28,7 @@ from ..checkpoint.naming import (
     fused_set_name,
     is_generative,
     is_linear_weight,
+    loader_patterns,
     matches,
     tie_word_embeddings,
 )
@@ -185,11 +186,15 @@ def make_plan(
         config_groups[_MAIN_GROUP] = (scheme, targets)
     if not config_groups:
         raise UsageError("nothing to quantize: no tensor matches the targets (check --targets/--ignore)")
+    ignore_list = list(dict.fromkeys(d.ignored))
+    linear_modules = {n[: -len(".weight")] for n in order if is_linear_weight(n, tensors[n])}
+    ignore_list += [p for p in loader_patterns(ignore_list, linear_modules, ckpt.config) if p not in ignore_list]
+    ignore_list += [p for p in user_ignore if p in d.used_ignore and p not in ignore_list]  # the user's own words, kept
     return Plan(
         scheme=scheme,
         units=units,
         rows=[d.rows[n] for n in order],
-        ignore=list(dict.fromkeys(d.ignored)),
+        ignore=ignore_list,
         config_groups=config_groups,
         config_updates=config_updates,
         notes=d.notes,
@@ -246,21 +251,25 @@ def _decide(
     if DEFAULT_IGNORE_PATTERNS["lm_head"].search(module) and linear:
         d.head_name = name
         if not head_quantized:
+            if (user := matches(module, user_ignore, is_linear=linear)) is not None:
+                d.used_ignore.add(user)
             keep_dense("lm_head (default; see --lm-head)")
         return
     hit = matches(module, targets, is_linear=linear)
     if hit is None:
         return
     d.used_targets.add(hit)
+    user = matches(module, user_ignore, is_linear=linear)
+    if user is not None:
+        d.used_ignore.add(user)  # also where a default keeps it dense: the pattern goes into the config
     if hit == "Linear":
         default = next((k for k, p in DEFAULT_IGNORE_PATTERNS.items() if k != "lm_head" and p.search(module)), None)
         if default is not None:
             return keep_dense(f"{default} (default)")
         if not BLOCK.search(module):
             return keep_dense("Linear outside the transformer blocks (default)")
-    if (u := matches(module, user_ignore, is_linear=linear)) is not None:
-        d.used_ignore.add(u)
-        return keep_dense(f"--ignore {u}", listed=linear)
+    if user is not None:
+        return keep_dense(f"--ignore {user}", listed=linear)
     problem = _shape_problem(info, scheme)
     if problem is not None:
         if not skip_incompatible:
