@@ -155,3 +155,62 @@ def test_llava_loads_with_its_towers_dense(llava_dense, tmp_path, scheme):
         logits = model(**inputs).logits
     assert torch.isfinite(logits).all()
     assert 0.9 <= _cos(ref, logits) < 1.0
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dense(tmp_path_factory):
+    """A Qwen3-MoE checkpoint with per-expert 2-D experts (as transformers 5 saves it) and its logits."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_hidden_layers=2,
+        vocab_size=1024,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.05)
+    path = tmp_path_factory.mktemp("qwen3moe") / "m"
+    model.save_pretrained(str(path))
+    ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+    dense = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        logits = dense(ids).logits
+    return path, ids, logits
+
+
+def _rel(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def test_nvfp4_moe_output_is_right_though_transformers_misreads_it(qwen3_moe_dense, tmp_path):
+    """README "Known reader limitations": transformers 5.24 fuses per-expert weights into 3-D experts on load and
+    gets NVFP4 experts wrong. The files are right: verify passes, and their dense decompression loads within the
+    format's error; W4A16 of the same model loads directly."""
+    path, ids, ref = qwen3_moe_dense
+    q = tmp_path / "q"
+    api.quantize(path, q, "NVFP4A16")
+    assert api.verify(q, reference=path)["ok"]
+    api.decompress(q, tmp_path / "d")
+    dense = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "d"), dtype=torch.bfloat16).eval()
+    direct = transformers.AutoModelForCausalLM.from_pretrained(str(q), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        rel_dense, rel_direct = _rel(ref, dense(ids).logits), _rel(ref, direct(ids).logits)
+    assert rel_dense < 0.4, rel_dense
+    if rel_direct < 0.4:  # fixed upstream: remove the README limitation
+        pytest.xfail(f"transformers now reads NVFP4 MoE experts right (rel {rel_direct:.3f}): update the README")
+    api.quantize(path, tmp_path / "w4", "W4A16")
+    w4 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w4"), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        assert _rel(ref, w4(ids).logits) < 0.4
