@@ -214,3 +214,17 @@ def test_nvfp4_moe_output_is_right_though_transformers_misreads_it(qwen3_moe_den
     w4 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w4"), dtype=torch.bfloat16).eval()
     with torch.no_grad():
         assert _rel(ref, w4(ids).logits) < 0.4
+
+
+def test_minilm_output_runs_in_sentence_transformers_with_dequantize(minilm_path, tmp_path):
+    """README "Known reader limitations": sentence-transformers runs compressed-mode modules without their
+    decompression; with ``CompressedTensorsConfig(dequantize=True)`` the same files give the dense model's
+    embeddings within the format's error."""
+    st = pytest.importorskip("sentence_transformers")
+    out = tmp_path / "q"
+    api.quantize(minilm_path, out, "W8A16")
+    texts = ["a quantized checkpoint", "the weather is nice today"]
+    ref = st.SentenceTransformer(str(minilm_path), device="cpu").encode(texts, convert_to_tensor=True)
+    kw = {"quantization_config": transformers.CompressedTensorsConfig(dequantize=True)}
+    got = st.SentenceTransformer(str(out), device="cpu", model_kwargs=kw).encode(texts, convert_to_tensor=True)
+    assert torch.isfinite(got).all() and _cos(ref, got) > 0.99
