@@ -100,28 +100,37 @@ def test_minilm_loads_and_matches_dense(minilm_path, minilm_dense, tmp_path, sch
     assert MIN_COS[scheme] - 0.05 <= _cos(ref, y) < 1.0
 
 
+#: a tiny text model for the transformers-built checkpoints below
+_TINY_TEXT = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_hidden_layers=2,
+    vocab_size=1024,
+    max_position_embeddings=256,
+)
+
+
+def _randomized(model):
+    """Weights with a real signal (transformers' init is too uniform to tell a quantized model apart)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.05)
+    return model
+
+
 @pytest.fixture(scope="module")
 def llava_dense(tmp_path_factory):
     """A LLaVA checkpoint as transformers 5 saves it (legacy names: ``language_model.*``, ``vision_tower.*``,
     ``multi_modal_projector.*``), and its logits on an image and text prompt."""
     torch.manual_seed(0)
-    tc = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_hidden_layers=2,
-        vocab_size=1024,
-        max_position_embeddings=256,
-    )
+    tc = transformers.LlamaConfig(**_TINY_TEXT)
     vc = transformers.CLIPVisionConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_hidden_layers=2, image_size=32, patch_size=8)
     cfg = transformers.LlavaConfig(text_config=tc, vision_config=vc, image_token_id=1000, projector_hidden_act="gelu")
-    model = transformers.LlavaForConditionalGeneration(cfg).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.05)
+    model = _randomized(transformers.LlavaForConditionalGeneration(cfg).to(torch.bfloat16))
     path = tmp_path_factory.mktemp("llava") / "m"
     model.save_pretrained(str(path))
     g = torch.Generator().manual_seed(0)
@@ -161,26 +170,8 @@ def test_llava_loads_with_its_towers_dense(llava_dense, tmp_path, scheme):
 def qwen3_moe_dense(tmp_path_factory):
     """A Qwen3-MoE checkpoint with per-expert 2-D experts (as transformers 5 saves it) and its logits."""
     torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_hidden_layers=2,
-        vocab_size=1024,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-    model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.05)
+    cfg = transformers.Qwen3MoeConfig(**_TINY_TEXT, moe_intermediate_size=256, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+    model = _randomized(transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16))
     path = tmp_path_factory.mktemp("qwen3moe") / "m"
     model.save_pretrained(str(path))
     ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
