@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import sys
 import traceback
@@ -159,16 +158,20 @@ def _json_option(f):
 
 
 def _split(values: tuple[str, ...]) -> list[str]:
-    """Repeated options, each possibly a comma-separated list: names split on commas; a ``re:``
-    pattern runs to the next ``,re:`` (a regex may itself hold commas, e.g. ``{1,3}``)."""
+    """Repeated options, each possibly a comma-separated list. A comma inside ``()``, ``[]`` or ``{}`` stays
+    in its entry, so a ``re:`` pattern may hold commas there (``re:.*{1,3}``, ``re:.*(a,b)``)."""
     out = []
     for v in values:
-        for part in re.split(r",(?=\s*re:)", v):
-            part = part.strip()
-            if part.startswith("re:"):
-                out.append(part)
-            else:
-                out += [x.strip() for x in part.split(",") if x.strip()]
+        depth, start = 0, 0
+        for i, ch in enumerate(v + ","):
+            if ch in "([{":
+                depth += 1
+            elif ch in ")]}":
+                depth = max(0, depth - 1)
+            elif ch == "," and depth == 0:
+                if entry := v[start:i].strip():
+                    out.append(entry)
+                start = i + 1
     return out
 
 

@@ -163,3 +163,11 @@ def test_usage_errors_are_one_line_and_json(tmp_path):
     assert doc["ok"] is False and doc["exit_code"] == 2 and "--resume" in doc["error"]
     p = subprocess.run([sys.executable, "-m", "ctconvert", "quantize", str(tmp_path), "-s", "W4A16"], capture_output=True, text=True)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("error: ") and p.stdout == ""
+
+
+def test_option_lists_split_on_commas_outside_brackets():
+    from ctconvert.cli import _split
+
+    assert _split(("re:.*down_proj,model.layers.0.self_attn.o_proj",)) == ["re:.*down_proj", "model.layers.0.self_attn.o_proj"]
+    assert _split((r"re:.*layers\.(1|2)\..*,re:x{1,3}", "a,b", " c ")) == [r"re:.*layers\.(1|2)\..*", "re:x{1,3}", "a", "b", "c"]
+    assert _split(("re:.*[,;]x,y", "re:(a,b)")) == ["re:.*[,;]x", "y", "re:(a,b)"]

@@ -219,3 +219,19 @@ def test_minilm_output_runs_in_sentence_transformers_with_dequantize(minilm_path
     kw = {"quantization_config": transformers.CompressedTensorsConfig(dequantize=True)}
     got = st.SentenceTransformer(str(out), device="cpu", model_kwargs=kw).encode(texts, convert_to_tensor=True)
     assert torch.isfinite(got).all() and _cos(ref, got) > 0.99
+
+
+def test_llava_quantized_head_keeps_its_stored_name(llava_dense, tmp_path):
+    """--lm-head on a LLaVA layout quantizes ``language_model.lm_head`` under that name (verify compares it with
+    its own source), and transformers still finds it as ``lm_head``."""
+    path, inputs, ref = llava_dense
+    out = tmp_path / "q"
+    res = api.quantize(path, out, "NVFP4A16", lm_head="fp8")
+    assert any(n.startswith("language_model.lm_head.weight") for n, _, _ in res.plan.output_tensors)
+    assert not any(n.startswith("lm_head.") for n, _, _ in res.plan.output_tensors)
+    assert api.verify(out, reference=path)["ok"]
+    model = _load(transformers.LlavaForConditionalGeneration, out, "NVFP4A16")
+    assert getattr(model.lm_head, "quantization_scheme", None) is not None  # the head group matched transformers' module
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert torch.isfinite(logits).all() and 0.9 <= _cos(ref, logits) < 1.0

@@ -190,7 +190,13 @@ def _plan(ckpt: Checkpoint, scheme: str, dry_run: bool, skip_incompatible: bool,
     except UnsupportedError as e:
         if not dry_run or skip_incompatible:
             raise
-        return make_plan(ckpt, scheme, skip_incompatible=True, **plan_kw), e
+        plan = make_plan(ckpt, scheme, skip_incompatible=True, **plan_kw)
+        stops = " (the run stops here: leave it dense with --ignore, or pass --skip-incompatible)"
+        for row in plan.rows:  # say what this run would do, not what --skip-incompatible would
+            if row.reason and row.reason.endswith(" (skipped: --skip-incompatible)"):
+                row.reason = row.reason.removesuffix(" (skipped: --skip-incompatible)") + stops
+        plan.notes[:] = [n.replace("; kept dense and listed in ignore", "; the run stops here unless --skip-incompatible") for n in plan.notes]
+        return plan, e
 
 
 def _convert(

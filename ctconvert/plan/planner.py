@@ -181,7 +181,7 @@ def make_plan(
         # (utils/match.py: exact names, then regexes, then class names) and vLLM
         # match names before the class name "Linear", so the head takes this
         # group whatever the group order (docs/compressed-tensors-format.md §7.5, docs/field-notes.md F6).
-        config_groups[_HEAD_GROUP] = (head_scheme, ["lm_head"])
+        config_groups[_HEAD_GROUP] = (head_scheme, _head_targets(d.head_name))
     if d.to_quantize:
         config_groups[_MAIN_GROUP] = (scheme, targets)
     if not config_groups:
@@ -200,6 +200,20 @@ def make_plan(
         notes=d.notes,
         input_bytes=ckpt.total_bytes,
     )
+
+
+def _head_module(head_name: str | None) -> str:
+    """The quantized head's module: its stored name when that is an ``lm_head`` (``language_model.lm_head``
+    in a LLaVA layout keeps its name), else ``lm_head`` (a tied embedding, or a head stored as ``output``)."""
+    module = head_name[: -len(".weight")] if head_name else "lm_head"
+    return module if module.split(".")[-1] == "lm_head" else "lm_head"
+
+
+def _head_targets(head_name: str | None) -> list[str]:
+    """The head group's targets: its module name; a head stored under another name than ``lm_head``
+    also gets a pattern for the ``lm_head`` loaders build from it (:func:`ctconvert.checkpoint.naming.loader_patterns`)."""
+    module = _head_module(head_name)
+    return [module] if module == "lm_head" else [module, r"re:(.*\.)?lm_head$"]
 
 
 # -- phase 1: options ---------------------------------------------------------------
@@ -354,7 +368,7 @@ def _units(
                 unit.outputs += scheme.outputs(d.to_quantize[n], tensors[n].shape, tensors[n].torch_dtype)
             units.append(unit)
         elif name == d.head_name and head_scheme is not None:
-            units.append(_head_unit(name, tensors[name], head_scheme, head_chunk_rows, row))
+            units.append(_head_unit(name, tensors[name], head_scheme, head_chunk_rows, row, module=_head_module(name)))
             seen.add(name)
         else:
             info = tensors[name]

@@ -271,3 +271,18 @@ def test_all_gpus_write_the_same_bytes_as_the_cpu(tiny_llama, tmp_path):
         assert res.device.count("cuda") >= 2
         for f in sorted(p.name for p in a.iterdir()):
             assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+def test_dry_run_says_where_the_real_run_would_stop(tmp_path):
+    t = {
+        "model.layers.0.mlp.down_proj.weight": torch.zeros(256, 320, dtype=torch.bfloat16),
+        "model.layers.0.mlp.up_proj.weight": torch.zeros(320, 256, dtype=torch.bfloat16),
+    }
+    m = write_checkpoint(tmp_path / "m", t, {"architectures": ["LlamaForCausalLM"]})
+    res = api.quantize(m, None, "W4A16", dry_run=True)
+    assert isinstance(res.error, UnsupportedError) and "K=320" in str(res.error)
+    row = next(r for r in res.plan.rows if r.name == "model.layers.0.mlp.down_proj.weight")
+    assert "the run stops here" in row.reason and "skipped" not in row.reason
+    assert any("the run stops here unless --skip-incompatible" in n for n in res.notes)
+    res = api.quantize(m, None, "W4A16", dry_run=True, skip_incompatible=True)
+    assert res.error is None and any("kept dense and listed in ignore" in n for n in res.notes)
