@@ -226,10 +226,10 @@ def load_jobs(path: str | Path) -> list[dict]:
     return _batch.load_jobs(path)
 
 
-def run_jobs(jobs: list[dict], keep_going: bool = False, emit=print) -> int:
-    """Run checked jobs (:func:`load_jobs`) through :func:`quantize`; ``emit`` gets one JSON line per job.
-    Returns the exit code (0, or the first failure's)."""
-    return _batch.run_jobs(jobs, quantize, keep_going=keep_going, emit=emit)
+def run_jobs(jobs: list[dict], keep_going: bool = False, emit=print, on_job=None) -> int:
+    """Run checked jobs (:func:`load_jobs`) through :func:`quantize`; ``emit`` gets one JSON line per job,
+    ``on_job(i, job)`` is called as each starts. Returns the exit code (0, or the first failure's)."""
+    return _batch.run_jobs(jobs, quantize, keep_going=keep_going, emit=emit, on_job=on_job)
 
 
 def batch(path: str | Path, keep_going: bool = False, emit=print) -> int:

@@ -483,7 +483,17 @@ def batch_cmd(ctx: _Ctx, jobs_file, keep_going):
     from . import api
 
     jobs = _run(ctx, lambda: api.load_jobs(jobs_file), last=False)
-    code = _run(ctx, lambda: api.run_jobs(jobs, keep_going=keep_going, emit=click.echo))
+    running: dict = {}
+
+    def hint() -> str | None:  # what an interrupt stopped: the running job, and what it left
+        if not running:
+            return None
+        left = api.partial_hint(running["output"])
+        done = f"; jobs 0-{running['i'] - 1} finished" if running["i"] else ""
+        return f"job {running['i']} ({running['output']}) was stopped{done}" + (f"; {left}" if left else "")
+
+    on_job = lambda i, job: running.update(i=i, output=job["output"])  # noqa: E731
+    code = _run(ctx, lambda: api.run_jobs(jobs, keep_going=keep_going, emit=click.echo, on_job=on_job), hint=hint)
     sys.exit(code)
 
 

@@ -329,6 +329,9 @@ def test_ctrl_c_stops_a_batch(tmp_path):
     assert code == 130, err
     assert_no_checkpoint(tmp_path / "a")
     assert_no_checkpoint(tmp_path / "b")
+    last = err.strip().splitlines()[-1]
+    assert f"job 0 ({tmp_path / 'a'}) was stopped" in last, err  # which job, and what it left
+    assert ("partial data" in last) == (tmp_path / ".a.ctconvert-partial").exists(), err
 
 
 # -- never lose data, never write a checkpoint that lies (issue 16) ----------------------------------

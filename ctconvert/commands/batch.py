@@ -94,9 +94,10 @@ def load_jobs(path: str | Path) -> list[dict]:
     return jobs
 
 
-def run_jobs(jobs: list[dict], convert: Callable, keep_going: bool = False, emit=print) -> int:
+def run_jobs(jobs: list[dict], convert: Callable, keep_going: bool = False, emit=print, on_job: Callable | None = None) -> int:
     """Run the jobs in order through ``convert(model, output, scheme, **options)`` (the API's
-    ``quantize``); ``emit`` gets one JSON line per job. Returns the exit code.
+    ``quantize``); ``emit`` gets one JSON line per job; ``on_job(i, job)`` is called as each job starts.
+    Returns the exit code.
 
     The exit code is 0 when every job succeeded, else that of the first failure.
     Without ``keep_going`` the jobs after a failure are reported as skipped.
@@ -106,6 +107,8 @@ def run_jobs(jobs: list[dict], convert: Callable, keep_going: bool = False, emit
         if code and not keep_going:
             emit(json.dumps({"job": i, "status": "skipped", "model": str(job["model"]), "output": str(job["output"])}))
             continue
+        if on_job is not None:
+            on_job(i, job)
         t0 = time.perf_counter()
         kw = {k: v for k, v in job.items() if k not in ("model", "output", "scheme")}
         if "allow_non_finite" in kw:  # the option's name on the command line
