@@ -12,13 +12,12 @@ import os
 import signal
 import sys
 
-from .errors import EXIT_INTERRUPTED, interrupted_message  # light: no torch
+from .errors import STOP_SIGNALS, stop_exit_code, stop_message  # light: no torch
 
 
 def main() -> None:
-    stops = [sig for sig in (signal.SIGINT, getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if sig is not None]
     hits: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: hits.append(signum)) for sig in stops}
+    previous = {sig: signal.signal(sig, lambda signum, frame: hits.append(signum)) for sig in STOP_SIGNALS}
     try:
         from . import api  # noqa: F401 - torch and the rest of the heavy imports, inside the window
         from .cli import run
@@ -26,12 +25,11 @@ def main() -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if hits:
-        for sig in stops:
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
-        name = "" if hits[0] == signal.SIGINT else f"{signal.Signals(hits[0]).name}: "
-        sys.stderr.write(name + interrupted_message(sys.argv[1:]) + "\n")
+        sys.stderr.write(stop_message(hits[0], sys.argv[1:]) + "\n")
         sys.stderr.flush()
-        os._exit(EXIT_INTERRUPTED if hits[0] == signal.SIGINT else 128 + hits[0])  # nothing was opened yet
+        os._exit(stop_exit_code(hits[0]))  # nothing was opened yet
     run()
 
 

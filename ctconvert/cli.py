@@ -38,8 +38,6 @@ class _Ctx:
 _AS_PROGRAM = False  # set by run(): the process is ctconvert itself (not a test runner or a host program)
 
 
-#: the signals that stop a command like Ctrl-C (batch schedulers send SIGTERM, a closed terminal SIGHUP)
-STOP_SIGNALS = tuple(sig for sig in (signal.SIGINT, getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if sig is not None)
 _received: list[int] = []  # the stop signals received, in order
 
 
@@ -50,7 +48,7 @@ def _stop(signum, frame) -> None:
 
 
 def _ignore_stops() -> None:
-    for sig in STOP_SIGNALS:
+    for sig in errors.STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 
@@ -60,16 +58,14 @@ def _interrupted(hint=None):
     which could re-raise the interrupt. ``hint``: a function giving what was left behind and how to resume
     or remove it (None when nothing was)."""
     _ignore_stops()
-    msg = errors.interrupted_message(sys.argv[1:]) if _AS_PROGRAM else errors.INTERRUPTED_MESSAGE
     signum = _received[0] if _received else signal.SIGINT
-    if signum != signal.SIGINT:
-        msg = f"{signal.Signals(signum).name}: " + msg
+    msg = errors.stop_message(signum, sys.argv[1:]) if _AS_PROGRAM else errors.INTERRUPTED_MESSAGE
     left = hint() if hint else None
     if left:
         msg += f"; {left}"
     click.echo(msg, err=True)
     _flush()
-    os._exit(errors.EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum)
+    os._exit(errors.stop_exit_code(signum))
 
 
 def _partial_hint(output) -> str | None:
@@ -518,7 +514,7 @@ def run() -> None:
     _AS_PROGRAM = True
     if hasattr(signal, "SIGPIPE"):  # `ctconvert inspect OUT | head`: end quietly like other Unix tools, not "exit 1"
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    for sig in STOP_SIGNALS[1:]:
+    for sig in errors.STOP_SIGNALS[1:]:
         signal.signal(sig, _stop)
     code = 0
     try:

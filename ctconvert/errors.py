@@ -7,6 +7,8 @@ one, the tensor. The CLI prints ``error: <message>`` and exits with
 
 from __future__ import annotations
 
+import signal
+
 # Documented exit codes (README "Exit codes").
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -19,6 +21,21 @@ EXIT_INTERRUPTED = 130
 INTERRUPTED_MESSAGE = "interrupted: nothing was written to the output path"
 #: commands that write an output path (the others only read)
 WRITING_COMMANDS = ("quantize", "repack", "decompress", "batch")
+
+
+#: the signals that stop a command like Ctrl-C (batch schedulers send SIGTERM, a closed terminal SIGHUP)
+STOP_SIGNALS = tuple(sig for sig in (signal.SIGINT, getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if sig is not None)
+
+
+def stop_exit_code(signum: int) -> int:
+    """130 for Ctrl-C, 128 + the signal for SIGTERM (143) and SIGHUP (129)."""
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
+
+
+def stop_message(signum: int, argv: list[str]) -> str:
+    """The stop line: :func:`interrupted_message`, prefixed with the signal's name unless it was Ctrl-C."""
+    prefix = "" if signum == signal.SIGINT else f"{signal.Signals(signum).name}: "
+    return prefix + interrupted_message(argv)
 
 
 def interrupted_message(argv: list[str]) -> str:

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from .. import __version__
-from ..errors import OutputError, UsageError
+from ..errors import STOP_SIGNALS, OutputError, UsageError
 from .hashing import HASH_NAME, new_hasher
 from .reader import CONFIG_NAME, INDEX_NAME
 from .safetensors_io import PlannedTensor, ShardFile
@@ -411,8 +411,7 @@ def _interrupts_held():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = [sig for sig in (signal.SIGINT, getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if sig is not None]
-    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in held}
+    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
