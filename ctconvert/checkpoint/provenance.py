@@ -23,11 +23,9 @@ from ..errors import UsageError
 from .hashing import HASH_NAME, hash_tensor_bytes
 from .reader import INDEX_NAME, Checkpoint
 from .safetensors_io import PlannedTensor
-from .writer import shard_names
+from .writer import PROVENANCE, shard_names
 
 __all__ = ["PROVENANCE", "fingerprint", "load_provenance", "provenance", "refresh_plan", "shard_map", "sources_by_shard"]
-
-PROVENANCE = "ctconvert-provenance.json"
 
 
 def fingerprint(ckpt: Checkpoint, options: dict, planned: list[PlannedTensor]) -> str:

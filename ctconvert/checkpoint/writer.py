@@ -98,7 +98,9 @@ def check_output_path(src: Path, out: Path, overwrite: bool) -> None:
 JOURNAL = "ctconvert-journal.json"
 #: the index metadata key that marks a folder as written by ctconvert (what ``--overwrite`` may replace)
 MARKER = "ctconvert"
-_PROVENANCE = "ctconvert-provenance.json"  # quantize outputs of releases before the marker
+#: the per-tensor provenance every quantize output holds (:mod:`.provenance`); also how outputs of releases before
+#: the marker are recognised
+PROVENANCE = "ctconvert-provenance.json"
 
 
 def replaceable(folder: Path) -> bool:
@@ -111,7 +113,7 @@ def replaceable(folder: Path) -> bool:
         index = None
     if isinstance(index, dict) and isinstance(index.get("metadata"), dict) and MARKER in index["metadata"]:
         return True
-    return (folder / _PROVENANCE).is_file() and (folder / INDEX_NAME).is_file()
+    return (folder / PROVENANCE).is_file() and (folder / INDEX_NAME).is_file()
 
 
 #: files of other weight formats that a converted checkpoint must not carry along (dense copies of the weights)

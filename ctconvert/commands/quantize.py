@@ -11,7 +11,6 @@ rename into place.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from ..checkpoint.config import build_quantization_config, updated_config
 from ..checkpoint.hashing import hash_tensor_bytes, new_hasher
 from ..checkpoint.provenance import PROVENANCE, fingerprint, load_provenance, provenance, refresh_plan, shard_map, sources_by_shard
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
-from ..checkpoint.safetensors_io import DTYPES, PlannedTensor
+from ..checkpoint.safetensors_io import PlannedTensor
 from ..checkpoint.writer import (
     OutputFolder,
     assign_shards,
@@ -123,7 +122,7 @@ def quantize(
     plan, dry_error = _plan(ckpt, scheme, dry_run, skip_incompatible, plan_kw)
     result = QuantizeResult.of_plan(plan, out, dry_run, ckpt.total_bytes, devs)
     if dry_run:
-        result.output_bytes = sum(math.prod(shape) * DTYPES[dt][1] for _, dt, shape in plan.output_tensors)
+        result.output_bytes = sum(PlannedTensor(*t).nbytes for t in plan.output_tensors)
         result.seconds = time.perf_counter() - t0
         result.error = dry_error
         return result

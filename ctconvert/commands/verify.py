@@ -59,13 +59,18 @@ def verify(path: str | Path, reference: str | Path | None = None) -> dict:
         ref = open_checkpoint(reference, strict=True)
         rows, ref_problems = _compare_weights(mods, ref)
         problems += ref_problems + _compare_others(ckpt, mods, ref)
-    errors = [p for p in problems if p.severity == "error"]
+    return _report(path, reference, problems, rows)
+
+
+def _report(path: Path, reference, problems: list[Problem], tensors: list[dict], **extra) -> dict:
+    """The report: ``ok`` when no problem is an error."""
     return {
         "path": str(path),
         "reference": str(reference) if reference else None,
-        "ok": not errors,
+        "ok": not any(p.severity == "error" for p in problems),
         "problems": [p.to_dict() for p in problems],
-        "tensors": rows,
+        "tensors": tensors,
+        **extra,
     }
 
 
@@ -235,15 +240,7 @@ def _verify_kernel_native(ckpt: Checkpoint, path: Path, reference: str | Path | 
             problems.append(_error("round trip (invert, then repack) does not give the stored bytes", tensor=mod))
         ref_ok = None if ref is None else _equals_reference(back, ref, mod, problems)
         rows.append({"module": mod, "kernel": rec["kernel"], "round_trip": same, "equals_reference": ref_ok})
-    errors = [p for p in problems if p.severity == "error"]
-    return {
-        "path": str(path),
-        "reference": str(reference) if reference else None,
-        "ok": not errors,
-        "problems": [p.to_dict() for p in problems],
-        "tensors": [],
-        "modules": rows,
-    }
+    return _report(path, reference, problems, [], modules=rows)
 
 
 def _round_trip(stored: dict, rec: dict, mod: str, src_cfg: dict, q: dict):
