@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .base import CompressionFormat, WeightFormat, dequantize_unpacked, expand_scale
+from .base import CompressionFormat, WeightFormat, dequantize_unpacked
 from .common import dtype_eps, group_absmax, group_minmax, rd, sdiv
 
 __all__ = ["IntQuantized", "PackQuantized", "int_range", "pack_int32", "pack_int32_dim0", "quantize_int", "unpack_int32"]
@@ -201,12 +201,8 @@ class PackQuantized(_Integer):
         shape = [int(x) for x in tensors["weight_shape"].tolist()] if "weight_shape" in tensors else None
         n = packed.shape[0]
         k = shape[1] if shape else packed.shape[1] * 32 // bits
-        q = unpack_int32(packed, bits, k).to(torch.float32)
-        scale = tensors["weight_scale"]
-        d = scale.dtype if scale.dtype.is_floating_point else torch.float16
+        unpacked = {"weight": unpack_int32(packed, bits, k), "weight_scale": tensors["weight_scale"]}
         zp = tensors.get("weight_zero_point")
         if zp is not None:
-            if zp.dtype == torch.int32:
-                zp = unpack_int32(zp.t().contiguous(), bits, n).t()
-            q = q - expand_scale(zp, n, k, args)
-        return (q * expand_scale(scale, n, k, args)).to(d)
+            unpacked["weight_zero_point"] = unpack_int32(zp.t().contiguous(), bits, n).t() if zp.dtype == torch.int32 else zp
+        return dequantize_unpacked(unpacked, args)
