@@ -174,7 +174,12 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @main.command()
 @click.argument("src", type=click.Path(file_okay=False, path_type=str))
 @click.option("-o", "--output", "output", type=click.Path(path_type=str), help="Output folder (created; must not exist unless --overwrite).")
-@click.option("-s", "--scheme", required=True, help="compressed-tensors preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W4A16, W4A16_ASYM, W8A16, NVFP4A16, MXFP4A16.")
+@click.option(
+    "-s",
+    "--scheme",
+    required=True,
+    help="compressed-tensors preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W4A16, W4A16_ASYM, W8A16, NVFP4A16, MXFP4A16, MXFP4, MXFP8A16, MXFP8.",
+)
 @click.option(
     "--lm-head",
     type=click.Choice(["none", "nvfp4a16", "fp8"], case_sensitive=False),

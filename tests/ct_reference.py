@@ -30,6 +30,9 @@ PRESET_FORMAT = {
     "NVFP4A16": "nvfp4-pack-quantized",
     "NVFP4": "nvfp4-pack-quantized",
     "MXFP4A16": "mxfp4-pack-quantized",
+    "MXFP4": "mxfp4-pack-quantized",
+    "MXFP8A16": "mxfp8-quantized",
+    "MXFP8": "mxfp8-quantized",
 }
 
 

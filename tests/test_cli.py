@@ -131,7 +131,7 @@ def test_subprocess_nan_error_exit_code_no_traceback(tmp_path, monkeypatch):
 def test_schemes_command():
     code, stdout, _ = run("--json", "schemes")
     names = {s["name"] for s in json.loads(stdout)["schemes"]}
-    assert {"FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"} <= names
+    assert {"FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"} <= names
 
 
 def test_output_exists_exit_code(tiny_llama, tmp_path):

@@ -14,9 +14,21 @@ from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 transformers = pytest.importorskip("transformers")
 warnings.filterwarnings("ignore")
 
-SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"]
+SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"]
 # cosine(dense, quantized) lower bounds; 4-bit formats lose more on these tiny random models
-MIN_COS = {"FP8_DYNAMIC": 0.98, "FP8_BLOCK": 0.98, "W8A8": 0.97, "W8A16": 0.995, "W4A16": 0.85, "W4A16_ASYM": 0.85, "NVFP4A16": 0.92, "MXFP4A16": 0.90}
+MIN_COS = {
+    "FP8_DYNAMIC": 0.98,
+    "FP8_BLOCK": 0.98,
+    "W8A8": 0.97,
+    "W8A16": 0.995,
+    "W4A16": 0.85,
+    "W4A16_ASYM": 0.85,
+    "NVFP4A16": 0.92,
+    "MXFP4A16": 0.90,
+    "MXFP4": 0.90,
+    "MXFP8A16": 0.98,
+    "MXFP8": 0.98,
+}
 
 
 def _load(cls, path, scheme):

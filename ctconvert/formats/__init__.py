@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from .base import CompressionFormat, WeightArgs, WeightFormat
 from .fp4 import MXFP4PackQuantized, NVFP4PackQuantized
-from .fp8 import FloatQuantized, NaiveQuantized
+from .fp8 import FloatQuantized, MXFP8Quantized, NaiveQuantized
 from .integer import IntQuantized, PackQuantized
 
 __all__ = ["FORMATS", "CompressionFormat", "WeightArgs", "WeightFormat", "get_format"]
 
 #: every weight format ctconvert reads, by name; ``writes`` says which it also produces
 FORMATS: dict[CompressionFormat, WeightFormat] = {
-    f.name: f for f in (FloatQuantized(), IntQuantized(), NaiveQuantized(), PackQuantized(), NVFP4PackQuantized(), MXFP4PackQuantized())
+    f.name: f for f in (FloatQuantized(), IntQuantized(), NaiveQuantized(), PackQuantized(), NVFP4PackQuantized(), MXFP4PackQuantized(), MXFP8Quantized())
 }
 
 

@@ -38,6 +38,7 @@ class CompressionFormat(str, Enum):
     PACK_QUANTIZED = "pack-quantized"
     NVFP4_PACK_QUANTIZED = "nvfp4-pack-quantized"
     MXFP4_PACK_QUANTIZED = "mxfp4-pack-quantized"
+    MXFP8_QUANTIZED = "mxfp8-quantized"
     MIXED_PRECISION = "mixed-precision"
 
     __str__ = str.__str__

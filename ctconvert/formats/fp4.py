@@ -5,7 +5,7 @@ Format facts (docs/compressed-tensors-format.md): E2M1 codes and nibble order §
 sign bit, 0x8); NVFP4 layout §4.4 and math §6.4 (``gs = D(D(1/amax) * 2688)``
 as an fp32 divisor, ``s = e4m3(clamp(gs * D(amax_g / 6), ±448))`` with 0 ->
 0.125, elements ``w / (s / gs)`` in fp32, E2M1 ties to even); MX layout §4.5 and
-math §6.5 (power-of-two rounding on the D bit pattern, E8M0 bias 127).
+math §6.5 (the E8M0 group scale of :mod:`.mx`).
 NVFP4: NVIDIA, "Introducing NVFP4" (2025); MX: OCP Microscaling Formats v1.0.
 """
 
@@ -16,12 +16,13 @@ from dataclasses import replace
 import torch
 
 from .base import CompressionFormat, WeightFormat, expand_scale
-from .common import FP4_MAX, FP8_MAX, dtype_eps, group_absmax, rd, sdiv
+from .common import FP4_MAX, FP8_MAX, group_absmax, rd, sdiv
+from .mx import E2M1_OFFSET, MX_GROUP, e8m0_scale, mx_scale
 
 __all__ = ["MXFP4PackQuantized", "NVFP4PackQuantized", "e2m1_codes", "nvfp4_global_scale", "pack_nibbles", "quantize_mxfp4", "quantize_nvfp4", "unpack_e2m1"]
 
 NVFP4_GROUP = 16
-MXFP4_GROUP = 32
+MXFP4_GROUP = MX_GROUP
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -90,50 +91,19 @@ def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor) -> dict[str, tor
     return {"weight_packed": pack_nibbles(codes), "weight_scale": s.to(torch.float8_e4m3fn)}
 
 
-def _round_pow2_bits(amax_d: torch.Tensor) -> torch.Tensor:
-    """Round positive D values to a power of two on their bit pattern (§6.5).
-
-    Adds half of the E2M1 mantissa step (``1 << (m_D - 2)``) and clears the
-    mantissa bits. Returns the power of two as fp32.
-    """
-    d = amax_d.dtype
-    if d == torch.float32:
-        bits, mant, exp = amax_d.view(torch.int32).to(torch.int64) & 0xFFFFFFFF, 23, 8
-    else:
-        bits = amax_d.view(torch.int16).to(torch.int64) & 0xFFFF
-        mant, exp = (7, 8) if d == torch.bfloat16 else (10, 5)
-    add = 1 << (mant - 1 - 1)
-    mask = ((1 << (exp + 1)) - 1) << mant
-    r = (bits + add) & mask
-    if d == torch.float32:
-        r = torch.where(r >= 2**31, r - 2**32, r).to(torch.int32).view(torch.float32)
-    else:
-        r = torch.where(r >= 2**15, r - 2**16, r).to(torch.int16).view(d).to(torch.float32)
-    return r
-
-
 def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """MXFP4 weight: E2M1 values with one E8M0 scale per 32 (OCP MX v1.0).
 
     ``w``: ``[N, K]`` bf16/fp16/fp32 with ``K % 32 == 0``. Returns
     ``weight_packed`` uint8 ``[N, K/2]`` and ``weight_scale`` uint8 ``[N, K/32]``
-    (the biased exponent: scale = 2^(byte - 127)). Raises ``ValueError`` when a
-    group's power-of-two scale overflows D (fp16 absmax >= 49152), where
-    compressed-tensors would silently write an all-zero group.
+    (the biased exponent: scale = 2^(byte - 127)); the scale is :func:`.mx.mx_scale`'s.
+    Raises ``ValueError`` when a group's power-of-two scale overflows D (fp16
+    absmax >= 49152), where compressed-tensors would silently write an all-zero group.
     """
-    d = w.dtype
     n, k = w.shape
-    amax = group_absmax(w, MXFP4_GROUP).to(d)
-    p2 = _round_pow2_bits(amax)
-    if bool(torch.isinf(p2).any()):
-        raise ValueError(f"MXFP4 scale overflows {d}: a group absmax of {amax.max().item():g} rounds past the largest power of two of {d}")
-    e = torch.floor(torch.log2(p2)) + (127 - 2)  # offset floor(log2(6)) = 2
-    e = torch.round(e.clamp(0, 255))  # -inf (amax 0) -> 0
-    scale = rd(torch.exp2(e - 127), d)
-    scale = torch.where(scale == 0, torch.full_like(scale, dtype_eps(torch.uint8)), scale)
-    x = rd(w.to(torch.float32).reshape(n, k // MXFP4_GROUP, MXFP4_GROUP) / scale.unsqueeze(-1), d)
+    scale, byte = mx_scale(w, E2M1_OFFSET, "MXFP4")
+    x = rd(w.to(torch.float32).reshape(n, k // MXFP4_GROUP, MXFP4_GROUP) / scale.unsqueeze(-1), w.dtype)
     codes = e2m1_codes(x.clamp_(-FP4_MAX, FP4_MAX).reshape(n, k))
-    byte = (127 + torch.floor(torch.log2(scale))).to(torch.int32).to(torch.uint8)
     return {"weight_packed": pack_nibbles(codes), "weight_scale": byte}
 
 
@@ -200,6 +170,5 @@ class MXFP4PackQuantized(_FP4):
     def dequantize(self, tensors, args):
         vals = unpack_e2m1(tensors["weight_packed"])
         n, k = vals.shape
-        e = tensors["weight_scale"].to(torch.int32) - 127
-        s = torch.pow(2.0, e.to(torch.float32)).to(torch.bfloat16).to(torch.float32)
+        s = e8m0_scale(tensors["weight_scale"])
         return (vals * expand_scale(s, n, k, replace(args, strategy="group", group_size=args.group_size or MXFP4_GROUP))).to(torch.bfloat16)

@@ -1,23 +1,36 @@
-"""FP8 E4M3 weights with symmetric scales: per-channel and per-block.
+"""FP8 E4M3 weights with symmetric scales: per-channel, per-block, and MX (an E8M0 scale per 32).
 
 Format facts (docs/compressed-tensors-format.md): layout §4.2 (``weight`` F8_E4M3
 ``[N, K]``, ``weight_scale`` in the model dtype D), math §6.2 and §6.1:
 ``scale = D(amax / 448)``, zero scales replaced by ``eps(D)``,
 ``q = e4m3_rne(clamp(D(w / scale) + 0, ±448))`` (the double rounding fp32 -> D ->
 E4M3 is part of the format). Block scales are computed on the zero-padded
-weight, and the stored weight is cut back to ``[N, K]`` (§4.2).
+weight, and the stored weight is cut back to ``[N, K]`` (§4.2). MXFP8
+(``mxfp8-quantized``, §4.5, §6.5): the same element rounding with the power-of-two
+group scale of :mod:`.mx` (offset 8 = floor(log2 448)), stored as E8M0 bytes.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
-from .base import CompressionFormat, WeightFormat, dequantize_unpacked
+from .base import CompressionFormat, WeightFormat, dequantize_unpacked, expand_scale
 from .common import FP8_MAX, dtype_eps, group_absmax, rd, sdiv
+from .mx import E4M3_OFFSET, MX_GROUP, e8m0_scale, mx_scale
 
-__all__ = ["FloatQuantized", "NaiveQuantized", "fp8_quantize_values", "fp8_scale", "quantize_fp8_block", "quantize_fp8_channel"]
+__all__ = [
+    "FloatQuantized",
+    "MXFP8Quantized",
+    "NaiveQuantized",
+    "fp8_quantize_values",
+    "fp8_scale",
+    "quantize_fp8_block",
+    "quantize_fp8_channel",
+    "quantize_mxfp8",
+]
 
 
 def fp8_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -60,6 +73,21 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
     s = fp8_scale(group_absmax(blocks, bh * bw).reshape(nb, kb), w.dtype)
     s_full = s.repeat_interleave(bh, 0).repeat_interleave(bw, 1)[:n, :k]
     return {"weight": fp8_quantize_values(w, s_full), "weight_scale": s.to(w.dtype)}
+
+
+def quantize_mxfp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """MXFP8 weight: E4M3 values with one E8M0 scale per 32 (OCP MX v1.0).
+
+    ``w``: ``[N, K]`` bf16/fp16/fp32 with ``K % 32 == 0``. Returns ``weight``
+    float8_e4m3fn ``[N, K]`` and ``weight_scale`` uint8 ``[N, K/32]`` (the biased
+    exponent: scale = 2^(byte - 127)), as compressed-tensors 0.20.1's
+    ``MXFP8QuantizationCompressor.compress`` writes them. Raises ``ValueError`` when a
+    group's power-of-two scale overflows D (:func:`.mx.mx_scale`).
+    """
+    n, k = w.shape
+    scale, byte = mx_scale(w, E4M3_OFFSET, "MXFP8")
+    q = fp8_quantize_values(w.reshape(n, k // MX_GROUP, MX_GROUP), scale.unsqueeze(-1))
+    return {"weight": q.reshape(n, k), "weight_scale": byte}
 
 
 class FloatQuantized(WeightFormat):
@@ -113,3 +141,35 @@ class NaiveQuantized(WeightFormat):
 
     def dequantize(self, tensors, args):
         return dequantize_unpacked(tensors, args)
+
+
+class MXFP8Quantized(WeightFormat):
+    """``mxfp8-quantized``: E4M3 ``weight [N, K]`` and E8M0 ``weight_scale [N, K/32]`` uint8,
+    scale = 2^(byte - 127) (docs/compressed-tensors-format.md §4.5; compressed-tensors 0.20.1
+    ``compressors/mxfp8/base.py``; vLLM 0.33 ``CompressedTensorsW8A8Mxfp8``)."""
+
+    name = CompressionFormat.MXFP8_QUANTIZED
+    required = ("weight", "weight_scale")
+
+    def outputs(self, shape, dtype, args):
+        n, k = shape
+        return {"weight": (torch.float8_e4m3fn, (n, k)), "weight_scale": (torch.uint8, (n, k // MX_GROUP))}
+
+    def k_multiple(self, args):
+        return MX_GROUP
+
+    def _reference(self, w, args, global_scale):
+        return quantize_mxfp8(w)
+
+    def _fused(self, kernels, w, args, global_scale):
+        fn = getattr(kernels, "mxfp8", None)
+        if fn is None:  # no Triton kernel: the torch reference runs on the CUDA tensor (same bytes)
+            raise NotImplementedError("no fused MXFP8 kernel here")
+        return fn(w)
+
+    def dequantize(self, tensors, args):
+        """bf16 ``e4m3 * 2^(byte - 127)``, as ``MXFP8QuantizationCompressor.decompress`` (bf16 scale) computes it."""
+        q = tensors["weight"].to(torch.float32)
+        n, k = q.shape
+        s = expand_scale(e8m0_scale(tensors["weight_scale"]), n, k, replace(args, strategy="group", group_size=MX_GROUP))
+        return (q * s).to(torch.bfloat16)

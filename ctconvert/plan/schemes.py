@@ -133,6 +133,10 @@ _PRESET_ARGS: dict[str, tuple[dict, dict | None]] = {
     "W8A16": (_args(8, "int", "group", 128), None),
     "NVFP4A16": (_args(4, "float", "tensor_group", 16, scale_dtype="torch.float8_e4m3fn"), None),
     "MXFP4A16": (_args(4, "float", "group", 32, scale_dtype="torch.uint8"), None),
+    # MX presets with dynamic group-32 activations (nothing stored for them, docs/compressed-tensors-format.md §4.5)
+    "MXFP4": (_args(4, "float", "group", 32, scale_dtype="torch.uint8"), _args(4, "float", "group", 32, dynamic=True, scale_dtype="torch.uint8")),
+    "MXFP8A16": (_args(8, "float", "group", 32, scale_dtype="torch.uint8"), None),
+    "MXFP8": (_args(8, "float", "group", 32, scale_dtype="torch.uint8"), _args(8, "float", "group", 32, dynamic=True, scale_dtype="torch.uint8")),
 }
 #: preset -> the compressed-tensors format its weights are written in (docs/compressed-tensors-format.md §3.3)
 _PRESET_FORMAT = {
@@ -144,6 +148,9 @@ _PRESET_FORMAT = {
     "W8A16": CompressionFormat.PACK_QUANTIZED,
     "NVFP4A16": CompressionFormat.NVFP4_PACK_QUANTIZED,
     "MXFP4A16": CompressionFormat.MXFP4_PACK_QUANTIZED,
+    "MXFP4": CompressionFormat.MXFP4_PACK_QUANTIZED,
+    "MXFP8A16": CompressionFormat.MXFP8_QUANTIZED,
+    "MXFP8": CompressionFormat.MXFP8_QUANTIZED,
 }
 _SCHEMES: dict[str, Scheme] = {name: Scheme(name, _PRESET_FORMAT[name], WeightArgs.from_dict(weights)) for name, (weights, _) in _PRESET_ARGS.items()}
 _ALIASES = {"INT8": "W8A8"}

@@ -16,7 +16,7 @@ from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 from ct_reference import ct_compress
 from helpers import tree_hash
 
-SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"]
+SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"]
 
 
 def load_output(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -147,7 +147,7 @@ def test_tied_without_quantized_head_lists_lm_head_in_ignore(tmp_path):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16", "FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16_ASYM", "W8A16", "MXFP4A16"])
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16", "FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16_ASYM", "W8A16", "MXFP4A16", "MXFP8A16"])
 def test_non_finite_weight_is_an_error_and_nothing_is_written(tmp_path, bad, scheme):
     src = llama_tensors(LLAMA_CONFIG)
     src["model.layers.1.mlp.down_proj.weight"][3, 5] = bad
@@ -174,6 +174,18 @@ def test_group_size_must_divide(tmp_path):
         api.quantize(ckpt, tmp_path / "o2", "FP8_BLOCK")
     res = api.quantize(ckpt, tmp_path / "o2", "FP8_BLOCK", skip_incompatible=True)
     assert "model.layers.0.mlp.down_proj" in res.ignore
+
+
+@pytest.mark.parametrize("scheme", ["MXFP4", "MXFP8A16", "MXFP8"])
+def test_mx_schemes_need_k_multiple_of_32(tmp_path, scheme):
+    src = llama_tensors(LLAMA_CONFIG)
+    src["model.layers.0.mlp.down_proj.weight"] = torch.randn(256, 500).to(torch.bfloat16)  # 500 = 15 * 32 + 20
+    ckpt = write_checkpoint(tmp_path / "m", src, LLAMA_CONFIG)
+    with pytest.raises(UnsupportedError, match=r"down_proj.*K=500 is not a multiple of the group size 32"):
+        api.quantize(ckpt, tmp_path / "o", scheme)
+    assert not (tmp_path / "o").exists()
+    res = api.quantize(ckpt, tmp_path / "o", scheme, skip_incompatible=True)
+    assert "model.layers.0.mlp.down_proj" in res.ignore and res.quantized_modules == 13
 
 
 def test_output_exists_and_overwrite(tiny_llama, tmp_path):

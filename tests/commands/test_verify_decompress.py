@@ -15,7 +15,7 @@ from ctconvert.cli import main
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 from ct_reference import PRESET_FORMAT
 
-SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"]
+SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

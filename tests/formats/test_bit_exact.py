@@ -13,7 +13,7 @@ from ctconvert.plan.schemes import get_scheme
 from ct_reference import ct_compress
 from helpers import stable_seed
 
-SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"]
+SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 CASES = ["randn", "zeros", "tiny", "huge", "neg_to_zero", "mixed"]
 
@@ -150,8 +150,31 @@ def test_random_shapes_and_scales_many_seeds():
 
 
 @pytest.mark.parametrize("device", IMPLS)
-def test_mxfp4_scale_overflow_is_an_error(device):
+@pytest.mark.parametrize("scheme", ["MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"])
+def test_mx_scale_overflow_is_an_error(device, scheme):
     w = torch.full((2, 64), 0.5, dtype=torch.float16)
     w[1, 3] = 60000.0  # rounds up to 2^16, which fp16 cannot hold
-    with pytest.raises(ValueError, match="MXFP4 scale overflows"):
-        ours("MXFP4A16", w, device)
+    with pytest.raises(ValueError, match=f"{scheme[:5]} scale overflows"):
+        ours(scheme, w, device)
+    b = torch.full((2, 64), 0.5, dtype=torch.bfloat16)
+    b[0, 40] = 3.3e38  # bf16: mantissa 1.94 rounds past 2^127
+    with pytest.raises(ValueError, match="scale overflows torch.bfloat16"):
+        ours(scheme, b, device)
+
+
+@pytest.mark.parametrize("device", IMPLS)
+def test_mxfp8_scales_and_values_by_hand(device):
+    """MXFP8 facts stated independently of compressed-tensors (docs/compressed-tensors-format.md §6.5): the byte
+    is 127 + floor(log2 p2) - 8, p2 being the group absmax rounded to a power of two on its bf16 bits with the
+    E2M1 half-step (a mantissa of 1.75 or more rounds up, 1.5 does not); the elements are E4M3(w / 2^(byte - 127)).
+    An all-zero group gets byte 0 (its scale 2^-127 is a bf16 subnormal, not zero) and zero elements."""
+    w = torch.zeros(3, 64, dtype=torch.bfloat16)
+    w[0, :32] = 1.5  # p2 = 1 -> byte 119, elements 1.5 * 256 = 384
+    w[0, 32:] = 1.75  # rounds up: p2 = 2 -> byte 120, elements 1.75 * 128 = 224
+    w[1, :32] = torch.linspace(-3, 3, 32)  # 3 = 1.5 * 2: p2 = 2 -> byte 120, elements w * 128
+    out = ours("MXFP8A16", w, device)
+    assert out["weight_scale"].tolist() == [[119, 120], [120, 0], [0, 0]]
+    q = out["weight"].float()
+    assert torch.equal(q[0, :32], torch.full((32,), 384.0)) and torch.equal(q[0, 32:], torch.full((32,), 224.0))
+    assert torch.equal(q[1, :32], (w[1, :32].float() * 128).to(torch.float8_e4m3fn).float())
+    assert not q[2].any() and not q[1, 32:].any()

@@ -29,6 +29,7 @@ _LIB = cbuild.Library(
         "ct_int": ([_p, _i32, _i64, _i64, _i64, _i32, _i32, _i32, _p, _p, _p, _p], None),
         "ct_nvfp4": ([_p, _i32, _i64, _i64, ctypes.c_float, _p, _p], None),
         "ct_mxfp4": ([_p, _i32, _i64, _i64, _p, _p], _i32),
+        "ct_mxfp8": ([_p, _i32, _i64, _i64, _p, _p], _i32),
         "ct_absmax": ([_p, _i32, _i64, _p], _i64),
     },
 )
@@ -131,6 +132,24 @@ def mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
     if errs:
         raise ValueError(f"MXFP4 scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
     return {"weight_packed": packed, "weight_scale": s}
+
+
+def mxfp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Same as :func:`ctconvert.formats.fp8.quantize_mxfp8` (raises ``ValueError`` on scale overflow)."""
+    dt, w = _check(w), w.contiguous()
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.uint8)
+    s = torch.empty(n, k // 32, dtype=torch.uint8)
+    errs = []
+
+    def run(a, b):
+        if _L().ct_mxfp8(_ptr(w, a), dt, b - a, k, _ptr(q, a), _ptr(s, a)):
+            errs.append((a, b))
+
+    cbuild.parallel_ranges(n, 1, run)
+    if errs:
+        raise ValueError(f"MXFP8 scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
+    return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
 
 
 def absmax(w: torch.Tensor) -> tuple[float, int]:

@@ -4,7 +4,7 @@
  * Each function reads a row-major block of rows once (bf16, fp16 or fp32),
  * and writes the packed values and the scales once. The arithmetic is the
  * same, operation for operation, as the torch reference in ../fp8.py,
- * ../integer.py and ../fp4.py (and so as compressed-tensors' CPU path,
+ * ../integer.py, ../fp4.py and ../mx.py (and so as compressed-tensors' CPU path,
  * docs/compressed-tensors-format.md section 6): every step "in D" is an fp32
  * operation rounded to D with round-to-nearest-even.
  *
@@ -220,6 +220,34 @@ static inline __attribute__((always_inline)) void ct_nvfp4_impl(const void *w, i
     }
 }
 
+/* ---- MX group scale (docs/compressed-tensors-format.md 6.5, ../mx.py): the power of two of a group
+ * absmax on D's bit pattern (E2M1 mantissa rounding), byte = clamp(127 + E - off, 0, 255), scale =
+ * D(2^(byte - 127)) with 0 -> 1. Returns 0, or 1 when the power of two overflows D. ---- */
+static inline int mx_scale(float amax, int dt, int off, float *s_out, uint8_t *byte_out) {
+    int E; /* exponent of the power of two, or INT32_MIN for zero */
+    if (dt == DT_BF16) {
+        uint32_t b = ((f2u(amax) >> 16) + (1u << 5)) & 0xFF80u;
+        if ((b & 0x7F80u) == 0x7F80u) return 1;
+        E = (b >> 7) == 0 ? INT32_MIN : (int)(b >> 7) - 127;
+    } else if (dt == DT_F16) {
+        _Float16 h = (_Float16)amax; uint16_t hb; memcpy(&hb, &h, 2);
+        uint32_t b = ((uint32_t)hb + (1u << 8)) & 0xFC00u;
+        if ((b & 0x7C00u) == 0x7C00u) return 1;
+        E = (b >> 10) == 0 ? INT32_MIN : (int)(b >> 10) - 15;
+    } else {
+        uint64_t b = ((uint64_t)f2u(amax) + (1u << 21)) & 0xFF800000u;
+        if ((b & 0x7F800000u) == 0x7F800000u) return 1;
+        E = (b >> 23) == 0 ? INT32_MIN : (int)(b >> 23) - 127;
+    }
+    int e = E == INT32_MIN ? 0 : E + 127 - off;
+    e = e < 0 ? 0 : (e > 255 ? 255 : e);
+    float s = rd(ldexpf(1.0f, e - 127), dt);
+    if (s == 0.0f) s = 1.0f;
+    *s_out = s;
+    *byte_out = (uint8_t)(127 + ilogbf(s));
+    return 0;
+}
+
 /* ---- MXFP4: packed [n, k/2], scale [n, k/32] E8M0 bytes. Returns 0, or 1 when a
  * group's power-of-two scale overflows D (the caller raises). ---- */
 static inline __attribute__((always_inline)) int ct_mxfp4_impl(const void *w, int dt, int64_t n, int64_t k, uint8_t *packed, uint8_t *scale) {
@@ -230,31 +258,33 @@ static inline __attribute__((always_inline)) int ct_mxfp4_impl(const void *w, in
             const int64_t c0 = base + gi * 32;
             uint32_t amax_b = 0;
             for (int j = 0; j < 32; j++) { uint32_t a = absbits(load(w, dt, c0 + j)); amax_b = a > amax_b ? a : amax_b; }
-            float amax = u2f(amax_b);
-            int E; /* exponent of the power of two, or INT32_MIN for zero */
-            if (dt == DT_BF16) {
-                uint32_t b = ((f2u(amax) >> 16) + (1u << 5)) & 0xFF80u;
-                if ((b & 0x7F80u) == 0x7F80u) return 1;
-                E = (b >> 7) == 0 ? INT32_MIN : (int)(b >> 7) - 127;
-            } else if (dt == DT_F16) {
-                _Float16 h = (_Float16)amax; uint16_t hb; memcpy(&hb, &h, 2);
-                uint32_t b = ((uint32_t)hb + (1u << 8)) & 0xFC00u;
-                if ((b & 0x7C00u) == 0x7C00u) return 1;
-                E = (b >> 10) == 0 ? INT32_MIN : (int)(b >> 10) - 15;
-            } else {
-                uint64_t b = ((uint64_t)f2u(amax) + (1u << 21)) & 0xFF800000u;
-                if ((b & 0x7F800000u) == 0x7F800000u) return 1;
-                E = (b >> 23) == 0 ? INT32_MIN : (int)(b >> 23) - 127;
-            }
-            int e = E == INT32_MIN ? 0 : E + 125;
-            e = e < 0 ? 0 : (e > 255 ? 255 : e);
-            float s = rd(ldexpf(1.0f, e - 127), dt);
-            if (s == 0.0f) s = 1.0f;
-            scale[r * groups + gi] = (uint8_t)(127 + ilogbf(s));
+            float s;
+            if (mx_scale(u2f(amax_b), dt, 2, &s, &scale[r * groups + gi])) return 1;
             int32_t c[32];
             for (int j = 0; j < 32; j++) c[j] = e2m1_code(clampf(rd(load(w, dt, c0 + j) / s, dt), -6.0f, 6.0f));
             uint8_t *o = packed + (c0 >> 1);
             for (int j = 0; j < 16; j++) o[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
+        }
+    }
+    return 0;
+}
+
+/* ---- MXFP8: q [n, k] E4M3 bytes, scale [n, k/32] E8M0 bytes; elements as the FP8 formats round them.
+ * Returns 0, or 1 on a scale overflow. ---- */
+static inline __attribute__((always_inline)) int ct_mxfp8_impl(const void *w, int dt, int64_t n, int64_t k, uint8_t *q, uint8_t *scale) {
+    const int64_t groups = k / 32;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t base = r * k;
+        for (int64_t gi = 0; gi < groups; gi++) {
+            const int64_t c0 = base + gi * 32;
+            uint32_t amax_b = 0;
+            for (int j = 0; j < 32; j++) { uint32_t a = absbits(load(w, dt, c0 + j)); amax_b = a > amax_b ? a : amax_b; }
+            float s;
+            if (mx_scale(u2f(amax_b), dt, 8, &s, &scale[r * groups + gi])) return 1;
+            for (int j = 0; j < 32; j++) {
+                float v = rd(load(w, dt, c0 + j) / s, dt) + 0.0f;
+                q[c0 + j] = f32_to_e4m3(clampf(v, -448.0f, 448.0f));
+            }
         }
     }
     return 0;
@@ -296,6 +326,12 @@ int ct_mxfp4(const void *w, int dt, int64_t n, int64_t k, uint8_t *packed, uint8
     if (dt == DT_BF16) return ct_mxfp4_impl(w, DT_BF16, n, k, packed, scale);
     else if (dt == DT_F16) return ct_mxfp4_impl(w, DT_F16, n, k, packed, scale);
     else return ct_mxfp4_impl(w, DT_F32, n, k, packed, scale);
+}
+
+int ct_mxfp8(const void *w, int dt, int64_t n, int64_t k, uint8_t *q, uint8_t *scale) {
+    if (dt == DT_BF16) return ct_mxfp8_impl(w, DT_BF16, n, k, q, scale);
+    else if (dt == DT_F16) return ct_mxfp8_impl(w, DT_F16, n, k, q, scale);
+    else return ct_mxfp8_impl(w, DT_F32, n, k, q, scale);
 }
 
 int64_t ct_absmax(const void *w, int dt, int64_t count, float *amax_out) {
