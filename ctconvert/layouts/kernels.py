@@ -13,6 +13,7 @@ config) and the names of the module's tensors, not from format names:
   docs/kernel-layouts.md §2-§4.
 * ``marlin-fp8``: FP8 weight-only Marlin, channel or tensor scales (§5.1).
 * ``marlin-nvfp4``: NVFP4 weights on Marlin, W4A16 (§5.2).
+* ``marlin-mxfp4``: MXFP4 weights on Marlin, W4A16 (§5.3).
 * ``cutlass-nvfp4``: NVFP4 W4A4 on CUTLASS: swizzled block scales, padded weight, ``alpha`` (§6).
 
 Where vLLM's processing loses information (scales cast or folded into the
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cutlass, marlin, marlin_fp8, marlin_nvfp4
+from . import cutlass, marlin, marlin_fp8, marlin_mxfp4, marlin_nvfp4
 
 __all__ = ["DEFAULT_LAYOUT_VERSION", "KERNELS", "LAYOUT_VERSIONS", "TARGETS", "Kernel", "choose_kernel", "repack_module", "unrepack_module"]
 
@@ -255,6 +256,32 @@ def _uncutlass_nvfp4(t: dict[str, torch.Tensor], rec: dict) -> dict:
     }
 
 
+# ------------------------------------------------------------------ marlin-mxfp4 (§5.3)
+
+
+def _takes_marlin_mxfp4(weights: dict, parts: set) -> bool:
+    bits, typ = _bits_type(weights)
+    return "weight_packed" in parts and "weight_global_scale" not in parts and typ == "float" and bits == 4 and weights.get("group_size") == 32
+
+
+def _marlin_mxfp4(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: torch.dtype) -> tuple[dict, dict]:
+    wp = t["weight_packed"]
+    n, k = wp.shape[0], wp.shape[1] * 2
+    k_out = marlin_mxfp4.marlin_mxfp4_repack(wp, t["weight_scale"], act_dtype, v)
+    out = {"weight_packed": k_out["marlin_q_w"], "weight_scale": k_out["marlin_scales"]}
+    if act_dtype == torch.float16:  # the cast to fp16 loses scales outside its range (marlin_mxfp4 docstring)
+        out["weight_scale_source"] = t["weight_scale"]
+    rec = {"kernel": "marlin-mxfp4", "size_n": n, "size_k": k, "layout_version": v, "act_dtype": str(act_dtype).replace("torch.", "")}
+    return out, rec
+
+
+def _unmarlin_mxfp4(t: dict[str, torch.Tensor], rec: dict) -> dict:
+    back = marlin_mxfp4.marlin_mxfp4_unrepack(
+        {"marlin_q_w": t["weight_packed"], "marlin_scales": t["weight_scale"]}, rec["size_n"], rec["size_k"], rec["layout_version"]
+    )
+    return {"weight_packed": back["weight_packed"], "weight_scale": t.get("weight_scale_source", back["weight_scale"])}
+
+
 # ------------------------------------------------------------------ the table
 
 
@@ -265,11 +292,12 @@ KERNELS: dict[str, Kernel] = {
         Kernel("marlin-int", "marlin", _takes_marlin_int, _marlin_int, _unmarlin_int),
         Kernel("marlin-fp8", "marlin", _takes_marlin_fp8, _marlin_fp8, _unmarlin_fp8),
         Kernel("marlin-nvfp4", "marlin", _takes_nvfp4, _marlin_nvfp4, _unmarlin_nvfp4),
+        Kernel("marlin-mxfp4", "marlin", _takes_marlin_mxfp4, _marlin_mxfp4, _unmarlin_mxfp4),
         Kernel("cutlass-nvfp4", "cutlass-nvfp4", _takes_cutlass_nvfp4, _cutlass_nvfp4, _uncutlass_nvfp4),
     )
 }
 #: the kernel-layout targets (``--target``) and what each takes, for messages
-TARGETS = {"marlin": "int4/int8, FP8 channel/tensor and NVFP4", "cutlass-nvfp4": "NVFP4 W4A4"}
+TARGETS = {"marlin": "int4/int8, FP8 channel/tensor, NVFP4 and MXFP4", "cutlass-nvfp4": "NVFP4 W4A4"}
 
 
 def choose_kernel(target: str, weights: dict, parts: set[str]) -> str | None:

@@ -113,6 +113,8 @@ def _assert_same_checkpoint(a, b):
         ("FP8_DYNAMIC", "marlin", "bf16", "none"),
         ("W4A16_ASYM", "marlin", "bf16", "none"),
         ("NVFP4A16", "marlin", "bf16", "none"),
+        ("MXFP4A16", "marlin", "bf16", "none"),
+        ("MXFP4", "marlin", "fp16", "nvfp4a16"),
     ],
 )
 def test_quantize_with_target_equals_quantize_then_repack(tiny_llama, tmp_path, scheme, target, act, lm_head):
@@ -123,7 +125,9 @@ def test_quantize_with_target_equals_quantize_then_repack(tiny_llama, tmp_path, 
     assert api.verify(tmp_path / "k", tmp_path / "q")["ok"]
 
 
-@pytest.mark.parametrize("scheme,act", [("FP8_DYNAMIC", "bf16"), ("FP8_DYNAMIC", "fp16"), ("NVFP4A16", "bf16"), ("NVFP4A16", "fp16")])
+@pytest.mark.parametrize(
+    "scheme,act", [("FP8_DYNAMIC", "bf16"), ("FP8_DYNAMIC", "fp16"), ("NVFP4A16", "bf16"), ("NVFP4A16", "fp16"), ("MXFP4A16", "bf16"), ("MXFP4A16", "fp16")]
+)
 def test_marlin_fp_round_trip(tiny_llama, tmp_path, scheme, act):
     q, k, b = tmp_path / "q", tmp_path / "k", tmp_path / "b"
     api.quantize(tiny_llama, q, scheme, lm_head="nvfp4a16" if scheme == "NVFP4A16" else "none")
@@ -185,3 +189,31 @@ def test_cutlass_round_trip_on_a_w4a4_checkpoint(tiny_llama, tmp_path):
     for ff in b.glob("*.safetensors"):
         tb.update(load_file(ff))
     assert all(torch.equal(t[n].reshape(-1).view(torch.uint8), tb[n].reshape(-1).view(torch.uint8)) for n in t)
+
+
+@pytest.mark.parametrize("act", ["bf16", "fp16"])
+def test_mxfp4_goes_to_its_marlin_layout(tiny_llama, tmp_path, act):
+    """MXFP4A16 and MXFP4 (W4A4) weights take marlin-mxfp4 (docs/kernel-layouts.md §5.3): E8M0 scales in the
+    kernel's float8_e8m0fnu, the checkpoint bytes kept beside them only for fp16 activations (where the cast loses)."""
+    from safetensors import safe_open
+
+    k = tmp_path / "k"
+    r = CliRunner().invoke(main, ["--json", "quantize", str(tiny_llama), "-s", "MXFP4A16", "-o", str(k), "--target", "marlin", "--act-dtype", act])
+    assert r.exit_code == 0, r.stderr
+    cfg = json.loads((k / "config.json").read_text())["quantization_config"]
+    recs = cfg["modules"]
+    assert len(recs) == 14 and {r["kernel"] for r in recs.values()} == {"marlin-mxfp4"}
+    rec = recs["model.layers.0.mlp.down_proj"]
+    assert (rec["size_n"], rec["size_k"], rec["act_dtype"]) == (256, 512, "bfloat16" if act == "bf16" else "float16")
+    with safe_open(str(next(k.glob("*.safetensors"))), "pt") as f:
+        names = set(f.keys())
+        assert f.get_slice("model.layers.0.mlp.down_proj.weight_scale").get_dtype() == "F8_E8M0"
+    assert ("model.layers.0.mlp.down_proj.weight_scale_source" in names) == (act == "fp16")
+    assert {r["scheme"] for r in api.inspect(k)["layers"]} == {"marlin-mxfp4"}
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, "MXFP4A16")
+    v = api.verify(k, q)
+    assert v["ok"] and all(m["round_trip"] and m["equals_reference"] for m in v["modules"])
+    b = tmp_path / "b"
+    repack(k, b, "compressed-tensors", device="cpu")
+    _assert_same_checkpoint(q, b)
