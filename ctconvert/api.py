@@ -243,11 +243,11 @@ def batch(path: str | Path, keep_going: bool = False, emit=print) -> int:
 
 
 def schemes() -> list[dict]:
-    """Every accepted scheme name with its compressed-tensors format and weight description.
+    """Every scheme with its aliases, compressed-tensors format and weight description.
 
     Example::
 
-        [s["name"] for s in api.schemes()]   # ['FP8_BLOCK', 'FP8_DYNAMIC', 'INT8', ...]
+        [(s["name"], s["aliases"]) for s in api.schemes()]   # [('FP8_BLOCK', []), ..., ('W8A8', ['INT8'])]
     """
     return _schemes.list_schemes()
 

@@ -510,7 +510,8 @@ def schemes(ctx: _Ctx):
         ctx.emit_json({"schemes": rows})
         return
     for r in rows:
-        click.echo(f"{r['name']:12s} {r['format']:22s} {r['weights']}")
+        name = " = ".join([r["name"], *r["aliases"]])
+        click.echo(f"{name:12s} {r['format']:22s} {r['weights']}")
 
 
 def run() -> None:

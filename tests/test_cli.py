@@ -132,6 +132,11 @@ def test_schemes_command():
     code, stdout, _ = run("--json", "schemes")
     names = {s["name"] for s in json.loads(stdout)["schemes"]}
     assert {"FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"} <= names
+    rows = {s["name"]: s for s in json.loads(stdout)["schemes"]}
+    assert "INT8" not in rows and rows["W8A8"]["aliases"] == ["INT8"] and rows["W4A16"]["aliases"] == []
+    assert rows["MXFP8"]["format"] == "mxfp8-quantized" and rows["MXFP4"]["format"] == "mxfp4-pack-quantized"
+    code, stdout, _ = run("schemes")
+    assert code == 0 and "W8A8 = INT8" in stdout and not any(line.startswith("INT8") for line in stdout.splitlines())
 
 
 def test_output_exists_exit_code(tiny_llama, tmp_path):

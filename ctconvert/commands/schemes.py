@@ -1,12 +1,13 @@
-"""``ctconvert schemes``: every scheme name and the compressed-tensors format it writes."""
+"""``ctconvert schemes``: every scheme, the other names it is accepted under, and the compressed-tensors format it writes."""
 
 from __future__ import annotations
 
-from ..plan.schemes import get_scheme, scheme_names
+from ..plan.schemes import get_scheme, scheme_aliases
 
 __all__ = ["list_schemes"]
 
 
 def list_schemes() -> list[dict]:
-    """One entry per accepted name (aliases included): ``{"name", "format", "weights"}``."""
-    return [{"name": n, "format": get_scheme(n).format.value, "weights": get_scheme(n).describe()} for n in scheme_names()]
+    """One entry per scheme: ``{"name", "aliases", "format", "weights"}``; an alias (``INT8`` of ``W8A8``) is
+    listed with its scheme, not as a row of its own."""
+    return [{"name": n, "aliases": a, "format": get_scheme(n).format.value, "weights": get_scheme(n).describe()} for n, a in scheme_aliases().items()]

@@ -19,7 +19,7 @@ from ..checkpoint.safetensors_io import TORCH_TO_ST
 from ..errors import UnsupportedError, UsageError
 from ..formats import FORMATS, CompressionFormat, WeightArgs, WeightFormat
 
-__all__ = ["LM_HEAD_SCHEMES", "Scheme", "get_scheme", "scheme_names"]
+__all__ = ["LM_HEAD_SCHEMES", "Scheme", "get_scheme", "scheme_aliases", "scheme_names"]
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,11 @@ LM_HEAD_SCHEMES = {"none": None, "nvfp4a16": "NVFP4A16", "fp8": "FP8_DYNAMIC"}
 def scheme_names() -> list[str]:
     """Every accepted scheme name (upper case), aliases included."""
     return sorted([*_SCHEMES, *_ALIASES])
+
+
+def scheme_aliases() -> dict[str, list[str]]:
+    """Each scheme (upper case) with the other names it is accepted under (``W8A8``: ``["INT8"]``), for listings."""
+    return {name: sorted(a for a, target in _ALIASES.items() if target == name) for name in sorted(_SCHEMES)}
 
 
 def get_scheme(name: str) -> Scheme:
