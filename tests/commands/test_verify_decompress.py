@@ -48,6 +48,19 @@ def test_verify_passes_and_decompress_matches_compressed_tensors(tiny_llama, tmp
     assert torch.equal(dense["model.norm.weight"], src["model.norm.weight"])
 
 
+@pytest.mark.parametrize("scheme,bits", [("MXFP4A16", 4.25), ("MXFP4", 4.25), ("MXFP8A16", 8.25), ("MXFP8", 8.25)])
+def test_inspect_reads_the_mx_formats(tiny_llama, tmp_path, scheme, bits):
+    """E2M1 or E4M3 values plus one E8M0 byte per 32: 4 + 8/32 and 8 + 8/32 bits per weight."""
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, scheme)
+    rep = api.inspect(q)
+    assert rep["problems"] == [] and rep["totals"]["quantized_layers"] == 14
+    quantized = [r for r in rep["layers"] if r["module"] != "lm_head"]
+    assert {r["format"] for r in quantized} == {PRESET_FORMAT[scheme]} and {r["bits_per_weight"] for r in quantized} == {bits}
+    cfg = json.loads((q / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert (cfg["input_activations"] is None) == scheme.endswith("A16")
+
+
 def test_decompressed_model_loads_in_transformers(tiny_llama, tmp_path):
     transformers = pytest.importorskip("transformers")
     api.quantize(tiny_llama, tmp_path / "q", "W4A16")
