@@ -22,7 +22,7 @@ from ctconvert.plan.schemes import get_scheme
 
 from timing import median_seconds
 
-SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16"]
+SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16", "MXFP8A16"]
 
 
 def main() -> None:
