@@ -271,6 +271,12 @@ def test_ctrl_c_is_never_lost(tiny_llama, tmp_path, delay):
     swallowed interrupt (a KeyboardInterrupt raised inside torch's import can be lost), never a traceback."""
     out = tmp_path / "o"
     code, err = _ctrl_c(["quantize", str(tiny_llama), "-s", "W4A16", "-o", str(out)], delay, twice=True, slow_write="0.01")
+    if err.startswith("Fatal Python error: init_import_site"):
+        # On a loaded machine the signal can come while the interpreter itself still starts (its ``site``
+        # import, before any ctconvert code runs): Python reports that itself. Nothing may exist then.
+        assert code != 0 and f"{os.sep}ctconvert{os.sep}" not in err, err  # no frame of the package
+        assert_no_checkpoint(out)
+        return
     assert "Traceback" not in err
     if code == 0:
         assert (out / "config.json").exists() and delay >= 0.9, err  # finished before the signal: then it counts
