@@ -69,6 +69,8 @@ def quantize(
     map_input: bool | None = None,
     allow_nonfinite: bool = False,
     keep_other_weights: bool = False,
+    tp: int = 1,
+    ep: int | None = None,
 ) -> QuantizeResult:
     """Convert the dense checkpoint ``src`` to a compressed-tensors checkpoint at ``out``.
 
@@ -95,6 +97,14 @@ def quantize(
             (:class:`BadInputError`, exit 3). Quantized weights with NaN/inf are always refused.
         keep_other_weights: also copy weights in other formats (``*.bin``, ``*.pth``, ``original/``,
             ``*.gguf`` ...); by default they are left out and listed in the notes.
+        tp, ep: the tensor- (expert-) parallel degrees to check the output for
+            (:mod:`ctconvert.plan.parallel`): whether each rank's slice of every quantized tensor keeps
+            whole groups, blocks, tiles and vocabulary rows. A dry run always reports the largest TP
+            degree (``result.parallel``); a real run with ``tp > 1`` or ``ep`` notes what does not split.
+
+    A quantized tensor whose values all quantize to zero while its source does not (rows of
+    fp16 values below the format's smallest scale, for instance) is named in the notes and in
+    ``result.zero_quantized``; the bytes are compressed-tensors' own.
 
     Returns:
         A :class:`QuantizeResult` (``to_dict()`` is the ``--json`` document).
@@ -131,6 +141,8 @@ def quantize(
         map_input=map_input,
         allow_nonfinite=allow_nonfinite,
         keep_other_weights=keep_other_weights,
+        tp=tp,
+        ep=ep,
     )
 
 
@@ -209,16 +221,18 @@ def inspect(path: str | Path) -> dict:
     return _inspection.inspect_checkpoint(Path(path))
 
 
-def verify(path: str | Path, reference: str | Path | None = None) -> dict:
+def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1, ep: int | None = None) -> dict:
     """Check a compressed-tensors (or kernel-native) checkpoint, and its error against ``reference``.
 
-    Returns the report; ``ok`` is the verdict, ``problems`` the findings, ``tensors`` the error rows.
+    Returns the report; ``ok`` is the verdict, ``problems`` the findings, ``tensors`` the error rows,
+    ``parallel`` the tensor-parallel plan (:mod:`ctconvert.plan.parallel`: the largest TP degree, and
+    with ``tp > 1`` or ``ep`` an error for every tensor that does not split at that degree).
 
     Example::
 
         assert api.verify("llama-w4a16/", reference="llama/")["ok"]
     """
-    return _verify.verify(path, reference)
+    return _verify.verify(path, reference, tp=tp, ep=ep)
 
 
 def load_jobs(path: str | Path) -> list[dict]:

@@ -208,6 +208,8 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--act-dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True, help="With --target: activation dtype.")
 @click.option("--allow-non-finite", is_flag=True, help="Copy pass-through tensors holding NaN/inf (with a note) instead of failing.")
 @click.option("--keep-other-weights", is_flag=True, help="Also copy weights in other formats (*.bin, *.pth, original/, *.gguf ...).")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Check that every tensor splits over this many tensor-parallel ranks.")
+@click.option("--ep", type=click.IntRange(min=1), default=None, help="Check the MoE experts for this many expert-parallel ranks (then not split by --tp).")
 @_json_option
 @click.pass_obj
 def quantize(
@@ -231,6 +233,8 @@ def quantize(
     act_dtype,
     allow_non_finite,
     keep_other_weights,
+    tp,
+    ep,
 ):
     """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint."""
     from . import api
@@ -248,14 +252,16 @@ def quantize(
         lm_head_chunk_rows=lm_head_chunk_rows,
         allow_nonfinite=allow_non_finite,
         keep_other_weights=keep_other_weights,
+        tp=tp,
+        ep=ep,
     )
-    if target and not dry_run:
-        if resume or refresh:
+    if target:
+        if (resume or refresh) and not dry_run:
             raise click.UsageError("--target cannot be combined with --resume or --refresh")
         result = _run(
             ctx,
             lambda: api.quantize_to_target(
-                src, output, scheme, target, layout_version=layout_version, act_dtype=act_dtype, progress=_progress_factory(ctx), **kw
+                src, output, scheme, target, layout_version=layout_version, act_dtype=act_dtype, dry_run=dry_run, progress=_progress_factory(ctx), **kw
             ),
         )
     else:
@@ -295,18 +301,24 @@ def _print_plan(ctx: _Ctx, result) -> None:
 
     plan = result.plan
     table = Table(title=f"plan: {plan.scheme.name} ({plan.format})", show_lines=False)
-    for col in ("tensor", "dtype", "shape", "action", "scheme", "fused set / reason"):
+    for col in ("tensor", "dtype", "shape", "action", "scheme", "fused set / reason", "max TP"):
         table.add_column(col, overflow="fold")
     for r in plan.rows:
         style = {"quantize": "green", "ignore": "yellow"}.get(r.action)
-        table.add_row(r.name, r.dtype, "x".join(map(str, r.shape)), r.action, r.scheme or "", r.fused_set or r.reason or "", style=style)
+        tp = result.max_tp_of(r.name)
+        cells = (r.name, r.dtype, "x".join(map(str, r.shape)), r.action, r.scheme or "", r.fused_set or r.reason or "", "" if tp is None else str(tp))
+        table.add_row(*cells, style=style)
     con = ctx.console()
     con.print(table)
     counts = {a: sum(1 for r in plan.rows if r.action == a) for a in ("quantize", "ignore", "copy")}
     con.print(f"{counts['quantize']} tensors to quantize, {counts['ignore']} Linear kept dense (ignore), {counts['copy']} copied")
     con.print(f"output: {_human(result.output_bytes)} of tensors (input {_human(result.input_bytes)})")
     con.print(f"ignore: {plan.ignore}")
-    for n in plan.notes:
+    if result.parallel is not None:
+        con.print(result.parallel.summary(), markup=False)
+        for r in result.parallel.failing:
+            con.print(f"  {r.name}: {'; '.join(r.problems)}", markup=False)
+    for n in plan.notes + (result.parallel.notes if result.parallel is not None else []):
         con.print(f"note: {n}")
 
 
@@ -384,13 +396,15 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
 @main.command("verify")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--reference", type=click.Path(file_okay=False, path_type=str), help="The dense source: compare every tensor with it.")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Check that every tensor splits over this many tensor-parallel ranks.")
+@click.option("--ep", type=click.IntRange(min=1), default=None, help="Check the MoE experts for this many expert-parallel ranks (then not split by --tp).")
 @_json_option
 @click.pass_obj
-def verify_cmd(ctx: _Ctx, path, reference):
+def verify_cmd(ctx: _Ctx, path, reference, tp, ep):
     """Check the compressed-tensors checkpoint PATH; exit 5 when a check fails."""
     from . import api
 
-    report = _run(ctx, lambda: api.verify(path, reference))
+    report = _run(ctx, lambda: api.verify(path, reference, tp=tp, ep=ep))
     if ctx.json:
         ctx.emit_json(report)
     else:
@@ -412,6 +426,10 @@ def verify_cmd(ctx: _Ctx, path, reference):
                     "[green]yes[/]" if r["ok"] else "[red]NO[/]",
                 )
             con.print(t)
+        par = report.get("parallel")
+        if par:
+            ep_note = f", largest even EP degree {par['max_ep']}" if par["max_ep"] else ""
+            con.print(f"tensor parallel: largest TP degree {par['max_tp']}{ep_note}", markup=False)
         _print_problems(con, report["problems"])
         con.print("[green]verify: passed[/]" if report["ok"] else "[red]verify: FAILED[/]")
     if not report["ok"]:

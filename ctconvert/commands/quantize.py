@@ -33,7 +33,9 @@ from ..checkpoint.writer import (
 from ..errors import OutputError, UnsupportedError, UsageError
 from ..pipeline.devices import resolve_devices
 from ..pipeline.executor import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES, ExecOptions, execute, map_input_default
+from ..pipeline.zeros import ZeroTracker
 from ..plan.layout import LayoutStage
+from ..plan.parallel import ParallelReport, parallel_report, plan_modules
 from ..plan.planner import Plan, make_plan
 
 __all__ = ["QuantizeResult", "quantize"]
@@ -59,6 +61,9 @@ class QuantizeResult:
     error: Exception | None = None  # dry run only: why the real run would stop
     rewritten_shards: list[str] = field(default_factory=list)
     plan: Plan | None = None
+    parallel: ParallelReport | None = None  # the tensor-parallel plan (dry run, or --tp/--ep given)
+    parallel_of: dict[str, list[str]] = field(default_factory=dict)  # input tensor -> its modules in ``parallel``
+    zero_quantized: list[dict] = field(default_factory=list)  # tensors quantized to all zeros from non-zero rows
 
     @classmethod
     def of_plan(cls, plan: Plan, out, dry_run: bool, input_bytes: int, devs) -> QuantizeResult:
@@ -76,12 +81,26 @@ class QuantizeResult:
         )
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("plan", "error")}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("plan", "error", "parallel", "parallel_of")}
         if self.error is not None:
             d["error"] = str(self.error)
+        if self.parallel is not None:
+            d["parallel"] = self.parallel.to_dict()
         if self.dry_run and self.plan is not None:
             d["plan"] = self.plan.to_dict()
+            if self.parallel is not None:
+                for row in d["plan"]["tensors"]:
+                    if (tp := self.max_tp_of(row["name"])) is not None:
+                        row["max_tp"] = tp
+                d["plan"]["parallel"] = d["parallel"]
         return d
+
+    def max_tp_of(self, tensor: str) -> int | None:
+        """The largest TP degree of the modules made from input ``tensor`` (None: not split, or not planned)."""
+        if self.parallel is None:
+            return None
+        rows = [r for m in self.parallel_of.get(tensor, ()) if (r := self.parallel.row(m)) is not None and r.max_tp is not None]
+        return min((r.max_tp for r in rows), default=None)
 
 
 def quantize(
@@ -108,6 +127,8 @@ def quantize(
     map_input: bool | None = None,
     allow_nonfinite: bool = False,
     keep_other_weights: bool = False,
+    tp: int = 1,
+    ep: int | None = None,
 ) -> QuantizeResult:
     """Convert ``src`` to ``out``; see :func:`ctconvert.api.quantize` for the arguments and errors.
 
@@ -121,6 +142,8 @@ def quantize(
     plan_kw = dict(targets=targets, ignore=ignore, lm_head=lm_head, lm_head_chunk_rows=lm_head_chunk_rows)
     plan, dry_error = _plan(ckpt, scheme, dry_run, skip_incompatible, plan_kw)
     result = QuantizeResult.of_plan(plan, out, dry_run, ckpt.total_bytes, devs)
+    if dry_run or tp > 1 or ep is not None:
+        _parallel(result, plan, ckpt, layout, tp, ep)
     if dry_run:
         result.output_bytes = sum(PlannedTensor(*t).nbytes for t in plan.output_tensors)
         result.seconds = time.perf_counter() - t0
@@ -147,6 +170,7 @@ def quantize(
         impl=impl,
         map_input=map_input_default() if map_input is None else map_input,
         allow_nonfinite=allow_nonfinite,
+        zeros=ZeroTracker(),
     )
     _convert(
         ckpt,
@@ -167,6 +191,18 @@ def quantize(
     )
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _parallel(result: QuantizeResult, plan: Plan, ckpt: Checkpoint, layout: LayoutStage | None, tp: int, ep: int | None) -> None:
+    """The tensor-parallel plan (:mod:`ctconvert.plan.parallel`); a real run notes the tensors that do not split at ``tp``."""
+    kernel, version = (layout.target, layout.layout_version) if layout is not None else (None, "0.33")
+    mods, result.parallel_of = plan_modules(plan, ckpt.tensors, kernel, version)
+    try:
+        result.parallel = report = parallel_report(mods, ckpt.config, tp, ep)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if not result.dry_run and not report.ok:
+        result.notes.append(report.summary())
 
 
 def _run_options(plan: Plan, lm_head, targets, ignore, shard_limit: int, skip_incompatible: bool, lm_head_chunk_rows: int) -> dict:
@@ -246,6 +282,9 @@ def _convert(
         keep_partial = layout is None  # an interrupted run is kept for --resume, which --target does not offer
         _execute(ckpt, dataclasses.replace(plan, units=todo), shards, opts, devs, progress)
         result.notes += [f"{name}: holds non-finite values (NaN/inf); copied as it is (--allow-non-finite)" for name in opts.nonfinite]
+        lost = opts.zeros.reports()
+        result.notes += [z.note() for z in lost]
+        result.zero_quantized = [z.to_dict() for z in lost]
         src_hashes = {**known, **{n: h.hexdigest() for n, h in opts.hashes.items()}}
         for u in plan.units:  # units kept from an interrupted run (hashed in _drop_stale_shards) or by --refresh
             for s in u.sources:

@@ -32,8 +32,10 @@ from ..checkpoint.naming import find_embedding, natural_key, resolve_group
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_bytes, read_rows, read_tensor
 from ..errors import UsageError
-from ..formats import get_format
+from ..formats import WeightArgs, get_format
 from ..layouts import kernels
+from ..pipeline.zeros import candidate_rows, zero_rows
+from ..plan.parallel import checkpoint_modules, kernel_native_modules, parallel_report
 
 __all__ = ["THRESHOLDS", "verify"]
 
@@ -43,23 +45,41 @@ _CHUNK = 16 * 2**20
 _FLOAT_OR_E4M3 = ("BF16", "F16", "F32", "F64", "F8_E4M3")
 
 
-def verify(path: str | Path, reference: str | Path | None = None) -> dict:
+def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1, ep: int | None = None) -> dict:
     """Return the verification report of ``path`` (``ok`` is the verdict); see :func:`ctconvert.api.verify`."""
     path = Path(path)
+    if tp < 1 or (ep is not None and ep < 1):
+        raise UsageError(f"--tp and --ep must be >= 1, got {tp} and {ep}")
     ckpt = open_checkpoint(path, strict=False)
     if is_kernel_native(ckpt.quantization_config):
-        return _verify_kernel_native(ckpt, path, reference)
+        report = _verify_kernel_native(ckpt, path, reference)
+        return _with_parallel(report, kernel_native_modules(ckpt.quantization_config, ckpt.tensors), ckpt, tp, ep)
     problems: list[Problem] = list(ckpt.problems)
     mods = modules_of(ckpt)
     problems += _config_problems(ckpt, path)
     problems += _module_problems(mods)
     problems += _value_problems(ckpt)
     rows: list[dict] = []
-    if reference is not None:
+    if reference is None:
+        problems += _all_zero_problems(mods, ckpt)
+    else:
         ref = open_checkpoint(reference, strict=True)
         rows, ref_problems = _compare_weights(mods, ref)
         problems += ref_problems + _compare_others(ckpt, mods, ref)
-    return _report(path, reference, problems, rows)
+    return _with_parallel(_report(path, reference, problems, rows), checkpoint_modules(mods, ckpt.tensors), ckpt, tp, ep)
+
+
+def _with_parallel(report: dict, modules, ckpt: Checkpoint, tp: int, ep: int | None) -> dict:
+    """Add the tensor-parallel plan; with ``tp > 1`` or ``ep`` every tensor that does not split is an error."""
+    par = parallel_report(modules, ckpt.config, tp, ep)
+    report["parallel"] = par.to_dict()
+    if tp > 1 or ep is not None:
+        at = f"--tp {tp}" + (f" --ep {ep}" if ep else "")
+        found = [_error(f"does not split at {at}: {'; '.join(r.problems)}", tensor=r.name).to_dict() for r in par.failing]
+        found += [_error(m["problem"]).to_dict() for m in par.model if "problem" in m]
+        report["problems"] += found
+        report["ok"] = report["ok"] and not found
+    return report
 
 
 def _report(path: Path, reference, problems: list[Problem], tensors: list[dict], **extra) -> dict:
@@ -162,20 +182,50 @@ def _compare_weights(mods: dict[str, Module], ref: Checkpoint) -> tuple[list[dic
         rows.append(row)
         if not row["ok"]:
             problems.append(_error(f"relative L2 error {row['rel_l2']:.4f} exceeds {row['threshold']} for {m.format}", tensor=m.name))
+        if row["zero_rows"]:
+            what = "every row is" if row["zero_rows"] == n else f"{row['zero_rows']} of {n} rows are"
+            problems.append(Problem("warning", f"{what} all zero in the output but not in the reference (values too small for the format)", None, m.name))
     return rows, problems
 
 
 def _error_row(m: Module, src) -> dict:
     se = sr = mx = 0.0
+    lost = 0
     for r0, r1, got in dense_row_chunks(m, _CHUNK):
         d = got.float() - (want := read_rows(src, r0, r1).float())
+        lost += int(zero_rows(got, want)[1].sum())
         se += float((d * d).sum())
         sr += float((want * want).sum())
         mx = max(mx, float(d.abs().max()) if d.numel() else 0.0)
     rel = math.sqrt(se / sr) if sr > 0 else (0.0 if se == 0 else math.inf)
     snr = 10 * math.log10(sr / se) if se > 0 and sr > 0 else math.inf
     limit = _threshold(m.weights or {})
-    return {"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "ok": rel <= limit}
+    return {"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "ok": rel <= limit, "zero_rows": lost}
+
+
+def _all_zero_problems(mods: dict[str, Module], ckpt: Checkpoint) -> list[Problem]:
+    """Without a reference: a warning for each quantized module whose every value dequantizes to zero
+    (found from its scales first: only modules whose every scale is the format's zero-scale substitute
+    are dequantized, :func:`ctconvert.pipeline.zeros.candidate_rows`)."""
+    out = []
+    cfg_dtype = getattr(torch, str(ckpt.config.get("torch_dtype") or ckpt.config.get("dtype") or "bfloat16"), torch.bfloat16)
+    for m in sorted(mods.values(), key=lambda m: natural_key(m.name)):
+        fmt = get_format(m.format) if m.quantized and m.group is not None else None
+        scale = m.parts.get("weight_scale")
+        if fmt is None or scale is None:
+            continue
+        s = read_tensor(scale)
+        dtype = s.dtype if s.dtype in (torch.bfloat16, torch.float16, torch.float32) else cfg_dtype
+        try:
+            n, _ = dense_shape(m)
+            cand = candidate_rows({"weight_scale": s}, fmt, WeightArgs.from_dict(m.weights), dtype, n)
+            if cand is None or not bool(cand.all()) or any(bool(got.any()) for _, _, got in dense_row_chunks(m, _CHUNK)):
+                continue
+        except (ValueError, KeyError, RuntimeError):
+            continue  # a module that cannot be read is reported by the structure checks
+        why = "every quantized value is zero: the source was all zero, or too small for the format (compare with --reference)"
+        out.append(Problem("warning", why, None, m.name))
+    return out
 
 
 def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint) -> list[Problem]:

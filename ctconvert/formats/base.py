@@ -183,6 +183,13 @@ class WeightFormat:
         """N must be a multiple of this for loaders (1 = any)."""
         return 1
 
+    def zero_scale(self, args: WeightArgs, dtype: torch.dtype) -> float | None:
+        """The ``weight_scale`` value (as a number; E8M0 scales: the stored byte) of a group whose computed
+        scale is zero in the weight's ``dtype``: compressed-tensors substitutes this value, and only such
+        groups can quantize to all zeros from non-zero values (every other group's largest value maps to
+        a non-zero level). None: not known for this format."""
+        return None
+
     def scale_flags_nonfinite(self, args: WeightArgs) -> bool:
         """Whether ``weight_scale`` is non-finite exactly when its group holds a NaN/inf (the scale is
         ``max|x| / constant``: NaN-propagating in torch, over abs bit patterns in C), so that a separate

@@ -136,6 +136,9 @@ class NVFP4PackQuantized(_FP4):
     def whole_tensor_outputs(self, shape, global_scale):
         return {"weight_global_scale": global_scale.reshape(1)}
 
+    def zero_scale(self, args, dtype):
+        return 0.125  # an E4M3 group scale of 0 -> 0.125 (module docstring)
+
     def _reference(self, w, args, global_scale):
         return quantize_nvfp4(w, global_scale)
 
@@ -163,6 +166,10 @@ class MXFP4PackQuantized(_FP4):
 
     def _reference(self, w, args, global_scale):
         return quantize_mxfp4(w)
+
+    def zero_scale(self, args, dtype):
+        # the exponent clamps at byte 0; 2^-127 is zero only in fp16, where it becomes eps = 1 (byte 127)
+        return 127.0 if dtype == torch.float16 else 0.0
 
     def _fused(self, kernels, w, args, global_scale):
         return kernels.mxfp4(w)

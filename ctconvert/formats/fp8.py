@@ -115,6 +115,9 @@ class FloatQuantized(WeightFormat):
     def n_multiple(self, args):
         return args.block_structure[0] if args.strategy == "block" else 1
 
+    def zero_scale(self, args, dtype):
+        return dtype_eps(dtype)  # fp8_scale: zeros -> eps(D)
+
     def scale_flags_nonfinite(self, args):
         return True
 

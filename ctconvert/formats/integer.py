@@ -128,6 +128,9 @@ class _Integer(WeightFormat):
     def scale_flags_nonfinite(self, args):
         return args.symmetric  # amax / Q; the asymmetric range (max - min) can be finite around a NaN
 
+    def zero_scale(self, args, dtype):
+        return dtype_eps(dtype)  # zero scales -> eps(D) (module docstring)
+
 
 class IntQuantized(_Integer):
     """``int-quantized``: unpacked int8 ``weight [N, K]``, D ``weight_scale [N, G]`` and, when

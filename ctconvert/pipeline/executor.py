@@ -69,6 +69,7 @@ class ExecOptions:
     map_input: bool = field(default_factory=map_input_default)
     allow_nonfinite: bool = False  # copy pass-through tensors that hold NaN/inf (listed in nonfinite) instead of refusing
     nonfinite: list = field(default_factory=list)  # pass-through tensors found holding NaN/inf (with allow_nonfinite)
+    zeros: object | None = None  # a ctconvert.pipeline.zeros.ZeroTracker: rows quantized to all zeros from non-zero values
 
 
 @dataclass
@@ -356,6 +357,8 @@ class Executor:
             raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=str(info.file), tensor=info.name) from e
         if self._scales_show_nonfinite(unit) and not bool(torch.isfinite(out["weight_scale"]).all()):
             _raise_nonfinite(info)
+        if self.opts.zeros is not None:
+            self.opts.zeros.observe(info, job.start, w, out, unit.scheme, st.gs)
         last = job.stop == info.shape[0]
         if self.opts.repack is None:  # row chunks go straight to their offsets
             for key, t in out.items():

@@ -1,0 +1,144 @@
+"""Rows that quantize to all zeros although their source is not zero (values too small for the format).
+
+fp16 rows with values of about 1e-7 get a group scale that rounds to zero,
+which compressed-tensors replaces by ``eps(D)`` (docs/compressed-tensors-format.md
+§6.1): every value then quantizes to 0, and the layer's outputs for those rows
+are zero. The bytes are compressed-tensors' own and are not changed; the rows
+are reported by tensor name (``quantize`` notes and ``zero_quantized``).
+
+Kept off the hot path: a row can only quantize to all zeros when every one of
+its group scales is the format's substitute for a zero scale
+(:meth:`ctconvert.formats.base.WeightFormat.zero_scale`; any other scale maps
+its group's largest value to a non-zero level). Per chunk that is one compare
+over the scales (1/16 to 1/128 of the weight's elements) on the device that
+holds them; on a GPU the candidate masks stay there until the run ends. Only
+candidate rows (rare: all-zero or tiny rows) are examined further: re-read
+on the CPU, quantized again with the torch reference (the same bytes), and
+dequantized.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from ..checkpoint.safetensors_io import TensorInfo, read_rows
+
+__all__ = ["ZeroRows", "ZeroTracker", "candidate_rows", "zero_rows"]
+
+
+def candidate_rows(out: dict[str, torch.Tensor], fmt, args, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
+    """Bool ``[rows]`` on the scales' device: the rows of a quantized chunk (``out``: its tensors, ``fmt``
+    its :class:`~ctconvert.formats.base.WeightFormat`, ``args`` its WeightArgs, ``dtype`` the dense
+    weight's) whose every ``weight_scale`` is the format's zero-scale substitute. None: the format has
+    none, or no scale is stored. For block scales the unit is the block: a row counts when every block
+    it lies in has the substitute scale (values rounding to zero beside larger values of their own
+    group or block are ordinary quantization error, not counted)."""
+    sub = fmt.zero_scale(args, dtype)
+    s = out.get("weight_scale")
+    if sub is None or s is None or s.numel() == 0:
+        return None
+    ref = torch.tensor(sub, dtype=torch.float32).to(s.dtype) if s.dtype.is_floating_point else torch.tensor(int(sub), dtype=s.dtype)
+    ref = ref.to(s.device)
+    hit = s.view(torch.uint8) == ref.view(torch.uint8) if s.element_size() == 1 and s.dtype.is_floating_point else s == ref
+    if s.numel() == 1:
+        return hit.reshape(1).expand(rows)
+    per = hit.reshape(hit.shape[0], -1).all(dim=1)
+    if args.strategy == "block":  # one scale row per block of rows
+        per = per.repeat_interleave(args.block_structure[0])
+    return per[:rows]
+
+
+def zero_rows(deq: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows all zero in deq, of those the rows not all zero in src)``: bool ``[r]`` each, for ``[r, K]`` tensors."""
+    zero = (deq == 0).all(dim=1)
+    return zero, zero & (src != 0).any(dim=1)
+
+
+@dataclass
+class ZeroRows:
+    """What one tensor lost: ``zero_rows`` rows quantized to all zeros from non-zero values."""
+
+    tensor: str
+    rows: int  # the tensor's rows
+    zero_rows: int = 0  # rows quantized to all zeros whose source is not all zero
+    all_zero_rows: int = 0  # rows quantized to all zeros (the above, and rows that were zero already)
+    max_abs: float = 0.0  # the largest |value| among the zero_rows
+
+    @property
+    def whole(self) -> bool:
+        """Every quantized value of the tensor is zero, and its source is not."""
+        return self.zero_rows > 0 and self.all_zero_rows == self.rows
+
+    def to_dict(self) -> dict:
+        return {"tensor": self.tensor, "rows": self.rows, "zero_rows": self.zero_rows, "all_zero": self.whole, "max_abs": self.max_abs}
+
+    def note(self) -> str:
+        if self.whole:
+            return (
+                f"{self.tensor}: every quantized value is zero although the source is not (largest |value| {self.max_abs:.3g}, "
+                "too small for the format's scales): the layer computes zeros; keep it dense with --ignore"
+            )
+        return (
+            f"{self.tensor}: {self.zero_rows} of {self.rows} rows quantize to all zeros although their source is not "
+            f"(largest |value| {self.max_abs:.3g}, too small for the format's scales)"
+        )
+
+
+@dataclass
+class ZeroTracker:
+    """Collects :class:`ZeroRows` over a conversion (shared by the executors of every device)."""
+
+    found: dict[str, ZeroRows] = field(default_factory=dict)
+    pending: dict[str, list] = field(default_factory=dict)  # device -> [(info, r0, mask, scheme, gs)], resolved at the end
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def observe(self, info: TensorInfo, r0: int, w: torch.Tensor, out: dict[str, torch.Tensor], scheme, gs: torch.Tensor | None) -> None:
+        """One quantized chunk (rows ``r0 ..`` of ``info``): ``w`` its source rows, ``out`` its outputs."""
+        mask = candidate_rows(out, scheme.weight_format, scheme.weights, info.torch_dtype, w.shape[0])
+        if mask is None:
+            return
+        if mask.device.type != "cpu":  # no sync on the device: looked at once the run is over
+            with self.lock:
+                self.pending.setdefault(str(mask.device), []).append((info, r0, mask, scheme, gs))
+            return
+        if bool(mask.any()):
+            idx = mask.nonzero().flatten()
+            self._examine(info, idx + r0, w[idx], scheme, gs)
+
+    def resolve(self, device: torch.device) -> None:
+        """Examine the candidate rows the chunks on ``device`` left (after the device is synchronized)."""
+        with self.lock:
+            entries = self.pending.pop(str(device), [])
+        if not entries:
+            return
+        flags = torch.cat([m for _, _, m, _, _ in entries]).cpu()  # one transfer for the whole run
+        pos = 0
+        for info, r0, mask, scheme, gs in entries:
+            part = flags[pos : pos + mask.numel()]
+            pos += mask.numel()
+            if bool(part.any()):
+                idx = part.nonzero().flatten()
+                rows = torch.cat([read_rows(info, r0 + int(i), r0 + int(i) + 1) for i in idx])
+                self._examine(info, idx + r0, rows, scheme, gs.cpu() if gs is not None else None)
+
+    def _examine(self, info: TensorInfo, idx: torch.Tensor, w: torch.Tensor, scheme, gs: torch.Tensor | None) -> None:
+        """Quantize the candidate rows again on the CPU (torch reference: the same bytes) and count the
+        rows whose dequantized values are all zero, and among them those whose source is not."""
+        w = w.cpu().contiguous()
+        gs = gs.cpu() if gs is not None else None
+        parts = scheme.quantize_rows(w, gs, impl="torch")
+        parts.update(scheme.whole_tensor_outputs(tuple(w.shape), gs))
+        zero_q, lost = zero_rows(scheme.weight_format.dequantize(parts, scheme.weights), w)
+        with self.lock:
+            rec = self.found.setdefault(info.name, ZeroRows(info.name, info.shape[0]))
+            rec.all_zero_rows += int(zero_q.sum())
+            rec.zero_rows += int(lost.sum())
+            if bool(lost.any()):
+                rec.max_abs = max(rec.max_abs, float(w[lost].abs().max()))
+
+    def reports(self) -> list[ZeroRows]:
+        """The tensors with rows lost, in name order."""
+        return [r for _, r in sorted(self.found.items()) if r.zero_rows]
