@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from ctconvert.cli import main
@@ -51,6 +52,36 @@ def test_dry_run_table(tiny_llama, tmp_path):
     assert code == 0 and "14 tensors to quantize, 1 Linear kept dense" in stdout and "q_proj,k_proj,v_proj" in stdout
     code, stdout, _ = run("--json", "quantize", tiny_llama, "-s", "fp8_dynamic", "--dry-run", "-o", tmp_path / "o")
     assert code == 0 and json.loads(stdout)["plan"]["ignore"] == ["lm_head"] and not (tmp_path / "o").exists()
+
+
+def test_tensor_parallel_plan_and_checks(tiny_llama, tmp_path):
+    code, stdout, _ = run("quantize", tiny_llama, "-s", "w4a16", "--dry-run", "--tp", "4")
+    assert code == 0 and "max TP" in stdout
+    assert "tensor parallel: largest TP degree 2 (limited by model.layers.0.self_attn.o_proj, model.layers.1.self_attn.o_proj)" in stdout
+    assert "model.layers.0.self_attn.o_proj: K per rank 64 is not a whole number of groups of 128" in stdout
+    code, stdout, _ = run("--json", "quantize", tiny_llama, "-s", "w4a16", "--dry-run", "--target", "marlin", "--tp", "2")
+    doc = json.loads(stdout)
+    assert code == 0 and doc["plan"]["parallel"]["tp"] == 2 and doc["plan"]["parallel"]["ok"]
+    gate = next(r for r in doc["plan"]["tensors"] if r["name"] == "model.layers.0.mlp.gate_proj.weight")
+    assert gate["max_tp"] == 8  # Marlin tiles: 512 / 8 = 64 rows per rank
+    out = tmp_path / "o"
+    assert run("quantize", tiny_llama, "-s", "w4a16", "-o", out)[0] == 0
+    code, stdout, _ = run("verify", out, "--tp", "4")
+    assert code == 5 and "does not split at --tp 4" in stdout and "largest TP degree 2" in stdout
+    assert run("verify", out, "--tp", "2")[0] == 0
+    code, _, stderr = run("verify", out, "--tp", "0")
+    assert code == 2 and "--tp" in stderr
+
+
+def test_rows_quantized_to_zero_are_named(tmp_path):
+    cfg = dict(LLAMA_CONFIG, torch_dtype="float16")
+    t = llama_tensors(cfg, dtype=torch.float16)
+    t["model.layers.1.mlp.down_proj.weight"] *= 1e-6
+    src = write_checkpoint(tmp_path / "src", t, cfg)
+    code, _, stderr = run("quantize", src, "-s", "w4a16", "-o", tmp_path / "o")
+    assert code == 0 and "note: model.layers.1.mlp.down_proj.weight: every quantized value is zero although the source is not" in stderr
+    code, stdout, _ = run("verify", tmp_path / "o")
+    assert code == 0 and "warning: model.layers.1.mlp.down_proj: every quantized value is zero" in stdout
 
 
 @pytest.mark.parametrize(
