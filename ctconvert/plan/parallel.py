@@ -294,6 +294,37 @@ def _heads(config: dict) -> tuple[int | None, int | None]:
     return heads, kv
 
 
+def _column_parts(m: ParallelModule, t: int, config: dict, warn: list[str]) -> list[int] | str:
+    """Each rank's rows of a column-parallel tensor, per fused member (one entry unless the checkpoint
+    stores a fused ``gate_up_proj``/``qkv_proj``), or the reason it does not split. Heads follow
+    ``QKVParallelLinear`` (module docstring); a fused gate/up splits each half (``MergedColumnParallelLinear``)."""
+    n = m.shape[0]
+    leaf = m.name.rpartition(".")[2]
+    heads, kv = _heads(config)
+    if heads and t > 1 and (leaf in _HEADS or (leaf == "qkv_proj" and n % (heads + 2 * kv) == 0)):
+        if heads % t:  # one QKVParallelLinear: its constructor divides the query heads first
+            return f"{heads} attention heads do not divide over {t} ranks (vLLM QKVParallelLinear)"
+        if kv % t and t % kv:
+            return f"{kv} KV heads do not divide over {t} ranks, nor {t} ranks over them (vLLM QKVParallelLinear)"
+        kv_r = max(1, kv // t)
+        if kv_r == 1 and kv < t:
+            warn.append(f"{kv} KV heads replicated {t // kv}x across {t} ranks")
+        if leaf == "qkv_proj":
+            hd = n // (heads + 2 * kv)
+            return [hd * heads // t, hd * kv_r, hd * kv_r]
+        count = heads if _HEADS[leaf] == "q" else kv
+        if n % count:
+            return f"N={n} is not a whole number of its {count} heads"
+        return [n // count * (heads // t if _HEADS[leaf] == "q" else kv_r)]
+    if leaf == "gate_up_proj" and n % 2 == 0:
+        if (n // 2) % t:
+            return f"each half ({n // 2} rows) of the fused gate/up is not divisible by {t}"
+        return [n // 2 // t] * 2
+    if n % t:
+        return f"N={n} is not divisible by {t}"
+    return [n // t]
+
+
 def _dense_at(m: ParallelModule, kind: str, t: int, config: dict) -> tuple[tuple[int, int] | None, list[str], list[str]]:
     """Per-rank shape and problems of a dense-model tensor at degree ``t``."""
     n, k = m.shape
@@ -309,27 +340,15 @@ def _dense_at(m: ParallelModule, kind: str, t: int, config: dict) -> tuple[tuple
         if vp != n:
             warn.append(f"vocabulary {n} is padded to {vp} rows ({vp // t} per rank)")
     elif kind == "column":
-        leaf = m.name.rpartition(".")[2]
-        heads, kv = _heads(config)
-        if leaf in _HEADS and heads and kv:
-            count = heads if _HEADS[leaf] == "q" else kv
-            if heads % t:  # one QKVParallelLinear: its constructor divides the query heads first
-                return None, [f"{heads} attention heads do not divide over {t} ranks (vLLM QKVParallelLinear)"], warn
-            if n % count:
-                return None, [f"N={n} is not a whole number of its {count} heads"], warn
-            hd = n // count
-            if count % t == 0:
-                per = (hd * (count // t), k)
-            elif _HEADS[leaf] == "kv" and t % count == 0:
-                per = (hd, k)
-                warn.append(f"{count} KV heads replicated {t // count}x across {t} ranks")
-            else:
-                return None, [f"{count} {'attention' if _HEADS[leaf] == 'q' else 'KV'} heads do not divide over {t} ranks (vLLM QKVParallelLinear)"], warn
-        else:
-            if n % t:
-                return None, [f"N={n} is not divisible by {t}"], warn
-            per = (n // t, k)
-        split = "N"
+        parts = _column_parts(m, t, config, warn)
+        if isinstance(parts, str):
+            return None, [parts], warn
+        per, split = (sum(parts), k), "N"
+        if len(parts) > 1:  # a fused tensor: each member's slice must split on its own
+            probs = []
+            for n_i in parts:
+                probs += _quant_problems(n_i, k, m, t, "N") + _kernel_problems(n_i, k, m.args, m.kernel, m.layout_version) if m.args is not None else []
+            return per, list(dict.fromkeys(probs)), warn
     elif kind == "row":
         if k % t:
             return None, [f"K={k} is not divisible by {t}"], warn
@@ -346,11 +365,12 @@ def _expert_at(m: ParallelModule, kind: str, t: int, hidden: int | None) -> tupl
     """Per-rank shape and problems of one expert's 2-D weight when the MoE layer is split by TP ``t``:
     gate/up ``[I, H]`` and down ``[H, I]`` share ``I / t`` (module docstring)."""
     n, k = m.shape
-    inter = n if kind == "expert-column" else k
+    fused = kind == "expert-column" and m.name.endswith("gate_up_proj")  # one expert's gate and up: [2I, H]
+    inter = (n // 2 if fused else n) if kind == "expert-column" else k
     if inter % t:
         return None, [f"moe intermediate size {inter} is not divisible by {t} (vLLM FusedMoEConfig)"], []
     i_r = inter // t
-    per = (i_r, k) if kind == "expert-column" else (n, i_r)
+    per = ((2 * i_r if fused else i_r), k) if kind == "expert-column" else (n, i_r)
     args, probs = m.args, []
     if args is None:
         return per, probs, []
@@ -425,6 +445,8 @@ def parallel_report(modules: list[ParallelModule], config: dict | None = None, t
         if row.max_tp is not None:
             limits.append((row.max_tp, row.name))
     model, max_ep = _model_limits(config, experts, tp, ep, limits)
+    if ep is not None and not experts:
+        notes.append(f"--ep {ep}: no quantized MoE experts (``experts.N.`` names), so it changes nothing")
     if any(r.kind.endswith("unknown") for r in rows):
         unk = [r.name for r in rows if r.kind.endswith("unknown")]
         notes.append(

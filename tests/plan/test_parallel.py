@@ -180,3 +180,18 @@ def test_replicated_layers_do_not_limit():
 def test_bad_degrees():
     with pytest.raises(ValueError):
         report(mod("model.layers.0.mlp.down_proj", (256, 256)), tp=0)
+
+
+def test_fused_checkpoint_tensors_split_per_member():
+    cfg = {"num_attention_heads": 8, "num_key_value_heads": 2}
+    # Phi-3 style qkv_proj: q 8 heads + k, v 2 heads each, head_dim 64 -> N = 768
+    r = report(mod("model.layers.0.self_attn.qkv_proj", (768, 512), "FP8_BLOCK"), tp=2, config=cfg)
+    row = r.rows[0]
+    assert row.per_rank == (256 + 64 + 64, 512) and "N per rank 64 is not a multiple of the FP8 block height 128" in row.problems[0]
+    assert report(mod("model.layers.0.self_attn.qkv_proj", (768, 512)), tp=4, config=cfg).rows[0].per_rank == (128 + 64 + 64, 512)
+    # a fused gate/up [2I, H] splits each half: I = 96 rows, asymmetric zero points 8 per word
+    row = report(mod("model.layers.0.mlp.gate_up_proj", (192, 256), "W4A16_ASYM"), tp=8).rows[0]
+    assert row.per_rank == (24, 256) and row.max_tp == 4 and "N per rank 12" in row.problems[0]
+    # one expert's fused gate/up: I = 640 -> TP 1 only at group 128, like its down_proj
+    ex = report([mod("model.layers.0.mlp.experts.0.gate_up_proj", (1280, 256)), mod("model.layers.0.mlp.experts.0.down_proj", (256, 640))], tp=2)
+    assert ex.rows[0].per_rank == (640, 256) and ex.max_tp == 1 and all(not x.ok for x in ex.rows)
