@@ -282,7 +282,7 @@ def _convert(
         keep_partial = layout is None  # an interrupted run is kept for --resume, which --target does not offer
         _execute(ckpt, dataclasses.replace(plan, units=todo), shards, opts, devs, progress)
         result.notes += [f"{name}: holds non-finite values (NaN/inf); copied as it is (--allow-non-finite)" for name in opts.nonfinite]
-        lost = opts.zeros.reports()
+        lost = opts.zeros.reports() if opts.zeros is not None else []
         result.notes += [z.note() for z in lost]
         result.zero_quantized = [z.to_dict() for z in lost]
         src_hashes = {**known, **{n: h.hexdigest() for n, h in opts.hashes.items()}}

@@ -28,6 +28,8 @@ from ..checkpoint.safetensors_io import TensorInfo, read_rows
 
 __all__ = ["ZeroRows", "ZeroTracker", "candidate_rows", "zero_rows"]
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
 
 def candidate_rows(out: dict[str, torch.Tensor], fmt, args, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
     """Bool ``[rows]`` on the scales' device: the rows of a quantized chunk (``out``: its tensors, ``fmt``
@@ -40,12 +42,20 @@ def candidate_rows(out: dict[str, torch.Tensor], fmt, args, dtype: torch.dtype, 
     s = out.get("weight_scale")
     if sub is None or s is None or s.numel() == 0:
         return None
-    ref = torch.tensor(sub, dtype=torch.float32).to(s.dtype) if s.dtype.is_floating_point else torch.tensor(int(sub), dtype=s.dtype)
-    ref = ref.to(s.device)
-    hit = s.view(torch.uint8) == ref.view(torch.uint8) if s.element_size() == 1 and s.dtype.is_floating_point else s == ref
-    if s.numel() == 1:
-        return hit.reshape(1).expand(rows)
-    per = hit.reshape(hit.shape[0], -1).all(dim=1)
+    # compared as bit patterns (the substitute is a positive normal number: equal bits <=> equal values)
+    bits = _BITS[s.element_size()]
+    ref = (torch.tensor(sub, dtype=torch.float32).to(s.dtype) if s.dtype.is_floating_point else torch.tensor(int(sub), dtype=s.dtype)).view(bits)
+    raw = s.view(bits)
+    if raw.device.type == "cpu":  # numpy: one thread, so no thread-pool wake-up per chunk
+        hit = raw.numpy() == ref.item()
+        if s.numel() == 1:
+            return torch.from_numpy(hit.reshape(1)).expand(rows)
+        per = torch.from_numpy(hit.reshape(hit.shape[0], -1).all(axis=1))
+    else:
+        hit = raw == ref.to(raw.device)
+        if s.numel() == 1:
+            return hit.reshape(1).expand(rows)
+        per = hit.reshape(hit.shape[0], -1).all(dim=1)
     if args.strategy == "block":  # one scale row per block of rows
         per = per.repeat_interleave(args.block_structure[0])
     return per[:rows]
@@ -104,7 +114,7 @@ class ZeroTracker:
             with self.lock:
                 self.pending.setdefault(str(mask.device), []).append((info, r0, mask, scheme, gs))
             return
-        if bool(mask.any()):
+        if mask.numpy().any():
             idx = mask.nonzero().flatten()
             self._examine(info, idx + r0, w[idx], scheme, gs)
 
