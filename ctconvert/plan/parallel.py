@@ -425,7 +425,10 @@ def parallel_report(modules: list[ParallelModule], config: dict | None = None, t
     rows: list[ShardRow] = []
     notes: list[str] = []
     limits: list[tuple[int, str]] = []
-    for m in modules:
+    unchecked = [m.name for m in modules if m.shape == (0, 0)]
+    if unchecked:
+        notes.append(f"not checked (no 2-D [N, K] weight): {', '.join(unchecked[:5])}{' ...' if len(unchecked) > 5 else ''}")
+    for m in (m for m in modules if m.shape != (0, 0)):
         kind = layer_kind(m.name)
         expert = _EXPERT.search(m.name) is not None
         if expert:
@@ -535,7 +538,11 @@ def plan_modules(plan, tensors: dict, kernel: str | None = None, layout_version:
         fmt, args = u.scheme.weight_format, u.scheme.weights
         for module in u.modules:
             shapes = {name[len(module) + 1 :]: tuple(shape) for name, _, shape in u.outputs if name.startswith(module + ".")}
-            n, k = fmt.dense_shape(shapes, args)
+            try:
+                n, k = fmt.dense_shape(shapes, args)
+            except (ValueError, KeyError, TypeError):  # not a 2-D [N, K] module: stated by parallel_report
+                mods.append(ParallelModule(module, (0, 0)))
+                continue
             mods.append(ParallelModule(module, (int(n), int(k)), args, u.scheme.format.value, kernel_family(kernel), layout_version))
         # each source to the modules made from it (one each, or all of them where one tensor makes several)
         pairs = zip(u.sources, u.modules) if len(u.sources) == len(u.modules) else ((s, m) for s in u.sources for m in u.modules)

@@ -195,3 +195,10 @@ def test_fused_checkpoint_tensors_split_per_member():
     # one expert's fused gate/up: I = 640 -> TP 1 only at group 128, like its down_proj
     ex = report([mod("model.layers.0.mlp.experts.0.gate_up_proj", (1280, 256)), mod("model.layers.0.mlp.experts.0.down_proj", (256, 640))], tp=2)
     assert ex.rows[0].per_rank == (640, 256) and ex.max_tp == 1 and all(not x.ok for x in ex.rows)
+
+
+def test_modules_without_a_2d_weight_are_stated():
+    r = parallel_report([ParallelModule("model.layers.0.mlp.experts.gate_up_proj", (0, 0)), mod("model.layers.0.mlp.down_proj", (256, 256))], {}, 2)
+    assert [x.name for x in r.rows] == ["model.layers.0.mlp.down_proj"]
+    assert r.notes == ["not checked (no 2-D [N, K] weight): model.layers.0.mlp.experts.gate_up_proj"]
+    assert "changes nothing" in parallel_report([mod("model.layers.0.mlp.down_proj", (256, 256))], {}, 2, ep=2).notes[0]
