@@ -45,20 +45,28 @@ def candidate_rows(out: dict[str, torch.Tensor], fmt, args, dtype: torch.dtype, 
     # compared as bit patterns (the substitute is a positive normal number: equal bits <=> equal values)
     bits = _BITS[s.element_size()]
     ref = (torch.tensor(sub, dtype=torch.float32).to(s.dtype) if s.dtype.is_floating_point else torch.tensor(int(sub), dtype=s.dtype)).view(bits)
+    ref = int(ref.item())  # a Python scalar: no host-to-device copy (and no sync) on a GPU
     raw = s.view(bits)
     if raw.device.type == "cpu":  # numpy: one thread, so no thread-pool wake-up per chunk
-        hit = raw.numpy() == ref.item()
+        hit = raw.numpy() == ref
         if s.numel() == 1:
             return torch.from_numpy(hit.reshape(1)).expand(rows)
         per = torch.from_numpy(hit.reshape(hit.shape[0], -1).all(axis=1))
     else:
-        hit = raw == ref.to(raw.device)
+        hit = raw == ref
         if s.numel() == 1:
             return hit.reshape(1).expand(rows)
         per = hit.reshape(hit.shape[0], -1).all(dim=1)
     if args.strategy == "block":  # one scale row per block of rows
         per = per.repeat_interleave(args.block_structure[0])
     return per[:rows]
+
+
+def _key(dev: torch.device) -> str:
+    """``cuda:N`` of a device (``cuda`` alone is the current device, as torch places tensors)."""
+    if dev.type == "cuda" and dev.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(dev)
 
 
 def zero_rows(deq: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +120,7 @@ class ZeroTracker:
             return
         if mask.device.type != "cpu":  # no sync on the device: looked at once the run is over
             with self.lock:
-                self.pending.setdefault(str(mask.device), []).append((info, r0, mask, scheme, gs))
+                self.pending.setdefault(_key(mask.device), []).append((info, r0, mask, scheme, gs))
             return
         if mask.numpy().any():
             idx = mask.nonzero().flatten()
@@ -121,7 +129,7 @@ class ZeroTracker:
     def resolve(self, device: torch.device) -> None:
         """Examine the candidate rows the chunks on ``device`` left (after the device is synchronized)."""
         with self.lock:
-            entries = self.pending.pop(str(device), [])
+            entries = self.pending.pop(_key(torch.device(device)), [])
         if not entries:
             return
         flags = torch.cat([m for _, _, m, _, _ in entries]).cpu()  # one transfer for the whole run
