@@ -316,8 +316,11 @@ def _print_plan(ctx: _Ctx, result) -> None:
     con.print(f"ignore: {plan.ignore}")
     if result.parallel is not None:
         con.print(result.parallel.summary(), markup=False)
-        for r in result.parallel.failing:
+        failing = result.parallel.failing
+        for r in failing[:10]:
             con.print(f"  {r.name}: {'; '.join(r.problems)}", markup=False)
+        if len(failing) > 10:
+            con.print(f"  ... and {len(failing) - 10} more (--json lists every tensor)", markup=False)
     for n in plan.notes + (result.parallel.notes if result.parallel is not None else []):
         con.print(f"note: {n}")
 
