@@ -192,7 +192,10 @@ class ParallelReport:
         return [r for r in self.rows if not r.ok]
 
     def row(self, name: str) -> ShardRow | None:
-        return next((r for r in self.rows if r.name == name), None)
+        """The row of tensor (module) ``name``, or None."""
+        if len(getattr(self, "_by_name", ())) != len(self.rows):
+            self._by_name = {r.name: r for r in self.rows}
+        return self._by_name.get(name)
 
     def to_dict(self) -> dict:
         return {
