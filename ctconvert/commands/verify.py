@@ -77,7 +77,7 @@ def _with_parallel(report: dict, modules, ckpt: Checkpoint, tp: int, ep: int | N
         at = f"--tp {tp}" + (f" --ep {ep}" if ep else "")
         found = [_error(f"does not split at {at}: {'; '.join(r.problems)}", tensor=r.name).to_dict() for r in par.failing]
         found += [_error(m["problem"]).to_dict() for m in par.model if "problem" in m]
-        report["problems"] += found
+        report["problems"] += found + [Problem("warning", m["warning"]).to_dict() for m in par.model if "warning" in m]
         report["ok"] = report["ok"] and not found
     return report
 

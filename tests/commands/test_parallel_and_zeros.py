@@ -66,6 +66,16 @@ def test_moe_intermediate_640_supports_tp1_only_unless_ep(tmp_path):
     assert par.max_ep == 4 and par.row("model.layers.0.mlp.gate") is None  # the router stays dense: not a quantized tensor
     with_ep = api.quantize(src, None, "W4A16", dry_run=True, tp=2, ep=2).parallel
     assert with_ep.ok and with_ep.max_tp == 2  # o_proj limits what is left
+    # verify reads the same from the written checkpoint
+    out = tmp_path / "o"
+    api.quantize(src, out, "W4A16")
+    rep = api.verify(out, tp=2)
+    bad = {p["tensor"] for p in rep["problems"] if p["severity"] == "error"}
+    assert not rep["ok"] and bad == {r.name for r in experts}
+    assert api.verify(out, tp=2, ep=2)["ok"]
+    rep = api.verify(out, ep=3)
+    uneven = "4 experts over --ep 3: the first 1 ranks hold 2, the others 1 (vLLM determine_expert_map)"
+    assert rep["ok"] and [p["message"] for p in rep["problems"]] == [uneven]
 
 
 def test_real_run_notes_what_does_not_split_and_verify_checks_it(tiny_llama, tmp_path):
