@@ -12,8 +12,11 @@ kernel layout and the model config, so the same rules serve ``quantize
 (``RowParallelLinear``: ``o_proj``, ``down_proj``, ``w2``, ``out_proj``,
 ``fc2``, BERT's ``attention.output.dense`` and ``output.dense``) along K,
 keeps a ``ReplicatedLinear`` whole (DeepSeek MLA's ``q_a_proj`` and
-``kv_a_proj_with_mqa``, ``vllm/model_executor/models/deepseek_v2.py``; BERT's
-pooler is a plain ``nn.Linear``, ``models/bert.py`` ``BertPooler``), and
+``kv_a_proj_with_mqa``, ``vllm/model_executor/models/deepseek_v2.py``; MoE routers
+``mlp.gate``/``router``, ``GateLinear(ReplicatedLinear)`` in
+``model_executor/layers/fused_moe/router/gate_linear.py``, and Qwen-MoE's
+``shared_expert_gate``; BERT's pooler is a plain ``nn.Linear``, ``models/bert.py``
+``BertPooler``), and
 splits a vocabulary (``VocabParallelEmbedding``/``ParallelLMHead``) by rows
 after padding it. A layer whose kind the name does not tell is reported as
 ``unknown``: its largest degree is the one that works under either split,
@@ -69,7 +72,11 @@ and the report says so.
   (``model_executor/layers/quantization/utils/marlin_utils.py``; §3.4), and
   ``n % 64 == 0``, ``k % 128 == 0`` before (``verify_marlin_supports_shape``),
   plus whole groups (``MarlinLinearKernel.can_implement``,
-  ``model_executor/kernels/linear/mixed_precision/marlin.py``);
+  ``model_executor/kernels/linear/mixed_precision/marlin.py``). A compressed-tensors
+  checkpoint needs only the whole groups for Marlin in 0.33: ``can_implement`` notes that
+  "tile misalignment is fixed by zero-padding at weight prep" (``marlin_padded_nk`` per
+  partition); the strict ``check_marlin_supports_shape`` (N % 64, K % 128 per rank) is
+  what releases before 0.25 required;
 * kernel-native CUTLASS NVFP4: block scales are swizzled in 128 x 4 atoms
   (docs/kernel-layouts.md §6.1): ``n % 128 == 0`` and ``(k / 16) % 4 == 0``.
 
@@ -97,7 +104,7 @@ _COLUMN = {
     "gate_proj", "up_proj", "gate_up_proj", "w1", "w3", "fc1", "dense_h_to_4h", "q_b_proj", "kv_b_proj",
 }  # fmt: skip
 _ROW = {"o_proj", "down_proj", "w2", "out_proj", "fc2", "dense_4h_to_h", "wo"}
-_REPLICATED = {"q_a_proj", "kv_a_proj_with_mqa"}
+_REPLICATED = {"q_a_proj", "kv_a_proj_with_mqa", "gate", "router", "shared_expert_gate"}
 _VOCAB = {"lm_head", "embed_tokens", "word_embeddings", "wte"}
 _HEADS = {"q_proj": "q", "query": "q", "k_proj": "kv", "key": "kv", "v_proj": "kv", "value": "kv"}
 _EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
@@ -116,7 +123,7 @@ def layer_kind(module: str) -> str:
         return "column"
     if leaf in _ROW:
         return "row"
-    if leaf in _REPLICATED:
+    if leaf in _REPLICATED or (leaf == "proj" and parent.endswith("router")):
         return "replicated"
     if leaf == "dense":
         up = parent.rpartition(".")[2]

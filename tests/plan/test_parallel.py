@@ -165,6 +165,11 @@ def test_unknown_kind_is_stated_and_checked_both_ways():
         ("model.layers.3.mlp.experts.7.w2", "row"),
         ("transformer.h.0.self_attention.dense", "row"),
         ("lm_head", "vocab"),
+        ("model.layers.0.mlp.gate", "replicated"),
+        ("model.layers.0.block_sparse_moe.gate", "replicated"),
+        ("model.layers.0.feed_forward.router", "replicated"),
+        ("model.layers.0.router.proj", "replicated"),
+        ("model.layers.0.mlp.shared_expert_gate", "replicated"),
         ("model.layers.0.mlp.frobnicate", "unknown"),
     ],
 )
