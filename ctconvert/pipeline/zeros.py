@@ -62,6 +62,17 @@ def candidate_rows(out: dict[str, torch.Tensor], fmt, args, dtype: torch.dtype, 
     return per[:rows]
 
 
+def _runs(idx: list[int]) -> list[tuple[int, int]]:
+    """Sorted row indices as ``[a, b)`` runs of consecutive rows (one read each)."""
+    runs: list[tuple[int, int]] = []
+    for i in idx:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
 def _key(dev: torch.device) -> str:
     """``cuda:N`` of a device (``cuda`` alone is the current device, as torch places tensors)."""
     if dev.type == "cuda" and dev.index is None:
@@ -139,7 +150,7 @@ class ZeroTracker:
             pos += mask.numel()
             if bool(part.any()):
                 idx = part.nonzero().flatten()
-                rows = torch.cat([read_rows(info, r0 + int(i), r0 + int(i) + 1) for i in idx])
+                rows = torch.cat([read_rows(info, r0 + a, r0 + b) for a, b in _runs(idx.tolist())])
                 self._examine(info, idx + r0, rows, scheme, gs.cpu() if gs is not None else None)
 
     def _examine(self, info: TensorInfo, idx: torch.Tensor, w: torch.Tensor, scheme, gs: torch.Tensor | None) -> None:
@@ -147,12 +158,16 @@ class ZeroTracker:
         rows whose dequantized values are all zero, and among them those whose source is not."""
         w = w.cpu().contiguous()
         gs = gs.cpu() if gs is not None else None
-        parts = scheme.quantize_rows(w, gs, impl="torch")
-        parts.update(scheme.whole_tensor_outputs(tuple(w.shape), gs))
-        zero_q, lost = zero_rows(scheme.weight_format.dequantize(parts, scheme.weights), w)
+        nonzero = (w != 0).any(dim=1)
+        w = w[nonzero]  # a zero row quantizes to zeros: only the others are quantized again
+        zero_q = lost = torch.zeros(0, dtype=torch.bool)
+        if w.shape[0]:
+            parts = scheme.quantize_rows(w, gs, impl="torch")
+            parts.update(scheme.whole_tensor_outputs(tuple(w.shape), gs))
+            zero_q, lost = zero_rows(scheme.weight_format.dequantize(parts, scheme.weights), w)
         with self.lock:
             rec = self.found.setdefault(info.name, ZeroRows(info.name, info.shape[0]))
-            rec.all_zero_rows += int(zero_q.sum())
+            rec.all_zero_rows += int((~nonzero).sum()) + int(zero_q.sum())
             rec.zero_rows += int(lost.sum())
             if bool(lost.any()):
                 rec.max_abs = max(rec.max_abs, float(w[lost].abs().max()))
