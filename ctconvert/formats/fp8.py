@@ -164,6 +164,10 @@ class MXFP8Quantized(WeightFormat):
     def _reference(self, w, args, global_scale):
         return quantize_mxfp8(w)
 
+    def zero_scale(self, args, dtype):
+        # as MXFP4: the exponent clamps at byte 0; 2^-127 is zero only in fp16, where it becomes 1 (byte 127)
+        return 127.0 if dtype == torch.float16 else 0.0
+
     def _fused(self, kernels, w, args, global_scale):
         fn = getattr(kernels, "mxfp8", None)
         if fn is None:  # no Triton kernel: the torch reference runs on the CUDA tensor (same bytes)

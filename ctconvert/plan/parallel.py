@@ -34,10 +34,10 @@ and the report says so.
 * whole quantization groups along K: ``verify_group_size_divides_partition``
   (``distributed/utils.py``), called by ``CompressedTensorsWNA16.create_weights``
   (``model_executor/layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16.py``)
-  for every grouped layer; NVFP4 and MXFP4 size the scale
+  for every grouped layer; NVFP4, MXFP4 and MXFP8 size the scale
   ``input_size_per_partition // group_size`` (``compressed_tensors_w4a4_nvfp4.py``,
-  ``compressed_tensors_w4a4_mxfp4.py``), so a split inside a 16- (32-) element
-  block misreads it. Channelwise scales are whole per row and are repeated on
+  ``compressed_tensors_w4a4_mxfp4.py``, ``compressed_tensors_w8a8_mxfp8.py``), so a
+  split inside a 16- (32-) element block misreads it. Channelwise scales are whole per row and are repeated on
   every rank of a row-parallel layer (``marlin_repeat_scales_on_all_ranks``);
 * whole int32 words: ``weight_packed`` packs ``32 / bits`` values along K
   (``PackedvLLMParameter(packed_dim=1)``), an asymmetric ``weight_zero_point``
@@ -246,8 +246,8 @@ def _group(args: WeightArgs | None) -> int | None:
 
 def _groups(args: WeightArgs) -> str:
     g = args.group_size
-    if args.type == "float" and args.num_bits == 4:
-        return f"{g}-element {'NVFP4' if args.strategy == 'tensor_group' else 'MXFP4'} blocks"
+    if args.type == "float":
+        return f"{g}-element {'NVFP4' if args.strategy == 'tensor_group' else 'MX'} blocks"
     return f"groups of {g}"
 
 

@@ -10,9 +10,9 @@ from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.formats.common import tensor_absmax
 from ctconvert.formats.fp4 import nvfp4_global_scale
 from ctconvert.pipeline.zeros import ZeroTracker, candidate_rows, zero_rows
-from ctconvert.plan.schemes import get_scheme
+from ctconvert.plan.schemes import get_scheme, scheme_names
 
-SCHEMES = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16"]
+SCHEMES = [n for n in scheme_names() if n != "INT8"]  # every scheme (INT8 is W8A8's alias)
 
 
 def weight(dtype, seed=0):

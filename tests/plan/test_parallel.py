@@ -75,8 +75,9 @@ def test_nvfp4_blocks_of_16():
     row = r.rows[0]
     assert row.max_tp == 2 and row.per_rank == (256, 24)
     assert "not a whole number of 16-element NVFP4 blocks" in row.problems[0]
-    r = report(mod("model.layers.0.self_attn.o_proj", (256, 96), "MXFP4A16"))
-    assert r.max_tp == 1  # 48 is not a whole number of 32-element blocks
+    for mx in ("MXFP4A16", "MXFP8A16"):
+        r = report(mod("model.layers.0.self_attn.o_proj", (256, 96), mx), tp=2)
+        assert r.max_tp == 1 and "not a whole number of 32-element MX blocks" in r.rows[0].problems[0]  # 48 per rank
 
 
 def test_fp8_block_shapes():
