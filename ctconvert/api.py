@@ -24,7 +24,7 @@ from .commands import repack as _repack
 from .commands import schemes as _schemes
 from .commands import verify as _verify
 from .commands.quantize import QuantizeResult
-from .layouts.kernels import DEFAULT_LAYOUT_VERSION
+from .layouts.kernels import CT_FORMAT_TARGETS, DEFAULT_LAYOUT_VERSION
 from .pipeline.executor import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
 from .plan.layout import LayoutStage
 
@@ -71,6 +71,7 @@ def quantize(
     keep_other_weights: bool = False,
     tp: int = 1,
     ep: int | None = None,
+    sparsity: str | None = None,
 ) -> QuantizeResult:
     """Convert the dense checkpoint ``src`` to a compressed-tensors checkpoint at ``out``.
 
@@ -105,6 +106,10 @@ def quantize(
     A quantized tensor whose values all quantize to zero while its source does not (rows of
     fp16 values below the format's smallest scale, for instance) is named in the notes and in
     ``result.zero_quantized``; the bytes are compressed-tensors' own.
+        sparsity: ``"2:4"``: magnitude 2:4 pruning along K before quantizing, written as
+            ``sparse-24-bitmask`` (``scheme`` ``DENSE``, ``FP8_DYNAMIC`` or ``W8A8``; vLLM <= 0.18 loads it)
+            or, with :func:`quantize_to_target` ``target="marlin-24"`` and ``W4A16``, as ``marlin-24``
+            (vLLM <= 0.15). See :mod:`ctconvert.plan.sparsity`.
 
     Returns:
         A :class:`QuantizeResult` (``to_dict()`` is the ``--json`` document).
@@ -143,6 +148,7 @@ def quantize(
         keep_other_weights=keep_other_weights,
         tp=tp,
         ep=ep,
+        sparsity=sparsity,
     )
 
 
@@ -160,8 +166,13 @@ def quantize_to_target(src, out, scheme: str, target: str, *, layout_version: st
     """
     stage = LayoutStage(target, layout_version, act_dtype)
     res = _quantize.quantize(src, out, scheme, layout=stage, **kw)
-    res.format = f"kernel-native ({target}, from {res.format})"
-    if not res.dry_run:
+    if target in CT_FORMAT_TARGETS:  # marlin-24: a compressed-tensors format of its own
+        res.format = target
+    else:
+        res.format = f"kernel-native ({target}, from {res.format})"
+    if not res.dry_run and target in CT_FORMAT_TARGETS:
+        res.notes.append(f"packed {len(stage.records)} modules as {target}")
+    elif not res.dry_run:
         res.notes.append(f"repacked {len(stage.records)} modules for {target} (vLLM layout {layout_version})")
     return res
 

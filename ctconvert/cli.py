@@ -178,7 +178,15 @@ def _split(values: tuple[str, ...]) -> list[str]:
     "-s",
     "--scheme",
     required=True,
-    help="compressed-tensors preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W4A16, W4A16_ASYM, W8A16, NVFP4A16, MXFP4A16, MXFP4, MXFP8A16, MXFP8.",
+    help="compressed-tensors preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W4A16, W4A16_ASYM, W8A16, NVFP4A16, MXFP4A16, MXFP4, MXFP8A16, MXFP8 "
+    "(DENSE: with --sparsity only).",
+)
+@click.option(
+    "--sparsity",
+    type=click.Choice(["2:4"]),
+    default=None,
+    help="Magnitude 2:4 pruning along K. With DENSE, FP8_DYNAMIC or W8A8: sparse-24-bitmask, which vLLM <= 0.18 loads "
+    "(SM90; current vLLM does not); with W4A16 and --target marlin-24: marlin-24, which vLLM <= 0.15 loads.",
 )
 @click.option(
     "--lm-head",
@@ -200,9 +208,10 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option(
     "--target",
     "target",
-    type=click.Choice(["marlin", "cutlass-nvfp4"]),
+    type=click.Choice(["marlin", "cutlass-nvfp4", "cutlass-2of4", "cutlass-2of4-sm80", "marlin-24"]),
     default=None,
-    help="Also repack into this kernel-native layout (see `ctconvert repack`).",
+    help="Also repack into this kernel-native layout (see `ctconvert repack`). marlin-24 (with --sparsity 2:4 and W4A16) "
+    "writes the compressed-tensors marlin-24 format, which vLLM <= 0.15 loads.",
 )
 @click.option("--layout-version", default="0.33", show_default=True, help="With --target: vLLM release whose layout to build.")
 @click.option("--act-dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True, help="With --target: activation dtype.")
@@ -235,6 +244,7 @@ def quantize(
     keep_other_weights,
     tp,
     ep,
+    sparsity,
 ):
     """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint."""
     from . import api
@@ -254,6 +264,7 @@ def quantize(
         keep_other_weights=keep_other_weights,
         tp=tp,
         ep=ep,
+        sparsity=sparsity,
     )
     if target:
         if (resume or refresh) and not dry_run:
@@ -361,6 +372,8 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
             f"[bold]{report['path']}[/bold]: "
             + (f"{q['quant_method']} / {q['format']} / {q['quantization_status']}" if q else "dense (no quantization_config)")
         )
+    if sp := report.get("sparsity_config"):
+        con.print(f"  sparsity: {sp.get('sparsity_structure')} {sp.get('format')} (a legacy format: vLLM <= 0.18 loads sparse-24-bitmask, <= 0.15 marlin-24)")
     for g, v in report["config_groups"].items():
         con.print(f"  group {g}: targets={v['targets']} scheme={v['scheme']} format={v['format']}")
     layers = report["layers"]
@@ -468,8 +481,9 @@ def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
     "-t",
     "--target",
     required=True,
-    type=click.Choice(["marlin", "cutlass-nvfp4", "compressed-tensors"]),
-    help="Kernel layout to build, or compressed-tensors to undo a repack.",
+    type=click.Choice(["marlin", "cutlass-nvfp4", "cutlass-2of4", "cutlass-2of4-sm80", "compressed-tensors"]),
+    help="Kernel layout to build, or compressed-tensors to undo a repack. cutlass-2of4: the SM90 CUTLASS 2:4 tensors of vLLM <= 0.18; "
+    "cutlass-2of4-sm80: PyTorch's SM80 semi-structured layout.",
 )
 @click.option("--layout-version", default="0.33", show_default=True, help="vLLM release whose layout to build (0.21, 0.25, 0.29 ... 0.33).")
 @click.option("--act-dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True, help="Activation dtype the kernel will run with.")

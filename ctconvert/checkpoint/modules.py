@@ -13,14 +13,26 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats import CompressionFormat, WeightArgs, get_format
-from ..formats.base import part_rows
+from ..formats.base import dequantize_unpacked, part_rows
+from ..layouts.marlin24 import marlin24_unpack, marlin24_unpermute_scales
 from .naming import FUSED_OF, fused_set_name, is_linear_weight, resolve_group
 from .reader import Checkpoint
 from .safetensors_io import TensorInfo, read_rows, read_tensor
 
-__all__ = ["ACT_PARTS", "QUANT_PARTS", "Module", "dense_row_chunks", "dense_shape", "fused_global_scales", "module_rows", "modules_of"]
+__all__ = ["ACT_PARTS", "QUANT_PARTS", "SPARSITY_GROUP", "Module", "dense_row_chunks", "dense_shape", "fused_global_scales", "module_rows", "modules_of"]
 
-QUANT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_global_scale", "weight_shape", "weight_g_idx")
+QUANT_PARTS = (
+    "weight_packed",
+    "weight_scale",
+    "weight_zero_point",
+    "weight_global_scale",
+    "weight_shape",
+    "weight_g_idx",
+    *("compressed", "bitmask", "shape"),  # sparse-24-bitmask (docs/compressed-tensors-format.md §4.8)
+    *("meta", "scale_packed"),  # marlin-24 (§4.8)
+)
+#: the pseudo group of modules a sparse-only checkpoint stores as sparse-24-bitmask (no config group)
+SPARSITY_GROUP = "sparsity_config"
 ACT_PARTS = ("input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point")
 
 
@@ -34,7 +46,7 @@ class Module:
 
     @property
     def quantized(self) -> bool:
-        return "weight_packed" in self.parts or {"weight", "weight_scale"} <= self.parts.keys()
+        return "weight_packed" in self.parts or "compressed" in self.parts or {"weight", "weight_scale"} <= self.parts.keys()
 
 
 def modules_of(ckpt: Checkpoint) -> dict[str, Module]:
@@ -57,6 +69,11 @@ def modules_of(ckpt: Checkpoint) -> dict[str, Module]:
             m.group = g
             m.format = groups[g].get("format") or qcfg.get("format")
             m.weights = groups[g].get("weights") or {}
+        if "compressed" in m.parts and (qcfg.get("sparsity_config") or {}).get("format") == CompressionFormat.SPARSE_24_BITMASK.value:
+            # values stored as sparse-24-bitmask, over the group's quantization format or dense (sparse only)
+            m.format = CompressionFormat.SPARSE_24_BITMASK.value + (f"+{m.format}" if g is not None else "")
+            if g is None:
+                m.group, m.weights = SPARSITY_GROUP, {}
     return dict(mods)
 
 
@@ -96,6 +113,9 @@ def dense_row_chunks(m: Module, chunk_elems: int):
     fmt, args = get_format(m.format), WeightArgs.from_dict(m.weights)
     if fmt is None:
         raise ValueError(f"cannot dequantize format {m.format!r}")
+    if m.format == CompressionFormat.MARLIN_24.value:  # the kernel layout spans all rows: the module at once
+        yield 0, n, _marlin24_dense(m, n, k, args)
+        return
     step = max(128, (chunk_elems // max(1, k)) // 128 * 128)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -113,3 +133,12 @@ def fused_global_scales(mods: dict[str, Module]) -> dict[str, dict[str, float]]:
         if "weight_global_scale" in m.parts and leaf in FUSED_OF:
             sets.setdefault(fused_set_name(parent, FUSED_OF[leaf]), {})[leaf] = float(read_tensor(m.parts["weight_global_scale"]).float().reshape(-1)[0])
     return sets
+
+
+def _marlin24_dense(m: Module, n: int, k: int, args: WeightArgs) -> torch.Tensor:
+    """The fp16 dense weight of a marlin-24 module: unpacked (:mod:`ctconvert.layouts.marlin24`), then
+    ``q * scale`` in fp16 as compressed-tensors dequantizes symmetric int weights."""
+    g = args.group_size if args.strategy == "group" else None
+    q = marlin24_unpack(read_tensor(m.parts["weight_packed"]), read_tensor(m.parts["meta"]), n, k)
+    scale = marlin24_unpermute_scales(read_tensor(m.parts["scale_packed"]), k, g)
+    return dequantize_unpacked({"weight": q, "weight_scale": scale}, args)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..errors import EXIT_INTERNAL, CTConvertError, UsageError
 from ..plan.schemes import get_scheme
+from ..plan.sparsity import sparse_scheme
 
 __all__ = ["ALLOWED", "load_jobs", "run_jobs"]
 
@@ -47,6 +48,7 @@ ALLOWED = {
     "lm_head_chunk_rows",
     "allow_non_finite",
     "keep_other_weights",
+    "sparsity",
 }
 
 
@@ -84,7 +86,11 @@ def load_jobs(path: str | Path) -> list[dict]:
             if k not in job:
                 raise UsageError(f"job {i}: missing {k!r}", file=p)
         try:
-            job["scheme"] = get_scheme(str(job["scheme"])).name
+            if job.get("sparsity"):  # 2:4: checked here, named as the user wrote it (plan/sparsity.py)
+                sparse_scheme(str(job["scheme"]), str(job["sparsity"]))
+                job["scheme"] = str(job["scheme"]).upper()
+            else:
+                job["scheme"] = get_scheme(str(job["scheme"])).name
         except CTConvertError as e:
             raise UsageError(f"job {i}: {e}", file=p) from None
         for k in ("model", "output"):  # relative paths are relative to the jobs file

@@ -80,7 +80,7 @@ def _check_input(ckpt: Checkpoint, src: Path) -> None:
     qcfg = ckpt.quantization_config
     if not qcfg or qcfg.get("quant_method") != "compressed-tensors":
         raise UnsupportedError("not a compressed-tensors checkpoint (no quantization_config with quant_method compressed-tensors)", file=src / CONFIG_NAME)
-    if (qcfg.get("sparsity_config") or {}).get("format"):
+    if (qcfg.get("sparsity_config") or {}).get("format") not in (None, "dense", "sparse-24-bitmask"):
         raise UnsupportedError(f"sparse format {qcfg['sparsity_config']['format']!r} cannot be decompressed", file=src / CONFIG_NAME)
 
 

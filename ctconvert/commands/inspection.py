@@ -115,6 +115,7 @@ def inspect_checkpoint(path: Path) -> dict:
     return {
         "path": str(path),
         "quantization_config": {k: qcfg.get(k) for k in ("quant_method", "format", "quantization_status")} if qcfg else None,
+        "sparsity_config": qcfg.get("sparsity_config") or None,  # 2:4 (compressed-tensors <= 0.14)
         "config_groups": {
             g: {"targets": v.get("targets"), "format": v.get("format"), "scheme": describe_weights(v.get("weights") or {})} for g, v in groups.items()
         },
@@ -156,7 +157,7 @@ def _layer(m: Module, qcfg: dict, problems: list[Problem]) -> dict | None:
     return {
         "module": m.name,
         "group": group,
-        "scheme": describe_weights(m.weights or {}) if quantized else "dense",
+        "scheme": _sparse_scheme(m, describe_weights(m.weights or {})) if quantized else "dense",
         "format": m.format if quantized else "dense",
         "tensors": {p: {"dtype": i.dtype, "shape": list(i.shape)} for p, i in sorted(infos.items())},
         "bytes": nbytes,
@@ -192,6 +193,13 @@ def _totals(ckpt: Checkpoint, layers: list[dict]) -> dict:
         "linear_bits_per_weight": round(8 * lin_bytes / lin_params, 3) if lin_params else None,
         "in_blocks": sum(1 for r in layers if BLOCK.search(r["module"] + ".")),
     }
+
+
+def _sparse_scheme(m: Module, scheme: str | None) -> str | None:
+    """The scheme of a 2:4 sparse module gets ``2:4`` (``sparse-24-bitmask``, ``marlin-24``)."""
+    if str(m.format).startswith("sparse-24-bitmask") or m.format == "marlin-24":
+        return f"{scheme} 2:4" if scheme else "dense 2:4"
+    return scheme
 
 
 def describe_weights(w: dict) -> str | None:

@@ -37,6 +37,7 @@ from ..pipeline.zeros import ZeroTracker
 from ..plan.layout import LayoutStage
 from ..plan.parallel import ParallelReport, parallel_report, plan_modules
 from ..plan.planner import Plan, make_plan
+from ..plan.sparsity import SparseScheme, sparse_config, sparsity_warning
 
 __all__ = ["QuantizeResult", "quantize"]
 
@@ -129,6 +130,7 @@ def quantize(
     keep_other_weights: bool = False,
     tp: int = 1,
     ep: int | None = None,
+    sparsity: str | None = None,
 ) -> QuantizeResult:
     """Convert ``src`` to ``out``; see :func:`ctconvert.api.quantize` for the arguments and errors.
 
@@ -140,10 +142,16 @@ def quantize(
     devs = resolve_devices(device)
     ckpt = open_checkpoint(src, strict=True)
     plan_kw = dict(targets=targets, ignore=ignore, lm_head=lm_head, lm_head_chunk_rows=lm_head_chunk_rows)
+    if sparsity:
+        if lm_head.lower() != "none":  # its sparsity_config would claim the head as 2:4 for loaders
+            raise UsageError("--lm-head cannot be combined with --sparsity: 2:4 is for the Linear layers of the blocks")
+        plan_kw.update(sparsity=sparsity, sparsity_target=layout.target if layout is not None else None)
     plan, dry_error = _plan(ckpt, scheme, dry_run, skip_incompatible, plan_kw)
     result = QuantizeResult.of_plan(plan, out, dry_run, ckpt.total_bytes, devs)
     if dry_run or tp > 1 or ep is not None:
         _parallel(result, plan, ckpt, layout, tp, ep)
+    if (warning := sparsity_warning(plan.scheme, layout.target if layout is not None else None)) is not None:
+        result.notes.append(warning)
     if dry_run:
         result.output_bytes = sum(PlannedTensor(*t).nbytes for t in plan.output_tensors)
         result.seconds = time.perf_counter() - t0
@@ -153,10 +161,14 @@ def quantize(
         raise UsageError("an output folder is required (-o/--output)")
     out = Path(out)
     options = _run_options(plan, lm_head, targets, ignore, shard_limit, skip_incompatible, lm_head_chunk_rows)
+    if sparsity:
+        options["sparsity"] = sparsity
     old_prov = load_provenance(out, options) if refresh else None
     if not refresh:
         check_output_path(src, out, overwrite)
     qconfig = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
+    if isinstance(plan.scheme, SparseScheme):
+        qconfig = sparse_config(qconfig, plan.scheme, targets or ["Linear"], plan.ignore)
     if layout is not None:
         if resume or refresh:
             raise UsageError("--target cannot be combined with --resume or --refresh")

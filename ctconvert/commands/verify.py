@@ -33,6 +33,7 @@ from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_bytes, read_rows, read_tensor
 from ..errors import UsageError
 from ..formats import WeightArgs, get_format
+from ..formats.sparse24 import SPARSE_PREFIX, prune24
 from ..layouts import kernels
 from ..pipeline.zeros import candidate_rows, zero_rows
 from ..plan.parallel import checkpoint_modules, kernel_native_modules, parallel_report
@@ -108,7 +109,8 @@ def _config_problems(ckpt: Checkpoint, path: Path) -> list[Problem]:
     out = []
     if qcfg.get("quant_method") != "compressed-tensors":
         out.append(_error(f"quant_method is {qcfg.get('quant_method')!r}, not 'compressed-tensors'"))
-    if qcfg.get("quantization_status") != "compressed":
+    sparse_only = "config_groups" not in qcfg and (qcfg.get("sparsity_config") or {}).get("format")  # compressed-tensors 0.14 2:4
+    if qcfg.get("quantization_status") != "compressed" and not sparse_only:
         out.append(_error(f"quantization_status is {qcfg.get('quantization_status')!r}; transformers then initializes weights randomly"))
     return out
 
@@ -191,8 +193,11 @@ def _compare_weights(mods: dict[str, Module], ref: Checkpoint) -> tuple[list[dic
 def _error_row(m: Module, src) -> dict:
     se = sr = mx = 0.0
     lost = 0
+    sparse = str(m.format).startswith(SPARSE_PREFIX) or m.format == "marlin-24"  # 2:4: against the pruned reference (the rule of formats/sparse24.py)
     for r0, r1, got in dense_row_chunks(m, _CHUNK):
-        d = got.float() - (want := read_rows(src, r0, r1).float())
+        want = read_rows(src, r0, r1)
+        want = (prune24(want) if sparse else want).float()
+        d = got.float() - want
         lost += int(zero_rows(got, want)[1].sum())
         se += float((d * d).sum())
         sr += float((want * want).sum())

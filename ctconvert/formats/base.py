@@ -39,6 +39,9 @@ class CompressionFormat(str, Enum):
     NVFP4_PACK_QUANTIZED = "nvfp4-pack-quantized"
     MXFP4_PACK_QUANTIZED = "mxfp4-pack-quantized"
     MXFP8_QUANTIZED = "mxfp8-quantized"
+    SPARSE_24_BITMASK = "sparse-24-bitmask"  # legacy (compressed-tensors <= 0.14): formats/sparse24.py
+    MARLIN_24 = "marlin-24"  # legacy (compressed-tensors <= 0.14, vLLM <= 0.15)
+    DENSE = "dense"
     MIXED_PRECISION = "mixed-precision"
 
     __str__ = str.__str__
@@ -115,7 +118,7 @@ def part_rows(part: str, shape: tuple[int, ...], dtype: str, r0: int, r1: int, a
     ``dtype`` is the safetensors dtype: a zero point stored as I32 is packed along dim 0
     (docs/compressed-tensors-format.md §4.3).
     """
-    if part in ("weight", "weight_packed"):
+    if part in ("weight", "weight_packed", "compressed", "bitmask"):
         return r0, r1
     if part in ("weight_scale", "weight_zero_point"):
         numel = math.prod(shape)

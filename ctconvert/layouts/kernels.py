@@ -15,6 +15,17 @@ config) and the names of the module's tensors, not from format names:
 * ``marlin-nvfp4``: NVFP4 weights on Marlin, W4A16 (§5.2).
 * ``marlin-mxfp4``: MXFP4 weights on Marlin, W4A16 (§5.3).
 * ``cutlass-nvfp4``: NVFP4 W4A4 on CUTLASS: swizzled block scales, padded weight, ``alpha`` (§6).
+* ``cutlass-2of4`` (target ``cutlass-2of4``): a ``sparse-24-bitmask`` module (dense 2:4 values, FP8 or
+  int8) as vLLM <= 0.18's ``CompressedTensors24`` holds it for the SM90 CUTLASS 2:4 kernels: ``weight``
+  (``cutlass_sparse_compress`` values), ``meta``, ``weight_scale`` as float32 (§8.1). The layout forgets
+  which zero positions the bitmask marks and the sign of a stored zero: ``bitmask_source`` and
+  ``negative_zeros_source`` keep them for the exact inverse.
+* ``cutlass-2of4-sm80`` (target ``cutlass-2of4-sm80``): the same module in PyTorch's SM80 semi-structured
+  layout (``torch.sparse.to_sparse_semi_structured``, CUTLASS backend): ``weight`` values and ``meta`` (§8.2).
+* ``marlin-24`` (target ``marlin-24``, ``quantize`` only): int4 2:4 values and fp16 scales
+  (:class:`ctconvert.formats.sparse24.Marlin24Values`) packed as ``weight_packed``/``meta``/``scale_packed``
+  (§9). Its output is the compressed-tensors ``marlin-24`` format itself (what vLLM <= 0.15 loads), so
+  :data:`CT_FORMAT_TARGETS` lists it: its checkpoint keeps compressed-tensors' config, not the kernel-native tag.
 
 Where vLLM's processing loses information (scales cast or folded into the
 activation dtype, fused shards' global-scale divisors reduced to one
@@ -30,9 +41,20 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cutlass, marlin, marlin_fp8, marlin_mxfp4, marlin_nvfp4
+from . import cutlass, marlin, marlin24, marlin_fp8, marlin_mxfp4, marlin_nvfp4, sparse24
 
-__all__ = ["DEFAULT_LAYOUT_VERSION", "KERNELS", "LAYOUT_VERSIONS", "TARGETS", "Kernel", "choose_kernel", "repack_module", "unrepack_module"]
+__all__ = [
+    "CT_FORMAT_TARGETS",
+    "DEFAULT_LAYOUT_VERSION",
+    "KERNELS",
+    "LAYOUT_VERSIONS",
+    "TARGETS",
+    "VLLM_RELEASES",
+    "Kernel",
+    "choose_kernel",
+    "repack_module",
+    "unrepack_module",
+]
 
 LAYOUT_VERSIONS = ("0.33", "0.32", "0.31", "0.30", "0.29", "0.25", "0.21")
 DEFAULT_LAYOUT_VERSION = "0.33"
@@ -282,6 +304,109 @@ def _unmarlin_mxfp4(t: dict[str, torch.Tensor], rec: dict) -> dict:
     return {"weight_packed": back["weight_packed"], "weight_scale": t.get("weight_scale_source", back["weight_scale"])}
 
 
+# ------------------------------------------------------------------ 2:4: cutlass-2of4 (§8.1), cutlass-2of4-sm80 (§8.2), marlin-24 (§9)
+
+
+def _takes_sparse24(weights: dict, parts: set) -> bool:
+    bits, _ = _bits_type(weights)
+    return {"compressed", "bitmask"} <= parts and bits in (0, 8)
+
+
+def _sparse24(layout: str):
+    def repack(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: torch.dtype) -> tuple[dict, dict]:
+        c, bm = t["compressed"], t["bitmask"]
+        n, k = c.shape[0], 2 * c.shape[1]
+        if k % 8:
+            raise ValueError(f"K={k} is not a multiple of 8 (vLLM's cutlass_sparse_compress)")
+        dtypes = sparse24.SM90_DTYPES if layout == "sm90" else sparse24.SM80_DTYPES
+        if c.dtype not in dtypes:
+            raise ValueError(f"{c.dtype} weights are not taken by the {layout.upper()} 2:4 layout")
+        if c.device.type == "meta":  # planning: only the shapes
+            dense = torch.empty((n, k), dtype=c.dtype, device="meta")
+            if layout == "sm90":
+                vk, me, ke = sparse24.sm90_sizes(n, k, c.dtype)
+                kt = {"weight": torch.empty((n, vk), dtype=c.dtype, device="meta"), "meta": torch.empty((me, ke), dtype=torch.uint8, device="meta")}
+            else:
+                sparse24.sm80_check_shape(n, k, c.dtype)
+                md, per = (torch.int32, 32) if c.dtype == torch.int8 else (torch.int16, 16)
+                kt = {"weight": torch.empty((n, k // 2), dtype=c.dtype, device="meta"), "meta": torch.empty((n, k // per), dtype=md, device="meta")}
+        else:
+            dense = sparse24.bitmask_dense(c, bm, n, k)
+            comp = sparse24.sm90_compress(dense) if layout == "sm90" else sparse24.sm80_compress(dense)
+            kt = {"weight": comp["values"], "meta": comp["meta"]}
+        # the kernel layout keeps neither which zeros the bitmask marks nor the sign of a stored zero: both kept
+        out = {
+            **kt,
+            "bitmask_source": bm,
+            "negative_zeros_source": sparse24.negative_zeros(c)
+            if c.device.type != "meta"
+            else torch.empty((n, -(-(k // 2) // 8)), dtype=torch.uint8, device="meta"),
+        }
+        if "weight_scale" in t:
+            out["weight_scale"] = t["weight_scale"].to(torch.float32)
+        for p in ("input_scale", "bias"):
+            if p in t:
+                out[p] = t[p]
+        rec = {
+            "kernel": "cutlass-2of4" if layout == "sm90" else "cutlass-2of4-sm80",
+            "size_n": n,
+            "size_k": k,
+            "layout_version": v,
+            "scale_dtype": str(t["weight_scale"].dtype) if "weight_scale" in t else None,
+        }
+        return out, rec
+
+    def unrepack(t: dict[str, torch.Tensor], rec: dict) -> dict:
+        n, k = rec["size_n"], rec["size_k"]
+        if layout == "sm90":
+            dense = sparse24.sm90_decompress(t["weight"], t["meta"], n, k)
+        else:
+            dense = sparse24.sm80_decompress(t["weight"], t["meta"])
+        out = {
+            "compressed": sparse24.restore_negative_zeros(sparse24.bitmask_values(dense, t["bitmask_source"]), t["negative_zeros_source"]),
+            "bitmask": t["bitmask_source"],
+            "shape": torch.tensor([[n], [k]], dtype=torch.int64, device=dense.device),
+        }
+        if "weight_scale" in t:
+            out["weight_scale"] = t["weight_scale"].to(getattr(torch, rec["scale_dtype"].replace("torch.", "")))
+        for p in ("input_scale", "bias"):
+            if p in t:
+                out[p] = t[p]
+        return out
+
+    return repack, unrepack
+
+
+def _takes_marlin24(weights: dict, parts: set) -> bool:
+    bits, typ = _bits_type(weights)
+    return {"weight", "weight_scale"} <= parts and typ == "int" and bits == 4
+
+
+def _marlin24(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: torch.dtype) -> tuple[dict, dict]:
+    q, s = t["weight"], t["weight_scale"]
+    n, k = q.shape
+    g = weights.get("group_size") if weights.get("strategy") == "group" else None
+    if (problem := marlin24.marlin24_shape_problem(n, k, g)) is not None:
+        raise ValueError(problem)
+    if q.device.type == "meta":
+        out = {
+            "weight_packed": torch.empty((k // 32, 2 * n), dtype=torch.int32, device="meta"),
+            "meta": torch.empty((k // 32, 2 * n), dtype=torch.int16, device="meta"),
+            "scale_packed": torch.empty((s.shape[1], n), dtype=torch.float16, device="meta"),
+        }
+    else:
+        out = marlin24.marlin24_pack(q, s, g)
+    return out, {"kernel": "marlin-24", "size_n": n, "size_k": k, "group_size": g or -1, "layout_version": v}
+
+
+def _unmarlin24(t: dict[str, torch.Tensor], rec: dict) -> dict:
+    n, k, g = rec["size_n"], rec["size_k"], rec["group_size"]
+    return {
+        "weight": marlin24.marlin24_unpack(t["weight_packed"], t["meta"], n, k),
+        "weight_scale": marlin24.marlin24_unpermute_scales(t["scale_packed"], k, None if g == -1 else g),
+    }
+
+
 # ------------------------------------------------------------------ the table
 
 
@@ -294,10 +419,30 @@ KERNELS: dict[str, Kernel] = {
         Kernel("marlin-nvfp4", "marlin", _takes_nvfp4, _marlin_nvfp4, _unmarlin_nvfp4),
         Kernel("marlin-mxfp4", "marlin", _takes_marlin_mxfp4, _marlin_mxfp4, _unmarlin_mxfp4),
         Kernel("cutlass-nvfp4", "cutlass-nvfp4", _takes_cutlass_nvfp4, _cutlass_nvfp4, _uncutlass_nvfp4),
+        Kernel("cutlass-2of4", "cutlass-2of4", _takes_sparse24, *_sparse24("sm90")),
+        Kernel("cutlass-2of4-sm80", "cutlass-2of4-sm80", _takes_sparse24, *_sparse24("sm80")),
+        Kernel("marlin-24", "marlin-24", _takes_marlin24, _marlin24, _unmarlin24),
     )
 }
 #: the kernel-layout targets (``--target``) and what each takes, for messages
-TARGETS = {"marlin": "int4/int8, FP8 channel/tensor, NVFP4 and MXFP4", "cutlass-nvfp4": "NVFP4 W4A4"}
+TARGETS = {
+    "marlin": "int4/int8, FP8 channel/tensor, NVFP4 and MXFP4",
+    "cutlass-nvfp4": "NVFP4 W4A4",
+    "cutlass-2of4": "sparse-24-bitmask (dense, FP8, int8) for the SM90 CUTLASS 2:4 kernels",
+    "cutlass-2of4-sm80": "sparse-24-bitmask (fp16/bf16, int8) in PyTorch's SM80 semi-structured layout",
+    "marlin-24": "W4A16 with --sparsity 2:4 (quantize only)",
+}
+#: targets whose output is a compressed-tensors format (its own config), not the kernel-native tag
+CT_FORMAT_TARGETS = ("marlin-24",)
+#: which vLLM releases load each 2:4 output (docs/kernel-layouts.md §0.1, §8, §9; docs/field-notes.md F1)
+VLLM_RELEASES = {
+    "sparse-24-bitmask": "vLLM <= 0.18 (CompressedTensors24, SM90 GPUs; removed by vLLM PR #36799); compressed-tensors <= 0.14 reads it",
+    "marlin-24": "vLLM <= 0.15 (CompressedTensorsW4A16Sparse24, SM80+ GPUs, fp16 activations); compressed-tensors <= 0.14 reads it",
+    "cutlass-2of4": "kernel-native, no loader reads it as is: the tensors vLLM <= 0.18 builds at load time for the SM90 CUTLASS 2:4 kernels "
+    "(cutlass_scaled_sparse_mm)",
+    "cutlass-2of4-sm80": "kernel-native, no loader reads it as is: PyTorch's SM80 semi-structured layout (values and meta of "
+    "torch.sparse.SparseSemiStructuredTensorCUTLASS)",
+}
 
 
 def choose_kernel(target: str, weights: dict, parts: set[str]) -> str | None:

@@ -112,7 +112,7 @@ class LayoutStage:
             if u.kind != "quantize":
                 units.append(u)
                 continue
-            grp = qcfg["config_groups"][u.group]
+            grp = (qcfg.get("config_groups") or {}).get(u.group) or {}  # none for a sparse-only (2:4) model
             weights, fmt = grp.get("weights") or {}, grp.get("format") or qcfg.get("format")
             by_mod: dict[str, list] = {}
             for o in u.outputs:
@@ -145,5 +145,8 @@ class LayoutStage:
         return {p: t[0] for p, t in outs.items()}
 
     def config(self, qcfg: dict) -> dict:
-        """The kernel-native ``quantization_config`` wrapping the compressed-tensors one."""
+        """The kernel-native ``quantization_config`` wrapping the compressed-tensors one (a target whose
+        output is a compressed-tensors format, marlin-24, keeps that config)."""
+        if self.target in kernels.CT_FORMAT_TARGETS:
+            return qcfg
         return kernel_native_config(qcfg, self.target, self.layout_version, self.act_dtype, self.records)

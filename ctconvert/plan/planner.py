@@ -36,6 +36,7 @@ from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import TensorInfo
 from ..errors import UnsupportedError, UsageError
 from .schemes import LM_HEAD_SCHEMES, Scheme, get_scheme
+from .sparsity import sparse_scheme
 
 __all__ = ["Plan", "TensorDecision", "WorkUnit", "make_plan"]
 
@@ -144,6 +145,8 @@ def make_plan(
     lm_head: str = "none",
     lm_head_chunk_rows: int = 8192,
     skip_incompatible: bool = False,
+    sparsity: str | None = None,
+    sparsity_target: str | None = None,
 ) -> Plan:
     """Decide every tensor's fate. Raises before any data is read.
 
@@ -158,7 +161,7 @@ def make_plan(
         plan = make_plan(open_checkpoint("model/"), "W4A16")
         [r.action for r in plan.rows]   # 'quantize' | 'ignore' | 'copy', one per tensor
     """
-    scheme = get_scheme(scheme_name)
+    scheme = sparse_scheme(scheme_name, sparsity, sparsity_target) if sparsity else get_scheme(scheme_name)  # 2:4: plan/sparsity.py
     _refuse_quantized(ckpt)
     head_scheme = _head_scheme(lm_head)
     targets = list(targets) if targets else ["Linear"]
@@ -302,6 +305,8 @@ def _shape_problem(info: TensorInfo, scheme: Scheme) -> str | None:
     if len(info.shape) != 2:
         return f"{len(info.shape)}-D weight {list(info.shape)}; only 2-D Linear weights can be quantized"
     n_rows, k = info.shape
+    if hasattr(scheme, "shape_problem"):  # a scheme with its own loader rules (2:4 sparsity)
+        return scheme.shape_problem(n_rows, k)
     block = scheme.weights.strategy == "block"
     if k % scheme.k_multiple:
         what = "block width" if block else "group size"
