@@ -141,15 +141,21 @@ def main(click_ctx, as_json, debug, quiet):
 
 
 def _json_option(f):
-    """``--json`` accepted after the command name too (``ctconvert inspect X --json``)."""
+    """The group's ``--json``, ``-q`` and ``--debug`` accepted after the command name too
+    (``ctconvert inspect X --json``, ``ctconvert quantize ... -q``)."""
 
-    def cb(click_ctx, _param, value):
-        if value:
-            click_ctx.find_object(_Ctx).json = True
-        return value
+    def flag(attr):
+        def cb(click_ctx, _param, value):
+            if value:
+                setattr(click_ctx.find_object(_Ctx), attr, True)
+            return value
 
+        return cb
+
+    f = click.option("--debug", "debug_flag", is_flag=True, expose_value=False, callback=flag("debug"), is_eager=True, help="Show tracebacks on errors.")(f)
+    f = click.option("-q", "--quiet", "quiet_flag", is_flag=True, expose_value=False, callback=flag("quiet"), is_eager=True, help="No progress bar or summary.")(f)
     return click.option(
-        "--json", "json_flag", is_flag=True, expose_value=False, callback=cb, is_eager=True, help="One machine-readable JSON document on stdout."
+        "--json", "json_flag", is_flag=True, expose_value=False, callback=flag("json"), is_eager=True, help="One machine-readable JSON document on stdout."
     )(f)
 
 
@@ -172,7 +178,7 @@ def _split(values: tuple[str, ...]) -> list[str]:
 
 
 @main.command()
-@click.argument("src", type=click.Path(file_okay=False, path_type=str))
+@click.argument("src", type=click.Path(path_type=str))
 @click.option("-o", "--output", "output", type=click.Path(path_type=str), help="Output folder (created; must not exist unless --overwrite).")
 @click.option(
     "-s",
@@ -213,8 +219,8 @@ def _split(values: tuple[str, ...]) -> list[str]:
     help="Also repack into this kernel-native layout (see `ctconvert repack`). marlin-24 (with --sparsity 2:4 and W4A16) "
     "writes the compressed-tensors marlin-24 format, which vLLM <= 0.15 loads.",
 )
-@click.option("--layout-version", default="0.33", show_default=True, help="With --target: vLLM release whose layout to build.")
-@click.option("--act-dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True, help="With --target: activation dtype.")
+@click.option("--layout-version", default=None, help="With --target: vLLM release whose layout to build  [default: 0.33]")
+@click.option("--act-dtype", type=click.Choice(["bf16", "fp16"]), default=None, help="With --target: activation dtype  [default: bf16]")
 @click.option("--allow-non-finite", is_flag=True, help="Copy pass-through tensors holding NaN/inf (with a note) instead of failing.")
 @click.option("--keep-other-weights", is_flag=True, help="Also copy weights in other formats (*.bin, *.pth, original/, *.gguf ...).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Check that every tensor splits over this many tensor-parallel ranks.")
@@ -251,6 +257,10 @@ def quantize(
 
     if not dry_run and not output:
         raise click.UsageError("missing option -o/--output (or use --dry-run)")
+    if target is None and (layout_version or act_dtype):
+        given = " and ".join(o for o, v in (("--layout-version", layout_version), ("--act-dtype", act_dtype)) if v)
+        raise click.UsageError(f"{given} without --target: they choose a kernel-native layout; add --target marlin (or cutlass-nvfp4), or leave them out")
+    layout_version, act_dtype = layout_version or "0.33", act_dtype or "bf16"
     kw = dict(
         lm_head=lm_head,
         targets=_split(targets) or None,
@@ -411,7 +421,7 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
 
 @main.command("verify")
 @click.argument("path", type=click.Path(path_type=str))
-@click.option("--reference", type=click.Path(file_okay=False, path_type=str), help="The dense source: compare every tensor with it.")
+@click.option("--reference", type=click.Path(path_type=str), help="The dense source: compare every tensor with it.")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Check that every tensor splits over this many tensor-parallel ranks.")
 @click.option("--ep", type=click.IntRange(min=1), default=None, help="Check the MoE experts for this many expert-parallel ranks (then not split by --tp).")
 @_json_option
@@ -453,7 +463,7 @@ def verify_cmd(ctx: _Ctx, path, reference, tp, ep):
 
 
 @main.command("decompress")
-@click.argument("src", type=click.Path(file_okay=False, path_type=str))
+@click.argument("src", type=click.Path(path_type=str))
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=str), help="Output folder.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
 @click.option("--max-shard-size", default="5GB", show_default=True)
@@ -475,7 +485,7 @@ def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
 
 
 @main.command("repack")
-@click.argument("src", type=click.Path(file_okay=False, path_type=str))
+@click.argument("src", type=click.Path(path_type=str))
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=str), help="Output folder.")
 @click.option(
     "-t",
@@ -562,6 +572,8 @@ def run() -> None:
         main.main(standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
         _interrupted()
+    except click.exceptions.NoArgsIsHelpError as e:  # `ctconvert` alone: the help, as `--help` prints it
+        click.echo(e.ctx.get_help())
     except click.exceptions.ClickException as e:  # usage errors: one line too, and a JSON document with --json
         msg = e.format_message()
         if "--json" in sys.argv[1:]:

@@ -9,6 +9,7 @@ range, through :mod:`ctconvert.checkpoint.safetensors_io`.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,12 +82,13 @@ def open_checkpoint(path: str | Path, *, strict: bool = True) -> Checkpoint:
     root = Path(path)
     problems = _Problems(strict)
     if not root.is_dir():
-        raise BadInputError("not a checkpoint folder (does not exist or is not a directory)", file=root)
+        raise BadInputError(_not_a_folder(root), file=root)
     config = _config(root, problems)
     index, files, weight_map = _shard_files(root, problems)
-    tensors = _headers(files, weight_map, problems)
+    unreadable: set[str] = set()
+    tensors = _headers(files, weight_map, problems, unreadable)
     if weight_map is not None:
-        present_files = {f.name for f in files}
+        present_files = {f.name for f in files} - unreadable  # an unreadable shard is reported once, not per tensor
         for name, fname in weight_map.items():
             if name not in tensors and fname in present_files:
                 problems.add(f"index lists this tensor in {fname!r} but the shard does not hold it", file=root / INDEX_NAME, tensor=name)
@@ -153,14 +155,31 @@ def _shard_files(root: Path, problems: _Problems) -> tuple[dict | None, list[Pat
     return index, files, weight_map
 
 
-def _headers(files: list[Path], weight_map: dict[str, str] | None, problems: _Problems) -> dict[str, TensorInfo]:
-    """Every tensor of every shard, each once and (with an index) in the shard the index names."""
+def _not_a_folder(root: Path) -> str:
+    """Why ``root`` is not a checkpoint folder, and what to pass instead."""
+    if root.is_file():
+        if root.suffix == ".safetensors" and (root.parent / CONFIG_NAME).is_file():
+            return f"is a file; give the checkpoint folder that holds it and its config.json: {root.parent}"
+        return "is a file; give the checkpoint folder (config.json and the *.safetensors shards)"
+    text = str(root)
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", text) and not root.parent.exists():
+        return (
+            f"no such folder; {text!r} looks like a Hugging Face Hub id: ctconvert works offline on local folders, "
+            f"download it first (`hf download {text} --local-dir DIR`) and pass DIR"
+        )
+    return "not a checkpoint folder (does not exist or is not a directory)"
+
+
+def _headers(files: list[Path], weight_map: dict[str, str] | None, problems: _Problems, unreadable: set[str]) -> dict[str, TensorInfo]:
+    """Every tensor of every shard, each once and (with an index) in the shard the index names; the names of
+    shards whose header cannot be read are added to ``unreadable``."""
     tensors: dict[str, TensorInfo] = {}
     for f in files:
         try:
             infos, _meta = read_header(f)
         except BadInputError as e:
             problems.caught(e, f)
+            unreadable.add(f.name)
             continue
         for name, info in infos.items():
             if name in tensors:

@@ -426,8 +426,8 @@ KERNELS: dict[str, Kernel] = {
 }
 #: the kernel-layout targets (``--target``) and what each takes, for messages
 TARGETS = {
-    "marlin": "int4/int8, FP8 channel/tensor, NVFP4 and MXFP4",
-    "cutlass-nvfp4": "NVFP4 W4A4",
+    "marlin": "pack-quantized int4/int8 (W4A16, W4A16_ASYM, W8A16), FP8 per channel or tensor (FP8_DYNAMIC), NVFP4 (NVFP4A16) and MXFP4 (MXFP4A16)",
+    "cutlass-nvfp4": "NVFP4 W4A4 (with input_global_scale)",
     "cutlass-2of4": "sparse-24-bitmask (dense, FP8, int8) for the SM90 CUTLASS 2:4 kernels",
     "cutlass-2of4-sm80": "sparse-24-bitmask (fp16/bf16, int8) in PyTorch's SM80 semi-structured layout",
     "marlin-24": "W4A16 with --sparsity 2:4 (quantize only)",

@@ -45,7 +45,9 @@ def kernel_for(target: str, module: str, fmt: str | None, weights: dict, parts: 
     kernel = kernels.choose_kernel(target, weights, parts)
     if kernel is None:
         desc = f"{fmt}, {weights.get('type')} {weights.get('num_bits')}-bit {weights.get('strategy')}"
-        takes = ", ".join(f"{t} takes {what}" for t, what in kernels.TARGETS.items())
+        takes = "; ".join(f"{t} takes {what}" for t, what in kernels.TARGETS.items())
+        if fmt == "int-quantized":  # W8A8: vLLM runs these on its int8 GEMM kernels, with no load-time repack to build
+            takes += "; int-quantized W8A8 runs on vLLM's int8 GEMM kernels, not Marlin: serve the compressed-tensors checkpoint as it is"
         raise UnsupportedError(f"module {module!r} ({desc}): target {target!r} does not take it; {takes}", file=file)
     return kernel
 

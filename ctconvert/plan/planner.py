@@ -173,8 +173,7 @@ def make_plan(
     d = _Decisions()
     for name in order:
         _decide(d, name, tensors[name], scheme, targets, user_ignore, head_scheme is not None, skip_incompatible)
-    d.notes += [f"--targets {p!r} matched no tensor" for p in targets if p not in d.used_targets]
-    d.notes += [f"--ignore {p!r} matched no tensor" for p in user_ignore if p not in d.used_ignore]
+    _check_pattern_use(d, tensors, targets, user_ignore)
     sets = _fused_sets(d, tensors, scheme)
     units = _units(d, order, tensors, sets, scheme, head_scheme, lm_head_chunk_rows)
     config_updates = _plan_head(d, ckpt, units, head_scheme, lm_head_chunk_rows)
@@ -188,6 +187,12 @@ def make_plan(
     if d.to_quantize:
         config_groups[_MAIN_GROUP] = (scheme, targets)
     if not config_groups:
+        skipped = [r for r in d.rows.values() if r.reason and r.reason.endswith("(skipped: --skip-incompatible)")]
+        if skipped:
+            raise UnsupportedError(
+                f"nothing to quantize: {scheme.name} cannot take any targeted Linear layer; --skip-incompatible kept all {len(skipped)} dense "
+                f"(first: {skipped[0].name}: {skipped[0].reason.removesuffix(' (skipped: --skip-incompatible)')}); choose another scheme"
+            )
         raise UsageError("nothing to quantize: no tensor matches the targets (check --targets/--ignore)")
     ignore_list = list(dict.fromkeys(d.ignored))
     linear_modules = {n[: -len(".weight")] for n in order if is_linear_weight(n, tensors[n])}
@@ -245,6 +250,31 @@ def _check_patterns(patterns: list[str]) -> None:
                 re.compile(pat[3:])
             except re.error as e:
                 raise UsageError(f"invalid pattern {pat!r}: {e}") from None
+
+
+def _check_pattern_use(d: _Decisions, tensors: dict[str, TensorInfo], targets: list[str], user_ignore: list[str]) -> None:
+    """After the per-tensor phase: a ``--targets``/``--ignore`` entry that names no module of the checkpoint is a
+    :class:`UsageError` that says how to write it (the usual slip: a bare ``q_proj`` where compressed-tensors wants
+    a full module name or a ``re:`` pattern; ``lm_head`` in ``--targets`` instead of ``--lm-head``). An entry that
+    names modules none of which it changes (they stay dense by default anyway) gets a note."""
+    modules = sorted({n.rpartition(".")[0] for n in tensors})
+    for opt, patterns, used in (("--targets", targets, d.used_targets), ("--ignore", user_ignore, d.used_ignore)):
+        for pat in patterns:
+            if pat in used or pat == "Linear":
+                continue
+            if opt == "--targets" and pat.removeprefix("re:").strip(".*$^").endswith("lm_head"):
+                raise UsageError(f"--targets {pat!r}: lm_head is quantized with --lm-head nvfp4a16 or --lm-head fp8, not with --targets")
+            if any(matches(m, [pat], is_linear=False) is not None for m in modules):
+                d.notes.append(f"{opt} {pat!r} matched only modules that stay dense anyway")
+                continue
+            bare = pat.removeprefix("re:")
+            like = [m for m in modules if m == bare or m.endswith("." + bare)]
+            if not pat.startswith("re:") and like:
+                raise UsageError(
+                    f"{opt} {pat!r} matches no module: entries are full module names (like {like[0]!r}) or re: patterns "
+                    f"(re.match from the start of the name, like 're:.*{re.escape(bare)}$')"
+                )
+            raise UsageError(f"{opt} {pat!r} matches no module of this checkpoint (module names look like {modules[len(modules) // 2]!r})")
 
 
 # -- phase 2: every tensor ------------------------------------------------------------
