@@ -107,6 +107,10 @@ def _run(ctx: _Ctx, fn, hint=None, last: bool = True):
         sys.exit(errors.EXIT_INTERNAL)
 
 
+def _raise(e: Exception):
+    raise e
+
+
 def _progress_factory(ctx: _Ctx):
     if ctx.json or ctx.quiet or not sys.stderr.isatty():
         return None
@@ -259,7 +263,8 @@ def quantize(
         raise click.UsageError("missing option -o/--output (or use --dry-run)")
     if target is None and (layout_version or act_dtype):
         given = " and ".join(o for o, v in (("--layout-version", layout_version), ("--act-dtype", act_dtype)) if v)
-        raise click.UsageError(f"{given} without --target: they choose a kernel-native layout; add --target marlin (or cutlass-nvfp4), or leave them out")
+        msg = f"{given} without --target: they choose a kernel-native layout; add --target marlin (or cutlass-nvfp4), or leave them out"
+        _run(ctx, lambda: _raise(errors.UsageError(msg)))
     layout_version, act_dtype = layout_version or "0.33", act_dtype or "bf16"
     kw = dict(
         lm_head=lm_head,
