@@ -187,6 +187,7 @@ def repack(
     device: str = "auto",
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
+    progress=None,
 ) -> dict:
     """Rewrite a compressed-tensors checkpoint in a kernel-native layout, or (``target="compressed-tensors"``) back.
 
@@ -202,12 +203,27 @@ def repack(
         api.repack("llama-marlin/", "back/", "compressed-tensors")   # bit for bit the source
     """
     return _repack.repack(
-        src, out, target, layout_version=layout_version, act_dtype=act_dtype, device=device, max_shard_size=max_shard_size, overwrite=overwrite
+        src,
+        out,
+        target,
+        layout_version=layout_version,
+        act_dtype=act_dtype,
+        device=device,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        progress=progress,
     )
 
 
-def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_shard_size: str | int = "5GB", overwrite: bool = False) -> dict:
-    """Write a dense copy (``dtype`` ``bf16`` | ``fp16`` | ``fp32``) of a compressed-tensors checkpoint.
+def decompress(
+    src: str | Path, out: str | Path, *, dtype: str | None = None, max_shard_size: str | int = "5GB", overwrite: bool = False, progress=None
+) -> dict:
+    """Write a dense copy of a compressed-tensors checkpoint.
+
+    ``dtype`` (``bf16`` | ``fp16`` | ``fp32``): None (default) writes the dequantized weights in the
+    model's own dtype (``config.json``'s ``torch_dtype``/``dtype``, else bf16) and keeps every other
+    tensor's stored dtype; a dtype casts every floating-point tensor to it and sets it in ``config.json``.
+    ``progress``: as for :func:`quantize` (told every output byte).
 
     Raises :class:`UnsupportedError` for formats or features it cannot dequantize (sparse
     formats, ``weight_g_idx`` act-order). Returns a summary dict.
@@ -216,7 +232,7 @@ def decompress(src: str | Path, out: str | Path, *, dtype: str = "bf16", max_sha
 
         api.decompress("llama-w4a16/", "llama-dense/")
     """
-    return _decompress.decompress(src, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite)
+    return _decompress.decompress(src, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
 
 
 def inspect(path: str | Path) -> dict:

@@ -111,7 +111,8 @@ def _raise(e: Exception):
     raise e
 
 
-def _progress_factory(ctx: _Ctx):
+def _progress_factory(ctx: _Ctx, desc: str = "quantize"):
+    """A progress bar on stderr for a terminal; None (no bar) with -q, --json or when stderr is not a terminal."""
     if ctx.json or ctx.quiet or not sys.stderr.isatty():
         return None
 
@@ -119,7 +120,7 @@ def _progress_factory(ctx: _Ctx):
     def factory(total: int):
         from tqdm import tqdm
 
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="quantize", file=sys.stderr, dynamic_ncols=True) as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr, dynamic_ncols=True) as bar:
             yield bar
 
     return factory
@@ -470,7 +471,12 @@ def verify_cmd(ctx: _Ctx, path, reference, tp, ep):
 @main.command("decompress")
 @click.argument("src", type=click.Path(path_type=str))
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=str), help="Output folder.")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp16", "fp32"]),
+    default=None,
+    help="Cast every float tensor to this dtype (and say so in config.json). Default: dequantized weights in the model's dtype, other tensors as stored.",
+)
 @click.option("--max-shard-size", default="5GB", show_default=True)
 @click.option("--overwrite", is_flag=True)
 @_json_option
@@ -479,12 +485,17 @@ def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
     """Write a dense copy of the compressed-tensors checkpoint SRC."""
     from . import api
 
-    res = _run(ctx, lambda: api.decompress(src, output, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite))
+    res = _run(
+        ctx,
+        lambda: api.decompress(src, output, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=_progress_factory(ctx, "decompress")),
+    )
     if ctx.json:
         ctx.emit_json({"ok": True, **res})
     elif not ctx.quiet:
         click.echo(
-            f"wrote {res['output']}: {res['modules_decompressed']} modules decompressed to {dtype}, "
+            f"wrote {res['output']}: {res['modules_decompressed']} modules decompressed to {res['dtype']}"
+            + (", every float tensor cast to it" if res["cast_all"] else ", other tensors as stored")
+            + ", "
             f"{_human(res['input_bytes'])} -> {_human(res['output_bytes'])} in {res['seconds']:.1f} s"
         )
 
@@ -514,7 +525,15 @@ def repack_cmd(ctx: _Ctx, src, output, target, layout_version, act_dtype, device
     res = _run(
         ctx,
         lambda: api.repack(
-            src, output, target, layout_version=layout_version, act_dtype=act_dtype, device=device, max_shard_size=max_shard_size, overwrite=overwrite
+            src,
+            output,
+            target,
+            layout_version=layout_version,
+            act_dtype=act_dtype,
+            device=device,
+            max_shard_size=max_shard_size,
+            overwrite=overwrite,
+            progress=_progress_factory(ctx, "repack"),
         ),
     )
     if ctx.json:

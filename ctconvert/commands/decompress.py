@@ -4,9 +4,11 @@ Every quantized Linear (any format of :data:`ctconvert.formats.FORMATS`:
 float-, int-, naive-, pack-, nvfp4-pack- and mxfp4-pack-quantized) becomes a
 dense ``weight`` computed as compressed-tensors' own ``decompress`` computes it
 (the format's ``dequantize``), row chunk by row chunk; activation scales are
-dropped; other floating-point tensors are cast to the output dtype and the rest
-copied; ``config.json`` loses its ``quantization_config``. Written atomically
-like ``quantize``.
+dropped. The dequantized weights take ``dtype`` (default: the model's own dtype,
+``config.json``'s ``torch_dtype``/``dtype``, else bf16); the other tensors keep
+their stored dtype, unless ``dtype`` is given, in which case every floating-point
+tensor is cast to it and ``config.json`` says so. ``config.json`` loses its
+``quantization_config``. Written atomically like ``quantize``.
 
 Reads top to bottom: check the input -> plan every output tensor -> run the
 copy, cast and dequantize tasks -> write the config.
@@ -33,27 +35,51 @@ __all__ = ["DTYPES", "decompress"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _FLOAT = ("F32", "F16", "BF16")
+_DTYPE_KEYS = ("torch_dtype", "dtype")
+_TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _model_dtype(config: dict) -> str:
+    """The model's own dtype (``config.json``'s ``torch_dtype`` or ``dtype``, also in ``text_config``), as a
+    ``--dtype`` name; bf16 when the config names none of bf16/fp16/fp32."""
+    by_name = {v: k for k, v in _TORCH_NAMES.items()}
+    for c in (config, config.get("text_config")):
+        for key in _DTYPE_KEYS:
+            if isinstance(c, dict) and str(c.get(key, "")).removeprefix("torch.") in by_name:
+                return by_name[str(c[key]).removeprefix("torch.")]
+    return "bf16"
 
 
 def decompress(
-    src: str | Path, out: str | Path, *, dtype: str = "bf16", max_shard_size: str | int = "5GB", overwrite: bool = False, chunk_elems: int = 16 * 2**20
+    src: str | Path,
+    out: str | Path,
+    *,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+    chunk_elems: int = 16 * 2**20,
+    progress=None,
 ) -> dict:
     """Write a dense copy of ``src`` at ``out``; see :func:`ctconvert.api.decompress`. Returns a summary dict."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    if dtype not in DTYPES:
+    if dtype is not None and dtype not in DTYPES:
         raise UsageError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    od = DTYPES[dtype]
     ckpt = open_checkpoint(src, strict=True)
     _check_input(ckpt, src)
     check_output_path(src, out, overwrite)
-    planned, tasks, n_modules = _plan(ckpt, od, chunk_elems)
+    name = dtype or _model_dtype(ckpt.config)
+    od = DTYPES[name]
+    planned, tasks, n_modules = _plan(ckpt, od, chunk_elems, cast_all=dtype is not None)
 
     def config():
         cfg = copy.deepcopy(ckpt.config)
-        cfg.pop("quantization_config", None)
-        if isinstance(cfg.get("text_config"), dict):
-            cfg["text_config"].pop("quantization_config", None)
+        for c in (cfg, cfg.get("text_config")):
+            if isinstance(c, dict):
+                c.pop("quantization_config", None)
+                if dtype is not None:  # every float tensor is cast: the config says so (transformers reads either key)
+                    for key in [k for k in _DTYPE_KEYS if k in c] or ["torch_dtype"]:
+                        c[key] = _TORCH_NAMES[dtype]
         return cfg
 
     total = write_checkpoint(
@@ -62,14 +88,15 @@ def decompress(
         planned,
         max_shard_size=parse_size(max_shard_size),
         overwrite=overwrite,
-        fill=lambda shards: run_tasks(tasks, shards),
+        fill=lambda shards: run_tasks(tasks, shards, progress=progress, total=sum(t.nbytes for t in planned)),
         config=config,
         skip={PROVENANCE},
     )
     return {
         "output": str(out),
         "modules_decompressed": n_modules,
-        "dtype": dtype,
+        "dtype": name,
+        "cast_all": dtype is not None,
         "input_bytes": ckpt.total_bytes,
         "output_bytes": total,
         "seconds": round(time.perf_counter() - t0, 3),
@@ -95,8 +122,9 @@ def _check_module(m: Module, info) -> None:
         raise UnsupportedError("act-order weights (weight_g_idx) cannot be decompressed", **where)
 
 
-def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int):
-    """``(output tensors, tasks, modules dequantized)``: one dense weight per quantized module, casts and copies."""
+def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int, cast_all: bool):
+    """``(output tensors, tasks, modules dequantized)``: one dense weight per quantized module, and copies of
+    the other tensors (``cast_all``: floating-point ones cast to ``od``)."""
     mods = modules_of(ckpt)
     planned: list[PlannedTensor] = []
     tasks: list = []
@@ -113,7 +141,7 @@ def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int):
                     planned.append(PlannedTensor(mod + ".weight", TORCH_TO_ST[od], dense_shape(m)))
                     tasks.append(Compute(lambda m=m: _dequantize(m, od, chunk_elems)))
                 continue
-        if info.dtype in _FLOAT and info.dtype != TORCH_TO_ST[od]:
+        if cast_all and info.dtype in _FLOAT and info.dtype != TORCH_TO_ST[od]:
             planned.append(PlannedTensor(name, TORCH_TO_ST[od], info.shape))
             tasks.append(CastTensor(info, od))
         else:

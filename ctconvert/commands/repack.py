@@ -52,8 +52,10 @@ def repack(
     device: str = "auto",
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
+    progress=None,
 ) -> dict:
-    """Rewrite ``src`` for ``target``; see :func:`ctconvert.api.repack`. Returns a summary dict."""
+    """Rewrite ``src`` for ``target``; see :func:`ctconvert.api.repack`. Returns a summary dict.
+    ``progress``: a callable ``(total_bytes) -> context manager with .update(n)``, told every output byte."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     check_layout_options(target, act_dtype, layout_version)
@@ -77,9 +79,10 @@ def repack(
             cfg["quantization_config"] = kernel_native_config(qcfg, target, layout_version, act_dtype, records)
         return cfg
 
-    total = write_checkpoint(
-        src, out, planned, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, fill=lambda shards: run_tasks(tasks, shards), config=config
-    )
+    def fill(shards):
+        run_tasks(tasks, shards, progress=progress, total=sum(t.nbytes for t in planned))
+
+    total = write_checkpoint(src, out, planned, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, fill=fill, config=config)
     n = sum(isinstance(t, Compute) for t in tasks) if inverse else len(records)
     return {
         "output": str(out),

@@ -9,6 +9,7 @@ order; memory is one task's chunks.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -44,18 +45,26 @@ class Compute:
     run: Callable[[], Iterator[Write]]
 
 
-def run_tasks(tasks: list, shards: dict[str, ShardFile]) -> None:
-    """Run every task, in order, writing into ``shards`` (output tensor name -> its open shard)."""
-    with torch.inference_mode():
+def run_tasks(tasks: list, shards: dict[str, ShardFile], progress=None, total: int = 0) -> None:
+    """Run every task, in order, writing into ``shards`` (output tensor name -> its open shard).
+
+    ``progress``: a callable ``(total_bytes) -> context manager with .update(n)`` (the CLI's bar), told
+    every output byte written; ``total``: the output bytes (the bar's end)."""
+    bar_cm = progress(total) if progress is not None else contextlib.nullcontext()
+    with torch.inference_mode(), bar_cm as bar:
+        done = (lambda n: bar.update(n)) if bar is not None else (lambda n: None)
         for task in tasks:
             if isinstance(task, CopyTensor):
                 copy_tensor(task.info, shards[task.info.name])
+                done(task.info.nbytes)
             elif isinstance(task, CastTensor):
                 name, pos = task.info.name, 0
                 for _, t in iter_row_chunks(task.info):
                     t = t.to(task.dtype)
                     shards[name].write(name, t, pos)
                     pos += t.numel() * t.element_size()
+                    done(t.numel() * t.element_size())
             else:
                 for name, t, pos in task.run():
                     shards[name].write(name, t.cpu(), pos)
+                    done(t.numel() * t.element_size())

@@ -1,0 +1,164 @@
+"""Issue 17: messages that point to the fix, options after the command, help without arguments (CLI tests)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from ctconvert.cli import main
+
+from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+
+
+def run(*args):
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    return r.exit_code, r.stdout, r.stderr
+
+
+@pytest.mark.parametrize(
+    "args,code,msg",
+    [
+        (
+            ["--ignore", "down_proj"],
+            2,
+            "--ignore 'down_proj' matches no module: entries are full module names (like 'model.layers.0.mlp.down_proj') or re: patterns "
+            "(re.match from the start of the name, like 're:.*down_proj$')",
+        ),
+        (["--ignore", "re:nomatch.*"], 2, "--ignore 're:nomatch.*' matches no module of this checkpoint (module names look like 'model."),
+        (["--targets", "q_proj"], 2, "--targets 'q_proj' matches no module: entries are full module names (like 'model.layers.0.self_attn.q_proj')"),
+        (["--targets", "lm_head"], 2, "--targets 'lm_head': lm_head is quantized with --lm-head nvfp4a16 or --lm-head fp8, not with --targets"),
+        (["--layout-version", "0.29"], 2, "--layout-version without --target: they choose a kernel-native layout; add --target marlin"),
+        (["--act-dtype", "fp16"], 2, "--act-dtype without --target"),
+        (["--act-dtype", "fp16", "--layout-version", "0.29"], 2, "--layout-version and --act-dtype without --target"),
+    ],
+)
+def test_messages_point_to_the_fix(tiny_llama, tmp_path, args, code, msg):
+    out = tmp_path / "o"
+    c, stdout, err = run("quantize", tiny_llama, "-s", "W4A16", "-o", out, *args)
+    assert c == code and msg in err and err.count("\n") == 1 and not out.exists(), err
+    c, stdout, _ = run("--json", "quantize", tiny_llama, "-s", "W4A16", "-o", out, *args)
+    doc = json.loads(stdout)
+    assert c == code and doc["ok"] is False and doc["exit_code"] == code and msg in doc["error"]
+
+
+def test_ignore_matching_only_dense_modules_is_a_note(tiny_llama, tmp_path):
+    code, stdout, _ = run("--json", "quantize", tiny_llama, "-s", "W4A16", "--dry-run", "--ignore", "model.embed_tokens")
+    doc = json.loads(stdout)
+    assert code == 0 and "--ignore 'model.embed_tokens' matched only modules that stay dense anyway" in doc["notes"]
+
+
+def test_skip_incompatible_that_skips_everything_says_so(tmp_path):
+    cfg = dict(LLAMA_CONFIG, hidden_size=64, intermediate_size=96, head_dim=16)
+    m = write_checkpoint(tmp_path / "m", llama_tensors(cfg), cfg)
+    code, _, err = run("quantize", m, "-s", "FP8_BLOCK", "--skip-incompatible", "-o", tmp_path / "o")
+    assert code == 4 and not (tmp_path / "o").exists()
+    assert "nothing to quantize: FP8_BLOCK cannot take any targeted Linear layer; --skip-incompatible kept all 14 dense" in err
+    assert "is not a multiple of the block" in err and "choose another scheme" in err
+
+
+def test_src_file_or_hub_id(tiny_llama, tmp_path):
+    single = write_checkpoint(tmp_path / "single", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG)
+    code, _, err = run("quantize", single / "model.safetensors", "-s", "W4A16", "-o", tmp_path / "o")
+    assert code == 3 and f"is a file; give the checkpoint folder that holds it and its config.json: {single}" in err
+    code, _, err = run("inspect", "meta-llama/Llama-3.1-8B")
+    assert code == 3 and "looks like a Hugging Face Hub id" in err and "hf download meta-llama/Llama-3.1-8B --local-dir DIR" in err
+    code, _, err = run("decompress", tmp_path / "nope", "-o", tmp_path / "o")
+    assert code == 3 and "not a checkpoint folder (does not exist" in err
+
+
+def test_repack_w8a8_says_what_marlin_takes(tiny_llama, tmp_path):
+    assert run("quantize", tiny_llama, "-s", "W8A8", "-o", tmp_path / "q")[0] == 0
+    code, _, err = run("repack", tmp_path / "q", "-o", tmp_path / "m", "--target", "marlin")
+    assert code == 4 and "marlin takes pack-quantized int4/int8 (W4A16, W4A16_ASYM, W8A16)" in err
+    assert "int-quantized W8A8 runs on vLLM's int8 GEMM kernels, not Marlin" in err
+
+
+def test_quiet_and_debug_after_the_command(tiny_llama, tmp_path):
+    code, stdout, err = run("quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "o", "-q")
+    assert code == 0 and stdout == "" and err == ""
+    code, stdout, _ = run("quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "o2", "--debug")
+    assert code == 0 and "wrote" in stdout
+    r = subprocess.run([sys.executable, "-m", "ctconvert", "inspect", str(tmp_path / "nope"), "--debug"], capture_output=True, text=True)
+    assert r.returncode == 3 and "Traceback" in r.stderr
+
+
+def test_no_arguments_prints_help():
+    r = subprocess.run([sys.executable, "-m", "ctconvert"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("Usage: ") and "quantize" in r.stdout and "error" not in r.stderr
+
+
+def test_truncated_shard_is_reported_once(tiny_llama, tmp_path):
+    out = tmp_path / "o"
+    assert run("quantize", tiny_llama, "-s", "W8A16", "-o", out, "--max-shard-size", "200KB")[0] == 0
+    shard = sorted(out.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:6])
+    code, stdout, _ = run("--json", "inspect", out)
+    errs = [p for p in json.loads(stdout)["problems"] if p["severity"] == "error"]
+    assert code == 3 and len(errs) == 1 and "truncated" in errs[0]["message"] and errs[0]["file"].endswith(shard.name)
+
+
+def test_decompress_keeps_source_dtypes_and_dtype_option_updates_config(tmp_path):
+    import torch
+    from safetensors import safe_open
+
+    cfg = dict(LLAMA_CONFIG, torch_dtype="float32")
+    m = write_checkpoint(tmp_path / "m", llama_tensors(cfg, dtype=torch.float32), cfg)
+    assert run("quantize", m, "-s", "W4A16", "-o", tmp_path / "q")[0] == 0
+    code, stdout, _ = run("--json", "decompress", tmp_path / "q", "-o", tmp_path / "d")
+    doc = json.loads(stdout)
+    assert code == 0 and doc["dtype"] == "fp32" and doc["cast_all"] is False
+    with safe_open(tmp_path / "d" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}  # norms, embeddings and the dense head stay fp32 too
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["torch_dtype"] == "float32"
+    code, stdout, _ = run("decompress", tmp_path / "q", "-o", tmp_path / "d16", "--dtype", "bf16")
+    assert code == 0 and "14 modules decompressed to bf16, every float tensor cast to it" in stdout
+    with safe_open(tmp_path / "d16" / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.loads((tmp_path / "d16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_decompress_fp32_of_a_bf16_model_says_fp32_in_config(tiny_llama, tmp_path):
+    assert run("quantize", tiny_llama, "-s", "FP8_DYNAMIC", "-o", tmp_path / "q")[0] == 0
+    assert run("decompress", tmp_path / "q", "-o", tmp_path / "d", "--dtype", "fp32")[0] == 0
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["torch_dtype"] == "float32"
+
+
+class _Bar:
+    def __init__(self, log, total):
+        self.log, self.total = log, total
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n):
+        self.log.append(n)
+
+
+def test_decompress_and_repack_report_progress(tiny_llama, tmp_path):
+    from ctconvert import api
+
+    api.quantize(tiny_llama, tmp_path / "q", "W4A16")
+    for name, call in (
+        ("decompress", lambda p: api.decompress(tmp_path / "q", tmp_path / "d", progress=p)),
+        ("repack", lambda p: api.repack(tmp_path / "q", tmp_path / "m", "marlin", device="cpu", progress=p)),
+    ):
+        log, totals = [], []
+        res = call(lambda total, log=log, totals=totals: totals.append(total) or _Bar(log, total))
+        assert totals == [res["output_bytes"]] and sum(log) == res["output_bytes"] and len(log) > 10, name
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    from ctconvert.cli import _Ctx, _progress_factory
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert _progress_factory(_Ctx(False, False, False), "decompress") is not None
+    assert _progress_factory(_Ctx(False, False, True)) is None and _progress_factory(_Ctx(True, False, False)) is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert _progress_factory(_Ctx(False, False, False)) is None
