@@ -72,11 +72,17 @@ def quantize(
     tp: int = 1,
     ep: int | None = None,
     sparsity: str | None = None,
+    group_size: int | None = None,
+    symmetric: bool | None = None,
 ) -> QuantizeResult:
     """Convert the dense checkpoint ``src`` to a compressed-tensors checkpoint at ``out``.
 
     Args:
-        scheme: a compressed-tensors preset name (:func:`schemes`).
+        scheme: a compressed-tensors preset name (:func:`schemes`), or the path of a ``.json``/``.yaml``
+            file holding a compressed-tensors ``QuantizationScheme`` (a preset, or W4A16/W8A16 with
+            another ``group_size``/``symmetric``).
+        group_size, symmetric: change the weight group size / symmetry of W4A16, W4A16_ASYM or W8A16
+            (None: the preset's); the bytes are compressed-tensors' for those arguments.
         lm_head: ``none`` | ``nvfp4a16`` | ``fp8``.
         targets, ignore: compressed-tensors style names, ``re:`` patterns or ``Linear``.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``cuda:0,1`` or ``all`` (several GPUs
@@ -149,6 +155,8 @@ def quantize(
         tp=tp,
         ep=ep,
         sparsity=sparsity,
+        group_size=group_size,
+        symmetric=symmetric,
     )
 
 

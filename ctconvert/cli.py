@@ -190,7 +190,7 @@ def _split(values: tuple[str, ...]) -> list[str]:
     "--scheme",
     required=True,
     help="compressed-tensors preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W4A16, W4A16_ASYM, W8A16, NVFP4A16, MXFP4A16, MXFP4, MXFP8A16, MXFP8 "
-    "(DENSE: with --sparsity only).",
+    "(DENSE: with --sparsity only); or a .json/.yaml file holding a compressed-tensors QuantizationScheme.",
 )
 @click.option(
     "--sparsity",
@@ -199,6 +199,8 @@ def _split(values: tuple[str, ...]) -> list[str]:
     help="Magnitude 2:4 pruning along K. With DENSE, FP8_DYNAMIC or W8A8: sparse-24-bitmask, which vLLM <= 0.18 loads "
     "(SM90; current vLLM does not); with W4A16 and --target marlin-24: marlin-24, which vLLM <= 0.15 loads.",
 )
+@click.option("--group-size", type=click.IntRange(min=1), default=None, help="W4A16/W8A16: columns per weight scale (default: the preset's, 128).")
+@click.option("--symmetric/--asymmetric", "symmetric", default=None, help="W4A16/W8A16: weights without / with a zero point (default: the preset's).")
 @click.option(
     "--lm-head",
     type=click.Choice(["none", "nvfp4a16", "fp8"], case_sensitive=False),
@@ -256,6 +258,8 @@ def quantize(
     tp,
     ep,
     sparsity,
+    group_size,
+    symmetric,
 ):
     """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint."""
     from . import api
@@ -281,6 +285,8 @@ def quantize(
         tp=tp,
         ep=ep,
         sparsity=sparsity,
+        group_size=group_size,
+        symmetric=symmetric,
     )
     if target:
         if (resume or refresh) and not dry_run:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import EXIT_INTERNAL, CTConvertError, UsageError
-from ..plan.schemes import get_scheme
+from ..plan.schemes import get_scheme, resolve_scheme
 from ..plan.sparsity import sparse_scheme
 
 __all__ = ["ALLOWED", "load_jobs", "run_jobs"]
@@ -49,6 +49,8 @@ ALLOWED = {
     "allow_non_finite",
     "keep_other_weights",
     "sparsity",
+    "group_size",
+    "symmetric",
 }
 
 
@@ -85,17 +87,22 @@ def load_jobs(path: str | Path) -> list[dict]:
         for k in ("model", "output", "scheme"):
             if k not in job:
                 raise UsageError(f"job {i}: missing {k!r}", file=p)
+        for k in ("model", "output"):  # relative paths are relative to the jobs file
+            q = Path(str(job[k])).expanduser()
+            job[k] = str(q if q.is_absolute() else (p.parent / q))
         try:
             if job.get("sparsity"):  # 2:4: checked here, named as the user wrote it (plan/sparsity.py)
                 sparse_scheme(str(job["scheme"]), str(job["sparsity"]))
                 job["scheme"] = str(job["scheme"]).upper()
+            elif str(job["scheme"]).lower().endswith((".json", ".yaml", ".yml")):  # a QuantizationScheme file, relative to the jobs file too
+                q = Path(str(job["scheme"])).expanduser()
+                job["scheme"] = str(q if q.is_absolute() else (p.parent / q))
+                resolve_scheme(job["scheme"], job.get("group_size"), job.get("symmetric"))
             else:
                 job["scheme"] = get_scheme(str(job["scheme"])).name
+                resolve_scheme(job["scheme"], job.get("group_size"), job.get("symmetric"))
         except CTConvertError as e:
             raise UsageError(f"job {i}: {e}", file=p) from None
-        for k in ("model", "output"):  # relative paths are relative to the jobs file
-            q = Path(str(job[k])).expanduser()
-            job[k] = str(q if q.is_absolute() else (p.parent / q))
         jobs.append(job)
     return jobs
 

@@ -38,6 +38,7 @@ from ..plan.layout import LayoutStage
 from ..plan.parallel import ParallelReport, parallel_report, plan_modules
 from ..plan.planner import Plan, make_plan
 from ..plan.sparsity import SparseScheme, sparse_config, sparsity_warning
+from ..plan.schemes import resolve_scheme
 
 __all__ = ["QuantizeResult", "quantize"]
 
@@ -131,6 +132,8 @@ def quantize(
     tp: int = 1,
     ep: int | None = None,
     sparsity: str | None = None,
+    group_size: int | None = None,
+    symmetric: bool | None = None,
 ) -> QuantizeResult:
     """Convert ``src`` to ``out``; see :func:`ctconvert.api.quantize` for the arguments and errors.
 
@@ -140,6 +143,10 @@ def quantize(
     src = Path(src)
     shard_limit = parse_size(max_shard_size)
     devs = resolve_devices(device)
+    if not sparsity:
+        scheme = resolve_scheme(scheme, group_size, symmetric)
+    elif group_size is not None or symmetric is not None:
+        raise UsageError("--group-size/--symmetric/--asymmetric cannot be combined with --sparsity (2:4 takes the presets as they are)")
     ckpt = open_checkpoint(src, strict=True)
     plan_kw = dict(targets=targets, ignore=ignore, lm_head=lm_head, lm_head_chunk_rows=lm_head_chunk_rows)
     if sparsity:

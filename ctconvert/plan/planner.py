@@ -138,7 +138,7 @@ class _Decisions:
 
 def make_plan(
     ckpt: Checkpoint,
-    scheme_name: str,
+    scheme_name: str | Scheme,
     *,
     targets: list[str] | None = None,
     ignore: list[str] | None = None,

@@ -11,7 +11,9 @@ its tensors is the format's answer for the scheme's weight arguments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -19,7 +21,7 @@ from ..checkpoint.safetensors_io import TORCH_TO_ST
 from ..errors import UnsupportedError, UsageError
 from ..formats import FORMATS, CompressionFormat, WeightArgs, WeightFormat
 
-__all__ = ["LM_HEAD_SCHEMES", "Scheme", "get_scheme", "scheme_aliases", "scheme_names"]
+__all__ = ["LM_HEAD_SCHEMES", "Scheme", "custom_scheme", "get_scheme", "resolve_scheme", "scheme_aliases", "scheme_from_file", "scheme_names"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class Scheme:
     name: str
     format: CompressionFormat
     weights: WeightArgs
+    #: the preset it was derived from (== name for a preset); its config group gets ``weights_args``
+    base: str = ""
+    weights_args: dict | None = field(default=None, compare=False, hash=False)
 
     @property
     def weight_format(self) -> WeightFormat:
@@ -97,7 +102,8 @@ class Scheme:
         ``tests/checkpoint/test_config.py`` checks this table against the library, key for key.
         Kept as data so that a conversion does not pay compressed-tensors' multi-second import.
         """
-        weights, inputs = _PRESET_ARGS[self.name]
+        weights, inputs = _PRESET_ARGS[self.base or self.name]
+        weights = self.weights_args or weights
         return {
             "targets": list(targets),
             "weights": dict(weights),
@@ -160,6 +166,102 @@ _ALIASES = {"INT8": "W8A8"}
 LM_HEAD_SCHEMES = {"none": None, "nvfp4a16": "NVFP4A16", "fp8": "FP8_DYNAMIC"}
 
 
+#: presets whose group size (``--group-size``) and symmetry (``--symmetric/--asymmetric``) may be changed:
+#: the pack-quantized integer ones (compressed-tensors ``pack_quantized.py`` packs any group size and zero point)
+_CUSTOMIZABLE = ("W4A16", "W4A16_ASYM", "W8A16")
+
+
+def custom_scheme(base: str | Scheme, group_size: int | None = None, symmetric: bool | None = None) -> Scheme:
+    """The preset ``base`` with another weight ``group_size`` and/or ``symmetric`` (None: the preset's).
+
+    Named ``BASE[group_size=G,asymmetric]`` (only what changed), so fingerprints and reports
+    tell it from the preset. :class:`UsageError` for a preset whose arguments cannot change
+    (only ``W4A16``, ``W4A16_ASYM`` and ``W8A16`` can: FP8, W8A8 and the FP4 formats fix their
+    granularity) or a group size below 1.
+    """
+    s = base if isinstance(base, Scheme) else get_scheme(base)
+    if group_size is None and symmetric is None:
+        return s
+    if (s.base or s.name) not in _CUSTOMIZABLE:
+        raise UsageError(
+            f"--group-size/--symmetric/--asymmetric apply to the integer weight-only schemes {', '.join(_CUSTOMIZABLE)}; "
+            f"{s.base or s.name} fixes its granularity ({s.describe()})"
+        )
+    if group_size is not None and group_size < 1:
+        raise UsageError(f"--group-size must be a positive number of columns, got {group_size}")
+    weights = dict(s.weights_args or _PRESET_ARGS[s.base or s.name][0])
+    changed = []
+    if group_size is not None and group_size != weights["group_size"]:
+        weights["group_size"] = group_size
+        changed.append(f"group_size={group_size}")
+    if symmetric is not None and symmetric != weights["symmetric"]:
+        weights["symmetric"] = symmetric
+        changed.append("symmetric" if symmetric else "asymmetric")
+    if not changed:
+        return s
+    base_name = s.base or s.name
+    return Scheme(f"{base_name}[{','.join(changed)}]", s.format, WeightArgs.from_dict(weights), base=base_name, weights_args=weights)
+
+
+def scheme_from_file(path: str | Path) -> Scheme:
+    """A scheme from a compressed-tensors ``QuantizationScheme`` written as JSON or YAML (``weights``,
+    ``input_activations``, optional ``targets``/``format``), validated by compressed-tensors itself
+    (``QuantizationScheme.model_validate``, release 0.20).
+
+    It must be one of the presets, or a preset of :data:`_CUSTOMIZABLE` with another ``group_size``
+    or ``symmetric`` (the combinations whose bytes ctconvert writes bit for bit like compressed-tensors);
+    anything else is a :class:`UsageError` naming what differs."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+        if p.suffix == ".json":
+            doc = json.loads(text)
+        else:
+            import yaml
+
+            doc = yaml.safe_load(text)
+    except OSError as e:
+        raise UsageError(f"cannot read the scheme file: {e.strerror or e}", file=p) from e
+    except Exception as e:  # noqa: BLE001 - yaml and json raise different classes
+        raise UsageError(f"scheme file is not valid JSON/YAML ({' '.join(str(e).split())})", file=p) from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("weights"), dict):
+        raise UsageError("scheme file needs a compressed-tensors QuantizationScheme mapping with a 'weights' entry", file=p)
+    from compressed_tensors.quantization import QuantizationScheme
+
+    try:
+        qs = QuantizationScheme.model_validate({"targets": ["Linear"], **doc}).model_dump()
+    except Exception as e:  # noqa: BLE001 - pydantic's ValidationError
+        raise UsageError(f"not a valid compressed-tensors QuantizationScheme: {' '.join(str(e).split())[:300]}", file=p) from e
+    if qs.get("output_activations"):
+        raise UsageError("output_activations quantization is not supported", file=p)
+    weights, inputs = qs["weights"], qs.get("input_activations")
+    loose = lambda w: {k: v for k, v in w.items() if k not in ("group_size", "symmetric")}  # noqa: E731
+    fits = [n for n, (w, i) in _PRESET_ARGS.items() if i == inputs and qs.get("format") in (None, _PRESET_FORMAT[n].value)]
+    for name in fits:  # a preset itself first, then a customizable preset with other group_size/symmetric
+        if _PRESET_ARGS[name][0] == weights:
+            return _SCHEMES[name]
+    for name in fits:
+        if name in _CUSTOMIZABLE and loose(_PRESET_ARGS[name][0]) == loose(weights) and weights.get("group_size"):
+            return custom_scheme(name, weights["group_size"], weights["symmetric"])
+    raise UsageError(
+        f"scheme {json.dumps({'weights': weights, 'input_activations': inputs})} is not one ctconvert writes: use a preset "
+        f"({', '.join(_SCHEMES)}), or {', '.join(_CUSTOMIZABLE)} with another group_size or symmetric",
+        file=p,
+    )
+
+
+def resolve_scheme(scheme: str | Scheme, group_size: int | None = None, symmetric: bool | None = None) -> Scheme:
+    """``--scheme`` as given: a preset name or a ``.json``/``.yaml``/``.yml`` QuantizationScheme file, with
+    ``--group-size``/``--symmetric``/``--asymmetric`` applied (:func:`custom_scheme`)."""
+    if isinstance(scheme, Scheme):
+        base = scheme
+    elif str(scheme).lower().endswith((".json", ".yaml", ".yml")):
+        base = scheme_from_file(scheme)
+    else:
+        base = get_scheme(scheme)
+    return custom_scheme(base, group_size, symmetric)
+
+
 def scheme_names() -> list[str]:
     """Every accepted scheme name (upper case), aliases included."""
     return sorted([*_SCHEMES, *_ALIASES])
@@ -176,6 +278,8 @@ def get_scheme(name: str) -> Scheme:
     Raises :class:`UnsupportedError` for NVFP4 (W4A4: needs calibrated
     activation scales) and :class:`UsageError` for an unknown name.
     """
+    if isinstance(name, Scheme):
+        return name
     key = name.strip().upper()
     key = _ALIASES.get(key, key)
     if key in _SCHEMES:
