@@ -21,15 +21,18 @@ from . import __version__, errors
 
 
 class _Ctx:
-    def __init__(self, as_json: bool, debug: bool, quiet: bool):
+    def __init__(self, as_json: bool, debug: bool, quiet: bool, plain: bool = False):
         self.json = as_json
         self.debug = debug
         self.quiet = quiet
+        self.plain = plain
 
     def console(self, stderr: bool = False):
         from rich.console import Console
 
-        return Console(stderr=stderr, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+        cols = os.environ.get("COLUMNS", "")
+        width = None if sys.stdout.isatty() else int(cols) if cols.isdigit() else 160  # a pipe: COLUMNS, else 160
+        return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
 
     def emit_json(self, data: dict) -> None:
         click.echo(json.dumps(data, indent=2, default=str))
@@ -126,6 +129,40 @@ def _progress_factory(ctx: _Ctx, desc: str = "quantize"):
     return factory
 
 
+def _print_table(ctx: _Ctx, columns: list[tuple[str, int]], rows: list[list[str]], title: str | None = None, caption: str | None = None, styles=None):
+    """A table that fits the terminal. ``columns`` are ``(header, priority)``: priority 0 columns hold names,
+    never split or cut (as wide as their longest entry); the last column (a reason, a list) may wrap at spaces
+    and commas; the other columns are whole tokens. Columns of the highest priority number are dropped first
+    until the rest fits (the caption says which). ``--plain``: aligned text with every column, no box, no wrap."""
+    widths = [max([len(columns[i][0]), *(len(r[i]) for r in rows)]) for i in range(len(columns))]
+    last = len(columns) - 1
+    if ctx.plain:
+        keep = [i for i in range(len(columns))]
+        for line in ([title] if title else []) + [[c for c, _ in columns], *rows] + ([caption] if caption else []):
+            click.echo(line if isinstance(line, str) else "  ".join(line[i].ljust(widths[i]) for i in keep).rstrip())
+        return
+    from rich.table import Table
+
+    con = ctx.console()
+    keep = list(range(len(columns)))
+    need = lambda i: (min(widths[i], 14) if i == last else widths[i]) + 3  # noqa: E731 - cell padding and border
+    while sum(need(i) for i in keep) + 1 > con.width and any(columns[i][1] > 0 for i in keep):
+        keep.remove(max((i for i in keep if columns[i][1] > 0), key=lambda i: (columns[i][1], i)))
+    dropped = [columns[i][0] for i in range(len(columns)) if i not in keep]
+    if dropped:
+        note = f"not shown at this width: {', '.join(dropped)} (--plain or --json show every column)"
+        caption = f"{caption}; {note}" if caption else note
+    table = Table(title=title, caption=caption, show_lines=False)
+    for i in keep:
+        if i == last and columns[i][1] > 0:
+            table.add_column(columns[i][0], overflow="fold", min_width=min(widths[i], 14))
+        else:
+            table.add_column(columns[i][0], no_wrap=True, min_width=widths[i])
+    for j, r in enumerate(rows):
+        table.add_row(*(r[i] for i in keep), style=styles[j] if styles else None)
+    con.print(table)
+
+
 def _human(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -139,10 +176,11 @@ def _human(n: int) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one machine-readable JSON document on stdout.")
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or summary.")
+@click.option("--plain", is_flag=True, help="Tables as plain aligned columns, one row per line (for grep, awk and narrow terminals).")
 @click.pass_context
-def main(click_ctx, as_json, debug, quiet):
+def main(click_ctx, as_json, debug, quiet, plain):
     """Convert Hugging Face checkpoints to compressed-tensors checkpoints that vLLM loads."""
-    click_ctx.obj = _Ctx(as_json, debug, quiet)
+    click_ctx.obj = _Ctx(as_json, debug, quiet, plain)
 
 
 def _json_option(f):
@@ -157,6 +195,7 @@ def _json_option(f):
 
         return cb
 
+    f = click.option("--plain", "plain_flag", is_flag=True, expose_value=False, callback=flag("plain"), is_eager=True, help="Tables as plain aligned columns.")(f)
     f = click.option("--debug", "debug_flag", is_flag=True, expose_value=False, callback=flag("debug"), is_eager=True, help="Show tracebacks on errors.")(f)
     f = click.option("-q", "--quiet", "quiet_flag", is_flag=True, expose_value=False, callback=flag("quiet"), is_eager=True, help="No progress bar or summary.")(f)
     return click.option(
@@ -199,6 +238,7 @@ def _split(values: tuple[str, ...]) -> list[str]:
     help="Magnitude 2:4 pruning along K. With DENSE, FP8_DYNAMIC or W8A8: sparse-24-bitmask, which vLLM <= 0.18 loads "
     "(SM90; current vLLM does not); with W4A16 and --target marlin-24: marlin-24, which vLLM <= 0.15 loads.",
 )
+@click.option("--all-layers", is_flag=True, help="With --dry-run: list every tensor (default: each when <= 60, else a summary).")
 @click.option("--group-size", type=click.IntRange(min=1), default=None, help="W4A16/W8A16: columns per weight scale (default: the preset's, 128).")
 @click.option("--symmetric/--asymmetric", "symmetric", default=None, help="W4A16/W8A16: weights without / with a zero point (default: the preset's).")
 @click.option(
@@ -260,6 +300,7 @@ def quantize(
     sparsity,
     group_size,
     symmetric,
+    all_layers,
 ):
     """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint."""
     from . import api
@@ -304,12 +345,13 @@ def quantize(
             fn=lambda: api.quantize(src, output, scheme, dry_run=dry_run, resume=resume, refresh=refresh, progress=_progress_factory(ctx), **kw),
         )
     if ctx.json:
-        ctx.emit_json({"ok": result.error is None, **result.to_dict()})
+        extra = {"target": {"target": target, "layout_version": layout_version, "act_dtype": act_dtype}} if target and dry_run else {}
+        ctx.emit_json({"ok": result.error is None, **result.to_dict(), **extra})
         if result.error is not None:
             sys.exit(result.error.exit_code)
         return
     if dry_run:
-        _print_plan(ctx, result)
+        _print_plan(ctx, result, target=(target, layout_version, act_dtype) if target else None, all_rows=all_layers)
         if result.error is not None:
             click.echo(f"error: {result.error}", err=True)
             sys.exit(result.error.exit_code)
@@ -329,20 +371,38 @@ def quantize(
             click.echo(f"note: {n}", err=True)
 
 
-def _print_plan(ctx: _Ctx, result) -> None:
-    from rich.table import Table
+def _reason_kind(row) -> str:
+    """A plan row's reason without its per-tensor part (fused sets differ by layer; their kind does not)."""
+    if row.fused_set:
+        return "fused " + row.fused_set.rpartition(".")[2]
+    return row.reason or ""
 
+
+def _print_plan(ctx: _Ctx, result, target=None, all_rows: bool = False) -> None:
     plan = result.plan
-    table = Table(title=f"plan: {plan.scheme.name} ({plan.format})", show_lines=False)
-    for col in ("tensor", "dtype", "shape", "action", "scheme", "fused set / reason", "max TP"):
-        table.add_column(col, overflow="fold")
-    for r in plan.rows:
-        style = {"quantize": "green", "ignore": "yellow"}.get(r.action)
-        tp = result.max_tp_of(r.name)
-        cells = (r.name, r.dtype, "x".join(map(str, r.shape)), r.action, r.scheme or "", r.fused_set or r.reason or "", "" if tp is None else str(tp))
-        table.add_row(*cells, style=style)
+    cols = [("tensor", 0), ("dtype", 3), ("shape", 2), ("action", 0), ("scheme", 5), ("max TP", 4), ("fused set / reason", 1)]
+    tps = [result.max_tp_of(r.name) for r in plan.rows]
+    rows = [
+        [r.name, r.dtype, "x".join(map(str, r.shape)), r.action, r.scheme or "", "" if tp is None else str(tp), r.fused_set or r.reason or ""]
+        for r, tp in zip(plan.rows, tps)
+    ]
+    styles = [{"quantize": "green", "ignore": "yellow"}.get(r.action) for r in plan.rows]
     con = ctx.console()
-    con.print(table)
+    title = f"plan: {plan.scheme.name} ({plan.format})"
+    if target:
+        title += f", then repacked for {target[0]} (vLLM layout {target[1]}, {target[2]} activations)"
+    if all_rows or len(rows) <= 60:
+        _print_table(ctx, cols, rows, title=title, styles=styles)
+    else:  # a big model: one row per (action, scheme, reason), naming the first tensor of each
+        agg: dict[tuple, list] = {}
+        for r in plan.rows:
+            key = (r.action, r.scheme or "", _reason_kind(r))
+            agg.setdefault(key, []).append(r.name)
+        srows = [[f"{len(names)} x {names[0]}" + (" ..." if len(names) > 1 else ""), a, sch, why] for (a, sch, why), names in agg.items()]
+        _print_table(
+            ctx, [("tensors (count x first)", 0), ("action", 0), ("scheme", 3), ("fused set / reason", 1)], srows, title=title,
+            caption=f"{len(rows)} tensors summarized; --all-layers lists each",
+        )
     counts = {a: sum(1 for r in plan.rows if r.action == a) for a in ("quantize", "ignore", "copy")}
     con.print(f"{counts['quantize']} tensors to quantize, {counts['ignore']} Linear kept dense (ignore), {counts['copy']} copied")
     con.print(f"output: {_human(result.output_bytes)} of tensors (input {_human(result.input_bytes)})")
@@ -390,40 +450,46 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
             "not loadable as compressed-tensors: `ctconvert repack --target compressed-tensors` restores it"
         )
     else:
-        con.print(
-            f"[bold]{report['path']}[/bold]: "
-            + (f"{q['quant_method']} / {q['format']} / {q['quantization_status']}" if q else "dense (no quantization_config)")
-        )
+        if not q:
+            what = "dense (no quantization_config)"
+        elif q.get("quant_method") == "compressed-tensors":
+            what = f"{q['quant_method']} / {q['format']} / {q['quantization_status']}"
+        else:  # another method: its own settings, not compressed-tensors' (empty) fields
+            what = f"{q.get('quant_method')} (not compressed-tensors): " + ", ".join(f"{k}={v}" for k, v in q.items() if k != "quant_method" and v is not None)
+        con.print(f"[bold]{report['path']}[/bold]: {what}", markup=True)
     if sp := report.get("sparsity_config"):
         con.print(f"  sparsity: {sp.get('sparsity_structure')} {sp.get('format')} (a legacy format: vLLM <= 0.18 loads sparse-24-bitmask, <= 0.15 marlin-24)")
     for g, v in report["config_groups"].items():
         con.print(f"  group {g}: targets={v['targets']} scheme={v['scheme']} format={v['format']}")
     layers = report["layers"]
-    table = Table(show_lines=False)
-    for col in ("layer", "scheme", "format", "tensors (dtype shape)", "bytes", "bits/w"):
-        table.add_column(col, overflow="fold")
+    cols = [("layer", 0), ("scheme", 2), ("format", 3), ("bytes", 1), ("bits/w", 0), ("tensors (dtype shape)", 4)]
     if all_layers or len(layers) <= 60:
-        for r in layers:
-            ts = ", ".join(f"{p}:{t['dtype']}{t['shape']}" for p, t in r["tensors"].items())
-            table.add_row(r["module"], r["scheme"] or "", r["format"] or "", ts, _human(r["bytes"]), str(r["bits_per_weight"]))
+        rows = [
+            [r["module"], r["scheme"] or "", r["format"] or "", _human(r["bytes"]), str(r["bits_per_weight"]), ", ".join(f"{p}:{t['dtype']}{t['shape']}" for p, t in r["tensors"].items())]
+            for r in layers
+        ]
+        caption = None
     else:
         agg: dict[tuple, list] = {}
         for r in layers:
-            a = agg.setdefault((r["scheme"], r["format"]), [0, 0, 0, {}])
-            a[0] += 1
+            a = agg.setdefault((r["scheme"], r["format"]), [[], 0, 0, {}])
+            a[0].append(r["module"])
             a[1] += r["bytes"]
             a[2] += r["params"]
             for part, t in r["tensors"].items():
                 a[3].setdefault(part, set()).add(t["dtype"])
-        for (s, f), (n, b, p, parts) in agg.items():
+        rows = []
+        for (sch, f), (names, b, p, parts) in agg.items():
             ts = ", ".join(f"{part}:{'/'.join(sorted(d))}" for part, d in sorted(parts.items()))  # shapes differ: dtypes only
-            table.add_row(f"{n} layer" + ("s" if n != 1 else ""), s or "", f or "", ts, _human(b), f"{8 * b / p:.3f}" if p else "")
-        table.caption = f"{len(layers)} Linear layers summarized per scheme; --all-layers lists each"
-    con.print(table)
+            label = names[0] if len(names) == 1 else f"{len(names)} layers ({names[0]} ...)"  # a summary row names its layer(s)
+            rows.append([label, sch or "", f or "", _human(b), f"{8 * b / p:.3f}" if p else "", ts])
+        caption = f"{len(layers)} Linear layers summarized per scheme; --all-layers lists each"
+    _print_table(ctx, cols, rows, caption=caption)
     t = report["totals"]
     con.print(
         f"{t['tensors']} tensors in {t['files']} file(s), {_human(t['bytes'])}; {t['quantized_layers']}/{t['linear_layers']} Linear layers quantized"
         + (f", {t['linear_bits_per_weight']} bits per Linear weight" if t["linear_bits_per_weight"] is not None else "")
+        + (f", {t['quantized_bits_per_weight']} per quantized weight" if t.get("quantized_bits_per_weight") is not None else "")
     )
     if report["problems"]:
         _print_problems(con, report["problems"])

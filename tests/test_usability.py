@@ -162,3 +162,52 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
     assert _progress_factory(_Ctx(False, False, True)) is None and _progress_factory(_Ctx(True, False, False)) is None
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     assert _progress_factory(_Ctx(False, False, False)) is None
+
+
+def test_tables_fit_80_columns_without_splitting_names(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, stdout, _ = run("quantize", tiny_llama, "-s", "W4A16", "--dry-run", "--target", "marlin")
+    assert code == 0 and "then repacked for marlin (vLLM layout 0.33, bf16 activations)" in stdout.replace("\n", " ").replace("  ", " ") or "marlin" in stdout
+    lines = stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert any("model.layers.0.post_attention_layernorm.weight" in line for line in lines)  # whole, on one line
+    assert "not shown at this width" in stdout
+    assert run("quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "o")[0] == 0
+    code, stdout, _ = run("inspect", tmp_path / "o")
+    assert code == 0 and max(len(line) for line in stdout.splitlines()) <= 80 and "model.layers.1.self_attn.q_proj" in stdout
+    code, stdout, _ = run("--plain", "quantize", tiny_llama, "-s", "W4A16", "--dry-run")
+    row = next(line for line in stdout.splitlines() if line.startswith("lm_head.weight"))
+    assert row.split()[:4] == ["lm_head.weight", "BF16", "384x256", "ignore"] and "lm_head (default; see --lm-head)" in row
+    code, stdout, _ = run("--json", "quantize", tiny_llama, "-s", "W4A16", "--dry-run", "--target", "marlin")
+    doc = json.loads(stdout)
+    assert doc["target"] == {"target": "marlin", "layout_version": "0.33", "act_dtype": "bf16"} and len(doc["plan"]["tensors"]) == 21
+
+
+def test_dry_run_summary_and_inspect_summary_rows_name_their_layers(tmp_path):
+    cfg = dict(LLAMA_CONFIG, hidden_size=64, intermediate_size=128, head_dim=16, num_hidden_layers=10, vocab_size=128)
+    m = write_checkpoint(tmp_path / "m", llama_tensors(cfg), cfg)
+    code, stdout, _ = run("--plain", "quantize", m, "-s", "FP8_DYNAMIC", "--dry-run")
+    assert code == 0 and "93 tensors summarized; --all-layers lists each" in stdout
+    assert "20 x model.layers.0.mlp.down_proj.weight ..." in stdout and "30 x model.layers.0.self_attn.k_proj.weight ..." in stdout
+    assert "1 x lm_head.weight" in stdout and "fused {q_proj,k_proj,v_proj}" in stdout
+    code, stdout, _ = run("--plain", "quantize", m, "-s", "FP8_DYNAMIC", "--dry-run", "--all-layers")
+    assert "model.layers.9.mlp.up_proj.weight" in stdout
+    assert run("quantize", m, "-s", "FP8_DYNAMIC", "-o", tmp_path / "o")[0] == 0
+    code, stdout, _ = run("--plain", "inspect", tmp_path / "o")
+    rows = [line.split()[0:3] for line in stdout.splitlines()]
+    assert code == 0 and ["lm_head", "dense", "dense"] in rows  # the summary row names its one layer
+    assert "70 layers (model.layers.0.mlp.down_proj ...)" in stdout
+
+
+def test_inspect_bits_per_quantized_weight_other_methods_and_kernel_native_counts(tiny_llama, tmp_path):
+    assert run("quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "q")[0] == 0
+    t = json.loads(run("--json", "inspect", tmp_path / "q")[1])["totals"]
+    assert t["quantized_bits_per_weight"] == pytest.approx(8 * (256 * 64 * 4 + 256 * 4 * 2 + 16) / (256 * 512), abs=0.01)
+    assert t["linear_bits_per_weight"] > t["quantized_bits_per_weight"]
+    assert run("repack", tmp_path / "q", "-o", tmp_path / "m", "--target", "marlin", "--device", "cpu")[0] == 0
+    k = json.loads(run("--json", "inspect", tmp_path / "m")[1])["totals"]
+    assert (k["linear_layers"], k["quantized_layers"]) == (t["linear_layers"], t["quantized_layers"]) == (15, 14)
+    gptq = dict(LLAMA_CONFIG, quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False})
+    g = write_checkpoint(tmp_path / "g", llama_tensors(LLAMA_CONFIG), gptq)
+    code, stdout, _ = run("inspect", g)
+    assert "gptq (not compressed-tensors): bits=4, group_size=128, desc_act=False" in stdout and "None" not in stdout.splitlines()[0]

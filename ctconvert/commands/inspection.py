@@ -52,8 +52,15 @@ def _inspect_kernel_native(ckpt, path: Path) -> dict:
                 "padded": [rec.get("padded_n"), rec.get("padded_k")],
             }
         )
+    n_quantized = len(layers)
+    for name in sorted(ckpt.tensors, key=natural_key):  # the dense Linear layers (lm_head ...), counted as the source counts them
+        info, mod = ckpt.tensors[name], name.removesuffix(".weight")
+        if name.endswith(".weight") and mod not in (q.get("modules") or {}) and is_linear_weight(name, info):
+            layers.append(_dense_row(mod, info))
     lb = sum(r["bytes"] for r in layers)
     lp = sum(r["params"] for r in layers)
+    qb = sum(r["bytes"] for r in layers[:n_quantized])
+    qp = sum(r["params"] for r in layers[:n_quantized])
     return {
         "path": str(path),
         "quantization_config": {k: q.get(k) for k in ("quant_method", "format", "target", "layout_version", "act_dtype")},
@@ -65,13 +72,28 @@ def _inspect_kernel_native(ckpt, path: Path) -> dict:
             "files": len(ckpt.files),
             "bytes": ckpt.total_bytes,
             "linear_layers": len(layers),
-            "quantized_layers": len(layers),
+            "quantized_layers": n_quantized,
             "linear_bytes": lb,
             "linear_params": lp,
             "linear_bits_per_weight": round(8 * lb / lp, 3) if lp else None,
-            "in_blocks": len(layers),
+            "quantized_bits_per_weight": round(8 * qb / qp, 3) if qp else None,
+            "in_blocks": sum(1 for r in layers if BLOCK.search(r["module"] + ".")),
         },
         "problems": [p.to_dict() for p in problems],
+    }
+
+
+def _dense_row(mod: str, info) -> dict:
+    params = math.prod(info.shape)
+    return {
+        "module": mod,
+        "group": None,
+        "scheme": "dense",
+        "format": "dense",
+        "tensors": {"weight": {"dtype": info.dtype, "shape": list(info.shape)}},
+        "bytes": info.nbytes,
+        "params": params,
+        "bits_per_weight": round(8 * info.nbytes / params, 3) if params else None,
     }
 
 
@@ -114,7 +136,7 @@ def inspect_checkpoint(path: Path) -> dict:
     problems += _fused_set_problems(mods)
     return {
         "path": str(path),
-        "quantization_config": {k: qcfg.get(k) for k in ("quant_method", "format", "quantization_status")} if qcfg else None,
+        "quantization_config": _config_summary(qcfg),
         "sparsity_config": qcfg.get("sparsity_config") or None,  # 2:4 (compressed-tensors <= 0.14)
         "config_groups": {
             g: {"targets": v.get("targets"), "format": v.get("format"), "scheme": describe_weights(v.get("weights") or {})} for g, v in groups.items()
@@ -124,6 +146,17 @@ def inspect_checkpoint(path: Path) -> dict:
         "totals": _totals(ckpt, layers),
         "problems": [p.to_dict() for p in problems],
     }
+
+
+def _config_summary(qcfg: dict) -> dict | None:
+    """compressed-tensors: ``quant_method``, ``format``, ``quantization_status``; another method (GPTQ, AWQ,
+    bitsandbytes, FP8 of another tool ...): its own scalar settings, as its config states them."""
+    if not qcfg:
+        return None
+    out = {k: qcfg.get(k) for k in ("quant_method", "format", "quantization_status")}
+    if qcfg.get("quant_method") != "compressed-tensors":
+        out.update({k: v for k, v in qcfg.items() if isinstance(v, (str, int, float, bool)) and k not in out})
+    return out
 
 
 def _layer(m: Module, qcfg: dict, problems: list[Problem]) -> dict | None:
@@ -182,6 +215,8 @@ def _fused_set_problems(mods: dict[str, Module]) -> list[Problem]:
 def _totals(ckpt: Checkpoint, layers: list[dict]) -> dict:
     lin_bytes = sum(r["bytes"] for r in layers)
     lin_params = sum(r["params"] for r in layers)
+    q_bytes = sum(r["bytes"] for r in layers if r["format"] != "dense")
+    q_params = sum(r["params"] for r in layers if r["format"] != "dense")
     return {
         "tensors": len(ckpt.tensors),
         "files": len(ckpt.files),
@@ -191,6 +226,7 @@ def _totals(ckpt: Checkpoint, layers: list[dict]) -> dict:
         "linear_bytes": lin_bytes,
         "linear_params": lin_params,
         "linear_bits_per_weight": round(8 * lin_bytes / lin_params, 3) if lin_params else None,
+        "quantized_bits_per_weight": round(8 * q_bytes / q_params, 3) if q_params else None,
         "in_blocks": sum(1 for r in layers if BLOCK.search(r["module"] + ".")),
     }
 

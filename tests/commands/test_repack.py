@@ -59,7 +59,8 @@ def test_inspect_and_verify_kernel_native(tiny_llama, tmp_path):
     repack(q, k, "marlin", device="cpu")
     rep = api.inspect(k)
     assert rep["quantization_config"]["quant_method"] == "ctconvert-kernel-native" and not rep["problems"]
-    assert {r["scheme"] for r in rep["layers"]} == {"marlin-int"} and len(rep["layers"]) == 14
+    assert {r["scheme"] for r in rep["layers"]} == {"marlin-int", "dense"} and len(rep["layers"]) == 15  # the dense lm_head counts too
+    assert [r["module"] for r in rep["layers"] if r["scheme"] == "dense"] == ["lm_head"] and rep["totals"]["quantized_layers"] == 14
     v = api.verify(k, q)
     assert v["ok"] and all(r["round_trip"] and r["equals_reference"] for r in v["modules"])
     # the reference must be the compressed-tensors source: a dense one is a usage error, not 112 "differs"
