@@ -195,9 +195,12 @@ def _json_option(f):
 
         return cb
 
-    f = click.option("--plain", "plain_flag", is_flag=True, expose_value=False, callback=flag("plain"), is_eager=True, help="Tables as plain aligned columns.")(f)
-    f = click.option("--debug", "debug_flag", is_flag=True, expose_value=False, callback=flag("debug"), is_eager=True, help="Show tracebacks on errors.")(f)
-    f = click.option("-q", "--quiet", "quiet_flag", is_flag=True, expose_value=False, callback=flag("quiet"), is_eager=True, help="No progress bar or summary.")(f)
+    for names, attr, text in (
+        (("--plain",), "plain", "Tables as plain aligned columns."),
+        (("--debug",), "debug", "Show tracebacks on errors."),
+        (("-q", "--quiet"), "quiet", "No progress bar or summary."),
+    ):
+        f = click.option(*names, f"{attr}_flag", is_flag=True, expose_value=False, callback=flag(attr), is_eager=True, help=text)(f)
     return click.option(
         "--json", "json_flag", is_flag=True, expose_value=False, callback=flag("json"), is_eager=True, help="One machine-readable JSON document on stdout."
     )(f)
@@ -400,7 +403,10 @@ def _print_plan(ctx: _Ctx, result, target=None, all_rows: bool = False) -> None:
             agg.setdefault(key, []).append(r.name)
         srows = [[f"{len(names)} x {names[0]}" + (" ..." if len(names) > 1 else ""), a, sch, why] for (a, sch, why), names in agg.items()]
         _print_table(
-            ctx, [("tensors (count x first)", 0), ("action", 0), ("scheme", 3), ("fused set / reason", 1)], srows, title=title,
+            ctx,
+            [("tensors (count x first)", 0), ("action", 0), ("scheme", 3), ("fused set / reason", 1)],
+            srows,
+            title=title,
             caption=f"{len(rows)} tensors summarized; --all-layers lists each",
         )
     counts = {a: sum(1 for r in plan.rows if r.action == a) for a in ("quantize", "ignore", "copy")}
@@ -437,8 +443,11 @@ def inspect_cmd(ctx: _Ctx, path, all_layers):
         sys.exit(errors.EXIT_BAD_INPUT)
 
 
+def _parts(tensors: dict) -> str:
+    return ", ".join(f"{p}:{t['dtype']}{t['shape']}" for p, t in tensors.items())
+
+
 def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
-    from rich.table import Table
 
     con = ctx.console()
     q = report["quantization_config"]
@@ -464,10 +473,7 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
     layers = report["layers"]
     cols = [("layer", 0), ("scheme", 2), ("format", 3), ("bytes", 1), ("bits/w", 0), ("tensors (dtype shape)", 4)]
     if all_layers or len(layers) <= 60:
-        rows = [
-            [r["module"], r["scheme"] or "", r["format"] or "", _human(r["bytes"]), str(r["bits_per_weight"]), ", ".join(f"{p}:{t['dtype']}{t['shape']}" for p, t in r["tensors"].items())]
-            for r in layers
-        ]
+        rows = [[r["module"], r["scheme"] or "", r["format"] or "", _human(r["bytes"]), str(r["bits_per_weight"]), _parts(r["tensors"])] for r in layers]
         caption = None
     else:
         agg: dict[tuple, list] = {}

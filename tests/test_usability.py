@@ -211,3 +211,20 @@ def test_inspect_bits_per_quantized_weight_other_methods_and_kernel_native_count
     g = write_checkpoint(tmp_path / "g", llama_tensors(LLAMA_CONFIG), gptq)
     code, stdout, _ = run("inspect", g)
     assert "gptq (not compressed-tensors): bits=4, group_size=128, desc_act=False" in stdout and "None" not in stdout.splitlines()[0]
+
+
+def test_model_card_copy_says_how_it_was_converted(tmp_path):
+    card = "# Tiny\n\nA model card.\n"
+    m = write_checkpoint(tmp_path / "m", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG, extra_files={"README.md": card})
+    assert run("quantize", m, "-s", "W4A16", "-o", tmp_path / "o", "--ignore", "model.layers.1.mlp.down_proj")[0] == 0
+    from ctconvert import __version__
+
+    out = (tmp_path / "o" / "README.md").read_text()
+    assert out.startswith(card) and "## Conversion (ctconvert)" in out and f"ctconvert {__version__}" in out
+    assert "- scheme: `W4A16`, compressed-tensors format `pack-quantized`" in out
+    assert "- kept dense (`ignore`): `lm_head`, `model.layers.1.mlp.down_proj`" in out and "- lm_head: kept dense" in out
+    assert (m / "README.md").read_text() == card  # the input stays untouched
+    assert run("quantize", m, "-s", "W4A16", "-o", tmp_path / "k", "--target", "marlin")[0] == 0
+    assert "- kernel-native layout: `marlin`" in (tmp_path / "k" / "README.md").read_text()
+    bare = write_checkpoint(tmp_path / "b", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG)
+    assert run("quantize", bare, "-s", "W4A16", "-o", tmp_path / "bo")[0] == 0 and not (tmp_path / "bo" / "README.md").exists()

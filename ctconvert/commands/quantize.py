@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..checkpoint.config import build_quantization_config, updated_config
 from ..checkpoint.hashing import hash_tensor_bytes, new_hasher
+from ..checkpoint.model_card import CARD, append_conversion_section, conversion_section
 from ..checkpoint.provenance import PROVENANCE, fingerprint, load_provenance, provenance, refresh_plan, shard_map, sources_by_shard
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
 from ..checkpoint.safetensors_io import PlannedTensor
@@ -310,6 +311,10 @@ def _convert(
                 if s not in src_hashes:
                     src_hashes[s] = hash_tensor_bytes(ckpt.tensors[s])
         folder.copy_files(ckpt.path, skip={CONFIG_NAME, PROVENANCE}, keep_other_weights=keep_other_weights)
+        section = conversion_section(
+            ckpt.path.name, plan.scheme.name, plan.format, plan.ignore, options["lm_head"], layout.target if layout is not None else None
+        )
+        append_conversion_section(folder.tmp / CARD, section)
         if folder.skipped:
             result.notes.append(f"not copied, weights in other formats (--keep-other-weights copies them): {', '.join(folder.skipped)}")
         total = sum(t.nbytes for t in planned)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+from formats.test_bit_exact import assert_same_bytes, make_weight
 
 from ctconvert.checkpoint.config import build_quantization_config
 from ctconvert.cli import main
@@ -16,7 +17,6 @@ from ctconvert.formats import native
 from ctconvert.plan.schemes import custom_scheme, get_scheme, resolve_scheme
 
 from ct_reference import ct_compress
-from formats.test_bit_exact import assert_same_bytes, make_weight
 from helpers import stable_seed
 
 COMBOS = [(base, g, sym) for base in ("W4A16", "W8A16") for g in (32, 64, 256) for sym in (True, False)]
@@ -73,7 +73,10 @@ def test_scheme_file_json_and_yaml(tmp_path):
     (tmp_path / "s.yaml").write_text("weights:\n  num_bits: 4\n  type: int\n  symmetric: false\n  group_size: 64\n  strategy: group\n")
     want = custom_scheme("W4A16", 64, False)
     assert resolve_scheme(str(tmp_path / "s.json")) == want and resolve_scheme(str(tmp_path / "s.yaml")) == want
-    (tmp_path / "preset.yaml").write_text("weights: {num_bits: 8, type: int, strategy: channel, symmetric: true}\ninput_activations: {num_bits: 8, type: int, strategy: token, dynamic: true, symmetric: true}\n")
+    (tmp_path / "preset.yaml").write_text(
+        "weights: {num_bits: 8, type: int, strategy: channel, symmetric: true}\n"
+        "input_activations: {num_bits: 8, type: int, strategy: token, dynamic: true, symmetric: true}\n"
+    )
     assert resolve_scheme(str(tmp_path / "preset.yaml")) is get_scheme("W8A8")
     (tmp_path / "bad.yaml").write_text("weights: {num_bits: 3, type: int, strategy: group, group_size: 64}\n")
     with pytest.raises(UsageError, match="is not one ctconvert writes: use a preset"):

@@ -1,0 +1,47 @@
+"""The conversion section appended to the output's copy of the model card (``README.md``).
+
+Like other converters (llm-compressor's and mlx_lm's uploads say how a checkpoint was made), the copy of
+the source's ``README.md`` in the output gets a short section: the tool and its version, the scheme and
+its compressed-tensors format, what was kept dense (``ignore``), and for a kernel-native output its
+target. The input's card is never touched: the section is written into the copy in the output folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import __version__
+
+__all__ = ["CARD", "HEADING", "append_conversion_section"]
+
+CARD = "README.md"
+HEADING = "## Conversion (ctconvert)"
+_SHOWN = 8  # ignore entries listed by name; config.json has all of them
+
+
+def conversion_section(source: str, scheme: str, fmt: str, ignore: list[str], lm_head: str = "none", target: str | None = None) -> str:
+    """The Markdown section (starts with :data:`HEADING`)."""
+    shown = ", ".join(f"`{p}`" for p in ignore[:_SHOWN]) or "nothing"
+    if len(ignore) > _SHOWN:
+        shown += f" and {len(ignore) - _SHOWN} more (`quantization_config.ignore` in config.json)"
+    lines = [
+        HEADING,
+        "",
+        f"Converted offline from `{source}` by ctconvert {__version__}, without calibration data:",
+        "",
+        f"- scheme: `{scheme}`, compressed-tensors format `{fmt}`",
+        f"- kept dense (`ignore`): {shown}",
+        f"- lm_head: {'kept dense' if lm_head == 'none' else f'quantized ({lm_head})'}",
+    ]
+    if target:
+        lines.append(f"- kernel-native layout: `{target}` (not loadable as compressed-tensors; `ctconvert repack --target compressed-tensors` restores it)")
+    return "\n".join(lines) + "\n"
+
+
+def append_conversion_section(card: Path, section: str) -> bool:
+    """Append ``section`` to the card at ``card`` (a copy in the output folder); False when there is none."""
+    if not card.is_file():
+        return False
+    text = card.read_text(encoding="utf-8", errors="replace")
+    card.write_text(text.rstrip("\n") + "\n\n" + section, encoding="utf-8")
+    return True
