@@ -275,10 +275,19 @@ def load_jobs(path: str | Path) -> list[dict]:
     return _batch.load_jobs(path)
 
 
-def run_jobs(jobs: list[dict], keep_going: bool = False, emit=print, on_job=None) -> int:
-    """Run checked jobs (:func:`load_jobs`) through :func:`quantize`; ``emit`` gets one JSON line per job,
-    ``on_job(i, job)`` is called as each starts. Returns the exit code (0, or the first failure's)."""
-    return _batch.run_jobs(jobs, quantize, keep_going=keep_going, emit=emit, on_job=on_job)
+def _job(src, out, scheme, *, target=None, layout_version=DEFAULT_LAYOUT_VERSION, act_dtype="bf16", **kw) -> QuantizeResult:
+    """One batch job: :func:`quantize`, or :func:`quantize_to_target` when the job names a ``target``."""
+    if target is None:
+        return quantize(src, out, scheme, **kw)
+    return quantize_to_target(src, out, scheme, target, layout_version=str(layout_version), act_dtype=act_dtype, **kw)
+
+
+def run_jobs(jobs: list[dict], keep_going: bool = False, emit=print, on_job=None, stop_code=None) -> int:
+    """Run checked jobs (:func:`load_jobs`) through :func:`quantize` (:func:`quantize_to_target` for a job
+    with a ``target``); ``emit`` gets one JSON line per job and a summary line, ``on_job(i, job)`` is called
+    as each starts; ``stop_code()`` gives the exit code an interrupt is reported with (default 130).
+    Returns the exit code (0, or the first failure's)."""
+    return _batch.run_jobs(jobs, _job, keep_going=keep_going, emit=emit, on_job=on_job, stop_code=stop_code)
 
 
 def batch(path: str | Path, keep_going: bool = False, emit=print) -> int:

@@ -26,6 +26,7 @@ class _Ctx:
         self.debug = debug
         self.quiet = quiet
         self.plain = plain
+        self.lines = False  # batch: JSON Lines, so a --json error document is one line too
 
     def console(self, stderr: bool = False):
         from rich.console import Console
@@ -35,7 +36,7 @@ class _Ctx:
         return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
 
     def emit_json(self, data: dict) -> None:
-        click.echo(json.dumps(data, indent=2, default=str))
+        click.echo(json.dumps(data, indent=None if self.lines else 2, default=str))
 
 
 _AS_PROGRAM = False  # set by run(): the process is ctconvert itself (not a test runner or a host program)
@@ -627,21 +628,25 @@ def repack_cmd(ctx: _Ctx, src, output, target, layout_version, act_dtype, device
 @_json_option
 @click.pass_obj
 def batch_cmd(ctx: _Ctx, jobs_file, keep_going):
-    """Run the conversions listed in JOBS_FILE (YAML or JSON); one JSON line per job on stdout."""
+    """Run the conversions listed in JOBS_FILE (YAML or JSON); JSON Lines on stdout: one line per job, then a summary line."""
     from . import api
 
+    ctx.lines = True  # JSON Lines on stdout, also for an error (one compact line)
     jobs = _run(ctx, lambda: api.load_jobs(jobs_file), last=False)
     running: dict = {}
 
-    def hint() -> str | None:  # what an interrupt stopped: the running job, and what it left
+    def hint() -> str | None:  # what an interrupt stopped: the running job, what it left, and what earlier jobs wrote
         if not running:
-            return None
+            return "no job had started"
         left = api.partial_hint(running["output"])
-        done = f"; jobs 0-{running['i'] - 1} finished" if running["i"] else ""
-        return f"job {running['i']} ({running['output']}) was stopped{done}" + (f"; {left}" if left else "")
+        done = f"; jobs 0-{running['i'] - 1} finished and their outputs are in place" if running["i"] else ""
+        return f"job {running['i']} ({running['output']}) was stopped, nothing was written at its output path{done}" + (f"; {left}" if left else "")
+
+    def stop_code() -> int:
+        return errors.stop_exit_code(_received[0] if _received else signal.SIGINT)
 
     on_job = lambda i, job: running.update(i=i, output=job["output"])  # noqa: E731
-    code = _run(ctx, lambda: api.run_jobs(jobs, keep_going=keep_going, emit=click.echo, on_job=on_job), hint=hint)
+    code = _run(ctx, lambda: api.run_jobs(jobs, keep_going=keep_going, emit=click.echo, on_job=on_job, stop_code=stop_code), hint=hint)
     sys.exit(code)
 
 

@@ -41,7 +41,8 @@ def stop_message(signum: int, argv: list[str]) -> str:
 def interrupted_message(argv: list[str]) -> str:
     """The Ctrl-C line for the command in ``argv``: read-only commands have no output path to mention."""
     command = next((a for a in argv if not a.startswith("-")), "")  # the group's own options are flags
-    return INTERRUPTED_MESSAGE if command in WRITING_COMMANDS else "interrupted"
+    # batch: earlier jobs may have written their outputs; the CLI's hint says which job stopped and what it left
+    return INTERRUPTED_MESSAGE if command in WRITING_COMMANDS and command != "batch" else "interrupted"
 
 
 class CTConvertError(Exception):

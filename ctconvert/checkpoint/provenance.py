@@ -55,9 +55,12 @@ def load_provenance(out: Path, options: dict) -> dict:
     if not p.is_file():
         raise UsageError("--refresh needs an earlier ctconvert output with ctconvert-provenance.json", file=out)
     prov = json.loads(p.read_text())
-    if prov.get("options") != json.loads(json.dumps(options)):
+    now, before = json.loads(json.dumps(options)), prov.get("options") or {}
+    if before != now:
+        differ = "; ".join(f"{k}: earlier {before.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
         raise UsageError(
-            f"--refresh needs the same options as the earlier conversion (earlier: {prov.get('options')}); run a full conversion with --overwrite instead",
+            f"--refresh needs the same options as the earlier conversion; these differ: {differ}; "
+            "give the earlier options, or run a full conversion with --overwrite instead",
             file=p,
         )
     if prov.get("hash") != HASH_NAME:

@@ -14,23 +14,31 @@
 
 Keys of a job are the keyword arguments of :func:`ctconvert.api.quantize`
 (``scheme``, ``lm_head``, ``targets``, ``ignore``, ``max_shard_size``,
-``overwrite``, ``skip_incompatible``, ``device``, ``resume``, ``refresh``)
-plus ``model`` and ``output``. Relative paths are relative to the jobs file;
-scheme names are checked before any job runs.
+``overwrite``, ``skip_incompatible``, ``device``, ``resume``, ``refresh``,
+``dry_run``, ``group_size``, ``symmetric`` ...), ``target``, ``layout_version``
+and ``act_dtype`` (:func:`ctconvert.api.quantize_to_target`), plus ``model``
+and ``output``. Relative paths are relative to the jobs file; scheme names,
+and outputs that two jobs share or that lie inside (or contain) an input, are
+refused before any job runs.
+
+The output is JSON Lines: one line per job, every line with the same keys
+(:data:`LINE_KEYS`; ``status`` ``ok`` | ``error`` | ``skipped`` |
+``interrupted``), then one summary line (``status`` ``summary``, counts).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import EXIT_INTERNAL, CTConvertError, UsageError
+from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, CTConvertError, UsageError
 from ..plan.schemes import get_scheme, resolve_scheme
 from ..plan.sparsity import sparse_scheme
 
-__all__ = ["ALLOWED", "load_jobs", "run_jobs"]
+__all__ = ["ALLOWED", "LINE_KEYS", "load_jobs", "run_jobs"]
 
 ALLOWED = {
     "model",
@@ -51,7 +59,30 @@ ALLOWED = {
     "sparsity",
     "group_size",
     "symmetric",
+    "target",
+    "layout_version",
+    "act_dtype",
+    "dry_run",
 }
+#: the keys of every job line, whatever its status (None where a key does not apply)
+LINE_KEYS = (
+    "job",
+    "status",
+    "model",
+    "output",
+    "scheme",
+    "target",
+    "dry_run",
+    "input_bytes",
+    "output_bytes",
+    "shards",
+    "reused_shards",
+    "rewritten_shards",
+    "seconds",
+    "error",
+    "exit_code",
+    "notes",
+)
 
 
 def load_jobs(path: str | Path) -> list[dict]:
@@ -87,9 +118,9 @@ def load_jobs(path: str | Path) -> list[dict]:
         for k in ("model", "output", "scheme"):
             if k not in job:
                 raise UsageError(f"job {i}: missing {k!r}", file=p)
-        for k in ("model", "output"):  # relative paths are relative to the jobs file
+        for k in ("model", "output"):  # relative paths are relative to the jobs file; normalised (no ./, .., //)
             q = Path(str(job[k])).expanduser()
-            job[k] = str(q if q.is_absolute() else (p.parent / q))
+            job[k] = os.path.normpath(os.path.abspath(q if q.is_absolute() else (p.parent / q)))
         try:
             if job.get("sparsity"):  # 2:4: checked here, named as the user wrote it (plan/sparsity.py)
                 sparse_scheme(str(job["scheme"]), str(job["sparsity"]))
@@ -104,21 +135,74 @@ def load_jobs(path: str | Path) -> list[dict]:
         except CTConvertError as e:
             raise UsageError(f"job {i}: {e}", file=p) from None
         jobs.append(job)
+    _check_outputs(jobs, p)
     return jobs
 
 
-def run_jobs(jobs: list[dict], convert: Callable, keep_going: bool = False, emit=print, on_job: Callable | None = None) -> int:
+def _check_outputs(jobs: list[dict], p: Path) -> None:
+    """Refuse, before any job runs, two jobs writing one output and an output inside (or holding) an input."""
+    seen: dict[str, int] = {}
+    for i, job in enumerate(jobs):
+        out = job["output"]
+        if out in seen:
+            raise UsageError(f"jobs {seen[out]} and {i} both write {out}: give each job its own output", file=p)
+        seen[out] = i
+    for i, job in enumerate(jobs):
+        out = Path(job["output"])
+        for j, other in enumerate(jobs):
+            src = Path(other["model"])
+            if out == src or src in out.parents:
+                raise UsageError(f"job {i}: output {out} is inside the input of job {j} ({src}); the input is never written to", file=p)
+            if out in src.parents:
+                raise UsageError(f"job {i}: output {out} holds the input of job {j} ({src}); writing it would replace that input", file=p)
+
+
+def _line(i: int, job: dict, status: str, **values) -> dict:
+    line = dict.fromkeys(LINE_KEYS)
+    line.update(job=i, status=status, model=job["model"], output=job["output"], scheme=job["scheme"], target=job.get("target"))
+    line["dry_run"] = bool(job.get("dry_run", False))
+    line.update(values)
+    return line
+
+
+def run_jobs(
+    jobs: list[dict], convert: Callable, keep_going: bool = False, emit=print, on_job: Callable | None = None, stop_code: Callable[[], int] | None = None
+) -> int:
     """Run the jobs in order through ``convert(model, output, scheme, **options)`` (the API's
-    ``quantize``); ``emit`` gets one JSON line per job; ``on_job(i, job)`` is called as each job starts.
-    Returns the exit code.
+    ``quantize``, or ``quantize_to_target`` for a job with a ``target``); ``emit`` gets one JSON line
+    per job and a summary line; ``on_job(i, job)`` is called as each job starts. Returns the exit code.
 
     The exit code is 0 when every job succeeded, else that of the first failure.
-    Without ``keep_going`` the jobs after a failure are reported as skipped.
+    Without ``keep_going`` the jobs after a failure are reported as skipped. An interrupt (Ctrl-C,
+    SIGTERM) emits an ``interrupted`` line for the running job (``exit_code``: ``stop_code()``, default
+    130), a ``skipped`` line for each job after it and the summary, then propagates.
     """
     code = 0
+    t_all = time.perf_counter()
+    counts = {"ok": 0, "error": 0, "skipped": 0, "interrupted": 0}
+
+    def put(line: dict) -> None:
+        counts[line["status"]] += 1
+        emit(json.dumps(line))
+
+    def summary() -> None:
+        emit(
+            json.dumps(
+                {
+                    "status": "summary",
+                    "jobs": len(jobs),
+                    **counts,
+                    "exit_code": code,
+                    "seconds": round(time.perf_counter() - t_all, 3),
+                    "message": f"{counts['ok']} ok, {counts['error']} failed, {counts['skipped']} skipped"
+                    + (f", {counts['interrupted']} interrupted" if counts["interrupted"] else ""),
+                }
+            )
+        )
+
     for i, job in enumerate(jobs):
         if code and not keep_going:
-            emit(json.dumps({"job": i, "status": "skipped", "model": str(job["model"]), "output": str(job["output"])}))
+            put(_line(i, job, "skipped"))
             continue
         if on_job is not None:
             on_job(i, job)
@@ -126,23 +210,38 @@ def run_jobs(jobs: list[dict], convert: Callable, keep_going: bool = False, emit
         kw = {k: v for k, v in job.items() if k not in ("model", "output", "scheme")}
         if "allow_non_finite" in kw:  # the option's name on the command line
             kw["allow_nonfinite"] = kw.pop("allow_non_finite")
-        line = {"job": i, "model": str(job["model"]), "output": str(job["output"]), "scheme": job["scheme"]}
         try:
             r = convert(job["model"], job["output"], job["scheme"], **kw)
-            line.update(
-                status="ok",
+            line = _line(
+                i,
+                job,
+                "ok",
                 input_bytes=r.input_bytes,
                 output_bytes=r.output_bytes,
                 shards=len(r.shards),
+                reused_shards=list(r.reused_shards),
+                rewritten_shards=list(r.rewritten_shards),
                 seconds=round(time.perf_counter() - t0, 3),
-                error=None,
                 exit_code=0,
+                notes=list(r.notes),
             )
+            if r.error is not None:  # a dry run that found what the real run would stop at
+                line.update(status="error", error=str(r.error), exit_code=getattr(r.error, "exit_code", EXIT_INTERNAL))
+                code = code or line["exit_code"]
         except CTConvertError as e:
-            line.update(status="error", seconds=round(time.perf_counter() - t0, 3), error=str(e), exit_code=e.exit_code)
+            line = _line(i, job, "error", seconds=round(time.perf_counter() - t0, 3), error=str(e), exit_code=e.exit_code)
             code = code or e.exit_code
+        except KeyboardInterrupt:
+            stopped = stop_code() if stop_code is not None else EXIT_INTERRUPTED
+            put(_line(i, job, "interrupted", seconds=round(time.perf_counter() - t0, 3), error="interrupted", exit_code=stopped))
+            for j in range(i + 1, len(jobs)):
+                put(_line(j, jobs[j], "skipped"))
+            code = code or stopped
+            summary()
+            raise
         except Exception as e:  # noqa: BLE001 - reported per job
-            line.update(status="error", seconds=round(time.perf_counter() - t0, 3), error=f"internal error: {type(e).__name__}: {e}", exit_code=EXIT_INTERNAL)
+            line = _line(i, job, "error", seconds=round(time.perf_counter() - t0, 3), error=f"internal error: {type(e).__name__}: {e}", exit_code=EXIT_INTERNAL)
             code = code or EXIT_INTERNAL
-        emit(json.dumps(line))
+        put(line)
+    summary()
     return code

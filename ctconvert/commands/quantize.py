@@ -171,6 +171,10 @@ def quantize(
     options = _run_options(plan, lm_head, targets, ignore, shard_limit, skip_incompatible, lm_head_chunk_rows)
     if sparsity:
         options["sparsity"] = sparsity
+    created = refresh and not out.exists()
+    if created:  # "create or update": nothing to refresh yet, so a full conversion (every shard written)
+        refresh = False
+        result.notes.append(f"--refresh: no earlier output at {out}; converted in full")
     old_prov = load_provenance(out, options) if refresh else None
     if not refresh:
         check_output_path(src, out, overwrite)
@@ -209,6 +213,8 @@ def quantize(
         layout=layout,
         keep_other_weights=keep_other_weights,
     )
+    if created:
+        result.rewritten_shards = list(result.shards)
     result.seconds = time.perf_counter() - t0
     return result
 

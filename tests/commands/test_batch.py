@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from ctconvert.cli import main
+from ctconvert.commands.batch import LINE_KEYS
 
 
 def test_batch_jobs(tiny_llama, tmp_path):
@@ -29,12 +31,14 @@ jobs:
     r = CliRunner().invoke(main, ["batch", str(jobs)])
     lines = [json.loads(x) for x in r.stdout.strip().splitlines()]
     assert r.exit_code == 3
-    assert [x["status"] for x in lines] == ["ok", "error", "skipped"]
+    assert [x["status"] for x in lines] == ["ok", "error", "skipped", "summary"]
+    assert lines[-1]["message"] == "1 ok, 1 failed, 1 skipped" and lines[-1]["exit_code"] == 3
+    assert all(list(x) == list(LINE_KEYS) for x in lines[:-1])  # one schema for every status
     assert lines[0]["output_bytes"] > 0 and lines[0]["shards"] > 1 and "seconds" in lines[0]
     assert "not a checkpoint folder" in lines[1]["error"] and lines[1]["exit_code"] == 3
     r = CliRunner().invoke(main, ["batch", str(jobs), "--keep-going"])
     lines = [json.loads(x) for x in r.stdout.strip().splitlines()]
-    assert r.exit_code == 6 and [x["status"] for x in lines] == ["error", "error", "ok"]  # "a" exists now: exit code of the first failure
+    assert r.exit_code == 6 and [x["status"] for x in lines] == ["error", "error", "ok", "summary"]  # "a" exists now: exit code of the first failure
     assert "--overwrite" in lines[0]["error"]
     assert (tmp_path / "c" / "config.json").exists()
 
@@ -58,5 +62,78 @@ def test_batch_checks_schemes_up_front_and_paths_are_relative_to_the_file(tiny_l
     assert r.exit_code == 2 and "job 1" in r.stderr and "unknown scheme" in r.stderr and not (d / "out-a").exists()
     f.write_text(f"jobs:\n  - {{model: {tiny_llama}, output: out-a, scheme: w8a8}}\n")
     r = CliRunner().invoke(main, ["batch", str(f)])
-    line = json.loads(r.stdout)
+    line = json.loads(r.stdout.splitlines()[0])
     assert r.exit_code == 0 and line["scheme"] == "W8A8" and (d / "out-a" / "config.json").exists()
+
+
+def _jobs(tmp_path, jobs, defaults=None):
+    f = tmp_path / "jobs.json"
+    f.write_text(json.dumps({"defaults": defaults or {}, "jobs": jobs}))
+    return f
+
+
+def test_batch_refuses_conflicting_outputs_before_the_first_job(tiny_llama, tmp_path):
+    a = str(tmp_path / "a")
+    f = _jobs(tmp_path, [{"model": str(tiny_llama), "output": a, "scheme": "W4A16"}, {"model": str(tiny_llama), "output": a + "/./", "scheme": "W8A16"}])
+    r = CliRunner().invoke(main, ["batch", str(f)])
+    assert r.exit_code == 2 and f"jobs 0 and 1 both write {a}: give each job its own output" in r.stderr and not (tmp_path / "a").exists()
+    f = _jobs(
+        tmp_path,
+        [
+            {"model": str(tiny_llama), "output": str(tmp_path / "x"), "scheme": "W4A16"},
+            {"model": str(tiny_llama), "output": str(tiny_llama / "q"), "scheme": "W4A16"},
+        ],
+    )
+    r = CliRunner().invoke(main, ["--json", "batch", str(f)])
+    assert r.exit_code == 2 and f"job 1: output {tiny_llama / 'q'} is inside the input of job 0" in r.stderr and not (tmp_path / "x").exists()
+    assert len(r.stdout.strip().splitlines()) == 1 and json.loads(r.stdout)["exit_code"] == 2  # --json batch: JSON Lines, errors too
+    f = _jobs(tmp_path, [{"model": str(tiny_llama), "output": str(tmp_path), "scheme": "W4A16"}])
+    r = CliRunner().invoke(main, ["batch", str(f)])
+    assert r.exit_code == 2 and "holds the input of job 0" in r.stderr
+
+
+def test_batch_target_dry_run_refresh_and_normalised_paths(tiny_llama, tmp_path):
+    f = _jobs(
+        tmp_path,
+        [
+            {"model": str(tiny_llama), "output": "./k//", "scheme": "W4A16", "target": "marlin", "layout_version": "0.29", "act_dtype": "fp16"},
+            {"model": str(tiny_llama), "output": "d", "scheme": "W4A16", "dry_run": True},
+            {"model": str(tiny_llama), "output": "r", "scheme": "W8A16", "refresh": True},
+        ],
+    )
+    r = CliRunner().invoke(main, ["batch", str(f)])
+    lines = [json.loads(x) for x in r.stdout.strip().splitlines()]
+    assert r.exit_code == 0 and [x["status"] for x in lines] == ["ok", "ok", "ok", "summary"], r.stdout
+    assert lines[0]["output"] == str(tmp_path / "k") and lines[0]["target"] == "marlin"
+    q = json.loads((tmp_path / "k" / "config.json").read_text())["quantization_config"]
+    assert (q["quant_method"], q["target"], q["layout_version"], q["act_dtype"]) == ("ctconvert-kernel-native", "marlin", "0.29", "float16")
+    assert lines[1]["dry_run"] is True and lines[1]["output_bytes"] > 0 and not (tmp_path / "d").exists()
+    assert (tmp_path / "r" / "config.json").exists() and lines[2]["rewritten_shards"] == ["model.safetensors"]  # refresh creates a missing output
+    assert any("no earlier output" in n for n in lines[2]["notes"]) and lines[2]["reused_shards"] == []
+    assert lines[-1]["message"] == "3 ok, 0 failed, 0 skipped"
+    f2 = _jobs(tmp_path, [{"model": str(tiny_llama), "output": "r", "scheme": "W8A16", "refresh": True, "ignore": ["model.layers.0.mlp.down_proj"]}])
+    r = CliRunner().invoke(main, ["batch", str(f2)])
+    err = json.loads(r.stdout.splitlines()[0])["error"]
+    assert r.exit_code == 2 and "these differ: ignore: earlier [], now ['model.layers.0.mlp.down_proj']" in err
+
+
+def test_batch_interrupt_writes_lines_for_the_stopped_and_skipped_jobs(tiny_llama, tmp_path):
+    from ctconvert import api
+
+    jobs = [{"model": str(tiny_llama), "output": str(tmp_path / n), "scheme": "W4A16"} for n in "abc"]
+    calls = []
+
+    def convert(model, out, scheme, **kw):
+        calls.append(out)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return api.quantize(model, out, scheme, **kw)
+
+    from ctconvert.commands.batch import run_jobs
+
+    out = []
+    with pytest.raises(KeyboardInterrupt):
+        run_jobs(jobs, convert, emit=out.append, stop_code=lambda: 143)
+    lines = [json.loads(x) for x in out]
+    assert [x["status"] for x in lines] == ["ok", "interrupted", "skipped", "summary"]
+    assert lines[1]["exit_code"] == 143 and lines[-1]["message"] == "1 ok, 0 failed, 1 skipped, 1 interrupted"
