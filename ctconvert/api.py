@@ -256,18 +256,21 @@ def inspect(path: str | Path) -> dict:
     return _inspection.inspect_checkpoint(Path(path))
 
 
-def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1, ep: int | None = None) -> dict:
+def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1, ep: int | None = None, progress=None) -> dict:
     """Check a compressed-tensors (or kernel-native) checkpoint, and its error against ``reference``.
 
     Returns the report; ``ok`` is the verdict, ``problems`` the findings, ``tensors`` the error rows,
     ``parallel`` the tensor-parallel plan (:mod:`ctconvert.plan.parallel`: the largest TP degree, and
-    with ``tp > 1`` or ``ep`` an error for every tensor that does not split at that degree).
+    with ``tp > 1`` or ``ep`` an error for every tensor that does not split at that degree),
+    ``summary`` (with a reference) the worst error row, ``checked`` what was looked at (shards, tensors,
+    the checks by name). A dense checkpoint (a ``decompress`` output) with a dense ``reference`` is
+    compared value by value. ``progress``: as for :func:`quantize` (the reference bytes compared).
 
     Example::
 
         assert api.verify("llama-w4a16/", reference="llama/")["ok"]
     """
-    return _verify.verify(path, reference, tp=tp, ep=ep)
+    return _verify.verify(path, reference, tp=tp, ep=ep, progress=progress)
 
 
 def load_jobs(path: str | Path) -> list[dict]:

@@ -515,28 +515,26 @@ def verify_cmd(ctx: _Ctx, path, reference, tp, ep):
     """Check the compressed-tensors checkpoint PATH; exit 5 when a check fails."""
     from . import api
 
-    report = _run(ctx, lambda: api.verify(path, reference, tp=tp, ep=ep))
+    report = _run(ctx, lambda: api.verify(path, reference, tp=tp, ep=ep, progress=_progress_factory(ctx, "verify")))
     if ctx.json:
         ctx.emit_json(report)
     else:
-        from rich.table import Table
-
         con = ctx.console()
+        c = report["checked"]
+        con.print(f"checked {c['shards']} shard(s), {c['tensors']} tensors ({_human(c['bytes'])}): {'; '.join(c['checks'])}", markup=False)
+        if (sm := report["summary"]) is not None:
+            con.print(
+                f"{sm['modules']} weights compared with {reference}: {sm['failed']} over the limit; worst {sm['worst_module']} "
+                f"(relative L2 {sm['worst_rel_l2']:.4f}, limit {sm['worst_threshold']}), lowest SNR {sm['min_snr_db']:.1f} dB",
+                markup=False,
+            )
         if report["tensors"]:
-            t = Table(title=f"error against {reference}")
-            for col in ("module", "format", "rel L2", "max abs", "SNR dB", "limit", "ok"):
-                t.add_column(col)
-            for r in report["tensors"]:
-                t.add_row(
-                    r["module"],
-                    r["format"],
-                    f"{r['rel_l2']:.4f}",
-                    f"{r['max_abs']:.3g}",
-                    f"{r['snr_db']:.1f}",
-                    str(r["threshold"]),
-                    "[green]yes[/]" if r["ok"] else "[red]NO[/]",
-                )
-            con.print(t)
+            cols = [("module", 0), ("format", 3), ("rel L2", 0), ("max abs", 2), ("SNR dB", 1), ("limit", 4), ("ok", 0)]
+            rows = [
+                [r["module"], r["format"], f"{r['rel_l2']:.4f}", f"{r['max_abs']:.3g}", f"{r['snr_db']:.1f}", str(r["threshold"]), "yes" if r["ok"] else "NO"]
+                for r in report["tensors"]
+            ]
+            _print_table(ctx, cols, rows, title=f"error against {reference}", styles=[None if r["ok"] else "red" for r in report["tensors"]])
         par = report.get("parallel")
         if par:
             ep_note = f", largest even EP degree {par['max_ep']}" if par["max_ep"] else ""

@@ -228,3 +228,61 @@ def test_model_card_copy_says_how_it_was_converted(tmp_path):
     assert "- kernel-native layout: `marlin`" in (tmp_path / "k" / "README.md").read_text()
     bare = write_checkpoint(tmp_path / "b", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG)
     assert run("quantize", bare, "-s", "W4A16", "-o", tmp_path / "bo")[0] == 0 and not (tmp_path / "bo" / "README.md").exists()
+
+
+def test_verify_says_what_it_checked_and_summarizes_above_the_table(tiny_llama, tmp_path):
+    assert run("quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "q", "--max-shard-size", "300KB")[0] == 0
+    code, stdout, _ = run("--json", "verify", tmp_path / "q", "--reference", tiny_llama)
+    rep = json.loads(stdout)
+    c, s = rep["checked"], rep["summary"]
+    assert code == 0 and c["shards"] == len(list((tmp_path / "q").glob("*.safetensors"))) > 1 and c["tensors"] == 49 and c["compared_modules"] == 14
+    assert "error of every quantized weight against the reference" in c["checks"] and "dense Linear in ignore" in c["checks"]
+    worst = max(rep["tensors"], key=lambda r: r["rel_l2"])
+    assert s["modules"] == 14 and s["failed"] == 0 and s["worst_module"] == worst["module"] and s["worst_rel_l2"] == worst["rel_l2"]
+    code, stdout, _ = run("verify", tmp_path / "q", "--reference", tiny_llama)
+    lines = stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if "14 weights compared with" in line)
+    assert code == 0 and lines[0].startswith(f"checked {c['shards']} shard(s), 49 tensors") and at < next(i for i, line in enumerate(lines) if "┏" in line)
+    assert f"worst {worst['module']}" in stdout.replace("\n", " ")
+    code, stdout, _ = run("--json", "verify", tmp_path / "q")
+    assert code == 0 and json.loads(stdout)["summary"] is None and json.loads(stdout)["checked"]["compared_modules"] == 0
+
+
+def test_verify_of_a_dense_decompress_output_compares_values(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = dict(LLAMA_CONFIG, torch_dtype="float32")
+    m = write_checkpoint(tmp_path / "m", llama_tensors(cfg, dtype=torch.float32), cfg)
+    assert run("quantize", m, "-s", "W8A16", "-o", tmp_path / "q")[0] == 0
+    assert run("decompress", tmp_path / "q", "-o", tmp_path / "d", "--dtype", "bf16")[0] == 0  # norms cast to bf16 too
+    code, stdout, _ = run("--json", "verify", tmp_path / "d", "--reference", m)
+    rep = json.loads(stdout)
+    assert code == 0 and rep["ok"] and not any("bytes differ" in p["message"] for p in rep["problems"])
+    mods = {r["module"] for r in rep["tensors"]}
+    assert "model.layers.0.mlp.down_proj" in mods and all(r["format"] == "dense" and r["rel_l2"] < 0.04 for r in rep["tensors"])
+    assert "every tensor's values against the reference (dense)" in rep["checked"]["checks"]
+    f = tmp_path / "d" / "model.safetensors"
+    t = load_file(f)
+    t["model.layers.1.mlp.up_proj.weight"] = -t["model.layers.1.mlp.up_proj.weight"]
+    save_file(t, f, metadata={"format": "pt"})
+    code, stdout, _ = run("--json", "verify", tmp_path / "d", "--reference", m)
+    rep = json.loads(stdout)
+    assert code == 5 and rep["summary"]["worst_module"] == "model.layers.1.mlp.up_proj" and rep["summary"]["failed"] == 1
+    assert any(p["tensor"] == "model.layers.1.mlp.up_proj.weight" and "exceeds 0.3" in p["message"] for p in rep["problems"])
+
+
+def test_verify_reference_reports_progress(tiny_llama, tmp_path):
+    from ctconvert import api
+
+    api.quantize(tiny_llama, tmp_path / "q", "W4A16")
+    log, totals = [], []
+    rep = api.verify(tmp_path / "q", tiny_llama, progress=lambda total: totals.append(total) or _Bar(log, total))
+    assert (
+        rep["ok"]
+        and len(totals) == 1
+        and sum(log)
+        == totals[0]
+        == sum(p.stat().st_size for p in tiny_llama.glob("*.safetensors"))
+        - sum(8 + int.from_bytes(p.read_bytes()[:8], "little") for p in tiny_llama.glob("*.safetensors"))
+    )

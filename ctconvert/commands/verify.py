@@ -21,6 +21,7 @@ Reads top to bottom: structure -> values -> reference errors -> the report.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -46,8 +47,15 @@ _CHUNK = 16 * 2**20
 _FLOAT_OR_E4M3 = ("BF16", "F16", "F32", "F64", "F8_E4M3")
 
 
-def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1, ep: int | None = None) -> dict:
-    """Return the verification report of ``path`` (``ok`` is the verdict); see :func:`ctconvert.api.verify`."""
+#: what each check is called in the report's ``checked.checks``
+_STRUCTURE_CHECKS = ["folder (index, shards, duplicates)", "config explains every quantized tensor", "dense Linear in ignore", "fused global scales", "NaN/inf"]
+
+
+def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1, ep: int | None = None, progress=None) -> dict:
+    """Return the verification report of ``path`` (``ok`` is the verdict); see :func:`ctconvert.api.verify`.
+
+    ``progress``: a callable ``(total_bytes) -> context manager with .update(n)``, told the reference
+    bytes compared (the long part of ``--reference``)."""
     path = Path(path)
     if tp < 1 or (ep is not None and ep < 1):
         raise UsageError(f"--tp and --ep must be >= 1, got {tp} and {ep}")
@@ -55,19 +63,25 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     if is_kernel_native(ckpt.quantization_config):
         report = _verify_kernel_native(ckpt, path, reference)
         return _with_parallel(report, kernel_native_modules(ckpt.quantization_config, ckpt.tensors), ckpt, tp, ep)
+    if reference is not None and not ckpt.quantization_config:
+        return _verify_dense(ckpt, path, reference, progress)
     problems: list[Problem] = list(ckpt.problems)
     mods = modules_of(ckpt)
     problems += _config_problems(ckpt, path)
     problems += _module_problems(mods)
     problems += _value_problems(ckpt)
     rows: list[dict] = []
+    checks = list(_STRUCTURE_CHECKS)
     if reference is None:
         problems += _all_zero_problems(mods, ckpt)
     else:
         ref = open_checkpoint(reference, strict=True)
-        rows, ref_problems = _compare_weights(mods, ref)
-        problems += ref_problems + _compare_others(ckpt, mods, ref)
-    return _with_parallel(_report(path, reference, problems, rows), checkpoint_modules(mods, ckpt.tensors), ckpt, tp, ep)
+        with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
+            rows, ref_problems = _compare_weights(mods, ref, bar)
+            problems += ref_problems + _compare_others(ckpt, mods, ref, bar)
+        checks += ["error of every quantized weight against the reference", "every other tensor equals the reference"]
+    report = _report(path, reference, problems, rows, checked=_checked(ckpt, checks, len(rows)))
+    return _with_parallel(report, checkpoint_modules(mods, ckpt.tensors), ckpt, tp, ep)
 
 
 def _with_parallel(report: dict, modules, ckpt: Checkpoint, tp: int, ep: int | None) -> dict:
@@ -83,16 +97,105 @@ def _with_parallel(report: dict, modules, ckpt: Checkpoint, tp: int, ep: int | N
     return report
 
 
+def _bar(progress, total: int):
+    if progress is None:
+        return contextlib.nullcontext(None)
+    return progress(total)
+
+
+def _tick(bar, n: int) -> None:
+    if bar is not None:
+        bar.update(n)
+
+
+def _checked(ckpt: Checkpoint, checks: list[str], compared: int) -> dict:
+    """What verify looked at (the report's ``checked``)."""
+    return {"shards": len(ckpt.files), "tensors": len(ckpt.tensors), "bytes": ckpt.total_bytes, "checks": checks, "compared_modules": compared}
+
+
+def _summary(rows: list[dict]) -> dict | None:
+    """Above the error table: how many modules were compared, how many failed, the worst one."""
+    if not rows:
+        return None
+    worst = max(rows, key=lambda r: r["rel_l2"])
+    return {
+        "modules": len(rows),
+        "failed": sum(not r["ok"] for r in rows),
+        "worst_module": worst["module"],
+        "worst_rel_l2": worst["rel_l2"],
+        "worst_threshold": worst["threshold"],
+        "min_snr_db": min(r["snr_db"] for r in rows),
+    }
+
+
 def _report(path: Path, reference, problems: list[Problem], tensors: list[dict], **extra) -> dict:
     """The report: ``ok`` when no problem is an error."""
     return {
         "path": str(path),
         "reference": str(reference) if reference else None,
         "ok": not any(p.severity == "error" for p in problems),
+        "summary": _summary(tensors),
         "problems": [p.to_dict() for p in problems],
         "tensors": tensors,
         **extra,
     }
+
+
+# -- a dense checkpoint (``decompress`` output) against its source ------------------------------
+
+
+def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
+    """A dense checkpoint (a ``decompress`` output) against its dense source: every tensor's values.
+
+    Tensors equal in value (also across a dtype cast, e.g. fp32 norms written as bf16 and back) pass;
+    a tensor that differs gets an error row (relative L2 against the loosest format limit,
+    :data:`THRESHOLDS`), since a dense file does not say which of its weights were quantized."""
+    problems: list[Problem] = list(ckpt.problems) + _value_problems(ckpt)
+    ref = open_checkpoint(reference, strict=True)
+    limit = max(THRESHOLDS.values())
+    rows = []
+    with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
+        for name in sorted(ckpt.tensors, key=natural_key):
+            info, src = ckpt.tensors[name], ref.tensors.get(name)
+            if src is None:
+                problems.append(_error("tensor not in the reference", tensor=name))
+                continue
+            if tuple(src.shape) != tuple(info.shape):
+                problems.append(_error(f"shape {list(info.shape)} differs from the reference {list(src.shape)}", tensor=name))
+                continue
+            if src.dtype == info.dtype and _same_bytes(info, src):
+                _tick(bar, src.nbytes)
+                continue
+            if info.dtype not in _FLOAT_OR_E4M3 or src.dtype not in _FLOAT_OR_E4M3:
+                problems.append(_error(f"{info.dtype} values differ from the reference {src.dtype}", tensor=name))
+                continue
+            row = _dense_row(name, info, src, limit)
+            _tick(bar, src.nbytes)
+            if row["rel_l2"] == 0.0:
+                continue  # equal values in another dtype
+            rows.append(row)
+            if not row["ok"]:
+                problems.append(_error(f"relative L2 error {row['rel_l2']:.4f} exceeds {limit}", tensor=name))
+    problems += [_error("tensor of the reference is missing", tensor=n) for n in ref.tensors if n not in ckpt.tensors]
+    checks = ["folder (index, shards, duplicates)", "NaN/inf", "every tensor's values against the reference (dense)"]
+    return _report(path, reference, problems, rows, checked=_checked(ckpt, checks, len(rows)))
+
+
+def _dense_row(name: str, info, src, limit: float) -> dict:
+    se = sr = mx = 0.0
+    rows = max(1, _CHUNK // max(1, info.nbytes // max(1, info.shape[0]))) if info.shape else 1
+    n = info.shape[0] if info.shape else 1
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        got = (read_rows(info, r0, r1) if info.shape else read_tensor(info)).float()
+        want = (read_rows(src, r0, r1) if src.shape else read_tensor(src)).float()
+        d = got - want
+        se += float((d * d).sum())
+        sr += float((want * want).sum())
+        mx = max(mx, float(d.abs().max()) if d.numel() else 0.0)
+    rel = math.sqrt(se / sr) if sr > 0 else (0.0 if se == 0 else math.inf)
+    snr = 10 * math.log10(sr / se) if se > 0 and sr > 0 else math.inf
+    return {"module": name.removesuffix(".weight"), "format": "dense", "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "ok": rel <= limit}
 
 
 def _error(msg: str, tensor: str | None = None, file: str | None = None) -> Problem:
@@ -163,7 +266,7 @@ def _threshold(weights: dict) -> float:
     return THRESHOLDS.get((weights.get("type"), int(weights.get("num_bits") or 0)), 0.3)
 
 
-def _compare_weights(mods: dict[str, Module], ref: Checkpoint) -> tuple[list[dict], list[Problem]]:
+def _compare_weights(mods: dict[str, Module], ref: Checkpoint, bar=None) -> tuple[list[dict], list[Problem]]:
     """One error row per quantized module: its dequantized weight against the reference's."""
     rows, problems = [], []
     emb = find_embedding(ref.tensors)
@@ -181,6 +284,7 @@ def _compare_weights(mods: dict[str, Module], ref: Checkpoint) -> tuple[list[dic
             problems.append(_error(f"shape {n}x{k} differs from the reference {list(src.shape)}", tensor=m.name))
             continue
         row = _error_row(m, src)
+        _tick(bar, src.nbytes)
         rows.append(row)
         if not row["ok"]:
             problems.append(_error(f"relative L2 error {row['rel_l2']:.4f} exceeds {row['threshold']} for {m.format}", tensor=m.name))
@@ -233,7 +337,7 @@ def _all_zero_problems(mods: dict[str, Module], ckpt: Checkpoint) -> list[Proble
     return out
 
 
-def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint) -> list[Problem]:
+def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint, bar=None) -> list[Problem]:
     """Tensors that are not quantized weights must equal the source; nothing of the source may be missing."""
     out = []
     for name, info in ckpt.tensors.items():
@@ -248,6 +352,8 @@ def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint) 
             out.append(_error(f"{info.dtype}{list(info.shape)} differs from the reference {s.dtype}{list(s.shape)}", tensor=name))
         elif not _same_bytes(info, s):
             out.append(_error("bytes differ from the reference (a pass-through tensor was changed)", tensor=name))
+        if s is not None:
+            _tick(bar, s.nbytes)
     quant_weights = {m.name + ".weight" for m in mods.values() if m.quantized}
     out += [
         _error("tensor of the reference is missing from the output", tensor=name)
@@ -295,7 +401,10 @@ def _verify_kernel_native(ckpt: Checkpoint, path: Path, reference: str | Path | 
             problems.append(_error("round trip (invert, then repack) does not give the stored bytes", tensor=mod))
         ref_ok = None if ref is None else _equals_reference(back, ref, mod, problems)
         rows.append({"module": mod, "kernel": rec["kernel"], "round_trip": same, "equals_reference": ref_ok})
-    return _report(path, reference, problems, [], modules=rows)
+    checks = ["folder (index, shards, duplicates)", "round trip of every kernel-native module (invert, repack, same bytes)"]
+    if ref is not None:
+        checks.append("inverse equals the compressed-tensors reference, bit for bit")
+    return _report(path, reference, problems, [], modules=rows, checked=_checked(ckpt, checks, len(rows)))
 
 
 def _round_trip(stored: dict, rec: dict, mod: str, src_cfg: dict, q: dict):
