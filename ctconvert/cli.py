@@ -659,9 +659,8 @@ def schemes(ctx: _Ctx):
     if ctx.json:
         ctx.emit_json({"schemes": rows})
         return
-    for r in rows:
-        name = " = ".join([r["name"], *r["aliases"]])
-        click.echo(f"{name:12s} {r['format']:22s} {r['weights']}")
+    cols = [("scheme", 0), ("compressed-tensors format", 0), ("weights", 0), ("activations", 0)]
+    _print_table(ctx, cols, [[" = ".join([r["name"], *r["aliases"]]), r["format"], r["weights"], r["activations"]] for r in rows])
 
 
 def run() -> None:

@@ -286,3 +286,14 @@ def test_verify_reference_reports_progress(tiny_llama, tmp_path):
         == sum(p.stat().st_size for p in tiny_llama.glob("*.safetensors"))
         - sum(8 + int.from_bytes(p.read_bytes()[:8], "little") for p in tiny_llama.glob("*.safetensors"))
     )
+
+
+def test_schemes_header_and_activation_column():
+    code, stdout, _ = run("--plain", "schemes")
+    lines = stdout.splitlines()
+    assert code == 0 and lines[0].split() == ["scheme", "compressed-tensors", "format", "weights", "activations"]
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert rows["FP8_DYNAMIC"].endswith("fp8 per token, dynamic") and rows["W4A16"].endswith("none (weight-only)")
+    assert rows["FP8_BLOCK"].endswith("fp8 group 128, dynamic") and rows["W8A8"].endswith("int8 per token, dynamic")
+    doc = json.loads(run("--json", "schemes")[1])
+    assert {s["name"]: s["activations"] for s in doc["schemes"]}["NVFP4A16"] == "none (weight-only)"

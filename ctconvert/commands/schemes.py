@@ -8,6 +8,15 @@ __all__ = ["list_schemes"]
 
 
 def list_schemes() -> list[dict]:
-    """One entry per scheme: ``{"name", "aliases", "format", "weights"}``; an alias (``INT8`` of ``W8A8``) is
-    listed with its scheme, not as a row of its own."""
-    return [{"name": n, "aliases": a, "format": get_scheme(n).format.value, "weights": get_scheme(n).describe()} for n, a in scheme_aliases().items()]
+    """One entry per scheme: ``{"name", "aliases", "format", "weights", "activations"}``; an alias (``INT8`` of
+    ``W8A8``) is listed with its scheme, not as a row of its own."""
+    return [
+        {
+            "name": n,
+            "aliases": a,
+            "format": get_scheme(n).format.value,
+            "weights": get_scheme(n).describe(),
+            "activations": get_scheme(n).describe_activations(),
+        }
+        for n, a in scheme_aliases().items()
+    ]

@@ -118,6 +118,16 @@ class Scheme:
         unit = {"channel": "per channel", "tensor": "per tensor", "block": "block 128x128"}.get(w.strategy, f"group {w.group_size}")
         return f"{w.type}{w.num_bits} {unit}{'' if w.symmetric else ' asymmetric'}"
 
+    def describe_activations(self) -> str:
+        """The input activations of the preset, for ``ctconvert schemes``: ``none (weight-only)`` or e.g.
+        ``fp8 per token, dynamic`` (compressed-tensors ``PRESET_SCHEMES`` ``input_activations``)."""
+        inputs = _PRESET_ARGS[self.base or self.name][1]
+        if not inputs:
+            return "none (weight-only)"
+        unit = {"token": "per token", "tensor": "per tensor", "channel": "per channel"}.get(inputs["strategy"], f"{inputs['strategy']} {inputs['group_size']}")
+        kind = "fp" if inputs["type"] == "float" else "int"
+        return f"{kind}{inputs['num_bits']} {unit}, {'dynamic' if inputs['dynamic'] else 'static'}"
+
 
 def _args(num_bits, type_, strategy, group_size=None, symmetric=True, dynamic=False, **extra):
     d = {"num_bits": num_bits, "type": type_, "symmetric": symmetric, "group_size": group_size, "strategy": strategy}
