@@ -201,6 +201,13 @@ def _plan_forward_module(m: Module, first, target: str, layout_version: str, act
 
 def _repack_batch(kernel: str, ms: list[Module], layout_version: str, act: torch.dtype, dev: torch.device, records: dict):
     m = ms[0]
+    if dev.type == "cpu":  # no batched kernels on the CPU: module by module, without stacking the batch in and out (two copies)
+        for x in ms:
+            outs, rec = kernels.repack_module(kernel, {p: read_tensor(i) for p, i in x.parts.items()}, x.weights or {}, layout_version, act)
+            records[x.name].update(rec)
+            for p, t in outs.items():
+                yield f"{x.name}.{p}", t, 0
+        return
     vals = {p: torch.stack([read_tensor(x.parts[p]) for x in ms]).to(dev) for p in m.parts}
     outs, recs = batched.repack_batch(kernel, vals, m.weights or {}, layout_version, act)
     outs = {p: t.cpu() for p, t in outs.items()}

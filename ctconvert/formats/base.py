@@ -142,9 +142,16 @@ def dequantize_unpacked(tensors: dict[str, torch.Tensor], args: WeightArgs) -> t
     scale = tensors["weight_scale"]
     d = scale.dtype if scale.dtype.is_floating_point else torch.float16
     w = tensors["weight"]
-    q = w.to(torch.float32)
+    q = w.to(torch.float32, copy=True)  # owned: the group path below works in place
     n, k = w.shape
     zp = tensors.get("weight_zero_point")
+    g = args.group_size
+    if args.strategy in ("group", "tensor_group") and g and k % g == 0 and scale.numel() > 1:
+        # per group by broadcasting over a [n, G, g] view (the values of expand_scale, without building it)
+        q3 = q.view(n, k // g, g)
+        if zp is not None:
+            q3.sub_(zp.to(torch.float32).reshape(n, k // g, 1))
+        return q3.mul_(scale.to(torch.float32).reshape(n, k // g, 1)).view(n, k).to(d)
     if zp is not None:
         q = q - expand_scale(zp, n, k, args)
     return (q * expand_scale(scale, n, k, args)).to(d)

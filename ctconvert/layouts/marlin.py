@@ -104,6 +104,8 @@ def _padded_groups(padded_k: int, group_size: int) -> int:
 
 def _unpack_words(words: torch.Tensor, num_bits: int) -> torch.Tensor:
     """int32 ``(...)`` -> uint8 ``(..., pf)``: value j of each word = bits ``[j*bits, (j+1)*bits)`` (§0.2)."""
+    if words.device.type == "meta":  # planning: torch's meta kernels for & and >> import torch._dynamo on first use (seconds)
+        return torch.empty((*words.shape, 32 // num_bits), dtype=torch.uint8, device="meta")
     # through 1-D: a "contiguous" tensor may still carry an odd stride on a size-1 dim
     b = words.contiguous().reshape(-1).view(torch.uint8).reshape(*words.shape, 4)  # little-endian bytes
     if num_bits == 8:
@@ -114,6 +116,8 @@ def _unpack_words(words: torch.Tensor, num_bits: int) -> torch.Tensor:
 def _pack_words(values: torch.Tensor, num_bits: int) -> torch.Tensor:
     """uint8 ``(..., pf)`` -> int32 ``(...)``, the exact inverse of :func:`_unpack_words`."""
     out_shape = values.shape[:-1]
+    if values.device.type == "meta":  # planning (see _unpack_words)
+        return torch.empty(out_shape, dtype=torch.int32, device="meta")
     if num_bits == 4:
         v = values.reshape(*out_shape, 4, 2)
         values = v[..., 0] | (v[..., 1] << 4)

@@ -60,7 +60,9 @@ REORDER4 = (0, 2, 1, 3)
 
 def _reorder4(x: torch.Tensor) -> torch.Tensor:
     """Swap the middle pair of every 4 consecutive values, ``[0,2,1,3]`` (§5.2 step 3.1)."""
-    return x.reshape(-1, 4)[:, list(REORDER4)].reshape(x.shape)
+    if x.device.type == "meta":
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    return x.reshape(-1, 4).index_select(1, torch.tensor(REORDER4, device=x.device)).reshape(x.shape)
 
 
 # =========================================================================== NVFP4 (§5.2)
@@ -91,6 +93,14 @@ def nvfp4_scale_factor(scales: torch.Tensor, act_dtype, layout_version: str = "0
         scales = scales.view(torch.float8_e4m3fn)
     if scales.numel() == 0:
         return torch.ones((), dtype=torch.float32, device=scales.device)
+    if scales.device.type == "meta":  # planning: a value, not known there (torch's meta kernels would import torch._dynamo)
+        return torch.empty((), dtype=torch.float32, device="meta")
+    if scales.dtype == torch.float8_e4m3fn:
+        # On the bytes: a positive e4m3 value's byte (sign bit clear) orders like the value; 0x7F is NaN
+        # (not > 0) and bytes >= 0x80 are negative, so the largest byte below 0x7F is the largest positive value.
+        b = scales.view(torch.uint8)
+        top = torch.where(b < 0x7F, b, torch.zeros_like(b)).amax()
+        return nvfp4_scale_factor_from_max(top.view(torch.float8_e4m3fn).float(), act_dtype, layout_version)
     x = scales.float()
     return nvfp4_scale_factor_from_max(torch.where(x > 0, x, torch.zeros_like(x)).amax(), act_dtype, layout_version)
 
@@ -128,6 +138,12 @@ def nvfp4_encode_s0e5m3(scales: torch.Tensor, scale_factor: torch.Tensor) -> tor
     Returns:
         Same shape, dtype float8_e4m3fn holding the codes (compare as uint8).
     """
+    if scales.device.type == "meta":  # planning (see nvfp4_scale_factor)
+        return torch.empty(scales.shape, dtype=torch.float8_e4m3fn, device="meta")
+    return _encode_s0e5m3(scales, scale_factor)
+
+
+def _encode_s0e5m3(scales: torch.Tensor, scale_factor: torch.Tensor) -> torch.Tensor:
     h = (scales.to(torch.float16).float() * scale_factor).to(torch.float16)
     h = h * torch.full((), 128.0, dtype=torch.float16, device=h.device)
     h = torch.where(h < 2, torch.zeros_like(h), h)
@@ -154,8 +170,8 @@ def nvfp4_marlin_process_scales(permuted_scales: torch.Tensor, act_dtype, layout
     """``nvfp4_marlin_process_scales`` with the factor rule (§5.2 step 3).
 
     Args:
-        permuted_scales: ``(padded_K/16, padded_N)`` in ``act_dtype``, from
-            ``marlin_permute_scales(group 16)``; padded_N % 4 == 0.
+        permuted_scales: ``(padded_K/16, padded_N)`` in ``act_dtype`` (or float8_e4m3fn: the same
+            values before vLLM's exact cast), from ``marlin_permute_scales(group 16)``; padded_N % 4 == 0.
 
     Returns:
         ``(codes, sf)``: float8_e4m3fn ``(padded_K/16, padded_N)`` S0E5M3 codes
@@ -164,6 +180,17 @@ def nvfp4_marlin_process_scales(permuted_scales: torch.Tensor, act_dtype, layout
     check_tensor(permuted_scales, "permuted_scales", ndim=2)
     if permuted_scales.shape[1] % 4:
         raise ValueError(f"padded_N must be a multiple of 4, got {permuted_scales.shape[1]}")
+    if permuted_scales.dtype == torch.float8_e4m3fn:
+        # The scales before vLLM's cast to act_dtype: each code is a function of the byte alone (for one sf),
+        # so the 256 e4m3 values are cast and encoded as vLLM's path does, and every scale is looked up;
+        # the same codes as the whole-tensor float passes, NaN bytes included.
+        b = _reorder4(permuted_scales.view(torch.uint8))
+        sf = nvfp4_scale_factor(b.view(torch.float8_e4m3fn), act_dtype, layout_version)
+        if b.device.type == "meta":
+            return torch.empty(b.shape, dtype=torch.float8_e4m3fn, device="meta"), sf
+        every = torch.arange(256, dtype=torch.int32, device=b.device).to(torch.uint8).view(torch.float8_e4m3fn)
+        table = nvfp4_encode_s0e5m3(every.to(act_dtype_of(act_dtype)).to(torch.float16), sf).view(torch.uint8)
+        return table[b.to(torch.int32)].view(torch.float8_e4m3fn), sf
     h = _reorder4(permuted_scales.to(torch.float16))
     sf = nvfp4_scale_factor(h, act_dtype, layout_version)
     return nvfp4_encode_s0e5m3(h, sf), sf
@@ -205,6 +232,9 @@ def nvfp4_marlin_global_scale(
         raise ValueError("weight_global_scale is empty")
     b = _exponent_bias_nvfp4(act_dtype)
     top = weight_global_scale.max() if dim is None else weight_global_scale.amax(dim=dim)
+    if top.device.type == "meta":  # planning (see nvfp4_scale_factor): values unknown there
+        ct = torch.empty(top.shape, dtype=torch.float32, device="meta")
+        return ct, torch.empty(torch.broadcast_shapes(top.shape, scale_factor.shape), dtype=torch.float32, device="meta")
     ct = 1.0 / top.to(torch.float32)
     return ct, (ct * 2.0 ** (b - 7)) / scale_factor
 
@@ -265,8 +295,10 @@ def marlin_nvfp4_repack(
     n, k = _check_nvfp4(weight_packed, weight_scale)
     q_w = pack_quantized_to_gptq(weight_packed.contiguous().view(torch.int32), 4, k, copy=False)  # (K/8, N), a view
     marlin_q_w = marlin_repack(q_w, k, n, 4, None, layout_version, group_size=NVFP4_GROUP_SIZE)
-    s = weight_scale.view(torch.float8_e4m3fn).t().to(dt)  # (K/16, N), exact
-    permuted = marlin_permute_scales(s, k, n, NVFP4_GROUP_SIZE, layout_version)
+    # (K/16, N): permuted as e4m3 bytes (a permutation and zero padding: the values vLLM moves after its
+    # exact cast to act_dtype), then encoded from e4m3, without two whole-tensor casts
+    s = weight_scale.view(torch.uint8).t()
+    permuted = marlin_permute_scales(s, k, n, NVFP4_GROUP_SIZE, layout_version).view(torch.float8_e4m3fn)
     codes, sf = nvfp4_marlin_process_scales(permuted, dt, layout_version)
     ct, gs = nvfp4_marlin_global_scale(weight_global_scale, dt, sf)
     return {

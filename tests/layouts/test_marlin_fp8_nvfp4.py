@@ -337,3 +337,23 @@ def test_errors():
     kern = marlin_nvfp4_repack(wp, ws, torch.ones(1), "bfloat16")
     with pytest.raises(KeyError):
         marlin_nvfp4_unrepack({k: v for k, v in kern.items() if k != "scale_factor"}, 64, 128, "bfloat16")
+
+
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float16])
+def test_nvfp4_scale_processing_from_e4m3_equals_the_act_dtype_path(act):
+    """Scales given as e4m3 (the byte paths: scale factor from the bytes, codes from a 256-entry table) give
+    what the act_dtype path (vLLM's: cast, reorder, float passes) gives, for every byte: zeros, negatives,
+    NaN bytes, subnormals, and small scales (a large scale factor)."""
+    from ctconvert.layouts import marlin_nvfp4 as mn
+
+    g = torch.Generator().manual_seed(17)
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for trial in range(4):
+        b = torch.cat([every, torch.randint(0, 0x7F if trial % 2 else 256, (4096,), generator=g, dtype=torch.int32).to(torch.uint8)])
+        if trial == 3:
+            b = b.clamp(max=0x30)
+        s = b.view(torch.float8_e4m3fn).reshape(-1, 16)
+        for v in ("0.33", "0.20"):
+            codes, sf = mn.nvfp4_marlin_process_scales(s, act, v)
+            ref_codes, ref_sf = mn.nvfp4_marlin_process_scales(s.to(act), act, v)
+            assert torch.equal(sf, ref_sf) and torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)), (trial, v)
