@@ -144,6 +144,7 @@ def _plan_forward(ckpt: Checkpoint, order: list[str], target: str, layout_versio
     planned: list[PlannedTensor] = []
     tasks: list = []
     batches: dict[tuple, list[Module]] = {}  # same kernel and shapes: repacked together (layouts.batched)
+    plans: dict[tuple, tuple] = {}  # shape key -> (kernel, outs, record) of the first module of that shape
     seen: set[str] = set()
     for name in order:
         mod = name.rpartition(".")[0]
@@ -156,7 +157,16 @@ def _plan_forward(ckpt: Checkpoint, order: list[str], target: str, layout_versio
         if mod in seen:
             continue
         seen.add(mod)
-        kernel, outs, rec = _plan_forward_module(m, ckpt.tensors[name], target, layout_version, act)
+        shape_key = (
+            m.format,
+            json.dumps(m.weights or {}, sort_keys=True),
+            dense_shape(m),
+            tuple(sorted((p, i.dtype, tuple(i.shape)) for p, i in m.parts.items())),
+        )
+        if "weight_g_idx" in m.parts or shape_key not in plans:  # one shape plans alike (act-order plans from its values)
+            plans[shape_key] = _plan_forward_module(m, ckpt.tensors[name], target, layout_version, act)
+        kernel, outs, rec = plans[shape_key]
+        rec = copy.deepcopy(rec)
         records[mod] = rec
         planned += [PlannedTensor(f"{mod}.{p}", TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in outs.items()]
         sig = (
