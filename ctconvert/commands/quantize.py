@@ -38,8 +38,8 @@ from ..pipeline.zeros import ZeroTracker
 from ..plan.layout import LayoutStage
 from ..plan.parallel import ParallelReport, parallel_report, plan_modules
 from ..plan.planner import Plan, make_plan
-from ..plan.sparsity import SparseScheme, sparse_config, sparsity_warning
 from ..plan.schemes import resolve_scheme
+from ..plan.sparsity import SparseScheme, sparse_config, sparsity_warning
 
 __all__ = ["QuantizeResult", "quantize"]
 
