@@ -271,6 +271,10 @@ def test_ctrl_c_is_never_lost(tiny_llama, tmp_path, delay):
     swallowed interrupt (a KeyboardInterrupt raised inside torch's import can be lost), never a traceback."""
     out = tmp_path / "o"
     code, err = _ctrl_c(["quantize", str(tiny_llama), "-s", "W4A16", "-o", str(out)], delay, twice=True, slow_write="0.01")
+    if code == -signal.SIGINT and not err.strip():
+        # The signal came before the interpreter installed its handler: the default action ended it.
+        assert_no_checkpoint(out)
+        return
     if err.startswith("Fatal Python error: init_import_site"):
         # On a loaded machine the signal can come while the interpreter itself still starts (its ``site``
         # import, before any ctconvert code runs): Python reports that itself. Nothing may exist then.
