@@ -74,6 +74,10 @@ def quantize(
     sparsity: str | None = None,
     group_size: int | None = None,
     symmetric: bool | None = None,
+    calibration: str | Path | None = None,
+    calibration_samples: int = 8,
+    calibration_seq_len: int = 256,
+    kv_cache: str = "none",
 ) -> QuantizeResult:
     """Convert the dense checkpoint ``src`` to a compressed-tensors checkpoint at ``out``.
 
@@ -116,6 +120,12 @@ def quantize(
             ``sparse-24-bitmask`` (``scheme`` ``DENSE``, ``FP8_DYNAMIC`` or ``W8A8``; vLLM <= 0.18 loads it)
             or, with :func:`quantize_to_target` ``target="marlin-24"`` and ``W4A16``, as ``marlin-24``
             (vLLM <= 0.15). See :mod:`ctconvert.plan.sparsity`.
+        calibration: for schemes with static or W4A4 activation scales (``NVFP4``, ``FP8``,
+            ``W8A8_STATIC``, ``W8A8_STATIC_ASYM``) and ``kv_cache``: a text file, JSON lines with a
+            ``text`` field, or token ids (:mod:`ctconvert.calibration.data`); None: the built-in English
+            corpus. ``calibration_samples`` x ``calibration_seq_len`` tokens are used.
+        kv_cache: ``none``, ``fp8`` (calibrated per-tensor ``k_scale``/``v_scale``) or ``fp8-head``
+            (per KV head).
 
     Returns:
         A :class:`QuantizeResult` (``to_dict()`` is the ``--json`` document).
@@ -157,6 +167,10 @@ def quantize(
         sparsity=sparsity,
         group_size=group_size,
         symmetric=symmetric,
+        calibration_file=calibration,
+        calibration_samples=calibration_samples,
+        calibration_seq_len=calibration_seq_len,
+        kv_cache=kv_cache,
     )
 
 
@@ -173,6 +187,8 @@ def quantize_to_target(src, out, scheme: str, target: str, *, layout_version: st
         api.quantize_to_target("llama/", "llama-marlin/", "W4A16", "marlin")
     """
     stage = LayoutStage(target, layout_version, act_dtype)
+    if "calibration" in kw:
+        kw["calibration_file"] = kw.pop("calibration")
     res = _quantize.quantize(src, out, scheme, layout=stage, **kw)
     if target in CT_FORMAT_TARGETS:  # marlin-24: a compressed-tensors format of its own
         res.format = target

@@ -232,8 +232,9 @@ def _split(values: tuple[str, ...]) -> list[str]:
     "-s",
     "--scheme",
     required=True,
-    help="compressed-tensors preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W4A16, W4A16_ASYM, W8A16, NVFP4A16, MXFP4A16, MXFP4, MXFP8A16, MXFP8 "
-    "(DENSE: with --sparsity only); or a .json/.yaml file holding a compressed-tensors QuantizationScheme.",
+    help="compressed-tensors preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W4A16, W4A16_ASYM, W8A16, NVFP4A16, MXFP4A16, MXFP4, MXFP8A16, MXFP8, W4AFP8; "
+    "calibrated: NVFP4, FP8, W8A8_STATIC, W8A8_STATIC_ASYM (DENSE: with --sparsity only); or a .json/.yaml file holding a compressed-tensors "
+    "QuantizationScheme.",
 )
 @click.option(
     "--sparsity",
@@ -276,6 +277,22 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--keep-other-weights", is_flag=True, help="Also copy weights in other formats (*.bin, *.pth, original/, *.gguf ...).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Check that every tensor splits over this many tensor-parallel ranks.")
 @click.option("--ep", type=click.IntRange(min=1), default=None, help="Check the MoE experts for this many expert-parallel ranks (then not split by --tp).")
+@click.option(
+    "--calibration",
+    "calibration",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help="Calibration data: plain text, JSON lines with a 'text' field, or token ids (default: the built-in English corpus).",
+)
+@click.option("--calibration-samples", type=int, default=8, show_default=True, help="Calibration samples (rows of tokens).")
+@click.option("--calibration-seq-len", type=int, default=256, show_default=True, help="Tokens per calibration sample.")
+@click.option(
+    "--kv-cache",
+    type=click.Choice(["none", "fp8", "fp8-head"], case_sensitive=False),
+    default="none",
+    show_default=True,
+    help="FP8 KV cache with calibrated k_scale/v_scale: per tensor (fp8) or per KV head (fp8-head).",
+)
 @_json_option
 @click.pass_obj
 def quantize(
@@ -305,6 +322,10 @@ def quantize(
     group_size,
     symmetric,
     all_layers,
+    calibration,
+    calibration_samples,
+    calibration_seq_len,
+    kv_cache,
 ):
     """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint."""
     from . import api
@@ -332,6 +353,10 @@ def quantize(
         sparsity=sparsity,
         group_size=group_size,
         symmetric=symmetric,
+        calibration=calibration,
+        calibration_samples=calibration_samples,
+        calibration_seq_len=calibration_seq_len,
+        kv_cache=kv_cache,
     )
     if target:
         if (resume or refresh) and not dry_run:

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..calibration import apply as calibration
+from ..calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, load_tokens
 from ..checkpoint.config import build_quantization_config, updated_config
 from ..checkpoint.hashing import hash_tensor_bytes, new_hasher
 from ..checkpoint.model_card import CARD, append_conversion_section, conversion_section
@@ -67,6 +69,7 @@ class QuantizeResult:
     parallel: ParallelReport | None = None  # the tensor-parallel plan (dry run, or --tp/--ep given)
     parallel_of: dict[str, list[str]] = field(default_factory=dict)  # input tensor -> its modules in ``parallel``
     zero_quantized: list[dict] = field(default_factory=list)  # tensors quantized to all zeros from non-zero rows
+    calibration: dict | None = None  # what calibration costs (dry run) or did: layers, tokens, source, peak estimate
 
     @classmethod
     def of_plan(cls, plan: Plan, out, dry_run: bool, input_bytes: int, devs) -> QuantizeResult:
@@ -135,6 +138,11 @@ def quantize(
     sparsity: str | None = None,
     group_size: int | None = None,
     symmetric: bool | None = None,
+    calibration_file: str | Path | None = None,
+    calibration_samples: int = DEFAULT_SAMPLES,
+    calibration_seq_len: int = DEFAULT_SEQ_LEN,
+    kv_cache: str = "none",
+    calibration_batch_tokens: int = 4096,
 ) -> QuantizeResult:
     """Convert ``src`` to ``out``; see :func:`ctconvert.api.quantize` for the arguments and errors.
 
@@ -155,11 +163,21 @@ def quantize(
             raise UsageError("--lm-head cannot be combined with --sparsity: 2:4 is for the Linear layers of the blocks")
         plan_kw.update(sparsity=sparsity, sparsity_target=layout.target if layout is not None else None)
     plan, dry_error = _plan(ckpt, scheme, dry_run, skip_incompatible, plan_kw)
+    kv_cache = kv_cache.lower()
+    calibration.add_outputs(plan, ckpt, kv_cache)
+    calibrated = calibration.needs_calibration(plan, kv_cache)
     result = QuantizeResult.of_plan(plan, out, dry_run, ckpt.total_bytes, devs)
     if dry_run or tp > 1 or ep is not None:
         _parallel(result, plan, ckpt, layout, tp, ep)
     if (warning := sparsity_warning(plan.scheme, layout.target if layout is not None else None)) is not None:
         result.notes.append(warning)
+    if calibrated:
+        cost = calibration.estimate(plan, ckpt, calibration_samples, calibration_seq_len, kv_cache, calibration_batch_tokens)
+        result.calibration = {**cost.to_dict(), "source": str(calibration_file) if calibration_file else "built-in English corpus"}
+        if dry_run:
+            result.notes.append(cost.describe())
+    elif dry_run:
+        result.notes.append("no calibration needed (weights and dynamic activation scales only)")
     if dry_run:
         result.output_bytes = sum(PlannedTensor(*t).nbytes for t in plan.output_tensors)
         result.seconds = time.perf_counter() - t0
@@ -175,12 +193,19 @@ def quantize(
     if created:  # "create or update": nothing to refresh yet, so a full conversion (every shard written)
         refresh = False
         result.notes.append(f"--refresh: no earlier output at {out}; converted in full")
+    if calibrated:
+        if refresh:
+            raise UsageError("--refresh cannot update calibrated activation scales (they depend on every earlier layer): convert again")
+        options["calibration"] = [str(calibration_file or ""), calibration_samples, calibration_seq_len, kv_cache]
     old_prov = load_provenance(out, options) if refresh else None
     if not refresh:
         check_output_path(src, out, overwrite)
+    if calibrated:
+        _calibrate(ckpt, plan, devs[0], result, calibration_file, calibration_samples, calibration_seq_len, kv_cache, calibration_batch_tokens)
     qconfig = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
     if isinstance(plan.scheme, SparseScheme):
         qconfig = sparse_config(qconfig, plan.scheme, targets or ["Linear"], plan.ignore)
+    qconfig["kv_cache_scheme"] = calibration.kv_cache_config(kv_cache)
     if layout is not None:
         if resume or refresh:
             raise UsageError("--target cannot be combined with --resume or --refresh")
@@ -229,6 +254,16 @@ def _parallel(result: QuantizeResult, plan: Plan, ckpt: Checkpoint, layout: Layo
         raise UsageError(str(e)) from None
     if not result.dry_run and not report.ok:
         result.notes.append(report.summary())
+
+
+def _calibrate(ckpt: Checkpoint, plan: Plan, device, result: QuantizeResult, file, samples: int, seq_len: int, kv_cache: str, batch_tokens: int) -> None:
+    """Read the calibration tokens, run the model layer by layer, put the scales into the plan's units."""
+    t0 = time.perf_counter()
+    vocab = (ckpt.config.get("text_config") or ckpt.config).get("vocab_size")
+    data = load_tokens(ckpt.path, file, samples, seq_len, vocab)
+    result.notes.append(f"calibration data: {data.source} ({data.kind}, {data.available} tokens; using {samples} x {seq_len})")
+    result.notes += calibration.run(plan, ckpt, data.tokens, device, kv_cache, batch_tokens)
+    result.calibration["seconds"] = round(time.perf_counter() - t0, 3)
 
 
 def _run_options(plan: Plan, lm_head, targets, ignore, shard_limit: int, skip_incompatible: bool, lm_head_chunk_rows: int) -> dict:

@@ -104,6 +104,8 @@ class FloatQuantized(WeightFormat):
             return {"weight": (torch.float8_e4m3fn, (n, k)), "weight_scale": (dtype, (math.ceil(n / bh), math.ceil(k / bw)))}
         if args.strategy == "channel":
             return {"weight": (torch.float8_e4m3fn, (n, k)), "weight_scale": (dtype, (n, 1))}
+        if args.strategy == "tensor":
+            return {"weight": (torch.float8_e4m3fn, (n, k)), "weight_scale": (dtype, (1,))}
         raise NotImplementedError(f"float-quantized strategy {args.strategy!r} is not written by ctconvert")
 
     def row_align(self, args):
@@ -119,14 +121,22 @@ class FloatQuantized(WeightFormat):
         return dtype_eps(dtype)  # fp8_scale: zeros -> eps(D)
 
     def scale_flags_nonfinite(self, args):
-        return True
+        return args.strategy != "tensor"
 
     def _reference(self, w, args, global_scale):
+        if args.strategy == "tensor":
+            # the FP8 preset: one scale for the whole tensor, known before any chunk (``global_scale`` here:
+            # ``fp8_scale`` of the tensor's absmax, written as ``weight_scale [1]`` by the caller)
+            if global_scale is None:
+                raise ValueError("per-tensor FP8 needs the tensor's scale before its chunks are quantized")
+            return {"weight": fp8_quantize_values(w, global_scale.to(torch.float32).to(w.device))}
         if args.strategy == "block":
             return quantize_fp8_block(w, args.block_structure)
         return quantize_fp8_channel(w)
 
     def _fused(self, kernels, w, args, global_scale):
+        if args.strategy == "tensor":
+            return self._reference(w, args, global_scale)
         if args.strategy == "block":
             return kernels.fp8_block(w, args.block_structure)
         return kernels.fp8_channel(w)

@@ -350,8 +350,15 @@ class Executor:
     def _quantize(self, unit: WorkUnit, job: Read, w: torch.Tensor, st: _UnitState) -> None:
         info = self.ckpt.tensors[unit.sources[job.member]]
         prefix = unit.modules[job.member] + "."
+        extra = unit.extra.get(unit.modules[job.member], {})  # calibrated tensors (a given per-tensor weight_scale among them)
+        gs = st.gs if st.gs is not None else extra.get("weight_scale")
+        if job.member == 0 and job.start == 0:  # calibrated tensors of modules that are not members (k_scale/v_scale)
+            for mod, parts in unit.extra.items():
+                if mod not in unit.modules:
+                    for key, t in parts.items():
+                        self._write(f"{mod}.{key}", t.cpu())
         try:
-            out = unit.scheme.quantize_rows(w, st.gs, impl=self.opts.impl)
+            out = unit.scheme.quantize_rows(w, gs, impl=self.opts.impl)
         except ValueError as e:
             self._check_unit(unit, st)  # on a GPU the NaN/inf checks are still pending: they explain a failure first
             raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=str(info.file), tensor=info.name) from e
@@ -366,7 +373,7 @@ class Executor:
                 self._write(prefix + key, t.cpu(), pos)
                 st.cursors[(job.member, key)] = pos + t.numel() * t.element_size()
             if last:
-                for key, t in unit.scheme.whole_tensor_outputs(info.shape, st.gs).items():
+                for key, t in {**unit.scheme.whole_tensor_outputs(info.shape, st.gs), **extra}.items():
                     self._write(prefix + key, t.cpu())
         else:  # whole modules go through the kernel layout (on the device), then are written
             chunks = st.parts.setdefault(job.member, {})
@@ -375,6 +382,7 @@ class Executor:
             if last:
                 whole = {key: torch.cat(ts) if len(ts) > 1 else ts[0] for key, ts in st.parts.pop(job.member).items()}
                 whole.update(unit.scheme.whole_tensor_outputs(info.shape, st.gs))
+                whole.update(extra)
                 for key, t in self.opts.repack(unit.modules[job.member], whole).items():
                     self._write(prefix + key, t.cpu().contiguous())
         self._progress((job.stop - job.start) * info.nbytes // max(1, info.shape[0]))

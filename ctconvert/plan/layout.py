@@ -121,6 +121,9 @@ class LayoutStage:
                 by_mod.setdefault(o[0].rpartition(".")[0], []).append(o)
             outputs = []
             for mod, outs in by_mod.items():
+                if mod not in u.modules:  # calibrated KV cache scales of the attention module: written as they are
+                    outputs += outs
+                    continue
                 src = ckpt.tensors[u.sources[u.modules.index(mod)]]
                 outputs += self._plan_module(mod, outs, src, weights, fmt)
             units.append(dataclasses.replace(u, outputs=outputs))

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.safetensors_io import TORCH_TO_ST
-from ..errors import UnsupportedError, UsageError
+from ..errors import UsageError
 from ..formats import FORMATS, CompressionFormat, WeightArgs, WeightFormat
 
 __all__ = ["LM_HEAD_SCHEMES", "Scheme", "custom_scheme", "get_scheme", "resolve_scheme", "scheme_aliases", "scheme_from_file", "scheme_names"]
@@ -112,6 +112,19 @@ class Scheme:
             "format": self.format.value,
         }
 
+    @property
+    def input_args(self) -> dict | None:
+        """The preset's ``input_activations`` QuantizationArgs dict (None for weight-only presets)."""
+        inputs = _PRESET_ARGS.get(self.name, (None, None))[1]  # a scheme built on a preset (2:4 sparsity) has its own name
+        return dict(inputs) if inputs else None
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Static (``dynamic: false``) or ``local`` activation scales: they come from calibration data
+        (compressed-tensors ``QuantizationConfig.requires_calibration_data``, release 0.20)."""
+        inputs = self.input_args
+        return inputs is not None and inputs["dynamic"] in (False, "local")
+
     def describe(self) -> str:
         """One line for ``ctconvert schemes``: type, bits, granularity (e.g. ``int4 group 128``)."""
         w = self.weights
@@ -139,6 +152,7 @@ def _args(num_bits, type_, strategy, group_size=None, symmetric=True, dynamic=Fa
 
 
 _FP8_TOKEN = _args(8, "float", "token", dynamic=True)
+_NVFP4_W = _args(4, "float", "tensor_group", 16, scale_dtype="torch.float8_e4m3fn")
 #: preset -> (weights, input_activations) QuantizationArgs, as compressed-tensors 0.20 dumps them
 _PRESET_ARGS: dict[str, tuple[dict, dict | None]] = {
     "FP8_DYNAMIC": (_args(8, "float", "channel"), _FP8_TOKEN),
@@ -153,6 +167,13 @@ _PRESET_ARGS: dict[str, tuple[dict, dict | None]] = {
     "MXFP4": (_args(4, "float", "group", 32, scale_dtype="torch.uint8"), _args(4, "float", "group", 32, dynamic=True, scale_dtype="torch.uint8")),
     "MXFP8A16": (_args(8, "float", "group", 32, scale_dtype="torch.uint8"), None),
     "MXFP8": (_args(8, "float", "group", 32, scale_dtype="torch.uint8"), _args(8, "float", "group", 32, dynamic=True, scale_dtype="torch.uint8")),
+    # calibrated activations (ctconvert.calibration); W4AFP8's per-token FP8 inputs are dynamic
+    "NVFP4": (_NVFP4_W, _args(4, "float", "tensor_group", 16, dynamic="local", scale_dtype="torch.float8_e4m3fn", observer="static_minmax")),
+    "FP8": (_args(8, "float", "tensor"), _args(8, "float", "tensor", observer="static_minmax")),
+    "W4AFP8": (_args(4, "int", "group", 128), _FP8_TOKEN),
+    # not compressed-tensors presets (it has none for static INT8): W8A8's weights, static per-tensor inputs
+    "W8A8_STATIC": (_args(8, "int", "channel"), _args(8, "int", "tensor", observer="static_minmax")),
+    "W8A8_STATIC_ASYM": (_args(8, "int", "channel"), _args(8, "int", "tensor", symmetric=False, observer="static_minmax")),
 }
 #: preset -> the compressed-tensors format its weights are written in (docs/compressed-tensors-format.md §3.3)
 _PRESET_FORMAT = {
@@ -167,9 +188,14 @@ _PRESET_FORMAT = {
     "MXFP4": CompressionFormat.MXFP4_PACK_QUANTIZED,
     "MXFP8A16": CompressionFormat.MXFP8_QUANTIZED,
     "MXFP8": CompressionFormat.MXFP8_QUANTIZED,
+    "NVFP4": CompressionFormat.NVFP4_PACK_QUANTIZED,
+    "FP8": CompressionFormat.FLOAT_QUANTIZED,
+    "W4AFP8": CompressionFormat.PACK_QUANTIZED,
+    "W8A8_STATIC": CompressionFormat.INT_QUANTIZED,
+    "W8A8_STATIC_ASYM": CompressionFormat.INT_QUANTIZED,
 }
 _SCHEMES: dict[str, Scheme] = {name: Scheme(name, _PRESET_FORMAT[name], WeightArgs.from_dict(weights)) for name, (weights, _) in _PRESET_ARGS.items()}
-_ALIASES = {"INT8": "W8A8"}
+_ALIASES = {"INT8": "W8A8", "W4A4_NVFP4": "NVFP4", "INT8_STATIC": "W8A8_STATIC", "INT8_STATIC_ASYM": "W8A8_STATIC_ASYM"}
 
 #: quantized lm_head choices (``--lm-head``): NVFP4A16, or FP8 per-row weights
 #: with dynamic per-token activations (the FP8_DYNAMIC preset aimed at the head).
@@ -285,8 +311,7 @@ def scheme_aliases() -> dict[str, list[str]]:
 def get_scheme(name: str) -> Scheme:
     """Look a scheme up by preset name, case-insensitively.
 
-    Raises :class:`UnsupportedError` for NVFP4 (W4A4: needs calibrated
-    activation scales) and :class:`UsageError` for an unknown name.
+    Raises :class:`UsageError` for an unknown name.
     """
     if isinstance(name, Scheme):
         return name
@@ -294,9 +319,4 @@ def get_scheme(name: str) -> Scheme:
     key = _ALIASES.get(key, key)
     if key in _SCHEMES:
         return _SCHEMES[key]
-    if key in ("NVFP4", "W4A4_NVFP4"):
-        raise UnsupportedError(
-            "scheme NVFP4 (W4A4) needs calibrated activation global scales (input_global_scale), "
-            "which data-free conversion cannot produce; use --scheme NVFP4A16 (weight-only NVFP4) instead"
-        )
     raise UsageError(f"unknown scheme {name!r}; choose one of: {', '.join(scheme_names())}")

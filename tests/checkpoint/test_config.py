@@ -11,11 +11,17 @@ from ctconvert.plan.schemes import get_scheme, scheme_names
 def ct_build(groups: dict, fmt: str, ignore: list[str]) -> dict:
     """compressed-tensors' path: presets -> QuantizationConfig -> model_dump (+ update_config's keys)."""
     import compressed_tensors
-    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme, preset_name_to_scheme
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
     cg = {}
     for name, (scheme, targets) in groups.items():
-        s = preset_name_to_scheme(scheme.name, targets)
+        if scheme.name in PRESET_SCHEMES:
+            s = preset_name_to_scheme(scheme.name, targets)
+        else:  # our static INT8 schemes (compressed-tensors has no preset for them): W8A8 weights, static per-tensor inputs
+            w = PRESET_SCHEMES["W8A8"]["weights"]
+            inputs = QuantizationArgs(num_bits=8, type="int", strategy="tensor", symmetric=not scheme.name.endswith("ASYM"), dynamic=False, observer="static_minmax")
+            s = QuantizationScheme(targets=targets, weights=w, input_activations=inputs)
         s.format = scheme.format
         cg[name] = s
     q = QuantizationConfig(config_groups=cg, format=fmt, ignore=ignore, quantization_status="compressed")

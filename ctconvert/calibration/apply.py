@@ -1,0 +1,192 @@
+"""What calibration adds to a plan: the calibrated tensors' names (from the headers) and then their values.
+
+:func:`add_outputs` runs at plan time (``--dry-run`` shows it): per quantized Linear of a
+calibrated scheme ``input_global_scale`` (NVFP4, fp32 ``[1]``) or ``input_scale`` (model dtype
+``[1]``) and ``input_zero_point`` (int8 ``[1]``, asymmetric INT8); for the ``FP8`` preset the
+per-tensor ``weight_scale`` ``[1]``; with ``--kv-cache`` per attention module ``k_scale`` and
+``v_scale`` (``[1]``, or ``[num_key_value_heads, 1, 1]`` per head). Names and shapes are what
+compressed-tensors registers (``lifecycle/initialize.py``, release 0.20) and vLLM 0.33 loads
+(``compressed_tensors.py`` ``CompressedTensorsKVCacheMethod``, ``CompressedTensorsW4A4Fp4``,
+``CompressedTensorsW8A8Fp8``/``Int8``). :func:`run` calibrates and puts the values into each
+unit's ``extra`` (module -> {part: tensor}), which the executor writes with the unit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint.reader import Checkpoint
+from ..checkpoint.safetensors_io import TORCH_TO_ST, read_tensor
+from ..errors import UsageError
+from ..formats.common import tensor_absmax
+from ..formats.fp8 import fp8_scale
+from ..plan.planner import Plan
+from .observe import KV_CACHE_ARGS, MinMax, input_qparams, kv_qparams
+
+__all__ = ["KV_CACHE_CHOICES", "CalibrationCost", "add_outputs", "estimate", "kv_cache_config", "needs_calibration", "run"]
+
+KV_CACHE_CHOICES = ("none", *KV_CACHE_ARGS)
+
+
+def _text_config(cfg: dict) -> dict:
+    return cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def _model_dtype(ckpt: Checkpoint) -> torch.dtype:
+    return next((t.torch_dtype for n, t in ckpt.tensors.items() if n.endswith("embed_tokens.weight")), torch.bfloat16)
+
+
+def _calibrated_units(plan: Plan):
+    return [u for u in plan.units if u.kind == "quantize" and u.scheme.needs_calibration]
+
+
+def needs_calibration(plan: Plan, kv_cache: str = "none") -> bool:
+    """Whether this run needs calibration data (a static/local activation scheme, or a KV cache scheme)."""
+    return kv_cache != "none" or bool(_calibrated_units(plan))
+
+
+def _attention_modules(plan: Plan) -> dict[str, int]:
+    """Attention module (``...self_attn``) -> index of the unit that holds its ``k_proj``."""
+    out = {}
+    for i, u in enumerate(plan.units):
+        if u.kind != "quantize":
+            continue
+        for m in u.modules:
+            if m.endswith(".k_proj"):
+                out[m[: -len(".k_proj")]] = i
+    return out
+
+
+def add_outputs(plan: Plan, ckpt: Checkpoint, kv_cache: str = "none") -> None:
+    """Add the calibrated tensors' ``(name, dtype, shape)`` to the units' outputs (headers only).
+
+    Raises :class:`UsageError` for an unknown ``kv_cache`` or one without quantized attention projections."""
+    if kv_cache not in KV_CACHE_CHOICES:
+        raise UsageError(f"unknown --kv-cache {kv_cache!r}; choose one of: {', '.join(KV_CACHE_CHOICES)}")
+    dt = TORCH_TO_ST[_model_dtype(ckpt)]
+    for u in _calibrated_units(plan):
+        parts = [("input_global_scale", "F32")] if u.scheme.input_args["strategy"] == "tensor_group" else [("input_scale", dt)]
+        if not u.scheme.input_args["symmetric"]:
+            parts.append(("input_zero_point", "I8"))
+        for m in u.modules:
+            u.outputs += [(f"{m}.{p}", d, (1,)) for p, d in parts]
+    if kv_cache == "none":
+        return
+    attn = _attention_modules(plan)
+    if not attn:
+        raise UsageError("--kv-cache needs the attention projections (k_proj) quantized; none is")
+    heads = _text_config(ckpt.config).get("num_key_value_heads") or _text_config(ckpt.config).get("num_attention_heads")
+    shape = (1,) if kv_cache == "fp8" else (int(heads), 1, 1)
+    for a, i in attn.items():
+        plan.units[i].outputs += [(f"{a}.k_scale", dt, shape), (f"{a}.v_scale", dt, shape)]
+
+
+def kv_cache_config(kv_cache: str) -> dict | None:
+    """The ``kv_cache_scheme`` entry of ``quantization_config`` (QuantizationArgs as compressed-tensors dumps it)."""
+    return None if kv_cache == "none" else dict(KV_CACHE_ARGS[kv_cache])
+
+
+@dataclass
+class CalibrationCost:
+    """What ``--dry-run`` says calibration will cost."""
+
+    schemes: list[str]
+    layers: int
+    samples: int
+    seq_len: int
+    tokens: int
+    peak_bytes: int
+    kv_cache: str
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def describe(self) -> str:
+        what = ", ".join(self.schemes) + (f" + KV cache {self.kv_cache}" if self.kv_cache != "none" else "")
+        return (
+            f"calibration ({what}): {self.layers} decoder layers, one at a time, {self.samples} x {self.seq_len} = {self.tokens} tokens; "
+            f"estimated peak memory {self.peak_bytes / 2**30:.2f} GiB (one layer + the batch's activations)"
+        )
+
+
+def estimate(plan: Plan, ckpt: Checkpoint, samples: int, seq_len: int, kv_cache: str, batch_tokens: int) -> CalibrationCost:
+    """Layers, tokens and an estimate of the peak memory: embedding + largest decoder layer (as stored) +
+    the hidden states of every sample (twice: a layer's input and output) + one micro-batch's activations."""
+    cfg = _text_config(ckpt.config)
+    n_layers = int(cfg.get("num_hidden_layers") or 0)
+    h = int(cfg.get("hidden_size") or 0)
+    inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 4 * h)
+    item = _model_dtype(ckpt).itemsize
+    per_layer: dict[str, int] = {}
+    emb = 0
+    for name, t in ckpt.tensors.items():
+        parts = name.split(".")
+        if "layers" in parts and parts.index("layers") + 1 < len(parts):
+            key = ".".join(parts[: parts.index("layers") + 2])
+            per_layer[key] = per_layer.get(key, 0) + t.nbytes
+        elif name.endswith("embed_tokens.weight"):
+            emb = t.nbytes
+    tokens = samples * seq_len
+    batch = min(tokens, max(seq_len, batch_tokens // seq_len * seq_len))
+    act = batch * (3 * inter + 6 * h) * 4
+    peak = emb + max(per_layer.values(), default=0) + 2 * tokens * h * item + act
+    schemes = sorted({u.scheme.name for u in _calibrated_units(plan)})
+    return CalibrationCost(schemes, n_layers, samples, seq_len, tokens, peak, kv_cache)
+
+
+def _fallback(name: str, stats: dict[str, MinMax]) -> MinMax | None:
+    """An expert no calibration token was routed to: the union of its layer's other experts' inputs of the same kind."""
+    head, sep, tail = name.partition(".experts.")
+    if not sep:
+        return None
+    kind = tail.partition(".")[2]
+    found = MinMax()
+    for k, v in stats.items():
+        h2, s2, t2 = k.partition(".experts.")
+        if s2 and h2 == head and t2.partition(".")[2] == kind:
+            found = found.merged(v)
+    return found if found.min is not None else None
+
+
+def run(plan: Plan, ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device, kv_cache: str = "none", batch_tokens: int = 4096, progress=None) -> list[str]:
+    """Calibrate and fill each unit's ``extra`` with its calibrated tensors; returns notes.
+
+    Raises what :func:`ctconvert.calibration.model.calibrate` raises, and :class:`UsageError` when a
+    quantized Linear saw no calibration token and has no sibling expert to take its range from."""
+    from .model import calibrate
+
+    stats = calibrate(ckpt, tokens, device, kv_cache=kv_cache != "none", batch_tokens=batch_tokens, progress=progress)
+    dtype = _model_dtype(ckpt)
+    notes = []
+    for u in _calibrated_units(plan):
+        observed = []
+        for m in u.modules:
+            s = stats.inputs.get(m)
+            if s is None:
+                s = _fallback(m, stats.inputs)
+                if s is None:
+                    raise UsageError(f"calibration: no calibration token reached {m}; it cannot get a static activation scale")
+                notes.append(f"{m}: no calibration token was routed to this expert; its input range is that of its layer's other experts")
+            observed.append(s)
+        q = input_qparams(u.scheme.input_args, observed, dtype)  # a fused set's members see one input: one range
+        for m in u.modules:
+            u.extra.setdefault(m, {}).update(q)
+        if u.scheme.weights.strategy == "tensor" and u.scheme.weights.type == "float":
+            for m, src in zip(u.modules, u.sources):
+                w = read_tensor(ckpt.tensors[src])
+                u.extra[m]["weight_scale"] = fp8_scale(tensor_absmax(w), w.dtype).reshape(1).to(w.dtype)
+    if kv_cache != "none":
+        for a, i in _attention_modules(plan).items():
+            k, v = stats.keys.get(a), stats.values.get(a)
+            if k is None or v is None:
+                raise UsageError(f"calibration: the attention module {a} was not observed (architecture without a k_proj/v_proj attention module)")
+            plan.units[i].extra.setdefault(a, {}).update(kv_qparams(kv_cache, k, v, dtype))
+    notes.append(f"calibrated on {stats.tokens} tokens")
+    return notes
+
+
+def peak_hint(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{math.ceil(nbytes / 2**20)} MiB"

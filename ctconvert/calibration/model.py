@@ -1,0 +1,377 @@
+"""Run a checkpoint's own transformers architecture one decoder layer at a time, observing activations.
+
+1. The model is built from its ``config.json`` on the ``meta`` device (no memory), and the
+   checkpoint's tensor names are mapped onto its parameters with transformers' own key
+   renamings (``conversion_mapping.get_model_conversion_mapping``: ``block_sparse_moe`` ->
+   ``mlp`` and the like). Fused MoE experts (3-D ``gate_up_proj``/``down_proj``, built from
+   per-expert checkpoint tensors) are replaced by per-expert ``nn.Linear`` modules named as in
+   the checkpoint, whose forward is the experts' loop (tokens routed to each expert only).
+2. The embedding (and the other small modules outside the decoder layers) are loaded, and the
+   model's own forward runs with every decoder layer replaced by a stand-in that records its
+   arguments (the hidden states, the position embeddings and masks the model computes) and
+   passes the hidden states on; the last one stops the forward.
+3. For each layer: only its weights are read from the safetensors files, the recorded batches
+   run through it (forward-pre hooks on every ``nn.Linear`` record the input min/max; an
+   attention function registered with transformers' ``AttentionInterface`` records the key and
+   value states as the KV cache would store them, after RoPE), its output is the next layer's
+   input, and the layer goes back to ``meta``.
+
+Peak memory: one decoder layer plus the hidden states of the calibration batch (and one
+micro-batch's intermediate activations). :func:`calibrate_whole_model` runs the same modules,
+hooks and micro-batches through the fully loaded model (the reference the tests compare with).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..checkpoint.reader import Checkpoint
+from ..checkpoint.safetensors_io import read_tensor
+from ..errors import BadInputError, UnsupportedError
+from .observe import MinMax, Stats
+
+__all__ = ["CalibrationModel", "calibrate", "calibrate_whole_model"]
+
+_ATTN_NAME = "ctconvert_observe"
+_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+class _Stop(Exception):
+    pass
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - installed with the test extras
+        raise UnsupportedError("calibration runs the model's own architecture and needs transformers: pip install transformers") from e
+    return transformers
+
+
+class UnfusedExperts(nn.Module):
+    """Per-expert ``nn.Linear`` modules standing in for transformers' fused ``*Experts`` (3-D ``gate_up_proj``
+    ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``), named as the checkpoint names them (``experts.3.gate_proj``
+    or ``experts.3.w1``). The forward is the fused module's loop (transformers 5.24 ``Qwen3MoeExperts.forward``):
+    each expert sees the tokens routed to it, its output is weighted and summed."""
+
+    def __init__(self, fused: nn.Module, names: tuple[str, str, str]):
+        super().__init__()
+        e, two_i, h = fused.gate_up_proj.shape
+        self.names = names
+        self.num_experts = e
+        self.act_fn = fused.act_fn
+        dtype = fused.gate_up_proj.dtype
+        for j in range(e):
+            m = nn.Module()
+            setattr(m, names[0], nn.Linear(h, two_i // 2, bias=False, device="meta", dtype=dtype))
+            setattr(m, names[1], nn.Linear(h, two_i // 2, bias=False, device="meta", dtype=dtype))
+            setattr(m, names[2], nn.Linear(two_i // 2, h, bias=False, device="meta", dtype=dtype))
+            self.add_module(str(j), m)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        g, u, d = self.names
+        for idx in hit:
+            e = int(idx[0])
+            if e == self.num_experts:
+                continue
+            pos, tok = torch.where(mask[e])
+            mod = self._modules[str(e)]
+            x = hidden_states[tok]
+            y = getattr(mod, d)(self.act_fn(getattr(mod, g)(x)) * getattr(mod, u)(x))
+            y = y * top_k_weights[tok, pos, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+def _is_fused_experts(m: nn.Module) -> bool:
+    p = getattr(m, "gate_up_proj", None)
+    return isinstance(p, nn.Parameter) and p.dim() == 3 and isinstance(getattr(m, "down_proj", None), nn.Parameter) and hasattr(m, "act_fn")
+
+
+@dataclass
+class _Recorded:
+    """One micro-batch's arguments to a decoder layer (the hidden states are kept apart)."""
+
+    args: tuple
+    kwargs: dict
+
+
+class CalibrationModel:
+    """The meta-device model of a checkpoint, with the checkpoint-name map and the observers' hooks."""
+
+    def __init__(self, ckpt: Checkpoint, device: torch.device):
+        tf = _transformers()
+        self.ckpt, self.device = ckpt, device
+        emb_dtype = next((t.torch_dtype for n, t in ckpt.tensors.items() if n.endswith("embed_tokens.weight")), None)
+        self.dtype = emb_dtype or next(t.torch_dtype for t in ckpt.tensors.values() if t.torch_dtype.is_floating_point)
+        archs = ckpt.config.get("architectures") or [ckpt.config.get("model_type", "?")]
+        try:
+            config = tf.AutoConfig.from_pretrained(str(ckpt.path))
+            with torch.device("meta"):
+                model = tf.AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation="sdpa")
+        except Exception as e:  # noqa: BLE001 - any failure of transformers to build it is one clear line
+            raise UnsupportedError(
+                f"transformers {tf.__version__} cannot build architecture {archs[0]} for calibration ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+                file=ckpt.path / "config.json",
+            ) from None
+        self.model = model.eval()
+        self.layers_name, self.layers = self._find_layers(model, archs[0])
+        for name, m in list(model.named_modules()):
+            if _is_fused_experts(m):
+                self._unfuse(name, m)
+        self._register_attention(tf)
+        self.names = self._checkpoint_names(tf)  # model parameter name -> checkpoint tensor name
+        self.stats = Stats()
+        self.kv = False
+
+    # -- structure ------------------------------------------------------------------------------
+    def _find_layers(self, model: nn.Module, arch: str) -> tuple[str, nn.ModuleList]:
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        n = getattr(cfg, "num_hidden_layers", None)
+        for name, m in model.named_modules():
+            if isinstance(m, nn.ModuleList) and len(m) == n and n and name.split(".")[-1] in ("layers", "h", "blocks", "layer"):
+                return name, m
+        raise UnsupportedError(f"cannot find the decoder layers of {arch} for calibration", file=self.ckpt.path / "config.json")
+
+    def _unfuse(self, name: str, m: nn.Module) -> None:
+        parent_name, _, attr = name.rpartition(".")
+        names = None
+        for cand in _EXPERT_NAMES:
+            if any(re.search(rf"\.experts\.0\.{cand[0]}\.weight$", n) for n in self.ckpt.tensors):
+                names = cand
+        if names is None:
+            raise UnsupportedError(f"{name}: fused experts, but the checkpoint has no per-expert gate/up/down weights", file=self.ckpt.path)
+        setattr(self.model.get_submodule(parent_name), attr, UnfusedExperts(m, names))
+
+    def _register_attention(self, tf) -> None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        owner = self
+
+        def observe(module, query, key, value, attention_mask, **kw):
+            if owner.kv:
+                name = owner.module_names.get(id(module))
+                if name is not None:
+                    owner.stats.keys.setdefault(name, MinMax()).update(key, keep_dim=1)
+                    owner.stats.values.setdefault(name, MinMax()).update(value, keep_dim=1)
+            return sdpa(module, query, key, value, attention_mask, **kw)
+
+        ALL_ATTENTION_FUNCTIONS.register(_ATTN_NAME, observe)
+        for cfg in [self.model.config, *[getattr(self.model.config, k) for k in ("text_config",) if hasattr(self.model.config, k)]]:
+            cfg._attn_implementation_internal = _ATTN_NAME
+        for m in self.model.modules():
+            c = getattr(m, "config", None)
+            if c is not None and hasattr(c, "_attn_implementation_internal"):
+                c._attn_implementation_internal = _ATTN_NAME
+
+    def _checkpoint_names(self, tf) -> dict[str, str]:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        renamings = [t for t in get_model_conversion_mapping(self.model) if isinstance(t, WeightRenaming)]
+        meta = dict(self.model.state_dict(keep_vars=True))
+        prefix = getattr(self.model, "base_model_prefix", None)
+        out = {}
+        for src in self.ckpt.tensors:
+            dst, _ = rename_source_key(src, renamings, [], prefix, meta)
+            out.setdefault(dst, src)
+        return out
+
+    # -- loading --------------------------------------------------------------------------------
+    def _materialize(self, module: nn.Module, prefix: str) -> None:
+        """Load ``module``'s parameters (named ``prefix`` + local name) from the checkpoint onto the device."""
+        buffers = {n: b for n, b in module.named_buffers() if b.device.type != "meta"}
+        module.to_empty(device=self.device)
+        with torch.no_grad():
+            for local, p in module.named_parameters():
+                full = prefix + local
+                src = self.names.get(full)
+                if src is None:
+                    raise BadInputError(f"calibration: the checkpoint has no tensor for parameter {full!r} of the model", file=self.ckpt.path)
+                t = read_tensor(self.ckpt.tensors[src])
+                if tuple(t.shape) != tuple(p.shape):
+                    raise BadInputError(
+                        f"calibration: shape {list(t.shape)} does not fit parameter {full} {list(p.shape)}", tensor=src, file=str(self.ckpt.tensors[src].file)
+                    )
+                p.copy_(t)
+            for n, b in buffers.items():
+                owner, _, attr = n.rpartition(".")
+                (module.get_submodule(owner) if owner else module)._buffers[attr] = b.to(self.device)
+        self._rebuild_buffers(module)
+
+    def _rebuild_buffers(self, root: nn.Module) -> None:
+        """Non-persistent buffers (rotary ``inv_freq``) are not in the checkpoint: rebuild their module from its config."""
+        for name, m in list(root.named_modules()):
+            if not getattr(m, "_non_persistent_buffers_set", None) or any(True for _ in m.parameters(recurse=False)):
+                continue
+            cfg = getattr(m, "config", None)
+            if cfg is None:
+                raise UnsupportedError(f"calibration cannot rebuild the buffers of {type(m).__name__}", file=self.ckpt.path)
+            with torch.device(self.device):
+                fresh = type(m)(cfg)
+            if name:
+                owner, _, attr = name.rpartition(".")
+                setattr(root.get_submodule(owner) if owner else root, attr, fresh.to(self.device))
+
+    def _outside_layers(self) -> list[tuple[str, nn.Module]]:
+        """Modules that hold parameters or buffers and are not inside the decoder layers or the output head."""
+        head = self.model.get_output_embeddings()
+        out = []
+        for name, m in self.model.named_modules():
+            if name == self.layers_name or name.startswith(self.layers_name + ".") or m is head:
+                continue
+            if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)):
+                out.append((name, m))
+        return out
+
+    def load_outside(self) -> None:
+        for name, m in self._outside_layers():
+            self._materialize_shallow(name, m)
+
+    def _materialize_shallow(self, name: str, m: nn.Module) -> None:
+        prefix = name + "." if name else ""
+        if any(True for _ in m.buffers(recurse=False)) and not any(True for _ in m.parameters(recurse=False)) and m._non_persistent_buffers_set:
+            owner, _, attr = name.rpartition(".")
+            with torch.device(self.device):
+                fresh = type(m)(m.config)
+            setattr(self.model.get_submodule(owner) if owner else self.model, attr, fresh)
+            return
+        for local, p in list(m.named_parameters(recurse=False)):
+            full = prefix + local
+            src = self.names.get(full)
+            if src is None:
+                raise BadInputError(f"calibration: the checkpoint has no tensor for parameter {full!r} of the model", file=self.ckpt.path)
+            m._parameters[local] = nn.Parameter(read_tensor(self.ckpt.tensors[src]).to(self.device), requires_grad=False)
+
+    # -- observing --------------------------------------------------------------------------------
+    def _hooks(self, root: nn.Module, prefix: str):
+        handles = []
+        self.module_names = {}
+        for local, m in root.named_modules():
+            full = prefix + local if local else prefix.rstrip(".")
+            if isinstance(m, nn.Linear):
+                ck = self.names.get(full + ".weight", full + ".weight")[: -len(".weight")]
+
+                def pre(mod, args, ck=ck):
+                    self.stats.inputs.setdefault(ck, MinMax()).update(args[0])
+
+                handles.append(m.register_forward_pre_hook(pre))
+            elif hasattr(m, "k_proj") and hasattr(m, "v_proj"):
+                kw = self.names.get(full + ".k_proj.weight", full + ".k_proj.weight")
+                self.module_names[id(m)] = kw[: -len(".k_proj.weight")]
+        return handles
+
+    def capture(self, batches: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[_Recorded]]]:
+        """Run the model's own forward up to the first layer; returns the layer-0 hidden states and, per layer,
+        each micro-batch's arguments."""
+        recs: list[list[_Recorded]] = [[] for _ in self.layers]
+        hidden: list[torch.Tensor] = []
+        originals = list(self.layers)
+        last = len(self.layers) - 1
+
+        class Catcher(nn.Module):
+            def __init__(self, i):
+                super().__init__()
+                self.i = i
+
+            def forward(self, hidden_states, *args, **kwargs):
+                if self.i == 0:
+                    hidden.append(hidden_states)
+                recs[self.i].append(_Recorded(args, kwargs))
+                if self.i == last:
+                    raise _Stop
+                return hidden_states
+
+        for i in range(len(self.layers)):
+            self.layers[i] = Catcher(i)
+        try:
+            with torch.no_grad():
+                for ids in batches:
+                    with contextlib.suppress(_Stop):
+                        self.model(input_ids=ids.to(self.device), use_cache=False)
+        finally:
+            for i, m in enumerate(originals):
+                self.layers[i] = m
+        return hidden, recs
+
+    def run_layer(self, i: int, hidden: list[torch.Tensor], recs: list[_Recorded]) -> list[torch.Tensor]:
+        layer = self.layers[i]
+        prefix = f"{self.layers_name}.{i}."
+        self._materialize(layer, prefix)
+        handles = self._hooks(layer, prefix)
+        try:
+            with torch.no_grad():
+                out = []
+                for h, r in zip(hidden, recs):
+                    y = layer(h, *r.args, **r.kwargs)
+                    out.append(y[0] if isinstance(y, tuple) else y)
+        finally:
+            for hd in handles:
+                hd.remove()
+            layer.to("meta")
+        return out
+
+
+def _micro_batches(tokens: torch.Tensor, batch_tokens: int) -> list[torch.Tensor]:
+    per = max(1, batch_tokens // max(1, tokens.shape[1]))
+    return [tokens[i : i + per] for i in range(0, tokens.shape[0], per)]
+
+
+def calibrate(ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device, *, kv_cache: bool = False, batch_tokens: int = 4096, progress=None) -> Stats:
+    """Observe ``tokens`` (int64 ``[N, L]``) through the checkpoint's architecture, one decoder layer at a time.
+
+    Returns the :class:`Stats` (on the CPU, in the model's dtype): per quantizable Linear the min/max of its
+    input over all tokens; with ``kv_cache`` per attention module the per-KV-head min/max of the key and value
+    states. ``progress``: called with ``(layer, layers)`` after each layer. Raises :class:`UnsupportedError`
+    (transformers cannot build the architecture) or :class:`BadInputError` (a parameter has no checkpoint tensor).
+    """
+    cm = CalibrationModel(ckpt, device)
+    cm.kv = kv_cache
+    cm.load_outside()
+    hidden, recs = cm.capture(_micro_batches(tokens, batch_tokens))
+    for i in range(len(cm.layers)):
+        hidden = cm.run_layer(i, hidden, recs[i])
+        recs[i] = None
+        gc.collect()
+        if progress is not None:
+            progress(i + 1, len(cm.layers))
+    cm.stats.tokens = int(tokens.numel())
+    return cm.stats.cpu()
+
+
+def calibrate_whole_model(ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device, *, kv_cache: bool = False, batch_tokens: int = 4096) -> Stats:
+    """The same observation with every layer loaded at once and the model's forward run whole (for tests)."""
+    cm = CalibrationModel(ckpt, device)
+    cm.kv = kv_cache
+    cm.load_outside()
+    for i, layer in enumerate(cm.layers):
+        cm._materialize(layer, f"{cm.layers_name}.{i}.")
+    handles = []
+    for i, layer in enumerate(cm.layers):
+        handles += cm._hooks(layer, f"{cm.layers_name}.{i}.")
+    names = {}
+    for i, layer in enumerate(cm.layers):
+        for local, m in layer.named_modules():
+            if hasattr(m, "k_proj") and hasattr(m, "v_proj"):
+                full = f"{cm.layers_name}.{i}.{local}"
+                names[id(m)] = cm.names.get(full + ".k_proj.weight", full + ".k_proj.weight")[: -len(".k_proj.weight")]
+    cm.module_names = names
+    base = cm.model.get_decoder() if hasattr(cm.model, "get_decoder") else cm.model.model
+    with torch.no_grad():
+        for ids in _micro_batches(tokens, batch_tokens):
+            base(input_ids=ids.to(device), use_cache=False)
+    for h in handles:
+        h.remove()
+    cm.stats.tokens = int(tokens.numel())
+    return cm.stats.cpu()
