@@ -26,6 +26,7 @@ LAYERS = {
     "layouts": 1,
     "checkpoint": 2,
     "plan": 3,
+    "calibration": 3.5,  # between plan and the quantizer (read -> plan -> calibrate -> quantize -> write)
     "pipeline": 4,
     "commands": 5,
     "api": 6,

@@ -201,9 +201,8 @@ class CalibrationModel:
                     raise BadInputError(f"calibration: the checkpoint has no tensor for parameter {full!r} of the model", file=self.ckpt.path)
                 t = read_tensor(self.ckpt.tensors[src])
                 if tuple(t.shape) != tuple(p.shape):
-                    raise BadInputError(
-                        f"calibration: shape {list(t.shape)} does not fit parameter {full} {list(p.shape)}", tensor=src, file=str(self.ckpt.tensors[src].file)
-                    )
+                    where = str(self.ckpt.tensors[src].file)
+                    raise BadInputError(f"calibration: shape {list(t.shape)} does not fit parameter {full} {list(p.shape)}", tensor=src, file=where)
                 p.copy_(t)
             for n, b in buffers.items():
                 owner, _, attr = n.rpartition(".")
@@ -247,7 +246,7 @@ class CalibrationModel:
                 fresh = type(m)(m.config)
             setattr(self.model.get_submodule(owner) if owner else self.model, attr, fresh)
             return
-        for local, p in list(m.named_parameters(recurse=False)):
+        for local, _ in list(m.named_parameters(recurse=False)):
             full = prefix + local
             src = self.names.get(full)
             if src is None:

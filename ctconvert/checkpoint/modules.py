@@ -19,7 +19,7 @@ from .naming import FUSED_OF, fused_set_name, is_linear_weight, resolve_group
 from .reader import Checkpoint
 from .safetensors_io import TensorInfo, read_rows, read_tensor
 
-__all__ = ["ACT_PARTS", "QUANT_PARTS", "SPARSITY_GROUP", "Module", "dense_row_chunks", "dense_shape", "fused_global_scales", "module_rows", "modules_of"]
+__all__ = ["ACT_PARTS", "KV_PARTS", "QUANT_PARTS", "SPARSITY_GROUP", "Module", "dense_row_chunks", "dense_shape", "fused_global_scales", "module_rows", "modules_of"]
 
 QUANT_PARTS = (
     "weight_packed",
@@ -34,6 +34,8 @@ QUANT_PARTS = (
 #: the pseudo group of modules a sparse-only checkpoint stores as sparse-24-bitmask (no config group)
 SPARSITY_GROUP = "sparsity_config"
 ACT_PARTS = ("input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point")
+#: an attention module's KV cache scales (``kv_cache_scheme``; compressed-tensors ``quant_metadata.py`` ``KVCacheScaleType``)
+KV_PARTS = ("k_scale", "v_scale", "q_scale")
 
 
 @dataclass

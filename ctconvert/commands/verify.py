@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.kernel_native import is_kernel_native
-from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of
+from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of
 from ..checkpoint.naming import find_embedding, natural_key, resolve_group
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_bytes, read_rows, read_tensor
@@ -345,6 +345,8 @@ def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint, 
         mm = mods.get(mod)
         if mm is not None and mm.quantized and (part in QUANT_PARTS or part in ACT_PARTS or part == "weight"):
             continue
+        if part in KV_PARTS and (ckpt.quantization_config or {}).get("kv_cache_scheme"):
+            continue  # calibrated KV cache scales of an attention module
         s = ref.tensors.get(name)
         if s is None:
             out.append(_error("tensor not in the reference", tensor=name))

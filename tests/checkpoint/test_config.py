@@ -20,7 +20,8 @@ def ct_build(groups: dict, fmt: str, ignore: list[str]) -> dict:
             s = preset_name_to_scheme(scheme.name, targets)
         else:  # our static INT8 schemes (compressed-tensors has no preset for them): W8A8 weights, static per-tensor inputs
             w = PRESET_SCHEMES["W8A8"]["weights"]
-            inputs = QuantizationArgs(num_bits=8, type="int", strategy="tensor", symmetric=not scheme.name.endswith("ASYM"), dynamic=False, observer="static_minmax")
+            sym = not scheme.name.endswith("ASYM")
+            inputs = QuantizationArgs(num_bits=8, type="int", strategy="tensor", symmetric=sym, dynamic=False, observer="static_minmax")
             s = QuantizationScheme(targets=targets, weights=w, input_activations=inputs)
         s.format = scheme.format
         cg[name] = s

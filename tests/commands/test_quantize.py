@@ -225,11 +225,6 @@ def test_dry_run_writes_nothing(tiny_llama, tmp_path):
     assert fused["model.layers.1.mlp.up_proj.weight"] == "model.layers.1.mlp.{gate_proj,up_proj}"
 
 
-def test_nvfp4_w4a4_points_to_nvfp4a16(tiny_llama, tmp_path):
-    with pytest.raises(UnsupportedError, match="NVFP4A16"):
-        api.quantize(tiny_llama, tmp_path / "o", "NVFP4")
-
-
 def test_unknown_scheme(tiny_llama, tmp_path):
     with pytest.raises(UsageError, match="unknown scheme 'W3A17'"):
         api.quantize(tiny_llama, tmp_path / "o", "W3A17")
