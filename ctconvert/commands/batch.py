@@ -63,6 +63,10 @@ ALLOWED = {
     "layout_version",
     "act_dtype",
     "dry_run",
+    "calibration",
+    "calibration_samples",
+    "calibration_seq_len",
+    "kv_cache",
 }
 #: the keys of every job line, whatever its status (None where a key does not apply)
 LINE_KEYS = (
@@ -118,7 +122,9 @@ def load_jobs(path: str | Path) -> list[dict]:
         for k in ("model", "output", "scheme"):
             if k not in job:
                 raise UsageError(f"job {i}: missing {k!r}", file=p)
-        for k in ("model", "output"):  # relative paths are relative to the jobs file; normalised (no ./, .., //)
+        for k in ("model", "output", "calibration"):  # relative paths are relative to the jobs file; normalised (no ./, .., //)
+            if job.get(k) is None:
+                continue
             q = Path(str(job[k])).expanduser()
             job[k] = os.path.normpath(os.path.abspath(q if q.is_absolute() else (p.parent / q)))
         try:
