@@ -101,8 +101,18 @@ def test_layer_by_layer_equals_whole_model(model_path, device):
 def _reference_activations(path: Path, tok: torch.Tensor, batch: int):
     """Every Linear input and every attention key/value state of the fully loaded model, through plain forward hooks
     on transformers' own model (dense Llama) -- collected independently of ctconvert's hooks."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     acts: dict[str, list[torch.Tensor]] = {}
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def record(module, q, k, v, mask, **kw):  # what the KV cache would store: key/value states after RoPE
+        acts.setdefault(f"model.layers.{module.layer_idx}.self_attn.k", []).append(k.clone())
+        acts.setdefault(f"model.layers.{module.layer_idx}.self_attn.v", []).append(v.clone())
+        return sdpa(module, q, k, v, mask, **kw)
+
+    transformers.AttentionInterface.register("test_record_kv", record)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16, attn_implementation="test_record_kv").eval()
     handles = []
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and name != "lm_head":
@@ -127,17 +137,24 @@ def _ct_static_minmax(values: list[torch.Tensor]):
     return lo, hi
 
 
+@pytest.fixture(scope="module")
+def observed(llama):
+    """ctconvert's statistics (with the KV cache) and the reference activations, on the same tokens and batches."""
+    tok = _tokens(4, 24, seed=1)
+    return calibrate(open_checkpoint(llama), tok, torch.device("cpu"), kv_cache=True, batch_tokens=48), _reference_activations(llama, tok, 2)
+
+
 @pytest.mark.parametrize("scheme", ["NVFP4", "FP8", "W8A8_STATIC", "W8A8_STATIC_ASYM"])
-def test_scales_equal_compressed_tensors_observers(llama, scheme):
+def test_scales_equal_compressed_tensors_observers(observed, scheme):
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
     from ctconvert.plan.schemes import get_scheme
 
-    tok = _tokens(4, 24, seed=1)
-    stats = calibrate(open_checkpoint(llama), tok, torch.device("cpu"), batch_tokens=48)
-    acts = _reference_activations(llama, tok, 2)
+    stats, acts = observed
+    acts = dict(acts)
     args = get_scheme(scheme).input_args
+    kv_acts = {n: acts.pop(n) for n in [n for n in acts if n.endswith((".k", ".v"))]}
     assert set(acts) == set(stats.inputs)
     for name, vals in acts.items():
         lo, hi = _ct_static_minmax(vals)
@@ -156,9 +173,14 @@ def test_scales_equal_compressed_tensors_observers(llama, scheme):
             else:
                 assert "input_zero_point" not in ours
     # the KV cache: compressed-tensors' calculate_qparams on the min/max of the key/value states per head
-    kv = calibrate(open_checkpoint(llama), tok, torch.device("cpu"), kv_cache=True, batch_tokens=48)
-    for a, k in kv.keys.items():
-        v = kv.values[a]
+    # ([batch, kv_heads, seq, head_dim]; llm-compressor _flatten_attention for attn_head keeps dim 1)
+    for a, k in stats.keys.items():
+        v = stats.values[a]
+        for s, part in ((k, "k"), (v, "v")):
+            ref = kv_acts[f"{a}.{part}"]
+            lo = torch.stack([torch.amin(x, dim=(0, 2, 3)) for x in ref]).amin(0)
+            hi = torch.stack([torch.amax(x, dim=(0, 2, 3)) for x in ref]).amax(0)
+            assert torch.equal(s.min, lo) and torch.equal(s.max, hi), (a, part)
         per_head = kv_qparams("fp8-head", k, v, torch.bfloat16)
         per_tensor = kv_qparams("fp8", k, v, torch.bfloat16)
         qa = QuantizationArgs(num_bits=8, type="float", strategy="attn_head", symmetric=True, dynamic=False)
