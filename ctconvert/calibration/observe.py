@@ -108,18 +108,19 @@ def input_qparams(input_args: dict, stats: list[MinMax], dtype: torch.dtype) -> 
     return out
 
 
-#: the KV cache scheme ``--kv-cache fp8`` writes (compressed-tensors ``QuantizationArgs``, as llm-compressor's
-#: FP8 KV cache recipes give it); ``fp8-head`` is the same per attention head (strategy ``attn_head``)
+#: the KV cache scheme ``--kv-cache fp8`` writes (compressed-tensors ``QuantizationArgs.model_dump``, as llm-compressor's
+#: FP8 KV cache recipes give it, with the observer named: llm-compressor's default for a KV cache scheme without
+#: one is ``minmax``, a moving average over batches); ``fp8-head`` is the same per attention head (``attn_head``)
 KV_CACHE_ARGS = {
-    "fp8": {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "tensor", "dynamic": False},
-    "fp8-head": {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "attn_head", "dynamic": False},
+    kind: {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": strategy, "dynamic": False, "observer": "static_minmax"}
+    for kind, strategy in (("fp8", "tensor"), ("fp8-head", "attn_head"))
 }
 
 
 def kv_qparams(kind: str, key: MinMax, value: MinMax, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """``k_scale`` and ``v_scale`` of one attention module (``dtype``; ``[1]``, or ``[H, 1, 1]`` per KV head)."""
     QuantizationArgs, calculate_qparams, _ = _ct()
-    args = QuantizationArgs(**KV_CACHE_ARGS[kind])
+    args = QuantizationArgs(**{k: v for k, v in KV_CACHE_ARGS[kind].items() if k != "observer"})
     out = {}
     for name, s in (("k_scale", key), ("v_scale", value)):
         lo, hi = (s.min.min().reshape(1), s.max.max().reshape(1)) if kind == "fp8" else (s.min.reshape(-1), s.max.reshape(-1))

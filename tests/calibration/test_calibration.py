@@ -228,6 +228,18 @@ def test_calibrated_checkpoint_loads_and_matches_dense(llama, tmp_path, scheme, 
     assert api.verify(out, llama)["ok"]
 
 
+@pytest.mark.parametrize("kind", ["fp8", "fp8-head"])
+def test_kv_cache_scheme_is_compressed_tensors_dump(kind):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+
+    from ctconvert.calibration.apply import kv_cache_config
+
+    ours = kv_cache_config(kind)
+    args = QuantizationArgs(num_bits=8, type="float", strategy=ours["strategy"], symmetric=True, dynamic=False, observer="static_minmax")
+    assert ours == args.model_dump()
+    QuantizationConfig(config_groups={}, kv_cache_scheme=ours)  # the library accepts it
+
+
 def test_w4afp8_is_data_free_and_loads(tmp_path):
     p = write_checkpoint(tmp_path / "m", llama_tensors(LLAMA_CONFIG, seed=3), LLAMA_CONFIG)  # no tokenizer: none needed
     r = api.quantize(p, tmp_path / "q", "W4AFP8")
