@@ -33,7 +33,7 @@ from torch import nn
 
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import read_tensor
-from ..errors import BadInputError, UnsupportedError
+from ..errors import BadInputError, CTConvertError, UnsupportedError
 from .observe import MinMax, Stats
 
 __all__ = ["CalibrationModel", "calibrate", "calibrate_whole_model"]
@@ -338,15 +338,29 @@ def calibrate(ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device, *, k
     cm = CalibrationModel(ckpt, device)
     cm.kv = kv_cache
     cm.load_outside()
-    hidden, recs = cm.capture(_micro_batches(tokens, batch_tokens))
+    with _forward_errors(ckpt, "the embedding"):
+        hidden, recs = cm.capture(_micro_batches(tokens, batch_tokens))
     for i in range(len(cm.layers)):
-        hidden = cm.run_layer(i, hidden, recs[i])
+        with _forward_errors(ckpt, f"decoder layer {i}"):
+            hidden = cm.run_layer(i, hidden, recs[i])
         recs[i] = None
         gc.collect()
         if progress is not None:
             progress(i + 1, len(cm.layers))
     cm.stats.tokens = int(tokens.numel())
     return cm.stats.cpu()
+
+
+@contextlib.contextmanager
+def _forward_errors(ckpt: Checkpoint, where: str):
+    """A failure of the model's own code (not ctconvert's errors, not out-of-memory) is one clear line."""
+    try:
+        yield
+    except (CTConvertError, torch.cuda.OutOfMemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers' forward of an architecture it built but cannot run this way
+        arch = (ckpt.config.get("architectures") or ["?"])[0]
+        raise UnsupportedError(f"calibration: {arch}'s forward failed in {where} ({type(e).__name__}: {str(e).splitlines()[0][:200]})", file=ckpt.path) from e
 
 
 def calibrate_whole_model(ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device, *, kv_cache: bool = False, batch_tokens: int = 4096) -> Stats:

@@ -348,6 +348,17 @@ def test_architecture_transformers_cannot_build(tmp_path):
     _refused(p, tmp_path, UnsupportedError, "cannot build architecture NoSuchForCausalLM", calibration=ids)
 
 
+def test_forward_failure_is_one_line(llama, tmp_path, monkeypatch):
+    from ctconvert.calibration import model as cal_model
+
+    def broken(self, i, hidden, recs):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied\nsecond line")
+
+    monkeypatch.setattr(cal_model.CalibrationModel, "run_layer", broken)
+    msg = r"LlamaForCausalLM's forward failed in decoder layer 0 \(RuntimeError: mat1 and mat2 shapes cannot be multiplied\)$"
+    _refused(llama, tmp_path, UnsupportedError, msg)
+
+
 def test_bad_calibration_files(llama, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"nottext": 1}\n')
