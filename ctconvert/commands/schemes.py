@@ -8,8 +8,8 @@ __all__ = ["list_schemes"]
 
 
 def list_schemes() -> list[dict]:
-    """One entry per scheme: ``{"name", "aliases", "format", "weights", "activations"}``; an alias (``INT8`` of
-    ``W8A8``) is listed with its scheme, not as a row of its own."""
+    """One entry per scheme: ``{"name", "aliases", "format", "weights", "activations", "calibration"}``; an alias
+    (``INT8`` of ``W8A8``) is listed with its scheme, not as a row of its own."""
     return [
         {
             "name": n,
@@ -17,6 +17,7 @@ def list_schemes() -> list[dict]:
             "format": get_scheme(n).format.value,
             "weights": get_scheme(n).describe(),
             "activations": get_scheme(n).describe_activations(),
+            "calibration": get_scheme(n).needs_calibration,
         }
         for n, a in scheme_aliases().items()
     ]

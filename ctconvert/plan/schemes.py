@@ -134,12 +134,14 @@ class Scheme:
     def describe_activations(self) -> str:
         """The input activations of the preset, for ``ctconvert schemes``: ``none (weight-only)`` or e.g.
         ``fp8 per token, dynamic`` (compressed-tensors ``PRESET_SCHEMES`` ``input_activations``)."""
-        inputs = _PRESET_ARGS[self.base or self.name][1]
+        inputs = self.input_args
         if not inputs:
             return "none (weight-only)"
-        unit = {"token": "per token", "tensor": "per tensor", "channel": "per channel"}.get(inputs["strategy"], f"{inputs['strategy']} {inputs['group_size']}")
+        unit = {"token": "per token", "tensor": "per tensor", "channel": "per channel"}.get(inputs["strategy"], f"group {inputs['group_size']}")
         kind = "fp" if inputs["type"] == "float" else "int"
-        return f"{kind}{inputs['num_bits']} {unit}, {'dynamic' if inputs['dynamic'] else 'static'}"
+        asym = "" if inputs.get("symmetric", True) else " asymmetric"
+        how = {True: "dynamic", "local": "dynamic, calibrated global scale", False: "static, calibrated"}[inputs["dynamic"]]
+        return f"{kind}{inputs['num_bits']} {unit}{asym}, {how}"
 
 
 def _args(num_bits, type_, strategy, group_size=None, symmetric=True, dynamic=False, **extra):
