@@ -5,5 +5,6 @@ Between the plan and the quantizer (read -> plan -> **calibrate** -> quantize ->
 :mod:`.model` runs the checkpoint's own transformers architecture one decoder layer at a
 time (only that layer's weights in memory), and :mod:`.observe` turns the recorded
 min/max into compressed-tensors' scales (``input_global_scale``, ``input_scale``,
-``input_zero_point``, ``k_scale``/``v_scale``) with compressed-tensors' own functions.
+``input_zero_point``, ``k_scale``/``v_scale``) with compressed-tensors' own functions, and
+:mod:`.apply` adds the calibrated tensors to the plan (names at plan time, values after the run).
 """

@@ -13,7 +13,6 @@ unit's ``extra`` (module -> {part: tensor}), which the executor writes with the 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -186,7 +185,3 @@ def run(plan: Plan, ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device
             plan.units[i].extra.setdefault(a, {}).update(kv_qparams(kv_cache, k, v, dtype))
     notes.append(f"calibrated on {stats.tokens} tokens")
     return notes
-
-
-def peak_hint(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{math.ceil(nbytes / 2**20)} MiB"
