@@ -21,6 +21,7 @@ from compressed_tensors.quantization.utils import calculate_qparams, generate_gp
 
 PRESET_FORMAT = {
     "FP8_DYNAMIC": "float-quantized",
+    "FP8": "float-quantized",
     "FP8_BLOCK": "float-quantized",
     "W8A8": "int-quantized",
     "INT8": "int-quantized",

@@ -240,6 +240,33 @@ def test_kv_cache_scheme_is_compressed_tensors_dump(kind):
     QuantizationConfig(config_groups={}, kv_cache_scheme=ours)  # the library accepts it
 
 
+@pytest.mark.parametrize("scheme", ["FP8", "NVFP4"])
+def test_calibrated_schemes_weights_are_compressed_tensors_bytes(llama, tmp_path, scheme):
+    """The weights of the calibrated schemes (FP8: one scale per tensor) are the bytes compressed-tensors' compressor writes."""
+    from safetensors.torch import load_file
+
+    from ct_reference import ct_compress
+
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(str(i % 300) for i in range(512)))
+    api.quantize(llama, tmp_path / "q", scheme, calibration=ids, calibration_samples=2, calibration_seq_len=256)
+    ours = load_file(next((tmp_path / "q").glob("*.safetensors")))
+    dense = load_file(next(llama.glob("*.safetensors")))
+    mods = sorted(n[: -len(".weight_scale")] for n in ours if n.endswith(".weight_scale"))
+    assert len(mods) == 14
+    for m in mods:
+        parent, _, leaf = m.rpartition(".")
+        sets = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj")}
+        members = next((s for s in sets.values() if leaf in s), (leaf,))
+        ref = ct_compress(dense[m + ".weight"], scheme, fused_with=[dense[f"{parent}.{x}.weight"] for x in members])
+        for k, v in ref.items():
+            if k in ("weight_zero_point",):
+                continue
+            got = ours[f"{m}.{k}"]
+            assert got.dtype == v.dtype and got.shape == v.shape, (m, k)
+            assert torch.equal(got.reshape(-1).view(torch.uint8), v.contiguous().reshape(-1).view(torch.uint8)), (m, k)
+
+
 def test_w4afp8_is_data_free_and_loads(tmp_path):
     p = write_checkpoint(tmp_path / "m", llama_tensors(LLAMA_CONFIG, seed=3), LLAMA_CONFIG)  # no tokenizer: none needed
     r = api.quantize(p, tmp_path / "q", "W4AFP8")
