@@ -19,7 +19,18 @@ from .naming import FUSED_OF, fused_set_name, is_linear_weight, resolve_group
 from .reader import Checkpoint
 from .safetensors_io import TensorInfo, read_rows, read_tensor
 
-__all__ = ["ACT_PARTS", "KV_PARTS", "QUANT_PARTS", "SPARSITY_GROUP", "Module", "dense_row_chunks", "dense_shape", "fused_global_scales", "module_rows", "modules_of"]
+__all__ = [
+    "ACT_PARTS",
+    "KV_PARTS",
+    "QUANT_PARTS",
+    "SPARSITY_GROUP",
+    "Module",
+    "dense_row_chunks",
+    "dense_shape",
+    "fused_global_scales",
+    "module_rows",
+    "modules_of",
+]
 
 QUANT_PARTS = (
     "weight_packed",
