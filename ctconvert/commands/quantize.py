@@ -205,7 +205,8 @@ def quantize(
     qconfig = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
     if isinstance(plan.scheme, SparseScheme):
         qconfig = sparse_config(qconfig, plan.scheme, targets or ["Linear"], plan.ignore)
-    qconfig["kv_cache_scheme"] = calibration.kv_cache_config(kv_cache)
+    if kv_cache != "none":
+        qconfig["kv_cache_scheme"] = calibration.kv_cache_config(kv_cache)
     if layout is not None:
         if resume or refresh:
             raise UsageError("--target cannot be combined with --resume or --refresh")
