@@ -126,9 +126,11 @@ class FloatQuantized(WeightFormat):
     def _reference(self, w, args, global_scale):
         if args.strategy == "tensor":
             # the FP8 preset: one scale for the whole tensor, known before any chunk (``global_scale`` here:
-            # ``fp8_scale`` of the tensor's absmax, written as ``weight_scale [1]`` by the caller)
+            # ``fp8_scale`` of the tensor's absmax, written as ``weight_scale [1]`` by the caller); without it
+            # ``w`` is the whole tensor, and its scale is returned with it
             if global_scale is None:
-                raise ValueError("per-tensor FP8 needs the tensor's scale before its chunks are quantized")
+                s = fp8_scale(group_absmax(w.reshape(1, -1), w.numel()), w.dtype).reshape(1)
+                return {"weight": fp8_quantize_values(w, s), "weight_scale": s.to(w.dtype)}
             return {"weight": fp8_quantize_values(w, global_scale.to(torch.float32).to(w.device))}
         if args.strategy == "block":
             return quantize_fp8_block(w, args.block_structure)
