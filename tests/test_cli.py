@@ -167,7 +167,7 @@ def test_schemes_command():
     assert "INT8" not in rows and rows["W8A8"]["aliases"] == ["INT8"] and rows["W4A16"]["aliases"] == []
     assert rows["MXFP8"]["format"] == "mxfp8-quantized" and rows["MXFP4"]["format"] == "mxfp4-pack-quantized"
     assert {n for n, r in rows.items() if r["calibration"]} == {"NVFP4", "FP8", "W8A8_STATIC", "W8A8_STATIC_ASYM"}
-    assert rows["W4AFP8"]["activations"] == "float8 per token, dynamic" and rows["W4A16"]["activations"] == "16-bit"
+    assert rows["W4AFP8"]["activations"] == "fp8 per token, dynamic" and rows["W4A16"]["activations"] == "none (weight-only)"
     assert rows["W8A8_STATIC_ASYM"]["activations"] == "int8 per tensor asymmetric, static, calibrated"
     code, stdout, _ = run("schemes")
     assert code == 0 and "W8A8 = INT8" in stdout and not any(line.startswith("INT8") for line in stdout.splitlines())
