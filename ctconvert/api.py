@@ -78,6 +78,9 @@ def quantize(
     calibration_samples: int = 8,
     calibration_seq_len: int = 256,
     kv_cache: str = "none",
+    keep_unclassified: bool = False,
+    default_ignore: bool = True,
+    quantize_mtp: bool = False,
 ) -> QuantizeResult:
     """Convert the dense checkpoint ``src`` to a compressed-tensors checkpoint at ``out``.
 
@@ -126,6 +129,13 @@ def quantize(
             corpus. ``calibration_samples`` x ``calibration_seq_len`` tokens are used.
         kv_cache: ``none``, ``fp8`` (calibrated per-tensor ``k_scale``/``v_scale``) or ``fp8-head``
             (per KV head).
+        keep_unclassified: keep a floating tensor of 2 or more dimensions that no rule classifies
+            (or fused 3-D experts of a family whose layout is not known) dense, list its module in
+            ``ignore`` and report it; by default it is refused by name (:class:`UnsupportedError`, exit 4).
+        default_ignore: apply the default ignores (``lm_head``, MoE routers, vision/audio towers,
+            MTP layers, Linear layers outside the blocks); ``False`` drops them all. A module named
+            in ``targets`` (a name or ``re:`` pattern) is quantized whatever the defaults say.
+        quantize_mtp: also quantize multi-token-prediction layers (dense by default).
 
     Returns:
         A :class:`QuantizeResult` (``to_dict()`` is the ``--json`` document).
@@ -171,6 +181,9 @@ def quantize(
         calibration_samples=calibration_samples,
         calibration_seq_len=calibration_seq_len,
         kv_cache=kv_cache,
+        keep_unclassified=keep_unclassified,
+        default_ignore=default_ignore,
+        quantize_mtp=quantize_mtp,
     )
 
 

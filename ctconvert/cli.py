@@ -293,6 +293,9 @@ def _split(values: tuple[str, ...]) -> list[str]:
     show_default=True,
     help="FP8 KV cache with calibrated k_scale/v_scale: per tensor (fp8) or per KV head (fp8-head).",
 )
+@click.option("--keep-unclassified", is_flag=True, help="Keep tensors no rule classifies dense (listed in ignore and reported) instead of failing.")
+@click.option("--no-default-ignore", is_flag=True, help="Drop every default ignore (lm_head, routers, towers, MTP, Linear outside the blocks).")
+@click.option("--quantize-mtp", is_flag=True, help="Also quantize multi-token-prediction (MTP) layers (dense by default).")
 @_json_option
 @click.pass_obj
 def quantize(
@@ -326,6 +329,9 @@ def quantize(
     calibration_samples,
     calibration_seq_len,
     kv_cache,
+    keep_unclassified,
+    no_default_ignore,
+    quantize_mtp,
 ):
     """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint."""
     from . import api
@@ -357,6 +363,9 @@ def quantize(
         calibration_samples=calibration_samples,
         calibration_seq_len=calibration_seq_len,
         kv_cache=kv_cache,
+        keep_unclassified=keep_unclassified,
+        default_ignore=not no_default_ignore,
+        quantize_mtp=quantize_mtp,
     )
     if target:
         if (resume or refresh) and not dry_run:
@@ -435,8 +444,12 @@ def _print_plan(ctx: _Ctx, result, target=None, all_rows: bool = False) -> None:
             title=title,
             caption=f"{len(rows)} tensors summarized; --all-layers lists each",
         )
-    counts = {a: sum(1 for r in plan.rows if r.action == a) for a in ("quantize", "ignore", "copy")}
-    con.print(f"{counts['quantize']} tensors to quantize, {counts['ignore']} Linear kept dense (ignore), {counts['copy']} copied")
+    counts = {a: sum(1 for r in plan.rows if r.action == a) for a in ("quantize", "ignore", "copy", "split")}
+    split = f", {counts['split']} fused expert tensors split per expert" if counts["split"] else ""
+    con.print(f"{counts['quantize']} tensors to quantize, {counts['ignore']} Linear kept dense (ignore), {counts['copy']} copied{split}")
+    if plan.defaults:
+        applied = ", ".join(f"{k}: {v}" for k, v in plan.defaults.items())
+        con.print(f"defaults applied (modules kept dense; --no-default-ignore drops them): {applied}")
     con.print(f"output: {_human(result.output_bytes)} of tensors (input {_human(result.input_bytes)})")
     con.print(f"ignore: {plan.ignore}")
     if result.parallel is not None:

@@ -15,8 +15,8 @@ import torch
 from ..formats import CompressionFormat, WeightArgs, get_format
 from ..formats.base import dequantize_unpacked, part_rows
 from ..layouts.marlin24 import marlin24_unpack, marlin24_unpermute_scales
-from .naming import FUSED_OF, fused_set_name, is_linear_weight, resolve_group
-from .reader import Checkpoint
+from .naming import FLOAT_DTYPES, FUSED_OF, dense_kind, fused_set_name, is_linear_weight, matches, resolve_group
+from .reader import Checkpoint, Problem
 from .safetensors_io import TensorInfo, read_rows, read_tensor
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "fused_global_scales",
     "module_rows",
     "modules_of",
+    "unexplained_dense",
 ]
 
 QUANT_PARTS = (
@@ -155,3 +156,40 @@ def _marlin24_dense(m: Module, n: int, k: int, args: WeightArgs) -> torch.Tensor
     q = marlin24_unpack(read_tensor(m.parts["weight_packed"]), read_tensor(m.parts["meta"]), n, k)
     scale = marlin24_unpermute_scales(read_tensor(m.parts["scale_packed"]), k, g)
     return dequantize_unpacked({"weight": q, "weight_scale": scale}, args)
+
+
+def unexplained_dense(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem]:
+    """Dense floating tensors of 2 or more dimensions in a quantized checkpoint that its config does not explain.
+
+    Explained are: quantized modules, Linear weights (checked against ``ignore`` elsewhere), tensors
+    a naming rule classifies (:func:`.naming.dense_kind`: norms, embeddings, convolutions, towers)
+    and tensors whose module (or own name) ``ignore`` matches. Anything else, fused 3-D MoE experts
+    left in bf16 above all, is an error: loaders would build quantized layers the file does not hold,
+    or the conversion silently skipped it."""
+    qcfg = ckpt.quantization_config or {}
+    if not qcfg:
+        return []
+    ignore = qcfg.get("ignore") or []
+    out = []
+    for m in mods.values():
+        if m.quantized:
+            continue
+        for part, info in m.parts.items():
+            name = f"{m.name}.{part}" if m.name else part
+            if info.dtype not in FLOAT_DTYPES or len(info.shape) < 2:
+                continue
+            if part == "weight" and is_linear_weight(name, info):
+                continue
+            if dense_kind(name) is not None or matches(m.name, ignore, is_linear=False) or matches(name, ignore, is_linear=False):
+                continue
+            hint = "; fused 3-D MoE experts left unquantized?" if len(info.shape) == 3 and "expert" in name else ""
+            out.append(
+                Problem(
+                    "error",
+                    f"dense {len(info.shape)}-D tensor {list(info.shape)} that the quantization_config does not explain (not quantized, not a Linear, "
+                    f"norm, embedding or tower, and its module is not in ignore){hint}",
+                    file=str(info.file),
+                    tensor=name,
+                )
+            )
+    return out

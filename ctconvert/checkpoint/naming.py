@@ -29,6 +29,7 @@ __all__ = [
     "FUSED_OF",
     "FUSED_SETS",
     "decoder_layer_index",
+    "dense_kind",
     "find_embedding",
     "fused_key",
     "fused_set_name",
@@ -46,16 +47,16 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 # Module names that hold 2-D weights but are not Linear layers.
 _NOT_LINEAR = re.compile(
-    r"(^|\.)(embed_tokens|embeddings?|word_embeddings|position_embeddings|token_type_embeddings|wte|wpe|"
+    r"(^|\.)(embed_tokens|embed_tokens_per_layer|embeddings?|word_embeddings|position_embeddings|token_type_embeddings|wte|wpe|"
     r"shared|embed_positions|rotary_emb|relative_attention_bias)(\.|$)|norm|(^|\.)ln_?\w*$"
 )
 #: Default ignore: kept dense and listed in ``ignore`` (docs/field-notes.md §4, reports 9, F6).
 DEFAULT_IGNORE_PATTERNS = {
     "lm_head": re.compile(r"(^|\.)lm_head$|^output$"),
-    "router": re.compile(r"(^|\.)(mlp\.gate|block_sparse_moe\.gate|router|gate\.wg|shared_expert_gate|moe\.gate)$"),
+    "router": re.compile(r"(^|\.)(mlp\.gate|block_sparse_moe\.gate|router|router\.proj|router\.layer|gate\.wg|shared_expert_gate|moe\.gate)$"),
     "vision": re.compile(
         r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|multi_modal_projector|mm_projector|"
-        r"vision_embed_tokens|audio_tower|audio_model|image_newline|vision)\."
+        r"vision_embed_tokens|audio_tower|audio_model|image_newline|vision|embed_vision|embed_audio)\."
     ),
 }
 #: A decoder (or encoder) block: ``...layers.7.``, ``...layer.7.``, ``...h.7.``, ``...blocks.7.``
@@ -83,6 +84,27 @@ def is_linear_weight(name: str, info: TensorInfo) -> bool:
         return False
     module = name[: -len(".weight")]
     return not _NOT_LINEAR.search(module)
+
+
+_CONV = re.compile(r"(^|\.)(conv\w*|patch_embed\w*|patch_embedding)(\.|$)")
+_STATE_SPACE = re.compile(r"(^|\.)(A_log|D|dt_bias)$")
+
+
+def dense_kind(name: str) -> str | None:
+    """Why a floating tensor that is not a Linear weight is copied as it is (``norm``, ``embedding``,
+    ``convolution``, ``vision/audio tower``, ``state-space parameter``), or None when no naming rule explains it."""
+    module = name.rpartition(".")[0] if name.endswith((".weight", ".bias")) else name
+    if DEFAULT_IGNORE_PATTERNS["vision"].search(name):
+        return "vision/audio tower"
+    if "norm" in module or re.search(r"(^|\.)ln_?\w*$", module):
+        return "norm"
+    if _NOT_LINEAR.search(module):
+        return "embedding"
+    if _CONV.search(module):
+        return "convolution"
+    if _STATE_SPACE.search(name):
+        return "state-space parameter"
+    return None
 
 
 def matches(module: str, patterns: list[str], *, is_linear: bool) -> str | None:

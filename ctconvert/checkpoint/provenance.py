@@ -45,8 +45,16 @@ def provenance(ckpt: Checkpoint, units: list, options: dict, src_hashes: dict[st
     tensors = {}
     for u in units:
         for name, sources in u.output_sources().items():
-            tensors[name] = [{"file": ckpt.tensors[s].file.name, "tensor": s, HASH_NAME: src_hashes[s]} for s in sources]
+            tensors[name] = [_source(ckpt.tensors[s], src_hashes[s]) for s in sources]
     return {"ctconvert": __version__, "hash": HASH_NAME, "source": str(ckpt.path), "options": options, "tensors": tensors}
+
+
+def _source(info, digest: str) -> dict:
+    """One source entry; a per-expert part of a fused tensor also names the stored tensor it is a slice of."""
+    out = {"file": info.file.name, "tensor": info.name, HASH_NAME: digest}
+    if info.base is not None:
+        out["slice_of"] = info.base
+    return out
 
 
 def load_provenance(out: Path, options: dict) -> dict:

@@ -57,8 +57,29 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself enforces
 
 
 @dataclass(frozen=True)
+class SliceView:
+    """How a derived tensor is taken from a stored one when its bytes are not one contiguous range.
+
+    The region is ``rows x cols`` elements, contiguous, at :attr:`TensorInfo.start` (one expert of a
+    fused 3-D tensor, say). Not transposed: the derived tensor's row ``n`` is region row
+    ``offset + step * n``. Transposed: its row ``n`` is region *column* ``offset + step * n``
+    (so the derived tensor is ``region[:, offset::step].T``). Used for fused 3-D MoE experts
+    (:mod:`ctconvert.checkpoint.families`)."""
+
+    rows: int
+    cols: int
+    transpose: bool
+    offset: int
+    step: int
+
+
+@dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor lives: file, dtype string, shape, absolute byte range."""
+    """Where one tensor lives: file, dtype string, shape, absolute byte range.
+
+    A *derived* tensor (a slice of a stored one: one expert of a fused 3-D tensor) has ``base``, the
+    stored tensor's name, and, where its bytes are not one contiguous range, a ``view``; ``nbytes`` is
+    then its own logical size, and every reader here returns its logical bytes."""
 
     name: str
     file: Path
@@ -66,6 +87,8 @@ class TensorInfo:
     shape: tuple[int, ...]
     start: int  # absolute offset in the file
     nbytes: int
+    base: str | None = None  # derived tensor: the stored tensor it is a slice of
+    view: SliceView | None = None  # derived tensor whose bytes are not contiguous
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -154,6 +177,19 @@ def read_bytes(info: TensorInfo, offset: int, nbytes: int, out: torch.Tensor | N
     e.g. pinned, of at least ``nbytes``). Raises :class:`BadInputError` on a
     short read.
     """
+    if info.view is not None:
+        row_bytes = info.nbytes // max(1, info.shape[0])
+        r0, r1 = offset // row_bytes, -(-(offset + nbytes) // row_bytes)
+        data = _view_rows(info, r0, r1).reshape(-1).view(torch.uint8)[offset - r0 * row_bytes :][:nbytes]
+        if out is None:
+            return data
+        out[:nbytes].copy_(data)
+        return out[:nbytes]
+    return _pread(info, info.start + offset, nbytes, out)
+
+
+def _pread(info: TensorInfo, pos: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``nbytes`` of ``info``'s file from absolute offset ``pos`` (uint8; into ``out`` when given)."""
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8)
     view = memoryview(out.numpy()).cast("B")[:nbytes]
@@ -161,7 +197,7 @@ def read_bytes(info: TensorInfo, offset: int, nbytes: int, out: torch.Tensor | N
     try:
         got = 0
         while got < nbytes:
-            k = os.preadv(fd, [view[got:]], info.start + offset + got)
+            k = os.preadv(fd, [view[got:]], pos + got)
             if k <= 0:
                 raise BadInputError("unexpected end of file while reading tensor data (truncated?)", file=info.file, tensor=info.name)
             got += k
@@ -180,9 +216,28 @@ def read_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
     if len(info.shape) < 1:
         raw = read_bytes(info, 0, info.nbytes)
         return raw.view(info.torch_dtype).reshape(info.shape)
+    if info.view is not None:
+        return _view_rows(info, row0, row1)
     row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
     raw = read_bytes(info, row0 * row_bytes, (row1 - row0) * row_bytes)
     return raw.view(info.torch_dtype).reshape((row1 - row0, *info.shape[1:]))
+
+
+def _view_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
+    """Rows ``[row0, row1)`` of a derived tensor with a :class:`SliceView`, contiguous, of its dtype.
+    Not transposed, only the region rows that hold them are read; transposed, the whole region."""
+    v, isz = info.view, info.itemsize
+    n = row1 - row0
+    if n <= 0:
+        return torch.empty((0, *info.shape[1:]), dtype=info.torch_dtype)
+    if not v.transpose:
+        a0, a1 = v.offset + v.step * row0, v.offset + v.step * (row1 - 1) + 1
+        region = _pread(info, info.start + a0 * v.cols * isz, (a1 - a0) * v.cols * isz).view(info.torch_dtype).reshape(a1 - a0, v.cols)
+        rows = region[:: v.step]
+    else:
+        region = _pread(info, info.start, v.rows * v.cols * isz).view(info.torch_dtype).reshape(v.rows, v.cols)
+        rows = region[:, v.offset + v.step * row0 : v.offset + v.step * (row1 - 1) + 1 : v.step].t()
+    return rows.contiguous().reshape((n, *info.shape[1:]))
 
 
 def iter_row_chunks(info: TensorInfo, chunk_bytes: int = 64 * 2**20):
@@ -203,7 +258,7 @@ def map_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
     writing to the tensor is not allowed. Falls back to :func:`read_rows` when
     the range cannot be mapped. Raises :class:`BadInputError` on a short file.
     """
-    if len(info.shape) < 1 or info.shape[0] == 0:
+    if len(info.shape) < 1 or info.shape[0] == 0 or info.view is not None:
         return read_rows(info, row0, row1)
     row_bytes = info.nbytes // info.shape[0]
     start = info.start + row0 * row_bytes

@@ -67,6 +67,9 @@ ALLOWED = {
     "calibration_samples",
     "calibration_seq_len",
     "kv_cache",
+    "keep_unclassified",
+    "default_ignore",
+    "quantize_mtp",
 }
 #: the keys of every job line, whatever its status (None where a key does not apply)
 LINE_KEYS = (

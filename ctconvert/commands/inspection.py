@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from ..checkpoint.kernel_native import is_kernel_native, missing_tensors
-from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fused_global_scales, modules_of
+from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import BLOCK, decoder_layer_index, is_linear_weight, natural_key
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
 
@@ -134,6 +134,7 @@ def inspect_checkpoint(path: Path) -> dict:
         if row is not None:
             layers.append(row)
     problems += _fused_set_problems(mods)
+    problems += unexplained_dense(ckpt, mods)
     return {
         "path": str(path),
         "quantization_config": _config_summary(qcfg),

@@ -143,6 +143,9 @@ def quantize(
     calibration_seq_len: int = DEFAULT_SEQ_LEN,
     kv_cache: str = "none",
     calibration_batch_tokens: int = 4096,
+    keep_unclassified: bool = False,
+    default_ignore: bool = True,
+    quantize_mtp: bool = False,
 ) -> QuantizeResult:
     """Convert ``src`` to ``out``; see :func:`ctconvert.api.quantize` for the arguments and errors.
 
@@ -157,7 +160,8 @@ def quantize(
     elif group_size is not None or symmetric is not None:
         raise UsageError("--group-size/--symmetric/--asymmetric cannot be combined with --sparsity (2:4 takes the presets as they are)")
     ckpt = open_checkpoint(src, strict=True)
-    plan_kw = dict(targets=targets, ignore=ignore, lm_head=lm_head, lm_head_chunk_rows=lm_head_chunk_rows)
+    rules = dict(keep_unclassified=keep_unclassified, default_ignore=default_ignore, quantize_mtp=quantize_mtp)
+    plan_kw = dict(targets=targets, ignore=ignore, lm_head=lm_head, lm_head_chunk_rows=lm_head_chunk_rows, **rules)
     if sparsity:
         if lm_head.lower() != "none":  # its sparsity_config would claim the head as 2:4 for loaders
             raise UsageError("--lm-head cannot be combined with --sparsity: 2:4 is for the Linear layers of the blocks")
@@ -166,6 +170,8 @@ def quantize(
     kv_cache = kv_cache.lower()
     calibration.add_outputs(plan, ckpt, kv_cache)
     calibrated = calibration.needs_calibration(plan, kv_cache)
+    if plan.views:  # per-expert parts of fused 3-D experts: read as tensors of their own from here on
+        ckpt = dataclasses.replace(ckpt, tensors={**ckpt.tensors, **plan.views})
     result = QuantizeResult.of_plan(plan, out, dry_run, ckpt.total_bytes, devs)
     if dry_run or tp > 1 or ep is not None:
         _parallel(result, plan, ckpt, layout, tp, ep)
@@ -189,6 +195,7 @@ def quantize(
     options = _run_options(plan, lm_head, targets, ignore, shard_limit, skip_incompatible, lm_head_chunk_rows)
     if sparsity:
         options["sparsity"] = sparsity
+    options.update({k: v for k, v in rules.items() if v != _RULE_DEFAULTS[k]})  # only where not the default: earlier outputs keep their fingerprint
     created = refresh and not out.exists()
     if created:  # "create or update": nothing to refresh yet, so a full conversion (every shard written)
         refresh = False
@@ -265,6 +272,9 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, device, result: QuantizeResult, fil
     result.notes.append(f"calibration data: {data.source} ({data.kind}, {data.available} tokens; using {samples} x {seq_len})")
     result.notes += calibration.run(plan, ckpt, data.tokens, device, kv_cache, batch_tokens)
     result.calibration["seconds"] = round(time.perf_counter() - t0, 3)
+
+
+_RULE_DEFAULTS = {"keep_unclassified": False, "default_ignore": True, "quantize_mtp": False}
 
 
 def _run_options(plan: Plan, lm_head, targets, ignore, shard_limit: int, skip_incompatible: bool, lm_head_chunk_rows: int) -> dict:

@@ -22,17 +22,19 @@ Reads top to bottom: structure -> values -> reference errors -> the report.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from pathlib import Path
 
 import torch
 
+from ..checkpoint.families import split_fused_experts
 from ..checkpoint.kernel_native import is_kernel_native
-from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of
+from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, natural_key, resolve_group
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_bytes, read_rows, read_tensor
-from ..errors import UsageError
+from ..errors import CTConvertError, UsageError
 from ..formats import WeightArgs, get_format
 from ..formats.sparse24 import SPARSE_PREFIX, prune24
 from ..layouts import kernels
@@ -69,13 +71,14 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     mods = modules_of(ckpt)
     problems += _config_problems(ckpt, path)
     problems += _module_problems(mods)
+    problems += unexplained_dense(ckpt, mods)
     problems += _value_problems(ckpt)
     rows: list[dict] = []
     checks = list(_STRUCTURE_CHECKS)
     if reference is None:
         problems += _all_zero_problems(mods, ckpt)
     else:
-        ref = open_checkpoint(reference, strict=True)
+        ref = _split_reference(open_checkpoint(reference, strict=True), ckpt, problems)
         with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
             rows, ref_problems = _compare_weights(mods, ref, bar)
             problems += ref_problems + _compare_others(ckpt, mods, ref, bar)
@@ -126,6 +129,22 @@ def _summary(rows: list[dict]) -> dict | None:
         "worst_threshold": worst["threshold"],
         "min_snr_db": min(r["snr_db"] for r in rows),
     }
+
+
+def _split_reference(ref: Checkpoint, ckpt: Checkpoint, problems: list[Problem]) -> Checkpoint:
+    """The reference as the output names it: each fused 3-D expert tensor the output does not hold under its own
+    name is replaced by its per-expert parts (:func:`ctconvert.checkpoint.families.split_fused_experts`)."""
+    try:
+        fused = split_fused_experts(ref.tensors, ref.config)
+    except CTConvertError as e:
+        problems.append(Problem("warning", f"reference fused experts not split: {e.message}", e.file, e.tensor))
+        return ref
+    split = {n: fe for n, fe in fused.items() if n not in ckpt.tensors}
+    if not split:
+        return ref
+    tensors = {n: i for n, i in ref.tensors.items() if n not in split}
+    tensors.update({p.name: p for fe in split.values() for p in fe.parts})
+    return dataclasses.replace(ref, tensors=tensors)
 
 
 def _report(path: Path, reference, problems: list[Problem], tensors: list[dict], **extra) -> dict:

@@ -87,6 +87,8 @@ class Read:
 
 def _chunk_rows(info: TensorInfo, unit: WorkUnit, chunk_elems: int) -> int:
     align = unit.scheme.row_align
+    if info.view is not None and info.view.transpose:  # every chunk of a transposed expert reads its whole region: one chunk
+        return max(align, -(-info.shape[0] // align) * align)
     rows = unit.chunk_rows or max(1, chunk_elems // max(1, info.shape[1]))
     return max(align, rows // align * align)
 

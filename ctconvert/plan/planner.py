@@ -10,8 +10,11 @@ partly ignored fused sets) are found here. The naming rules it applies
 :mod:`ctconvert.checkpoint.naming`.
 
 :func:`make_plan` runs in phases, each a function below: check the options,
-decide every tensor, check the fused sets, make the work units, plan
-``lm_head``, and name the config groups.
+decide every tensor (fused 3-D experts as their per-expert parts,
+:mod:`ctconvert.checkpoint.families`), settle which fused experts are written
+per expert, give every copied tensor its reason (or refuse one no rule
+classifies), check the fused sets, make the work units, plan ``lm_head``, and
+name the config groups.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..checkpoint.families import FusedExperts, is_mtp, split_fused_experts
 from ..checkpoint.naming import (
     BLOCK,
     DEFAULT_IGNORE_PATTERNS,
     FLOAT_DTYPES,
+    dense_kind,
     find_embedding,
     fused_key,
     fused_set_name,
@@ -81,10 +86,11 @@ class TensorDecision:
     file: str
     dtype: str
     shape: tuple[int, ...]
-    action: str  # quantize | ignore | copy
+    action: str  # quantize | ignore | copy | split (a fused 3-D expert tensor written as per-expert tensors)
     scheme: str | None = None
     fused_set: str | None = None
     reason: str | None = None
+    source: str | None = None  # a per-expert part: the stored fused tensor it is a slice of
 
 
 @dataclass
@@ -99,6 +105,8 @@ class Plan:
     config_updates: dict
     notes: list[str]
     input_bytes: int
+    views: dict[str, TensorInfo] = field(default_factory=dict)  # per-expert parts of split fused tensors, by name
+    defaults: dict[str, int] = field(default_factory=dict)  # default rule -> modules it kept dense
 
     @property
     def quantized_modules(self) -> int:
@@ -115,6 +123,7 @@ class Plan:
             "quantized_modules": self.quantized_modules,
             "ignore": self.ignore,
             "notes": self.notes,
+            "defaults_applied": self.defaults,
             "tensors": [{k: v for k, v in r.__dict__.items() if v is not None} for r in self.rows],
         }
 
@@ -135,6 +144,18 @@ class _Decisions:
     head_name: str | None = None
     used_targets: set[str] = field(default_factory=set)
     used_ignore: set[str] = field(default_factory=set)
+    defaults: dict[str, int] = field(default_factory=dict)  # default rule -> modules it kept dense
+
+
+@dataclass
+class _Rules:
+    """The options that decide a tensor beyond targets/ignore (phase 2)."""
+
+    config: dict
+    default_ignore: bool = True  # apply the default ignores (lm_head, routers, towers, MTP, outside the blocks)
+    quantize_mtp: bool = False
+    head_quantized: bool = False
+    skip_incompatible: bool = False
 
 
 def make_plan(
@@ -148,6 +169,9 @@ def make_plan(
     skip_incompatible: bool = False,
     sparsity: str | None = None,
     sparsity_target: str | None = None,
+    keep_unclassified: bool = False,
+    default_ignore: bool = True,
+    quantize_mtp: bool = False,
 ) -> Plan:
     """Decide every tensor's fate. Raises before any data is read.
 
@@ -155,12 +179,23 @@ def make_plan(
     set), :class:`UnsupportedError` (already-quantized input, NVFP4 W4A4, a
     targeted weight whose shape the scheme cannot take, unless
     ``skip_incompatible``, in which case it is kept dense, listed in ``ignore``
-    and reported in ``notes``) or :class:`BadInputError`.
+    and reported in ``notes``; a floating tensor of 2 or more dimensions that
+    no rule classifies, or fused 3-D experts of a family whose layout is not
+    known, unless ``keep_unclassified``, which keeps it dense, lists its
+    module in ``ignore`` and reports it) or :class:`BadInputError`.
+
+    Fused 3-D experts are written as one 2-D Linear per expert
+    (:func:`ctconvert.checkpoint.families.split_fused_experts`) when any of
+    them is quantized; their parts are in :attr:`Plan.views`. A module that
+    ``targets`` names (by name or ``re:`` pattern, not ``Linear``) is quantized
+    even where a default would keep it dense; ``default_ignore=False`` drops
+    every default (``lm_head``, routers, towers, MTP, Linear outside the
+    blocks). MTP layers stay dense unless ``quantize_mtp``.
 
     Example::
 
         plan = make_plan(open_checkpoint("model/"), "W4A16")
-        [r.action for r in plan.rows]   # 'quantize' | 'ignore' | 'copy', one per tensor
+        [r.action for r in plan.rows]   # 'quantize' | 'ignore' | 'copy' | 'split', one per tensor (and per expert part)
     """
     scheme = sparse_scheme(scheme_name, sparsity, sparsity_target) if sparsity else get_scheme(scheme_name)  # 2:4: plan/sparsity.py
     _refuse_quantized(ckpt)
@@ -169,11 +204,16 @@ def make_plan(
     user_ignore = list(ignore or [])
     _check_patterns(targets + user_ignore)
 
-    tensors = ckpt.tensors
-    order = sorted(tensors, key=lambda n: (str(tensors[n].file), tensors[n].start))
+    rules = _Rules(ckpt.config, default_ignore, quantize_mtp, head_scheme is not None, skip_incompatible)
     d = _Decisions()
-    for name in order:
-        _decide(d, name, tensors[name], scheme, targets, user_ignore, head_scheme is not None, skip_incompatible)
+    fused = _fused_experts(ckpt, keep_unclassified, d)
+    tensors = _with_parts(ckpt.tensors, fused)
+    for name in _file_order(tensors):
+        _decide(d, name, tensors[name], scheme, targets, user_ignore, rules)
+    fused = _settle_experts(d, fused, ckpt.tensors)
+    tensors = _with_parts(ckpt.tensors, fused)
+    order = _file_order(tensors)
+    _explain_copies(d, order, tensors, targets, user_ignore, keep_unclassified)
     _check_pattern_use(d, tensors, targets, user_ignore)
     sets = _fused_sets(d, tensors, scheme)
     units = _units(d, order, tensors, sets, scheme, head_scheme, lm_head_chunk_rows)
@@ -202,13 +242,27 @@ def make_plan(
     return Plan(
         scheme=scheme,
         units=units,
-        rows=[d.rows[n] for n in order],
+        rows=[r for n in _file_order(ckpt.tensors) for r in [d.rows[n], *(d.rows[p.name] for p in (fused[n].parts if n in fused else ()))]],
         ignore=ignore_list,
         config_groups=config_groups,
         config_updates=config_updates,
         notes=d.notes,
         input_bytes=ckpt.total_bytes,
+        views={p.name: p for fe in fused.values() for p in fe.parts},
+        defaults=d.defaults,
     )
+
+
+def _file_order(tensors: dict[str, TensorInfo]) -> list[str]:
+    """Tensor names in the order their bytes lie in the files (per-expert parts within their fused tensor)."""
+    return sorted(tensors, key=lambda n: (str(tensors[n].file), tensors[n].start, n))
+
+
+def _with_parts(tensors: dict[str, TensorInfo], fused: dict[str, FusedExperts]) -> dict[str, TensorInfo]:
+    """The checkpoint's tensors with each split fused tensor replaced by its per-expert parts."""
+    out = {n: i for n, i in tensors.items() if n not in fused}
+    out.update({p.name: p for fe in fused.values() for p in fe.parts})
+    return out
 
 
 def _head_module(head_name: str | None) -> str:
@@ -281,52 +335,67 @@ def _check_pattern_use(d: _Decisions, tensors: dict[str, TensorInfo], targets: l
 # -- phase 2: every tensor ------------------------------------------------------------
 
 
-def _decide(
-    d: _Decisions, name: str, info: TensorInfo, scheme: Scheme, targets: list[str], user_ignore: list[str], head_quantized: bool, skip_incompatible: bool
-) -> None:
-    """Record one tensor's decision in ``d``."""
-    row = d.rows[name] = TensorDecision(name, info.file.name, info.dtype, info.shape, "copy")
+def _decide(d: _Decisions, name: str, info: TensorInfo, scheme: Scheme, targets: list[str], user_ignore: list[str], rules: _Rules) -> None:
+    """Record one tensor's decision in ``d`` (a tensor left ``copy`` without a reason is explained, or refused, in phase 2c).
+
+    A module named by an explicit target (a name or ``re:`` pattern) is quantized even where a
+    default would keep it dense; the defaults apply to what only ``Linear`` matches."""
+    row = d.rows[name] = TensorDecision(name, info.file.name, info.dtype, info.shape, "copy", source=info.base)
     if not name.endswith(".weight"):
         return
     module = name[: -len(".weight")]
     linear = is_linear_weight(name, info)
 
-    def keep_dense(reason: str, listed: bool = True) -> None:
+    def keep_dense(reason: str, listed: bool = True, default: str | None = None) -> None:
         row.action, row.reason = "ignore", reason
         if listed:
             d.ignored.append(module)
+        if default is not None:
+            d.defaults[default] = d.defaults.get(default, 0) + 1
 
+    explicit = matches(module, [t for t in targets if t != "Linear"], is_linear=linear)
+    hit = explicit or matches(module, targets, is_linear=linear)
+    user = matches(module, user_ignore, is_linear=linear)
     if DEFAULT_IGNORE_PATTERNS["lm_head"].search(module) and linear:
         d.head_name = name
-        if not head_quantized:
-            if (user := matches(module, user_ignore, is_linear=linear)) is not None:
+        if rules.head_quantized:
+            return
+        if rules.default_ignore:  # the one default a target does not override: --lm-head quantizes the head
+            if user is not None:
                 d.used_ignore.add(user)
-            keep_dense("lm_head (default; see --lm-head)")
-        return
-    hit = matches(module, targets, is_linear=linear)
+            return keep_dense("lm_head (default; see --lm-head)", default="lm_head")
     if hit is None:
         return
     d.used_targets.add(hit)
-    user = matches(module, user_ignore, is_linear=linear)
     if user is not None:
         d.used_ignore.add(user)  # also where a default keeps it dense: the pattern goes into the config
-    if hit == "Linear":
-        default = next((k for k, p in DEFAULT_IGNORE_PATTERNS.items() if k != "lm_head" and p.search(module)), None)
-        if default is not None:
-            return keep_dense(f"{default} (default)")
-        if not BLOCK.search(module):
-            return keep_dense("Linear outside the transformer blocks (default)")
+    if explicit is None and rules.default_ignore and (default := _default_rule(module, name, rules)) is not None:
+        return keep_dense(f"{default} (default)", default=default)
     if user is not None:
         return keep_dense(f"--ignore {user}", listed=linear)
     problem = _shape_problem(info, scheme)
     if problem is not None:
-        if not skip_incompatible:
-            raise UnsupportedError(f"{problem}; leave it dense with --ignore {module!r} or pass --skip-incompatible", file=str(info.file), tensor=name)
+        if not rules.skip_incompatible:
+            part = f"its per-expert part {name}: " if info.base else ""  # named by the stored tensor, which the user can find
+            hint = f"leave it dense with --ignore {module!r} or pass --skip-incompatible"
+            raise UnsupportedError(f"{part}{problem}; {hint}", file=str(info.file), tensor=info.base or name)
         keep_dense(problem + " (skipped: --skip-incompatible)")
         d.notes.append(f"{name}: {problem}; kept dense and listed in ignore")
         return
     d.to_quantize[name] = module
     row.action, row.scheme = "quantize", scheme.name
+
+
+def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
+    """The default that keeps a ``Linear``-matched module dense (router, vision tower, MTP layer, outside the blocks), or None."""
+    default = next((k for k, p in DEFAULT_IGNORE_PATTERNS.items() if k != "lm_head" and p.search(module)), None)
+    if default is not None:
+        return default
+    if not rules.quantize_mtp and is_mtp(name, rules.config):
+        return "MTP layer; --quantize-mtp quantizes it"
+    if not BLOCK.search(module):
+        return "Linear outside the transformer blocks"
+    return None
 
 
 def _shape_problem(info: TensorInfo, scheme: Scheme) -> str | None:
@@ -345,6 +414,99 @@ def _shape_problem(info: TensorInfo, scheme: Scheme) -> str | None:
     if n_rows % scheme.n_multiple:
         return f"N={n_rows} is not a multiple of the block height {scheme.n_multiple} of {scheme.name} (transformers and vLLM need whole blocks)"
     return None
+
+
+# -- phase 2b: fused 3-D experts ---------------------------------------------------------------
+
+
+def _fused_experts(ckpt: Checkpoint, keep_unclassified: bool, d: _Decisions) -> dict[str, FusedExperts]:
+    """The fused 3-D expert tensors and their per-expert parts. A family whose layout is not known is
+    refused (:func:`split_fused_experts`); with ``keep_unclassified`` its fused tensors stay whole and
+    phase 2c keeps them dense and reports them."""
+    try:
+        return split_fused_experts(ckpt.tensors, ckpt.config)
+    except UnsupportedError as e:
+        if not keep_unclassified:
+            raise
+        d.notes.append(f"fused experts not split: {e.message}")
+        return {}
+
+
+def _settle_experts(d: _Decisions, fused: dict[str, FusedExperts], stored: dict[str, TensorInfo]) -> dict[str, FusedExperts]:
+    """Which fused tensors are written per expert: every tensor (weights and biases) of an ``experts`` module
+    with a quantized part, so that no loader sees that module half fused (its dense parts are listed one by
+    one). The others are copied whole, as stored: their parts' decisions are folded into the stored tensor's
+    row (kept dense, the ``experts`` module listed in ``ignore`` when its parts were)."""
+    quantized = {fe.parent for fe in fused.values() if not fe.bias and any(d.rows[p.name].action == "quantize" for p in fe.parts)}
+    split = {n: fe for n, fe in fused.items() if fe.parent in quantized}
+    for n, fe in fused.items():
+        row = d.rows[n] = TensorDecision(n, stored[n].file.name, stored[n].dtype, stored[n].shape, "split")
+        if n in split:
+            row.reason = _split_reason(fe, stored[n])
+            continue
+        parts = [d.rows.pop(p.name) for p in fe.parts]
+        listed = [p.name[: -len(".weight")] for p in fe.parts if p.name[: -len(".weight")] in d.ignored]
+        if listed:
+            d.ignored[:] = [m for m in d.ignored if m not in set(listed)]
+            d.ignored.append(fe.parent)
+        dense = next((r for r in parts if r.action == "ignore"), None)
+        row.action = "ignore" if dense is not None and not fe.bias else "copy"
+        why = dense.reason if dense is not None else "its weights are kept dense" if fe.bias else "not targeted"
+        row.reason = f"fused experts kept dense and copied as stored: {why}"
+        names = {p.name for p in fe.parts}
+        kept = [x for x in d.notes if x.split(":")[0] not in names]
+        if len(kept) < len(d.notes):  # --skip-incompatible notes named the parts, which are not written
+            problem = next(x for x in d.notes if x.split(":")[0] in names).split(": ", 1)[1].removesuffix("; kept dense and listed in ignore")
+            d.notes[:] = [*kept, f"{n}: {problem}; kept dense and listed in ignore"]
+    return split
+
+
+def _split_reason(fe: FusedExperts, info: TensorInfo) -> str:
+    how = f"gate/up {'interleaved' if fe.layout.interleaved else 'halves'}" if fe.member == "gate_up_proj" else "one per expert"
+    how = f"transposed, {how}" if fe.transposed else how
+    leaves = ",".join(sorted({p.name.split(".")[-2] for p in fe.parts}))
+    return f"fused experts ({fe.model_type}: {how}) written as {fe.parent}.{{0..{info.shape[0] - 1}}}.{{{leaves}}}.{'bias' if fe.bias else 'weight'}"
+
+
+# -- phase 2c: what is copied, and why --------------------------------------------------------
+
+
+def _explain_copies(
+    d: _Decisions, order: list[str], tensors: dict[str, TensorInfo], targets: list[str], user_ignore: list[str], keep_unclassified: bool
+) -> None:
+    """Give every copied tensor its reason. A floating tensor of 2 or more dimensions that no rule explains
+    (not a Linear weight, embedding, norm, convolution, tower, router or expert) is refused by name, or with
+    ``keep_unclassified`` kept dense, its module listed in ``ignore`` and reported."""
+    for name in order:
+        row = d.rows[name]
+        if row.action != "copy" or row.reason is not None:
+            continue
+        info = tensors[name]
+        module = name.rpartition(".")[0]
+        if info.dtype not in FLOAT_DTYPES and info.dtype != "F64":
+            row.reason = f"{info.dtype} tensor (not a floating weight)"
+        elif len(info.shape) < 2:
+            router = DEFAULT_IGNORE_PATTERNS["router"].search(module)
+            row.reason = dense_kind(name) or ("router parameter" if router else "bias" if name.endswith(".bias") else "1-D/0-D parameter or buffer")
+        elif (kind := dense_kind(name)) is not None:
+            row.reason = kind
+        elif name.endswith(".weight") and is_linear_weight(name, info):
+            row.reason = f"Linear not matched by --targets {','.join(targets)}"
+        elif (user := matches(name[: -len(".weight")] if name.endswith(".weight") else module, user_ignore, is_linear=False)) is not None:
+            d.used_ignore.add(user)
+            row.action, row.reason = "ignore", f"--ignore {user}"
+            d.ignored.append(name[: -len(".weight")] if name.endswith(".weight") else module)
+        elif keep_unclassified:
+            row.action, row.reason = "ignore", "unclassified tensor kept dense (--keep-unclassified)"
+            d.ignored.append(name[: -len(".weight")] if name.endswith(".weight") else module)
+            d.notes.append(f"{name} ({info.file.name}): {len(info.shape)}-D {info.dtype} tensor that no rule classifies; kept dense (--keep-unclassified)")
+        else:
+            raise UnsupportedError(
+                f"cannot classify this {len(info.shape)}-D {info.dtype} tensor {list(info.shape)} (not a Linear weight, embedding, norm, convolution, "
+                "vision/audio tower, router or MoE expert): pass --keep-unclassified to keep it dense (listed in ignore and reported), or name it in --ignore",
+                file=str(info.file),
+                tensor=name,
+            )
 
 
 # -- phase 3: fused sets ------------------------------------------------------------------

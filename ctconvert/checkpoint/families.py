@@ -1,0 +1,297 @@
+"""Model families: how each stores fused 3-D MoE experts, and which layers are multi-token prediction (MTP).
+
+Many checkpoints store a MoE layer's experts as two 3-D tensors (``...experts.gate_up_proj``
+and ``...experts.down_proj``, with or without ``.weight``), not as one 2-D Linear per expert.
+No name or shape says whether such a tensor is ``[E, 2I, H]`` or its transpose
+``[E, H, 2I]``, nor whether gate and up are two halves or interleaved ``[g0, u0, g1, u1, ...]``:
+that is a property of the family (config ``model_type``), recorded once in :data:`FAMILIES`,
+with the source it was read from. A family not in the table is refused by name
+(:func:`split_fused_experts`), never guessed.
+
+ctconvert writes every expert as its own 2-D Linear under the names the family's vLLM loader
+maps into its fused-MoE parameters (``experts.{e}.gate_proj``/``up_proj``/``down_proj``, or
+``w1``/``w3``/``w2``), and each expert's gate and up form one fused set (one NVFP4 global
+scale). Expert biases are split with their weights. Each expert's slice is read by itself:
+one expert of a 3-D tensor is a contiguous byte range; a transposed or interleaved member is
+taken from it through a :class:`~.safetensors_io.SliceView`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import UnsupportedError
+from .safetensors_io import SliceView, TensorInfo
+
+__all__ = ["FAMILIES", "ExpertLayout", "FusedExperts", "config_value", "is_mtp", "model_types", "split_fused_experts"]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one family stores fused 3-D experts, and the per-expert names its vLLM loader reads.
+
+    ``transposed``: stored ``[E, H, 2I]`` (gate/up) and ``[E, I, H]`` (down), so each expert's
+    Linear weight is the transpose; else ``[E, 2I, H]`` and ``[E, H, I]``; None where the family's
+    checkpoints come both ways (its transformers conversion compares the shape with the model's,
+    ``Transpose(check_dims=True)``): the axis that equals the config's ``hidden_size`` decides, and a
+    tensor where both would is refused. ``interleaved``: gate and
+    up alternate along the ``2I`` axis; else the gate half comes first. ``names``: the output
+    leaf names of gate, up and down."""
+
+    transposed: bool | None  # None: either orientation, told apart by the config's hidden_size (never guessed when square)
+    interleaved: bool
+    names: tuple[str, str, str]
+    source: str
+
+
+_GUD = ("gate_proj", "up_proj", "down_proj")
+_QWEN2_MOE = ExpertLayout(
+    False,
+    False,
+    _GUD,
+    "transformers 5.24 conversion_mapping.py, 'qwen2_moe' (shared by qwen3_moe, deepseek_v3, glm4_moe, olmoe, qwen3_next ...): "
+    "experts.*.gate_proj/up_proj merged with MergeModulelist(dim=0) + Concatenate(dim=1) into gate_up_proj [E, 2I, H], gate first; "
+    "vLLM qwen3_moe.py / deepseek_v2.py load_weights: expert_params_mapping(ckpt_gate_proj_name='gate_proj', 'down_proj', 'up_proj')",
+)
+_MIXTRAL = ExpertLayout(
+    False,
+    False,
+    ("w1", "w3", "w2"),
+    "transformers 5.24 conversion_mapping.py, 'mixtral': experts.*.w1/w3 -> gate_up_proj [E, 2I, H] (Concatenate(dim=1), w1 first), "
+    "w2 -> down_proj; vLLM mixtral.py load_weights: expert_params_mapping(ckpt_gate_proj_name='w1', ckpt_down_proj_name='w2', ckpt_up_proj_name='w3')",
+)
+_GEMMA4 = ExpertLayout(
+    False,
+    False,
+    _GUD,
+    "vLLM gemma4.py Gemma4ForCausalLM.load_weights (_weight_iterator): gate_up_proj [E, 2I, H] split into experts.{e}.gate_proj "
+    "(first half) and up_proj, down_proj [E, H, I] into experts.{e}.down_proj; per-expert 2-D weights are read as they are (quantized checkpoints)",
+)
+_LLAMA4 = ExpertLayout(
+    True,
+    False,
+    _GUD,
+    "transformers 5.24 models/llama4/modeling_llama4.py Llama4TextExperts: gate_up_proj [E, H, 2I] used as bmm(x, gate_up_proj).chunk(2, -1), "
+    "down_proj [E, I, H]; vLLM llama4.py Llama4Model.load_moe_expert_weights: the fused tensor chunk(2, dim=-1) (transposed), "
+    "per-expert experts.{e}.gate_proj/up_proj/down_proj through fused_moe_make_expert_params_mapping",
+)
+_GPT_OSS = ExpertLayout(
+    True,
+    True,
+    _GUD,
+    "transformers 5.24 models/gpt_oss/modeling_gpt_oss.py GptOssExperts: gate_up_proj [E, H, 2I] (x @ W), gate = [..., ::2], up = [..., 1::2], "
+    "biases gate_up_proj_bias [E, 2I] / down_proj_bias [E, H]; vLLM gpt_oss.py GptOssForCausalLM.get_expert_mapping: per-expert "
+    "gate_proj/up_proj/down_proj (make_expert_params_mapping)",
+)
+_QWEN3_VL_MOE = ExpertLayout(
+    None,
+    False,
+    _GUD,
+    "transformers 5.24 conversion_mapping.py, 'qwen3_vl_moe': mlp.experts.gate_up_proj / down_proj go through Transpose(1, 2, check_dims=True) "
+    "(the Hub's original [E, H, 2I] / [E, I, H] is transposed, transformers 5's own save [E, 2I, H] / [E, H, I] is not; gate first); "
+    "vLLM qwen3_vl_moe.py load_weights transposes the fused tensors",
+)
+
+#: config ``model_type`` -> how its fused 3-D experts are stored (the one table of such choices).
+FAMILIES: dict[str, ExpertLayout] = {
+    **{
+        t: _QWEN2_MOE
+        for t in (
+            "qwen2_moe",
+            "qwen3_moe",
+            "qwen3_next",
+            "qwen3_5_moe",
+            "qwen3_5_moe_text",
+            "olmoe",
+            "flex_olmo",
+            "deepseek_v2",
+            "deepseek_v3",
+            "deepseek_v32",
+            "kimi_k2",
+            "glm4_moe",
+            "glm4v_moe",
+            "glm4_moe_lite",
+            "dots1",
+            "ernie4_5_moe",
+            "hunyuan_v1_moe",
+        )
+    },
+    "mixtral": _MIXTRAL,
+    "minimax": _MIXTRAL,
+    "gemma4": _GEMMA4,
+    "gemma4_text": _GEMMA4,
+    "llama4": _LLAMA4,
+    "llama4_text": _LLAMA4,
+    "gpt_oss": _GPT_OSS,
+    "qwen3_vl_moe": _QWEN3_VL_MOE,
+    "qwen3_vl_moe_text": _QWEN3_VL_MOE,
+}
+
+#: a fused 3-D expert tensor (or its bias): ``<parent>.experts.<member>[.weight|.bias|_bias]``
+_FUSED = re.compile(r"^(?P<parent>.*(?:^|\.)experts)\.(?P<member>gate_up_proj|gate_proj|up_proj|down_proj)(?P<suffix>\.weight|\.bias|_bias)?$")
+
+
+def model_types(config: dict) -> list[str]:
+    """The ``model_type`` of a config and of its ``text_config`` (outer first)."""
+    out = [config.get("model_type")]
+    tc = config.get("text_config")
+    if isinstance(tc, dict):
+        out.append(tc.get("model_type"))
+    return [t for t in out if isinstance(t, str)]
+
+
+def config_value(config: dict, *keys: str):
+    """The first of ``keys`` found in the config's ``text_config`` or the config itself, else None."""
+    for cfg in (config.get("text_config"), config):
+        if isinstance(cfg, dict):
+            for k in keys:
+                if isinstance(cfg.get(k), int):
+                    return cfg[k]
+    return None
+
+
+@dataclass
+class FusedExperts:
+    """One stored fused expert tensor and its per-expert parts (derived tensors, in expert order)."""
+
+    name: str
+    parent: str  # the ``...experts`` module
+    member: str  # gate_up_proj | gate_proj | up_proj | down_proj
+    bias: bool
+    model_type: str
+    layout: ExpertLayout
+    parts: list[TensorInfo]
+    transposed: bool = False  # this tensor's orientation (the family's, or told by the config for a family that has both)
+
+
+def split_fused_experts(tensors: dict[str, TensorInfo], config: dict) -> dict[str, FusedExperts]:
+    """Every fused 3-D expert tensor of a checkpoint (and expert bias) with its per-expert parts, by stored name.
+
+    Parts are named ``<parent>.<e>.<leaf>.weight`` (or ``.bias``) with the family's leaf names
+    (:data:`FAMILIES`); gate and up come from ``gate_up_proj`` as the family lays them out. Raises
+    :class:`UnsupportedError` naming file and tensor for a family not in the table (its layout cannot
+    be known), a shape that disagrees with the family's layout and the config's sizes, or a part name
+    the checkpoint already holds."""
+    out: dict[str, FusedExperts] = {}
+    for name, info in tensors.items():
+        m = _FUSED.match(name)
+        if m is None or info.dtype not in ("BF16", "F16", "F32"):
+            continue
+        bias = m["suffix"] in (".bias", "_bias")
+        if len(info.shape) != (2 if bias else 3):
+            continue
+        types = model_types(config)
+        mt = next((t for t in types if t in FAMILIES), None)
+        if mt is None:
+            raise UnsupportedError(
+                f"fused {len(info.shape)}-D weight {list(info.shape)} of MoE experts, but model_type {types[0] if types else None!r} is not in ctconvert's "
+                "family table (ctconvert/checkpoint/families.py), so whether it is stored transposed and whether gate/up are interleaved cannot be known; "
+                "keep it dense with --keep-unclassified, or report the family",
+                file=str(info.file),
+                tensor=name,
+            )
+        layout = FAMILIES[mt]
+        parts, transposed = _parts(name, info, m["parent"], m["member"], bias, layout, config)
+        out[name] = FusedExperts(name, m["parent"], m["member"], bias, mt, layout, parts, transposed)
+    for fe in out.values():
+        for p in fe.parts:
+            if p.name in tensors:
+                raise UnsupportedError(f"splitting the fused experts would give {p.name}, which the checkpoint also holds", file=str(p.file), tensor=fe.name)
+    return out
+
+
+def _parts(name: str, info: TensorInfo, parent: str, member: str, bias: bool, layout: ExpertLayout, config: dict) -> tuple[list[TensorInfo], bool]:
+    """The per-expert derived tensors of one fused tensor, expert-major (gate before up), and whether it is stored transposed."""
+    e = info.shape[0]
+    hidden = config_value(config, "hidden_size")
+    experts = config_value(config, "num_experts", "num_local_experts", "n_routed_experts")
+
+    def refuse(why: str):
+        raise UnsupportedError(
+            f"fused experts {list(info.shape)} do not fit this family's layout ({_LAYOUT_WORDS[layout.transposed]}): {why}",
+            file=str(info.file),
+            tensor=name,
+        )
+
+    if experts is not None and e != experts:
+        refuse(f"{e} experts, config says {experts}")
+    transposed = _orientation(info, member, layout, hidden, refuse)
+    gate, up, down = layout.names
+    leaves = {"gate_up_proj": (gate, up), "gate_proj": (gate,), "up_proj": (up,), "down_proj": (down,)}[member]
+    suffix = "bias" if bias else "weight"
+    per = info.nbytes // max(1, e)  # bytes of one expert
+    isz = info.itemsize
+    out: list[TensorInfo] = []
+    if bias:
+        width = info.shape[1]
+        if len(leaves) == 2 and width % 2:
+            refuse("odd gate/up width")
+        n = width // len(leaves)
+        for x in range(e):
+            start = info.start + x * per
+            for j, leaf in enumerate(leaves):
+                pname = f"{parent}.{x}.{leaf}.{suffix}"
+                if layout.interleaved and len(leaves) == 2:
+                    out.append(TensorInfo(pname, info.file, info.dtype, (n,), start, n * isz, base=name, view=SliceView(width, 1, False, j, 2)))
+                else:
+                    out.append(TensorInfo(pname, info.file, info.dtype, (n,), start + j * n * isz, n * isz, base=name))
+        return out, False
+    a, b = info.shape[1], info.shape[2]  # one expert's region: a rows x b columns
+    in_dim = a if transposed else b  # K of a gate/up Linear, N of down (the hidden size)
+    if member == "down_proj":
+        in_dim = b if transposed else a
+    if hidden is not None and in_dim != hidden:
+        refuse(f"hidden size {in_dim} where the config's hidden_size is {hidden}")
+    wide = b if transposed else a  # the axis that holds the experts' outputs (gate+up) or down's K
+    if len(leaves) == 2 and wide % 2:
+        refuse("odd gate/up width")
+    n = wide // len(leaves)
+    k = a if transposed else b
+    for x in range(e):
+        start = info.start + x * per
+        for j, leaf in enumerate(leaves):
+            pname = f"{parent}.{x}.{leaf}.{suffix}"
+            if transposed:
+                off, step = (j, 2) if layout.interleaved and len(leaves) == 2 else (j * n, 1)
+                out.append(TensorInfo(pname, info.file, info.dtype, (n, k), start, n * k * isz, base=name, view=SliceView(a, b, True, off, step)))
+            elif layout.interleaved and len(leaves) == 2:
+                out.append(TensorInfo(pname, info.file, info.dtype, (n, k), start, n * k * isz, base=name, view=SliceView(a, b, False, j, 2)))
+            else:
+                out.append(TensorInfo(pname, info.file, info.dtype, (n, k), start + j * n * k * isz, n * k * isz, base=name))
+    return out, transposed
+
+
+_LAYOUT_WORDS = {False: "[E, 2I, H] and [E, H, I]", True: "[E, H, 2I] and [E, I, H]", None: "either orientation"}
+
+
+def _orientation(info: TensorInfo, member: str, layout: ExpertLayout, hidden: int | None, refuse) -> bool:
+    """Whether a fused weight is stored transposed: the family's rule, or (``layout.transposed is None``) the
+    axis that equals ``hidden_size``; refused where the config cannot tell (no hidden size, or both axes fit)."""
+    if layout.transposed is not None or len(info.shape) != 3:
+        return bool(layout.transposed)
+    if hidden is None:
+        refuse("the config has no hidden_size to tell its orientation")
+    plain_axis, transposed_axis = (1, 2) if member == "down_proj" else (2, 1)
+    plain, flipped = info.shape[plain_axis] == hidden, info.shape[transposed_axis] == hidden
+    if plain == flipped:
+        refuse(f"hidden_size {hidden} {'fits both orientations' if plain else 'fits neither orientation'}")
+    return flipped
+
+
+_MTP_NAME = re.compile(r"(^|\.)(mtp|mtp_layers)(\.|$)")
+_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
+
+
+def is_mtp(name: str, config: dict) -> bool:
+    """Whether a tensor belongs to a multi-token-prediction (MTP) layer.
+
+    DeepSeek-V3 / Kimi-K2 / GLM-4.5 store it as a decoder layer past the model's
+    ``num_hidden_layers`` (``model.layers.61.`` of a 61-layer model; vLLM deepseek_mtp.py
+    ``get_spec_layer_idx_from_weight_name``); Qwen3-Next, Qwen3.5 and MiMo under ``mtp.`` /
+    ``mtp_layers.`` (vLLM qwen3_next_mtp.py)."""
+    if _MTP_NAME.search(name):
+        return True
+    m = _LAYER.match(name)
+    n = config_value(config, "num_hidden_layers")
+    return m is not None and n is not None and int(m.group(1)) >= n

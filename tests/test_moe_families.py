@@ -1,0 +1,276 @@
+"""The model families people bring, built with transformers' own classes from shrunk real configs and saved with
+``save_pretrained`` (the names and layouts the Hub ships): every expert quantized, routers dense, ``ignore`` exact,
+every tensor in the plan, the output verified against its source, experts within the format's error of the model's
+own weights, NVFP4 gate/up sharing one global scale, and transformers loading the output where it supports the family."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from ctconvert import api
+
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors")
+warnings.filterwarnings("ignore")
+
+H, I, E = 128, 128, 4  # noqa: E741 - hidden, expert intermediate, experts (2 layers)
+TEXT = dict(hidden_size=H, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_hidden_layers=2, vocab_size=256)
+TEXT["max_position_embeddings"] = 128
+
+
+def _qwen3_moe():
+    cfg = transformers.Qwen3MoeConfig(**TEXT, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def _mixtral():
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**TEXT, "intermediate_size": I}, num_local_experts=E, num_experts_per_tok=2))
+
+
+def _deepseek_v3():
+    mla = dict(q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
+    moe = dict(moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
+    cfg = transformers.DeepseekV3Config(**{**TEXT, "num_key_value_heads": 2}, **moe, **mla)
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+def _gpt_oss():
+    layers = ["sliding_attention", "full_attention"]
+    cfg = transformers.GptOssConfig(**{**TEXT, "intermediate_size": I}, num_local_experts=E, num_experts_per_tok=2, layer_types=layers)
+    return transformers.GptOssForCausalLM(cfg)
+
+
+def _llama4():
+    tc = dict(**{**TEXT, "intermediate_size": I}, intermediate_size_mlp=256, num_local_experts=E, num_experts_per_tok=1, interleave_moe_layer_step=1)
+    vc = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=16)
+    vc.update(vision_output_dim=128, projector_input_dim=128, projector_output_dim=128, pixel_shuffle_ratio=0.5)
+    return transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=tc, vision_config=vc))
+
+
+def _gemma4():
+    moe = dict(enable_moe_block=True, num_experts=E, top_k_experts=2, moe_intermediate_size=I)
+    ple = dict(hidden_size_per_layer_input=128, vocab_size_per_layer_input=256, global_head_dim=64)
+    return transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**TEXT, layer_types=["sliding_attention", "full_attention"], **moe, **ple))
+
+
+def _qwen2_5_vl():
+    vc = dict(depth=1, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=128, fullatt_block_indexes=[0])
+    text = {**TEXT, "head_dim": 128, "num_attention_heads": 1}  # its default mrope sections [16, 24, 24] cover half of a 128-wide head
+    return transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vc))
+
+
+def _tp(prefix, layer):
+    return f"{prefix}layers.{layer}."
+
+
+#: family -> (builder, expert parent per layer, (gate, up, down) leaves, router modules, the rest of the exact ignore list,
+#: how to get expert e's (gate, up, down) Linear weights from the saved tensors (the family's own math), transformers loads it)
+GUD = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_GATE = "model.layers.{}.block_sparse_moe.gate"
+FAMILIES = {
+    "qwen3_moe": (_qwen3_moe, "model.layers.{}.mlp.experts", GUD, "model.layers.{}.mlp.gate", ["lm_head"], "per-expert", True),
+    "mixtral": (_mixtral, "model.layers.{}.block_sparse_moe.experts", ("w1", "w3", "w2"), MIXTRAL_GATE, ["lm_head"], "per-expert", True),
+    "deepseek_v3": (_deepseek_v3, "model.layers.{}.mlp.experts", GUD, "model.layers.{}.mlp.gate", ["lm_head"], "per-expert", True),
+    "gpt_oss": (_gpt_oss, "model.layers.{}.mlp.experts", GUD, "model.layers.{}.mlp.router", ["lm_head"], "gpt_oss", False),
+    "llama4": (
+        _llama4,
+        "language_model.model.layers.{}.feed_forward.experts",
+        ("gate_proj", "up_proj", "down_proj"),
+        "language_model.model.layers.{}.feed_forward.router",
+        None,  # a VLM: checked by membership below
+        "llama4",
+        False,
+    ),
+    "gemma4": (
+        _gemma4,
+        "model.layers.{}.experts",
+        ("gate_proj", "up_proj", "down_proj"),
+        "model.layers.{}.router.proj",
+        ["model.per_layer_model_projection", "lm_head"],
+        "contiguous",
+        False,
+    ),
+}
+_MOE_LAYERS = {"deepseek_v3": [1]}  # first_k_dense_replace=1: layer 0 is a dense MLP
+
+
+def _expert_weights(how: str, f, parent: str, leaves, e: int) -> dict[str, torch.Tensor]:
+    """Expert ``e``'s Linear weights computed from the saved tensors the way the family's transformers module uses them."""
+    if how == "per-expert":
+        return {leaf: f.get_tensor(f"{parent}.{e}.{leaf}.weight") for leaf in leaves}
+    gu, down = f.get_tensor(parent + ".gate_up_proj")[e], f.get_tensor(parent + ".down_proj")[e]
+    if how == "gpt_oss":  # x @ gate_up[e]: gate = [..., ::2], up = [..., 1::2]
+        return {leaves[0]: gu[:, ::2].T, leaves[1]: gu[:, 1::2].T, leaves[2]: down.T}
+    if how == "llama4":  # bmm(x, gate_up).chunk(2, -1)
+        return {leaves[0]: gu[:, :I].T, leaves[1]: gu[:, I:].T, leaves[2]: down.T}
+    return {leaves[0]: gu[:I], leaves[1]: gu[I:], leaves[2]: down}  # linear(x, gate_up[e]).chunk(2, -1)
+
+
+def _randomized(model):
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            torch.manual_seed(0)
+            model = _randomized(FAMILIES[family][0]().to(torch.bfloat16))
+            path = tmp_path_factory.mktemp(family) / "m"
+            model.save_pretrained(str(path))
+            cache[family] = path
+        return cache[family]
+
+    return get
+
+
+def _tensors(path):
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safetensors.safe_open(str(f), "pt") as s:
+            out.update({k: s.get_slice(k) for k in s.keys()})
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16"])
+def test_family_every_expert_quantized_routers_dense(saved, tmp_path, family, scheme):
+    build, parent_fmt, leaves, router_fmt, rest, how, loads = FAMILIES[family]
+    src = saved(family)
+    layers = _MOE_LAYERS.get(family, [0, 1])
+    stored = _tensors(src)
+
+    plan = api.quantize(src, None, scheme, dry_run=True).to_dict()["plan"]
+    rows = {r["name"]: r for r in plan["tensors"]}
+    assert set(stored) <= set(rows), set(stored) - set(rows)  # every stored tensor has its row
+    assert all(r["action"] in ("quantize", "ignore", "copy", "split") and (r.get("reason") or r.get("scheme")) for r in plan["tensors"])
+
+    out = tmp_path / "q"
+    res = api.quantize(src, out, scheme)
+    q = _tensors(out)
+    routers = [router_fmt.format(x) for x in layers]
+    experts = [f"{parent_fmt.format(x)}.{e}.{leaf}" for x in layers for e in range(E) for leaf in leaves]
+    packed = "weight_packed"
+    assert all(f"{m}.{packed}" in q for m in experts), [m for m in experts if f"{m}.{packed}" not in q]
+    assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in q)  # nothing left fused
+    assert all(f"{r}.weight" in q and r in res.ignore for r in routers)
+    assert not any(m in res.ignore for m in experts)
+    if rest is not None:
+        assert sorted(res.ignore) == sorted(routers + rest)
+    else:  # a VLM: its vision tower and projector are dense and listed, under the stored and the loaders' names
+        assert "multi_modal_projector.linear_1" in res.ignore and "vision_model.vision_adapter.mlp.fc1" in res.ignore
+        assert r"re:(.*\.)?vision_model\..*" in res.ignore and r"re:(.*\.)?lm_head$" in res.ignore
+        assert not any("vision_model" in n and n.endswith(packed) for n in q)
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["ignore"] == res.ignore
+
+    report = api.verify(out, reference=src)
+    assert report["ok"], report["problems"]
+    assert not api.inspect(out)["problems"]
+    if scheme == "NVFP4A16":  # gate and up of one expert: one fused set, one global scale
+        for x in layers:
+            for e in range(E):
+                p = f"{parent_fmt.format(x)}.{e}."
+                gs = [q[p + leaf + ".weight_global_scale"][:] for leaf in leaves[:2]]
+                assert torch.equal(gs[0], gs[1])
+
+    api.decompress(out, tmp_path / "d")
+    dense = _tensors(tmp_path / "d")
+    limit = 0.25 if scheme == "W4A16" else 0.3
+    with safetensors.safe_open(str(sorted(src.glob("*.safetensors"))[0]), "pt") as f:
+        for x in layers:
+            for e in range(E):
+                for leaf, want in _expert_weights(how, f, parent_fmt.format(x), leaves, e).items():
+                    got = dense[f"{parent_fmt.format(x)}.{e}.{leaf}.weight"][:].float()
+                    rel = ((got - want.float()).norm() / want.float().norm()).item()
+                    assert rel < limit, (family, x, e, leaf, rel)  # a wrong split or interleave gives ~1.4
+    if how == "gpt_oss":  # expert biases follow their weights
+        b = stored["model.layers.0.mlp.experts.gate_up_proj_bias"][:]
+        assert torch.equal(q["model.layers.0.mlp.experts.2.up_proj.bias"][:], b[2, 1::2])
+        assert torch.equal(q["model.layers.0.mlp.experts.2.down_proj.bias"][:], stored["model.layers.0.mlp.experts.down_proj_bias"][:][2])
+
+
+def _cos(a, b):
+    return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+
+
+@pytest.mark.parametrize("family", [f for f, spec in FAMILIES.items() if spec[6]])
+def test_transformers_loads_the_output(saved, tmp_path, family):
+    src = saved(family)
+    ids = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(0))
+    dense = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16).eval()
+    api.quantize(src, tmp_path / "q", "W4A16")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "q"), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        a, b = dense(ids).logits, model(ids).logits
+    assert torch.isfinite(b).all() and 0.85 <= _cos(a, b) < 1.0
+
+
+def test_qwen3_moe_fused_on_disk_gives_the_per_expert_output(tmp_path):
+    """transformers 5 saves Qwen3-MoE fused ([E, 2I, H] gate_up_proj, no .weight) with ``save_original_format=False``:
+    the output equals the conversion of the per-expert checkpoint of the same weights, tensor for tensor, and loads."""
+    torch.manual_seed(0)
+    model = _randomized(_qwen3_moe().to(torch.bfloat16))
+    model.save_pretrained(str(tmp_path / "fused"), save_original_format=False)
+    model.save_pretrained(str(tmp_path / "split"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in _tensors(tmp_path / "fused")
+    for scheme in ("W4A16", "NVFP4A16"):
+        a, b = api.quantize(tmp_path / "fused", tmp_path / f"qf{scheme}", scheme), api.quantize(tmp_path / "split", tmp_path / f"qs{scheme}", scheme)
+        assert a.ignore == b.ignore
+        ta, tb = _tensors(tmp_path / f"qf{scheme}"), _tensors(tmp_path / f"qs{scheme}")
+        assert set(ta) == set(tb)
+        assert all(torch.equal(ta[n][:], tb[n][:]) for n in ta)
+    ids = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(0))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "qfW4A16"), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        assert 0.85 <= _cos(model(ids).logits, loaded(ids).logits) < 1.0
+
+
+def test_vlm_language_model_quantized_vision_dense_unless_targeted(tmp_path):
+    torch.manual_seed(0)
+    model = _randomized(_qwen2_5_vl().to(torch.bfloat16))
+    model.save_pretrained(str(tmp_path / "m"))
+    res = api.quantize(tmp_path / "m", tmp_path / "q", "W4A16")
+    q = _tensors(tmp_path / "q")
+    vision = [n[: -len(".weight")] for n in _tensors(tmp_path / "m") if n.startswith("visual.") and n.endswith(".weight") and len(q[n].get_shape()) == 2]
+    vision = [m for m in vision if "norm" not in m and "ln_q" not in m]
+    assert vision and all(m in res.ignore for m in vision) and r"re:(.*\.)?visual\..*" in res.ignore
+    assert "model.layers.1.mlp.down_proj.weight_packed" in q and "lm_head" in res.ignore
+    assert api.verify(tmp_path / "q", reference=tmp_path / "m")["ok"]
+    loaded = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "q"), dtype=torch.bfloat16).eval()
+    for name, mod in loaded.named_modules():
+        if "visual" in name:
+            assert getattr(mod, "quantization_scheme", None) is None, name
+    ids = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert 0.85 <= _cos(model(ids).logits, loaded(ids).logits) < 1.0
+    res = api.quantize(tmp_path / "m", tmp_path / "qv", "FP8_DYNAMIC", targets=["Linear", r"re:visual\.blocks\.\d{1,2}\.(attn|mlp)\..*"])
+    assert "visual.blocks.0.mlp.up_proj" not in res.ignore and "visual.merger.mlp.0" in res.ignore
+    assert "visual.blocks.0.mlp.up_proj.weight_scale" in _tensors(tmp_path / "qv")
+
+
+def test_inspect_and_verify_flag_fused_experts_left_dense(saved, tmp_path):
+    """The failure this issue began with: bf16 3-D experts in a quantized checkpoint that ``ignore`` does not name."""
+    src = saved("gpt_oss")
+    out = tmp_path / "q"
+    api.quantize(src, out, "W4A16", ignore=["re:.*experts.*"])  # experts kept dense: fused, copied, listed
+    assert api.verify(out, reference=src)["ok"] and not api.inspect(out)["problems"]
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = [p for p in cfg["quantization_config"]["ignore"] if "experts" not in p]
+    (out / "config.json").write_text(json.dumps(cfg))
+    for report in (api.inspect(out), api.verify(out)):
+        flagged = {p["tensor"] for p in report["problems"] if p["severity"] == "error" and "does not explain" in p["message"]}
+        fused = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+        assert flagged == {f"model.layers.{x}.mlp.experts.{m}" for x in (0, 1) for m in fused}, report["problems"]
+    assert not api.verify(out)["ok"]
