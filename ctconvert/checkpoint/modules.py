@@ -163,7 +163,8 @@ def unexplained_dense(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem
 
     Explained are: quantized modules, Linear weights (checked against ``ignore`` elsewhere), tensors
     a naming rule classifies (:func:`.naming.dense_kind`: norms, embeddings, convolutions, towers)
-    and tensors whose module (or own name) ``ignore`` matches. Anything else, fused 3-D MoE experts
+    and tensors whose module (or own name) ``ignore`` matches, and the KV cache's ``k_scale``/``v_scale``
+    of a config with a ``kv_cache_scheme``. Anything else, fused 3-D MoE experts
     left in bf16 above all, is an error: loaders would build quantized layers the file does not hold,
     or the conversion silently skipped it."""
     qcfg = ckpt.quantization_config or {}
@@ -179,6 +180,8 @@ def unexplained_dense(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem
             if info.dtype not in FLOAT_DTYPES or len(info.shape) < 2:
                 continue
             if part == "weight" and is_linear_weight(name, info):
+                continue
+            if part in KV_PARTS and qcfg.get("kv_cache_scheme"):  # the calibrated KV cache scales (per head: [heads, 1, 1])
                 continue
             if dense_kind(name) is not None or matches(m.name, ignore, is_linear=False) or matches(name, ignore, is_linear=False):
                 continue
