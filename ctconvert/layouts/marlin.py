@@ -110,7 +110,12 @@ def _unpack_words(words: torch.Tensor, num_bits: int) -> torch.Tensor:
     b = words.contiguous().reshape(-1).view(torch.uint8).reshape(*words.shape, 4)  # little-endian bytes
     if num_bits == 8:
         return b
-    return torch.stack((b & 0xF, b >> 4), dim=-1).reshape(*words.shape, 8)
+    # written into one buffer rather than torch.stack'ed: planning runs this on meta tensors, where stack's Python
+    # reference imports torch._dynamo (1-2 s at start-up)
+    out = torch.empty((*b.shape, 2), dtype=torch.uint8, device=b.device)
+    out[..., 0] = b & 0xF
+    out[..., 1] = b >> 4
+    return out.reshape(*words.shape, 8)
 
 
 def _pack_words(values: torch.Tensor, num_bits: int) -> torch.Tensor:

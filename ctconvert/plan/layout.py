@@ -13,7 +13,9 @@ tensors, and is then called by the executor on each finished module.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 
 import torch
 
@@ -92,7 +94,7 @@ class LayoutStage:
 
     :meth:`plan` rewrites a quantize plan so that each quantized module's
     compressed-tensors outputs are replaced, in place, by its kernel tensors
-    (planned on meta tensors, as ``repack`` does); the executor then calls the
+    (planned once per module shape, on zeros); the executor then calls the
     instance on each finished module's tensors (on its device), and gets the
     kernel tensors back. The tensors and config equal ``quantize`` followed by
     ``repack``, bit for bit, without the intermediate checkpoint (tensors may
@@ -106,6 +108,7 @@ class LayoutStage:
         self.target, self.layout_version, self.act_dtype = target, layout_version, act_dtype
         self.records: dict[str, dict] = {}
         self.kernels: dict[str, tuple[str, dict]] = {}  # module -> (kernel, weight args)
+        self._planned: dict[tuple, tuple[list, dict]] = {}  # planning key -> (kernel outputs, record)
 
     def plan(self, plan: Plan, ckpt: Checkpoint, qcfg: dict) -> Plan:
         """A copy of ``plan`` whose quantize units output kernel tensors. Raises :class:`UnsupportedError`."""
@@ -132,13 +135,20 @@ class LayoutStage:
     def _plan_module(self, mod: str, outs: list, src, weights: dict, fmt: str) -> list[tuple[str, str, tuple[int, ...]]]:
         parts = {name.rpartition(".")[2]: (dt, tuple(shape)) for name, dt, shape in outs}
         kernel = kernel_for(self.target, mod, fmt, weights, set(parts), src.file.name)
-        meta = {p: torch.empty(shape, dtype=DTYPES[dt][0], device="meta") for p, (dt, shape) in parts.items()}
-        if "weight_shape" in meta:
-            meta["weight_shape"] = torch.tensor(list(src.shape), dtype=torch.int64)
-        kouts, rec = plan_module(kernel, meta, parts, weights, self.layout_version, check_act_dtype(self.act_dtype), src.file.name, src.name)
-        self.records[mod] = rec
+        # Modules of one shape plan alike: the planning runs once per (kernel, parts, source shape), on zeros in host
+        # memory, not on meta tensors: many layout ops have only Python meta functions, whose first call imports
+        # torch._dynamo (1-3 s at start-up). Value-dependent record entries are overwritten by the real repack.
+        key = (kernel, tuple(sorted(parts.items())), tuple(src.shape), json.dumps(weights, sort_keys=True, default=str))
+        if key not in self._planned:
+            zeros = {p: torch.zeros(shape, dtype=DTYPES[dt][0]) for p, (dt, shape) in parts.items()}
+            if "weight_shape" in zeros:
+                zeros["weight_shape"] = torch.tensor(list(src.shape), dtype=torch.int64)
+            kouts, rec = plan_module(kernel, zeros, parts, weights, self.layout_version, check_act_dtype(self.act_dtype), src.file.name, src.name)
+            self._planned[key] = ([(p, TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in kouts.items()], rec)
+        kouts, rec = self._planned[key]
+        self.records[mod] = copy.deepcopy(rec)
         self.kernels[mod] = (kernel, weights)
-        return [(f"{mod}.{p}", TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in kouts.items()]
+        return [(f"{mod}.{p}", dt, shape) for p, dt, shape in kouts]
 
     def __call__(self, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Kernel tensors of one quantized module (its compressed-tensors tensors, whole, on any device)."""

@@ -218,3 +218,19 @@ def test_mxfp4_goes_to_its_marlin_layout(tiny_llama, tmp_path, act):
     b = tmp_path / "b"
     repack(k, b, "compressed-tensors", device="cpu")
     _assert_same_checkpoint(q, b)
+
+
+def test_quantize_with_target_imports_no_dynamo(tiny_llama, tmp_path):
+    """Planning the kernel layout runs on host zeros, not meta tensors, whose Python meta functions import
+    torch._dynamo (seconds at start-up); checked in a fresh process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from ctconvert import api; "
+        f"api.quantize_to_target({str(tiny_llama)!r}, {str(tmp_path / 'k')!r}, 'NVFP4A16', 'marlin', device='cpu'); "
+        f"api.quantize_to_target({str(tiny_llama)!r}, {str(tmp_path / 'k2')!r}, 'W4A16_ASYM', 'marlin', device='cpu'); "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"
