@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import queue
 import shutil
 import subprocess
 import tempfile
@@ -93,30 +94,71 @@ def threads() -> int:
     return max(1, torch.get_num_threads())
 
 
+class _Pool:
+    """Long-lived daemon worker threads for :func:`parallel_ranges` (one set per process, grown on demand):
+    a call hands its ranges to idle workers instead of starting threads (a run makes thousands of calls).
+    Daemon threads: an interrupted run never waits for them at exit."""
+
+    def __init__(self) -> None:
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.size = 0
+        self.lock = threading.Lock()
+
+    def ensure(self, n: int) -> None:
+        with self.lock:
+            while self.size < n:
+                self.size += 1
+                threading.Thread(target=self._work, daemon=True, name=f"ctconvert-cpu-{self.size}").start()
+
+    def _work(self) -> None:
+        while True:
+            fn, a, b, done = self.tasks.get()
+            try:
+                fn(a, b)
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+                done.errors.append(e)
+            finally:
+                done.release()
+
+
+_POOL = _Pool()
+
+
+class _Done:
+    """Counts finished ranges of one call; errors raised in workers are collected here."""
+
+    def __init__(self, n: int) -> None:
+        self.sem = threading.Semaphore(0)
+        self.n = n
+        self.errors: list[BaseException] = []
+
+    def release(self) -> None:
+        self.sem.release()
+
+    def wait(self) -> None:
+        for _ in range(self.n):
+            self.sem.acquire()
+
+
 def parallel_ranges(n: int, align: int, fn) -> None:
     """Run ``fn(r0, r1)`` over ranges of ``range(n)`` (starts aligned to ``align``), one range on this
-    thread and the others on daemon threads (daemon: an interrupted run never waits for them at exit).
-    ctypes releases the GIL, so the ranges run in parallel."""
+    thread and the others on the process's worker threads (:class:`_Pool`, started once). ctypes releases
+    the GIL, so the ranges run in parallel. Calls from several threads at once share the workers; a call
+    made from a worker runs its ranges itself (no waiting on a busy pool)."""
     t = min(threads(), max(1, n // max(align, 16)))
-    if t <= 1:
+    if t <= 1 or threading.current_thread().name.startswith("ctconvert-cpu-"):
         fn(0, n)
         return
     step = -(-n // t)
     step = -(-step // align) * align
     ranges = [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
-    errors: list[BaseException] = []
-
-    def run(a: int, b: int) -> None:
-        try:
-            fn(a, b)
-        except BaseException as e:  # noqa: BLE001 - re-raised by the caller
-            errors.append(e)
-
-    workers = [threading.Thread(target=run, args=r, daemon=True, name="ctconvert-cpu") for r in ranges[1:]]
-    for th in workers:
-        th.start()
-    run(*ranges[0])
-    for th in workers:
-        th.join()
-    if errors:
-        raise errors[0]
+    _POOL.ensure(len(ranges) - 1)
+    done = _Done(len(ranges) - 1)
+    for a, b in ranges[1:]:
+        _POOL.tasks.put((fn, a, b, done))
+    try:
+        fn(*ranges[0])
+    finally:
+        done.wait()
+    if done.errors:
+        raise done.errors[0]

@@ -247,6 +247,45 @@ def test_refresh_rewrites_only_changed_shards(tmp_path):
         api.quantize(m, out, "W8A16", max_shard_size="4MB", refresh=True)
 
 
+def test_refresh_from_a_format_1_provenance(tmp_path):
+    """An output of an earlier release (provenance format 1: one XXH3-128 over each tensor's bytes) still
+    refreshes: the sources are compared with format-1 hashes, only the changed shard is rewritten, and the
+    new provenance is format 2 (block hashes, equal to a fresh conversion's)."""
+    import xxhash
+    from safetensors.torch import load_file, save_file
+
+    from ctconvert.checkpoint.hashing import HASH_BLOCK_BYTES, hash_tensor_bytes
+    from ctconvert.checkpoint.reader import open_checkpoint
+
+    m = _big_model(tmp_path)
+    out = tmp_path / "o"
+    api.quantize(m, out, "W4A16", max_shard_size="4MB")
+    p = out / "ctconvert-provenance.json"
+    prov = json.loads(p.read_text())
+    assert prov["provenance_format"] == 2 and prov["hash_block_bytes"] == HASH_BLOCK_BYTES
+    ckpt = open_checkpoint(m)
+    info = ckpt.tensors["model.layers.3.mlp.up_proj.weight"]
+    with open(info.file, "rb") as f:  # format 1 is the plain XXH3-128 of the bytes, independently computed here
+        f.seek(info.start)
+        assert hash_tensor_bytes(info, legacy=True) == xxhash.xxh3_128(f.read(info.nbytes)).hexdigest()
+    for srcs in prov["tensors"].values():
+        for s in srcs:
+            s["xxh3_128"] = hash_tensor_bytes(ckpt.tensors[s["tensor"]], legacy=True)
+    del prov["provenance_format"], prov["hash_block_bytes"]
+    p.write_text(json.dumps(prov))
+    idx = json.loads((m / "model.safetensors.index.json").read_text())
+    f = m / idx["weight_map"]["model.layers.3.mlp.up_proj.weight"]
+    t = load_file(f)
+    t["model.layers.3.mlp.up_proj.weight"] = t["model.layers.3.mlp.up_proj.weight"] * 1.01
+    save_file(t, f, metadata={"format": "pt"})
+    res = api.quantize(m, out, "W4A16", max_shard_size="4MB", refresh=True)
+    assert 1 <= len(res.rewritten_shards) < len(res.shards)
+    full = tmp_path / "full"
+    api.quantize(m, full, "W4A16", max_shard_size="4MB")
+    assert tree_hash(out) == tree_hash(full)
+    assert json.loads(p.read_text())["provenance_format"] == 2
+
+
 def _ctrl_c(args: list[str], after: float, twice: bool = False, slow_write: str = "0.05", timeout: float = 60) -> tuple[int, str]:
     """Run ``ctconvert *args``, press Ctrl-C after ``after`` seconds (and again 0.05 s later with ``twice``);
     returns (exit code, stderr). Fails if the process does not end within ``timeout`` seconds."""

@@ -1,8 +1,12 @@
 """Provenance of a conversion: what each output tensor was made from, the run's identity, and ``--refresh``.
 
 Every output holds ``ctconvert-provenance.json``: for every output tensor the
-source file, tensor and content hash (:data:`.hashing.HASH_NAME`) of the bytes
-it was derived from, and the options of the run. ``--resume`` compares a run's
+source file, tensor and content hash (:data:`.hashing.HASH_NAME` in block form,
+:mod:`.hashing`) of the bytes it was derived from, and the options of the run.
+The document carries ``provenance_format`` (:data:`PROVENANCE_FORMAT`, 2) and
+``hash_block_bytes``; an output of an earlier release (format 1: no such key,
+one XXH3-128 over each tensor's bytes) is still understood by ``--refresh``,
+which then compares the sources with format-1 hashes and writes format 2. ``--resume`` compares a run's
 :func:`fingerprint` with the interrupted one's; ``--refresh`` compares the
 source hashes with an earlier output's provenance (:func:`refresh_plan`) and
 redoes only what changed.
@@ -20,18 +24,22 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import UsageError
-from .hashing import HASH_NAME, hash_tensor_bytes
+from .hashing import HASH_BLOCK_BYTES, HASH_NAME, HASH_SCHEME, hash_tensors
 from .reader import INDEX_NAME, Checkpoint
 from .safetensors_io import PlannedTensor
 from .writer import PROVENANCE, shard_names
 
-__all__ = ["PROVENANCE", "fingerprint", "load_provenance", "provenance", "refresh_plan", "shard_map", "sources_by_shard"]
+__all__ = ["PROVENANCE", "PROVENANCE_FORMAT", "fingerprint", "load_provenance", "provenance", "refresh_plan", "shard_map", "sources_by_shard"]
+
+
+#: the provenance document's format: 2 = block hashes (:data:`.hashing.HASH_SCHEME`); 1 (no key) = flat XXH3-128
+PROVENANCE_FORMAT = 2
 
 
 def fingerprint(ckpt: Checkpoint, options: dict, planned: list[PlannedTensor]) -> str:
     """Identity of a run: ctconvert version, options, source files (name, size, mtime) and the output layout (sha256 hex)."""
     h = hashlib.sha256()
-    h.update(json.dumps({"version": __version__, "options": options}, sort_keys=True).encode())
+    h.update(json.dumps({"version": __version__, "options": options, "hash": HASH_SCHEME}, sort_keys=True).encode())
     for f in ckpt.files:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
@@ -46,7 +54,15 @@ def provenance(ckpt: Checkpoint, units: list, options: dict, src_hashes: dict[st
     for u in units:
         for name, sources in u.output_sources().items():
             tensors[name] = [_source(ckpt.tensors[s], src_hashes[s]) for s in sources]
-    return {"ctconvert": __version__, "hash": HASH_NAME, "source": str(ckpt.path), "options": options, "tensors": tensors}
+    return {
+        "ctconvert": __version__,
+        "provenance_format": PROVENANCE_FORMAT,
+        "hash": HASH_NAME,
+        "hash_block_bytes": HASH_BLOCK_BYTES,
+        "source": str(ckpt.path),
+        "options": options,
+        "tensors": tensors,
+    }
 
 
 def _source(info, digest: str) -> dict:
@@ -73,6 +89,13 @@ def load_provenance(out: Path, options: dict) -> dict:
         )
     if prov.get("hash") != HASH_NAME:
         raise UsageError(f"earlier provenance uses {prov.get('hash')}, this install {HASH_NAME}; run a full conversion", file=p)
+    fmt = prov.get("provenance_format", 1)
+    if fmt not in (1, PROVENANCE_FORMAT) or (fmt == PROVENANCE_FORMAT and prov.get("hash_block_bytes") != HASH_BLOCK_BYTES):
+        raise UsageError(
+            f"earlier provenance is format {fmt} (block size {prov.get('hash_block_bytes')}), which this release cannot compare; run a full conversion",
+            file=p,
+        )
+    prov["_legacy"] = fmt == 1  # compare with format-1 (whole-tensor) hashes
     prov["_hashes"] = {s["tensor"]: s[HASH_NAME] for srcs in prov["tensors"].values() for s in srcs}
     return prov
 
@@ -101,12 +124,13 @@ def refresh_plan(ckpt: Checkpoint, units: list, assignment: list[list[PlannedTen
         dirty = set(new_map.values())
     else:
         dirty = set()
+        legacy = prov.get("_legacy", False)
+        hashes = hash_tensors([ckpt.tensors[s] for u in units for s in u.sources], legacy=legacy)  # in parallel
         for u in units:
-            for s in u.sources:
-                current[s] = hash_tensor_bytes(ckpt.tensors[s])
-                if prov["_hashes"].get(s) != current[s]:
-                    dirty.update(new_map[o[0]] for o in u.outputs)
-                    break
+            if any(prov["_hashes"].get(s) != hashes[s] for s in u.sources):
+                dirty.update(new_map[o[0]] for o in u.outputs)
+        if not legacy:  # format-1 hashes only serve the comparison; the new provenance is format 2
+            current = hashes
     reuse = {name: out / name for name in set(new_map.values()) - dirty}
     todo = [u for u in units if any(new_map[o[0]] in dirty for o in u.outputs)]
     return reuse, todo, sorted(dirty), current

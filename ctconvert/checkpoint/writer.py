@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import STOP_SIGNALS, OutputError, UsageError
-from .hashing import HASH_NAME, new_hasher
+from .hashing import HASH_NAME, file_hash
 from .reader import CONFIG_NAME, INDEX_NAME
 from .safetensors_io import PlannedTensor, ShardFile
 
@@ -140,15 +140,6 @@ def free_space_problem(out: Path, needed: int) -> str | None:
     return f"not enough free space: the output needs {needed / 2**30:.2f} GiB and {parent} has {free / 2**30:.2f} GiB free"
 
 
-def file_hash(path: Path) -> str:
-    """Content hash of a file's bytes (recorded per finished shard; :mod:`.hashing`'s algorithm)."""
-    h = new_hasher()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 * 2**20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def partial_folder(out: Path) -> Path:
     """The hidden folder a run toward ``out`` writes into, next to it: ``.<name>.ctconvert-partial``."""
     out = Path(out).absolute()
@@ -194,7 +185,7 @@ class OutputFolder:
     It is named ``.<out>.ctconvert-partial`` next to the output and holds a
     journal (``ctconvert-journal.json``): a fingerprint of the run (source
     identity and options) and, for every shard finished so far, its size and
-    content hash (xxh3-128). A later run with ``resume`` and the same fingerprint keeps every
+    block hash (:mod:`.hashing`). A later run with ``resume`` and the same fingerprint keeps every
     journaled shard whose bytes still hash the same; any other run starts it
     afresh. A lock (``flock``) keeps two runs out of one folder.
     """

@@ -3,8 +3,8 @@
 Reads top to bottom: open the checkpoint (headers only) -> plan every tensor
 (:func:`ctconvert.plan.planner.make_plan`; a dry run stops here) -> with a
 ``--target``, plan the kernel layout -> open the output folder (hidden,
-resumable) -> stream the work units through the executor, hashing the source
-bytes as they pass -> copy the other files, write the config and provenance ->
+resumable) -> stream the work units through the executor while the source
+bytes are hashed beside it (:class:`~ctconvert.checkpoint.hashing.SourceHashes`) -> copy the other files, write the config and provenance ->
 rename into place.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from ..calibration import apply as calibration
 from ..calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, load_tokens
 from ..checkpoint.config import build_quantization_config, updated_config
-from ..checkpoint.hashing import hash_tensor_bytes, new_hasher
+from ..checkpoint.hashing import SourceHashes, hash_tensors
 from ..checkpoint.model_card import CARD, append_conversion_section, conversion_section
 from ..checkpoint.provenance import PROVENANCE, fingerprint, load_provenance, provenance, refresh_plan, shard_map, sources_by_shard
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
@@ -330,9 +330,10 @@ def _convert(
     shard_of = shard_map(assignment)
     by_shard = sources_by_shard(plan.units, shard_of)
     known: dict[str, str] = {}  # source tensor -> content hash, computed already
+    hashing: list[SourceHashes] = []  # the hashes of this run's sources, computed beside the executor
 
     def journaled_sources(shard: str) -> dict[str, str]:  # what a finished shard was made from (for --resume)
-        return {s: known[s] if s in known else opts.hashes[s].hexdigest() for s in sorted(by_shard.get(shard, ()))}
+        return {s: known[s] if s in known else hashing[0].get(s) for s in sorted(by_shard.get(shard, ()))}
 
     folder = OutputFolder(
         out, overwrite=overwrite or old_prov is not None, fingerprint=fingerprint(ckpt, options, planned), resume=resume, shard_sources=journaled_sources
@@ -350,18 +351,20 @@ def _convert(
         if resume and getattr(folder, "discarded_partial", False):
             result.notes.append("--resume: the interrupted run used other inputs or options; starting over")
         todo = [u for u in units if any(folder.weight_map[o[0]] not in folder.completed for o in u.outputs)]
-        opts.hashes = {s: new_hasher() for u in todo for s in u.sources if s not in known}  # hashed as they stream by
+        # every source not hashed yet, in the order the executor reads them (units kept from an interrupted run or by
+        # --refresh last): block hashes on the hashing threads, off the executor's path
+        todo_ids = {id(u) for u in todo}
+        order = [s for u in todo for s in u.sources] + [s for u in plan.units if id(u) not in todo_ids for s in u.sources]
+        hashing.append(SourceHashes([ckpt.tensors[s] for s in order if s not in known]))
         keep_partial = layout is None  # an interrupted run is kept for --resume, which --target does not offer
         _execute(ckpt, dataclasses.replace(plan, units=todo), shards, opts, devs, progress)
         result.notes += [f"{name}: holds non-finite values (NaN/inf); copied as it is (--allow-non-finite)" for name in opts.nonfinite]
         lost = opts.zeros.reports() if opts.zeros is not None else []
         result.notes += [z.note() for z in lost]
         result.zero_quantized = [z.to_dict() for z in lost]
-        src_hashes = {**known, **{n: h.hexdigest() for n, h in opts.hashes.items()}}
-        for u in plan.units:  # units kept from an interrupted run (hashed in _drop_stale_shards) or by --refresh
-            for s in u.sources:
-                if s not in src_hashes:
-                    src_hashes[s] = hash_tensor_bytes(ckpt.tensors[s])
+        src_hashes = {**known, **hashing[0].all()}
+        missing = [ckpt.tensors[s] for u in plan.units for s in u.sources if s not in src_hashes]
+        src_hashes.update(hash_tensors(missing))
         folder.copy_files(ckpt.path, skip={CONFIG_NAME, PROVENANCE}, keep_other_weights=keep_other_weights)
         section = conversion_section(
             ckpt.path.name, plan.scheme.name, plan.format, plan.ignore, options["lm_head"], layout.target if layout is not None else None
@@ -406,13 +409,11 @@ def _drop_stale_shards(ckpt: Checkpoint, folder: OutputFolder, by_shard: dict, k
     """``--resume``: hash the sources of every finished shard now, and write again each shard whose sources
     changed since it was made (or whose journal does not say what it was made from)."""
     stale = []
-    for name in sorted(folder.completed):
+    done = sorted(folder.completed)
+    known.update(hash_tensors([ckpt.tensors[s] for name in done for s in sorted(by_shard.get(name, ())) if s not in known]))  # in parallel
+    for name in done:
         made_from = folder.journaled(name).get("sources")
-        now = {}
-        for s in sorted(by_shard.get(name, ())):
-            if s not in known:
-                known[s] = hash_tensor_bytes(ckpt.tensors[s])
-            now[s] = known[s]
+        now = {s: known[s] for s in sorted(by_shard.get(name, ()))}
         if made_from != now:
             stale.append(name)
     if stale:

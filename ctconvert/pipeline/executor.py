@@ -64,7 +64,6 @@ class ExecOptions:
     hold_bytes: int = DEFAULT_HOLD_BYTES
     progress: object | None = None  # anything with .update(nbytes)
     impl: str = "auto"
-    hashes: dict | None = None  # source tensor name -> hasher, fed as the bytes stream by
     repack: object | None = None
     map_input: bool = field(default_factory=map_input_default)
     allow_nonfinite: bool = False  # copy pass-through tensors that hold NaN/inf (listed in nonfinite) instead of refusing
@@ -203,30 +202,12 @@ class Executor:
         read_bytes(info, job.start * row_bytes, n, out=buf)
         return buf
 
-    def _hash(self, job: Read, data: torch.Tensor) -> None:
-        """Feed a source tensor's hash: every byte once, in order (not on the second NVFP4 pass)."""
-        unit = self.plan.units[job.unit]
-        if job.kind == "quant" and unit.scheme.global_scale:
-            return
-        info = self.ckpt.tensors[unit.sources[job.member]]
-        h = self.opts.hashes.get(info.name)
-        if h is None:
-            return
-        if job.kind == "copy":
-            n = job.stop - job.start
-        else:
-            n = (job.stop - job.start) * (info.nbytes // max(1, info.shape[0]))
-        raw = data.reshape(-1).view(torch.uint8) if data.dtype != torch.uint8 else data.reshape(-1)
-        h.update(raw[:n].numpy())
-
     def _reader(self, jobs, q: queue.Queue, stop: threading.Event):
         try:
             for job in jobs:
                 if stop.is_set():
                     return
                 data = self._read(job)
-                if self.opts.hashes is not None:
-                    self._hash(job, data)
                 q.put((job, data))
             q.put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
