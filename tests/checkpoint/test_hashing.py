@@ -18,8 +18,8 @@ def _reference(data: bytes) -> str:
 
 @pytest.mark.parametrize("size", [0, 1, HASH_BLOCK_BYTES, 2 * HASH_BLOCK_BYTES + 123])
 def test_block_hash_of_files_and_ranges(tmp_path, size):
-    data = random.Random(size).randbytes(size + 77)
-    data = data[:76] + bytes([data[77] ^ 1]) + data[77:]  # the two offsets compared last hold different bytes
+    data = random.Random(size).randbytes(size + 78)
+    data = data[:76] + bytes([data[77] ^ 1]) + data[77:-1]  # the two offsets compared last hold different bytes
     p = tmp_path / "f.bin"
     p.write_bytes(data)
     assert file_hash(p) == _reference(data)
