@@ -1,23 +1,29 @@
-"""End-to-end benchmark: ctconvert vs the I/O floor vs llm-compressor's model_free_ptq.
+"""End-to-end benchmark: ctconvert against the machine's I/O floor, its quantize kernels and llm-compressor.
 
-    python scripts/bench.py [--workdir /tmp/ctbench] [--device cpu|cuda] [--repeat 2]
-                            [--schemes FP8_DYNAMIC,W4A16,NVFP4A16] [--peer-python /work/venvs/llmc/bin/python]
+    python scripts/bench.py [--workdir /tmp/ctbench] [--size 1b|8b] [--model DIR] [--device cpu|cuda]
+                            [--repeat 2] [--schemes FP8_DYNAMIC,W4A16,NVFP4A16] [--peer-python /work/venvs/llmc/bin/python]
 
-Generates (once, cached in --workdir) a ~1B-parameter Llama-shaped bf16
-checkpoint in several shards, or takes one with --model. Then, for each scheme
-and repeat, interleaved, it runs three separate processes and records wall
-seconds and peak RSS (from ``wait4``):
+Generates (once, cached in --workdir) a Llama-shaped bf16 checkpoint, ~1.2B
+parameters (``--size 1b``, the default) or Llama-3-8B's shape (``--size 8b``,
+16 GB: for machines with the disk for it), or takes one with --model. Then, for
+each scheme and repeat, interleaved, in separate processes:
 
-* floor: read every tensor with safetensors and write the same number of
-  output bytes as ctconvert wrote, with safetensors, fsynced;
-* ctconvert: ``python -m ctconvert quantize SRC -o OUT --scheme S --device D``;
+* read floor: every input byte read from the page cache as fast as the machine
+  allows (several threads, 64 MiB ``preadv`` into reused buffers);
+* write floor: the output's byte count written (several threads, 64 MiB
+  ``pwrite``) into 5 GB files and fsynced;
+* kernels: the quantize kernels' own time over the same weights on the same
+  device (weights read beforehand, absmax + quantize per row chunk, no I/O);
+* ctconvert: ``python -m ctconvert --json quantize SRC -o OUT --scheme S --device D``:
+  the whole process (wall, peak RSS from ``wait4``) and its call (``--json`` ``seconds``);
 * peer: llm-compressor's ``model_free_ptq`` with the same preset (when
   ``--peer-python`` points at an environment that has it; see peer_llmc.py).
 
-Prints a table (stderr) and one JSON document (stdout) with medians and the
-ratios ctconvert/floor and ctconvert/peer. The input is read from the page
-cache after the first run (the machine has more RAM than the checkpoint), for
-all three alike.
+Outputs are deleted after each run (disk). Each figure is the minimum over the
+repeats (a shared machine only ever makes a run slower); the table (stderr) and
+the JSON document (stdout) give ctconvert's call and process time against
+``max(read, write)`` (and ``max(read, write, kernels)``) and ``read + write``, the
+resource that bounds the run, and the ratios to the peer.
 """
 
 from __future__ import annotations
@@ -26,13 +32,29 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CONFIG_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 32,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -51,38 +73,109 @@ CONFIG = {
     "torch_dtype": "bfloat16",
 }
 
-FLOOR = r"""
-import json, os, sys, math
+FLOORS = r"""
+import json, os, sys, threading, time
 from pathlib import Path
+what, threads = sys.argv[1], int(sys.argv[2])
+CH = 64 * 2**20
+def run(ranges, fn):
+    # ranges: (path, offset, nbytes) pieces of at most CH; dealt round-robin to the threads
+    errs = []
+    def work(part):
+        buf = bytearray(CH)
+        view = memoryview(buf)
+        fds = {}
+        try:
+            for path, off, n in part:
+                fd = fds.get(path)
+                if fd is None:
+                    fd = fds[path] = os.open(path, os.O_RDONLY if what == "read" else os.O_WRONLY)
+                fn(fd, view[:n], off)
+        except BaseException as e:
+            errs.append(e)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+    ts = [threading.Thread(target=work, args=(ranges[i::threads],)) for i in range(threads)]
+    for t in ts: t.start()
+    for t in ts: t.join()
+    if errs: raise errs[0]
+def pieces(files):
+    return [(f, o, min(CH, s - o)) for f, s in files for o in range(0, s, CH)]
+def rd(fd, v, off):
+    got = 0
+    while got < len(v):
+        k = os.preadv(fd, [v[got:]], off + got)
+        if k <= 0: raise OSError("short read")
+        got += k
+def wr(fd, v, off):
+    done = 0
+    while done < len(v):
+        done += os.pwrite(fd, v[done:], off + done)
+t0 = time.perf_counter()
+if what == "read":
+    files = [(str(p), p.stat().st_size) for p in sorted(Path(sys.argv[3]).glob("*.safetensors"))]
+    run(pieces(files), rd)
+    nbytes = sum(s for _, s in files)
+else:
+    out, nbytes = Path(sys.argv[3]), int(sys.argv[4])
+    out.mkdir(parents=True, exist_ok=True)
+    files, left = [], nbytes
+    while left > 0:
+        n = min(5 * 10**9, left)
+        p = out / f"floor-{len(files)}.bin"
+        with open(p, "wb") as f: f.truncate(n)
+        files.append((str(p), n)); left -= n
+    run(pieces(files), wr)
+    for p, _ in files:
+        fd = os.open(p, os.O_RDONLY); os.fsync(fd); os.close(fd)
+print(json.dumps({"what": what, "seconds": time.perf_counter() - t0, "bytes": nbytes, "threads": threads}))
+"""
+
+KERNELS = r"""
+import json, sys, time
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-src, out, nbytes, device = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-device = "cpu" if device == "cpu" else "cuda"  # the floor uses one device
-files = sorted(src.glob("*.safetensors"))
-total = 0
-for f in files:
-    with safe_open(f, "pt", device="cpu") as h:
-        for k in h.keys():
-            t = h.get_tensor(k)
-            if device != "cpu":
-                t = t.to(device)
-            total += t.numel() * t.element_size()
-if device != "cpu":
-    torch.cuda.synchronize()
-out.mkdir(parents=True, exist_ok=True)
-shard = 5 * 10**9
-left, i = nbytes, 0
-while left > 0:
-    n = min(shard, left)
-    save_file({"data": torch.zeros(n, dtype=torch.uint8)}, str(out / f"floor-{i}.safetensors"))
-    fd = os.open(out / f"floor-{i}.safetensors", os.O_RDONLY); os.fsync(fd); os.close(fd)
-    left -= n; i += 1
+from ctconvert.checkpoint.reader import open_checkpoint
+from ctconvert.checkpoint.safetensors_io import read_tensor
+from ctconvert.formats.common import tensor_absmax
+from ctconvert.formats.fp4 import nvfp4_global_scale
+from ctconvert.pipeline.executor import DEFAULT_CHUNK_ELEMS
+from ctconvert.plan.planner import make_plan
+src, scheme, device = sys.argv[1], sys.argv[2], torch.device(sys.argv[3])
+ckpt = open_checkpoint(src, strict=True)
+plan = make_plan(ckpt, scheme)
+total, nbytes = 0.0, 0
+def sync():
+    if device.type == "cuda": torch.cuda.synchronize(device)
+with torch.inference_mode():
+    for u in plan.units:
+        if u.kind == "copy":
+            continue
+        ws = [read_tensor(ckpt.tensors[s]).to(device) for s in u.sources]  # not timed: the weights are in memory first
+        sync()
+        t0 = time.perf_counter()
+        gs = None
+        if u.scheme.global_scale:
+            amax = torch.stack([tensor_absmax(w).to(device) for w in ws]).amax()
+            gs = nvfp4_global_scale(amax, ws[0].dtype)
+        for w in ws:
+            step = max(1, DEFAULT_CHUNK_ELEMS // max(1, w.shape[1]))
+            align = u.scheme.row_align
+            step = max(align, step // align * align)
+            for r0 in range(0, w.shape[0], step):
+                u.scheme.quantize_rows(w[r0 : r0 + step], gs)
+        sync()
+        total += time.perf_counter() - t0
+        nbytes += sum(w.numel() * w.element_size() for w in ws)
+        del ws
+print(json.dumps({"seconds": total, "bytes": nbytes}))
 """
 
 
-def make_model(path: Path, shards: int = 4) -> Path:
-    """A random bf16 Llama-shaped checkpoint (~1.2B parameters), written shard by shard."""
+def make_model(path: Path, shards: int = 4, size: str = "1b") -> Path:
+    """A random bf16 Llama-shaped checkpoint, written shard by shard: ~1.2B parameters (``1b``: every weight drawn
+    from N(0, 0.02), seed 0) or Llama-3-8B's shape (``8b``: weights cut from one 256 MiB N(0, 0.02) pool at random
+    offsets and scales, so that 16 GB are made at memory speed)."""
     if (path / "model.safetensors.index.json").exists():
         return path
     import torch
@@ -91,7 +184,23 @@ def make_model(path: Path, shards: int = 4) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    c = CONFIG
+    c = CONFIG_8B if size == "8b" else CONFIG
+    pool = (torch.randn(2**27, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16) if size == "8b" else None
+    rng = torch.Generator().manual_seed(2)
+
+    def weight(shape, g):
+        if pool is None:
+            return (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+        n = shape[0] * shape[1]
+        out = torch.empty(n, dtype=torch.bfloat16)
+        pos = 0
+        while pos < n:
+            o = int(torch.randint(0, pool.numel() // 2, (1,), generator=rng))
+            k = min(n - pos, pool.numel() - o)
+            out[pos : pos + k] = pool[o : o + k] * (0.5 + float(torch.rand((), generator=rng)))
+            pos += k
+        return out.reshape(shape)
+
     h, i, v, hd = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     names = [("model.embed_tokens.weight", (v, h)), ("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
@@ -115,11 +224,11 @@ def make_model(path: Path, shards: int = 4) -> Path:
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         part = {}
         for n, shape in names[s * per : (s + 1) * per]:
-            part[n] = torch.ones(shape, dtype=torch.bfloat16) if len(shape) == 1 else (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+            part[n] = torch.ones(shape, dtype=torch.bfloat16) if len(shape) == 1 else weight(shape, g)
             weight_map[n] = fname
             total += part[n].numel() * 2
         save_file(part, str(tmp / fname), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    (tmp / "config.json").write_text(json.dumps(c, indent=2))
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     os.replace(tmp, path)
     return path
@@ -167,82 +276,129 @@ def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*.safetensors"))
 
 
+def _json(r: dict) -> dict:
+    """The JSON document a child printed: its whole stdout, or else its last line."""
+    try:
+        return json.loads(r["stdout"])
+    except ValueError:
+        return json.loads(r["stdout"].strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="/tmp/ctbench")
     ap.add_argument("--model", default=None, help="an existing bf16 checkpoint instead of the generated one")
+    ap.add_argument("--size", default="1b", choices=("1b", "8b"), help="the generated checkpoint: ~1.2B parameters or Llama-3-8B's shape")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--schemes", default="FP8_DYNAMIC,W4A16,NVFP4A16")
+    ap.add_argument("--io-threads", type=int, default=min(8, os.cpu_count() or 1), help="threads of the read and write floors")
     ap.add_argument("--peer-python", default=os.environ.get("CTCONVERT_PEER_PYTHON", "/work/venvs/llmc/bin/python"))
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--no-kernels", action="store_true", help="skip timing the quantize kernels on their own")
+    ap.add_argument("--extra", default="", help="extra ctconvert quantize arguments, e.g. '--target marlin'")
     ap.add_argument("--make-model", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.make_model:  # run in a child so that this process stays small (children inherit its peak RSS)
-        make_model(Path(a.make_model))
+        make_model(Path(a.make_model), size=a.size)
         return
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    src = Path(a.model) if a.model else work / "llama-1b-bf16"
+    src = Path(a.model) if a.model else work / ("llama-1b-bf16" if a.size == "1b" else "llama3-8b-bf16")
     if not a.model and not (src / "model.safetensors.index.json").exists():
-        subprocess.run([sys.executable, __file__, "--make-model", str(src)], check=True)
+        subprocess.run([sys.executable, __file__, "--make-model", str(src), "--size", a.size], check=True)
     in_bytes = dir_bytes(src)
     peer_ok = not a.no_peer and Path(a.peer_python).exists()
     py = sys.executable
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     runs: dict[tuple[str, str], list[dict]] = {}
-    # warm the page cache and the compiled kernels once, untimed
-    timed([py, "-c", FLOOR, str(src), str(work / "warm"), "1", "cpu"], env)
+    threads = str(a.io_threads)
+    timed([py, "-c", FLOORS, "read", threads, str(src)], env)  # warm the page cache, untimed
+    schemes = a.schemes.split(",")
     for rep in range(a.repeat):
-        for scheme in a.schemes.split(","):
+        for scheme in schemes:
             out = work / f"out-{scheme}"
             shutil.rmtree(out, ignore_errors=True)
-            r = timed([py, "-m", "ctconvert", "--json", "quantize", str(src), "-o", str(out), "--scheme", scheme, "--device", a.device], env)
+            cmd = [py, "-m", "ctconvert", "--json", "quantize", str(src), "-o", str(out), "--scheme", scheme, "--device", a.device, *a.extra.split()]
+            r = timed(cmd, env)
             r["output_bytes"] = dir_bytes(out)
-            r["call_seconds"] = json.loads(r["stdout"])["seconds"]  # the conversion itself, without process start-up
+            r["call_seconds"] = _json(r)["seconds"]  # the conversion itself, without process start-up
             runs.setdefault((scheme, "ctconvert"), []).append(r)
+            rd = timed([py, "-c", FLOORS, "read", threads, str(src)], env)
+            rd["seconds"] = _json(rd)["seconds"]
+            runs.setdefault((scheme, "read"), []).append(rd)
             fl = work / "floor"
             shutil.rmtree(fl, ignore_errors=True)
-            runs.setdefault((scheme, "floor"), []).append(timed([py, "-c", FLOOR, str(src), str(fl), str(r["output_bytes"]), a.device], env))
+            wr = timed([py, "-c", FLOORS, "write", threads, str(fl), str(r["output_bytes"])], env)
+            wr["seconds"] = _json(wr)["seconds"]
+            shutil.rmtree(fl, ignore_errors=True)
+            runs.setdefault((scheme, "write"), []).append(wr)
+            if not a.no_kernels:
+                k = timed([py, "-c", KERNELS, str(src), scheme, a.device], env)
+                k["seconds"] = _json(k)["seconds"]
+                runs.setdefault((scheme, "kernels"), []).append(k)
             if peer_ok:
                 po = work / f"peer-{scheme}"
                 shutil.rmtree(po, ignore_errors=True)
                 pr = timed([a.peer_python, str(ROOT / "scripts" / "peer_llmc.py"), str(src), str(po), "--scheme", scheme, "--device", a.device])
-                doc = json.loads(pr["stdout"].strip().splitlines()[-1])
-                pr["call_seconds"] = doc.get("seconds")
-                if rep == 0:  # every tensor byte-identical to llm-compressor's?
-                    cmp = timed([py, "-c", COMPARE, str(out), str(po)], env)
-                    pr["identical"] = json.loads(cmp["stdout"].strip().splitlines()[-1])["identical"]
+                pr["call_seconds"] = _json(pr).get("seconds")
+                if rep == 0 and not a.extra:  # every tensor byte-identical to llm-compressor's?
+                    pr["identical"] = _json(timed([py, "-c", COMPARE, str(out), str(po)], env))["identical"]
+                shutil.rmtree(po, ignore_errors=True)
                 runs.setdefault((scheme, "peer"), []).append(pr)
+            shutil.rmtree(out, ignore_errors=True)
             print(
                 f"[rep {rep + 1}] {scheme}: "
-                + ", ".join(f"{k}={runs[(scheme, k)][-1]['seconds']:.2f}s" for k in ("floor", "ctconvert", "peer") if (scheme, k) in runs),
+                + ", ".join(f"{k}={runs[(scheme, k)][-1]['seconds']:.2f}s" for k in ("read", "write", "kernels", "ctconvert", "peer") if (scheme, k) in runs)
+                + f", call={r['call_seconds']:.2f}s",
                 file=sys.stderr,
             )
-    results = []
-    for scheme in a.schemes.split(","):
-        row = {"scheme": scheme, "device": a.device, "input_bytes": in_bytes}
-        for who in ("floor", "ctconvert", "peer"):
-            rs = runs.get((scheme, who))
-            if not rs:
-                continue
-            sec = statistics.median(r["seconds"] for r in rs)
-            row[who] = {"seconds": round(sec, 3), "GBps_input": round(in_bytes / sec / 1e9, 3), "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs)}
-            if who in ("peer", "ctconvert"):
-                row[who]["call_seconds"] = round(statistics.median(r["call_seconds"] for r in rs), 3)
-            if who == "peer":
-                row["outputs_identical_to_peer"] = rs[0].get("identical")
-        c = row["ctconvert"]
-        row["ctconvert"]["output_bytes"] = runs[(scheme, "ctconvert")][-1]["output_bytes"]
-        row["ratio_ctconvert_over_floor"] = round(c["seconds"] / row["floor"]["seconds"], 3)
-        if "peer" in row:
-            row["ratio_wall_ctconvert_over_peer"] = round(c["seconds"] / row["peer"]["seconds"], 3)
-            row["ratio_wall_ctconvert_over_peer_call"] = round(c["seconds"] / row["peer"]["call_seconds"], 3)
-            row["ratio_rss_ctconvert_over_peer"] = round(c["peak_rss_bytes"] / row["peer"]["peak_rss_bytes"], 3)
-        results.append(row)
+    results = [_row(scheme, a, in_bytes, runs) for scheme in schemes]
     _table(results)
-    json.dump({"model": str(src), "input_bytes": in_bytes, "repeat": a.repeat, "results": results}, sys.stdout, indent=2)
+    doc = {"model": str(src), "size": a.size if not a.model else None, "input_bytes": in_bytes, "repeat": a.repeat, "statistic": "min", "results": results}
+    json.dump(doc, sys.stdout, indent=2)
     print()
+
+
+def _row(scheme: str, a, in_bytes: int, runs: dict) -> dict:
+    """One scheme's figures (minimum over the repeats) and ratios."""
+
+    def best(who: str, key: str = "seconds"):
+        rs = runs.get((scheme, who))
+        return round(min(r[key] for r in rs), 3) if rs else None
+
+    row = {"scheme": scheme, "device": a.device, "extra": a.extra, "input_bytes": in_bytes}
+    row["read_seconds"], row["write_seconds"], row["kernels_seconds"] = best("read"), best("write"), best("kernels")
+    row["output_bytes"] = runs[(scheme, "ctconvert")][-1]["output_bytes"]
+    call, proc = best("ctconvert", "call_seconds"), best("ctconvert")
+    row["ctconvert"] = {"call_seconds": call, "process_seconds": proc, "peak_rss_bytes": min(r["peak_rss_bytes"] for r in runs[(scheme, "ctconvert")])}
+    row["ctconvert"]["GBps_input_call"] = round(in_bytes / call / 1e9, 3)
+    io_max = max(row["read_seconds"], row["write_seconds"])
+    row["floor_max_read_write"] = io_max
+    row["floor_sum_read_write"] = round(row["read_seconds"] + row["write_seconds"], 3)
+    bounds = {"read": row["read_seconds"], "write": row["write_seconds"]}
+    if row["kernels_seconds"] is not None:
+        bounds["kernels"] = row["kernels_seconds"]
+    row["floor_max_read_write_kernels"] = max(bounds.values())
+    row["bound_by"] = max(bounds, key=bounds.get)
+    row["ratio_call_over_max_read_write"] = round(call / io_max, 3)
+    row["ratio_call_over_max_read_write_kernels"] = round(call / row["floor_max_read_write_kernels"], 3)
+    row["ratio_call_over_sum_read_write"] = round(call / row["floor_sum_read_write"], 3)
+    row["ratio_process_over_max_read_write"] = round(proc / io_max, 3)
+    row["process_minus_call_seconds"] = round(proc - call, 3)
+    # what the call spends beyond the slowest resource: pipeline and Python (start-up is process - call)
+    row["beyond_bound_seconds"] = round(call - row["floor_max_read_write_kernels"], 3)
+    rs = runs.get((scheme, "peer"))
+    if rs:
+        row["peer"] = {
+            "process_seconds": best("peer"),
+            "call_seconds": round(min(r["call_seconds"] for r in rs if r["call_seconds"] is not None), 3),
+            "peak_rss_bytes": min(r["peak_rss_bytes"] for r in rs),
+        }
+        row["outputs_identical_to_peer"] = rs[0].get("identical")
+        row["ratio_process_ctconvert_over_peer"] = round(proc / row["peer"]["process_seconds"], 3)
+        row["ratio_rss_ctconvert_over_peer"] = round(row["ctconvert"]["peak_rss_bytes"] / row["peer"]["peak_rss_bytes"], 3)
+    return row
 
 
 def _table(results: list[dict]) -> None:
@@ -251,29 +407,36 @@ def _table(results: list[dict]) -> None:
         from rich.table import Table
     except ImportError:  # pragma: no cover
         return
-    t = Table(title="ctconvert benchmark (median wall seconds, GB/s of bf16 input, peak RSS)")
-    for col in ("scheme", "device", "floor", "ctconvert (process / call)", "peer (process / call)", "ct/floor", "ct/peer", "RSS ct/peer"):
+    t = Table(title="ctconvert against the floor (min seconds over the repeats; peak RSS)")
+    cols = ("scheme", "device", "read", "write", "kernels", "call", "process", "RSS", "call/max(r,w)", "call/max(r,w,k)", "call/(r+w)", "bound")
+    cols += ("peer", "proc/peer", "RSS/peer", "same bytes")
+    for col in cols:
         t.add_column(col)
 
-    def cell(r, k):
-        if k not in r:
-            return "-"
-        return f"{r[k]['seconds']:.2f}s {r[k]['GBps_input']:.2f}GB/s {r[k]['peak_rss_bytes'] / 2**20:.0f}MiB"
+    def f(x, unit="s"):
+        return "-" if x is None else f"{x:.2f}{unit}"
 
     for r in results:
-        peer = f"{cell(r, 'peer')} / {r['peer']['call_seconds']:.2f}s" if "peer" in r else "-"
-        ct = f"{cell(r, 'ctconvert')} / {r['ctconvert']['call_seconds']:.2f}s"
+        c, p = r["ctconvert"], r.get("peer")
         t.add_row(
-            r["scheme"],
+            r["scheme"] + (f" {r['extra']}" if r["extra"] else ""),
             r["device"],
-            cell(r, "floor"),
-            ct,
-            peer,
-            str(r["ratio_ctconvert_over_floor"]),
-            str(r.get("ratio_wall_ctconvert_over_peer", "-")),
-            str(r.get("ratio_rss_ctconvert_over_peer", "-")),
+            f(r["read_seconds"]),
+            f(r["write_seconds"]),
+            f(r["kernels_seconds"]),
+            f(c["call_seconds"]),
+            f(c["process_seconds"]),
+            f"{c['peak_rss_bytes'] / 2**20:.0f}MiB",
+            f(r["ratio_call_over_max_read_write"], ""),
+            f(r["ratio_call_over_max_read_write_kernels"], ""),
+            f(r["ratio_call_over_sum_read_write"], ""),
+            r["bound_by"] + ("" if r["ratio_call_over_max_read_write_kernels"] <= 1.5 else " (+pipeline/Python)"),
+            f"{p['process_seconds']:.2f}s {p['peak_rss_bytes'] / 2**20:.0f}MiB" if p else "-",
+            f(r.get("ratio_process_ctconvert_over_peer"), ""),
+            f(r.get("ratio_rss_ctconvert_over_peer"), ""),
+            str(r.get("outputs_identical_to_peer", "-")),
         )
-    Console(stderr=True, width=200).print(t)
+    Console(stderr=True, width=250).print(t)
 
 
 if __name__ == "__main__":

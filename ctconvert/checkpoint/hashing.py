@@ -6,7 +6,7 @@ into consecutive blocks of :data:`HASH_BLOCK_BYTES` (the last one shorter),
 each block is hashed on its own, and the hash is the XXH3-128 of the
 concatenated 16-byte block digests, in order (an empty range: the hash of no
 digests). Blocks are hashed on a few worker threads (xxhash releases the GIL)
-straight from a read-only mapping of the file (the page cache), so hashing
+straight from read-only mappings of one block each (the page cache), so hashing
 runs beside a conversion, off its critical path. :data:`HASH_SCHEME` names
 the algorithm and block size; it is recorded with every hash (provenance
 format 2). ``legacy=True`` gives the format-1 hash (one XXH3-128 over all the
@@ -53,37 +53,33 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
-def _digest(view) -> bytes:
+def _hash_range(path: Path, start: int, nbytes: int, legacy: bool = False):
+    """Digest (bytes) of ``nbytes`` of ``path`` from ``start`` (``legacy``: hex of the whole range), through a
+    mapping of just that range, unmapped at once: a worker's resident memory stays one block."""
     h = new_hasher()
-    h.update(view)
-    return h.digest()
-
-
-class _Mapped:
-    """A read-only mapping of one file (empty files have none)."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            self.mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else None
-        self.view = memoryview(self.mm) if self.mm is not None else memoryview(b"")
-
-    def range(self, start: int, nbytes: int):
-        if start + nbytes > len(self.view):
-            raise OSError(f"{self.path} is shorter than expected ({len(self.view)} bytes, needs {start + nbytes})")
-        return self.view[start : start + nbytes]
+    if nbytes:
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < start + nbytes:
+                raise OSError(f"{path} is shorter than expected (needs {start + nbytes} bytes)")
+            mm = mmap.mmap(f.fileno(), start + nbytes - base, access=mmap.ACCESS_READ, offset=base)
+        try:
+            with memoryview(mm) as view:
+                for b in range(start - base, start - base + nbytes, 64 * 2**20):
+                    h.update(view[b : min(start - base + nbytes, b + 64 * 2**20)])
+        finally:
+            mm.close()
+    return h.hexdigest() if legacy else h.digest()
 
 
 class RangeHash:
     """The block hash of one byte range of a file, computed on the hashing threads; :meth:`hexdigest` waits."""
 
-    def __init__(self, mapped: _Mapped, start: int, nbytes: int, legacy: bool = False):
-        view = mapped.range(start, nbytes)
+    def __init__(self, path: Path, start: int, nbytes: int, legacy: bool = False):
         if legacy:
-            self.blocks: list[Future] = [_pool().submit(_legacy_hex, view)]
+            self.blocks: list[Future] = [_pool().submit(_hash_range, path, start, nbytes, True)]
         else:
-            self.blocks = [_pool().submit(_digest, view[b : b + HASH_BLOCK_BYTES]) for b in range(0, nbytes, HASH_BLOCK_BYTES)]
+            self.blocks = [_pool().submit(_hash_range, path, start + b, min(HASH_BLOCK_BYTES, nbytes - b)) for b in range(0, nbytes, HASH_BLOCK_BYTES)]
         self.legacy = legacy
         self._hex: str | None = None
 
@@ -100,28 +96,16 @@ class RangeHash:
         return self._hex
 
 
-def _legacy_hex(view) -> str:
-    h = new_hasher()
-    for b in range(0, len(view), 64 * 2**20):
-        h.update(view[b : b + 64 * 2**20])
-    return h.hexdigest()
-
-
 class SourceHashes:
     """Block hashes of source tensors, started at once on the hashing threads (in the given order, so the
     pages are read about when the conversion reads them) and waited for by name with :meth:`get`.
     ``infos``: objects with ``name``, ``file``, ``start`` (absolute offset) and ``nbytes`` (:class:`TensorInfo`)."""
 
     def __init__(self, infos, legacy: bool = False):
-        self._maps: dict[Path, _Mapped] = {}
         self._hashes: dict[str, RangeHash] = {}
         for info in infos:
-            if info.name in self._hashes:
-                continue
-            m = self._maps.get(info.file)
-            if m is None:
-                m = self._maps[info.file] = _Mapped(info.file)
-            self._hashes[info.name] = RangeHash(m, info.start, info.nbytes, legacy)
+            if info.name not in self._hashes:
+                self._hashes[info.name] = RangeHash(info.file, info.start, info.nbytes, legacy)
 
     def __contains__(self, name: str) -> bool:
         return name in self._hashes
@@ -146,5 +130,71 @@ def hash_tensors(infos, legacy: bool = False) -> dict[str, str]:
 
 def file_hash(path: Path) -> str:
     """The block hash of a whole file's bytes (finished output shards; blocks hashed in parallel)."""
-    m = _Mapped(path)
-    return RangeHash(m, 0, len(m.view)).hexdigest()
+    return RangeHash(path, 0, Path(path).stat().st_size).hexdigest()
+
+
+class StreamHash:
+    """The block hash of a byte range fed in order, piece by piece (an output tensor as it is written).
+
+    :meth:`update_at` takes the bytes at ``offset`` into the range; a piece that is not the next one in order
+    makes the hash unknown (:attr:`ok` False: the caller hashes the range from the file instead)."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.ok = True
+        self._cur = new_hasher()
+        self._in_block = 0
+        self._digests: list[bytes] = []
+        self._lock = threading.Lock()
+
+    def update_at(self, offset: int, data) -> None:
+        view = memoryview(data).cast("B")
+        with self._lock:
+            if not self.ok or offset != self.pos:
+                self.ok = False
+                return
+            i, n = 0, len(view)
+            while i < n:
+                k = min(n - i, HASH_BLOCK_BYTES - self._in_block)
+                self._cur.update(view[i : i + k])
+                self._in_block += k
+                i += k
+                if self._in_block == HASH_BLOCK_BYTES:
+                    self._digests.append(self._cur.digest())
+                    self._cur, self._in_block = new_hasher(), 0
+            self.pos += n
+
+    def digest(self) -> bytes:
+        """The 16-byte block hash (as :class:`RangeHash` computes it from a file)."""
+        h = new_hasher()
+        for d in self._digests + ([self._cur.digest()] if self._in_block else []):
+            h.update(d)
+        return h.digest()
+
+
+def combine_shard_hash(header: bytes, tensors: list[bytes]) -> str:
+    """A shard's content hash: XXH3-128 over the block hashes (16-byte digests) of its header bytes, then of each
+    tensor's bytes in file order (the tensors tile the data section, so this covers every byte of the file)."""
+    h = new_hasher()
+    h.update(header)
+    for d in tensors:
+        h.update(d)
+    return h.hexdigest()
+
+
+def shard_hash(path: Path) -> str:
+    """:func:`combine_shard_hash` of a safetensors file, computed from its bytes (resume checks, reused shards):
+    the header and every tensor hashed in parallel on the hashing threads."""
+    import json
+    import struct
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    start = 8 + n
+    ranges = sorted((int(e["data_offsets"][0]), int(e["data_offsets"][1]) - int(e["data_offsets"][0])) for e in header.values())
+    head = RangeHash(path, 0, start)
+    parts = [RangeHash(path, start + b, k) for b, k in ranges]
+    return combine_shard_hash(bytes.fromhex(head.hexdigest()), [bytes.fromhex(p.hexdigest()) for p in parts])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import STOP_SIGNALS, OutputError, UsageError
-from .hashing import HASH_NAME, file_hash
+from .hashing import HASH_NAME, shard_hash
 from .reader import CONFIG_NAME, INDEX_NAME
 from .safetensors_io import PlannedTensor, ShardFile
 
@@ -228,7 +228,7 @@ class OutputFolder:
 
     def _still_valid(self, name: str, rec: dict) -> bool:
         p = self.tmp / name
-        return p.is_file() and p.stat().st_size == rec.get("size") and file_hash(p) == rec.get(HASH_NAME)
+        return p.is_file() and p.stat().st_size == rec.get("size") and shard_hash(p) == rec.get(HASH_NAME)
 
     def _save_journal(self) -> None:
         with self._lock:
@@ -267,7 +267,7 @@ class OutputFolder:
         for name, tensors in zip(shard_names(len(shards)), shards):
             if name in reuse_from and name not in self.journal["shards"]:
                 shutil.copyfile(reuse_from[name], self.tmp / name)
-                self.journal["shards"][name] = {"size": (self.tmp / name).stat().st_size, HASH_NAME: file_hash(self.tmp / name)}
+                self.journal["shards"][name] = {"size": (self.tmp / name).stat().st_size, HASH_NAME: shard_hash(self.tmp / name)}
                 self.reused[name] = "refresh"
             if name in self.journal["shards"]:
                 self.reused.setdefault(name, "resume")
@@ -289,7 +289,7 @@ class OutputFolder:
 
         def record():
             try:
-                rec = {"size": shard.path.stat().st_size, HASH_NAME: file_hash(shard.path)}
+                rec = {"size": shard.path.stat().st_size, HASH_NAME: shard.content_hash()}  # hashed as written
                 if self.shard_sources is not None:
                     rec["sources"] = self.shard_sources(shard.path.name)
                 with self._lock:

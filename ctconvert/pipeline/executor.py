@@ -24,6 +24,7 @@ import dataclasses
 import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -42,8 +43,11 @@ COPY_CHUNK_BYTES = 64 * 2**20
 _CHECKED_COPY = ("BF16", "F16", "F32", "F64", "F8_E4M3")  # pass-through dtypes whose values are checked
 DEFAULT_CHUNK_ELEMS = 4 * 2**20
 DEFAULT_HOLD_BYTES = 1 << 30
-READ_AHEAD = 3
-WRITE_BEHIND = 8
+READ_AHEAD = 4  # chunks read ahead of the one being computed
+WRITE_BEHIND = 2  # writes queued per writer thread (a copy chunk is 64 MiB)
+READERS = {"cuda": 4, "cpu": 2}  # reader threads (preadv releases the GIL; CPU runs that map the input use 1)
+WRITERS = {"cuda": 4, "cpu": 2}  # writer threads; every write of one tensor goes to the same one, in order
+STAGE_BYTES = 16 * 2**20  # a pinned staging buffer for device-to-host copies of outputs (larger ones get their own)
 
 
 def map_input_default() -> bool:
@@ -127,13 +131,20 @@ class _PinnedPool:
         self.count = count
         self.made = 0
         self.lock = threading.Lock()
+        self.closed = False  # set when the run stops: waiting readers give up
 
     def get(self, nbytes: int) -> torch.Tensor:
         with self.lock:
             if self.made < self.count:
                 self.made += 1
                 return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        buf, event = self.free.get()
+        while True:
+            try:
+                buf, event = self.free.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if self.closed:
+                    raise RuntimeError("the executor stopped") from None
         if event is not None:
             event.synchronize()
         if buf.numel() < nbytes:
@@ -161,37 +172,74 @@ class Executor:
         self.ckpt, self.plan, self.shards, self.opts = ckpt, plan, shards, opts
         self.dev = opts.device
         self.cuda = self.dev.type == "cuda"
-        self.pool = _PinnedPool(READ_AHEAD + 2) if self.cuda else None
+        kind = "cuda" if self.cuda else "cpu"
+        self.readers = 1 if not self.cuda and opts.map_input else READERS[kind]
+        self.pool = _PinnedPool(READ_AHEAD + self.readers + 2) if self.cuda else None
+        self.stage = _PinnedPool(WRITERS[kind] * 2 + 2) if self.cuda else None  # device-to-host staging of outputs
         self.stream = torch.cuda.Stream(self.dev) if self.cuda else None
         self.use_native = not self.cuda and opts.impl in ("auto", "native") and native.available()
-        self.wq: queue.Queue = queue.Queue(maxsize=WRITE_BEHIND)
+        self.native_checks = opts.impl in ("auto", "native") and native.available()  # C scans of host bytes
+        self.wqs: list[queue.Queue] = [queue.Queue(maxsize=WRITE_BEHIND) for _ in range(WRITERS[kind])]
         self.write_error: BaseException | None = None
 
-    # -- writing (a thread of its own: output bytes go to disk while the next chunks compute) --
-    def _writer(self) -> None:
+    # -- writing (threads of their own: output bytes go to disk while the next chunks compute) --
+    def _writer(self, wq: queue.Queue) -> None:
         while True:
-            item = self.wq.get()
+            item = wq.get()
             if item is None:
                 return
             if self.write_error is not None:
                 continue
-            name, t, pos = item
+            writes, event, buf = item
             try:
-                self.shards[name].write(name, t, pos)
+                if event is not None:
+                    event.synchronize()  # the device-to-host copies into the staging buffer are done
+                for name, t, pos in writes:
+                    self.shards[name].write(name, t, pos)
             except BaseException as e:  # noqa: BLE001 - re-raised by the computing thread
                 self.write_error = e
+            finally:
+                if buf is not None:
+                    self.stage.put(buf, None)
 
     def _write(self, name: str, t: torch.Tensor, pos: int = 0) -> None:
+        """Queue one host tensor's bytes for ``name`` at byte ``pos`` (to the writer that owns the tensor)."""
+        self._write_many([(name, t, pos)])
+
+    def _write_many(self, writes: list, event=None, buf=None) -> None:
         if self.write_error is not None:
             raise self.write_error
-        self.wq.put((name, t, pos))
+        self.wqs[hash(writes[0][0]) % len(self.wqs)].put((writes, event, buf))
+
+    def _write_device(self, writes: list) -> None:
+        """Write device tensors ``[(name, tensor, byte offset)]`` (a chunk's or a module's outputs): on a GPU they are
+        copied into one pinned staging buffer on the stream and written by a writer thread once the copy is done,
+        while this thread goes on (no synchronisation here); host tensors are queued as they are."""
+        if not self.cuda:
+            for name, t, pos in writes:
+                self._write(name, t.cpu(), pos)
+            return
+        flat = [(name, t.contiguous().reshape(-1).view(torch.uint8), pos) for name, t, pos in writes]
+        sizes = [-(-t.numel() // 64) * 64 for _, t, _ in flat]  # 64-byte aligned slices
+        buf = self.stage.get(max(sum(sizes), STAGE_BYTES))
+        staged, off = [], 0
+        for (name, t, pos), size in zip(flat, sizes):
+            dst = buf[off : off + t.numel()]
+            if t.numel():
+                dst.copy_(t, non_blocking=True)
+            staged.append((name, dst, pos))
+            off += size
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        self._write_many(staged, ev, buf)
 
     # -- reading ---------------------------------------------------------------
     def _read(self, job: Read):
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
-        if job.kind == "copy":
-            return read_bytes(info, job.start, job.stop - job.start)
+        if job.kind == "copy":  # (bytes, whether they hold NaN/inf)
+            data = read_bytes(info, job.start, job.stop - job.start)
+            return data, self._copy_nonfinite(info, data)
         if not self.cuda:
             if self.opts.map_input:
                 return map_rows(info, job.start, job.stop)
@@ -203,15 +251,19 @@ class Executor:
         return buf
 
     def _reader(self, jobs, q: queue.Queue, stop: threading.Event):
+        """Hand the reads, in order, to ``self.readers`` reader threads; the queue gets their futures in order
+        (bounded: at most READ_AHEAD chunks wait for the computing thread)."""
+        ex = ThreadPoolExecutor(max_workers=self.readers, thread_name_prefix="ctconvert-read")
         try:
             for job in jobs:
                 if stop.is_set():
                     return
-                data = self._read(job)
-                q.put((job, data))
+                q.put((job, ex.submit(self._read, job)))
             q.put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             q.put(e)
+        finally:
+            ex.shutdown(wait=True, cancel_futures=stop.is_set())  # a finished loop leaves its last reads running
 
     # -- computing ---------------------------------------------------------------
     def run(self) -> None:
@@ -219,8 +271,9 @@ class Executor:
         stop = threading.Event()
         t = threading.Thread(target=self._reader, args=(make_reads(self.ckpt, self.plan, self.opts), q, stop), daemon=True, name="ctconvert-reader")
         t.start()
-        wt = threading.Thread(target=self._writer, daemon=True, name="ctconvert-writer")
-        wt.start()
+        writers = [threading.Thread(target=self._writer, args=(wq,), daemon=True, name=f"ctconvert-writer-{i}") for i, wq in enumerate(self.wqs)]
+        for wt in writers:
+            wt.start()
         states: dict[int, _UnitState] = {}
         try:
             with torch.inference_mode(), torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
@@ -230,19 +283,25 @@ class Executor:
                         break
                     if isinstance(item, BaseException):
                         raise item
-                    job, data = item
+                    job, fut = item
+                    data = fut.result()
                     self._handle(job, data, states.setdefault(job.unit, _UnitState()))
                     if job.end_of_pass and job.kind == "quant":
                         states.pop(job.unit, None)
         finally:
             stop.set()
+            for p in (self.pool, self.stage):
+                if p is not None:
+                    p.closed = True
             while t.is_alive():
                 try:
                     q.get_nowait()
                 except queue.Empty:
                     t.join(0.05)
-            self.wq.put(None)
-            wt.join()
+            for wq in self.wqs:
+                wq.put(None)
+            for wt in writers:
+                wt.join()
         if self.write_error is not None:
             raise self.write_error
         if self.cuda:
@@ -263,7 +322,8 @@ class Executor:
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
         if job.kind == "copy":
-            self._check_copy(info, data)
+            data, bad = data
+            self._check_copy(info, bad)
             self._write(info.name, data, job.start)
             self._progress(job.stop - job.start)
             return
@@ -286,18 +346,21 @@ class Executor:
         if job.end_of_pass:
             self._check_unit(unit, st)
 
-    def _check_copy(self, info: TensorInfo, data: torch.Tensor) -> None:
-        """A pass-through chunk of a floating tensor must be finite (an E4M3 byte must not be NaN), checked on the
-        bytes in memory as they are copied; else the tensor is refused by name, or listed with ``allow_nonfinite``."""
-        if info.dtype not in _CHECKED_COPY or info.name in self.opts.nonfinite or not data.numel():
-            return
+    def _copy_nonfinite(self, info: TensorInfo, data: torch.Tensor) -> bool:
+        """Whether a pass-through chunk of a floating tensor holds NaN/inf (an E4M3 byte NaN): found by the reader
+        thread that read it (the C scan on any device when the kernels are built), handled by :meth:`_check_copy`."""
+        if info.dtype not in _CHECKED_COPY or not data.numel():
+            return False
         if info.dtype == "F8_E4M3":
-            bad = bool(((data.view(torch.uint8) & 0x7F) == 0x7F).any())
-        elif self.use_native and info.dtype != "F64":
-            bad = native.absmax(data.view(info.torch_dtype).reshape(1, -1))[1] > 0
-        else:
-            bad = not bool(torch.isfinite(data.view(info.torch_dtype)).all())
-        if not bad:
+            return bool(((data.view(torch.uint8) & 0x7F) == 0x7F).any())
+        if self.native_checks and info.dtype != "F64":
+            return native.absmax(data.view(info.torch_dtype).reshape(1, -1))[1] > 0
+        return not bool(torch.isfinite(data.view(info.torch_dtype)).all())
+
+    def _check_copy(self, info: TensorInfo, bad: bool) -> None:
+        """A pass-through chunk of a floating tensor must be finite, checked on the bytes in memory as they are
+        copied; else the tensor is refused by name, or listed with ``allow_nonfinite`` (in plan order)."""
+        if not bad or info.name in self.opts.nonfinite:
             return
         if not self.opts.allow_nonfinite:
             _raise_nonfinite(info, what="tensor", action="refusing to copy it (--allow-non-finite copies it with a note)")
@@ -351,13 +414,14 @@ class Executor:
             self.opts.zeros.observe(info, job.start, w, out, unit.scheme, st.gs)
         last = job.stop == info.shape[0]
         if self.opts.repack is None:  # row chunks go straight to their offsets
+            writes = []
             for key, t in out.items():
                 pos = st.cursors.get((job.member, key), 0)
-                self._write(prefix + key, t.cpu(), pos)
+                writes.append((prefix + key, t, pos))
                 st.cursors[(job.member, key)] = pos + t.numel() * t.element_size()
             if last:
-                for key, t in {**unit.scheme.whole_tensor_outputs(info.shape, st.gs), **extra}.items():
-                    self._write(prefix + key, t.cpu())
+                writes += [(prefix + key, t, 0) for key, t in {**unit.scheme.whole_tensor_outputs(info.shape, st.gs), **extra}.items()]
+            self._write_device(writes)
         else:  # whole modules go through the kernel layout (on the device), then are written
             chunks = st.parts.setdefault(job.member, {})
             for key, t in out.items():
@@ -366,8 +430,7 @@ class Executor:
                 whole = {key: torch.cat(ts) if len(ts) > 1 else ts[0] for key, ts in st.parts.pop(job.member).items()}
                 whole.update(unit.scheme.whole_tensor_outputs(info.shape, st.gs))
                 whole.update(extra)
-                for key, t in self.opts.repack(unit.modules[job.member], whole).items():
-                    self._write(prefix + key, t.cpu().contiguous())
+                self._write_device([(prefix + key, t, 0) for key, t in self.opts.repack(unit.modules[job.member], whole).items()])
         self._progress((job.stop - job.start) * info.nbytes // max(1, info.shape[0]))
 
     def _scales_show_nonfinite(self, unit: WorkUnit) -> bool:

@@ -28,3 +28,32 @@ def test_block_hash_of_files_and_ranges(tmp_path, size):
     assert got == {"a": _reference(data[77:]), "b": _reference(data[3:8])}
     assert hash_tensors(infos[:1], legacy=True)["a"] == xxhash.xxh3_128(data[77:]).hexdigest()
     assert got["a"] != hash_tensors([TensorInfo("a", p, "U8", (size,), 76, size)])["a"] or size == 0
+
+
+def test_shard_hash_taken_while_writing_equals_the_file_hash(tmp_path):
+    """A shard's content hash, taken as its tensors are written (in order, out of order, in pieces across block
+    boundaries), equals the one computed from the finished file, and changes with any byte."""
+    import torch
+
+    from ctconvert.checkpoint.hashing import shard_hash
+    from ctconvert.checkpoint.safetensors_io import PlannedTensor, ShardFile
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.randint(0, 255, (HASH_BLOCK_BYTES + 4099,), dtype=torch.uint8, generator=g)
+    small = torch.randn(33, 7, generator=g)
+    planned = [PlannedTensor("big", "U8", tuple(big.shape)), PlannedTensor("small", "F32", (33, 7)), PlannedTensor("empty", "F32", (0,))]
+    for order in ("in order", "out of order"):
+        p = tmp_path / f"{order}.safetensors"
+        f = ShardFile(p, planned)
+        pieces = [(0, 1000), (1000, HASH_BLOCK_BYTES + 17), (HASH_BLOCK_BYTES + 17, big.numel())]
+        for a, b in pieces if order == "in order" else pieces[::-1]:
+            f.write("big", big[a:b], a)
+        f.write("small", small[20:], 20 * 7 * 4)
+        f.write("small", small[:20], 0)  # out of order: hashed from the file
+        f.close()
+        assert f.content_hash() == shard_hash(p)
+        ref = shard_hash(p)
+        data = bytearray(p.read_bytes())
+        data[-5] ^= 1
+        p.write_bytes(bytes(data))
+        assert shard_hash(p) != ref
