@@ -77,7 +77,7 @@ def _fp8_channel_scales(t: dict[str, torch.Tensor]) -> bool:
 
 
 def repack_batch(
-    kernel: str, tensors: dict[str, torch.Tensor], weights: dict, layout_version: str, act_dtype: torch.dtype
+    kernel: str, tensors: dict[str, torch.Tensor], weights: dict, layout_version: str, act_dtype: torch.dtype, planned: tuple | None = None
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Kernel-layout tensors for B modules of one shape, stacked, and one record per module.
 
@@ -86,6 +86,9 @@ def repack_batch(
         tensors: local part name -> ``(B, *shape)`` tensor: the modules' compressed-tensors
             tensors, stacked (same shapes, dtypes and ``weight_shape`` values).
         weights, layout_version, act_dtype: as :func:`.kernels.repack_module`.
+        planned: ``({part: (dtype, shape)}, record)`` of one module, as a caller planned it already with
+            :func:`.kernels.repack_module` (``quantize --target`` plans every module shape before converting);
+            else it is planned here, on meta tensors.
 
     Returns:
         ``(outs, records)``: part name -> ``(B, *kernel_shape)`` and B records,
@@ -99,15 +102,19 @@ def repack_batch(
     fast = _FAST.get(kernel)
     if fast is None or not _on_gpu(tensors) or not fast[0](tensors):
         return _per_module(kernel, tensors, weights, layout_version, act_dtype)
-    meta_outs, rec = _plan(kernel, tensors, weights, layout_version, act_dtype)
+    if planned is not None:
+        spec, rec = planned[0], dict(planned[1])
+    else:
+        meta_outs, rec = _plan(kernel, tensors, weights, layout_version, act_dtype)
+        spec = {p: (t.dtype, tuple(t.shape)) for p, t in meta_outs.items()}
     b = next(iter(tensors.values())).shape[0]
     outs, per_module = fast[1](tensors, rec, act_dtype, layout_version)
     recs = [dict(rec, **(per_module[i] if per_module else {})) for i in range(b)]
-    if outs.keys() != meta_outs.keys():  # the planned (per-module) names, shapes and dtypes hold
-        raise AssertionError(f"batched {kernel}: {sorted(outs)} != {sorted(meta_outs)}")
-    for p, t in meta_outs.items():
-        if outs[p].shape[1:] != t.shape or outs[p].dtype != t.dtype:
-            raise AssertionError(f"batched {kernel} {p}: {tuple(outs[p].shape[1:])} {outs[p].dtype} != {tuple(t.shape)} {t.dtype}")
+    if outs.keys() != spec.keys():  # the planned (per-module) names, shapes and dtypes hold
+        raise AssertionError(f"batched {kernel}: {sorted(outs)} != {sorted(spec)}")
+    for p, (dtype, shape) in spec.items():
+        if tuple(outs[p].shape[1:]) != tuple(shape) or outs[p].dtype != dtype:
+            raise AssertionError(f"batched {kernel} {p}: {tuple(outs[p].shape[1:])} {outs[p].dtype} != {tuple(shape)} {dtype}")
     return outs, recs
 
 

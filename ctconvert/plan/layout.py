@@ -109,6 +109,7 @@ class LayoutStage:
         self.records: dict[str, dict] = {}
         self.kernels: dict[str, tuple[str, dict]] = {}  # module -> (kernel, weight args)
         self._planned: dict[tuple, tuple[list, dict]] = {}  # planning key -> (kernel outputs, record)
+        self._module_plan: dict[str, tuple] = {}  # module -> its planning key
 
     def plan(self, plan: Plan, ckpt: Checkpoint, qcfg: dict) -> Plan:
         """A copy of ``plan`` whose quantize units output kernel tensors. Raises :class:`UnsupportedError`."""
@@ -148,13 +149,16 @@ class LayoutStage:
         kouts, rec = self._planned[key]
         self.records[mod] = copy.deepcopy(rec)
         self.kernels[mod] = (kernel, weights)
+        self._module_plan[mod] = key
         return [(f"{mod}.{p}", dt, shape) for p, dt, shape in kouts]
 
     def __call__(self, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Kernel tensors of one quantized module (its compressed-tensors tensors, whole, on any device)."""
         kernel, weights = self.kernels[module]
+        kouts, rec = self._planned[self._module_plan[module]]
+        planned = ({p: (DTYPES[dt][0], shape) for p, dt, shape in kouts}, rec)  # not planned again (no meta tensors)
         outs, recs = batched.repack_batch(
-            kernel, {p: t.unsqueeze(0) for p, t in tensors.items()}, weights, self.layout_version, check_act_dtype(self.act_dtype)
+            kernel, {p: t.unsqueeze(0) for p, t in tensors.items()}, weights, self.layout_version, check_act_dtype(self.act_dtype), planned=planned
         )
         self.records[module].update(recs[0])
         return {p: t[0] for p, t in outs.items()}
