@@ -2,9 +2,28 @@
 
 Memory is bounded by a few row chunks, never by a tensor or a shard: inputs are
 read by row range, and every output tensor is written at its final offset in
-its shard as soon as a chunk is done. A reader thread reads the next chunks
-(into pinned host buffers when the device is a GPU) while the current one is
-quantized, so disk, host-to-device copies and compute overlap.
+its shard as soon as a chunk is done. The threads of one :class:`Executor`:
+
+* a dispatcher (``ctconvert-reader``) walks :func:`make_reads` and hands each
+  :class:`Read` to a pool of reader threads (``ctconvert-read-*``;
+  :data:`READERS`), putting their futures into a bounded queue in plan order
+  (:data:`READ_AHEAD`). A reader fills a pinned host buffer on a GPU (reused
+  once its host-to-device copy is done), maps the rows on the CPU, and scans
+  copied chunks for NaN/inf;
+* the computing thread (the caller's) takes the futures in order and runs
+  ``_handle``: host-to-device copy, absmax, quantize (and repack) on the
+  device's stream; on a GPU the outputs are copied into a pinned staging
+  buffer on the stream and handed on with a CUDA event, never synchronised
+  here;
+* writer threads (``ctconvert-writer-*``; :data:`WRITERS`), each with a short
+  queue: wait for the staging copy's event, ``pwrite`` the bytes into their
+  shard (which hashes each output tensor as it is written and hands dirty
+  pages to the disk as it fills: :class:`~ctconvert.checkpoint.safetensors_io.ShardFile`).
+
+So reading, host-device copies, device work and writing overlap, and the
+computing thread's work per chunk does not depend on the model's size.
+Provenance hashes of the sources are computed beside the executor, by the
+caller (:class:`~ctconvert.checkpoint.hashing.SourceHashes`), not here.
 
 NVFP4 needs one absmax over each fused set before any member is quantized
 (docs/compressed-tensors-format.md §9.1): a set of up to ``hold_bytes`` is read
