@@ -141,16 +141,26 @@ class LayoutStage:
         # torch._dynamo (1-3 s at start-up). Value-dependent record entries are overwritten by the real repack.
         key = (kernel, tuple(sorted(parts.items())), tuple(src.shape), json.dumps(weights, sort_keys=True, default=str))
         if key not in self._planned:
-            zeros = {p: torch.zeros(shape, dtype=DTYPES[dt][0]) for p, (dt, shape) in parts.items()}
-            if "weight_shape" in zeros:
-                zeros["weight_shape"] = torch.tensor(list(src.shape), dtype=torch.int64)
-            kouts, rec = plan_module(kernel, zeros, parts, weights, self.layout_version, check_act_dtype(self.act_dtype), src.file.name, src.name)
+            args = (parts, weights, self.layout_version, check_act_dtype(self.act_dtype), src.file.name, src.name)
+            try:
+                kouts, rec = plan_module(kernel, self._inputs(parts, src, "cpu"), *args)
+            except UnsupportedError:  # a layout that checks values zeros do not pass (a 2:4 bitmask): plan on meta tensors
+                kouts, rec = plan_module(kernel, self._inputs(parts, src, "meta"), *args)
             self._planned[key] = ([(p, TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in kouts.items()], rec)
         kouts, rec = self._planned[key]
         self.records[mod] = copy.deepcopy(rec)
         self.kernels[mod] = (kernel, weights)
         self._module_plan[mod] = key
         return [(f"{mod}.{p}", dt, shape) for p, dt, shape in kouts]
+
+    @staticmethod
+    def _inputs(parts: dict, src, device: str) -> dict[str, torch.Tensor]:
+        """Stand-ins for one module's compressed-tensors tensors: zeros (``cpu``) or ``meta`` tensors; ``weight_shape`` holds its values."""
+        make = torch.zeros if device == "cpu" else torch.empty
+        t = {p: make(shape, dtype=DTYPES[dt][0], device=device) for p, (dt, shape) in parts.items()}
+        if "weight_shape" in t:
+            t["weight_shape"] = torch.tensor(list(src.shape), dtype=torch.int64)
+        return t
 
     def __call__(self, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Kernel tensors of one quantized module (its compressed-tensors tensors, whole, on any device)."""
