@@ -17,6 +17,7 @@ from pathlib import Path
 from .checkpoint.kernel_native import KERNEL_NATIVE, is_kernel_native
 from .checkpoint.writer import finished_shards, partial_output
 from .commands import batch as _batch
+from .commands import convert as _convert
 from .commands import decompress as _decompress
 from .commands import inspection as _inspection
 from .commands import quantize as _quantize
@@ -24,6 +25,7 @@ from .commands import repack as _repack
 from .commands import schemes as _schemes
 from .commands import verify as _verify
 from .commands.quantize import QuantizeResult
+from .errors import UsageError
 from .layouts.kernels import CT_FORMAT_TARGETS, DEFAULT_LAYOUT_VERSION
 from .pipeline.executor import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
 from .plan.layout import LayoutStage
@@ -32,6 +34,7 @@ __all__ = [
     "KERNEL_NATIVE",
     "QuantizeResult",
     "batch",
+    "convert",
     "decompress",
     "finished_shards",
     "inspect",
@@ -82,7 +85,13 @@ def quantize(
     default_ignore: bool = True,
     quantize_mtp: bool = False,
 ) -> QuantizeResult:
-    """Convert the dense checkpoint ``src`` to a compressed-tensors checkpoint at ``out``.
+    """Convert the checkpoint ``src`` to a compressed-tensors checkpoint at ``out``.
+
+    ``src`` may be dense or already quantized (compressed-tensors, Hugging Face FP8 block, ModelOpt
+    NVFP4, AutoAWQ, GPTQ: :mod:`ctconvert.checkpoint.sources`): a quantized input is dequantized on the
+    fly and requantized; when ``scheme`` is the source's own format (AWQ -> ``W4A16_ASYM`` ...), it is
+    converted losslessly instead (:func:`convert`; ``lm_head``, ``targets``, ``ignore``, ``resume`` and
+    ``refresh`` are then refused).
 
     Args:
         scheme: a compressed-tensors preset name (:func:`schemes`), or the path of a ``.json``/``.yaml``
@@ -150,7 +159,26 @@ def quantize(
         r = api.quantize("llama/", "llama-w4a16/", "W4A16", lm_head="fp8")
         print(r.quantized_modules, r.output_bytes)
     """
-    return _quantize.quantize(
+    lossless, why = (False, None) if group_size is not None or symmetric is not None else _convert.lossless_choice(src, scheme)
+    if lossless:
+        changed = {
+            "lm_head": lm_head != "none",
+            "targets": bool(targets),
+            "ignore": bool(ignore),
+            "resume": resume,
+            "refresh": refresh,
+            "tp": tp > 1,
+            "ep": ep is not None,
+        }
+        if any(changed.values()):
+            given = ", ".join(f"--{k.replace('_', '-')}" for k, v in changed.items() if v)
+            raise UsageError(f"{scheme} is the source's own format: quantize converts it losslessly, which takes no {given}")
+        r = _convert.convert(src, out, scheme=scheme, max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run)
+        fields = {k: getattr(r, k) for k in QuantizeResult.__dataclass_fields__ if hasattr(r, k)}
+        res = QuantizeResult(**fields)
+        res.notes = [f"lossless conversion of the {r.source_format} source (ctconvert convert): every dequantized value equals the source's", *r.notes]
+        return res
+    res = _quantize.quantize(
         src,
         out,
         scheme,
@@ -185,6 +213,31 @@ def quantize(
         default_ignore=default_ignore,
         quantize_mtp=quantize_mtp,
     )
+    if why is not None:
+        res.notes.append(f"not converted losslessly ({why}): requantized")
+    return res
+
+
+def convert(
+    src: str | Path, out: str | Path | None, *, scheme: str | None = None, max_shard_size: str | int = "5GB", overwrite: bool = False, dry_run: bool = False
+):
+    """Re-express a ModelOpt NVFP4, AutoAWQ GEMM or GPTQ checkpoint in compressed-tensors without rounding.
+
+    ``scheme``: optional; the target is the source's own (``NVFP4`` or, dropping the input scales,
+    ``NVFP4A16``; ``W4A16_ASYM`` for AWQ; ``W4A16``/``W8A16``/asymmetric for GPTQ), and another one
+    is a :class:`UsageError`. Every dequantized value of the output equals the source's, bit for
+    bit. Raises :class:`UnsupportedError` naming the tensor and the feature where compressed-tensors
+    cannot express the source (act-order GPTQ, a sym checkpoint with other zero points, fused
+    members with different NVFP4 global scales ...), :class:`BadInputError` for missing scales or
+    inconsistent shapes; nothing is written then. Returns a
+    :class:`ctconvert.commands.convert.ConvertResult` (``to_dict()`` is the ``--json`` document).
+
+    Example::
+
+        api.convert("llama-awq/", "llama-w4a16-asym/")
+        api.convert("llama-nvfp4-modelopt/", "llama-nvfp4a16/", scheme="NVFP4A16")
+    """
+    return _convert.convert(src, out, scheme=scheme, max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run)
 
 
 def quantize_to_target(src, out, scheme: str, target: str, *, layout_version: str = DEFAULT_LAYOUT_VERSION, act_dtype: str = "bf16", **kw) -> QuantizeResult:
@@ -255,7 +308,8 @@ def repack(
 def decompress(
     src: str | Path, out: str | Path, *, dtype: str | None = None, max_shard_size: str | int = "5GB", overwrite: bool = False, progress=None
 ) -> dict:
-    """Write a dense copy of a compressed-tensors checkpoint.
+    """Write a dense copy of a compressed-tensors checkpoint, or of any other quantized source :func:`quantize`
+    reads (Hugging Face FP8 block -> bf16 is exact; ModelOpt NVFP4, AutoAWQ, GPTQ).
 
     ``dtype`` (``bf16`` | ``fp16`` | ``fp32``): None (default) writes the dequantized weights in the
     model's own dtype (``config.json``'s ``torch_dtype``/``dtype``, else bf16) and keeps every other
@@ -287,6 +341,9 @@ def inspect(path: str | Path) -> dict:
 
 def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1, ep: int | None = None, progress=None) -> dict:
     """Check a compressed-tensors (or kernel-native) checkpoint, and its error against ``reference``.
+
+    ``reference``: the dense source, or a quantized one (any source :func:`quantize` reads), which is
+    dequantized with its format's own math for the comparison (a requantized output).
 
     Returns the report; ``ok`` is the verdict, ``problems`` the findings, ``tensors`` the error rows,
     ``parallel`` the tensor-parallel plan (:mod:`ctconvert.plan.parallel`: the largest TP degree, and

@@ -333,7 +333,10 @@ def quantize(
     no_default_ignore,
     quantize_mtp,
 ):
-    """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint."""
+    """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint.
+
+    SRC may already be quantized (compressed-tensors, Hugging Face FP8 block, ModelOpt NVFP4, AutoAWQ,
+    GPTQ): it is dequantized on the fly and requantized, or converted losslessly when --scheme is its own."""
     from . import api
 
     if not dry_run and not output:
@@ -418,13 +421,17 @@ def _reason_kind(row) -> str:
 
 def _print_plan(ctx: _Ctx, result, target=None, all_rows: bool = False) -> None:
     plan = result.plan
-    cols = [("tensor", 0), ("dtype", 3), ("shape", 2), ("action", 0), ("scheme", 5), ("max TP", 4), ("fused set / reason", 1)]
-    tps = [result.max_tp_of(r.name) for r in plan.rows]
+    sourced = any(getattr(r, "source", None) for r in plan.rows)  # a quantized input: the format each tensor comes from
+    cols = [("tensor", 0), ("dtype", 3), ("shape", 2), *([("source", 2)] if sourced else []), ("action", 0), ("scheme", 5), ("max TP", 4)]
+    cols.append(("fused set / reason", 1))
+    max_tp = getattr(result, "max_tp_of", lambda name: None)
+    tps = [max_tp(r.name) for r in plan.rows]
     rows = [
-        [r.name, r.dtype, "x".join(map(str, r.shape)), r.action, r.scheme or "", "" if tp is None else str(tp), r.fused_set or r.reason or ""]
+        [r.name, r.dtype, "x".join(map(str, r.shape)), *([r.source or "dense"] if sourced else []), r.action, r.scheme or "", "" if tp is None else str(tp)]
+        + [r.fused_set or r.reason or ""]
         for r, tp in zip(plan.rows, tps)
     ]
-    styles = [{"quantize": "green", "ignore": "yellow"}.get(r.action) for r in plan.rows]
+    styles = [{"quantize": "green", "convert": "green", "ignore": "yellow", "drop": "red"}.get(r.action) for r in plan.rows]
     con = ctx.console()
     title = f"plan: {plan.scheme.name} ({plan.format})"
     if target:
@@ -444,22 +451,27 @@ def _print_plan(ctx: _Ctx, result, target=None, all_rows: bool = False) -> None:
             title=title,
             caption=f"{len(rows)} tensors summarized; --all-layers lists each",
         )
-    counts = {a: sum(1 for r in plan.rows if r.action == a) for a in ("quantize", "ignore", "copy", "split")}
-    split = f", {counts['split']} fused expert tensors split per expert" if counts["split"] else ""
-    con.print(f"{counts['quantize']} tensors to quantize, {counts['ignore']} Linear kept dense (ignore), {counts['copy']} copied{split}")
+    counts = {a: sum(1 for r in plan.rows if r.action == a) for a in ("quantize", "convert", "ignore", "copy", "split", "drop")}
+    more = "".join(
+        f", {counts[a]} {w}"
+        for a, w in (("convert", "converted losslessly"), ("split", "fused expert tensors split per expert"), ("drop", "dropped"))
+        if counts[a]
+    )
+    con.print(f"{counts['quantize']} tensors to quantize, {counts['ignore']} Linear kept dense (ignore), {counts['copy']} copied{more}")
     if plan.defaults:
         applied = ", ".join(f"{k}: {v}" for k, v in plan.defaults.items())
         con.print(f"defaults applied (modules kept dense; --no-default-ignore drops them): {applied}")
     con.print(f"output: {_human(result.output_bytes)} of tensors (input {_human(result.input_bytes)})")
     con.print(f"ignore: {plan.ignore}")
-    if result.parallel is not None:
+    parallel = getattr(result, "parallel", None)
+    if parallel is not None:
         con.print(result.parallel.summary(), markup=False)
         failing = result.parallel.failing
         for r in failing[:10]:
             con.print(f"  {r.name}: {'; '.join(r.problems)}", markup=False)
         if len(failing) > 10:
             con.print(f"  ... and {len(failing) - 10} more (--json lists every tensor)", markup=False)
-    for n in plan.notes + (result.parallel.notes if result.parallel is not None else []):
+    for n in plan.notes + (parallel.notes if parallel is not None else []):
         con.print(f"note: {n}")
 
 
@@ -507,6 +519,9 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
         con.print(f"[bold]{report['path']}[/bold]: {what}", markup=True)
     if sp := report.get("sparsity_config"):
         con.print(f"  sparsity: {sp.get('sparsity_structure')} {sp.get('format')} (a legacy format: vLLM <= 0.18 loads sparse-24-bitmask, <= 0.15 marlin-24)")
+    if (d := report.get("derived_from")) is not None:
+        how = "converted losslessly" if d.get("conversion") == "lossless" else "requantized"
+        con.print(f"  {how} from {d.get('path')} ({d.get('quant_method')}: {'; '.join(d.get('formats') or [])})")
     for g, v in report["config_groups"].items():
         con.print(f"  group {g}: targets={v['targets']} scheme={v['scheme']} format={v['format']}")
     layers = report["layers"]
@@ -613,6 +628,35 @@ def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
             + ", "
             f"{_human(res['input_bytes'])} -> {_human(res['output_bytes'])} in {res['seconds']:.1f} s"
         )
+
+
+@main.command("convert")
+@click.argument("src", type=click.Path(file_okay=False, path_type=str))
+@click.option("-o", "--output", "output", type=click.Path(path_type=str), help="Output folder (created; must not exist unless --overwrite).")
+@click.option("-s", "--scheme", default=None, help="The target, when not the source's own: NVFP4A16 for a ModelOpt NVFP4 source drops its input scales.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard (e.g. 5GB, 500MB).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder (atomically, at the end).")
+@click.option("--dry-run", is_flag=True, help="Print the plan and exit without writing.")
+@_json_option
+@click.pass_obj
+def convert_cmd(ctx: _Ctx, src, output, scheme, max_shard_size, overwrite, dry_run):
+    """Re-express the ModelOpt NVFP4, AutoAWQ or GPTQ checkpoint SRC in compressed-tensors, without rounding."""
+    from . import api
+
+    if not dry_run and not output:
+        raise click.UsageError("missing option -o/--output (or use --dry-run)")
+    res = _run(ctx, lambda: api.convert(src, output, scheme=scheme, max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run))
+    if ctx.json:
+        ctx.emit_json({"ok": True, **res.to_dict()})
+    elif dry_run:
+        _print_plan(ctx, res)
+    elif not ctx.quiet:
+        click.echo(
+            f"wrote {res.output}: {res.source_format} -> {res.scheme} ({res.format}), {res.quantized_modules} modules converted losslessly, "
+            f"{_human(res.input_bytes)} -> {_human(res.output_bytes)} in {res.seconds:.1f} s"
+        )
+        for n in res.notes:
+            click.echo(f"note: {n}", err=True)
 
 
 @main.command("repack")

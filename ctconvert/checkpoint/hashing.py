@@ -96,16 +96,50 @@ class RangeHash:
         return self._hex
 
 
+def _ranges(info) -> list[tuple[Path, int, int]]:
+    """The stored byte ranges a source tensor's bytes come from: its own range; for a derived tensor
+    with a ``view`` (an interleaved or transposed expert of a fused 3-D tensor) the whole expert
+    region it is taken from (its own bytes are not one range); for a *virtual* tensor (a dequantized
+    weight of a quantized source, :mod:`.sources`) the ranges of the stored tensors it is computed from."""
+    virtual = getattr(info, "virtual", None)
+    if virtual is not None:
+        return [r for part in virtual.stored() for r in _ranges(part)]
+    view = getattr(info, "view", None)
+    if view is not None:
+        return [(info.file, info.start, view.rows * view.cols * info.itemsize)]
+    return [(info.file, info.start, info.nbytes)]
+
+
+class _Combined:
+    """The hash of several ranges: the block hash of their hashes, in order."""
+
+    def __init__(self, parts: list[RangeHash]):
+        self.parts = parts
+        self._hex: str | None = None
+
+    def hexdigest(self) -> str:
+        if self._hex is None:
+            h = new_hasher()
+            for p in self.parts:
+                h.update(bytes.fromhex(p.hexdigest()))
+            self._hex = h.hexdigest()
+        return self._hex
+
+
 class SourceHashes:
     """Block hashes of source tensors, started at once on the hashing threads (in the given order, so the
     pages are read about when the conversion reads them) and waited for by name with :meth:`get`.
     ``infos``: objects with ``name``, ``file``, ``start`` (absolute offset) and ``nbytes`` (:class:`TensorInfo`)."""
 
     def __init__(self, infos, legacy: bool = False):
-        self._hashes: dict[str, RangeHash] = {}
+        self._hashes: dict[str, RangeHash | _Combined] = {}
         for info in infos:
             if info.name not in self._hashes:
-                self._hashes[info.name] = RangeHash(info.file, info.start, info.nbytes, legacy)
+                ranges = _ranges(info)
+                if len(ranges) == 1 and ranges[0] == (info.file, info.start, info.nbytes):
+                    self._hashes[info.name] = RangeHash(info.file, info.start, info.nbytes, legacy)
+                else:  # a derived tensor: the stored ranges it comes from (docs above)
+                    self._hashes[info.name] = _Combined([RangeHash(*r, legacy) for r in ranges])
 
     def __contains__(self, name: str) -> bool:
         return name in self._hashes

@@ -26,6 +26,7 @@ __all__ = [
     "SPARSITY_GROUP",
     "Module",
     "dense_row_chunks",
+    "dense_rows",
     "dense_shape",
     "fused_global_scales",
     "module_rows",
@@ -133,10 +134,20 @@ def dense_row_chunks(m: Module, chunk_elems: int):
     step = max(128, (chunk_elems // max(1, k)) // 128 * 128)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        parts = module_rows(m, r0, r1)
-        if "weight_shape" in m.parts:
-            parts["weight_shape"] = torch.tensor([r1 - r0, k])
-        yield r0, r1, fmt.dequantize(parts, args)
+        yield r0, r1, dense_rows(m, r0, r1, k)
+
+
+def dense_rows(m: Module, r0: int, r1: int, k: int | None = None) -> torch.Tensor:
+    """Dense rows ``[r0, r1)`` of a quantized module, dequantized as compressed-tensors does (``r0`` a
+    multiple of 128, or of the block height when larger, so blocks and packed zero points stay whole).
+    ``k``: the dense K when known (:func:`dense_shape`). Raises what :func:`dequantize_weight` raises."""
+    fmt, args = get_format(m.format), WeightArgs.from_dict(m.weights)
+    if fmt is None:
+        raise ValueError(f"cannot dequantize format {m.format!r}")
+    parts = module_rows(m, r0, r1)
+    if "weight_shape" in m.parts:
+        parts["weight_shape"] = torch.tensor([r1 - r0, dense_shape(m)[1] if k is None else k])
+    return fmt.dequantize(parts, args)
 
 
 def fused_global_scales(mods: dict[str, Module]) -> dict[str, dict[str, float]]:

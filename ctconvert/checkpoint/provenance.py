@@ -48,13 +48,17 @@ def fingerprint(ckpt: Checkpoint, options: dict, planned: list[PlannedTensor]) -
     return h.hexdigest()
 
 
-def provenance(ckpt: Checkpoint, units: list, options: dict, src_hashes: dict[str, str]) -> dict:
-    """The provenance document: per output tensor, the source tensors (file, name, content hash) it derives from."""
+def provenance(ckpt: Checkpoint, units: list, options: dict, src_hashes: dict[str, str], derived_from: dict | None = None) -> dict:
+    """The provenance document: per output tensor, the source tensors (file, name, content hash) it derives from.
+
+    A source tensor that is the dequantized weight of a quantized source (:mod:`.sources`) is hashed as its
+    dense bytes and also names the stored tensors and format it was dequantized from (``dequantized_from``);
+    ``derived_from`` (:meth:`.sources.Source.derived_from`) says which quantized checkpoint the output was made from."""
     tensors = {}
     for u in units:
         for name, sources in u.output_sources().items():
-            tensors[name] = [_source(ckpt.tensors[s], src_hashes[s]) for s in sources]
-    return {
+            tensors[name] = [_entry(ckpt.tensors[s], src_hashes[s]) for s in sources]
+    doc = {
         "ctconvert": __version__,
         "provenance_format": PROVENANCE_FORMAT,
         "hash": HASH_NAME,
@@ -63,14 +67,18 @@ def provenance(ckpt: Checkpoint, units: list, options: dict, src_hashes: dict[st
         "options": options,
         "tensors": tensors,
     }
+    if derived_from is not None:
+        doc["derived_from"] = derived_from
+    return doc
 
 
-def _source(info, digest: str) -> dict:
-    """One source entry; a per-expert part of a fused tensor also names the stored tensor it is a slice of."""
-    out = {"file": info.file.name, "tensor": info.name, HASH_NAME: digest}
-    if info.base is not None:
-        out["slice_of"] = info.base
-    return out
+def _entry(info, digest: str) -> dict:
+    e = {"file": info.file.name, "tensor": info.name, HASH_NAME: digest}
+    if info.base is not None:  # a per-expert part of a fused tensor: the stored tensor it is a slice of
+        e["slice_of"] = info.base
+    if info.virtual is not None:
+        e["dequantized_from"] = info.virtual.describe()
+    return e
 
 
 def load_provenance(out: Path, options: dict) -> dict:

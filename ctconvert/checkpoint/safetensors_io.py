@@ -24,7 +24,7 @@ import mmap
 import os
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -90,6 +90,10 @@ class TensorInfo:
     nbytes: int
     base: str | None = None  # derived tensor: the stored tensor it is a slice of
     view: SliceView | None = None  # derived tensor whose bytes are not contiguous
+    #: a tensor computed from others (a dequantized weight of a quantized source,
+    #: :mod:`ctconvert.checkpoint.sources`): an object with ``rows(r0, r1)`` and
+    #: ``read_bytes(offset, nbytes, out)``; the read functions below go through it
+    virtual: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -178,6 +182,8 @@ def read_bytes(info: TensorInfo, offset: int, nbytes: int, out: torch.Tensor | N
     e.g. pinned, of at least ``nbytes``). Raises :class:`BadInputError` on a
     short read.
     """
+    if info.virtual is not None:
+        return info.virtual.read_bytes(offset, nbytes, out)
     if info.view is not None:
         row_bytes = info.nbytes // max(1, info.shape[0])
         r0, r1 = offset // row_bytes, -(-(offset + nbytes) // row_bytes)
@@ -214,6 +220,8 @@ def read_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
 
     Shape ``[row1 - row0, *shape[1:]]``. A 0-D or 1-D tensor is read whole.
     """
+    if info.virtual is not None:
+        return info.virtual.rows(row0, row1)
     if len(info.shape) < 1:
         raw = read_bytes(info, 0, info.nbytes)
         return raw.view(info.torch_dtype).reshape(info.shape)
@@ -259,7 +267,7 @@ def map_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
     writing to the tensor is not allowed. Falls back to :func:`read_rows` when
     the range cannot be mapped. Raises :class:`BadInputError` on a short file.
     """
-    if len(info.shape) < 1 or info.shape[0] == 0 or info.view is not None:
+    if len(info.shape) < 1 or info.shape[0] == 0 or info.view is not None or info.virtual is not None:
         return read_rows(info, row0, row1)
     row_bytes = info.nbytes // info.shape[0]
     start = info.start + row0 * row_bytes

@@ -413,12 +413,22 @@ def _interrupts_held():
 
 
 def write_checkpoint(
-    src: Path, out: Path, planned: list[PlannedTensor], *, max_shard_size: int, overwrite: bool, fill, config, skip: set[str] = frozenset()
+    src: Path,
+    out: Path,
+    planned: list[PlannedTensor],
+    *,
+    max_shard_size: int,
+    overwrite: bool,
+    fill,
+    config,
+    skip: set[str] = frozenset(),
+    files: dict | None = None,
 ) -> int:
     """Write a whole checkpoint atomically: ``fill(shards)`` writes every planned tensor, then the
     other files of ``src`` are copied (but ``config.json`` and ``skip``), the index and
-    ``config()`` (called after ``fill``) written, and the folder renamed into place. On any error
-    nothing is left at ``out``. Returns the bytes of tensor data written."""
+    ``config()`` (called after ``fill``) written, and ``files`` (name -> JSON document, e.g. the
+    provenance), and the folder renamed into place. On any error nothing is left at ``out``. Returns
+    the bytes of tensor data written."""
     if (problem := free_space_problem(out, sum(t.nbytes for t in planned))) is not None:
         raise OutputError(problem, file=out)
     folder = OutputFolder(out, overwrite=overwrite)
@@ -426,7 +436,7 @@ def write_checkpoint(
         fill(folder.open_shards(assign_shards(planned, max_shard_size)))
         folder.copy_files(src, skip={CONFIG_NAME, *skip})
         total = sum(t.nbytes for t in planned)
-        folder.finish(config(), total)
+        folder.finish(config(), total, files)
         folder.commit()
     except BaseException:
         folder.abort()

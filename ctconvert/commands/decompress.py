@@ -1,4 +1,8 @@
-"""``ctconvert decompress``: a compressed-tensors checkpoint -> a dense checkpoint (bf16 by default).
+"""``ctconvert decompress``: a quantized checkpoint -> a dense checkpoint (bf16 by default).
+
+The input is a compressed-tensors checkpoint, or any other source
+:mod:`ctconvert.checkpoint.sources` reads (Hugging Face FP8 block: bf16 from it
+is exact; ModelOpt NVFP4, AutoAWQ, GPTQ), dequantized with its format's own math.
 
 Every quantized Linear (any format of :data:`ctconvert.formats.FORMATS`:
 float-, int-, naive-, pack-, nvfp4-pack- and mxfp4-pack-quantized) becomes a
@@ -25,10 +29,12 @@ import torch
 from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, modules_of
 from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
-from ..checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor
+from ..checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, read_rows
+from ..checkpoint.sources import SOURCE_CONFIG_FILES, Source, open_source
 from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from ..errors import BadInputError, UnsupportedError, UsageError
 from ..formats import get_format
+from ..pipeline.memory import fix_mmap_threshold
 from ..pipeline.tasks import CastTensor, Compute, CopyTensor, run_tasks
 
 __all__ = ["DTYPES", "decompress"]
@@ -66,11 +72,20 @@ def decompress(
     if dtype is not None and dtype not in DTYPES:
         raise UsageError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     ckpt = open_checkpoint(src, strict=True)
-    _check_input(ckpt, src)
-    check_output_path(src, out, overwrite)
+    skip = {PROVENANCE}
+    ct = (ckpt.quantization_config or {}).get("quant_method") == "compressed-tensors"
+    source = None if ct else open_source(ckpt)
     name = dtype or _model_dtype(ckpt.config)
     od = DTYPES[name]
-    planned, tasks, n_modules = _plan(ckpt, od, chunk_elems, cast_all=dtype is not None)
+    if source is not None and source.quantized:  # HF FP8 block, ModelOpt, AWQ, GPTQ: through their readers
+        check_output_path(src, out, overwrite)
+        planned, tasks, n_modules = _plan_view(source, od, chunk_elems, cast_all=dtype is not None)
+        skip |= set(SOURCE_CONFIG_FILES)
+        fix_mmap_threshold()
+    else:
+        _check_input(ckpt, src)
+        check_output_path(src, out, overwrite)
+        planned, tasks, n_modules = _plan(ckpt, od, chunk_elems, cast_all=dtype is not None)
 
     def config():
         cfg = copy.deepcopy(ckpt.config)
@@ -90,7 +105,7 @@ def decompress(
         overwrite=overwrite,
         fill=lambda shards: run_tasks(tasks, shards, progress=progress, total=sum(t.nbytes for t in planned)),
         config=config,
-        skip={PROVENANCE},
+        skip=skip,
     )
     return {
         "output": str(out),
@@ -148,6 +163,35 @@ def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int, cast_all: bool):
             planned.append(PlannedTensor(name, info.dtype, info.shape))
             tasks.append(CopyTensor(info))
     return planned, tasks, len(done)
+
+
+def _plan_view(source: Source, od: torch.dtype, chunk_elems: int, cast_all: bool = False):
+    """Like :func:`_plan` for the other sources: every quantized module's dense weight is read through its
+    reader (:mod:`ctconvert.checkpoint.sources`: the source format's own math), cast to ``od``."""
+    view = source.view
+    planned: list[PlannedTensor] = []
+    tasks: list = []
+    for name in sorted(view.tensors, key=lambda n: (str(view.tensors[n].file), view.tensors[n].start)):
+        info = view.tensors[name]
+        if info.virtual is not None:
+            planned.append(PlannedTensor(name, TORCH_TO_ST[od], info.shape))
+            tasks.append(Compute(lambda info=info: _dense_rows(info, od, chunk_elems)))
+        elif cast_all and info.dtype in _FLOAT and info.dtype != TORCH_TO_ST[od]:
+            planned.append(PlannedTensor(name, TORCH_TO_ST[od], info.shape))
+            tasks.append(CastTensor(info, od))
+        else:
+            planned.append(PlannedTensor(name, info.dtype, info.shape))
+            tasks.append(CopyTensor(info))
+    return planned, tasks, len(source.modules)
+
+
+def _dense_rows(info, od: torch.dtype, chunk_elems: int):
+    pos, (n, k) = 0, info.shape
+    step = max(128, (chunk_elems // max(1, k)) // 128 * 128)  # whole blocks and packed zero points per chunk
+    for r0 in range(0, n, step):
+        rows = read_rows(info, r0, min(n, r0 + step)).to(od)
+        yield info.name, rows, pos
+        pos += rows.numel() * rows.element_size()
 
 
 def _dequantize(m: Module, od: torch.dtype, chunk_elems: int):

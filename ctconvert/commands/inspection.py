@@ -16,12 +16,14 @@ row per Linear layer -> fused-set checks -> totals.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 from ..checkpoint.kernel_native import is_kernel_native, missing_tensors
 from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import BLOCK, decoder_layer_index, is_linear_weight, natural_key
+from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
 
 __all__ = ["describe_weights", "inspect_checkpoint"]
@@ -143,6 +145,7 @@ def inspect_checkpoint(path: Path) -> dict:
             g: {"targets": v.get("targets"), "format": v.get("format"), "scheme": describe_weights(v.get("weights") or {})} for g, v in groups.items()
         },
         "ignore": qcfg.get("ignore") if qcfg else None,
+        "derived_from": _derived_from(path),
         "layers": layers,
         "totals": _totals(ckpt, layers),
         "problems": [p.to_dict() for p in problems],
@@ -158,6 +161,18 @@ def _config_summary(qcfg: dict) -> dict | None:
     if qcfg.get("quant_method") != "compressed-tensors":
         out.update({k: v for k, v in qcfg.items() if isinstance(v, (str, int, float, bool)) and k not in out})
     return out
+
+
+def _derived_from(path: Path) -> dict | None:
+    """The quantized checkpoint a requantized or converted output was made from (its provenance says), or None."""
+    try:
+        prov = json.loads((Path(path) / PROVENANCE).read_text())
+    except (OSError, ValueError):
+        return None
+    d = prov.get("derived_from") if isinstance(prov, dict) else None
+    if not isinstance(d, dict):
+        return None
+    return {**d, **({"conversion": prov["conversion"]} if "conversion" in prov else {})}
 
 
 def _layer(m: Module, qcfg: dict, problems: list[Problem]) -> dict | None:

@@ -23,6 +23,7 @@ from ..checkpoint.model_card import CARD, append_conversion_section, conversion_
 from ..checkpoint.provenance import PROVENANCE, fingerprint, load_provenance, provenance, refresh_plan, shard_map, sources_by_shard
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
 from ..checkpoint.safetensors_io import PlannedTensor
+from ..checkpoint.sources import SOURCE_CONFIG_FILES, Source, open_source
 from ..checkpoint.writer import (
     OutputFolder,
     assign_shards,
@@ -36,10 +37,11 @@ from ..checkpoint.writer import (
 from ..errors import OutputError, UnsupportedError, UsageError
 from ..pipeline.devices import resolve_devices
 from ..pipeline.executor import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES, ExecOptions, execute, map_input_default
+from ..pipeline.memory import fix_mmap_threshold
 from ..pipeline.zeros import ZeroTracker
 from ..plan.layout import LayoutStage
 from ..plan.parallel import ParallelReport, parallel_report, plan_modules
-from ..plan.planner import Plan, make_plan
+from ..plan.planner import Plan, TensorDecision, make_plan
 from ..plan.schemes import resolve_scheme
 from ..plan.sparsity import SparseScheme, sparse_config, sparsity_warning
 
@@ -159,9 +161,11 @@ def quantize(
         scheme = resolve_scheme(scheme, group_size, symmetric)
     elif group_size is not None or symmetric is not None:
         raise UsageError("--group-size/--symmetric/--asymmetric cannot be combined with --sparsity (2:4 takes the presets as they are)")
-    ckpt = open_checkpoint(src, strict=True)
+    source = open_source(open_checkpoint(src, strict=True))
+    ckpt = source.view  # a quantized input is planned and read as its dequantized weights (requantize)
+    plan_ignore = list(ignore or []) + [m for m in source.dense_linear if source.quantized]
     rules = dict(keep_unclassified=keep_unclassified, default_ignore=default_ignore, quantize_mtp=quantize_mtp)
-    plan_kw = dict(targets=targets, ignore=ignore, lm_head=lm_head, lm_head_chunk_rows=lm_head_chunk_rows, **rules)
+    plan_kw = dict(targets=targets, ignore=plan_ignore or None, lm_head=lm_head, lm_head_chunk_rows=lm_head_chunk_rows, **rules)
     if sparsity:
         if lm_head.lower() != "none":  # its sparsity_config would claim the head as 2:4 for loaders
             raise UsageError("--lm-head cannot be combined with --sparsity: 2:4 is for the Linear layers of the blocks")
@@ -172,7 +176,10 @@ def quantize(
     calibrated = calibration.needs_calibration(plan, kv_cache)
     if plan.views:  # per-expert parts of fused 3-D experts: read as tensors of their own from here on
         ckpt = dataclasses.replace(ckpt, tensors={**ckpt.tensors, **plan.views})
-    result = QuantizeResult.of_plan(plan, out, dry_run, ckpt.total_bytes, devs)
+    if source.quantized:
+        _describe_source(plan, source)
+        fix_mmap_threshold()  # dequantized temporaries would otherwise fragment the heaps (pipeline/memory.py)
+    result = QuantizeResult.of_plan(plan, out, dry_run, source.original.total_bytes, devs)
     if dry_run or tp > 1 or ep is not None:
         _parallel(result, plan, ckpt, layout, tp, ep)
     if (warning := sparsity_warning(plan.scheme, layout.target if layout is not None else None)) is not None:
@@ -245,6 +252,7 @@ def quantize(
         progress=progress,
         layout=layout,
         keep_other_weights=keep_other_weights,
+        source=source,
     )
     if created:
         result.rewritten_shards = list(result.shards)
@@ -272,6 +280,45 @@ def _calibrate(ckpt: Checkpoint, plan: Plan, device, result: QuantizeResult, fil
     result.notes.append(f"calibration data: {data.source} ({data.kind}, {data.available} tokens; using {samples} x {seq_len})")
     result.notes += calibration.run(plan, ckpt, data.tokens, device, kv_cache, batch_tokens)
     result.calibration["seconds"] = round(time.perf_counter() - t0, 3)
+
+
+def _describe_source(plan: Plan, source: Source) -> None:
+    """Requantize: every row says the source format it is dequantized from; the Linear layers dense in the
+    source say so; the source's tensors that have no place in the output (its activation and KV-cache
+    scales) are rows of their own (action ``drop``); the notes say what the output derives from."""
+    dense = set(source.dense_linear)
+    for row in plan.rows:
+        row.source = source.format_of(row.name)
+        module = row.name.removesuffix(".weight")
+        if row.reason == f"--ignore {module}" and module in dense:
+            row.reason = "dense in the source (its ignore carries over)"
+    dropped = dict(source.dropped)
+    for m in source.modules.values():  # a source's input scales travel with its modules (convert keeps them)
+        if "input_scale" in m.parts:
+            dropped[m.parts["input_scale"].name] = "activation scale of the source's quantization"
+    for name, why in dropped.items():
+        info = source.original.tensors[name]
+        plan.rows.append(TensorDecision(name, info.file.name, info.dtype, info.shape, "drop", reason=why))
+    labels = sorted({m.label for m in source.modules.values()})
+    plan.notes.append(
+        f"requantize: {len(source.modules)} quantized modules of the {source.quant_method} source ({'; '.join(labels)}) are dequantized "
+        f"on the fly with the source format's exact math and quantized again with {plan.scheme.name}; "
+        f"verify --reference {source.original.path} measures the result against the dequantized source"
+    )
+    bits = min(_source_bits(m) for m in source.modules.values())
+    if plan.scheme.num_bits > bits:
+        plan.notes.append(
+            f"the source holds {bits}-bit weights: {plan.scheme.name} ({plan.scheme.num_bits}-bit) cannot restore the precision they lack, "
+            "and rounds them again (lossy twice)"
+        )
+    if dropped:
+        plan.notes.append(f"{len(dropped)} activation/KV-cache scale tensor(s) of the source are not carried over (action 'drop')")
+
+
+def _source_bits(m) -> int:
+    if m.kind == "compressed-tensors":
+        return int((m.args["module"].weights or {}).get("num_bits") or 8)
+    return {"fp8-block": 8, "modelopt-nvfp4": 4}.get(m.kind) or int(m.args.get("bits", 4))
 
 
 _RULE_DEFAULTS = {"keep_unclassified": False, "default_ignore": True, "quantize_mtp": False}
@@ -323,6 +370,7 @@ def _convert(
     progress,
     layout,
     keep_other_weights: bool = False,
+    source: Source | None = None,
 ) -> None:
     """Write the output folder: shards (reused where ``--resume``/``--refresh`` allow), files, config, provenance."""
     planned = [PlannedTensor(n, d, s) for n, d, s in plan.output_tensors]
@@ -365,7 +413,9 @@ def _convert(
         src_hashes = {**known, **hashing[0].all()}
         missing = [ckpt.tensors[s] for u in plan.units for s in u.sources if s not in src_hashes]
         src_hashes.update(hash_tensors(missing))
-        folder.copy_files(ckpt.path, skip={CONFIG_NAME, PROVENANCE}, keep_other_weights=keep_other_weights)
+        quantized_source = source is not None and source.quantized
+        skip = {CONFIG_NAME, PROVENANCE, *(SOURCE_CONFIG_FILES if quantized_source else ())}
+        folder.copy_files(ckpt.path, skip=skip, keep_other_weights=keep_other_weights)
         section = conversion_section(
             ckpt.path.name, plan.scheme.name, plan.format, plan.ignore, options["lm_head"], layout.target if layout is not None else None
         )
@@ -376,7 +426,8 @@ def _convert(
         cfg = updated_config(ckpt.config, qconfig, plan.config_updates)
         if layout is not None:
             cfg["quantization_config"] = layout.config(cfg["quantization_config"])
-        folder.finish(cfg, total, {PROVENANCE: provenance(ckpt, plan.units, options, src_hashes)})
+        derived = source.derived_from() if quantized_source else None
+        folder.finish(cfg, total, {PROVENANCE: provenance(ckpt, plan.units, options, src_hashes, derived_from=derived)})
         result.shards = sorted(set(folder.weight_map.values()))
         result.reused_shards = sorted(n for n, why in folder.reused.items() if why == "resume")
         folder.commit()

@@ -8,7 +8,8 @@ dense Linear is in ``ignore``; NVFP4 fused sets share one global scale
 (docs/compressed-tensors-format.md §9.1); no float tensor holds NaN/inf and no
 E4M3 byte is NaN (0x7F/0xFF, docs/field-notes.md report 2).
 
-With ``reference`` (the dense source): every quantized weight is dequantized
+With ``reference`` (the dense source, or a quantized one: then its weights
+dequantized by :mod:`ctconvert.checkpoint.sources`): every quantized weight is dequantized
 and compared (relative L2, max abs, SNR in dB) against a per-format threshold;
 every other tensor must equal its source exactly.
 
@@ -34,6 +35,7 @@ from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense
 from ..checkpoint.naming import find_embedding, natural_key, resolve_group
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_bytes, read_rows, read_tensor
+from ..checkpoint.sources import open_source
 from ..errors import CTConvertError, UsageError
 from ..formats import WeightArgs, get_format
 from ..formats.sparse24 import SPARSE_PREFIX, prune24
@@ -78,7 +80,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     if reference is None:
         problems += _all_zero_problems(mods, ckpt)
     else:
-        ref = _split_reference(open_checkpoint(reference, strict=True), ckpt, problems)
+        ref = _split_reference(open_source(open_checkpoint(reference, strict=True)).view, ckpt, problems)  # a quantized reference: its dequantized weights
         with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
             rows, ref_problems = _compare_weights(mods, ref, bar)
             problems += ref_problems + _compare_others(ckpt, mods, ref, bar)

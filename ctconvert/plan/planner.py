@@ -90,7 +90,8 @@ class TensorDecision:
     scheme: str | None = None
     fused_set: str | None = None
     reason: str | None = None
-    source: str | None = None  # a per-expert part: the stored fused tensor it is a slice of
+    source: str | None = None  # the source format a quantized input's tensor is dequantized from (requantize)
+    slice_of: str | None = None  # a per-expert part: the stored fused tensor it is a slice of
 
 
 @dataclass
@@ -340,7 +341,7 @@ def _decide(d: _Decisions, name: str, info: TensorInfo, scheme: Scheme, targets:
 
     A module named by an explicit target (a name or ``re:`` pattern) is quantized even where a
     default would keep it dense; the defaults apply to what only ``Linear`` matches."""
-    row = d.rows[name] = TensorDecision(name, info.file.name, info.dtype, info.shape, "copy", source=info.base)
+    row = d.rows[name] = TensorDecision(name, info.file.name, info.dtype, info.shape, "copy", slice_of=info.base)
     if not name.endswith(".weight"):
         return
     module = name[: -len(".weight")]

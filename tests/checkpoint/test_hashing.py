@@ -57,3 +57,32 @@ def test_shard_hash_taken_while_writing_equals_the_file_hash(tmp_path):
         data[-5] ^= 1
         p.write_bytes(bytes(data))
         assert shard_hash(p) != ref
+
+
+def test_derived_tensors_hash_the_stored_bytes_they_come_from(tmp_path):
+    """An interleaved expert (a ``view``) hashes its whole expert region: a change anywhere in it is seen (its
+    own bytes are every other row, not one range). A virtual dequantized weight hashes the stored tensors it is
+    computed from, in order."""
+    from ctconvert.checkpoint.safetensors_io import SliceView
+
+    data = bytearray(random.Random(7).randbytes(4 * 8 * 2))  # a [4, 8] bf16 region
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(data))
+    gate = TensorInfo("gate", p, "BF16", (2, 8), 0, 2 * 8 * 2, base="fused", view=SliceView(4, 8, False, 0, 2))
+    before = hash_tensors([gate])["gate"]
+    assert before == xxhash.xxh3_128(bytes.fromhex(_reference(bytes(data)))).hexdigest()
+    data[-1] ^= 1  # the last row belongs to up, not gate: the region still changed
+    p.write_bytes(bytes(data))
+    assert hash_tensors([gate])["gate"] != before
+
+    class _Virtual:
+        def __init__(self, parts):
+            self.parts = parts
+
+        def stored(self):
+            return self.parts
+
+    a, b = TensorInfo("a.weight_packed", p, "U8", (10,), 0, 10), TensorInfo("a.weight_scale", p, "U8", (6,), 20, 6)
+    virtual = TensorInfo("a.weight", p, "BF16", (4, 8), 0, 64, virtual=_Virtual([a, b]))
+    want = xxhash.xxh3_128(bytes.fromhex(_reference(bytes(data[0:10]))) + bytes.fromhex(_reference(bytes(data[20:26])))).hexdigest()
+    assert hash_tensors([virtual])["a.weight"] == want

@@ -230,10 +230,15 @@ def test_unknown_scheme(tiny_llama, tmp_path):
         api.quantize(tiny_llama, tmp_path / "o", "W3A17")
 
 
-def test_already_quantized_input_is_refused(tiny_llama, tmp_path):
+def test_already_quantized_input_is_requantized_not_planned_raw(tiny_llama, tmp_path):
+    from ctconvert.checkpoint.reader import open_checkpoint
+    from ctconvert.plan.planner import make_plan
+
     api.quantize(tiny_llama, tmp_path / "q", "W8A16")
-    with pytest.raises(UnsupportedError, match="already quantized"):
-        api.quantize(tmp_path / "q", tmp_path / "q2", "W4A16")
+    with pytest.raises(UnsupportedError, match="already quantized"):  # the planner plans dense tensors only
+        make_plan(open_checkpoint(tmp_path / "q"), "W4A16")
+    res = api.quantize(tmp_path / "q", tmp_path / "q2", "W4A16")  # the command plans the dequantized view
+    assert any(n.startswith("requantize:") for n in res.notes)
 
 
 def test_fp16_and_fp32_inputs(tmp_path):

@@ -46,7 +46,7 @@ def test_every_fused_expert_is_split_and_quantized(tmp_path):
         for e in range(E):
             for leaf in ("gate_proj", "up_proj", "down_proj"):
                 r = rows[f"{p}{e}.{leaf}.weight"]
-                assert r.action == "quantize" and r.source in (p + "gate_up_proj", p + "down_proj")
+                assert r.action == "quantize" and r.slice_of in (p + "gate_up_proj", p + "down_proj")
                 assert rows[f"{p}{e}.{leaf}.bias"].action == "copy"
             assert rows[f"{p}{e}.gate_proj.weight"].fused_set == f"{p}{e}.{{gate_proj,up_proj}}"
     assert plan.quantized_modules == 2 * (1 + 3 * E)
