@@ -300,7 +300,7 @@ def test_requantize_equals_llm_compressor_model_free_ptq(tmp_path, case):
     src = ff.deepseek_checkpoint(tmp_path / "ds", seed=0, partial=False)
     got_src = {k: _sha(v) for k, v in load_file(src / "model.safetensors").items()}
     assert got_src == ref["source"], "the test built another source than the reference run (torch RNG changed?)"
-    api.quantize(src, tmp_path / "out", scheme)
+    api.quantize(src, tmp_path / "out", scheme, quantize_mtp=True)  # model_free_ptq quantizes the MTP layer too (ctconvert keeps it dense by default)
     out = _tensors(tmp_path / "out")
     assert out.keys() == ref["output"].keys()
     unfused = {k.rpartition(".")[0] for k in out if _LLMC_UNFUSED.search(k)}
