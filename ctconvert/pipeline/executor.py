@@ -325,6 +325,8 @@ class Executor:
             raise self.write_error
         if self.cuda:
             torch.cuda.synchronize(self.dev)
+            if self.opts.zeros is not None:  # the candidate rows the device left (pipeline/zeros.py: no sync per chunk)
+                self.opts.zeros.resolve(self.dev)
 
     def _to_device(self, job: Read, info: TensorInfo, data: torch.Tensor) -> torch.Tensor:
         shape = (job.stop - job.start, *info.shape[1:])
