@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checkpoint.naming import is_generative
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, read_tensor
-from ..errors import UsageError
+from ..errors import UnsupportedError, UsageError
 from ..formats.common import tensor_absmax
 from ..formats.fp8 import fp8_scale
 from ..plan.planner import Plan
@@ -76,7 +77,10 @@ def add_outputs(plan: Plan, ckpt: Checkpoint, kv_cache: str = "none") -> None:
         return
     attn = _attention_modules(plan)
     if not attn:
-        raise UsageError("--kv-cache needs the attention projections (k_proj) quantized; none is")
+        raise UsageError(
+            "--kv-cache calibrates the k/v projections (k_proj, v_proj) of decoder self-attention, and this plan quantizes none "
+            "(an encoder has no KV cache; MLA attention has no k_proj/v_proj)"
+        )
     heads = _text_config(ckpt.config).get("num_key_value_heads") or _text_config(ckpt.config).get("num_attention_heads")
     shape = (1,) if kv_cache == "fp8" else (int(heads), 1, 1)
     for a, i in attn.items():
@@ -185,3 +189,16 @@ def run(plan: Plan, ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device
             plan.units[i].extra.setdefault(a, {}).update(kv_qparams(kv_cache, k, v, dtype))
     notes.append(f"calibrated on {stats.tokens} tokens")
     return notes
+
+
+def check_model(ckpt: Checkpoint) -> None:
+    """Refuse, before any work (also in a dry run), a checkpoint calibration cannot run: it runs decoder
+    language models (``*ForCausalLM``, ``*ForConditionalGeneration``, ``*LMHeadModel``) layer by layer.
+    Raises :class:`UnsupportedError` (exit 4)."""
+    if not is_generative(ckpt.config):
+        arch = ", ".join(ckpt.config.get("architectures") or []) or "this architecture"
+        raise UnsupportedError(
+            f"calibration runs decoder language models layer by layer; {arch} is not one: use a data-free scheme "
+            "(FP8_DYNAMIC, W8A8, W4A16, NVFP4A16, MXFP4 ...)",
+            file=ckpt.path / "config.json",
+        )

@@ -103,11 +103,18 @@ def load_tokens(model_path: Path, file: str | Path | None, samples: int, seq_len
     kind, docs = _read_docs(path)
     stream: list[int] = []
     if any(isinstance(d, str) for d in docs):
+        from transformers.utils import logging as hf_logging
+
         tok = _tokenizer(model_path)
         eos = tok.eos_token_id
-        for d in docs:
-            ids = d if isinstance(d, list) else tok(d, add_special_tokens=False)["input_ids"]
-            stream += list(ids) + ([eos] if eos is not None else [])
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # "sequence length is longer than the maximum": the stream is cut into rows of seq_len below
+        try:
+            for d in docs:
+                ids = d if isinstance(d, list) else tok(d, add_special_tokens=False)["input_ids"]
+                stream += list(ids) + ([eos] if eos is not None else [])
+        finally:
+            hf_logging.set_verbosity(verbosity)
     else:
         for d in docs:
             stream += list(d)

@@ -242,8 +242,11 @@ class CalibrationModel:
         prefix = name + "." if name else ""
         if any(True for _ in m.buffers(recurse=False)) and not any(True for _ in m.parameters(recurse=False)) and m._non_persistent_buffers_set:
             owner, _, attr = name.rpartition(".")
-            with torch.device(self.device):
-                fresh = type(m)(m.config)
+            try:
+                with torch.device(self.device):
+                    fresh = type(m)(m.config)
+            except (AttributeError, TypeError) as e:
+                raise UnsupportedError(f"calibration cannot rebuild {type(m).__name__} ({e})", file=self.ckpt.path / "config.json") from None
             setattr(self.model.get_submodule(owner) if owner else self.model, attr, fresh)
             return
         for local, _ in list(m.named_parameters(recurse=False)):

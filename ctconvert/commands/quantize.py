@@ -174,6 +174,8 @@ def quantize(
     kv_cache = kv_cache.lower()
     calibration.add_outputs(plan, ckpt, kv_cache)
     calibrated = calibration.needs_calibration(plan, kv_cache)
+    if calibrated:
+        calibration.check_model(ckpt)
     if plan.views:  # per-expert parts of fused 3-D experts: read as tensors of their own from here on
         ckpt = dataclasses.replace(ckpt, tensors={**ckpt.tensors, **plan.views})
     if source.quantized:

@@ -412,3 +412,17 @@ def test_cli_calibrated_run(llama, tmp_path):
     f.write_text("no")
     r = CliRunner().invoke(main, ["quantize", str(llama), "-o", str(tmp_path / "q2"), "-s", "fp8", "--calibration", str(f)])
     assert r.exit_code == 3 and r.stderr.count("\n") == 1 and "tokens" in r.stderr and not (tmp_path / "q2").exists()
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_an_encoder_is_refused_for_calibration_before_any_work(minilm_path, tmp_path, dry_run):
+    """BERT (all-MiniLM-L6-v2) has no decoder layers to calibrate: one clear line, exit 4, nothing written (a dry run says so too)."""
+    out = tmp_path / "o"
+    with pytest.raises(UnsupportedError, match="calibration runs decoder language models layer by layer; BertModel is not one"):
+        api.quantize(minilm_path, out, "FP8", dry_run=dry_run)
+    assert not out.exists() and not any(tmp_path.iterdir())
+
+
+def test_kv_cache_without_k_and_v_projections_says_why(minilm_path, tmp_path):
+    with pytest.raises(UsageError, match=r"an encoder has no KV cache; MLA attention has no k_proj/v_proj"):
+        api.quantize(minilm_path, tmp_path / "o", "W4A16", kv_cache="fp8")
