@@ -81,7 +81,7 @@ def _partial_hint(output) -> str | None:
 def _print_problems(con, problems: list[dict]) -> None:
     for p in problems:
         where = " ".join(x for x in (p.get("file"), p.get("tensor")) if x)
-        con.print(f"[{'red' if p['severity'] == 'error' else 'yellow'}]{p['severity']}[/]: {where}: {p['message']}")
+        con.print(f"[{'red' if p['severity'] == 'error' else 'yellow'}]{p['severity']}[/]: {where + ': ' if where else ''}{p['message']}")
 
 
 def _run(ctx: _Ctx, fn, hint=None, last: bool = True):

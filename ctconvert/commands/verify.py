@@ -287,6 +287,9 @@ def _threshold(weights: dict) -> float:
     return THRESHOLDS.get((weights.get("type"), int(weights.get("num_bits") or 0)), 0.3)
 
 
+_PRUNED_NOTE = "2:4 sparse modules are measured against the reference pruned 2:4 (the pruning itself is not counted as error)"
+
+
 def _compare_weights(mods: dict[str, Module], ref: Checkpoint, bar=None) -> tuple[list[dict], list[Problem]]:
     """One error row per quantized module: its dequantized weight against the reference's."""
     rows, problems = [], []
@@ -307,6 +310,8 @@ def _compare_weights(mods: dict[str, Module], ref: Checkpoint, bar=None) -> tupl
         row = _error_row(m, src)
         _tick(bar, src.nbytes)
         rows.append(row)
+        if row.get("against") == "2:4-pruned reference" and not any(p.message == _PRUNED_NOTE for p in problems):
+            problems.append(Problem("note", _PRUNED_NOTE))
         if not row["ok"]:
             problems.append(_error(f"relative L2 error {row['rel_l2']:.4f} exceeds {row['threshold']} for {m.format}", tensor=m.name))
         if row["zero_rows"]:
@@ -330,7 +335,10 @@ def _error_row(m: Module, src) -> dict:
     rel = math.sqrt(se / sr) if sr > 0 else (0.0 if se == 0 else math.inf)
     snr = 10 * math.log10(sr / se) if se > 0 and sr > 0 else math.inf
     limit = _threshold(m.weights or {})
-    return {"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "ok": rel <= limit, "zero_rows": lost}
+    row = {"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "ok": rel <= limit, "zero_rows": lost}
+    if sparse:
+        row["against"] = "2:4-pruned reference"
+    return row
 
 
 def _all_zero_problems(mods: dict[str, Module], ckpt: Checkpoint) -> list[Problem]:

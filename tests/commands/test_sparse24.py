@@ -106,6 +106,8 @@ def test_sparse24_bitmask_checkpoint(small, sparse_outputs, tmp_path, scheme, de
     # read back
     rep = api.verify(out, reference=small)
     assert rep["ok"], rep["problems"]
+    assert [p["severity"] for p in rep["problems"] if "pruned 2:4" in p["message"]] == ["note"]  # said once
+    assert {r.get("against") for r in rep["tensors"]} == {"2:4-pruned reference"}
     layers = {r["module"]: r for r in api.inspect(out)["layers"]}
     assert layers["model.layers.0.mlp.down_proj"]["format"].startswith("sparse-24-bitmask") and "2:4" in layers["model.layers.0.mlp.down_proj"]["scheme"]
     dec = tmp_path / "d"
