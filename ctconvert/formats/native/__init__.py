@@ -116,39 +116,35 @@ def nvfp4(w: torch.Tensor, global_scale: torch.Tensor) -> dict[str, torch.Tensor
     return {"weight_packed": packed, "weight_scale": s.view(torch.float8_e4m3fn)}
 
 
-def mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Same as :func:`ctconvert.formats.fp4.quantize_mxfp4` (raises ``ValueError`` on scale overflow)."""
+def _mx(kernel: str, name: str, w: torch.Tensor, q_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the MX kernel ``kernel`` over row ranges: ``(q [n, q_cols] uint8, E8M0 scale [n, k/32] uint8)``;
+    ``ValueError`` when a group's power-of-two scale overflows ``w.dtype``."""
     dt, w = _check(w), w.contiguous()
     n, k = w.shape
-    packed = torch.empty(n, k // 2, dtype=torch.uint8)
+    q = torch.empty(n, q_cols, dtype=torch.uint8)
     s = torch.empty(n, k // 32, dtype=torch.uint8)
     errs = []
+    fn = getattr(_L(), kernel)
 
     def run(a, b):
-        if _L().ct_mxfp4(_ptr(w, a), dt, b - a, k, _ptr(packed, a), _ptr(s, a)):
+        if fn(_ptr(w, a), dt, b - a, k, _ptr(q, a), _ptr(s, a)):
             errs.append((a, b))
 
     cbuild.parallel_ranges(n, 1, run)
     if errs:
-        raise ValueError(f"MXFP4 scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
+        raise ValueError(f"{name} scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
+    return q, s
+
+
+def mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Same as :func:`ctconvert.formats.fp4.quantize_mxfp4` (raises ``ValueError`` on scale overflow)."""
+    packed, s = _mx("ct_mxfp4", "MXFP4", w, w.shape[1] // 2)
     return {"weight_packed": packed, "weight_scale": s}
 
 
 def mxfp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """Same as :func:`ctconvert.formats.fp8.quantize_mxfp8` (raises ``ValueError`` on scale overflow)."""
-    dt, w = _check(w), w.contiguous()
-    n, k = w.shape
-    q = torch.empty(n, k, dtype=torch.uint8)
-    s = torch.empty(n, k // 32, dtype=torch.uint8)
-    errs = []
-
-    def run(a, b):
-        if _L().ct_mxfp8(_ptr(w, a), dt, b - a, k, _ptr(q, a), _ptr(s, a)):
-            errs.append((a, b))
-
-    cbuild.parallel_ranges(n, 1, run)
-    if errs:
-        raise ValueError(f"MXFP8 scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
+    q, s = _mx("ct_mxfp8", "MXFP8", w, w.shape[1])
     return {"weight": q.view(torch.float8_e4m3fn), "weight_scale": s}
 
 
