@@ -283,7 +283,10 @@ if _HAVE_TRITON:
             z = tl.zeros_like(sc)
         else:
             zf = _rd(QMIN - _rd(_div(mn, s, r, fast), DT), DT)  # s == s0 except where s0 == 0
-            zf = tl.where((zf != zf) | (s0 == 0.0), 0.0, zf)  # mn / 0 is NaN in the reference: zero point 0
+            # where s0 == 0 the reference divides mn by 0: -inf (mn < 0), so QMIN - it is +inf, clamped to QMAX
+            # below; NaN (mn == 0), a zero point of 0
+            zf = tl.where(zf != zf, 0.0, zf)
+            zf = tl.where(s0 == 0.0, tl.where(mn < 0.0, QMAX * 1.0, 0.0), zf)
             zf = tl.minimum(tl.maximum(zf, QMIN * 1.0), QMAX * 1.0)
             z = _rne_int(zf, 0).to(tl.float32)
             tl.store(zp_ptr + rows * NG + gi, z.to(tl.int8), mask=rmask)

@@ -30,6 +30,9 @@ def make_weight(case: str, dtype: torch.dtype, n: int, k: int, seed: int) -> tor
         w[1] = torch.randn(k, generator=g) * (1e-6 if fp16 else 1e-30)
         w[2, :64] = 1e-7 if fp16 else 1e-38
         w[4, 5:40:3] = -1e-7 if fp16 else -1e-40  # subnormal values in a normal row (bf16 and fp32 subnormals)
+        # a row at the subnormal floor: its scales (range / Q) underflow to 0 in D, and the asymmetric zero
+        # point comes from min / 0 (an H200 run found the GPU kernel giving 0 where the reference gives QMAX)
+        w[5] = torch.randn(k, generator=g) * (3e-8 if fp16 else 5e-41 if dtype == torch.bfloat16 else 1e-44)
     elif case == "huge":
         w[1] = (torch.randn(k, generator=g) * (1e4 if fp16 else 1e30)).clamp(-4.8e4, 4.8e4) if fp16 else torch.randn(k, generator=g) * 1e30
         w[3, 7] = 4.8e4 if fp16 else -3e37

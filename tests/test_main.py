@@ -1,0 +1,75 @@
+"""The console script's start-up (ctconvert/__main__.py): the bytecode cache where Python writes none."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ctconvert.__main__ import bytecode_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def interpreter_settings():
+    saved = sys.dont_write_bytecode, sys.pycache_prefix
+    yield
+    sys.dont_write_bytecode, sys.pycache_prefix = saved
+
+
+def _module(tmp_path: Path, name: str) -> Path:
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / f"{name}.py").write_text("VALUE = 41 + 1\n")
+    return src
+
+
+def test_where_python_writes_no_bytecode_it_goes_to_the_cache_folder(tmp_path, interpreter_settings, monkeypatch):
+    sys.dont_write_bytecode, sys.pycache_prefix = True, None
+    folder = bytecode_cache({"CTCONVERT_CACHE": str(tmp_path / "cache")})
+    assert folder == str(tmp_path / "cache" / "pycache")
+    assert sys.pycache_prefix == folder and sys.dont_write_bytecode is False
+    src = _module(tmp_path, "ct_bytecode_probe")
+    monkeypatch.syspath_prepend(str(src))
+    mod = importlib.import_module("ct_bytecode_probe")
+    assert mod.VALUE == 42
+    cached = Path(importlib.util.cache_from_source(str(src / "ct_bytecode_probe.py")))
+    assert cached.is_relative_to(folder) and cached.read_bytes()[:4] == importlib.util.MAGIC_NUMBER
+    assert not (src / "__pycache__").exists()  # never next to the sources
+    sys.modules.pop("ct_bytecode_probe")
+
+
+@pytest.mark.parametrize(
+    "dont_write, prefix, env",
+    [
+        (False, None, {}),  # Python writes its own bytecode: nothing to do
+        (True, "/somewhere/else", {}),  # the user's own prefix wins
+        (True, None, {"CTCONVERT_BYTECODE_CACHE": "0"}),  # turned off
+    ],
+)
+def test_settings_are_left_alone_otherwise(tmp_path, interpreter_settings, dont_write, prefix, env):
+    sys.dont_write_bytecode, sys.pycache_prefix = dont_write, prefix
+    assert bytecode_cache({"CTCONVERT_CACHE": str(tmp_path / "cache"), **env}) is None
+    assert (sys.dont_write_bytecode, sys.pycache_prefix) == (dont_write, prefix)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_an_unwritable_cache_changes_nothing(tmp_path, interpreter_settings):
+    sys.dont_write_bytecode, sys.pycache_prefix = True, None
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert bytecode_cache({"CTCONVERT_CACHE": str(blocker)}) is None
+    assert (sys.dont_write_bytecode, sys.pycache_prefix) == (True, None)
+
+
+def test_a_process_run_with_B_caches_its_imports(tmp_path):
+    src = _module(tmp_path, "ct_bytecode_probe2")
+    code = "from ctconvert.__main__ import bytecode_cache; print(bytecode_cache()); import ct_bytecode_probe2"
+    env = {"PYTHONPATH": f"{ROOT}:{src}", "CTCONVERT_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-B", "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(tmp_path / "cache" / "pycache")
+    assert list((tmp_path / "cache" / "pycache").rglob("ct_bytecode_probe2.*.pyc"))
