@@ -21,40 +21,46 @@ Python API (``import ctconvert``) leaves the interpreter's settings alone.
 import os
 import signal
 import sys
-from pathlib import Path
 
 from .errors import STOP_SIGNALS, stop_exit_code, stop_message  # light: no torch
 
 
-def bytecode_cache(environ=os.environ) -> str | None:
+def bytecode_cache(environ=os.environ, probe: str = "torch") -> str | None:
     """Point this process's bytecode cache at ctconvert's cache folder where Python would write none.
 
     Acts only when ``sys.dont_write_bytecode`` is set (``PYTHONDONTWRITEBYTECODE``/``-B``), no
     ``sys.pycache_prefix`` is set (``PYTHONPYCACHEPREFIX``/``-X pycache_prefix``) and
-    ``CTCONVERT_BYTECODE_CACHE`` is not ``0``; then sets ``sys.pycache_prefix`` to
+    ``CTCONVERT_BYTECODE_CACHE`` is not ``0``, and the package ``probe`` (torch, the slowest import by far) was
+    installed without bytecode next to its sources (pip writes it unless told not to; then nothing changes
+    and the installed bytecode is used); then sets ``sys.pycache_prefix`` to
     ``$CTCONVERT_CACHE/pycache`` (default ``~/.cache/ctconvert/pycache``) and allows writing there.
     Returns that folder, or None when it changed nothing (also when the folder cannot be created).
     Python's import system reads both settings at every import (``importlib.util.cache_from_source``,
     CPython 3.8+), so the imports that follow use them."""
     if not sys.dont_write_bytecode or sys.pycache_prefix or environ.get("CTCONVERT_BYTECODE_CACHE", "1") == "0":
         return None
-    folder = Path(environ.get("CTCONVERT_CACHE") or Path.home() / ".cache" / "ctconvert") / "pycache"
+    import importlib.util
+
+    spec = importlib.util.find_spec(probe)
+    if spec is None or not spec.origin or os.path.exists(importlib.util.cache_from_source(spec.origin)):
+        return None
+    folder = os.path.join(environ.get("CTCONVERT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ctconvert"), "pycache")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        os.makedirs(folder, exist_ok=True)
     except OSError:
         return None
     if not os.access(folder, os.W_OK):
         return None
-    sys.pycache_prefix = str(folder)
+    sys.pycache_prefix = folder
     sys.dont_write_bytecode = False
-    return str(folder)
+    return folder
 
 
 def main() -> None:
-    bytecode_cache()
     hits: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: hits.append(signum)) for sig in STOP_SIGNALS}
     try:
+        bytecode_cache()  # inside the window too
         from . import api  # noqa: F401 - torch and the rest of the heavy imports, inside the window
         from .cli import run
     finally:

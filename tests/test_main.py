@@ -30,11 +30,11 @@ def _module(tmp_path: Path, name: str) -> Path:
 
 def test_where_python_writes_no_bytecode_it_goes_to_the_cache_folder(tmp_path, interpreter_settings, monkeypatch):
     sys.dont_write_bytecode, sys.pycache_prefix = True, None
-    folder = bytecode_cache({"CTCONVERT_CACHE": str(tmp_path / "cache")})
-    assert folder == str(tmp_path / "cache" / "pycache")
-    assert sys.pycache_prefix == folder and sys.dont_write_bytecode is False
     src = _module(tmp_path, "ct_bytecode_probe")
     monkeypatch.syspath_prepend(str(src))
+    folder = bytecode_cache({"CTCONVERT_CACHE": str(tmp_path / "cache")}, probe="ct_bytecode_probe")
+    assert folder == str(tmp_path / "cache" / "pycache")
+    assert sys.pycache_prefix == folder and sys.dont_write_bytecode is False
     mod = importlib.import_module("ct_bytecode_probe")
     assert mod.VALUE == 42
     cached = Path(importlib.util.cache_from_source(str(src / "ct_bytecode_probe.py")))
@@ -51,25 +51,36 @@ def test_where_python_writes_no_bytecode_it_goes_to_the_cache_folder(tmp_path, i
         (True, None, {"CTCONVERT_BYTECODE_CACHE": "0"}),  # turned off
     ],
 )
-def test_settings_are_left_alone_otherwise(tmp_path, interpreter_settings, dont_write, prefix, env):
+def test_settings_are_left_alone_otherwise(tmp_path, interpreter_settings, monkeypatch, dont_write, prefix, env):
+    monkeypatch.syspath_prepend(str(_module(tmp_path, "ct_bytecode_probe3")))
     sys.dont_write_bytecode, sys.pycache_prefix = dont_write, prefix
-    assert bytecode_cache({"CTCONVERT_CACHE": str(tmp_path / "cache"), **env}) is None
+    assert bytecode_cache({"CTCONVERT_CACHE": str(tmp_path / "cache"), **env}, probe="ct_bytecode_probe3") is None
     assert (sys.dont_write_bytecode, sys.pycache_prefix) == (dont_write, prefix)
     assert not (tmp_path / "cache").exists()
 
 
-def test_an_unwritable_cache_changes_nothing(tmp_path, interpreter_settings):
+def test_an_unwritable_cache_changes_nothing(tmp_path, interpreter_settings, monkeypatch):
+    monkeypatch.syspath_prepend(str(_module(tmp_path, "ct_bytecode_probe4")))
     sys.dont_write_bytecode, sys.pycache_prefix = True, None
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    assert bytecode_cache({"CTCONVERT_CACHE": str(blocker)}) is None
+    assert bytecode_cache({"CTCONVERT_CACHE": str(blocker)}, probe="ct_bytecode_probe4") is None
     assert (sys.dont_write_bytecode, sys.pycache_prefix) == (True, None)
 
 
 def test_a_process_run_with_B_caches_its_imports(tmp_path):
     src = _module(tmp_path, "ct_bytecode_probe2")
-    code = "from ctconvert.__main__ import bytecode_cache; print(bytecode_cache()); import ct_bytecode_probe2"
+    code = "from ctconvert.__main__ import bytecode_cache as b; print(b(probe='ct_bytecode_probe2')); import ct_bytecode_probe2"
     env = {"PYTHONPATH": f"{ROOT}:{src}", "CTCONVERT_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-B", "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert out == str(tmp_path / "cache" / "pycache")
     assert list((tmp_path / "cache" / "pycache").rglob("ct_bytecode_probe2.*.pyc"))
+
+
+def test_packages_installed_with_bytecode_are_left_to_it(tmp_path, interpreter_settings, monkeypatch):
+    src = _module(tmp_path, "ct_bytecode_probe5")
+    monkeypatch.syspath_prepend(str(src))
+    subprocess.run([sys.executable, "-m", "py_compile", str(src / "ct_bytecode_probe5.py")], check=True)  # as pip installs
+    sys.dont_write_bytecode, sys.pycache_prefix = True, None
+    assert bytecode_cache({"CTCONVERT_CACHE": str(tmp_path / "cache")}, probe="ct_bytecode_probe5") is None
+    assert (sys.dont_write_bytecode, sys.pycache_prefix) == (True, None)

@@ -200,6 +200,8 @@ class Executor:
         self.native_checks = opts.impl in ("auto", "native") and native.available()  # C scans of host bytes
         self.wqs: list[queue.Queue] = [queue.Queue(maxsize=WRITE_BEHIND) for _ in range(WRITERS[kind])]
         self.write_error: BaseException | None = None
+        self.pending_checks: list = []  # GPU: (unit index, set absmax, chunk checks, event) (_check_unit)
+        self.finite_host: torch.Tensor | None = None  # GPU: pinned, one flag per unit: its inputs are finite
 
     # -- writing (threads of their own: output bytes go to disk while the next chunks compute) --
     def _writer(self, wq: queue.Queue) -> None:
@@ -325,6 +327,7 @@ class Executor:
             raise self.write_error
         if self.cuda:
             torch.cuda.synchronize(self.dev)
+            self._resolve_checks()
             if self.opts.zeros is not None:  # the candidate rows the device left (pipeline/zeros.py: no sync per chunk)
                 self.opts.zeros.resolve(self.dev)
 
@@ -355,7 +358,7 @@ class Executor:
             if job.hold:
                 st.held.append((job, w))
             if job.end_of_pass:
-                self._check_unit(unit, st)
+                self._check_unit(job.unit, st)
                 st.gs = nvfp4_global_scale(st.amax, info.torch_dtype)
                 for hjob, hw in st.held:
                     self._quantize(unit, hjob, hw, st)
@@ -365,7 +368,7 @@ class Executor:
             self._absmax(w, info, job, st)  # NaN/inf scan
         self._quantize(unit, job, w, st)
         if job.end_of_pass:
-            self._check_unit(unit, st)
+            self._check_unit(job.unit, st)
 
     def _copy_nonfinite(self, info: TensorInfo, data: torch.Tensor) -> bool:
         """Whether a pass-through chunk of a floating tensor holds NaN/inf (an E4M3 byte NaN): found by the reader
@@ -403,16 +406,42 @@ class Executor:
             _raise_nonfinite(info)
         return a
 
-    def _check_unit(self, unit: WorkUnit, st: _UnitState) -> None:
-        if self.cuda:
-            if st.amax is not None and not bool(torch.isfinite(st.amax)):
-                for name in unit.sources:
+    def _check_unit(self, ui: int, st: _UnitState, now: bool = False) -> None:
+        """On a GPU: the unit's NaN/inf flags (its set absmax, its chunks' absmax) are reduced on the device and
+        copied to pinned host memory behind an event; they are read once the event is done (here, for earlier
+        units, and at the end of the run), so no unit waits for the device. ``now``: wait and read every pending
+        flag (a quantizer failed: a NaN/inf found earlier explains it first). The output stays in its temporary
+        folder until the run ends, so an error found a few units late loses nothing."""
+        if not self.cuda:
+            return
+        flags = ([st.amax] if st.amax is not None else []) + [a for _, a in st.checks]
+        if flags:
+            if self.finite_host is None:
+                self.finite_host = torch.ones(len(self.plan.units), dtype=torch.bool, pin_memory=True)
+            ok = torch.isfinite(torch.stack([a.reshape(()) for a in flags])).all()
+            self.finite_host[ui : ui + 1].copy_(ok.reshape(1), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            self.pending_checks.append((ui, st.amax, list(st.checks), ev))
+        st.checks = []
+        if now:
+            torch.cuda.synchronize(self.dev)
+        self._resolve_checks()
+
+    def _resolve_checks(self) -> None:
+        """Raise for the first unit (in plan order) whose finished flags show NaN/inf; flags whose copy is not done
+        yet stay pending (the end of the run synchronises first, so all are read there)."""
+        while self.pending_checks and self.pending_checks[0][3].query():
+            ui, amax, checks, _ = self.pending_checks.pop(0)
+            if bool(self.finite_host[ui]):
+                continue
+            if amax is not None and not bool(torch.isfinite(amax)):
+                for name in self.plan.units[ui].sources:
                     _raise_nonfinite(self.ckpt.tensors[name], only_if_found=True)
-            if st.checks:
-                vals = torch.stack([a for _, a in st.checks])
+            if checks:
+                vals = torch.stack([a for _, a in checks])
                 if not bool(torch.isfinite(vals).all()):
-                    _raise_nonfinite(st.checks[int((~torch.isfinite(vals)).nonzero()[0])][0])
-                st.checks.clear()
+                    _raise_nonfinite(checks[int((~torch.isfinite(vals)).nonzero()[0])][0])
 
     def _quantize(self, unit: WorkUnit, job: Read, w: torch.Tensor, st: _UnitState) -> None:
         info = self.ckpt.tensors[unit.sources[job.member]]
@@ -427,7 +456,7 @@ class Executor:
         try:
             out = unit.scheme.quantize_rows(w, gs, impl=self.opts.impl)
         except ValueError as e:
-            self._check_unit(unit, st)  # on a GPU the NaN/inf checks are still pending: they explain a failure first
+            self._check_unit(job.unit, st, now=True)  # on a GPU the NaN/inf checks are still pending: they explain a failure first
             raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=str(info.file), tensor=info.name) from e
         if self._scales_show_nonfinite(unit) and not bool(torch.isfinite(out["weight_scale"]).all()):
             _raise_nonfinite(info)

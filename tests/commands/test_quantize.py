@@ -12,7 +12,7 @@ from safetensors import safe_open
 from ctconvert import api
 from ctconvert.errors import BadInputError, OutputError, UnsupportedError, UsageError
 
-from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from conftest import LLAMA_CONFIG, cuda_params, llama_tensors, write_checkpoint
 from ct_reference import ct_compress
 from helpers import tree_hash
 
@@ -156,6 +156,19 @@ def test_non_finite_weight_is_an_error_and_nothing_is_written(tmp_path, bad, sch
         api.quantize(ckpt, tmp_path / "o", scheme)
     assert not (tmp_path / "o").exists()
     assert not list(tmp_path.glob(".o.ctconvert-*"))
+
+
+@pytest.mark.parametrize("device", cuda_params())
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16", "FP8_DYNAMIC"])
+def test_the_first_non_finite_weight_in_plan_order_is_named(tmp_path, scheme, device):
+    """On a GPU the NaN/inf flags are read behind events, units later: the error still names the first tensor."""
+    src = llama_tensors(LLAMA_CONFIG)
+    src["model.layers.0.self_attn.k_proj.weight"][2, 9] = float("nan")
+    src["model.layers.1.mlp.up_proj.weight"][0, 0] = float("inf")
+    ckpt = write_checkpoint(tmp_path / "m", src, LLAMA_CONFIG, shards=2)
+    with pytest.raises(BadInputError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*1 non-finite values \(NaN; first at row 2, column 9\)"):
+        api.quantize(ckpt, tmp_path / "o", scheme, device=device)
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.ctconvert-*"))
 
 
 def test_group_size_must_divide(tmp_path):
