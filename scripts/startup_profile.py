@@ -43,6 +43,7 @@ def _stamped_exit(code):
     _exit(code)
 os._exit = _stamped_exit
 from ctconvert import __main__ as m
+m.bytecode_cache()  # as the console script does before its imports
 from ctconvert import api
 from ctconvert import cli
 stamps["imported"] = time.time()

@@ -15,8 +15,10 @@ its shard as soon as a chunk is done. The threads of one :class:`Executor`:
   device's stream; on a GPU the outputs are copied into a pinned staging
   buffer on the stream and handed on with a CUDA event, never synchronised
   here;
-* writer threads (``ctconvert-writer-*``; :data:`WRITERS`), each with a short
-  queue: wait for the staging copy's event, ``pwrite`` the bytes into their
+* writer threads (``ctconvert-writer-*``; :data:`WRITERS`), each with a queue
+  (bounded on a GPU by the bytes queued for all writers, :data:`WRITE_BUDGET`,
+  so that a module's outputs never hold the computing thread; on the CPU by
+  items): wait for the staging copy's event, ``pwrite`` the bytes into their
   shard (which hashes each output tensor as it is written and hands dirty
   pages to the disk as it fills: :class:`~ctconvert.checkpoint.safetensors_io.ShardFile`).
 
@@ -63,10 +65,10 @@ _CHECKED_COPY = ("BF16", "F16", "F32", "F64", "F8_E4M3")  # pass-through dtypes 
 DEFAULT_CHUNK_ELEMS = 4 * 2**20
 DEFAULT_HOLD_BYTES = 1 << 30
 READ_AHEAD = 4  # chunks read ahead of the one being computed
-WRITE_BEHIND = 2  # writes queued per writer thread (a copy chunk is 64 MiB)
+WRITE_BEHIND = 2  # CPU: writes queued per writer thread (a copy chunk is 64 MiB)
+WRITE_BUDGET = 192 * 2**20  # GPU: bytes queued for the writers, all writers together (_ByteBudget)
 READERS = {"cuda": 4, "cpu": 2}  # reader threads (preadv releases the GIL; CPU runs that map the input use 1)
 WRITERS = {"cuda": 4, "cpu": 2}  # writer threads; every write of one tensor goes to the same one, in order
-STAGE_BYTES = 16 * 2**20  # a pinned staging buffer for device-to-host copies of outputs (larger ones get their own)
 
 
 def map_input_default() -> bool:
@@ -174,6 +176,32 @@ class _PinnedPool:
         self.free.put((buf, event))
 
 
+class _ByteBudget:
+    """The bytes queued for the writer threads of a GPU run, bounded by ``limit`` (one item may exceed it alone).
+
+    Bounding bytes rather than items keeps the writers busy while the computing thread makes no output (an
+    NVFP4 set's absmax pass reads the whole set first): a module's outputs, however many chunks, wait in
+    the queues instead of holding the computing thread, and memory stays bounded. Staging buffers are
+    taken from torch's caching pinned-memory allocator, so their sizes follow the outputs."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.closed = limit, 0, False
+        self.cv = threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self.cv:
+            while self.used and self.used + n > self.limit:
+                if self.closed:
+                    raise RuntimeError("the executor stopped")
+                self.cv.wait(0.1)
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self.cv:
+            self.used -= n
+            self.cv.notify_all()
+
+
 @dataclass
 class _UnitState:
     cursors: dict = field(default_factory=dict)  # (member, key) -> byte offset
@@ -194,11 +222,11 @@ class Executor:
         kind = "cuda" if self.cuda else "cpu"
         self.readers = 1 if not self.cuda and opts.map_input else READERS[kind]
         self.pool = _PinnedPool(READ_AHEAD + self.readers + 2) if self.cuda else None
-        self.stage = _PinnedPool(WRITERS[kind] * 2 + 2) if self.cuda else None  # device-to-host staging of outputs
+        self.budget = _ByteBudget(WRITE_BUDGET) if self.cuda else None  # bytes queued for the writers
         self.stream = torch.cuda.Stream(self.dev) if self.cuda else None
         self.use_native = not self.cuda and opts.impl in ("auto", "native") and native.available()
         self.native_checks = opts.impl in ("auto", "native") and native.available()  # C scans of host bytes
-        self.wqs: list[queue.Queue] = [queue.Queue(maxsize=WRITE_BEHIND) for _ in range(WRITERS[kind])]
+        self.wqs: list[queue.Queue] = [queue.Queue(maxsize=0 if self.cuda else WRITE_BEHIND) for _ in range(WRITERS[kind])]
         self.write_error: BaseException | None = None
         self.pending_checks: list = []  # GPU: (unit index, set absmax, chunk checks, event) (_check_unit)
         self.finite_host: torch.Tensor | None = None  # GPU: pinned, one flag per unit: its inputs are finite
@@ -209,28 +237,37 @@ class Executor:
             item = wq.get()
             if item is None:
                 return
-            if self.write_error is not None:
-                continue
-            writes, event, buf = item
-            try:
-                if event is not None:
-                    event.synchronize()  # the device-to-host copies into the staging buffer are done
-                for name, t, pos in writes:
-                    self.shards[name].write(name, t, pos)
-            except BaseException as e:  # noqa: BLE001 - re-raised by the computing thread
-                self.write_error = e
-            finally:
-                if buf is not None:
-                    self.stage.put(buf, None)
+            nbytes = item[2]
+            if self.write_error is None:
+                self._write_item(*item)
+            item = None  # the staging buffer goes back to torch's pinned cache before the budget frees
+            if self.budget is not None:
+                self.budget.release(nbytes)
+
+    def _write_item(self, writes: list, event, nbytes: int) -> None:
+        try:
+            if event is not None:
+                event.synchronize()  # the device-to-host copies into the staging buffer are done
+            for name, t, pos in writes:
+                self.shards[name].write(name, t, pos)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the computing thread
+            self.write_error = e
 
     def _write(self, name: str, t: torch.Tensor, pos: int = 0) -> None:
         """Queue one host tensor's bytes for ``name`` at byte ``pos`` (to the writer that owns the tensor)."""
         self._write_many([(name, t, pos)])
 
-    def _write_many(self, writes: list, event=None, buf=None) -> None:
+    def _write_many(self, writes: list, event=None, reserved: int | None = None) -> None:
+        """Queue ``writes`` to the writer that owns the first tensor. On a GPU they count against the write
+        budget: ``reserved`` bytes already taken by the caller, else the tensors' bytes, taken here (waiting)."""
         if self.write_error is not None:
             raise self.write_error
-        self.wqs[hash(writes[0][0]) % len(self.wqs)].put((writes, event, buf))
+        nbytes = 0
+        if self.budget is not None:
+            nbytes = sum(t.numel() * t.element_size() for _, t, _ in writes) if reserved is None else reserved
+            if reserved is None:
+                self.budget.acquire(nbytes)
+        self.wqs[hash(writes[0][0]) % len(self.wqs)].put((writes, event, nbytes))
 
     def _write_device(self, writes: list) -> None:
         """Write device tensors ``[(name, tensor, byte offset)]`` (a chunk's or a module's outputs): on a GPU they are
@@ -242,7 +279,8 @@ class Executor:
             return
         flat = [(name, t.contiguous().reshape(-1).view(torch.uint8), pos) for name, t, pos in writes]
         sizes = [-(-t.numel() // 64) * 64 for _, t, _ in flat]  # 64-byte aligned slices
-        buf = self.stage.get(max(sum(sizes), STAGE_BYTES))
+        self.budget.acquire(sum(sizes))  # before the pinned buffer exists: memory stays within the budget
+        buf = torch.empty(max(1, sum(sizes)), dtype=torch.uint8, pin_memory=True)
         staged, off = [], 0
         for (name, t, pos), size in zip(flat, sizes):
             dst = buf[off : off + t.numel()]
@@ -252,7 +290,8 @@ class Executor:
             off += size
         ev = torch.cuda.Event()
         ev.record(self.stream)
-        self._write_many(staged, ev, buf)
+        del buf  # the staged slices keep it alive until written
+        self._write_many(staged, ev, reserved=sum(sizes))
 
     # -- reading ---------------------------------------------------------------
     def _read(self, job: Read):
@@ -311,7 +350,7 @@ class Executor:
                         states.pop(job.unit, None)
         finally:
             stop.set()
-            for p in (self.pool, self.stage):
+            for p in (self.pool, self.budget):
                 if p is not None:
                     p.closed = True
             while t.is_alive():
