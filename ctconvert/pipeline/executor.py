@@ -58,7 +58,7 @@ from ..formats.common import tensor_absmax
 from ..formats.fp4 import nvfp4_global_scale
 from ..plan.planner import Plan, WorkUnit
 
-__all__ = ["DEFAULT_CHUNK_ELEMS", "DEFAULT_HOLD_BYTES", "ExecOptions", "Read", "execute", "make_reads", "split_units"]
+__all__ = ["DEFAULT_CHUNK_ELEMS", "DEFAULT_HOLD_BYTES", "ExecOptions", "Read", "execute", "make_reads", "split_units", "warm_up_shapes"]
 
 COPY_CHUNK_BYTES = 64 * 2**20
 _CHECKED_COPY = ("BF16", "F16", "F32", "F64", "F8_E4M3")  # pass-through dtypes whose values are checked
@@ -230,6 +230,7 @@ class Executor:
         self.write_error: BaseException | None = None
         self.pending_checks: list = []  # GPU: (unit index, set absmax, chunk checks, event) (_check_unit)
         self.finite_host: torch.Tensor | None = None  # GPU: pinned, one flag per unit: its inputs are finite
+        self.warmed, self.warm_error = 0, None  # GPU: the shapes _warm_up compiled, and why it stopped early
 
     # -- writing (threads of their own: output bytes go to disk while the next chunks compute) --
     def _writer(self, wq: queue.Queue) -> None:
@@ -337,26 +338,18 @@ class Executor:
         here is ignored: the real launch compiles (and reports) as it would have."""
         if not self.cuda or self.opts.impl == "torch":
             return None
-        seen, jobs = set(), []
-        for unit in self.plan.units:
-            if unit.kind == "copy":
-                continue
-            for name in unit.sources:
-                info = self.ckpt.tensors[name]
-                if len(info.shape) != 2 or not info.shape[0]:
-                    continue
-                rows = min(_chunk_rows(info, unit, self.opts.chunk_elems), info.shape[0])
-                key = (id(unit.scheme), info.dtype, info.shape[1], rows)
-                if key not in seen and len(jobs) < 32:
-                    seen.add(key)
-                    jobs.append((unit.scheme, info, rows))
+        jobs = warm_up_shapes(self.ckpt, self.plan, self.opts.chunk_elems)
 
         def work() -> None:
-            with contextlib.suppress(Exception), torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream(self.dev)):
-                for scheme, info, rows in jobs:
-                    w = torch.zeros(rows, info.shape[1], dtype=info.torch_dtype, device=self.dev)
-                    gs = torch.ones(1, dtype=torch.float32, device=self.dev) if scheme.global_scale else None
-                    scheme.quantize_rows(w, gs, impl=self.opts.impl)
+            try:
+                with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream(self.dev)):
+                    for scheme, info, rows in jobs:
+                        w = torch.zeros(rows, info.shape[1], dtype=info.torch_dtype, device=self.dev)
+                        gs = torch.ones(1, dtype=torch.float32, device=self.dev) if scheme.global_scale else None
+                        scheme.quantize_rows(w, gs, impl=self.opts.impl)
+                        self.warmed += 1
+            except Exception as e:  # noqa: BLE001 - kept for --debug and tests; the real launch reports its own errors
+                self.warm_error = e
 
         t = threading.Thread(target=work, daemon=True, name="ctconvert-warmup")
         t.start()
@@ -593,6 +586,25 @@ def _raise_nonfinite(info: TensorInfo, only_if_found: bool = False, what: str = 
         file=str(info.file),
         tensor=info.name,
     )
+
+
+def warm_up_shapes(ckpt: Checkpoint, plan: Plan, chunk_elems: int = DEFAULT_CHUNK_ELEMS, limit: int = 32) -> list:
+    """The distinct first-chunk shapes of the plan's quantized tensors, in plan order: ``[(scheme, TensorInfo,
+    rows)]``, one per (scheme, dtype, K, chunk rows), at most ``limit`` (what :meth:`Executor._warm_up` compiles)."""
+    seen, jobs = set(), []
+    for unit in plan.units:
+        if unit.kind == "copy":
+            continue
+        for name in unit.sources:
+            info = ckpt.tensors[name]
+            if len(info.shape) != 2 or not info.shape[0]:
+                continue
+            rows = min(_chunk_rows(info, unit, chunk_elems), info.shape[0])
+            key = (id(unit.scheme), info.dtype, info.shape[1], rows)
+            if key not in seen and len(jobs) < limit:
+                seen.add(key)
+                jobs.append((unit.scheme, info, rows))
+    return jobs
 
 
 def unit_bytes(ckpt: Checkpoint, unit: WorkUnit) -> int:
