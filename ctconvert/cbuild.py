@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import os
 import platform
 import queue
@@ -140,24 +141,41 @@ class _Done:
             self.sem.acquire()
 
 
+#: pieces per thread of a :func:`parallel_ranges` call: threads take pieces as they come free, so one that
+#: is preempted (readers, writers and hashing share the cores) holds up a small piece, not half the call
+PIECES_PER_THREAD = 4
+
+
 def parallel_ranges(n: int, align: int, fn) -> None:
-    """Run ``fn(r0, r1)`` over ranges of ``range(n)`` (starts aligned to ``align``), one range on this
-    thread and the others on the process's worker threads (:class:`_Pool`, started once). ctypes releases
-    the GIL, so the ranges run in parallel. Calls from several threads at once share the workers; a call
-    made from a worker runs its ranges itself (no waiting on a busy pool)."""
+    """Run ``fn(r0, r1)`` over disjoint ranges covering ``range(n)`` (starts aligned to ``align``), on this thread
+    and the process's worker threads (:class:`_Pool`, started once). ctypes releases the GIL, so the ranges run in
+    parallel. ``range(n)`` is cut into up to :data:`PIECES_PER_THREAD` pieces per thread, which the threads
+    take in turn until none are left (``fn`` must not depend on how the rows are cut, or in which order).
+    Calls from several threads at once share the workers; a call made from a worker runs its ranges itself
+    (no waiting on a busy pool)."""
     t = min(threads(), max(1, n // max(align, 16)))
     if t <= 1 or threading.current_thread().name.startswith("ctconvert-cpu-"):
         fn(0, n)
         return
-    step = -(-n // t)
+    pieces = min(t * PIECES_PER_THREAD, max(t, n // max(align, 16)))
+    step = -(-n // pieces)
     step = -(-step // align) * align
     ranges = [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
-    _POOL.ensure(len(ranges) - 1)
-    done = _Done(len(ranges) - 1)
-    for a, b in ranges[1:]:
-        _POOL.tasks.put((fn, a, b, done))
+    taken = itertools.count()  # next() is atomic under the GIL: each piece is taken once
+
+    def drain(_a=None, _b=None) -> None:
+        for i in taken:
+            if i >= len(ranges):
+                return
+            fn(*ranges[i])
+
+    helpers = min(t, len(ranges)) - 1
+    _POOL.ensure(helpers)
+    done = _Done(helpers)
+    for _ in range(helpers):
+        _POOL.tasks.put((drain, 0, 0, done))
     try:
-        fn(*ranges[0])
+        drain()
     finally:
         done.wait()
     if done.errors:

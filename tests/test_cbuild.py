@@ -41,3 +41,27 @@ def test_parallel_ranges_reraises_a_worker_error(monkeypatch):
     with pytest.raises(ValueError, match="range"):
         cbuild.parallel_ranges(1000, 1, fn)
     cbuild.parallel_ranges(1000, 1, lambda a, b: None)  # the workers survive an error
+
+
+def test_a_stalled_thread_holds_up_one_piece_not_its_share(monkeypatch):
+    """The thread that takes row 0 stalls until every other row is done: the other threads take the rest
+    (with one static range per thread it would wait for its own share and time out)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    n = 4096
+    rest_done = threading.Event()
+    seen, lock = [], threading.Lock()
+    pieces = []
+
+    def fn(a, b):
+        with lock:
+            pieces.append((a, b))
+        if a == 0:
+            assert rest_done.wait(10), "the other threads did not take the remaining pieces"
+        with lock:
+            seen.extend(range(a, b))
+            if len(seen) == n - n // (2 * cbuild.PIECES_PER_THREAD):  # everything but the first piece
+                rest_done.set()
+
+    cbuild.parallel_ranges(n, 1, fn)
+    assert sorted(seen) == list(range(n))
+    assert len(pieces) == 2 * cbuild.PIECES_PER_THREAD and all((b - a) == n // len(pieces) for a, b in pieces)
