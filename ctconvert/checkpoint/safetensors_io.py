@@ -310,8 +310,9 @@ class PlannedTensor:
         return math.prod(self.shape) * DTYPES[self.dtype][1]
 
 
-#: written bytes after which a shard's dirty pages are handed to the disk (:func:`start_writeback`)
-WRITEBACK_BYTES = 256 * 2**20
+#: written bytes after which a shard's dirty pages are handed to the disk (:func:`start_writeback`): small, so that
+#: the final fsync finds little left (with 256 MiB a 2-core run waited 0.12 s for it at the end, with 32 MiB 0.01 s)
+WRITEBACK_BYTES = 32 * 2**20
 
 
 def _libc_sync_file_range():
