@@ -170,6 +170,25 @@ static inline __attribute__((always_inline)) void ct_int_impl(const void *w, int
         if (pack) {
             int32_t *o = (int32_t *)out + r * words;
             const uint32_t off = 1u << (bits - 1);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+            /* little-endian: the int32 words are the bytes in order, each byte two nibbles (4 bits: value 2i in
+             * the low nibble) or one value (8 bits); a byte loop vectorizes, the per-word loop below does not */
+            if (bits == 4 || bits == 8) {
+                uint8_t *ob = (uint8_t *)o;
+                int64_t nb;
+                if (bits == 8) {
+                    for (int64_t j = 0; j < k; j++) ob[j] = (uint8_t)((int32_t)qrow[j] + 128);
+                    nb = k;
+                } else {
+                    const int64_t pairs = k / 2;
+                    for (int64_t i = 0; i < pairs; i++)
+                        ob[i] = (uint8_t)((((int32_t)qrow[2 * i] + 8) & 15) | ((((int32_t)qrow[2 * i + 1] + 8) & 15) << 4));
+                    nb = pairs;
+                    if (k & 1) ob[nb++] = (uint8_t)(((int32_t)qrow[k - 1] + 8) & 15);
+                }
+                memset(ob + nb, 0, (size_t)(words * 4 - nb));
+            } else
+#endif
             if (bits == 4 || bits == 8) {
                 const int per = 32 / bits;
                 for (int64_t wi = 0; wi < words; wi++) {
