@@ -69,9 +69,11 @@ static inline uint8_t f32_to_e4m3(float x) {
     return (uint8_t)(sign | (a < 0.015625f ? sub : norm));
 }
 
+/* E4M3 byte -> fp32, exactly: a normal byte is 2^(e-7) * (1 + m/8), whose fp32 pattern is exponent e + 120 and
+ * the 3 mantissa bits on top; a subnormal one m * 2^-9 (a product by a power of two: exact). No libm call. */
 static inline float e4m3_to_f32(uint8_t b) {
-    int e = (b >> 3) & 0xF, m = b & 7;
-    float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
+    uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
+    float v = e == 0 ? (float)m * 0x1p-9f : u2f(((e + 120u) << 23) | (m << 20));
     return (b & 0x80) ? -v : v;
 }
 
