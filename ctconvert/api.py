@@ -24,14 +24,18 @@ from .commands import quantize as _quantize
 from .commands import repack as _repack
 from .commands import schemes as _schemes
 from .commands import verify as _verify
-from .commands.quantize import QuantizeResult
 from .errors import UsageError
-from .layouts.kernels import CT_FORMAT_TARGETS, DEFAULT_LAYOUT_VERSION
-from .pipeline.executor import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
-from .plan.layout import LayoutStage
+from .layouts.kernels import DEFAULT_LAYOUT_VERSION
+from .pipeline.options import QuantizeOptions
+from .plan.result import ConversionResult
+
+#: the result of :func:`quantize` (also :func:`quantize_to_target`, :func:`convert`): the one result type
+QuantizeResult = ConversionResult
 
 __all__ = [
     "KERNEL_NATIVE",
+    "ConversionResult",
+    "QuantizeOptions",
     "QuantizeResult",
     "batch",
     "convert",
@@ -49,42 +53,7 @@ __all__ = [
 ]
 
 
-def quantize(
-    src: str | Path,
-    out: str | Path | None,
-    scheme: str,
-    *,
-    lm_head: str = "none",
-    targets: list[str] | None = None,
-    ignore: list[str] | None = None,
-    max_shard_size: str | int = "5GB",
-    overwrite: bool = False,
-    dry_run: bool = False,
-    skip_incompatible: bool = False,
-    device: str = "auto",
-    lm_head_chunk_rows: int = 8192,
-    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-    hold_bytes: int = DEFAULT_HOLD_BYTES,
-    resume: bool = False,
-    refresh: bool = False,
-    progress=None,
-    impl: str = "auto",
-    map_input: bool | None = None,
-    allow_nonfinite: bool = False,
-    keep_other_weights: bool = False,
-    tp: int = 1,
-    ep: int | None = None,
-    sparsity: str | None = None,
-    group_size: int | None = None,
-    symmetric: bool | None = None,
-    calibration: str | Path | None = None,
-    calibration_samples: int = 8,
-    calibration_seq_len: int = 256,
-    kv_cache: str = "none",
-    keep_unclassified: bool = False,
-    default_ignore: bool = True,
-    quantize_mtp: bool = False,
-) -> QuantizeResult:
+def quantize(src: str | Path, out: str | Path | None, scheme: str, *, options: QuantizeOptions | None = None, progress=None, **kw) -> QuantizeResult:
     """Convert the checkpoint ``src`` to a compressed-tensors checkpoint at ``out``.
 
     ``src`` may be dense or already quantized (compressed-tensors, Hugging Face FP8 block, ModelOpt
@@ -92,6 +61,10 @@ def quantize(
     fly and requantized; when ``scheme`` is the source's own format (AWQ -> ``W4A16_ASYM`` ...), it is
     converted losslessly instead (:func:`convert`; ``lm_head``, ``targets``, ``ignore``, ``resume`` and
     ``refresh`` are then refused).
+
+    The keyword options are the fields of :class:`QuantizeOptions` (their defaults are its own); give
+    them one by one, or as ``options`` (a :class:`QuantizeOptions`, which ``kw`` then amends). An
+    unknown keyword raises :class:`TypeError` naming it.
 
     Args:
         scheme: a compressed-tensors preset name (:func:`schemes`), or the path of a ``.json``/``.yaml``
@@ -159,60 +132,26 @@ def quantize(
         r = api.quantize("llama/", "llama-w4a16/", "W4A16", lm_head="fp8")
         print(r.quantized_modules, r.output_bytes)
     """
-    lossless, why = (False, None) if group_size is not None or symmetric is not None else _convert.lossless_choice(src, scheme)
+    o = QuantizeOptions.from_kwargs(options, **kw)
+    plain = o.group_size is None and o.symmetric is None and o.target is None
+    lossless, why = _convert.lossless_choice(src, scheme) if plain else (False, None)
     if lossless:
         changed = {
-            "lm_head": lm_head != "none",
-            "targets": bool(targets),
-            "ignore": bool(ignore),
-            "resume": resume,
-            "refresh": refresh,
-            "tp": tp > 1,
-            "ep": ep is not None,
+            "lm_head": o.lm_head != "none",
+            "targets": bool(o.targets),
+            "ignore": bool(o.ignore),
+            "resume": o.resume,
+            "refresh": o.refresh,
+            "tp": o.tp > 1,
+            "ep": o.ep is not None,
         }
         if any(changed.values()):
             given = ", ".join(f"--{k.replace('_', '-')}" for k, v in changed.items() if v)
             raise UsageError(f"{scheme} is the source's own format: quantize converts it losslessly, which takes no {given}")
-        r = _convert.convert(src, out, scheme=scheme, max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run)
-        fields = {k: getattr(r, k) for k in QuantizeResult.__dataclass_fields__ if hasattr(r, k)}
-        res = QuantizeResult(**fields)
-        res.notes = [f"lossless conversion of the {r.source_format} source (ctconvert convert): every dequantized value equals the source's", *r.notes]
+        res = _convert.convert(src, out, scheme=scheme, max_shard_size=o.max_shard_size, overwrite=o.overwrite, dry_run=o.dry_run)
+        res.notes = [f"lossless conversion of the {res.source_format} source (ctconvert convert): every dequantized value equals the source's", *res.notes]
         return res
-    res = _quantize.quantize(
-        src,
-        out,
-        scheme,
-        lm_head=lm_head,
-        targets=targets,
-        ignore=ignore,
-        max_shard_size=max_shard_size,
-        overwrite=overwrite,
-        dry_run=dry_run,
-        skip_incompatible=skip_incompatible,
-        device=device,
-        lm_head_chunk_rows=lm_head_chunk_rows,
-        chunk_elems=chunk_elems,
-        hold_bytes=hold_bytes,
-        resume=resume,
-        refresh=refresh,
-        progress=progress,
-        impl=impl,
-        map_input=map_input,
-        allow_nonfinite=allow_nonfinite,
-        keep_other_weights=keep_other_weights,
-        tp=tp,
-        ep=ep,
-        sparsity=sparsity,
-        group_size=group_size,
-        symmetric=symmetric,
-        calibration_file=calibration,
-        calibration_samples=calibration_samples,
-        calibration_seq_len=calibration_seq_len,
-        kv_cache=kv_cache,
-        keep_unclassified=keep_unclassified,
-        default_ignore=default_ignore,
-        quantize_mtp=quantize_mtp,
-    )
+    res = _quantize.quantize(src, out, scheme, o, progress=progress)
     if why is not None:
         res.notes.append(f"not converted losslessly ({why}): requantized")
     return res
@@ -229,8 +168,8 @@ def convert(
     bit. Raises :class:`UnsupportedError` naming the tensor and the feature where compressed-tensors
     cannot express the source (act-order GPTQ, a sym checkpoint with other zero points, fused
     members with different NVFP4 global scales ...), :class:`BadInputError` for missing scales or
-    inconsistent shapes; nothing is written then. Returns a
-    :class:`ctconvert.commands.convert.ConvertResult` (``to_dict()`` is the ``--json`` document).
+    inconsistent shapes; nothing is written then. Returns a :class:`ConversionResult` (``lossless`` set;
+    ``to_dict()`` is the ``--json`` document).
 
     Example::
 
@@ -246,25 +185,13 @@ def quantize_to_target(src, out, scheme: str, target: str, *, layout_version: st
     Each module is repacked on the device right after it is quantized; no
     compressed-tensors checkpoint is written on the way. The tensors and config
     equal ``quantize`` followed by ``repack``. Other keyword arguments are those
-    of :func:`quantize` (not ``resume``/``refresh``).
+    of :func:`quantize` (not ``resume``/``refresh``); ``quantize(..., target=...)`` is the same call.
 
     Example::
 
         api.quantize_to_target("llama/", "llama-marlin/", "W4A16", "marlin")
     """
-    stage = LayoutStage(target, layout_version, act_dtype)
-    if "calibration" in kw:
-        kw["calibration_file"] = kw.pop("calibration")
-    res = _quantize.quantize(src, out, scheme, layout=stage, **kw)
-    if target in CT_FORMAT_TARGETS:  # marlin-24: a compressed-tensors format of its own
-        res.format = target
-    else:
-        res.format = f"kernel-native ({target}, from {res.format})"
-    if not res.dry_run and target in CT_FORMAT_TARGETS:
-        res.notes.append(f"packed {len(stage.records)} modules as {target}")
-    elif not res.dry_run:
-        res.notes.append(f"repacked {len(stage.records)} modules for {target} (vLLM layout {layout_version})")
-    return res
+    return quantize(src, out, scheme, target=target, layout_version=layout_version, act_dtype=act_dtype, **kw)
 
 
 def repack(
@@ -364,19 +291,12 @@ def load_jobs(path: str | Path) -> list[dict]:
     return _batch.load_jobs(path)
 
 
-def _job(src, out, scheme, *, target=None, layout_version=DEFAULT_LAYOUT_VERSION, act_dtype="bf16", **kw) -> QuantizeResult:
-    """One batch job: :func:`quantize`, or :func:`quantize_to_target` when the job names a ``target``."""
-    if target is None:
-        return quantize(src, out, scheme, **kw)
-    return quantize_to_target(src, out, scheme, target, layout_version=str(layout_version), act_dtype=act_dtype, **kw)
-
-
 def run_jobs(jobs: list[dict], keep_going: bool = False, emit=print, on_job=None, stop_code=None) -> int:
-    """Run checked jobs (:func:`load_jobs`) through :func:`quantize` (:func:`quantize_to_target` for a job
-    with a ``target``); ``emit`` gets one JSON line per job and a summary line, ``on_job(i, job)`` is called
+    """Run checked jobs (:func:`load_jobs`) through :func:`quantize` (a job's keys are its options, a
+    ``target`` among them); ``emit`` gets one JSON line per job and a summary line, ``on_job(i, job)`` is called
     as each starts; ``stop_code()`` gives the exit code an interrupt is reported with (default 130).
     Returns the exit code (0, or the first failure's)."""
-    return _batch.run_jobs(jobs, _job, keep_going=keep_going, emit=emit, on_job=on_job, stop_code=stop_code)
+    return _batch.run_jobs(jobs, quantize, keep_going=keep_going, emit=emit, on_job=on_job, stop_code=stop_code)
 
 
 def batch(path: str | Path, keep_going: bool = False, emit=print) -> int:

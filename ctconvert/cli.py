@@ -345,13 +345,19 @@ def quantize(
         given = " and ".join(o for o, v in (("--layout-version", layout_version), ("--act-dtype", act_dtype)) if v)
         msg = f"{given} without --target: they choose a kernel-native layout; add --target marlin (or cutlass-nvfp4), or leave them out"
         _run(ctx, lambda: _raise(errors.UsageError(msg)))
-    layout_version, act_dtype = layout_version or "0.33", act_dtype or "bf16"
-    kw = dict(
+    default = api.QuantizeOptions()
+    layout_version, act_dtype = layout_version or default.layout_version, act_dtype or default.act_dtype
+    if target and (resume or refresh) and not dry_run:
+        raise click.UsageError("--target cannot be combined with --resume or --refresh")
+    options = api.QuantizeOptions(
         lm_head=lm_head,
         targets=_split(targets) or None,
         ignore=_split(ignore),
         max_shard_size=max_shard_size,
         overwrite=overwrite,
+        dry_run=dry_run,
+        resume=resume and not target,
+        refresh=refresh and not target,
         skip_incompatible=skip_incompatible,
         device=device,
         lm_head_chunk_rows=lm_head_chunk_rows,
@@ -369,22 +375,13 @@ def quantize(
         keep_unclassified=keep_unclassified,
         default_ignore=not no_default_ignore,
         quantize_mtp=quantize_mtp,
+        **(dict(target=target, layout_version=layout_version, act_dtype=act_dtype) if target else {}),
     )
-    if target:
-        if (resume or refresh) and not dry_run:
-            raise click.UsageError("--target cannot be combined with --resume or --refresh")
-        result = _run(
-            ctx,
-            lambda: api.quantize_to_target(
-                src, output, scheme, target, layout_version=layout_version, act_dtype=act_dtype, dry_run=dry_run, progress=_progress_factory(ctx), **kw
-            ),
-        )
-    else:
-        result = _run(
-            ctx,
-            hint=None if dry_run else lambda: _partial_hint(output),
-            fn=lambda: api.quantize(src, output, scheme, dry_run=dry_run, resume=resume, refresh=refresh, progress=_progress_factory(ctx), **kw),
-        )
+    result = _run(
+        ctx,
+        hint=None if dry_run or target else lambda: _partial_hint(output),
+        fn=lambda: api.quantize(src, output, scheme, options=options, progress=_progress_factory(ctx)),
+    )
     if ctx.json:
         extra = {"target": {"target": target, "layout_version": layout_version, "act_dtype": act_dtype}} if target and dry_run else {}
         ctx.emit_json({"ok": result.error is None, **result.to_dict(), **extra})

@@ -12,12 +12,13 @@
         lm_head: nvfp4a16
         ignore: ["re:.*mlp.gate$"]
 
-Keys of a job are the keyword arguments of :func:`ctconvert.api.quantize`
-(``scheme``, ``lm_head``, ``targets``, ``ignore``, ``max_shard_size``,
-``overwrite``, ``skip_incompatible``, ``device``, ``resume``, ``refresh``,
-``dry_run``, ``group_size``, ``symmetric`` ...), ``target``, ``layout_version``
-and ``act_dtype`` (:func:`ctconvert.api.quantize_to_target`), plus ``model``
-and ``output``. Relative paths are relative to the jobs file; scheme names,
+Keys of a job are ``model``, ``output``, ``scheme`` and the options of
+:func:`ctconvert.api.quantize`, the fields of
+:class:`ctconvert.pipeline.options.QuantizeOptions` (``lm_head``, ``targets``,
+``ignore``, ``max_shard_size``, ``overwrite``, ``skip_incompatible``, ``device``,
+``resume``, ``refresh``, ``dry_run``, ``group_size``, ``symmetric``, ``target``,
+``layout_version``, ``act_dtype`` ...; ``allow_non_finite`` spelled as on the
+command line). Relative paths are relative to the jobs file; scheme names,
 and outputs that two jobs share or that lie inside (or contain) an input, are
 refused before any job runs.
 
@@ -35,42 +36,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, CTConvertError, UsageError
+from ..pipeline.options import job_keys
 from ..plan.schemes import get_scheme, resolve_scheme
 from ..plan.sparsity import sparse_scheme
 
-__all__ = ["ALLOWED", "LINE_KEYS", "load_jobs", "run_jobs"]
+__all__ = ["ALLOWED", "LINE_KEYS", "OPTION_OF_KEY", "load_jobs", "run_jobs"]
 
-ALLOWED = {
-    "model",
-    "output",
-    "scheme",
-    "lm_head",
-    "targets",
-    "ignore",
-    "max_shard_size",
-    "overwrite",
-    "skip_incompatible",
-    "device",
-    "resume",
-    "refresh",
-    "lm_head_chunk_rows",
-    "allow_non_finite",
-    "keep_other_weights",
-    "sparsity",
-    "group_size",
-    "symmetric",
-    "target",
-    "layout_version",
-    "act_dtype",
-    "dry_run",
-    "calibration",
-    "calibration_samples",
-    "calibration_seq_len",
-    "kv_cache",
-    "keep_unclassified",
-    "default_ignore",
-    "quantize_mtp",
-}
+#: job key -> the :class:`~ctconvert.pipeline.options.QuantizeOptions` field it sets (every option is a job key)
+OPTION_OF_KEY = job_keys()
+#: the keys a job may have: the source, output and scheme, and every option
+ALLOWED = {"model", "output", "scheme", *OPTION_OF_KEY}
 #: the keys of every job line, whatever its status (None where a key does not apply)
 LINE_KEYS = (
     "job",
@@ -178,7 +153,7 @@ def run_jobs(
     jobs: list[dict], convert: Callable, keep_going: bool = False, emit=print, on_job: Callable | None = None, stop_code: Callable[[], int] | None = None
 ) -> int:
     """Run the jobs in order through ``convert(model, output, scheme, **options)`` (the API's
-    ``quantize``, or ``quantize_to_target`` for a job with a ``target``); ``emit`` gets one JSON line
+    ``quantize``; the job keys named by :data:`OPTION_OF_KEY`); ``emit`` gets one JSON line
     per job and a summary line; ``on_job(i, job)`` is called as each job starts. Returns the exit code.
 
     The exit code is 0 when every job succeeded, else that of the first failure.
@@ -216,9 +191,9 @@ def run_jobs(
         if on_job is not None:
             on_job(i, job)
         t0 = time.perf_counter()
-        kw = {k: v for k, v in job.items() if k not in ("model", "output", "scheme")}
-        if "allow_non_finite" in kw:  # the option's name on the command line
-            kw["allow_nonfinite"] = kw.pop("allow_non_finite")
+        kw = {OPTION_OF_KEY[k]: v for k, v in job.items() if k not in ("model", "output", "scheme")}
+        if kw.get("layout_version") is not None:  # YAML reads 0.33 as a number
+            kw["layout_version"] = str(kw["layout_version"])
         try:
             r = convert(job["model"], job["output"], job["scheme"], **kw)
             line = _line(

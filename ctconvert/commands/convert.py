@@ -30,7 +30,7 @@ plan every output tensor (a dry run stops here) -> run the tasks -> config, prov
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +47,7 @@ from ..errors import BadInputError, CTConvertError, UnsupportedError, UsageError
 from ..formats.foreign import nvfp4_global_scale_for
 from ..pipeline.tasks import Compute, CopyTensor, run_tasks
 from ..plan.planner import Plan, TensorDecision
+from ..plan.result import ConversionResult
 
 __all__ = ["ConvertResult", "GroupSpec", "convert", "lossless_choice", "lossless_target", "scheme_matches"]
 
@@ -84,31 +85,8 @@ class GroupSpec:
         return {"targets": list(targets), "weights": dict(self.weights), "input_activations": self.inputs, "output_activations": None, "format": self.format}
 
 
-@dataclass
-class ConvertResult:
-    """What a conversion did; the fields ``quantize``'s result also has (``to_dict`` is the ``--json`` document)."""
-
-    output: str | None
-    scheme: str
-    format: str
-    dry_run: bool
-    input_bytes: int
-    source_format: str
-    output_bytes: int = 0
-    seconds: float = 0.0
-    shards: list[str] = field(default_factory=list)
-    quantized_modules: int = 0
-    ignore: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    device: str = "cpu"
-    plan: Plan | None = None
-
-    def to_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "plan"}
-        d["lossless"] = True
-        if self.dry_run and self.plan is not None:
-            d["plan"] = self.plan.to_dict()
-        return d
+#: the result of a lossless conversion: the one result type of every conversion (``lossless`` set)
+ConvertResult = ConversionResult
 
 
 def lossless_target(source: Source, with_inputs: bool | None = None) -> GroupSpec:
@@ -162,7 +140,7 @@ def lossless_choice(src: str | Path, scheme: str) -> tuple[bool, str | None]:
 
 def convert(
     src: str | Path, out: str | Path | None, *, scheme: str | None = None, max_shard_size: str | int = "5GB", overwrite: bool = False, dry_run: bool = False
-) -> ConvertResult:
+) -> ConversionResult:
     """Convert ``src`` losslessly to compressed-tensors at ``out``; see :func:`ctconvert.api.convert`."""
     t0 = time.perf_counter()
     src = Path(src)
@@ -191,13 +169,14 @@ def convert(
         notes=notes,
         input_bytes=source.original.total_bytes,
     )
-    result = ConvertResult(
+    result = ConversionResult(
         output=str(out) if out is not None else None,
         scheme=spec.name,
         format=spec.format,
         dry_run=dry_run,
         input_bytes=source.original.total_bytes,
         source_format=source.kind,
+        lossless=True,
         quantized_modules=len(source.modules),
         ignore=ignore,
         notes=notes,

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..calibration import apply as calibration
-from ..calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, load_tokens
+from ..calibration.data import load_tokens
 from ..checkpoint.config import build_quantization_config, updated_config
 from ..checkpoint.hashing import SourceHashes, hash_tensors
 from ..checkpoint.model_card import CARD, append_conversion_section, conversion_section
@@ -35,143 +34,71 @@ from ..checkpoint.writer import (
     shard_names,
 )
 from ..errors import OutputError, UnsupportedError, UsageError
+from ..layouts.kernels import CT_FORMAT_TARGETS
 from ..pipeline.devices import resolve_devices
-from ..pipeline.executor import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES, ExecOptions, execute, map_input_default
+from ..pipeline.executor import ExecOptions, execute, map_input_default
 from ..pipeline.memory import fix_mmap_threshold
+from ..pipeline.options import QuantizeOptions
 from ..pipeline.zeros import ZeroTracker
 from ..plan.layout import LayoutStage
-from ..plan.parallel import ParallelReport, parallel_report, plan_modules
+from ..plan.parallel import parallel_report, plan_modules
 from ..plan.planner import Plan, TensorDecision, make_plan
+from ..plan.result import ConversionResult
 from ..plan.schemes import resolve_scheme
 from ..plan.sparsity import SparseScheme, sparse_config, sparsity_warning
 
-__all__ = ["QuantizeResult", "quantize"]
+__all__ = ["QuantizeResult", "partial_hint", "quantize"]
 
 
-@dataclass
-class QuantizeResult:
-    """What a conversion did (``to_dict`` is the ``--json`` document)."""
-
-    output: str | None
-    scheme: str
-    format: str
-    dry_run: bool
-    input_bytes: int
-    output_bytes: int = 0
-    seconds: float = 0.0
-    shards: list[str] = field(default_factory=list)
-    quantized_modules: int = 0
-    ignore: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    device: str = "cpu"
-    reused_shards: list[str] = field(default_factory=list)
-    error: Exception | None = None  # dry run only: why the real run would stop
-    rewritten_shards: list[str] = field(default_factory=list)
-    plan: Plan | None = None
-    parallel: ParallelReport | None = None  # the tensor-parallel plan (dry run, or --tp/--ep given)
-    parallel_of: dict[str, list[str]] = field(default_factory=dict)  # input tensor -> its modules in ``parallel``
-    zero_quantized: list[dict] = field(default_factory=list)  # tensors quantized to all zeros from non-zero rows
-    calibration: dict | None = None  # what calibration costs (dry run) or did: layers, tokens, source, peak estimate
-
-    @classmethod
-    def of_plan(cls, plan: Plan, out, dry_run: bool, input_bytes: int, devs) -> QuantizeResult:
-        return cls(
-            output=str(out) if out is not None else None,
-            scheme=plan.scheme.name,
-            format=plan.format,
-            dry_run=dry_run,
-            input_bytes=input_bytes,
-            quantized_modules=plan.quantized_modules,
-            ignore=plan.ignore,
-            notes=plan.notes,
-            device=",".join(map(str, devs)),
-            plan=plan,
-        )
-
-    def to_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k not in ("plan", "error", "parallel", "parallel_of")}
-        if self.error is not None:
-            d["error"] = str(self.error)
-        if self.parallel is not None:
-            d["parallel"] = self.parallel.to_dict()
-        if self.dry_run and self.plan is not None:
-            d["plan"] = self.plan.to_dict()
-            if self.parallel is not None:
-                for row in d["plan"]["tensors"]:
-                    if (tp := self.max_tp_of(row["name"])) is not None:
-                        row["max_tp"] = tp
-                d["plan"]["parallel"] = d["parallel"]
-        return d
-
-    def max_tp_of(self, tensor: str) -> int | None:
-        """The largest TP degree of the modules made from input ``tensor`` (None: not split, or not planned)."""
-        if self.parallel is None:
-            return None
-        rows = [r for m in self.parallel_of.get(tensor, ()) if (r := self.parallel.row(m)) is not None and r.max_tp is not None]
-        return min((r.max_tp for r in rows), default=None)
+#: what a conversion did: the one result type of every conversion (:mod:`ctconvert.plan.result`)
+QuantizeResult = ConversionResult
 
 
-def quantize(
-    src: str | Path,
-    out: str | Path | None,
-    scheme: str,
-    *,
-    lm_head: str = "none",
-    targets: list[str] | None = None,
-    ignore: list[str] | None = None,
-    max_shard_size: str | int = "5GB",
-    overwrite: bool = False,
-    dry_run: bool = False,
-    skip_incompatible: bool = False,
-    device: str = "auto",
-    lm_head_chunk_rows: int = 8192,
-    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-    hold_bytes: int = DEFAULT_HOLD_BYTES,
-    resume: bool = False,
-    refresh: bool = False,
-    progress=None,
-    layout: LayoutStage | None = None,
-    impl: str = "auto",
-    map_input: bool | None = None,
-    allow_nonfinite: bool = False,
-    keep_other_weights: bool = False,
-    tp: int = 1,
-    ep: int | None = None,
-    sparsity: str | None = None,
-    group_size: int | None = None,
-    symmetric: bool | None = None,
-    calibration_file: str | Path | None = None,
-    calibration_samples: int = DEFAULT_SAMPLES,
-    calibration_seq_len: int = DEFAULT_SEQ_LEN,
-    kv_cache: str = "none",
-    calibration_batch_tokens: int = 4096,
-    keep_unclassified: bool = False,
-    default_ignore: bool = True,
-    quantize_mtp: bool = False,
-) -> QuantizeResult:
-    """Convert ``src`` to ``out``; see :func:`ctconvert.api.quantize` for the arguments and errors.
+def quantize(src: str | Path, out: str | Path | None, scheme: str, options: QuantizeOptions | None = None, *, progress=None) -> ConversionResult:
+    """Convert ``src`` to ``out``; see :func:`ctconvert.api.quantize` for the options and errors.
 
-    ``layout``: a :class:`ctconvert.plan.layout.LayoutStage` to write kernel-native tensors in the
-    same pass (``quantize --target``)."""
+    ``options``: a :class:`~ctconvert.pipeline.options.QuantizeOptions` (None: every default); with a
+    ``target``, the kernel-native tensors are written in the same pass (``quantize --target``,
+    :class:`ctconvert.plan.layout.LayoutStage`). ``progress``: ``(total_bytes) -> context manager with .update(n)``."""
+    o = options if options is not None else QuantizeOptions()
+    layout = LayoutStage(o.target, o.layout_version, o.act_dtype) if o.target is not None else None
+    result = _quantize(src, out, scheme, o, progress, layout)
+    if layout is not None:
+        _describe_target(result, layout)
+    return result
+
+
+def _describe_target(result: ConversionResult, layout: LayoutStage) -> None:
+    """``--target``: the result's format names the kernel-native layout, and its notes how many modules it holds."""
+    target = layout.target
+    result.format = target if target in CT_FORMAT_TARGETS else f"kernel-native ({target}, from {result.format})"  # marlin-24: a compressed-tensors format
+    if not result.dry_run and target in CT_FORMAT_TARGETS:
+        result.notes.append(f"packed {len(layout.records)} modules as {target}")
+    elif not result.dry_run:
+        result.notes.append(f"repacked {len(layout.records)} modules for {target} (vLLM layout {layout.layout_version})")
+
+
+def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeOptions, progress, layout: LayoutStage | None) -> ConversionResult:
+    targets, ignore, refresh = _listed(o.targets), _listed(o.ignore), o.refresh
     t0 = time.perf_counter()
     src = Path(src)
-    shard_limit = parse_size(max_shard_size)
-    devs = resolve_devices(device)
-    if not sparsity:
-        scheme = resolve_scheme(scheme, group_size, symmetric)
-    elif group_size is not None or symmetric is not None:
+    shard_limit = parse_size(o.max_shard_size)
+    devs = resolve_devices(o.device)
+    if not o.sparsity:
+        scheme = resolve_scheme(scheme, o.group_size, o.symmetric)
+    elif o.group_size is not None or o.symmetric is not None:
         raise UsageError("--group-size/--symmetric/--asymmetric cannot be combined with --sparsity (2:4 takes the presets as they are)")
     source = open_source(open_checkpoint(src, strict=True))
     ckpt = source.view  # a quantized input is planned and read as its dequantized weights (requantize)
     plan_ignore = list(ignore or []) + [m for m in source.dense_linear if source.quantized]
-    rules = dict(keep_unclassified=keep_unclassified, default_ignore=default_ignore, quantize_mtp=quantize_mtp)
-    plan_kw = dict(targets=targets, ignore=plan_ignore or None, lm_head=lm_head, lm_head_chunk_rows=lm_head_chunk_rows, **rules)
-    if sparsity:
-        if lm_head.lower() != "none":  # its sparsity_config would claim the head as 2:4 for loaders
+    rules = dict(keep_unclassified=o.keep_unclassified, default_ignore=o.default_ignore, quantize_mtp=o.quantize_mtp)
+    plan_kw = dict(targets=targets, ignore=plan_ignore or None, lm_head=o.lm_head, lm_head_chunk_rows=o.lm_head_chunk_rows, **rules)
+    if o.sparsity:
+        if o.lm_head.lower() != "none":  # its sparsity_config would claim the head as 2:4 for loaders
             raise UsageError("--lm-head cannot be combined with --sparsity: 2:4 is for the Linear layers of the blocks")
-        plan_kw.update(sparsity=sparsity, sparsity_target=layout.target if layout is not None else None)
-    plan, dry_error = _plan(ckpt, scheme, dry_run, skip_incompatible, plan_kw)
-    kv_cache = kv_cache.lower()
+        plan_kw.update(sparsity=o.sparsity, sparsity_target=layout.target if layout is not None else None)
+    plan, dry_error = _plan(ckpt, scheme, o.dry_run, o.skip_incompatible, plan_kw)
+    kv_cache = o.kv_cache.lower()
     calibration.add_outputs(plan, ckpt, kv_cache)
     calibrated = calibration.needs_calibration(plan, kv_cache)
     if calibrated:
@@ -181,19 +108,19 @@ def quantize(
     if source.quantized:
         _describe_source(plan, source)
         fix_mmap_threshold()  # dequantized temporaries would otherwise fragment the heaps (pipeline/memory.py)
-    result = QuantizeResult.of_plan(plan, out, dry_run, source.original.total_bytes, devs)
-    if dry_run or tp > 1 or ep is not None:
-        _parallel(result, plan, ckpt, layout, tp, ep)
+    result = ConversionResult.of_plan(plan, out, o.dry_run, source.original.total_bytes, devs)
+    if o.dry_run or o.tp > 1 or o.ep is not None:
+        _parallel(result, plan, ckpt, layout, o.tp, o.ep)
     if (warning := sparsity_warning(plan.scheme, layout.target if layout is not None else None)) is not None:
         result.notes.append(warning)
     if calibrated:
-        cost = calibration.estimate(plan, ckpt, calibration_samples, calibration_seq_len, kv_cache, calibration_batch_tokens)
-        result.calibration = {**cost.to_dict(), "source": str(calibration_file) if calibration_file else "built-in English corpus"}
-        if dry_run:
+        cost = calibration.estimate(plan, ckpt, o.calibration_samples, o.calibration_seq_len, kv_cache, o.calibration_batch_tokens)
+        result.calibration = {**cost.to_dict(), "source": str(o.calibration) if o.calibration else "built-in English corpus"}
+        if o.dry_run:
             result.notes.append(cost.describe())
-    elif dry_run:
+    elif o.dry_run:
         result.notes.append("no calibration needed (weights and dynamic activation scales only)")
-    if dry_run:
+    if o.dry_run:
         result.output_bytes = sum(PlannedTensor(*t).nbytes for t in plan.output_tensors)
         result.seconds = time.perf_counter() - t0
         result.error = dry_error
@@ -201,10 +128,10 @@ def quantize(
     if out is None:
         raise UsageError("an output folder is required (-o/--output)")
     out = Path(out)
-    options = _run_options(plan, lm_head, targets, ignore, shard_limit, skip_incompatible, lm_head_chunk_rows)
-    if sparsity:
-        options["sparsity"] = sparsity
-    options.update({k: v for k, v in rules.items() if v != _RULE_DEFAULTS[k]})  # only where not the default: earlier outputs keep their fingerprint
+    options = _run_options(plan, o.lm_head, targets, ignore, shard_limit, o.skip_incompatible, o.lm_head_chunk_rows)
+    if o.sparsity:
+        options["sparsity"] = o.sparsity
+    options.update({k: v for k, v in rules.items() if v != getattr(_DEFAULTS, k)})  # only where not the default: earlier outputs keep their fingerprint
     created = refresh and not out.exists()
     if created:  # "create or update": nothing to refresh yet, so a full conversion (every shard written)
         refresh = False
@@ -212,30 +139,30 @@ def quantize(
     if calibrated:
         if refresh:
             raise UsageError("--refresh cannot update calibrated activation scales (they depend on every earlier layer): convert again")
-        options["calibration"] = [str(calibration_file or ""), calibration_samples, calibration_seq_len, kv_cache]
+        options["calibration"] = [str(o.calibration or ""), o.calibration_samples, o.calibration_seq_len, kv_cache]
     old_prov = load_provenance(out, options) if refresh else None
     if not refresh:
-        check_output_path(src, out, overwrite)
+        check_output_path(src, out, o.overwrite)
     if calibrated:
-        _calibrate(ckpt, plan, devs[0], result, calibration_file, calibration_samples, calibration_seq_len, kv_cache, calibration_batch_tokens)
+        _calibrate(ckpt, plan, devs[0], result, o.calibration, o.calibration_samples, o.calibration_seq_len, kv_cache, o.calibration_batch_tokens)
     qconfig = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
     if isinstance(plan.scheme, SparseScheme):
         qconfig = sparse_config(qconfig, plan.scheme, targets or ["Linear"], plan.ignore)
     if kv_cache != "none":
         qconfig["kv_cache_scheme"] = calibration.kv_cache_config(kv_cache)
     if layout is not None:
-        if resume or refresh:
+        if o.resume or refresh:
             raise UsageError("--target cannot be combined with --resume or --refresh")
         options["target"] = [layout.target, layout.layout_version, layout.act_dtype]
         plan = layout.plan(plan, ckpt, qconfig)
     opts = ExecOptions(
         device=devs[0],
-        chunk_elems=chunk_elems,
-        hold_bytes=hold_bytes,
+        chunk_elems=o.chunk_elems,
+        hold_bytes=o.hold_bytes,
         repack=layout,
-        impl=impl,
-        map_input=map_input_default() if map_input is None else map_input,
-        allow_nonfinite=allow_nonfinite,
+        impl=o.impl,
+        map_input=map_input_default() if o.map_input is None else o.map_input,
+        allow_nonfinite=o.allow_nonfinite,
         zeros=ZeroTracker(),
     )
     _convert(
@@ -248,12 +175,12 @@ def quantize(
         options=options,
         qconfig=qconfig,
         shard_limit=shard_limit,
-        overwrite=overwrite,
-        resume=resume,
+        overwrite=o.overwrite,
+        resume=o.resume,
         old_prov=old_prov,
         progress=progress,
         layout=layout,
-        keep_other_weights=keep_other_weights,
+        keep_other_weights=o.keep_other_weights,
         source=source,
     )
     if created:
@@ -262,7 +189,7 @@ def quantize(
     return result
 
 
-def _parallel(result: QuantizeResult, plan: Plan, ckpt: Checkpoint, layout: LayoutStage | None, tp: int, ep: int | None) -> None:
+def _parallel(result: ConversionResult, plan: Plan, ckpt: Checkpoint, layout: LayoutStage | None, tp: int, ep: int | None) -> None:
     """The tensor-parallel plan (:mod:`ctconvert.plan.parallel`); a real run notes the tensors that do not split at ``tp``."""
     kernel, version = (layout.target, layout.layout_version) if layout is not None else (None, "0.33")
     mods, result.parallel_of = plan_modules(plan, ckpt.tensors, kernel, version)
@@ -274,7 +201,7 @@ def _parallel(result: QuantizeResult, plan: Plan, ckpt: Checkpoint, layout: Layo
         result.notes.append(report.summary())
 
 
-def _calibrate(ckpt: Checkpoint, plan: Plan, device, result: QuantizeResult, file, samples: int, seq_len: int, kv_cache: str, batch_tokens: int) -> None:
+def _calibrate(ckpt: Checkpoint, plan: Plan, device, result: ConversionResult, file, samples: int, seq_len: int, kv_cache: str, batch_tokens: int) -> None:
     """Read the calibration tokens, run the model layer by layer, put the scales into the plan's units."""
     t0 = time.perf_counter()
     vocab = (ckpt.config.get("text_config") or ckpt.config).get("vocab_size")
@@ -323,7 +250,11 @@ def _source_bits(m) -> int:
     return {"fp8-block": 8, "modelopt-nvfp4": 4}.get(m.kind) or int(m.args.get("bits", 4))
 
 
-_RULE_DEFAULTS = {"keep_unclassified": False, "default_ignore": True, "quantize_mtp": False}
+_DEFAULTS = QuantizeOptions()
+
+
+def _listed(names: tuple[str, ...] | None) -> list[str] | None:
+    return list(names) if names is not None else None
 
 
 def _run_options(plan: Plan, lm_head, targets, ignore, shard_limit: int, skip_incompatible: bool, lm_head_chunk_rows: int) -> dict:
@@ -361,7 +292,7 @@ def _convert(
     out: Path,
     devs,
     opts: ExecOptions,
-    result: QuantizeResult,
+    result: ConversionResult,
     *,
     options: dict,
     qconfig: dict,
@@ -458,7 +389,7 @@ def partial_hint(left: dict) -> str:
     )
 
 
-def _drop_stale_shards(ckpt: Checkpoint, folder: OutputFolder, by_shard: dict, known: dict, result: QuantizeResult) -> None:
+def _drop_stale_shards(ckpt: Checkpoint, folder: OutputFolder, by_shard: dict, known: dict, result: ConversionResult) -> None:
     """``--resume``: hash the sources of every finished shard now, and write again each shard whose sources
     changed since it was made (or whose journal does not say what it was made from)."""
     stale = []

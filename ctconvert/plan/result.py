@@ -1,0 +1,85 @@
+"""What a conversion did: one result type for ``quantize`` (also with ``--target``) and the lossless ``convert``.
+
+It lives below ``commands/`` so that both commands (which do not import each
+other), the API and ``batch`` read the same fields; ``to_dict`` is the
+``--json`` document of either command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .parallel import ParallelReport
+from .planner import Plan
+
+__all__ = ["ConversionResult"]
+
+
+@dataclass
+class ConversionResult:
+    """What a conversion did (``to_dict`` is the ``--json`` document).
+
+    ``input_bytes``/``output_bytes``: bytes of tensors; ``seconds``: wall time; ``shards``: output shard
+    file names; ``reused_shards``/``rewritten_shards``: ``--resume``/``--refresh``. A lossless conversion
+    (:mod:`ctconvert.commands.convert`) has ``lossless`` set and names the ``source_format``."""
+
+    output: str | None
+    scheme: str
+    format: str
+    dry_run: bool
+    input_bytes: int
+    output_bytes: int = 0
+    seconds: float = 0.0
+    shards: list[str] = field(default_factory=list)
+    quantized_modules: int = 0
+    ignore: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    reused_shards: list[str] = field(default_factory=list)
+    error: Exception | None = None  # dry run only: why the real run would stop
+    rewritten_shards: list[str] = field(default_factory=list)
+    plan: Plan | None = None
+    parallel: ParallelReport | None = None  # the tensor-parallel plan (dry run, or --tp/--ep given)
+    parallel_of: dict[str, list[str]] = field(default_factory=dict)  # input tensor -> its modules in ``parallel``
+    zero_quantized: list[dict] = field(default_factory=list)  # tensors quantized to all zeros from non-zero rows
+    calibration: dict | None = None  # what calibration costs (dry run) or did: layers, tokens, source, peak estimate
+    source_format: str | None = None  # a lossless conversion: the source's format (modelopt, awq, gptq)
+    lossless: bool = False
+
+    @classmethod
+    def of_plan(cls, plan: Plan, out, dry_run: bool, input_bytes: int, devs) -> ConversionResult:
+        return cls(
+            output=str(out) if out is not None else None,
+            scheme=plan.scheme.name,
+            format=plan.format,
+            dry_run=dry_run,
+            input_bytes=input_bytes,
+            quantized_modules=plan.quantized_modules,
+            ignore=plan.ignore,
+            notes=plan.notes,
+            device=",".join(map(str, devs)),
+            plan=plan,
+        )
+
+    def to_dict(self) -> dict:
+        hidden = {"plan", "error", "parallel", "parallel_of", *(() if self.lossless else ("source_format", "lossless"))}
+        d = {k: v for k, v in self.__dict__.items() if k not in hidden}
+        if self.error is not None:
+            d["error"] = str(self.error)
+        if self.parallel is not None:
+            d["parallel"] = self.parallel.to_dict()
+        if self.dry_run and self.plan is not None:
+            d["plan"] = self.plan.to_dict()
+            if self.parallel is not None:
+                for row in d["plan"]["tensors"]:
+                    if (tp := self.max_tp_of(row["name"])) is not None:
+                        row["max_tp"] = tp
+                d["plan"]["parallel"] = d["parallel"]
+        return d
+
+    def max_tp_of(self, tensor: str) -> int | None:
+        """The largest TP degree of the modules made from input ``tensor`` (None: not split, or not planned)."""
+        if self.parallel is None:
+            return None
+        rows = [r for m in self.parallel_of.get(tensor, ()) if (r := self.parallel.row(m)) is not None and r.max_tp is not None]
+        return min((r.max_tp for r in rows), default=None)
