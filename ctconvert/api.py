@@ -118,6 +118,12 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, options: Q
             MTP layers, Linear layers outside the blocks); ``False`` drops them all. A module named
             in ``targets`` (a name or ``re:`` pattern) is quantized whatever the defaults say.
         quantize_mtp: also quantize multi-token-prediction layers (dense by default).
+        dense_dtype: ``keep`` (default: stored dtypes), ``bf16``, ``fp16`` or ``fp32``: every floating tensor
+            that is not quantized is written in that dtype (``torch.Tensor.to``, round to nearest even) and
+            ``config.json``'s dtype says so (:mod:`ctconvert.plan.dense_dtype`); quantized weights are the
+            bytes of a run without it. :class:`UsageError` for another value; :class:`BadInputError` (exit 3)
+            naming file and tensor for a finite value beyond the target's range (fp32 -> fp16).
+        target, layout_version, act_dtype: write a kernel-native layout in the same pass (:func:`quantize_to_target`).
 
     Returns:
         A :class:`QuantizeResult` (``to_dict()`` is the ``--json`` document).
@@ -144,6 +150,7 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, options: Q
             "refresh": o.refresh,
             "tp": o.tp > 1,
             "ep": o.ep is not None,
+            "dense_dtype": o.dense_dtype != "keep",
         }
         if any(changed.values()):
             given = ", ".join(f"--{k.replace('_', '-')}" for k, v in changed.items() if v)

@@ -296,6 +296,14 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--keep-unclassified", is_flag=True, help="Keep tensors no rule classifies dense (listed in ignore and reported) instead of failing.")
 @click.option("--no-default-ignore", is_flag=True, help="Drop every default ignore (lm_head, routers, towers, MTP, Linear outside the blocks).")
 @click.option("--quantize-mtp", is_flag=True, help="Also quantize multi-token-prediction (MTP) layers (dense by default).")
+@click.option(
+    "--dense-dtype",
+    type=click.Choice(["keep", "bf16", "fp16", "fp32"], case_sensitive=False),
+    default="keep",
+    show_default=True,
+    help="Cast the tensors that are not quantized (embeddings, norms, biases, a dense lm_head ...) to this dtype, like mlx_lm.convert --dtype; "
+    "config.json's torch_dtype follows. keep: their stored dtype.",
+)
 @_json_option
 @click.pass_obj
 def quantize(
@@ -332,6 +340,7 @@ def quantize(
     keep_unclassified,
     no_default_ignore,
     quantize_mtp,
+    dense_dtype,
 ):
     """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint.
 
@@ -375,6 +384,7 @@ def quantize(
         keep_unclassified=keep_unclassified,
         default_ignore=not no_default_ignore,
         quantize_mtp=quantize_mtp,
+        dense_dtype=dense_dtype,
         **(dict(target=target, layout_version=layout_version, act_dtype=act_dtype) if target else {}),
     )
     result = _run(
@@ -413,7 +423,13 @@ def _reason_kind(row) -> str:
     """A plan row's reason without its per-tensor part (fused sets differ by layer; their kind does not)."""
     if row.fused_set:
         return "fused " + row.fused_set.rpartition(".")[2]
-    return row.reason or ""
+    return _with_cast(row.reason or "", row)
+
+
+def _with_cast(text: str, row) -> str:
+    """A plan row's reason, with the ``--dense-dtype`` cast of a tensor kept dense (``embedding; cast fp32->bf16``)."""
+    cast = getattr(row, "cast", None)
+    return f"{text}; cast {cast}" if cast and text else (f"cast {cast}" if cast else text)
 
 
 def _print_plan(ctx: _Ctx, result, target=None, all_rows: bool = False) -> None:
@@ -425,7 +441,7 @@ def _print_plan(ctx: _Ctx, result, target=None, all_rows: bool = False) -> None:
     tps = [max_tp(r.name) for r in plan.rows]
     rows = [
         [r.name, r.dtype, "x".join(map(str, r.shape)), *([r.source or "dense"] if sourced else []), r.action, r.scheme or "", "" if tp is None else str(tp)]
-        + [r.fused_set or r.reason or ""]
+        + [_with_cast(r.fused_set or r.reason or "", r)]
         for r, tp in zip(plan.rows, tps)
     ]
     styles = [{"quantize": "green", "convert": "green", "ignore": "yellow", "drop": "red"}.get(r.action) for r in plan.rows]
@@ -491,6 +507,11 @@ def inspect_cmd(ctx: _Ctx, path, all_layers):
         sys.exit(errors.EXIT_BAD_INPUT)
 
 
+def _cell_format(row: dict) -> str:
+    """A layer's format cell; a dense layer ``quantize --dense-dtype`` cast says so (``dense, cast fp32->bf16``)."""
+    return f"{row['format'] or ''}, cast {row['cast']}" if row.get("cast") else row["format"] or ""
+
+
 def _parts(tensors: dict) -> str:
     return ", ".join(f"{p}:{t['dtype']}{t['shape']}" for p, t in tensors.items())
 
@@ -519,12 +540,14 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
     if (d := report.get("derived_from")) is not None:
         how = "converted losslessly" if d.get("conversion") == "lossless" else "requantized"
         con.print(f"  {how} from {d.get('path')} ({d.get('quant_method')}: {'; '.join(d.get('formats') or [])})")
+    if c := report.get("dense_cast"):
+        con.print(f"  cast at conversion (--dense-dtype): {', '.join(f'{n} tensor(s) {k}' for k, n in c['casts'].items())}", markup=False)
     for g, v in report["config_groups"].items():
         con.print(f"  group {g}: targets={v['targets']} scheme={v['scheme']} format={v['format']}")
     layers = report["layers"]
     cols = [("layer", 0), ("scheme", 2), ("format", 3), ("bytes", 1), ("bits/w", 0), ("tensors (dtype shape)", 4)]
     if all_layers or len(layers) <= 60:
-        rows = [[r["module"], r["scheme"] or "", r["format"] or "", _human(r["bytes"]), str(r["bits_per_weight"]), _parts(r["tensors"])] for r in layers]
+        rows = [[r["module"], r["scheme"] or "", _cell_format(r), _human(r["bytes"]), str(r["bits_per_weight"]), _parts(r["tensors"])] for r in layers]
         caption = None
     else:
         agg: dict[tuple, list] = {}

@@ -89,7 +89,11 @@ def load_provenance(out: Path, options: dict) -> dict:
     prov = json.loads(p.read_text())
     now, before = json.loads(json.dumps(options)), prov.get("options") or {}
     if before != now:
-        differ = "; ".join(f"{k}: earlier {before.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
+
+        def shown(d: dict, k: str) -> str:  # an option at its default is not recorded
+            return repr(d[k]) if k in d else "the default"
+
+        differ = "; ".join(f"{k}: earlier {shown(before, k)}, now {shown(now, k)}" for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
         raise UsageError(
             f"--refresh needs the same options as the earlier conversion; these differ: {differ}; "
             "give the earlier options, or run a full conversion with --overwrite instead",

@@ -137,6 +137,10 @@ def inspect_checkpoint(path: Path) -> dict:
             layers.append(row)
     problems += _fused_set_problems(mods)
     problems += unexplained_dense(ckpt, mods)
+    casts = _casts(path)
+    for row in layers:
+        if (c := casts.get(row["module"] + ".weight")) is not None:
+            row["cast"] = c
     return {
         "path": str(path),
         "quantization_config": _config_summary(qcfg),
@@ -146,6 +150,7 @@ def inspect_checkpoint(path: Path) -> dict:
         },
         "ignore": qcfg.get("ignore") if qcfg else None,
         "derived_from": _derived_from(path),
+        "dense_cast": _cast_summary(casts),
         "layers": layers,
         "totals": _totals(ckpt, layers),
         "problems": [p.to_dict() for p in problems],
@@ -173,6 +178,26 @@ def _derived_from(path: Path) -> dict | None:
     if not isinstance(d, dict):
         return None
     return {**d, **({"conversion": prov["conversion"]} if "conversion" in prov else {})}
+
+
+def _casts(path: Path) -> dict[str, str]:
+    """The tensors ``quantize --dense-dtype`` cast (provenance ``cast``: tensor -> ``"fp32->bf16"``); {} when none."""
+    try:
+        prov = json.loads((Path(path) / PROVENANCE).read_text())
+    except (OSError, ValueError):
+        return {}
+    cast = prov.get("cast") if isinstance(prov, dict) else None
+    return {str(k): str(v) for k, v in cast.items()} if isinstance(cast, dict) else {}
+
+
+def _cast_summary(casts: dict[str, str]) -> dict | None:
+    """How many tensors were cast, by cast (``{"fp32->bf16": 12}``), or None."""
+    if not casts:
+        return None
+    counts: dict[str, int] = {}
+    for c in casts.values():
+        counts[c] = counts.get(c, 0) + 1
+    return {"tensors": len(casts), "casts": dict(sorted(counts.items()))}
 
 
 def _layer(m: Module, qcfg: dict, problems: list[Problem]) -> dict | None:

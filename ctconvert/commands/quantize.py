@@ -40,6 +40,7 @@ from ..pipeline.executor import ExecOptions, execute, map_input_default
 from ..pipeline.memory import fix_mmap_threshold
 from ..pipeline.options import QuantizeOptions
 from ..pipeline.zeros import ZeroTracker
+from ..plan.dense_dtype import apply_dense_dtype
 from ..plan.layout import LayoutStage
 from ..plan.parallel import parallel_report, plan_modules
 from ..plan.planner import Plan, TensorDecision, make_plan
@@ -98,6 +99,7 @@ def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeO
             raise UsageError("--lm-head cannot be combined with --sparsity: 2:4 is for the Linear layers of the blocks")
         plan_kw.update(sparsity=o.sparsity, sparsity_target=layout.target if layout is not None else None)
     plan, dry_error = _plan(ckpt, scheme, o.dry_run, o.skip_incompatible, plan_kw)
+    apply_dense_dtype(plan, o.dense_dtype, ckpt.config)
     kv_cache = o.kv_cache.lower()
     calibration.add_outputs(plan, ckpt, kv_cache)
     calibrated = calibration.needs_calibration(plan, kv_cache)
@@ -131,7 +133,8 @@ def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeO
     options = _run_options(plan, o.lm_head, targets, ignore, shard_limit, o.skip_incompatible, o.lm_head_chunk_rows)
     if o.sparsity:
         options["sparsity"] = o.sparsity
-    options.update({k: v for k, v in rules.items() if v != getattr(_DEFAULTS, k)})  # only where not the default: earlier outputs keep their fingerprint
+    changed = {**rules, "dense_dtype": o.dense_dtype}
+    options.update({k: v for k, v in changed.items() if v != getattr(_DEFAULTS, k)})  # only where not the default: earlier outputs keep their fingerprint
     created = refresh and not out.exists()
     if created:  # "create or update": nothing to refresh yet, so a full conversion (every shard written)
         refresh = False
@@ -360,7 +363,10 @@ def _convert(
         if layout is not None:
             cfg["quantization_config"] = layout.config(cfg["quantization_config"])
         derived = source.derived_from() if quantized_source else None
-        folder.finish(cfg, total, {PROVENANCE: provenance(ckpt, plan.units, options, src_hashes, derived_from=derived)})
+        prov = provenance(ckpt, plan.units, options, src_hashes, derived_from=derived)
+        if casts := {r.name: r.cast for r in plan.rows if r.cast}:  # --dense-dtype: what inspect reports
+            prov["cast"] = casts
+        folder.finish(cfg, total, {PROVENANCE: prov})
         result.shards = sorted(set(folder.weight_map.values()))
         result.reused_shards = sorted(n for n, why in folder.reused.items() if why == "resume")
         folder.commit()

@@ -57,6 +57,7 @@ from ..formats import native
 from ..formats.common import tensor_absmax
 from ..formats.fp4 import nvfp4_global_scale
 from ..plan.planner import Plan, WorkUnit
+from .casting import cast_chunk
 
 __all__ = ["DEFAULT_CHUNK_ELEMS", "DEFAULT_HOLD_BYTES", "ExecOptions", "Read", "execute", "make_reads", "split_units", "warm_up_shapes"]
 
@@ -419,7 +420,10 @@ class Executor:
         if job.kind == "copy":
             data, bad = data
             self._check_copy(info, bad)
-            self._write(info.name, data, job.start)
+            pos = job.start
+            if unit.cast is not None:  # --dense-dtype (pipeline/casting.py)
+                data, pos = cast_chunk(data, info.dtype, unit.cast, str(info.file), info.name, job.start)
+            self._write(info.name, data, pos)
             self._progress(job.stop - job.start)
             return
         w = self._to_device(job, info, data)

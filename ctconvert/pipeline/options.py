@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQ_LEN
+from ..errors import UsageError
 from ..layouts.kernels import DEFAULT_LAYOUT_VERSION
+from ..plan.dense_dtype import DENSE_DTYPES
 from .executor import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
 
 __all__ = ["QuantizeOptions", "job_keys"]
@@ -49,6 +51,7 @@ class QuantizeOptions:
     sparsity: str | None = None
     group_size: int | None = None
     symmetric: bool | None = None
+    dense_dtype: str = "keep"  # the tensors that are not quantized: keep | bf16 | fp16 | fp32 (plan/dense_dtype.py)
     # calibration (schemes with static activation scales, --kv-cache)
     calibration: str | Path | None = None
     calibration_samples: int = DEFAULT_SAMPLES
@@ -84,6 +87,10 @@ class QuantizeOptions:
                 v = [v]
             if v is not None:
                 object.__setattr__(self, name, tuple(v))
+        dense = str(self.dense_dtype).lower()
+        if dense not in DENSE_DTYPES:
+            raise UsageError(f"unknown --dense-dtype {self.dense_dtype!r}; choose one of {', '.join(DENSE_DTYPES)}")
+        object.__setattr__(self, "dense_dtype", dense)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

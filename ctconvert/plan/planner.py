@@ -61,6 +61,7 @@ class WorkUnit:
     outputs: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)
     chunk_rows: int | None = None  # row chunk override (lm_head)
     extra: dict = field(default_factory=dict)  # module -> {part: tensor}: calibrated tensors (ctconvert.calibration), written with the unit
+    cast: str | None = None  # a copy written in another dtype (safetensors name; --dense-dtype, plan/dense_dtype.py)
 
     @property
     def fused(self) -> bool:
@@ -92,6 +93,7 @@ class TensorDecision:
     reason: str | None = None
     source: str | None = None  # the source format a quantized input's tensor is dequantized from (requantize)
     slice_of: str | None = None  # a per-expert part: the stored fused tensor it is a slice of
+    cast: str | None = None  # a copied tensor written in another dtype: "fp32->bf16" (--dense-dtype)
 
 
 @dataclass
