@@ -81,6 +81,17 @@ def _entry(info, digest: str) -> dict:
     return e
 
 
+def cast_tensors(path: Path) -> dict[str, str]:
+    """The tensors of the ctconvert output ``path`` that ``quantize --dense-dtype`` cast (its provenance's ``cast``:
+    tensor -> ``"fp32->bf16"``); {} when none, or when the folder has no readable provenance."""
+    try:
+        prov = json.loads((Path(path) / PROVENANCE).read_text())
+    except (OSError, ValueError):
+        return {}
+    cast = prov.get("cast") if isinstance(prov, dict) else None
+    return {str(k): str(v) for k, v in cast.items()} if isinstance(cast, dict) else {}
+
+
 def load_provenance(out: Path, options: dict) -> dict:
     """An earlier output's provenance, checked for ``--refresh`` (same options, same hash). Raises :class:`UsageError`."""
     p = out / PROVENANCE

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, CTConvertError, UsageError
-from ..pipeline.options import job_keys
+from ..pipeline.options import QuantizeOptions, job_keys
 from ..plan.schemes import get_scheme, resolve_scheme
 from ..plan.sparsity import sparse_scheme
 
@@ -116,6 +116,7 @@ def load_jobs(path: str | Path) -> list[dict]:
             else:
                 job["scheme"] = get_scheme(str(job["scheme"])).name
                 resolve_scheme(job["scheme"], job.get("group_size"), job.get("symmetric"))
+            QuantizeOptions(**{OPTION_OF_KEY[k]: v for k, v in job.items() if k in OPTION_OF_KEY})  # the options' own checks (--dense-dtype ...)
         except CTConvertError as e:
             raise UsageError(f"job {i}: {e}", file=p) from None
         jobs.append(job)

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..checkpoint.kernel_native import is_kernel_native, missing_tensors
 from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import BLOCK, decoder_layer_index, is_linear_weight, natural_key
-from ..checkpoint.provenance import PROVENANCE
+from ..checkpoint.provenance import PROVENANCE, cast_tensors
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
 
 __all__ = ["describe_weights", "inspect_checkpoint"]
@@ -137,7 +137,7 @@ def inspect_checkpoint(path: Path) -> dict:
             layers.append(row)
     problems += _fused_set_problems(mods)
     problems += unexplained_dense(ckpt, mods)
-    casts = _casts(path)
+    casts = cast_tensors(path)
     for row in layers:
         if (c := casts.get(row["module"] + ".weight")) is not None:
             row["cast"] = c
@@ -178,16 +178,6 @@ def _derived_from(path: Path) -> dict | None:
     if not isinstance(d, dict):
         return None
     return {**d, **({"conversion": prov["conversion"]} if "conversion" in prov else {})}
-
-
-def _casts(path: Path) -> dict[str, str]:
-    """The tensors ``quantize --dense-dtype`` cast (provenance ``cast``: tensor -> ``"fp32->bf16"``); {} when none."""
-    try:
-        prov = json.loads((Path(path) / PROVENANCE).read_text())
-    except (OSError, ValueError):
-        return {}
-    cast = prov.get("cast") if isinstance(prov, dict) else None
-    return {str(k): str(v) for k, v in cast.items()} if isinstance(cast, dict) else {}
 
 
 def _cast_summary(casts: dict[str, str]) -> dict | None:

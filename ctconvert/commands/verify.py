@@ -33,6 +33,7 @@ from ..checkpoint.families import split_fused_experts
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, natural_key, resolve_group
+from ..checkpoint.provenance import cast_tensors
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_bytes, read_rows, read_tensor
 from ..checkpoint.sources import open_source
@@ -369,6 +370,7 @@ def _all_zero_problems(mods: dict[str, Module], ckpt: Checkpoint) -> list[Proble
 def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint, bar=None) -> list[Problem]:
     """Tensors that are not quantized weights must equal the source; nothing of the source may be missing."""
     out = []
+    casts = cast_tensors(ckpt.path)
     for name, info in ckpt.tensors.items():
         mod, _, part = name.rpartition(".")
         mm = mods.get(mod)
@@ -379,6 +381,9 @@ def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint, 
         s = ref.tensors.get(name)
         if s is None:
             out.append(_error("tensor not in the reference", tensor=name))
+        elif name in casts and s.shape == info.shape and s.dtype != info.dtype:  # quantize --dense-dtype
+            if not _same_cast(info, s):
+                out.append(_error(f"values differ from the reference cast to {info.dtype} ({casts[name]}, --dense-dtype)", tensor=name))
         elif s.dtype != info.dtype or s.shape != info.shape:
             out.append(_error(f"{info.dtype}{list(info.shape)} differs from the reference {s.dtype}{list(s.shape)}", tensor=name))
         elif not _same_bytes(info, s):
@@ -392,6 +397,18 @@ def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint, 
         if name not in ckpt.tensors and name not in quant_weights
     ]
     return out
+
+
+def _same_cast(out, ref) -> bool:
+    """``out`` holds ``ref``'s values cast to its dtype (``torch.Tensor.to``), bit for bit."""
+    n = math.prod(ref.shape)
+    step = max(1, _CHUNK // ref.itemsize)
+    for e0 in range(0, n, step):
+        e1 = min(n, e0 + step)
+        want = read_bytes(ref, e0 * ref.itemsize, (e1 - e0) * ref.itemsize).view(ref.torch_dtype).to(out.torch_dtype)
+        if not torch.equal(read_bytes(out, e0 * out.itemsize, (e1 - e0) * out.itemsize), want.view(torch.uint8)):
+            return False
+    return True
 
 
 def _same_bytes(a, b) -> bool:

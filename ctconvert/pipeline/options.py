@@ -106,11 +106,6 @@ class QuantizeOptions:
             raise TypeError(f"unknown quantize option(s): {', '.join(unknown)}; the options are {', '.join(cls.names())}")
         return dataclasses.replace(base, **kw) if base is not None else cls(**kw)
 
-    def changed(self) -> dict:
-        """The options that differ from their defaults (name -> value)."""
-        default = QuantizeOptions()
-        return {n: getattr(self, n) for n in self.names() if getattr(self, n) != getattr(default, n)}
-
 
 def job_keys() -> dict[str, str]:
     """``batch`` job key -> option name, for every option (the CLI's spelling where it differs)."""

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ctconvert import api
 from ctconvert.cli import main
@@ -149,6 +149,17 @@ def test_cli_plan_json_inspect_and_errors(fp32_llama, tmp_path):
     r = run(main, ["quantize", str(fp32_llama), "-s", "W4A16", "-o", str(out), "--ignore", IGNORED, "--refresh", "--dense-dtype", "bf16"])
     assert r.exit_code == 0 and "refreshed: rewrote 0 of 1 shard(s)" in r.stderr
 
+    # verify --reference compares a cast tensor with the reference cast the same way (and finds a changed value)
+    rep = api.verify(out, reference=fp32_llama)
+    assert rep["ok"], rep["problems"]
+    shard = next(out.glob("*.safetensors"))
+    t = load_file(shard)
+    t["model.norm.weight"][3] = t["model.norm.weight"][3] * 2
+    save_file(t, shard, metadata={"format": "pt"})
+    rep = api.verify(out, reference=fp32_llama)
+    assert not rep["ok"] and [p["tensor"] for p in rep["problems"] if p["severity"] == "error"] == ["model.norm.weight"]
+    assert "values differ from the reference cast to BF16 (fp32->bf16, --dense-dtype)" in rep["problems"][0]["message"]
+
 
 def test_batch_job_key(fp32_llama, tmp_path):
     jobs = tmp_path / "jobs.yaml"
@@ -158,9 +169,8 @@ def test_batch_job_key(fp32_llama, tmp_path):
     assert r.exit_code == 0 and lines[0]["status"] == "ok" and any("--dense-dtype bf16" in n for n in lines[0]["notes"])
     assert _tensors(tmp_path / "a")["model.norm.weight"].dtype == torch.bfloat16
     jobs.write_text(f"jobs:\n  - {{model: {fp32_llama}, output: {tmp_path / 'b'}, scheme: W8A16, dense_dtype: fp8}}\n")
-    r = CliRunner().invoke(main, ["batch", str(jobs)])
-    line = json.loads(r.stdout.splitlines()[0])
-    assert r.exit_code == 2 and line["status"] == "error" and "unknown --dense-dtype 'fp8'" in line["error"]
+    r = CliRunner().invoke(main, ["batch", str(jobs)])  # refused before any job runs, like a bad scheme
+    assert r.exit_code == 2 and "job 0: unknown --dense-dtype 'fp8'; choose one of keep, bf16, fp16, fp32" in r.stderr and not r.stdout
 
 
 def test_kernel_native_target(fp32_llama, tmp_path):
