@@ -219,7 +219,7 @@ def repack(
     release whose layout to build (``0.21`` ... ``0.33``); ``act_dtype``: ``bf16`` | ``fp16``.
     Returns a summary dict (``output``, ``modules``, bytes, ``seconds``, ``device``). Raises
     :class:`UsageError` (unknown target or dtype), :class:`UnsupportedError` (a module the
-    target kernel cannot take, or an input that is neither compressed-tensors nor kernel-native).
+    target kernel cannot take, or another tool's ``quant_method``), :class:`BadInputError` (a dense input).
 
     Example::
 
@@ -251,7 +251,7 @@ def decompress(
     ``progress``: as for :func:`quantize` (told every output byte).
 
     Raises :class:`UnsupportedError` for formats or features it cannot dequantize (sparse
-    formats, ``weight_g_idx`` act-order). Returns a summary dict.
+    formats, ``weight_g_idx`` act-order), :class:`BadInputError` for a dense input. Returns a summary dict.
 
     Example::
 
@@ -285,6 +285,8 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     ``summary`` (with a reference) the worst error row, ``checked`` what was looked at (shards, tensors,
     the checks by name). A dense checkpoint (a ``decompress`` output) with a dense ``reference`` is
     compared value by value. ``progress``: as for :func:`quantize` (the reference bytes compared).
+    Raises :class:`BadInputError` for a dense checkpoint without ``reference`` (not a quantized one) and
+    :class:`UnsupportedError` for another tool's ``quant_method`` (exit 3 and 4; a failed check is ``ok: False``).
 
     Example::
 
@@ -293,9 +295,10 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     return _verify.verify(path, reference, tp=tp, ep=ep, progress=progress)
 
 
-def load_jobs(path: str | Path) -> list[dict]:
-    """Read and check a ``batch`` jobs file (YAML or JSON). Raises :class:`UsageError` naming the file and job."""
-    return _batch.load_jobs(path)
+def load_jobs(path: str | Path, emit=None) -> list[dict]:
+    """Read and check a ``batch`` jobs file (YAML or JSON). Raises :class:`UsageError` naming the file and job;
+    with ``emit``, a refused file is also reported there as an ``error`` JSON line and the summary line."""
+    return _batch.load_jobs(path, emit=emit)
 
 
 def run_jobs(jobs: list[dict], keep_going: bool = False, emit=print, on_job=None, stop_code=None) -> int:
@@ -313,7 +316,7 @@ def batch(path: str | Path, keep_going: bool = False, emit=print) -> int:
 
         code = api.batch("jobs.yaml", keep_going=True)
     """
-    return run_jobs(load_jobs(path), keep_going=keep_going, emit=emit)
+    return run_jobs(load_jobs(path, emit=emit), keep_going=keep_going, emit=emit)
 
 
 def schemes() -> list[dict]:

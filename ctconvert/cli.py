@@ -18,6 +18,7 @@ import traceback
 import click
 
 from . import __version__, errors
+from .errors import plural
 
 
 class _Ctx:
@@ -32,8 +33,11 @@ class _Ctx:
         from rich.console import Console
 
         cols = os.environ.get("COLUMNS", "")
-        width = None if sys.stdout.isatty() else int(cols) if cols.isdigit() else 160  # a pipe: COLUMNS, else 160
-        return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
+        tty = (sys.stderr if stderr else sys.stdout).isatty()
+        width = None if tty else int(cols) if cols.isdigit() else 160  # a pipe: COLUMNS, else 160
+        # a pipe without COLUMNS: a line of text stays one line (grep, awk), only tables fit the width; a terminal
+        # (or COLUMNS) wraps it at spaces
+        return Console(stderr=stderr, highlight=False, soft_wrap=not tty and not cols.isdigit(), width=width)
 
     def emit_json(self, data: dict) -> None:
         click.echo(json.dumps(data, indent=None if self.lines else 2, default=str))
@@ -78,10 +82,18 @@ def _partial_hint(output) -> str | None:
     return api.partial_hint(output)
 
 
+def _escape(text: str) -> str:
+    """``text`` shown as it is inside rich markup (a pattern like ``re:.*[a-z]_proj`` is not a style tag)."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(str(text))
+
+
 def _print_problems(con, problems: list[dict]) -> None:
     for p in problems:
-        where = " ".join(x for x in (p.get("file"), p.get("tensor")) if x)
-        con.print(f"[{'red' if p['severity'] == 'error' else 'yellow'}]{p['severity']}[/]: {where + ': ' if where else ''}{p['message']}")
+        where = ": ".join(x for x in (p.get("file"), p.get("tensor")) if x)  # "file: tensor: what", as the error lines
+        text = _escape(f"{where + ': ' if where else ''}{p['message']}")  # names and patterns hold [...]: not markup
+        con.print(f"[{'red' if p['severity'] == 'error' else 'yellow'}]{p['severity']}[/]: {text}")
 
 
 def _run(ctx: _Ctx, fn, hint=None, last: bool = True):
@@ -143,6 +155,7 @@ def _print_table(ctx: _Ctx, columns: list[tuple[str, int]], rows: list[list[str]
             click.echo(line if isinstance(line, str) else "  ".join(line[i].ljust(widths[i]) for i in keep).rstrip())
         return
     from rich.table import Table
+    from rich.text import Text
 
     con = ctx.console()
     keep = list(range(len(columns)))
@@ -159,8 +172,8 @@ def _print_table(ctx: _Ctx, columns: list[tuple[str, int]], rows: list[list[str]
             table.add_column(columns[i][0], overflow="fold", min_width=min(widths[i], 14))
         else:
             table.add_column(columns[i][0], no_wrap=True, min_width=widths[i])
-    for j, r in enumerate(rows):
-        table.add_row(*(r[i] for i in keep), style=styles[j] if styles else None)
+    for j, r in enumerate(rows):  # cells as Text: a reason or pattern holding [a-z] is not rich markup
+        table.add_row(*(Text(r[i]) for i in keep), style=styles[j] if styles else None)
     con.print(table)
 
 
@@ -342,10 +355,11 @@ def quantize(
     quantize_mtp,
     dense_dtype,
 ):
-    """Quantize the Linear weights of the checkpoint SRC into a compressed-tensors checkpoint.
+    """Quantize the Linear weights of the checkpoint SRC.
 
-    SRC may already be quantized (compressed-tensors, Hugging Face FP8 block, ModelOpt NVFP4, AutoAWQ,
-    GPTQ): it is dequantized on the fly and requantized, or converted losslessly when --scheme is its own."""
+    The output is a compressed-tensors checkpoint (kernel-native with --target). SRC may already be
+    quantized (compressed-tensors, Hugging Face FP8 block, ModelOpt NVFP4, AutoAWQ, GPTQ): it is
+    dequantized on the fly and requantized, or converted losslessly when --scheme is its own."""
     from . import api
 
     if not dry_run and not output:
@@ -407,22 +421,22 @@ def quantize(
     if not ctx.quiet:
         ratio = result.input_bytes / max(1, result.output_bytes)
         click.echo(
-            f"wrote {result.output}: {result.scheme} ({result.format}), {result.quantized_modules} Linear layers quantized, "
-            f"{len(result.shards)} shard(s), {_human(result.input_bytes)} -> {_human(result.output_bytes)} ({ratio:.2f}x) "
+            f"wrote {result.output}: {result.scheme} ({result.format}), {plural(result.quantized_modules, 'Linear layer')} quantized, "
+            f"{plural(len(result.shards), 'shard')}, {_human(result.input_bytes)} -> {_human(result.output_bytes)} ({ratio:.2f}x) "
             f"in {result.seconds:.1f} s on {result.device}"
         )
         if result.reused_shards:
-            click.echo(f"resumed: {len(result.reused_shards)} shard(s) kept from the interrupted run", err=True)
+            click.echo(f"resumed: {plural(len(result.reused_shards), 'shard')} kept from the interrupted run", err=True)
         if refresh:
-            click.echo(f"refreshed: rewrote {len(result.rewritten_shards)} of {len(result.shards)} shard(s)", err=True)
+            click.echo(f"refreshed: rewrote {len(result.rewritten_shards)} of {plural(len(result.shards), 'shard')}", err=True)
         for n in result.notes:
             click.echo(f"note: {n}", err=True)
 
 
 def _reason_kind(row) -> str:
     """A plan row's reason without its per-tensor part (fused sets differ by layer; their kind does not)."""
-    if row.fused_set:
-        return "fused " + row.fused_set.rpartition(".")[2]
+    if row.fused_set:  # "fused {gate_proj, up_proj}": a space after each comma, so a narrow table wraps between names
+        return "fused " + row.fused_set.rpartition(".")[2].replace(",", ", ")
     return _with_cast(row.reason or "", row)
 
 
@@ -453,29 +467,37 @@ def _print_plan(ctx: _Ctx, result, target=None, all_rows: bool = False) -> None:
         _print_table(ctx, cols, rows, title=title, styles=styles)
     else:  # a big model: one row per (action, scheme, reason), naming the first tensor of each
         agg: dict[tuple, list] = {}
-        for r in plan.rows:
+        for r, tp in zip(plan.rows, tps):
             key = (r.action, r.scheme or "", _reason_kind(r))
-            agg.setdefault(key, []).append(r.name)
-        srows = [[f"{len(names)} x {names[0]}" + (" ..." if len(names) > 1 else ""), a, sch, why] for (a, sch, why), names in agg.items()]
+            agg.setdefault(key, []).append((r.name, tp))
+        srows = []
+        for (a, sch, why), members in agg.items():
+            known = [tp for _, tp in members if tp is not None]  # the group's max TP: its most limiting tensor's
+            name = f"{len(members)} x {members[0][0]}" + (" ..." if len(members) > 1 else "")
+            srows.append([name, a, sch, str(min(known)) if known else "", why])
         _print_table(
             ctx,
-            [("tensors (count x first)", 0), ("action", 0), ("scheme", 3), ("fused set / reason", 1)],
+            [("tensors (count x first)", 0), ("action", 0), ("scheme", 3), ("max TP", 4), ("fused set / reason", 1)],
             srows,
             title=title,
             caption=f"{len(rows)} tensors summarized; --all-layers lists each",
         )
     counts = {a: sum(1 for r in plan.rows if r.action == a) for a in ("quantize", "convert", "ignore", "copy", "split", "drop")}
     more = "".join(
-        f", {counts[a]} {w}"
-        for a, w in (("convert", "converted losslessly"), ("split", "fused expert tensors split per expert"), ("drop", "dropped"))
+        f", {w}"
+        for a, w in (
+            ("convert", f"{counts['convert']} converted losslessly"),
+            ("split", f"{plural(counts['split'], 'fused expert tensor')} split per expert"),
+            ("drop", f"{counts['drop']} dropped"),
+        )
         if counts[a]
     )
-    con.print(f"{counts['quantize']} tensors to quantize, {counts['ignore']} Linear kept dense (ignore), {counts['copy']} copied{more}")
+    con.print(f"{plural(counts['quantize'], 'tensor')} to quantize, {counts['ignore']} Linear kept dense (ignore), {counts['copy']} copied{more}", markup=False)
     if plan.defaults:
         applied = ", ".join(f"{k}: {v}" for k, v in plan.defaults.items())
-        con.print(f"defaults applied (modules kept dense; --no-default-ignore drops them): {applied}")
+        con.print(f"defaults applied (modules kept dense; --no-default-ignore drops them): {applied}", markup=False)
     con.print(f"output: {_human(result.output_bytes)} of tensors (input {_human(result.input_bytes)})")
-    con.print(f"ignore: {plan.ignore}")
+    con.print(f"ignore: {plan.ignore}", markup=False)  # re: patterns hold [a-z]: not markup
     parallel = getattr(result, "parallel", None)
     if parallel is not None:
         con.print(result.parallel.summary(), markup=False)
@@ -485,7 +507,7 @@ def _print_plan(ctx: _Ctx, result, target=None, all_rows: bool = False) -> None:
         if len(failing) > 10:
             con.print(f"  ... and {len(failing) - 10} more (--json lists every tensor)", markup=False)
     for n in plan.notes + (parallel.notes if parallel is not None else []):
-        con.print(f"note: {n}")
+        con.print(f"note: {n}", markup=False)
 
 
 @main.command("inspect")
@@ -494,13 +516,15 @@ def _print_plan(ctx: _Ctx, result, target=None, all_rows: bool = False) -> None:
 @_json_option
 @click.pass_obj
 def inspect_cmd(ctx: _Ctx, path, all_layers):
-    """Show per-layer scheme, format, dtypes, shapes, bytes, bits per weight and problems of PATH."""
+    """Describe the checkpoint PATH from its headers.
+
+    Per layer: scheme, format, dtypes, shapes, bytes and bits per weight; then the problems found (exit 3 for an error)."""
     from . import api
 
     report = _run(ctx, lambda: api.inspect(path))
     errs = [p for p in report["problems"] if p["severity"] == "error"]
     if ctx.json:
-        ctx.emit_json({"ok": not errs, **report})
+        ctx.emit_json({"ok": not errs, **report, "exit_code": errors.EXIT_BAD_INPUT if errs else 0})
     else:
         _print_inspect(ctx, report, all_layers)
     if errs:
@@ -524,7 +548,7 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
 
     if api.is_kernel_native(q):
         con.print(
-            f"[bold]{report['path']}[/bold]: kernel-native ({q['target']}, vLLM layout {q['layout_version']}, activations {q['act_dtype']}); "
+            f"[bold]{_escape(report['path'])}[/bold]: kernel-native ({q['target']}, vLLM layout {q['layout_version']}, activations {q['act_dtype']}); "
             "not loadable as compressed-tensors: `ctconvert repack --target compressed-tensors` restores it"
         )
     else:
@@ -534,16 +558,21 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
             what = f"{q['quant_method']} / {q['format']} / {q['quantization_status']}"
         else:  # another method: its own settings, not compressed-tensors' (empty) fields
             what = f"{q.get('quant_method')} (not compressed-tensors): " + ", ".join(f"{k}={v}" for k, v in q.items() if k != "quant_method" and v is not None)
-        con.print(f"[bold]{report['path']}[/bold]: {what}", markup=True)
+        con.print(f"[bold]{_escape(report['path'])}[/bold]: {_escape(what)}", markup=True)
     if sp := report.get("sparsity_config"):
-        con.print(f"  sparsity: {sp.get('sparsity_structure')} {sp.get('format')} (a legacy format: vLLM <= 0.18 loads sparse-24-bitmask, <= 0.15 marlin-24)")
+        legacy = "a legacy format: vLLM <= 0.18 loads sparse-24-bitmask, <= 0.15 marlin-24"
+        con.print(f"  sparsity: {sp.get('sparsity_structure')} {sp.get('format')} ({legacy})", markup=False)
     if (d := report.get("derived_from")) is not None:
         how = "converted losslessly" if d.get("conversion") == "lossless" else "requantized"
-        con.print(f"  {how} from {d.get('path')} ({d.get('quant_method')}: {'; '.join(d.get('formats') or [])})")
+        formats = "; ".join(d.get("formats") or [])
+        qm = str(d.get("quant_method") or "")
+        what = formats if qm and formats.lower().startswith(qm.lower()) else f"{qm}: {formats}"  # "awq gemm int4 ...", not "awq: awq gemm"
+        con.print(f"  {how} from {d.get('path')} ({what})", markup=False)
     if c := report.get("dense_cast"):
-        con.print(f"  cast at conversion (--dense-dtype): {', '.join(f'{n} tensor(s) {k}' for k, n in c['casts'].items())}", markup=False)
+        casts = ", ".join(f"{plural(n, 'tensor')} {k}" for k, n in c["casts"].items())
+        con.print(f"  cast at conversion (--dense-dtype): {casts}", markup=False)
     for g, v in report["config_groups"].items():
-        con.print(f"  group {g}: targets={v['targets']} scheme={v['scheme']} format={v['format']}")
+        con.print(f"  config group {g}: targets={v['targets']} scheme={v['scheme']} format={v['format']}", markup=False)
     layers = report["layers"]
     cols = [("layer", 0), ("scheme", 2), ("format", 3), ("bytes", 1), ("bits/w", 0), ("tensors (dtype shape)", 4)]
     if all_layers or len(layers) <= 60:
@@ -564,12 +593,15 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
             label = names[0] if len(names) == 1 else f"{len(names)} layers ({names[0]} ...)"  # a summary row names its layer(s)
             rows.append([label, sch or "", f or "", _human(b), f"{8 * b / p:.3f}" if p else "", ts])
         caption = f"{len(layers)} Linear layers summarized per scheme; --all-layers lists each"
-    _print_table(ctx, cols, rows, caption=caption)
+    if rows:  # an unreadable folder: no empty table above its errors
+        _print_table(ctx, cols, rows, caption=caption)
     t = report["totals"]
     con.print(
-        f"{t['tensors']} tensors in {t['files']} file(s), {_human(t['bytes'])}; {t['quantized_layers']}/{t['linear_layers']} Linear layers quantized"
+        f"{plural(t['tensors'], 'tensor')} in {plural(t['files'], 'file')}, {_human(t['bytes'])}; "
+        f"{t['quantized_layers']}/{plural(t['linear_layers'], 'Linear layer')} quantized"
         + (f", {t['linear_bits_per_weight']} bits per Linear weight" if t["linear_bits_per_weight"] is not None else "")
-        + (f", {t['quantized_bits_per_weight']} per quantized weight" if t.get("quantized_bits_per_weight") is not None else "")
+        + (f", {t['quantized_bits_per_weight']} per quantized weight" if t.get("quantized_bits_per_weight") is not None else ""),
+        markup=False,
     )
     if report["problems"]:
         _print_problems(con, report["problems"])
@@ -585,19 +617,21 @@ def _print_inspect(ctx: _Ctx, report: dict, all_layers: bool) -> None:
 @_json_option
 @click.pass_obj
 def verify_cmd(ctx: _Ctx, path, reference, tp, ep):
-    """Check the compressed-tensors checkpoint PATH; exit 5 when a check fails."""
+    """Check the compressed-tensors checkpoint PATH.
+
+    Exit 5 when a check fails; 3 for a dense checkpoint without --reference (with it, its values are compared)."""
     from . import api
 
     report = _run(ctx, lambda: api.verify(path, reference, tp=tp, ep=ep, progress=_progress_factory(ctx, "verify")))
     if ctx.json:
-        ctx.emit_json(report)
+        ctx.emit_json({**report, "exit_code": 0 if report["ok"] else errors.EXIT_VERIFY_FAILED})
     else:
         con = ctx.console()
         c = report["checked"]
-        con.print(f"checked {c['shards']} shard(s), {c['tensors']} tensors ({_human(c['bytes'])}): {'; '.join(c['checks'])}", markup=False)
+        con.print(f"checked {plural(c['shards'], 'shard')}, {plural(c['tensors'], 'tensor')} ({_human(c['bytes'])}): {'; '.join(c['checks'])}", markup=False)
         if (sm := report["summary"]) is not None:
             con.print(
-                f"{sm['modules']} weights compared with {reference}: {sm['failed']} over the limit; worst {sm['worst_module']} "
+                f"{plural(sm['modules'], 'weight')} compared with {reference}: {sm['failed']} over the limit; worst {sm['worst_module']} "
                 f"(relative L2 {sm['worst_rel_l2']:.4f}, limit {sm['worst_threshold']}), lowest SNR {sm['min_snr_db']:.1f} dB",
                 markup=False,
             )
@@ -643,7 +677,7 @@ def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
         ctx.emit_json({"ok": True, **res})
     elif not ctx.quiet:
         click.echo(
-            f"wrote {res['output']}: {res['modules_decompressed']} modules decompressed to {res['dtype']}"
+            f"wrote {res['output']}: {plural(res['modules_decompressed'], 'module')} decompressed to {res['dtype']}"
             + (", every float tensor cast to it" if res["cast_all"] else ", other tensors as stored")
             + ", "
             f"{_human(res['input_bytes'])} -> {_human(res['output_bytes'])} in {res['seconds']:.1f} s"
@@ -660,7 +694,9 @@ def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
 @_json_option
 @click.pass_obj
 def convert_cmd(ctx: _Ctx, src, output, scheme, max_shard_size, overwrite, dry_run):
-    """Re-express the ModelOpt NVFP4, AutoAWQ or GPTQ checkpoint SRC in compressed-tensors, without rounding."""
+    """Losslessly re-express AWQ, GPTQ or ModelOpt NVFP4 checkpoints.
+
+    The ModelOpt NVFP4, AutoAWQ or GPTQ checkpoint SRC is written as compressed-tensors, without rounding."""
     from . import api
 
     if not dry_run and not output:
@@ -672,7 +708,7 @@ def convert_cmd(ctx: _Ctx, src, output, scheme, max_shard_size, overwrite, dry_r
         _print_plan(ctx, res)
     elif not ctx.quiet:
         click.echo(
-            f"wrote {res.output}: {res.source_format} -> {res.scheme} ({res.format}), {res.quantized_modules} modules converted losslessly, "
+            f"wrote {res.output}: {res.source_format} -> {res.scheme} ({res.format}), {plural(res.quantized_modules, 'module')} converted losslessly, "
             f"{_human(res.input_bytes)} -> {_human(res.output_bytes)} in {res.seconds:.1f} s"
         )
         for n in res.notes:
@@ -698,7 +734,9 @@ def convert_cmd(ctx: _Ctx, src, output, scheme, max_shard_size, overwrite, dry_r
 @_json_option
 @click.pass_obj
 def repack_cmd(ctx: _Ctx, src, output, target, layout_version, act_dtype, device, max_shard_size, overwrite):
-    """Rebuild the quantized weights of SRC in a kernel-native layout (or back to compressed-tensors)."""
+    """Rebuild SRC's quantized weights in a kernel-native layout.
+
+    The layout vLLM builds at load time, done offline; --target compressed-tensors restores the checkpoint."""
     from . import api
 
     res = _run(
@@ -719,7 +757,7 @@ def repack_cmd(ctx: _Ctx, src, output, target, layout_version, act_dtype, device
         ctx.emit_json({"ok": True, **res})
     elif not ctx.quiet:
         what = "restored to compressed-tensors" if target == "compressed-tensors" else f"repacked for {target} (vLLM layout {layout_version})"
-        click.echo(f"wrote {res['output']}: {res['modules']} modules {what} in {res['seconds']:.1f} s on {res['device']}")
+        click.echo(f"wrote {res['output']}: {plural(res['modules'], 'module')} {what} in {res['seconds']:.1f} s on {res['device']}")
 
 
 @main.command("batch")
@@ -728,11 +766,15 @@ def repack_cmd(ctx: _Ctx, src, output, target, layout_version, act_dtype, device
 @_json_option
 @click.pass_obj
 def batch_cmd(ctx: _Ctx, jobs_file, keep_going):
-    """Run the conversions listed in JOBS_FILE (YAML or JSON); JSON Lines on stdout: one line per job, then a summary line."""
+    """Run the conversions listed in JOBS_FILE (YAML or JSON).
+
+    JSON Lines on stdout: one line per job, then a summary line."""
     from . import api
 
     ctx.lines = True  # JSON Lines on stdout, also for an error (one compact line)
-    jobs = _run(ctx, lambda: api.load_jobs(jobs_file), last=False)
+    as_json, ctx.json = ctx.json, False  # a refused jobs file: its error line and summary line are on stdout already
+    jobs = _run(ctx, lambda: api.load_jobs(jobs_file, emit=click.echo), last=False)
+    ctx.json = as_json
     running: dict = {}
 
     def hint() -> str | None:  # what an interrupt stopped: the running job, what it left, and what earlier jobs wrote
@@ -754,7 +796,7 @@ def batch_cmd(ctx: _Ctx, jobs_file, keep_going):
 @_json_option
 @click.pass_obj
 def schemes(ctx: _Ctx):
-    """List the schemes and the compressed-tensors format each writes."""
+    """List the schemes and the compressed-tensors format of each."""
     from . import api
 
     rows = api.schemes()

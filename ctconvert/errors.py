@@ -45,6 +45,18 @@ def interrupted_message(argv: list[str]) -> str:
     return INTERRUPTED_MESSAGE if command in WRITING_COMMANDS and command != "batch" else "interrupted"
 
 
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """A count and its noun in agreement, for every message that counts things: ``plural(1, "tensor")`` is
+    ``"1 tensor"``, ``plural(3, "tensor")`` ``"3 tensors"``; ``many`` for an irregular plural
+    (``plural(n, "other entry", "other entries")``)."""
+    return f"{n} {noun if n == 1 else many or noun + 's'}"
+
+
+def agree(n: int, one: str, many: str) -> str:
+    """The verb (or word) that agrees with a count: ``agree(n, "is", "are")``."""
+    return one if n == 1 else many
+
+
 class CTConvertError(Exception):
     """Base class: a clear, one-line error with an exit code."""
 

@@ -189,7 +189,7 @@ def test_dry_run_summary_and_inspect_summary_rows_name_their_layers(tmp_path):
     code, stdout, _ = run("--plain", "quantize", m, "-s", "FP8_DYNAMIC", "--dry-run")
     assert code == 0 and "93 tensors summarized; --all-layers lists each" in stdout
     assert "20 x model.layers.0.mlp.down_proj.weight ..." in stdout and "30 x model.layers.0.self_attn.k_proj.weight ..." in stdout
-    assert "1 x lm_head.weight" in stdout and "fused {q_proj,k_proj,v_proj}" in stdout
+    assert "1 x lm_head.weight" in stdout and "fused {q_proj, k_proj, v_proj}" in stdout
     code, stdout, _ = run("--plain", "quantize", m, "-s", "FP8_DYNAMIC", "--dry-run", "--all-layers")
     assert "model.layers.9.mlp.up_proj.weight" in stdout
     assert run("quantize", m, "-s", "FP8_DYNAMIC", "-o", tmp_path / "o")[0] == 0
@@ -242,7 +242,7 @@ def test_verify_says_what_it_checked_and_summarizes_above_the_table(tiny_llama, 
     code, stdout, _ = run("verify", tmp_path / "q", "--reference", tiny_llama)
     lines = stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if "14 weights compared with" in line)
-    assert code == 0 and lines[0].startswith(f"checked {c['shards']} shard(s), 49 tensors") and at < next(i for i, line in enumerate(lines) if "┏" in line)
+    assert code == 0 and lines[0].startswith(f"checked {c['shards']} shards, 49 tensors") and at < next(i for i, line in enumerate(lines) if "┏" in line)
     assert f"worst {worst['module']}" in stdout.replace("\n", " ")
     code, stdout, _ = run("--json", "verify", tmp_path / "q")
     assert code == 0 and json.loads(stdout)["summary"] is None and json.loads(stdout)["checked"]["compared_modules"] == 0

@@ -20,13 +20,13 @@ import torch
 from ..checkpoint.naming import is_generative
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, read_tensor
-from ..errors import UnsupportedError, UsageError
+from ..errors import UnsupportedError, UsageError, plural
 from ..formats.common import tensor_absmax
 from ..formats.fp8 import fp8_scale
 from ..plan.planner import Plan
 from .observe import KV_CACHE_ARGS, MinMax, input_qparams, kv_qparams
 
-__all__ = ["KV_CACHE_CHOICES", "CalibrationCost", "add_outputs", "estimate", "kv_cache_config", "needs_calibration", "run"]
+__all__ = ["KV_CACHE_CHOICES", "CalibrationCost", "add_outputs", "attention_note", "estimate", "kv_cache_config", "needs_calibration", "run"]
 
 KV_CACHE_CHOICES = ("none", *KV_CACHE_ARGS)
 
@@ -87,6 +87,16 @@ def add_outputs(plan: Plan, ckpt: Checkpoint, kv_cache: str = "none") -> None:
         plan.units[i].outputs += [(f"{a}.k_scale", dt, shape), (f"{a}.v_scale", dt, shape)]
 
 
+def attention_note(ckpt: Checkpoint) -> str | None:
+    """For a dry run: a note when calibration will run the architecture's eager attention (no SDPA in transformers)."""
+    from .model import eager_only
+
+    arch = eager_only(ckpt)
+    if arch is None:
+        return None
+    return f'calibration will run {arch}\'s eager attention (attn_implementation="eager"): transformers has no SDPA attention for it'
+
+
 def kv_cache_config(kv_cache: str) -> dict | None:
     """The ``kv_cache_scheme`` entry of ``quantization_config`` (QuantizationArgs as compressed-tensors dumps it)."""
     return None if kv_cache == "none" else dict(KV_CACHE_ARGS[kv_cache])
@@ -110,7 +120,7 @@ class CalibrationCost:
     def describe(self) -> str:
         what = ", ".join(self.schemes) + (f" + KV cache {self.kv_cache}" if self.kv_cache != "none" else "")
         return (
-            f"calibration ({what}): {self.layers} decoder layers, one at a time, {self.samples} x {self.seq_len} = {self.tokens} tokens; "
+            f"calibration ({what}): {plural(self.layers, 'decoder layer')}, one at a time, {self.samples} x {self.seq_len} = {plural(self.tokens, 'token')}; "
             f"estimated peak memory {self.peak_bytes / 2**30:.2f} GiB (one layer + the batch's activations)"
         )
 
@@ -163,7 +173,7 @@ def run(plan: Plan, ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device
 
     stats = calibrate(ckpt, tokens, device, kv_cache=kv_cache != "none", batch_tokens=batch_tokens, progress=progress)
     dtype = _model_dtype(ckpt)
-    notes = []
+    notes = list(stats.notes)
     for u in _calibrated_units(plan):
         observed = []
         for m in u.modules:

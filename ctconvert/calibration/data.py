@@ -21,7 +21,7 @@ import torch
 
 from ..errors import BadInputError, UsageError
 
-__all__ = ["CORPUS", "DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN", "CalibrationData", "load_tokens"]
+__all__ = ["CORPUS", "DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN", "TOKENIZER_FILES", "CalibrationData", "load_tokens"]
 
 CORPUS = Path(__file__).with_name("corpus.txt")
 DEFAULT_SAMPLES = 8
@@ -73,7 +73,11 @@ def _read_docs(path: Path) -> tuple[str, list]:
     return "text", [raw]
 
 
-def _tokenizer(model_path: Path):
+#: the files a Hugging Face tokenizer is loaded from (transformers ``AutoTokenizer``: fast, SentencePiece, BPE, WordPiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
+
+
+def _tokenizer(model_path: Path, source: str):
     try:
         from transformers import AutoTokenizer
     except ImportError:  # pragma: no cover - installed with the test extras
@@ -81,9 +85,12 @@ def _tokenizer(model_path: Path):
     try:
         return AutoTokenizer.from_pretrained(str(model_path))
     except Exception as e:  # noqa: BLE001 - any failure to load it is one clear line
+        found = [f for f in TOKENIZER_FILES if (model_path / f).is_file()]
         raise BadInputError(
-            f"no usable tokenizer in the checkpoint ({type(e).__name__}); calibration from text needs one: add the tokenizer files, "
-            "or pass a file of token ids with --calibration",
+            f"no usable tokenizer in the checkpoint (looked for {', '.join(TOKENIZER_FILES)}; found {', '.join(found) or 'none'}; "
+            f"{type(e).__name__}); {source} is text and calibration tokenizes it with the model's tokenizer: copy the model's "
+            "tokenizer files into the checkpoint folder, or pass token ids with --calibration FILE (a JSON array of ints, or integers "
+            "separated by spaces)",
             file=model_path,
         ) from None
 
@@ -105,7 +112,7 @@ def load_tokens(model_path: Path, file: str | Path | None, samples: int, seq_len
     if any(isinstance(d, str) for d in docs):
         from transformers.utils import logging as hf_logging
 
-        tok = _tokenizer(model_path)
+        tok = _tokenizer(model_path, source)
         eos = tok.eos_token_id
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # "sequence length is longer than the maximum": the stream is cut into rows of seq_len below

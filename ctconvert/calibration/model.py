@@ -36,9 +36,10 @@ from ..checkpoint.safetensors_io import read_tensor
 from ..errors import BadInputError, CTConvertError, UnsupportedError
 from .observe import MinMax, Stats
 
-__all__ = ["CalibrationModel", "calibrate", "calibrate_whole_model"]
+__all__ = ["CalibrationModel", "calibrate", "calibrate_whole_model", "eager_only"]
 
-_ATTN_NAME = "ctconvert_observe"
+_ATTN_NAME = "ctconvert_observe"  # the SDPA observer, with transformers' SDPA masks (None where is_causal does)
+_EAGER_ATTN_NAME = "ctconvert_observe_eager"  # the eager observer, with transformers' eager (additive) masks
 _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
@@ -55,24 +56,39 @@ def _transformers():
 
 
 class UnfusedExperts(nn.Module):
-    """Per-expert ``nn.Linear`` modules standing in for transformers' fused ``*Experts`` (3-D ``gate_up_proj``
-    ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]``), named as the checkpoint names them (``experts.3.gate_proj``
-    or ``experts.3.w1``). The forward is the fused module's loop (transformers 5.24 ``Qwen3MoeExperts.forward``):
-    each expert sees the tokens routed to it, its output is weighted and summed."""
+    """Per-expert ``nn.Linear`` modules standing in for transformers' fused ``*Experts``, named as the checkpoint
+    (or the plan's per-expert parts of fused 3-D experts) names them (``experts.3.gate_proj`` or ``experts.3.w1``).
+    The forward is the fused module's loop (transformers 5.24 ``Qwen3MoeExperts.forward``, ``GptOssExperts.forward``):
+    each expert sees the tokens routed to it, its output is weighted and summed.
+
+    Two layouts (transformers 5.24): ``gate_up_proj`` ``[E, 2I, H]`` (``x @ W.T``, gate then up, ``act_fn(gate) * up``:
+    Qwen3-MoE, Mixtral ...), and gpt-oss's ``[E, H, 2I]`` (``x @ W``, gate and up interleaved, with biases, the
+    clamped SwiGLU of ``GptOssExperts._apply_gate``, which this module calls on the re-interleaved halves)."""
 
     def __init__(self, fused: nn.Module, names: tuple[str, str, str]):
         super().__init__()
-        e, two_i, h = fused.gate_up_proj.shape
+        self.gpt_oss = _is_gpt_oss_experts(fused)
+        if self.gpt_oss:
+            e, h, two_i = fused.gate_up_proj.shape
+            self.apply_gate = fused._apply_gate
+        else:
+            e, two_i, h = fused.gate_up_proj.shape
+            self.act_fn = fused.act_fn
         self.names = names
         self.num_experts = e
-        self.act_fn = fused.act_fn
         dtype = fused.gate_up_proj.dtype
+        bias = self.gpt_oss
         for j in range(e):
             m = nn.Module()
-            setattr(m, names[0], nn.Linear(h, two_i // 2, bias=False, device="meta", dtype=dtype))
-            setattr(m, names[1], nn.Linear(h, two_i // 2, bias=False, device="meta", dtype=dtype))
-            setattr(m, names[2], nn.Linear(two_i // 2, h, bias=False, device="meta", dtype=dtype))
+            setattr(m, names[0], nn.Linear(h, two_i // 2, bias=bias, device="meta", dtype=dtype))
+            setattr(m, names[1], nn.Linear(h, two_i // 2, bias=bias, device="meta", dtype=dtype))
+            setattr(m, names[2], nn.Linear(two_i // 2, h, bias=bias, device="meta", dtype=dtype))
             self.add_module(str(j), m)
+
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.gpt_oss:
+            return self.apply_gate(torch.stack((gate, up), dim=-1).flatten(-2))  # [..., 2I]: gate at ::2, up at 1::2
+        return self.act_fn(gate) * up
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
@@ -87,15 +103,20 @@ class UnfusedExperts(nn.Module):
             pos, tok = torch.where(mask[e])
             mod = self._modules[str(e)]
             x = hidden_states[tok]
-            y = getattr(mod, d)(self.act_fn(getattr(mod, g)(x)) * getattr(mod, u)(x))
+            y = getattr(mod, d)(self._act(getattr(mod, g)(x), getattr(mod, u)(x)))
             y = y * top_k_weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 
 
+def _is_gpt_oss_experts(m: nn.Module) -> bool:
+    return hasattr(m, "_apply_gate") and isinstance(getattr(m, "gate_up_proj_bias", None), nn.Parameter)
+
+
 def _is_fused_experts(m: nn.Module) -> bool:
     p = getattr(m, "gate_up_proj", None)
-    return isinstance(p, nn.Parameter) and p.dim() == 3 and isinstance(getattr(m, "down_proj", None), nn.Parameter) and hasattr(m, "act_fn")
+    fused = isinstance(p, nn.Parameter) and p.dim() == 3 and isinstance(getattr(m, "down_proj", None), nn.Parameter)
+    return fused and (hasattr(m, "act_fn") or _is_gpt_oss_experts(m))
 
 
 @dataclass
@@ -115,15 +136,8 @@ class CalibrationModel:
         emb_dtype = next((t.torch_dtype for n, t in ckpt.tensors.items() if n.endswith("embed_tokens.weight")), None)
         self.dtype = emb_dtype or next(t.torch_dtype for t in ckpt.tensors.values() if t.torch_dtype.is_floating_point)
         archs = ckpt.config.get("architectures") or [ckpt.config.get("model_type", "?")]
-        try:
-            config = tf.AutoConfig.from_pretrained(str(ckpt.path))
-            with torch.device("meta"):
-                model = tf.AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation="sdpa")
-        except Exception as e:  # noqa: BLE001 - any failure of transformers to build it is one clear line
-            raise UnsupportedError(
-                f"transformers {tf.__version__} cannot build architecture {archs[0]} for calibration ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
-                file=ckpt.path / "config.json",
-            ) from None
+        self.notes: list[str] = []
+        model, self.attention = self._build(tf, archs[0])
         self.model = model.eval()
         self.layers_name, self.layers = self._find_layers(model, archs[0])
         for name, m in list(model.named_modules()):
@@ -135,6 +149,29 @@ class CalibrationModel:
         self.kv = False
 
     # -- structure ------------------------------------------------------------------------------
+    def _build(self, tf, arch: str) -> tuple[nn.Module, str]:
+        """The meta-device model with SDPA attention, or with the architecture's eager attention where transformers
+        has no SDPA for it (gpt-oss: its attention sinks); ``(model, "sdpa" | "eager")``."""
+        first = None
+        for impl in ("sdpa", "eager"):
+            try:
+                config = tf.AutoConfig.from_pretrained(str(self.ckpt.path))
+                with torch.device("meta"):
+                    model = tf.AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation=impl)
+            except Exception as e:  # noqa: BLE001 - any failure of transformers to build it is one clear line
+                first = first or e
+                continue
+            if impl == "eager":
+                self.notes.append(
+                    f"calibration: transformers {tf.__version__} has no SDPA attention for {arch}; calibrated with its eager attention "
+                    '(attn_implementation="eager": the architecture\'s own attention code, slower)'
+                )
+            return model, impl
+        raise UnsupportedError(
+            f"transformers {tf.__version__} cannot build architecture {arch} for calibration ({type(first).__name__}: {str(first).splitlines()[0][:200]})",
+            file=self.ckpt.path / "config.json",
+        )
+
     def _find_layers(self, model: nn.Module, arch: str) -> tuple[str, nn.ModuleList]:
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         n = getattr(cfg, "num_hidden_layers", None)
@@ -154,9 +191,18 @@ class CalibrationModel:
         setattr(self.model.get_submodule(parent_name), attr, UnfusedExperts(m, names))
 
     def _register_attention(self, tf) -> None:
+        """Route every attention call through an observer of the key/value states that then calls the attention
+        function the model was built with: transformers' SDPA, or the architecture's own ``eager_attention_forward``
+        (from its modeling module), which gets the eager mask transformers builds for it."""
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        name, inner = _ATTN_NAME, ALL_ATTENTION_FUNCTIONS["sdpa"]
+        if self.attention == "eager":
+            name, inner = _EAGER_ATTN_NAME, self._eager_function()
+        # the masks transformers builds for the implementation the observer calls: without one registered, a custom
+        # name gets no mask at all (SDPA then runs is_causal and ignores sliding windows; eager would not be causal)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[self.attention])
         owner = self
 
         def observe(module, query, key, value, attention_mask, **kw):
@@ -165,15 +211,27 @@ class CalibrationModel:
                 if name is not None:
                     owner.stats.keys.setdefault(name, MinMax()).update(key, keep_dim=1)
                     owner.stats.values.setdefault(name, MinMax()).update(value, keep_dim=1)
-            return sdpa(module, query, key, value, attention_mask, **kw)
+            return inner(module, query, key, value, attention_mask, **kw)
 
-        ALL_ATTENTION_FUNCTIONS.register(_ATTN_NAME, observe)
+        ALL_ATTENTION_FUNCTIONS.register(name, observe)
         for cfg in [self.model.config, *[getattr(self.model.config, k) for k in ("text_config",) if hasattr(self.model.config, k)]]:
-            cfg._attn_implementation_internal = _ATTN_NAME
+            cfg._attn_implementation_internal = name
         for m in self.model.modules():
             c = getattr(m, "config", None)
             if c is not None and hasattr(c, "_attn_implementation_internal"):
-                c._attn_implementation_internal = _ATTN_NAME
+                c._attn_implementation_internal = name
+
+    def _eager_function(self):
+        """The ``eager_attention_forward`` of the modeling module that defines the model's attention class."""
+        import sys
+
+        for m in self.model.modules():
+            if hasattr(m, "k_proj") and hasattr(m, "v_proj"):
+                fn = getattr(sys.modules[type(m).__module__], "eager_attention_forward", None)
+                if fn is not None:
+                    return fn
+        what = type(self.model).__name__
+        raise UnsupportedError(f"calibration: {what} has neither SDPA attention nor an eager_attention_forward to observe", file=self.ckpt.path / "config.json")
 
     def _checkpoint_names(self, tf) -> dict[str, str]:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -325,6 +383,20 @@ class CalibrationModel:
         return out
 
 
+def eager_only(ckpt: Checkpoint) -> str | None:
+    """The architecture name when transformers has no SDPA attention for it (its class's ``_supports_sdpa`` is
+    False, which makes ``from_config(attn_implementation="sdpa")`` raise), so calibration will run its eager
+    attention; None when it has SDPA or when this cannot be told without building the model (the dry run's note)."""
+    try:
+        tf = _transformers()
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(tf.AutoConfig.from_pretrained(str(ckpt.path)))]
+    except Exception:  # noqa: BLE001 - not knowable from the config alone: the real run says what it did
+        return None
+    return None if getattr(cls, "_supports_sdpa", True) else cls.__name__
+
+
 def _micro_batches(tokens: torch.Tensor, batch_tokens: int) -> list[torch.Tensor]:
     per = max(1, batch_tokens // max(1, tokens.shape[1]))
     return [tokens[i : i + per] for i in range(0, tokens.shape[0], per)]
@@ -351,7 +423,9 @@ def calibrate(ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device, *, k
         if progress is not None:
             progress(i + 1, len(cm.layers))
     cm.stats.tokens = int(tokens.numel())
-    return cm.stats.cpu()
+    out = cm.stats.cpu()
+    out.notes = list(cm.notes)
+    return out
 
 
 @contextlib.contextmanager

@@ -63,10 +63,11 @@ class Stats:
     keys: dict[str, MinMax] = field(default_factory=dict)  # attention module -> cached key states (post-RoPE)
     values: dict[str, MinMax] = field(default_factory=dict)
     tokens: int = 0
+    notes: list[str] = field(default_factory=list)  # how the model was run (eager attention where it has no SDPA)
 
     def cpu(self) -> Stats:
         conv = lambda d: {k: MinMax(v.min.cpu(), v.max.cpu(), v.tokens) for k, v in d.items() if v.min is not None}
-        return Stats(conv(self.inputs), conv(self.keys), conv(self.values), self.tokens)
+        return Stats(conv(self.inputs), conv(self.keys), conv(self.values), self.tokens, list(self.notes))
 
 
 def _ct():

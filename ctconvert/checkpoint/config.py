@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import copy
 from importlib import metadata
+from pathlib import Path
+
+from ..errors import BadInputError, UnsupportedError
 
 
 def _ct_version() -> str:
@@ -48,3 +51,18 @@ def updated_config(config: dict, quantization_config: dict, updates: dict) -> di
             out["text_config"][k] = v
     out["quantization_config"] = quantization_config
     return out
+
+
+def require_compressed_tensors(qcfg: dict | None, config_file: Path, command: str, fix: str) -> None:
+    """Refuse an input ``command`` cannot take, the same way for every command that reads a compressed checkpoint:
+    no ``quantization_config`` (a dense checkpoint) is :class:`BadInputError` (exit 3); another ``quant_method``
+    (AutoAWQ, GPTQ, HF FP8 ...) is :class:`UnsupportedError` (exit 4). ``fix``: what to do instead."""
+    if not qcfg:
+        what = "not a quantized checkpoint (config.json has no quantization_config)"
+        raise BadInputError(f"{what}: {command} takes a compressed-tensors one; {fix}", file=config_file)
+    if qcfg.get("quant_method") != "compressed-tensors":
+        raise UnsupportedError(
+            f"quant_method {qcfg.get('quant_method')!r} is not compressed-tensors: {command} takes a compressed-tensors checkpoint "
+            "(`ctconvert convert` re-expresses ModelOpt NVFP4, AutoAWQ and GPTQ ones losslessly; `ctconvert quantize` requantizes any)",
+            file=config_file,
+        )

@@ -8,6 +8,7 @@ target. The input's card is never touched: the section is written into the copy 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .. import __version__
@@ -19,20 +20,37 @@ HEADING = "## Conversion (ctconvert)"
 _SHOWN = 8  # ignore entries listed by name; config.json has all of them
 
 
-def conversion_section(source: str, scheme: str, fmt: str, ignore: list[str], lm_head: str = "none", target: str | None = None) -> str:
-    """The Markdown section (starts with :data:`HEADING`)."""
+def conversion_section(
+    source: str | Path,
+    scheme: str,
+    fmt: str,
+    ignore: list[str],
+    lm_head: str = "none",
+    target: str | None = None,
+    calibration: str | None = None,
+    derived_from: dict | None = None,
+) -> str:
+    """The Markdown section (starts with :data:`HEADING`). ``source``: the input folder, named by its last
+    component (a card is published: no local path; ``.`` and ``..`` are resolved first); ``calibration``: the
+    data the activation scales were calibrated on (None: none used); ``derived_from``: a quantized source
+    (:meth:`ctconvert.checkpoint.sources.Source.derived_from`), requantized."""
+    name = Path(os.path.abspath(source)).name or str(source)
+    how = f"calibrated on {calibration}" if calibration else "without calibration data"
     shown = ", ".join(f"`{p}`" for p in ignore[:_SHOWN]) or "nothing"
     if len(ignore) > _SHOWN:
         shown += f" and {len(ignore) - _SHOWN} more (`quantization_config.ignore` in config.json)"
     lines = [
         HEADING,
         "",
-        f"Converted offline from `{source}` by ctconvert {__version__}, without calibration data:",
+        f"Converted offline from `{name}` by ctconvert {__version__}, {how}:",
         "",
         f"- scheme: `{scheme}`, compressed-tensors format `{fmt}`",
         f"- kept dense (`ignore`): {shown}",
         f"- lm_head: {'kept dense' if lm_head == 'none' else f'quantized ({lm_head})'}",
     ]
+    if derived_from:
+        formats = "; ".join(derived_from.get("formats") or [])
+        lines.append(f"- requantized from a quantized checkpoint (`quant_method: {derived_from.get('quant_method')}`, {formats}), dequantized exactly first")
     if target:
         lines.append(f"- kernel-native layout: `{target}` (not loadable as compressed-tensors; `ctconvert repack --target compressed-tensors` restores it)")
     return "\n".join(lines) + "\n"

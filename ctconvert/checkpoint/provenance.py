@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from .. import __version__
@@ -63,7 +64,7 @@ def provenance(ckpt: Checkpoint, units: list, options: dict, src_hashes: dict[st
         "provenance_format": PROVENANCE_FORMAT,
         "hash": HASH_NAME,
         "hash_block_bytes": HASH_BLOCK_BYTES,
-        "source": str(ckpt.path),
+        "source": os.path.normpath(os.path.abspath(ckpt.path)),  # absolute and normalised, as derived_from's path
         "options": options,
         "tensors": tensors,
     }

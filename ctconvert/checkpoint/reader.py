@@ -131,7 +131,18 @@ def _shard_files(root: Path, problems: _Problems) -> tuple[dict | None, list[Pat
     if not index_path.is_file():
         files = sorted(root.glob("*.safetensors"))
         if not files:
-            raise BadInputError("no *.safetensors file and no model.safetensors.index.json", file=root)
+            try:  # a folder of models (a model store): name the checkpoints in it
+                inner = sorted(d.name for d in root.iterdir() if d.is_dir() and (d / "config.json").is_file() and any(d.glob("*.safetensors")))
+            except OSError:
+                inner = []
+            hint = f"; it holds checkpoint folders ({', '.join(inner[:4])}{', ...' if len(inner) > 4 else ''}): give one of them" if inner else ""
+            other = sorted(f.name for f in root.glob("*") if f.suffix in (".bin", ".pt", ".pth", ".gguf", ".ckpt"))
+            if other and not inner:  # weights in another format: ctconvert reads safetensors only
+                hint = (
+                    f"; it holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, weights in another format: ctconvert reads "
+                    "safetensors only (transformers' save_pretrained writes them: AutoModelForCausalLM.from_pretrained(SRC).save_pretrained(NEW))"
+                )
+            raise BadInputError(f"no *.safetensors file and no model.safetensors.index.json{hint}", file=root)
         if len(files) > 1 and (root / "model.safetensors").is_file():
             problems.add("several .safetensors files but no index; only model.safetensors is used", file=root, severity="warning")
             files = [root / "model.safetensors"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ from ..formats.foreign import (
     modelopt_nvfp4_dequantize,
 )
 from ..formats.integer import pack_int32, pack_int32_dim0
+from .kernel_native import KERNEL_NATIVE
 from .modules import ACT_PARTS, dense_rows, dense_shape, modules_of
 from .naming import FLOAT_DTYPES, is_linear_weight
 from .reader import CONFIG_NAME, Checkpoint
@@ -280,7 +282,8 @@ class Source:
     def derived_from(self) -> dict:
         """What an output made from this source records (provenance, ``inspect``)."""
         labels = sorted({m.label for m in self.modules.values()})
-        return {"path": str(self.original.path), "quant_method": self.quant_method, "source_format": self.kind, "formats": labels}
+        path = os.path.normpath(os.path.abspath(self.original.path))  # absolute and normalised, whatever the caller passed (no ./, ..)
+        return {"path": path, "quant_method": self.quant_method, "source_format": self.kind, "formats": labels}
 
 
 def open_source(ckpt: Checkpoint) -> Source:
@@ -292,6 +295,19 @@ def open_source(ckpt: Checkpoint) -> Source:
         return Source("dense", ckpt, ckpt)
     qm = str(qcfg.get("quant_method") or "").lower()
     readers = {"compressed-tensors": _ct_modules, "fp8": _fp8_modules, "awq": _awq_modules, "gptq": _gptq_modules, "modelopt": _modelopt_modules}
+    if qm == KERNEL_NATIVE:  # ctconvert's own kernel-native layout: its inverse is the readable checkpoint
+        target = qcfg.get("target", "kernel-native")
+        raise UnsupportedError(
+            f"a ctconvert kernel-native ({target}) checkpoint, which only its kernel reads: "
+            f"`ctconvert repack {ckpt.path} -o OUT --target compressed-tensors` restores the compressed-tensors checkpoint, which this command takes",
+            file=where,
+        )
+    if qm == "mxfp4":  # gpt-oss as OpenAI ships it (``*_blocks``/``*_scales``): not read yet, the way round is transformers'
+        raise UnsupportedError(
+            "quant_method 'mxfp4' (gpt-oss's own MXFP4 experts, *_blocks/*_scales) is not read yet: write a bf16 copy with transformers "
+            "(from_pretrained(SRC, quantization_config=Mxfp4Config(dequantize=True)).save_pretrained(NEW)) and quantize that",
+            file=where,
+        )
     if qm not in readers:
         raise UnsupportedError(f"unknown quant_method {qm or None!r}; ctconvert reads: {', '.join(readers)}", file=where)
     groups: dict[str, dict[str, TensorInfo]] = defaultdict(dict)

@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from .. import __version__
-from ..errors import STOP_SIGNALS, OutputError, UsageError
+from ..errors import STOP_SIGNALS, OutputError, UsageError, plural
 from .hashing import HASH_NAME, shard_hash
 from .reader import CONFIG_NAME, INDEX_NAME
 from .safetensors_io import PlannedTensor, ShardFile
@@ -84,8 +84,8 @@ def check_output_path(src: Path, out: Path, overwrite: bool) -> None:
         entries = sorted(p.name for p in o.iterdir())
         shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
         raise OutputError(
-            f"--overwrite replaces only an earlier ctconvert output or an empty folder, and this folder holds {len(entries)} "
-            f"other entries ({shown}); remove it yourself or choose another -o",
+            f"--overwrite replaces only an earlier ctconvert output or an empty folder, and this folder holds "
+            f"{plural(len(entries), 'other entry', 'other entries')} ({shown}); remove it yourself or choose another -o",
             file=out,
         )
     for parent in o.parents:  # the first existing ancestor must be a folder

@@ -29,6 +29,7 @@ The output is JSON Lines: one line per job, every line with the same keys
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import time
@@ -67,8 +68,25 @@ LINE_KEYS = (
 )
 
 
-def load_jobs(path: str | Path) -> list[dict]:
-    """Read and check the jobs file. Raises :class:`UsageError` naming the file and job."""
+def load_jobs(path: str | Path, emit: Callable | None = None) -> list[dict]:
+    """Read and check the jobs file. Raises :class:`UsageError` naming the file and job.
+
+    ``emit``: given, a refused file is reported on it too, as the JSON Lines a run ends with: one ``error``
+    line (``job`` None, the message and exit code) and the summary line (``jobs`` 0: none ran)."""
+    t0 = time.perf_counter()
+    try:
+        return _load_jobs(path)
+    except CTConvertError as e:
+        if emit is not None:
+            emit(json.dumps({**dict.fromkeys(LINE_KEYS), "status": "error", "dry_run": False, "error": str(e), "exit_code": e.exit_code, "notes": []}))
+            counts = {"ok": 0, "error": 1, "skipped": 0, "interrupted": 0}
+            message = "0 ok, 1 failed, 0 skipped: the jobs file was refused, no job ran"
+            seconds = round(time.perf_counter() - t0, 3)
+            emit(json.dumps({"status": "summary", "jobs": 0, **counts, "exit_code": e.exit_code, "seconds": seconds, "message": message}))
+        raise
+
+
+def _load_jobs(path: str | Path) -> list[dict]:
     p = Path(path)
     try:
         text = p.read_text()
@@ -96,7 +114,12 @@ def load_jobs(path: str | Path) -> list[dict]:
         job = {**defaults, **j}
         unknown = set(job) - ALLOWED
         if unknown:
-            raise UsageError(f"job {i}: unknown keys {sorted(unknown)}", file=p)
+            meant = []
+            for k in sorted(map(str, unknown)):  # a typo or the option's spelling (lm-head): the key meant
+                close = difflib.get_close_matches(k.lstrip("-").replace("-", "_"), sorted(ALLOWED), n=1, cutoff=0.7)
+                meant += [f"{k!r}: did you mean {close[0]!r}?"] if close else []
+            hint = f" ({'; '.join(meant)})" if meant else ""
+            raise UsageError(f"job {i}: unknown keys {sorted(unknown)}{hint}; a job takes {', '.join(sorted(ALLOWED))}", file=p)
         for k in ("model", "output", "scheme"):
             if k not in job:
                 raise UsageError(f"job {i}: missing {k!r}", file=p)

@@ -29,6 +29,7 @@ plan every output tensor (a dry run stops here) -> run the tasks -> config, prov
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +40,11 @@ from .. import __version__
 from ..checkpoint.config import build_quantization_config, updated_config
 from ..checkpoint.naming import FUSED_OF, fused_set_name, is_generative, loader_patterns, tie_word_embeddings
 from ..checkpoint.provenance import PROVENANCE
-from ..checkpoint.reader import open_checkpoint
+from ..checkpoint.reader import CONFIG_NAME, open_checkpoint
 from ..checkpoint.safetensors_io import PlannedTensor, read_tensor
 from ..checkpoint.sources import SOURCE_CONFIG_FILES, Source, SourceModule, open_source
 from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
-from ..errors import BadInputError, CTConvertError, UnsupportedError, UsageError
+from ..errors import BadInputError, CTConvertError, UnsupportedError, UsageError, agree, plural
 from ..formats.foreign import nvfp4_global_scale_for
 from ..pipeline.tasks import Compute, CopyTensor, run_tasks
 from ..plan.planner import Plan, TensorDecision
@@ -147,7 +148,10 @@ def convert(
     shard_limit = parse_size(max_shard_size)
     source = open_source(open_checkpoint(src, strict=True))
     if not source.quantized:
-        raise UsageError("not a quantized checkpoint: nothing to convert (ctconvert quantize SRC --scheme S quantizes it)", file=src)
+        raise BadInputError(
+            "not a quantized checkpoint (config.json has no quantization_config): nothing to convert; `ctconvert quantize SRC -o OUT --scheme S` quantizes it",
+            file=src / CONFIG_NAME,
+        )
     spec = lossless_target(source)
     if scheme is not None:
         if not scheme_matches(spec, scheme):
@@ -183,7 +187,8 @@ def convert(
         plan=plan,
     )
     if source.dropped:
-        notes.append(f"{len(source.dropped)} activation/KV-cache scale tensor(s) of the source are not carried over (action 'drop')")
+        n = len(source.dropped)
+        notes.append(f"{plural(n, 'activation/KV-cache scale tensor')} of the source {agree(n, 'is', 'are')} not carried over (action 'drop')")
     if dry_run:
         result.output_bytes = sum(t.nbytes for t in planned)
         result.seconds = time.perf_counter() - t0
@@ -199,7 +204,7 @@ def convert(
 
     prov = {
         "ctconvert": __version__,
-        "source": str(src),
+        "source": os.path.normpath(os.path.abspath(src)),  # absolute and normalised, as derived_from's path
         "conversion": "lossless",
         "derived_from": source.derived_from(),
         "tensors": {r.name: r.source for r in rows if r.action == "convert"},
@@ -253,7 +258,7 @@ def _check_modules(source: Source, spec: GroupSpec, notes: list[str]) -> dict[st
         _check_fused(source)
     if inexact:
         notes.append(
-            f"{len(inexact)} module(s) (e.g. {inexact[0]}): 1 / weight_global_scale differs from weight_scale_2 in the last fp32 bit; "
+            f"{plural(len(inexact), 'module')} (e.g. {inexact[0]}): 1 / weight_global_scale differs from weight_scale_2 in the last fp32 bit; "
             "every dequantized value is equal (compressed-tensors' formula), a kernel that multiplies by 1 / global scale sees a 1-ulp different factor"
         )
     return extra

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.config import require_compressed_tensors
 from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, modules_of
 from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
@@ -120,8 +121,7 @@ def decompress(
 
 def _check_input(ckpt: Checkpoint, src: Path) -> None:
     qcfg = ckpt.quantization_config
-    if not qcfg or qcfg.get("quant_method") != "compressed-tensors":
-        raise UnsupportedError("not a compressed-tensors checkpoint (no quantization_config with quant_method compressed-tensors)", file=src / CONFIG_NAME)
+    require_compressed_tensors(qcfg, src / CONFIG_NAME, "decompress", "this one is dense already")
     if (qcfg.get("sparsity_config") or {}).get("format") not in (None, "dense", "sparse-24-bitmask"):
         raise UnsupportedError(f"sparse format {qcfg['sparsity_config']['format']!r} cannot be decompressed", file=src / CONFIG_NAME)
 

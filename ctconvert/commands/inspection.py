@@ -25,6 +25,7 @@ from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fu
 from ..checkpoint.naming import BLOCK, decoder_layer_index, is_linear_weight, natural_key
 from ..checkpoint.provenance import PROVENANCE, cast_tensors
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
+from ..errors import agree
 
 __all__ = ["describe_weights", "inspect_checkpoint"]
 
@@ -114,7 +115,7 @@ def _missing_layers(ckpt, path: Path) -> Problem | None:
     shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
     return Problem(
         "warning",
-        f"config.json has num_hidden_layers={n} but no tensor of layer(s) {shown} ({len(missing)} missing): a partial copy?",
+        f"config.json has num_hidden_layers={n} but no tensor of {agree(len(missing), 'layer', 'layers')} {shown} ({len(missing)} missing): a partial copy?",
         file=str(Path(path) / "config.json"),
     )
 

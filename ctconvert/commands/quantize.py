@@ -33,7 +33,7 @@ from ..checkpoint.writer import (
     partial_output,
     shard_names,
 )
-from ..errors import OutputError, UnsupportedError, UsageError
+from ..errors import CTConvertError, OutputError, UnsupportedError, UsageError, agree, plural
 from ..layouts.kernels import CT_FORMAT_TARGETS
 from ..pipeline.devices import resolve_devices
 from ..pipeline.executor import ExecOptions, execute, map_input_default
@@ -74,9 +74,9 @@ def _describe_target(result: ConversionResult, layout: LayoutStage) -> None:
     target = layout.target
     result.format = target if target in CT_FORMAT_TARGETS else f"kernel-native ({target}, from {result.format})"  # marlin-24: a compressed-tensors format
     if not result.dry_run and target in CT_FORMAT_TARGETS:
-        result.notes.append(f"packed {len(layout.records)} modules as {target}")
+        result.notes.append(f"packed {plural(len(layout.records), 'module')} as {target}")
     elif not result.dry_run:
-        result.notes.append(f"repacked {len(layout.records)} modules for {target} (vLLM layout {layout.layout_version})")
+        result.notes.append(f"repacked {plural(len(layout.records), 'module')} for {target} (vLLM layout {layout.layout_version})")
 
 
 def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeOptions, progress, layout: LayoutStage | None) -> ConversionResult:
@@ -119,7 +119,9 @@ def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeO
         cost = calibration.estimate(plan, ckpt, o.calibration_samples, o.calibration_seq_len, kv_cache, o.calibration_batch_tokens)
         result.calibration = {**cost.to_dict(), "source": str(o.calibration) if o.calibration else "built-in English corpus"}
         if o.dry_run:
-            result.notes.append(cost.describe())
+            result.notes += [cost.describe(), *filter(None, [calibration.attention_note(ckpt)])]
+            data = _read_calibration_data(ckpt, result, o.calibration, o.calibration_samples, o.calibration_seq_len)
+            dry_error = dry_error or (data if isinstance(data, CTConvertError) else None)
     elif o.dry_run:
         result.notes.append("no calibration needed (weights and dynamic activation scales only)")
     if o.dry_run:
@@ -204,12 +206,23 @@ def _parallel(result: ConversionResult, plan: Plan, ckpt: Checkpoint, layout: La
         result.notes.append(report.summary())
 
 
+def _read_calibration_data(ckpt: Checkpoint, result: ConversionResult, file, samples: int, seq_len: int):
+    """Read and tokenize the calibration data as the real run will (a dry run stops where it would stop: no
+    tokenizer, too few tokens, ids outside the vocabulary); the data, or the error (returned, not raised)."""
+    try:
+        data = load_tokens(ckpt.path, file, samples, seq_len, (ckpt.config.get("text_config") or ckpt.config).get("vocab_size"))
+    except CTConvertError as e:
+        return e
+    result.notes.append(f"calibration data: {data.source} ({data.kind}, {data.available} tokens; using {samples} x {seq_len})")
+    return data
+
+
 def _calibrate(ckpt: Checkpoint, plan: Plan, device, result: ConversionResult, file, samples: int, seq_len: int, kv_cache: str, batch_tokens: int) -> None:
     """Read the calibration tokens, run the model layer by layer, put the scales into the plan's units."""
     t0 = time.perf_counter()
-    vocab = (ckpt.config.get("text_config") or ckpt.config).get("vocab_size")
-    data = load_tokens(ckpt.path, file, samples, seq_len, vocab)
-    result.notes.append(f"calibration data: {data.source} ({data.kind}, {data.available} tokens; using {samples} x {seq_len})")
+    data = _read_calibration_data(ckpt, result, file, samples, seq_len)
+    if isinstance(data, CTConvertError):
+        raise data
     result.notes += calibration.run(plan, ckpt, data.tokens, device, kv_cache, batch_tokens)
     result.calibration["seconds"] = round(time.perf_counter() - t0, 3)
 
@@ -233,7 +246,8 @@ def _describe_source(plan: Plan, source: Source) -> None:
         plan.rows.append(TensorDecision(name, info.file.name, info.dtype, info.shape, "drop", reason=why))
     labels = sorted({m.label for m in source.modules.values()})
     plan.notes.append(
-        f"requantize: {len(source.modules)} quantized modules of the {source.quant_method} source ({'; '.join(labels)}) are dequantized "
+        f"requantize: {plural(len(source.modules), 'quantized module')} of the {source.quant_method} source ({'; '.join(labels)}) "
+        f"{agree(len(source.modules), 'is', 'are')} dequantized "
         f"on the fly with the source format's exact math and quantized again with {plan.scheme.name}; "
         f"verify --reference {source.original.path} measures the result against the dequantized source"
     )
@@ -244,7 +258,8 @@ def _describe_source(plan: Plan, source: Source) -> None:
             "and rounds them again (lossy twice)"
         )
     if dropped:
-        plan.notes.append(f"{len(dropped)} activation/KV-cache scale tensor(s) of the source are not carried over (action 'drop')")
+        n = len(dropped)
+        plan.notes.append(f"{plural(n, 'activation/KV-cache scale tensor')} of the source {agree(n, 'is', 'are')} not carried over (action 'drop')")
 
 
 def _source_bits(m) -> int:
@@ -278,9 +293,16 @@ def _plan(ckpt: Checkpoint, scheme: str, dry_run: bool, skip_incompatible: bool,
     try:
         return make_plan(ckpt, scheme, skip_incompatible=skip_incompatible, **plan_kw), None
     except UnsupportedError as e:
-        if not dry_run or skip_incompatible:
+        if skip_incompatible:
             raise
-        plan = make_plan(ckpt, scheme, skip_incompatible=True, **plan_kw)
+        try:
+            plan = make_plan(ckpt, scheme, skip_incompatible=True, **plan_kw)
+        except UnsupportedError as every:  # not one layer fits: --skip-incompatible (the first error's hint) would not help
+            if not every.message.startswith("nothing to quantize"):
+                raise e from None
+            raise UnsupportedError(every.message.replace("--skip-incompatible kept", "--skip-incompatible would keep"), file=every.file) from None
+        if not dry_run:
+            raise
         stops = " (the run stops here: leave it dense with --ignore, or pass --skip-incompatible)"
         for row in plan.rows:  # say what this run would do, not what --skip-incompatible would
             if row.reason and row.reason.endswith(" (skipped: --skip-incompatible)"):
@@ -352,8 +374,12 @@ def _convert(
         quantized_source = source is not None and source.quantized
         skip = {CONFIG_NAME, PROVENANCE, *(SOURCE_CONFIG_FILES if quantized_source else ())}
         folder.copy_files(ckpt.path, skip=skip, keep_other_weights=keep_other_weights)
+        cal, cal_file = result.calibration, (options.get("calibration") or [""])[0]  # the card names a calibration file, not its local path
+        data = f"`{Path(cal_file).name}`" if cal_file else "ctconvert's built-in English corpus"
+        calibrated_on = f"{data} ({cal['samples']} x {cal['seq_len']} tokens)" if cal else None
+        derived = source.derived_from() if quantized_source else None
         section = conversion_section(
-            ckpt.path.name, plan.scheme.name, plan.format, plan.ignore, options["lm_head"], layout.target if layout is not None else None
+            ckpt.path, plan.scheme.name, plan.format, plan.ignore, options["lm_head"], layout.target if layout is not None else None, calibrated_on, derived
         )
         append_conversion_section(folder.tmp / CARD, section)
         if folder.skipped:
@@ -362,7 +388,6 @@ def _convert(
         cfg = updated_config(ckpt.config, qconfig, plan.config_updates)
         if layout is not None:
             cfg["quantization_config"] = layout.config(cfg["quantization_config"])
-        derived = source.derived_from() if quantized_source else None
         prov = provenance(ckpt, plan.units, options, src_hashes, derived_from=derived)
         if casts := {r.name: r.cast for r in plan.rows if r.cast}:  # --dense-dtype: what inspect reports
             prov["cast"] = casts
@@ -390,7 +415,7 @@ def partial_hint(left: dict) -> str:
     if not left["shards"]:
         return f"partial data ({size}, no shard finished yet) is kept in {left['path']}: remove that folder, or run the same command again"
     return (
-        f"partial data ({size}, {left['shards']} finished shard(s)) is kept in {left['path']}: run the same command with --resume "
+        f"partial data ({size}, {plural(left['shards'], 'finished shard')}) is kept in {left['path']}: run the same command with --resume "
         "to reuse the finished shards, or remove that folder"
     )
 
@@ -408,7 +433,8 @@ def _drop_stale_shards(ckpt: Checkpoint, folder: OutputFolder, by_shard: dict, k
             stale.append(name)
     if stale:
         folder.forget(stale)
-        result.notes.append(f"--resume: {len(stale)} finished shard(s) were made from source bytes that changed since; written again")
+        n = len(stale)
+        result.notes.append(f"--resume: {plural(n, 'finished shard')} {agree(n, 'was', 'were')} made from source bytes that changed since; written again")
 
 
 def _check_free_space(out: Path, assignment, folder: OutputFolder, reuse_from) -> None:

@@ -26,12 +26,13 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.config import require_compressed_tensors
 from ..checkpoint.kernel_native import check_act_dtype, is_kernel_native, kernel_native_config
 from ..checkpoint.modules import Module, dense_shape, modules_of
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, read_tensor
 from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
-from ..errors import BadInputError, UnsupportedError, UsageError
+from ..errors import BadInputError, UsageError
 from ..layouts import batched, kernels
 from ..pipeline.devices import resolve_device
 from ..pipeline.tasks import Compute, CopyTensor, run_tasks
@@ -101,8 +102,9 @@ def _check_input(qcfg: dict, target: str, src: Path) -> bool:
     inverse = is_kernel_native(qcfg)
     if inverse and target != INVERSE_TARGET:
         raise UsageError("input is already kernel-native; repack --target compressed-tensors first", file=src)
-    if not inverse and qcfg.get("quant_method") != "compressed-tensors":
-        raise UnsupportedError("input is neither compressed-tensors nor ctconvert kernel-native", file=src / CONFIG_NAME)
+    if not inverse:  # a dense input: quantize --target does both steps in one pass
+        fix = f"quantize it with --target {target} (`ctconvert quantize SRC -o OUT -s W4A16 --target {target}`)"
+        require_compressed_tensors(qcfg, src / CONFIG_NAME, "repack", fix)
     if not inverse and target == INVERSE_TARGET:
         raise UsageError("input is already compressed-tensors", file=src)
     return inverse

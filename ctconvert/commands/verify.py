@@ -29,15 +29,16 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.config import require_compressed_tensors
 from ..checkpoint.families import split_fused_experts
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, natural_key, resolve_group
 from ..checkpoint.provenance import cast_tensors
-from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
+from ..checkpoint.reader import CONFIG_NAME, Checkpoint, Problem, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_bytes, read_rows, read_tensor
 from ..checkpoint.sources import open_source
-from ..errors import CTConvertError, UsageError
+from ..errors import CTConvertError, UsageError, plural
 from ..formats import WeightArgs, get_format
 from ..formats.sparse24 import SPARSE_PREFIX, prune24
 from ..layouts import kernels
@@ -64,12 +65,17 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     path = Path(path)
     if tp < 1 or (ep is not None and ep < 1):
         raise UsageError(f"--tp and --ep must be >= 1, got {tp} and {ep}")
+    if reference is not None and path.exists() and Path(reference).exists() and path.resolve() == Path(reference).resolve():
+        raise UsageError("--reference is the checkpoint being verified, which measures nothing: give the source it was made from", file=path)
     ckpt = open_checkpoint(path, strict=False)
     if is_kernel_native(ckpt.quantization_config):
         report = _verify_kernel_native(ckpt, path, reference)
         return _with_parallel(report, kernel_native_modules(ckpt.quantization_config, ckpt.tensors), ckpt, tp, ep)
     if reference is not None and not ckpt.quantization_config:
         return _verify_dense(ckpt, path, reference, progress)
+    if not any(p.file and Path(p.file).name == CONFIG_NAME for p in ckpt.problems):  # a missing or broken config.json is reported as such
+        fix = "to compare a dense checkpoint (a decompress output) with its source, give --reference SRC; `ctconvert inspect` describes any checkpoint"
+        require_compressed_tensors(ckpt.quantization_config, path / CONFIG_NAME, "verify", fix)
     problems: list[Problem] = list(ckpt.problems)
     mods = modules_of(ckpt)
     problems += _config_problems(ckpt, path)
@@ -176,9 +182,12 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
     ref = open_checkpoint(reference, strict=True)
     limit = max(THRESHOLDS.values())
     rows = []
+    emb = find_embedding(ref.tensors)
     with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
         for name in sorted(ckpt.tensors, key=natural_key):
             info, src = ckpt.tensors[name], ref.tensors.get(name)
+            if src is None and name.endswith("lm_head.weight") and emb:  # a head untied by --lm-head: the tied embedding
+                src = ref.tensors[emb]
             if src is None:
                 problems.append(_error("tensor not in the reference", tensor=name))
                 continue
@@ -229,8 +238,9 @@ def _error(msg: str, tensor: str | None = None, file: str | None = None) -> Prob
 
 def _config_problems(ckpt: Checkpoint, path: Path) -> list[Problem]:
     qcfg = ckpt.quantization_config
-    if not qcfg:
-        return [_error("config.json has no quantization_config", file=str(path / "config.json"))]
+    if not qcfg:  # a missing or unreadable config.json is reported once, by the folder check
+        unread = any(p.file and Path(p.file).name == CONFIG_NAME for p in ckpt.problems)
+        return [] if unread else [_error("config.json has no quantization_config", file=str(path / "config.json"))]
     out = []
     if qcfg.get("quant_method") != "compressed-tensors":
         out.append(_error(f"quant_method is {qcfg.get('quant_method')!r}, not 'compressed-tensors'"))
@@ -367,6 +377,9 @@ def _all_zero_problems(mods: dict[str, Module], ckpt: Checkpoint) -> list[Proble
     return out
 
 
+_MISSING_SHOWN = 8  # reference tensors missing from the output that are listed one by one
+
+
 def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint, bar=None) -> list[Problem]:
     """Tensors that are not quantized weights must equal the source; nothing of the source may be missing."""
     out = []
@@ -391,11 +404,17 @@ def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint, 
         if s is not None:
             _tick(bar, s.nbytes)
     quant_weights = {m.name + ".weight" for m in mods.values() if m.quantized}
-    out += [
-        _error("tensor of the reference is missing from the output", tensor=name)
-        for name in ref.tensors
-        if name not in ckpt.tensors and name not in quant_weights
-    ]
+    missing = [name for name in ref.tensors if name not in ckpt.tensors and name not in quant_weights]
+    if len(missing) > _MISSING_SHOWN:  # another model (more layers, other names): one line, not one per tensor
+        shown = ", ".join(missing[:3])
+        out.append(
+            _error(
+                f"{len(missing)} tensors of the reference are missing from the output ({shown} ...): is --reference the checkpoint "
+                f"this output was made from? (reference: {plural(len(ref.tensors), 'tensor')}, output: {len(ckpt.tensors)})"
+            )
+        )
+    else:
+        out += [_error("tensor of the reference is missing from the output", tensor=name) for name in missing]
     return out
 
 

@@ -91,6 +91,7 @@ from dataclasses import dataclass, field
 
 from ..checkpoint.modules import Module, dense_shape
 from ..checkpoint.naming import resolve_group
+from ..errors import agree, plural
 from ..formats import WeightArgs
 from ..layouts import marlin
 
@@ -229,7 +230,8 @@ class ParallelReport:
             model_bad = [m["problem"] for m in self.model if "problem" in m]
             if bad or model_bad:
                 names = ", ".join(r.name for r in bad[:3]) + (" ..." if len(bad) > 3 else "")
-                line += f"; at {at}: {len(bad)} tensor(s) do not split" + (f" ({names})" if bad else "") + "".join(f"; {p}" for p in model_bad)
+                split = f"{plural(len(bad), 'tensor')} {agree(len(bad), 'does', 'do')} not split" if bad else "every tensor splits"
+                line += f"; at {at}: {split}" + (f" ({names})" if bad else "") + "".join(f"; {p}" for p in model_bad)
             else:
                 line += f"; at {at}: every tensor splits"
         return line
@@ -459,11 +461,11 @@ def parallel_report(modules: list[ParallelModule], config: dict | None = None, t
             limits.append((row.max_tp, row.name))
     model, max_ep = _model_limits(config, experts, tp, ep, limits)
     if ep is not None and not experts:
-        notes.append(f"--ep {ep}: no quantized MoE experts (``experts.N.`` names), so it changes nothing")
+        notes.append(f"--ep {ep}: no quantized MoE experts (modules named experts.N.), so it changes nothing")
     if any(r.kind.endswith("unknown") for r in rows):
         unk = [r.name for r in rows if r.kind.endswith("unknown")]
         notes.append(
-            f"{len(unk)} tensor(s) of a kind the names do not tell (column- or row-parallel), e.g. {unk[0]}: "
+            f"{plural(len(unk), 'tensor')} of a kind the names do not tell (column- or row-parallel), e.g. {unk[0]}: "
             "their largest degree is the one that works under either split"
         )
     best = min((x for x, _ in limits), default=_MAX_DEGREE)
@@ -514,8 +516,11 @@ def _model_limits(config: dict, experts: dict[str, int], tp: int, ep: int | None
             if any(x < ep for x in counts):
                 d["problem"] = f"{e} experts cannot fill --ep {ep} ranks (ranks without experts)"
             elif any(x % ep for x in counts):
-                d["warning"] = f"{e} experts over --ep {ep}: the first {e % ep} ranks hold {e // ep + 1}, the others {e // ep} (vLLM determine_expert_map)"
+                first = "the first rank holds" if e % ep == 1 else f"the first {e % ep} ranks hold"
+                d["warning"] = f"{e} experts over --ep {ep}: {first} {e // ep + 1}, the others {e // ep} (vLLM determine_expert_map)"
         out.append(d)
+    elif ep:  # a dense model: nothing for --ep to place
+        out.append({"what": "MoE experts: none", "max_ep": None, "warning": f"--ep {ep}: no MoE experts (modules named experts.N.), so it changes nothing"})
     return out, max_ep
 
 

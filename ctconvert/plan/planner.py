@@ -39,7 +39,7 @@ from ..checkpoint.naming import (
 )
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import TensorInfo
-from ..errors import UnsupportedError, UsageError
+from ..errors import UnsupportedError, UsageError, agree
 from .schemes import LM_HEAD_SCHEMES, Scheme, get_scheme
 from .sparsity import sparse_scheme
 
@@ -233,8 +233,9 @@ def make_plan(
     if not config_groups:
         skipped = [r for r in d.rows.values() if r.reason and r.reason.endswith("(skipped: --skip-incompatible)")]
         if skipped:
+            kept = agree(len(skipped), "it", f"all {len(skipped)}")
             raise UnsupportedError(
-                f"nothing to quantize: {scheme.name} cannot take any targeted Linear layer; --skip-incompatible kept all {len(skipped)} dense "
+                f"nothing to quantize: {scheme.name} cannot take any targeted Linear layer; --skip-incompatible kept {kept} dense "
                 f"(first: {skipped[0].name}: {skipped[0].reason.removesuffix(' (skipped: --skip-incompatible)')}); choose another scheme"
             )
         raise UsageError("nothing to quantize: no tensor matches the targets (check --targets/--ignore)")

@@ -64,8 +64,9 @@ class ConversionResult:
     def to_dict(self) -> dict:
         hidden = {"plan", "error", "parallel", "parallel_of", *(() if self.lossless else ("source_format", "lossless"))}
         d = {k: v for k, v in self.__dict__.items() if k not in hidden}
-        if self.error is not None:
+        if self.error is not None:  # a dry run that found what the real run would stop at: its message and exit code
             d["error"] = str(self.error)
+            d["exit_code"] = getattr(self.error, "exit_code", 1)
         if self.parallel is not None:
             d["parallel"] = self.parallel.to_dict()
         if self.dry_run and self.plan is not None:

@@ -321,4 +321,10 @@ def get_scheme(name: str) -> Scheme:
     key = _ALIASES.get(key, key)
     if key in _SCHEMES:
         return _SCHEMES[key]
-    raise UsageError(f"unknown scheme {name!r}; choose one of: {', '.join(scheme_names())}")
+    if key == "DENSE":  # plan/sparsity.py's DENSE_SCHEME: pruning only
+        raise UsageError("--scheme DENSE quantizes nothing: it prunes 2:4 only and needs --sparsity 2:4 (`ctconvert schemes` lists the others)")
+    import difflib
+
+    close = difflib.get_close_matches(key, scheme_names(), n=1)  # a typo (W4A61, NVFP4A61): name the nearest scheme first
+    hint = f"did you mean {close[0]}? " if close else ""
+    raise UsageError(f"unknown scheme {name!r}; {hint}choose one of: {', '.join(scheme_names())} (or a .json/.yaml QuantizationScheme file)")

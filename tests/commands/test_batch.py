@@ -86,7 +86,8 @@ def test_batch_refuses_conflicting_outputs_before_the_first_job(tiny_llama, tmp_
     )
     r = CliRunner().invoke(main, ["--json", "batch", str(f)])
     assert r.exit_code == 2 and f"job 1: output {tiny_llama / 'q'} is inside the input of job 0" in r.stderr and not (tmp_path / "x").exists()
-    assert len(r.stdout.strip().splitlines()) == 1 and json.loads(r.stdout)["exit_code"] == 2  # --json batch: JSON Lines, errors too
+    lines = [json.loads(x) for x in r.stdout.strip().splitlines()]  # --json batch: JSON Lines, a refused file too
+    assert [x["status"] for x in lines] == ["error", "summary"] and [x["exit_code"] for x in lines] == [2, 2]
     f = _jobs(tmp_path, [{"model": str(tiny_llama), "output": str(tmp_path), "scheme": "W4A16"}])
     r = CliRunner().invoke(main, ["batch", str(f)])
     assert r.exit_code == 2 and "holds the input of job 0" in r.stderr

@@ -174,7 +174,7 @@ def test_quantize_with_the_sources_own_scheme_converts(tmp_path):
 
 
 def test_convert_refuses_what_it_cannot_convert(tmp_path, tiny_llama):
-    with pytest.raises(UsageError, match="not a quantized checkpoint"):
+    with pytest.raises(BadInputError, match="not a quantized checkpoint"):  # exit 3, as verify/decompress/repack of a dense folder
         api.convert(tiny_llama, tmp_path / "x")
     api.quantize(tiny_llama, tmp_path / "ct", "W4A16")
     with pytest.raises(UnsupportedError, match="already a compressed-tensors checkpoint"):

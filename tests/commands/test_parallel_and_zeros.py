@@ -74,14 +74,14 @@ def test_moe_intermediate_640_supports_tp1_only_unless_ep(tmp_path):
     assert not rep["ok"] and bad == {r.name for r in experts}
     assert api.verify(out, tp=2, ep=2)["ok"]
     rep = api.verify(out, ep=3)
-    uneven = "4 experts over --ep 3: the first 1 ranks hold 2, the others 1 (vLLM determine_expert_map)"
+    uneven = "4 experts over --ep 3: the first rank holds 2, the others 1 (vLLM determine_expert_map)"
     assert rep["ok"] and [p["message"] for p in rep["problems"]] == [uneven]
 
 
 def test_real_run_notes_what_does_not_split_and_verify_checks_it(tiny_llama, tmp_path):
     out = tmp_path / "o"
     res = api.quantize(tiny_llama, out, "W4A16", tp=4)
-    assert any(n.startswith("tensor parallel: largest TP degree 2") and "at --tp 4: 2 tensor(s) do not split" in n for n in res.notes)
+    assert any(n.startswith("tensor parallel: largest TP degree 2") and "at --tp 4: 2 tensors do not split" in n for n in res.notes)
     rep = api.verify(out)
     assert rep["ok"] and rep["parallel"]["max_tp"] == 2 and rep["parallel"]["ok"]
     rep = api.verify(out, tp=4)

@@ -50,7 +50,7 @@ def test_repack_refuses_what_the_target_cannot_take(tiny_llama, tmp_path):
     r = CliRunner().invoke(main, ["repack", str(tmp_path / "q"), "-o", str(tmp_path / "k"), "--target", "marlin"])
     assert r.exit_code == 4 and "does not take it" in r.stderr
     r = CliRunner().invoke(main, ["repack", str(tiny_llama), "-o", str(tmp_path / "k"), "--target", "marlin"])
-    assert r.exit_code == 4 and "neither compressed-tensors" in r.stderr
+    assert r.exit_code == 3 and "not a quantized checkpoint (config.json has no quantization_config): repack takes" in r.stderr
 
 
 def test_inspect_and_verify_kernel_native(tiny_llama, tmp_path):

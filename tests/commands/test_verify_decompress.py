@@ -106,7 +106,7 @@ def test_verify_threshold_fails_on_a_wrong_scale(tiny_llama, tmp_path):
 
 def test_decompress_refuses_dense_input(tiny_llama, tmp_path):
     r = CliRunner().invoke(main, ["decompress", str(tiny_llama), "-o", str(tmp_path / "d")])
-    assert r.exit_code == 4 and "not a compressed-tensors checkpoint" in r.stderr
+    assert r.exit_code == 3 and "not a quantized checkpoint (config.json has no quantization_config): decompress takes" in r.stderr
 
 
 def test_verify_compares_tensor_sets(tmp_path):
