@@ -14,6 +14,7 @@ bytes as the executor copies them.
 
 from __future__ import annotations
 
+from ..errors import agree, plural
 from .planner import Plan
 
 __all__ = ["CASTABLE", "DENSE_DTYPES", "apply_dense_dtype", "short_name"]
@@ -57,7 +58,8 @@ def apply_dense_dtype(plan: Plan, dense_dtype: str, config: dict) -> int:
     keys = [k for k in _DTYPE_KEYS if k in config or k in (config.get("text_config") or {})] or ["torch_dtype"]
     plan.config_updates.update(dict.fromkeys(keys, _CONFIG_NAMES[target]))
     plan.notes.append(
-        f"--dense-dtype {dense_dtype}: {cast} tensor(s) that are not quantized are cast to {dense_dtype} (round to nearest even); "
+        f"--dense-dtype {dense_dtype}: {plural(cast, 'tensor')} that {agree(cast, 'is', 'are')} not quantized {agree(cast, 'is', 'are')} cast to {dense_dtype} "
+        "(round to nearest even); "
         f"config.json's {'/'.join(keys)} says {_CONFIG_NAMES[target]}; quantized weights are computed from the source values"
     )
     return cast

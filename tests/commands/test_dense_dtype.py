@@ -124,7 +124,7 @@ def test_cli_plan_json_inspect_and_errors(fp32_llama, tmp_path):
     assert "cast" not in rows["model.layers.0.mlp.up_proj.weight"]  # quantized: not cast
     r = run(main, ["--plain", "quantize", str(fp32_llama), "-s", "W4A16", "--dry-run", "--dense-dtype", "bf16"])
     assert r.exit_code == 0 and "embedding; cast fp32->bf16" in r.stdout
-    assert "note: --dense-dtype bf16: 7 tensor(s) that are not quantized are cast to bf16" in r.stdout
+    assert "note: --dense-dtype bf16: 7 tensors that are not quantized are cast to bf16" in r.stdout
     r = run(main, ["quantize", str(fp32_llama), "-s", "W4A16", "--dry-run", "--dense-dtype", "int8"])
     assert r.exit_code == 2 and "'int8' is not one of 'keep', 'bf16', 'fp16', 'fp32'" in r.stderr
     with pytest.raises(UsageError, match="unknown --dense-dtype 'int8'; choose one of keep, bf16, fp16, fp32"):
@@ -138,7 +138,7 @@ def test_cli_plan_json_inspect_and_errors(fp32_llama, tmp_path):
     layers = {x["module"]: x for x in rep["layers"]}
     assert layers[IGNORED]["cast"] == "fp32->bf16" and layers["lm_head"]["cast"] == "fp32->bf16" and "cast" not in layers["model.layers.1.mlp.down_proj"]
     r = run(main, ["--plain", "inspect", str(out)])
-    assert "cast at conversion (--dense-dtype): 8 tensor(s) fp32->bf16" in r.stdout and "dense, cast fp32->bf16" in r.stdout
+    assert "cast at conversion (--dense-dtype): 8 tensors fp32->bf16" in r.stdout and "dense, cast fp32->bf16" in r.stdout
     assert api.inspect(fp32_llama)["dense_cast"] is None
 
     # --refresh compares it like every other option
@@ -147,7 +147,7 @@ def test_cli_plan_json_inspect_and_errors(fp32_llama, tmp_path):
     r = run(main, ["quantize", str(fp32_llama), "-s", "W4A16", "-o", str(out), "--ignore", IGNORED, "--refresh", "--dense-dtype", "fp16"])
     assert r.exit_code == 2 and "dense_dtype: earlier 'bf16', now 'fp16'" in r.stderr
     r = run(main, ["quantize", str(fp32_llama), "-s", "W4A16", "-o", str(out), "--ignore", IGNORED, "--refresh", "--dense-dtype", "bf16"])
-    assert r.exit_code == 0 and "refreshed: rewrote 0 of 1 shard(s)" in r.stderr
+    assert r.exit_code == 0 and "refreshed: rewrote 0 of 1 shard" in r.stderr
 
     # verify --reference compares a cast tensor with the reference cast the same way (and finds a changed value)
     rep = api.verify(out, reference=fp32_llama)
@@ -170,7 +170,8 @@ def test_batch_job_key(fp32_llama, tmp_path):
     assert _tensors(tmp_path / "a")["model.norm.weight"].dtype == torch.bfloat16
     jobs.write_text(f"jobs:\n  - {{model: {fp32_llama}, output: {tmp_path / 'b'}, scheme: W8A16, dense_dtype: fp8}}\n")
     r = CliRunner().invoke(main, ["batch", str(jobs)])  # refused before any job runs, like a bad scheme
-    assert r.exit_code == 2 and "job 0: unknown --dense-dtype 'fp8'; choose one of keep, bf16, fp16, fp32" in r.stderr and not r.stdout
+    assert r.exit_code == 2 and "job 0: unknown --dense-dtype 'fp8'; choose one of keep, bf16, fp16, fp32" in r.stderr
+    assert [json.loads(x)["status"] for x in r.stdout.splitlines()] == ["error", "summary"]  # a refused file: its error line and the summary
 
 
 def test_kernel_native_target(fp32_llama, tmp_path):
