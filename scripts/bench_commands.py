@@ -1,20 +1,29 @@
 """quantize vs decompress vs CPU repack of the same checkpoint, as a user runs them (issue 17).
 
     python scripts/bench_commands.py [--model SRC] [--workdir /tmp/ctcmd] [--schemes FP8_DYNAMIC,NVFP4A16,W4A16] [--repeat 3]
+                                     [--commands quantize,decompress,repack_cpu] [--code CHECKOUT] [--hash]
 
 Without ``--model`` a Llama-shaped bf16 checkpoint is made in the workdir
-(``--hidden 1024 --intermediate 2816 --layers 4 --vocab 8192``: about 123 MB).
-For each scheme: ``ctconvert quantize`` once, then ``quantize``, ``decompress``
-and ``repack --target marlin --device cpu`` each ``--repeat`` times as separate
-processes; reported is each command's own time (its ``--json`` ``seconds``,
-the median; process start-up, mostly importing torch, is left out) and the
-ratio to ``quantize``. One JSON line per scheme.
+(``--hidden 1024 --intermediate 2816 --layers 4 --vocab 8192``: about 123 MB);
+``--model /tmp/ctbench/model`` is the 1.2B one ``scripts/bench.py --make-model`` makes.
+For each scheme: ``ctconvert quantize`` once, then each of ``--commands``
+(``quantize``, ``decompress``, ``repack --target marlin --device cpu``) ``--repeat``
+times as separate processes, round-robin (so a change of load on a shared machine
+touches every command alike), each into an output folder removed beforehand;
+reported is each command's own time (its ``--json`` ``seconds``, the median;
+process start-up, mostly importing torch, is left out) and the ratio to
+``quantize``. ``--code``: the checkout whose ``ctconvert`` runs (put first on
+``PYTHONPATH``; default: the one importable here), to time two versions with the
+same script; ``--hash``: the sha256 of each decompressed shard, to compare two
+versions' outputs byte for byte. One JSON line per scheme.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -65,9 +74,27 @@ def _make_model(path: Path, hidden: int, inter: int, layers: int, vocab: int) ->
     save_file(t, path / "model.safetensors", metadata={"format": "pt"})
 
 
-def _seconds(*args: str) -> float:
-    out = subprocess.run([sys.executable, "-m", "ctconvert", "--json", *args, "--overwrite"], capture_output=True, text=True, check=True).stdout
-    return float(json.loads(out)["seconds"])
+def _seconds(code: str | None, out: Path, *args: str) -> float:
+    shutil.rmtree(out, ignore_errors=True)
+    env = dict(os.environ)
+    if code:  # first on the path, and the working directory (``python -m`` puts it before PYTHONPATH)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(code).resolve()), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "ctconvert", "--json", *args, "-o", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(Path(code).resolve()) if code else None)
+    if res.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({res.returncode}): {res.stderr.strip()}")
+    return float(json.loads(res.stdout)["seconds"])
+
+
+def _sha256(folder: Path) -> dict[str, str]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            while block := fh.read(64 * 2**20):
+                h.update(block)
+        out[f.name] = h.hexdigest()
+    return out
 
 
 def main() -> None:
@@ -75,7 +102,10 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--workdir", default="/tmp/ctcmd")
     ap.add_argument("--schemes", default="FP8_DYNAMIC,NVFP4A16,W4A16")
+    ap.add_argument("--commands", default="quantize,decompress,repack_cpu")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--code", help="checkout to run (first on PYTHONPATH)")
+    ap.add_argument("--hash", action="store_true", help="sha256 of the decompressed shards")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--layers", type=int, default=4)
@@ -85,26 +115,29 @@ def main() -> None:
     src = Path(a.model) if a.model else work / "model"
     if not a.model and not (src / "model.safetensors").exists():
         _make_model(src, a.hidden, a.intermediate, a.layers, a.vocab)
+    commands = a.commands.split(",")
     for scheme in a.schemes.split(","):
-        q, d, m = work / f"q-{scheme}", work / f"d-{scheme}", work / f"m-{scheme}"
-        _seconds("quantize", str(src), "-s", scheme, "-o", str(q))
-        times = {
-            "quantize": [_seconds("quantize", str(src), "-s", scheme, "-o", str(q)) for _ in range(a.repeat)],
-            "decompress": [_seconds("decompress", str(q), "-o", str(d)) for _ in range(a.repeat)],
-            "repack_cpu": [_seconds("repack", str(q), "-o", str(m), "--target", "marlin", "--device", "cpu") for _ in range(a.repeat)],
+        q, o = work / f"q-{scheme}", work / f"o-{scheme}"
+        argv = {
+            "quantize": ("quantize", str(src), "-s", scheme),
+            "decompress": ("decompress", str(q)),
+            "repack_cpu": ("repack", str(q), "--target", "marlin", "--device", "cpu"),
         }
+        _seconds(a.code, q, "quantize", str(src), "-s", scheme)
+        times: dict[str, list[float]] = {c: [] for c in commands}
+        for _ in range(a.repeat):
+            for c in commands:
+                times[c].append(_seconds(a.code, o, *argv[c]))
         med = {k: round(statistics.median(v), 3) for k, v in times.items()}
-        print(
-            json.dumps(
-                {
-                    "scheme": scheme,
-                    **med,
-                    "decompress_vs_quantize": round(med["decompress"] / med["quantize"], 2),
-                    "repack_vs_quantize": round(med["repack_cpu"] / med["quantize"], 2),
-                }
-            )
-        )
-        for p in (d, m):
+        line = {"scheme": scheme, **med}
+        for c in commands:
+            if c != "quantize" and "quantize" in med:
+                line[f"{c}_vs_quantize"] = round(med[c] / med["quantize"], 2)
+        if a.hash and "decompress" in commands:
+            _seconds(a.code, o, *argv["decompress"])
+            line["decompress_sha256"] = _sha256(o)
+        print(json.dumps(line), flush=True)
+        for p in (q, o):
             shutil.rmtree(p, ignore_errors=True)
 
 

@@ -17,7 +17,7 @@ from ..formats.base import dequantize_unpacked, part_rows
 from ..layouts.marlin24 import marlin24_unpack, marlin24_unpermute_scales
 from .naming import FLOAT_DTYPES, FUSED_OF, dense_kind, fused_set_name, is_linear_weight, matches, resolve_group
 from .reader import Checkpoint, Problem
-from .safetensors_io import TensorInfo, read_rows, read_tensor
+from .safetensors_io import TensorInfo, map_rows, read_rows, read_tensor
 
 __all__ = [
     "ACT_PARTS",
@@ -107,8 +107,9 @@ def dense_shape(m: Module) -> tuple[int, int]:
     return fmt.dense_shape({p: tuple(i.shape) for p, i in m.parts.items()}, WeightArgs.from_dict(m.weights, num_bits=4), shape)
 
 
-def module_rows(m: Module, r0: int, r1: int) -> dict[str, torch.Tensor]:
-    """The compressed tensors of module ``m`` that cover dense rows ``[r0, r1)`` (:func:`~ctconvert.formats.base.part_rows`)."""
+def module_rows(m: Module, r0: int, r1: int, mapped: bool = False) -> dict[str, torch.Tensor]:
+    """The compressed tensors of module ``m`` that cover dense rows ``[r0, r1)`` (:func:`~ctconvert.formats.base.part_rows`).
+    ``mapped``: row ranges are read-only views of the mapped files (:func:`.safetensors_io.map_rows`: no copy)."""
     args = WeightArgs.from_dict(m.weights)
     out: dict[str, torch.Tensor] = {}
     for part, info in m.parts.items():
@@ -116,38 +117,46 @@ def module_rows(m: Module, r0: int, r1: int) -> dict[str, torch.Tensor]:
         if rows is None:
             out[part] = read_tensor(info)
         elif rows is not False:
-            out[part] = read_rows(info, *rows)
+            out[part] = map_rows(info, *rows) if mapped else read_rows(info, *rows)
     return out
 
 
-def dense_row_chunks(m: Module, chunk_elems: int):
+def dense_row_chunks(m: Module, chunk_elems: int, dtype: torch.dtype | None = None, alloc=None, mapped: bool = False):
     """Yield ``(r0, r1, dense rows)`` of a quantized module, dequantized as compressed-tensors does,
     in chunks of about ``chunk_elems`` elements (multiples of 128 rows, so blocks and packed
-    zero points stay whole). Raises what :func:`dequantize_weight` raises."""
+    zero points stay whole). ``dtype``: the rows cast to it (as ``.to(dtype)``; fused into the CPU
+    kernel); ``alloc(shape, dtype)``: where each chunk goes (a reused buffer; with ``dtype``);
+    ``mapped``: see :func:`module_rows`. Raises what :func:`dequantize_weight` raises."""
     n, k = dense_shape(m)
     fmt, args = get_format(m.format), WeightArgs.from_dict(m.weights)
     if fmt is None:
         raise ValueError(f"cannot dequantize format {m.format!r}")
     if m.format == CompressionFormat.MARLIN_24.value:  # the kernel layout spans all rows: the module at once
-        yield 0, n, _marlin24_dense(m, n, k, args)
+        dense = _marlin24_dense(m, n, k, args)
+        yield 0, n, dense if dtype is None else dense.to(dtype)
         return
     step = max(128, (chunk_elems // max(1, k)) // 128 * 128)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        yield r0, r1, dense_rows(m, r0, r1, k)
+        out = alloc((r1 - r0, k), dtype) if alloc is not None and dtype is not None else None
+        yield r0, r1, dense_rows(m, r0, r1, k, dtype=dtype, out=out, mapped=mapped)
 
 
-def dense_rows(m: Module, r0: int, r1: int, k: int | None = None) -> torch.Tensor:
+def dense_rows(
+    m: Module, r0: int, r1: int, k: int | None = None, dtype: torch.dtype | None = None, out: torch.Tensor | None = None, mapped: bool = False
+) -> torch.Tensor:
     """Dense rows ``[r0, r1)`` of a quantized module, dequantized as compressed-tensors does (``r0`` a
     multiple of 128, or of the block height when larger, so blocks and packed zero points stay whole).
-    ``k``: the dense K when known (:func:`dense_shape`). Raises what :func:`dequantize_weight` raises."""
+    ``k``: the dense K when known (:func:`dense_shape`); ``dtype``, ``out``: as the format's
+    :meth:`~ctconvert.formats.base.WeightFormat.dequantize` takes them; ``mapped``: see :func:`module_rows`.
+    Raises what :func:`dequantize_weight` raises."""
     fmt, args = get_format(m.format), WeightArgs.from_dict(m.weights)
     if fmt is None:
         raise ValueError(f"cannot dequantize format {m.format!r}")
-    parts = module_rows(m, r0, r1)
+    parts = module_rows(m, r0, r1, mapped=mapped)
     if "weight_shape" in m.parts:
         parts["weight_shape"] = torch.tensor([r1 - r0, dense_shape(m)[1] if k is None else k])
-    return fmt.dequantize(parts, args)
+    return fmt.dequantize(parts, args, dtype=dtype, out=out)
 
 
 def fused_global_scales(mods: dict[str, Module]) -> dict[str, dict[str, float]]:

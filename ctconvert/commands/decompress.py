@@ -36,7 +36,7 @@ from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from ..errors import BadInputError, UnsupportedError, UsageError
 from ..formats import get_format
 from ..pipeline.memory import fix_mmap_threshold
-from ..pipeline.tasks import CastTensor, Compute, CopyTensor, run_tasks
+from ..pipeline.tasks import CastTensor, ChunkBuffers, Compute, CopyTensor, run_tasks
 
 __all__ = ["DTYPES", "decompress"]
 
@@ -78,6 +78,7 @@ def decompress(
     source = None if ct else open_source(ckpt)
     name = dtype or _model_dtype(ckpt.config)
     od = DTYPES[name]
+    buffers = ChunkBuffers()
     if source is not None and source.quantized:  # HF FP8 block, ModelOpt, AWQ, GPTQ: through their readers
         check_output_path(src, out, overwrite)
         planned, tasks, n_modules = _plan_view(source, od, chunk_elems, cast_all=dtype is not None)
@@ -86,7 +87,7 @@ def decompress(
     else:
         _check_input(ckpt, src)
         check_output_path(src, out, overwrite)
-        planned, tasks, n_modules = _plan(ckpt, od, chunk_elems, cast_all=dtype is not None)
+        planned, tasks, n_modules = _plan(ckpt, od, chunk_elems, cast_all=dtype is not None, buffers=buffers)
 
     def config():
         cfg = copy.deepcopy(ckpt.config)
@@ -104,7 +105,7 @@ def decompress(
         planned,
         max_shard_size=parse_size(max_shard_size),
         overwrite=overwrite,
-        fill=lambda shards: run_tasks(tasks, shards, progress=progress, total=sum(t.nbytes for t in planned)),
+        fill=lambda shards: run_tasks(tasks, shards, progress=progress, total=sum(t.nbytes for t in planned), buffers=buffers),
         config=config,
         skip=skip,
     )
@@ -137,7 +138,7 @@ def _check_module(m: Module, info) -> None:
         raise UnsupportedError("act-order weights (weight_g_idx) cannot be decompressed", **where)
 
 
-def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int, cast_all: bool):
+def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int, cast_all: bool, buffers: ChunkBuffers):
     """``(output tensors, tasks, modules dequantized)``: one dense weight per quantized module, and copies of
     the other tensors (``cast_all``: floating-point ones cast to ``od``)."""
     mods = modules_of(ckpt)
@@ -154,7 +155,7 @@ def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int, cast_all: bool):
                 if mod not in done:
                     done.add(mod)
                     planned.append(PlannedTensor(mod + ".weight", TORCH_TO_ST[od], dense_shape(m)))
-                    tasks.append(Compute(lambda m=m: _dequantize(m, od, chunk_elems)))
+                    tasks.append(Compute(lambda m=m: _dequantize(m, od, chunk_elems, buffers)))
                 continue
         if cast_all and info.dtype in _FLOAT and info.dtype != TORCH_TO_ST[od]:
             planned.append(PlannedTensor(name, TORCH_TO_ST[od], info.shape))
@@ -194,11 +195,12 @@ def _dense_rows(info, od: torch.dtype, chunk_elems: int):
         pos += rows.numel() * rows.element_size()
 
 
-def _dequantize(m: Module, od: torch.dtype, chunk_elems: int):
+def _dequantize(m: Module, od: torch.dtype, chunk_elems: int, buffers: ChunkBuffers):
+    """The dense weight of ``m`` in ``od``, chunk by chunk: rows read as views of the mapped input, dequantized
+    and cast (one fused CPU kernel: :mod:`ctconvert.formats.native.dequant`) into reused buffers."""
     name, pos = m.name + ".weight", 0
     try:
-        for _, _, dense in dense_row_chunks(m, chunk_elems):
-            dense = dense.to(od)
+        for _, _, dense in dense_row_chunks(m, chunk_elems, dtype=od, alloc=buffers.take, mapped=True):
             yield name, dense, pos
             pos += dense.numel() * dense.element_size()
     except (KeyError, ValueError, RuntimeError) as e:

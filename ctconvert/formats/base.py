@@ -25,8 +25,21 @@ from enum import Enum
 import torch
 
 from . import native
+from .common import KERNEL_DTYPES
+from .native import dequant as native_dequant
 
-__all__ = ["CompressionFormat", "WeightArgs", "WeightFormat", "dequantize_unpacked", "expand_scale", "part_rows"]
+__all__ = [
+    "CompressionFormat",
+    "DequantSpec",
+    "WeightArgs",
+    "WeightFormat",
+    "byte_values",
+    "dequantize_unpacked",
+    "expand_scale",
+    "factor_layout",
+    "part_rows",
+    "unpacked_spec",
+]
 
 
 class CompressionFormat(str, Enum):
@@ -108,6 +121,87 @@ def expand_scale(scale: torch.Tensor, n: int, k: int, args: WeightArgs) -> torch
         bh, bw = args.block_structure
         return s.repeat_interleave(bh, 0).repeat_interleave(bw, 1)[:n, :k]
     raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def factor_layout(t: torch.Tensor, n: int, k: int, args: WeightArgs, grouped_view: bool = False) -> tuple[torch.Tensor, tuple[int, int, int]] | None:
+    """Where :func:`expand_scale` takes each element of a ``[n, k]`` scale (or zero point) from, for the fused kernel.
+
+    Returns ``(t as contiguous fp32, (stride, rdiv, g))``: element ``(r // rdiv) * stride + c // g`` of the flat
+    tensor is what ``expand_scale(t, n, k, args)[r, c]`` holds; None where :func:`expand_scale` would fail or
+    broadcast in a way this cannot say (the torch reference then runs and does what it does). ``grouped_view``:
+    the rule of :func:`dequantize_unpacked`'s per-group path instead (``t.reshape(n, k // g, 1)`` when
+    ``k % g == 0`` and ``t`` has more than one element).
+    """
+    if t.is_complex() or n <= 0 or k <= 0:
+        return None
+    s = t.to(torch.float32).contiguous()
+    strategy, g = args.strategy, args.group_size
+    if grouped_view and strategy in ("group", "tensor_group") and g and k % g == 0 and s.numel() > 1:
+        return (s, (k // g, 1, g)) if s.numel() == n * (k // g) else None
+    if strategy == "tensor" or s.numel() == 1:
+        return (s.reshape(-1), (0, 1, k)) if s.numel() == 1 else None
+    if strategy == "channel":
+        return (s.reshape(-1), (1, 1, k)) if s.numel() == n else None
+    if strategy in ("group", "tensor_group"):
+        ok = g and s.dim() == 2 and s.shape[0] == n and s.shape[1] * g >= k
+        return (s, (s.shape[1], 1, g)) if ok else None
+    if strategy == "block" and args.block_structure:
+        bh, bw = args.block_structure
+        ok = bh > 0 and bw > 0 and s.dim() == 2 and s.shape[0] * bh >= n and s.shape[1] * bw >= k
+        return (s, (s.shape[1], bh, bw)) if ok else None
+    return None
+
+
+def byte_values(dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``[256]``: the value of each byte as an element of the one-byte ``dtype`` (int8, uint8, E4M3), by torch's
+    own conversion (``.to(torch.float32)``), so a table lookup equals the conversion bit for bit."""
+    return torch.arange(256, dtype=torch.int16).to(torch.uint8).view(dtype).to(torch.float32)
+
+
+@dataclass
+class DequantSpec:
+    """One dequantization as the fused CPU kernel computes it (:func:`ctconvert.formats.native.dequant.dequant`):
+    ``D((lut[code] - zero_point) * factor)`` over ``[n, k]``.
+
+    ``codes``: uint8 ``[n, row bytes]``, one code per byte or (``nibbles``) two, element ``2j`` low; ``lut``:
+    fp32 code -> value; ``factor``/``zero_point``: fp32, placed by ``layout`` (:func:`factor_layout`); ``mid``:
+    D, the dtype compressed-tensors' decompress returns."""
+
+    codes: torch.Tensor
+    nibbles: bool
+    k: int
+    lut: torch.Tensor
+    factor: torch.Tensor
+    zero_point: torch.Tensor | None
+    layout: tuple[int, int, int]
+    mid: torch.dtype
+
+
+def unpacked_spec(tensors: dict[str, torch.Tensor], args: WeightArgs, codes: torch.Tensor | None = None, nibbles: bool = False, lut=None, k=None):
+    """The :class:`DequantSpec` of :func:`dequantize_unpacked` (``(q - zp) * scale`` in the scale's dtype), or None
+    where the kernel does not take it. ``codes``/``nibbles``/``lut``/``k``: the codes of a packed weight in place of an
+    unpacked one-byte ``weight`` (int8, E4M3)."""
+    scale = tensors["weight_scale"]
+    d = scale.dtype if scale.dtype.is_floating_point else torch.float16
+    if d not in KERNEL_DTYPES:
+        return None
+    if codes is None:
+        w = tensors["weight"]
+        if w.dim() != 2 or w.element_size() != 1 or w.dtype.is_complex or w.dtype == torch.bool:
+            return None
+        n, k = w.shape
+        codes, lut = w.contiguous().view(torch.uint8), byte_values(w.dtype)
+    n = codes.shape[0]
+    fl = factor_layout(scale, n, k, args, grouped_view=True)
+    if fl is None:
+        return None
+    zp = tensors.get("weight_zero_point")
+    if zp is not None:
+        zl = factor_layout(zp, n, k, args, grouped_view=True)
+        if zl is None or zl[1] != fl[1]:
+            return None
+        zp = zl[0]
+    return DequantSpec(codes, nibbles, k, lut, fl[0], zp, fl[1], d)
 
 
 def part_rows(part: str, shape: tuple[int, ...], dtype: str, r0: int, r1: int, args: WeightArgs):
@@ -239,9 +333,51 @@ class WeightFormat:
         raise NotImplementedError(f"{self.name} is not written by ctconvert")
 
     # -- reading -------------------------------------------------------------------
-    def dequantize(self, tensors: dict[str, torch.Tensor], args: WeightArgs) -> torch.Tensor:
-        """Dense ``[N, K]`` from the compressed tensors, as compressed-tensors' ``decompress`` computes it."""
-        raise NotImplementedError
+    def dequantize(
+        self, tensors: dict[str, torch.Tensor], args: WeightArgs, *, dtype: torch.dtype | None = None, impl: str = "auto", out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Dense ``[N, K]`` from the compressed tensors (local names), as compressed-tensors' ``decompress``
+        computes it (in the scale's dtype for int and FP8 formats, bf16 for FP4 and MX), then cast to ``dtype``
+        when given (torch's ``.to``: round to nearest even).
+
+        ``impl``: ``auto`` (the fused C kernel of :mod:`.native.dequant` for CPU tensors when it is built and
+        takes the layout, else the torch reference), ``torch`` or ``native`` (raises ``ValueError`` for a layout
+        the kernel does not take): the same bytes. A chunk whose products hold a NaN is computed by the torch
+        reference (whose NaN bit patterns the kernel does not reproduce). ``out``: a contiguous CPU tensor of
+        the result's shape and dtype (``dtype`` must be given) that receives the result, which is returned (a
+        reused buffer: no fresh allocation). Raises ``KeyError`` for a missing tensor and what the torch
+        reference raises for inconsistent shapes.
+        """
+        if impl != "torch" and dtype in (None, *KERNEL_DTYPES) and (impl == "native" or native_dequant.available()):
+            spec = None
+            if all(t.device.type == "cpu" for t in tensors.values()):
+                try:
+                    spec = self.dequant_spec(tensors, args)
+                except (RuntimeError, ValueError, IndexError, TypeError):  # inconsistent tensors: the reference says how
+                    spec = None
+            if spec is None and impl == "native":
+                raise ValueError(f"{self.name} tensors of this layout are not taken by the native dequantization kernel")
+            if spec is not None:
+                got = native_dequant.dequant(
+                    spec.codes, spec.nibbles, spec.k, spec.lut, spec.factor, spec.zero_point, spec.layout, spec.mid, dtype or spec.mid, out=out
+                )
+                if got is not None:
+                    return got
+        ref = self._dequantize_reference(tensors, args)
+        ref = ref if dtype is None else ref.to(dtype)
+        if out is None:
+            return ref
+        if out.shape != ref.shape or out.dtype != ref.dtype:
+            raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the result {tuple(ref.shape)} {ref.dtype}")
+        return out.copy_(ref)
+
+    def _dequantize_reference(self, tensors: dict[str, torch.Tensor], args: WeightArgs) -> torch.Tensor:
+        """The torch reference of :meth:`dequantize` (without the cast)."""
+        raise NotImplementedError(f"{self.name} cannot be dequantized")
+
+    def dequant_spec(self, tensors: dict[str, torch.Tensor], args: WeightArgs) -> DequantSpec | None:
+        """The fused kernel's view of :meth:`_dequantize_reference`, or None where it has none."""
+        return None
 
     def __repr__(self) -> str:
         return f"<format {self.name.value}>"

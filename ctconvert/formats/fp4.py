@@ -15,11 +15,21 @@ from dataclasses import replace
 
 import torch
 
-from .base import CompressionFormat, WeightFormat, expand_scale
+from .base import CompressionFormat, DequantSpec, WeightArgs, WeightFormat, expand_scale, factor_layout
 from .common import FP4_MAX, FP8_MAX, group_absmax, rd, sdiv
 from .mx import E2M1_OFFSET, MX_GROUP, e8m0_scale, mx_scale
 
-__all__ = ["MXFP4PackQuantized", "NVFP4PackQuantized", "e2m1_codes", "nvfp4_global_scale", "pack_nibbles", "quantize_mxfp4", "quantize_nvfp4", "unpack_e2m1"]
+__all__ = [
+    "MXFP4PackQuantized",
+    "NVFP4PackQuantized",
+    "e2m1_codes",
+    "e2m1_values",
+    "nvfp4_global_scale",
+    "pack_nibbles",
+    "quantize_mxfp4",
+    "quantize_nvfp4",
+    "unpack_e2m1",
+]
 
 NVFP4_GROUP = 16
 MXFP4_GROUP = MX_GROUP
@@ -52,9 +62,14 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return (c[..., 0] | (c[..., 1] << 4)).contiguous()
 
 
+def e2m1_values(device=None) -> torch.Tensor:
+    """fp32 ``[16]``: the value of each E2M1 code (bit 3 the sign)."""
+    return torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=device)
+
+
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """Bytes ``[N, K/2]`` -> fp32 E2M1 values ``[N, K]`` (inverse of the two above)."""
-    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=packed.device)
+    lut = e2m1_values(packed.device)
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
     return lut[codes.long()]
 
@@ -108,7 +123,22 @@ def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 class _FP4(WeightFormat):
-    """E2M1 values, two per byte (element 2j in the low nibble), ``weight_packed [N, K/2]`` uint8."""
+    """E2M1 values, two per byte (element 2j in the low nibble), ``weight_packed [N, K/2]`` uint8; dense
+    ``E2M1 * factor`` (:meth:`_factor` per group of :meth:`_group_args`) in fp32, then bf16."""
+
+    def _factor(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _group_args(self, args: WeightArgs) -> WeightArgs:
+        raise NotImplementedError
+
+    def dequant_spec(self, tensors, args):
+        packed = tensors["weight_packed"]
+        if packed.dim() != 2 or packed.dtype != torch.uint8:
+            return None
+        n, k = packed.shape[0], 2 * packed.shape[1]
+        fl = factor_layout(self._factor(tensors), n, k, self._group_args(args))
+        return None if fl is None else DequantSpec(packed.contiguous(), True, k, e2m1_values(), fl[0], None, fl[1], torch.bfloat16)
 
     def dense_shape(self, shapes, args, weight_shape=None):
         if weight_shape is not None:
@@ -145,12 +175,18 @@ class NVFP4PackQuantized(_FP4):
     def _fused(self, kernels, w, args, global_scale):
         return kernels.nvfp4(w, global_scale)
 
-    def dequantize(self, tensors, args):
+    def _dequantize_reference(self, tensors, args):
         vals = unpack_e2m1(tensors["weight_packed"])
         n, k = vals.shape
+        return (vals * expand_scale(self._factor(tensors), n, k, self._group_args(args))).to(torch.bfloat16)
+
+    def _factor(self, tensors):
+        """``scale / global_scale`` in fp32 (per group), as compressed-tensors' ``decompress`` divides."""
         gs = tensors["weight_global_scale"].to(torch.float32).reshape(1, 1)
-        s = tensors["weight_scale"].to(torch.float32) / gs
-        return (vals * expand_scale(s, n, k, replace(args, strategy="group", group_size=args.group_size or NVFP4_GROUP))).to(torch.bfloat16)
+        return tensors["weight_scale"].to(torch.float32) / gs
+
+    def _group_args(self, args):
+        return replace(args, strategy="group", group_size=args.group_size or NVFP4_GROUP)
 
 
 class MXFP4PackQuantized(_FP4):
@@ -174,8 +210,13 @@ class MXFP4PackQuantized(_FP4):
     def _fused(self, kernels, w, args, global_scale):
         return kernels.mxfp4(w)
 
-    def dequantize(self, tensors, args):
+    def _dequantize_reference(self, tensors, args):
         vals = unpack_e2m1(tensors["weight_packed"])
         n, k = vals.shape
-        s = e8m0_scale(tensors["weight_scale"])
-        return (vals * expand_scale(s, n, k, replace(args, strategy="group", group_size=args.group_size or MXFP4_GROUP))).to(torch.bfloat16)
+        return (vals * expand_scale(self._factor(tensors), n, k, self._group_args(args))).to(torch.bfloat16)
+
+    def _factor(self, tensors):
+        return e8m0_scale(tensors["weight_scale"])
+
+    def _group_args(self, args):
+        return replace(args, strategy="group", group_size=args.group_size or MXFP4_GROUP)

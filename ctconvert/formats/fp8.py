@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from .base import CompressionFormat, WeightFormat, dequantize_unpacked, expand_scale
+from .base import CompressionFormat, DequantSpec, WeightFormat, byte_values, dequantize_unpacked, expand_scale, factor_layout, unpacked_spec
 from .common import FP8_MAX, dtype_eps, group_absmax, rd, sdiv
 from .mx import E4M3_OFFSET, MX_GROUP, e8m0_scale, mx_scale
 
@@ -143,8 +143,11 @@ class FloatQuantized(WeightFormat):
             return kernels.fp8_block(w, args.block_structure)
         return kernels.fp8_channel(w)
 
-    def dequantize(self, tensors, args):
+    def _dequantize_reference(self, tensors, args):
         return dequantize_unpacked(tensors, args)
+
+    def dequant_spec(self, tensors, args):
+        return unpacked_spec(tensors, args)
 
 
 class NaiveQuantized(WeightFormat):
@@ -154,8 +157,11 @@ class NaiveQuantized(WeightFormat):
     required = ("weight", "weight_scale")
     writes = False
 
-    def dequantize(self, tensors, args):
+    def _dequantize_reference(self, tensors, args):
         return dequantize_unpacked(tensors, args)
+
+    def dequant_spec(self, tensors, args):
+        return unpacked_spec(tensors, args)
 
 
 class MXFP8Quantized(WeightFormat):
@@ -186,9 +192,17 @@ class MXFP8Quantized(WeightFormat):
             raise NotImplementedError("no fused MXFP8 kernel here")
         return fn(w)
 
-    def dequantize(self, tensors, args):
+    def _dequantize_reference(self, tensors, args):
         """bf16 ``e4m3 * 2^(byte - 127)``, as ``MXFP8QuantizationCompressor.decompress`` (bf16 scale) computes it."""
         q = tensors["weight"].to(torch.float32)
         n, k = q.shape
         s = expand_scale(e8m0_scale(tensors["weight_scale"]), n, k, replace(args, strategy="group", group_size=MX_GROUP))
         return (q * s).to(torch.bfloat16)
+
+    def dequant_spec(self, tensors, args):
+        w = tensors["weight"]
+        if w.dim() != 2 or w.dtype != torch.float8_e4m3fn:
+            return None
+        n, k = w.shape
+        fl = factor_layout(e8m0_scale(tensors["weight_scale"]), n, k, replace(args, strategy="group", group_size=MX_GROUP))
+        return None if fl is None else DequantSpec(w.contiguous().view(torch.uint8), False, k, byte_values(w.dtype), fl[0], None, fl[1], torch.bfloat16)

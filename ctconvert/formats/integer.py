@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from .base import CompressionFormat, WeightFormat, dequantize_unpacked
+from .base import CompressionFormat, WeightFormat, byte_values, dequantize_unpacked, unpacked_spec
 from .common import dtype_eps, group_absmax, group_minmax, rd, sdiv
 
 __all__ = ["IntQuantized", "PackQuantized", "int_range", "pack_int32", "pack_int32_dim0", "quantize_int", "unpack_int32"]
@@ -153,8 +153,11 @@ class IntQuantized(_Integer):
     def _fused(self, kernels, w, args, global_scale):
         return kernels.int_quant(w, args.num_bits, args.group_size, args.symmetric, False)
 
-    def dequantize(self, tensors, args):
+    def _dequantize_reference(self, tensors, args):
         return dequantize_unpacked(tensors, args)
+
+    def dequant_spec(self, tensors, args):
+        return unpacked_spec(tensors, args)
 
 
 class PackQuantized(_Integer):
@@ -198,14 +201,35 @@ class PackQuantized(_Integer):
             out["weight_zero_point"] = pack_int32_dim0(out["weight_zero_point"], args.num_bits)
         return out
 
-    def dequantize(self, tensors, args):
+    def _dequantize_reference(self, tensors, args):
+        unpacked, k = self._unpack_rest(tensors, args)
+        unpacked["weight"] = unpack_int32(tensors["weight_packed"], args.num_bits, k)
+        return dequantize_unpacked(unpacked, args)
+
+    def dequant_spec(self, tensors, args):
+        """4- and 8-bit values are read from the words' bytes (little endian: value ``j`` of a word in byte
+        ``j * B / 8``, low nibble first, offset by ``2^(B-1)``); other widths are unpacked by torch first."""
+        bits, packed = args.num_bits, tensors["weight_packed"]
+        unpacked, k = self._unpack_rest(tensors, args)
+        if packed.dim() != 2 or packed.dtype != torch.int32:
+            return None
+        if bits in (4, 8):
+            if k > packed.shape[1] * 32 // bits:
+                return None
+            lut = torch.arange(1 << bits, dtype=torch.float32) - (1 << (bits - 1))
+            return unpacked_spec(unpacked, args, packed.contiguous().view(torch.uint8), bits == 4, lut, k)
+        q = unpack_int32(packed, bits, k)
+        return unpacked_spec(unpacked, args, q.view(torch.uint8), False, byte_values(torch.int8), k)
+
+    def _unpack_rest(self, tensors, args):
+        """``({weight_scale, weight_zero_point (unpacked)}, dense K)`` of the reference's unpacking."""
         bits = args.num_bits
         packed = tensors["weight_packed"]
         shape = [int(x) for x in tensors["weight_shape"].tolist()] if "weight_shape" in tensors else None
         n = packed.shape[0]
         k = shape[1] if shape else packed.shape[1] * 32 // bits
-        unpacked = {"weight": unpack_int32(packed, bits, k), "weight_scale": tensors["weight_scale"]}
+        unpacked = {"weight_scale": tensors["weight_scale"]}
         zp = tensors.get("weight_zero_point")
         if zp is not None:
             unpacked["weight_zero_point"] = unpack_int32(zp.t().contiguous(), bits, n).t() if zp.dtype == torch.int32 else zp
-        return dequantize_unpacked(unpacked, args)
+        return unpacked, k

@@ -278,13 +278,14 @@ class Sparse24Bitmask(WeightFormat):
         inner = self.inner.whole_tensor_outputs(shape, global_scale) if self.inner else {}
         return {"shape": torch.tensor(list(shape), dtype=torch.int64).reshape(2, 1), **inner}
 
-    def dequantize(self, tensors, args):
+    def dequantize(self, tensors, args, *, dtype=None, impl="auto", out=None):
         n, half = tensors["compressed"].shape
         dense = decompress24(tensors["compressed"], tensors["bitmask"], (n, 2 * half))
         if self.inner is None:
-            return dense
+            dense = dense if dtype is None else dense.to(dtype)
+            return dense if out is None else out.copy_(dense)
         rest = {p: t for p, t in tensors.items() if p not in ("compressed", "bitmask", "shape")}
-        return self.inner.dequantize({"weight": dense, **rest}, args)
+        return self.inner.dequantize({"weight": dense, **rest}, args, dtype=dtype, impl=impl, out=out)
 
     def __repr__(self) -> str:
         return f"<format sparse-24-bitmask over {self.inner.name.value if self.inner else 'dense'}>"
