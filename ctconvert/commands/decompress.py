@@ -14,6 +14,11 @@ their stored dtype, unless ``dtype`` is given, in which case every floating-poin
 tensor is cast to it and ``config.json`` says so. ``config.json`` loses its
 ``quantization_config``. Written atomically like ``quantize``.
 
+On the CPU a chunk is dequantized and cast by one fused C kernel
+(:mod:`ctconvert.formats.native.dequant`, the same bytes as the torch
+reference) from rows mapped from the input into reused buffers, while writer
+threads put the previous chunks into the shards (:func:`~ctconvert.pipeline.tasks.run_tasks`).
+
 Reads top to bottom: check the input -> plan every output tensor -> run the
 copy, cast and dequantize tasks -> write the config.
 """

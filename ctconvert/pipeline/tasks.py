@@ -133,10 +133,12 @@ def run_tasks(tasks: list, shards: dict[str, ShardFile], progress=None, total: i
     for th in threads:
         th.start()
 
+    owner: dict[str, int] = {}  # output tensor -> its writer, dealt in turn
+
     def write(name: str, t: torch.Tensor, pos: int) -> None:
         if errors:
             raise errors[0]
-        wqs[hash(name) % len(wqs)].put((name, t, pos))
+        wqs[owner.setdefault(name, len(owner) % len(wqs))].put((name, t, pos))
 
     try:
         with torch.inference_mode(), bar_cm as bar:

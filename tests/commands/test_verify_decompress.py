@@ -139,3 +139,63 @@ def test_verify_lists_modules_in_layer_order(tmp_path):
     names = [r["module"] for r in api.verify(tmp_path / "q", m)["tensors"]]
     layer = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.")]
     assert layer == sorted(layer) and 10 in layer and len(names) == 11 * 7
+
+
+def _tamper(folder, name, fn):
+    """Apply ``fn`` to tensor ``name`` in the shard of ``folder`` that holds it (rewritten in place)."""
+    for f in folder.glob("*.safetensors"):
+        t = load_file(f)
+        if name in t:
+            t[name] = fn(t[name])
+            save_file(t, f, metadata={"format": "pt"})
+            return
+    raise AssertionError(name)
+
+
+def test_verify_of_a_dense_output_uses_the_cast_limit_where_nothing_was_quantized(tmp_path):
+    cfg = dict(LLAMA_CONFIG, torch_dtype="float32")
+    m = write_checkpoint(tmp_path / "m", llama_tensors(cfg, dtype=torch.float32), cfg)
+    q, d = tmp_path / "q", tmp_path / "d"
+    api.quantize(m, q, "W8A16")
+    api.decompress(q, d, dtype="bf16")  # fp32 norms and embeddings rounded to bf16: at most 2^-8 of each value
+    rep = api.verify(d, m)
+    assert rep["ok"], rep["problems"]
+    rows = {r["module"]: r for r in rep["tensors"]}
+    emb, down = rows["model.embed_tokens"], rows["model.layers.0.mlp.down_proj"]
+    assert 0 < emb["rel_l2"] <= emb["threshold"] == pytest.approx(2**-8, rel=0.01)
+    assert down["threshold"] == 0.3 and 2**-8 < down["rel_l2"] < 0.3  # a Linear weight: it may have been quantized
+    # an embedding 1% off passed the loosest limit (0.3) before; the bf16 rounding of fp32 values cannot explain it
+    _tamper(d, "model.embed_tokens.weight", lambda t: t * 1.01)
+    rep = api.verify(d, m)
+    bad = [p for p in rep["problems"] if p["tensor"] == "model.embed_tokens.weight"]
+    assert not rep["ok"] and len(bad) == 1 and "F32 -> BF16 cast" in bad[0]["message"]
+
+
+def test_verify_of_a_dense_output_is_exact_in_the_same_dtype(tiny_llama, tmp_path):
+    q, d = tmp_path / "q", tmp_path / "d"
+    api.quantize(tiny_llama, q, "W4A16")
+    api.decompress(q, d)
+    rep = api.verify(d, tiny_llama)
+    assert rep["ok"] and {r["threshold"] for r in rep["tensors"]} == {0.3}  # only quantized Linear weights differ
+    _tamper(d, "model.layers.0.input_layernorm.weight", lambda t: torch.where(torch.arange(t.numel()) == 3, t.view(torch.int16).add(1).view(t.dtype), t))
+    rep = api.verify(d, tiny_llama)
+    bad = [p for p in rep["problems"] if p["tensor"] == "model.layers.0.input_layernorm.weight"]
+    assert not rep["ok"] and len(bad) == 1 and "same dtype BF16: must be equal" in bad[0]["message"]
+
+
+def test_verify_of_a_dense_output_against_its_quantized_source_is_exact(tiny_llama, tmp_path):
+    """Against the checkpoint it was decompressed from (read dequantized), every tensor is exact: a weight one ulp
+    off fails, where against the dense model it would pass as quantization error."""
+    q, d, d32 = tmp_path / "q", tmp_path / "d", tmp_path / "d32"
+    api.quantize(tiny_llama, q, "NVFP4A16")
+    api.decompress(q, d)
+    api.decompress(q, d32, dtype="fp32")  # bf16 dequantized weights widened: equal values
+    for out in (d, d32):
+        rep = api.verify(out, q)
+        assert rep["ok"] and rep["tensors"] == [], rep["problems"]
+    w = "model.layers.1.mlp.up_proj.weight"
+    _tamper(d, w, lambda t: torch.where(torch.arange(t.numel()).reshape(t.shape) == 5, t.view(torch.int16).add(1).view(t.dtype), t))
+    assert api.verify(d, tiny_llama)["ok"]
+    rep = api.verify(d, q)
+    bad = [p for p in rep["problems"] if p["tensor"] == w]
+    assert not rep["ok"] and len(bad) == 1 and "must be equal" in bad[0]["message"]
