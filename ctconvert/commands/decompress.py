@@ -69,7 +69,7 @@ def decompress(
     dtype: str | None = None,
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
-    chunk_elems: int = 16 * 2**20,
+    chunk_elems: int = 4 * 2**20,
     progress=None,
 ) -> dict:
     """Write a dense copy of ``src`` at ``out``; see :func:`ctconvert.api.decompress`. Returns a summary dict."""
@@ -88,11 +88,11 @@ def decompress(
         check_output_path(src, out, overwrite)
         planned, tasks, n_modules = _plan_view(source, od, chunk_elems, cast_all=dtype is not None)
         skip |= set(SOURCE_CONFIG_FILES)
-        fix_mmap_threshold()
     else:
         _check_input(ckpt, src)
         check_output_path(src, out, overwrite)
         planned, tasks, n_modules = _plan(ckpt, od, chunk_elems, cast_all=dtype is not None, buffers=buffers)
+    fix_mmap_threshold()  # chunk temporaries freed on the writer threads would otherwise fragment the heaps (pipeline/memory.py)
 
     def config():
         cfg = copy.deepcopy(ckpt.config)

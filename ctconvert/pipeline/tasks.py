@@ -30,7 +30,7 @@ __all__ = ["WRITERS", "WRITE_BEHIND", "CastTensor", "ChunkBuffers", "Compute", "
 
 WRITERS = 2  # writer threads (pwrite releases the GIL)
 WRITE_BEHIND = 2  # chunks queued per writer
-COPY_CHUNK_BYTES = 64 * 2**20
+COPY_CHUNK_BYTES = 16 * 2**20
 
 #: what a computing task yields: (output tensor name, data, byte offset in the tensor)
 Write = tuple[str, torch.Tensor, int]
@@ -152,7 +152,7 @@ def run_tasks(tasks: list, shards: dict[str, ShardFile], progress=None, total: i
                         done(data.numel())
                 elif isinstance(task, CastTensor):
                     name, pos = task.info.name, 0
-                    for _, t in iter_row_chunks(task.info):
+                    for _, t in iter_row_chunks(task.info, COPY_CHUNK_BYTES):
                         t = t.to(task.dtype)
                         write(name, t, pos)
                         pos += t.numel() * t.element_size()
