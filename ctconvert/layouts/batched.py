@@ -183,8 +183,15 @@ def _marlin_nvfp4(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype,
 
 #: the CUDA fast paths: kernel -> (whether a batch qualifies, run(stacked tensors, record, act_dtype, version)
 #: -> (stacked outputs, per-module record fields or None)); other kernels and batches go module by module
+def _half_scales(t: dict[str, torch.Tensor]) -> bool:
+    """16-bit scales: the batched kernels write scales of the activation's width; fp32 scales (a checkpoint
+    quantized from fp32 weights) take the per-module path (an H200 run: batched marlin-int scales of an fp32
+    model came out half as wide as the per-module layout)."""
+    return t["weight_scale"].dtype in (torch.float16, torch.bfloat16)
+
+
 _FAST = {
-    "marlin-int": (lambda t: "weight_g_idx" not in t, _marlin_int),
+    "marlin-int": (lambda t: "weight_g_idx" not in t and _half_scales(t), _marlin_int),
     "marlin-fp8": (_fp8_channel_scales, _marlin_fp8),
     "marlin-nvfp4": (lambda t: True, _marlin_nvfp4),
 }

@@ -26,13 +26,13 @@ def _bytes(gen, shape, hi=256):
     return torch.randint(0, hi, shape, generator=gen, dtype=torch.int64).to(torch.uint8)
 
 
-def _int_case(gen, n, k, g, bits, asym=False):
+def _int_case(gen, n, k, g, bits, asym=False, scale_dtype=torch.bfloat16):
     pf = 32 // bits
     groups = k // g if g > 0 else 1
     w = {"num_bits": bits, "type": "int", "strategy": "group" if g > 0 else "channel", "group_size": g if g > 0 else None, "symmetric": not asym}
     t = {
         "weight_packed": _rint(gen, (B, n, k // pf)),
-        "weight_scale": torch.randn(B, n, groups, generator=gen).to(torch.bfloat16),
+        "weight_scale": torch.randn(B, n, groups, generator=gen).to(scale_dtype),
         "weight_shape": torch.tensor([[n, k]] * B),
     }
     if asym:
@@ -63,6 +63,7 @@ def _cases():
         _int_case(gen, n, k, g, bits) for n, k, g, bits in [(256, 256, 128, 4), (72, 200, -1, 4), (1000, 384, 128, 4), (192, 1024, 128, 8), (64, 128, -1, 8)]
     ]
     out.append(_int_case(gen, 256, 512, 128, 4, asym=True))
+    out.append(_int_case(gen, 256, 256, 128, 4, scale_dtype=torch.float32))  # a model quantized from fp32 weights
     out += [_fp8_case(gen, n, k) for n, k in [(256, 256), (72, 200), (1000, 384)]]
     out += [_nvfp4_case(gen, n, k) for n, k in [(256, 256), (72, 208), (1000, 384), (64, 64)]]
     return out
