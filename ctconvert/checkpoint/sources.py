@@ -55,7 +55,7 @@ from ..formats.foreign import (
 )
 from ..formats.integer import pack_int32, pack_int32_dim0
 from .kernel_native import KERNEL_NATIVE
-from .modules import ACT_PARTS, dense_rows, dense_shape, modules_of
+from .modules import ACT_PARTS, QUANT_PARTS, dense_rows, dense_shape, modules_of
 from .naming import FLOAT_DTYPES, is_linear_weight
 from .reader import CONFIG_NAME, Checkpoint
 from .safetensors_io import DTYPES, TensorInfo, map_rows, read_rows, read_tensor
@@ -420,7 +420,8 @@ def _ct_modules(ckpt, qcfg, where, groups):
         # formats (NVFP4, MXFP4, MXFP8), fp16 for another integer scale (docs/compressed-tensors-format.md §10)
         dtype = scale.dtype if scale.dtype in FLOAT_DTYPES else "BF16" if m.format in _FP4 or scale.dtype in ("U8", "F8_E4M3") else "F16"
         align = math.lcm(128, args.block_structure[0]) if args.strategy == "block" and args.block_structure else 128
-        parts = {p: i for p, i in m.parts.items() if p not in ACT_PARTS}
+        # the tensors the dense weight is computed from; the module's others (its bias) pass through as they are
+        parts = {p: i for p, i in m.parts.items() if p == "weight" or p in QUANT_PARTS}
         for p, i in m.parts.items():
             if p in ACT_PARTS:
                 dropped[i.name] = "activation scale of the source's quantization"
