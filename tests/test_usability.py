@@ -28,7 +28,7 @@ def run(*args):
             "--ignore 'down_proj' matches no module: entries are full module names (like 'model.layers.0.mlp.down_proj') or re: patterns "
             "(re.match from the start of the name, like 're:.*down_proj$')",
         ),
-        (["--ignore", "re:nomatch.*"], 2, "--ignore 're:nomatch.*' matches no module of this checkpoint (module names look like 'model."),
+        (["--ignore", "re:nomatch.*"], 2, "--ignore 're:nomatch.*' matches no module of this checkpoint: entries are full module names (like 'model."),
         (["--targets", "q_proj"], 2, "--targets 'q_proj' matches no module: entries are full module names (like 'model.layers.0.self_attn.q_proj')"),
         (["--targets", "lm_head"], 2, "--targets 'lm_head': lm_head is quantized with --lm-head nvfp4a16 or --lm-head fp8, not with --targets"),
         (["--layout-version", "0.29"], 2, "--layout-version without --target: they choose a kernel-native layout; add --target marlin"),

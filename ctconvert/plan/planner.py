@@ -333,7 +333,12 @@ def _check_pattern_use(d: _Decisions, tensors: dict[str, TensorInfo], targets: l
                     f"{opt} {pat!r} matches no module: entries are full module names (like {like[0]!r}) or re: patterns "
                     f"(re.match from the start of the name, like 're:.*{re.escape(bare)}$')"
                 )
-            raise UsageError(f"{opt} {pat!r} matches no module of this checkpoint (module names look like {modules[len(modules) // 2]!r})")
+            linear = sorted(n[: -len(".weight")] for n, i in tensors.items() if n.endswith(".weight") and is_linear_weight(n, i))
+            example = linear[len(linear) // 2] if linear else modules[len(modules) // 2]
+            raise UsageError(
+                f"{opt} {pat!r} matches no module of this checkpoint: entries are full module names (like {example!r}) "
+                f"or re: patterns (re.match from the start of the name, like 're:.*{re.escape(example.rpartition('.')[2])}$')"
+            )
 
 
 # -- phase 2: every tensor ------------------------------------------------------------

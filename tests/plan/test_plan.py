@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -129,7 +131,19 @@ def test_user_ignore_patterns_are_kept_even_where_a_default_applies(moe_vlm):
     plan = make_plan(moe_vlm, "NVFP4A16", ignore=["re:.*visual.*", "re:.*lm_head"])
     assert "re:.*visual.*" in plan.ignore and "re:.*lm_head" in plan.ignore
     assert not any("visual" in n or "lm_head" in n for n in plan.notes if "matched" in n), plan.notes
-    with pytest.raises(UsageError, match=r"--ignore 're:nothing\.\*' matches no module of this checkpoint \(module names look like 'model\."):
+    with pytest.raises(UsageError, match=r"--ignore 're:nothing\.\*' matches no module of this checkpoint: entries are full module names \(like 'model\."):
         make_plan(moe_vlm, "NVFP4A16", ignore=["re:.*visual.*", "re:nothing.*"])
     assert "model.visual.blocks.0.attn.qkv" in plan.ignore  # the names stay too
     assert not any(p.startswith("re:(.*") for p in plan.ignore)  # transformers-5 names: no loader patterns needed
+
+
+def test_a_pattern_matching_nothing_gets_a_linear_example_and_a_re_hint(minilm_path, tmp_path):
+    """A new user's find: on BERT names (no module ends in 'q_proj') the message showed a LayerNorm and no re: hint."""
+    from ctconvert import api
+
+    with pytest.raises(UsageError) as e:
+        api.quantize(minilm_path, tmp_path / "o", "W4A16", targets=["q_proj"], dry_run=True)
+    msg = str(e.value)
+    assert "LayerNorm" not in msg and "like 'encoder.layer." in msg and "re:.*" in msg, msg
+    name = re.search(r"like '([^']+)'", msg).group(1)
+    assert name.split(".")[-1] in ("query", "key", "value", "dense") and f"re:.*{name.split('.')[-1]}$" in msg, msg  # a Linear of BERT
