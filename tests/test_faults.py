@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 from ctconvert import api
-from ctconvert.checkpoint.writer import JOURNAL, finished_shards
+from ctconvert.checkpoint.writer import JOURNAL, finished_shards, partial_output
 from ctconvert.cli import main
 
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
@@ -340,6 +340,18 @@ def test_ctrl_c_is_never_lost(tiny_llama, tmp_path, delay):
         assert err.strip().splitlines()[-1].startswith("interrupted: nothing was written")
         assert ("--resume" in err) == (finished_shards(out) > 0), err  # the hint only where a shard would be kept
         assert_no_checkpoint(out)
+
+
+def test_partial_output_counts_the_bytes_on_disk(tmp_path):
+    """A shard is created at its full size and filled in place: the interrupt message's size is what is on disk
+    (``du``), not the files' lengths (a new user saw the whole output's size after an early Ctrl-C)."""
+    out = tmp_path / "o"
+    partial = tmp_path / ".o.ctconvert-partial"
+    partial.mkdir()
+    with open(partial / "model-00001-of-00001.safetensors", "wb") as f:
+        f.truncate(256 * 2**20)
+        f.write(b"x" * 8192)
+    assert partial_output(out)["bytes"] < 2**20
 
 
 def test_finished_shards_reads_the_partial_journal(tmp_path):

@@ -58,6 +58,9 @@ def test_skip_incompatible_that_skips_everything_says_so(tmp_path):
     assert code == 4 and not (tmp_path / "o").exists()
     assert "nothing to quantize: FP8_BLOCK cannot take any targeted Linear layer; --skip-incompatible kept all 14 dense" in err
     assert "is not a multiple of the block" in err and "choose another scheme" in err
+    assert "--group-size" not in err  # FP8_BLOCK has no group size to change
+    code, _, err = run("quantize", m, "-s", "W4A16", "--group-size", "40", "--skip-incompatible", "-o", tmp_path / "o")
+    assert code == 4 and "choose another scheme or --group-size" in err, err  # a new user's find: the fix is the group size
 
 
 def test_src_file_or_hub_id(tiny_llama, tmp_path):

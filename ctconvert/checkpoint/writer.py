@@ -160,7 +160,8 @@ def partial_output(out: Path) -> dict | None:
     folder = partial_folder(out)
     if not folder.is_dir():
         return None
-    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    # the bytes on disk (``du``): a shard is created at its full size and filled in place, so its length says nothing
+    size = sum(min(st.st_size, st.st_blocks * 512) for p in folder.rglob("*") if p.is_file() for st in [p.stat()])
     return {"path": str(folder), "bytes": size, "shards": finished_shards(out)}
 
 

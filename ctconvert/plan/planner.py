@@ -236,7 +236,8 @@ def make_plan(
             kept = agree(len(skipped), "it", f"all {len(skipped)}")
             raise UnsupportedError(
                 f"nothing to quantize: {scheme.name} cannot take any targeted Linear layer; --skip-incompatible kept {kept} dense "
-                f"(first: {skipped[0].name}: {skipped[0].reason.removesuffix(' (skipped: --skip-incompatible)')}); choose another scheme"
+                f"(first: {skipped[0].name}: {skipped[0].reason.removesuffix(' (skipped: --skip-incompatible)')}); "
+                f"choose another scheme{' or --group-size' if scheme.weights.group_size else ''}"
             )
         raise UsageError("nothing to quantize: no tensor matches the targets (check --targets/--ignore)")
     ignore_list = list(dict.fromkeys(d.ignored))
