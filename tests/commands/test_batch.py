@@ -138,3 +138,15 @@ def test_batch_interrupt_writes_lines_for_the_stopped_and_skipped_jobs(tiny_llam
     lines = [json.loads(x) for x in out]
     assert [x["status"] for x in lines] == ["ok", "interrupted", "skipped", "summary"]
     assert lines[1]["exit_code"] == 143 and lines[-1]["message"] == "1 ok, 0 failed, 1 skipped, 1 interrupted"
+
+
+def test_the_readme_lists_every_job_key():
+    """The README's list of job keys is the batch command's own (a new user found dense_dtype, tp, ep, sparsity missing)."""
+    import re
+    from pathlib import Path
+
+    from ctconvert.commands import batch
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    para = readme[readme.index("A job's keys are") : readme.index("relative to the jobs file")]
+    assert set(re.findall(r"`([a-z_]+)`", para)) - {"quantize"} == set(batch.ALLOWED)
