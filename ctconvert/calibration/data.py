@@ -87,10 +87,11 @@ def _tokenizer(model_path: Path, source: str):
     except Exception as e:  # noqa: BLE001 - any failure to load it is one clear line
         found = [f for f in TOKENIZER_FILES if (model_path / f).is_file()]
         raise BadInputError(
-            f"no usable tokenizer in the checkpoint (looked for {', '.join(TOKENIZER_FILES)}; found {', '.join(found) or 'none'}; "
-            f"{type(e).__name__}); {source} is text and calibration tokenizes it with the model's tokenizer: copy the model's "
-            "tokenizer files into the checkpoint folder, or pass token ids with --calibration FILE (a JSON array of ints, or integers "
-            "separated by spaces)",
+            f"no usable tokenizer in the checkpoint (looked for {', '.join(TOKENIZER_FILES)}; found {', '.join(found) or 'none'}"
+            f"{'' if not found else f': transformers could not load them ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})'}); "
+            f"{source} is text and calibration tokenizes it with the model's tokenizer: copy the model's "
+            "tokenizer files into the checkpoint folder (or a copy of it, if it is read-only), or pass token ids with --calibration FILE "
+            "(a JSON array of ints, or integers separated by spaces)",
             file=model_path,
         ) from None
 
