@@ -17,7 +17,7 @@ from ctconvert.errors import agree, plural
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 
 NO_TOKENIZER = "no usable tokenizer in the checkpoint (looked for tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, merges.txt, vocab.txt"
-FIX = "copy the model's tokenizer files into the checkpoint folder, or pass token ids with --calibration FILE"
+FIX = "copy the model's tokenizer files into the checkpoint folder (or a copy of it, if it is read-only), or pass token ids with --calibration FILE"
 
 
 def run(*args, env=None):
