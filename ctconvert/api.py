@@ -329,7 +329,8 @@ def schemes() -> list[dict]:
     return _schemes.list_schemes()
 
 
-def partial_hint(out: str | Path) -> str | None:
-    """What an interrupted or failed ``quantize`` toward ``out`` left, and how to resume or remove it (None: nothing)."""
+def partial_hint(out: str | Path, batch: bool = False) -> str | None:
+    """What an interrupted or failed ``quantize`` toward ``out`` left, and how to resume or remove it (None: nothing).
+    ``batch``: advise the ``resume: true`` job key of a jobs file instead of ``--resume``."""
     left = partial_output(Path(out))
-    return _quantize.partial_hint(left) if left else None
+    return _quantize.partial_hint(left, batch=batch) if left else None

@@ -780,8 +780,15 @@ def batch_cmd(ctx: _Ctx, jobs_file, keep_going):
     def hint() -> str | None:  # what an interrupt stopped: the running job, what it left, and what earlier jobs wrote
         if not running:
             return "no job had started"
-        left = api.partial_hint(running["output"])
-        done = f"; jobs 0-{running['i'] - 1} finished and their outputs are in place" if running["i"] else ""
+        left = api.partial_hint(running["output"], batch=True)
+        n = running["i"]
+        done = (  # a batch run again stops at a finished job's output (exit 6) unless the job is dropped
+            ""
+            if not n
+            else "; job 0 finished and its output is in place (drop it from the jobs file before running the batch again)"
+            if n == 1
+            else f"; jobs 0-{n - 1} finished and their outputs are in place (drop them from the jobs file before running the batch again)"
+        )
         return f"job {running['i']} ({running['output']}) was stopped, nothing was written at its output path{done}" + (f"; {left}" if left else "")
 
     def stop_code() -> int:

@@ -409,15 +409,16 @@ def _convert(
     result.output_bytes = total
 
 
-def partial_hint(left: dict) -> str:
-    """How to continue from, or remove, what an interrupted or failed run left (:func:`partial_output`)."""
+def partial_hint(left: dict, batch: bool = False) -> str:
+    """How to continue from, or remove, what an interrupted or failed run left (:func:`partial_output`).
+    ``batch``: the run was a ``batch`` job, which has no ``--resume`` option but a ``resume: true`` job key."""
     size = f"{left['bytes'] / 2**20:.1f} MiB"
     if not left["shards"]:
-        return f"partial data ({size}, no shard finished yet) is kept in {left['path']}: remove that folder, or run the same command again"
-    return (
-        f"partial data ({size}, {plural(left['shards'], 'finished shard')}) is kept in {left['path']}: run the same command with --resume "
-        "to reuse the finished shards, or remove that folder"
-    )
+        again = "run the batch again" if batch else "run the same command again"
+        return f"partial data ({size}, no shard finished yet) is kept in {left['path']}: remove that folder, or {again}"
+    how = "set `resume: true` on this job in the jobs file and run the batch again" if batch else "run the same command with --resume"
+    done = plural(left["shards"], "finished shard")
+    return f"partial data ({size}, {done}) is kept in {left['path']}: {how} to reuse the finished shards, or remove that folder"
 
 
 def _drop_stale_shards(ckpt: Checkpoint, folder: OutputFolder, by_shard: dict, known: dict, result: ConversionResult) -> None:

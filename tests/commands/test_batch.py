@@ -150,3 +150,51 @@ def test_the_readme_lists_every_job_key():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     para = readme[readme.index("A job's keys are") : readme.index("relative to the jobs file")]
     assert set(re.findall(r"`([a-z_]+)`", para)) - {"quantize"} == set(batch.ALLOWED)
+
+
+_INTERRUPT_AT_JOB = """
+import sys
+from ctconvert import api, cli
+
+jobs_file, stopped, shards = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+def run_jobs(jobs, keep_going, emit, on_job, stop_code):
+    for i, job in enumerate(jobs[: stopped + 1]):
+        on_job(i, job)
+    raise KeyboardInterrupt
+
+api.run_jobs = run_jobs
+api.partial_output = lambda out: {"bytes": 3 * 2**20, "shards": shards, "path": f"{out}.partial"}
+sys.argv[1:] = ["batch", jobs_file]
+cli.run()
+"""
+
+
+@pytest.mark.parametrize("stopped, shards", [(0, 2), (1, 0), (2, 1)])
+def test_batch_interrupt_hint_says_what_works_for_batch(tmp_path, stopped, shards):
+    """The interrupt hint of `batch` names the stopped job, advises the jobs file's `resume: true` key
+    (batch has no --resume option) and names the finished jobs in words ("job 0", not "jobs 0-0")."""
+    import subprocess
+    import sys
+
+    outs = [str(tmp_path / n) for n in "abc"]
+    f = tmp_path / "jobs.json"
+    f.write_text(json.dumps({"defaults": {"scheme": "W8A16"}, "jobs": [{"model": str(tmp_path / "m"), "output": o} for o in outs]}))
+    p = subprocess.run([sys.executable, "-c", _INTERRUPT_AT_JOB, str(f), str(stopped), str(shards)], capture_output=True, text=True, timeout=120)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 130, p.stderr
+    assert last.startswith(f"interrupted; job {stopped} ({outs[stopped]}) was stopped, nothing was written at its output path"), last
+    assert "--resume" not in last and "jobs 0-0" not in last
+    finished = {0: None, 1: "job 0 finished and its output is in place (drop it from", 2: "jobs 0-1 finished and their outputs are in place (drop them from"}[
+        stopped
+    ]
+    assert (finished is None and "finished and" not in last) or (finished is not None and finished in last), last
+    kept = f"partial data (3.0 MiB, {shards} finished shard{'s' if shards != 1 else ''}) is kept in {outs[stopped]}.partial: "
+    if shards:
+        assert last.endswith(
+            kept + "set `resume: true` on this job in the jobs file and run the batch again to reuse the finished shards, or remove that folder"
+        ), last
+    else:
+        assert last.endswith(f"partial data (3.0 MiB, no shard finished yet) is kept in {outs[stopped]}.partial: remove that folder, or run the batch again"), (
+            last
+        )
