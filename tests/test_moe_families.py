@@ -274,3 +274,47 @@ def test_inspect_and_verify_flag_fused_experts_left_dense(saved, tmp_path):
         fused = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
         assert flagged == {f"model.layers.{x}.mlp.experts.{m}" for x in (0, 1) for m in fused}, report["problems"]
     assert not api.verify(out)["ok"]
+
+
+def test_deepseek_mla_fused_set_with_a_member_fp8_block_cannot_take(saved, tmp_path):
+    """DeepSeek-V3's kv_a_proj_with_mqa has N = kv_lora_rank + qk_rope_head_dim (192 here, 576 in the real model), not a
+    multiple of FP8_BLOCK's 128-row block, and vLLM fuses it with q_a_proj (``fused_qkv_a_proj``, one scheme). Without
+    --skip-incompatible the error names the member, its shape and the block rule (exit 4, the README's unsupported
+    shape); with it the whole fused set stays dense, both members listed in ``ignore`` with their reasons, and the
+    output verifies."""
+    from click.testing import CliRunner
+
+    from ctconvert.cli import main
+
+    m = saved("deepseek_v3")
+    attn = "model.layers.0.self_attn"
+    for dry in ([], ["--dry-run"]):
+        r = CliRunner().invoke(main, ["quantize", str(m), "-s", "FP8_BLOCK", "-o", str(tmp_path / "o"), *dry])
+        assert r.exit_code == 4, r.output
+        err = r.stderr.strip().splitlines()[-1]
+        assert f"tensor '{attn}.kv_a_proj_with_mqa.weight': [192, 128] BF16 weight: N=192 is not a multiple of the block height 128 of FP8_BLOCK" in err, err
+        assert f"fused with q_a_proj in vLLM ({attn}.{{q_a_proj,kv_a_proj_with_mqa}})" in err and "--skip-incompatible (keeps the whole set dense)" in err
+        assert "only partly quantized" not in r.output
+    r = CliRunner().invoke(main, ["--json", "quantize", str(m), "-s", "FP8_BLOCK", "-o", str(tmp_path / "o")])
+    out = json.loads(r.stdout)
+    assert r.exit_code == 4 and out["exit_code"] == 4 and out["type"] == "UnsupportedError" and "N=192" in out["error"]
+
+    r = CliRunner().invoke(main, ["--json", "quantize", str(m), "-s", "FP8_BLOCK", "-o", str(tmp_path / "o"), "--skip-incompatible"])
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
+    for layer in (0, 1):
+        for member in ("q_a_proj", "kv_a_proj_with_mqa"):
+            assert f"model.layers.{layer}.self_attn.{member}" in cfg["ignore"], cfg["ignore"]
+    plan = api.quantize(str(m), str(tmp_path / "dry"), "FP8_BLOCK", skip_incompatible=True, dry_run=True).plan
+    rows = {row.name: row for row in plan.rows}
+    q, kv = rows[f"{attn}.q_a_proj.weight"], rows[f"{attn}.kv_a_proj_with_mqa.weight"]
+    assert (q.action, kv.action) == ("ignore", "ignore")
+    assert q.reason.startswith(f"fused with kv_a_proj_with_mqa in {attn}.{{q_a_proj,kv_a_proj_with_mqa}}, which the scheme cannot take; vLLM loads")
+    assert kv.reason.startswith("N=192 is not a multiple of the block height 128")
+    assert rows[f"{attn}.q_b_proj.weight"].action == "quantize" and rows[f"{attn}.kv_b_proj.weight"].action == "quantize"
+    assert any(n.startswith(f"{attn}.q_a_proj.weight: fused with kv_a_proj_with_mqa") for n in plan.notes), plan.notes
+    written = _tensors(tmp_path / "o")
+    assert f"{attn}.q_a_proj.weight_scale" not in written and written[f"{attn}.q_a_proj.weight"].get_dtype() == "BF16"
+    assert written[f"{attn}.q_b_proj.weight"].get_dtype() == "F8_E4M3" and f"{attn}.q_b_proj.weight_scale" in written
+    v = CliRunner().invoke(main, ["verify", str(tmp_path / "o")])
+    assert v.exit_code == 0, v.output

@@ -159,6 +159,7 @@ class _Rules:
     quantize_mtp: bool = False
     head_quantized: bool = False
     skip_incompatible: bool = False
+    modules: frozenset = frozenset()  # the checkpoint's weight modules (which members of a fused set are present)
 
 
 def make_plan(
@@ -207,10 +208,11 @@ def make_plan(
     user_ignore = list(ignore or [])
     _check_patterns(targets + user_ignore)
 
-    rules = _Rules(ckpt.config, default_ignore, quantize_mtp, head_scheme is not None, skip_incompatible)
     d = _Decisions()
     fused = _fused_experts(ckpt, keep_unclassified, d)
     tensors = _with_parts(ckpt.tensors, fused)
+    modules = frozenset(n[: -len(".weight")] for n in tensors if n.endswith(".weight"))
+    rules = _Rules(ckpt.config, default_ignore, quantize_mtp, head_scheme is not None, skip_incompatible, modules)
     for name in _file_order(tensors):
         _decide(d, name, tensors[name], scheme, targets, user_ignore, rules)
     fused = _settle_experts(d, fused, ckpt.tensors)
@@ -388,7 +390,15 @@ def _decide(d: _Decisions, name: str, info: TensorInfo, scheme: Scheme, targets:
         if not rules.skip_incompatible:
             part = f"its per-expert part {name}: " if info.base else ""  # named by the stored tensor, which the user can find
             hint = f"leave it dense with --ignore {module!r} or pass --skip-incompatible"
-            raise UnsupportedError(f"{part}{problem}; {hint}", file=str(info.file), tensor=info.base or name)
+            key = fused_key(module)
+            present = [m for m in key[1] if f"{key[0]}.{m}" in rules.modules] if key else []
+            if len(present) > 1:  # vLLM loads a fused layer with one scheme: the whole set stays dense, or none of it
+                hint = (
+                    f"it is fused with {', '.join(m for m in present if m != module.rpartition('.')[2])} in vLLM ({fused_set_name(key[0], present)}): "
+                    f"leave the whole set dense with --ignore for each member, or pass --skip-incompatible (keeps the whole set dense)"
+                )
+            shape = f"{list(info.shape)} {info.dtype} weight: " if len(info.shape) == 2 else ""
+            raise UnsupportedError(f"{part}{shape}{problem}; {hint}", file=str(info.file), tensor=info.base or name)
         keep_dense(problem + " (skipped: --skip-incompatible)")
         d.notes.append(f"{name}: {problem}; kept dense and listed in ignore")
         return
@@ -521,6 +531,8 @@ def _explain_copies(
 
 # -- phase 3: fused sets ------------------------------------------------------------------
 
+_SKIPPED = " (skipped: --skip-incompatible)"  # the reason suffix of a weight --skip-incompatible kept dense
+
 
 def _fused_sets(d: _Decisions, tensors: dict[str, TensorInfo], scheme: Scheme) -> dict[tuple, list[str]]:
     """Members to quantize grouped by fused set; a set is all-quantized or all-dense (else ``UsageError``)."""
@@ -530,10 +542,22 @@ def _fused_sets(d: _Decisions, tensors: dict[str, TensorInfo], scheme: Scheme) -
         if key is not None:
             sets.setdefault(key, []).append(name)
     all_modules = {n[: -len(".weight")] for n in tensors if n.endswith(".weight")}
-    for (parent, members), names in sets.items():
+    for (parent, members), names in list(sets.items()):
         present = [m for m in members if f"{parent}.{m}" in all_modules]
         if len(names) != len(present):
             dense = [m for m in present if f"{parent}.{m}.weight" not in d.to_quantize]
+            skipped = [m for m in dense if (d.rows[f"{parent}.{m}.weight"].reason or "").endswith(_SKIPPED)]
+            if skipped == dense:  # --skip-incompatible kept a member dense: vLLM loads the set with one scheme, so all of it stays dense
+                label = fused_set_name(parent, present)
+                for name in names:
+                    why = f"fused with {', '.join(skipped)} in {label}, which the scheme cannot take; vLLM loads a fused layer with one scheme"
+                    row = d.rows[name]
+                    row.action, row.scheme, row.reason = "ignore", None, f"{why}{_SKIPPED}"
+                    del d.to_quantize[name]
+                    d.ignored.append(name[: -len(".weight")])
+                    d.notes.append(f"{name}: {why}; kept dense and listed in ignore")
+                del sets[(parent, members)]
+                continue
             raise UsageError(
                 f"fused set {fused_set_name(parent, members)} is only partly quantized ({', '.join(dense)} would stay dense); "
                 "vLLM needs one scheme per fused layer: ignore all of its members or none"
