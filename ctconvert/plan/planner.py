@@ -393,9 +393,10 @@ def _decide(d: _Decisions, name: str, info: TensorInfo, scheme: Scheme, targets:
             key = fused_key(module)
             present = [m for m in key[1] if f"{key[0]}.{m}" in rules.modules] if key else []
             if len(present) > 1:  # vLLM loads a fused layer with one scheme: the whole set stays dense, or none of it
+                others = ", ".join(m for m in present if m != module.rpartition(".")[2])
                 hint = (
-                    f"it is fused with {', '.join(m for m in present if m != module.rpartition('.')[2])} in vLLM ({fused_set_name(key[0], present)}): "
-                    f"leave the whole set dense with --ignore for each member, or pass --skip-incompatible (keeps the whole set dense)"
+                    f"leave it dense with --ignore {module!r} and its fused set's other members ({others}; vLLM loads "
+                    f"{fused_set_name(key[0], present)} with one scheme), or pass --skip-incompatible (keeps the whole set dense)"
                 )
             shape = f"{list(info.shape)} {info.dtype} weight: " if len(info.shape) == 2 else ""
             raise UnsupportedError(f"{part}{shape}{problem}; {hint}", file=str(info.file), tensor=info.base or name)
