@@ -133,8 +133,7 @@ class CalibrationModel:
     def __init__(self, ckpt: Checkpoint, device: torch.device):
         tf = _transformers()
         self.ckpt, self.device = ckpt, device
-        emb_dtype = next((t.torch_dtype for n, t in ckpt.tensors.items() if n.endswith("embed_tokens.weight")), None)
-        self.dtype = emb_dtype or next(t.torch_dtype for t in ckpt.tensors.values() if t.torch_dtype.is_floating_point)
+        self.dtype = _dtype(ckpt)
         archs = ckpt.config.get("architectures") or [ckpt.config.get("model_type", "?")]
         self.notes: list[str] = []
         model, self.attention = self._build(tf, archs[0])
@@ -152,25 +151,13 @@ class CalibrationModel:
     def _build(self, tf, arch: str) -> tuple[nn.Module, str]:
         """The meta-device model with SDPA attention, or with the architecture's eager attention where transformers
         has no SDPA for it (gpt-oss: its attention sinks); ``(model, "sdpa" | "eager")``."""
-        first = None
-        for impl in ("sdpa", "eager"):
-            try:
-                config = tf.AutoConfig.from_pretrained(str(self.ckpt.path))
-                with torch.device("meta"):
-                    model = tf.AutoModelForCausalLM.from_config(config, dtype=self.dtype, attn_implementation=impl)
-            except Exception as e:  # noqa: BLE001 - any failure of transformers to build it is one clear line
-                first = first or e
-                continue
-            if impl == "eager":
-                self.notes.append(
-                    f"calibration: transformers {tf.__version__} has no SDPA attention for {arch}; calibrated with its eager attention "
-                    '(attn_implementation="eager": the architecture\'s own attention code, slower)'
-                )
-            return model, impl
-        raise UnsupportedError(
-            f"transformers {tf.__version__} cannot build architecture {arch} for calibration ({type(first).__name__}: {str(first).splitlines()[0][:200]})",
-            file=self.ckpt.path / "config.json",
-        )
+        model, impl = build_meta(tf, self.ckpt, self.dtype, arch)
+        if impl == "eager":
+            self.notes.append(
+                f"calibration: transformers {tf.__version__} has no SDPA attention for {arch}; calibrated with its eager attention "
+                '(attn_implementation="eager": the architecture\'s own attention code, slower)'
+            )
+        return model, impl
 
     def _find_layers(self, model: nn.Module, arch: str) -> tuple[str, nn.ModuleList]:
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -381,6 +368,47 @@ class CalibrationModel:
                 hd.remove()
             layer.to("meta")
         return out
+
+
+def build_meta(tf, ckpt: Checkpoint, dtype: torch.dtype, arch: str) -> tuple[nn.Module, str]:
+    """The checkpoint's causal language model on the meta device (no memory, no weights), built by
+    ``transformers.AutoModelForCausalLM.from_config`` with SDPA attention, else with eager attention;
+    ``(model, "sdpa" | "eager")``. Raises :class:`UnsupportedError` (exit 4) when neither builds: calibration
+    builds only what AutoModelForCausalLM builds, which excludes vision-language models (Qwen2.5-VL, ...) today."""
+    first = None
+    for impl in ("sdpa", "eager"):
+        try:
+            config = tf.AutoConfig.from_pretrained(str(ckpt.path))
+            with torch.device("meta"):
+                return tf.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl), impl
+        except Exception as e:  # noqa: BLE001 - any failure to build it is one clear line
+            first = first or e
+    vlm = "vision_config" in ckpt.config
+    why = (
+        "calibrating vision-language models is not supported yet"
+        if vlm
+        else "calibration supports only the architectures AutoModelForCausalLM builds"
+    )
+    raise UnsupportedError(
+        f"ctconvert cannot calibrate {arch}: its calibration builds the causal language model with transformers' AutoModelForCausalLM, "
+        f"which cannot build architecture {arch} ({type(first).__name__}: {str(first).splitlines()[0][:200]}); {why}: "
+        "use a data-free scheme (NVFP4A16, W4A16, FP8_DYNAMIC, ...), which needs no calibration",
+        file=ckpt.path / "config.json",
+    )
+
+
+def check_buildable(ckpt: Checkpoint) -> None:
+    """What :class:`CalibrationModel` does first, without its work: build the meta-device model (seconds, no
+    weights read), so that a dry run refuses what the real run would refuse, with the same error (exit 4)."""
+    tf = _transformers()
+    archs = ckpt.config.get("architectures") or [ckpt.config.get("model_type", "?")]
+    build_meta(tf, ckpt, _dtype(ckpt), archs[0])
+
+
+def _dtype(ckpt: Checkpoint) -> torch.dtype:
+    """The model's dtype for calibration: its embedding's, else its first floating-point tensor's."""
+    emb_dtype = next((t.torch_dtype for n, t in ckpt.tensors.items() if n.endswith("embed_tokens.weight")), None)
+    return emb_dtype or next(t.torch_dtype for t in ckpt.tensors.values() if t.torch_dtype.is_floating_point)
 
 
 def eager_only(ckpt: Checkpoint) -> str | None:

@@ -188,6 +188,8 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
 
     The reference is the dense model it was quantized from, or the quantized checkpoint it was decompressed
     from, read through its dequantized view (:func:`open_source`: compressed-tensors' ``decompress`` math).
+    A reference with fused 3-D experts (gpt-oss) is read through the family split the planner uses
+    (:func:`_split_reference`): each per-expert tensor of the output against its slice of the fused one.
     A tensor passes when its values are the reference's up to the rounding of a cast between the two dtypes
     (relative L2 at most :func:`_cast_limit`: exact in the same dtype). Only a Linear weight of a dense
     reference may differ more, up to the loosest format limit (:data:`THRESHOLDS`), since a dense file does
@@ -196,6 +198,7 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
     ref_ckpt = open_checkpoint(reference, strict=True)
     quantized_ref = bool(ref_ckpt.quantization_config)
     ref = open_source(ref_ckpt).view if quantized_ref else ref_ckpt
+    ref = _split_reference(ref, ckpt, problems)  # fused 3-D experts (gpt-oss): each per-expert tensor against its slice
     loose = max(THRESHOLDS.values())
     rows = []
     emb = find_embedding(ref.tensors)
@@ -210,7 +213,7 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
             if tuple(src.shape) != tuple(info.shape):
                 problems.append(_error(f"shape {list(info.shape)} differs from the reference {list(src.shape)}", tensor=name))
                 continue
-            if src.dtype == info.dtype and src.virtual is None and _same_bytes(info, src):
+            if src.dtype == info.dtype and src.virtual is None and src.view is None and info.view is None and _same_bytes(info, src):
                 _tick(bar, src.nbytes)
                 continue
             if info.dtype not in _FLOAT_OR_E4M3 or src.dtype not in _FLOAT_OR_E4M3:
