@@ -384,11 +384,7 @@ def build_meta(tf, ckpt: Checkpoint, dtype: torch.dtype, arch: str) -> tuple[nn.
         except Exception as e:  # noqa: BLE001 - any failure to build it is one clear line
             first = first or e
     vlm = "vision_config" in ckpt.config
-    why = (
-        "calibrating vision-language models is not supported yet"
-        if vlm
-        else "calibration supports only the architectures AutoModelForCausalLM builds"
-    )
+    why = "calibrating vision-language models is not supported yet" if vlm else "calibration supports only the architectures AutoModelForCausalLM builds"
     raise UnsupportedError(
         f"ctconvert cannot calibrate {arch}: its calibration builds the causal language model with transformers' AutoModelForCausalLM, "
         f"which cannot build architecture {arch} ({type(first).__name__}: {str(first).splitlines()[0][:200]}); {why}: "
