@@ -69,3 +69,14 @@ def vector_cases(name: str) -> tuple:
             exp = {n: f.get_tensor(f"case{i}.expected.{n}") for n in p["expected"]}
             out.append((i, p, ins, exp))
     return tuple(out)
+
+
+def randomized(model):
+    """``model`` with every 2-D-or-more parameter drawn from N(0, 0.05) (seed 0), in place: the tiny transformers
+    models of the family and calibration tests, with weights that are not the library's init."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model

@@ -13,6 +13,8 @@ import torch
 
 from ctconvert import api
 
+from helpers import randomized
+
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 warnings.filterwarnings("ignore")
@@ -110,15 +112,6 @@ def _expert_weights(how: str, f, parent: str, leaves, e: int) -> dict[str, torch
     return {leaves[0]: gu[:I], leaves[1]: gu[I:], leaves[2]: down}  # linear(x, gate_up[e]).chunk(2, -1)
 
 
-def _randomized(model):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     cache = {}
@@ -126,7 +119,7 @@ def saved(tmp_path_factory):
     def get(family: str):
         if family not in cache:
             torch.manual_seed(0)
-            model = _randomized(FAMILIES[family][0]().to(torch.bfloat16))
+            model = randomized(FAMILIES[family][0]().to(torch.bfloat16))
             path = tmp_path_factory.mktemp(family) / "m"
             model.save_pretrained(str(path))
             cache[family] = path
@@ -221,7 +214,7 @@ def test_qwen3_moe_fused_on_disk_gives_the_per_expert_output(tmp_path):
     """transformers 5 saves Qwen3-MoE fused ([E, 2I, H] gate_up_proj, no .weight) with ``save_original_format=False``:
     the output equals the conversion of the per-expert checkpoint of the same weights, tensor for tensor, and loads."""
     torch.manual_seed(0)
-    model = _randomized(_qwen3_moe().to(torch.bfloat16))
+    model = randomized(_qwen3_moe().to(torch.bfloat16))
     model.save_pretrained(str(tmp_path / "fused"), save_original_format=False)
     model.save_pretrained(str(tmp_path / "split"))
     assert "model.layers.0.mlp.experts.gate_up_proj" in _tensors(tmp_path / "fused")
@@ -239,7 +232,7 @@ def test_qwen3_moe_fused_on_disk_gives_the_per_expert_output(tmp_path):
 
 def test_vlm_language_model_quantized_vision_dense_unless_targeted(tmp_path):
     torch.manual_seed(0)
-    model = _randomized(_qwen2_5_vl().to(torch.bfloat16))
+    model = randomized(_qwen2_5_vl().to(torch.bfloat16))
     model.save_pretrained(str(tmp_path / "m"))
     res = api.quantize(tmp_path / "m", tmp_path / "q", "W4A16")
     q = _tensors(tmp_path / "q")

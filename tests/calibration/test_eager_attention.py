@@ -12,15 +12,17 @@ from click.testing import CliRunner
 
 from ctconvert.cli import main
 
+from helpers import randomized
+
 transformers = pytest.importorskip("transformers")
 warnings.filterwarnings("ignore")
 
 
 def _gpt_oss_checkpoint(path):
-    from test_moe_families import _gpt_oss, _randomized  # the tiny gpt-oss of the family tests (2 layers, 4 experts)
+    from test_moe_families import _gpt_oss  # the tiny gpt-oss of the family tests (2 layers, 4 experts)
 
     torch.manual_seed(0)
-    _randomized(_gpt_oss().to(torch.bfloat16)).save_pretrained(str(path))
+    randomized(_gpt_oss().to(torch.bfloat16)).save_pretrained(str(path))
     return path
 
 
@@ -129,7 +131,7 @@ def test_sliding_window_attention_is_masked_as_transformers_masks_it(tmp_path):
     )
     cfg.sliding_window, cfg.max_position_embeddings = 8, 128
     torch.manual_seed(0)
-    model = _randomized(transformers.MistralForCausalLM(cfg).to(torch.bfloat16)).eval()
+    model = randomized(transformers.MistralForCausalLM(cfg).to(torch.bfloat16)).eval()
     model.save_pretrained(str(tmp_path / "m"))
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))  # rows of 48 tokens, a window of 8
     got = calibrate(open_checkpoint(tmp_path / "m"), ids, torch.device("cpu"))
@@ -143,12 +145,3 @@ def test_sliding_window_attention_is_masked_as_transformers_masks_it(tmp_path):
     assert set(seen) == set(got.inputs)
     for name, x in seen.items():
         assert torch.equal(got.inputs[name].max.max(), x.max()) and torch.equal(got.inputs[name].min.min(), x.min()), name
-
-
-def _randomized(model):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
