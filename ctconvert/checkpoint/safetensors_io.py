@@ -291,12 +291,6 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
     return raw.view(info.torch_dtype).reshape(info.shape)
 
 
-def copy_tensor(info: TensorInfo, shard: ShardFile, chunk: int = 64 * 2**20) -> None:
-    """Copy a tensor's bytes unchanged into ``shard`` (same name), ``chunk`` bytes at a time."""
-    for b0 in range(0, info.nbytes, chunk):
-        shard.write(info.name, read_bytes(info, b0, min(chunk, info.nbytes - b0)), b0)
-
-
 @dataclass
 class PlannedTensor:
     """One output tensor: name, safetensors dtype string and shape."""

@@ -162,12 +162,7 @@ def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int, cast_all: bool, b
                     planned.append(PlannedTensor(mod + ".weight", TORCH_TO_ST[od], dense_shape(m)))
                     tasks.append(Compute(lambda m=m: _dequantize(m, od, chunk_elems, buffers)))
                 continue
-        if cast_all and info.dtype in _FLOAT and info.dtype != TORCH_TO_ST[od]:
-            planned.append(PlannedTensor(name, TORCH_TO_ST[od], info.shape))
-            tasks.append(CastTensor(info, od))
-        else:
-            planned.append(PlannedTensor(name, info.dtype, info.shape))
-            tasks.append(CopyTensor(info))
+        _pass_through(name, info, od, cast_all, planned, tasks)
     return planned, tasks, len(done)
 
 
@@ -182,13 +177,19 @@ def _plan_view(source: Source, od: torch.dtype, chunk_elems: int, cast_all: bool
         if info.virtual is not None:
             planned.append(PlannedTensor(name, TORCH_TO_ST[od], info.shape))
             tasks.append(Compute(lambda info=info: _dense_rows(info, od, chunk_elems)))
-        elif cast_all and info.dtype in _FLOAT and info.dtype != TORCH_TO_ST[od]:
-            planned.append(PlannedTensor(name, TORCH_TO_ST[od], info.shape))
-            tasks.append(CastTensor(info, od))
         else:
-            planned.append(PlannedTensor(name, info.dtype, info.shape))
-            tasks.append(CopyTensor(info))
+            _pass_through(name, info, od, cast_all, planned, tasks)
     return planned, tasks, len(source.modules)
+
+
+def _pass_through(name: str, info, od: torch.dtype, cast_all: bool, planned: list, tasks: list) -> None:
+    """A tensor that was not quantized: cast to ``od`` when ``cast_all`` and it is another float dtype, else copied."""
+    if cast_all and info.dtype in _FLOAT and info.dtype != TORCH_TO_ST[od]:
+        planned.append(PlannedTensor(name, TORCH_TO_ST[od], info.shape))
+        tasks.append(CastTensor(info, od))
+    else:
+        planned.append(PlannedTensor(name, info.dtype, info.shape))
+        tasks.append(CopyTensor(info))
 
 
 def _dense_rows(info, od: torch.dtype, chunk_elems: int):
