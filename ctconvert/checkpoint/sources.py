@@ -477,6 +477,14 @@ def _fp8_modules(ckpt, qcfg, where, groups):
 # -- AutoAWQ GEMM --------------------------------------------------------------------------------
 
 
+def _qweight(parts: dict) -> TensorInfo | None:
+    """A module's AutoAWQ/GPTQ ``qweight`` (2-D int32 words), or None when it has none."""
+    qw = parts.get("qweight")
+    if qw is not None and (qw.dtype != "I32" or len(qw.shape) != 2):
+        raise BadInputError(f"qweight is {qw.dtype}{list(qw.shape)}, expected 2-D I32", **_where(qw))
+    return qw
+
+
 def _awq_modules(ckpt, qcfg, where, groups):
     version = str(qcfg.get("version") or "gemm").lower()
     if version != "gemm":
@@ -489,11 +497,8 @@ def _awq_modules(ckpt, qcfg, where, groups):
     gs = int(qcfg.get("group_size") or qcfg.get("q_group_size") or 128)
     out = []
     for mod, parts in groups.items():
-        if "qweight" not in parts:
+        if (qw := _qweight(parts)) is None:
             continue
-        qw = parts["qweight"]
-        if qw.dtype != "I32" or len(qw.shape) != 2:
-            raise BadInputError(f"qweight is {qw.dtype}{list(qw.shape)}, expected 2-D I32", **_where(qw))
         k, n = qw.shape[0], qw.shape[1] * 8
         g_size = k if gs <= 0 else gs
         if k % g_size:
@@ -525,11 +530,8 @@ def _gptq_modules(ckpt, qcfg, where, groups):
     sym = bool(qcfg.get("sym", True))
     out = []
     for mod, parts in groups.items():
-        if "qweight" not in parts:
+        if (qw := _qweight(parts)) is None:
             continue
-        qw = parts["qweight"]
-        if qw.dtype != "I32" or len(qw.shape) != 2:
-            raise BadInputError(f"qweight is {qw.dtype}{list(qw.shape)}, expected 2-D I32", **_where(qw))
         k, n = qw.shape[0] * 32 // bits, qw.shape[1]
         g_size = k if gs <= 0 else gs
         groups_n = math.ceil(k / g_size)
