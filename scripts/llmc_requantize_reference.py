@@ -11,11 +11,11 @@ fixed seeds), runs llm-compressor's ``model_free_ptq`` with compressed-tensors' 
 source (``FP8BlockDequantizer`` for Hugging Face FP8 block, ``CompressedTensorsDequantizer`` for a
 compressed-tensors FP8_BLOCK checkpoint written the way compressed-tensors writes it) and records
 the sha256 of every source tensor and of every output tensor, so that the test can check that it
-rebuilt the same input and that ctconvert's requantized tensors are the same bytes. Two known
-differences are recorded so the test can account for them: llm-compressor 0.14 runs compressed-tensors
-0.19, which writes an FP8 -0 as 0x80 where 0.20 (ctconvert's reference) writes +0
-(``output_plus_zero``), and its fused-set rules for NVFP4 global scales do not cover MoE experts'
-gate/up nor Hugging Face's MLA names (``global_scales``).
+rebuilt the same input and that ctconvert's requantized tensors are the same bytes (an FP8 -0 is 0x80
+in both: symmetric weights have no zero point). One known difference is recorded so the test can
+account for it: llm-compressor 0.14's fused-set rules for NVFP4 global scales do not cover MoE experts'
+gate/up nor Hugging Face's MLA names (``global_scales``). ``output_plus_zero`` (E4M3 hashes with -0
+written as +0) is kept in the record for older readers; the test no longer uses it.
 """
 
 from __future__ import annotations

@@ -76,7 +76,9 @@ def ct_compress(w: torch.Tensor, scheme: str | QuantizationScheme, fused_with: l
         tmax = torch.stack([m.amax() for m in members]).amax().reshape(1)
         gs = generate_gparam(tmin, tmax)
     scale, zp = calculate_qparams(mn, mx, args, global_scale=gs)
-    sd = {"weight": w, "weight_scale": scale, "weight_zero_point": zp}
+    sd = {"weight": w, "weight_scale": scale}
+    if not args.symmetric:  # symmetric weights have no zero point (llm-compressor's initialize_quantized_linear:
+        sd["weight_zero_point"] = zp  # force_zero_point=False), so quantize() keeps an FP8 -0.0 as 0x80
     if gs is not None:
         sd["weight_global_scale"] = gs
     comp = BaseCompressor.get_value_from_registry(fmt)

@@ -3,7 +3,7 @@
 Format facts (docs/compressed-tensors-format.md): layout §4.2 (``weight`` F8_E4M3
 ``[N, K]``, ``weight_scale`` in the model dtype D), math §6.2 and §6.1:
 ``scale = D(amax / 448)``, zero scales replaced by ``eps(D)``,
-``q = e4m3_rne(clamp(D(w / scale) + 0, ±448))`` (the double rounding fp32 -> D ->
+``q = e4m3_rne(clamp(D(w / scale), ±448))`` (``-0.0`` stays ``0x80``) (the double rounding fp32 -> D ->
 E4M3 is part of the format). Block scales are computed on the zero-padded
 weight, and the stored weight is cut back to ``[N, K]`` (§4.2). MXFP8
 (``mxfp8-quantized``, §4.5, §6.5): the same element rounding with the power-of-two
@@ -40,10 +40,15 @@ def fp8_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fp8_quantize_values(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``e4m3(clamp(D(w / scale), ±448))`` with ``scale`` (fp32) broadcastable to ``w``."""
-    # "+ 0.0": compressed-tensors adds the (all-zero) symmetric zero point, which
-    # turns -0.0 into +0.0 before the cast (byte 0x00, not 0x80).
-    x = rd(w.to(torch.float32) / scale, w.dtype) + 0.0
+    """``e4m3(clamp(D(w / scale), ±448))`` with ``scale`` (fp32) broadcastable to ``w``.
+
+    The sign of zero is kept: an exact ``-0.0`` weight (every dequantized FP8 source holds some) is byte
+    ``0x80``. compressed-tensors 0.20.1 ``quantization/lifecycle/forward_helpers.py:_quantize`` adds the zero
+    point only when one is given, and symmetric weights have none: llm-compressor 0.14's model-free path
+    initializes them with ``force_zero_point=False`` (``entrypoints/model_free/lifecycle.py:
+    initialize_quantized_linear``) and the compressors drop a symmetric zero point
+    (``compressors/base.py:_remove_symmetric_zp``)."""
+    x = rd(w.to(torch.float32) / scale, w.dtype)
     return x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 

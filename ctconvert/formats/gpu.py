@@ -152,8 +152,8 @@ if _HAVE_TRITON:
     def _fp8_fast(s, amin):
         """Whether a row or block may take the reciprocal path: s in [2^-64, 2^64] and every non-zero
         |x| (amin: their least) at least 2^-100 and s * 2^-60. Then every non-zero quotient is a normal
-        number >= 2^-60, where the FMA correction is exact; a zero quotient is +0.0 either way, as the
-        reference adds +0.0 (so a tiny negative quotient, which E4M3 keeps as -0, is never rounded)."""
+        number >= 2^-60, where the FMA correction is exact; only a zero weight gives a zero quotient,
+        and both paths keep its sign (so a tiny negative quotient, which E4M3 keeps as -0, is never rounded)."""
         return _in_range(s) & (amin >= 2.0**-100) & (amin >= s * 2.0**-60)
 
     @triton.jit
@@ -165,8 +165,8 @@ if _HAVE_TRITON:
     def _fp8_codes(x, s, r, FAST, DT: tl.constexpr):
         """E4M3 bytes of D(x / s) clamped to ±448 (fp8.py); FAST: :func:`_fp8_fast` and r = RN(1/s)."""
         q = _div(x, s, r, FAST)
-        # clamp, then + 0.0 (-0.0 becomes +0.0), as fp8.py; clamping first lets it run on D pairs
-        v = tl.minimum(tl.maximum(_rd(q, DT), -448.0), 448.0) + 0.0
+        # clamp (the sign of zero kept, as fp8.py); clamping first lets it run on D pairs
+        v = tl.minimum(tl.maximum(_rd(q, DT), -448.0), 448.0)
         return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
 
     @triton.jit

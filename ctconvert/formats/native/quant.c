@@ -97,7 +97,7 @@ static inline __attribute__((always_inline)) void ct_fp8_channel_impl(const void
         if (s == 0.0f) s = eps_of(dt);
         store_d(scale, dt, r, s);
         for (int64_t j = 0; j < k; j++) {
-            float v = rd(load(w, dt, base + j) / s, dt) + 0.0f;
+            float v = rd(load(w, dt, base + j) / s, dt);
             q[base + j] = f32_to_e4m3(clampf(v, -448.0f, 448.0f));
         }
     }
@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) void ct_fp8_block_impl(const void *
             store_d(scale, dt, br * kb + bc, s);
             for (int64_t r = r0; r < r1; r++)
                 for (int64_t j = c0; j < c1; j++) {
-                    float v = rd(load(w, dt, r * k + j) / s, dt) + 0.0f;
+                    float v = rd(load(w, dt, r * k + j) / s, dt);
                     q[r * k + j] = f32_to_e4m3(clampf(v, -448.0f, 448.0f));
                 }
         }
@@ -303,7 +303,7 @@ static inline __attribute__((always_inline)) int ct_mxfp8_impl(const void *w, in
             float s;
             if (mx_scale(u2f(amax_b), dt, 8, &s, &scale[r * groups + gi])) return 1;
             for (int j = 0; j < 32; j++) {
-                float v = rd(load(w, dt, c0 + j) / s, dt) + 0.0f;
+                float v = rd(load(w, dt, c0 + j) / s, dt);
                 q[c0 + j] = f32_to_e4m3(clampf(v, -448.0f, 448.0f));
             }
         }
