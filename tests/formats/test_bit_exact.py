@@ -181,3 +181,29 @@ def test_mxfp8_scales_and_values_by_hand(device):
     assert torch.equal(q[0, :32], torch.full((32,), 384.0)) and torch.equal(q[0, 32:], torch.full((32,), 224.0))
     assert torch.equal(q[1, :32], (w[1, :32].float() * 128).to(torch.float8_e4m3fn).float())
     assert not q[2].any() and not q[1, 32:].any()
+
+
+@pytest.mark.parametrize("device", IMPLS)
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "FP8_BLOCK", "MXFP8A16"])
+def test_negative_zero_weight_is_0x80_as_compressed_tensors_quantize_writes_it(scheme, device):
+    """An exact -0.0 weight is E4M3 byte 0x80 (and +0.0 is 0x00): compressed-tensors 0.20.1's ``quantize()`` called
+    as the model-free path calls it for symmetric weights (no zero point) keeps the sign; every dequantized FP8
+    source holds -0.0. The expectation is compressed-tensors' own function, not the test's reference driver."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+
+    w = make_weight("randn", torch.bfloat16, 128, 256, seed=stable_seed("negzero", scheme))
+    w[3, 7], w[3, 8], w[40, :32] = -0.0, 0.0, -0.0  # a -0 beside a +0, and a whole MX group of -0
+    got = ours(scheme, w, device)
+    args = preset_name_to_scheme(scheme, ["Linear"]).weights
+    s = got["weight_scale"]
+    if scheme == "MXFP8A16":
+        scale = torch.exp2(s.float() - 127).to(torch.bfloat16).repeat_interleave(32, 1)
+    elif scheme == "FP8_BLOCK":
+        scale = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:128, :256]
+    else:
+        scale = s
+    want = quantize(w, scale.expand_as(w).contiguous(), None, args.model_copy(update={"strategy": "tensor"}), dtype=torch.float8_e4m3fn)
+    b = got["weight"].view(torch.uint8)
+    assert b[3, 7] == 0x80 and b[3, 8] == 0x00 and bool((b[40, :32] == 0x80).all())
+    assert torch.equal(b, want.view(torch.uint8))
