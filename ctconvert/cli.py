@@ -9,7 +9,6 @@ line, ``error: ...``, and exit with the code of their class
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -17,7 +16,7 @@ import traceback
 
 import click
 
-from . import __version__, errors
+from . import __version__, errors, jsonout
 from .errors import plural
 
 
@@ -40,7 +39,7 @@ class _Ctx:
         return Console(stderr=stderr, highlight=False, soft_wrap=not tty and not cols.isdigit(), width=width)
 
     def emit_json(self, data: dict) -> None:
-        click.echo(json.dumps(data, indent=None if self.lines else 2, default=str))
+        click.echo(jsonout.dumps(data, indent=None if self.lines else 2))
 
 
 _AS_PROGRAM = False  # set by run(): the process is ctconvert itself (not a test runner or a host program)
@@ -832,7 +831,7 @@ def run() -> None:
     except click.exceptions.ClickException as e:  # usage errors: one line too, and a JSON document with --json
         msg = e.format_message()
         if "--json" in sys.argv[1:]:
-            click.echo(json.dumps({"ok": False, "error": msg, "exit_code": e.exit_code, "type": type(e).__name__}, indent=2))
+            click.echo(jsonout.dumps({"ok": False, "error": msg, "exit_code": e.exit_code, "type": type(e).__name__}, indent=2))
         ctx = getattr(e, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None and isinstance(e, click.UsageError) else ""
         click.echo(f"error: {msg}{hint}", err=True)

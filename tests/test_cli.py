@@ -210,3 +210,32 @@ def test_option_lists_split_on_commas_outside_brackets():
     assert _split(("re:.*down_proj,model.layers.0.self_attn.o_proj",)) == ["re:.*down_proj", "model.layers.0.self_attn.o_proj"]
     assert _split((r"re:.*layers\.(1|2)\..*,re:x{1,3}", "a,b", " c ")) == [r"re:.*layers\.(1|2)\..*", "re:x{1,3}", "a", "b", "c"]
     assert _split(("re:.*[,;]x,y", "re:(a,b)")) == ["re:.*[,;]x", "y", "re:(a,b)"]
+
+
+def _strict_json(text: str):
+    """``json.loads`` that refuses the non-standard ``Infinity``/``NaN`` tokens, as parsers outside Python do."""
+
+    def refuse(token):
+        raise ValueError(f"not standard JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_is_standard_json_for_a_lossless_verify(tiny_llama, tmp_path):
+    """A lossless comparison (an FP8 output against its own decompressed copy) has an infinite SNR: --json writes
+    it as the string "inf", never the token Infinity."""
+    out, back = tmp_path / "o", tmp_path / "b"
+    assert run("quantize", tiny_llama, "-s", "FP8_DYNAMIC", "-o", out)[0] == 0
+    assert run("decompress", out, "-o", back)[0] == 0
+    code, stdout, _ = run("--json", "verify", out, "--reference", back)
+    assert code == 0, stdout
+    doc = _strict_json(stdout)  # (the text says "NaN/inf" in its list of checks, so test tokens, not substrings)
+    assert doc["summary"]["min_snr_db"] == "inf" and float(doc["summary"]["min_snr_db"]) == float("inf")
+    assert doc["tensors"] and all(t["snr_db"] == "inf" for t in doc["tensors"])
+
+
+def test_json_dumps_replaces_every_non_finite_float():
+    from ctconvert import jsonout
+
+    doc = {"a": float("inf"), "b": [float("-inf"), 1.5, (float("nan"),)], "c": {"d": 0.0}}
+    assert _strict_json(jsonout.dumps(doc)) == {"a": "inf", "b": ["-inf", 1.5, ["nan"]], "c": {"d": 0.0}}

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import jsonout
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, CTConvertError, UsageError
 from ..pipeline.options import QuantizeOptions, job_keys
 from ..plan.schemes import get_scheme, resolve_scheme
@@ -78,11 +79,11 @@ def load_jobs(path: str | Path, emit: Callable | None = None) -> list[dict]:
         return _load_jobs(path)
     except CTConvertError as e:
         if emit is not None:
-            emit(json.dumps({**dict.fromkeys(LINE_KEYS), "status": "error", "dry_run": False, "error": str(e), "exit_code": e.exit_code, "notes": []}))
+            emit(jsonout.dumps({**dict.fromkeys(LINE_KEYS), "status": "error", "dry_run": False, "error": str(e), "exit_code": e.exit_code, "notes": []}))
             counts = {"ok": 0, "error": 1, "skipped": 0, "interrupted": 0}
             message = "0 ok, 1 failed, 0 skipped: the jobs file was refused, no job ran"
             seconds = round(time.perf_counter() - t0, 3)
-            emit(json.dumps({"status": "summary", "jobs": 0, **counts, "exit_code": e.exit_code, "seconds": seconds, "message": message}))
+            emit(jsonout.dumps({"status": "summary", "jobs": 0, **counts, "exit_code": e.exit_code, "seconds": seconds, "message": message}))
         raise
 
 
@@ -191,11 +192,11 @@ def run_jobs(
 
     def put(line: dict) -> None:
         counts[line["status"]] += 1
-        emit(json.dumps(line))
+        emit(jsonout.dumps(line))
 
     def summary() -> None:
         emit(
-            json.dumps(
+            jsonout.dumps(
                 {
                     "status": "summary",
                     "jobs": len(jobs),
