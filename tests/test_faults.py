@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -435,6 +436,41 @@ def test_overwrite_refuses_a_folder_ctconvert_did_not_write(tiny_llama, tmp_path
     assert run_cli("decompress", out, "-o", dense)[0] == 0
     assert run_cli("decompress", out, "-o", dense, "--overwrite")[0] == 0  # decompress outputs carry the marker too
     assert json.loads((dense / "model.safetensors.index.json").read_text())["metadata"]["ctconvert"]
+
+
+def test_overwrite_never_deletes_a_file_ctconvert_did_not_write(tiny_llama, tmp_path):
+    """A file the user put into an earlier output (MY_NOTES.txt, a sub-folder's file) is named and the run refused
+    (exit 6): the old output and the file stay as they were. Every file ctconvert wrote, the copies of the source's
+    files included, is replaced without a word, and an output of a release without the file list (its index lacks
+    ``ctconvert_files``) counts the source's files as its own."""
+    out = tmp_path / "o"
+    assert run_cli("quantize", tiny_llama, "-s", "W4A16", "-o", out)[0] == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["metadata"]["ctconvert_files"]) == {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    (out / "MY_NOTES.txt").write_text("mine")
+    (out / "eval").mkdir()
+    (out / "eval" / "scores.json").write_text("{}")
+    before = tree_hash(out)
+    c, _, err = run_cli("quantize", tiny_llama, "-s", "FP8_DYNAMIC", "-o", out, "--overwrite")
+    assert c == 6 and "would delete 2 files that ctconvert did not write (MY_NOTES.txt, eval/scores.json)" in err, err
+    assert "Traceback" not in err and tree_hash(out) == before
+    (out / "MY_NOTES.txt").unlink()
+    shutil.rmtree(out / "eval")
+    dense = tmp_path / "dense"  # decompress (and repack, convert) write through the same folder
+    assert run_cli("decompress", out, "-o", dense)[0] == 0
+    (dense / "MY_NOTES.txt").write_text("mine")
+    c, _, err = run_cli("decompress", out, "-o", dense, "--overwrite")
+    assert c == 6 and "1 file that ctconvert did not write (MY_NOTES.txt); move it out" in err, err
+    assert (dense / "MY_NOTES.txt").read_text() == "mine"
+    assert run_cli("quantize", tiny_llama, "-s", "FP8_DYNAMIC", "-o", out, "--overwrite")[0] == 0
+    del index["metadata"]["ctconvert_files"]  # an output written before the list: the source's names are its own
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    (out / "tokenizer_config.json").write_text("{}")  # a copy of a source file (the fixture has one) ...
+    (out / "MY_NOTES.txt").write_text("mine")  # ... and the user's file
+    c, _, err = run_cli("quantize", tiny_llama, "-s", "W4A16", "-o", out, "--overwrite")
+    assert c == 6 and "(MY_NOTES.txt)" in err, err
+    (out / "MY_NOTES.txt").unlink()
+    assert run_cli("quantize", tiny_llama, "-s", "W4A16", "-o", out, "--overwrite")[0] == 0
 
 
 def test_resume_rewrites_a_shard_whose_source_changed(tmp_path):

@@ -88,6 +88,15 @@ def check_output_path(src: Path, out: Path, overwrite: bool) -> None:
             f"{plural(len(entries), 'other entry', 'other entries')} ({shown}); remove it yourself or choose another -o",
             file=out,
         )
+    if o.exists() and overwrite:
+        foreign = not_written_here(o, s)
+        if foreign:
+            shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+            raise OutputError(
+                f"--overwrite would delete {plural(len(foreign), 'file')} that ctconvert did not write ({shown}); "
+                f"move {'it' if len(foreign) == 1 else 'them'} out of the folder, or choose another -o",
+                file=out,
+            )
     for parent in o.parents:  # the first existing ancestor must be a folder
         if parent.exists():
             if not parent.is_dir():
@@ -114,6 +123,31 @@ def replaceable(folder: Path) -> bool:
     if isinstance(index, dict) and isinstance(index.get("metadata"), dict) and MARKER in index["metadata"]:
         return True
     return (folder / PROVENANCE).is_file() and (folder / INDEX_NAME).is_file()
+
+
+#: the index metadata key listing every file (relative path) a ctconvert output holds: what ``--overwrite`` may delete
+FILES_KEY = "ctconvert_files"
+
+
+def not_written_here(folder: Path, src: Path) -> list[str]:
+    """The files (relative paths, sorted) of an earlier ctconvert output ``folder`` that ctconvert did not write,
+    which ``--overwrite`` must not delete in silence. The output's index lists the files it wrote
+    (:data:`FILES_KEY`); an output of a release before that list counts as written: its index, shards,
+    config, provenance and journal, and files named as in ``src`` (the copies a run makes of its input's files)."""
+    files = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    try:
+        index = json.loads((folder / INDEX_NAME).read_text())
+    except (OSError, ValueError):
+        index = {}
+    meta = index.get("metadata") if isinstance(index, dict) else None
+    listed = meta.get(FILES_KEY) if isinstance(meta, dict) else None
+    if isinstance(listed, list):
+        ours = {str(x) for x in listed}
+    else:
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        ours = {INDEX_NAME, CONFIG_NAME, PROVENANCE, JOURNAL, *(wm.values() if isinstance(wm, dict) else ())}
+        ours |= {str(p.relative_to(src)) for p in src.rglob("*") if p.is_file()} if src.is_dir() else set()
+    return sorted(files - ours)
 
 
 #: files of other weight formats that a converted checkpoint must not carry along (dense copies of the weights)
@@ -342,7 +376,9 @@ class OutputFolder:
             f.close()
         # Shard hashes still running only serve a resume of this run, which is finishing: not waited for
         # (commit stops them from writing the journal).
-        meta = {"total_size": total_size, MARKER: __version__}
+        names = {str(p.relative_to(self.tmp)) for p in self.tmp.rglob("*") if p.is_file()} - {JOURNAL, JOURNAL + ".new", ".lock"}
+        names |= {INDEX_NAME, CONFIG_NAME, *(extra_json or {})}
+        meta = {"total_size": total_size, MARKER: __version__, FILES_KEY: sorted(names)}
         self.write_json(INDEX_NAME, {"metadata": meta, "weight_map": dict(sorted(self.weight_map.items()))})
         for name, data in (extra_json or {}).items():
             self.write_json(name, data)
