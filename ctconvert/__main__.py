@@ -56,12 +56,23 @@ def bytecode_cache(environ=os.environ, probe: str = "torch") -> str | None:
     return folder
 
 
+#: options that make click answer from the command definitions alone (no command runs, so no torch import)
+_HELP_OPTIONS = ("--version", "--help", "-h")
+
+
+def _answers_without_api(argv: list[str]) -> bool:
+    """Whether the command line only asks for the help or the version (or nothing: the help). A command that
+    runs after all (``--help`` as an option's value) imports the API itself, inside ``cli.run``'s handling."""
+    return not argv or any(a in _HELP_OPTIONS for a in argv)
+
+
 def main() -> None:
     hits: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: hits.append(signum)) for sig in STOP_SIGNALS}
     try:
         bytecode_cache()  # inside the window too
-        from . import api  # noqa: F401 - torch and the rest of the heavy imports, inside the window
+        if not _answers_without_api(sys.argv[1:]):
+            from . import api  # noqa: F401 - torch and the rest of the heavy imports, inside the window
         from .cli import run
     finally:
         for sig, handler in previous.items():

@@ -84,3 +84,25 @@ def test_packages_installed_with_bytecode_are_left_to_it(tmp_path, interpreter_s
     sys.dont_write_bytecode, sys.pycache_prefix = True, None
     assert bytecode_cache({"CTCONVERT_CACHE": str(tmp_path / "cache")}, probe="ct_bytecode_probe5") is None
     assert (sys.dont_write_bytecode, sys.pycache_prefix) == (True, None)
+
+
+def _imported(*args: str) -> tuple[int, str, set[str]]:
+    """Exit code, stdout and the top-level packages a ``python -m ctconvert ARGS`` process imported (-X importtime)."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "ctconvert", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    mods = {line.rpartition("|")[2].strip().split(".")[0] for line in r.stderr.splitlines() if line.startswith("import time:")}
+    return r.returncode, r.stdout, mods
+
+
+@pytest.mark.parametrize("args", [("--version",), ("--help",), ("quantize", "--help"), ("verify", "-h"), ()])
+def test_help_and_version_answer_without_importing_torch(args):
+    """``--version`` and ``--help`` are answered from the command definitions: no torch, transformers or
+    compressed-tensors import (seconds of start-up on a cold machine)."""
+    code, out, mods = _imported(*args)
+    assert code == 0 and out.strip()
+    assert mods & {"torch", "transformers", "compressed_tensors", "safetensors"} == set(), sorted(mods)
+    assert "ctconvert" in mods and "click" in mods
+
+
+def test_a_command_that_runs_still_imports_the_api():
+    code, out, mods = _imported("schemes")
+    assert code == 0 and "NVFP4A16" in out and "torch" in mods
