@@ -105,10 +105,11 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _qdiv(x, s, r):
-        """RN(x / s) from r = RN(1/s): one product and one FMA correction (Markstein)."""
+        """RN(x / s) from r = RN(1/s): one product and one FMA correction (Markstein). A zero x keeps its sign
+        (the correction would add +0 to -0: an E4M3 -0.0 is byte 0x80)."""
         q = x * r
         e = tl.fma(-q, s, x)
-        return tl.fma(e, r, q)
+        return tl.where(x == 0.0, q, tl.fma(e, r, q))
 
     @triton.jit
     def _div(x, s, r, FAST):
