@@ -270,6 +270,13 @@ class Sparse24Bitmask(WeightFormat):
 
     def quantize(self, w, args, global_scale=None, impl="auto"):
         pruned = prune24(w)
+        if self.inner is not None:
+            # compressed-tensors 0.14 compressed 2:4 modules whose observers had registered a (zero) weight zero
+            # point, and adding it turns a -0.0 weight into +0.0 before the cast (byte 0x00, not the 0x80 of the
+            # model-free path; tests/data/sparse24_ct014.safetensors): a quantized 2:4 value has no -0 from a -0
+            # weight, so the bitmask's tie order over the FP8 bytes is that of compressed-tensors 0.14. (A negative weight whose
+            # quotient underflows fp32 gave +0 there and gives -0 here: no real weight's row spans 2^149.)
+            pruned = pruned + 0.0
         out = dict(self.inner.quantize(pruned, args, global_scale, impl)) if self.inner else {"weight": pruned}
         out.update(compress24(out.pop("weight")))
         return out
