@@ -234,3 +234,118 @@ def test_quantize_with_target_imports_no_dynamo(tiny_llama, tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False"
+
+
+# -- every tensor of every module, both ways and by both routes (issue 22) ---------------------------------------
+
+#: (scheme, --sparsity, target): every scheme each target takes
+CONSERVATION = [
+    *[(s, None, "marlin") for s in ("W4A16", "W4A16_ASYM", "W8A16", "FP8_DYNAMIC", "FP8", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4")],
+    ("NVFP4", None, "cutlass-nvfp4"),
+    *[(s, "2:4", "cutlass-2of4") for s in ("DENSE", "FP8_DYNAMIC", "W8A8")],
+    *[(s, "2:4", "cutlass-2of4-sm80") for s in ("DENSE", "W8A8")],
+]
+_CALIBRATED = ("NVFP4", "FP8")
+_QUANTIZED: dict[tuple, object] = {}
+
+
+@pytest.fixture(scope="module")
+def qwen2_biases(tmp_path_factory):
+    """A tiny Qwen2 saved by transformers: q/k/v biases, every parameter random (the biases too: a permuted or
+    dropped bias shows), with a tokenizer for the calibrated schemes."""
+    transformers = pytest.importorskip("transformers")
+    from calibration.test_calibration import add_tokenizer
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    path = tmp_path_factory.mktemp("qwen2") / "src"
+    model.save_pretrained(str(path))
+    return add_tokenizer(path)
+
+
+def _kwargs(scheme: str, sparsity: str | None) -> dict:
+    kw = {"device": "cpu", "sparsity": sparsity}
+    if scheme in _CALIBRATED:
+        kw.update(calibration_samples=2, calibration_seq_len=32)
+    return kw
+
+
+def _quantized(src, scheme: str, sparsity: str | None):
+    """The compressed-tensors checkpoint of ``scheme`` (made once per module)."""
+    key = (str(src), scheme, sparsity)
+    if key not in _QUANTIZED:
+        out = src.parent / f"q-{scheme}-{sparsity or 'dense'}".replace(":", "")
+        api.quantize(src, out, scheme, **_kwargs(scheme, sparsity))
+        _QUANTIZED[key] = out
+    return _QUANTIZED[key]
+
+
+def _tensors(d) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _assert_same_tensors(a, b):
+    """Same names, dtypes, shapes and bytes (offsets and shards may differ)."""
+    ta, tb = _tensors(a), _tensors(b)
+    assert sorted(ta) == sorted(tb), sorted(set(ta) ^ set(tb))
+    for name, t in ta.items():
+        assert t.dtype == tb[name].dtype and t.shape == tb[name].shape and bitwise_equal(t, tb[name]), name
+
+
+@pytest.mark.parametrize("scheme,sparsity,target", CONSERVATION)
+def test_round_trip_restores_every_tensor(qwen2_biases, tmp_path, scheme, sparsity, target):
+    """compressed-tensors -> target -> compressed-tensors gives every tensor back, bit for bit (biases,
+    input_global_scale, input_scale ...), and the config; verify of the kernel-native output agrees."""
+    q = _quantized(qwen2_biases, scheme, sparsity)
+    k, back = tmp_path / "k", tmp_path / "b"
+    repack(q, k, target, device="cpu")
+    v = api.verify(k, q)
+    assert v["ok"], v["problems"]
+    repack(k, back, "compressed-tensors", device="cpu")
+    _assert_same_tensors(q, back)
+    assert json.loads((back / "config.json").read_text()) == json.loads((q / "config.json").read_text())
+
+
+def test_kernel_native_biases_and_input_scales_are_kept(qwen2_biases, tmp_path):
+    """Biases in the layout vLLM holds after loading (Marlin: marlin_permute_bias; CUTLASS NVFP4: as they are),
+    an NVFP4 input_global_scale on Marlin copied and recorded; a module that lacks one fails verify."""
+    from ctconvert.layouts import marlin
+
+    q = _quantized(qwen2_biases, "NVFP4", None)
+    src = _tensors(q)
+    b = "model.layers.0.self_attn.k_proj"
+    n, k = src[f"{b}.weight_packed"].shape[0], src[f"{b}.weight_packed"].shape[1] * 2
+    repack(q, tmp_path / "m", "marlin", device="cpu")
+    repack(q, tmp_path / "c", "cutlass-nvfp4", device="cpu")
+    tm, tc = _tensors(tmp_path / "m"), _tensors(tmp_path / "c")
+    assert bitwise_equal(tm[f"{b}.bias"], marlin.marlin_permute_bias(src[f"{b}.bias"], k, n, 16))
+    assert not bitwise_equal(tm[f"{b}.bias"], src[f"{b}.bias"])  # (N = 64: the permutation moves values)
+    assert bitwise_equal(tm[f"{b}.input_global_scale"], src[f"{b}.input_global_scale"])
+    assert bitwise_equal(tc[f"{b}.bias"], src[f"{b}.bias"])
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["quantization_config"]["modules"][b]["copied"] == ["input_global_scale"]
+    # a kernel-native output without a module's bias (as written before this fix): verify must not pass it
+    from safetensors.torch import save_file
+
+    rec = cfg["quantization_config"]["modules"][b]
+    rec["tensors"].remove("bias")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    f = next((tmp_path / "m").glob("*.safetensors"))
+    save_file({n_: t for n_, t in _tensors(tmp_path / "m").items() if n_ != f"{b}.bias"}, f, metadata={"format": "pt"})
+    for idx in (tmp_path / "m").glob("*.index.json"):
+        idx.unlink()
+    v = api.verify(tmp_path / "m", q)
+    assert not v["ok"] and any("lacks bias" in p["message"] for p in v["problems"])
+    assert not api.verify(tmp_path / "m")["ok"]  # without the reference too: the record's source tensors
