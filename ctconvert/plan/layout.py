@@ -21,8 +21,8 @@ import torch
 
 from ..checkpoint.kernel_native import check_act_dtype, kernel_native_config
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.safetensors_io import DTYPES, TORCH_TO_ST
-from ..errors import UnsupportedError, UsageError
+from ..checkpoint.safetensors_io import DTYPES, TORCH_TO_ST, read_tensor
+from ..errors import BadInputError, UnsupportedError, UsageError
 from ..layouts import batched, kernels
 from .planner import Plan
 
@@ -110,11 +110,24 @@ class LayoutStage:
         self.kernels: dict[str, tuple[str, dict]] = {}  # module -> (kernel, weight args)
         self._planned: dict[tuple, tuple[list, dict]] = {}  # planning key -> (kernel outputs, record)
         self._module_plan: dict[str, tuple] = {}  # module -> its planning key
+        self.carried: dict[str, dict[str, tuple]] = {}  # module -> {part: (source TensorInfo, --dense-dtype cast)}
 
     def plan(self, plan: Plan, ckpt: Checkpoint, qcfg: dict) -> Plan:
-        """A copy of ``plan`` whose quantize units output kernel tensors. Raises :class:`UnsupportedError`."""
+        """A copy of ``plan`` whose quantize units output kernel tensors. Raises :class:`UnsupportedError`.
+
+        A copied tensor of a quantized module (a Linear's ``bias``) is no longer copied: it goes through
+        the module's kernel with the module's own tensors (:func:`ctconvert.layouts.kernels.repack_module`:
+        in the kernel's layout, or copied and recorded), as ``repack`` does; its plan row says so."""
+        repacked = {m for u in plan.units if u.kind == "quantize" for m in u.modules}
+        rows = {r.name: r for r in plan.rows}
+        carried: dict[str, list] = {}  # module -> [(copy unit, its output)]
+        for u in plan.units:
+            if u.kind == "copy" and u.outputs[0][0].rpartition(".")[0] in repacked:
+                carried.setdefault(u.outputs[0][0].rpartition(".")[0], []).append(u)
         units = []
         for u in plan.units:
+            if u.kind == "copy" and u.outputs[0][0].rpartition(".")[0] in carried:
+                continue
             if u.kind != "quantize":
                 units.append(u)
                 continue
@@ -129,7 +142,11 @@ class LayoutStage:
                     outputs += outs
                     continue
                 src = ckpt.tensors[u.sources[u.modules.index(mod)]]
-                outputs += self._plan_module(mod, outs, src, weights, fmt)
+                for c in carried.get(mod, []):
+                    self.carried.setdefault(mod, {})[c.outputs[0][0].rpartition(".")[2]] = (ckpt.tensors[c.sources[0]], c.cast)
+                    if (row := rows.get(c.sources[0])) is not None and row.action == "copy":
+                        row.reason = f"{row.reason or 'copied'}; written with its module, through its kernel"
+                outputs += self._plan_module(mod, outs + [c.outputs[0] for c in carried.get(mod, [])], src, weights, fmt)
             units.append(dataclasses.replace(u, outputs=outputs))
         return dataclasses.replace(plan, units=units)
 
@@ -165,6 +182,8 @@ class LayoutStage:
     def __call__(self, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Kernel tensors of one quantized module (its compressed-tensors tensors, whole, on any device)."""
         kernel, weights = self.kernels[module]
+        dev = next(iter(tensors.values())).device
+        tensors = {**tensors, **{p: self._read_carried(info, cast).to(dev) for p, (info, cast) in self.carried.get(module, {}).items()}}
         kouts, rec = self._planned[self._module_plan[module]]
         planned = ({p: (DTYPES[dt][0], shape) for p, dt, shape in kouts}, rec)  # not planned again (no meta tensors)
         outs, recs = batched.repack_batch(
@@ -172,6 +191,20 @@ class LayoutStage:
         )
         self.records[module].update(recs[0])
         return {p: t[0] for p, t in outs.items()}
+
+    @staticmethod
+    def _read_carried(info, cast: str | None) -> torch.Tensor:
+        """A carried tensor (a bias) as the copy would have written it: its values, cast by ``--dense-dtype``
+        (``cast``: a safetensors dtype). Raises :class:`BadInputError` naming it for NaN/inf, or a value
+        the cast would turn into inf: it goes into a kernel layout, not through the copy's checks."""
+        t = read_tensor(info)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise BadInputError("tensor holds NaN/inf values; refusing to repack it with its module", file=str(info.file), tensor=info.name)
+        if cast is not None:
+            t = t.to(DTYPES[cast][0])
+            if not bool(torch.isfinite(t).all()):
+                raise BadInputError(f"a value is beyond the range of {cast} and would become inf (--dense-dtype)", file=str(info.file), tensor=info.name)
+        return t
 
     def config(self, qcfg: dict) -> dict:
         """The kernel-native ``quantization_config`` wrapping the compressed-tensors one (a target whose

@@ -318,6 +318,17 @@ def test_round_trip_restores_every_tensor(qwen2_biases, tmp_path, scheme, sparsi
     assert json.loads((back / "config.json").read_text()) == json.loads((q / "config.json").read_text())
 
 
+@pytest.mark.parametrize("scheme,sparsity,target", CONSERVATION)
+def test_both_target_routes_write_the_same_checkpoint(qwen2_biases, tmp_path, scheme, sparsity, target):
+    """``quantize --target T`` equals ``quantize`` then ``repack --target T``: the same tensors (names, bytes)
+    and the same config.json, with no field excepted."""
+    q = _quantized(qwen2_biases, scheme, sparsity)
+    repack(q, tmp_path / "k", target, device="cpu")
+    api.quantize_to_target(qwen2_biases, tmp_path / "k2", scheme, target, **_kwargs(scheme, sparsity))
+    _assert_same_tensors(tmp_path / "k", tmp_path / "k2")
+    assert json.loads((tmp_path / "k" / "config.json").read_text()) == json.loads((tmp_path / "k2" / "config.json").read_text())
+
+
 def test_kernel_native_biases_and_input_scales_are_kept(qwen2_biases, tmp_path):
     """Biases in the layout vLLM holds after loading (Marlin: marlin_permute_bias; CUTLASS NVFP4: as they are),
     an NVFP4 input_global_scale on Marlin copied and recorded; a module that lacks one fails verify."""
