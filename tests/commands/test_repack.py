@@ -360,3 +360,18 @@ def test_kernel_native_biases_and_input_scales_are_kept(qwen2_biases, tmp_path):
     v = api.verify(tmp_path / "m", q)
     assert not v["ok"] and any("lacks bias" in p["message"] for p in v["problems"])
     assert not api.verify(tmp_path / "m")["ok"]  # without the reference too: the record's source tensors
+
+
+def test_an_incompletely_written_output_is_an_internal_error(tiny_llama, tmp_path, monkeypatch):
+    """The writer's "tensors incompletely written" is ctconvert's own inconsistency: exit 1 (internal error), not
+    6 ("output cannot be written"), which sends the user to check the disk."""
+    from ctconvert.errors import EXIT_INTERNAL
+    from ctconvert.layouts import kernels
+
+    api.quantize(tiny_llama, tmp_path / "q", "W4A16")
+    repack(tmp_path / "q", tmp_path / "k", "marlin", device="cpu")
+    real = kernels.unrepack_module
+    monkeypatch.setattr(kernels, "unrepack_module", lambda t, rec: {p: v for p, v in real(t, rec).items() if p != "weight_scale"})
+    r = CliRunner().invoke(main, ["repack", str(tmp_path / "k"), "-o", str(tmp_path / "b"), "--target", "compressed-tensors", "--device", "cpu"])
+    assert r.exit_code == EXIT_INTERNAL and "internal: 14 tensors incompletely written" in r.stderr, (r.exit_code, r.stderr)
+    assert "Traceback" not in r.stderr and not (tmp_path / "b").exists()
