@@ -375,3 +375,31 @@ def test_an_incompletely_written_output_is_an_internal_error(tiny_llama, tmp_pat
     r = CliRunner().invoke(main, ["repack", str(tmp_path / "k"), "-o", str(tmp_path / "b"), "--target", "compressed-tensors", "--device", "cpu"])
     assert r.exit_code == EXIT_INTERNAL and "internal: 14 tensors incompletely written" in r.stderr, (r.exit_code, r.stderr)
     assert "Traceback" not in r.stderr and not (tmp_path / "b").exists()
+
+
+def test_act_order_module_repacks_and_round_trips(tmp_path):
+    """An act-order (``weight_g_idx``) W4A16 module for ``--layout-version 0.29``: the layout sorts by the g_idx
+    values, which meta tensors cannot do (torch: no meta kernel for aten::equal), so it plans on stand-in values;
+    before, repack refused it ("cannot repack for marlin-int")."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+
+    src = write_checkpoint(tmp_path / "src", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG)
+    q = tmp_path / "q"
+    api.quantize(src, q, "W4A16", device="cpu")
+    f = next(q.glob("*.safetensors"))
+    t = load_file(f)
+    g = torch.Generator().manual_seed(0)
+    for n in [n for n in t if n.endswith(".weight_shape")]:
+        k = int(t[n][1])
+        t[n.replace("weight_shape", "weight_g_idx")] = torch.randperm(k, generator=g).to(torch.int32) // 128
+    save_file(t, f, metadata={"format": "pt"})
+    for idx in q.glob("*.index.json"):
+        idx.unlink()
+    repack(q, tmp_path / "k", "marlin", layout_version="0.29", device="cpu")
+    rec = json.loads((tmp_path / "k" / "config.json").read_text())["quantization_config"]["modules"]["model.layers.1.mlp.down_proj"]
+    assert rec["act_order"] and "g_idx_sort_indices" in rec["tensors"]
+    assert api.verify(tmp_path / "k", q)["ok"]
+    repack(tmp_path / "k", tmp_path / "b", "compressed-tensors", device="cpu")
+    _assert_same_tensors(q, tmp_path / "b")
