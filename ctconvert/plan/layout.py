@@ -172,12 +172,7 @@ class LayoutStage:
         A copied tensor of a quantized module (a Linear's ``bias``) is no longer copied: it goes through
         the module's kernel with the module's own tensors (:func:`ctconvert.layouts.kernels.repack_module`:
         in the kernel's layout, or copied and recorded), as ``repack`` does; its plan row says so."""
-        repacked = {m for u in plan.units if u.kind == "quantize" for m in u.modules}
-        rows = {r.name: r for r in plan.rows}
-        carried: dict[str, list] = {}  # module -> [(copy unit, its output)]
-        for u in plan.units:
-            if u.kind == "copy" and u.outputs[0][0].rpartition(".")[0] in repacked:
-                carried.setdefault(u.outputs[0][0].rpartition(".")[0], []).append(u)
+        carried = self.mark_carried(plan)
         units = []
         for u in plan.units:
             if u.kind == "copy" and u.outputs[0][0].rpartition(".")[0] in carried:
@@ -198,11 +193,24 @@ class LayoutStage:
                 src = ckpt.tensors[u.sources[u.modules.index(mod)]]
                 for c in carried.get(mod, []):
                     self.carried.setdefault(mod, {})[c.outputs[0][0].rpartition(".")[2]] = (ckpt.tensors[c.sources[0]], c.cast)
-                    if (row := rows.get(c.sources[0])) is not None and row.action == "copy":
-                        row.reason = f"{row.reason or 'copied'}; written with its module, through its kernel"
                 outputs += self._plan_module(mod, outs + [c.outputs[0] for c in carried.get(mod, [])], src, weights, fmt)
             units.append(dataclasses.replace(u, outputs=outputs))
         return dataclasses.replace(plan, units=units)
+
+    def mark_carried(self, plan: Plan) -> dict[str, list]:
+        """The copy units of ``plan`` that belong to a quantized module (module -> units: a Linear's bias),
+        which :meth:`plan` sends through the module's kernel; their plan rows say so (also for a dry run)."""
+        repacked = {m for u in plan.units if u.kind == "quantize" for m in u.modules}
+        carried: dict[str, list] = {}
+        for u in plan.units:
+            if u.kind == "copy" and (mod := u.outputs[0][0].rpartition(".")[0]) in repacked:
+                carried.setdefault(mod, []).append(u)
+        names = {u.sources[0] for us in carried.values() for u in us}
+        note = f"goes through its module's {self.target} kernel"
+        for row in plan.rows:
+            if row.name in names and row.action == "copy" and not (row.reason or "").endswith(note):
+                row.reason = f"{row.reason}; {note}" if row.reason else note
+        return carried
 
     def _plan_module(self, mod: str, outs: list, src, weights: dict, fmt: str) -> list[tuple[str, str, tuple[int, ...]]]:
         parts = {name.rpartition(".")[2]: (dt, tuple(shape)) for name, dt, shape in outs}

@@ -403,3 +403,11 @@ def test_act_order_module_repacks_and_round_trips(tmp_path):
     assert api.verify(tmp_path / "k", q)["ok"]
     repack(tmp_path / "k", tmp_path / "b", "compressed-tensors", device="cpu")
     _assert_same_tensors(q, tmp_path / "b")
+
+
+def test_dry_run_with_target_says_the_bias_goes_through_the_kernel(qwen2_biases):
+    """``quantize --target --dry-run``: a quantized module's bias is not a plain copy; its row says so."""
+    r = api.quantize_to_target(qwen2_biases, None, "W4A16", "marlin", device="cpu", dry_run=True)
+    rows = {t.name: t for t in r.plan.rows}
+    assert rows["model.layers.0.self_attn.q_proj.bias"].reason == "bias; goes through its module's marlin kernel"
+    assert rows["model.norm.weight"].reason == "norm"
