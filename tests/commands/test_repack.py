@@ -270,19 +270,19 @@ def qwen2_biases(tmp_path_factory):
     return add_tokenizer(path)
 
 
-def _kwargs(scheme: str, sparsity: str | None) -> dict:
-    kw = {"device": "cpu", "sparsity": sparsity}
-    if scheme in _CALIBRATED:
+def _kwargs(scheme: str, sparsity: str | None, kv_cache: str = "none") -> dict:
+    kw = {"device": "cpu", "sparsity": sparsity, "kv_cache": kv_cache}
+    if scheme in _CALIBRATED or kv_cache != "none":
         kw.update(calibration_samples=2, calibration_seq_len=32)
     return kw
 
 
-def _quantized(src, scheme: str, sparsity: str | None):
+def _quantized(src, scheme: str, sparsity: str | None, kv_cache: str = "none"):
     """The compressed-tensors checkpoint of ``scheme`` (made once per module)."""
-    key = (str(src), scheme, sparsity)
+    key = (str(src), scheme, sparsity, kv_cache)
     if key not in _QUANTIZED:
-        out = src.parent / f"q-{scheme}-{sparsity or 'dense'}".replace(":", "")
-        api.quantize(src, out, scheme, **_kwargs(scheme, sparsity))
+        out = src.parent / f"q-{scheme}-{sparsity or 'dense'}-{kv_cache}".replace(":", "")
+        api.quantize(src, out, scheme, **_kwargs(scheme, sparsity, kv_cache))
         _QUANTIZED[key] = out
     return _QUANTIZED[key]
 
@@ -411,3 +411,18 @@ def test_dry_run_with_target_says_the_bias_goes_through_the_kernel(qwen2_biases)
     rows = {t.name: t for t in r.plan.rows}
     assert rows["model.layers.0.self_attn.q_proj.bias"].reason == "bias; goes through its module's marlin kernel"
     assert rows["model.norm.weight"].reason == "norm"
+
+
+@pytest.mark.parametrize("target", ["marlin", "cutlass-nvfp4"])
+def test_kv_cache_scales_survive_both_ways_and_both_routes(qwen2_biases, tmp_path, target):
+    """Calibrated NVFP4 with ``--kv-cache fp8``: the attention modules' k_scale/v_scale (and every other tensor)
+    come back from the kernel-native output, and both --target routes write the same checkpoint."""
+    q = _quantized(qwen2_biases, "NVFP4", None, "fp8")
+    assert "model.layers.0.self_attn.k_scale" in _tensors(q)
+    repack(q, tmp_path / "k", target, device="cpu")
+    assert "model.layers.0.self_attn.v_scale" in _tensors(tmp_path / "k")
+    repack(tmp_path / "k", tmp_path / "b", "compressed-tensors", device="cpu")
+    _assert_same_tensors(q, tmp_path / "b")
+    api.quantize_to_target(qwen2_biases, tmp_path / "k2", "NVFP4", target, **_kwargs("NVFP4", None, "fp8"))
+    _assert_same_tensors(tmp_path / "k", tmp_path / "k2")
+    assert json.loads((tmp_path / "k" / "config.json").read_text()) == json.loads((tmp_path / "k2" / "config.json").read_text())
