@@ -199,7 +199,11 @@ class LayoutStage:
 
     def mark_carried(self, plan: Plan) -> dict[str, list]:
         """The copy units of ``plan`` that belong to a quantized module (module -> units: a Linear's bias),
-        which :meth:`plan` sends through the module's kernel; their plan rows say so (also for a dry run)."""
+        which :meth:`plan` sends through the module's kernel; their plan rows say so (also for a dry run).
+        None for a target whose output is a compressed-tensors format (marlin-24): its kernel takes no bias,
+        and the copies stay what compressed-tensors writes (the same bytes, at the same offsets)."""
+        if self.target in kernels.CT_FORMAT_TARGETS:
+            return {}
         repacked = {m for u in plan.units if u.kind == "quantize" for m in u.modules}
         carried: dict[str, list] = {}
         for u in plan.units:
