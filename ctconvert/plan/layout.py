@@ -200,8 +200,8 @@ class LayoutStage:
     def mark_carried(self, plan: Plan) -> dict[str, list]:
         """The copy units of ``plan`` that belong to a quantized module (module -> units: a Linear's bias),
         which :meth:`plan` sends through the module's kernel; their plan rows say so (also for a dry run).
-        None for a target whose output is a compressed-tensors format (marlin-24): its kernel takes no bias,
-        and the copies stay what compressed-tensors writes (the same bytes, at the same offsets)."""
+        Nothing for a target whose output is a compressed-tensors format (marlin-24): its kernel takes no
+        bias, and the copies stay what compressed-tensors writes (the same bytes, at the same offsets)."""
         if self.target in kernels.CT_FORMAT_TARGETS:
             return {}
         repacked = {m for u in plan.units if u.kind == "quantize" for m in u.modules}
@@ -243,7 +243,11 @@ class LayoutStage:
         the cast would turn into inf: it goes into a kernel layout, not through the copy's checks."""
         t = read_tensor(info)
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise BadInputError("tensor holds NaN/inf values; refusing to repack it with its module", file=str(info.file), tensor=info.name)
+            raise BadInputError(
+                "tensor holds NaN/inf values; refusing to repack it with its module (--allow-non-finite copies only tensors written as they are)",
+                file=str(info.file),
+                tensor=info.name,
+            )
         if cast is not None:
             t = t.to(DTYPES[cast][0])
             if not bool(torch.isfinite(t).all()):

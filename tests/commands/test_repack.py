@@ -426,3 +426,21 @@ def test_kv_cache_scales_survive_both_ways_and_both_routes(qwen2_biases, tmp_pat
     api.quantize_to_target(qwen2_biases, tmp_path / "k2", "NVFP4", target, **_kwargs("NVFP4", None, "fp8"))
     _assert_same_tensors(tmp_path / "k", tmp_path / "k2")
     assert json.loads((tmp_path / "k" / "config.json").read_text()) == json.loads((tmp_path / "k2" / "config.json").read_text())
+
+
+def test_target_refuses_a_nonfinite_bias_naming_it(qwen2_biases, tmp_path):
+    """A bias that goes through its module's kernel is checked as the copy would check it: NaN is a one-line
+    error naming the file and tensor (exit 3), and nothing is written."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in qwen2_biases.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    f = next(src.glob("*.safetensors"))
+    t = load_file(f)
+    t["model.layers.0.self_attn.v_proj.bias"][3] = float("nan")
+    save_file(t, f, metadata={"format": "pt"})
+    r = CliRunner().invoke(main, ["quantize", str(src), "-s", "W4A16", "-o", str(tmp_path / "k"), "--target", "marlin", "--device", "cpu"])
+    assert r.exit_code == 3 and "tensor 'model.layers.0.self_attn.v_proj.bias': tensor holds NaN/inf values" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "k").exists()
