@@ -444,3 +444,19 @@ def test_target_refuses_a_nonfinite_bias_naming_it(qwen2_biases, tmp_path):
     r = CliRunner().invoke(main, ["quantize", str(src), "-s", "W4A16", "-o", str(tmp_path / "k"), "--target", "marlin", "--device", "cpu"])
     assert r.exit_code == 3 and "tensor 'model.layers.0.self_attn.v_proj.bias': tensor holds NaN/inf values" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "k").exists()
+
+
+def test_verify_kernel_native_flags_a_reference_tensor_left_out(tiny_llama, tmp_path):
+    """verify KERNEL_NATIVE --reference CT: a tensor of the reference that no module record covers (a norm) must be
+    in the checkpoint; without it verify fails naming it (it said "bit for bit" before)."""
+    from safetensors.torch import load_file, save_file
+
+    q, k = tmp_path / "q", tmp_path / "k"
+    api.quantize(tiny_llama, q, "W4A16")
+    repack(q, k, "marlin", device="cpu", max_shard_size="100GB")
+    f = next(k.glob("*.safetensors"))
+    save_file({n: t for n, t in load_file(f).items() if n != "model.norm.weight"}, f, metadata={"format": "pt"})
+    for idx in k.glob("*.index.json"):
+        idx.unlink()
+    v = api.verify(k, q)
+    assert not v["ok"] and any(p["tensor"] == "model.norm.weight" and "missing from the kernel-native" in p["message"] for p in v["problems"]), v["problems"]
