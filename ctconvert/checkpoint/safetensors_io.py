@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import BadInputError, OutputError
+from ..errors import BadInputError, CTConvertError, OutputError
 from .hashing import RangeHash, StreamHash, combine_shard_hash
 
 #: safetensors dtype string -> (torch dtype, bytes per element)
@@ -450,7 +450,8 @@ class ShardFile:
         try:
             missing = [n for n, k in self.written.items() if k != self.offsets[n][1]]
             if missing:
-                raise OutputError(f"internal: {len(missing)} tensors incompletely written, e.g. {missing[0]}", file=self.path)
+                # ctconvert's own inconsistency (a planned tensor no task wrote), not the disk's: exit 1
+                raise CTConvertError(f"internal: {len(missing)} tensors incompletely written, e.g. {missing[0]}", file=self.path)
             os.fsync(self.fd)
         except OSError as e:
             raise OutputError(f"cannot flush: {e.strerror or e}", file=self.path) from e

@@ -125,6 +125,8 @@ def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeO
     elif o.dry_run:
         result.notes.append("no calibration needed (weights and dynamic activation scales only)")
     if o.dry_run:
+        if layout is not None:  # the rows of the tensors --target sends through their module's kernel say so
+            layout.mark_carried(plan)
         result.output_bytes = sum(PlannedTensor(*t).nbytes for t in plan.output_tensors)
         result.seconds = time.perf_counter() - t0
         result.error = dry_error

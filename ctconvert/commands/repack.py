@@ -27,16 +27,16 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.config import require_compressed_tensors
-from ..checkpoint.kernel_native import check_act_dtype, is_kernel_native, kernel_native_config
+from ..checkpoint.kernel_native import is_kernel_native, kernel_native_config
 from ..checkpoint.modules import Module, dense_shape, modules_of
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
-from ..checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, read_tensor
+from ..checkpoint.safetensors_io import DTYPES, PlannedTensor, read_tensor
 from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from ..errors import BadInputError, UsageError
 from ..layouts import batched, kernels
 from ..pipeline.devices import resolve_device
 from ..pipeline.tasks import Compute, CopyTensor, run_tasks
-from ..plan.layout import INVERSE_TARGET, check_layout_options, kernel_for, plan_module
+from ..plan.layout import INVERSE_TARGET, KernelPlanner, check_layout_options
 
 __all__ = ["repack"]
 
@@ -70,7 +70,7 @@ def repack(
     if inverse:
         planned, tasks = _plan_inverse(ckpt, order, qcfg.get("modules") or {}, dev)
     else:
-        planned, tasks = _plan_forward(ckpt, order, target, layout_version, check_act_dtype(act_dtype), dev, records)
+        planned, tasks = _plan_forward(ckpt, order, KernelPlanner(target, layout_version, act_dtype, stand_ins="meta"), dev, records)
 
     def config():
         cfg = copy.deepcopy(ckpt.config)
@@ -140,13 +140,13 @@ def _invert(ckpt: Checkpoint, mod: str, rec: dict, dev: torch.device):
         yield f"{mod}.{p}", t, 0
 
 
-def _plan_forward(ckpt: Checkpoint, order: list[str], target: str, layout_version: str, act: torch.dtype, dev: torch.device, records: dict):
+def _plan_forward(ckpt: Checkpoint, order: list[str], planner: KernelPlanner, dev: torch.device, records: dict):
     """Output tensors and tasks of compressed-tensors -> kernel layout; fills ``records`` (module -> record)."""
     mods = modules_of(ckpt)
     planned: list[PlannedTensor] = []
     tasks: list = []
     batches: dict[tuple, list[Module]] = {}  # same kernel and shapes: repacked together (layouts.batched)
-    plans: dict[tuple, tuple] = {}  # shape key -> (kernel, outs, record) of the first module of that shape
+    outputs: dict[str, dict] = {}  # module -> {part: (safetensors dtype, shape)} of its kernel tensors
     seen: set[str] = set()
     for name in order:
         mod = name.rpartition(".")[0]
@@ -159,69 +159,33 @@ def _plan_forward(ckpt: Checkpoint, order: list[str], target: str, layout_versio
         if mod in seen:
             continue
         seen.add(mod)
-        shape_key = (
-            m.format,
-            json.dumps(m.weights or {}, sort_keys=True),
-            dense_shape(m),
-            tuple(sorted((p, i.dtype, tuple(i.shape)) for p, i in m.parts.items())),
-        )
-        if "weight_g_idx" in m.parts or shape_key not in plans:  # one shape plans alike (act-order plans from its values)
-            plans[shape_key] = _plan_forward_module(m, ckpt.tensors[name], target, layout_version, act)
-        kernel, outs, rec = plans[shape_key]
-        rec = copy.deepcopy(rec)
-        records[mod] = rec
-        planned += [PlannedTensor(f"{mod}.{p}", TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in outs.items()]
-        sig = (
-            kernel,
-            m.format,
-            json.dumps(m.weights or {}, sort_keys=True),
-            rec["size_n"],
-            rec["size_k"],
-            tuple(sorted((p, i.dtype, tuple(i.shape)) for p, i in m.parts.items())),
-        )
+        parts = {p: (i.dtype, tuple(i.shape)) for p, i in m.parts.items()}
+        kernel, outs, rec = planner.plan(mod, m.format, m.weights or {}, parts, dense_shape(m), ckpt.tensors[name].file.name, name)
+        records[mod], outputs[mod] = rec, outs
+        planned += [PlannedTensor(f"{mod}.{p}", dt, shape) for p, (dt, shape) in outs.items()]
+        sig = (kernel, json.dumps(m.weights or {}, sort_keys=True), rec["size_n"], rec["size_k"], tuple(sorted(parts.items())))
         batches.setdefault(sig, []).append(m)
     cap = _BATCH_BYTES[dev.type]
     for sig, ms in batches.items():
         step = max(1, cap // max(sum(i.nbytes for i in ms[0].parts.values()), 1))
         for i in range(0, len(ms), step):
-            tasks.append(Compute(lambda kernel=sig[0], ms=ms[i : i + step]: _repack_batch(kernel, ms, layout_version, act, dev, records)))
+            tasks.append(Compute(lambda kernel=sig[0], ms=ms[i : i + step]: _repack_batch(kernel, ms, planner, outputs[ms[0].name], dev, records)))
     return planned, tasks
 
 
-def _plan_forward_module(m: Module, first, target: str, layout_version: str, act: torch.dtype):
-    """``(kernel, output meta tensors, record)`` of one quantized module, from its headers."""
-    file = first.file.name
-    weights = m.weights or {}
-    kernel = kernel_for(target, m.name, m.format, weights, set(m.parts), file)
-    with torch.device("meta"):
-        meta_in = {p: torch.empty(i.shape, dtype=i.torch_dtype) for p, i in m.parts.items()}
-    if "weight_shape" in meta_in:  # its values: the layout needs N and K
-        meta_in["weight_shape"] = torch.tensor(list(dense_shape(m)), dtype=torch.int64)
-    outs, rec = plan_module(
-        kernel,
-        meta_in,
-        {p: (i.dtype, i.shape) for p, i in m.parts.items()},
-        weights,
-        layout_version,
-        act,
-        file,
-        first.name,
-        values=lambda: {p: read_tensor(i) for p, i in m.parts.items()},
-    )
-    return kernel, outs, rec
-
-
-def _repack_batch(kernel: str, ms: list[Module], layout_version: str, act: torch.dtype, dev: torch.device, records: dict):
+def _repack_batch(kernel: str, ms: list[Module], planner: KernelPlanner, outputs: dict, dev: torch.device, records: dict):
     m = ms[0]
+    v, act = planner.layout_version, planner.act
     if dev.type == "cpu":  # no batched kernels on the CPU: module by module, without stacking the batch in and out (two copies)
         for x in ms:
-            outs, rec = kernels.repack_module(kernel, {p: read_tensor(i) for p, i in x.parts.items()}, x.weights or {}, layout_version, act)
+            outs, rec = kernels.repack_module(kernel, {p: read_tensor(i) for p, i in x.parts.items()}, x.weights or {}, v, act)
             records[x.name].update(rec)
             for p, t in outs.items():
                 yield f"{x.name}.{p}", t, 0
         return
     vals = {p: torch.stack([read_tensor(x.parts[p]) for x in ms]).to(dev) for p in m.parts}
-    outs, recs = batched.repack_batch(kernel, vals, m.weights or {}, layout_version, act)
+    planned = ({p: (DTYPES[dt][0], shape) for p, (dt, shape) in outputs.items()}, records[m.name])  # not planned again
+    outs, recs = batched.repack_batch(kernel, vals, m.weights or {}, v, act, planned=planned)
     outs = {p: t.cpu() for p, t in outs.items()}
     for i, x in enumerate(ms):
         records[x.name].update(recs[i])  # value-dependent fields (e.g. scale factors) come from the real run

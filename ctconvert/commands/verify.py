@@ -489,6 +489,10 @@ def _verify_kernel_native(ckpt: Checkpoint, path: Path, reference: str | Path | 
         )
     src_cfg = q.get("source_quantization_config") or {}
     rows = []
+    ref_parts: dict[str, set[str]] = {}  # reference module -> its tensors' local names
+    for n in ref.tensors if ref is not None else ():
+        mod, _, part = n.rpartition(".")
+        ref_parts.setdefault(mod, set()).add(part)
     for mod, rec in (q.get("modules") or {}).items():
         try:
             stored = {p: read_tensor(ckpt.tensors[f"{mod}.{p}"]) for p in rec["tensors"]}
@@ -499,11 +503,16 @@ def _verify_kernel_native(ckpt: Checkpoint, path: Path, reference: str | Path | 
         same = all(_bits_equal(again[p], stored[p]) for p in stored)
         if not same:
             problems.append(_error("round trip (invert, then repack) does not give the stored bytes", tensor=mod))
-        ref_ok = None if ref is None else _equals_reference(back, ref, mod, problems)
+        if lost := sorted(set(rec.get("source_tensors") or {}) - set(back)):  # the inverse must give every recorded source tensor
+            same = False
+            problems.append(_error(f"the inverse lacks {', '.join(lost)} (recorded as source tensors)", tensor=mod))
+        ref_ok = None if ref is None else _equals_reference(back, ref, mod, problems, ref_parts.get(mod, set()))
         rows.append({"module": mod, "kernel": rec["kernel"], "round_trip": same, "equals_reference": ref_ok})
+    if ref is not None:
+        problems += _left_out(ckpt, ref, q.get("modules") or {})
     checks = ["folder (index, shards, duplicates)", "round trip of every kernel-native module (invert, repack, same bytes)"]
     if ref is not None:
-        checks.append("inverse equals the compressed-tensors reference, bit for bit")
+        checks.append("inverse equals the compressed-tensors reference, bit for bit; every reference tensor is there")
     return _report(path, reference, problems, [], modules=rows, checked=_checked(ckpt, checks, len(rows)))
 
 
@@ -520,7 +529,22 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def _equals_reference(back: dict, ref: Checkpoint, mod: str, problems: list[Problem]) -> bool:
+def _left_out(ckpt: Checkpoint, ref: Checkpoint, records: dict) -> list[Problem]:
+    """Reference tensors of no kernel-native module that the checkpoint lacks (by name, dtype and shape)."""
+    out = []
+    for name, r in ref.tensors.items():
+        if name.rpartition(".")[0] in records:
+            continue  # compared through the module's inverse
+        t = ckpt.tensors.get(name)
+        if t is None or t.dtype != r.dtype or tuple(t.shape) != tuple(r.shape):
+            out.append(_error("reference tensor missing from the kernel-native checkpoint" if t is None else "differs from the reference", tensor=name))
+    return out
+
+
+def _equals_reference(back: dict, ref: Checkpoint, mod: str, problems: list[Problem], parts: set[str]) -> bool:
+    if lost := sorted(parts - set(back)):
+        problems.append(_error(f"the inverse lacks {', '.join(lost)} of the reference", tensor=mod))
+        return False
     for p, t in back.items():
         r = ref.tensors.get(f"{mod}.{p}")
         if r is None or r.dtype != TORCH_TO_ST[t.dtype] or tuple(r.shape) != tuple(t.shape) or not _bits_equal(read_tensor(r), t):

@@ -8,8 +8,8 @@ tiles (:func:`.gpu.marlin_tiles`) and one for the scales
 launches made the repack bound by launch overhead (13 GB/s on an H200 for
 112 modules of a 1B model); batched, it runs at memory speed.
 
-Fast paths (CUDA with Triton): ``marlin-int`` without act-order (zero points
-and bias go module by module: they are tiny), ``marlin-fp8`` with channel
+Fast paths (CUDA with Triton; zero points and biases go module by module: they are tiny):
+``marlin-int`` without act-order, ``marlin-fp8`` with channel
 scales, ``marlin-nvfp4``. Everything else (the CPU, ``cutlass-nvfp4``,
 act-order, per-tensor FP8 scales) runs :func:`.kernels.repack_module` per
 module and stacks the results, so the contract is the same everywhere.
@@ -108,7 +108,9 @@ def repack_batch(
         meta_outs, rec = _plan(kernel, tensors, weights, layout_version, act_dtype)
         spec = {p: (t.dtype, tuple(t.shape)) for p, t in meta_outs.items()}
     b = next(iter(tensors.values())).shape[0]
-    outs, per_module = fast[1](tensors, rec, act_dtype, layout_version)
+    taken, copied = kernels.split_parts(kernel, tensors)
+    outs, per_module = fast[1](taken, rec, act_dtype, layout_version)
+    kernels.with_copied(kernel, outs, {}, copied)  # (the record lists them already: planned by repack_module)
     recs = [dict(rec, **(per_module[i] if per_module else {})) for i in range(b)]
     if outs.keys() != spec.keys():  # the planned (per-module) names, shapes and dtypes hold
         raise AssertionError(f"batched {kernel}: {sorted(outs)} != {sorted(spec)}")
@@ -150,8 +152,8 @@ def _marlin_fp8(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype, v
         "weight_scale": marlin_fp8.fp8_fold_exponent_bias(permuted),
         "weight_scale_source": t["weight_scale"],
     }
-    if "bias" in t:
-        out["bias"] = t["bias"]
+    if "bias" in t:  # prepare_fp8_layer_for_marlin (kernels._marlin_fp8)
+        out["bias"] = torch.stack([marlin.marlin_permute_bias(x, k, n, -1, v) for x in t["bias"]])
     return out, None
 
 
@@ -178,6 +180,8 @@ def _marlin_nvfp4(t: dict[str, torch.Tensor], rec: dict, act_dtype: torch.dtype,
         "weight_scale_source": t["weight_scale"],
         "weight_global_scale_source": t["weight_global_scale"],
     }
+    if "bias" in t:  # prepare_fp4_layer_for_marlin (kernels._marlin_nvfp4)
+        out["bias"] = torch.stack([marlin.marlin_permute_bias(x, k, n, g, v) for x in t["bias"]])
     return out, [{"scale_factor": float(x)} for x in sf.tolist()]
 
 

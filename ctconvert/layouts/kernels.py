@@ -32,6 +32,17 @@ activation dtype, fused shards' global-scale divisors reduced to one
 reciprocal; see :mod:`.marlin_fp8`, :mod:`.marlin_nvfp4`, :mod:`.cutlass`),
 the source tensor is kept beside the kernel tensors as ``<name>_source`` so
 that the inverse is exact; a kernel never reads those.
+
+Every tensor of a module is accounted for: a kernel rebuilds the tensors it
+takes (:attr:`Kernel.takes`; a Linear's ``bias`` as vLLM holds it after
+loading: ``marlin_permute_bias`` on every Marlin kernel, as
+``prepare_fp8_layer_for_marlin`` / ``prepare_fp4_layer_for_marlin`` in vLLM
+0.33's ``marlin_utils_fp8.py`` / ``marlin_utils_fp4.py`` do; unchanged on
+CUTLASS NVFP4), and :func:`repack_module` copies every other one unchanged
+under its own name and lists it in the record's ``copied`` (e.g. the
+``input_global_scale`` of an NVFP4 W4A4 module or the static ``input_scale`` of
+an FP8 one on Marlin, whose activations stay 16-bit), which the inverse gives
+back as it is. Nothing is dropped.
 """
 
 from __future__ import annotations
@@ -53,7 +64,9 @@ __all__ = [
     "Kernel",
     "choose_kernel",
     "repack_module",
+    "split_parts",
     "unrepack_module",
+    "with_copied",
 ]
 
 LAYOUT_VERSIONS = ("0.33", "0.32", "0.31", "0.30", "0.29", "0.25", "0.21")
@@ -63,13 +76,16 @@ DEFAULT_LAYOUT_VERSION = "0.33"
 @dataclass(frozen=True)
 class Kernel:
     """One kernel layout. ``accepts(weights, parts)``; ``repack(tensors, weights, layout_version, act_dtype)
-    -> (tensors, record)``; ``unrepack(tensors, record) -> tensors``."""
+    -> (tensors, record)``; ``unrepack(tensors, record) -> tensors``. ``takes``: the module's tensors
+    (local names) that ``repack`` reads and rebuilds; :func:`repack_module` copies every other tensor of
+    the module unchanged (:func:`split_parts`)."""
 
     name: str
     target: str  # the --target that builds it
     accepts: Callable[[dict, set], bool]
     repack: Callable[[dict, dict, str, torch.dtype], tuple[dict, dict]]
     unrepack: Callable[[dict, dict], dict]
+    takes: tuple[str, ...] = ()
 
 
 def _bits_type(weights: dict) -> tuple[int, str | None]:
@@ -160,8 +176,6 @@ def _marlin_fp8(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: to
     n, k = w.shape
     k_out = marlin_fp8.marlin_fp8_repack(w, t["weight_scale"], act_dtype, v)
     out = {"weight": k_out["marlin_q_w"], "weight_scale": k_out["marlin_scales"], "weight_scale_source": t["weight_scale"]}
-    if "bias" in t:
-        out["bias"] = t["bias"]
     rec = {
         "kernel": "marlin-fp8",
         "size_n": n,
@@ -170,6 +184,9 @@ def _marlin_fp8(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: to
         "layout_version": v,
         "scale_dtype": str(t["weight_scale"].dtype),
     }
+    if "bias" in t:  # prepare_fp8_layer_for_marlin: marlin_permute_bias (padded as the weight: group -1)
+        out["bias"] = marlin.marlin_permute_bias(t["bias"], k, n, -1, v)
+        rec["bias_permuted"] = True  # (a record without it: written before ctconvert permuted FP8 biases)
     return out, rec
 
 
@@ -184,7 +201,8 @@ def _unmarlin_fp8(t: dict[str, torch.Tensor], rec: dict) -> dict:
     )
     out = {"weight": back["weight"], "weight_scale": t["weight_scale_source"]}
     if "bias" in t:
-        out["bias"] = t["bias"]
+        b = t["bias"]
+        out["bias"] = marlin.marlin_unpermute_bias(b, rec["size_k"], rec["size_n"], -1, rec["layout_version"]) if rec.get("bias_permuted") else b
     return out
 
 
@@ -211,6 +229,8 @@ def _marlin_nvfp4(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: 
         "weight_scale_source": t["weight_scale"],
         "weight_global_scale_source": t["weight_global_scale"],
     }
+    if "bias" in t:  # prepare_fp4_layer_for_marlin: marlin_permute_bias (padded as the weight: group 16)
+        out["bias"] = marlin.marlin_permute_bias(t["bias"], k, n, marlin_nvfp4.NVFP4_GROUP_SIZE, v)
     sf = k_out["scale_factor"]
     rec = {
         "kernel": "marlin-nvfp4",
@@ -238,7 +258,10 @@ def _unmarlin_nvfp4(t: dict[str, torch.Tensor], rec: dict) -> dict:
         rec["layout_version"],
         weight_global_scale=t["weight_global_scale_source"],
     )
-    return {"weight_packed": back["weight_packed"], "weight_scale": t["weight_scale_source"], "weight_global_scale": t["weight_global_scale_source"]}
+    out = {"weight_packed": back["weight_packed"], "weight_scale": t["weight_scale_source"], "weight_global_scale": t["weight_global_scale_source"]}
+    if "bias" in t:
+        out["bias"] = marlin.marlin_unpermute_bias(t["bias"], rec["size_k"], rec["size_n"], marlin_nvfp4.NVFP4_GROUP_SIZE, rec["layout_version"])
+    return out
 
 
 def _cutlass_nvfp4(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: torch.dtype) -> tuple[dict, dict]:
@@ -253,6 +276,8 @@ def _cutlass_nvfp4(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype:
         "weight_global_scale_source": t["weight_global_scale"],
         "input_global_scale_source": t["input_global_scale"],
     }
+    if "bias" in t:  # the CUTLASS NVFP4 linear adds the bias as it is (no load-time change)
+        out["bias"] = t["bias"]
     rec = {
         "kernel": "cutlass-nvfp4",
         "size_n": n,
@@ -270,12 +295,15 @@ def _uncutlass_nvfp4(t: dict[str, torch.Tensor], rec: dict) -> dict:
         rec["size_k"],
         weight_global_scale=t["weight_global_scale_source"],
     )
-    return {
+    out = {
         "weight_packed": back["weight_packed"],
         "weight_scale": back["weight_scale"],
         "weight_global_scale": t["weight_global_scale_source"],
         "input_global_scale": t["input_global_scale_source"],
     }
+    if "bias" in t:
+        out["bias"] = t["bias"]
+    return out
 
 
 # ------------------------------------------------------------------ marlin-mxfp4 (§5.3)
@@ -293,6 +321,8 @@ def _marlin_mxfp4(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: 
     out = {"weight_packed": k_out["marlin_q_w"], "weight_scale": k_out["marlin_scales"]}
     if act_dtype == torch.float16:  # the cast to fp16 loses scales outside its range (marlin_mxfp4 docstring)
         out["weight_scale_source"] = t["weight_scale"]
+    if "bias" in t:  # prepare_fp4_layer_for_marlin: marlin_permute_bias (padded as the weight: group 32)
+        out["bias"] = marlin.marlin_permute_bias(t["bias"], k, n, marlin_mxfp4.MXFP4_GROUP_SIZE, v)
     rec = {"kernel": "marlin-mxfp4", "size_n": n, "size_k": k, "layout_version": v, "act_dtype": str(act_dtype).replace("torch.", "")}
     return out, rec
 
@@ -301,7 +331,10 @@ def _unmarlin_mxfp4(t: dict[str, torch.Tensor], rec: dict) -> dict:
     back = marlin_mxfp4.marlin_mxfp4_unrepack(
         {"marlin_q_w": t["weight_packed"], "marlin_scales": t["weight_scale"]}, rec["size_n"], rec["size_k"], rec["layout_version"]
     )
-    return {"weight_packed": back["weight_packed"], "weight_scale": t.get("weight_scale_source", back["weight_scale"])}
+    out = {"weight_packed": back["weight_packed"], "weight_scale": t.get("weight_scale_source", back["weight_scale"])}
+    if "bias" in t:
+        out["bias"] = marlin.marlin_unpermute_bias(t["bias"], rec["size_k"], rec["size_n"], marlin_mxfp4.MXFP4_GROUP_SIZE, rec["layout_version"])
+    return out
 
 
 # ------------------------------------------------------------------ 2:4: cutlass-2of4 (§8.1), cutlass-2of4-sm80 (§8.2), marlin-24 (§9)
@@ -409,19 +442,35 @@ def _unmarlin24(t: dict[str, torch.Tensor], rec: dict) -> dict:
 
 # ------------------------------------------------------------------ the table
 
+_SPARSE24_TAKES = ("compressed", "bitmask", "shape", "weight_scale", "input_scale", "bias")
+
 
 #: every kernel layout, in the order a target tries them
 KERNELS: dict[str, Kernel] = {
     k.name: k
     for k in (
-        Kernel("marlin-int", "marlin", _takes_marlin_int, _marlin_int, _unmarlin_int),
-        Kernel("marlin-fp8", "marlin", _takes_marlin_fp8, _marlin_fp8, _unmarlin_fp8),
-        Kernel("marlin-nvfp4", "marlin", _takes_nvfp4, _marlin_nvfp4, _unmarlin_nvfp4),
-        Kernel("marlin-mxfp4", "marlin", _takes_marlin_mxfp4, _marlin_mxfp4, _unmarlin_mxfp4),
-        Kernel("cutlass-nvfp4", "cutlass-nvfp4", _takes_cutlass_nvfp4, _cutlass_nvfp4, _uncutlass_nvfp4),
-        Kernel("cutlass-2of4", "cutlass-2of4", _takes_sparse24, *_sparse24("sm90")),
-        Kernel("cutlass-2of4-sm80", "cutlass-2of4-sm80", _takes_sparse24, *_sparse24("sm80")),
-        Kernel("marlin-24", "marlin-24", _takes_marlin24, _marlin24, _unmarlin24),
+        Kernel(
+            "marlin-int",
+            "marlin",
+            _takes_marlin_int,
+            _marlin_int,
+            _unmarlin_int,
+            ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "bias"),
+        ),
+        Kernel("marlin-fp8", "marlin", _takes_marlin_fp8, _marlin_fp8, _unmarlin_fp8, ("weight", "weight_scale", "bias")),
+        Kernel("marlin-nvfp4", "marlin", _takes_nvfp4, _marlin_nvfp4, _unmarlin_nvfp4, ("weight_packed", "weight_scale", "weight_global_scale", "bias")),
+        Kernel("marlin-mxfp4", "marlin", _takes_marlin_mxfp4, _marlin_mxfp4, _unmarlin_mxfp4, ("weight_packed", "weight_scale", "bias")),
+        Kernel(
+            "cutlass-nvfp4",
+            "cutlass-nvfp4",
+            _takes_cutlass_nvfp4,
+            _cutlass_nvfp4,
+            _uncutlass_nvfp4,
+            ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", "bias"),
+        ),
+        Kernel("cutlass-2of4", "cutlass-2of4", _takes_sparse24, *_sparse24("sm90"), _SPARSE24_TAKES),
+        Kernel("cutlass-2of4-sm80", "cutlass-2of4-sm80", _takes_sparse24, *_sparse24("sm80"), _SPARSE24_TAKES),
+        Kernel("marlin-24", "marlin-24", _takes_marlin24, _marlin24, _unmarlin24, ("weight", "weight_scale")),
     )
 }
 #: the kernel-layout targets (``--target``) and what each takes, for messages
@@ -452,19 +501,50 @@ def choose_kernel(target: str, weights: dict, parts: set[str]) -> str | None:
     return next((k.name for k in KERNELS.values() if k.target == target and k.accepts(weights, set(parts))), None)
 
 
+def split_parts(kernel: str, tensors: dict) -> tuple[dict, dict]:
+    """``(taken, copied)``: the module's tensors ``kernel`` rebuilds (its :attr:`Kernel.takes`), and the others,
+    which :func:`repack_module` copies unchanged (an ``input_global_scale`` or ``input_scale`` on Marlin, which
+    runs the activations unquantized). Raises ``ValueError`` for an unknown kernel."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}")
+    takes = KERNELS[kernel].takes
+    return {p: t for p, t in tensors.items() if p in takes}, {p: t for p, t in tensors.items() if p not in takes}
+
+
+def with_copied(kernel: str, outs: dict, rec: dict, copied: dict) -> None:
+    """Add the ``copied`` tensors (:func:`split_parts`) to a kernel's ``outs``, unchanged under their own names,
+    and list them in ``rec["copied"]`` (so that :func:`unrepack_module` gives them back), in place. Raises
+    ``ValueError`` when one has the name of a kernel tensor."""
+    if clash := sorted(copied.keys() & outs.keys()):
+        raise ValueError(f"{kernel} writes {', '.join(clash)} itself; the module's own tensor of that name cannot be kept")
+    outs.update(copied)
+    if copied:
+        rec["copied"] = sorted(copied)
+
+
 def repack_module(
     kernel: str, tensors: dict[str, torch.Tensor], weights: dict, layout_version: str, act_dtype: torch.dtype
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Kernel-layout tensors and the inverse's record for one module. Raises ``ValueError`` on shapes the kernel
-    rejects or an unknown kernel."""
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}")
-    return KERNELS[kernel].repack(tensors, weights, layout_version, act_dtype)
+    """Kernel-layout tensors and the inverse's record for one module.
+
+    ``tensors``: every tensor of the module (local names), on any device (``meta`` to plan). The kernel
+    rebuilds those it takes; each other one is copied unchanged under its own name and listed in the
+    record's ``copied`` (:func:`with_copied`): nothing of the module is left out. Raises ``ValueError``
+    on shapes the kernel rejects or an unknown kernel."""
+    taken, copied = split_parts(kernel, tensors)
+    outs, rec = KERNELS[kernel].repack(taken, weights, layout_version, act_dtype)
+    with_copied(kernel, outs, rec, copied)
+    return outs, rec
 
 
 def unrepack_module(tensors: dict[str, torch.Tensor], rec: dict) -> dict[str, torch.Tensor]:
-    """The compressed-tensors tensors of one module, bit for bit, from its kernel layout and record."""
+    """The compressed-tensors tensors of one module, bit for bit, from its kernel layout and record (the
+    record's ``copied`` tensors as they are). Raises ``ValueError`` for an unknown kernel, ``KeyError`` for a
+    missing tensor."""
     kernel = rec["kernel"]
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}")
-    return KERNELS[kernel].unrepack(tensors, rec)
+    copied = rec.get("copied") or []
+    out = KERNELS[kernel].unrepack({p: t for p, t in tensors.items() if p not in copied}, rec)
+    out.update({p: tensors[p] for p in copied})
+    return out

@@ -1,10 +1,12 @@
 """Planning kernel-native layouts: which kernel takes each module, and its output tensors, before any data is read.
 
 ``repack`` (from a compressed-tensors checkpoint) and ``quantize --target``
-(in one pass) plan the same way: :func:`kernel_for` picks the module's kernel
-from :data:`ctconvert.layouts.kernels.KERNELS` (or names the module it cannot
-take), and :func:`plan_module` runs the kernel's index math on meta tensors to
-get the output names, dtypes and shapes and the record the inverse needs.
+(in one pass) plan through one :class:`KernelPlanner` (one cache key per
+module shape): :func:`kernel_for` picks the module's kernel from
+:data:`ctconvert.layouts.kernels.KERNELS` (or names the module it cannot
+take), and :func:`plan_module` runs the kernel's index math on stand-in
+tensors (meta, or host zeros) to get the output names, dtypes and shapes and
+the record the inverse needs.
 
 :class:`LayoutStage` is the ``(repack)`` step of ``quantize --target``: it
 rewrites a quantize plan so that each quantized module outputs its kernel
@@ -21,12 +23,12 @@ import torch
 
 from ..checkpoint.kernel_native import check_act_dtype, kernel_native_config
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.safetensors_io import DTYPES, TORCH_TO_ST
-from ..errors import UnsupportedError, UsageError
+from ..checkpoint.safetensors_io import DTYPES, TORCH_TO_ST, read_tensor
+from ..errors import BadInputError, UnsupportedError, UsageError
 from ..layouts import batched, kernels
 from .planner import Plan
 
-__all__ = ["INVERSE_TARGET", "LayoutStage", "check_layout_options", "kernel_for", "plan_module"]
+__all__ = ["INVERSE_TARGET", "KernelPlanner", "LayoutStage", "check_layout_options", "kernel_for", "plan_module"]
 
 #: ``repack --target compressed-tensors``: undo a kernel-native checkpoint
 INVERSE_TARGET = "compressed-tensors"
@@ -71,14 +73,15 @@ def plan_module(
     present, must hold its values); a layout that needs values (e.g. to sort act-order indices) runs on
     ``values()`` when given. ``source``: part -> (safetensors dtype, shape) of the compressed-tensors
     tensors, kept in the record for the inverse. Raises :class:`UnsupportedError` for a shape the
-    kernel rejects.
+    kernel rejects (a ``ValueError`` of the layout).
     """
     try:
         try:
             outs, rec = kernels.repack_module(kernel, meta_in, weights, layout_version, act_dtype)
-        except (ValueError, NotImplementedError):
+        except ValueError:
             raise
-        except Exception:  # noqa: BLE001 - meta tensors cannot run value-dependent code: use the values
+        except Exception:  # noqa: BLE001 - meta tensors cannot run value-dependent code (torch raises NotImplementedError
+            # for an op without a meta kernel, e.g. aten::equal of the act-order sort): use the values
             if values is None:
                 raise
             outs, rec = kernels.repack_module(kernel, values(), weights, layout_version, act_dtype)
@@ -87,6 +90,57 @@ def plan_module(
     rec["source_tensors"] = {p: [dt, list(shape)] for p, (dt, shape) in source.items()}
     rec["tensors"] = sorted(outs)
     return outs, rec
+
+
+class KernelPlanner:
+    """The one planning route of ``repack`` and ``quantize --target`` (:class:`LayoutStage`): which kernel takes
+    a module (:func:`kernel_for`), and its output tensors and record (:func:`plan_module`), planned once per
+    module shape (one key: kernel, the module's tensors, N and K, weight args).
+
+    ``stand_ins``: what the kernel's index math runs on: ``"meta"`` tensors (``repack``: nothing is
+    allocated or computed) or host ``"zeros"`` (``quantize --target``: many layout ops have only Python
+    meta functions, whose first call imports torch._dynamo, 1-3 s at start-up). Each falls back to the
+    other when it cannot run: a layout that needs values (act-order sorting) on meta tensors, a value
+    check that zeros do not pass (a 2:4 bitmask). Value-dependent record fields are then overwritten by
+    the real repack. Raises :class:`UnsupportedError` (a module the target does not take, a shape its
+    kernel rejects) and :class:`UsageError` (bad options).
+    """
+
+    def __init__(self, target: str, layout_version: str = kernels.DEFAULT_LAYOUT_VERSION, act_dtype: str = "bf16", stand_ins: str = "meta"):
+        check_layout_options(target, act_dtype, layout_version)
+        self.target, self.layout_version, self.act = target, layout_version, check_act_dtype(act_dtype)
+        self.stand_ins = stand_ins
+        self._plans: dict[tuple, tuple[dict, dict]] = {}
+
+    def plan(
+        self, module: str, fmt: str | None, weights: dict, parts: dict[str, tuple[str, tuple[int, ...]]], dense: tuple[int, int], file: str, tensor: str
+    ) -> tuple[str, dict[str, tuple[str, tuple[int, ...]]], dict]:
+        """``(kernel, {part: (safetensors dtype, shape)}, record)`` of one module: ``parts`` are its
+        compressed-tensors tensors (every one: local name -> safetensors dtype and shape), ``dense`` its
+        ``(N, K)``; ``file``/``tensor`` name it in errors. The record is the caller's own copy."""
+        kernel = kernel_for(self.target, module, fmt, weights, set(parts), file)
+        key = (kernel, tuple(sorted((p, dt, tuple(sh)) for p, (dt, sh) in parts.items())), tuple(dense), json.dumps(weights, sort_keys=True, default=str))
+        if key not in self._plans:
+            first, other = ("meta", "zeros") if self.stand_ins == "meta" else ("zeros", "meta")
+            args = (parts, weights, self.layout_version, self.act, file, tensor)
+            try:
+                outs, rec = plan_module(kernel, _stand_ins(parts, dense, first), *args, values=lambda: _stand_ins(parts, dense, other))
+            except UnsupportedError:
+                if first == "meta":  # on meta tensors only the shapes count: the kernel rejects this one
+                    raise
+                outs, rec = plan_module(kernel, _stand_ins(parts, dense, "meta"), *args)  # zeros fail a value check
+            self._plans[key] = ({p: (TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in outs.items()}, rec)
+        outs, rec = self._plans[key]
+        return kernel, dict(outs), copy.deepcopy(rec)
+
+
+def _stand_ins(parts: dict, dense: tuple[int, int], kind: str) -> dict[str, torch.Tensor]:
+    """Stand-ins for one module's compressed-tensors tensors: host ``zeros`` or ``meta`` tensors; ``weight_shape`` holds its values."""
+    make = torch.zeros if kind == "zeros" else torch.empty
+    t = {p: make(shape, dtype=DTYPES[dt][0], device="cpu" if kind == "zeros" else "meta") for p, (dt, shape) in parts.items()}
+    if "weight_shape" in t:
+        t["weight_shape"] = torch.tensor(list(dense), dtype=torch.int64)
+    return t
 
 
 class LayoutStage:
@@ -106,15 +160,23 @@ class LayoutStage:
         if target == INVERSE_TARGET:
             raise UsageError("--target compressed-tensors is what quantize writes already; leave --target out")
         self.target, self.layout_version, self.act_dtype = target, layout_version, act_dtype
+        self.planner = KernelPlanner(target, layout_version, act_dtype, stand_ins="zeros")
         self.records: dict[str, dict] = {}
         self.kernels: dict[str, tuple[str, dict]] = {}  # module -> (kernel, weight args)
-        self._planned: dict[tuple, tuple[list, dict]] = {}  # planning key -> (kernel outputs, record)
-        self._module_plan: dict[str, tuple] = {}  # module -> its planning key
+        self._outputs: dict[str, dict] = {}  # module -> {part: (safetensors dtype, shape)} of its kernel tensors
+        self.carried: dict[str, dict[str, tuple]] = {}  # module -> {part: (source TensorInfo, --dense-dtype cast)}
 
     def plan(self, plan: Plan, ckpt: Checkpoint, qcfg: dict) -> Plan:
-        """A copy of ``plan`` whose quantize units output kernel tensors. Raises :class:`UnsupportedError`."""
+        """A copy of ``plan`` whose quantize units output kernel tensors. Raises :class:`UnsupportedError`.
+
+        A copied tensor of a quantized module (a Linear's ``bias``) is no longer copied: it goes through
+        the module's kernel with the module's own tensors (:func:`ctconvert.layouts.kernels.repack_module`:
+        in the kernel's layout, or copied and recorded), as ``repack`` does; its plan row says so."""
+        carried = self.mark_carried(plan)
         units = []
         for u in plan.units:
+            if u.kind == "copy" and u.outputs[0][0].rpartition(".")[0] in carried:
+                continue
             if u.kind != "quantize":
                 units.append(u)
                 continue
@@ -129,49 +191,68 @@ class LayoutStage:
                     outputs += outs
                     continue
                 src = ckpt.tensors[u.sources[u.modules.index(mod)]]
-                outputs += self._plan_module(mod, outs, src, weights, fmt)
+                for c in carried.get(mod, []):
+                    self.carried.setdefault(mod, {})[c.outputs[0][0].rpartition(".")[2]] = (ckpt.tensors[c.sources[0]], c.cast)
+                outputs += self._plan_module(mod, outs + [c.outputs[0] for c in carried.get(mod, [])], src, weights, fmt)
             units.append(dataclasses.replace(u, outputs=outputs))
         return dataclasses.replace(plan, units=units)
 
+    def mark_carried(self, plan: Plan) -> dict[str, list]:
+        """The copy units of ``plan`` that belong to a quantized module (module -> units: a Linear's bias),
+        which :meth:`plan` sends through the module's kernel; their plan rows say so (also for a dry run).
+        Nothing for a target whose output is a compressed-tensors format (marlin-24): its kernel takes no
+        bias, and the copies stay what compressed-tensors writes (the same bytes, at the same offsets)."""
+        if self.target in kernels.CT_FORMAT_TARGETS:
+            return {}
+        repacked = {m for u in plan.units if u.kind == "quantize" for m in u.modules}
+        carried: dict[str, list] = {}
+        for u in plan.units:
+            if u.kind == "copy" and (mod := u.outputs[0][0].rpartition(".")[0]) in repacked:
+                carried.setdefault(mod, []).append(u)
+        names = {u.sources[0] for us in carried.values() for u in us}
+        note = f"goes through its module's {self.target} kernel"
+        for row in plan.rows:
+            if row.name in names and row.action == "copy" and not (row.reason or "").endswith(note):
+                row.reason = f"{row.reason}; {note}" if row.reason else note
+        return carried
+
     def _plan_module(self, mod: str, outs: list, src, weights: dict, fmt: str) -> list[tuple[str, str, tuple[int, ...]]]:
         parts = {name.rpartition(".")[2]: (dt, tuple(shape)) for name, dt, shape in outs}
-        kernel = kernel_for(self.target, mod, fmt, weights, set(parts), src.file.name)
-        # Modules of one shape plan alike: the planning runs once per (kernel, parts, source shape), on zeros in host
-        # memory, not on meta tensors: many layout ops have only Python meta functions, whose first call imports
-        # torch._dynamo (1-3 s at start-up). Value-dependent record entries are overwritten by the real repack.
-        key = (kernel, tuple(sorted(parts.items())), tuple(src.shape), json.dumps(weights, sort_keys=True, default=str))
-        if key not in self._planned:
-            args = (parts, weights, self.layout_version, check_act_dtype(self.act_dtype), src.file.name, src.name)
-            try:
-                kouts, rec = plan_module(kernel, self._inputs(parts, src, "cpu"), *args)
-            except UnsupportedError:  # a layout that checks values zeros do not pass (a 2:4 bitmask): plan on meta tensors
-                kouts, rec = plan_module(kernel, self._inputs(parts, src, "meta"), *args)
-            self._planned[key] = ([(p, TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in kouts.items()], rec)
-        kouts, rec = self._planned[key]
-        self.records[mod] = copy.deepcopy(rec)
+        kernel, kouts, rec = self.planner.plan(mod, fmt, weights, parts, tuple(src.shape), src.file.name, src.name)
+        self.records[mod] = rec
         self.kernels[mod] = (kernel, weights)
-        self._module_plan[mod] = key
-        return [(f"{mod}.{p}", dt, shape) for p, dt, shape in kouts]
-
-    @staticmethod
-    def _inputs(parts: dict, src, device: str) -> dict[str, torch.Tensor]:
-        """Stand-ins for one module's compressed-tensors tensors: zeros (``cpu``) or ``meta`` tensors; ``weight_shape`` holds its values."""
-        make = torch.zeros if device == "cpu" else torch.empty
-        t = {p: make(shape, dtype=DTYPES[dt][0], device=device) for p, (dt, shape) in parts.items()}
-        if "weight_shape" in t:
-            t["weight_shape"] = torch.tensor(list(src.shape), dtype=torch.int64)
-        return t
+        self._outputs[mod] = kouts
+        return [(f"{mod}.{p}", dt, shape) for p, (dt, shape) in kouts.items()]
 
     def __call__(self, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Kernel tensors of one quantized module (its compressed-tensors tensors, whole, on any device)."""
         kernel, weights = self.kernels[module]
-        kouts, rec = self._planned[self._module_plan[module]]
-        planned = ({p: (DTYPES[dt][0], shape) for p, dt, shape in kouts}, rec)  # not planned again (no meta tensors)
+        dev = next(iter(tensors.values())).device
+        tensors = {**tensors, **{p: self._read_carried(info, cast).to(dev) for p, (info, cast) in self.carried.get(module, {}).items()}}
+        planned = ({p: (DTYPES[dt][0], shape) for p, (dt, shape) in self._outputs[module].items()}, self.records[module])  # not planned again
         outs, recs = batched.repack_batch(
             kernel, {p: t.unsqueeze(0) for p, t in tensors.items()}, weights, self.layout_version, check_act_dtype(self.act_dtype), planned=planned
         )
         self.records[module].update(recs[0])
         return {p: t[0] for p, t in outs.items()}
+
+    @staticmethod
+    def _read_carried(info, cast: str | None) -> torch.Tensor:
+        """A carried tensor (a bias) as the copy would have written it: its values, cast by ``--dense-dtype``
+        (``cast``: a safetensors dtype). Raises :class:`BadInputError` naming it for NaN/inf, or a value
+        the cast would turn into inf: it goes into a kernel layout, not through the copy's checks."""
+        t = read_tensor(info)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise BadInputError(
+                "tensor holds NaN/inf values; refusing to repack it with its module (--allow-non-finite copies only tensors written as they are)",
+                file=str(info.file),
+                tensor=info.name,
+            )
+        if cast is not None:
+            t = t.to(DTYPES[cast][0])
+            if not bool(torch.isfinite(t).all()):
+                raise BadInputError(f"a value is beyond the range of {cast} and would become inf (--dense-dtype)", file=str(info.file), tensor=info.name)
+        return t
 
     def config(self, qcfg: dict) -> dict:
         """The kernel-native ``quantization_config`` wrapping the compressed-tensors one (a target whose

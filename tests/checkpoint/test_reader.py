@@ -117,9 +117,10 @@ def test_shard_file_layout_roundtrips_through_safetensors(tmp_path):
 
 
 def test_incomplete_shard_write_is_detected(tmp_path):
-    from ctconvert.errors import OutputError
+    from ctconvert.errors import EXIT_INTERNAL, CTConvertError, OutputError
 
     f = ShardFile(tmp_path / "s.safetensors", [PlannedTensor("a", "F32", (4,))])
     f.write("a", torch.zeros(2))
-    with pytest.raises(OutputError, match="incompletely written"):
+    with pytest.raises(CTConvertError, match="incompletely written") as e:
         f.close()
+    assert e.value.exit_code == EXIT_INTERNAL and not isinstance(e.value, OutputError)  # an internal error, not the disk's

@@ -234,3 +234,229 @@ def test_quantize_with_target_imports_no_dynamo(tiny_llama, tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False"
+
+
+# -- every tensor of every module, both ways and by both routes (issue 22) ---------------------------------------
+
+#: (scheme, --sparsity, target): every scheme each target takes
+CONSERVATION = [
+    *[(s, None, "marlin") for s in ("W4A16", "W4A16_ASYM", "W8A16", "FP8_DYNAMIC", "FP8", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4")],
+    ("NVFP4", None, "cutlass-nvfp4"),
+    *[(s, "2:4", "cutlass-2of4") for s in ("DENSE", "FP8_DYNAMIC", "W8A8")],
+    *[(s, "2:4", "cutlass-2of4-sm80") for s in ("DENSE", "W8A8")],
+]
+_CALIBRATED = ("NVFP4", "FP8")
+_QUANTIZED: dict[tuple, object] = {}
+
+
+@pytest.fixture(scope="module")
+def qwen2_biases(tmp_path_factory):
+    """A tiny Qwen2 saved by transformers: q/k/v biases, every parameter random (the biases too: a permuted or
+    dropped bias shows), with a tokenizer for the calibrated schemes."""
+    transformers = pytest.importorskip("transformers")
+    from calibration.test_calibration import add_tokenizer
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    path = tmp_path_factory.mktemp("qwen2") / "src"
+    model.save_pretrained(str(path))
+    return add_tokenizer(path)
+
+
+def _kwargs(scheme: str, sparsity: str | None, kv_cache: str = "none") -> dict:
+    kw = {"device": "cpu", "sparsity": sparsity, "kv_cache": kv_cache}
+    if scheme in _CALIBRATED or kv_cache != "none":
+        kw.update(calibration_samples=2, calibration_seq_len=32)
+    return kw
+
+
+def _quantized(src, scheme: str, sparsity: str | None, kv_cache: str = "none"):
+    """The compressed-tensors checkpoint of ``scheme`` (made once per module)."""
+    key = (str(src), scheme, sparsity, kv_cache)
+    if key not in _QUANTIZED:
+        out = src.parent / f"q-{scheme}-{sparsity or 'dense'}-{kv_cache}".replace(":", "")
+        api.quantize(src, out, scheme, **_kwargs(scheme, sparsity, kv_cache))
+        _QUANTIZED[key] = out
+    return _QUANTIZED[key]
+
+
+def _tensors(d) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _assert_same_tensors(a, b):
+    """Same names, dtypes, shapes and bytes (offsets and shards may differ)."""
+    ta, tb = _tensors(a), _tensors(b)
+    assert sorted(ta) == sorted(tb), sorted(set(ta) ^ set(tb))
+    for name, t in ta.items():
+        assert t.dtype == tb[name].dtype and t.shape == tb[name].shape and bitwise_equal(t, tb[name]), name
+
+
+@pytest.mark.parametrize("scheme,sparsity,target", CONSERVATION)
+def test_round_trip_restores_every_tensor(qwen2_biases, tmp_path, scheme, sparsity, target):
+    """compressed-tensors -> target -> compressed-tensors gives every tensor back, bit for bit (biases,
+    input_global_scale, input_scale ...), and the config; verify of the kernel-native output agrees."""
+    q = _quantized(qwen2_biases, scheme, sparsity)
+    k, back = tmp_path / "k", tmp_path / "b"
+    repack(q, k, target, device="cpu")
+    v = api.verify(k, q)
+    assert v["ok"], v["problems"]
+    repack(k, back, "compressed-tensors", device="cpu")
+    _assert_same_tensors(q, back)
+    assert json.loads((back / "config.json").read_text()) == json.loads((q / "config.json").read_text())
+
+
+@pytest.mark.parametrize("scheme,sparsity,target", CONSERVATION)
+def test_both_target_routes_write_the_same_checkpoint(qwen2_biases, tmp_path, scheme, sparsity, target):
+    """``quantize --target T`` equals ``quantize`` then ``repack --target T``: the same tensors (names, bytes)
+    and the same config.json, with no field excepted."""
+    q = _quantized(qwen2_biases, scheme, sparsity)
+    repack(q, tmp_path / "k", target, device="cpu")
+    api.quantize_to_target(qwen2_biases, tmp_path / "k2", scheme, target, **_kwargs(scheme, sparsity))
+    _assert_same_tensors(tmp_path / "k", tmp_path / "k2")
+    assert json.loads((tmp_path / "k" / "config.json").read_text()) == json.loads((tmp_path / "k2" / "config.json").read_text())
+
+
+def test_kernel_native_biases_and_input_scales_are_kept(qwen2_biases, tmp_path):
+    """Biases in the layout vLLM holds after loading (Marlin: marlin_permute_bias; CUTLASS NVFP4: as they are),
+    an NVFP4 input_global_scale on Marlin copied and recorded; a module that lacks one fails verify."""
+    from ctconvert.layouts import marlin
+
+    q = _quantized(qwen2_biases, "NVFP4", None)
+    src = _tensors(q)
+    b = "model.layers.0.self_attn.k_proj"
+    n, k = src[f"{b}.weight_packed"].shape[0], src[f"{b}.weight_packed"].shape[1] * 2
+    repack(q, tmp_path / "m", "marlin", device="cpu")
+    repack(q, tmp_path / "c", "cutlass-nvfp4", device="cpu")
+    tm, tc = _tensors(tmp_path / "m"), _tensors(tmp_path / "c")
+    assert bitwise_equal(tm[f"{b}.bias"], marlin.marlin_permute_bias(src[f"{b}.bias"], k, n, 16))
+    assert not bitwise_equal(tm[f"{b}.bias"], src[f"{b}.bias"])  # (N = 64: the permutation moves values)
+    assert bitwise_equal(tm[f"{b}.input_global_scale"], src[f"{b}.input_global_scale"])
+    assert bitwise_equal(tc[f"{b}.bias"], src[f"{b}.bias"])
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["quantization_config"]["modules"][b]["copied"] == ["input_global_scale"]
+    # a kernel-native output without a module's bias (as written before this fix): verify must not pass it
+    from safetensors.torch import save_file
+
+    rec = cfg["quantization_config"]["modules"][b]
+    rec["tensors"].remove("bias")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    f = next((tmp_path / "m").glob("*.safetensors"))
+    save_file({n_: t for n_, t in _tensors(tmp_path / "m").items() if n_ != f"{b}.bias"}, f, metadata={"format": "pt"})
+    for idx in (tmp_path / "m").glob("*.index.json"):
+        idx.unlink()
+    v = api.verify(tmp_path / "m", q)
+    assert not v["ok"] and any("lacks bias" in p["message"] for p in v["problems"])
+    assert not api.verify(tmp_path / "m")["ok"]  # without the reference too: the record's source tensors
+
+
+def test_an_incompletely_written_output_is_an_internal_error(tiny_llama, tmp_path, monkeypatch):
+    """The writer's "tensors incompletely written" is ctconvert's own inconsistency: exit 1 (internal error), not
+    6 ("output cannot be written"), which sends the user to check the disk."""
+    from ctconvert.errors import EXIT_INTERNAL
+    from ctconvert.layouts import kernels
+
+    api.quantize(tiny_llama, tmp_path / "q", "W4A16")
+    repack(tmp_path / "q", tmp_path / "k", "marlin", device="cpu")
+    real = kernels.unrepack_module
+    monkeypatch.setattr(kernels, "unrepack_module", lambda t, rec: {p: v for p, v in real(t, rec).items() if p != "weight_scale"})
+    r = CliRunner().invoke(main, ["repack", str(tmp_path / "k"), "-o", str(tmp_path / "b"), "--target", "compressed-tensors", "--device", "cpu"])
+    assert r.exit_code == EXIT_INTERNAL and "internal: 14 tensors incompletely written" in r.stderr, (r.exit_code, r.stderr)
+    assert "Traceback" not in r.stderr and not (tmp_path / "b").exists()
+
+
+def test_act_order_module_repacks_and_round_trips(tmp_path):
+    """An act-order (``weight_g_idx``) W4A16 module for ``--layout-version 0.29``: the layout sorts by the g_idx
+    values, which meta tensors cannot do (torch: no meta kernel for aten::equal), so it plans on stand-in values;
+    before, repack refused it ("cannot repack for marlin-int")."""
+    from safetensors.torch import load_file, save_file
+
+    from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+
+    src = write_checkpoint(tmp_path / "src", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG)
+    q = tmp_path / "q"
+    api.quantize(src, q, "W4A16", device="cpu")
+    f = next(q.glob("*.safetensors"))
+    t = load_file(f)
+    g = torch.Generator().manual_seed(0)
+    for n in [n for n in t if n.endswith(".weight_shape")]:
+        k = int(t[n][1])
+        t[n.replace("weight_shape", "weight_g_idx")] = torch.randperm(k, generator=g).to(torch.int32) // 128
+    save_file(t, f, metadata={"format": "pt"})
+    for idx in q.glob("*.index.json"):
+        idx.unlink()
+    repack(q, tmp_path / "k", "marlin", layout_version="0.29", device="cpu")
+    rec = json.loads((tmp_path / "k" / "config.json").read_text())["quantization_config"]["modules"]["model.layers.1.mlp.down_proj"]
+    assert rec["act_order"] and "g_idx_sort_indices" in rec["tensors"]
+    assert api.verify(tmp_path / "k", q)["ok"]
+    repack(tmp_path / "k", tmp_path / "b", "compressed-tensors", device="cpu")
+    _assert_same_tensors(q, tmp_path / "b")
+
+
+def test_dry_run_with_target_says_the_bias_goes_through_the_kernel(qwen2_biases):
+    """``quantize --target --dry-run``: a quantized module's bias is not a plain copy; its row says so."""
+    r = api.quantize_to_target(qwen2_biases, None, "W4A16", "marlin", device="cpu", dry_run=True)
+    rows = {t.name: t for t in r.plan.rows}
+    assert rows["model.layers.0.self_attn.q_proj.bias"].reason == "bias; goes through its module's marlin kernel"
+    assert rows["model.norm.weight"].reason == "norm"
+
+
+@pytest.mark.parametrize("target", ["marlin", "cutlass-nvfp4"])
+def test_kv_cache_scales_survive_both_ways_and_both_routes(qwen2_biases, tmp_path, target):
+    """Calibrated NVFP4 with ``--kv-cache fp8``: the attention modules' k_scale/v_scale (and every other tensor)
+    come back from the kernel-native output, and both --target routes write the same checkpoint."""
+    q = _quantized(qwen2_biases, "NVFP4", None, "fp8")
+    assert "model.layers.0.self_attn.k_scale" in _tensors(q)
+    repack(q, tmp_path / "k", target, device="cpu")
+    assert "model.layers.0.self_attn.v_scale" in _tensors(tmp_path / "k")
+    repack(tmp_path / "k", tmp_path / "b", "compressed-tensors", device="cpu")
+    _assert_same_tensors(q, tmp_path / "b")
+    api.quantize_to_target(qwen2_biases, tmp_path / "k2", "NVFP4", target, **_kwargs("NVFP4", None, "fp8"))
+    _assert_same_tensors(tmp_path / "k", tmp_path / "k2")
+    assert json.loads((tmp_path / "k" / "config.json").read_text()) == json.loads((tmp_path / "k2" / "config.json").read_text())
+
+
+def test_target_refuses_a_nonfinite_bias_naming_it(qwen2_biases, tmp_path):
+    """A bias that goes through its module's kernel is checked as the copy would check it: NaN is a one-line
+    error naming the file and tensor (exit 3), and nothing is written."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in qwen2_biases.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    f = next(src.glob("*.safetensors"))
+    t = load_file(f)
+    t["model.layers.0.self_attn.v_proj.bias"][3] = float("nan")
+    save_file(t, f, metadata={"format": "pt"})
+    r = CliRunner().invoke(main, ["quantize", str(src), "-s", "W4A16", "-o", str(tmp_path / "k"), "--target", "marlin", "--device", "cpu"])
+    assert r.exit_code == 3 and "tensor 'model.layers.0.self_attn.v_proj.bias': tensor holds NaN/inf values" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "k").exists()
+
+
+def test_verify_kernel_native_flags_a_reference_tensor_left_out(tiny_llama, tmp_path):
+    """verify KERNEL_NATIVE --reference CT: a tensor of the reference that no module record covers (a norm) must be
+    in the checkpoint; without it verify fails naming it (it said "bit for bit" before)."""
+    from safetensors.torch import load_file, save_file
+
+    q, k = tmp_path / "q", tmp_path / "k"
+    api.quantize(tiny_llama, q, "W4A16")
+    repack(q, k, "marlin", device="cpu", max_shard_size="100GB")
+    f = next(k.glob("*.safetensors"))
+    save_file({n: t for n, t in load_file(f).items() if n != "model.norm.weight"}, f, metadata={"format": "pt"})
+    for idx in k.glob("*.index.json"):
+        idx.unlink()
+    v = api.verify(k, q)
+    assert not v["ok"] and any(p["tensor"] == "model.norm.weight" and "missing from the kernel-native" in p["message"] for p in v["problems"]), v["problems"]

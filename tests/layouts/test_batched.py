@@ -57,6 +57,13 @@ def _nvfp4_case(gen, n, k):
     return "marlin-nvfp4", t, {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}, "nvfp4-pack-quantized"
 
 
+def _with(case, gen, n, copied):
+    """A case whose modules also have a bias (rebuilt by the kernel) and ``copied`` (a tensor it copies as it is)."""
+    kernel, t, w, fmt = case
+    t = {**t, "bias": torch.randn(B, n, generator=gen).to(torch.bfloat16), copied: torch.rand(B, 1, generator=gen) * 100}
+    return kernel, t, w, fmt
+
+
 def _cases():
     gen = torch.Generator().manual_seed(1234)
     out = [
@@ -66,6 +73,9 @@ def _cases():
     out.append(_int_case(gen, 256, 256, 128, 4, scale_dtype=torch.float32))  # a model quantized from fp32 weights
     out += [_fp8_case(gen, n, k) for n, k in [(256, 256), (72, 200), (1000, 384)]]
     out += [_nvfp4_case(gen, n, k) for n, k in [(256, 256), (72, 208), (1000, 384), (64, 64)]]
+    # biases and tensors the kernel does not use (issue 22: they were dropped)
+    out += [_with(_int_case(gen, 72, 256, 128, 4), gen, 72, "input_scale"), _with(_fp8_case(gen, 72, 200), gen, 72, "input_scale")]
+    out.append(_with(_nvfp4_case(gen, 72, 208), gen, 72, "input_global_scale"))
     return out
 
 
@@ -77,7 +87,7 @@ def test_batch_equals_per_module(device, act, case):
     outs, recs = batched.repack_batch(kernel, {p: x.to(device) for p, x in t.items()}, w, "0.33", act)
     for i in range(B):
         ref, rec = kernels.repack_module(kernel, {p: x[i] for p, x in t.items()}, w, "0.33", act)
-        assert outs.keys() == ref.keys()
+        assert outs.keys() == ref.keys() and ("bias" in t) == ("bias" in ref)
         for p in ref:
             assert bitwise_equal(outs[p][i], ref[p]), (kernel, p, i)
         assert recs[i] == rec
