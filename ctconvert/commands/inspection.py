@@ -5,8 +5,11 @@ few tiny tensors that carry shapes and global scales). Problems found:
 anything :func:`ctconvert.checkpoint.reader.open_checkpoint` reports (missing
 shard, stale index, duplicates, unreadable files), quantized tensors that the
 ``quantization_config`` does not explain, dense Linear weights a loader would
-expect quantized (not in ``ignore``), and fused sets whose NVFP4 global
-scales differ (docs/compressed-tensors-format.md §9.1). A kernel-native
+expect quantized (not in ``ignore``), tensors that contradict the config
+(:mod:`ctconvert.checkpoint.conformance`: a part missing, extra, of another
+dtype or shape than the group's format writes; a 2:4 ``sparsity_config``
+over modules stored plain), and fused sets whose NVFP4 global scales differ
+(docs/compressed-tensors-format.md §9.1). A kernel-native
 checkpoint (:mod:`ctconvert.checkpoint.kernel_native`) is summarized from its
 module records.
 
@@ -20,6 +23,7 @@ import json
 import math
 from pathlib import Path
 
+from ..checkpoint.conformance import contradictions
 from ..checkpoint.kernel_native import is_kernel_native, missing_tensors
 from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import BLOCK, decoder_layer_index, is_linear_weight, natural_key
@@ -137,6 +141,8 @@ def inspect_checkpoint(path: Path) -> dict:
         if row is not None:
             layers.append(row)
     problems += _fused_set_problems(mods)
+    if qcfg.get("quant_method") == "compressed-tensors":
+        problems += contradictions(mods, qcfg)
     problems += unexplained_dense(ckpt, mods)
     casts = cast_tensors(path)
     for row in layers:

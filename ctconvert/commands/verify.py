@@ -30,15 +30,15 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.config import require_compressed_tensors
+from ..checkpoint.conformance import module_problems, sparsity_problems
 from ..checkpoint.families import split_fused_experts
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
-from ..checkpoint.provenance import cast_tensors
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, Problem, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_bytes, read_rows, read_tensor
 from ..checkpoint.sources import open_source
-from ..errors import CTConvertError, UsageError, plural
+from ..errors import CTConvertError, UsageError, agree, plural
 from ..formats import WeightArgs, get_format
 from ..formats.sparse24 import SPARSE_PREFIX, prune24
 from ..layouts import kernels
@@ -79,7 +79,8 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     problems: list[Problem] = list(ckpt.problems)
     mods = modules_of(ckpt)
     problems += _config_problems(ckpt, path)
-    problems += _module_problems(mods)
+    found, contradicted = _module_problems(mods, ckpt.quantization_config or {})
+    problems += found
     problems += unexplained_dense(ckpt, mods)
     problems += _value_problems(ckpt)
     rows: list[dict] = []
@@ -89,7 +90,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     else:
         ref = _split_reference(open_source(open_checkpoint(reference, strict=True)).view, ckpt, problems)  # a quantized reference: its dequantized weights
         with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
-            rows, ref_problems = _compare_weights(mods, ref, bar)
+            rows, ref_problems = _compare_weights(mods, ref, bar, contradicted)
             problems += ref_problems + _compare_others(ckpt, mods, ref, bar)
         checks += ["error of every quantized weight against the reference", "every other tensor equals the reference"]
     report = _report(path, reference, problems, rows, checked=_checked(ckpt, checks, len(rows)))
@@ -283,24 +284,29 @@ def _config_problems(ckpt: Checkpoint, path: Path) -> list[Problem]:
     return out
 
 
-def _module_problems(mods: dict[str, Module]) -> list[Problem]:
-    out = []
+def _module_problems(mods: dict[str, Module], qcfg: dict) -> tuple[list[Problem], set[str]]:
+    """Quantized modules no config group explains, or whose tensors contradict their group's format
+    (:func:`ctconvert.checkpoint.conformance.module_problems`), dense Linear weights a group claims, modules a
+    2:4 ``sparsity_config`` claims that are not stored 2:4 (:func:`~ctconvert.checkpoint.conformance.sparsity_problems`),
+    fused sets with different NVFP4 global scales. Returns ``(problems, names of the modules whose tensors contradict
+    their group)``: those are not dequantized."""
+    out, contradicted = sparsity_problems(mods, qcfg), set()
     for m in mods.values():
         if m.quantized:
             if m.group is None:
                 out.append(_error("quantized tensors that no config group explains (or listed in ignore)", tensor=m.name))
                 continue
-            fmt = get_format(m.format)
-            if fmt is None:
+            if get_format(m.format) is None:
                 out.append(_error(f"unknown format {m.format!r}", tensor=m.name))
-            elif missing := [p for p in fmt.required if p not in m.parts]:
-                out.append(_error(f"format {m.format} needs {', '.join(missing)}", tensor=m.name))
+            elif found := module_problems(m, qcfg):
+                out += found
+                contradicted.add(m.name)
         elif m.group is not None and "weight" in m.parts:
             out.append(_error(f"dense Linear weight matched by config group {m.group!r} but not in ignore", tensor=m.name))
     for fused_set, vals in fused_global_scales(mods).items():
         if len(set(vals.values())) > 1:
             out.append(_error(f"fused set members have different NVFP4 global scales {vals}", tensor=fused_set))
-    return out
+    return out, contradicted
 
 
 # -- values -----------------------------------------------------------------------------
@@ -334,12 +340,14 @@ def _threshold(weights: dict) -> float:
 _PRUNED_NOTE = "2:4 sparse modules are measured against the reference pruned 2:4 (the pruning itself is not counted as error)"
 
 
-def _compare_weights(mods: dict[str, Module], ref: Checkpoint, bar=None) -> tuple[list[dict], list[Problem]]:
-    """One error row per quantized module: its dequantized weight against the reference's."""
+def _compare_weights(mods: dict[str, Module], ref: Checkpoint, bar=None, contradicted: set[str] = frozenset()) -> tuple[list[dict], list[Problem]]:
+    """One error row per quantized module: its dequantized weight against the reference's. ``contradicted``: the
+    modules whose tensors contradict their config group (reported already), not dequantized; a module whose
+    tensors cannot be dequantized is an error."""
     rows, problems = [], []
     emb = find_embedding(ref.tensors)
     for m in sorted(mods.values(), key=lambda m: natural_key(m.name)):
-        if not (m.quantized and m.group is not None and get_format(m.format) is not None):
+        if not (m.quantized and m.group is not None and get_format(m.format) is not None) or m.name in contradicted:
             continue
         src = ref.tensors.get(m.name + ".weight")
         if src is None and m.name.endswith("lm_head") and emb:
@@ -351,7 +359,11 @@ def _compare_weights(mods: dict[str, Module], ref: Checkpoint, bar=None) -> tupl
         if tuple(src.shape) != (n, k):
             problems.append(_error(f"shape {n}x{k} differs from the reference {list(src.shape)}", tensor=m.name))
             continue
-        row = _error_row(m, src)
+        try:
+            row = _error_row(m, src)
+        except (ValueError, KeyError, RuntimeError, IndexError) as e:
+            problems.append(_error(f"cannot be dequantized as {m.format}: {e}", tensor=m.name))
+            continue
         _tick(bar, src.nbytes)
         rows.append(row)
         if row.get("against") == "2:4-pruned reference" and not any(p.message == _PRUNED_NOTE for p in problems):
@@ -413,29 +425,44 @@ def _all_zero_problems(mods: dict[str, Module], ckpt: Checkpoint) -> list[Proble
 _MISSING_SHOWN = 8  # reference tensors missing from the output that are listed one by one
 
 
+_SHORT = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf16"}
+
+
 def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint, bar=None) -> list[Problem]:
-    """Tensors that are not quantized weights must equal the source; nothing of the source may be missing."""
+    """Every output tensor that is not a part of a quantized module must come from the reference: equal bytes,
+    or (``quantize --dense-dtype``) the reference's values cast to its floating dtype, bit for bit (``torch``'s
+    ``.to``); found from the two checkpoints alone, not from the output's provenance. The KV cache scales of a
+    ``kv_cache_scheme`` are explained only on an attention module whose ``k_proj`` and ``v_proj`` the output
+    holds. Nothing of the reference may be missing but the dense weights of the quantized modules."""
     out = []
-    casts = cast_tensors(ckpt.path)
+    kv = bool((ckpt.quantization_config or {}).get("kv_cache_scheme"))
+    cast = 0
     for name, info in ckpt.tensors.items():
         mod, _, part = name.rpartition(".")
         mm = mods.get(mod)
         if mm is not None and mm.quantized and (part in QUANT_PARTS or part in ACT_PARTS or part == "weight"):
-            continue
-        if part in KV_PARTS and (ckpt.quantization_config or {}).get("kv_cache_scheme"):
+            continue  # checked against the config group's format (_module_problems) and by value (_compare_weights)
+        if part in KV_PARTS and kv and f"{mod}.k_proj" in mods and f"{mod}.v_proj" in mods:
             continue  # calibrated KV cache scales of an attention module
         s = ref.tensors.get(name)
         if s is None:
-            out.append(_error("tensor not in the reference", tensor=name))
-        elif name in casts and s.shape == info.shape and s.dtype != info.dtype:  # quantize --dense-dtype
-            if not _same_cast(info, s):
-                out.append(_error(f"values differ from the reference cast to {info.dtype} ({casts[name]}, --dense-dtype)", tensor=name))
+            why = "; a KV cache scale belongs to an attention module with k_proj and v_proj" if part in KV_PARTS and kv else ""
+            out.append(_error(f"tensor not in the reference, and the config does not explain it{why}", tensor=name))
+        elif s.shape == info.shape and s.dtype != info.dtype and s.dtype in _SHORT and info.dtype in _SHORT:  # quantize --dense-dtype
+            if _same_cast(info, s):
+                cast += 1
+            else:
+                c = f"{_SHORT[s.dtype]}->{_SHORT[info.dtype]}"
+                out.append(_error(f"values differ from the reference cast to {info.dtype} ({c}, --dense-dtype)", tensor=name))
         elif s.dtype != info.dtype or s.shape != info.shape:
             out.append(_error(f"{info.dtype}{list(info.shape)} differs from the reference {s.dtype}{list(s.shape)}", tensor=name))
         elif not _same_bytes(info, s):
             out.append(_error("bytes differ from the reference (a pass-through tensor was changed)", tensor=name))
         if s is not None:
             _tick(bar, s.nbytes)
+    if cast:
+        held = agree(cast, "holds", "hold")
+        out.append(Problem("note", f"{plural(cast, 'tensor')} {held} the reference's values cast to another float dtype (--dense-dtype), bit for bit"))
     quant_weights = {m.name + ".weight" for m in mods.values() if m.quantized}
     missing = [name for name in ref.tensors if name not in ckpt.tensors and name not in quant_weights]
     if len(missing) > _MISSING_SHOWN:  # another model (more layers, other names): one line, not one per tensor

@@ -199,3 +199,114 @@ def test_verify_of_a_dense_output_against_its_quantized_source_is_exact(tiny_lla
     rep = api.verify(d, q)
     bad = [p for p in rep["problems"] if p["tensor"] == w]
     assert not rep["ok"] and len(bad) == 1 and "must be equal" in bad[0]["message"]
+
+
+def _add_tensor(folder, name, t):
+    """Store ``t`` as ``name`` in the first shard of ``folder`` (and in its index, so the folder stays valid)."""
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    tensors[name] = t
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        doc = json.loads(index.read_text())
+        doc["weight_map"][name] = shard.name
+        index.write_text(json.dumps(doc))
+
+
+def _edit_config(folder, fn):
+    cfg = json.loads((folder / "config.json").read_text())
+    fn(cfg["quantization_config"])
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _errors(rep, tensor=None):
+    return [p["message"] for p in rep["problems"] if p["severity"] == "error" and (tensor is None or p.get("tensor") == tensor)]
+
+
+DOWN = "model.layers.0.mlp.down_proj"
+
+
+def _weights(qcfg):
+    return qcfg["config_groups"]["group_0"]["weights"]
+
+
+@pytest.mark.parametrize(
+    "scheme,name,make,want",
+    [
+        ("FP8_DYNAMIC", DOWN + ".weight_zero_point", lambda: torch.zeros(256, 1, dtype=torch.int8), "weight_zero_point: not a tensor of float-quantized"),
+        ("FP8_DYNAMIC", DOWN + ".weight_global_scale", lambda: torch.ones(1), "weight_global_scale: not a tensor of float-quantized"),
+        ("FP8_DYNAMIC", DOWN + ".input_scale", lambda: torch.ones(1, dtype=torch.bfloat16), "input_scale: not a tensor of float-quantized"),
+        ("W4A16", DOWN + ".weight", lambda: torch.zeros(256, 512, dtype=torch.bfloat16), "weight: not a tensor of pack-quantized"),
+        ("W4A16", "model.layers.0.mlp.k_scale", lambda: torch.ones(1, dtype=torch.bfloat16), "tensor not in the reference, and the config does not explain it"),
+    ],
+)
+def test_verify_fails_on_an_output_tensor_that_neither_the_config_nor_the_source_explains(tiny_llama, tmp_path, scheme, name, make, want):
+    """Each of these passed `verify --reference` before: the parts of a quantized module were never checked against
+    what its group's format writes, and a KV cache scale was taken on any module."""
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, scheme)
+    assert api.verify(q, tiny_llama)["ok"]
+    _add_tensor(q, name, make())
+    if name.endswith("k_scale"):
+        _edit_config(q, lambda c: c.__setitem__("kv_cache_scheme", {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}))
+    rep = api.verify(q, tiny_llama)
+    assert not rep["ok"] and any(want in m for m in _errors(rep)), rep["problems"]
+    r = CliRunner().invoke(main, ["verify", str(q), "--reference", str(tiny_llama)])
+    assert r.exit_code == 5 and "FAILED" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "scheme,edit,tensor,want",
+    [
+        # the scales are [N, K/128]: a config that says group 64 crashed verify with a RuntimeError traceback
+        ("W4A16", lambda c: _weights(c).__setitem__("group_size", 64), DOWN + ".weight_scale", "BF16[256, 4], but pack-quantized (int4 group 64"),
+        ("W4A16", lambda c: _weights(c).__setitem__("symmetric", False), DOWN, "needs weight_zero_point"),
+        ("FP8_DYNAMIC", lambda c: _weights(c).__setitem__("strategy", "tensor"), DOWN + ".weight_scale", "BF16[256, 1], but float-quantized"),
+    ],
+)
+def test_verify_and_inspect_fail_on_a_config_the_tensors_contradict(tiny_llama, tmp_path, scheme, edit, tensor, want):
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, scheme)
+    _edit_config(q, edit)
+    for rep in (api.verify(q, tiny_llama), api.verify(q)):
+        assert not rep["ok"] and any(want in m for m in _errors(rep, tensor)), rep["problems"]
+    assert any(want in m for m in _errors(api.inspect(q), tensor))
+    assert CliRunner().invoke(main, ["inspect", str(q)]).exit_code == 3
+    r = CliRunner().invoke(main, ["decompress", str(q), "-o", str(tmp_path / "d")])
+    assert r.exit_code == 3 and "model.safetensors: tensor 'model.layers." in r.stderr and "config group 'group_0')" in r.stderr, r.output
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "d").exists()
+
+
+def test_verify_finds_a_dense_dtype_cast_without_the_output_provenance(tmp_path):
+    """The casts of --dense-dtype are found by comparing with the reference, not read from the output's provenance."""
+    cfg = dict(LLAMA_CONFIG, torch_dtype="float32")
+    m = write_checkpoint(tmp_path / "m", llama_tensors(cfg, dtype=torch.float32), cfg)
+    q = tmp_path / "q"
+    api.quantize(m, q, "W8A16", dense_dtype="bf16")
+    (q / "ctconvert-provenance.json").unlink()
+    rep = api.verify(q, m)
+    assert rep["ok"], rep["problems"]
+    assert any("hold the reference's values cast to another float dtype" in p["message"] for p in rep["problems"] if p["severity"] == "note")
+    _tamper(q, "model.norm.weight", lambda t: t * 2)
+    assert _errors(api.verify(q, m), "model.norm.weight") == ["values differ from the reference cast to BF16 (fp32->bf16, --dense-dtype)"]
+
+
+SPARSE_CLAIM = {"format": "sparse-24-bitmask", "global_sparsity": 0.5, "ignore": ["lm_head"], "registry_requires_subclass": False}
+
+
+def test_a_sparsity_config_over_plain_fp8_tensors_is_refused_by_verify_inspect_and_decompress(tiny_llama, tmp_path):
+    """issue 22: an FP8 checkpoint whose sparsity_config claims sparse-24-bitmask passed verify and inspect, and
+    decompress wrote a dense model from it with exit 0."""
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, "FP8_DYNAMIC")
+    _edit_config(q, lambda c: c.__setitem__("sparsity_config", {**SPARSE_CLAIM, "sparsity_structure": "2:4", "targets": ["Linear"]}))
+    want = "sparsity_config claims sparse-24-bitmask (2:4) for this module, but its tensors are plain float-quantized"
+    for rep in (api.verify(q, tiny_llama), api.verify(q), api.inspect(q)):
+        assert len([m for m in _errors(rep) if want in m]) == 14, rep["problems"]
+    assert CliRunner().invoke(main, ["verify", str(q)]).exit_code == 5
+    assert CliRunner().invoke(main, ["inspect", str(q)]).exit_code == 3
+    r = CliRunner().invoke(main, ["decompress", str(q), "-o", str(tmp_path / "d")])
+    assert r.exit_code == 3 and "tensor 'model.layers.0." in r.stderr and want in r.stderr and "(and 13 more modules)" in r.stderr
+    assert not (tmp_path / "d").exists()
