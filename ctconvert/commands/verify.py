@@ -516,6 +516,7 @@ def _verify_kernel_native(ckpt: Checkpoint, path: Path, reference: str | Path | 
         )
     src_cfg = q.get("source_quantization_config") or {}
     rows = []
+    inverted: set[str] = set()  # the reference tensors an inverse stands for
     for mod, rec in (q.get("modules") or {}).items():
         try:
             stored = {p: read_tensor(ckpt.tensors[f"{mod}.{p}"]) for p in rec["tensors"]}
@@ -527,11 +528,33 @@ def _verify_kernel_native(ckpt: Checkpoint, path: Path, reference: str | Path | 
         if not same:
             problems.append(_error("round trip (invert, then repack) does not give the stored bytes", tensor=mod))
         ref_ok = None if ref is None else _equals_reference(back, ref, mod, problems)
+        inverted.update(f"{mod}.{p}" for p in back)
         rows.append({"module": mod, "kernel": rec["kernel"], "round_trip": same, "equals_reference": ref_ok})
     checks = ["folder (index, shards, duplicates)", "round trip of every kernel-native module (invert, repack, same bytes)"]
     if ref is not None:
-        checks.append("inverse equals the compressed-tensors reference, bit for bit")
+        problems += _kernel_native_others(ckpt, q, ref, inverted)
+        checks += ["inverse equals the compressed-tensors reference, bit for bit", "every other tensor equals the reference, none missing"]
     return _report(path, reference, problems, [], modules=rows, checked=_checked(ckpt, checks, len(rows)))
+
+
+def _kernel_native_others(ckpt: Checkpoint, q: dict, ref: Checkpoint, inverted: set[str]) -> list[Problem]:
+    """Conservation of a kernel-native checkpoint against its compressed-tensors source: every reference tensor
+    that no module's inverse stands for (``inverted``: biases, norms, embeddings, activation scales a record does
+    not hold ...) is stored under its name with the reference's bytes, and every stored tensor that no module
+    record holds comes from the reference."""
+    stored = {f"{mod}.{p}" for mod, rec in (q.get("modules") or {}).items() for p in rec.get("tensors", [])}
+    out = []
+    missing = [n for n in ref.tensors if n not in inverted and n not in ckpt.tensors]
+    out += [_error("tensor of the reference is missing from the output (not in any module's inverse either)", tensor=n) for n in missing]
+    for name, info in ckpt.tensors.items():
+        if name in stored:
+            continue
+        s = ref.tensors.get(name)
+        if s is None:
+            out.append(_error("tensor not in the reference and not a tensor of any kernel-native module", tensor=name))
+        elif s.dtype != info.dtype or s.shape != info.shape or not _same_bytes(info, s):
+            out.append(_error("differs from the reference (a pass-through tensor was changed)", tensor=name))
+    return out
 
 
 def _round_trip(stored: dict, rec: dict, mod: str, src_cfg: dict, q: dict):

@@ -310,3 +310,43 @@ def test_a_sparsity_config_over_plain_fp8_tensors_is_refused_by_verify_inspect_a
     r = CliRunner().invoke(main, ["decompress", str(q), "-o", str(tmp_path / "d")])
     assert r.exit_code == 3 and "tensor 'model.layers.0." in r.stderr and want in r.stderr and "(and 13 more modules)" in r.stderr
     assert not (tmp_path / "d").exists()
+
+
+def _drop_tensor(folder, name):
+    """Remove tensor ``name`` from ``folder`` (its shard and its index)."""
+    for shard in folder.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if tensors.pop(name, None) is not None:
+            save_file(tensors, shard, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        doc = json.loads(index.read_text())
+        doc["weight_map"].pop(name, None)
+        index.write_text(json.dumps(doc))
+
+
+def test_verify_of_a_kernel_native_output_fails_on_a_tensor_left_out_or_added(tmp_path):
+    """issue 22: `repack` dropped biases and verify of the kernel-native output still said the inverse equals the
+    source bit for bit; every tensor that no module's inverse stands for must be in the output, unchanged."""
+    cfg = dict(LLAMA_CONFIG, attention_bias=True)
+    t = llama_tensors(cfg)
+    g = torch.Generator().manual_seed(1)
+    for layer in range(2):
+        for p, n in (("q", 256), ("k", 128), ("v", 128)):
+            t[f"model.layers.{layer}.self_attn.{p}_proj.bias"] = torch.randn(n, generator=g).to(torch.bfloat16)
+    m = write_checkpoint(tmp_path / "m", t, cfg)
+    q, r = tmp_path / "q", tmp_path / "r"
+    api.quantize(m, q, "W4A16")
+    api.repack(q, r, target="marlin")
+    assert api.verify(r, q)["ok"]
+    bias = "model.layers.1.self_attn.k_proj.bias"
+    _drop_tensor(r, bias)
+    rep = api.verify(r, q)
+    assert not rep["ok"] and _errors(rep, bias) == ["tensor of the reference is missing from the output (not in any module's inverse either)"]
+    _add_tensor(r, "model.layers.1.self_attn.extra", torch.ones(4, dtype=torch.bfloat16))
+    _tamper(r, "model.norm.weight", lambda x: x * 2)
+    rep = api.verify(r, q)
+    assert _errors(rep, "model.layers.1.self_attn.extra") == ["tensor not in the reference and not a tensor of any kernel-native module"]
+    assert _errors(rep, "model.norm.weight") == ["differs from the reference (a pass-through tensor was changed)"]
+    r2 = CliRunner().invoke(main, ["verify", str(r), "--reference", str(q)])
+    assert r2.exit_code == 5 and "FAILED" in r2.stdout
