@@ -138,7 +138,17 @@ def _summary(rows: list[dict]) -> dict | None:
         "worst_rel_l2": worst["rel_l2"],
         "worst_threshold": worst["threshold"],
         "min_snr_db": min(r["snr_db"] for r in rows),
+        **_dense_summary(rows),
     }
+
+
+def _dense_summary(rows: list[dict]) -> dict:
+    """The worst error against the dense reference of the 2:4 modules (their pruning), when there are any."""
+    sparse = [r for r in rows if "rel_l2_dense" in r]
+    if not sparse:
+        return {}
+    worst = max(sparse, key=lambda r: r["rel_l2_dense"])
+    return {"sparse_modules": len(sparse), "worst_dense_module": worst["module"], "worst_rel_l2_dense": worst["rel_l2_dense"]}
 
 
 def _split_reference(ref: Checkpoint, ckpt: Checkpoint, problems: list[Problem]) -> Checkpoint:
@@ -337,7 +347,10 @@ def _threshold(weights: dict) -> float:
     return THRESHOLDS.get((weights.get("type"), int(weights.get("num_bits") or 0)), 0.3)
 
 
-_PRUNED_NOTE = "2:4 sparse modules are measured against the reference pruned 2:4 (the pruning itself is not counted as error)"
+_PRUNED_NOTE = (
+    "2:4 sparse modules pass or fail on their error against the reference pruned 2:4 by verify (the format's limit; exact for dense "
+    "2:4 values); their error against the dense reference, the pruning's own, is reported beside it (rel L2 dense), not judged"
+)
 
 
 def _compare_weights(mods: dict[str, Module], ref: Checkpoint, bar=None, contradicted: set[str] = frozenset()) -> tuple[list[dict], list[Problem]]:
@@ -377,24 +390,43 @@ def _compare_weights(mods: dict[str, Module], ref: Checkpoint, bar=None, contrad
 
 
 def _error_row(m: Module, src) -> dict:
-    se = sr = mx = 0.0
+    """The error row of one quantized module against its reference weight ``src``: relative L2, max abs, SNR (dB).
+
+    A 2:4 sparse module (``sparse-24-bitmask``, ``marlin-24``) is judged against the reference pruned 2:4 by verify
+    itself (:func:`ctconvert.formats.sparse24.prune24`: compressed-tensors 0.14's magnitude rule), with the format's
+    limit (exact, 0, for dense 2:4 values, which are the pruned weight itself); its error against the dense reference,
+    the pruning's own, is reported beside it (``rel_l2_dense``, ``max_abs_dense``, ``snr_db_dense``), not judged."""
+    sparse = str(m.format).startswith(SPARSE_PREFIX) or m.format == "marlin-24"
+    sums = {"pruned": [0.0, 0.0, 0.0], "dense": [0.0, 0.0, 0.0]}  # squared error, squared reference, max abs
     lost = 0
-    sparse = str(m.format).startswith(SPARSE_PREFIX) or m.format == "marlin-24"  # 2:4: against the pruned reference (the rule of formats/sparse24.py)
     for r0, r1, got in dense_row_chunks(m, _CHUNK):
-        want = read_rows(src, r0, r1)
-        want = (prune24(want) if sparse else want).float()
-        d = got.float() - want
-        lost += int(zero_rows(got, want)[1].sum())
-        se += float((d * d).sum())
-        sr += float((want * want).sum())
-        mx = max(mx, float(d.abs().max()) if d.numel() else 0.0)
-    rel = math.sqrt(se / sr) if sr > 0 else (0.0 if se == 0 else math.inf)
-    snr = 10 * math.log10(sr / se) if se > 0 and sr > 0 else math.inf
-    limit = _threshold(m.weights or {})
+        dense = read_rows(src, r0, r1)
+        wants = {"dense": dense.float()}
+        if sparse:
+            wants["pruned"] = prune24(dense).float()
+        got = got.float()
+        for key, want in wants.items():
+            d = got - want
+            acc = sums[key]
+            acc[0] += float((d * d).sum())
+            acc[1] += float((want * want).sum())
+            acc[2] = max(acc[2], float(d.abs().max()) if d.numel() else 0.0)
+        lost += int(zero_rows(got, wants["pruned" if sparse else "dense"])[1].sum())
+    stats = {key: _stats(*acc) for key, acc in sums.items()}
+    rel, mx, snr = stats["pruned" if sparse else "dense"]
+    limit = 0.0 if m.format == SPARSE_PREFIX else _threshold(m.weights or {})
     row = {"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "ok": rel <= limit, "zero_rows": lost}
     if sparse:
-        row["against"] = "2:4-pruned reference"
+        rel_d, mx_d, snr_d = stats["dense"]
+        row.update(against="2:4-pruned reference", rel_l2_dense=rel_d, max_abs_dense=mx_d, snr_db_dense=snr_d)
     return row
+
+
+def _stats(se: float, sr: float, mx: float) -> tuple[float, float, float]:
+    """``(relative L2, max abs, SNR in dB)`` from the sums of squared error and squared reference."""
+    rel = math.sqrt(se / sr) if sr > 0 else (0.0 if se == 0 else math.inf)
+    snr = 10 * math.log10(sr / se) if se > 0 and sr > 0 else math.inf
+    return rel, mx, snr
 
 
 def _all_zero_problems(mods: dict[str, Module], ckpt: Checkpoint) -> list[Problem]:

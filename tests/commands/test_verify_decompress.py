@@ -350,3 +350,31 @@ def test_verify_of_a_kernel_native_output_fails_on_a_tensor_left_out_or_added(tm
     assert _errors(rep, "model.norm.weight") == ["differs from the reference (a pass-through tensor was changed)"]
     r2 = CliRunner().invoke(main, ["verify", str(r), "--reference", str(q)])
     assert r2.exit_code == 5 and "FAILED" in r2.stdout
+
+
+@pytest.mark.parametrize("scheme,limit", [("DENSE", 0.0), ("FP8_DYNAMIC", 0.08)])
+def test_verify_of_a_24_output_reports_the_error_against_the_dense_and_the_pruned_reference(tiny_llama, tmp_path, scheme, limit):
+    """issue 22: `verify --reference DENSE` of a --sparsity 2:4 output said "relative L2 0.0000, SNR inf dB" for weights
+    that are half zeros. The verdict is on the reference pruned 2:4 by verify (exact for dense 2:4 values); the error
+    against the dense reference (about 0.36 for Gaussian weights: half of each group of 4 set to zero) is beside it."""
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, scheme, sparsity="2:4")
+    rep = api.verify(q, tiny_llama)
+    assert rep["ok"], rep["problems"]
+    rows = {r["module"]: r for r in rep["tensors"]}
+    assert len(rows) == 14 and {r["threshold"] for r in rows.values()} == {limit}
+    down = rows[DOWN]
+    assert 0.3 < down["rel_l2_dense"] < 0.42 and 3 < down["snr_db_dense"] < 10 and down["max_abs_dense"] > 0
+    assert (down["rel_l2"] == 0.0) if scheme == "DENSE" else (0 < down["rel_l2"] < limit)
+    assert rep["summary"]["sparse_modules"] == 14 and rep["summary"]["worst_rel_l2_dense"] == max(r["rel_l2_dense"] for r in rows.values())
+    r = CliRunner().invoke(main, ["--plain", "verify", str(q), "--reference", str(tiny_llama)])
+    assert r.exit_code == 0 and "rel L2 dense" in r.stdout and "14 2:4 sparse weights judged against the reference pruned 2:4" in r.stdout
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith(DOWN + " "))
+    assert f"{down['rel_l2_dense']:.4f}" in line.split()
+    r = CliRunner().invoke(main, ["--json", "verify", str(q), "--reference", str(tiny_llama)])
+    got = next(t for t in json.loads(r.stdout)["tensors"] if t["module"] == DOWN)
+    assert r.exit_code == 0 and got["rel_l2_dense"] == pytest.approx(down["rel_l2_dense"])
+    if scheme == "DENSE":  # one kept value changed: the dense 2:4 values must be the pruned weight exactly
+        _tamper(q, DOWN + ".compressed", lambda t: torch.where(torch.arange(t.numel()).reshape(t.shape) == 7, t * 2, t))
+        rep = api.verify(q, tiny_llama)
+        assert not rep["ok"] and [r["module"] for r in rep["tensors"] if not r["ok"]] == [DOWN]
