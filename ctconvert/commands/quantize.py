@@ -195,14 +195,15 @@ def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeO
 
 
 def _parallel(result: ConversionResult, plan: Plan, ckpt: Checkpoint, layout: LayoutStage | None, tp: int, ep: int | None) -> None:
-    """The tensor-parallel plan (:mod:`ctconvert.plan.parallel`); a real run notes the tensors that do not split at ``tp``."""
+    """The tensor-parallel plan (:mod:`ctconvert.plan.parallel`); a real run notes the tensors that do not split at ``tp``
+    and an uneven expert-parallel split at ``ep``."""
     kernel, version = (layout.target, layout.layout_version) if layout is not None else (None, "0.33")
     mods, result.parallel_of = plan_modules(plan, ckpt.tensors, kernel, version)
     try:
         result.parallel = report = parallel_report(mods, ckpt.config, tp, ep)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if not result.dry_run and not report.ok:
+    if not result.dry_run and (not report.ok or report.uneven):
         result.notes.append(report.summary())
 
 
