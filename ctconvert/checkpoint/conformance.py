@@ -16,7 +16,8 @@ then reads garbage, or fails. Checked per quantized module (:func:`module_proble
 * ``weight_g_idx`` only for ``actorder: "group"`` (vLLM 0.33
   ``compressed_tensors_wNa16.py``, ``CompressedTensorsWNA16.create_weights``), I32 ``[K]``.
 
-And over the model (:func:`sparsity_problems`): a ``sparsity_config`` of format ``sparse-24-bitmask``
+Over the model, :func:`missing_fused_members`: a fused set (q/k/v, gate/up ...) with a member missing where the
+other layers have it is wrong input, whatever the config. And :func:`sparsity_problems`: a ``sparsity_config`` of format ``sparse-24-bitmask``
 (compressed-tensors <= 0.14, docs/compressed-tensors-format.md §4.8) covers every Linear its ``targets``
 match and its ``ignore`` does not: each must be stored as ``compressed``/``bitmask``/``shape``.
 """
@@ -24,16 +25,17 @@ match and its ``ignore`` does not: each must be stored as ``compressed``/``bitma
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
 from ..formats import CompressionFormat, WeightArgs, get_format
 from .modules import ACT_PARTS, QUANT_PARTS, SPARSITY_GROUP, Module, dense_shape
-from .naming import FLOAT_DTYPES, is_linear_weight, matches
+from .naming import FLOAT_DTYPES, fused_key, fused_set_name, is_linear_weight, matches
 from .reader import Problem
 from .safetensors_io import TORCH_TO_ST
 
-__all__ = ["contradictions", "expected_parts", "module_problems", "sparsity_problems"]
+__all__ = ["contradictions", "expected_parts", "linear_module_files", "missing_fused_members", "module_problems", "sparsity_problems"]
 
 _SPARSE = CompressionFormat.SPARSE_24_BITMASK.value
 _SPARSE_PARTS = ("compressed", "bitmask", "shape")
@@ -197,3 +199,55 @@ def contradictions(mods: dict[str, Module], qcfg: dict | None) -> list[Problem]:
         if m.quantized and m.group is not None and get_format(m.format) is not None:
             out += module_problems(m, qcfg)
     return out + sparsity_problems(mods, qcfg)
+
+
+#: config keys under which layers legitimately lack ``k_proj``/``v_proj`` (transformers' ``Gemma4TextAttention`` and
+#: ``Gemma3nTextAttention.__init__``: no k/v projections on KV-shared layers, no ``v_proj`` with ``attention_k_eq_v``)
+_KV_OPTIONAL_KEYS = ("attention_k_eq_v", "num_kv_shared_layers", "kv_sharing_modes")
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def linear_module_files(mods: dict[str, Module]) -> dict[str, str]:
+    """The Linear modules of ``mods`` (quantized, or with a dense Linear weight), each with the file that holds it:
+    the input of :func:`missing_fused_members`."""
+    out = {}
+    for m in mods.values():
+        w = m.parts.get("weight")
+        if m.quantized or (w is not None and is_linear_weight(m.name + ".weight", w)):
+            out[m.name] = str(next(iter(m.parts.values())).file)
+    return out
+
+
+def missing_fused_members(modules: dict[str, str], config: dict | None) -> list[Problem]:
+    """Errors for the fused sets (:data:`.naming.FUSED_SETS`: q/k/v, gate/up ...) that lack a member which the same
+    set has in other layers (``model.layers.1.self_attn`` without ``v_proj`` where ``model.layers.0.self_attn`` has
+    it): a partial copy or a broken export, which vLLM would load with the projection missing. ``modules``: Linear
+    module name -> the file holding it; ``config``: ``config.json`` (or its ``text_config``), whose
+    :data:`_KV_OPTIONAL_KEYS` make ``k_proj``/``v_proj`` optional. One error per set, naming the file and module."""
+    cfg = config or {}
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    kv_optional = any(cfg.get(k) or text.get(k) for k in _KV_OPTIONAL_KEYS)
+    present: dict[tuple[str, tuple[str, ...]], set[str]] = {}
+    for name in modules:
+        key = fused_key(name)
+        if key is not None:
+            present.setdefault(key, set()).add(name.rpartition(".")[2])
+    seen: dict[tuple[str, tuple[str, ...]], set[str]] = {}  # per set and parent pattern (layer numbers as N)
+    for (parent, members), leaves in present.items():
+        seen.setdefault((_INDEX.sub(".N", parent), members), set()).update(leaves)
+    out = []
+    for (parent, members), leaves in sorted(present.items()):
+        missing = [m for m in members if m in seen[(_INDEX.sub(".N", parent), members)] - leaves]
+        if not missing or (kv_optional and set(missing) <= {"k_proj", "v_proj"}):
+            continue
+        have = [m for m in members if m in leaves]
+        out.append(
+            Problem(
+                "error",
+                f"fused set {fused_set_name(parent, members)} has no {', '.join(missing)} (other layers have it; this one only "
+                f"{', '.join(have)}): a partial copy or a broken export? vLLM loads the set as one layer",
+                modules[f"{parent}.{have[0]}"],
+                f"{parent}.{missing[0]}",
+            )
+        )
+    return out

@@ -23,7 +23,7 @@ import json
 import math
 from pathlib import Path
 
-from ..checkpoint.conformance import contradictions
+from ..checkpoint.conformance import contradictions, linear_module_files, missing_fused_members
 from ..checkpoint.kernel_native import is_kernel_native, missing_tensors
 from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import BLOCK, decoder_layer_index, is_linear_weight, natural_key
@@ -149,6 +149,7 @@ def inspect_checkpoint(path: Path) -> dict:
         if row is not None:
             layers.append(row)
     problems += _fused_set_problems(mods)
+    problems += missing_fused_members(linear_module_files(mods), ckpt.config)
     if qcfg.get("quant_method") == "compressed-tensors":
         problems += contradictions(mods, qcfg)
     problems += unexplained_dense(ckpt, mods)
@@ -235,6 +236,8 @@ def _inspect_source(ckpt: Checkpoint, path: Path, source: Source | None, refused
             info = ckpt.tensors[name]
             if name not in stored and is_linear_weight(name, info):
                 layers.append(_dense_row(name.removesuffix(".weight"), info))
+        linear = {n.removesuffix(".weight"): str(i.file) for n, i in source.view.tensors.items() if is_linear_weight(n, i)}
+        problems += missing_fused_members(linear, ckpt.config)
         if source.dropped:
             first = next(iter(source.dropped))
             what = f"{plural(len(source.dropped), 'tensor')} ({first}{' ...' if len(source.dropped) > 1 else ''})"

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.config import require_compressed_tensors
-from ..checkpoint.conformance import module_problems, sparsity_problems
+from ..checkpoint.conformance import linear_module_files, missing_fused_members, module_problems, sparsity_problems
 from ..checkpoint.families import split_fused_experts
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
@@ -82,6 +82,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     found, contradicted = _module_problems(mods, ckpt.quantization_config or {})
     problems += found
     problems += unexplained_dense(ckpt, mods)
+    problems += missing_fused_members(linear_module_files(mods), ckpt.config)
     problems += _value_problems(ckpt)
     rows: list[dict] = []
     checks = list(_STRUCTURE_CHECKS)

@@ -378,3 +378,33 @@ def test_verify_of_a_24_output_reports_the_error_against_the_dense_and_the_prune
         _tamper(q, DOWN + ".compressed", lambda t: torch.where(torch.arange(t.numel()).reshape(t.shape) == 7, t * 2, t))
         rep = api.verify(q, tiny_llama)
         assert not rep["ok"] and [r["module"] for r in rep["tensors"] if not r["ok"]] == [DOWN]
+
+
+def test_a_fused_set_with_a_member_missing_is_wrong_input_for_quantize_inspect_and_verify(tmp_path):
+    """issue 22: a Llama checkpoint with one layer's v_proj deleted passed with only a note. Other layers have v_proj, so
+    the set q/k/v of layer 1 is broken input: quantize exits 3 naming the file and module, inspect and verify report it."""
+    t = llama_tensors(LLAMA_CONFIG)
+    v = "model.layers.1.self_attn.v_proj"
+    want = "fused set model.layers.1.self_attn.{q_proj,k_proj,v_proj} has no v_proj (other layers have it; this one only q_proj, k_proj)"
+    m = write_checkpoint(tmp_path / "m", {n: x for n, x in t.items() if n != v + ".weight"}, LLAMA_CONFIG)
+    for args in (["quantize", str(m), "-s", "NVFP4A16", "-o", str(tmp_path / "o")], ["quantize", str(m), "-s", "W4A16", "--dry-run"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 3 and f"model.safetensors: tensor '{v}': {want}" in r.stderr and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "o").exists()
+    rep = api.inspect(m)
+    found = [p["message"] for p in rep["problems"] if p.get("tensor") == v and p["severity"] == "error"]
+    assert found == [want + ": a partial copy or a broken export? vLLM loads the set as one layer"]
+    assert CliRunner().invoke(main, ["inspect", str(m)]).exit_code == 3
+    q = tmp_path / "q"  # the same hole in a quantized checkpoint (made whole, then the module removed)
+    full = write_checkpoint(tmp_path / "full", t, LLAMA_CONFIG)
+    api.quantize(full, q, "W4A16")
+    for part in ("weight_packed", "weight_scale", "weight_shape"):
+        _drop_tensor(q, f"{v}.{part}")
+    rep = api.verify(q)
+    assert not rep["ok"] and any(want in msg for msg in _errors(rep, v))
+    assert any(want in msg for msg in _errors(api.verify(q, m), v))
+    assert CliRunner().invoke(main, ["verify", str(q)]).exit_code == 5
+    # an architecture whose layers may lack k/v projections (Gemma 3n/4 KV sharing, attention_k_eq_v) is not refused
+    cfg = dict(LLAMA_CONFIG, attention_k_eq_v=True)
+    g = write_checkpoint(tmp_path / "g", {n: x for n, x in t.items() if n != v + ".weight"}, cfg)
+    assert not [p for p in api.inspect(g)["problems"] if p["severity"] == "error"]
