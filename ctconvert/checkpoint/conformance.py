@@ -35,7 +35,7 @@ from .naming import FLOAT_DTYPES, fused_key, fused_set_name, is_linear_weight, m
 from .reader import Problem
 from .safetensors_io import TORCH_TO_ST
 
-__all__ = ["contradictions", "expected_parts", "linear_module_files", "missing_fused_members", "module_problems", "sparsity_problems"]
+__all__ = ["contradictions", "expected_parts", "kv_scale_problems", "linear_module_files", "missing_fused_members", "module_problems", "sparsity_problems"]
 
 _SPARSE = CompressionFormat.SPARSE_24_BITMASK.value
 _SPARSE_PARTS = ("compressed", "bitmask", "shape")
@@ -189,16 +189,49 @@ def sparsity_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
     return out
 
 
+def kv_scale_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
+    """Errors for a static ``kv_cache_scheme`` (``dynamic`` false) whose scales are missing: every attention module
+    whose ``k_proj`` and ``v_proj`` are quantized must hold a ``k_scale`` and a ``v_scale`` (compressed-tensors 0.20.1
+    ``quantization/lifecycle/initialize.py``, ``initialize_attn_qparams``; floats ``[1]`` per tensor or ``[H, 1, 1]``
+    per KV head), else a loader takes a scale of 1."""
+    kv = qcfg.get("kv_cache_scheme")
+    if not isinstance(kv, dict) or kv.get("dynamic") is True:
+        return []
+    out = []
+    for m in mods.values():
+        parent, _, leaf = m.name.rpartition(".")
+        if leaf != "k_proj" or not m.quantized or not (v := mods.get(f"{parent}.v_proj")) or not v.quantized:
+            continue
+        attn = mods.get(parent)
+        parts = attn.parts if attn is not None else {}
+        for p in ("k_scale", "v_scale"):
+            info = parts.get(p)
+            if info is None:
+                out.append(
+                    Problem(
+                        "error",
+                        f"kv_cache_scheme ({kv.get('type')}{kv.get('num_bits')}, static) needs {p} on this attention module",
+                        str(m.parts[next(iter(m.parts))].file),
+                        f"{parent}.{p}",
+                    )
+                )
+            elif info.dtype not in FLOAT_DTYPES or not (tuple(info.shape) == (1,) or (len(info.shape) == 3 and tuple(info.shape[1:]) == (1, 1))):
+                out.append(
+                    Problem("error", f"{p} is {info.dtype}{list(info.shape)}; a KV cache scale is a float [1] or [heads, 1, 1]", str(info.file), info.name)
+                )
+    return out
+
+
 def contradictions(mods: dict[str, Module], qcfg: dict | None) -> list[Problem]:
-    """Every error of :func:`module_problems` (quantized modules with a known group and format) and of
-    :func:`sparsity_problems`, in module order."""
+    """Every error of :func:`module_problems` (quantized modules with a known group and format), of
+    :func:`sparsity_problems` and of :func:`kv_scale_problems`, in module order."""
     if not qcfg:
         return []
     out = []
     for m in mods.values():
         if m.quantized and m.group is not None and get_format(m.format) is not None:
             out += module_problems(m, qcfg)
-    return out + sparsity_problems(mods, qcfg)
+    return out + sparsity_problems(mods, qcfg) + kv_scale_problems(mods, qcfg)
 
 
 #: config keys under which layers legitimately lack ``k_proj``/``v_proj`` (transformers' ``Gemma4TextAttention`` and

@@ -408,3 +408,24 @@ def test_a_fused_set_with_a_member_missing_is_wrong_input_for_quantize_inspect_a
     cfg = dict(LLAMA_CONFIG, attention_k_eq_v=True)
     g = write_checkpoint(tmp_path / "g", {n: x for n, x in t.items() if n != v + ".weight"}, cfg)
     assert not [p for p in api.inspect(g)["problems"] if p["severity"] == "error"]
+
+
+KV_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def test_a_static_kv_cache_scheme_without_its_scales_is_a_contradiction(tiny_llama, tmp_path):
+    """A kv_cache_scheme whose k_scale/v_scale the checkpoint does not hold passed inspect and verify; loaders then
+    take a scale of 1. With the scales present (any float [1]) it passes; a scale of another shape is an error."""
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, "FP8_DYNAMIC")
+    _edit_config(q, lambda c: c.__setitem__("kv_cache_scheme", KV_STATIC))
+    attn = "model.layers.1.self_attn"
+    for rep in (api.verify(q), api.verify(q, tiny_llama), api.inspect(q)):
+        assert "kv_cache_scheme (float8, static) needs k_scale on this attention module" in " | ".join(_errors(rep, attn + ".k_scale"))
+        assert len([m for m in _errors(rep) if "kv_cache_scheme" in m]) == 4
+    for layer in range(2):
+        for p in ("k_scale", "v_scale"):
+            _add_tensor(q, f"model.layers.{layer}.self_attn.{p}", torch.ones(1, dtype=torch.bfloat16))
+    assert api.verify(q, tiny_llama)["ok"] and api.verify(q)["ok"]
+    _tamper(q, attn + ".v_scale", lambda t: torch.ones(2, 2, dtype=torch.bfloat16))
+    assert _errors(api.verify(q), attn + ".v_scale") == ["v_scale is BF16[2, 2]; a KV cache scale is a float [1] or [heads, 1, 1]"]
