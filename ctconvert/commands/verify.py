@@ -2,20 +2,31 @@
 
 Structure: the folder validates (index, shards, no duplicates); the config
 says ``quant_method: compressed-tensors`` and ``quantization_status:
-compressed``; every quantized module is explained by a config group and has
-the tensors its format requires (:data:`ctconvert.formats.FORMATS`); every
-dense Linear is in ``ignore``; NVFP4 fused sets share one global scale
-(docs/compressed-tensors-format.md §9.1); no float tensor holds NaN/inf and no
-E4M3 byte is NaN (0x7F/0xFF, docs/field-notes.md report 2).
+compressed``; every quantized module is explained by a config group and holds
+exactly the tensors its group's format and activation args write, with their
+dtypes and shapes (:mod:`ctconvert.checkpoint.conformance`: a config the
+tensors contradict fails, a 2:4 ``sparsity_config`` over plain tensors and a
+static ``kv_cache_scheme`` without its scales included); every dense Linear is
+in ``ignore``; no fused set lacks a member its other layers have; NVFP4 fused
+sets share one global scale (docs/compressed-tensors-format.md §9.1); no float
+tensor holds NaN/inf and no E4M3 byte is NaN (0x7F/0xFF, docs/field-notes.md
+report 2).
 
 With ``reference`` (the dense source, or a quantized one: then its weights
-dequantized by :mod:`ctconvert.checkpoint.sources`): every quantized weight is dequantized
-and compared (relative L2, max abs, SNR in dB) against a per-format threshold;
-every other tensor must equal its source exactly.
+dequantized by :mod:`ctconvert.checkpoint.sources`), an independent check that
+reads the two checkpoints and nothing else (not the writer's plan, not the
+output's provenance): every quantized weight is dequantized and compared
+(relative L2, max abs, SNR in dB) against a per-format threshold (2:4 modules
+against the reference pruned 2:4 by verify, the error against the dense one
+beside it); every other output tensor must come from the reference (equal
+bytes, or its values cast bit for bit to another float dtype) or be explained
+by the config; every reference tensor must be in the output or replaced by the
+parts of a quantized module.
 
 A kernel-native checkpoint is verified by its round trip: every module is
 inverted and repacked again, and must give the stored bytes (and, with a
-reference, the compressed-tensors source).
+reference, the compressed-tensors source, whose every other tensor must be
+stored unchanged).
 
 Reads top to bottom: structure -> values -> reference errors -> the report.
 """
