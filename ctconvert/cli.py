@@ -634,13 +634,25 @@ def verify_cmd(ctx: _Ctx, path, reference, tp, ep):
                 f"(relative L2 {sm['worst_rel_l2']:.4f}, limit {sm['worst_threshold']}), lowest SNR {sm['min_snr_db']:.1f} dB",
                 markup=False,
             )
+            if "worst_rel_l2_dense" in sm:  # 2:4: judged against the pruned reference, the pruning's error beside it
+                con.print(
+                    f"{plural(sm['sparse_modules'], '2:4 sparse weight')} judged against the reference pruned 2:4; against the dense "
+                    f"reference (the pruning's own error, not judged) the worst is {sm['worst_dense_module']} (relative L2 {sm['worst_rel_l2_dense']:.4f})",
+                    markup=False,
+                )
         if report["tensors"]:
+            sparse = any("rel_l2_dense" in r for r in report["tensors"])
             cols = [("module", 0), ("format", 3), ("rel L2", 0), ("max abs", 2), ("SNR dB", 1), ("limit", 4), ("ok", 0)]
             rows = [
                 [r["module"], r["format"], f"{r['rel_l2']:.4f}", f"{r['max_abs']:.3g}", f"{r['snr_db']:.1f}", str(r["threshold"]), "yes" if r["ok"] else "NO"]
                 for r in report["tensors"]
             ]
-            _print_table(ctx, cols, rows, title=f"error against {reference}", styles=[None if r["ok"] else "red" for r in report["tensors"]])
+            if sparse:  # the rel L2 column is against the pruned reference for 2:4 modules; this one against the dense one
+                cols.insert(5, ("rel L2 dense", 2))
+                for row, r in zip(rows, report["tensors"]):
+                    row.insert(5, f"{r['rel_l2_dense']:.4f}" if "rel_l2_dense" in r else "")
+            title = f"error against {reference}" + (" (2:4 modules: rel L2 against it pruned 2:4, rel L2 dense against it as it is)" if sparse else "")
+            _print_table(ctx, cols, rows, title=title, styles=[None if r["ok"] else "red" for r in report["tensors"]])
         par = report.get("parallel")
         if par:
             ep_note = f", largest even EP degree {par['max_ep']}" if par["max_ep"] else ""

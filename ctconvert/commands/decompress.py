@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.config import require_compressed_tensors
+from ..checkpoint.conformance import module_problems, sparsity_problems
 from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, modules_of
 from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
@@ -130,15 +131,23 @@ def _check_input(ckpt: Checkpoint, src: Path) -> None:
     require_compressed_tensors(qcfg, src / CONFIG_NAME, "decompress", "this one is dense already")
     if (qcfg.get("sparsity_config") or {}).get("format") not in (None, "dense", "sparse-24-bitmask"):
         raise UnsupportedError(f"sparse format {qcfg['sparsity_config']['format']!r} cannot be decompressed", file=src / CONFIG_NAME)
+    if found := sparsity_problems(modules_of(ckpt), qcfg):  # a config that claims 2:4 over plain tensors
+        p = found[0]
+        more = f" (and {len(found) - 1} more modules)" if len(found) > 1 else ""
+        raise BadInputError(p.message + more, file=Path(p.file).name if p.file else src / CONFIG_NAME, tensor=p.tensor)
 
 
-def _check_module(m: Module, info) -> None:
-    """Raise for a quantized module that cannot be dequantized."""
+def _check_module(m: Module, info, qcfg: dict) -> None:
+    """Raise for a quantized module that cannot be dequantized, or whose tensors contradict its config group
+    (:func:`ctconvert.checkpoint.conformance.module_problems`: :class:`BadInputError` naming the file and tensor)."""
     where = dict(file=info.file.name, tensor=info.name)
     if m.group is None:
         raise BadInputError("quantized tensors that no config group targets", **where)
     if get_format(m.format) is None:
         raise UnsupportedError(f"format {m.format!r} cannot be decompressed", **where)
+    if found := module_problems(m, qcfg):
+        p = found[0]
+        raise BadInputError(p.message, file=Path(p.file).name if p.file else where["file"], tensor=p.tensor or info.name)
     if "weight_g_idx" in m.parts:
         raise UnsupportedError("act-order weights (weight_g_idx) cannot be decompressed", **where)
 
@@ -150,12 +159,15 @@ def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int, cast_all: bool, b
     planned: list[PlannedTensor] = []
     tasks: list = []
     done: set[str] = set()
+    checked: set[str] = set()
     for name in sorted(ckpt.tensors, key=lambda n: (str(ckpt.tensors[n].file), ckpt.tensors[n].start)):
         mod, _, part = name.rpartition(".")
         m = mods.get(mod)
         info = ckpt.tensors[name]
         if m is not None and m.quantized:
-            _check_module(m, info)
+            if mod not in checked:
+                checked.add(mod)
+                _check_module(m, info, ckpt.quantization_config)
             if part in QUANT_PARTS or part in ACT_PARTS or part == "weight":
                 if mod not in done:
                     done.add(mod)

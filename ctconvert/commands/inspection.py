@@ -5,8 +5,11 @@ few tiny tensors that carry shapes and global scales). Problems found:
 anything :func:`ctconvert.checkpoint.reader.open_checkpoint` reports (missing
 shard, stale index, duplicates, unreadable files), quantized tensors that the
 ``quantization_config`` does not explain, dense Linear weights a loader would
-expect quantized (not in ``ignore``), and fused sets whose NVFP4 global
-scales differ (docs/compressed-tensors-format.md §9.1). A kernel-native
+expect quantized (not in ``ignore``), tensors that contradict the config
+(:mod:`ctconvert.checkpoint.conformance`: a part missing, extra, of another
+dtype or shape than the group's format writes; a 2:4 ``sparsity_config``
+over modules stored plain), and fused sets whose NVFP4 global scales differ
+(docs/compressed-tensors-format.md §9.1). A kernel-native
 checkpoint (:mod:`ctconvert.checkpoint.kernel_native`) is summarized from its
 module records.
 
@@ -20,12 +23,14 @@ import json
 import math
 from pathlib import Path
 
+from ..checkpoint.conformance import contradictions, linear_module_files, missing_fused_members
 from ..checkpoint.kernel_native import is_kernel_native, missing_tensors
 from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import BLOCK, decoder_layer_index, is_linear_weight, natural_key
 from ..checkpoint.provenance import PROVENANCE, cast_tensors
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
-from ..errors import agree
+from ..checkpoint.sources import SOURCE_CONFIG_FILES, Source, SourceModule, open_source
+from ..errors import CTConvertError, agree, plural
 
 __all__ = ["describe_weights", "inspect_checkpoint"]
 
@@ -121,10 +126,17 @@ def _missing_layers(ckpt, path: Path) -> Problem | None:
 
 
 def inspect_checkpoint(path: Path) -> dict:
-    """Return the inspection report of the checkpoint folder ``path`` (a JSON-ready dict)."""
+    """Return the inspection report of the checkpoint folder ``path`` (a JSON-ready dict).
+
+    Every input format ``quantize`` and ``convert`` read is shown as what it is: compressed-tensors and dense
+    folders from their tensors and config; AutoAWQ, GPTQ, Hugging Face FP8 block and ModelOpt NVFP4 through
+    their readers (:func:`ctconvert.checkpoint.sources.open_source`: format, bits, group size or block per
+    layer); a kernel-native output from its module records."""
     ckpt = open_checkpoint(path, strict=False)
     if is_kernel_native(ckpt.quantization_config):
         return _inspect_kernel_native(ckpt, path)
+    if (foreign := _foreign_source(ckpt)) is not None:
+        return _inspect_source(ckpt, path, *foreign)
     problems: list[Problem] = list(ckpt.problems)
     if (missing := _missing_layers(ckpt, path)) is not None:
         problems.append(missing)
@@ -137,6 +149,9 @@ def inspect_checkpoint(path: Path) -> dict:
         if row is not None:
             layers.append(row)
     problems += _fused_set_problems(mods)
+    problems += missing_fused_members(linear_module_files(mods), ckpt.config)
+    if qcfg.get("quant_method") == "compressed-tensors":
+        problems += contradictions(mods, qcfg)
     problems += unexplained_dense(ckpt, mods)
     casts = cast_tensors(path)
     for row in layers:
@@ -152,6 +167,96 @@ def inspect_checkpoint(path: Path) -> dict:
         "ignore": qcfg.get("ignore") if qcfg else None,
         "derived_from": _derived_from(path),
         "dense_cast": _cast_summary(casts),
+        "layers": layers,
+        "totals": _totals(ckpt, layers),
+        "problems": [p.to_dict() for p in problems],
+    }
+
+
+def _foreign_source(ckpt: Checkpoint) -> tuple[Source | None, Problem | None] | None:
+    """``(source, None)`` for a checkpoint of another tool's quantization (AutoAWQ, GPTQ, FP8 block, ModelOpt:
+    from ``config.json`` or the tool's own file beside it), ``(None, problem)`` when its reader refuses it
+    (an error naming file and tensor), None for a dense or compressed-tensors checkpoint."""
+    qcfg = ckpt.quantization_config
+    if (qcfg or {}).get("quant_method") == "compressed-tensors":
+        return None
+    if qcfg is None and not any((ckpt.path / f).is_file() for f in SOURCE_CONFIG_FILES):
+        return None
+    if ckpt.problems and any(p.severity == "error" for p in ckpt.problems):
+        return None  # an inconsistent folder: reported as such, tensor by tensor
+    try:
+        source = open_source(ckpt)
+    except CTConvertError as e:
+        return None, Problem("error", e.message, str(e.file) if e.file else None, e.tensor)
+    return (source, None) if source.quantized else None
+
+
+def _source_row(m: SourceModule) -> dict:
+    """The report row of one quantized module of another tool's format: ``format`` is the reader's kind, ``scheme``
+    its label; ``bits`` and ``group_size`` (``block`` for FP8 block scales) as the source's config states them."""
+    a = m.args
+    if m.kind == "fp8-block":
+        bits, group, block = 8, None, list(a["block"])
+    elif m.kind == "modelopt-nvfp4":
+        bits, group, block = 4, 16, None  # NVFP4: E2M1 values, one E4M3 scale per 16 (docs/compressed-tensors-format.md §4.4)
+    else:
+        bits, group, block = a.get("bits"), (None if a.get("channel") else a.get("group_size")), None
+    nbytes = sum(i.nbytes for i in m.parts.values())
+    params = m.shape[0] * m.shape[1]
+    row = {
+        "module": m.name,
+        "group": None,
+        "scheme": m.label,
+        "format": m.kind,
+        "bits": bits,
+        "group_size": group,
+        "tensors": {p: {"dtype": i.dtype, "shape": list(i.shape)} for p, i in sorted(m.parts.items())},
+        "bytes": nbytes,
+        "params": params,
+        "bits_per_weight": round(8 * nbytes / params, 3) if params else None,
+    }
+    if block:
+        row["block"] = block
+    return row
+
+
+def _inspect_source(ckpt: Checkpoint, path: Path, source: Source | None, refused: Problem | None) -> dict:
+    """The report of a checkpoint of another tool's quantization (:func:`_foreign_source`): one row per quantized
+    module as its reader sees it, the dense Linear layers, the tool's config."""
+    problems: list[Problem] = list(ckpt.problems)
+    if (missing := _missing_layers(ckpt, path)) is not None:
+        problems.append(missing)
+    layers = []
+    qcfg = ckpt.quantization_config
+    if source is not None:
+        qcfg = source.quantization_config
+        layers = [_source_row(m) for m in sorted(source.modules.values(), key=lambda m: (str(m.anchor.file), natural_key(m.name)))]
+        stored = {i.name for m in source.modules.values() for i in m.parts.values()}
+        for name in sorted(ckpt.tensors, key=natural_key):
+            info = ckpt.tensors[name]
+            if name not in stored and is_linear_weight(name, info):
+                layers.append(_dense_row(name.removesuffix(".weight"), info))
+        linear = {n.removesuffix(".weight"): str(i.file) for n, i in source.view.tensors.items() if is_linear_weight(n, i)}
+        problems += missing_fused_members(linear, ckpt.config)
+        if source.dropped:
+            first = next(iter(source.dropped))
+            what = f"{plural(len(source.dropped), 'tensor')} ({first}{' ...' if len(source.dropped) > 1 else ''})"
+            problems.append(Problem("note", f"{what}: activation or KV-cache scales of the source's quantization, not part of a weight"))
+    if refused is not None:
+        problems.append(refused)
+    summary = _config_summary(qcfg or {})
+    if summary is not None and source is not None:
+        summary["source_format"] = source.kind
+        if source.config_file is not None and source.config_file.name != "config.json":
+            summary["config_file"] = source.config_file.name
+    return {
+        "path": str(path),
+        "quantization_config": summary,
+        "sparsity_config": None,
+        "config_groups": {},
+        "ignore": None,
+        "derived_from": None,
+        "dense_cast": None,
         "layers": layers,
         "totals": _totals(ckpt, layers),
         "problems": [p.to_dict() for p in problems],

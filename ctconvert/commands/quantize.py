@@ -17,8 +17,10 @@ from pathlib import Path
 from ..calibration import apply as calibration
 from ..calibration.data import load_tokens
 from ..checkpoint.config import build_quantization_config, updated_config
+from ..checkpoint.conformance import missing_fused_members
 from ..checkpoint.hashing import SourceHashes, hash_tensors
 from ..checkpoint.model_card import CARD, append_conversion_section, conversion_section
+from ..checkpoint.naming import is_linear_weight
 from ..checkpoint.provenance import PROVENANCE, fingerprint, load_provenance, provenance, refresh_plan, shard_map, sources_by_shard
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
 from ..checkpoint.safetensors_io import PlannedTensor
@@ -33,7 +35,7 @@ from ..checkpoint.writer import (
     partial_output,
     shard_names,
 )
-from ..errors import CTConvertError, OutputError, UnsupportedError, UsageError, agree, plural
+from ..errors import BadInputError, CTConvertError, OutputError, UnsupportedError, UsageError, agree, plural
 from ..layouts.kernels import CT_FORMAT_TARGETS
 from ..pipeline.devices import resolve_devices
 from ..pipeline.executor import ExecOptions, execute, map_input_default
@@ -69,6 +71,16 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, options: Quan
     return result
 
 
+def _check_fused_sets(ckpt: Checkpoint) -> None:
+    """Raise :class:`BadInputError` (exit 3) for a fused set with a member missing where other layers have it
+    (:func:`ctconvert.checkpoint.conformance.missing_fused_members`), naming the file and the missing module."""
+    linear = {n.removesuffix(".weight"): str(i.file) for n, i in ckpt.tensors.items() if is_linear_weight(n, i)}
+    if found := missing_fused_members(linear, ckpt.config):
+        p = found[0]
+        more = f" (and {plural(len(found) - 1, 'other fused set')})" if len(found) > 1 else ""
+        raise BadInputError(p.message + more, file=p.file, tensor=p.tensor)
+
+
 def _describe_target(result: ConversionResult, layout: LayoutStage) -> None:
     """``--target``: the result's format names the kernel-native layout, and its notes how many modules it holds."""
     target = layout.target
@@ -91,6 +103,7 @@ def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeO
         raise UsageError("--group-size/--symmetric/--asymmetric cannot be combined with --sparsity (2:4 takes the presets as they are)")
     source = open_source(open_checkpoint(src, strict=True))
     ckpt = source.view  # a quantized input is planned and read as its dequantized weights (requantize)
+    _check_fused_sets(ckpt)
     plan_ignore = list(ignore or []) + [m for m in source.dense_linear if source.quantized]
     rules = dict(keep_unclassified=o.keep_unclassified, default_ignore=o.default_ignore, quantize_mtp=o.quantize_mtp)
     plan_kw = dict(targets=targets, ignore=plan_ignore or None, lm_head=o.lm_head, lm_head_chunk_rows=o.lm_head_chunk_rows, **rules)
@@ -197,14 +210,15 @@ def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeO
 
 
 def _parallel(result: ConversionResult, plan: Plan, ckpt: Checkpoint, layout: LayoutStage | None, tp: int, ep: int | None) -> None:
-    """The tensor-parallel plan (:mod:`ctconvert.plan.parallel`); a real run notes the tensors that do not split at ``tp``."""
+    """The tensor-parallel plan (:mod:`ctconvert.plan.parallel`); a real run notes the tensors that do not split at ``tp``
+    and an uneven expert-parallel split at ``ep``."""
     kernel, version = (layout.target, layout.layout_version) if layout is not None else (None, "0.33")
     mods, result.parallel_of = plan_modules(plan, ckpt.tensors, kernel, version)
     try:
         result.parallel = report = parallel_report(mods, ckpt.config, tp, ep)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if not result.dry_run and not report.ok:
+    if not result.dry_run and (not report.ok or report.uneven):
         result.notes.append(report.summary())
 
 

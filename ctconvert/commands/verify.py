@@ -2,20 +2,31 @@
 
 Structure: the folder validates (index, shards, no duplicates); the config
 says ``quant_method: compressed-tensors`` and ``quantization_status:
-compressed``; every quantized module is explained by a config group and has
-the tensors its format requires (:data:`ctconvert.formats.FORMATS`); every
-dense Linear is in ``ignore``; NVFP4 fused sets share one global scale
-(docs/compressed-tensors-format.md §9.1); no float tensor holds NaN/inf and no
-E4M3 byte is NaN (0x7F/0xFF, docs/field-notes.md report 2).
+compressed``; every quantized module is explained by a config group and holds
+exactly the tensors its group's format and activation args write, with their
+dtypes and shapes (:mod:`ctconvert.checkpoint.conformance`: a config the
+tensors contradict fails, a 2:4 ``sparsity_config`` over plain tensors and a
+static ``kv_cache_scheme`` without its scales included); every dense Linear is
+in ``ignore``; no fused set lacks a member its other layers have; NVFP4 fused
+sets share one global scale (docs/compressed-tensors-format.md §9.1); no float
+tensor holds NaN/inf and no E4M3 byte is NaN (0x7F/0xFF, docs/field-notes.md
+report 2).
 
 With ``reference`` (the dense source, or a quantized one: then its weights
-dequantized by :mod:`ctconvert.checkpoint.sources`): every quantized weight is dequantized
-and compared (relative L2, max abs, SNR in dB) against a per-format threshold;
-every other tensor must equal its source exactly.
+dequantized by :mod:`ctconvert.checkpoint.sources`), an independent check that
+reads the two checkpoints and nothing else (not the writer's plan, not the
+output's provenance): every quantized weight is dequantized and compared
+(relative L2, max abs, SNR in dB) against a per-format threshold (2:4 modules
+against the reference pruned 2:4 by verify, the error against the dense one
+beside it); every other output tensor must come from the reference (equal
+bytes, or its values cast bit for bit to another float dtype) or be explained
+by the config; every reference tensor must be in the output or replaced by the
+parts of a quantized module.
 
 A kernel-native checkpoint is verified by its round trip: every module is
 inverted and repacked again, and must give the stored bytes (and, with a
-reference, the compressed-tensors source).
+reference, the compressed-tensors source, whose every other tensor must be
+stored unchanged).
 
 Reads top to bottom: structure -> values -> reference errors -> the report.
 """
@@ -30,15 +41,15 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.config import require_compressed_tensors
+from ..checkpoint.conformance import kv_scale_problems, linear_module_files, missing_fused_members, module_problems, sparsity_problems
 from ..checkpoint.families import split_fused_experts
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
-from ..checkpoint.provenance import cast_tensors
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, Problem, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_bytes, read_rows, read_tensor
 from ..checkpoint.sources import open_source
-from ..errors import CTConvertError, UsageError, plural
+from ..errors import CTConvertError, UsageError, agree, plural
 from ..formats import WeightArgs, get_format
 from ..formats.sparse24 import SPARSE_PREFIX, prune24
 from ..layouts import kernels
@@ -79,8 +90,10 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     problems: list[Problem] = list(ckpt.problems)
     mods = modules_of(ckpt)
     problems += _config_problems(ckpt, path)
-    problems += _module_problems(mods)
+    found, contradicted = _module_problems(mods, ckpt.quantization_config or {})
+    problems += found
     problems += unexplained_dense(ckpt, mods)
+    problems += missing_fused_members(linear_module_files(mods), ckpt.config)
     problems += _value_problems(ckpt)
     rows: list[dict] = []
     checks = list(_STRUCTURE_CHECKS)
@@ -89,7 +102,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     else:
         ref = _split_reference(open_source(open_checkpoint(reference, strict=True)).view, ckpt, problems)  # a quantized reference: its dequantized weights
         with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
-            rows, ref_problems = _compare_weights(mods, ref, bar)
+            rows, ref_problems = _compare_weights(mods, ref, bar, contradicted)
             problems += ref_problems + _compare_others(ckpt, mods, ref, bar)
         checks += ["error of every quantized weight against the reference", "every other tensor equals the reference"]
     report = _report(path, reference, problems, rows, checked=_checked(ckpt, checks, len(rows)))
@@ -137,7 +150,17 @@ def _summary(rows: list[dict]) -> dict | None:
         "worst_rel_l2": worst["rel_l2"],
         "worst_threshold": worst["threshold"],
         "min_snr_db": min(r["snr_db"] for r in rows),
+        **_dense_summary(rows),
     }
+
+
+def _dense_summary(rows: list[dict]) -> dict:
+    """The worst error against the dense reference of the 2:4 modules (their pruning), when there are any."""
+    sparse = [r for r in rows if "rel_l2_dense" in r]
+    if not sparse:
+        return {}
+    worst = max(sparse, key=lambda r: r["rel_l2_dense"])
+    return {"sparse_modules": len(sparse), "worst_dense_module": worst["module"], "worst_rel_l2_dense": worst["rel_l2_dense"]}
 
 
 def _split_reference(ref: Checkpoint, ckpt: Checkpoint, problems: list[Problem]) -> Checkpoint:
@@ -283,24 +306,30 @@ def _config_problems(ckpt: Checkpoint, path: Path) -> list[Problem]:
     return out
 
 
-def _module_problems(mods: dict[str, Module]) -> list[Problem]:
-    out = []
+def _module_problems(mods: dict[str, Module], qcfg: dict) -> tuple[list[Problem], set[str]]:
+    """Quantized modules no config group explains, or whose tensors contradict their group's format
+    (:func:`ctconvert.checkpoint.conformance.module_problems`), dense Linear weights a group claims, modules a
+    2:4 ``sparsity_config`` claims that are not stored 2:4 (:func:`~ctconvert.checkpoint.conformance.sparsity_problems`),
+    missing KV cache scales of a static ``kv_cache_scheme`` (:func:`~ctconvert.checkpoint.conformance.kv_scale_problems`),
+    fused sets with different NVFP4 global scales. Returns ``(problems, names of the modules whose tensors contradict
+    their group)``: those are not dequantized."""
+    out, contradicted = sparsity_problems(mods, qcfg) + kv_scale_problems(mods, qcfg), set()
     for m in mods.values():
         if m.quantized:
             if m.group is None:
                 out.append(_error("quantized tensors that no config group explains (or listed in ignore)", tensor=m.name))
                 continue
-            fmt = get_format(m.format)
-            if fmt is None:
+            if get_format(m.format) is None:
                 out.append(_error(f"unknown format {m.format!r}", tensor=m.name))
-            elif missing := [p for p in fmt.required if p not in m.parts]:
-                out.append(_error(f"format {m.format} needs {', '.join(missing)}", tensor=m.name))
+            elif found := module_problems(m, qcfg):
+                out += found
+                contradicted.add(m.name)
         elif m.group is not None and "weight" in m.parts:
             out.append(_error(f"dense Linear weight matched by config group {m.group!r} but not in ignore", tensor=m.name))
     for fused_set, vals in fused_global_scales(mods).items():
         if len(set(vals.values())) > 1:
             out.append(_error(f"fused set members have different NVFP4 global scales {vals}", tensor=fused_set))
-    return out
+    return out, contradicted
 
 
 # -- values -----------------------------------------------------------------------------
@@ -331,15 +360,20 @@ def _threshold(weights: dict) -> float:
     return THRESHOLDS.get((weights.get("type"), int(weights.get("num_bits") or 0)), 0.3)
 
 
-_PRUNED_NOTE = "2:4 sparse modules are measured against the reference pruned 2:4 (the pruning itself is not counted as error)"
+_PRUNED_NOTE = (
+    "2:4 sparse modules pass or fail on their error against the reference pruned 2:4 by verify (the format's limit; exact for dense "
+    "2:4 values); their error against the dense reference, the pruning's own, is reported beside it (rel L2 dense), not judged"
+)
 
 
-def _compare_weights(mods: dict[str, Module], ref: Checkpoint, bar=None) -> tuple[list[dict], list[Problem]]:
-    """One error row per quantized module: its dequantized weight against the reference's."""
+def _compare_weights(mods: dict[str, Module], ref: Checkpoint, bar=None, contradicted: set[str] = frozenset()) -> tuple[list[dict], list[Problem]]:
+    """One error row per quantized module: its dequantized weight against the reference's. ``contradicted``: the
+    modules whose tensors contradict their config group (reported already), not dequantized; a module whose
+    tensors cannot be dequantized is an error."""
     rows, problems = [], []
     emb = find_embedding(ref.tensors)
     for m in sorted(mods.values(), key=lambda m: natural_key(m.name)):
-        if not (m.quantized and m.group is not None and get_format(m.format) is not None):
+        if not (m.quantized and m.group is not None and get_format(m.format) is not None) or m.name in contradicted:
             continue
         src = ref.tensors.get(m.name + ".weight")
         if src is None and m.name.endswith("lm_head") and emb:
@@ -351,7 +385,11 @@ def _compare_weights(mods: dict[str, Module], ref: Checkpoint, bar=None) -> tupl
         if tuple(src.shape) != (n, k):
             problems.append(_error(f"shape {n}x{k} differs from the reference {list(src.shape)}", tensor=m.name))
             continue
-        row = _error_row(m, src)
+        try:
+            row = _error_row(m, src)
+        except (ValueError, KeyError, RuntimeError, IndexError) as e:
+            problems.append(_error(f"cannot be dequantized as {m.format}: {e}", tensor=m.name))
+            continue
         _tick(bar, src.nbytes)
         rows.append(row)
         if row.get("against") == "2:4-pruned reference" and not any(p.message == _PRUNED_NOTE for p in problems):
@@ -365,24 +403,43 @@ def _compare_weights(mods: dict[str, Module], ref: Checkpoint, bar=None) -> tupl
 
 
 def _error_row(m: Module, src) -> dict:
-    se = sr = mx = 0.0
+    """The error row of one quantized module against its reference weight ``src``: relative L2, max abs, SNR (dB).
+
+    A 2:4 sparse module (``sparse-24-bitmask``, ``marlin-24``) is judged against the reference pruned 2:4 by verify
+    itself (:func:`ctconvert.formats.sparse24.prune24`: compressed-tensors 0.14's magnitude rule), with the format's
+    limit (exact, 0, for dense 2:4 values, which are the pruned weight itself); its error against the dense reference,
+    the pruning's own, is reported beside it (``rel_l2_dense``, ``max_abs_dense``, ``snr_db_dense``), not judged."""
+    sparse = str(m.format).startswith(SPARSE_PREFIX) or m.format == "marlin-24"
+    sums = {"pruned": [0.0, 0.0, 0.0], "dense": [0.0, 0.0, 0.0]}  # squared error, squared reference, max abs
     lost = 0
-    sparse = str(m.format).startswith(SPARSE_PREFIX) or m.format == "marlin-24"  # 2:4: against the pruned reference (the rule of formats/sparse24.py)
     for r0, r1, got in dense_row_chunks(m, _CHUNK):
-        want = read_rows(src, r0, r1)
-        want = (prune24(want) if sparse else want).float()
-        d = got.float() - want
-        lost += int(zero_rows(got, want)[1].sum())
-        se += float((d * d).sum())
-        sr += float((want * want).sum())
-        mx = max(mx, float(d.abs().max()) if d.numel() else 0.0)
-    rel = math.sqrt(se / sr) if sr > 0 else (0.0 if se == 0 else math.inf)
-    snr = 10 * math.log10(sr / se) if se > 0 and sr > 0 else math.inf
-    limit = _threshold(m.weights or {})
+        dense = read_rows(src, r0, r1)
+        wants = {"dense": dense.float()}
+        if sparse:
+            wants["pruned"] = prune24(dense).float()
+        got = got.float()
+        for key, want in wants.items():
+            d = got - want
+            acc = sums[key]
+            acc[0] += float((d * d).sum())
+            acc[1] += float((want * want).sum())
+            acc[2] = max(acc[2], float(d.abs().max()) if d.numel() else 0.0)
+        lost += int(zero_rows(got, wants["pruned" if sparse else "dense"])[1].sum())
+    stats = {key: _stats(*acc) for key, acc in sums.items()}
+    rel, mx, snr = stats["pruned" if sparse else "dense"]
+    limit = 0.0 if m.format == SPARSE_PREFIX else _threshold(m.weights or {})
     row = {"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "ok": rel <= limit, "zero_rows": lost}
     if sparse:
-        row["against"] = "2:4-pruned reference"
+        rel_d, mx_d, snr_d = stats["dense"]
+        row.update(against="2:4-pruned reference", rel_l2_dense=rel_d, max_abs_dense=mx_d, snr_db_dense=snr_d)
     return row
+
+
+def _stats(se: float, sr: float, mx: float) -> tuple[float, float, float]:
+    """``(relative L2, max abs, SNR in dB)`` from the sums of squared error and squared reference."""
+    rel = math.sqrt(se / sr) if sr > 0 else (0.0 if se == 0 else math.inf)
+    snr = 10 * math.log10(sr / se) if se > 0 and sr > 0 else math.inf
+    return rel, mx, snr
 
 
 def _all_zero_problems(mods: dict[str, Module], ckpt: Checkpoint) -> list[Problem]:
@@ -413,29 +470,44 @@ def _all_zero_problems(mods: dict[str, Module], ckpt: Checkpoint) -> list[Proble
 _MISSING_SHOWN = 8  # reference tensors missing from the output that are listed one by one
 
 
+_SHORT = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf16"}
+
+
 def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint, bar=None) -> list[Problem]:
-    """Tensors that are not quantized weights must equal the source; nothing of the source may be missing."""
+    """Every output tensor that is not a part of a quantized module must come from the reference: equal bytes,
+    or (``quantize --dense-dtype``) the reference's values cast to its floating dtype, bit for bit (``torch``'s
+    ``.to``); found from the two checkpoints alone, not from the output's provenance. The KV cache scales of a
+    ``kv_cache_scheme`` are explained only on an attention module whose ``k_proj`` and ``v_proj`` the output
+    holds. Nothing of the reference may be missing but the dense weights of the quantized modules."""
     out = []
-    casts = cast_tensors(ckpt.path)
+    kv = bool((ckpt.quantization_config or {}).get("kv_cache_scheme"))
+    cast = 0
     for name, info in ckpt.tensors.items():
         mod, _, part = name.rpartition(".")
         mm = mods.get(mod)
         if mm is not None and mm.quantized and (part in QUANT_PARTS or part in ACT_PARTS or part == "weight"):
-            continue
-        if part in KV_PARTS and (ckpt.quantization_config or {}).get("kv_cache_scheme"):
+            continue  # checked against the config group's format (_module_problems) and by value (_compare_weights)
+        if part in KV_PARTS and kv and f"{mod}.k_proj" in mods and f"{mod}.v_proj" in mods:
             continue  # calibrated KV cache scales of an attention module
         s = ref.tensors.get(name)
         if s is None:
-            out.append(_error("tensor not in the reference", tensor=name))
-        elif name in casts and s.shape == info.shape and s.dtype != info.dtype:  # quantize --dense-dtype
-            if not _same_cast(info, s):
-                out.append(_error(f"values differ from the reference cast to {info.dtype} ({casts[name]}, --dense-dtype)", tensor=name))
+            why = "; a KV cache scale belongs to an attention module with k_proj and v_proj" if part in KV_PARTS and kv else ""
+            out.append(_error(f"tensor not in the reference, and the config does not explain it{why}", tensor=name))
+        elif s.shape == info.shape and s.dtype != info.dtype and s.dtype in _SHORT and info.dtype in _SHORT:  # quantize --dense-dtype
+            if _same_cast(info, s):
+                cast += 1
+            else:
+                c = f"{_SHORT[s.dtype]}->{_SHORT[info.dtype]}"
+                out.append(_error(f"values differ from the reference cast to {info.dtype} ({c}, --dense-dtype)", tensor=name))
         elif s.dtype != info.dtype or s.shape != info.shape:
             out.append(_error(f"{info.dtype}{list(info.shape)} differs from the reference {s.dtype}{list(s.shape)}", tensor=name))
         elif not _same_bytes(info, s):
             out.append(_error("bytes differ from the reference (a pass-through tensor was changed)", tensor=name))
         if s is not None:
             _tick(bar, s.nbytes)
+    if cast:
+        held = agree(cast, "holds", "hold")
+        out.append(Problem("note", f"{plural(cast, 'tensor')} {held} the reference's values cast to another float dtype (--dense-dtype), bit for bit"))
     quant_weights = {m.name + ".weight" for m in mods.values() if m.quantized}
     missing = [name for name in ref.tensors if name not in ckpt.tensors and name not in quant_weights]
     if len(missing) > _MISSING_SHOWN:  # another model (more layers, other names): one line, not one per tensor
@@ -493,6 +565,7 @@ def _verify_kernel_native(ckpt: Checkpoint, path: Path, reference: str | Path | 
     for n in ref.tensors if ref is not None else ():
         mod, _, part = n.rpartition(".")
         ref_parts.setdefault(mod, set()).add(part)
+    inverted: set[str] = set()  # the reference tensors an inverse stands for
     for mod, rec in (q.get("modules") or {}).items():
         try:
             stored = {p: read_tensor(ckpt.tensors[f"{mod}.{p}"]) for p in rec["tensors"]}
@@ -507,13 +580,33 @@ def _verify_kernel_native(ckpt: Checkpoint, path: Path, reference: str | Path | 
             same = False
             problems.append(_error(f"the inverse lacks {', '.join(lost)} (recorded as source tensors)", tensor=mod))
         ref_ok = None if ref is None else _equals_reference(back, ref, mod, problems, ref_parts.get(mod, set()))
+        inverted.update(f"{mod}.{p}" for p in back)
         rows.append({"module": mod, "kernel": rec["kernel"], "round_trip": same, "equals_reference": ref_ok})
-    if ref is not None:
-        problems += _left_out(ckpt, ref, q.get("modules") or {})
     checks = ["folder (index, shards, duplicates)", "round trip of every kernel-native module (invert, repack, same bytes)"]
     if ref is not None:
-        checks.append("inverse equals the compressed-tensors reference, bit for bit; every reference tensor is there")
+        problems += _kernel_native_others(ckpt, q, ref, inverted)
+        checks += ["inverse equals the compressed-tensors reference, bit for bit", "every other tensor equals the reference, none missing"]
     return _report(path, reference, problems, [], modules=rows, checked=_checked(ckpt, checks, len(rows)))
+
+
+def _kernel_native_others(ckpt: Checkpoint, q: dict, ref: Checkpoint, inverted: set[str]) -> list[Problem]:
+    """Conservation of a kernel-native checkpoint against its compressed-tensors source: every reference tensor
+    that no module's inverse stands for (``inverted``: biases, norms, embeddings, activation scales a record does
+    not hold ...) is stored under its name with the reference's bytes, and every stored tensor that no module
+    record holds comes from the reference."""
+    stored = {f"{mod}.{p}" for mod, rec in (q.get("modules") or {}).items() for p in rec.get("tensors", [])}
+    out = []
+    missing = [n for n in ref.tensors if n not in inverted and n not in ckpt.tensors]
+    out += [_error("tensor of the reference is missing from the output (not in any module's inverse either)", tensor=n) for n in missing]
+    for name, info in ckpt.tensors.items():
+        if name in stored:
+            continue
+        s = ref.tensors.get(name)
+        if s is None:
+            out.append(_error("tensor not in the reference and not a tensor of any kernel-native module", tensor=name))
+        elif s.dtype != info.dtype or s.shape != info.shape or not _same_bytes(info, s):
+            out.append(_error("differs from the reference (a pass-through tensor was changed)", tensor=name))
+    return out
 
 
 def _round_trip(stored: dict, rec: dict, mod: str, src_cfg: dict, q: dict):
@@ -527,18 +620,6 @@ def _round_trip(stored: dict, rec: dict, mod: str, src_cfg: dict, q: dict):
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
-
-
-def _left_out(ckpt: Checkpoint, ref: Checkpoint, records: dict) -> list[Problem]:
-    """Reference tensors of no kernel-native module that the checkpoint lacks (by name, dtype and shape)."""
-    out = []
-    for name, r in ref.tensors.items():
-        if name.rpartition(".")[0] in records:
-            continue  # compared through the module's inverse
-        t = ckpt.tensors.get(name)
-        if t is None or t.dtype != r.dtype or tuple(t.shape) != tuple(r.shape):
-            out.append(_error("reference tensor missing from the kernel-native checkpoint" if t is None else "differs from the reference", tensor=name))
-    return out
 
 
 def _equals_reference(back: dict, ref: Checkpoint, mod: str, problems: list[Problem], parts: set[str]) -> bool:

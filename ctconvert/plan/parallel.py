@@ -199,6 +199,12 @@ class ParallelReport:
     def failing(self) -> list[ShardRow]:
         return [r for r in self.rows if not r.ok]
 
+    @property
+    def uneven(self) -> list[str]:
+        """The expert-parallel splits that load but are uneven (``--ep`` not dividing the experts): vLLM gives the
+        first ranks one expert more (``determine_expert_map``); said in the dry run, the run and ``verify``."""
+        return [m["warning"] for m in self.model if "warning" in m and m.get("max_ep") is not None]
+
     def row(self, name: str) -> ShardRow | None:
         """The row of tensor (module) ``name``, or None."""
         if len(getattr(self, "_by_name", ())) != len(self.rows):
@@ -219,7 +225,7 @@ class ParallelReport:
         }
 
     def summary(self) -> str:
-        """One line: the largest degree, what limits it, and the failures at the asked degree."""
+        """One line: the largest degree, what limits it, the failures at the asked degree and an uneven expert split."""
         lim = f" (limited by {', '.join(self.limited_by[:3])}{' ...' if len(self.limited_by) > 3 else ''})" if self.limited_by else ""
         line = f"tensor parallel: largest TP degree {self.max_tp}{lim}"
         if self.max_ep is not None:
@@ -234,6 +240,7 @@ class ParallelReport:
                 line += f"; at {at}: {split}" + (f" ({names})" if bad else "") + "".join(f"; {p}" for p in model_bad)
             else:
                 line += f"; at {at}: every tensor splits"
+            line += "".join(f"; {w}" for w in self.uneven)
         return line
 
 

@@ -1,0 +1,286 @@
+"""Whether the tensors of a compressed-tensors checkpoint are what its ``quantization_config`` says they are.
+
+A config that the tensors contradict is wrong input: a loader builds the layers the config describes and
+then reads garbage, or fails. Checked per quantized module (:func:`module_problems`):
+
+* the weight tensors of its group's format, with the group's weight args: names, dtypes and shapes as the
+  format object writes them (:meth:`ctconvert.formats.base.WeightFormat.outputs`, which follows
+  compressed-tensors 0.20.1's compressors, ``compressed_tensors/compressors/quantized_compressors/``); a
+  scale in the model dtype may be any of BF16/F16/F32 (``scale_dtype``). Missing parts, extra parts and
+  another dtype or shape are errors. Formats ctconvert only reads (``naive-quantized``, ``marlin-24``): the
+  required parts only.
+* the activation tensors its ``input_activations`` / ``output_activations`` imply (compressed-tensors
+  0.20.1, ``quantization/lifecycle/initialize.py``, ``initialize_qparams``): none for ``dynamic: true``; an
+  fp32 ``[1]`` ``*_global_scale`` for strategy ``tensor_group``; a ``*_scale`` (and a ``*_zero_point`` when
+  asymmetric; optional when symmetric) unless ``dynamic: "local"``.
+* ``weight_g_idx`` only for ``actorder: "group"`` (vLLM 0.33
+  ``compressed_tensors_wNa16.py``, ``CompressedTensorsWNA16.create_weights``), I32 ``[K]``.
+
+Over the model, :func:`missing_fused_members`: a fused set (q/k/v, gate/up ...) with a member missing where the
+other layers have it is wrong input, whatever the config. And :func:`sparsity_problems`: a ``sparsity_config`` of format ``sparse-24-bitmask``
+(compressed-tensors <= 0.14, docs/compressed-tensors-format.md §4.8) covers every Linear its ``targets``
+match and its ``ignore`` does not: each must be stored as ``compressed``/``bitmask``/``shape``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from ..formats import CompressionFormat, WeightArgs, get_format
+from .modules import ACT_PARTS, QUANT_PARTS, SPARSITY_GROUP, Module, dense_shape
+from .naming import FLOAT_DTYPES, fused_key, fused_set_name, is_linear_weight, matches
+from .reader import Problem
+from .safetensors_io import TORCH_TO_ST
+
+__all__ = ["contradictions", "expected_parts", "kv_scale_problems", "linear_module_files", "missing_fused_members", "module_problems", "sparsity_problems"]
+
+_SPARSE = CompressionFormat.SPARSE_24_BITMASK.value
+_SPARSE_PARTS = ("compressed", "bitmask", "shape")
+
+
+def expected_parts(m: Module, qcfg: dict) -> tuple[dict[str, tuple[tuple[str, ...], tuple[int, ...] | None]], set[str]] | None:
+    """``(required, optional)`` tensors of the quantized module ``m`` under ``qcfg``: required maps each local
+    name to ``(accepted safetensors dtypes, shape or None when any)``; optional holds the names that may also be
+    present. None when the module's format is unknown or only readable (only ``required`` of the format is then
+    known: see :func:`module_problems`). Raises ``ValueError``/``KeyError`` when the dense shape cannot be told
+    from the stored tensors."""
+    fmt = get_format(m.format)
+    if fmt is None:
+        return None
+    args = WeightArgs.from_dict(m.weights)
+    n, k = dense_shape(m)
+    try:  # the parts in the model dtype D are the ones whose dtype follows the dtype asked for
+        bf, f16 = fmt.outputs((n, k), torch.bfloat16, args), fmt.outputs((n, k), torch.float16, args)
+    except NotImplementedError:
+        return None
+    if not set(fmt.required) <= bf.keys():  # marlin-24: outputs() are the values the layout packs, not the stored tensors
+        return None
+    req: dict[str, tuple[tuple[str, ...], tuple[int, ...] | None]] = {}
+    for part, (dt, shape) in bf.items():
+        dts = FLOAT_DTYPES if f16[part][0] != dt else (TORCH_TO_ST[dt],)
+        if part == "weight_shape":
+            dts = ("I64", "I32")
+        req[part] = (dts, tuple(shape))
+    optional: set[str] = set()
+    if (m.weights or {}).get("actorder") == "group":
+        req["weight_g_idx"] = (("I32",), (k,))
+    group = (qcfg.get("config_groups") or {}).get(m.group) if m.group != SPARSITY_GROUP else None
+    for base, key in (("input", "input_activations"), ("output", "output_activations")):
+        r, o = _activation_parts(base, (group or {}).get(key))
+        req.update(r)
+        optional |= o
+    return req, optional
+
+
+def _activation_parts(base: str, args: dict | None):
+    """The ``{base}_*`` tensors activation args imply (module docstring): ``(required, optional names)``."""
+    if not args or args.get("dynamic") is True:
+        return {}, set()
+    req = {}
+    if args.get("strategy") == "tensor_group":
+        req[f"{base}_global_scale"] = (("F32",), (1,))
+    if args.get("dynamic") == "local":
+        return req, set()
+    req[f"{base}_scale"] = (FLOAT_DTYPES, None)
+    zp = f"{base}_zero_point"
+    if args.get("symmetric", True):
+        return req, {zp}
+    req[zp] = (("I8", "I32", *FLOAT_DTYPES), None)
+    return req, set()
+
+
+def _shape_ok(part: str, got: tuple[int, ...], want: tuple[int, ...] | None, m: Module) -> bool:
+    if want is None or got == want:
+        return True
+    args = WeightArgs.from_dict(m.weights)
+    if part in ("weight_scale", "weight_zero_point") and args.strategy == "group" and args.group_size and len(got) == 2 == len(want):
+        n, k = dense_shape(m)
+        return got[1] == math.ceil(k / args.group_size) and got[0] == want[0]  # a last, partial group
+    if part == "shape" and math.prod(got) == 2:  # sparse-24-bitmask's [[N], [K]] is also seen flat
+        return True
+    return False
+
+
+def module_problems(m: Module, qcfg: dict) -> list[Problem]:
+    """Errors for the tensors of the quantized module ``m`` that contradict its config group (module docstring):
+    a missing part, a part the format and args do not write, another dtype or shape. ``m`` must have a known
+    group and format (callers report the others)."""
+    fmt = get_format(m.format)
+    if fmt is None:
+        return []
+    where = {"file": str(next(iter(m.parts.values())).file), "tensor": m.name}
+    missing = [p for p in fmt.required if p not in m.parts]
+    if missing:
+        return [Problem("error", f"format {m.format} (config group {m.group!r}) needs {', '.join(missing)}, which the checkpoint does not hold", **where)]
+    try:
+        exp = expected_parts(m, qcfg)
+    except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as e:
+        return [Problem("error", f"the tensors do not give the dense shape of a {m.format} weight ({e})", **where)]
+    if exp is None:
+        return []
+    req, optional = exp
+    what = f"{m.format} ({_describe(m.weights)}, config group {m.group!r})"
+    out = []
+    if missing := [p for p in req if p not in m.parts]:
+        out.append(Problem("error", f"{what} needs {', '.join(missing)}, which the checkpoint does not hold", **where))
+    if extra := [p for p in m.parts if (p in QUANT_PARTS or p in ACT_PARTS or p == "weight") and p not in req and p not in optional]:
+        out.append(Problem("error", f"{', '.join(extra)}: not a tensor of {what}; the config does not explain it", **where))
+    try:
+        n, k = dense_shape(m)
+    except (ValueError, KeyError, RuntimeError):
+        n = k = None
+    for p, (dts, shape) in req.items():
+        info = m.parts.get(p)
+        if info is None:
+            continue
+        if info.dtype not in dts or not _shape_ok(p, tuple(info.shape), shape, m):
+            want = "/".join(dts) + (str(list(shape)) if shape is not None else "")
+            out.append(
+                Problem(
+                    "error",
+                    f"{p} is {info.dtype}{list(info.shape)}, but {what} of a [{n}, {k}] weight stores {want}: the config and the tensors disagree",
+                    str(info.file),
+                    f"{m.name}.{p}",
+                )
+            )
+    return out
+
+
+def _describe(w: dict | None) -> str:
+    w = w or {}
+    if not w:
+        return "no weight args"
+    s = w.get("strategy") or ("group" if w.get("group_size") else "channel")
+    extra = f" {w.get('group_size')}" if s in ("group", "tensor_group") else (f" {w.get('block_structure')}" if s == "block" else "")
+    sym = "" if w.get("symmetric", True) else " asymmetric"
+    return f"{w.get('type', 'int')}{w.get('num_bits')} {s}{extra}{sym}"
+
+
+def sparsity_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
+    """Errors for the Linear modules a ``sparse-24-bitmask`` ``sparsity_config`` covers (its ``targets``, not its
+    ``ignore``) whose tensors are not stored 2:4-compressed (no ``compressed``/``bitmask``/``shape``)."""
+    scfg = qcfg.get("sparsity_config") or {}
+    if scfg.get("format") != _SPARSE:
+        return []
+    targets, ignore = scfg.get("targets") or [], scfg.get("ignore") or []
+    out = []
+    for m in mods.values():
+        w = m.parts.get("weight")
+        if not (m.quantized or (w is not None and is_linear_weight(m.name + ".weight", w))):
+            continue
+        if not matches(m.name, targets, is_linear=True) or matches(m.name, ignore, is_linear=True):
+            continue
+        if all(p in m.parts for p in _SPARSE_PARTS):
+            continue
+        held = "dense" if not m.quantized else (m.format or "quantized")
+        first = next(iter(m.parts.values()))
+        out.append(
+            Problem(
+                "error",
+                f"sparsity_config claims {_SPARSE} (2:4) for this module, but its tensors are plain {held} "
+                f"({', '.join(sorted(m.parts))}; no {'/'.join(_SPARSE_PARTS)}): the config and the tensors disagree",
+                str(first.file),
+                m.name,
+            )
+        )
+    return out
+
+
+def kv_scale_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
+    """Errors for a static ``kv_cache_scheme`` (``dynamic`` false) whose scales are missing: every attention module
+    whose ``k_proj`` and ``v_proj`` are quantized must hold a ``k_scale`` and a ``v_scale`` (compressed-tensors 0.20.1
+    ``quantization/lifecycle/initialize.py``, ``initialize_attn_qparams``; floats ``[1]`` per tensor or ``[H, 1, 1]``
+    per KV head), else a loader takes a scale of 1."""
+    kv = qcfg.get("kv_cache_scheme")
+    if not isinstance(kv, dict) or kv.get("dynamic") is True:
+        return []
+    out = []
+    for m in mods.values():
+        parent, _, leaf = m.name.rpartition(".")
+        if leaf != "k_proj" or not m.quantized or not (v := mods.get(f"{parent}.v_proj")) or not v.quantized:
+            continue
+        attn = mods.get(parent)
+        parts = attn.parts if attn is not None else {}
+        for p in ("k_scale", "v_scale"):
+            info = parts.get(p)
+            if info is None:
+                out.append(
+                    Problem(
+                        "error",
+                        f"kv_cache_scheme ({kv.get('type')}{kv.get('num_bits')}, static) needs {p} on this attention module",
+                        str(m.parts[next(iter(m.parts))].file),
+                        f"{parent}.{p}",
+                    )
+                )
+            elif info.dtype not in FLOAT_DTYPES or not (tuple(info.shape) == (1,) or (len(info.shape) == 3 and tuple(info.shape[1:]) == (1, 1))):
+                out.append(
+                    Problem("error", f"{p} is {info.dtype}{list(info.shape)}; a KV cache scale is a float [1] or [heads, 1, 1]", str(info.file), info.name)
+                )
+    return out
+
+
+def contradictions(mods: dict[str, Module], qcfg: dict | None) -> list[Problem]:
+    """Every error of :func:`module_problems` (quantized modules with a known group and format), of
+    :func:`sparsity_problems` and of :func:`kv_scale_problems`, in module order."""
+    if not qcfg:
+        return []
+    out = []
+    for m in mods.values():
+        if m.quantized and m.group is not None and get_format(m.format) is not None:
+            out += module_problems(m, qcfg)
+    return out + sparsity_problems(mods, qcfg) + kv_scale_problems(mods, qcfg)
+
+
+#: config keys under which layers legitimately lack ``k_proj``/``v_proj`` (transformers' ``Gemma4TextAttention`` and
+#: ``Gemma3nTextAttention.__init__``: no k/v projections on KV-shared layers, no ``v_proj`` with ``attention_k_eq_v``)
+_KV_OPTIONAL_KEYS = ("attention_k_eq_v", "num_kv_shared_layers", "kv_sharing_modes")
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def linear_module_files(mods: dict[str, Module]) -> dict[str, str]:
+    """The Linear modules of ``mods`` (quantized, or with a dense Linear weight), each with the file that holds it:
+    the input of :func:`missing_fused_members`."""
+    out = {}
+    for m in mods.values():
+        w = m.parts.get("weight")
+        if m.quantized or (w is not None and is_linear_weight(m.name + ".weight", w)):
+            out[m.name] = str(next(iter(m.parts.values())).file)
+    return out
+
+
+def missing_fused_members(modules: dict[str, str], config: dict | None) -> list[Problem]:
+    """Errors for the fused sets (:data:`.naming.FUSED_SETS`: q/k/v, gate/up ...) that lack a member which the same
+    set has in other layers (``model.layers.1.self_attn`` without ``v_proj`` where ``model.layers.0.self_attn`` has
+    it): a partial copy or a broken export, which vLLM would load with the projection missing. ``modules``: Linear
+    module name -> the file holding it; ``config``: ``config.json`` (or its ``text_config``), whose
+    :data:`_KV_OPTIONAL_KEYS` make ``k_proj``/``v_proj`` optional. One error per set, naming the file and module."""
+    cfg = config or {}
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    kv_optional = any(cfg.get(k) or text.get(k) for k in _KV_OPTIONAL_KEYS)
+    present: dict[tuple[str, tuple[str, ...]], set[str]] = {}
+    for name in modules:
+        key = fused_key(name)
+        if key is not None:
+            present.setdefault(key, set()).add(name.rpartition(".")[2])
+    seen: dict[tuple[str, tuple[str, ...]], set[str]] = {}  # per set and parent pattern (layer numbers as N)
+    for (parent, members), leaves in present.items():
+        seen.setdefault((_INDEX.sub(".N", parent), members), set()).update(leaves)
+    out = []
+    for (parent, members), leaves in sorted(present.items()):
+        missing = [m for m in members if m in seen[(_INDEX.sub(".N", parent), members)] - leaves]
+        if not missing or (kv_optional and set(missing) <= {"k_proj", "v_proj"}):
+            continue
+        have = [m for m in members if m in leaves]
+        out.append(
+            Problem(
+                "error",
+                f"fused set {fused_set_name(parent, members)} has no {', '.join(missing)} (other layers have it; this one only "
+                f"{', '.join(have)}): a partial copy or a broken export? vLLM loads the set as one layer",
+                modules[f"{parent}.{have[0]}"],
+                f"{parent}.{missing[0]}",
+            )
+        )
+    return out

@@ -1,0 +1,72 @@
+"""inspect of every input format quantize and convert read: AutoAWQ, GPTQ, FP8 block (DeepSeek), ModelOpt NVFP4."""
+
+from __future__ import annotations
+
+import json
+
+import foreign_formats as ff
+import pytest
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from ctconvert import api
+from ctconvert.cli import main
+
+
+def _build(kind, path):
+    if kind == "awq":
+        return ff.awq_checkpoint(path)[0]
+    if kind == "gptq":
+        return ff.gptq_checkpoint(path, act_order=True)[0]
+    if kind == "gptq-8":
+        return ff.gptq_checkpoint(path, bits=8, v1=False)[0]
+    if kind == "modelopt":
+        return ff.modelopt_checkpoint(path)[0]
+    if kind == "modelopt-hf-quant-config":
+        return ff.modelopt_checkpoint(path, in_config=False)[0]
+    return ff.deepseek_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    "kind,fmt,bits,group,quantized,layers",
+    [
+        ("awq", "awq", 4, 128, 7, 8),
+        ("gptq", "gptq", 4, 128, 7, 8),
+        ("gptq-8", "gptq", 8, 128, 7, 8),
+        ("modelopt", "modelopt-nvfp4", 4, 16, 7, 8),
+        ("modelopt-hf-quant-config", "modelopt-nvfp4", 4, 16, 7, 8),
+        ("fp8-block", "fp8-block", 8, None, 33, 38),
+    ],
+)
+def test_inspect_reads_the_input_formats_of_other_tools(tmp_path, kind, fmt, bits, group, quantized, layers):
+    """issue 22: inspect of a valid AutoAWQ, GPTQ, FP8-block or ModelOpt input exited 3 with about 14 `error:` lines
+    and "0/1 Linear layers quantized". Each is shown as what it is, as the readers quantize/convert use see it."""
+    src = _build(kind, tmp_path / kind)
+    rep = api.inspect(src)
+    assert [p for p in rep["problems"] if p["severity"] == "error"] == []
+    assert (rep["totals"]["quantized_layers"], rep["totals"]["linear_layers"]) == (quantized, layers)
+    q = [r for r in rep["layers"] if r["format"] != "dense"]
+    assert {r["format"] for r in q} == {fmt} and {r["bits"] for r in q} == {bits} and {r["group_size"] for r in q} == {group}
+    assert rep["quantization_config"]["source_format"] in (fmt, "modelopt")
+    if kind == "fp8-block":
+        assert {tuple(r["block"]) for r in q} == {(128, 128)} and all(set(r["tensors"]) == {"weight", "weight_scale_inv"} for r in q)
+    if kind == "modelopt-hf-quant-config":
+        assert rep["quantization_config"]["config_file"] == "hf_quant_config.json"
+    down = next(r for r in q if r["module"].endswith("mlp.down_proj"))
+    assert down["bits_per_weight"] == pytest.approx(8 * down["bytes"] / down["params"], abs=1e-3) and bits <= down["bits_per_weight"] < bits + 1
+    r = CliRunner().invoke(main, ["--plain", "inspect", str(src)])
+    assert r.exit_code == 0 and f"{quantized}/{layers} Linear layers quantized" in r.stdout and "error:" not in r.output
+    r = CliRunner().invoke(main, ["--json", "inspect", str(src)])
+    assert r.exit_code == 0 and json.loads(r.stdout)["exit_code"] == 0
+
+
+def test_inspect_of_a_broken_foreign_input_names_the_file_and_tensor(tmp_path):
+    """A reader's refusal (a missing scale) is one error naming the file and tensor, exit 3."""
+    src, _ = ff.awq_checkpoint(tmp_path / "awq")
+    tensors = load_file(src / "model.safetensors")
+    gone = next(n for n in tensors if n.endswith("mlp.down_proj.scales"))
+    ff.save(src, {n: t for n, t in tensors.items() if n != gone}, json.loads((src / "config.json").read_text()))
+    rep = api.inspect(src)
+    errs = [p for p in rep["problems"] if p["severity"] == "error"]
+    assert len(errs) == 1 and errs[0]["file"].endswith(".safetensors") and "down_proj" in errs[0]["tensor"]
+    assert CliRunner().invoke(main, ["inspect", str(src)]).exit_code == 3
