@@ -459,4 +459,4 @@ def test_verify_kernel_native_flags_a_reference_tensor_left_out(tiny_llama, tmp_
     for idx in k.glob("*.index.json"):
         idx.unlink()
     v = api.verify(k, q)
-    assert not v["ok"] and any(p["tensor"] == "model.norm.weight" and "missing from the kernel-native" in p["message"] for p in v["problems"]), v["problems"]
+    assert not v["ok"] and any(p["tensor"] == "model.norm.weight" and "missing from the output" in p["message"] for p in v["problems"]), v["problems"]
