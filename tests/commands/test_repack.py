@@ -460,3 +460,23 @@ def test_verify_kernel_native_flags_a_reference_tensor_left_out(tiny_llama, tmp_
         idx.unlink()
     v = api.verify(k, q)
     assert not v["ok"] and any(p["tensor"] == "model.norm.weight" and "missing from the kernel-native" in p["message"] for p in v["problems"]), v["problems"]
+
+
+def test_fp8_marlin_bias_of_an_earlier_output_still_inverts(qwen2_biases, tmp_path):
+    """marlin-fp8 biases are permuted now (vLLM's prepare_fp8_layer_for_marlin); an earlier output held them as
+    they are, with no ``bias_permuted`` in its record: its inverse still gives the source bias back."""
+    from safetensors.torch import load_file, save_file
+
+    q = _quantized(qwen2_biases, "FP8_DYNAMIC", None)
+    k = tmp_path / "k"
+    repack(q, k, "marlin", device="cpu")
+    name = "model.layers.0.self_attn.q_proj"
+    cfg = json.loads((k / "config.json").read_text())
+    assert cfg["quantization_config"]["modules"][name].pop("bias_permuted") is True
+    (k / "config.json").write_text(json.dumps(cfg))
+    f = next(k.glob("*.safetensors"))
+    t = load_file(f)
+    t[f"{name}.bias"] = _tensors(q)[f"{name}.bias"]  # as written before
+    save_file(t, f, metadata={"format": "pt"})
+    repack(k, tmp_path / "b", "compressed-tensors", device="cpu")
+    _assert_same_tensors(q, tmp_path / "b")
