@@ -530,14 +530,16 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _left_out(ckpt: Checkpoint, ref: Checkpoint, records: dict) -> list[Problem]:
-    """Reference tensors of no kernel-native module that the checkpoint lacks (by name, dtype and shape)."""
+    """Reference tensors of no kernel-native module (copied ones) that the checkpoint lacks or holds other bytes of."""
     out = []
     for name, r in ref.tensors.items():
         if name.rpartition(".")[0] in records:
             continue  # compared through the module's inverse
         t = ckpt.tensors.get(name)
-        if t is None or t.dtype != r.dtype or tuple(t.shape) != tuple(r.shape):
-            out.append(_error("reference tensor missing from the kernel-native checkpoint" if t is None else "differs from the reference", tensor=name))
+        if t is None:
+            out.append(_error("reference tensor missing from the kernel-native checkpoint", tensor=name))
+        elif t.dtype != r.dtype or tuple(t.shape) != tuple(r.shape) or not _same_bytes(t, r):
+            out.append(_error("differs from the reference (a copied tensor)", tensor=name))
     return out
 
 
