@@ -7,8 +7,14 @@ repack it a second time (docs/kernel-layouts.md §10). Its
     "quantization_config": {
         "quant_method": "ctconvert-kernel-native", "format": "kernel-native",
         "target": ..., "layout_version": ..., "act_dtype": ...,
-        "modules": {module: {"kernel": ..., sizes, padding, "tensors": [...], "source_tensors": {...}}},
+        "modules": {module: {"kernel": ..., sizes, padding, "tensors": [...], "source_tensors": {...},
+                             "copied": [...]}},  # (only when some: the module's tensors kept as they are)
         "source_quantization_config": {the compressed-tensors config}}
+
+``tensors`` lists every tensor the module has in the checkpoint, ``source_tensors``
+every compressed-tensors tensor (name -> dtype, shape) the inverse writes back,
+``copied`` those of them the kernel does not use, stored unchanged under their
+own names (:func:`ctconvert.layouts.kernels.repack_module`).
 
 ``repack`` writes it, ``quantize --target`` writes it in one pass, ``inspect``
 and ``verify`` read it, ``repack --target compressed-tensors`` undoes it.

@@ -447,16 +447,39 @@ def test_target_refuses_a_nonfinite_bias_naming_it(qwen2_biases, tmp_path):
 
 
 def test_verify_kernel_native_flags_a_reference_tensor_left_out(tiny_llama, tmp_path):
-    """verify KERNEL_NATIVE --reference CT: a tensor of the reference that no module record covers (a norm) must be
-    in the checkpoint; without it verify fails naming it (it said "bit for bit" before)."""
+    """verify KERNEL_NATIVE --reference CT: a tensor of the reference that no module record covers (a norm, a dense
+    lm_head) must be in the checkpoint with the same bytes; verify fails naming it (it said "bit for bit" before)."""
     from safetensors.torch import load_file, save_file
 
     q, k = tmp_path / "q", tmp_path / "k"
     api.quantize(tiny_llama, q, "W4A16")
     repack(q, k, "marlin", device="cpu", max_shard_size="100GB")
     f = next(k.glob("*.safetensors"))
-    save_file({n: t for n, t in load_file(f).items() if n != "model.norm.weight"}, f, metadata={"format": "pt"})
+    t = {n: x for n, x in load_file(f).items() if n != "model.norm.weight"}
+    t["lm_head.weight"][0, 0] += 1  # and a copied tensor with other bytes
+    save_file(t, f, metadata={"format": "pt"})
     for idx in k.glob("*.index.json"):
         idx.unlink()
     v = api.verify(k, q)
     assert not v["ok"] and any(p["tensor"] == "model.norm.weight" and "missing from the output" in p["message"] for p in v["problems"]), v["problems"]
+    assert any(p["tensor"] == "lm_head.weight" and "differs from the reference" in p["message"] for p in v["problems"])
+
+
+def test_fp8_marlin_bias_of_an_earlier_output_still_inverts(qwen2_biases, tmp_path):
+    """marlin-fp8 biases are permuted now (vLLM's prepare_fp8_layer_for_marlin); an earlier output held them as
+    they are, with no ``bias_permuted`` in its record: its inverse still gives the source bias back."""
+    from safetensors.torch import load_file, save_file
+
+    q = _quantized(qwen2_biases, "FP8_DYNAMIC", None)
+    k = tmp_path / "k"
+    repack(q, k, "marlin", device="cpu")
+    name = "model.layers.0.self_attn.q_proj"
+    cfg = json.loads((k / "config.json").read_text())
+    assert cfg["quantization_config"]["modules"][name].pop("bias_permuted") is True
+    (k / "config.json").write_text(json.dumps(cfg))
+    f = next(k.glob("*.safetensors"))
+    t = load_file(f)
+    t[f"{name}.bias"] = _tensors(q)[f"{name}.bias"]  # as written before
+    save_file(t, f, metadata={"format": "pt"})
+    repack(k, tmp_path / "b", "compressed-tensors", device="cpu")
+    _assert_same_tensors(q, tmp_path / "b")
