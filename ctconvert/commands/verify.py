@@ -65,7 +65,15 @@ _FLOAT_OR_E4M3 = ("BF16", "F16", "F32", "F64", "F8_E4M3")
 
 
 #: what each check is called in the report's ``checked.checks``
-_STRUCTURE_CHECKS = ["folder (index, shards, duplicates)", "config explains every quantized tensor", "dense Linear in ignore", "fused global scales", "NaN/inf"]
+_STRUCTURE_CHECKS = [
+    "folder (index, shards, duplicates)",
+    "config explains every quantized tensor",
+    "tensors agree with their group's format (parts, dtypes, shapes; 2:4 and KV cache claims)",
+    "dense Linear in ignore",
+    "fused sets complete",
+    "fused global scales",
+    "NaN/inf",
+]
 
 
 def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1, ep: int | None = None, progress=None) -> dict:
@@ -104,7 +112,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
             rows, ref_problems = _compare_weights(mods, ref, bar, contradicted)
             problems += ref_problems + _compare_others(ckpt, mods, ref, bar)
-        checks += ["error of every quantized weight against the reference", "every other tensor equals the reference"]
+        checks += ["error of every quantized weight against the reference", "every other tensor equals the reference", "every reference tensor accounted for"]
     report = _report(path, reference, problems, rows, checked=_checked(ckpt, checks, len(rows)))
     return _with_parallel(report, checkpoint_modules(mods, ckpt.tensors), ckpt, tp, ep)
 
