@@ -26,16 +26,27 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import torch
 
+from ..errors import BadInputError
 from ..formats import CompressionFormat, WeightArgs, get_format
 from .modules import ACT_PARTS, QUANT_PARTS, SPARSITY_GROUP, Module, dense_shape
 from .naming import FLOAT_DTYPES, fused_key, fused_set_name, is_linear_weight, matches
 from .reader import Problem
 from .safetensors_io import TORCH_TO_ST
 
-__all__ = ["contradictions", "expected_parts", "kv_scale_problems", "linear_module_files", "missing_fused_members", "module_problems", "sparsity_problems"]
+__all__ = [
+    "contradictions",
+    "expected_parts",
+    "kv_scale_problems",
+    "linear_module_files",
+    "missing_fused_members",
+    "module_problems",
+    "refuse",
+    "sparsity_problems",
+]
 
 _SPARSE = CompressionFormat.SPARSE_24_BITMASK.value
 _SPARSE_PARTS = ("compressed", "bitmask", "shape")
@@ -232,6 +243,16 @@ def contradictions(mods: dict[str, Module], qcfg: dict | None) -> list[Problem]:
         if m.quantized and m.group is not None and get_format(m.format) is not None:
             out += module_problems(m, qcfg)
     return out + sparsity_problems(mods, qcfg) + kv_scale_problems(mods, qcfg)
+
+
+def refuse(found: list[Problem], config_file: Path) -> None:
+    """Raise :class:`~ctconvert.errors.BadInputError` for the first of ``found`` (naming its file and tensor, and
+    how many more modules there are); nothing when ``found`` is empty. ``config_file``: named when a problem has no
+    file of its own (a config that claims what no tensor holds)."""
+    if found:
+        p = found[0]
+        more = f" (and {len(found) - 1} more modules)" if len(found) > 1 else ""
+        raise BadInputError(p.message + more, file=Path(p.file).name if p.file else config_file, tensor=p.tensor)
 
 
 #: config keys under which layers legitimately lack ``k_proj``/``v_proj`` (transformers' ``Gemma4TextAttention`` and

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.config import require_compressed_tensors
-from ..checkpoint.conformance import module_problems, sparsity_problems
+from ..checkpoint.conformance import module_problems, refuse, sparsity_problems
 from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, modules_of
 from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
@@ -131,10 +131,7 @@ def _check_input(ckpt: Checkpoint, src: Path) -> None:
     require_compressed_tensors(qcfg, src / CONFIG_NAME, "decompress", "this one is dense already")
     if (qcfg.get("sparsity_config") or {}).get("format") not in (None, "dense", "sparse-24-bitmask"):
         raise UnsupportedError(f"sparse format {qcfg['sparsity_config']['format']!r} cannot be decompressed", file=src / CONFIG_NAME)
-    if found := sparsity_problems(modules_of(ckpt), qcfg):  # a config that claims 2:4 over plain tensors
-        p = found[0]
-        more = f" (and {len(found) - 1} more modules)" if len(found) > 1 else ""
-        raise BadInputError(p.message + more, file=Path(p.file).name if p.file else src / CONFIG_NAME, tensor=p.tensor)
+    refuse(sparsity_problems(modules_of(ckpt), qcfg), src / CONFIG_NAME)  # a config that claims 2:4 over plain tensors
 
 
 def _check_module(m: Module, info, qcfg: dict) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.config import require_compressed_tensors
+from ..checkpoint.conformance import contradictions, refuse
 from ..checkpoint.kernel_native import is_kernel_native, kernel_native_config
 from ..checkpoint.modules import Module, dense_shape, modules_of
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
@@ -70,7 +71,9 @@ def repack(
     if inverse:
         planned, tasks = _plan_inverse(ckpt, order, qcfg.get("modules") or {}, dev)
     else:
-        planned, tasks = _plan_forward(ckpt, order, KernelPlanner(target, layout_version, act_dtype, stand_ins="meta"), dev, records)
+        mods = modules_of(ckpt)
+        refuse(contradictions(mods, qcfg), src / CONFIG_NAME)  # tensors that contradict the config (a 2:4 claim over plain FP8)
+        planned, tasks = _plan_forward(ckpt, mods, order, KernelPlanner(target, layout_version, act_dtype, stand_ins="meta"), dev, records)
 
     def config():
         cfg = copy.deepcopy(ckpt.config)
@@ -140,9 +143,8 @@ def _invert(ckpt: Checkpoint, mod: str, rec: dict, dev: torch.device):
         yield f"{mod}.{p}", t, 0
 
 
-def _plan_forward(ckpt: Checkpoint, order: list[str], planner: KernelPlanner, dev: torch.device, records: dict):
+def _plan_forward(ckpt: Checkpoint, mods: dict[str, Module], order: list[str], planner: KernelPlanner, dev: torch.device, records: dict):
     """Output tensors and tasks of compressed-tensors -> kernel layout; fills ``records`` (module -> record)."""
-    mods = modules_of(ckpt)
     planned: list[PlannedTensor] = []
     tasks: list = []
     batches: dict[tuple, list[Module]] = {}  # same kernel and shapes: repacked together (layouts.batched)

@@ -328,6 +328,9 @@ def test_a_sparsity_config_over_plain_fp8_tensors_is_refused_by_verify_inspect_a
     r = CliRunner().invoke(main, ["decompress", str(q), "-o", str(tmp_path / "d")])
     assert r.exit_code == 3 and "tensor 'model.layers.0." in r.stderr and want in r.stderr and "(and 13 more modules)" in r.stderr
     assert not (tmp_path / "d").exists()
+    r = CliRunner().invoke(main, ["repack", str(q), "-o", str(tmp_path / "k"), "--target", "marlin"])  # repack refuses it too
+    assert r.exit_code == 3 and "tensor 'model.layers.0." in r.stderr and want in r.stderr and "(and 13 more modules)" in r.stderr
+    assert not (tmp_path / "k").exists()
 
 
 def _drop_tensor(folder, name):
