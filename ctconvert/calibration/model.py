@@ -59,7 +59,8 @@ class UnfusedExperts(nn.Module):
     """Per-expert ``nn.Linear`` modules standing in for transformers' fused ``*Experts``, named as the checkpoint
     (or the plan's per-expert parts of fused 3-D experts) names them (``experts.3.gate_proj`` or ``experts.3.w1``).
     The forward is the fused module's loop (transformers 5.24 ``Qwen3MoeExperts.forward``, ``GptOssExperts.forward``):
-    each expert sees the tokens routed to it, its output is weighted and summed.
+    each expert sees the tokens routed to it, its output is weighted and summed, every value as the fused module
+    computes it (so that the next layer's router sees transformers' own hidden states, and routes as it does).
 
     Two layouts (transformers 5.24): ``gate_up_proj`` ``[E, 2I, H]`` (``x @ W.T``, gate then up, ``act_fn(gate) * up``:
     Qwen3-MoE, Mixtral ...), and gpt-oss's ``[E, H, 2I]`` (``x @ W``, gate and up interleaved, with biases, the
@@ -85,28 +86,44 @@ class UnfusedExperts(nn.Module):
             setattr(m, names[2], nn.Linear(two_i // 2, h, bias=bias, device="meta", dtype=dtype))
             self.add_module(str(j), m)
 
-    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.gpt_oss:
-            return self.apply_gate(torch.stack((gate, up), dim=-1).flatten(-2))  # [..., 2I]: gate at ::2, up at 1::2
-        return self.act_fn(gate) * up
+    def _expert(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``mod``'s output for its tokens ``x``, computed as the fused module computes it (one matmul with the
+        expert's ``gate_up_proj`` slice, rebuilt from the gate and up weights, so that every value has the fused
+        module's rounding); the gate and up Linear modules observe ``x``, the down Linear the activation."""
+        g, u, d = (getattr(mod, n) for n in self.names)
+        _observe(g, x)
+        _observe(u, x)
+        if self.gpt_oss:  # x @ gate_up_proj[e] + gate_up_proj_bias[e], [H, 2I] with gate at ::2 and up at 1::2
+            w = torch.stack((g.weight.T, u.weight.T), dim=-1).flatten(-2)
+            b = torch.stack((g.bias, u.bias), dim=-1).flatten(-2)
+            h = self.apply_gate(x @ w + b)
+            _observe(d, h)
+            return h @ d.weight.T.contiguous() + d.bias
+        gate, up = nn.functional.linear(x, torch.cat((g.weight, u.weight))).chunk(2, dim=-1)
+        h = self.act_fn(gate) * up
+        _observe(d, h)
+        return nn.functional.linear(h, d.weight)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        g, u, d = self.names
         for idx in hit:
             e = int(idx[0])
             if e == self.num_experts:
                 continue
             pos, tok = torch.where(mask[e])
-            mod = self._modules[str(e)]
-            x = hidden_states[tok]
-            y = getattr(mod, d)(self._act(getattr(mod, g)(x), getattr(mod, u)(x)))
+            y = self._expert(self._modules[str(e)], hidden_states[tok])
             y = y * top_k_weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
+
+
+def _observe(m: nn.Module, x: torch.Tensor) -> None:
+    """Call ``m``'s forward-pre hooks (the observers) with input ``x``, as calling ``m(x)`` would."""
+    for hook in m._forward_pre_hooks.values():
+        hook(m, (x,))
 
 
 def _is_gpt_oss_experts(m: nn.Module) -> bool:
@@ -144,6 +161,7 @@ class CalibrationModel:
                 self._unfuse(name, m)
         self._register_attention(tf)
         self.names = self._checkpoint_names(tf)  # model parameter name -> checkpoint tensor name
+        self._pretrained_owner = _pretrained_owners(model)
         self.stats = Stats()
         self.kv = False
 
@@ -234,39 +252,80 @@ class CalibrationModel:
         return out
 
     # -- loading --------------------------------------------------------------------------------
-    def _materialize(self, module: nn.Module, prefix: str) -> None:
-        """Load ``module``'s parameters (named ``prefix`` + local name) from the checkpoint onto the device."""
-        buffers = {n: b for n, b in module.named_buffers() if b.device.type != "meta"}
-        module.to_empty(device=self.device)
+    def _materialize(self, module: nn.Module, prefix: str, recurse: bool = True) -> None:
+        """Load ``module`` (named ``prefix`` + local names; ``recurse=False``: its own tensors only) onto the device,
+        every tensor of it accounted for, as transformers' ``from_pretrained`` does it (5.24 ``modeling_utils``:
+        ``_move_missing_keys_from_meta_to_device``, then ``_initialize_missing_keys``):
+
+        - every parameter and every persistent buffer (DeepSeek-V3's router ``e_score_correction_bias``, Gemma-4's
+          ``layer_scalar``) is read from its checkpoint tensor; one the checkpoint lacks is a :class:`BadInputError`
+          naming it (never left as the uninitialised memory of ``to_empty``);
+        - every non-persistent buffer (rotary ``inv_freq``, Gemma-4's ``embed_scale``) is computed from the config by
+          the model's own ``_init_weights`` of the module that owns it (the loaded tensors are flagged
+          ``_is_hf_initialized``, which transformers' init functions leave alone); one it does not write is an
+          :class:`UnsupportedError` naming it.
+        """
+        module.to_empty(device=self.device, recurse=recurse)
+        persistent, computed = self._tensors_of(module, recurse)
+        loaded = []
         with torch.no_grad():
-            for local, p in module.named_parameters():
+            for local, t in persistent:
                 full = prefix + local
                 src = self.names.get(full)
                 if src is None:
-                    raise BadInputError(f"calibration: the checkpoint has no tensor for parameter {full!r} of the model", file=self.ckpt.path)
-                t = read_tensor(self.ckpt.tensors[src])
-                if tuple(t.shape) != tuple(p.shape):
+                    kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
+                    raise BadInputError(f"calibration: the checkpoint has no tensor for {kind} {full!r} of the model", file=self.ckpt.path)
+                v = read_tensor(self.ckpt.tensors[src])
+                if tuple(v.shape) != tuple(t.shape):
                     where = str(self.ckpt.tensors[src].file)
-                    raise BadInputError(f"calibration: shape {list(t.shape)} does not fit parameter {full} {list(p.shape)}", tensor=src, file=where)
-                p.copy_(t)
-            for n, b in buffers.items():
-                owner, _, attr = n.rpartition(".")
-                (module.get_submodule(owner) if owner else module)._buffers[attr] = b.to(self.device)
-        self._rebuild_buffers(module)
+                    raise BadInputError(f"calibration: shape {list(v.shape)} does not fit {full} {list(t.shape)}", tensor=src, file=where)
+                t.copy_(v)
+                t._is_hf_initialized = True
+                loaded.append((full, t, t._version))
+        if computed:
+            self._compute_buffers(module, prefix, computed)
+        for full, t, version in loaded:
+            if t._version != version:  # pragma: no cover - transformers' init functions skip flagged tensors
+                raise CTConvertError(f"internal: calibration: {full} was changed after it was loaded from the checkpoint")
 
-    def _rebuild_buffers(self, root: nn.Module) -> None:
-        """Non-persistent buffers (rotary ``inv_freq``) are not in the checkpoint: rebuild their module from its config."""
-        for name, m in list(root.named_modules()):
-            if not getattr(m, "_non_persistent_buffers_set", None) or any(True for _ in m.parameters(recurse=False)):
-                continue
-            cfg = getattr(m, "config", None)
-            if cfg is None:
-                raise UnsupportedError(f"calibration cannot rebuild the buffers of {type(m).__name__}", file=self.ckpt.path)
-            with torch.device(self.device):
-                fresh = type(m)(cfg)
-            if name:
-                owner, _, attr = name.rpartition(".")
-                setattr(root.get_submodule(owner) if owner else root, attr, fresh.to(self.device))
+    @staticmethod
+    def _tensors_of(module: nn.Module, recurse: bool) -> tuple[list, list]:
+        """``(persistent, computed)``: ``(local name, tensor)`` of every parameter and persistent buffer (the
+        checkpoint's), and ``(local owner, owner module, buffer name)`` of every non-persistent buffer."""
+        persistent, computed = [], []
+        mods = module.named_modules() if recurse else [("", module)]
+        for owner, m in mods:
+            pre = owner + "." if owner else ""
+            persistent += [(pre + n, p) for n, p in m.named_parameters(recurse=False)]
+            for n, b in m.named_buffers(recurse=False):
+                if n in m._non_persistent_buffers_set:
+                    computed.append((owner, m, n))
+                else:
+                    persistent.append((pre + n, b))
+        return persistent, computed
+
+    def _compute_buffers(self, module: nn.Module, prefix: str, computed: list) -> None:
+        """Fill the non-persistent buffers with what transformers' ``_init_weights`` computes for their module (the
+        ``PreTrainedModel`` that holds the module dispatches, as ``initialize_weights``' ``smart_apply`` does)."""
+        from transformers import initialization as init
+
+        before = [(owner, m, n, m._buffers[n], m._buffers[n]._version) for owner, m, n in computed]
+        with torch.no_grad(), init.guard_torch_init_functions():
+            for m in {id(m): m for _, m, _ in computed}.values():
+                self._init_owner(m)._init_weights(m)
+        for owner, m, n, old, version in before:
+            b = m._buffers[n]
+            if b is old and b._version == version:
+                full = prefix + (owner + "." if owner else "") + n
+                raise UnsupportedError(
+                    f"calibration: the buffer {full!r} ({type(m).__name__}) is not in the checkpoint, and transformers' "
+                    f"{type(self._init_owner(m)).__name__}._init_weights does not compute it",
+                    file=self.ckpt.path / "config.json",
+                )
+
+    def _init_owner(self, m: nn.Module):
+        """The innermost ``PreTrainedModel`` holding ``m`` (whose ``_init_weights`` transformers calls for it)."""
+        return self._pretrained_owner.get(id(m), self.model)
 
     def _outside_layers(self) -> list[tuple[str, nn.Module]]:
         """Modules that hold parameters or buffers and are not inside the decoder layers or the output head."""
@@ -281,25 +340,7 @@ class CalibrationModel:
 
     def load_outside(self) -> None:
         for name, m in self._outside_layers():
-            self._materialize_shallow(name, m)
-
-    def _materialize_shallow(self, name: str, m: nn.Module) -> None:
-        prefix = name + "." if name else ""
-        if any(True for _ in m.buffers(recurse=False)) and not any(True for _ in m.parameters(recurse=False)) and m._non_persistent_buffers_set:
-            owner, _, attr = name.rpartition(".")
-            try:
-                with torch.device(self.device):
-                    fresh = type(m)(m.config)
-            except (AttributeError, TypeError) as e:
-                raise UnsupportedError(f"calibration cannot rebuild {type(m).__name__} ({e})", file=self.ckpt.path / "config.json") from None
-            setattr(self.model.get_submodule(owner) if owner else self.model, attr, fresh)
-            return
-        for local, _ in list(m.named_parameters(recurse=False)):
-            full = prefix + local
-            src = self.names.get(full)
-            if src is None:
-                raise BadInputError(f"calibration: the checkpoint has no tensor for parameter {full!r} of the model", file=self.ckpt.path)
-            m._parameters[local] = nn.Parameter(read_tensor(self.ckpt.tensors[src]).to(self.device), requires_grad=False)
+            self._materialize(m, name + "." if name else "", recurse=False)
 
     # -- observing --------------------------------------------------------------------------------
     def _hooks(self, root: nn.Module, prefix: str):
@@ -368,6 +409,22 @@ class CalibrationModel:
                 hd.remove()
             layer.to("meta")
         return out
+
+
+def _pretrained_owners(model: nn.Module) -> dict[int, nn.Module]:
+    """``id(module)`` -> the innermost ``transformers.PreTrainedModel`` that holds it (itself for a sub-model)."""
+    from transformers import PreTrainedModel
+
+    out: dict[int, nn.Module] = {}
+
+    def walk(m: nn.Module, owner: nn.Module) -> None:
+        owner = m if isinstance(m, PreTrainedModel) else owner
+        out[id(m)] = owner
+        for child in m.children():
+            walk(child, owner)
+
+    walk(model, model)
+    return out
 
 
 def build_meta(tf, ckpt: Checkpoint, dtype: torch.dtype, arch: str) -> tuple[nn.Module, str]:
