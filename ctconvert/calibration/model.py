@@ -178,15 +178,40 @@ class CalibrationModel:
         return model, impl
 
     def _find_layers(self, model: nn.Module, arch: str) -> tuple[str, nn.ModuleList]:
+        """The decoder layers of the language model (``model.get_decoder()``: for a vision-language model its text
+        model, not a tower that may have as many layers): ``(name, ModuleList)``."""
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         n = getattr(cfg, "num_hidden_layers", None)
-        for name, m in model.named_modules():
+        try:
+            decoder = model.get_decoder()
+        except (AttributeError, NotImplementedError, ValueError):
+            decoder = model
+        where = next((name for name, m in model.named_modules() if m is decoder), "")
+        for name, m in decoder.named_modules():
             if isinstance(m, nn.ModuleList) and len(m) == n and n and name.split(".")[-1] in ("layers", "h", "blocks", "layer"):
-                return name, m
+                return (f"{where}.{name}" if where else name), m
         raise UnsupportedError(f"cannot find the decoder layers of {arch} for calibration", file=self.ckpt.path / "config.json")
 
+    @property
+    def text_model(self) -> nn.Module:
+        """The module that holds the decoder layers (``LlamaModel``, ``Qwen2_5_VLTextModel`` ...): calibration runs its
+        forward on the tokens (a vision-language model's language model, on text, as llm-compressor calibrates it)."""
+        return self.model.get_submodule(self.layers_name.rpartition(".")[0])
+
     def _unfuse(self, name: str, m: nn.Module) -> None:
+        """Replace fused experts ``m`` by :class:`UnfusedExperts`; experts not called with the routing (Llama-4's
+        ``Llama4TextExperts(routed_in)``: every token through every expert, scaled by its router score) are an
+        :class:`UnsupportedError` (exit 4)."""
+        import inspect
+
         parent_name, _, attr = name.rpartition(".")
+        if len(inspect.signature(type(m).forward).parameters) < 4:  # (self, hidden_states, top_k_index, top_k_weights)
+            raise UnsupportedError(
+                f"calibration does not support {type(m).__name__} ({name}): its experts are not called with the routed tokens "
+                "(top_k_index, top_k_weights) but with every token scaled by its router score; use a data-free scheme "
+                "(NVFP4A16, W4A16, FP8_DYNAMIC, ...), which needs no calibration",
+                file=self.ckpt.path / "config.json",
+            )
         names = None
         for cand in _EXPERT_NAMES:
             if any(re.search(rf"\.experts\.0\.{cand[0]}\.weight$", n) for n in self.ckpt.tensors):
@@ -328,11 +353,14 @@ class CalibrationModel:
         return self._pretrained_owner.get(id(m), self.model)
 
     def _outside_layers(self) -> list[tuple[str, nn.Module]]:
-        """Modules that hold parameters or buffers and are not inside the decoder layers or the output head."""
-        head = self.model.get_output_embeddings()
+        """Modules of the text model that hold parameters or buffers and are not inside its decoder layers (the
+        embeddings, the rotary embedding, Gemma-4's per-layer-input projection ...); the output head, a vision
+        tower and a projector are not run (text only) and stay on ``meta``."""
+        base = self.layers_name.rpartition(".")[0]
         out = []
         for name, m in self.model.named_modules():
-            if name == self.layers_name or name.startswith(self.layers_name + ".") or m is head:
+            inside = not base or name == base or name.startswith(base + ".")
+            if not inside or name == self.layers_name or name.startswith(self.layers_name + "."):
                 continue
             if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)):
                 out.append((name, m))
@@ -387,7 +415,7 @@ class CalibrationModel:
             with torch.no_grad():
                 for ids in batches:
                     with contextlib.suppress(_Stop):
-                        self.model(input_ids=ids.to(self.device), use_cache=False)
+                        self.text_model(input_ids=ids.to(self.device), use_cache=False)
         finally:
             for i, m in enumerate(originals):
                 self.layers[i] = m
@@ -428,34 +456,34 @@ def _pretrained_owners(model: nn.Module) -> dict[int, nn.Module]:
 
 
 def build_meta(tf, ckpt: Checkpoint, dtype: torch.dtype, arch: str) -> tuple[nn.Module, str]:
-    """The checkpoint's causal language model on the meta device (no memory, no weights), built by
-    ``transformers.AutoModelForCausalLM.from_config`` with SDPA attention, else with eager attention;
-    ``(model, "sdpa" | "eager")``. Raises :class:`UnsupportedError` (exit 4) when neither builds: calibration
-    builds only what AutoModelForCausalLM builds, which excludes vision-language models (Qwen2.5-VL, ...) today."""
+    """The checkpoint's model on the meta device (no memory, no weights): ``AutoModelForCausalLM.from_config``, or
+    for a vision-language model (Qwen2.5-VL, LLaVA, ...) ``AutoModelForImageTextToText.from_config`` (its language
+    model is calibrated on text), with SDPA attention, else with eager attention; ``(model, "sdpa" | "eager")``.
+    Raises :class:`UnsupportedError` (exit 4) when neither builds it."""
     first = None
+    config = None
+    builders = [tf.AutoModelForCausalLM, getattr(tf, "AutoModelForImageTextToText", None)]
     for impl in ("sdpa", "eager"):
-        try:
-            config = tf.AutoConfig.from_pretrained(str(ckpt.path))
-            with torch.device("meta"):
-                return tf.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl), impl
-        except Exception as e:  # noqa: BLE001 - any failure to build it is one clear line
-            first = first or e
-    vlm = "vision_config" in ckpt.config
-    why = "calibrating vision-language models is not supported yet" if vlm else "calibration supports only the architectures AutoModelForCausalLM builds"
+        for auto in filter(None, builders):
+            try:
+                config = config or tf.AutoConfig.from_pretrained(str(ckpt.path))
+                with torch.device("meta"):
+                    return auto.from_config(config, dtype=dtype, attn_implementation=impl), impl
+            except Exception as e:  # noqa: BLE001 - any failure to build it is one clear line
+                first = first or e
     raise UnsupportedError(
-        f"ctconvert cannot calibrate {arch}: its calibration builds the causal language model with transformers' AutoModelForCausalLM, "
-        f"which cannot build architecture {arch} ({type(first).__name__}: {str(first).splitlines()[0][:200]}); {why}: "
+        f"ctconvert cannot calibrate {arch}: its calibration builds the model with transformers' AutoModelForCausalLM "
+        f"(or AutoModelForImageTextToText), which cannot build architecture {arch} ({type(first).__name__}: {str(first).splitlines()[0][:200]}): "
         "use a data-free scheme (NVFP4A16, W4A16, FP8_DYNAMIC, ...), which needs no calibration",
         file=ckpt.path / "config.json",
     )
 
 
 def check_buildable(ckpt: Checkpoint) -> None:
-    """What :class:`CalibrationModel` does first, without its work: build the meta-device model (seconds, no
-    weights read), so that a dry run refuses what the real run would refuse, with the same error (exit 4)."""
-    tf = _transformers()
-    archs = ckpt.config.get("architectures") or [ckpt.config.get("model_type", "?")]
-    build_meta(tf, ckpt, _dtype(ckpt), archs[0])
+    """What :class:`CalibrationModel` does before its work: build the meta-device model, replace its fused experts
+    and map the checkpoint's names onto it (seconds, no weights read), so that a dry run refuses what the real run
+    would refuse, with the same error (exit 4). ``ckpt``: with the plan's per-expert views, as calibration gets it."""
+    CalibrationModel(ckpt, torch.device("cpu"))
 
 
 def _dtype(ckpt: Checkpoint) -> torch.dtype:
@@ -538,10 +566,9 @@ def calibrate_whole_model(ckpt: Checkpoint, tokens: torch.Tensor, device: torch.
                 full = f"{cm.layers_name}.{i}.{local}"
                 names[id(m)] = cm.names.get(full + ".k_proj.weight", full + ".k_proj.weight")[: -len(".k_proj.weight")]
     cm.module_names = names
-    base = cm.model.get_decoder() if hasattr(cm.model, "get_decoder") else cm.model.model
     with torch.no_grad():
         for ids in _micro_batches(tokens, batch_tokens):
-            base(input_ids=ids.to(device), use_cache=False)
+            cm.text_model(input_ids=ids.to(device), use_cache=False)
     for h in handles:
         h.remove()
     cm.stats.tokens = int(tokens.numel())

@@ -103,10 +103,10 @@ def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeO
     kv_cache = o.kv_cache.lower()
     calibration.add_outputs(plan, ckpt, kv_cache)
     calibrated = calibration.needs_calibration(plan, kv_cache)
-    if calibrated:
-        calibration.check_model(ckpt)
     if plan.views:  # per-expert parts of fused 3-D experts: read as tensors of their own from here on
         ckpt = dataclasses.replace(ckpt, tensors={**ckpt.tensors, **plan.views})
+    if calibrated:
+        calibration.check_model(ckpt)
     if source.quantized:
         _describe_source(plan, source)
         fix_mmap_threshold()  # dequantized temporaries would otherwise fragment the heaps (pipeline/memory.py)

@@ -16,6 +16,8 @@ from click.testing import CliRunner
 from calibration.test_routing import _saved
 from ctconvert.cli import main
 
+from helpers import randomized
+
 transformers = pytest.importorskip("transformers")
 warnings.filterwarnings("ignore")
 
@@ -96,3 +98,81 @@ def test_gemma4_text_moe_nvfp4_calibrates_as_transformers_runs_it(tmp_path):
     assert n == 2 * (7 + 2 + 4 * 3)  # per layer: q/k/v/o, gate/up/down, the per-layer-input gate and projection, 4 experts x 3
     v = CliRunner().invoke(main, ["verify", str(tmp_path / "q"), "--reference", str(src)])
     assert v.exit_code == 0, v.output
+
+
+def _llava(path):
+    """A tiny LLaVA saved under the names the Hub ships (``vision_tower.vision_model.…``, ``language_model.model.…``;
+    transformers 5.24 itself saves the tower as ``vision_tower.…``)."""
+    import test_moe_families as fam
+    from safetensors.torch import load_file, save_file
+
+    vc = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=16)
+    cfg = transformers.LlavaConfig(text_config=dict(fam.TEXT, model_type="llama"), vision_config=vc, image_token_index=255)
+    torch.manual_seed(0)
+    randomized(transformers.LlavaForConditionalGeneration(cfg).to(torch.bfloat16)).save_pretrained(str(path))
+    f = path / "model.safetensors"
+    t = {(("vision_tower.vision_model." + n[len("vision_tower.") :]) if n.startswith("vision_tower.") else n): v for n, v in load_file(str(f)).items()}
+    assert any(n.startswith("language_model.model.layers.") for n in t)
+    save_file(t, str(f), metadata={"format": "pt"})
+    return path
+
+
+def _qwen2_5_vl(path):
+    import test_moe_families as fam
+
+    torch.manual_seed(0)
+    randomized(fam._qwen2_5_vl().to(torch.bfloat16)).save_pretrained(str(path))
+    return path
+
+
+#: VLM -> (builder, checkpoint name of a transformers 5.24 module name of its language model, a tower module the plan keeps dense)
+VLMS = {
+    "qwen2_5_vl": (_qwen2_5_vl, lambda n: n.replace("model.language_model.", "model."), "visual.blocks.0.mlp.up_proj"),
+    "llava": (_llava, lambda n: n.replace("model.language_model.", "language_model.model."), "vision_tower.vision_model.encoder.layers.0.mlp.fc1"),
+}
+
+
+@pytest.mark.parametrize("family", list(VLMS))
+def test_vlm_nvfp4_calibrates_its_language_model_on_text(tmp_path, family):
+    """The language model is calibrated on text (llm-compressor calibrates VLMs so), through transformers' own text
+    forward of the whole VLM (no image: its tower and projector do not run, and stay dense); the dry run says what
+    the real run does; the output verifies and loads in transformers."""
+    build, rename, tower = VLMS[family]
+    src = build(tmp_path / "m")
+    ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(4))
+    (dry, real), tensors = _calibrated(src, tmp_path, ids)
+    assert dry["ok"] and dry["calibration"]["layers"] == 2 and real["ok"], (dry, real)
+    assert any(n.startswith("calibration (NVFP4): 2 decoder layers") for n in dry["notes"])
+    assert tower in real["ignore"] and tower + ".weight" in tensors and not any(n.startswith(tower + ".") and n.endswith("_scale") for n in tensors)
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(str(src), dtype=torch.bfloat16).eval()
+    want = {n: a for n, a in _absmax_of_transformers(ref, ids, rename).items() if "lm_head" not in n}
+    assert _assert_scales_equal(tensors, want) == 2 * 7  # q/k/v/o and gate/up/down of both layers
+    v = CliRunner().invoke(main, ["verify", str(tmp_path / "q"), "--reference", str(src)])
+    assert v.exit_code == 0, v.output
+    loaded = transformers.AutoModelForImageTextToText.from_pretrained(str(tmp_path / "q"), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        a, b = ref(input_ids=ids).logits, loaded(input_ids=ids).logits
+    assert torch.isfinite(b).all() and 0.85 <= torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0) < 1.0
+
+
+def test_llama4_calibration_refused_in_the_dry_run_as_in_the_real_run(tmp_path):
+    """Llama-4's experts take every token scaled by its router score, not the routed tokens: calibration refuses it,
+    the dry run with the real run's line and exit code 4, nothing written; a data-free scheme converts it."""
+    import test_moe_families as fam
+
+    from ctconvert import api
+
+    torch.manual_seed(0)
+    fam._llama4().to(torch.bfloat16).save_pretrained(str(tmp_path / "m"))
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(str(i % 250) for i in range(2048)))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    lines = []
+    for dry in (["--dry-run"], []):
+        r = CliRunner().invoke(main, ["quantize", str(tmp_path / "m"), "-o", str(tmp_path / "q"), "-s", "NVFP4", "--calibration", str(ids), *dry])
+        assert r.exit_code == 4, r.output
+        lines.append([ln for ln in r.output.splitlines() if "calibration does not support" in ln])
+    assert lines[0] == lines[1] and len(lines[0]) == 1, lines
+    assert "Llama4TextExperts" in lines[0][0] and "NVFP4A16" in lines[0][0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert api.quantize(tmp_path / "m", tmp_path / "q", "NVFP4A16").dry_run is False
