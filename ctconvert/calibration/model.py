@@ -77,14 +77,7 @@ class UnfusedExperts(nn.Module):
             self.act_fn = fused.act_fn
         self.names = names
         self.num_experts = e
-        dtype = fused.gate_up_proj.dtype
-        bias = self.gpt_oss
-        for j in range(e):
-            m = nn.Module()
-            setattr(m, names[0], nn.Linear(h, two_i // 2, bias=bias, device="meta", dtype=dtype))
-            setattr(m, names[1], nn.Linear(h, two_i // 2, bias=bias, device="meta", dtype=dtype))
-            setattr(m, names[2], nn.Linear(two_i // 2, h, bias=bias, device="meta", dtype=dtype))
-            self.add_module(str(j), m)
+        _add_expert_linears(self, names, e, h, two_i // 2, self.gpt_oss, fused.gate_up_proj.dtype)
 
     def _expert(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Expert ``mod``'s output for its tokens ``x``, computed as the fused module computes it (one matmul with the
@@ -120,10 +113,60 @@ class UnfusedExperts(nn.Module):
         return out
 
 
+class ScoredExperts(nn.Module):
+    """Per-expert ``nn.Linear`` modules standing in for Llama-4's fused ``Llama4TextExperts`` (``gate_up_proj``
+    ``[E, H, 2I]``, gate then up, ``down_proj`` ``[E, I, H]``, ``x @ W``), named as the plan's per-expert parts name
+    them. transformers 5.24's ``Llama4TextMoe.forward`` hands it every token once per expert, scaled by the router's
+    score (``sigmoid`` of the top-k logits, 0 for an expert the token is not routed to: a zero row), as ``[E * T, H]``;
+    each expert's output is computed as ``Llama4TextExperts.forward`` computes it. The observers see, per expert, the
+    rows it gets a non-zero input for: the tokens routed to it, scaled by their score, which is the input vLLM 0.33
+    quantizes (``vllm/model_executor/models/llama4.py`` ``Llama4MoE``: ``FusedMoE(apply_router_weight_on_input=True)``;
+    llm-compressor's ``modeling/llama4.py`` ``SequentialLlama4TextMoe`` runs every token unscaled through every expert)."""
+
+    def __init__(self, fused: nn.Module, names: tuple[str, str, str]):
+        super().__init__()
+        e, h, two_i = fused.gate_up_proj.shape
+        self.act_fn, self.names, self.num_experts, self.hidden = fused.act_fn, names, e, h
+        _add_expert_linears(self, names, e, h, two_i // 2, False, fused.gate_up_proj.dtype)
+
+    def forward(self, hidden_states):
+        per = hidden_states.view(self.num_experts, -1, self.hidden)
+        out = []
+        for e in range(self.num_experts):
+            g, u, d = (getattr(self._modules[str(e)], n) for n in self.names)
+            x = per[e]
+            gate, up = (x @ torch.cat((g.weight.T, u.weight.T), dim=1)).chunk(2, dim=-1)
+            h = up * self.act_fn(gate)
+            routed = x.ne(0).any(-1)
+            _observe(g, x[routed])
+            _observe(u, x[routed])
+            _observe(d, h[routed])
+            out.append(h @ d.weight.T.contiguous())
+        return torch.stack(out).view(-1, self.hidden)
+
+
+def _add_expert_linears(owner: nn.Module, names: tuple[str, str, str], e: int, h: int, i: int, bias: bool, dtype: torch.dtype) -> None:
+    """Children ``"0"`` .. ``str(e - 1)`` of ``owner``, each with gate/up ``nn.Linear(h, i)`` and down ``nn.Linear(i, h)``
+    named ``names``, on the meta device (loaded from the checkpoint layer by layer)."""
+    for j in range(e):
+        m = nn.Module()
+        setattr(m, names[0], nn.Linear(h, i, bias=bias, device="meta", dtype=dtype))
+        setattr(m, names[1], nn.Linear(h, i, bias=bias, device="meta", dtype=dtype))
+        setattr(m, names[2], nn.Linear(i, h, bias=bias, device="meta", dtype=dtype))
+        owner.add_module(str(j), m)
+
+
 def _observe(m: nn.Module, x: torch.Tensor) -> None:
     """Call ``m``'s forward-pre hooks (the observers) with input ``x``, as calling ``m(x)`` would."""
     for hook in m._forward_pre_hooks.values():
         hook(m, (x,))
+
+
+def _is_llama4_experts(m: nn.Module) -> bool:
+    """Llama-4's fused experts (transformers 5.24 ``Llama4TextExperts``): ``gate_up_proj`` ``[E, H, 2I]``,
+    ``down_proj`` ``[E, I, H]``, called with every token once per expert (``forward(hidden_states)``)."""
+    gu, down = m.gate_up_proj, m.down_proj
+    return gu.dim() == 3 and down.dim() == 3 and gu.shape[0] == down.shape[0] and gu.shape[1] == down.shape[2] and gu.shape[2] == 2 * down.shape[1]
 
 
 def _is_gpt_oss_experts(m: nn.Module) -> bool:
@@ -199,16 +242,18 @@ class CalibrationModel:
         return self.model.get_submodule(self.layers_name.rpartition(".")[0])
 
     def _unfuse(self, name: str, m: nn.Module) -> None:
-        """Replace fused experts ``m`` by :class:`UnfusedExperts`; experts not called with the routing (Llama-4's
-        ``Llama4TextExperts(routed_in)``: every token through every expert, scaled by its router score) are an
-        :class:`UnsupportedError` (exit 4)."""
+        """Replace fused experts ``m`` by :class:`UnfusedExperts` (called with the routing), or by
+        :class:`ScoredExperts` (Llama-4's, called with every token scaled by its router score); other fused experts
+        are an :class:`UnsupportedError` (exit 4)."""
         import inspect
 
         parent_name, _, attr = name.rpartition(".")
-        if len(inspect.signature(type(m).forward).parameters) < 4:  # (self, hidden_states, top_k_index, top_k_weights)
+        routed = len(inspect.signature(type(m).forward).parameters) >= 4  # (self, hidden_states, top_k_index, top_k_weights)
+        scored = not routed and _is_llama4_experts(m)
+        if not routed and not scored:
             raise UnsupportedError(
-                f"calibration does not support {type(m).__name__} ({name}): its experts are not called with the routed tokens "
-                "(top_k_index, top_k_weights) but with every token scaled by its router score; use a data-free scheme "
+                f"calibration does not support {type(m).__name__} ({name}): its experts are called neither with the routed tokens "
+                "(top_k_index, top_k_weights) nor as Llama-4's (every token, scaled by its router score); use a data-free scheme "
                 "(NVFP4A16, W4A16, FP8_DYNAMIC, ...), which needs no calibration",
                 file=self.ckpt.path / "config.json",
             )
@@ -218,7 +263,7 @@ class CalibrationModel:
                 names = cand
         if names is None:
             raise UnsupportedError(f"{name}: fused experts, but the checkpoint has no per-expert gate/up/down weights", file=self.ckpt.path)
-        setattr(self.model.get_submodule(parent_name), attr, UnfusedExperts(m, names))
+        setattr(self.model.get_submodule(parent_name), attr, (UnfusedExperts if routed else ScoredExperts)(m, names))
 
     def _register_attention(self, tf) -> None:
         """Route every attention call through an observer of the key/value states that then calls the attention

@@ -155,24 +155,56 @@ def test_vlm_nvfp4_calibrates_its_language_model_on_text(tmp_path, family):
     assert torch.isfinite(b).all() and 0.85 <= torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0) < 1.0
 
 
-def test_llama4_calibration_refused_in_the_dry_run_as_in_the_real_run(tmp_path):
-    """Llama-4's experts take every token scaled by its router score, not the routed tokens: calibration refuses it,
-    the dry run with the real run's line and exit code 4, nothing written; a data-free scheme converts it."""
+def _llama4_absmax(model, ids: torch.Tensor, rename) -> dict[str, torch.Tensor]:
+    """transformers' Llama-4 (loaded whole, text only): the absmax of every Linear's input, and per expert of the
+    input ``Llama4TextMoe`` hands it for the tokens its router routes there (``routed_in``: each token scaled by its
+    sigmoid score) and of the activation ``Llama4TextExperts`` computes from it with the fused weights."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name, x):
+        if x.numel():
+            a = x.abs().max()
+            seen[name] = a if name not in seen else torch.maximum(seen[name], a)
+
+    chosen = {}
+    for name, m in model.named_modules():
+        if type(m).__name__ == "Llama4Router":
+            m.register_forward_hook(lambda mod, a, out, name=name: chosen.__setitem__(name.rpartition(".")[0], torch.topk(out[1], mod.top_k, dim=1)[1]))
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_pre_hook(lambda mod, a, name=name: keep(rename(name), a[0]))
+        elif type(m).__name__ == "Llama4TextExperts":
+
+            def experts(mod, args, name=name):
+                per = args[0].view(mod.num_experts, -1, mod.hidden_size)
+                idx = chosen[name.rpartition(".")[0]]
+                for e in range(mod.num_experts):
+                    x = per[e][(idx == e).any(-1)]
+                    gate, up = (x @ mod.gate_up_proj[e]).chunk(2, dim=-1)
+                    p = f"{rename(name)}.{e}."
+                    keep(p + "gate_proj", x)
+                    keep(p + "up_proj", x)
+                    keep(p + "down_proj", up * mod.act_fn(gate))
+
+            m.register_forward_pre_hook(experts)
+    with torch.no_grad():  # its text model (Llama4ForCausalLM): transformers 5.24's VLM forward without an image fails at its end
+        model.get_decoder()(input_ids=ids, use_cache=False)
+    return seen
+
+
+def test_llama4_nvfp4_calibrates_the_routed_tokens_scaled_by_their_score(tmp_path):
+    """Llama-4's experts take every token once per expert, scaled by its router score (0 where not routed): each
+    expert is calibrated on the tokens routed to it, scaled as transformers scales them (the input vLLM quantizes),
+    and every ``input_global_scale`` equals transformers' own forward's (the VLM's, on text); the tower stays dense."""
     import test_moe_families as fam
 
-    from ctconvert import api
-
     torch.manual_seed(0)
-    fam._llama4().to(torch.bfloat16).save_pretrained(str(tmp_path / "m"))
-    ids = tmp_path / "ids.txt"
-    ids.write_text(" ".join(str(i % 250) for i in range(2048)))
-    before = sorted(p.name for p in tmp_path.iterdir())
-    lines = []
-    for dry in (["--dry-run"], []):
-        r = CliRunner().invoke(main, ["quantize", str(tmp_path / "m"), "-o", str(tmp_path / "q"), "-s", "NVFP4", "--calibration", str(ids), *dry])
-        assert r.exit_code == 4, r.output
-        lines.append([ln for ln in r.output.splitlines() if "calibration does not support" in ln])
-    assert lines[0] == lines[1] and len(lines[0]) == 1, lines
-    assert "Llama4TextExperts" in lines[0][0] and "NVFP4A16" in lines[0][0]
-    assert sorted(p.name for p in tmp_path.iterdir()) == before
-    assert api.quantize(tmp_path / "m", tmp_path / "q", "NVFP4A16").dry_run is False
+    randomized(fam._llama4().to(torch.bfloat16)).save_pretrained(str(tmp_path / "m"))
+    ids = torch.randint(0, 250, (2, 32), generator=torch.Generator().manual_seed(4))
+    (dry, real), tensors = _calibrated(tmp_path / "m", tmp_path, ids)
+    assert dry["ok"] and dry["calibration"]["layers"] == 2 and real["ok"], (dry, real)
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16).eval()
+    want = {n: a for n, a in _llama4_absmax(ref, ids, lambda n: n).items() if "lm_head" not in n}  # transformers 5.24's names are the stored ones
+    assert _assert_scales_equal(tensors, want) == 2 * (7 + 4 * 3)  # per layer: q/k/v/o, the shared expert's gate/up/down, 4 experts x 3
+    assert "multi_modal_projector.linear_1" in real["ignore"] and not any(n.startswith("vision_model.") and n.endswith("_scale") for n in tensors)
+    v = CliRunner().invoke(main, ["verify", str(tmp_path / "q"), "--reference", str(tmp_path / "m")])
+    assert v.exit_code == 0, v.output
