@@ -113,3 +113,15 @@ def test_a_buffer_missing_from_the_checkpoint_is_named(tmp_path):
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(3))
     with pytest.raises(BadInputError, match=r"no tensor for buffer 'model\.layers\.1\.mlp\.gate\.e_score_correction_bias'"):
         calibrate(_checkpoint(src), ids, torch.device("cpu"))
+
+
+def test_a_buffer_transformers_does_not_compute_is_named(tmp_path, monkeypatch):
+    """A non-persistent buffer (not in the checkpoint) that the model's own ``_init_weights`` leaves unwritten is an
+    error naming it, never the uninitialised memory ``to_empty`` allocated."""
+    from ctconvert.errors import UnsupportedError
+
+    src = _saved(tmp_path / "m", "qwen3_moe")
+    monkeypatch.setattr(transformers.Qwen3MoePreTrainedModel, "_init_weights", lambda self, module: None)
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(UnsupportedError, match=r"the buffer 'model\.rotary_emb\.inv_freq' \(Qwen3MoeRotaryEmbedding\) is not in the checkpoint"):
+        calibrate(_checkpoint(src), ids, torch.device("cpu"))
