@@ -362,16 +362,18 @@ class CalibrationModel:
     def _tensors_of(module: nn.Module, recurse: bool) -> tuple[list, list]:
         """``(persistent, computed)``: ``(local name, tensor)`` of every parameter and persistent buffer (the
         checkpoint's), and ``(local owner, owner module, buffer name)`` of every non-persistent buffer."""
-        persistent, computed = [], []
+        persistent, computed, seen = [], [], set()
         mods = module.named_modules() if recurse else [("", module)]
         for owner, m in mods:
             pre = owner + "." if owner else ""
-            persistent += [(pre + n, p) for n, p in m.named_parameters(recurse=False)]
-            for n, b in m.named_buffers(recurse=False):
-                if n in m._non_persistent_buffers_set:
+            for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+                if id(t) in seen:  # a tensor tied between two modules of the layer: loaded once, under its first name
+                    continue
+                seen.add(id(t))
+                if n in m._non_persistent_buffers_set and not isinstance(t, nn.Parameter):
                     computed.append((owner, m, n))
                 else:
-                    persistent.append((pre + n, b))
+                    persistent.append((pre + n, t))
         return persistent, computed
 
     def _compute_buffers(self, module: nn.Module, prefix: str, computed: list) -> None:
