@@ -1,20 +1,27 @@
 """Run a checkpoint's own transformers architecture one decoder layer at a time, observing activations.
 
-1. The model is built from its ``config.json`` on the ``meta`` device (no memory), and the
+1. The model is built from its ``config.json`` on the ``meta`` device (no memory): a causal LM, or a
+   vision-language model's ``*ForConditionalGeneration`` (whose language model is calibrated on text); the
    checkpoint's tensor names are mapped onto its parameters with transformers' own key
    renamings (``conversion_mapping.get_model_conversion_mapping``: ``block_sparse_moe`` ->
    ``mlp`` and the like). Fused MoE experts (3-D ``gate_up_proj``/``down_proj``, built from
    per-expert checkpoint tensors) are replaced by per-expert ``nn.Linear`` modules named as in
-   the checkpoint, whose forward is the experts' loop (tokens routed to each expert only).
-2. The embedding (and the other small modules outside the decoder layers) are loaded, and the
-   model's own forward runs with every decoder layer replaced by a stand-in that records its
+   the checkpoint, whose forward computes what the fused module computes (:class:`UnfusedExperts`:
+   the tokens routed to each expert; :class:`ScoredExperts`: Llama-4's, every token scaled by its score).
+2. The text model's modules outside its decoder layers (embeddings, rotary embedding, ...) are loaded,
+   and the text model's own forward runs with every decoder layer replaced by a stand-in that records its
    arguments (the hidden states, the position embeddings and masks the model computes) and
    passes the hidden states on; the last one stops the forward.
-3. For each layer: only its weights are read from the safetensors files, the recorded batches
+3. For each layer: only its tensors are read from the safetensors files, the recorded batches
    run through it (forward-pre hooks on every ``nn.Linear`` record the input min/max; an
    attention function registered with transformers' ``AttentionInterface`` records the key and
    value states as the KV cache would store them, after RoPE), its output is the next layer's
    input, and the layer goes back to ``meta``.
+
+Every module is loaded as ``from_pretrained`` loads it (:meth:`CalibrationModel._materialize`): each parameter
+and persistent buffer from its checkpoint tensor, each non-persistent buffer computed by the model's own
+``_init_weights``, and anything else an error naming it; no value is the uninitialised memory ``to_empty``
+allocates, so two runs write the same bytes.
 
 Peak memory: one decoder layer plus the hidden states of the calibration batch (and one
 micro-batch's intermediate activations). :func:`calibrate_whole_model` runs the same modules,
