@@ -125,3 +125,26 @@ def test_a_buffer_transformers_does_not_compute_is_named(tmp_path, monkeypatch):
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(3))
     with pytest.raises(UnsupportedError, match=r"the buffer 'model\.rotary_emb\.inv_freq' \(Qwen3MoeRotaryEmbedding\) is not in the checkpoint"):
         calibrate(_checkpoint(src), ids, torch.device("cpu"))
+
+
+def test_llama4_tokens_routed_to_each_expert_equal_transformers_forward(tmp_path):
+    """Llama-4 (every token handed to every expert, scaled by its router score): the tokens each expert is calibrated
+    on are those transformers' router routes to it (its top-k), layer by layer."""
+    import test_moe_families as fam
+
+    torch.manual_seed(0)
+    randomized(fam._llama4().to(torch.bfloat16)).save_pretrained(str(tmp_path / "m"))
+    ids = torch.randint(0, 250, (4, 32), generator=torch.Generator().manual_seed(3))
+    stats = calibrate(_checkpoint(tmp_path / "m"), ids, torch.device("cpu"), batch_tokens=ids.numel())
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16).eval()
+    chosen = {}
+    for i, layer in enumerate(ref.get_decoder().model.layers):
+        router = layer.feed_forward.router
+        router.register_forward_hook(lambda mod, a, out, i=i: chosen.__setitem__(i, torch.topk(out[1], mod.top_k, dim=1)[1]))
+    with torch.no_grad():
+        ref.get_decoder()(input_ids=ids, use_cache=False)  # its text model: the VLM's forward without an image fails at its end
+    for i in (0, 1):
+        p = f"language_model.model.layers.{i}.feed_forward.experts"
+        want = [int((chosen[i] == e).any(-1).sum()) for e in range(4)]
+        got = [stats.inputs[f"{p}.{e}.gate_proj"].tokens if f"{p}.{e}.gate_proj" in stats.inputs else 0 for e in range(4)]
+        assert got == want and sum(want) == ids.numel(), (i, got, want)
