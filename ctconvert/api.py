@@ -82,7 +82,9 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, options: Q
             against the xxh3-128 content hash journaled when it was written).
         refresh: against an existing output, re-derive only the tensors whose source bytes
             changed and rewrite only their shards.
-        progress: a callable ``(total_bytes) -> context manager with .update(n)``.
+        progress: a callable ``(total_bytes) -> context manager with .update(n)``; one that also takes
+            keywords ``unit`` and ``desc`` is called for calibration too, as ``(layers, unit="layer",
+            desc="calibrate (N x L tokens)")``, and told each decoder layer calibrated (``update(1)``).
         impl: quantizer implementation: ``auto`` (C kernels on the CPU, Triton on CUDA, when
             available), ``torch``, ``native`` or ``triton``; the same bytes. ``CTCONVERT_NATIVE=0``
             disables the C kernels.

@@ -132,10 +132,11 @@ def _progress_factory(ctx: _Ctx, desc: str = "quantize"):
         return None
 
     @contextlib.contextmanager
-    def factory(total: int):
+    def factory(total: int, unit: str = "B", desc: str = desc):  # bytes; or calibration's decoder layers (unit="layer")
         from tqdm import tqdm
 
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr, dynamic_ncols=True) as bar:
+        scaled = dict(unit_scale=True, unit_divisor=1024) if unit == "B" else {}
+        with tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True, **scaled) as bar:
             yield bar
 
     return factory

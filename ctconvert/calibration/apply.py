@@ -204,9 +204,9 @@ def run(plan: Plan, ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device
 def check_model(ckpt: Checkpoint) -> None:
     """Refuse, before any work (also in a dry run), a checkpoint calibration cannot run: it runs decoder
     language models (``*ForCausalLM``, ``*ForConditionalGeneration``, ``*LMHeadModel``) layer by layer.
-    It then builds the meta-device model as the real run does (:func:`.model.check_buildable`): what
-    transformers' AutoModelForCausalLM cannot build (vision-language models) is refused here, with the real
-    run's message. Raises :class:`UnsupportedError` (exit 4)."""
+    It then builds the meta-device model as the real run does (:func:`.model.check_buildable`; ``ckpt`` with the
+    plan's per-expert views): what transformers cannot build, or whose experts calibration cannot run (Llama-4),
+    is refused here, with the real run's message. Raises :class:`UnsupportedError` (exit 4)."""
     if not is_generative(ckpt.config):
         arch = ", ".join(ckpt.config.get("architectures") or []) or "this architecture"
         raise UnsupportedError(

@@ -1,20 +1,27 @@
 """Run a checkpoint's own transformers architecture one decoder layer at a time, observing activations.
 
-1. The model is built from its ``config.json`` on the ``meta`` device (no memory), and the
+1. The model is built from its ``config.json`` on the ``meta`` device (no memory): a causal LM, or a
+   vision-language model's ``*ForConditionalGeneration`` (whose language model is calibrated on text); the
    checkpoint's tensor names are mapped onto its parameters with transformers' own key
    renamings (``conversion_mapping.get_model_conversion_mapping``: ``block_sparse_moe`` ->
    ``mlp`` and the like). Fused MoE experts (3-D ``gate_up_proj``/``down_proj``, built from
    per-expert checkpoint tensors) are replaced by per-expert ``nn.Linear`` modules named as in
-   the checkpoint, whose forward is the experts' loop (tokens routed to each expert only).
-2. The embedding (and the other small modules outside the decoder layers) are loaded, and the
-   model's own forward runs with every decoder layer replaced by a stand-in that records its
+   the checkpoint, whose forward computes what the fused module computes (:class:`UnfusedExperts`:
+   the tokens routed to each expert; :class:`ScoredExperts`: Llama-4's, every token scaled by its score).
+2. The text model's modules outside its decoder layers (embeddings, rotary embedding, ...) are loaded,
+   and the text model's own forward runs with every decoder layer replaced by a stand-in that records its
    arguments (the hidden states, the position embeddings and masks the model computes) and
    passes the hidden states on; the last one stops the forward.
-3. For each layer: only its weights are read from the safetensors files, the recorded batches
+3. For each layer: only its tensors are read from the safetensors files, the recorded batches
    run through it (forward-pre hooks on every ``nn.Linear`` record the input min/max; an
    attention function registered with transformers' ``AttentionInterface`` records the key and
    value states as the KV cache would store them, after RoPE), its output is the next layer's
    input, and the layer goes back to ``meta``.
+
+Every module is loaded as ``from_pretrained`` loads it (:meth:`CalibrationModel._materialize`): each parameter
+and persistent buffer from its checkpoint tensor, each non-persistent buffer computed by the model's own
+``_init_weights``, and anything else an error naming it; no value is the uninitialised memory ``to_empty``
+allocates, so two runs write the same bytes.
 
 Peak memory: one decoder layer plus the hidden states of the calibration batch (and one
 micro-batch's intermediate activations). :func:`calibrate_whole_model` runs the same modules,
@@ -59,7 +66,8 @@ class UnfusedExperts(nn.Module):
     """Per-expert ``nn.Linear`` modules standing in for transformers' fused ``*Experts``, named as the checkpoint
     (or the plan's per-expert parts of fused 3-D experts) names them (``experts.3.gate_proj`` or ``experts.3.w1``).
     The forward is the fused module's loop (transformers 5.24 ``Qwen3MoeExperts.forward``, ``GptOssExperts.forward``):
-    each expert sees the tokens routed to it, its output is weighted and summed.
+    each expert sees the tokens routed to it, its output is weighted and summed, every value as the fused module
+    computes it (so that the next layer's router sees transformers' own hidden states, and routes as it does).
 
     Two layouts (transformers 5.24): ``gate_up_proj`` ``[E, 2I, H]`` (``x @ W.T``, gate then up, ``act_fn(gate) * up``:
     Qwen3-MoE, Mixtral ...), and gpt-oss's ``[E, H, 2I]`` (``x @ W``, gate and up interleaved, with biases, the
@@ -76,37 +84,96 @@ class UnfusedExperts(nn.Module):
             self.act_fn = fused.act_fn
         self.names = names
         self.num_experts = e
-        dtype = fused.gate_up_proj.dtype
-        bias = self.gpt_oss
-        for j in range(e):
-            m = nn.Module()
-            setattr(m, names[0], nn.Linear(h, two_i // 2, bias=bias, device="meta", dtype=dtype))
-            setattr(m, names[1], nn.Linear(h, two_i // 2, bias=bias, device="meta", dtype=dtype))
-            setattr(m, names[2], nn.Linear(two_i // 2, h, bias=bias, device="meta", dtype=dtype))
-            self.add_module(str(j), m)
+        _add_expert_linears(self, names, e, h, two_i // 2, self.gpt_oss, fused.gate_up_proj.dtype)
 
-    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.gpt_oss:
-            return self.apply_gate(torch.stack((gate, up), dim=-1).flatten(-2))  # [..., 2I]: gate at ::2, up at 1::2
-        return self.act_fn(gate) * up
+    def _expert(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``mod``'s output for its tokens ``x``, computed as the fused module computes it (one matmul with the
+        expert's ``gate_up_proj`` slice, rebuilt from the gate and up weights, so that every value has the fused
+        module's rounding); the gate and up Linear modules observe ``x``, the down Linear the activation."""
+        g, u, d = (getattr(mod, n) for n in self.names)
+        _observe(g, x)
+        _observe(u, x)
+        if self.gpt_oss:  # x @ gate_up_proj[e] + gate_up_proj_bias[e], [H, 2I] with gate at ::2 and up at 1::2
+            w = torch.stack((g.weight.T, u.weight.T), dim=-1).flatten(-2)
+            b = torch.stack((g.bias, u.bias), dim=-1).flatten(-2)
+            h = self.apply_gate(x @ w + b)
+            _observe(d, h)
+            return h @ d.weight.T.contiguous() + d.bias
+        gate, up = nn.functional.linear(x, torch.cat((g.weight, u.weight))).chunk(2, dim=-1)
+        h = self.act_fn(gate) * up
+        _observe(d, h)
+        return nn.functional.linear(h, d.weight)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-        g, u, d = self.names
         for idx in hit:
             e = int(idx[0])
             if e == self.num_experts:
                 continue
             pos, tok = torch.where(mask[e])
-            mod = self._modules[str(e)]
-            x = hidden_states[tok]
-            y = getattr(mod, d)(self._act(getattr(mod, g)(x), getattr(mod, u)(x)))
+            y = self._expert(self._modules[str(e)], hidden_states[tok])
             y = y * top_k_weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
+
+
+class ScoredExperts(nn.Module):
+    """Per-expert ``nn.Linear`` modules standing in for Llama-4's fused ``Llama4TextExperts`` (``gate_up_proj``
+    ``[E, H, 2I]``, gate then up, ``down_proj`` ``[E, I, H]``, ``x @ W``), named as the plan's per-expert parts name
+    them. transformers 5.24's ``Llama4TextMoe.forward`` hands it every token once per expert, scaled by the router's
+    score (``sigmoid`` of the top-k logits, 0 for an expert the token is not routed to: a zero row), as ``[E * T, H]``;
+    each expert's output is computed as ``Llama4TextExperts.forward`` computes it. The observers see, per expert, the
+    rows it gets a non-zero input for: the tokens routed to it, scaled by their score, which is the input vLLM 0.33
+    quantizes (``vllm/model_executor/models/llama4.py`` ``Llama4MoE``: ``FusedMoE(apply_router_weight_on_input=True)``;
+    llm-compressor's ``modeling/llama4.py`` ``SequentialLlama4TextMoe`` runs every token unscaled through every expert)."""
+
+    def __init__(self, fused: nn.Module, names: tuple[str, str, str]):
+        super().__init__()
+        e, h, two_i = fused.gate_up_proj.shape
+        self.act_fn, self.names, self.num_experts, self.hidden = fused.act_fn, names, e, h
+        _add_expert_linears(self, names, e, h, two_i // 2, False, fused.gate_up_proj.dtype)
+
+    def forward(self, hidden_states):
+        per = hidden_states.view(self.num_experts, -1, self.hidden)
+        out = []
+        for e in range(self.num_experts):
+            g, u, d = (getattr(self._modules[str(e)], n) for n in self.names)
+            x = per[e]
+            gate, up = (x @ torch.cat((g.weight.T, u.weight.T), dim=1)).chunk(2, dim=-1)
+            h = up * self.act_fn(gate)
+            routed = x.ne(0).any(-1)
+            _observe(g, x[routed])
+            _observe(u, x[routed])
+            _observe(d, h[routed])
+            out.append(h @ d.weight.T.contiguous())
+        return torch.stack(out).view(-1, self.hidden)
+
+
+def _add_expert_linears(owner: nn.Module, names: tuple[str, str, str], e: int, h: int, i: int, bias: bool, dtype: torch.dtype) -> None:
+    """Children ``"0"`` .. ``str(e - 1)`` of ``owner``, each with gate/up ``nn.Linear(h, i)`` and down ``nn.Linear(i, h)``
+    named ``names``, on the meta device (loaded from the checkpoint layer by layer)."""
+    for j in range(e):
+        m = nn.Module()
+        setattr(m, names[0], nn.Linear(h, i, bias=bias, device="meta", dtype=dtype))
+        setattr(m, names[1], nn.Linear(h, i, bias=bias, device="meta", dtype=dtype))
+        setattr(m, names[2], nn.Linear(i, h, bias=bias, device="meta", dtype=dtype))
+        owner.add_module(str(j), m)
+
+
+def _observe(m: nn.Module, x: torch.Tensor) -> None:
+    """Call ``m``'s forward-pre hooks (the observers) with input ``x``, as calling ``m(x)`` would."""
+    for hook in m._forward_pre_hooks.values():
+        hook(m, (x,))
+
+
+def _is_llama4_experts(m: nn.Module) -> bool:
+    """Llama-4's fused experts (transformers 5.24 ``Llama4TextExperts``): ``gate_up_proj`` ``[E, H, 2I]``,
+    ``down_proj`` ``[E, I, H]``, called with every token once per expert (``forward(hidden_states)``)."""
+    gu, down = m.gate_up_proj, m.down_proj
+    return gu.dim() == 3 and down.dim() == 3 and gu.shape[0] == down.shape[0] and gu.shape[1] == down.shape[2] and gu.shape[2] == 2 * down.shape[1]
 
 
 def _is_gpt_oss_experts(m: nn.Module) -> bool:
@@ -144,6 +211,7 @@ class CalibrationModel:
                 self._unfuse(name, m)
         self._register_attention(tf)
         self.names = self._checkpoint_names(tf)  # model parameter name -> checkpoint tensor name
+        self._pretrained_owner = _pretrained_owners(model)
         self.stats = Stats()
         self.kv = False
 
@@ -160,22 +228,49 @@ class CalibrationModel:
         return model, impl
 
     def _find_layers(self, model: nn.Module, arch: str) -> tuple[str, nn.ModuleList]:
+        """The decoder layers of the language model (``model.get_decoder()``: for a vision-language model its text
+        model, not a tower that may have as many layers): ``(name, ModuleList)``."""
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         n = getattr(cfg, "num_hidden_layers", None)
-        for name, m in model.named_modules():
+        try:
+            decoder = model.get_decoder()
+        except (AttributeError, NotImplementedError, ValueError):
+            decoder = model
+        where = next((name for name, m in model.named_modules() if m is decoder), "")
+        for name, m in decoder.named_modules():
             if isinstance(m, nn.ModuleList) and len(m) == n and n and name.split(".")[-1] in ("layers", "h", "blocks", "layer"):
-                return name, m
+                return (f"{where}.{name}" if where else name), m
         raise UnsupportedError(f"cannot find the decoder layers of {arch} for calibration", file=self.ckpt.path / "config.json")
 
+    @property
+    def text_model(self) -> nn.Module:
+        """The module that holds the decoder layers (``LlamaModel``, ``Qwen2_5_VLTextModel`` ...): calibration runs its
+        forward on the tokens (a vision-language model's language model, on text, as llm-compressor calibrates it)."""
+        return self.model.get_submodule(self.layers_name.rpartition(".")[0])
+
     def _unfuse(self, name: str, m: nn.Module) -> None:
+        """Replace fused experts ``m`` by :class:`UnfusedExperts` (called with the routing), or by
+        :class:`ScoredExperts` (Llama-4's, called with every token scaled by its router score); other fused experts
+        are an :class:`UnsupportedError` (exit 4)."""
+        import inspect
+
         parent_name, _, attr = name.rpartition(".")
+        routed = len(inspect.signature(type(m).forward).parameters) >= 4  # (self, hidden_states, top_k_index, top_k_weights)
+        scored = not routed and _is_llama4_experts(m)
+        if not routed and not scored:
+            raise UnsupportedError(
+                f"calibration does not support {type(m).__name__} ({name}): its experts are called neither with the routed tokens "
+                "(top_k_index, top_k_weights) nor as Llama-4's (every token, scaled by its router score); use a data-free scheme "
+                "(NVFP4A16, W4A16, FP8_DYNAMIC, ...), which needs no calibration",
+                file=self.ckpt.path / "config.json",
+            )
         names = None
         for cand in _EXPERT_NAMES:
             if any(re.search(rf"\.experts\.0\.{cand[0]}\.weight$", n) for n in self.ckpt.tensors):
                 names = cand
         if names is None:
             raise UnsupportedError(f"{name}: fused experts, but the checkpoint has no per-expert gate/up/down weights", file=self.ckpt.path)
-        setattr(self.model.get_submodule(parent_name), attr, UnfusedExperts(m, names))
+        setattr(self.model.get_submodule(parent_name), attr, (UnfusedExperts if routed else ScoredExperts)(m, names))
 
     def _register_attention(self, tf) -> None:
         """Route every attention call through an observer of the key/value states that then calls the attention
@@ -234,46 +329,92 @@ class CalibrationModel:
         return out
 
     # -- loading --------------------------------------------------------------------------------
-    def _materialize(self, module: nn.Module, prefix: str) -> None:
-        """Load ``module``'s parameters (named ``prefix`` + local name) from the checkpoint onto the device."""
-        buffers = {n: b for n, b in module.named_buffers() if b.device.type != "meta"}
-        module.to_empty(device=self.device)
+    def _materialize(self, module: nn.Module, prefix: str, recurse: bool = True) -> None:
+        """Load ``module`` (named ``prefix`` + local names; ``recurse=False``: its own tensors only) onto the device,
+        every tensor of it accounted for, as transformers' ``from_pretrained`` does it (5.24 ``modeling_utils``:
+        ``_move_missing_keys_from_meta_to_device``, then ``_initialize_missing_keys``):
+
+        - every parameter and every persistent buffer (DeepSeek-V3's router ``e_score_correction_bias``, Gemma-4's
+          ``layer_scalar``) is read from its checkpoint tensor; one the checkpoint lacks is a :class:`BadInputError`
+          naming it (never left as the uninitialised memory of ``to_empty``);
+        - every non-persistent buffer (rotary ``inv_freq``, Gemma-4's ``embed_scale``) is computed from the config by
+          the model's own ``_init_weights`` of the module that owns it (the loaded tensors are flagged
+          ``_is_hf_initialized``, which transformers' init functions leave alone); one it does not write is an
+          :class:`UnsupportedError` naming it.
+        """
+        module.to_empty(device=self.device, recurse=recurse)
+        persistent, computed = self._tensors_of(module, recurse)
+        loaded = []
         with torch.no_grad():
-            for local, p in module.named_parameters():
+            for local, t in persistent:
                 full = prefix + local
                 src = self.names.get(full)
                 if src is None:
-                    raise BadInputError(f"calibration: the checkpoint has no tensor for parameter {full!r} of the model", file=self.ckpt.path)
-                t = read_tensor(self.ckpt.tensors[src])
-                if tuple(t.shape) != tuple(p.shape):
+                    kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
+                    raise BadInputError(f"calibration: the checkpoint has no tensor for {kind} {full!r} of the model", file=self.ckpt.path)
+                v = read_tensor(self.ckpt.tensors[src])
+                if tuple(v.shape) != tuple(t.shape):
                     where = str(self.ckpt.tensors[src].file)
-                    raise BadInputError(f"calibration: shape {list(t.shape)} does not fit parameter {full} {list(p.shape)}", tensor=src, file=where)
-                p.copy_(t)
-            for n, b in buffers.items():
-                owner, _, attr = n.rpartition(".")
-                (module.get_submodule(owner) if owner else module)._buffers[attr] = b.to(self.device)
-        self._rebuild_buffers(module)
+                    raise BadInputError(f"calibration: shape {list(v.shape)} does not fit {full} {list(t.shape)}", tensor=src, file=where)
+                t.copy_(v)
+                t._is_hf_initialized = True
+                loaded.append((full, t, t._version))
+        if computed:
+            self._compute_buffers(module, prefix, computed)
+        for full, t, version in loaded:
+            if t._version != version:  # pragma: no cover - transformers' init functions skip flagged tensors
+                raise CTConvertError(f"internal: calibration: {full} was changed after it was loaded from the checkpoint")
 
-    def _rebuild_buffers(self, root: nn.Module) -> None:
-        """Non-persistent buffers (rotary ``inv_freq``) are not in the checkpoint: rebuild their module from its config."""
-        for name, m in list(root.named_modules()):
-            if not getattr(m, "_non_persistent_buffers_set", None) or any(True for _ in m.parameters(recurse=False)):
-                continue
-            cfg = getattr(m, "config", None)
-            if cfg is None:
-                raise UnsupportedError(f"calibration cannot rebuild the buffers of {type(m).__name__}", file=self.ckpt.path)
-            with torch.device(self.device):
-                fresh = type(m)(cfg)
-            if name:
-                owner, _, attr = name.rpartition(".")
-                setattr(root.get_submodule(owner) if owner else root, attr, fresh.to(self.device))
+    @staticmethod
+    def _tensors_of(module: nn.Module, recurse: bool) -> tuple[list, list]:
+        """``(persistent, computed)``: ``(local name, tensor)`` of every parameter and persistent buffer (the
+        checkpoint's), and ``(local owner, owner module, buffer name)`` of every non-persistent buffer."""
+        persistent, computed, seen = [], [], set()
+        mods = module.named_modules() if recurse else [("", module)]
+        for owner, m in mods:
+            pre = owner + "." if owner else ""
+            for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+                if id(t) in seen:  # a tensor tied between two modules of the layer: loaded once, under its first name
+                    continue
+                seen.add(id(t))
+                if n in m._non_persistent_buffers_set and not isinstance(t, nn.Parameter):
+                    computed.append((owner, m, n))
+                else:
+                    persistent.append((pre + n, t))
+        return persistent, computed
+
+    def _compute_buffers(self, module: nn.Module, prefix: str, computed: list) -> None:
+        """Fill the non-persistent buffers with what transformers' ``_init_weights`` computes for their module (the
+        ``PreTrainedModel`` that holds the module dispatches, as ``initialize_weights``' ``smart_apply`` does)."""
+        from transformers import initialization as init
+
+        before = [(owner, m, n, m._buffers[n], m._buffers[n]._version) for owner, m, n in computed]
+        with torch.no_grad(), init.guard_torch_init_functions():
+            for m in {id(m): m for _, m, _ in computed}.values():
+                self._init_owner(m)._init_weights(m)
+        for owner, m, n, old, version in before:
+            b = m._buffers[n]
+            if b is old and b._version == version:
+                full = prefix + (owner + "." if owner else "") + n
+                raise UnsupportedError(
+                    f"calibration: the buffer {full!r} ({type(m).__name__}) is not in the checkpoint, and transformers' "
+                    f"{type(self._init_owner(m)).__name__}._init_weights does not compute it",
+                    file=self.ckpt.path / "config.json",
+                )
+
+    def _init_owner(self, m: nn.Module):
+        """The innermost ``PreTrainedModel`` holding ``m`` (whose ``_init_weights`` transformers calls for it)."""
+        return self._pretrained_owner.get(id(m), self.model)
 
     def _outside_layers(self) -> list[tuple[str, nn.Module]]:
-        """Modules that hold parameters or buffers and are not inside the decoder layers or the output head."""
-        head = self.model.get_output_embeddings()
+        """Modules of the text model that hold parameters or buffers and are not inside its decoder layers (the
+        embeddings, the rotary embedding, Gemma-4's per-layer-input projection ...); the output head, a vision
+        tower and a projector are not run (text only) and stay on ``meta``."""
+        base = self.layers_name.rpartition(".")[0]
         out = []
         for name, m in self.model.named_modules():
-            if name == self.layers_name or name.startswith(self.layers_name + ".") or m is head:
+            inside = not base or name == base or name.startswith(base + ".")
+            if not inside or name == self.layers_name or name.startswith(self.layers_name + "."):
                 continue
             if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)):
                 out.append((name, m))
@@ -281,25 +422,7 @@ class CalibrationModel:
 
     def load_outside(self) -> None:
         for name, m in self._outside_layers():
-            self._materialize_shallow(name, m)
-
-    def _materialize_shallow(self, name: str, m: nn.Module) -> None:
-        prefix = name + "." if name else ""
-        if any(True for _ in m.buffers(recurse=False)) and not any(True for _ in m.parameters(recurse=False)) and m._non_persistent_buffers_set:
-            owner, _, attr = name.rpartition(".")
-            try:
-                with torch.device(self.device):
-                    fresh = type(m)(m.config)
-            except (AttributeError, TypeError) as e:
-                raise UnsupportedError(f"calibration cannot rebuild {type(m).__name__} ({e})", file=self.ckpt.path / "config.json") from None
-            setattr(self.model.get_submodule(owner) if owner else self.model, attr, fresh)
-            return
-        for local, _ in list(m.named_parameters(recurse=False)):
-            full = prefix + local
-            src = self.names.get(full)
-            if src is None:
-                raise BadInputError(f"calibration: the checkpoint has no tensor for parameter {full!r} of the model", file=self.ckpt.path)
-            m._parameters[local] = nn.Parameter(read_tensor(self.ckpt.tensors[src]).to(self.device), requires_grad=False)
+            self._materialize(m, name + "." if name else "", recurse=False)
 
     # -- observing --------------------------------------------------------------------------------
     def _hooks(self, root: nn.Module, prefix: str):
@@ -346,7 +469,7 @@ class CalibrationModel:
             with torch.no_grad():
                 for ids in batches:
                     with contextlib.suppress(_Stop):
-                        self.model(input_ids=ids.to(self.device), use_cache=False)
+                        self.text_model(input_ids=ids.to(self.device), use_cache=False)
         finally:
             for i, m in enumerate(originals):
                 self.layers[i] = m
@@ -370,35 +493,51 @@ class CalibrationModel:
         return out
 
 
+def _pretrained_owners(model: nn.Module) -> dict[int, nn.Module]:
+    """``id(module)`` -> the innermost ``transformers.PreTrainedModel`` that holds it (itself for a sub-model)."""
+    from transformers import PreTrainedModel
+
+    out: dict[int, nn.Module] = {}
+
+    def walk(m: nn.Module, owner: nn.Module) -> None:
+        owner = m if isinstance(m, PreTrainedModel) else owner
+        out[id(m)] = owner
+        for child in m.children():
+            walk(child, owner)
+
+    walk(model, model)
+    return out
+
+
 def build_meta(tf, ckpt: Checkpoint, dtype: torch.dtype, arch: str) -> tuple[nn.Module, str]:
-    """The checkpoint's causal language model on the meta device (no memory, no weights), built by
-    ``transformers.AutoModelForCausalLM.from_config`` with SDPA attention, else with eager attention;
-    ``(model, "sdpa" | "eager")``. Raises :class:`UnsupportedError` (exit 4) when neither builds: calibration
-    builds only what AutoModelForCausalLM builds, which excludes vision-language models (Qwen2.5-VL, ...) today."""
+    """The checkpoint's model on the meta device (no memory, no weights): ``AutoModelForCausalLM.from_config``, or
+    for a vision-language model (Qwen2.5-VL, LLaVA, ...) ``AutoModelForImageTextToText.from_config`` (its language
+    model is calibrated on text), with SDPA attention, else with eager attention; ``(model, "sdpa" | "eager")``.
+    Raises :class:`UnsupportedError` (exit 4) when neither builds it."""
     first = None
+    config = None
+    builders = [tf.AutoModelForCausalLM, getattr(tf, "AutoModelForImageTextToText", None)]
     for impl in ("sdpa", "eager"):
-        try:
-            config = tf.AutoConfig.from_pretrained(str(ckpt.path))
-            with torch.device("meta"):
-                return tf.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=impl), impl
-        except Exception as e:  # noqa: BLE001 - any failure to build it is one clear line
-            first = first or e
-    vlm = "vision_config" in ckpt.config
-    why = "calibrating vision-language models is not supported yet" if vlm else "calibration supports only the architectures AutoModelForCausalLM builds"
+        for auto in filter(None, builders):
+            try:
+                config = config or tf.AutoConfig.from_pretrained(str(ckpt.path))
+                with torch.device("meta"):
+                    return auto.from_config(config, dtype=dtype, attn_implementation=impl), impl
+            except Exception as e:  # noqa: BLE001 - any failure to build it is one clear line
+                first = first or e
     raise UnsupportedError(
-        f"ctconvert cannot calibrate {arch}: its calibration builds the causal language model with transformers' AutoModelForCausalLM, "
-        f"which cannot build architecture {arch} ({type(first).__name__}: {str(first).splitlines()[0][:200]}); {why}: "
+        f"ctconvert cannot calibrate {arch}: its calibration builds the model with transformers' AutoModelForCausalLM "
+        f"(or AutoModelForImageTextToText), which cannot build architecture {arch} ({type(first).__name__}: {str(first).splitlines()[0][:200]}): "
         "use a data-free scheme (NVFP4A16, W4A16, FP8_DYNAMIC, ...), which needs no calibration",
         file=ckpt.path / "config.json",
     )
 
 
 def check_buildable(ckpt: Checkpoint) -> None:
-    """What :class:`CalibrationModel` does first, without its work: build the meta-device model (seconds, no
-    weights read), so that a dry run refuses what the real run would refuse, with the same error (exit 4)."""
-    tf = _transformers()
-    archs = ckpt.config.get("architectures") or [ckpt.config.get("model_type", "?")]
-    build_meta(tf, ckpt, _dtype(ckpt), archs[0])
+    """What :class:`CalibrationModel` does before its work: build the meta-device model, replace its fused experts
+    and map the checkpoint's names onto it (seconds, no weights read), so that a dry run refuses what the real run
+    would refuse, with the same error (exit 4). ``ckpt``: with the plan's per-expert views, as calibration gets it."""
+    CalibrationModel(ckpt, torch.device("cpu"))
 
 
 def _dtype(ckpt: Checkpoint) -> torch.dtype:
@@ -481,10 +620,9 @@ def calibrate_whole_model(ckpt: Checkpoint, tokens: torch.Tensor, device: torch.
                 full = f"{cm.layers_name}.{i}.{local}"
                 names[id(m)] = cm.names.get(full + ".k_proj.weight", full + ".k_proj.weight")[: -len(".k_proj.weight")]
     cm.module_names = names
-    base = cm.model.get_decoder() if hasattr(cm.model, "get_decoder") else cm.model.model
     with torch.no_grad():
         for ids in _micro_batches(tokens, batch_tokens):
-            base(input_ids=ids.to(device), use_cache=False)
+            cm.text_model(input_ids=ids.to(device), use_cache=False)
     for h in handles:
         h.remove()
     cm.stats.tokens = int(tokens.numel())

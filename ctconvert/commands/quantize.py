@@ -10,7 +10,9 @@ rename into place.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import time
 from pathlib import Path
 
@@ -116,10 +118,10 @@ def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeO
     kv_cache = o.kv_cache.lower()
     calibration.add_outputs(plan, ckpt, kv_cache)
     calibrated = calibration.needs_calibration(plan, kv_cache)
-    if calibrated:
-        calibration.check_model(ckpt)
     if plan.views:  # per-expert parts of fused 3-D experts: read as tensors of their own from here on
         ckpt = dataclasses.replace(ckpt, tensors={**ckpt.tensors, **plan.views})
+    if calibrated:
+        calibration.check_model(ckpt)
     if source.quantized:
         _describe_source(plan, source)
         fix_mmap_threshold()  # dequantized temporaries would otherwise fragment the heaps (pipeline/memory.py)
@@ -164,7 +166,7 @@ def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeO
     if not refresh:
         check_output_path(src, out, o.overwrite)
     if calibrated:
-        _calibrate(ckpt, plan, devs[0], result, o.calibration, o.calibration_samples, o.calibration_seq_len, kv_cache, o.calibration_batch_tokens)
+        _calibrate(ckpt, plan, devs[0], result, o.calibration, o.calibration_samples, o.calibration_seq_len, kv_cache, o.calibration_batch_tokens, progress)
     qconfig = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
     if isinstance(plan.scheme, SparseScheme):
         qconfig = sparse_config(qconfig, plan.scheme, targets or ["Linear"], plan.ignore)
@@ -233,14 +235,38 @@ def _read_calibration_data(ckpt: Checkpoint, result: ConversionResult, file, sam
     return data
 
 
-def _calibrate(ckpt: Checkpoint, plan: Plan, device, result: ConversionResult, file, samples: int, seq_len: int, kv_cache: str, batch_tokens: int) -> None:
-    """Read the calibration tokens, run the model layer by layer, put the scales into the plan's units."""
+def _calibrate(
+    ckpt: Checkpoint, plan: Plan, device, result: ConversionResult, file, samples: int, seq_len: int, kv_cache: str, batch_tokens: int, progress=None
+) -> None:
+    """Read the calibration tokens, run the model layer by layer, put the scales into the plan's units; with a
+    ``progress`` factory that takes ``unit``/``desc`` keywords, one step per decoder layer."""
     t0 = time.perf_counter()
     data = _read_calibration_data(ckpt, result, file, samples, seq_len)
     if isinstance(data, CTConvertError):
         raise data
-    result.notes += calibration.run(plan, ckpt, data.tokens, device, kv_cache, batch_tokens)
+    layers = result.calibration["layers"]
+    with _layer_progress(progress, layers, f"calibrate ({samples} x {seq_len} tokens)") as step:
+        result.notes += calibration.run(plan, ckpt, data.tokens, device, kv_cache, batch_tokens, progress=step)
     result.calibration["seconds"] = round(time.perf_counter() - t0, 3)
+
+
+@contextlib.contextmanager
+def _layer_progress(progress, layers: int, desc: str):
+    """``progress(layers, unit="layer", desc=desc)`` as a ``(layer, layers)`` callback (calibration's), or None
+    when there is no factory or it takes only ``(total_bytes)`` (the API's older form: no calibration progress)."""
+    if progress is None or not _takes_unit(progress) or layers < 1:
+        yield None
+        return
+    with progress(layers, unit="layer", desc=desc) as bar:
+        yield lambda done, total: bar.update(1)
+
+
+def _takes_unit(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "unit" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _describe_source(plan: Plan, source: Source) -> None:
