@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..checkpoint.families import FusedExperts, is_mtp, split_fused_experts
+from ..checkpoint.families import FusedExperts, dense_experts_reason, is_mtp, split_fused_experts
 from ..checkpoint.naming import (
     BLOCK,
     DEFAULT_IGNORE_PATTERNS,
@@ -408,10 +408,13 @@ def _decide(d: _Decisions, name: str, info: TensorInfo, scheme: Scheme, targets:
 
 
 def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
-    """The default that keeps a ``Linear``-matched module dense (router, vision tower, MTP layer, outside the blocks), or None."""
+    """The default that keeps a ``Linear``-matched module dense (router, vision tower, MTP layer, outside the blocks,
+    experts of a family vLLM cannot load quantized), or None."""
     default = next((k for k, p in DEFAULT_IGNORE_PATTERNS.items() if k != "lm_head" and p.search(module)), None)
     if default is not None:
         return default
+    if (why := dense_experts_reason(module, rules.config)) is not None:
+        return why
     if not rules.quantize_mtp and is_mtp(name, rules.config):
         return "MTP layer; --quantize-mtp quantizes it"
     if not BLOCK.search(module):
