@@ -24,7 +24,17 @@ from dataclasses import dataclass
 from ..errors import UnsupportedError
 from .safetensors_io import SliceView, TensorInfo
 
-__all__ = ["FAMILIES", "ExpertLayout", "FusedExperts", "config_value", "dense_experts_reason", "is_mtp", "model_types", "split_fused_experts"]
+__all__ = [
+    "FAMILIES",
+    "ExpertLayout",
+    "FusedExperts",
+    "config_value",
+    "dense_experts_reason",
+    "is_mtp",
+    "model_types",
+    "mtp_dense_reason",
+    "split_fused_experts",
+]
 
 
 @dataclass(frozen=True)
@@ -315,3 +325,28 @@ def is_mtp(name: str, config: dict) -> bool:
     m = _LAYER.match(name)
     n = config_value(config, "num_hidden_layers")
     return m is not None and n is not None and int(m.group(1)) >= n
+
+
+#: MTP modules that vLLM 0.33 builds without a quantization method, so only their dense weight loads
+#: (deepseek_mtp.py DeepSeekMultiTokenPredictorLayer and SharedHead, the same in glm4_moe_mtp.py and
+#: glm4_moe_lite_mtp.py); the rest of an MTP layer (its decoder block) is built with the model's
+#: quantization config under the checkpoint's own names (``mtp_block`` / ``Glm4MoeDecoderLayer(prefix=...)``).
+_MTP_DENSE = {
+    "eh_proj": (
+        "MTP eh_proj: vLLM 0.33 deepseek_mtp.py / glm4_moe_mtp.py build it as a plain torch nn.Linear (no quantization method), so only a dense weight loads"
+    ),
+    "shared_head.head": (
+        "MTP shared_head.head: vLLM 0.33 deepseek_mtp.py / glm4_moe_mtp.py SharedHead build it as a ParallelLMHead "
+        "named <layer>.head, which neither 'Linear' nor this module's name matches, so it loads unquantized"
+    ),
+}
+_MTP_DENSE_MODULE = re.compile(r"(?:^|\.)(eh_proj|shared_head\.head)$")
+
+
+def mtp_dense_reason(module: str, config: dict) -> str | None:
+    """Why a Linear of an MTP layer (:func:`is_mtp`) stays dense even with ``--quantize-mtp``: vLLM's MTP module
+    builds it unquantized (:data:`_MTP_DENSE`); None for every other module."""
+    m = _MTP_DENSE_MODULE.search(module)
+    if m is None or not is_mtp(module + ".weight", config):
+        return None
+    return _MTP_DENSE[m.group(1)]

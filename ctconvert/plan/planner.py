@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..checkpoint.families import FusedExperts, dense_experts_reason, is_mtp, split_fused_experts
+from ..checkpoint.families import FusedExperts, dense_experts_reason, is_mtp, mtp_dense_reason, split_fused_experts
 from ..checkpoint.naming import (
     BLOCK,
     DEFAULT_IGNORE_PATTERNS,
@@ -417,6 +417,8 @@ def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
         return why
     if not rules.quantize_mtp and is_mtp(name, rules.config):
         return "MTP layer; --quantize-mtp quantizes it"
+    if (why := mtp_dense_reason(module, rules.config)) is not None:
+        return why
     if not BLOCK.search(module):
         return "Linear outside the transformer blocks"
     return None
