@@ -390,3 +390,19 @@ def test_gpt_oss_experts_dense_by_default_as_vllm_loads_them(saved, tmp_path, sc
     assert api.verify(tmp_path / "q", reference=src)["ok"] and not api.inspect(tmp_path / "q")["problems"]
     forced = api.quantize(src, tmp_path / "f", scheme, targets=_EXPERT_TARGETS["gpt_oss"], dry_run=True)
     assert not any(p in forced.ignore for p in experts)
+
+
+def test_gpt_oss_nvfp4_calibrates_with_its_experts_dense(saved, tmp_path):
+    """NVFP4 (W4A4) on gpt-oss: its experts stay dense by default, so calibration runs them fused, as transformers'
+    own module from the stored tensors (it refused before: "fused experts, but the checkpoint has no per-expert
+    gate/up/down weights"); the attention gets its input global scales, the experts are copied as stored."""
+    src = saved("gpt_oss")
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([[(7 * i + 13 * j) % 250 for j in range(64)] for i in range(4)]))
+    res = api.quantize(src, tmp_path / "q", "NVFP4", calibration=str(ids), calibration_samples=4, calibration_seq_len=64)
+    q, stored = _tensors(tmp_path / "q"), _tensors(src)
+    assert "model.layers.0.mlp.experts" in res.ignore
+    assert torch.equal(q["model.layers.1.mlp.experts.gate_up_proj"][:], stored["model.layers.1.mlp.experts.gate_up_proj"][:])
+    for x in (0, 1):
+        scale = q[f"model.layers.{x}.self_attn.o_proj.input_global_scale"][:]
+        assert scale.shape == (1,) and torch.isfinite(scale).all() and float(scale) > 0

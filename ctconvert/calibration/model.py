@@ -169,6 +169,8 @@ class CalibrationModel:
 
     def _unfuse(self, name: str, m: nn.Module) -> None:
         parent_name, _, attr = name.rpartition(".")
+        if f"{name}.gate_up_proj" in self.ckpt.tensors and not any(n.startswith(f"{name}.0.") for n in self.ckpt.tensors):
+            return  # experts kept dense (not split, e.g. gpt-oss by default): they run fused, from their stored tensors
         names = None
         for cand in _EXPERT_NAMES:
             if any(re.search(rf"\.experts\.0\.{cand[0]}\.weight$", n) for n in self.ckpt.tensors):

@@ -215,6 +215,7 @@ def make_plan(
     rules = _Rules(ckpt.config, default_ignore, quantize_mtp, head_scheme is not None, skip_incompatible, modules)
     for name in _file_order(tensors):
         _decide(d, name, tensors[name], scheme, targets, user_ignore, rules)
+    _refuse_uncalibratable_mtp(d, scheme, ckpt.config)
     fused = _settle_experts(d, fused, ckpt.tensors)
     tensors = _with_parts(ckpt.tensors, fused)
     order = _file_order(tensors)
@@ -422,6 +423,18 @@ def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
     if not BLOCK.search(module):
         return "Linear outside the transformer blocks"
     return None
+
+
+def _refuse_uncalibratable_mtp(d: _Decisions, scheme: Scheme, config: dict) -> None:
+    """A quantized MTP layer cannot take a scheme with calibrated activation scales: calibration runs the model's
+    decoder layers (transformers' forward), which never run the MTP layer, so no token reaches it."""
+    mtp = [n for n in d.to_quantize if is_mtp(n, config)]
+    if mtp and scheme.needs_calibration:
+        raise UsageError(
+            f"--quantize-mtp with {scheme.name}: the MTP layer ({mtp[0]} ...) needs calibrated activation scales, but calibration runs "
+            "the model's own decoder layers and the MTP layer is not one of them (no token reaches it); leave out --quantize-mtp "
+            "(it stays dense) or use a weight-only or dynamic scheme (NVFP4A16, W4A16, FP8_DYNAMIC)"
+        )
 
 
 def _shape_problem(info: TensorInfo, scheme: Scheme) -> str | None:

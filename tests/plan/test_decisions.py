@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ctconvert.checkpoint.reader import open_checkpoint
-from ctconvert.errors import UnsupportedError
+from ctconvert.errors import UnsupportedError, UsageError
 from ctconvert.plan.planner import make_plan
 
 from conftest import write_checkpoint
@@ -227,6 +227,11 @@ def test_deepseek_mla_shared_experts_dense_first_layer_and_mtp(tmp_path):
     assert rows["model.layers.2.self_attn.q_a_proj.weight"].fused_set == "model.layers.2.self_attn.{q_a_proj,kv_a_proj_with_mqa}"
     forced = make_plan(open_checkpoint(tmp_path / "m"), "NVFP4A16", quantize_mtp=True, targets=["Linear", "model.layers.2.eh_proj"])
     assert "model.layers.2.eh_proj" not in forced.ignore  # an explicit target still quantizes it
+    # calibration runs the model's decoder layers only, never the MTP layer: a scheme with calibrated activation
+    # scales cannot quantize it (the run would stop at "no calibration token reached ..."); refused in the plan
+    with pytest.raises(UsageError, match=r"--quantize-mtp with NVFP4: the MTP layer \(model\.layers\.2\..* needs calibrated activation scales"):
+        make_plan(open_checkpoint(tmp_path / "m"), "NVFP4", quantize_mtp=True)
+    assert make_plan(open_checkpoint(tmp_path / "m"), "NVFP4").quantized_modules  # without --quantize-mtp: the MTP layer stays dense
 
 
 def test_cli_options(tmp_path):
