@@ -378,6 +378,11 @@ def test_gpt_oss_experts_dense_by_default_as_vllm_loads_them(saved, tmp_path, sc
     q, stored = _tensors(tmp_path / "q"), _tensors(src)
     experts = [f"model.layers.{x}.mlp.experts" for x in (0, 1)]
     assert all(p in res.ignore for p in experts), res.ignore
+    # vLLM 0.33 picks a fused-MoE layer's method from <experts>.0.gate_proj/up_proj/down_proj (get_moe_method):
+    # ignore must match those names too, or it builds a quantized MoE method for the bf16 experts
+    from ctconvert.checkpoint.naming import matches
+
+    assert all(matches(f"{p}.0.{leaf}", res.ignore, is_linear=True) for p in experts for leaf in GUD)
     for p in experts:
         for m in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
             assert torch.equal(q[f"{p}.{m}"][:], stored[f"{p}.{m}"][:]), m

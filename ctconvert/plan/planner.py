@@ -487,7 +487,7 @@ def _settle_experts(d: _Decisions, fused: dict[str, FusedExperts], stored: dict[
         listed = [p.name[: -len(".weight")] for p in fe.parts if p.name[: -len(".weight")] in d.ignored]
         if listed:
             d.ignored[:] = [m for m in d.ignored if m not in set(listed)]
-            d.ignored.append(fe.parent)
+            d.ignored += [fe.parent, _expert_probe_pattern(fe)]
         dense = next((r for r in parts if r.action == "ignore"), None)
         row.action = "ignore" if dense is not None and not fe.bias else "copy"
         why = dense.reason if dense is not None else "its weights are kept dense" if fe.bias else "not targeted"
@@ -498,6 +498,13 @@ def _settle_experts(d: _Decisions, fused: dict[str, FusedExperts], stored: dict[
             problem = next(x for x in d.notes if x.split(":")[0] in names).split(": ", 1)[1].removesuffix("; kept dense and listed in ignore")
             d.notes[:] = [*kept, f"{n}: {problem}; kept dense and listed in ignore"]
     return split
+
+
+def _expert_probe_pattern(fe: FusedExperts) -> str:
+    """The ``ignore`` pattern vLLM needs for dense fused experts: it picks a fused-MoE layer's method from the
+    per-expert names ``<experts>.0.<gate|up|down>`` (vLLM 0.33 compressed_tensors_moe.py
+    ``CompressedTensorsMoEMethod.get_moe_method``), which the ``experts`` module's own name does not match."""
+    return rf"re:{re.escape(fe.parent)}\.\d+\.({'|'.join(fe.layout.names)})$"
 
 
 def _split_reason(fe: FusedExperts, info: TensorInfo) -> str:
