@@ -77,7 +77,7 @@ FAMILIES = {
     "qwen3_moe": (_qwen3_moe, "model.layers.{}.mlp.experts", GUD, "model.layers.{}.mlp.gate", ["lm_head"], "per-expert", True),
     "mixtral": (_mixtral, "model.layers.{}.block_sparse_moe.experts", ("w1", "w3", "w2"), MIXTRAL_GATE, ["lm_head"], "per-expert", True),
     "deepseek_v3": (_deepseek_v3, "model.layers.{}.mlp.experts", GUD, "model.layers.{}.mlp.gate", ["lm_head"], "per-expert", True),
-    "gpt_oss": (_gpt_oss, "model.layers.{}.mlp.experts", GUD, "model.layers.{}.mlp.router", ["lm_head"], "gpt_oss", False),
+    "gpt_oss": (_gpt_oss, "model.layers.{}.mlp.experts", GUD, "model.layers.{}.mlp.router", ["lm_head"], "gpt_oss", True),
     "llama4": (
         _llama4,
         "language_model.model.layers.{}.feed_forward.experts",
@@ -98,6 +98,8 @@ FAMILIES = {
     ),
 }
 _MOE_LAYERS = {"deepseek_v3": [1]}  # first_k_dense_replace=1: layer 0 is a dense MLP
+#: families whose experts stay dense by default (vLLM 0.33 cannot load them quantized): quantized here on explicit targets
+_EXPERT_TARGETS = {"gpt_oss": ["Linear", r"re:.*mlp\.experts\.\d+\..*"]}
 
 
 def _expert_weights(how: str, f, parent: str, leaves, e: int) -> dict[str, torch.Tensor]:
@@ -144,13 +146,14 @@ def test_family_every_expert_quantized_routers_dense(saved, tmp_path, family, sc
     layers = _MOE_LAYERS.get(family, [0, 1])
     stored = _tensors(src)
 
-    plan = api.quantize(src, None, scheme, dry_run=True).to_dict()["plan"]
+    targets = _EXPERT_TARGETS.get(family)
+    plan = api.quantize(src, None, scheme, targets=targets, dry_run=True).to_dict()["plan"]
     rows = {r["name"]: r for r in plan["tensors"]}
     assert set(stored) <= set(rows), set(stored) - set(rows)  # every stored tensor has its row
     assert all(r["action"] in ("quantize", "ignore", "copy", "split") and (r.get("reason") or r.get("scheme")) for r in plan["tensors"])
 
     out = tmp_path / "q"
-    res = api.quantize(src, out, scheme)
+    res = api.quantize(src, out, scheme, targets=targets)
     q = _tensors(out)
     routers = [router_fmt.format(x) for x in layers]
     experts = [f"{parent_fmt.format(x)}.{e}.{leaf}" for x in layers for e in range(E) for leaf in leaves]
@@ -322,7 +325,7 @@ def test_decompressed_output_verified_against_a_source_with_fused_experts(saved,
     from safetensors.torch import load_file, save_file
 
     src = saved(family)
-    api.quantize(src, tmp_path / "q", "NVFP4A16")
+    api.quantize(src, tmp_path / "q", "NVFP4A16", targets=_EXPERT_TARGETS.get(family))
     api.decompress(tmp_path / "q", tmp_path / "d")
     report = api.verify(tmp_path / "d", reference=src)
     assert report["ok"], report["problems"]
@@ -338,3 +341,49 @@ def test_decompressed_output_verified_against_a_source_with_fused_experts(saved,
     report = api.verify(tmp_path / "d", reference=src)
     assert not report["ok"]
     assert {p["tensor"] for p in report["problems"] if p["severity"] == "error"} == {name}, report["problems"]
+
+
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "W4A16", "NVFP4A16", "MXFP4A16"])
+def test_gpt_oss_experts_dense_by_default_as_vllm_loads_them(saved, tmp_path, scheme):
+    """vLLM 0.33's gpt_oss.py loads quantized gpt-oss experts under none of these schemes (no path for the per-expert
+    weight_shape / weight_global_scale, no expert bias in its FP8/NVFP4/MXFP4 MoE methods), while it loads the fused bf16
+    experts as stored: by default they stay dense, copied byte for byte with their biases, each ``experts`` module listed
+    in ``ignore`` with the reason in the plan; attention is quantized; an explicit target still quantizes them."""
+    src = saved("gpt_oss")
+    res = api.quantize(src, tmp_path / "q", scheme)
+    q, stored = _tensors(tmp_path / "q"), _tensors(src)
+    experts = [f"model.layers.{x}.mlp.experts" for x in (0, 1)]
+    assert all(p in res.ignore for p in experts), res.ignore
+    # vLLM 0.33 picks a fused-MoE layer's method from <experts>.0.gate_proj/up_proj/down_proj (get_moe_method):
+    # ignore must match those names too, or it builds a quantized MoE method for the bf16 experts
+    from ctconvert.checkpoint.naming import matches
+
+    assert all(matches(f"{p}.0.{leaf}", res.ignore, is_linear=True) for p in experts for leaf in GUD)
+    for p in experts:
+        for m in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            assert torch.equal(q[f"{p}.{m}"][:], stored[f"{p}.{m}"][:]), m
+    assert not any(".experts." in n and n.split(".")[4].isdigit() for n in q)  # nothing written per expert
+    assert "model.layers.0.self_attn.q_proj.weight_scale" in q
+    rows = {r.name: r for r in res.plan.rows}
+    row = rows["model.layers.0.mlp.experts.gate_up_proj"]
+    assert row.action == "ignore" and "vLLM 0.33 cannot load them quantized" in row.reason and "weight_global_scale" in row.reason
+    assert rows["model.layers.0.mlp.experts.down_proj_bias"].action == "copy"
+    assert api.verify(tmp_path / "q", reference=src)["ok"] and not api.inspect(tmp_path / "q")["problems"]
+    forced = api.quantize(src, tmp_path / "f", scheme, targets=_EXPERT_TARGETS["gpt_oss"], dry_run=True)
+    assert not any(p in forced.ignore for p in experts)
+
+
+def test_gpt_oss_nvfp4_calibrates_with_its_experts_dense(saved, tmp_path):
+    """NVFP4 (W4A4) on gpt-oss: its experts stay dense by default, so calibration runs them fused, as transformers'
+    own module from the stored tensors (it refused before: "fused experts, but the checkpoint has no per-expert
+    gate/up/down weights"); the attention gets its input global scales, the experts are copied as stored."""
+    src = saved("gpt_oss")
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([[(7 * i + 13 * j) % 250 for j in range(64)] for i in range(4)]))
+    res = api.quantize(src, tmp_path / "q", "NVFP4", calibration=str(ids), calibration_samples=4, calibration_seq_len=64)
+    q, stored = _tensors(tmp_path / "q"), _tensors(src)
+    assert "model.layers.0.mlp.experts" in res.ignore
+    assert torch.equal(q["model.layers.1.mlp.experts.gate_up_proj"][:], stored["model.layers.1.mlp.experts.gate_up_proj"][:])
+    for x in (0, 1):
+        scale = q[f"model.layers.{x}.self_attn.o_proj.input_global_scale"][:]
+        assert scale.shape == (1,) and torch.isfinite(scale).all() and float(scale) > 0

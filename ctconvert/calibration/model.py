@@ -255,6 +255,8 @@ class CalibrationModel:
         import inspect
 
         parent_name, _, attr = name.rpartition(".")
+        if f"{name}.gate_up_proj" in self.ckpt.tensors and not any(n.startswith(f"{name}.0.") for n in self.ckpt.tensors):
+            return  # experts kept dense (not split, e.g. gpt-oss by default): they run fused, from their stored tensors
         routed = len(inspect.signature(type(m).forward).parameters) >= 4  # (self, hidden_states, top_k_index, top_k_weights)
         scored = not routed and _is_llama4_experts(m)
         if not routed and not scored:

@@ -24,7 +24,17 @@ from dataclasses import dataclass
 from ..errors import UnsupportedError
 from .safetensors_io import SliceView, TensorInfo
 
-__all__ = ["FAMILIES", "ExpertLayout", "FusedExperts", "config_value", "is_mtp", "model_types", "split_fused_experts"]
+__all__ = [
+    "FAMILIES",
+    "ExpertLayout",
+    "FusedExperts",
+    "config_value",
+    "dense_experts_reason",
+    "is_mtp",
+    "model_types",
+    "mtp_dense_reason",
+    "split_fused_experts",
+]
 
 
 @dataclass(frozen=True)
@@ -37,12 +47,15 @@ class ExpertLayout:
     ``Transpose(check_dims=True)``): the axis that equals the config's ``hidden_size`` decides, and a
     tensor where both would is refused. ``interleaved``: gate and
     up alternate along the ``2I`` axis; else the gate half comes first. ``names``: the output
-    leaf names of gate, up and down."""
+    leaf names of gate, up and down. ``vllm_dense``: None where vLLM loads the family's experts
+    quantized under those names; else why it cannot, and the experts stay dense by default
+    (:func:`dense_experts_reason`)."""
 
     transposed: bool | None  # None: either orientation, told apart by the config's hidden_size (never guessed when square)
     interleaved: bool
     names: tuple[str, str, str]
     source: str
+    vllm_dense: str | None = None
 
 
 _GUD = ("gate_proj", "up_proj", "down_proj")
@@ -81,8 +94,12 @@ _GPT_OSS = ExpertLayout(
     True,
     _GUD,
     "transformers 5.24 models/gpt_oss/modeling_gpt_oss.py GptOssExperts: gate_up_proj [E, H, 2I] (x @ W), gate = [..., ::2], up = [..., 1::2], "
-    "biases gate_up_proj_bias [E, 2I] / down_proj_bias [E, H]; vLLM gpt_oss.py GptOssForCausalLM.get_expert_mapping: per-expert "
-    "gate_proj/up_proj/down_proj (make_expert_params_mapping)",
+    "biases gate_up_proj_bias [E, 2I] / down_proj_bias [E, H]; vLLM 0.33 gpt_oss.py GptOssModel._load_weights_other reads the fused "
+    "gate_up_proj [E, H, 2I] / down_proj [E, I, H] (x @ W) and their biases as stored",
+    vllm_dense=(
+        "gpt-oss experts: vLLM 0.33 cannot load them quantized (gpt_oss.py reads per-expert w13_*/w2_* names with no path for "
+        "weight_shape or weight_global_scale; its FP8, NVFP4 and MXFP4 MoE methods have no expert bias); --targets naming them quantizes them"
+    ),
 )
 _QWEN3_VL_MOE = ExpertLayout(
     None,
@@ -139,6 +156,19 @@ def model_types(config: dict) -> list[str]:
     if isinstance(tc, dict):
         out.append(tc.get("model_type"))
     return [t for t in out if isinstance(t, str)]
+
+
+_EXPERT_MODULE = re.compile(r"(^|\.)experts\.\d+\.")
+
+
+def dense_experts_reason(module: str, config: dict) -> str | None:
+    """Why ``module``, a per-expert Linear (``...experts.<e>.<leaf>``, stored so or split from fused 3-D
+    experts), stays dense by default: its family's :attr:`ExpertLayout.vllm_dense`; None for any other
+    module or family."""
+    if not _EXPERT_MODULE.search(module):
+        return None
+    layout = next((FAMILIES[t] for t in model_types(config) if t in FAMILIES), None)
+    return layout.vllm_dense if layout is not None else None
 
 
 def config_value(config: dict, *keys: str):
@@ -295,3 +325,28 @@ def is_mtp(name: str, config: dict) -> bool:
     m = _LAYER.match(name)
     n = config_value(config, "num_hidden_layers")
     return m is not None and n is not None and int(m.group(1)) >= n
+
+
+#: MTP modules that vLLM 0.33 builds without a quantization method, so only their dense weight loads
+#: (deepseek_mtp.py DeepSeekMultiTokenPredictorLayer and SharedHead, the same in glm4_moe_mtp.py and
+#: glm4_moe_lite_mtp.py); the rest of an MTP layer (its decoder block) is built with the model's
+#: quantization config under the checkpoint's own names (``mtp_block`` / ``Glm4MoeDecoderLayer(prefix=...)``).
+_MTP_DENSE = {
+    "eh_proj": (
+        "MTP eh_proj: vLLM 0.33 deepseek_mtp.py / glm4_moe_mtp.py build it as a plain torch nn.Linear (no quantization method), so only a dense weight loads"
+    ),
+    "shared_head.head": (
+        "MTP shared_head.head: vLLM 0.33 deepseek_mtp.py / glm4_moe_mtp.py SharedHead build it as a ParallelLMHead "
+        "named <layer>.head, which neither 'Linear' nor this module's name matches, so it loads unquantized"
+    ),
+}
+_MTP_DENSE_MODULE = re.compile(r"(?:^|\.)(eh_proj|shared_head\.head)$")
+
+
+def mtp_dense_reason(module: str, config: dict) -> str | None:
+    """Why a Linear of an MTP layer (:func:`is_mtp`) stays dense even with ``--quantize-mtp``: vLLM's MTP module
+    builds it unquantized (:data:`_MTP_DENSE`); None for every other module."""
+    m = _MTP_DENSE_MODULE.search(module)
+    if m is None or not is_mtp(module + ".weight", config):
+        return None
+    return _MTP_DENSE[m.group(1)]

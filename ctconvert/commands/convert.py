@@ -20,7 +20,8 @@ naming the tensor and the feature: act-order GPTQ (``g_idx`` not ``k // group_si
 compressed-tensors 0.19+ has no ``weight_g_idx``), a zero point other than
 ``2^(B-1)`` in a ``sym: true`` GPTQ checkpoint, a ModelOpt ``weight_scale_2`` no fp32
 global scale matches, fused sets (q/k/v, gate/up) whose members have different
-``weight_scale_2`` (vLLM keeps one global scale per fused layer). Streaming by row
+``weight_scale_2`` (vLLM keeps one global scale per fused layer; ``quantize --scheme NVFP4A16``
+requantizes such a source, each fused set to one global scale). Streaming by row
 chunks, written atomically like ``quantize``.
 
 Reads top to bottom: open the source -> choose the target -> check every module ->
@@ -136,6 +137,8 @@ def lossless_choice(src: str | Path, scheme: str) -> tuple[bool, str | None]:
     for m in source.modules.values():
         if (problem := m.ct_problem()) is not None:
             return False, f"{m.anchor.name}: {problem}"
+    if source.kind == "modelopt" and (found := _fused_scale_problem(source)) is not None:
+        return False, f"{found[0].name}: {found[1]}; each fused set requantized to one shared global scale"
     return True, None
 
 
@@ -264,8 +267,10 @@ def _check_modules(source: Source, spec: GroupSpec, notes: list[str]) -> dict[st
     return extra
 
 
-def _check_fused(source: Source) -> None:
-    """Members of a fused set (q/k/v, gate/up) must share ``weight_scale_2``: vLLM keeps one global scale per fused layer."""
+def _fused_scale_problem(source: Source):
+    """The first fused set (q/k/v, gate/up) of a ModelOpt source whose members have different ``weight_scale_2``,
+    as ``(tensor info, message)``, else None: vLLM keeps one global scale per fused layer (and garbles MoE output
+    from such checkpoints, vllm#54974), and compressed-tensors' ``weight_global_scale`` cannot differ within one."""
     sets: dict[str, list[SourceModule]] = {}
     for m in source.modules.values():
         parent, _, leaf = m.name.rpartition(".")
@@ -274,12 +279,22 @@ def _check_fused(source: Source) -> None:
     for name, members in sets.items():
         values = {m.name.rpartition(".")[2]: float(m.scale_2()) for m in members}
         if len(set(values.values())) > 1:
-            info = members[-1].parts["weight_scale_2"]
-            raise UnsupportedError(
-                f"fused set {name} has a different weight_scale_2 per member ({values}); vLLM keeps one global scale per fused layer",
-                file=str(info.file),
-                tensor=info.name,
-            )
+            return members[-1].parts["weight_scale_2"], f"fused set {name} has a different weight_scale_2 per member ({values})"
+    return None
+
+
+def _check_fused(source: Source) -> None:
+    """Members of a fused set (q/k/v, gate/up) must share ``weight_scale_2``: vLLM keeps one global scale per fused
+    layer. A lossless conversion cannot give them one; ``quantize --scheme NVFP4A16`` requantizes them to one."""
+    found = _fused_scale_problem(source)
+    if found is not None:
+        info, message = found
+        raise UnsupportedError(
+            f"{message}; vLLM keeps one global scale per fused layer, so no lossless conversion exists: "
+            "`ctconvert quantize SRC -o OUT --scheme NVFP4A16` requantizes each fused set to one shared global scale",
+            file=str(info.file),
+            tensor=info.name,
+        )
 
 
 def _plan(source: Source, spec: GroupSpec, extra: dict):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..checkpoint.families import FusedExperts, is_mtp, split_fused_experts
+from ..checkpoint.families import FusedExperts, dense_experts_reason, is_mtp, mtp_dense_reason, split_fused_experts
 from ..checkpoint.naming import (
     BLOCK,
     DEFAULT_IGNORE_PATTERNS,
@@ -215,6 +215,7 @@ def make_plan(
     rules = _Rules(ckpt.config, default_ignore, quantize_mtp, head_scheme is not None, skip_incompatible, modules)
     for name in _file_order(tensors):
         _decide(d, name, tensors[name], scheme, targets, user_ignore, rules)
+    _refuse_uncalibratable_mtp(d, scheme, ckpt.config)
     fused = _settle_experts(d, fused, ckpt.tensors)
     tensors = _with_parts(ckpt.tensors, fused)
     order = _file_order(tensors)
@@ -408,15 +409,32 @@ def _decide(d: _Decisions, name: str, info: TensorInfo, scheme: Scheme, targets:
 
 
 def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
-    """The default that keeps a ``Linear``-matched module dense (router, vision tower, MTP layer, outside the blocks), or None."""
+    """The default that keeps a ``Linear``-matched module dense (router, vision tower, MTP layer, outside the blocks,
+    experts of a family vLLM cannot load quantized), or None."""
     default = next((k for k, p in DEFAULT_IGNORE_PATTERNS.items() if k != "lm_head" and p.search(module)), None)
     if default is not None:
         return default
+    if (why := dense_experts_reason(module, rules.config)) is not None:
+        return why
     if not rules.quantize_mtp and is_mtp(name, rules.config):
         return "MTP layer; --quantize-mtp quantizes it"
+    if (why := mtp_dense_reason(module, rules.config)) is not None:
+        return why
     if not BLOCK.search(module):
         return "Linear outside the transformer blocks"
     return None
+
+
+def _refuse_uncalibratable_mtp(d: _Decisions, scheme: Scheme, config: dict) -> None:
+    """A quantized MTP layer cannot take a scheme with calibrated activation scales: calibration runs the model's
+    decoder layers (transformers' forward), which never run the MTP layer, so no token reaches it."""
+    mtp = [n for n in d.to_quantize if is_mtp(n, config)]
+    if mtp and scheme.needs_calibration:
+        raise UsageError(
+            f"--quantize-mtp with {scheme.name}: the MTP layer ({mtp[0]} ...) needs calibrated activation scales, but calibration runs "
+            "the model's own decoder layers and the MTP layer is not one of them (no token reaches it); leave out --quantize-mtp "
+            "(it stays dense) or use a weight-only or dynamic scheme (NVFP4A16, W4A16, FP8_DYNAMIC)"
+        )
 
 
 def _shape_problem(info: TensorInfo, scheme: Scheme) -> str | None:
@@ -469,7 +487,7 @@ def _settle_experts(d: _Decisions, fused: dict[str, FusedExperts], stored: dict[
         listed = [p.name[: -len(".weight")] for p in fe.parts if p.name[: -len(".weight")] in d.ignored]
         if listed:
             d.ignored[:] = [m for m in d.ignored if m not in set(listed)]
-            d.ignored.append(fe.parent)
+            d.ignored += [fe.parent, _expert_probe_pattern(fe)]
         dense = next((r for r in parts if r.action == "ignore"), None)
         row.action = "ignore" if dense is not None and not fe.bias else "copy"
         why = dense.reason if dense is not None else "its weights are kept dense" if fe.bias else "not targeted"
@@ -480,6 +498,13 @@ def _settle_experts(d: _Decisions, fused: dict[str, FusedExperts], stored: dict[
             problem = next(x for x in d.notes if x.split(":")[0] in names).split(": ", 1)[1].removesuffix("; kept dense and listed in ignore")
             d.notes[:] = [*kept, f"{n}: {problem}; kept dense and listed in ignore"]
     return split
+
+
+def _expert_probe_pattern(fe: FusedExperts) -> str:
+    """The ``ignore`` pattern vLLM needs for dense fused experts: it picks a fused-MoE layer's method from the
+    per-expert names ``<experts>.0.<gate|up|down>`` (vLLM 0.33 compressed_tensors_moe.py
+    ``CompressedTensorsMoEMethod.get_moe_method``), which the ``experts`` module's own name does not match."""
+    return rf"re:{re.escape(fe.parent)}\.\d+\.({'|'.join(fe.layout.names)})$"
 
 
 def _split_reason(fe: FusedExperts, info: TensorInfo) -> str:

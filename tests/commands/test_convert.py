@@ -155,10 +155,28 @@ def test_modelopt_nvfp4a16_drops_the_input_scales(tmp_path):
     _lossless(tmp_path / "out", refs)
 
 
-def test_modelopt_fused_members_with_different_global_scales_are_refused(tmp_path):
-    src, _ = ff.modelopt_checkpoint(tmp_path / "mo", fused_scale_2=False)
-    with pytest.raises(UnsupportedError, match="fused set .*different weight_scale_2"):
+def test_modelopt_fused_members_with_different_global_scales_are_requantized_to_one(tmp_path):
+    """q/k/v and gate/up with their own weight_scale_2 (vLLM keeps one global scale per fused layer; vllm#54974):
+    ``convert`` (lossless) refuses and names the command that helps; ``quantize --scheme NVFP4A16`` requantizes,
+    byte for byte what quantizing the source's dequantized weights (ModelOpt's own math) gives, one global scale
+    per fused set."""
+    src, refs = ff.modelopt_checkpoint(tmp_path / "mo", fused_scale_2=False)
+    with pytest.raises(UnsupportedError, match="fused set .*different weight_scale_2") as e:
         api.convert(src, tmp_path / "out")
+    assert "`ctconvert quantize SRC -o OUT --scheme NVFP4A16` requantizes each fused set to one shared global scale" in e.value.message
+    assert e.value.tensor.endswith(".weight_scale_2")
+    res = api.quantize(src, tmp_path / "q", "NVFP4A16")
+    assert not res.lossless and any(n.startswith("not converted losslessly (") and "one shared global scale): requantized" in n for n in res.notes)
+    dense = {**ff.dense_extras(torch.bfloat16), **{m + ".weight": w for m, w in refs.items()}}
+    ff.save(tmp_path / "dense", dense, {**ff.CONFIG, "torch_dtype": "bfloat16"})
+    api.quantize(tmp_path / "dense", tmp_path / "d", "NVFP4A16")
+    got, want = _out(tmp_path / "q"), _out(tmp_path / "d")
+    assert got.keys() == want.keys()
+    assert all(bitwise_equal(got[k], want[k]) for k in got), [k for k in got if not bitwise_equal(got[k], want[k])]
+    for members in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+        p = "model.layers.0." + ("self_attn." if "q_proj" in members else "mlp.")
+        scales = {float(got[p + m + ".weight_global_scale"]) for m in members}
+        assert len(scales) == 1, (members, scales)
 
 
 def test_quantize_with_the_sources_own_scheme_converts(tmp_path):

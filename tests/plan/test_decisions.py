@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ctconvert.checkpoint.reader import open_checkpoint
-from ctconvert.errors import UnsupportedError
+from ctconvert.errors import UnsupportedError, UsageError
 from ctconvert.plan.planner import make_plan
 
 from conftest import write_checkpoint
@@ -36,8 +36,12 @@ def _gpt_oss(tmp_path, **extra):
     return open_checkpoint(write_checkpoint(tmp_path / "m", t, cfg))
 
 
+#: gpt-oss experts stay dense by default (vLLM 0.33 cannot load them quantized): the split tests name them explicitly
+EXPERTS = ["Linear", r"re:.*mlp\.experts\.\d+\..*"]
+
+
 def test_every_fused_expert_is_split_and_quantized(tmp_path):
-    plan = make_plan(_gpt_oss(tmp_path), "W4A16")
+    plan = make_plan(_gpt_oss(tmp_path), "W4A16", targets=EXPERTS)
     rows = {r.name: r for r in plan.rows}
     assert len(rows) == len(plan.rows)
     for layer in range(2):
@@ -64,7 +68,7 @@ def test_experts_pattern_matches_the_split_modules(tmp_path):
 
 
 def test_experts_kept_dense_stay_fused_and_are_listed(tmp_path):
-    plan = make_plan(_gpt_oss(tmp_path), "W4A16", ignore=["re:.*experts.*"])
+    plan = make_plan(_gpt_oss(tmp_path), "W4A16", targets=EXPERTS, ignore=["re:.*experts.*"])
     rows = {r.name: r for r in plan.rows}
     assert not plan.views and plan.quantized_modules == 2
     gu = rows["model.layers.0.mlp.experts.gate_up_proj"]
@@ -83,7 +87,9 @@ def test_experts_the_scheme_cannot_take(tmp_path):
         make_plan(ck, "W4A16")
     assert e.value.tensor == "model.layers.0.mlp.experts.down_proj" and "its per-expert part model.layers.0.mlp.experts.0.down_proj.weight" in e.value.message
     plan = make_plan(ck, "W4A16", skip_incompatible=True)
-    assert plan.ignore == ["model.layers.0.mlp.experts"] and not plan.views
+    # vLLM picks a fused-MoE layer's method from <experts>.0.gate_proj/up_proj/down_proj: the pattern makes it unquantized
+    probe = r"re:model\.layers\.0\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
+    assert plan.ignore == ["model.layers.0.mlp.experts", probe] and not plan.views
     assert sorted(plan.notes) == [
         f"model.layers.0.mlp.experts.{m}: K=96 is not a multiple of the group size 128 of W4A16; kept dense and listed in ignore"
         for m in ("down_proj", "gate_up_proj")
@@ -93,7 +99,7 @@ def test_experts_the_scheme_cannot_take(tmp_path):
 def test_experts_partly_dense_are_split_whole(tmp_path):
     """down_proj ignored, gate/up quantized: the whole experts module is written per expert (no loader may see it
     half fused), the dense parts listed one by one, the experts module itself not."""
-    plan = make_plan(_gpt_oss(tmp_path), "W4A16", ignore=[r"re:.*experts\.\d+\.down_proj$"])
+    plan = make_plan(_gpt_oss(tmp_path), "W4A16", targets=EXPERTS, ignore=[r"re:.*experts\.\d+\.down_proj$"])
     rows = {r.name: r for r in plan.rows}
     assert rows["model.layers.0.mlp.experts.down_proj"].action == "split" and plan.quantized_modules == 2 * (1 + 2 * E)
     assert rows["model.layers.0.mlp.experts.1.down_proj.weight"].action == "ignore"
@@ -207,7 +213,27 @@ def test_deepseek_mla_shared_experts_dense_first_layer_and_mtp(tmp_path):
     assert {m for m in plan.ignore if m.startswith("model.layers.2.")} == dense_mtp
     assert "model.layers.1.mlp.gate" in plan.ignore
     plan = make_plan(open_checkpoint(tmp_path / "m"), "NVFP4A16", quantize_mtp=True)
-    assert [m for m in plan.ignore if m.startswith("model.layers.2.")] == ["model.layers.2.mlp.gate"]  # its router stays dense
+    # vLLM 0.33 deepseek_mtp.py builds eh_proj as a torch nn.Linear and shared_head.head as a ParallelLMHead named
+    # model.layers.2.head (no target matches it): both load only dense; the router stays dense; the decoder block
+    # (built with the quantization config under the checkpoint's names) is quantized
+    assert sorted(m for m in plan.ignore if m.startswith("model.layers.2.")) == [
+        "model.layers.2.eh_proj",
+        "model.layers.2.mlp.gate",
+        "model.layers.2.shared_head.head",
+    ]
+    rows = {r.name: r for r in plan.rows}
+    assert rows["model.layers.2.eh_proj.weight"].reason.startswith("MTP eh_proj: vLLM 0.33 deepseek_mtp.py / glm4_moe_mtp.py build it as a plain")
+    assert rows["model.layers.2.shared_head.head.weight"].reason.startswith("MTP shared_head.head: vLLM 0.33")
+    mtp_block = [n for n in rows if n.startswith("model.layers.2.") and ("self_attn." in n or "experts" in n) and n.endswith("proj.weight")]
+    assert mtp_block and all(rows[n].action == "quantize" for n in mtp_block)
+    assert rows["model.layers.2.self_attn.q_a_proj.weight"].fused_set == "model.layers.2.self_attn.{q_a_proj,kv_a_proj_with_mqa}"
+    forced = make_plan(open_checkpoint(tmp_path / "m"), "NVFP4A16", quantize_mtp=True, targets=["Linear", "model.layers.2.eh_proj"])
+    assert "model.layers.2.eh_proj" not in forced.ignore  # an explicit target still quantizes it
+    # calibration runs the model's decoder layers only, never the MTP layer: a scheme with calibrated activation
+    # scales cannot quantize it (the run would stop at "no calibration token reached ..."); refused in the plan
+    with pytest.raises(UsageError, match=r"--quantize-mtp with NVFP4: the MTP layer \(model\.layers\.2\..* needs calibrated activation scales"):
+        make_plan(open_checkpoint(tmp_path / "m"), "NVFP4", quantize_mtp=True)
+    assert make_plan(open_checkpoint(tmp_path / "m"), "NVFP4").quantized_modules  # without --quantize-mtp: the MTP layer stays dense
 
 
 def test_cli_options(tmp_path):
@@ -230,7 +256,8 @@ def test_cli_options(tmp_path):
     code, out, _ = run("--keep-unclassified")
     doc = json.loads(out)["plan"]
     assert code == 0 and "model.layers.0.mlp" in doc["ignore"] and "model.layers.2.mlp.gate_proj" in doc["ignore"]
-    assert doc["defaults_applied"] == {"router": 2, "lm_head": 1, "MTP layer; --quantize-mtp quantizes it": 1}
+    gpt_oss = next(k for k in doc["defaults_applied"] if k.startswith("gpt-oss experts: vLLM 0.33 cannot load them quantized"))
+    assert doc["defaults_applied"] == {"router": 2, "lm_head": 1, "MTP layer; --quantize-mtp quantizes it": 1, gpt_oss: 2 * 3 * E}
     code, out, _ = run("--keep-unclassified", "--quantize-mtp")
     assert code == 0 and "model.layers.2.mlp.gate_proj" not in json.loads(out)["plan"]["ignore"]
     code, out, _ = run("--keep-unclassified", "--no-default-ignore")
@@ -247,10 +274,10 @@ def test_split_experts_refresh_and_provenance(tmp_path):
 
     ck = _gpt_oss(tmp_path)
     out = tmp_path / "q"
-    api.quantize(ck.path, out, "NVFP4A16")
+    api.quantize(ck.path, out, "NVFP4A16", targets=EXPERTS)
     prov = json.loads((out / "ctconvert-provenance.json").read_text())["tensors"]
     src = prov["model.layers.1.mlp.experts.3.up_proj.weight_packed"]
     assert {s["slice_of"] for s in src} == {"model.layers.1.mlp.experts.gate_up_proj"}  # gate and up: one global scale
     assert {s["tensor"] for s in src} == {"model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight"}
-    res = api.quantize(ck.path, out, "NVFP4A16", refresh=True)
+    res = api.quantize(ck.path, out, "NVFP4A16", targets=EXPERTS, refresh=True)
     assert res.rewritten_shards == []
