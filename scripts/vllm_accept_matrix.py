@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="vLLM processes at a time")
     ap.add_argument("--work", help="folder for checkpoints and logs (default: a temporary one)")
     ap.add_argument("--readme", help="rewrite this README's table from the record")
-    ap.add_argument("--update", action="store_true", help="keep the --out record's rows of the families not run now")
+    ap.add_argument("--update", action="store_true", help="keep the --out record's rows of the families and schemes not run now")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -327,9 +327,12 @@ def main(argv=None) -> int:
             v, first = verdict(row["family"], rep, log)
             results.append({**row, "verdict": v, "first_problem": first})
     if args.update and Path(args.out).exists():
-        results += [r for r in json.loads(Path(args.out).read_text())["results"] if r["family"] not in families]
+        ran = {(r["family"], r["scheme"]) for r in results}
+        results += [r for r in json.loads(Path(args.out).read_text())["results"] if (r["family"], r["scheme"]) not in ran]
         families = [f for f in FAMILIES if f in {r["family"] for r in results}]
     order = {f: i for i, f in enumerate(FAMILIES)}
+    for r in results:
+        r["capability"] = int(r["capability"])
     results.sort(key=lambda r: (order.get(r["family"], 99), SCHEMES.index(r["scheme"]), r["capability"]))
     record = {
         "vllm": version,
