@@ -108,7 +108,7 @@ CHAINS = ["quantize", "quantize --target", "repack", "decompress", "requantize"]
 SPARSE_SCHEMES = ["DENSE", "FP8_DYNAMIC", "W8A8"]
 #: the 2:4 kernel layouts each sparse scheme goes to (README "2:4 sparsity": the SM80 layout takes no FP8)
 SPARSE_TARGETS = {"DENSE": ["cutlass-2of4", "cutlass-2of4-sm80"], "FP8_DYNAMIC": ["cutlass-2of4"], "W8A8": ["cutlass-2of4", "cutlass-2of4-sm80"]}
-SPARSE_CHAINS = ["quantize", "repack cutlass-2of4", "repack cutlass-2of4-sm80", "decompress"]
+SPARSE_CHAINS = ["quantize", "repack cutlass-2of4", "repack cutlass-2of4-sm80", "quantize --target cutlass-2of4", "decompress"]
 
 #: the scheme each family runs through every chain in CI (together they cover every scheme)
 ROW = {
@@ -135,6 +135,7 @@ _REPACK = "issue 22: {} (branch repack)"
 _CALIB = "issue 23/22: {} (branch calib)"
 #: the schemes whose Linear biases repack --target marlin leaves out
 BIAS_DROPPED = ("NVFP4", "NVFP4A16", "MXFP4A16", "MXFP4")
+ROUTES = "quantize --target leaves Linear biases out of the repacked module (unpermuted, not in its config tensors); repack puts them in"
 
 
 def known(family: str, scheme: str, chain: str) -> tuple[str, bool] | None:
@@ -154,8 +155,7 @@ def known(family: str, scheme: str, chain: str) -> tuple[str, bool] | None:
         if scheme == "FP8":
             return _REPACK.format("repack --target marlin leaves out the static input_scale of FP8"), True
         if chain == "quantize --target" and family in BIASED and scheme in TARGETS:
-            why = "quantize --target leaves Linear biases out of the repacked module (unpermuted, not in its config tensors); repack puts them in"
-            return _REPACK.format(why), True
+            return _REPACK.format(ROUTES), True
     return None
 
 
@@ -318,6 +318,10 @@ def conservation(family: str, src_path, out_path, notes=(), ignore=None) -> None
     assert not problems, "\n".join(problems[:20]) + (f"\n... {len(problems)} in all" if len(problems) > 20 else "")
 
 
+#: where the dense Llama's source holds an exact -0.0 (the first 8 columns of row 0), as every requantized FP8 source does
+NEGATIVE_ZEROS = ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.o_proj.weight")
+
+
 def same_checkpoint(a, b) -> None:
     """``a`` and ``b`` hold the same tensors (names, dtypes, shapes, bytes) and the same quantization_config."""
     ta, tb = tensors(a), tensors(b)
@@ -402,6 +406,11 @@ class Runs:
         def build():
             torch.manual_seed(0)
             model = randomized(FAMILIES[family][0]().to(torch.bfloat16))
+            if family == "llama":
+                params = dict(model.named_parameters())
+                with torch.no_grad():
+                    for n in NEGATIVE_ZEROS:
+                        params[n][0, :8] = -0.0
             path = self.root / f"src-{family}"
             model.save_pretrained(str(path), **FAMILIES[family][1])
             return path
@@ -528,7 +537,10 @@ def _sparse_cells():
         for scheme in SPARSE_SCHEMES:
             for chain in SPARSE_CHAINS:
                 ci = family == CHAIN_ROW or (ROW[family] in SPARSE_SCHEMES and ROW[family] == scheme) or (scheme, chain) == ("FP8_DYNAMIC", "quantize")
-                yield pytest.param(family, scheme, chain, marks=[] if ci else [pytest.mark.slow], id=f"{family}-{scheme}-{chain.replace(' ', '')}")
+                marks = [] if ci else [pytest.mark.slow]
+                if chain.startswith("quantize --target") and family in BIASED:
+                    marks.append(pytest.mark.xfail(strict=True, reason=_REPACK.format(ROUTES)))
+                yield pytest.param(family, scheme, chain, marks=marks, id=f"{family}-{scheme}-{chain.replace(' ', '')}")
         ci = family == CHAIN_ROW
         yield pytest.param(family, "W4A16", "quantize --target marlin-24", marks=[] if ci else [pytest.mark.slow], id=f"{family}-W4A16-marlin24")
 
@@ -550,6 +562,11 @@ def test_conservation_sparse24(runs, family, scheme, chain):
         dense = runs.decompress(out)
         decompressed(family, src, dense, LIMIT.get(scheme, 0.0), pruned=True)
         deterministic(dense, runs.decompress(out, copy=1))
+    elif chain.startswith("quantize --target"):
+        target = chain.split()[-1]
+        direct = runs.quantize(family, scheme, target=target, sparsity="2:4")[0]
+        same_checkpoint(direct, runs.repack(out, target))
+        deterministic(direct, runs.quantize(family, scheme, target=target, sparsity="2:4", copy=1)[0])
     else:
         target = chain.split()[1]
         if target not in SPARSE_TARGETS[scheme]:
@@ -596,7 +613,7 @@ def _foreign(runs, kind: str):
 
 
 FOREIGN = ["awq", "gptq", "modelopt", "fp8-block"]
-FOREIGN_CHAINS = ["convert", "convert + decompress", "decompress", "requantize"]
+FOREIGN_CHAINS = ["convert", "convert + decompress", "decompress", "requantize", "requantize + repack"]
 
 
 def _foreign_cells():
@@ -623,6 +640,9 @@ def test_conservation_foreign(runs, kind, chain):
         dense = runs.decompress(path)
         decompressed("llama", view, dense, 0.0)
         deterministic(dense, runs.decompress(path, copy=1))
+    elif chain == "requantize + repack":  # the MTP layer (fp8-block) and every dense tensor there and back
+        again = runs.requantize(path, "W4A16" if kind in ("gptq", "modelopt") else "NVFP4A16")[0]
+        same_checkpoint(runs.repack(runs.repack(again, "marlin"), "compressed-tensors"), again)
     else:
         second = "W4A16" if kind in ("gptq", "modelopt") else "NVFP4A16"  # the MLA shapes of fp8-block: K = 192
         again, res = runs.requantize(path, second)
