@@ -650,3 +650,59 @@ def test_conservation_foreign(runs, kind, chain):
         again, res = runs.requantize(path, second)
         conservation("llama", view, again, res.notes, res.ignore)
         deterministic(again, runs.requantize(path, second, copy=1)[0])
+
+
+# ------------------------------------------------------------------------------------------ the checks can fail
+
+
+def _corrupt(path, how: str) -> None:
+    from safetensors.torch import save_file
+
+    (shard,) = path.glob("*.safetensors")
+    t = load_file(str(shard))
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    if how == "bias left out":
+        del t["model.layers.0.self_attn.q_proj.bias"]
+    elif how == "unexplained tensor":
+        t["model.layers.0.mlp.extra"] = torch.zeros(4)
+    elif how == "copy changed":
+        t["model.norm.weight"] = t["model.norm.weight"].clone()
+        t["model.norm.weight"].view(torch.int16)[3] ^= 1
+    elif how == "quantized module ignored":
+        qc["ignore"] = [*qc["ignore"], "model.layers.1.mlp.up_proj"]
+    elif how == "dense Linear not ignored":
+        qc["ignore"] = [p for p in qc["ignore"] if p != "lm_head"]
+    elif how == "scale changed":
+        t["model.layers.1.mlp.down_proj.weight_scale"] = t["model.layers.1.mlp.down_proj.weight_scale"] * 2
+    save_file(t, str(shard), metadata={"format": "pt"})
+    if how in ("bias left out", "unexplained tensor"):
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        index["weight_map"] = {n: shard.name for n in t}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("bias left out", "source tensor model.layers.0.self_attn.q_proj.bias left out of the output without a note"),
+        ("unexplained tensor", "output tensor model.layers.0.mlp.extra that neither the source nor the config explains"),
+        ("copy changed", "model.norm.weight: not quantized, yet not the source's bytes"),
+        ("quantized module ignored", "model.layers.1.mlp.up_proj: quantized, but listed in ignore"),
+        ("dense Linear not ignored", "lm_head: a dense 2-D weight the config's Linear target takes, not in ignore"),
+        ("scale changed", "1 tensors differ: ['model.layers.1.mlp.down_proj.weight_scale']"),
+    ],
+)
+def test_the_checks_fail_on_a_wrong_output(runs, tmp_path, how, message):
+    """Each check of the matrix, on a Qwen2 W4A16 output with one defect: it fails, naming the tensor."""
+    out, res = runs.quantize("qwen2", "W4A16")
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    conservation("qwen2", runs.source("qwen2"), bad)  # a copy passes
+    _corrupt(bad, how)
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        if how == "scale changed":
+            same_checkpoint(bad, out)
+        else:
+            conservation("qwen2", runs.source("qwen2"), bad)
