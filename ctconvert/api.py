@@ -253,7 +253,8 @@ def decompress(
     ``progress``: as for :func:`quantize` (told every output byte).
 
     Raises :class:`UnsupportedError` for formats or features it cannot dequantize (sparse
-    formats, ``weight_g_idx`` act-order), :class:`BadInputError` for a dense input. Returns a summary dict.
+    formats, ``weight_g_idx`` act-order), :class:`BadInputError` for a dense input. Returns a summary dict; its
+    ``left_out`` maps each input tensor not written (the KV cache's ``k_scale``/``v_scale``) to the reason.
 
     Example::
 

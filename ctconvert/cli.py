@@ -694,6 +694,8 @@ def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
             + ", "
             f"{_human(res['input_bytes'])} -> {_human(res['output_bytes'])} in {res['seconds']:.1f} s"
         )
+        if res["left_out"]:
+            click.echo(f"note: left out {plural(len(res['left_out']), 'KV-cache scale')} (k_scale/v_scale: a dense checkpoint has no kv_cache_scheme)")
 
 
 @main.command("convert")

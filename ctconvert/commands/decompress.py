@@ -8,7 +8,8 @@ Every quantized Linear (any format of :data:`ctconvert.formats.FORMATS`:
 float-, int-, naive-, pack-, nvfp4-pack- and mxfp4-pack-quantized) becomes a
 dense ``weight`` computed as compressed-tensors' own ``decompress`` computes it
 (the format's ``dequantize``), row chunk by row chunk; activation scales are
-dropped. The dequantized weights take ``dtype`` (default: the model's own dtype,
+dropped, and so are the KV cache's ``k_scale``/``v_scale`` of a ``kv_cache_scheme`` (the dense output has no
+quantization config to explain them; the summary's ``left_out`` names each). The dequantized weights take ``dtype`` (default: the model's own dtype,
 ``config.json``'s ``torch_dtype``/``dtype``, else bf16); the other tensors keep
 their stored dtype, unless ``dtype`` is given, in which case every floating-point
 tensor is cast to it and ``config.json`` says so. ``config.json`` loses its
@@ -33,7 +34,7 @@ import torch
 
 from ..checkpoint.config import require_compressed_tensors
 from ..checkpoint.conformance import module_problems, refuse, sparsity_problems
-from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, modules_of
+from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, modules_of
 from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, read_rows
@@ -85,6 +86,7 @@ def decompress(
     name = dtype or _model_dtype(ckpt.config)
     od = DTYPES[name]
     buffers = ChunkBuffers()
+    left_out: dict[str, str] = {}
     if source is not None and source.quantized:  # HF FP8 block, ModelOpt, AWQ, GPTQ: through their readers
         check_output_path(src, out, overwrite)
         planned, tasks, n_modules = _plan_view(source, od, chunk_elems, cast_all=dtype is not None)
@@ -92,7 +94,7 @@ def decompress(
     else:
         _check_input(ckpt, src)
         check_output_path(src, out, overwrite)
-        planned, tasks, n_modules = _plan(ckpt, od, chunk_elems, cast_all=dtype is not None, buffers=buffers)
+        planned, tasks, n_modules = _plan(ckpt, od, chunk_elems, cast_all=dtype is not None, buffers=buffers, left_out=left_out)
     fix_mmap_threshold()  # chunk temporaries freed on the writer threads would otherwise fragment the heaps (pipeline/memory.py)
 
     def config():
@@ -123,6 +125,7 @@ def decompress(
         "input_bytes": ckpt.total_bytes,
         "output_bytes": total,
         "seconds": round(time.perf_counter() - t0, 3),
+        "left_out": left_out,
     }
 
 
@@ -149,10 +152,12 @@ def _check_module(m: Module, info, qcfg: dict) -> None:
         raise UnsupportedError("act-order weights (weight_g_idx) cannot be decompressed", **where)
 
 
-def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int, cast_all: bool, buffers: ChunkBuffers):
+def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int, cast_all: bool, buffers: ChunkBuffers, left_out: dict):
     """``(output tensors, tasks, modules dequantized)``: one dense weight per quantized module, and copies of
-    the other tensors (``cast_all``: floating-point ones cast to ``od``)."""
+    the other tensors (``cast_all``: floating-point ones cast to ``od``); the KV cache scales of a
+    ``kv_cache_scheme`` are not written, each put in ``left_out`` (name -> reason)."""
     mods = modules_of(ckpt)
+    kv_cache = bool((ckpt.quantization_config or {}).get("kv_cache_scheme"))
     planned: list[PlannedTensor] = []
     tasks: list = []
     done: set[str] = set()
@@ -161,6 +166,9 @@ def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int, cast_all: bool, b
         mod, _, part = name.rpartition(".")
         m = mods.get(mod)
         info = ckpt.tensors[name]
+        if kv_cache and part in KV_PARTS:
+            left_out[name] = "KV-cache scale of the source's kv_cache_scheme (a dense checkpoint has none)"
+            continue
         if m is not None and m.quantized:
             if mod not in checked:
                 checked.add(mod)
