@@ -91,6 +91,22 @@ def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict,
     return path
 
 
+def moe_checkpoint(tmp_path: Path, experts: int = 4, inter: int = 640) -> Path:
+    """A 2-layer Qwen3-MoE-named checkpoint (``experts.N.{gate,up,down}_proj``, a ``gate`` router) on the tiny
+    Llama's attention, bf16, seed 3."""
+    cfg = dict(LLAMA_CONFIG, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=experts, moe_intermediate_size=inter)
+    g = torch.Generator().manual_seed(3)
+    t = {k: v for k, v in llama_tensors(LLAMA_CONFIG).items() if ".mlp." not in k}
+    h = cfg["hidden_size"]
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}.mlp."
+        t[p + "gate.weight"] = (torch.randn(experts, h, generator=g) * 0.02).bfloat16()
+        for e in range(experts):
+            for leaf, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+                t[p + f"experts.{e}.{leaf}.weight"] = (torch.randn(*shape, generator=g) * 0.02).bfloat16()
+    return write_checkpoint(tmp_path / "moe", t, cfg)
+
+
 @pytest.fixture
 def tiny_llama(tmp_path) -> Path:
     """A 2-layer bf16 Llama in 3 shards; q/k/v and gate/up members spread over different shards."""

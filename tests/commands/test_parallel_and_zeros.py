@@ -11,7 +11,7 @@ from safetensors import safe_open
 from ctconvert import api
 from ctconvert.plan.schemes import get_scheme
 
-from conftest import LLAMA_CONFIG, cuda_params, llama_tensors, write_checkpoint
+from conftest import LLAMA_CONFIG, cuda_params, llama_tensors, moe_checkpoint, write_checkpoint
 from ct_reference import ct_compress
 
 # -- the tensor-parallel plan --------------------------------------------------------------
@@ -43,18 +43,7 @@ def test_dry_run_with_marlin_target_checks_tiles(tiny_llama):
 
 
 def _moe_checkpoint(tmp_path, inter=640, experts=4):
-    cfg = dict(LLAMA_CONFIG, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=experts, moe_intermediate_size=inter)
-    g = torch.Generator().manual_seed(3)
-    t = {k: v for k, v in llama_tensors(LLAMA_CONFIG).items() if ".mlp." not in k}
-    h = cfg["hidden_size"]
-    for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}.mlp."
-        t[p + "gate.weight"] = (torch.randn(experts, h, generator=g) * 0.02).bfloat16()
-        for e in range(experts):
-            t[p + f"experts.{e}.gate_proj.weight"] = (torch.randn(inter, h, generator=g) * 0.02).bfloat16()
-            t[p + f"experts.{e}.up_proj.weight"] = (torch.randn(inter, h, generator=g) * 0.02).bfloat16()
-            t[p + f"experts.{e}.down_proj.weight"] = (torch.randn(h, inter, generator=g) * 0.02).bfloat16()
-    return write_checkpoint(tmp_path / "moe", t, cfg)
+    return moe_checkpoint(tmp_path, experts, inter)
 
 
 def test_moe_intermediate_640_supports_tp1_only_unless_ep(tmp_path):

@@ -4,30 +4,18 @@ from __future__ import annotations
 
 import json
 
-import torch
 from click.testing import CliRunner
 
 from ctconvert import api
 from ctconvert.cli import main
 
-from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from conftest import moe_checkpoint
 
 UNEVEN = "4 experts over --ep 3: the first rank holds 2, the others 1 (vLLM determine_expert_map)"
 
 
 def _moe(tmp_path, experts=4, inter=128):
-    """A 2-layer Qwen3-MoE-named checkpoint (``experts.N.{gate,up,down}_proj``) on the tiny Llama's attention."""
-    cfg = dict(LLAMA_CONFIG, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=experts, moe_intermediate_size=inter)
-    g = torch.Generator().manual_seed(3)
-    t = {k: v for k, v in llama_tensors(LLAMA_CONFIG).items() if ".mlp." not in k}
-    h = cfg["hidden_size"]
-    for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}.mlp."
-        t[p + "gate.weight"] = (torch.randn(experts, h, generator=g) * 0.02).bfloat16()
-        for e in range(experts):
-            for leaf, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-                t[p + f"experts.{e}.{leaf}.weight"] = (torch.randn(*shape, generator=g) * 0.02).bfloat16()
-    return write_checkpoint(tmp_path / "moe", t, cfg)
+    return moe_checkpoint(tmp_path, experts, inter)
 
 
 def test_an_uneven_expert_parallel_split_is_said_by_the_dry_run_the_run_and_verify(tmp_path):
