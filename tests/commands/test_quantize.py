@@ -214,9 +214,13 @@ def test_output_exists_and_overwrite(tiny_llama, tmp_path):
     (out / "keep.txt").unlink()
     api.quantize(tiny_llama, out, "W8A16", overwrite=True)  # empty: replaced
     assert (out / "config.json").exists()
-    (out / "stray.txt").write_text("y")  # an earlier ctconvert output (with anything added) is replaced
+    (out / "stray.txt").write_text("y")  # an earlier ctconvert output holding a file it did not write: refused, named
+    with pytest.raises(OutputError, match=r"would delete 1 file that ctconvert did not write \(stray.txt\)"):
+        api.quantize(tiny_llama, out, "W4A16", overwrite=True)
+    assert (out / "stray.txt").read_text() == "y"
+    (out / "stray.txt").unlink()  # only what ctconvert wrote: replaced
     api.quantize(tiny_llama, out, "W4A16", overwrite=True)
-    assert not (out / "stray.txt").exists() and json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
 
 
 def test_never_writes_into_the_input(tiny_llama):

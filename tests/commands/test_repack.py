@@ -397,6 +397,10 @@ def test_act_order_module_repacks_and_round_trips(tmp_path):
     save_file(t, f, metadata={"format": "pt"})
     for idx in q.glob("*.index.json"):
         idx.unlink()
+    cfg = json.loads((q / "config.json").read_text())  # the config explains the g_idx: act-order by group
+    for grp in cfg["quantization_config"]["config_groups"].values():
+        grp["weights"]["actorder"] = "group"
+    (q / "config.json").write_text(json.dumps(cfg))
     repack(q, tmp_path / "k", "marlin", layout_version="0.29", device="cpu")
     rec = json.loads((tmp_path / "k" / "config.json").read_text())["quantization_config"]["modules"]["model.layers.1.mlp.down_proj"]
     assert rec["act_order"] and "g_idx_sort_indices" in rec["tensors"]
