@@ -696,6 +696,8 @@ def decompress_cmd(ctx: _Ctx, src, output, dtype, max_shard_size, overwrite):
         )
         if res["left_out"]:
             click.echo(f"note: left out {plural(len(res['left_out']), 'KV-cache scale')} (k_scale/v_scale: a dense checkpoint has no kv_cache_scheme)")
+        for note in res["notes"]:
+            click.echo(f"note: {note}")
 
 
 @main.command("convert")

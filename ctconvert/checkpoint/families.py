@@ -34,6 +34,7 @@ __all__ = [
     "model_types",
     "mtp_dense_reason",
     "split_fused_experts",
+    "transformers_per_expert_reason",
 ]
 
 
@@ -156,6 +157,28 @@ def model_types(config: dict) -> list[str]:
     if isinstance(tc, dict):
         out.append(tc.get("model_type"))
     return [t for t in out if isinstance(t, str)]
+
+
+def transformers_per_expert_reason(config: dict) -> str | None:
+    """Why transformers cannot load this family's experts written one Linear per expert (``experts.{e}.gate_proj``
+    ...) into its fused 3-D expert parameters, or None where it can (or cannot be asked). transformers 5 maps
+    per-expert names onto fused experts only through a checkpoint conversion registered for the model type
+    (``transformers/conversion_mapping.py``, ``get_checkpoint_conversion_mapping``: Qwen3-MoE, Mixtral, DeepSeek-V3,
+    GLM-4.5 have one; Gemma-4, Llama-4 and gpt-oss, as of 5.24, do not)."""
+    types = [t for t in model_types(config) if t in FAMILIES]
+    if not types:
+        return None
+    try:
+        import transformers
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # another transformers: not asked
+        return None
+    if any(get_checkpoint_conversion_mapping(t) for t in model_types(config)):
+        return None
+    return (
+        f"transformers {transformers.__version__} builds {types[0]} with fused 3-D experts and has no conversion of "
+        "per-expert names into them: it would load these experts as random weights (vLLM maps the per-expert names)"
+    )
 
 
 _EXPERT_MODULE = re.compile(r"(^|\.)experts\.\d+\.")

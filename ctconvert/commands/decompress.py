@@ -27,6 +27,7 @@ copy, cast and dequantize tasks -> write the config.
 from __future__ import annotations
 
 import copy
+import re
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import torch
 
 from ..checkpoint.config import require_compressed_tensors
 from ..checkpoint.conformance import module_problems, refuse, sparsity_problems
+from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, modules_of
 from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
@@ -62,6 +64,9 @@ def _model_dtype(config: dict) -> str:
             if isinstance(c, dict) and str(c.get(key, "")).removeprefix("torch.") in by_name:
                 return by_name[str(c[key]).removeprefix("torch.")]
     return "bf16"
+
+
+_PER_EXPERT = re.compile(r"(^|\.)experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 
 
 def decompress(
@@ -126,7 +131,16 @@ def decompress(
         "output_bytes": total,
         "seconds": round(time.perf_counter() - t0, 3),
         "left_out": left_out,
+        "notes": _notes(ckpt, planned),
     }
+
+
+def _notes(ckpt: Checkpoint, planned: list[PlannedTensor]) -> list[str]:
+    """What the dense copy cannot do that a user would expect of it: experts one Linear each where transformers
+    loads the family's experts only fused (:func:`ctconvert.checkpoint.families.transformers_per_expert_reason`)."""
+    per_expert = [t.name for t in planned if _PER_EXPERT.search(t.name)]
+    why = transformers_per_expert_reason(ckpt.config) if per_expert else None
+    return [f"experts written one Linear each ({per_expert[0]} ...): {why}"] if why else []
 
 
 def _check_input(ckpt: Checkpoint, src: Path) -> None:

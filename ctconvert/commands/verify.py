@@ -42,7 +42,7 @@ import torch
 
 from ..checkpoint.config import require_compressed_tensors
 from ..checkpoint.conformance import kv_scale_problems, linear_module_files, missing_fused_members, module_problems, sparsity_problems
-from ..checkpoint.families import split_fused_experts
+from ..checkpoint.families import split_fused_experts, transformers_per_expert_reason
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
@@ -182,6 +182,9 @@ def _split_reference(ref: Checkpoint, ckpt: Checkpoint, problems: list[Problem])
     split = {n: fe for n, fe in fused.items() if n not in ckpt.tensors}
     if not split:
         return ref
+    if (why := transformers_per_expert_reason(ref.config)) is not None:  # a dense copy is for transformers too
+        first = next(iter(split))
+        problems.append(_error(f"the reference stores these experts fused and this dense checkpoint holds them per expert: {why}", tensor=first))
     tensors = {n: i for n, i in ref.tensors.items() if n not in split}
     tensors.update({p.name: p for fe in split.values() for p in fe.parts})
     return dataclasses.replace(ref, tensors=tensors)
