@@ -299,6 +299,11 @@ def _describe_source(plan: Plan, source: Source) -> None:
             f"the source holds {bits}-bit weights: {plan.scheme.name} ({plan.scheme.num_bits}-bit) cannot restore the precision they lack, "
             "and rounds them again (lossy twice)"
         )
+    else:  # as many bits or fewer: another grid, so the dequantized values are rounded again as well
+        plan.notes.append(
+            f"the source holds {bits}-bit weights: {plan.scheme.name} rounds their dequantized values again onto its own grid "
+            "(lossy twice: its error adds to the source's)"
+        )
     if dropped:
         n = len(dropped)
         plan.notes.append(f"{plural(n, 'activation/KV-cache scale tensor')} of the source {agree(n, 'is', 'are')} not carried over (action 'drop')")

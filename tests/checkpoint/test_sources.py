@@ -111,6 +111,9 @@ def test_requantize_keeps_the_source_dense_linears_dense_and_says_so(dense_llama
     assert q.action == "quantize" and q.source.startswith("compressed-tensors pack-quantized (int4 group 128")
     assert "model.layers.1.mlp.down_proj" in plan.ignore
     assert any("lossy twice" in n for n in plan.notes)  # int4 -> FP8: more bits cannot restore the lost precision
+    for scheme in ("NVFP4A16", "W4A16_ASYM"):  # int4 -> another 4-bit grid: rounded again too (found by a new-user run)
+        notes = api.quantize(src, None, scheme, dry_run=True).plan.notes
+        assert any("rounds their dequantized values again" in n and "lossy twice" in n for n in notes), notes
     api.quantize(src, tmp_path / "out", "FP8_DYNAMIC")
     out = _tensors(tmp_path / "out")
     assert out["model.layers.1.mlp.down_proj.weight"].dtype == torch.bfloat16
