@@ -248,7 +248,7 @@ def decompress(
     reads (Hugging Face FP8 block -> bf16 is exact; ModelOpt NVFP4, AutoAWQ, GPTQ).
 
     ``dtype`` (``bf16`` | ``fp16`` | ``fp32``): None (default) writes the dequantized weights in the
-    model's own dtype (``config.json``'s ``torch_dtype``/``dtype``, else bf16) and keeps every other
+    model's own dtype (``config.json``'s ``torch_dtype``/``dtype``, else that of most stored floating bytes, else bf16) and keeps every other
     tensor's stored dtype; a dtype casts every floating-point tensor to it and sets it in ``config.json``.
     ``progress``: as for :func:`quantize` (told every output byte).
 

@@ -10,7 +10,7 @@ dense ``weight`` computed as compressed-tensors' own ``decompress`` computes it
 (the format's ``dequantize``), row chunk by row chunk; activation scales are
 dropped, and so are the KV cache's ``k_scale``/``v_scale`` of a ``kv_cache_scheme`` (the dense output has no
 quantization config to explain them; the summary's ``left_out`` names each). The dequantized weights take ``dtype`` (default: the model's own dtype,
-``config.json``'s ``torch_dtype``/``dtype``, else bf16); the other tensors keep
+``config.json``'s ``torch_dtype``/``dtype``, else that of most stored floating bytes, else bf16); the other tensors keep
 their stored dtype, unless ``dtype`` is given, in which case every floating-point
 tensor is cast to it and ``config.json`` says so. ``config.json`` loses its
 ``quantization_config``. Written atomically like ``quantize``.
@@ -55,15 +55,23 @@ _DTYPE_KEYS = ("torch_dtype", "dtype")
 _TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _model_dtype(config: dict) -> str:
-    """The model's own dtype (``config.json``'s ``torch_dtype`` or ``dtype``, also in ``text_config``), as a
-    ``--dtype`` name; bf16 when the config names none of bf16/fp16/fp32."""
+def _model_dtype(ckpt: Checkpoint) -> str:
+    """The model's own dtype as a ``--dtype`` name: ``config.json``'s ``torch_dtype`` or ``dtype`` (also in
+    ``text_config``); where the config names none of bf16/fp16/fp32 (all-MiniLM-L6-v2's has none), the dtype
+    that most bytes of the stored floating tensors have (the norms, embeddings and biases the quantizer kept as
+    they were); bf16 when there are none."""
     by_name = {v: k for k, v in _TORCH_NAMES.items()}
+    config = ckpt.config
     for c in (config, config.get("text_config")):
         for key in _DTYPE_KEYS:
             if isinstance(c, dict) and str(c.get(key, "")).removeprefix("torch.") in by_name:
                 return by_name[str(c[key]).removeprefix("torch.")]
-    return "bf16"
+    stored = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+    counts: dict[str, int] = {}
+    for info in ckpt.tensors.values():
+        if info.dtype in stored:
+            counts[stored[info.dtype]] = counts.get(stored[info.dtype], 0) + info.nbytes
+    return max(counts, key=counts.get) if counts else "bf16"
 
 
 _PER_EXPERT = re.compile(r"(^|\.)experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
@@ -88,7 +96,7 @@ def decompress(
     skip = {PROVENANCE}
     ct = (ckpt.quantization_config or {}).get("quant_method") == "compressed-tensors"
     source = None if ct else open_source(ckpt)
-    name = dtype or _model_dtype(ckpt.config)
+    name = dtype or _model_dtype(ckpt)
     od = DTYPES[name]
     buffers = ChunkBuffers()
     left_out: dict[str, str] = {}

@@ -448,3 +448,18 @@ def test_a_static_kv_cache_scheme_without_its_scales_is_a_contradiction(made, tm
     assert api.verify(q, tiny_llama)["ok"] and api.verify(q)["ok"]
     _tamper(q, attn + ".v_scale", lambda t: torch.ones(2, 2, dtype=torch.bfloat16))
     assert _errors(api.verify(q), attn + ".v_scale") == ["v_scale is BF16[2, 2]; a KV cache scale is a float [1] or [heads, 1, 1]"]
+
+
+def test_decompress_of_a_model_whose_config_names_no_dtype_keeps_its_stored_dtype(tmp_path):
+    """all-MiniLM-L6-v2's config names no torch_dtype: the dequantized weights were bf16 beside fp32 norms and
+    embeddings (a mixed checkpoint; found by a new-user run). They take the dtype of the stored floating tensors."""
+    from safetensors.torch import load_file
+
+    from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+
+    cfg = {k: v for k, v in LLAMA_CONFIG.items() if k not in ("torch_dtype", "dtype")}
+    src = write_checkpoint(tmp_path / "src", llama_tensors(cfg, dtype=torch.float32), cfg)
+    api.quantize(src, tmp_path / "q", "W4A16")
+    res = api.decompress(tmp_path / "q", tmp_path / "d")
+    dtypes = {t.dtype for f in (tmp_path / "d").glob("*.safetensors") for t in load_file(str(f)).values()}
+    assert res["dtype"] == "fp32" and dtypes == {torch.float32}, dtypes
