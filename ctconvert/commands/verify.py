@@ -102,13 +102,14 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     problems += found
     problems += unexplained_dense(ckpt, mods)
     problems += missing_fused_members(linear_module_files(mods), ckpt.config)
-    problems += _value_problems(ckpt)
     rows: list[dict] = []
     checks = list(_STRUCTURE_CHECKS)
     if reference is None:
+        problems += _value_problems(ckpt)
         problems += _all_zero_problems(mods, ckpt)
     else:
         ref = _split_reference(open_source(open_checkpoint(reference, strict=True)).view, ckpt, problems)  # a quantized reference: its dequantized weights
+        problems += _value_problems(ckpt, ref)
         with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
             rows, ref_problems = _compare_weights(mods, ref, bar, contradicted)
             problems += ref_problems + _compare_others(ckpt, mods, ref, bar)
@@ -228,11 +229,12 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
     (relative L2 at most :func:`_cast_limit`: exact in the same dtype). Only a Linear weight of a dense
     reference may differ more, up to the loosest format limit (:data:`THRESHOLDS`), since a dense file does
     not say which of its weights were quantized."""
-    problems: list[Problem] = list(ckpt.problems) + _value_problems(ckpt)
+    problems: list[Problem] = list(ckpt.problems)
     ref_ckpt = open_checkpoint(reference, strict=True)
     quantized_ref = bool(ref_ckpt.quantization_config)
     ref = open_source(ref_ckpt).view if quantized_ref else ref_ckpt
     ref = _split_reference(ref, ckpt, problems)  # fused 3-D experts (gpt-oss): each per-expert tensor against its slice
+    problems += _value_problems(ckpt, ref)
     loose = max(THRESHOLDS.values())
     rows = []
     emb = find_embedding(ref.tensors)
@@ -346,8 +348,10 @@ def _module_problems(mods: dict[str, Module], qcfg: dict) -> tuple[list[Problem]
 # -- values -----------------------------------------------------------------------------
 
 
-def _value_problems(ckpt: Checkpoint) -> list[Problem]:
-    """NaN/inf in float tensors, NaN bytes in E4M3 tensors."""
+def _value_problems(ckpt: Checkpoint, ref: Checkpoint | None = None) -> list[Problem]:
+    """NaN/inf in float tensors, NaN bytes in E4M3 tensors: errors, but for a tensor that holds exactly the bytes of
+    the reference's tensor of that name (a pass-through copy ``--allow-non-finite`` made, which its note names): a
+    warning."""
     out = []
     for name, info in ckpt.tensors.items():
         if info.dtype not in _FLOAT_OR_E4M3:
@@ -360,7 +364,12 @@ def _value_problems(ckpt: Checkpoint) -> list[Problem]:
                 bad += int((~torch.isfinite(t)).sum())
         if bad:
             what = " (E4M3 NaN bytes 0x7F/0xFF)" if info.dtype == "F8_E4M3" else ""
-            out.append(_error(f"{bad} NaN/inf values{what}", tensor=name, file=str(info.file)))
+            r = ref.tensors.get(name) if ref is not None else None
+            if r is not None and r.dtype == info.dtype and tuple(r.shape) == tuple(info.shape) and _same_bytes(info, r):
+                why = f"{bad} NaN/inf values{what}, as the reference holds them (a copy --allow-non-finite made)"
+                out.append(Problem("warning", why, str(info.file), name))
+            else:
+                out.append(_error(f"{bad} NaN/inf values{what}", tensor=name, file=str(info.file)))
     return out
 
 

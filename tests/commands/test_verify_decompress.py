@@ -463,3 +463,28 @@ def test_decompress_of_a_model_whose_config_names_no_dtype_keeps_its_stored_dtyp
     res = api.decompress(tmp_path / "q", tmp_path / "d")
     dtypes = {t.dtype for f in (tmp_path / "d").glob("*.safetensors") for t in load_file(str(f)).values()}
     assert res["dtype"] == "fp32" and dtypes == {torch.float32}, dtypes
+
+
+def test_an_allow_non_finite_copy_verifies_against_a_reference_holding_the_same_values(tmp_path):
+    """`--allow-non-finite` copies a norm holding NaN, with a note; verify --reference failed on it for ever even
+    though the reference holds the same bytes (found by a new-user run). Now: a warning naming it. Without a
+    reference, or where the output's NaN is not the reference's, it stays an error."""
+    from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+
+    t = llama_tensors(LLAMA_CONFIG)
+    name = "model.layers.1.input_layernorm.weight"
+    t[name][5] = float("nan")
+    src = write_checkpoint(tmp_path / "src", t, LLAMA_CONFIG)
+    api.quantize(src, tmp_path / "q", "W4A16", allow_nonfinite=True)
+    api.decompress(tmp_path / "q", tmp_path / "d")
+    for out in (tmp_path / "q", tmp_path / "d"):
+        rep = api.verify(out, src)
+        assert rep["ok"], rep["problems"]
+        assert [(p["severity"], p["tensor"]) for p in rep["problems"] if "NaN/inf" in p["message"]] == [("warning", name)]
+    assert not api.verify(tmp_path / "q")["ok"]  # no reference: nothing says the NaN is the source's
+    other = dict(t)
+    other[name] = t[name].clone()
+    other[name][5] = 1.0  # a reference without that NaN
+    ref2 = write_checkpoint(tmp_path / "src2", other, LLAMA_CONFIG)
+    rep = api.verify(tmp_path / "q", ref2)
+    assert not rep["ok"] and any(p["severity"] == "error" and p["tensor"] == name and "NaN/inf" in p["message"] for p in rep["problems"])
