@@ -585,8 +585,9 @@ def _raise_nonfinite(info: TensorInfo, only_if_found: bool = False, what: str = 
             total += cnt
     if total == 0 and only_if_found:
         return
+    where = f"element {first[0]}" if len(info.shape) <= 1 else f"row {first[0]}, column {first[1]}"  # a 1-D tensor's rows are elements
     raise BadInputError(
-        f"{what} holds {total} non-finite values ({kind}; first at row {first[0]}, column {first[1]}); {action}",
+        f"{what} holds {total} non-finite values ({kind}; first at {where}); {action}",
         file=str(info.file),
         tensor=info.name,
     )

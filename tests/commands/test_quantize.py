@@ -171,6 +171,15 @@ def test_the_first_non_finite_weight_in_plan_order_is_named(tmp_path, scheme, de
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.ctconvert-*"))
 
 
+def test_a_non_finite_value_of_a_1d_tensor_is_named_by_its_element(tmp_path):
+    """A norm is 1-D: its first NaN is 'element 5', not 'row 5, column 0' (found by a new-user run)."""
+    src = llama_tensors(LLAMA_CONFIG)
+    src["model.layers.1.input_layernorm.weight"][5] = float("nan")
+    ckpt = write_checkpoint(tmp_path / "m", src, LLAMA_CONFIG)
+    with pytest.raises(BadInputError, match=r"input_layernorm\.weight.*1 non-finite values \(NaN; first at element 5\)"):
+        api.quantize(ckpt, tmp_path / "o", "W4A16")
+
+
 def test_group_size_must_divide(tmp_path):
     src = llama_tensors(LLAMA_CONFIG)
     src["model.layers.0.mlp.down_proj.weight"] = torch.randn(256, 500).to(torch.bfloat16)
