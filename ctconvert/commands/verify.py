@@ -183,9 +183,6 @@ def _split_reference(ref: Checkpoint, ckpt: Checkpoint, problems: list[Problem])
     split = {n: fe for n, fe in fused.items() if n not in ckpt.tensors}
     if not split:
         return ref
-    if (why := transformers_per_expert_reason(ref.config)) is not None:  # a dense copy is for transformers too
-        first = next(iter(split))
-        problems.append(_error(f"the reference stores these experts fused and this dense checkpoint holds them per expert: {why}", tensor=first))
     tensors = {n: i for n, i in ref.tensors.items() if n not in split}
     tensors.update({p.name: p for fe in split.values() for p in fe.parts})
     return dataclasses.replace(ref, tensors=tensors)
@@ -233,7 +230,11 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
     ref_ckpt = open_checkpoint(reference, strict=True)
     quantized_ref = bool(ref_ckpt.quantization_config)
     ref = open_source(ref_ckpt).view if quantized_ref else ref_ckpt
-    ref = _split_reference(ref, ckpt, problems)  # fused 3-D experts (gpt-oss): each per-expert tensor against its slice
+    split = _split_reference(ref, ckpt, problems)  # fused 3-D experts (gpt-oss): each per-expert tensor against its slice
+    if split is not ref and (why := transformers_per_expert_reason(ref.config)) is not None:  # a dense copy is for transformers too
+        first = next(n for n in ref.tensors if n not in split.tensors)
+        problems.append(_error(f"the reference stores these experts fused and this dense checkpoint holds them per expert: {why}", tensor=first))
+    ref = split
     problems += _value_problems(ckpt, ref)
     loose = max(THRESHOLDS.values())
     rows = []
