@@ -112,15 +112,22 @@ MARKER = "ctconvert"
 PROVENANCE = "ctconvert-provenance.json"
 
 
+def _index(folder: Path) -> dict:
+    """The folder's safetensors index as a dict whose ``metadata`` is a dict; empty where it is missing or broken."""
+    try:
+        index = json.loads((folder / INDEX_NAME).read_text())
+    except (OSError, ValueError):
+        return {"metadata": {}}
+    if not isinstance(index, dict):
+        return {"metadata": {}}
+    return {**index, "metadata": index["metadata"] if isinstance(index.get("metadata"), dict) else {}}
+
+
 def replaceable(folder: Path) -> bool:
     """Whether ``--overwrite`` may replace ``folder``: empty, or written by ctconvert (its index says so)."""
     if not any(folder.iterdir()):
         return True
-    try:
-        index = json.loads((folder / INDEX_NAME).read_text())
-    except (OSError, ValueError):
-        index = None
-    if isinstance(index, dict) and isinstance(index.get("metadata"), dict) and MARKER in index["metadata"]:
+    if MARKER in _index(folder).get("metadata", {}):
         return True
     return (folder / PROVENANCE).is_file() and (folder / INDEX_NAME).is_file()
 
@@ -135,16 +142,12 @@ def not_written_here(folder: Path, src: Path) -> list[str]:
     (:data:`FILES_KEY`); an output of a release before that list counts as written: its index, shards,
     config, provenance and journal, and files named as in ``src`` (the copies a run makes of its input's files)."""
     files = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
-    try:
-        index = json.loads((folder / INDEX_NAME).read_text())
-    except (OSError, ValueError):
-        index = {}
-    meta = index.get("metadata") if isinstance(index, dict) else None
-    listed = meta.get(FILES_KEY) if isinstance(meta, dict) else None
+    index = _index(folder)
+    listed = index.get("metadata", {}).get(FILES_KEY)
     if isinstance(listed, list):
         ours = {str(x) for x in listed}
     else:
-        wm = index.get("weight_map") if isinstance(index, dict) else None
+        wm = index.get("weight_map")
         ours = {INDEX_NAME, CONFIG_NAME, PROVENANCE, JOURNAL, *(wm.values() if isinstance(wm, dict) else ())}
         ours |= {str(p.relative_to(src)) for p in src.rglob("*") if p.is_file()} if src.is_dir() else set()
     return sorted(files - ours)
