@@ -30,6 +30,7 @@ __all__ = [
     "FusedExperts",
     "config_value",
     "dense_experts_reason",
+    "is_expert",
     "is_mtp",
     "model_types",
     "mtp_dense_reason",
@@ -184,11 +185,16 @@ def transformers_per_expert_reason(config: dict) -> str | None:
 _EXPERT_MODULE = re.compile(r"(^|\.)experts\.\d+\.")
 
 
+def is_expert(name: str) -> bool:
+    """Whether ``name`` is (a tensor of) a per-expert Linear, ``...experts.<e>.<leaf>``."""
+    return _EXPERT_MODULE.search(name) is not None
+
+
 def dense_experts_reason(module: str, config: dict) -> str | None:
     """Why ``module``, a per-expert Linear (``...experts.<e>.<leaf>``, stored so or split from fused 3-D
     experts), stays dense by default: its family's :attr:`ExpertLayout.vllm_dense`; None for any other
     module or family."""
-    if not _EXPERT_MODULE.search(module):
+    if not is_expert(module):
         return None
     layout = next((FAMILIES[t] for t in model_types(config) if t in FAMILIES), None)
     return layout.vllm_dense if layout is not None else None

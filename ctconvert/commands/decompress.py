@@ -27,7 +27,6 @@ copy, cast and dequantize tasks -> write the config.
 from __future__ import annotations
 
 import copy
-import re
 import time
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch
 
 from ..checkpoint.config import require_compressed_tensors
 from ..checkpoint.conformance import module_problems, refuse, sparsity_problems
-from ..checkpoint.families import transformers_per_expert_reason
+from ..checkpoint.families import is_expert, transformers_per_expert_reason
 from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, modules_of
 from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
@@ -72,9 +71,6 @@ def _model_dtype(ckpt: Checkpoint) -> str:
         if info.dtype in stored:
             counts[stored[info.dtype]] = counts.get(stored[info.dtype], 0) + info.nbytes
     return max(counts, key=counts.get) if counts else "bf16"
-
-
-_PER_EXPERT = re.compile(r"(^|\.)experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 
 
 def decompress(
@@ -146,7 +142,7 @@ def decompress(
 def _notes(ckpt: Checkpoint, planned: list[PlannedTensor]) -> list[str]:
     """What the dense copy cannot do that a user would expect of it: experts one Linear each where transformers
     loads the family's experts only fused (:func:`ctconvert.checkpoint.families.transformers_per_expert_reason`)."""
-    per_expert = [t.name for t in planned if _PER_EXPERT.search(t.name)]
+    per_expert = [t.name for t in planned if is_expert(t.name)]
     why = transformers_per_expert_reason(ckpt.config) if per_expert else None
     return [f"experts written one Linear each ({per_expert[0]} ...): {why}"] if why else []
 
