@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from ctconvert.cli import main
 
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from helpers import RecordingBar
 
 
 def run(*args):
@@ -130,20 +131,6 @@ def test_decompress_fp32_of_a_bf16_model_says_fp32_in_config(tiny_llama, tmp_pat
     assert json.loads((tmp_path / "d" / "config.json").read_text())["torch_dtype"] == "float32"
 
 
-class _Bar:
-    def __init__(self, log, total):
-        self.log, self.total = log, total
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def update(self, n):
-        self.log.append(n)
-
-
 def test_decompress_and_repack_report_progress(tiny_llama, tmp_path):
     from ctconvert import api
 
@@ -153,7 +140,7 @@ def test_decompress_and_repack_report_progress(tiny_llama, tmp_path):
         ("repack", lambda p: api.repack(tmp_path / "q", tmp_path / "m", "marlin", device="cpu", progress=p)),
     ):
         log, totals = [], []
-        res = call(lambda total, log=log, totals=totals: totals.append(total) or _Bar(log, total))
+        res = call(lambda total, log=log, totals=totals: totals.append(total) or RecordingBar(log, total))
         assert totals == [res["output_bytes"]] and sum(log) == res["output_bytes"] and len(log) > 10, name
 
 
@@ -280,7 +267,7 @@ def test_verify_reference_reports_progress(tiny_llama, tmp_path):
 
     api.quantize(tiny_llama, tmp_path / "q", "W4A16")
     log, totals = [], []
-    rep = api.verify(tmp_path / "q", tiny_llama, progress=lambda total: totals.append(total) or _Bar(log, total))
+    rep = api.verify(tmp_path / "q", tiny_llama, progress=lambda total: totals.append(total) or RecordingBar(log, total))
     assert (
         rep["ok"]
         and len(totals) == 1

@@ -12,23 +12,10 @@ import pytest
 from ctconvert import api
 
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from helpers import RecordingBar
 
 transformers = pytest.importorskip("transformers")
 warnings.filterwarnings("ignore")
-
-
-class _Bar:
-    def __init__(self, log):
-        self.log = log
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def update(self, n):
-        self.log.append(n)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +32,7 @@ def test_calibration_reports_each_decoder_layer(llama_ids, tmp_path):
 
     def factory(total, unit="B", desc="quantize"):
         bars.append((total, unit, desc, []))
-        return _Bar(bars[-1][3])
+        return RecordingBar(bars[-1][3])
 
     r = api.quantize(src, tmp_path / "q", "NVFP4", calibration=ids, calibration_samples=2, calibration_seq_len=64, progress=factory)
     layers = LLAMA_CONFIG["num_hidden_layers"]
@@ -58,7 +45,7 @@ def test_calibration_reports_each_decoder_layer(llama_ids, tmp_path):
 def test_a_byte_total_factory_still_works_on_a_calibrated_run(llama_ids, tmp_path):
     src, ids = llama_ids
     totals, log = [], []
-    bytes_only = lambda total: totals.append(total) or _Bar(log)  # noqa: E731 - the API's documented (total_bytes) form
+    bytes_only = lambda total: totals.append(total) or RecordingBar(log)  # noqa: E731 - the API's documented (total_bytes) form
     api.quantize(src, tmp_path / "q", "FP8", calibration=ids, calibration_samples=2, calibration_seq_len=64, progress=bytes_only)
     assert len(totals) == 1 and sum(log) == totals[0]
 
