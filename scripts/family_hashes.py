@@ -25,27 +25,32 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 
 
-def _hash_tree(path: Path) -> list[str]:
+WORK = "<work>"  # the --work folder, as every path under it is written in the hashed texts (two runs use two folders)
+
+
+def _hash_tree(path: Path, work: str) -> list[str]:
     lines = []
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
         rel = f.relative_to(path)
         if f.name == "ctconvert-provenance.json":
-            d = json.loads(f.read_text())
+            d = json.loads(f.read_text().replace(work, WORK))
             d.pop("source", None)
             digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+        elif f.suffix in (".json", ".md", ".txt"):
+            digest = hashlib.sha256(f.read_text().replace(work, WORK).encode()).hexdigest()
         else:
             digest = hashlib.sha256(f.read_bytes()).hexdigest()
         lines.append(f"{rel} {digest}")
     return lines
 
 
-def _plan_digest(result) -> str:
+def _plan_digest(result, work: str) -> str:
     d = result.to_dict()
     for k in ("seconds", "output", "source"):
         d.pop(k, None)
     if isinstance(d.get("calibration"), dict):
         d["calibration"].pop("seconds", None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).replace(work, WORK).encode()).hexdigest()
 
 
 def main() -> None:
@@ -61,7 +66,7 @@ def main() -> None:
 
     from ctconvert import api
 
-    work = Path(a.work)
+    work = Path(a.work).resolve()
     src_root = work / "src"
     src_root.mkdir(parents=True, exist_ok=True)
     runs = tc.Runs(src_root)  # its source() builds each family once (fixed seed) into src_root
@@ -88,13 +93,13 @@ def main() -> None:
         try:
             res = fn(out)
         except Exception as e:  # noqa: BLE001 - a failure is part of the record
-            print(f"== {name} ERROR {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            print(f"== {name} ERROR {type(e).__name__}: {str(e).replace(str(work), WORK).splitlines()[0][:200]}")
             return None
         print(f"== {name} ok")
         if res is not None and hasattr(res, "to_dict") and getattr(res, "dry_run", False):
-            print(f"plan {_plan_digest(res)}")
+            print(f"plan {_plan_digest(res, str(work))}")
         if out.exists():
-            print("\n".join(_hash_tree(out)))
+            print("\n".join(_hash_tree(out, str(work))))
         return out
 
     for family in tc.FAMILIES:
