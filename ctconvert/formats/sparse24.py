@@ -42,12 +42,13 @@ from .integer import quantize_int
 
 __all__ = [
     "BITMASK",
+    "BitmaskCodec",
     "Marlin24",
     "SPARSE_PREFIX",
     "TIE_TABLE",
     "Sparse24Bitmask",
-    "compress24",
     "bitmask_values",
+    "compress24",
     "decompress24",
     "is_24",
     "magnitude_key",
