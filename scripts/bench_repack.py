@@ -35,6 +35,7 @@ from ctconvert.checkpoint.modules import modules_of
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.checkpoint.safetensors_io import read_tensor
 from ctconvert.layouts import batched, gpu, kernels
+from ctconvert.plan import kernel_targets
 
 from timing import median_seconds
 
@@ -76,7 +77,7 @@ def main() -> None:
         mods = [m for m in modules_of(ck).values() if m.quantized and m.group]
         groups: dict[tuple, list] = {}
         for m in mods:
-            kernel = kernels.choose_kernel("marlin", m.weights or {}, set(m.parts))
+            kernel = kernel_targets.choose_kernel("marlin", m.weights or {}, set(m.parts))
             sig = (kernel, tuple(sorted((p, tuple(i.shape)) for p, i in m.parts.items())))
             groups.setdefault(sig, []).append(m)
         jobs = []

@@ -38,19 +38,19 @@ from ..checkpoint.writer import (
     shard_names,
 )
 from ..errors import BadInputError, CTConvertError, OutputError, UnsupportedError, UsageError, agree, plural
-from ..layouts.kernels import CT_FORMAT_TARGETS
 from ..pipeline.devices import resolve_devices
 from ..pipeline.executor import ExecOptions, execute, map_input_default
 from ..pipeline.memory import fix_mmap_threshold
 from ..pipeline.options import QuantizeOptions
 from ..pipeline.zeros import ZeroTracker
 from ..plan.dense_dtype import apply_dense_dtype
-from ..plan.layout import LayoutStage
+from ..plan.kernel_targets import CT_FORMAT_TARGETS
 from ..plan.parallel import parallel_report, plan_modules
 from ..plan.planner import Plan, TensorDecision, make_plan
 from ..plan.result import ConversionResult
 from ..plan.schemes import resolve_scheme
 from ..plan.sparsity import SparseScheme, sparse_config, sparsity_warning
+from ..stages.layout import LayoutStage
 
 __all__ = ["QuantizeResult", "partial_hint", "quantize"]
 

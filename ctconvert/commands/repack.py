@@ -20,7 +20,6 @@ copies.
 from __future__ import annotations
 
 import copy
-import json
 import time
 from pathlib import Path
 
@@ -35,9 +34,12 @@ from ..checkpoint.safetensors_io import DTYPES, PlannedTensor, read_tensor
 from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from ..errors import BadInputError, UsageError
 from ..layouts import batched, kernels
+from ..layouts.kernels import Kernel
 from ..pipeline.devices import resolve_device
 from ..pipeline.tasks import Compute, CopyTensor, run_tasks
-from ..plan.layout import INVERSE_TARGET, KernelPlanner, check_layout_options
+from ..plan import kernel_targets
+from ..plan.kernel_targets import INVERSE_TARGET, check_target
+from ..stages.layout import KernelPlanner
 
 __all__ = ["repack"]
 
@@ -60,7 +62,7 @@ def repack(
     ``progress``: a callable ``(total_bytes) -> context manager with .update(n)``, told every output byte."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    check_layout_options(target, act_dtype, layout_version)
+    check_target(target, act_dtype, layout_version)
     dev = resolve_device(device)
     ckpt = open_checkpoint(src, strict=True)
     qcfg = ckpt.quantization_config or {}
@@ -136,7 +138,7 @@ def _plan_inverse(ckpt: Checkpoint, order: list[str], records: dict, dev: torch.
 def _invert(ckpt: Checkpoint, mod: str, rec: dict, dev: torch.device):
     vals = {p: read_tensor(ckpt.tensors[f"{mod}.{p}"]).to(dev) for p in rec["tensors"]}
     try:
-        outs = kernels.unrepack_module(vals, rec)
+        outs = kernel_targets.unrepack_module(vals, rec)
     except ValueError as e:
         raise BadInputError(f"cannot invert {rec.get('kernel')}: {e}", tensor=mod) from e
     for p, t in outs.items():
@@ -147,7 +149,7 @@ def _plan_forward(ckpt: Checkpoint, mods: dict[str, Module], order: list[str], p
     """Output tensors and tasks of compressed-tensors -> kernel layout; fills ``records`` (module -> record)."""
     planned: list[PlannedTensor] = []
     tasks: list = []
-    batches: dict[tuple, list[Module]] = {}  # same kernel and shapes: repacked together (layouts.batched)
+    batches: dict[tuple, tuple[Kernel, list[Module]]] = {}  # one plan (KernelPlanner's key): repacked together (layouts.batched)
     outputs: dict[str, dict] = {}  # module -> {part: (safetensors dtype, shape)} of its kernel tensors
     seen: set[str] = set()
     for name in order:
@@ -162,20 +164,19 @@ def _plan_forward(ckpt: Checkpoint, mods: dict[str, Module], order: list[str], p
             continue
         seen.add(mod)
         parts = {p: (i.dtype, tuple(i.shape)) for p, i in m.parts.items()}
-        kernel, outs, rec = planner.plan(mod, m.format, m.weights or {}, parts, dense_shape(m), ckpt.tensors[name].file.name, name)
+        kernel, outs, rec, key = planner.plan(mod, m.format, m.weights or {}, parts, dense_shape(m), ckpt.tensors[name].file.name, name)
         records[mod], outputs[mod] = rec, outs
         planned += [PlannedTensor(f"{mod}.{p}", dt, shape) for p, (dt, shape) in outs.items()]
-        sig = (kernel, json.dumps(m.weights or {}, sort_keys=True), rec["size_n"], rec["size_k"], tuple(sorted(parts.items())))
-        batches.setdefault(sig, []).append(m)
+        batches.setdefault(key, (kernel, []))[1].append(m)
     cap = _BATCH_BYTES[dev.type]
-    for sig, ms in batches.items():
+    for kernel, ms in batches.values():
         step = max(1, cap // max(sum(i.nbytes for i in ms[0].parts.values()), 1))
         for i in range(0, len(ms), step):
-            tasks.append(Compute(lambda kernel=sig[0], ms=ms[i : i + step]: _repack_batch(kernel, ms, planner, outputs[ms[0].name], dev, records)))
+            tasks.append(Compute(lambda kernel=kernel, ms=ms[i : i + step]: _repack_batch(kernel, ms, planner, outputs[ms[0].name], dev, records)))
     return planned, tasks
 
 
-def _repack_batch(kernel: str, ms: list[Module], planner: KernelPlanner, outputs: dict, dev: torch.device, records: dict):
+def _repack_batch(kernel: Kernel, ms: list[Module], planner: KernelPlanner, outputs: dict, dev: torch.device, records: dict):
     m = ms[0]
     v, act = planner.layout_version, planner.act
     if dev.type == "cpu":  # no batched kernels on the CPU: module by module, without stacking the batch in and out (two copies)

@@ -52,8 +52,8 @@ from ..checkpoint.sources import open_source
 from ..errors import CTConvertError, UsageError, agree, plural
 from ..formats import WeightArgs, get_format
 from ..formats.sparse24 import SPARSE_PREFIX, prune24
-from ..layouts import kernels
 from ..pipeline.zeros import candidate_rows, zero_rows
+from ..plan import kernel_targets as kernels
 from ..plan.parallel import checkpoint_modules, kernel_native_modules, parallel_report
 
 __all__ = ["THRESHOLDS", "verify"]

@@ -16,7 +16,7 @@ from .base import CompressionFormat, WeightArgs, WeightFormat
 from .fp4 import MXFP4PackQuantized, NVFP4PackQuantized
 from .fp8 import FloatQuantized, MXFP8Quantized, NaiveQuantized
 from .integer import IntQuantized, PackQuantized
-from .sparse24 import SPARSE_PREFIX, Marlin24Values, sparse24_format
+from .sparse24 import SPARSE_PREFIX, Marlin24, sparse24_format
 
 __all__ = ["FORMATS", "CompressionFormat", "WeightArgs", "WeightFormat", "get_format"]
 
@@ -31,7 +31,7 @@ FORMATS: dict[CompressionFormat, WeightFormat] = {
         NVFP4PackQuantized(),
         MXFP4PackQuantized(),
         MXFP8Quantized(),
-        Marlin24Values(),
+        Marlin24(),
     )
 }
 

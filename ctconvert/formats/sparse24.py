@@ -1,4 +1,8 @@
-"""2:4 structured sparsity: magnitude pruning along K and the ``sparse-24-bitmask`` format.
+"""2:4 structured sparsity: magnitude pruning along K, the ``sparse-24-bitmask`` format and the ``marlin-24`` format.
+
+The bitmask (pack, unpack, values at its positions) lives here only: the 2:4 kernel layouts
+(``ctconvert.layouts.kernels``, ``Sparse24Kernel``) receive these functions as data
+(:data:`BITMASK`), since ``layouts/`` imports nothing of ``formats/``.
 
 Format facts (docs/compressed-tensors-format.md §4.8, §5.6; compressed-tensors 0.14.0.1,
 ``compressors/sparse_compressors/sparse_24_bitmask.py``, ``sparse24_bitmask_compress`` and
@@ -28,6 +32,8 @@ weight that is already 2:4 (at most 2 non-zeros in every group) is returned unch
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -35,10 +41,13 @@ from .base import CompressionFormat, WeightFormat
 from .integer import quantize_int
 
 __all__ = [
-    "Marlin24Values",
+    "BITMASK",
+    "BitmaskCodec",
+    "Marlin24",
     "SPARSE_PREFIX",
     "TIE_TABLE",
     "Sparse24Bitmask",
+    "bitmask_values",
     "compress24",
     "decompress24",
     "is_24",
@@ -180,6 +189,32 @@ def decompress24(compressed: torch.Tensor, bitmask: torch.Tensor, shape) -> torc
     return out.view(compressed.dtype) if out.dtype != compressed.dtype else out
 
 
+def bitmask_values(dense: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`decompress24` given the bitmask: ``compressed`` ``[N, K/2]`` of ``dense`` ``[N, K]`` (its
+    values at the columns ``bitmask`` marks, in k order; same dtype). Raises ``RuntimeError`` when the mask does not
+    mark K/2 columns per row."""
+    n, k = dense.shape
+    raw = dense.view(torch.uint8) if dense.dtype == torch.float8_e4m3fn else dense
+    vals = raw[unpack_bitmask(bitmask, k)].reshape(n, k // 2)
+    return vals.view(dense.dtype) if vals.dtype != dense.dtype else vals
+
+
+@dataclass(frozen=True)
+class BitmaskCodec:
+    """The sparse-24-bitmask functions a 2:4 kernel layout needs, handed to it as data: ``dense(compressed,
+    bitmask, (N, K))`` (:func:`decompress24`), ``values(dense, bitmask)`` (:func:`bitmask_values`), ``pack(mask)``
+    (:func:`pack_bitmask`) and ``unpack(bits, k)`` (:func:`unpack_bitmask`)."""
+
+    dense: Callable[..., torch.Tensor]
+    values: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    unpack: Callable[[torch.Tensor, int], torch.Tensor]
+
+
+#: the one bitmask of sparse-24-bitmask (docs/compressed-tensors-format.md §4.8)
+BITMASK = BitmaskCodec(decompress24, bitmask_values, pack_bitmask, unpack_bitmask)
+
+
 def marlin24_quantize(w: torch.Tensor, group_size: int | None) -> dict[str, torch.Tensor]:
     """The marlin-24 writer's quantization of a dense ``w`` ``(N, K)`` (compressed-tensors 0.14,
     ``Marlin24Compressor.compress``): prune (:func:`prune24`), symmetric int4 scales from the pruned weight in
@@ -196,11 +231,16 @@ def marlin24_quantize(w: torch.Tensor, group_size: int | None) -> dict[str, torc
     return {"weight": q, "weight_scale": scale}
 
 
-class Marlin24Values(WeightFormat):
-    """The values the marlin-24 layout packs, per row chunk: int8 ``weight`` ``(N, K)`` (signed int4, 2:4) and
-    fp16 ``weight_scale`` ``(N, G)`` (:func:`marlin24_quantize`). Not a checkpoint format: ``quantize --target
-    marlin-24`` repacks each finished module into ``weight_packed``/``meta``/``scale_packed``
-    (``ctconvert.layouts.marlin24``)."""
+class Marlin24(WeightFormat):
+    """``marlin-24`` (compressed-tensors <= 0.14, vLLM <= 0.15's ``CompressedTensorsW4A16Sparse24``): symmetric int4
+    2:4 weights stored in the Sparse-Marlin kernel layout (docs/kernel-layouts.md §9).
+
+    Two steps, because the layout spans every row of the weight: per row chunk, :meth:`quantize` gives the values
+    (int8 ``weight`` ``(N, K)``, signed int4, 2:4; fp16 ``weight_scale`` ``(N, G)``: :func:`marlin24_quantize`,
+    described by :meth:`outputs`); per whole module they are packed into the stored tensors of
+    :meth:`packed_outputs` (``weight_packed``, ``meta``, ``scale_packed``) by the layout math of
+    ``ctconvert.layouts.marlin24`` (``marlin24_pack``, inverse ``marlin24_unpack``), which ``--target marlin-24``
+    joins to this format (``ctconvert.plan.kernel_targets``)."""
 
     name = CompressionFormat.MARLIN_24
     required = ("weight_packed", "meta", "scale_packed")
@@ -209,6 +249,13 @@ class Marlin24Values(WeightFormat):
         n, k = shape
         g = 1 if args.group_size is None else k // args.group_size
         return {"weight": (torch.int8, (n, k)), "weight_scale": (torch.float16, (n, g))}
+
+    def packed_outputs(self, shape: tuple[int, int], args) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The stored tensors of an ``(N, K)`` weight: ``weight_packed`` int32 and ``meta`` int16 ``(K/32, 2N)``,
+        ``scale_packed`` fp16 ``(G, N)`` (compressed-tensors 0.14, ``Marlin24Compressor.compression_param_info``)."""
+        n, k = shape
+        g = self.outputs(shape, torch.float16, args)["weight_scale"][1][1]
+        return {"weight_packed": (torch.int32, (k // 32, 2 * n)), "meta": (torch.int16, (k // 32, 2 * n)), "scale_packed": (torch.float16, (g, n))}
 
     def k_multiple(self, args):
         return 128

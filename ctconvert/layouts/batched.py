@@ -43,7 +43,7 @@ def _plan(kernel, tensors, weights, v, act_dtype):
     """Output shapes/dtypes and record of one module of the batch (meta tensors; cached per shape)."""
     meta = _meta(tensors)
     key = (
-        kernel,
+        kernel.name,
         v,
         act_dtype,
         repr(sorted(weights.items())),
@@ -77,12 +77,12 @@ def _fp8_channel_scales(t: dict[str, torch.Tensor]) -> bool:
 
 
 def repack_batch(
-    kernel: str, tensors: dict[str, torch.Tensor], weights: dict, layout_version: str, act_dtype: torch.dtype, planned: tuple | None = None
+    kernel: kernels.Kernel, tensors: dict[str, torch.Tensor], weights: dict, layout_version: str, act_dtype: torch.dtype, planned: tuple | None = None
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Kernel-layout tensors for B modules of one shape, stacked, and one record per module.
 
     Args:
-        kernel: as :func:`.kernels.choose_kernel` returns.
+        kernel: the :class:`.kernels.Kernel` (``ctconvert.plan.kernel_targets`` chooses it).
         tensors: local part name -> ``(B, *shape)`` tensor: the modules' compressed-tensors
             tensors, stacked (same shapes, dtypes and ``weight_shape`` values).
         weights, layout_version, act_dtype: as :func:`.kernels.repack_module`.
@@ -99,7 +99,7 @@ def repack_batch(
     """
     if "weight_shape" in tensors and not bool((tensors["weight_shape"] == tensors["weight_shape"][:1]).all()):
         raise ValueError("a batch must hold modules of one shape")
-    fast = _FAST.get(kernel)
+    fast = _FAST.get(kernel.name)
     if fast is None or not _on_gpu(tensors) or not fast[0](tensors):
         return _per_module(kernel, tensors, weights, layout_version, act_dtype)
     if planned is not None:
@@ -113,10 +113,10 @@ def repack_batch(
     kernels.with_copied(kernel, outs, {}, copied)  # (the record lists them already: planned by repack_module)
     recs = [dict(rec, **(per_module[i] if per_module else {})) for i in range(b)]
     if outs.keys() != spec.keys():  # the planned (per-module) names, shapes and dtypes hold
-        raise AssertionError(f"batched {kernel}: {sorted(outs)} != {sorted(spec)}")
+        raise AssertionError(f"batched {kernel.name}: {sorted(outs)} != {sorted(spec)}")
     for p, (dtype, shape) in spec.items():
         if tuple(outs[p].shape[1:]) != tuple(shape) or outs[p].dtype != dtype:
-            raise AssertionError(f"batched {kernel} {p}: {tuple(outs[p].shape[1:])} {outs[p].dtype} != {tuple(shape)} {dtype}")
+            raise AssertionError(f"batched {kernel.name} {p}: {tuple(outs[p].shape[1:])} {outs[p].dtype} != {tuple(shape)} {dtype}")
     return outs, recs
 
 

@@ -1,6 +1,7 @@
-"""The kernels table: which module each kernel takes, its repack into vLLM's layout, and the exact inverse.
+"""The kernel layouts: which module each kernel takes, its repack into vLLM's layout, and the exact inverse.
 
-:data:`KERNELS` holds one :class:`Kernel` per kernel layout. ``repack`` takes one
+One :class:`Kernel` object per kernel layout (the table of targets and the kernels each offers is
+``ctconvert.plan.kernel_targets``, which may import both ``formats/`` and ``layouts/``). ``repack`` takes one
 module's compressed-tensors tensors (local names: ``weight_packed``,
 ``weight_scale``, ...) and returns the tensors the kernel's layer holds after
 vLLM's ``process_weights_after_loading`` (same parameter names, kernel layout)
@@ -8,24 +9,18 @@ plus a JSON-able record of everything ``unrepack`` needs. A kernel decides what
 it takes from the weight ``QuantizationArgs`` (a dict, as in the checkpoint's
 config) and the names of the module's tensors, not from format names:
 
-* ``marlin-int``: packed int4/int8 (``weight_packed`` int32 words), symmetric or
+* ``marlin-int`` (:data:`MARLIN_INT`): packed int4/int8 (``weight_packed`` int32 words), symmetric or
   asymmetric, grouped or channelwise, act-order (``weight_g_idx``, layout <= 0.29);
   docs/kernel-layouts.md §2-§4.
-* ``marlin-fp8``: FP8 weight-only Marlin, channel or tensor scales (§5.1).
-* ``marlin-nvfp4``: NVFP4 weights on Marlin, W4A16 (§5.2).
-* ``marlin-mxfp4``: MXFP4 weights on Marlin, W4A16 (§5.3).
-* ``cutlass-nvfp4``: NVFP4 W4A4 on CUTLASS: swizzled block scales, padded weight, ``alpha`` (§6).
-* ``cutlass-2of4`` (target ``cutlass-2of4``): a ``sparse-24-bitmask`` module (dense 2:4 values, FP8 or
-  int8) as vLLM <= 0.18's ``CompressedTensors24`` holds it for the SM90 CUTLASS 2:4 kernels: ``weight``
-  (``cutlass_sparse_compress`` values), ``meta``, ``weight_scale`` as float32 (§8.1). The layout forgets
-  which zero positions the bitmask marks and the sign of a stored zero: ``bitmask_source`` and
-  ``negative_zeros_source`` keep them for the exact inverse.
-* ``cutlass-2of4-sm80`` (target ``cutlass-2of4-sm80``): the same module in PyTorch's SM80 semi-structured
-  layout (``torch.sparse.to_sparse_semi_structured``, CUTLASS backend): ``weight`` values and ``meta`` (§8.2).
-* ``marlin-24`` (target ``marlin-24``, ``quantize`` only): int4 2:4 values and fp16 scales
-  (:class:`ctconvert.formats.sparse24.Marlin24Values`) packed as ``weight_packed``/``meta``/``scale_packed``
-  (§9). Its output is the compressed-tensors ``marlin-24`` format itself (what vLLM <= 0.15 loads), so
-  :data:`CT_FORMAT_TARGETS` lists it: its checkpoint keeps compressed-tensors' config, not the kernel-native tag.
+* ``marlin-fp8`` (:data:`MARLIN_FP8`): FP8 weight-only Marlin, channel or tensor scales (§5.1).
+* ``marlin-nvfp4`` (:data:`MARLIN_NVFP4`): NVFP4 weights on Marlin, W4A16 (§5.2).
+* ``marlin-mxfp4`` (:data:`MARLIN_MXFP4`): MXFP4 weights on Marlin, W4A16 (§5.3).
+* ``cutlass-nvfp4`` (:data:`CUTLASS_NVFP4`): NVFP4 W4A4 on CUTLASS: swizzled block scales, padded weight,
+  ``alpha`` (§6).
+* ``cutlass-2of4`` and ``cutlass-2of4-sm80``: one class, :class:`Sparse24Kernel`, over its layout parameters
+  (:data:`.sparse24.SM90`: vLLM <= 0.18's ``CompressedTensors24`` for the SM90 CUTLASS 2:4 kernels, §8.1;
+  :data:`.sparse24.SM80`: PyTorch's SM80 semi-structured layout, §8.2) and the sparse-24-bitmask functions,
+  which its builder hands in.
 
 Where vLLM's processing loses information (scales cast or folded into the
 activation dtype, fused shards' global-scale divisors reduced to one
@@ -52,17 +47,18 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cutlass, marlin, marlin24, marlin_fp8, marlin_mxfp4, marlin_nvfp4, sparse24
+from . import cutlass, marlin, marlin_fp8, marlin_mxfp4, marlin_nvfp4, sparse24
 
 __all__ = [
-    "CT_FORMAT_TARGETS",
+    "CUTLASS_NVFP4",
     "DEFAULT_LAYOUT_VERSION",
-    "KERNELS",
     "LAYOUT_VERSIONS",
-    "TARGETS",
-    "VLLM_RELEASES",
+    "MARLIN_FP8",
+    "MARLIN_INT",
+    "MARLIN_MXFP4",
+    "MARLIN_NVFP4",
     "Kernel",
-    "choose_kernel",
+    "Sparse24Kernel",
     "repack_module",
     "split_parts",
     "unrepack_module",
@@ -81,7 +77,6 @@ class Kernel:
     the module unchanged (:func:`split_parts`)."""
 
     name: str
-    target: str  # the --target that builds it
     accepts: Callable[[dict, set], bool]
     repack: Callable[[dict, dict, str, torch.dtype], tuple[dict, dict]]
     unrepack: Callable[[dict, dict], dict]
@@ -337,214 +332,135 @@ def _unmarlin_mxfp4(t: dict[str, torch.Tensor], rec: dict) -> dict:
     return out
 
 
-# ------------------------------------------------------------------ 2:4: cutlass-2of4 (§8.1), cutlass-2of4-sm80 (§8.2), marlin-24 (§9)
+# ------------------------------------------------------------------ 2:4: cutlass-2of4 (§8.1), cutlass-2of4-sm80 (§8.2)
 
 
-def _takes_sparse24(weights: dict, parts: set) -> bool:
-    bits, _ = _bits_type(weights)
-    return {"compressed", "bitmask"} <= parts and bits in (0, 8)
+class Sparse24Kernel(Kernel):
+    """A CUTLASS 2:4 kernel: a ``sparse-24-bitmask`` module (``compressed``, ``bitmask``, ``shape``; dense, FP8 or
+    int8 values) in one :class:`~.sparse24.Sparse24Layout` (``layout``: :data:`.sparse24.SM90` or
+    :data:`.sparse24.SM80`): ``weight`` values and ``meta``, ``weight_scale`` as float32; ``input_scale`` and
+    ``bias`` as they are. The layout keeps neither which zero positions the bitmask marks nor the sign of a stored
+    zero: ``bitmask_source`` and ``negative_zeros_source`` (packed like the bitmask) keep them for the exact inverse.
 
+    ``bitmask``: the sparse-24-bitmask functions (``dense``, ``values``, ``pack``, ``unpack``;
+    ``ctconvert.formats.sparse24.BITMASK``), given by the caller that builds the kernel: ``layouts/`` does not
+    import ``formats/``."""
 
-def _sparse24(layout: str):
-    def repack(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: torch.dtype) -> tuple[dict, dict]:
+    def __init__(self, name: str, layout: sparse24.Sparse24Layout, bitmask):
+        super().__init__(name, self._accepts, self._repack, self._unrepack, _SPARSE24_TAKES)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "bitmask", bitmask)
+
+    @staticmethod
+    def _accepts(weights: dict, parts: set) -> bool:
+        bits, _ = _bits_type(weights)
+        return {"compressed", "bitmask"} <= parts and bits in (0, 8)
+
+    def _kernel_tensors(self, c: torch.Tensor, bm: torch.Tensor, n: int, k: int) -> dict[str, torch.Tensor]:
+        if c.device.type == "meta":  # planning: only the shapes
+            return {p: torch.empty(shape, dtype=dt, device="meta") for p, (dt, shape) in self.layout.planned(n, k, c.dtype).items()}
+        try:
+            dense = self.bitmask.dense(c, bm, (n, k))
+        except ValueError as e:
+            raise ValueError(f"compressed {tuple(c.shape)} and bitmask do not describe a 2:4 weight ({n}, {k})") from e
+        comp = self.layout.compress(dense)
+        return {"weight": comp["values"], "meta": comp["meta"]}
+
+    def _repack(self, t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: torch.dtype) -> tuple[dict, dict]:
         c, bm = t["compressed"], t["bitmask"]
         n, k = c.shape[0], 2 * c.shape[1]
         if k % 8:
             raise ValueError(f"K={k} is not a multiple of 8 (vLLM's cutlass_sparse_compress)")
-        dtypes = sparse24.SM90_DTYPES if layout == "sm90" else sparse24.SM80_DTYPES
-        if c.dtype not in dtypes:
-            raise ValueError(f"{c.dtype} weights are not taken by the {layout.upper()} 2:4 layout")
-        if c.device.type == "meta":  # planning: only the shapes
-            dense = torch.empty((n, k), dtype=c.dtype, device="meta")
-            if layout == "sm90":
-                vk, me, ke = sparse24.sm90_sizes(n, k, c.dtype)
-                kt = {"weight": torch.empty((n, vk), dtype=c.dtype, device="meta"), "meta": torch.empty((me, ke), dtype=torch.uint8, device="meta")}
-            else:
-                sparse24.sm80_check_shape(n, k, c.dtype)
-                md, per = (torch.int32, 32) if c.dtype == torch.int8 else (torch.int16, 16)
-                kt = {"weight": torch.empty((n, k // 2), dtype=c.dtype, device="meta"), "meta": torch.empty((n, k // per), dtype=md, device="meta")}
+        if c.dtype not in self.layout.dtypes:
+            raise ValueError(f"{c.dtype} weights are not taken by the {self.layout.arch} 2:4 layout")
+        if c.device.type == "meta":
+            negzero = torch.empty((n, -(-(k // 2) // 8)), dtype=torch.uint8, device="meta")
         else:
-            dense = sparse24.bitmask_dense(c, bm, n, k)
-            comp = sparse24.sm90_compress(dense) if layout == "sm90" else sparse24.sm80_compress(dense)
-            kt = {"weight": comp["values"], "meta": comp["meta"]}
-        # the kernel layout keeps neither which zeros the bitmask marks nor the sign of a stored zero: both kept
-        out = {
-            **kt,
-            "bitmask_source": bm,
-            "negative_zeros_source": sparse24.negative_zeros(c)
-            if c.device.type != "meta"
-            else torch.empty((n, -(-(k // 2) // 8)), dtype=torch.uint8, device="meta"),
-        }
+            negzero = self.bitmask.pack(sparse24.negative_zeros(c))
+        out = {**self._kernel_tensors(c, bm, n, k), "bitmask_source": bm, "negative_zeros_source": negzero}
         if "weight_scale" in t:
             out["weight_scale"] = t["weight_scale"].to(torch.float32)
-        for p in ("input_scale", "bias"):
-            if p in t:
-                out[p] = t[p]
-        rec = {
-            "kernel": "cutlass-2of4" if layout == "sm90" else "cutlass-2of4-sm80",
-            "size_n": n,
-            "size_k": k,
-            "layout_version": v,
-            "scale_dtype": str(t["weight_scale"].dtype) if "weight_scale" in t else None,
-        }
-        return out, rec
+        out.update({p: t[p] for p in ("input_scale", "bias") if p in t})
+        scale_dtype = str(t["weight_scale"].dtype) if "weight_scale" in t else None
+        return out, {"kernel": self.name, "size_n": n, "size_k": k, "layout_version": v, "scale_dtype": scale_dtype}
 
-    def unrepack(t: dict[str, torch.Tensor], rec: dict) -> dict:
+    def _unrepack(self, t: dict[str, torch.Tensor], rec: dict) -> dict:
         n, k = rec["size_n"], rec["size_k"]
-        if layout == "sm90":
-            dense = sparse24.sm90_decompress(t["weight"], t["meta"], n, k)
-        else:
-            dense = sparse24.sm80_decompress(t["weight"], t["meta"])
+        dense = self.layout.decompress(t["weight"], t["meta"], n, k)
+        values = self.bitmask.values(dense, t["bitmask_source"])
         out = {
-            "compressed": sparse24.restore_negative_zeros(sparse24.bitmask_values(dense, t["bitmask_source"]), t["negative_zeros_source"]),
+            "compressed": sparse24.restore_negative_zeros(values, self.bitmask.unpack(t["negative_zeros_source"], values.shape[1])),
             "bitmask": t["bitmask_source"],
             "shape": torch.tensor([[n], [k]], dtype=torch.int64, device=dense.device),
         }
         if "weight_scale" in t:
             out["weight_scale"] = t["weight_scale"].to(getattr(torch, rec["scale_dtype"].replace("torch.", "")))
-        for p in ("input_scale", "bias"):
-            if p in t:
-                out[p] = t[p]
+        out.update({p: t[p] for p in ("input_scale", "bias") if p in t})
         return out
 
-    return repack, unrepack
-
-
-def _takes_marlin24(weights: dict, parts: set) -> bool:
-    bits, typ = _bits_type(weights)
-    return {"weight", "weight_scale"} <= parts and typ == "int" and bits == 4
-
-
-def _marlin24(t: dict[str, torch.Tensor], weights: dict, v: str, act_dtype: torch.dtype) -> tuple[dict, dict]:
-    q, s = t["weight"], t["weight_scale"]
-    n, k = q.shape
-    g = weights.get("group_size") if weights.get("strategy") == "group" else None
-    if (problem := marlin24.marlin24_shape_problem(n, k, g)) is not None:
-        raise ValueError(problem)
-    if q.device.type == "meta":
-        out = {
-            "weight_packed": torch.empty((k // 32, 2 * n), dtype=torch.int32, device="meta"),
-            "meta": torch.empty((k // 32, 2 * n), dtype=torch.int16, device="meta"),
-            "scale_packed": torch.empty((s.shape[1], n), dtype=torch.float16, device="meta"),
-        }
-    else:
-        out = marlin24.marlin24_pack(q, s, g)
-    return out, {"kernel": "marlin-24", "size_n": n, "size_k": k, "group_size": g or -1, "layout_version": v}
-
-
-def _unmarlin24(t: dict[str, torch.Tensor], rec: dict) -> dict:
-    n, k, g = rec["size_n"], rec["size_k"], rec["group_size"]
-    return {
-        "weight": marlin24.marlin24_unpack(t["weight_packed"], t["meta"], n, k),
-        "weight_scale": marlin24.marlin24_unpermute_scales(t["scale_packed"], k, None if g == -1 else g),
-    }
-
-
-# ------------------------------------------------------------------ the table
 
 _SPARSE24_TAKES = ("compressed", "bitmask", "shape", "weight_scale", "input_scale", "bias")
 
 
-#: every kernel layout, in the order a target tries them
-KERNELS: dict[str, Kernel] = {
-    k.name: k
-    for k in (
-        Kernel(
-            "marlin-int",
-            "marlin",
-            _takes_marlin_int,
-            _marlin_int,
-            _unmarlin_int,
-            ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "bias"),
-        ),
-        Kernel("marlin-fp8", "marlin", _takes_marlin_fp8, _marlin_fp8, _unmarlin_fp8, ("weight", "weight_scale", "bias")),
-        Kernel("marlin-nvfp4", "marlin", _takes_nvfp4, _marlin_nvfp4, _unmarlin_nvfp4, ("weight_packed", "weight_scale", "weight_global_scale", "bias")),
-        Kernel("marlin-mxfp4", "marlin", _takes_marlin_mxfp4, _marlin_mxfp4, _unmarlin_mxfp4, ("weight_packed", "weight_scale", "bias")),
-        Kernel(
-            "cutlass-nvfp4",
-            "cutlass-nvfp4",
-            _takes_cutlass_nvfp4,
-            _cutlass_nvfp4,
-            _uncutlass_nvfp4,
-            ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", "bias"),
-        ),
-        Kernel("cutlass-2of4", "cutlass-2of4", _takes_sparse24, *_sparse24("sm90"), _SPARSE24_TAKES),
-        Kernel("cutlass-2of4-sm80", "cutlass-2of4-sm80", _takes_sparse24, *_sparse24("sm80"), _SPARSE24_TAKES),
-        Kernel("marlin-24", "marlin-24", _takes_marlin24, _marlin24, _unmarlin24, ("weight", "weight_scale")),
-    )
-}
-#: the kernel-layout targets (``--target``) and what each takes, for messages
-TARGETS = {
-    "marlin": "pack-quantized int4/int8 (W4A16, W4A16_ASYM, W8A16), FP8 per channel or tensor (FP8_DYNAMIC), NVFP4 (NVFP4A16) and MXFP4 (MXFP4A16)",
-    "cutlass-nvfp4": "NVFP4 W4A4 (with input_global_scale)",
-    "cutlass-2of4": "sparse-24-bitmask (dense, FP8, int8) for the SM90 CUTLASS 2:4 kernels",
-    "cutlass-2of4-sm80": "sparse-24-bitmask (fp16/bf16, int8) in PyTorch's SM80 semi-structured layout",
-    "marlin-24": "W4A16 with --sparsity 2:4 (quantize only)",
-}
-#: targets whose output is a compressed-tensors format (its own config), not the kernel-native tag
-CT_FORMAT_TARGETS = ("marlin-24",)
-#: which vLLM releases load each 2:4 output (docs/kernel-layouts.md §0.1, §8, §9; docs/field-notes.md F1)
-VLLM_RELEASES = {
-    "sparse-24-bitmask": "vLLM <= 0.18 (CompressedTensors24, SM90 GPUs; removed by vLLM PR #36799); compressed-tensors <= 0.14 reads it",
-    "marlin-24": "vLLM <= 0.15 (CompressedTensorsW4A16Sparse24, SM80+ GPUs, fp16 activations); compressed-tensors <= 0.14 reads it",
-    "cutlass-2of4": "kernel-native, no loader reads it as is: the tensors vLLM <= 0.18 builds at load time for the SM90 CUTLASS 2:4 kernels "
-    "(cutlass_scaled_sparse_mm)",
-    "cutlass-2of4-sm80": "kernel-native, no loader reads it as is: PyTorch's SM80 semi-structured layout (values and meta of "
-    "torch.sparse.SparseSemiStructuredTensorCUTLASS)",
-}
+# ------------------------------------------------------------------ the kernels that need nothing from outside layouts/
+
+MARLIN_INT = Kernel(
+    "marlin-int",
+    _takes_marlin_int,
+    _marlin_int,
+    _unmarlin_int,
+    ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "bias"),
+)
+MARLIN_FP8 = Kernel("marlin-fp8", _takes_marlin_fp8, _marlin_fp8, _unmarlin_fp8, ("weight", "weight_scale", "bias"))
+MARLIN_NVFP4 = Kernel("marlin-nvfp4", _takes_nvfp4, _marlin_nvfp4, _unmarlin_nvfp4, ("weight_packed", "weight_scale", "weight_global_scale", "bias"))
+MARLIN_MXFP4 = Kernel("marlin-mxfp4", _takes_marlin_mxfp4, _marlin_mxfp4, _unmarlin_mxfp4, ("weight_packed", "weight_scale", "bias"))
+CUTLASS_NVFP4 = Kernel(
+    "cutlass-nvfp4",
+    _takes_cutlass_nvfp4,
+    _cutlass_nvfp4,
+    _uncutlass_nvfp4,
+    ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", "bias"),
+)
 
 
-def choose_kernel(target: str, weights: dict, parts: set[str]) -> str | None:
-    """The kernel a module goes to under ``target`` (None: the target does not take it).
-
-    ``weights``: the module's weight QuantizationArgs (a dict); ``parts``: the names of its tensors."""
-    return next((k.name for k in KERNELS.values() if k.target == target and k.accepts(weights, set(parts))), None)
-
-
-def split_parts(kernel: str, tensors: dict) -> tuple[dict, dict]:
+def split_parts(kernel: Kernel, tensors: dict) -> tuple[dict, dict]:
     """``(taken, copied)``: the module's tensors ``kernel`` rebuilds (its :attr:`Kernel.takes`), and the others,
     which :func:`repack_module` copies unchanged (an ``input_global_scale`` or ``input_scale`` on Marlin, which
-    runs the activations unquantized). Raises ``ValueError`` for an unknown kernel."""
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}")
-    takes = KERNELS[kernel].takes
+    runs the activations unquantized)."""
+    takes = kernel.takes
     return {p: t for p, t in tensors.items() if p in takes}, {p: t for p, t in tensors.items() if p not in takes}
 
 
-def with_copied(kernel: str, outs: dict, rec: dict, copied: dict) -> None:
+def with_copied(kernel: Kernel, outs: dict, rec: dict, copied: dict) -> None:
     """Add the ``copied`` tensors (:func:`split_parts`) to a kernel's ``outs``, unchanged under their own names,
     and list them in ``rec["copied"]`` (so that :func:`unrepack_module` gives them back), in place. Raises
     ``ValueError`` when one has the name of a kernel tensor."""
     if clash := sorted(copied.keys() & outs.keys()):
-        raise ValueError(f"{kernel} writes {', '.join(clash)} itself; the module's own tensor of that name cannot be kept")
+        raise ValueError(f"{kernel.name} writes {', '.join(clash)} itself; the module's own tensor of that name cannot be kept")
     outs.update(copied)
     if copied:
         rec["copied"] = sorted(copied)
 
 
 def repack_module(
-    kernel: str, tensors: dict[str, torch.Tensor], weights: dict, layout_version: str, act_dtype: torch.dtype
+    kernel: Kernel, tensors: dict[str, torch.Tensor], weights: dict, layout_version: str, act_dtype: torch.dtype
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Kernel-layout tensors and the inverse's record for one module.
 
     ``tensors``: every tensor of the module (local names), on any device (``meta`` to plan). The kernel
     rebuilds those it takes; each other one is copied unchanged under its own name and listed in the
     record's ``copied`` (:func:`with_copied`): nothing of the module is left out. Raises ``ValueError``
-    on shapes the kernel rejects or an unknown kernel."""
+    on shapes the kernel rejects."""
     taken, copied = split_parts(kernel, tensors)
-    outs, rec = KERNELS[kernel].repack(taken, weights, layout_version, act_dtype)
+    outs, rec = kernel.repack(taken, weights, layout_version, act_dtype)
     with_copied(kernel, outs, rec, copied)
     return outs, rec
 
 
-def unrepack_module(tensors: dict[str, torch.Tensor], rec: dict) -> dict[str, torch.Tensor]:
+def unrepack_module(kernel: Kernel, tensors: dict[str, torch.Tensor], rec: dict) -> dict[str, torch.Tensor]:
     """The compressed-tensors tensors of one module, bit for bit, from its kernel layout and record (the
-    record's ``copied`` tensors as they are). Raises ``ValueError`` for an unknown kernel, ``KeyError`` for a
-    missing tensor."""
-    kernel = rec["kernel"]
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}")
+    record's ``copied`` tensors as they are). Raises ``KeyError`` for a missing tensor."""
     copied = rec.get("copied") or []
-    out = KERNELS[kernel].unrepack({p: t for p, t in tensors.items() if p not in copied}, rec)
+    out = kernel.unrepack({p: t for p, t in tensors.items() if p not in copied}, rec)
     out.update({p: tensors[p] for p in copied})
     return out

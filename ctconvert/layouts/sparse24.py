@@ -19,17 +19,21 @@ The zero test ignores the sign bit of float types (``-0.0`` is zero); for int8 o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from .common import check_tensor, round_up
 
 __all__ = [
+    "SM80",
     "SM80_DTYPES",
-    "bitmask_dense",
-    "bitmask_values",
+    "SM90",
+    "SM90_DTYPES",
+    "Sparse24Layout",
     "negative_zeros",
     "restore_negative_zeros",
-    "SM90_DTYPES",
     "sm80_compress",
     "sm80_decompress",
     "sm80_meta_offsets",
@@ -238,53 +242,51 @@ def sm80_decompress(values: torch.Tensor, meta: torch.Tensor, remap=None) -> tor
     return _place(values, sm80_unpack_codes(logical, k // 4), m, k)
 
 
-# ------------------------------------------------------------------ the checkpoint side: sparse-24-bitmask tensors
+# ------------------------------------------------------------------ the two CUTLASS 2:4 layouts as parameters of one kernel
 
 
-def _bits(bitmask: torch.Tensor, k: int) -> torch.Tensor:
-    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
-    return ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)[:, :k]
+def negative_zeros(values: torch.Tensor) -> torch.Tensor:
+    """bool, ``values``' shape: where ``values`` holds a ``-0.0`` (the kernels store zeros as +0.0; a caller keeps
+    these positions for the exact inverse). int8: none."""
+    if values.dtype == torch.int8:
+        return torch.zeros(values.shape, dtype=torch.bool, device=values.device)
+    bits = values.view({1: torch.uint8, 2: torch.int16}[values.element_size()]).to(torch.int32) & 0xFFFF
+    return bits == (0x80 if values.element_size() == 1 else 0x8000)
 
 
-def bitmask_dense(compressed: torch.Tensor, bitmask: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The dense ``(n, k)`` weight of a ``sparse-24-bitmask`` module (docs/compressed-tensors-format.md §4.8:
-    bit ``c % 8`` of byte ``c // 8`` marks a stored column; values in k order). Raises ``ValueError``."""
-    mask = _bits(bitmask, k)
-    if tuple(compressed.shape) != (n, k // 2) or int(mask.sum()) != n * (k // 2):
-        raise ValueError(f"compressed {tuple(compressed.shape)} and bitmask do not describe a 2:4 weight ({n}, {k})")
-    raw = compressed.view(torch.uint8) if compressed.dtype == torch.float8_e4m3fn else compressed
-    out = torch.zeros((n, k), dtype=raw.dtype, device=raw.device)
-    out[mask] = raw.reshape(-1)
-    return out.view(compressed.dtype) if out.dtype != compressed.dtype else out
+def restore_negative_zeros(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`negative_zeros`: ``values`` with ``-0.0`` where ``mask`` (bool, same shape) is set."""
+    if values.dtype == torch.int8:
+        return values
+    return torch.where(mask, torch.full((), -0.0, dtype=values.dtype, device=values.device), values)
 
 
-def bitmask_values(dense: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`bitmask_dense` given the bitmask: ``compressed`` ``(n, k/2)`` of ``dense`` ``(n, k)``."""
-    n, k = dense.shape
-    raw = dense.view(torch.uint8) if dense.dtype == torch.float8_e4m3fn else dense
-    vals = raw[_bits(bitmask, k)].reshape(n, k // 2)
-    return vals.view(dense.dtype) if vals.dtype != dense.dtype else vals
+def _sm90_planned(m: int, k: int, dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, int]]]:
+    vk, me, ke = sm90_sizes(m, k, dtype)
+    return {"weight": (dtype, (m, vk)), "meta": (torch.uint8, (me, ke))}
 
 
-def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    r, c = mask.shape
-    m = torch.nn.functional.pad(mask, (0, -c % 8)) if c % 8 else mask
-    return (m.reshape(r, -1, 8).to(torch.int32) << torch.arange(8, device=mask.device, dtype=torch.int32)).sum(-1).to(torch.uint8)
+def _sm80_planned(m: int, k: int, dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, int]]]:
+    sm80_check_shape(m, k, dtype)
+    md = _sm80_meta_dtype(dtype)
+    return {"weight": (dtype, (m, k // 2)), "meta": (md, (m, k // (32 if md == torch.int32 else 16)))}
 
 
-def negative_zeros(compressed: torch.Tensor) -> torch.Tensor:
-    """uint8 ``(n, ceil(k2/8))``: bit ``c % 8`` of byte ``c // 8`` set where ``compressed`` ``(n, k2)`` holds a
-    ``-0.0`` (the kernels store zeros as +0.0; this keeps the sign for the exact inverse). int8: all zero."""
-    if compressed.dtype == torch.int8:
-        return _pack_bits(torch.zeros(compressed.shape, dtype=torch.bool, device=compressed.device))
-    bits = compressed.view({1: torch.uint8, 2: torch.int16}[compressed.element_size()]).to(torch.int32) & 0xFFFF
-    sign = 0x80 if compressed.element_size() == 1 else 0x8000
-    return _pack_bits(bits == sign)
+@dataclass(frozen=True)
+class Sparse24Layout:
+    """One CUTLASS 2:4 layout, the parameters of the 2:4 kernel (``ctconvert.layouts.kernels.Sparse24Kernel``):
+    ``arch`` (``SM90`` | ``SM80``, for messages), the value ``dtypes`` it takes, ``compress(dense) -> {values, meta}``,
+    ``decompress(values, meta, m, k) -> dense`` and ``planned(m, k, dtype) -> {"weight"|"meta": (dtype, shape)}``
+    (the shapes without any data; ``ValueError`` for a shape the layout rejects)."""
+
+    arch: str
+    dtypes: tuple[torch.dtype, ...]
+    compress: Callable[[torch.Tensor], dict[str, torch.Tensor]]
+    decompress: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+    planned: Callable[[int, int, torch.dtype], dict[str, tuple[torch.dtype, tuple[int, int]]]]
 
 
-def restore_negative_zeros(compressed: torch.Tensor, negzero: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`negative_zeros`: ``compressed`` with ``-0.0`` where the bits say so."""
-    if compressed.dtype == torch.int8:
-        return compressed
-    mask = _bits(negzero, compressed.shape[1])
-    return torch.where(mask, torch.full((), -0.0, dtype=compressed.dtype, device=compressed.device), compressed)
+#: vLLM <= 0.18's ``cutlass_sparse_compress`` (§8.1)
+SM90 = Sparse24Layout("SM90", SM90_DTYPES, sm90_compress, sm90_decompress, _sm90_planned)
+#: PyTorch's SM80 semi-structured layout (§8.2)
+SM80 = Sparse24Layout("SM80", SM80_DTYPES, sm80_compress, lambda values, meta, m, k: sm80_decompress(values, meta), _sm80_planned)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from ..errors import UnsupportedError, UsageError
 from ..formats import FORMATS, CompressionFormat, WeightArgs, WeightFormat
 from ..formats.sparse24 import sparse24_format
-from ..layouts.kernels import VLLM_RELEASES
 from ..layouts.marlin24 import marlin24_shape_problem
+from .kernel_targets import FORMAT_RELEASES, TARGETS
 from .schemes import Scheme, get_scheme
 
 __all__ = ["DENSE_SCHEME", "SPARSITY_CHOICES", "SparseScheme", "sparse_config", "sparse_scheme", "sparsity_warning"]
@@ -58,7 +58,7 @@ class SparseScheme(Scheme):
 
     @property
     def output_format(self) -> str:
-        return "marlin-24" if self.marlin24 else "sparse-24-bitmask"
+        return (CompressionFormat.MARLIN_24 if self.marlin24 else CompressionFormat.SPARSE_24_BITMASK).value
 
     def shape_problem(self, n: int, k: int) -> str | None:
         """Why this scheme cannot take an ``(N, K)`` weight (vLLM's loaders and kernels), or None."""
@@ -99,11 +99,11 @@ def sparse_scheme(name: str, sparsity: str, target: str | None = None) -> Sparse
         raise UsageError(f"unknown --sparsity {sparsity!r}; choose {', '.join(SPARSITY_CHOICES)}")
     key = name.strip().upper()
     if key == DENSE_SCHEME:
-        if target == "marlin-24":
+        if target == CompressionFormat.MARLIN_24:
             raise UsageError("--target marlin-24 needs --scheme W4A16")
         return SparseScheme(f"{DENSE_SCHEME}+2:4", CompressionFormat.DENSE, WeightArgs.from_dict(None), base=None)
     base = get_scheme(name)
-    if target == "marlin-24":
+    if target == CompressionFormat.MARLIN_24:
         if base.name != "W4A16":
             raise UnsupportedError(f"--target marlin-24 takes --scheme W4A16 (symmetric int4, group 128), not {base.name}")
         return SparseScheme(f"{base.name}+2:4", CompressionFormat.MARLIN_24, base.weights, base=base, marlin24=True)
@@ -120,7 +120,7 @@ def sparse_scheme(name: str, sparsity: str, target: str | None = None) -> Sparse
 def sparse_config(qcfg: dict, scheme: SparseScheme, targets: list[str], ignore: list[str]) -> dict:
     """The ``quantization_config`` compressed-tensors 0.14 writes for a 2:4 model (module docstring)."""
     scfg = {
-        "format": "dense" if scheme.marlin24 else "sparse-24-bitmask",
+        "format": (CompressionFormat.DENSE if scheme.marlin24 else CompressionFormat.SPARSE_24_BITMASK).value,
         "global_sparsity": 0.5,
         "ignore": list(ignore),
         "registry_requires_subclass": False,
@@ -139,7 +139,7 @@ def sparsity_warning(scheme: Scheme, target: str | None = None) -> str | None:
     """The run-time note on which vLLM releases load a 2:4 output (None for a scheme without sparsity)."""
     if not isinstance(scheme, SparseScheme):
         return None
-    if target in ("cutlass-2of4", "cutlass-2of4-sm80"):
-        return f"2:4 sparse output ({target}): {VLLM_RELEASES[target]}"
+    if target in TARGETS and (releases := TARGETS[target].releases) is not None:  # a kernel-native 2:4 layout
+        return f"2:4 sparse output ({target}): {releases}"
     fmt = scheme.output_format
-    return f"2:4 sparse output ({fmt}): loaded by {VLLM_RELEASES[fmt]}; current vLLM releases do not load it"
+    return f"2:4 sparse output ({fmt}): loaded by {FORMAT_RELEASES[CompressionFormat(fmt)]}; current vLLM releases do not load it"

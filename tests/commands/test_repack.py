@@ -366,7 +366,7 @@ def test_an_incompletely_written_output_is_an_internal_error(tiny_llama, tmp_pat
     """The writer's "tensors incompletely written" is ctconvert's own inconsistency: exit 1 (internal error), not
     6 ("output cannot be written"), which sends the user to check the disk."""
     from ctconvert.errors import EXIT_INTERNAL
-    from ctconvert.layouts import kernels
+    from ctconvert.plan import kernel_targets as kernels
 
     api.quantize(tiny_llama, tmp_path / "q", "W4A16")
     repack(tmp_path / "q", tmp_path / "k", "marlin", device="cpu")

@@ -218,3 +218,16 @@ def test_cuda_same_bytes_as_compressed_tensors():
                 assert same(v.cpu(), t[f"expected.layers.{j}.{k}"]), (i, j, k)
             n += 1
     assert n > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int8])
+def test_bitmask_values_inverts_decompress24(dtype):
+    """The bitmask's one home: the values at its positions (what a 2:4 kernel layout gives back) are ``compressed``."""
+    from ctconvert.formats.sparse24 import BITMASK, bitmask_values
+
+    w = prune24(torch.randn(16, 32, generator=torch.Generator().manual_seed(7)))
+    w = (w * 30).round().to(torch.int8) if dtype == torch.int8 else w.to(dtype)
+    c = compress24(w)
+    dense = BITMASK.dense(c["compressed"], c["bitmask"], (16, 32))
+    assert same(bitmask_values(dense, c["bitmask"]), c["compressed"]) and same(BITMASK.values(dense, c["bitmask"]), c["compressed"])
+    assert torch.equal(BITMASK.unpack(BITMASK.pack(mask24(w)), 32), mask24(w))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ctconvert.layouts import batched, kernels
+from ctconvert.plan.kernel_targets import KERNELS
 
 from helpers import DEVICES, bitwise_equal
 
@@ -84,9 +85,9 @@ def _cases():
 @pytest.mark.parametrize("case", range(len(_cases())))
 def test_batch_equals_per_module(device, act, case):
     kernel, t, w, fmt = _cases()[case]
-    outs, recs = batched.repack_batch(kernel, {p: x.to(device) for p, x in t.items()}, w, "0.33", act)
+    outs, recs = batched.repack_batch(KERNELS[kernel], {p: x.to(device) for p, x in t.items()}, w, "0.33", act)
     for i in range(B):
-        ref, rec = kernels.repack_module(kernel, {p: x[i] for p, x in t.items()}, w, "0.33", act)
+        ref, rec = kernels.repack_module(KERNELS[kernel], {p: x[i] for p, x in t.items()}, w, "0.33", act)
         assert outs.keys() == ref.keys() and ("bias" in t) == ("bias" in ref)
         for p in ref:
             assert bitwise_equal(outs[p][i], ref[p]), (kernel, p, i)
@@ -99,4 +100,4 @@ def test_batch_of_mixed_shapes_is_refused():
     _, t, w, fmt = _int_case(torch.Generator().manual_seed(0), 64, 128, -1, 4)
     t["weight_shape"][1] = torch.tensor([64, 120])
     with pytest.raises(ValueError, match="one shape"):
-        batched.repack_batch("marlin-int", t, w, "0.33", torch.bfloat16)
+        batched.repack_batch(kernels.MARLIN_INT, t, w, "0.33", torch.bfloat16)

@@ -43,32 +43,29 @@ def zero_signless(x):
     return torch.where((bits & mask) == 0, torch.zeros((), dtype=bits.dtype), bits).view(x.dtype)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_sm90_against_cutlass_vectors(device):
-    n = 0
-    for i, p, ins, exp in cases("cutlass_sm90_2of4.safetensors"):
-        d = ins["dense"].to(device)
-        out = L.sm90_compress(d)
-        assert list(out["values"].shape) == p["values_shape"] and list(out["meta"].shape) == p["meta_shape"], i
-        for name in p["expected"]:
-            assert bitwise_equal(out[name], exp[name]), (i, name)
-        back = L.sm90_decompress(out["values"], out["meta"], p["M"], p["K"])
-        assert bitwise_equal(back, zero_signless(ins["dense"]).to(device)), i
-        n += 1
-    assert n > 0
+def _sm90_expect(out, p, back, dense):
+    assert list(out["values"].shape) == p["values_shape"] and list(out["meta"].shape) == p["meta_shape"]
+    assert bitwise_equal(back, zero_signless(dense).to(back.device))
+
+
+def _sm80_expect(out, p, back, dense):
+    assert str(out["meta"].dtype) == "torch." + p["meta_dtype"]
+    assert torch.equal(back.cpu(), dense)  # by value: a stored zero may be -0.0
+
+
+_VECTORS = [(L.SM90, "cutlass_sm90_2of4.safetensors", _sm90_expect), (L.SM80, "torch_sparse24.safetensors", _sm80_expect)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_sm80_against_torch_vectors(device):
+@pytest.mark.parametrize("layout, vectors, expect", _VECTORS, ids=["sm90", "sm80"])
+def test_layout_against_reference_vectors(device, layout, vectors, expect):
+    """SM90 against CUTLASS's compressor, SM80 against PyTorch's converter: every case of the file, and back."""
     n = 0
-    for i, p, ins, exp in cases("torch_sparse24.safetensors"):
-        d = ins["dense"].to(device)
-        out = L.sm80_compress(d)
-        assert str(out["meta"].dtype) == "torch." + p["meta_dtype"], i
+    for i, p, ins, exp in cases(vectors):
+        out = layout.compress(ins["dense"].to(device))
         for name in p["expected"]:
             assert bitwise_equal(out[name], exp[name]), (i, name)
-        back = L.sm80_decompress(out["values"], out["meta"])
-        assert torch.equal(back.cpu(), ins["dense"]), i  # by value: a stored zero may be -0.0
+        expect(out, p, layout.decompress(out["values"], out["meta"], p["M"], p["K"]), ins["dense"])
         n += 1
     assert n > 0
 

@@ -1,16 +1,19 @@
-"""Planning kernel-native layouts: which kernel takes each module, and its output tensors, before any data is read.
+"""The layout stage: which kernel takes each module, and its output tensors, before any data is read; then the repack.
 
 ``repack`` (from a compressed-tensors checkpoint) and ``quantize --target``
 (in one pass) plan through one :class:`KernelPlanner` (one cache key per
-module shape): :func:`kernel_for` picks the module's kernel from
-:data:`ctconvert.layouts.kernels.KERNELS` (or names the module it cannot
+module shape, :attr:`ModulePlan.key`, which ``repack`` also batches by):
+:func:`kernel_for` picks the module's kernel from the target's row of
+:data:`ctconvert.plan.kernel_targets.TARGETS` (or names the module it cannot
 take), and :func:`plan_module` runs the kernel's index math on stand-in
 tensors (meta, or host zeros) to get the output names, dtypes and shapes and
 the record the inverse needs.
 
-:class:`LayoutStage` is the ``(repack)`` step of ``quantize --target``: it
+:class:`LayoutStage` is the ``(layout)`` step of ``quantize --target``: it
 rewrites a quantize plan so that each quantized module outputs its kernel
-tensors, and is then called by the executor on each finished module.
+tensors (or, for a target that is a compressed-tensors format, ``marlin-24``,
+the format's stored tensors), and is then called by the executor on each
+finished module.
 """
 
 from __future__ import annotations
@@ -18,46 +21,37 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from typing import NamedTuple
 
 import torch
 
-from ..checkpoint.kernel_native import check_act_dtype, kernel_native_config
+from ..checkpoint.kernel_native import kernel_native_config
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import DTYPES, TORCH_TO_ST, read_tensor
 from ..errors import BadInputError, UnsupportedError, UsageError
+from ..formats import CompressionFormat
 from ..layouts import batched, kernels
-from .planner import Plan
+from ..layouts.kernels import Kernel
+from ..plan.kernel_targets import INVERSE_TARGET, TARGETS, check_target, choose_kernel
+from ..plan.planner import Plan
 
-__all__ = ["INVERSE_TARGET", "KernelPlanner", "LayoutStage", "check_layout_options", "kernel_for", "plan_module"]
-
-#: ``repack --target compressed-tensors``: undo a kernel-native checkpoint
-INVERSE_TARGET = "compressed-tensors"
-
-
-def check_layout_options(target: str, act_dtype: str, layout_version: str) -> None:
-    """Raise :class:`UsageError` for an unknown target, activation dtype or layout version."""
-    targets = [*kernels.TARGETS, INVERSE_TARGET]
-    if target not in targets:
-        raise UsageError(f"unknown --target {target!r}; choose one of {', '.join(targets)}")
-    check_act_dtype(act_dtype)
-    if layout_version not in kernels.LAYOUT_VERSIONS:
-        raise UsageError(f"unknown --layout-version {layout_version!r}; choose one of {', '.join(kernels.LAYOUT_VERSIONS)}")
+__all__ = ["KernelPlanner", "LayoutStage", "ModulePlan", "kernel_for", "plan_module"]
 
 
-def kernel_for(target: str, module: str, fmt: str | None, weights: dict, parts: set[str], file: str) -> str:
+def kernel_for(target: str, module: str, fmt: str | None, weights: dict, parts: set[str], file: str) -> Kernel:
     """The kernel ``target`` gives this module; :class:`UnsupportedError` naming the module when there is none."""
-    kernel = kernels.choose_kernel(target, weights, parts)
+    kernel = choose_kernel(target, weights, parts)
     if kernel is None:
         desc = f"{fmt}, {weights.get('type')} {weights.get('num_bits')}-bit {weights.get('strategy')}"
-        takes = "; ".join(f"{t} takes {what}" for t, what in kernels.TARGETS.items())
-        if fmt == "int-quantized":  # W8A8: vLLM runs these on its int8 GEMM kernels, with no load-time repack to build
+        takes = "; ".join(f"{t.name} takes {t.takes}" for t in TARGETS.values())
+        if fmt == CompressionFormat.INT_QUANTIZED:  # W8A8: vLLM runs these on its int8 GEMM kernels, with no load-time repack to build
             takes += "; int-quantized W8A8 runs on vLLM's int8 GEMM kernels, not Marlin: serve the compressed-tensors checkpoint as it is"
         raise UnsupportedError(f"module {module!r} ({desc}): target {target!r} does not take it; {takes}", file=file)
     return kernel
 
 
 def plan_module(
-    kernel: str,
+    kernel: Kernel,
     meta_in: dict[str, torch.Tensor],
     source: dict[str, tuple[str, tuple[int, ...]]],
     weights: dict,
@@ -86,10 +80,21 @@ def plan_module(
                 raise
             outs, rec = kernels.repack_module(kernel, values(), weights, layout_version, act_dtype)
     except (ValueError, NotImplementedError) as e:
-        raise UnsupportedError(f"cannot repack for {kernel}: {e}", file=file, tensor=tensor) from e
+        raise UnsupportedError(f"cannot repack for {kernel.name}: {e}", file=file, tensor=tensor) from e
     rec["source_tensors"] = {p: [dt, list(shape)] for p, (dt, shape) in source.items()}
     rec["tensors"] = sorted(outs)
     return outs, rec
+
+
+class ModulePlan(NamedTuple):
+    """One module's kernel plan (:meth:`KernelPlanner.plan`): ``outputs`` ``{part: (safetensors dtype, shape)}``,
+    ``record`` (the caller's own copy), and ``key``, the planner's cache key: modules of one key have one plan
+    (``repack`` repacks them together)."""
+
+    kernel: Kernel
+    outputs: dict[str, tuple[str, tuple[int, ...]]]
+    record: dict
+    key: tuple
 
 
 class KernelPlanner:
@@ -107,19 +112,17 @@ class KernelPlanner:
     """
 
     def __init__(self, target: str, layout_version: str = kernels.DEFAULT_LAYOUT_VERSION, act_dtype: str = "bf16", stand_ins: str = "meta"):
-        check_layout_options(target, act_dtype, layout_version)
-        self.target, self.layout_version, self.act = target, layout_version, check_act_dtype(act_dtype)
+        self.target, self.layout_version, self.act = target, layout_version, check_target(target, act_dtype, layout_version)
         self.stand_ins = stand_ins
         self._plans: dict[tuple, tuple[dict, dict]] = {}
 
     def plan(
         self, module: str, fmt: str | None, weights: dict, parts: dict[str, tuple[str, tuple[int, ...]]], dense: tuple[int, int], file: str, tensor: str
-    ) -> tuple[str, dict[str, tuple[str, tuple[int, ...]]], dict]:
-        """``(kernel, {part: (safetensors dtype, shape)}, record)`` of one module: ``parts`` are its
-        compressed-tensors tensors (every one: local name -> safetensors dtype and shape), ``dense`` its
-        ``(N, K)``; ``file``/``tensor`` name it in errors. The record is the caller's own copy."""
+    ) -> ModulePlan:
+        """The :class:`ModulePlan` of one module: ``parts`` are its compressed-tensors tensors (every one: local
+        name -> safetensors dtype and shape), ``dense`` its ``(N, K)``; ``file``/``tensor`` name it in errors."""
         kernel = kernel_for(self.target, module, fmt, weights, set(parts), file)
-        key = (kernel, tuple(sorted((p, dt, tuple(sh)) for p, (dt, sh) in parts.items())), tuple(dense), json.dumps(weights, sort_keys=True, default=str))
+        key = (kernel.name, tuple(sorted((p, dt, tuple(sh)) for p, (dt, sh) in parts.items())), tuple(dense), json.dumps(weights, sort_keys=True, default=str))
         if key not in self._plans:
             first, other = ("meta", "zeros") if self.stand_ins == "meta" else ("zeros", "meta")
             args = (parts, weights, self.layout_version, self.act, file, tensor)
@@ -131,7 +134,7 @@ class KernelPlanner:
                 outs, rec = plan_module(kernel, _stand_ins(parts, dense, "meta"), *args)  # zeros fail a value check
             self._plans[key] = ({p: (TORCH_TO_ST[t.dtype], tuple(t.shape)) for p, t in outs.items()}, rec)
         outs, rec = self._plans[key]
-        return kernel, dict(outs), copy.deepcopy(rec)
+        return ModulePlan(kernel, dict(outs), copy.deepcopy(rec), key)
 
 
 def _stand_ins(parts: dict, dense: tuple[int, int], kind: str) -> dict[str, torch.Tensor]:
@@ -156,13 +159,14 @@ class LayoutStage:
     """
 
     def __init__(self, target: str, layout_version: str = kernels.DEFAULT_LAYOUT_VERSION, act_dtype: str = "bf16"):
-        check_layout_options(target, act_dtype, layout_version)
+        self.act = check_target(target, act_dtype, layout_version)
         if target == INVERSE_TARGET:
             raise UsageError("--target compressed-tensors is what quantize writes already; leave --target out")
         self.target, self.layout_version, self.act_dtype = target, layout_version, act_dtype
+        self.spec = TARGETS[target]
         self.planner = KernelPlanner(target, layout_version, act_dtype, stand_ins="zeros")
         self.records: dict[str, dict] = {}
-        self.kernels: dict[str, tuple[str, dict]] = {}  # module -> (kernel, weight args)
+        self.kernels: dict[str, tuple[Kernel | None, dict]] = {}  # module -> (kernel, weight args); None: the target's format packs it
         self._outputs: dict[str, dict] = {}  # module -> {part: (safetensors dtype, shape)} of its kernel tensors
         self.carried: dict[str, dict[str, tuple]] = {}  # module -> {part: (source TensorInfo, --dense-dtype cast)}
 
@@ -202,7 +206,7 @@ class LayoutStage:
         which :meth:`plan` sends through the module's kernel; their plan rows say so (also for a dry run).
         Nothing for a target whose output is a compressed-tensors format (marlin-24): its kernel takes no
         bias, and the copies stay what compressed-tensors writes (the same bytes, at the same offsets)."""
-        if self.target in kernels.CT_FORMAT_TARGETS:
+        if self.spec.ct_format is not None:
             return {}
         repacked = {m for u in plan.units if u.kind == "quantize" for m in u.modules}
         carried: dict[str, list] = {}
@@ -218,7 +222,12 @@ class LayoutStage:
 
     def _plan_module(self, mod: str, outs: list, src, weights: dict, fmt: str) -> list[tuple[str, str, tuple[int, ...]]]:
         parts = {name.rpartition(".")[2]: (dt, tuple(shape)) for name, dt, shape in outs}
-        kernel, kouts, rec = self.planner.plan(mod, fmt, weights, parts, tuple(src.shape), src.file.name, src.name)
+        if self.spec.packs(fmt):  # the target's own compressed-tensors format (marlin-24): packed, no kernel
+            st = {p: (DTYPES[dt][0], shape) for p, (dt, shape) in parts.items()}
+            kernel, rec = None, {"size_n": src.shape[0], "size_k": src.shape[1]}
+            kouts = {p: (TORCH_TO_ST[dt], tuple(shape)) for p, (dt, shape) in self.spec.packed_outputs(st, tuple(src.shape), weights).items()}
+        else:
+            kernel, kouts, rec, _ = self.planner.plan(mod, fmt, weights, parts, tuple(src.shape), src.file.name, src.name)
         self.records[mod] = rec
         self.kernels[mod] = (kernel, weights)
         self._outputs[mod] = kouts
@@ -227,12 +236,12 @@ class LayoutStage:
     def __call__(self, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Kernel tensors of one quantized module (its compressed-tensors tensors, whole, on any device)."""
         kernel, weights = self.kernels[module]
+        if kernel is None:
+            return self.spec.pack(tensors, weights)
         dev = next(iter(tensors.values())).device
         tensors = {**tensors, **{p: self._read_carried(info, cast).to(dev) for p, (info, cast) in self.carried.get(module, {}).items()}}
         planned = ({p: (DTYPES[dt][0], shape) for p, (dt, shape) in self._outputs[module].items()}, self.records[module])  # not planned again
-        outs, recs = batched.repack_batch(
-            kernel, {p: t.unsqueeze(0) for p, t in tensors.items()}, weights, self.layout_version, check_act_dtype(self.act_dtype), planned=planned
-        )
+        outs, recs = batched.repack_batch(kernel, {p: t.unsqueeze(0) for p, t in tensors.items()}, weights, self.layout_version, self.act, planned=planned)
         self.records[module].update(recs[0])
         return {p: t[0] for p, t in outs.items()}
 
@@ -257,6 +266,6 @@ class LayoutStage:
     def config(self, qcfg: dict) -> dict:
         """The kernel-native ``quantization_config`` wrapping the compressed-tensors one (a target whose
         output is a compressed-tensors format, marlin-24, keeps that config)."""
-        if self.target in kernels.CT_FORMAT_TARGETS:
+        if self.spec.ct_format is not None:
             return qcfg
         return kernel_native_config(qcfg, self.target, self.layout_version, self.act_dtype, self.records)

@@ -1,0 +1,1 @@
+"""The stages of a conversion: source -> plan -> (calibrate) -> quantize -> (layout) -> write."""
