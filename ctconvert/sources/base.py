@@ -136,9 +136,11 @@ class SourceFormat:
     ``quantization_config.quant_method`` it reads; ``config_file``: the tool's own config file beside
     ``config.json`` (None: ``config.json`` only)."""
 
-    kind: ClassVar[str] = "dense"
-    quant_method: ClassVar[str | None] = None
-    config_file: ClassVar[str | None] = None
+    def __init__(self, kind: str = "dense", quant_method: str | None = None, config_file: str | None = None):
+        self.kind, self.quant_method, self.config_file = kind, quant_method, config_file
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.kind!r})"
 
     def recognises(self, qcfg: dict | None) -> bool:
         """Whether ``qcfg`` (a ``quantization_config``) is this format's."""

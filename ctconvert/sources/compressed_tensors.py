@@ -44,8 +44,6 @@ class CompressedTensorsModule(SourceModule):
 class CompressedTensorsFormat(SourceFormat):
     """``quant_method: "compressed-tensors"``."""
 
-    kind: ClassVar[str] = "compressed-tensors"
-    quant_method: ClassVar[str] = "compressed-tensors"
     no_lossless: ClassVar[str] = "already a compressed-tensors checkpoint"
 
     def read(self, ckpt, qcfg, where, groups):
@@ -101,4 +99,4 @@ def _describe(a: WeightArgs) -> str:
 
 
 #: the registered object (:mod:`ctconvert.sources`)
-COMPRESSED_TENSORS = CompressedTensorsFormat()
+COMPRESSED_TENSORS = CompressedTensorsFormat("compressed-tensors", "compressed-tensors")

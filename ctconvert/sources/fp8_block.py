@@ -27,14 +27,8 @@ class FP8BlockModule(SourceModule):
     """One E4M3 ``weight`` with its ``weight_scale_inv`` (``args["block"]``: ``(bh, bw)``)."""
 
     kind: ClassVar[str] = "fp8-block"
-
-    @property
-    def bits(self) -> int:
-        return 8
-
-    @property
-    def group_size(self) -> int | None:
-        return None
+    bits = 8  # E4M3
+    group_size = None  # block scales (:attr:`block`)
 
     @property
     def block(self) -> list[int] | None:
@@ -49,9 +43,6 @@ class FP8BlockModule(SourceModule):
 
 class FP8BlockFormat(SourceFormat):
     """``quant_method: "fp8"`` with a two-value ``weight_block_size``."""
-
-    kind: ClassVar[str] = "fp8-block"
-    quant_method: ClassVar[str] = "fp8"
 
     def read(self, ckpt, qcfg, where, groups):
         block = qcfg.get("weight_block_size")
@@ -85,4 +76,4 @@ class FP8BlockFormat(SourceFormat):
 
 
 #: the registered object (:mod:`ctconvert.sources`)
-FP8_BLOCK = FP8BlockFormat()
+FP8_BLOCK = FP8BlockFormat("fp8-block", "fp8")

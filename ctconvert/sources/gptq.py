@@ -18,7 +18,7 @@ from ..checkpoint.safetensors_io import read_tensor
 from ..errors import BadInputError, UnsupportedError
 from ..formats.foreign import gptq_unpack_cols, gptq_unpack_rows
 from .base import at, cols, need, shape_is
-from .grouped_int import GroupedIntFormat, GroupedIntModule, qweight
+from .grouped_int import GroupedIntFormat, GroupedIntModule
 
 __all__ = ["GPTQ", "GPTQFormat", "GPTQModule"]
 
@@ -28,7 +28,8 @@ class GPTQModule(GroupedIntModule):
 
     kind: ClassVar[str] = "gptq"
 
-    def int_rows(self, r0, r1):
+    def unpack(self, r0, r1):
+        """``qweight``'s columns ``[r0, r1)`` unpacked down the rows, ``qzeros`` along them (v1: ``+ 1``)."""
         bits, n_k = self.args["bits"], self.shape[1]
         per = 32 // bits
         q = gptq_unpack_rows(cols(self.parts["qweight"], r0, r1), bits)[:n_k].t()
@@ -36,38 +37,31 @@ class GPTQModule(GroupedIntModule):
         z = gptq_unpack_cols(cols(self.parts["qzeros"], w0, w1), bits).t()[r0 - w0 * per : r1 - w0 * per]
         if self.args["v1"]:
             z = (z + 1) & ((1 << bits) - 1)
-        s = cols(self.parts["scales"], r0, r1).t()
-        return q.contiguous(), z.contiguous(), s.contiguous(), self.g_idx()
+        return q, z
 
 
 class GPTQFormat(GroupedIntFormat):
     """``quant_method: "gptq"`` (``config.json`` or ``quantize_config.json``)."""
 
-    kind: ClassVar[str] = "gptq"
-    quant_method: ClassVar[str] = "gptq"
-    config_file: ClassVar[str] = "quantize_config.json"
-
-    def read(self, ckpt, qcfg, where, groups):
+    def settings(self, qcfg, where):
         fmt = str(qcfg.get("checkpoint_format") or qcfg.get("format") or "gptq").lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise UnsupportedError(f"GPTQ checkpoint_format {fmt!r}: only 'gptq' (v1) and 'gptq_v2' are read", file=where)
         bits = int(qcfg.get("bits") or 4)
         if 32 % bits:
             raise UnsupportedError(f"{bits}-bit GPTQ (values packed across int32 words) is not read", file=where)
-        gs = int(qcfg.get("group_size") or 128)
-        sym = bool(qcfg.get("sym", True))
-        out = []
-        for mod, parts in groups.items():
-            if (qw := qweight(parts)) is None:
-                continue
-            k, n = qw.shape[0] * 32 // bits, qw.shape[1]
-            g_size = k if gs <= 0 else gs
-            groups_n = math.ceil(k / g_size)
-            use = _tensors(parts, mod, qw, k, n, bits, g_size, groups_n)
-            args = {"bits": bits, "group_size": g_size, "groups": groups_n, "sym": sym, "v1": fmt == "gptq", "channel": gs <= 0}
-            label = f"gptq{'' if fmt == 'gptq' else '_v2'} int{bits} group {g_size}{'' if sym else ' asym'}{' act-order' if qcfg.get('desc_act') else ''}"
-            out.append(GPTQModule(mod, label, use, (n, k), use["scales"].dtype, 128, args))
-        return out, {}
+        act_order = " act-order" if qcfg.get("desc_act") else ""
+        return {"format": fmt, "bits": bits, "group_size": int(qcfg.get("group_size") or 128), "sym": bool(qcfg.get("sym", True)), "act_order": act_order}
+
+    def module(self, name, parts, qw, settings):
+        fmt, bits, gs, sym = settings["format"], settings["bits"], settings["group_size"], settings["sym"]
+        k, n = qw.shape[0] * 32 // bits, qw.shape[1]
+        g_size = k if gs <= 0 else gs
+        groups_n = math.ceil(k / g_size)
+        use = _tensors(parts, name, qw, k, n, bits, g_size, groups_n)
+        args = {"bits": bits, "group_size": g_size, "groups": groups_n, "sym": sym, "v1": fmt == "gptq", "channel": gs <= 0}
+        label = f"gptq{'' if fmt == 'gptq' else '_v2'} int{bits} group {g_size}{'' if sym else ' asym'}{settings['act_order']}"
+        return GPTQModule(name, label, use, (n, k), use["scales"].dtype, 128, args)
 
 
 def _tensors(parts, mod, qw, k, n, bits, g_size, groups_n) -> dict:
@@ -89,4 +83,4 @@ def _tensors(parts, mod, qw, k, n, bits, g_size, groups_n) -> dict:
 
 
 #: the registered object (:mod:`ctconvert.sources`)
-GPTQ = GPTQFormat()
+GPTQ = GPTQFormat("gptq", "gptq", "quantize_config.json")

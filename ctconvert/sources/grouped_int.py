@@ -19,7 +19,7 @@ from ..errors import BadInputError, UnsupportedError
 from ..formats import CompressionFormat
 from ..formats.foreign import dequant_grouped_int
 from ..formats.integer import pack_int32, pack_int32_dim0
-from .base import GroupSpec, SourceFormat, SourceModule, at, preset_key
+from .base import GroupSpec, SourceFormat, SourceModule, at, cols, preset_key
 
 __all__ = ["GroupedIntFormat", "GroupedIntModule", "qweight"]
 
@@ -33,10 +33,16 @@ _PRESETS = {  # (bits, symmetric, group size) -> compressed-tensors preset name 
 class GroupedIntModule(SourceModule):
     """An AWQ/GPTQ module; ``args``: ``bits``, ``group_size``, ``groups``, ``sym``, ``channel`` (one group per row)."""
 
+    def unpack(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[r0, r1)`` of the unsigned values ``q [r, K]`` and zero points ``[r, G]``, as the format packs them."""
+        raise NotImplementedError
+
     def int_rows(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows ``[r0, r1)``: unsigned ``q [r, K]``, zero points ``[r, G]`` (GPTQ v1 offset applied), scales
         ``[r, G]`` and ``g_idx [K]``."""
-        raise NotImplementedError
+        q, z = self.unpack(r0, r1)
+        s = cols(self.parts["scales"], r0, r1).t()
+        return q.contiguous(), z.contiguous(), s.contiguous(), self.g_idx()
 
     def g_idx(self) -> torch.Tensor:
         """The group of each input column: the stored ``g_idx`` (GPTQ) or ``k // group_size``."""
@@ -99,7 +105,20 @@ class GroupedIntModule(SourceModule):
 
 
 class GroupedIntFormat(SourceFormat):
-    """The lossless conversion AWQ and GPTQ share: one ``pack-quantized`` group (a preset where one matches)."""
+    """What AWQ and GPTQ share: a module per ``qweight``, and one ``pack-quantized`` group as the lossless
+    conversion (a preset where one matches)."""
+
+    def settings(self, qcfg: dict, where) -> dict:
+        """The config's settings every module is read with; :class:`UnsupportedError` for those not read."""
+        raise NotImplementedError
+
+    def module(self, name: str, parts: dict[str, TensorInfo], qw: TensorInfo, settings: dict) -> GroupedIntModule:
+        """The checked module of one ``qweight`` and the tensors beside it."""
+        raise NotImplementedError
+
+    def read(self, ckpt, qcfg, where, groups):
+        settings = self.settings(qcfg, where)
+        return [self.module(mod, parts, qw, settings) for mod, parts in groups.items() if (qw := qweight(parts)) is not None], {}
 
     def lossless(self, source, scheme=None) -> GroupSpec | None:
         """Raises :class:`UnsupportedError` for modules with different bits or group sizes."""

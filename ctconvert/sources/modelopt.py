@@ -46,14 +46,8 @@ class ModelOptModule(SourceModule):
     """One ModelOpt NVFP4 module (``weight``, ``weight_scale``, ``weight_scale_2``, ``input_scale`` if stored)."""
 
     kind: ClassVar[str] = "modelopt-nvfp4"
-
-    @property
-    def bits(self) -> int:
-        return 4
-
-    @property
-    def group_size(self) -> int | None:
-        return 16  # E2M1 values, one E4M3 scale per 16 (docs/compressed-tensors-format.md §4.4)
+    bits = 4
+    group_size = 16  # E2M1 values, one E4M3 scale per 16 (docs/compressed-tensors-format.md §4.4)
 
     def scale_2(self) -> torch.Tensor:
         """``weight_scale_2`` as one fp32 value ``[1]``."""
@@ -78,10 +72,6 @@ class ModelOptModule(SourceModule):
 
 class ModelOptFormat(SourceFormat):
     """``quant_method: "modelopt"`` (``config.json``, or ``hf_quant_config.json``'s ``quantization``)."""
-
-    kind: ClassVar[str] = "modelopt"
-    quant_method: ClassVar[str] = "modelopt"
-    config_file: ClassVar[str] = "hf_quant_config.json"
 
     def from_config_file(self, d: dict) -> dict:
         return {"quant_method": self.quant_method, **(d.get("quantization") or {}), "producer": d.get("producer")}
@@ -201,4 +191,4 @@ def _check_fused(source) -> None:
 
 
 #: the registered object (:mod:`ctconvert.sources`)
-MODELOPT = ModelOptFormat()
+MODELOPT = ModelOptFormat("modelopt", "modelopt", "hf_quant_config.json")
