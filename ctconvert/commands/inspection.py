@@ -30,6 +30,7 @@ from ..checkpoint.naming import BLOCK, decoder_layer_index, is_linear_weight, na
 from ..checkpoint.provenance import PROVENANCE, cast_tensors
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
 from ..errors import CTConvertError, agree, plural
+from ..formats import CompressionFormat
 from ..sources import SOURCE_CONFIG_FILES, Source, SourceModule, open_source
 from ..sources.compressed_tensors import COMPRESSED_TENSORS
 
@@ -365,7 +366,7 @@ def _totals(ckpt: Checkpoint, layers: list[dict]) -> dict:
 
 def _sparse_scheme(m: Module, scheme: str | None) -> str | None:
     """The scheme of a 2:4 sparse module gets ``2:4`` (``sparse-24-bitmask``, ``marlin-24``)."""
-    if str(m.format).startswith("sparse-24-bitmask") or m.format == "marlin-24":
+    if str(m.format).startswith(CompressionFormat.SPARSE_24_BITMASK.value) or m.format == CompressionFormat.MARLIN_24.value:
         return f"{scheme} 2:4" if scheme else "dense 2:4"
     return scheme
 
