@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .checkpoint.kernel_native import KERNEL_NATIVE, is_kernel_native
+from .checkpoint.reader import open_checkpoint
 from .checkpoint.writer import finished_shards, partial_output
 from .commands import batch as _batch
 from .commands import convert as _convert
@@ -24,10 +25,11 @@ from .commands import quantize as _quantize
 from .commands import repack as _repack
 from .commands import schemes as _schemes
 from .commands import verify as _verify
-from .errors import UsageError
+from .errors import CTConvertError, UsageError
 from .layouts.kernels import DEFAULT_LAYOUT_VERSION
 from .pipeline.options import QuantizeOptions
 from .plan.result import ConversionResult
+from .sources import Source, open_source
 
 #: the result of :func:`quantize` (also :func:`quantize_to_target`, :func:`convert`): the one result type
 QuantizeResult = ConversionResult
@@ -142,7 +144,8 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, options: Q
     """
     o = QuantizeOptions.from_kwargs(options, **kw)
     plain = o.group_size is None and o.symmetric is None and o.target is None
-    lossless, why = _convert.lossless_choice(src, scheme) if plain else (False, None)
+    source = _opened(src)
+    lossless, why = source.lossless_scheme(scheme) if plain and source is not None else (False, None)
     if lossless:
         changed = {
             "lm_head": o.lm_head != "none",
@@ -157,13 +160,23 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, options: Q
         if any(changed.values()):
             given = ", ".join(f"--{k.replace('_', '-')}" for k, v in changed.items() if v)
             raise UsageError(f"{scheme} is the source's own format: quantize converts it losslessly, which takes no {given}")
-        res = _convert.convert(src, out, scheme=scheme, max_shard_size=o.max_shard_size, overwrite=o.overwrite, dry_run=o.dry_run)
+        res = _convert.convert(source, out, scheme=scheme, max_shard_size=o.max_shard_size, overwrite=o.overwrite, dry_run=o.dry_run)
         res.notes = [f"lossless conversion of the {res.source_format} source (ctconvert convert): every dequantized value equals the source's", *res.notes]
         return res
-    res = _quantize.quantize(src, out, scheme, o, progress=progress)
+    res = _quantize.quantize(source if source is not None else src, out, scheme, o, progress=progress)
     if why is not None:
         res.notes.append(f"not converted losslessly ({why}): requantized")
     return res
+
+
+def _opened(src: str | Path) -> Source | None:
+    """``src`` opened as :func:`quantize` reads it, once for the lossless-or-requantize choice and the run; None when
+    it cannot be (not a checkpoint folder, or not one it reads): the command then says so in its own words, after
+    the checks it makes first (scheme, shard size, devices)."""
+    try:
+        return open_source(open_checkpoint(src, strict=True))
+    except CTConvertError:
+        return None
 
 
 def convert(

@@ -26,6 +26,7 @@ LAYERS = {
     "formats": 1,
     "layouts": 1,
     "checkpoint": 2,
+    "sources": 2.5,  # every input format as dense tensors (reads checkpoint, uses formats)
     "plan": 3,
     "calibration": 3.5,  # between plan and the quantizer (read -> plan -> calibrate -> quantize -> write)
     "pipeline": 4,

@@ -24,7 +24,8 @@ global scale matches, fused sets (q/k/v, gate/up) whose members have different
 requantizes such a source, each fused set to one global scale). Streaming by row
 chunks, written atomically like ``quantize``.
 
-Reads top to bottom: open the source -> choose the target -> check every module ->
+Reads top to bottom: open the source (or take the opened one) -> choose the target
+(the source format's lossless conversion, :mod:`ctconvert.sources`) -> check every module ->
 plan every output tensor (a dry run stops here) -> run the tasks -> config, provenance.
 """
 
@@ -32,150 +33,76 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import __version__
 from ..checkpoint.config import build_quantization_config, updated_config
-from ..checkpoint.naming import FUSED_OF, fused_set_name, is_generative, loader_patterns, tie_word_embeddings
+from ..checkpoint.naming import is_generative, loader_patterns, tie_word_embeddings
 from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import CONFIG_NAME, open_checkpoint
-from ..checkpoint.safetensors_io import PlannedTensor, read_tensor
-from ..checkpoint.sources import SOURCE_CONFIG_FILES, Source, SourceModule, open_source
+from ..checkpoint.safetensors_io import PlannedTensor
 from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
-from ..errors import BadInputError, CTConvertError, UnsupportedError, UsageError, agree, plural
-from ..formats.foreign import nvfp4_global_scale_for
+from ..errors import BadInputError, UnsupportedError, UsageError, agree, plural
 from ..pipeline.tasks import Compute, CopyTensor, run_tasks
 from ..plan.planner import Plan, TensorDecision
 from ..plan.result import ConversionResult
+from ..sources import SOURCE_CONFIG_FILES, GroupSpec, Source, SourceModule, open_source
 
-__all__ = ["ConvertResult", "GroupSpec", "convert", "lossless_choice", "lossless_target", "scheme_matches"]
+__all__ = ["ConvertResult", "convert", "lossless_target"]
 
 _CHUNK_ELEMS = 16 * 2**20
-_NVFP4_INPUTS = {
-    "num_bits": 4,
-    "type": "float",
-    "symmetric": True,
-    "group_size": 16,
-    "strategy": "tensor_group",
-    "dynamic": "local",
-    "scale_dtype": "torch.float8_e4m3fn",
-    "observer": "static_minmax",
-}
-_PRESETS = {  # (bits, symmetric, group size) -> compressed-tensors preset name (plan/schemes.py)
-    (4, True, 128): "W4A16",
-    (4, False, 128): "W4A16_ASYM",
-    (8, True, 128): "W8A16",
-}
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """One config group of a conversion: the compressed-tensors weight (and input) QuantizationArgs.
-
-    ``name``: the preset it equals (or a description); ``format``: the compressed-tensors format."""
-
-    name: str
-    format: str
-    weights: dict
-    inputs: dict | None = None
-
-    def config_group(self, targets: list[str]) -> dict:
-        """The ``config_groups`` entry, as compressed-tensors 0.20 ``QuantizationScheme.model_dump`` writes it."""
-        return {"targets": list(targets), "weights": dict(self.weights), "input_activations": self.inputs, "output_activations": None, "format": self.format}
-
 
 #: the result of a lossless conversion: the one result type of every conversion (``lossless`` set)
 ConvertResult = ConversionResult
 
 
-def lossless_target(source: Source, with_inputs: bool | None = None) -> GroupSpec:
-    """The compressed-tensors group that holds ``source``'s values exactly. Raises :class:`UnsupportedError`
-    for a source no compressed-tensors format re-expresses (compressed-tensors itself, FP8 block)."""
-    mods = list(source.modules.values())
-    kind = source.kind
-    if kind == "modelopt":
-        inputs = all("input_scale" in m.parts for m in mods) if with_inputs is None else with_inputs
-        return GroupSpec("NVFP4" if inputs else "NVFP4A16", "nvfp4-pack-quantized", mods[0].ct_weights(), dict(_NVFP4_INPUTS) if inputs else None)
-    if kind in ("awq", "gptq"):
-        specs = {(m.args["bits"], m.args["sym"], m.args["group_size"], m.args["channel"]) for m in mods}
-        if len(specs) > 1:
-            raise UnsupportedError(f"{kind} modules with different bits/group sizes: {sorted(specs)}", file=source.config_file)
-        bits, sym, gs, channel = specs.pop()
-        name = _PRESETS.get((bits, sym, gs)) if not channel else None
-        if name is None:
-            name = f"W{bits}A16{'' if sym else '_ASYM'} ({'channel' if channel else f'group {gs}'})"
-        return GroupSpec(name, "pack-quantized", mods[0].ct_weights())
-    what = "already a compressed-tensors checkpoint" if kind == "compressed-tensors" else f"{kind} has no compressed-tensors format that holds its values"
-    raise UnsupportedError(f"{what}: nothing to convert losslessly; requantize with ctconvert quantize --scheme", file=source.config_file)
-
-
-def scheme_matches(spec: GroupSpec, scheme: str) -> bool:
-    """Whether the preset name ``scheme`` asks for exactly ``spec`` (NVFP4A16 also matches an NVFP4 source: its input scales are left out)."""
-    key = str(getattr(scheme, "name", scheme)).strip().upper()  # a preset name, or a Scheme
-    if spec.format == "nvfp4-pack-quantized":
-        return key in ("NVFP4", "NVFP4A16", "W4A4_NVFP4")
-    return key == spec.name
-
-
-def lossless_choice(src: str | Path, scheme: str) -> tuple[bool, str | None]:
-    """Whether ``quantize src --scheme scheme`` is a lossless conversion of a ModelOpt, AWQ or GPTQ source:
-    ``(True, None)`` when ``scheme`` is the one that holds its values exactly; ``(False, why)`` when it is
-    that scheme but a module uses what compressed-tensors cannot express (the run requantizes instead);
-    ``(False, None)`` otherwise (a dense or compressed-tensors source, another scheme)."""
-    try:
-        source = open_source(open_checkpoint(src, strict=True))
-    except CTConvertError:  # not a checkpoint folder, or not one it reads: quantize says so in its own words
-        return False, None
-    if source.kind not in ("modelopt", "awq", "gptq"):
-        return False, None
-    spec = lossless_target(source)
-    if not scheme_matches(spec, scheme):
-        return False, None
-    for m in source.modules.values():
-        if (problem := m.ct_problem()) is not None:
-            return False, f"{m.anchor.name}: {problem}"
-    if source.kind == "modelopt" and (found := _fused_scale_problem(source)) is not None:
-        return False, f"{found[0].name}: {found[1]}; each fused set requantized to one shared global scale"
-    return True, None
+def lossless_target(source: Source, scheme: str | None = None) -> GroupSpec:
+    """The compressed-tensors group that holds ``source``'s values exactly (:meth:`~ctconvert.sources.SourceFormat.lossless`),
+    for the preset ``scheme`` (None: the source's own). Raises :class:`UnsupportedError` for a source no
+    compressed-tensors format re-expresses (compressed-tensors itself, FP8 block), :class:`UsageError` for another scheme."""
+    spec = source.format.lossless(source)
+    if spec is None:
+        what = source.format.no_lossless
+        raise UnsupportedError(f"{what}: nothing to convert losslessly; requantize with ctconvert quantize --scheme", file=source.config_file)
+    if scheme is None:
+        return spec
+    asked = source.format.lossless(source, scheme)
+    if asked is None:
+        fix = f"requantize with ctconvert quantize --scheme {scheme}"
+        raise UsageError(f"the {source.kind} source converts losslessly to {spec.name} only, not {scheme!r}; {fix}")
+    return asked
 
 
 def convert(
-    src: str | Path, out: str | Path | None, *, scheme: str | None = None, max_shard_size: str | int = "5GB", overwrite: bool = False, dry_run: bool = False
+    src: str | Path | Source,
+    out: str | Path | None,
+    *,
+    scheme: str | None = None,
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+    dry_run: bool = False,
 ) -> ConversionResult:
-    """Convert ``src`` losslessly to compressed-tensors at ``out``; see :func:`ctconvert.api.convert`."""
+    """Convert ``src`` (a path, or its opened :class:`~ctconvert.sources.Source`) losslessly to compressed-tensors
+    at ``out``; see :func:`ctconvert.api.convert`."""
     t0 = time.perf_counter()
-    src = Path(src)
+    source = src if isinstance(src, Source) else None
+    src = source.original.path if source is not None else Path(src)
     shard_limit = parse_size(max_shard_size)
-    source = open_source(open_checkpoint(src, strict=True))
+    if source is None:
+        source = open_source(open_checkpoint(src, strict=True))
     if not source.quantized:
         raise BadInputError(
             "not a quantized checkpoint (config.json has no quantization_config): nothing to convert; `ctconvert quantize SRC -o OUT --scheme S` quantizes it",
             file=src / CONFIG_NAME,
         )
-    spec = lossless_target(source)
-    if scheme is not None:
-        if not scheme_matches(spec, scheme):
-            raise UsageError(
-                f"the {source.kind} source converts losslessly to {spec.name} only, not {scheme!r}; requantize with ctconvert quantize --scheme {scheme}"
-            )
-        if spec.format == "nvfp4-pack-quantized":
-            spec = lossless_target(source, with_inputs=scheme.strip().upper() != "NVFP4A16")
+    spec = lossless_target(source, scheme)
     notes: list[str] = []
     extra = _check_modules(source, spec, notes)
     planned, tasks, rows, ignore = _plan(source, spec, extra)
-    plan = Plan(
-        scheme=spec,
-        units=[],
-        rows=rows,
-        ignore=ignore,
-        config_groups={"group_0": (spec, ["Linear"])},
-        config_updates={},
-        notes=notes,
-        input_bytes=source.original.total_bytes,
-    )
+    groups = {"group_0": (spec, ["Linear"])}
+    plan = Plan(scheme=spec, units=[], rows=rows, ignore=ignore, config_groups=groups, config_updates={}, notes=notes, input_bytes=source.original.total_bytes)
     result = ConversionResult(
         output=str(out) if out is not None else None,
         scheme=spec.name,
@@ -198,9 +125,17 @@ def convert(
         return result
     if out is None:
         raise UsageError("an output folder is required (-o/--output)")
-    out = Path(out)
+    result.output_bytes = _write(source, Path(out), planned, tasks, plan, shard_limit, overwrite)
+    result.shards = sorted({p.name for p in Path(out).glob("*.safetensors")})
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _write(source: Source, out: Path, planned: list[PlannedTensor], tasks: list, plan: Plan, shard_limit: int, overwrite: bool) -> int:
+    """Write the planned tensors, the config and the provenance into ``out`` (atomically); returns the bytes written."""
+    src = source.original.path
     check_output_path(src, out, overwrite)
-    qconfig = build_quantization_config(plan.config_groups, spec.format, ignore)
+    qconfig = build_quantization_config(plan.config_groups, plan.scheme.format, plan.ignore)
 
     def config():
         return updated_config(source.view.config, qconfig, {})
@@ -210,9 +145,9 @@ def convert(
         "source": os.path.normpath(os.path.abspath(src)),  # absolute and normalised, as derived_from's path
         "conversion": "lossless",
         "derived_from": source.derived_from(),
-        "tensors": {r.name: r.source for r in rows if r.action == "convert"},
+        "tensors": {r.name: r.source for r in plan.rows if r.action == "convert"},
     }
-    result.output_bytes = write_checkpoint(
+    return write_checkpoint(
         src,
         out,
         planned,
@@ -223,78 +158,15 @@ def convert(
         skip={PROVENANCE, *SOURCE_CONFIG_FILES},
         files={PROVENANCE: prov},
     )
-    result.shards = sorted({p.name for p in out.glob("*.safetensors")})
-    result.seconds = time.perf_counter() - t0
-    return result
 
 
 def _check_modules(source: Source, spec: GroupSpec, notes: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     """Refuse what compressed-tensors cannot express (naming the tensor and the feature); returns the
-    whole-module tensors computed here (NVFP4 global scales, input global scales) by module."""
-    extra: dict[str, dict[str, torch.Tensor]] = {}
-    inexact = []
+    whole-module tensors computed by the format (NVFP4 global scales, input global scales) by module."""
     for m in source.modules.values():
-        a = m.anchor
-        problem = m.ct_problem()
-        if problem is not None:
-            raise UnsupportedError(problem, file=str(a.file), tensor=a.name)
-        if source.kind != "modelopt":
-            continue
-        w2 = float(m.scale_2())
-        found = nvfp4_global_scale_for(w2)
-        if found is None:
-            raise UnsupportedError(
-                f"weight_scale_2 {w2!r} has no fp32 weight_global_scale that gives the same values (compressed-tensors divides by it)",
-                file=str(m.parts["weight_scale_2"].file),
-                tensor=m.parts["weight_scale_2"].name,
-            )
-        g, exact = found
-        if not exact:
-            inexact.append(m.name)
-        extra[m.name] = {"weight_global_scale": g.reshape(1)}
-        if spec.inputs is not None:
-            if "input_scale" not in m.parts:
-                raise BadInputError("NVFP4 (W4A4) needs input_scale for every module (scales missing)", file=str(a.file), tensor=a.name)
-            s = read_tensor(m.parts["input_scale"]).to(torch.float32).reshape(-1)[:1]
-            extra[m.name]["input_global_scale"] = (1 / s).reshape(1)  # as compressed-tensors 0.20 converters/modelopt_nvfp4.py
-    if source.kind == "modelopt":
-        _check_fused(source)
-    if inexact:
-        notes.append(
-            f"{plural(len(inexact), 'module')} (e.g. {inexact[0]}): 1 / weight_global_scale differs from weight_scale_2 in the last fp32 bit; "
-            "every dequantized value is equal (compressed-tensors' formula), a kernel that multiplies by 1 / global scale sees a 1-ulp different factor"
-        )
-    return extra
-
-
-def _fused_scale_problem(source: Source):
-    """The first fused set (q/k/v, gate/up) of a ModelOpt source whose members have different ``weight_scale_2``,
-    as ``(tensor info, message)``, else None: vLLM keeps one global scale per fused layer (and garbles MoE output
-    from such checkpoints, vllm#54974), and compressed-tensors' ``weight_global_scale`` cannot differ within one."""
-    sets: dict[str, list[SourceModule]] = {}
-    for m in source.modules.values():
-        parent, _, leaf = m.name.rpartition(".")
-        if leaf in FUSED_OF:
-            sets.setdefault(fused_set_name(parent, FUSED_OF[leaf]), []).append(m)
-    for name, members in sets.items():
-        values = {m.name.rpartition(".")[2]: float(m.scale_2()) for m in members}
-        if len(set(values.values())) > 1:
-            return members[-1].parts["weight_scale_2"], f"fused set {name} has a different weight_scale_2 per member ({values})"
-    return None
-
-
-def _check_fused(source: Source) -> None:
-    """Members of a fused set (q/k/v, gate/up) must share ``weight_scale_2``: vLLM keeps one global scale per fused
-    layer. A lossless conversion cannot give them one; ``quantize --scheme NVFP4A16`` requantizes them to one."""
-    found = _fused_scale_problem(source)
-    if found is not None:
-        info, message = found
-        raise UnsupportedError(
-            f"{message}; vLLM keeps one global scale per fused layer, so no lossless conversion exists: "
-            "`ctconvert quantize SRC -o OUT --scheme NVFP4A16` requantizes each fused set to one shared global scale",
-            file=str(info.file),
-            tensor=info.name,
-        )
+        if (problem := m.ct_problem()) is not None:
+            raise UnsupportedError(problem, file=str(m.anchor.file), tensor=m.anchor.name)
+    return source.format.lossless_tensors(source, spec, notes)
 
 
 def _plan(source: Source, spec: GroupSpec, extra: dict):

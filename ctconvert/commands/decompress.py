@@ -1,7 +1,7 @@
 """``ctconvert decompress``: a quantized checkpoint -> a dense checkpoint (bf16 by default).
 
 The input is a compressed-tensors checkpoint, or any other source
-:mod:`ctconvert.checkpoint.sources` reads (Hugging Face FP8 block: bf16 from it
+:mod:`ctconvert.sources` reads (Hugging Face FP8 block: bf16 from it
 is exact; ModelOpt NVFP4, AutoAWQ, GPTQ), dequantized with its format's own math.
 
 Every quantized Linear (any format of :data:`ctconvert.formats.FORMATS`:
@@ -39,12 +39,13 @@ from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense
 from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, read_rows
-from ..checkpoint.sources import SOURCE_CONFIG_FILES, Source, open_source
 from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from ..errors import BadInputError, UnsupportedError, UsageError
-from ..formats import get_format
+from ..formats import CompressionFormat, get_format
 from ..pipeline.memory import fix_mmap_threshold
 from ..pipeline.tasks import CastTensor, ChunkBuffers, Compute, CopyTensor, run_tasks
+from ..sources import SOURCE_CONFIG_FILES, Source, open_source
+from ..sources.compressed_tensors import COMPRESSED_TENSORS
 
 __all__ = ["DTYPES", "decompress"]
 
@@ -90,7 +91,7 @@ def decompress(
         raise UsageError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     ckpt = open_checkpoint(src, strict=True)
     skip = {PROVENANCE}
-    ct = (ckpt.quantization_config or {}).get("quant_method") == "compressed-tensors"
+    ct = (ckpt.quantization_config or {}).get("quant_method") == COMPRESSED_TENSORS.quant_method  # decompressed module by module here
     source = None if ct else open_source(ckpt)
     name = dtype or _model_dtype(ckpt)
     od = DTYPES[name]
@@ -150,7 +151,7 @@ def _notes(ckpt: Checkpoint, planned: list[PlannedTensor]) -> list[str]:
 def _check_input(ckpt: Checkpoint, src: Path) -> None:
     qcfg = ckpt.quantization_config
     require_compressed_tensors(qcfg, src / CONFIG_NAME, "decompress", "this one is dense already")
-    if (qcfg.get("sparsity_config") or {}).get("format") not in (None, "dense", "sparse-24-bitmask"):
+    if (qcfg.get("sparsity_config") or {}).get("format") not in (None, CompressionFormat.DENSE.value, CompressionFormat.SPARSE_24_BITMASK.value):
         raise UnsupportedError(f"sparse format {qcfg['sparsity_config']['format']!r} cannot be decompressed", file=src / CONFIG_NAME)
     refuse(sparsity_problems(modules_of(ckpt), qcfg), src / CONFIG_NAME)  # a config that claims 2:4 over plain tensors
 
@@ -203,7 +204,7 @@ def _plan(ckpt: Checkpoint, od: torch.dtype, chunk_elems: int, cast_all: bool, b
 
 def _plan_view(source: Source, od: torch.dtype, chunk_elems: int, cast_all: bool = False):
     """Like :func:`_plan` for the other sources: every quantized module's dense weight is read through its
-    reader (:mod:`ctconvert.checkpoint.sources`: the source format's own math), cast to ``od``."""
+    reader (:mod:`ctconvert.sources`: the source format's own math), cast to ``od``."""
     view = source.view
     planned: list[PlannedTensor] = []
     tasks: list = []

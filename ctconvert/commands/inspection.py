@@ -29,8 +29,10 @@ from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fu
 from ..checkpoint.naming import BLOCK, decoder_layer_index, is_linear_weight, natural_key
 from ..checkpoint.provenance import PROVENANCE, cast_tensors
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
-from ..checkpoint.sources import SOURCE_CONFIG_FILES, Source, SourceModule, open_source
 from ..errors import CTConvertError, agree, plural
+from ..formats import CompressionFormat
+from ..sources import SOURCE_CONFIG_FILES, Source, SourceModule, open_source
+from ..sources.compressed_tensors import COMPRESSED_TENSORS
 
 __all__ = ["describe_weights", "inspect_checkpoint"]
 
@@ -130,7 +132,7 @@ def inspect_checkpoint(path: Path) -> dict:
 
     Every input format ``quantize`` and ``convert`` read is shown as what it is: compressed-tensors and dense
     folders from their tensors and config; AutoAWQ, GPTQ, Hugging Face FP8 block and ModelOpt NVFP4 through
-    their readers (:func:`ctconvert.checkpoint.sources.open_source`: format, bits, group size or block per
+    their readers (:func:`ctconvert.sources.open_source`: format, bits, group size or block per
     layer); a kernel-native output from its module records."""
     ckpt = open_checkpoint(path, strict=False)
     if is_kernel_native(ckpt.quantization_config):
@@ -178,7 +180,7 @@ def _foreign_source(ckpt: Checkpoint) -> tuple[Source | None, Problem | None] | 
     from ``config.json`` or the tool's own file beside it), ``(None, problem)`` when its reader refuses it
     (an error naming file and tensor), None for a dense or compressed-tensors checkpoint."""
     qcfg = ckpt.quantization_config
-    if (qcfg or {}).get("quant_method") == "compressed-tensors":
+    if (qcfg or {}).get("quant_method") == COMPRESSED_TENSORS.quant_method:  # read by the report of its own
         return None
     if qcfg is None and not any((ckpt.path / f).is_file() for f in SOURCE_CONFIG_FILES):
         return None
@@ -194,13 +196,7 @@ def _foreign_source(ckpt: Checkpoint) -> tuple[Source | None, Problem | None] | 
 def _source_row(m: SourceModule) -> dict:
     """The report row of one quantized module of another tool's format: ``format`` is the reader's kind, ``scheme``
     its label; ``bits`` and ``group_size`` (``block`` for FP8 block scales) as the source's config states them."""
-    a = m.args
-    if m.kind == "fp8-block":
-        bits, group, block = 8, None, list(a["block"])
-    elif m.kind == "modelopt-nvfp4":
-        bits, group, block = 4, 16, None  # NVFP4: E2M1 values, one E4M3 scale per 16 (docs/compressed-tensors-format.md §4.4)
-    else:
-        bits, group, block = a.get("bits"), (None if a.get("channel") else a.get("group_size")), None
+    bits, group, block = m.bits, m.group_size, m.block
     nbytes = sum(i.nbytes for i in m.parts.values())
     params = m.shape[0] * m.shape[1]
     row = {
@@ -370,7 +366,7 @@ def _totals(ckpt: Checkpoint, layers: list[dict]) -> dict:
 
 def _sparse_scheme(m: Module, scheme: str | None) -> str | None:
     """The scheme of a 2:4 sparse module gets ``2:4`` (``sparse-24-bitmask``, ``marlin-24``)."""
-    if str(m.format).startswith("sparse-24-bitmask") or m.format == "marlin-24":
+    if str(m.format).startswith(CompressionFormat.SPARSE_24_BITMASK.value) or m.format == CompressionFormat.MARLIN_24.value:
         return f"{scheme} 2:4" if scheme else "dense 2:4"
     return scheme
 

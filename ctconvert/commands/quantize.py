@@ -26,7 +26,6 @@ from ..checkpoint.naming import is_linear_weight
 from ..checkpoint.provenance import PROVENANCE, fingerprint, load_provenance, provenance, refresh_plan, shard_map, sources_by_shard
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
 from ..checkpoint.safetensors_io import PlannedTensor
-from ..checkpoint.sources import SOURCE_CONFIG_FILES, Source, open_source
 from ..checkpoint.writer import (
     OutputFolder,
     assign_shards,
@@ -50,6 +49,7 @@ from ..plan.planner import Plan, TensorDecision, make_plan
 from ..plan.result import ConversionResult
 from ..plan.schemes import resolve_scheme
 from ..plan.sparsity import SparseScheme, sparse_config, sparsity_warning
+from ..sources import SOURCE_CONFIG_FILES, Source, open_source
 from ..stages.layout import LayoutStage
 
 __all__ = ["QuantizeResult", "partial_hint", "quantize"]
@@ -96,14 +96,14 @@ def _describe_target(result: ConversionResult, layout: LayoutStage) -> None:
 def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeOptions, progress, layout: LayoutStage | None) -> ConversionResult:
     targets, ignore, refresh = _listed(o.targets), _listed(o.ignore), o.refresh
     t0 = time.perf_counter()
-    src = Path(src)
+    source, src = (src, src.original.path) if isinstance(src, Source) else (None, Path(src))  # a path, or the Source api opened
     shard_limit = parse_size(o.max_shard_size)
     devs = resolve_devices(o.device)
     if not o.sparsity:
         scheme = resolve_scheme(scheme, o.group_size, o.symmetric)
     elif o.group_size is not None or o.symmetric is not None:
         raise UsageError("--group-size/--symmetric/--asymmetric cannot be combined with --sparsity (2:4 takes the presets as they are)")
-    source = open_source(open_checkpoint(src, strict=True))
+    source = source if source is not None else open_source(open_checkpoint(src, strict=True))
     ckpt = source.view  # a quantized input is planned and read as its dequantized weights (requantize)
     _check_fused_sets(ckpt)
     plan_ignore = list(ignore or []) + [m for m in source.dense_linear if source.quantized]

@@ -13,7 +13,7 @@ tensor holds NaN/inf and no E4M3 byte is NaN (0x7F/0xFF, docs/field-notes.md
 report 2).
 
 With ``reference`` (the dense source, or a quantized one: then its weights
-dequantized by :mod:`ctconvert.checkpoint.sources`), an independent check that
+dequantized by :mod:`ctconvert.sources`), an independent check that
 reads the two checkpoints and nothing else (not the writer's plan, not the
 output's provenance): every quantized weight is dequantized and compared
 (relative L2, max abs, SNR in dB) against a per-format threshold (2:4 modules
@@ -48,13 +48,13 @@ from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, Problem, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_bytes, read_rows, read_tensor
-from ..checkpoint.sources import open_source
 from ..errors import CTConvertError, UsageError, agree, plural
 from ..formats import WeightArgs, get_format
 from ..formats.sparse24 import SPARSE_PREFIX, prune24
 from ..pipeline.zeros import candidate_rows, zero_rows
 from ..plan import kernel_targets as kernels
 from ..plan.parallel import checkpoint_modules, kernel_native_modules, parallel_report
+from ..sources import open_source
 
 __all__ = ["THRESHOLDS", "verify"]
 

@@ -24,8 +24,8 @@ from safetensors.torch import load_file, save_file
 from ctconvert import api
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.checkpoint.safetensors_io import read_rows, read_tensor
-from ctconvert.checkpoint.sources import open_source
 from ctconvert.errors import BadInputError, UnsupportedError
+from ctconvert.sources import open_source
 
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 from helpers import bitwise_equal
