@@ -47,6 +47,7 @@ from ..checkpoint.sources import SOURCE_CONFIG_FILES, Source, SourceModule, open
 from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from ..errors import BadInputError, CTConvertError, UnsupportedError, UsageError, agree, plural
 from ..formats.foreign import nvfp4_global_scale_for
+from ..options import DEFAULT_SHARD_SIZE
 from ..pipeline.tasks import Compute, CopyTensor, run_tasks
 from ..plan.planner import Plan, TensorDecision
 from ..plan.result import ConversionResult
@@ -143,7 +144,13 @@ def lossless_choice(src: str | Path, scheme: str) -> tuple[bool, str | None]:
 
 
 def convert(
-    src: str | Path, out: str | Path | None, *, scheme: str | None = None, max_shard_size: str | int = "5GB", overwrite: bool = False, dry_run: bool = False
+    src: str | Path,
+    out: str | Path | None,
+    *,
+    scheme: str | None = None,
+    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+    overwrite: bool = False,
+    dry_run: bool = False,
 ) -> ConversionResult:
     """Convert ``src`` losslessly to compressed-tensors at ``out``; see :func:`ctconvert.api.convert`."""
     t0 = time.perf_counter()

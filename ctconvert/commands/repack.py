@@ -35,6 +35,7 @@ from ..checkpoint.safetensors_io import DTYPES, PlannedTensor, read_tensor
 from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from ..errors import BadInputError, UsageError
 from ..layouts import batched, kernels
+from ..options import DEFAULT_SHARD_SIZE
 from ..pipeline.devices import resolve_device
 from ..pipeline.tasks import Compute, CopyTensor, run_tasks
 from ..plan.layout import INVERSE_TARGET, KernelPlanner, check_layout_options
@@ -52,7 +53,7 @@ def repack(
     layout_version: str = kernels.DEFAULT_LAYOUT_VERSION,
     act_dtype: str = "bf16",
     device: str = "auto",
-    max_shard_size: str | int = "5GB",
+    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     progress=None,
 ) -> dict:
