@@ -179,16 +179,27 @@ def _options(command: str):
     return add
 
 
+def _command(name: str, argument: str | None = None, **path):
+    """A command of the group: its path ``argument`` (``path``: click.Path's checks), its options from the option
+    table, the group's flags after its name, and the context object."""
+
+    def wrap(f):
+        f = _json_option(click.pass_obj(f))
+        if name in COMMANDS:
+            f = _options(name)(f)
+        if argument:
+            f = click.argument(argument, type=click.Path(path_type=str, **path))(f)
+        return main.command(name)(f)
+
+    return wrap
+
+
 def _need_output(output, dry_run: bool) -> None:
     if not dry_run and not output:
         raise click.UsageError("missing option -o/--output (or use --dry-run)")
 
 
-@main.command()
-@click.argument("src", type=click.Path(path_type=str))
-@_options("quantize")
-@_json_option
-@click.pass_obj
+@_command("quantize", "src")
 def quantize(ctx: _Ctx, src, output, scheme, all_layers, **given):
     """Quantize the Linear weights of the checkpoint SRC.
 
@@ -225,11 +236,7 @@ def quantize(ctx: _Ctx, src, output, scheme, all_layers, **given):
         sys.exit(result.error.exit_code)
 
 
-@main.command("inspect")
-@click.argument("path", type=click.Path(path_type=str))
-@_options("inspect")
-@_json_option
-@click.pass_obj
+@_command("inspect", "path")
 def inspect_cmd(ctx: _Ctx, path, all_layers):
     """Describe the checkpoint PATH from its headers.
 
@@ -246,11 +253,7 @@ def inspect_cmd(ctx: _Ctx, path, all_layers):
         sys.exit(errors.EXIT_BAD_INPUT)
 
 
-@main.command("verify")
-@click.argument("path", type=click.Path(path_type=str))
-@_options("verify")
-@_json_option
-@click.pass_obj
+@_command("verify", "path")
 def verify_cmd(ctx: _Ctx, path, reference, **checks):
     """Check the compressed-tensors checkpoint PATH.
 
@@ -266,11 +269,7 @@ def verify_cmd(ctx: _Ctx, path, reference, **checks):
         sys.exit(errors.EXIT_VERIFY_FAILED)
 
 
-@main.command("decompress")
-@click.argument("src", type=click.Path(path_type=str))
-@_options("decompress")
-@_json_option
-@click.pass_obj
+@_command("decompress", "src")
 def decompress_cmd(ctx: _Ctx, src, output, **options):
     """Write a dense copy of the compressed-tensors checkpoint SRC."""
     from . import api
@@ -282,11 +281,7 @@ def decompress_cmd(ctx: _Ctx, src, output, **options):
         render.decompress(res)
 
 
-@main.command("convert")
-@click.argument("src", type=click.Path(file_okay=False, path_type=str))
-@_options("convert")
-@_json_option
-@click.pass_obj
+@_command("convert", "src", file_okay=False)
 def convert_cmd(ctx: _Ctx, src, output, **options):
     """Losslessly re-express AWQ, GPTQ or ModelOpt NVFP4 checkpoints.
 
@@ -303,11 +298,7 @@ def convert_cmd(ctx: _Ctx, src, output, **options):
         render.convert(res)
 
 
-@main.command("repack")
-@click.argument("src", type=click.Path(path_type=str))
-@_options("repack")
-@_json_option
-@click.pass_obj
+@_command("repack", "src")
 def repack_cmd(ctx: _Ctx, src, output, target, **options):
     """Rebuild SRC's quantized weights in a kernel-native layout.
 
@@ -321,11 +312,7 @@ def repack_cmd(ctx: _Ctx, src, output, target, **options):
         render.repack(res, target, options["layout_version"])
 
 
-@main.command("batch")
-@click.argument("jobs_file", type=click.Path(dir_okay=False, path_type=str))
-@_options("batch")
-@_json_option
-@click.pass_obj
+@_command("batch", "jobs_file", dir_okay=False)
 def batch_cmd(ctx: _Ctx, jobs_file, keep_going):
     """Run the conversions listed in JOBS_FILE (YAML or JSON).
 
@@ -360,9 +347,7 @@ def batch_cmd(ctx: _Ctx, jobs_file, keep_going):
     sys.exit(code)
 
 
-@main.command()
-@_json_option
-@click.pass_obj
+@_command("schemes")
 def schemes(ctx: _Ctx):
     """List the schemes and the compressed-tensors format of each."""
     from . import api

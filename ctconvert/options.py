@@ -114,15 +114,11 @@ class Option:
 
 
 def _flag(name: str, help: str | None, doc: str, **kw) -> Option:
-    return Option(name, False, help, "flag", annotation="bool", doc=doc, **kw)
+    return Option(name, False, help=help, type="flag", annotation="bool", doc=doc, **kw)
 
 
 _DENSE_DTYPES = ("keep", "bf16", "fp16", "fp32")
 _ACT_DTYPES = (DEFAULT_ACT_DTYPE, "fp16")
-_SHARD_HELP = "Largest output shard (e.g. 5GB, 500MB)."
-_OVERWRITE_HELP = "Replace an existing output folder (atomically, at the end)."
-_TP_HELP = "Check that every tensor splits over this many tensor-parallel ranks."
-_EP_HELP = "Check the MoE experts for this many expert-parallel ranks (then not split by --tp)."
 
 #: every quantize option, in :class:`~ctconvert.pipeline.options.QuantizeOptions`' field order
 OPTIONS: dict[str, Option] = {
@@ -132,17 +128,17 @@ OPTIONS: dict[str, Option] = {
         Option(
             "lm_head",
             "none",
-            "Also quantize lm_head (own config group).",
-            "choice",
-            ("none", "nvfp4a16", "fp8"),
-            False,
+            help="Also quantize lm_head (own config group).",
+            type="choice",
+            choices=("none", "nvfp4a16", "fp8"),
+            case_sensitive=False,
             show_default=True,
             doc="``none`` | ``nvfp4a16`` | ``fp8``.",
         ),
         Option(
             "targets",
             None,
-            "Modules to quantize: names, re:patterns or Linear (default Linear). Repeat, or separate with commas.",
+            help="Modules to quantize: names, re:patterns or Linear (default Linear). Repeat, or separate with commas.",
             multiple=True,
             empty=None,
             annotation="tuple[str, ...] | None",
@@ -151,7 +147,7 @@ OPTIONS: dict[str, Option] = {
         Option(
             "ignore",
             None,
-            "Modules to leave dense (names or re:patterns), added to the defaults. Repeat, or separate with commas.",
+            help="Modules to leave dense (names or re:patterns), added to the defaults. Repeat, or separate with commas.",
             multiple=True,
             annotation="tuple[str, ...] | None",
             doc="names or ``re:`` patterns kept dense, added to the default ignores.",
@@ -170,8 +166,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "default_ignore",
             True,
-            "Drop every default ignore (lm_head, routers, towers, MTP, Linear outside the blocks).",
-            "flag",
+            help="Drop every default ignore (lm_head, routers, towers, MTP, Linear outside the blocks).",
+            type="flag",
             flags=("--no-default-ignore",),
             invert=True,
             annotation="bool",
@@ -186,10 +182,10 @@ OPTIONS: dict[str, Option] = {
         Option(
             "sparsity",
             None,
-            "Magnitude 2:4 pruning along K. With DENSE, FP8_DYNAMIC or W8A8: sparse-24-bitmask, which vLLM <= 0.18 loads "
+            help="Magnitude 2:4 pruning along K. With DENSE, FP8_DYNAMIC or W8A8: sparse-24-bitmask, which vLLM <= 0.18 loads "
             "(SM90; current vLLM does not); with W4A16 and --target marlin-24: marlin-24, which vLLM <= 0.15 loads.",
-            "choice",
-            ("2:4",),
+            type="choice",
+            choices=("2:4",),
             annotation="str | None",
             doc='``"2:4"``: magnitude 2:4 pruning along K before quantizing, written as ``sparse-24-bitmask`` (``scheme`` ``DENSE``, '
             '``FP8_DYNAMIC`` or ``W8A8``; vLLM <= 0.18 loads it) or, with ``target="marlin-24"`` and ``W4A16``, as ``marlin-24`` '
@@ -198,16 +194,16 @@ OPTIONS: dict[str, Option] = {
         Option(
             "group_size",
             None,
-            "W4A16/W8A16: columns per weight scale (default: the preset's, 128).",
-            "int>=1",
+            help="W4A16/W8A16: columns per weight scale (default: the preset's, 128).",
+            type="int>=1",
             annotation="int | None",
             doc="the weight group size of W4A16, W4A16_ASYM or W8A16 (None: the preset's); the bytes are compressed-tensors' for it.",
         ),
         Option(
             "symmetric",
             None,
-            "W4A16/W8A16: weights without / with a zero point (default: the preset's).",
-            "flag",
+            help="W4A16/W8A16: weights without / with a zero point (default: the preset's).",
+            type="flag",
             flags=("--symmetric/--asymmetric",),
             annotation="bool | None",
             doc="weights of W4A16, W4A16_ASYM or W8A16 without (True) / with (False) a zero point (None: the preset's).",
@@ -215,11 +211,11 @@ OPTIONS: dict[str, Option] = {
         Option(
             "dense_dtype",
             "keep",
-            "Cast the tensors that are not quantized (embeddings, norms, biases, a dense lm_head ...) to this dtype, "
+            help="Cast the tensors that are not quantized (embeddings, norms, biases, a dense lm_head ...) to this dtype, "
             "like mlx_lm.convert --dtype; config.json's torch_dtype follows. keep: their stored dtype.",
-            "choice",
-            _DENSE_DTYPES,
-            False,
+            type="choice",
+            choices=_DENSE_DTYPES,
+            case_sensitive=False,
             show_default=True,
             doc="``keep`` (stored dtypes), ``bf16``, ``fp16`` or ``fp32``: every floating tensor that is not quantized is written in that "
             "dtype (``torch.Tensor.to``, round to nearest even) and ``config.json``'s dtype says so (:mod:`ctconvert.plan.dense_dtype`); "
@@ -230,8 +226,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "calibration",
             None,
-            "Calibration data: plain text, JSON lines with a 'text' field, or token ids (default: the built-in English corpus).",
-            "file",
+            help="Calibration data: plain text, JSON lines with a 'text' field, or token ids (default: the built-in English corpus).",
+            type="file",
             annotation="str | Path | None",
             doc="for schemes with static or W4A4 activation scales (``NVFP4``, ``FP8``, ``W8A8_STATIC``, ``W8A8_STATIC_ASYM``) and "
             "``kv_cache``: a text file, JSON lines with a ``text`` field, or token ids (:mod:`ctconvert.calibration.data`); None: the "
@@ -240,8 +236,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "calibration_samples",
             DEFAULT_CALIBRATION_SAMPLES,
-            "Calibration samples (rows of tokens).",
-            "int",
+            help="Calibration samples (rows of tokens).",
+            type="int",
             show_default=True,
             annotation="int",
             doc="calibration samples (rows of tokens).",
@@ -249,8 +245,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "calibration_seq_len",
             DEFAULT_CALIBRATION_SEQ_LEN,
-            "Tokens per calibration sample.",
-            "int",
+            help="Tokens per calibration sample.",
+            type="int",
             show_default=True,
             annotation="int",
             doc="tokens per calibration sample.",
@@ -265,10 +261,10 @@ OPTIONS: dict[str, Option] = {
         Option(
             "kv_cache",
             "none",
-            "FP8 KV cache with calibrated k_scale/v_scale: per tensor (fp8) or per KV head (fp8-head).",
-            "choice",
-            ("none", "fp8", "fp8-head"),
-            False,
+            help="FP8 KV cache with calibrated k_scale/v_scale: per tensor (fp8) or per KV head (fp8-head).",
+            type="choice",
+            choices=("none", "fp8", "fp8-head"),
+            case_sensitive=False,
             show_default=True,
             doc="``none``, ``fp8`` (calibrated per-tensor ``k_scale``/``v_scale``) or ``fp8-head`` (per KV head).",
         ),
@@ -276,12 +272,12 @@ OPTIONS: dict[str, Option] = {
         Option(
             "max_shard_size",
             DEFAULT_SHARD_SIZE,
-            _SHARD_HELP,
+            help="Largest output shard (e.g. 5GB, 500MB).",
             show_default=True,
             annotation="str | int",
             doc='the largest output shard (``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes).',
         ),
-        _flag("overwrite", _OVERWRITE_HELP, "replace an existing output folder (atomically, at the end)."),
+        _flag("overwrite", "Replace an existing output folder (atomically, at the end).", "replace an existing output folder (atomically, at the end)."),
         _flag("dry_run", "Print the plan and exit without reading tensor data.", "make the plan (``result.plan``) and return without reading tensor data."),
         _flag(
             "resume",
@@ -310,26 +306,26 @@ OPTIONS: dict[str, Option] = {
         Option(
             "target",
             None,
-            "Also repack into this kernel-native layout (see `ctconvert repack`). marlin-24 (with --sparsity 2:4 and W4A16) "
+            help="Also repack into this kernel-native layout (see `ctconvert repack`). marlin-24 (with --sparsity 2:4 and W4A16) "
             "writes the compressed-tensors marlin-24 format, which vLLM <= 0.15 loads.",
-            "choice",
-            QUANTIZE_TARGETS,
+            type="choice",
+            choices=QUANTIZE_TARGETS,
             annotation="str | None",
             doc="write this kernel-native layout in the same pass (:func:`quantize_to_target`; not with ``resume``/``refresh``).",
         ),
         Option(
             "layout_version",
             DEFAULT_LAYOUT_VERSION,
-            f"With --target: vLLM release whose layout to build  [default: {DEFAULT_LAYOUT_VERSION}]",
+            help=f"With --target: vLLM release whose layout to build  [default: {DEFAULT_LAYOUT_VERSION}]",
             cli_default=None,
             doc="with ``target``: the vLLM release whose layout to build.",
         ),
         Option(
             "act_dtype",
             DEFAULT_ACT_DTYPE,
-            f"With --target: activation dtype  [default: {DEFAULT_ACT_DTYPE}]",
-            "choice",
-            _ACT_DTYPES,
+            help=f"With --target: activation dtype  [default: {DEFAULT_ACT_DTYPE}]",
+            type="choice",
+            choices=_ACT_DTYPES,
             cli_default=None,
             doc="with ``target``: the activation dtype the kernel will run with (``bf16`` | ``fp16``).",
         ),
@@ -337,7 +333,7 @@ OPTIONS: dict[str, Option] = {
         Option(
             "device",
             "auto",
-            "auto, cpu, cuda, cuda:N, cuda:0,1 or all (every GPU).",
+            help="auto, cpu, cuda, cuda:N, cuda:0,1 or all (every GPU).",
             show_default=True,
             doc="``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``cuda:0,1`` or ``all`` (several GPUs share the work by fused set and tensor; "
             "the bytes are the same).",
@@ -352,8 +348,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "lm_head_chunk_rows",
             DEFAULT_LM_HEAD_CHUNK_ROWS,
-            "Rows of lm_head processed at a time.",
-            "int>=1",
+            help="Rows of lm_head processed at a time.",
+            type="int>=1",
             show_default=True,
             annotation="int",
             doc="rows of lm_head processed at a time.",
@@ -376,8 +372,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "tp",
             1,
-            _TP_HELP,
-            "int>=1",
+            help="Check that every tensor splits over this many tensor-parallel ranks.",
+            type="int>=1",
             show_default=True,
             annotation="int",
             doc="the tensor-parallel degree to check the output for (:mod:`ctconvert.plan.parallel`): whether each rank's slice of every "
@@ -385,24 +381,29 @@ OPTIONS: dict[str, Option] = {
             "(``result.parallel``); a real run with ``tp > 1`` or ``ep`` notes what does not split.",
         ),
         Option(
-            "ep", None, _EP_HELP, "int>=1", annotation="int | None", doc="the expert-parallel degree to check the MoE experts for (then not split by ``tp``)."
+            "ep",
+            None,
+            help="Check the MoE experts for this many expert-parallel ranks (then not split by --tp).",
+            type="int>=1",
+            annotation="int | None",
+            doc="the expert-parallel degree to check the MoE experts for (then not split by ``tp``).",
         ),
     )
 }
 
-_OUTPUT = Option("output", None, "Output folder (created; must not exist unless --overwrite).", "path", flags=("-o", "--output"), field=False)
+_OUTPUT = Option("output", None, help="Output folder (created; must not exist unless --overwrite).", type="path", flags=("-o", "--output"), field=False)
 _OUTPUT_REQUIRED = _OUTPUT.but(help="Output folder.", required=True)
 _SCHEME = Option(
     "scheme",
     None,
-    "compressed-tensors preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W4A16, W4A16_ASYM, W8A16, NVFP4A16, MXFP4A16, MXFP4, MXFP8A16, MXFP8, "
+    help="compressed-tensors preset: FP8_DYNAMIC, FP8_BLOCK, W8A8, W4A16, W4A16_ASYM, W8A16, NVFP4A16, MXFP4A16, MXFP4, MXFP8A16, MXFP8, "
     "W4AFP8; calibrated: NVFP4, FP8, W8A8_STATIC, W8A8_STATIC_ASYM (DENSE: with --sparsity only); or a .json/.yaml file holding a "
     "compressed-tensors QuantizationScheme.",
     flags=("-s", "--scheme"),
     required=True,
     field=False,
 )
-_ALL_LAYERS = Option("all_layers", False, "With --dry-run: list every tensor (default: each when <= 60, else a summary).", "flag", field=False)
+_ALL_LAYERS = Option("all_layers", False, help="With --dry-run: list every tensor (default: each when <= 60, else a summary).", type="flag", field=False)
 _O = OPTIONS
 
 #: each command's options, in ``--help`` order (the arguments and the group's ``--json`` ... are the CLI's)
@@ -442,15 +443,16 @@ COMMANDS: dict[str, tuple[Option, ...]] = {
         _O["dense_dtype"],
     ),
     "inspect": (_ALL_LAYERS.but(help="List every layer (default: every layer when <= 60, else a summary per scheme)."),),
-    "verify": (Option("reference", None, "The dense source: compare every tensor with it.", "path", field=False), _O["tp"], _O["ep"]),
+    "verify": (Option("reference", None, help="The dense source: compare every tensor with it.", type="path", field=False), _O["tp"], _O["ep"]),
     "decompress": (
         _OUTPUT_REQUIRED,
         Option(
             "dtype",
             None,
-            "Cast every float tensor to this dtype (and say so in config.json). Default: dequantized weights in the model's dtype, other tensors as stored.",
-            "choice",
-            ("bf16", "fp16", "fp32"),
+            help="Cast every float tensor to this dtype (and say so in config.json). "
+            "Default: dequantized weights in the model's dtype, other tensors as stored.",
+            type="choice",
+            choices=("bf16", "fp16", "fp32"),
             field=False,
         ),
         _O["max_shard_size"].but(help=None),
@@ -482,7 +484,7 @@ COMMANDS: dict[str, tuple[Option, ...]] = {
         _O["max_shard_size"].but(help=None),
         _O["overwrite"].but(help=None),
     ),
-    "batch": (Option("keep_going", False, "Run every job even after one fails.", "flag", field=False),),
+    "batch": (Option("keep_going", False, help="Run every job even after one fails.", type="flag", field=False),),
 }
 
 
