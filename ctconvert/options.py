@@ -117,279 +117,272 @@ def _flag(name: str, help: str | None, doc: str, **kw) -> Option:
     return Option(name, False, help=help, type="flag", annotation="bool", doc=doc, **kw)
 
 
+def _choice(name: str, default: str, choices: tuple[str, ...], help: str, doc: str) -> Option:
+    """A choice of names, any case, its default shown in ``--help``."""
+    return Option(name, default, help=help, type="choice", choices=choices, case_sensitive=False, show_default=True, doc=doc)
+
+
 _DENSE_DTYPES = ("keep", "bf16", "fp16", "fp32")
 _ACT_DTYPES = (DEFAULT_ACT_DTYPE, "fp16")
 
+_QUANTIZE = (
+    # what is quantized
+    _choice(
+        "lm_head",
+        "none",
+        ("none", "nvfp4a16", "fp8"),
+        "Also quantize lm_head (own config group).",
+        "``none`` | ``nvfp4a16`` | ``fp8``.",
+    ),
+    Option(
+        "targets",
+        None,
+        help="Modules to quantize: names, re:patterns or Linear (default Linear). Repeat, or separate with commas.",
+        multiple=True,
+        empty=None,
+        annotation="tuple[str, ...] | None",
+        doc="compressed-tensors style names, ``re:`` patterns or ``Linear`` (None: ``Linear``).",
+    ),
+    Option(
+        "ignore",
+        None,
+        help="Modules to leave dense (names or re:patterns), added to the defaults. Repeat, or separate with commas.",
+        multiple=True,
+        annotation="tuple[str, ...] | None",
+        doc="names or ``re:`` patterns kept dense, added to the default ignores.",
+    ),
+    _flag(
+        "skip_incompatible",
+        "Keep weights the scheme cannot take dense (listed in ignore and reported) instead of failing.",
+        "keep a weight the scheme cannot take dense (listed in ``ignore`` and reported) instead of refusing it.",
+    ),
+    _flag(
+        "keep_unclassified",
+        "Keep tensors no rule classifies dense (listed in ignore and reported) instead of failing.",
+        "keep a floating tensor of 2 or more dimensions that no rule classifies (or fused 3-D experts of a family whose layout is not known) "
+        "dense, list its module in ``ignore`` and report it; by default it is refused by name (:class:`UnsupportedError`, exit 4).",
+    ),
+    Option(
+        "default_ignore",
+        True,
+        help="Drop every default ignore (lm_head, routers, towers, MTP, Linear outside the blocks).",
+        type="flag",
+        flags=("--no-default-ignore",),
+        invert=True,
+        annotation="bool",
+        doc="apply the default ignores (``lm_head``, MoE routers, vision/audio towers, MTP layers, Linear layers outside the blocks); "
+        "``False`` drops them all. A module named in ``targets`` (a name or ``re:`` pattern) is quantized whatever the defaults say.",
+    ),
+    _flag(
+        "quantize_mtp",
+        "Also quantize multi-token-prediction (MTP) layers (dense by default).",
+        "also quantize multi-token-prediction layers (dense by default).",
+    ),
+    Option(
+        "sparsity",
+        None,
+        help="Magnitude 2:4 pruning along K. With DENSE, FP8_DYNAMIC or W8A8: sparse-24-bitmask, which vLLM <= 0.18 loads "
+        "(SM90; current vLLM does not); with W4A16 and --target marlin-24: marlin-24, which vLLM <= 0.15 loads.",
+        type="choice",
+        choices=("2:4",),
+        annotation="str | None",
+        doc='``"2:4"``: magnitude 2:4 pruning along K before quantizing, written as ``sparse-24-bitmask`` (``scheme`` ``DENSE``, '
+        '``FP8_DYNAMIC`` or ``W8A8``; vLLM <= 0.18 loads it) or, with ``target="marlin-24"`` and ``W4A16``, as ``marlin-24`` '
+        "(vLLM <= 0.15). See :mod:`ctconvert.plan.sparsity`.",
+    ),
+    Option(
+        "group_size",
+        None,
+        help="W4A16/W8A16: columns per weight scale (default: the preset's, 128).",
+        type="int>=1",
+        annotation="int | None",
+        doc="the weight group size of W4A16, W4A16_ASYM or W8A16 (None: the preset's); the bytes are compressed-tensors' for it.",
+    ),
+    Option(
+        "symmetric",
+        None,
+        help="W4A16/W8A16: weights without / with a zero point (default: the preset's).",
+        type="flag",
+        flags=("--symmetric/--asymmetric",),
+        annotation="bool | None",
+        doc="weights of W4A16, W4A16_ASYM or W8A16 without (True) / with (False) a zero point (None: the preset's).",
+    ),
+    _choice(
+        "dense_dtype",
+        "keep",
+        _DENSE_DTYPES,
+        "Cast the tensors that are not quantized (embeddings, norms, biases, a dense lm_head ...) to this dtype, "
+        "like mlx_lm.convert --dtype; config.json's torch_dtype follows. keep: their stored dtype.",
+        "``keep`` (stored dtypes), ``bf16``, ``fp16`` or ``fp32``: every floating tensor that is not quantized is written in that "
+        "dtype (``torch.Tensor.to``, round to nearest even) and ``config.json``'s dtype says so (:mod:`ctconvert.plan.dense_dtype`); "
+        "quantized weights are the bytes of a run without it. :class:`UsageError` for another value; :class:`BadInputError` (exit 3) "
+        "naming file and tensor for a finite value beyond the target's range (fp32 -> fp16).",
+    ),
+    # calibration (schemes with static activation scales, --kv-cache)
+    Option(
+        "calibration",
+        None,
+        help="Calibration data: plain text, JSON lines with a 'text' field, or token ids (default: the built-in English corpus).",
+        type="file",
+        annotation="str | Path | None",
+        doc="for schemes with static or W4A4 activation scales (``NVFP4``, ``FP8``, ``W8A8_STATIC``, ``W8A8_STATIC_ASYM``) and "
+        "``kv_cache``: a text file, JSON lines with a ``text`` field, or token ids (:mod:`ctconvert.calibration.data`); None: the "
+        "built-in English corpus.",
+    ),
+    Option(
+        "calibration_samples",
+        DEFAULT_CALIBRATION_SAMPLES,
+        help="Calibration samples (rows of tokens).",
+        type="int",
+        show_default=True,
+        annotation="int",
+        doc="calibration samples (rows of tokens).",
+    ),
+    Option(
+        "calibration_seq_len",
+        DEFAULT_CALIBRATION_SEQ_LEN,
+        help="Tokens per calibration sample.",
+        type="int",
+        show_default=True,
+        annotation="int",
+        doc="tokens per calibration sample.",
+    ),
+    Option(
+        "calibration_batch_tokens",
+        DEFAULT_CALIBRATION_BATCH_TOKENS,
+        flags=None,
+        annotation="int",
+        doc="tokens run through the model at a time while calibrating (the same scales whatever it says).",
+    ),
+    _choice(
+        "kv_cache",
+        "none",
+        ("none", "fp8", "fp8-head"),
+        "FP8 KV cache with calibrated k_scale/v_scale: per tensor (fp8) or per KV head (fp8-head).",
+        "``none``, ``fp8`` (calibrated per-tensor ``k_scale``/``v_scale``) or ``fp8-head`` (per KV head).",
+    ),
+    # the output
+    Option(
+        "max_shard_size",
+        DEFAULT_SHARD_SIZE,
+        help="Largest output shard (e.g. 5GB, 500MB).",
+        show_default=True,
+        annotation="str | int",
+        doc='the largest output shard (``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes).',
+    ),
+    _flag("overwrite", "Replace an existing output folder (atomically, at the end).", "replace an existing output folder (atomically, at the end)."),
+    _flag("dry_run", "Print the plan and exit without reading tensor data.", "make the plan (``result.plan``) and return without reading tensor data."),
+    _flag(
+        "resume",
+        "Reuse the shards an interrupted run of the same command finished (checked by content hash).",
+        "keep the shards an interrupted run of the same command finished (each checked against the xxh3-128 content hash journaled when it was written).",
+    ),
+    _flag(
+        "refresh",
+        "Against an existing output: re-derive only tensors whose source changed; rewrite only their shards.",
+        "against an existing output, re-derive only the tensors whose source bytes changed and rewrite only their shards.",
+    ),
+    _flag(
+        "keep_other_weights",
+        "Also copy weights in other formats (*.bin, *.pth, original/, *.gguf ...).",
+        "also copy weights in other formats (``*.bin``, ``*.pth``, ``original/``, ``*.gguf`` ...); by default they are left out and listed in the notes.",
+    ),
+    _flag(
+        "allow_nonfinite",
+        "Copy pass-through tensors holding NaN/inf (with a note) instead of failing.",
+        "copy pass-through tensors (norms, embeddings, a dense ``lm_head``) that hold NaN/inf, with a note naming them; by default "
+        "such a tensor is refused (:class:`BadInputError`, exit 3). Quantized weights with NaN/inf are always refused.",
+        flags=("--allow-non-finite",),
+        job_key="allow_non_finite",
+    ),
+    # kernel-native layout (quantize --target)
+    Option(
+        "target",
+        None,
+        help="Also repack into this kernel-native layout (see `ctconvert repack`). marlin-24 (with --sparsity 2:4 and W4A16) "
+        "writes the compressed-tensors marlin-24 format, which vLLM <= 0.15 loads.",
+        type="choice",
+        choices=QUANTIZE_TARGETS,
+        annotation="str | None",
+        doc="write this kernel-native layout in the same pass (:func:`quantize_to_target`; not with ``resume``/``refresh``).",
+    ),
+    Option(
+        "layout_version",
+        DEFAULT_LAYOUT_VERSION,
+        help=f"With --target: vLLM release whose layout to build  [default: {DEFAULT_LAYOUT_VERSION}]",
+        cli_default=None,
+        doc="with ``target``: the vLLM release whose layout to build.",
+    ),
+    Option(
+        "act_dtype",
+        DEFAULT_ACT_DTYPE,
+        help=f"With --target: activation dtype  [default: {DEFAULT_ACT_DTYPE}]",
+        type="choice",
+        choices=_ACT_DTYPES,
+        cli_default=None,
+        doc="with ``target``: the activation dtype the kernel will run with (``bf16`` | ``fp16``).",
+    ),
+    # how it runs (the same bytes whatever these say)
+    Option(
+        "device",
+        "auto",
+        help="auto, cpu, cuda, cuda:N, cuda:0,1 or all (every GPU).",
+        show_default=True,
+        doc="``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``cuda:0,1`` or ``all`` (several GPUs share the work by fused set and tensor; the bytes are the same).",
+    ),
+    Option(
+        "impl",
+        "auto",
+        flags=None,
+        doc="quantizer implementation: ``auto`` (C kernels on the CPU, Triton on CUDA, when available), ``torch``, ``native`` or "
+        "``triton``; the same bytes. ``CTCONVERT_NATIVE=0`` disables the C kernels.",
+    ),
+    Option(
+        "lm_head_chunk_rows",
+        DEFAULT_LM_HEAD_CHUNK_ROWS,
+        help="Rows of lm_head processed at a time.",
+        type="int>=1",
+        show_default=True,
+        annotation="int",
+        doc="rows of lm_head processed at a time.",
+    ),
+    Option("chunk_elems", DEFAULT_CHUNK_ELEMS, flags=None, annotation="int", doc="elements per row chunk."),
+    Option(
+        "hold_bytes",
+        DEFAULT_HOLD_BYTES,
+        flags=None,
+        annotation="int",
+        doc="the largest NVFP4 fused set read once and held until its global scale is known (larger sets are read twice).",
+    ),
+    Option(
+        "map_input",
+        None,
+        flags=None,
+        annotation="bool | None",
+        doc="on the CPU, read row chunks as views of the mapped input files (default: yes, unless ``CTCONVERT_MMAP=0``).",
+    ),
+    Option(
+        "tp",
+        1,
+        help="Check that every tensor splits over this many tensor-parallel ranks.",
+        type="int>=1",
+        show_default=True,
+        annotation="int",
+        doc="the tensor-parallel degree to check the output for (:mod:`ctconvert.plan.parallel`): whether each rank's slice of every "
+        "quantized tensor keeps whole groups, blocks, tiles and vocabulary rows. A dry run always reports the largest TP degree "
+        "(``result.parallel``); a real run with ``tp > 1`` or ``ep`` notes what does not split.",
+    ),
+    Option(
+        "ep",
+        None,
+        help="Check the MoE experts for this many expert-parallel ranks (then not split by --tp).",
+        type="int>=1",
+        annotation="int | None",
+        doc="the expert-parallel degree to check the MoE experts for (then not split by ``tp``).",
+    ),
+)
 #: every quantize option, in :class:`~ctconvert.pipeline.options.QuantizeOptions`' field order
-OPTIONS: dict[str, Option] = {
-    o.name: o
-    for o in (
-        # what is quantized
-        Option(
-            "lm_head",
-            "none",
-            help="Also quantize lm_head (own config group).",
-            type="choice",
-            choices=("none", "nvfp4a16", "fp8"),
-            case_sensitive=False,
-            show_default=True,
-            doc="``none`` | ``nvfp4a16`` | ``fp8``.",
-        ),
-        Option(
-            "targets",
-            None,
-            help="Modules to quantize: names, re:patterns or Linear (default Linear). Repeat, or separate with commas.",
-            multiple=True,
-            empty=None,
-            annotation="tuple[str, ...] | None",
-            doc="compressed-tensors style names, ``re:`` patterns or ``Linear`` (None: ``Linear``).",
-        ),
-        Option(
-            "ignore",
-            None,
-            help="Modules to leave dense (names or re:patterns), added to the defaults. Repeat, or separate with commas.",
-            multiple=True,
-            annotation="tuple[str, ...] | None",
-            doc="names or ``re:`` patterns kept dense, added to the default ignores.",
-        ),
-        _flag(
-            "skip_incompatible",
-            "Keep weights the scheme cannot take dense (listed in ignore and reported) instead of failing.",
-            "keep a weight the scheme cannot take dense (listed in ``ignore`` and reported) instead of refusing it.",
-        ),
-        _flag(
-            "keep_unclassified",
-            "Keep tensors no rule classifies dense (listed in ignore and reported) instead of failing.",
-            "keep a floating tensor of 2 or more dimensions that no rule classifies (or fused 3-D experts of a family whose layout is not known) "
-            "dense, list its module in ``ignore`` and report it; by default it is refused by name (:class:`UnsupportedError`, exit 4).",
-        ),
-        Option(
-            "default_ignore",
-            True,
-            help="Drop every default ignore (lm_head, routers, towers, MTP, Linear outside the blocks).",
-            type="flag",
-            flags=("--no-default-ignore",),
-            invert=True,
-            annotation="bool",
-            doc="apply the default ignores (``lm_head``, MoE routers, vision/audio towers, MTP layers, Linear layers outside the blocks); "
-            "``False`` drops them all. A module named in ``targets`` (a name or ``re:`` pattern) is quantized whatever the defaults say.",
-        ),
-        _flag(
-            "quantize_mtp",
-            "Also quantize multi-token-prediction (MTP) layers (dense by default).",
-            "also quantize multi-token-prediction layers (dense by default).",
-        ),
-        Option(
-            "sparsity",
-            None,
-            help="Magnitude 2:4 pruning along K. With DENSE, FP8_DYNAMIC or W8A8: sparse-24-bitmask, which vLLM <= 0.18 loads "
-            "(SM90; current vLLM does not); with W4A16 and --target marlin-24: marlin-24, which vLLM <= 0.15 loads.",
-            type="choice",
-            choices=("2:4",),
-            annotation="str | None",
-            doc='``"2:4"``: magnitude 2:4 pruning along K before quantizing, written as ``sparse-24-bitmask`` (``scheme`` ``DENSE``, '
-            '``FP8_DYNAMIC`` or ``W8A8``; vLLM <= 0.18 loads it) or, with ``target="marlin-24"`` and ``W4A16``, as ``marlin-24`` '
-            "(vLLM <= 0.15). See :mod:`ctconvert.plan.sparsity`.",
-        ),
-        Option(
-            "group_size",
-            None,
-            help="W4A16/W8A16: columns per weight scale (default: the preset's, 128).",
-            type="int>=1",
-            annotation="int | None",
-            doc="the weight group size of W4A16, W4A16_ASYM or W8A16 (None: the preset's); the bytes are compressed-tensors' for it.",
-        ),
-        Option(
-            "symmetric",
-            None,
-            help="W4A16/W8A16: weights without / with a zero point (default: the preset's).",
-            type="flag",
-            flags=("--symmetric/--asymmetric",),
-            annotation="bool | None",
-            doc="weights of W4A16, W4A16_ASYM or W8A16 without (True) / with (False) a zero point (None: the preset's).",
-        ),
-        Option(
-            "dense_dtype",
-            "keep",
-            help="Cast the tensors that are not quantized (embeddings, norms, biases, a dense lm_head ...) to this dtype, "
-            "like mlx_lm.convert --dtype; config.json's torch_dtype follows. keep: their stored dtype.",
-            type="choice",
-            choices=_DENSE_DTYPES,
-            case_sensitive=False,
-            show_default=True,
-            doc="``keep`` (stored dtypes), ``bf16``, ``fp16`` or ``fp32``: every floating tensor that is not quantized is written in that "
-            "dtype (``torch.Tensor.to``, round to nearest even) and ``config.json``'s dtype says so (:mod:`ctconvert.plan.dense_dtype`); "
-            "quantized weights are the bytes of a run without it. :class:`UsageError` for another value; :class:`BadInputError` (exit 3) "
-            "naming file and tensor for a finite value beyond the target's range (fp32 -> fp16).",
-        ),
-        # calibration (schemes with static activation scales, --kv-cache)
-        Option(
-            "calibration",
-            None,
-            help="Calibration data: plain text, JSON lines with a 'text' field, or token ids (default: the built-in English corpus).",
-            type="file",
-            annotation="str | Path | None",
-            doc="for schemes with static or W4A4 activation scales (``NVFP4``, ``FP8``, ``W8A8_STATIC``, ``W8A8_STATIC_ASYM``) and "
-            "``kv_cache``: a text file, JSON lines with a ``text`` field, or token ids (:mod:`ctconvert.calibration.data`); None: the "
-            "built-in English corpus.",
-        ),
-        Option(
-            "calibration_samples",
-            DEFAULT_CALIBRATION_SAMPLES,
-            help="Calibration samples (rows of tokens).",
-            type="int",
-            show_default=True,
-            annotation="int",
-            doc="calibration samples (rows of tokens).",
-        ),
-        Option(
-            "calibration_seq_len",
-            DEFAULT_CALIBRATION_SEQ_LEN,
-            help="Tokens per calibration sample.",
-            type="int",
-            show_default=True,
-            annotation="int",
-            doc="tokens per calibration sample.",
-        ),
-        Option(
-            "calibration_batch_tokens",
-            DEFAULT_CALIBRATION_BATCH_TOKENS,
-            flags=None,
-            annotation="int",
-            doc="tokens run through the model at a time while calibrating (the same scales whatever it says).",
-        ),
-        Option(
-            "kv_cache",
-            "none",
-            help="FP8 KV cache with calibrated k_scale/v_scale: per tensor (fp8) or per KV head (fp8-head).",
-            type="choice",
-            choices=("none", "fp8", "fp8-head"),
-            case_sensitive=False,
-            show_default=True,
-            doc="``none``, ``fp8`` (calibrated per-tensor ``k_scale``/``v_scale``) or ``fp8-head`` (per KV head).",
-        ),
-        # the output
-        Option(
-            "max_shard_size",
-            DEFAULT_SHARD_SIZE,
-            help="Largest output shard (e.g. 5GB, 500MB).",
-            show_default=True,
-            annotation="str | int",
-            doc='the largest output shard (``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes).',
-        ),
-        _flag("overwrite", "Replace an existing output folder (atomically, at the end).", "replace an existing output folder (atomically, at the end)."),
-        _flag("dry_run", "Print the plan and exit without reading tensor data.", "make the plan (``result.plan``) and return without reading tensor data."),
-        _flag(
-            "resume",
-            "Reuse the shards an interrupted run of the same command finished (checked by content hash).",
-            "keep the shards an interrupted run of the same command finished (each checked against the xxh3-128 content hash journaled when it was written).",
-        ),
-        _flag(
-            "refresh",
-            "Against an existing output: re-derive only tensors whose source changed; rewrite only their shards.",
-            "against an existing output, re-derive only the tensors whose source bytes changed and rewrite only their shards.",
-        ),
-        _flag(
-            "keep_other_weights",
-            "Also copy weights in other formats (*.bin, *.pth, original/, *.gguf ...).",
-            "also copy weights in other formats (``*.bin``, ``*.pth``, ``original/``, ``*.gguf`` ...); by default they are left out and listed in the notes.",
-        ),
-        _flag(
-            "allow_nonfinite",
-            "Copy pass-through tensors holding NaN/inf (with a note) instead of failing.",
-            "copy pass-through tensors (norms, embeddings, a dense ``lm_head``) that hold NaN/inf, with a note naming them; by default "
-            "such a tensor is refused (:class:`BadInputError`, exit 3). Quantized weights with NaN/inf are always refused.",
-            flags=("--allow-non-finite",),
-            job_key="allow_non_finite",
-        ),
-        # kernel-native layout (quantize --target)
-        Option(
-            "target",
-            None,
-            help="Also repack into this kernel-native layout (see `ctconvert repack`). marlin-24 (with --sparsity 2:4 and W4A16) "
-            "writes the compressed-tensors marlin-24 format, which vLLM <= 0.15 loads.",
-            type="choice",
-            choices=QUANTIZE_TARGETS,
-            annotation="str | None",
-            doc="write this kernel-native layout in the same pass (:func:`quantize_to_target`; not with ``resume``/``refresh``).",
-        ),
-        Option(
-            "layout_version",
-            DEFAULT_LAYOUT_VERSION,
-            help=f"With --target: vLLM release whose layout to build  [default: {DEFAULT_LAYOUT_VERSION}]",
-            cli_default=None,
-            doc="with ``target``: the vLLM release whose layout to build.",
-        ),
-        Option(
-            "act_dtype",
-            DEFAULT_ACT_DTYPE,
-            help=f"With --target: activation dtype  [default: {DEFAULT_ACT_DTYPE}]",
-            type="choice",
-            choices=_ACT_DTYPES,
-            cli_default=None,
-            doc="with ``target``: the activation dtype the kernel will run with (``bf16`` | ``fp16``).",
-        ),
-        # how it runs (the same bytes whatever these say)
-        Option(
-            "device",
-            "auto",
-            help="auto, cpu, cuda, cuda:N, cuda:0,1 or all (every GPU).",
-            show_default=True,
-            doc="``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``cuda:0,1`` or ``all`` (several GPUs share the work by fused set and tensor; "
-            "the bytes are the same).",
-        ),
-        Option(
-            "impl",
-            "auto",
-            flags=None,
-            doc="quantizer implementation: ``auto`` (C kernels on the CPU, Triton on CUDA, when available), ``torch``, ``native`` or "
-            "``triton``; the same bytes. ``CTCONVERT_NATIVE=0`` disables the C kernels.",
-        ),
-        Option(
-            "lm_head_chunk_rows",
-            DEFAULT_LM_HEAD_CHUNK_ROWS,
-            help="Rows of lm_head processed at a time.",
-            type="int>=1",
-            show_default=True,
-            annotation="int",
-            doc="rows of lm_head processed at a time.",
-        ),
-        Option("chunk_elems", DEFAULT_CHUNK_ELEMS, flags=None, annotation="int", doc="elements per row chunk."),
-        Option(
-            "hold_bytes",
-            DEFAULT_HOLD_BYTES,
-            flags=None,
-            annotation="int",
-            doc="the largest NVFP4 fused set read once and held until its global scale is known (larger sets are read twice).",
-        ),
-        Option(
-            "map_input",
-            None,
-            flags=None,
-            annotation="bool | None",
-            doc="on the CPU, read row chunks as views of the mapped input files (default: yes, unless ``CTCONVERT_MMAP=0``).",
-        ),
-        Option(
-            "tp",
-            1,
-            help="Check that every tensor splits over this many tensor-parallel ranks.",
-            type="int>=1",
-            show_default=True,
-            annotation="int",
-            doc="the tensor-parallel degree to check the output for (:mod:`ctconvert.plan.parallel`): whether each rank's slice of every "
-            "quantized tensor keeps whole groups, blocks, tiles and vocabulary rows. A dry run always reports the largest TP degree "
-            "(``result.parallel``); a real run with ``tp > 1`` or ``ep`` notes what does not split.",
-        ),
-        Option(
-            "ep",
-            None,
-            help="Check the MoE experts for this many expert-parallel ranks (then not split by --tp).",
-            type="int>=1",
-            annotation="int | None",
-            doc="the expert-parallel degree to check the MoE experts for (then not split by ``tp``).",
-        ),
-    )
-}
+OPTIONS: dict[str, Option] = {o.name: o for o in _QUANTIZE}
 
 _OUTPUT = Option("output", None, help="Output folder (created; must not exist unless --overwrite).", type="path", flags=("-o", "--output"), field=False)
 _OUTPUT_REQUIRED = _OUTPUT.but(help="Output folder.", required=True)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
+from .. import __version__, options
 from ..checkpoint.config import build_quantization_config, updated_config
 from ..checkpoint.naming import FUSED_OF, fused_set_name, is_generative, loader_patterns, tie_word_embeddings
 from ..checkpoint.provenance import PROVENANCE
@@ -47,7 +47,6 @@ from ..checkpoint.sources import SOURCE_CONFIG_FILES, Source, SourceModule, open
 from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from ..errors import BadInputError, CTConvertError, UnsupportedError, UsageError, agree, plural
 from ..formats.foreign import nvfp4_global_scale_for
-from ..options import DEFAULT_SHARD_SIZE
 from ..pipeline.tasks import Compute, CopyTensor, run_tasks
 from ..plan.planner import Plan, TensorDecision
 from ..plan.result import ConversionResult
@@ -148,7 +147,7 @@ def convert(
     out: str | Path | None,
     *,
     scheme: str | None = None,
-    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+    max_shard_size: str | int = options.DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     dry_run: bool = False,
 ) -> ConversionResult:
