@@ -1,0 +1,88 @@
+"""The option table (ctconvert/options.py) is where every option is declared: the CLI, QuantizeOptions, batch and the API doc follow it."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from ctconvert import api, options
+from ctconvert.cli import main
+from ctconvert.commands import batch
+from ctconvert.layouts import kernels
+from ctconvert.options import COMMANDS, OPTIONS, api_keywords, job_keys
+from ctconvert.pipeline.options import QuantizeOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+#: `ctconvert <command> --help` as main at 515cc14 printed it (before the table), at a fixed width of 100
+HELP = ROOT / "tests" / "data" / "help"
+NAMES = ["ctconvert", "quantize", "inspect", "verify", "decompress", "convert", "repack", "batch", "schemes"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_help_is_the_same_text_as_before_the_table(name):
+    args = ["--help"] if name == "ctconvert" else [name, "--help"]
+    out = CliRunner().invoke(main, args, prog_name="ctconvert", terminal_width=100).output
+    assert out == (HELP / f"{name}.txt").read_text()
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_click_options_are_the_tables(command):
+    """Each command's click options are its table entries, in order: the same flags, help, default and choices."""
+    params = [p for p in main.commands[command].params if isinstance(p, click.Option) and p.expose_value]
+    table = COMMANDS[command]
+    assert [p.name for p in params] == [o.cli_name for o in table]
+    for p, o in zip(params, table):
+        assert p.help == o.help and p.required == o.required and p.multiple == o.multiple, o.name
+        assert tuple(p.opts + p.secondary_opts) == tuple(f for spelling in o.cli_flags for f in spelling.split("/")), o.name
+        if o.type == "choice":
+            assert tuple(p.type.choices) == o.choices and p.type.case_sensitive == o.case_sensitive, o.name
+        if o.type != "flag" and not o.multiple:
+            assert p.default == (o.default if o.cli_default is options.SAME else o.cli_default), o.name
+
+
+def test_quantize_options_are_the_table():
+    assert QuantizeOptions.names() == tuple(OPTIONS)
+    default = QuantizeOptions()
+    assert {n: getattr(default, n) for n in OPTIONS} == {n: o.default for n, o in OPTIONS.items()}
+    assert {f.name: f.type for f in dataclasses.fields(QuantizeOptions)} == {n: o.annotation for n, o in OPTIONS.items()}
+    assert all(o.field for o in OPTIONS.values())
+
+
+def test_batch_keys_are_the_tables():
+    assert job_keys() == {o.job_key or o.name: o.name for o in OPTIONS.values()}
+    assert batch.ALLOWED == {"model", "output", "scheme", *job_keys()}
+    assert batch.PATH_KEYS == ("model", "output", "calibration")
+
+
+def test_the_api_doc_names_every_option():
+    doc = api.quantize.__doc__
+    assert "{options}" not in doc
+    for name, o in OPTIONS.items():
+        assert f"{name}: " in doc, name
+        assert " ".join(o.doc.split()[:4]) in " ".join(doc.split()), name
+
+
+def test_api_keywords_of_a_command_line():
+    """What the CLI hands the API: repeated options split, --no-default-ignore inverted, None left to the API's default."""
+    given = {"targets": (), "ignore": ("a,re:b{1,2}", "c"), "no_default_ignore": True, "allow_nonfinite": True, "layout_version": None, "tp": 2}
+    assert api_keywords(given) == {"ignore": ["a", "re:b{1,2}", "c"], "default_ignore": False, "allow_nonfinite": True, "tp": 2}
+    assert api_keywords({"ignore": ()}) == {"ignore": ()}  # no --ignore: an empty list, as before (the fingerprint records it)
+
+
+def test_constants_have_one_home():
+    assert kernels.DEFAULT_LAYOUT_VERSION is options.DEFAULT_LAYOUT_VERSION
+    assert kernels.LAYOUT_VERSIONS is options.LAYOUT_VERSIONS
+    assert OPTIONS["max_shard_size"].default == options.DEFAULT_SHARD_SIZE == "5GB"
+    assert OPTIONS["layout_version"].default == "0.33"
+
+
+def test_the_table_imports_no_torch():
+    code = "import sys, ctconvert.options, ctconvert.render, ctconvert.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
