@@ -540,7 +540,8 @@ def job_keys() -> dict[str, str]:
 
 
 def api_doc(indent: str = "        ") -> str:
-    """The per-option part of :func:`ctconvert.api.quantize`'s docstring: ``name: doc`` for every option, in field order."""
+    """The per-option part of :func:`ctconvert.api.quantize`'s docstring: ``name (default value): doc`` for every option, in field order."""
     import textwrap
 
-    return "\n".join(textwrap.fill(f"{o.name}: {o.doc}", width=116, initial_indent=indent, subsequent_indent=indent + "    ") for o in OPTIONS.values())
+    entries = (f"{o.name} (default ``{o.default!r}``): {o.doc}" for o in OPTIONS.values())
+    return "\n".join(textwrap.fill(e, width=116, initial_indent=indent, subsequent_indent=indent + "    ") for e in entries)

@@ -64,7 +64,7 @@ def test_the_api_doc_names_every_option():
     doc = api.quantize.__doc__
     assert "{options}" not in doc
     for name, o in OPTIONS.items():
-        assert f"{name}: " in doc, name
+        assert f"{name} (default ``{o.default!r}``): " in doc, name
         assert " ".join(o.doc.split()[:4]) in " ".join(doc.split()), name
 
 
