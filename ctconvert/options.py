@@ -489,7 +489,7 @@ def click_spec(o: Option) -> tuple[tuple[str, ...], dict]:
         kw["is_flag"] = True  # off unless given (an inverted flag, given, sets its option to False)
     elif o.multiple:
         kw["multiple"] = True
-    else:
+    elif not (o.required or o.type == "path"):  # those have no default: click takes an explicit None as given
         kw["default"] = o.default if o.cli_default is SAME else o.cli_default
     if o.show_default:
         kw["show_default"] = True
