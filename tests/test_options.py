@@ -110,3 +110,9 @@ def test_the_table_imports_no_torch():
     code = "import sys, ctconvert.options, ctconvert.render, ctconvert.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_the_target_choices_are_the_kernels_targets():
+    """The --target names are spelled in the table (torch-free) until layouts/ has a torch-free target list; they agree."""
+    assert options.QUANTIZE_TARGETS == tuple(kernels.TARGETS)
+    assert options.REPACK_TARGETS == (*(t for t in kernels.TARGETS if t not in kernels.CT_FORMAT_TARGETS), "compressed-tensors")
