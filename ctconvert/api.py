@@ -26,7 +26,8 @@ from .commands import repack as _repack
 from .commands import schemes as _schemes
 from .commands import verify as _verify
 from .errors import CTConvertError, UsageError
-from .layouts.kernels import DEFAULT_LAYOUT_VERSION
+from .options import DEFAULT_ACT_DTYPE, DEFAULT_LAYOUT_VERSION, DEFAULT_SHARD_SIZE
+from .options import api_doc as options_doc
 from .pipeline.options import QuantizeOptions
 from .plan.result import ConversionResult
 from .sources import Source, open_source
@@ -72,62 +73,15 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, options: Q
         scheme: a compressed-tensors preset name (:func:`schemes`), or the path of a ``.json``/``.yaml``
             file holding a compressed-tensors ``QuantizationScheme`` (a preset, or W4A16/W8A16 with
             another ``group_size``/``symmetric``).
-        group_size, symmetric: change the weight group size / symmetry of W4A16, W4A16_ASYM or W8A16
-            (None: the preset's); the bytes are compressed-tensors' for those arguments.
-        lm_head: ``none`` | ``nvfp4a16`` | ``fp8``.
-        targets, ignore: compressed-tensors style names, ``re:`` patterns or ``Linear``.
-        device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``cuda:0,1`` or ``all`` (several GPUs
-            share the work by fused set and tensor; the bytes are the same).
-        chunk_elems: elements per row chunk. hold_bytes: largest NVFP4 fused set read once and
-            held until its global scale is known (larger sets are read twice).
-        resume: keep the shards an interrupted run of the same command finished (each checked
-            against the xxh3-128 content hash journaled when it was written).
-        refresh: against an existing output, re-derive only the tensors whose source bytes
-            changed and rewrite only their shards.
         progress: a callable ``(total_bytes) -> context manager with .update(n)``; one that also takes
             keywords ``unit`` and ``desc`` is called for calibration too, as ``(layers, unit="layer",
             desc="calibrate (N x L tokens)")``, and told each decoder layer calibrated (``update(1)``).
-        impl: quantizer implementation: ``auto`` (C kernels on the CPU, Triton on CUDA, when
-            available), ``torch``, ``native`` or ``triton``; the same bytes. ``CTCONVERT_NATIVE=0``
-            disables the C kernels.
-        map_input: on the CPU, read row chunks as views of the mapped input files (default: yes,
-            unless ``CTCONVERT_MMAP=0``).
-        allow_nonfinite: copy pass-through tensors (norms, embeddings, a dense ``lm_head``) that hold
-            NaN/inf, with a note naming them; by default such a tensor is refused
-            (:class:`BadInputError`, exit 3). Quantized weights with NaN/inf are always refused.
-        keep_other_weights: also copy weights in other formats (``*.bin``, ``*.pth``, ``original/``,
-            ``*.gguf`` ...); by default they are left out and listed in the notes.
-        tp, ep: the tensor- (expert-) parallel degrees to check the output for
-            (:mod:`ctconvert.plan.parallel`): whether each rank's slice of every quantized tensor keeps
-            whole groups, blocks, tiles and vocabulary rows. A dry run always reports the largest TP
-            degree (``result.parallel``); a real run with ``tp > 1`` or ``ep`` notes what does not split.
+        **kw: the options, each one of :data:`ctconvert.options.OPTIONS`:
+            {options}
 
     A quantized tensor whose values all quantize to zero while its source does not (rows of
     fp16 values below the format's smallest scale, for instance) is named in the notes and in
     ``result.zero_quantized``; the bytes are compressed-tensors' own.
-        sparsity: ``"2:4"``: magnitude 2:4 pruning along K before quantizing, written as
-            ``sparse-24-bitmask`` (``scheme`` ``DENSE``, ``FP8_DYNAMIC`` or ``W8A8``; vLLM <= 0.18 loads it)
-            or, with :func:`quantize_to_target` ``target="marlin-24"`` and ``W4A16``, as ``marlin-24``
-            (vLLM <= 0.15). See :mod:`ctconvert.plan.sparsity`.
-        calibration: for schemes with static or W4A4 activation scales (``NVFP4``, ``FP8``,
-            ``W8A8_STATIC``, ``W8A8_STATIC_ASYM``) and ``kv_cache``: a text file, JSON lines with a
-            ``text`` field, or token ids (:mod:`ctconvert.calibration.data`); None: the built-in English
-            corpus. ``calibration_samples`` x ``calibration_seq_len`` tokens are used.
-        kv_cache: ``none``, ``fp8`` (calibrated per-tensor ``k_scale``/``v_scale``) or ``fp8-head``
-            (per KV head).
-        keep_unclassified: keep a floating tensor of 2 or more dimensions that no rule classifies
-            (or fused 3-D experts of a family whose layout is not known) dense, list its module in
-            ``ignore`` and report it; by default it is refused by name (:class:`UnsupportedError`, exit 4).
-        default_ignore: apply the default ignores (``lm_head``, MoE routers, vision/audio towers,
-            MTP layers, Linear layers outside the blocks); ``False`` drops them all. A module named
-            in ``targets`` (a name or ``re:`` pattern) is quantized whatever the defaults say.
-        quantize_mtp: also quantize multi-token-prediction layers (dense by default).
-        dense_dtype: ``keep`` (default: stored dtypes), ``bf16``, ``fp16`` or ``fp32``: every floating tensor
-            that is not quantized is written in that dtype (``torch.Tensor.to``, round to nearest even) and
-            ``config.json``'s dtype says so (:mod:`ctconvert.plan.dense_dtype`); quantized weights are the
-            bytes of a run without it. :class:`UsageError` for another value; :class:`BadInputError` (exit 3)
-            naming file and tensor for a finite value beyond the target's range (fp32 -> fp16).
-        target, layout_version, act_dtype: write a kernel-native layout in the same pass (:func:`quantize_to_target`).
 
     Returns:
         A :class:`QuantizeResult` (``to_dict()`` is the ``--json`` document).
@@ -179,8 +133,18 @@ def _opened(src: str | Path) -> Source | None:
         return None
 
 
+if quantize.__doc__:  # None under python -OO
+    quantize.__doc__ = quantize.__doc__.replace("{options}", options_doc(indent=" " * 12).lstrip())
+
+
 def convert(
-    src: str | Path, out: str | Path | None, *, scheme: str | None = None, max_shard_size: str | int = "5GB", overwrite: bool = False, dry_run: bool = False
+    src: str | Path,
+    out: str | Path | None,
+    *,
+    scheme: str | None = None,
+    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
+    overwrite: bool = False,
+    dry_run: bool = False,
 ):
     """Re-express a ModelOpt NVFP4, AutoAWQ GEMM or GPTQ checkpoint in compressed-tensors without rounding.
 
@@ -201,7 +165,9 @@ def convert(
     return _convert.convert(src, out, scheme=scheme, max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run)
 
 
-def quantize_to_target(src, out, scheme: str, target: str, *, layout_version: str = DEFAULT_LAYOUT_VERSION, act_dtype: str = "bf16", **kw) -> QuantizeResult:
+def quantize_to_target(
+    src, out, scheme: str, target: str, *, layout_version: str = DEFAULT_LAYOUT_VERSION, act_dtype: str = DEFAULT_ACT_DTYPE, **kw
+) -> QuantizeResult:
     """``quantize`` straight into a kernel-native layout (``--target marlin|cutlass-nvfp4``), in one pass.
 
     Each module is repacked on the device right after it is quantized; no
@@ -222,9 +188,9 @@ def repack(
     target: str,
     *,
     layout_version: str = DEFAULT_LAYOUT_VERSION,
-    act_dtype: str = "bf16",
+    act_dtype: str = DEFAULT_ACT_DTYPE,
     device: str = "auto",
-    max_shard_size: str | int = "5GB",
+    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     progress=None,
 ) -> dict:
@@ -255,7 +221,7 @@ def repack(
 
 
 def decompress(
-    src: str | Path, out: str | Path, *, dtype: str | None = None, max_shard_size: str | int = "5GB", overwrite: bool = False, progress=None
+    src: str | Path, out: str | Path, *, dtype: str | None = None, max_shard_size: str | int = DEFAULT_SHARD_SIZE, overwrite: bool = False, progress=None
 ) -> dict:
     """Write a dense copy of a compressed-tensors checkpoint, or of any other quantized source :func:`quantize`
     reads (Hugging Face FP8 block -> bf16 is exact; ModelOpt NVFP4, AutoAWQ, GPTQ).

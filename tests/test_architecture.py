@@ -25,6 +25,7 @@ LAYERS = {
     "__init__": 0,
     "formats": 1,
     "layouts": 1,
+    "options": 1.5,  # the option table: every option's name, default, help, CLI spelling, batch key (torch-free; reads layouts' version)
     "checkpoint": 2,
     "sources": 2.5,  # every input format as dense tensors (reads checkpoint, uses formats)
     "plan": 3,
@@ -34,6 +35,7 @@ LAYERS = {
     "commands": 5,
     "api": 6,
     "cli": 7,
+    "render": 7,  # the CLI's tables and summary lines
     "__main__": 8,
 }
 
@@ -110,7 +112,8 @@ def test_no_command_imports_another(mod):
 
 def test_cli_goes_through_api():
     # jsonout: the standard-JSON writer the CLI's --json documents and batch's lines share (a leaf: imports json only)
-    allowed = {"ctconvert", "ctconvert.api", "ctconvert.errors", "ctconvert.jsonout"}
+    # render: the tables and summaries (a module at cli's level); options: the option table (a torch-free leaf)
+    allowed = {"ctconvert", "ctconvert.api", "ctconvert.errors", "ctconvert.jsonout", "ctconvert.render", "ctconvert.options"}
     assert _edges()["ctconvert.cli"] <= allowed, sorted(_edges()["ctconvert.cli"] - allowed)
 
 

@@ -23,6 +23,7 @@ from ..checkpoint.safetensors_io import TORCH_TO_ST, read_tensor
 from ..errors import UnsupportedError, UsageError, plural
 from ..formats.common import tensor_absmax
 from ..formats.fp8 import fp8_scale
+from ..options import DEFAULT_CALIBRATION_BATCH_TOKENS
 from ..plan.planner import Plan
 from .observe import KV_CACHE_ARGS, MinMax, input_qparams, kv_qparams
 
@@ -164,7 +165,15 @@ def _fallback(name: str, stats: dict[str, MinMax]) -> MinMax | None:
     return found if found.min is not None else None
 
 
-def run(plan: Plan, ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device, kv_cache: str = "none", batch_tokens: int = 4096, progress=None) -> list[str]:
+def run(
+    plan: Plan,
+    ckpt: Checkpoint,
+    tokens: torch.Tensor,
+    device: torch.device,
+    kv_cache: str = "none",
+    batch_tokens: int = DEFAULT_CALIBRATION_BATCH_TOKENS,
+    progress=None,
+) -> list[str]:
     """Calibrate and fill each unit's ``extra`` with its calibrated tensors; returns notes.
 
     Raises what :func:`ctconvert.calibration.model.calibrate` raises, and :class:`UsageError` when a

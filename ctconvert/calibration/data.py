@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 
 from ..errors import BadInputError, UsageError
+from ..options import DEFAULT_CALIBRATION_SAMPLES as DEFAULT_SAMPLES
+from ..options import DEFAULT_CALIBRATION_SEQ_LEN as DEFAULT_SEQ_LEN
 
 __all__ = ["CORPUS", "DEFAULT_SAMPLES", "DEFAULT_SEQ_LEN", "TOKENIZER_FILES", "CalibrationData", "load_tokens"]
 
 CORPUS = Path(__file__).with_name("corpus.txt")
-DEFAULT_SAMPLES = 8
-DEFAULT_SEQ_LEN = 256
 _IDS = re.compile(r"^[\s\d,\[\]]+$")
 
 

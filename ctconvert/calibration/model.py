@@ -41,6 +41,7 @@ from torch import nn
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import read_tensor
 from ..errors import BadInputError, CTConvertError, UnsupportedError
+from ..options import DEFAULT_CALIBRATION_BATCH_TOKENS
 from .observe import MinMax, Stats
 
 __all__ = ["CalibrationModel", "calibrate", "calibrate_whole_model", "eager_only"]
@@ -567,7 +568,9 @@ def _micro_batches(tokens: torch.Tensor, batch_tokens: int) -> list[torch.Tensor
     return [tokens[i : i + per] for i in range(0, tokens.shape[0], per)]
 
 
-def calibrate(ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device, *, kv_cache: bool = False, batch_tokens: int = 4096, progress=None) -> Stats:
+def calibrate(
+    ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device, *, kv_cache: bool = False, batch_tokens: int = DEFAULT_CALIBRATION_BATCH_TOKENS, progress=None
+) -> Stats:
     """Observe ``tokens`` (int64 ``[N, L]``) through the checkpoint's architecture, one decoder layer at a time.
 
     Returns the :class:`Stats` (on the CPU, in the model's dtype): per quantizable Linear the min/max of its
@@ -605,7 +608,9 @@ def _forward_errors(ckpt: Checkpoint, where: str):
         raise UnsupportedError(f"calibration: {arch}'s forward failed in {where} ({type(e).__name__}: {str(e).splitlines()[0][:200]})", file=ckpt.path) from e
 
 
-def calibrate_whole_model(ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device, *, kv_cache: bool = False, batch_tokens: int = 4096) -> Stats:
+def calibrate_whole_model(
+    ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device, *, kv_cache: bool = False, batch_tokens: int = DEFAULT_CALIBRATION_BATCH_TOKENS
+) -> Stats:
     """The same observation with every layer loaded at once and the model's forward run whole (for tests)."""
     cm = CalibrationModel(ckpt, device)
     cm.kv = kv_cache

@@ -13,8 +13,8 @@
         ignore: ["re:.*mlp.gate$"]
 
 Keys of a job are ``model``, ``output``, ``scheme`` and the options of
-:func:`ctconvert.api.quantize`, the fields of
-:class:`ctconvert.pipeline.options.QuantizeOptions` (``lm_head``, ``targets``,
+:func:`ctconvert.api.quantize`, the entries of the option table
+:data:`ctconvert.options.OPTIONS` (``lm_head``, ``targets``,
 ``ignore``, ``max_shard_size``, ``overwrite``, ``skip_incompatible``, ``device``,
 ``resume``, ``refresh``, ``dry_run``, ``group_size``, ``symmetric``, ``target``,
 ``layout_version``, ``act_dtype`` ...; ``allow_non_finite`` spelled as on the
@@ -38,16 +38,19 @@ from pathlib import Path
 
 from .. import jsonout
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, CTConvertError, UsageError
-from ..pipeline.options import QuantizeOptions, job_keys
+from ..options import OPTIONS, job_keys
+from ..pipeline.options import QuantizeOptions
 from ..plan.schemes import get_scheme, resolve_scheme
 from ..plan.sparsity import sparse_scheme
 
-__all__ = ["ALLOWED", "LINE_KEYS", "OPTION_OF_KEY", "load_jobs", "run_jobs"]
+__all__ = ["ALLOWED", "LINE_KEYS", "OPTION_OF_KEY", "PATH_KEYS", "load_jobs", "run_jobs"]
 
 #: job key -> the :class:`~ctconvert.pipeline.options.QuantizeOptions` field it sets (every option is a job key)
 OPTION_OF_KEY = job_keys()
 #: the keys a job may have: the source, output and scheme, and every option
 ALLOWED = {"model", "output", "scheme", *OPTION_OF_KEY}
+#: the keys that hold paths (relative ones are relative to the jobs file): the source, output and every path option
+PATH_KEYS = ("model", "output", *(o.job_key or o.name for o in OPTIONS.values() if o.type in ("path", "file")))
 #: the keys of every job line, whatever its status (None where a key does not apply)
 LINE_KEYS = (
     "job",
@@ -124,7 +127,7 @@ def _load_jobs(path: str | Path) -> list[dict]:
         for k in ("model", "output", "scheme"):
             if k not in job:
                 raise UsageError(f"job {i}: missing {k!r}", file=p)
-        for k in ("model", "output", "calibration"):  # relative paths are relative to the jobs file; normalised (no ./, .., //)
+        for k in PATH_KEYS:  # relative paths are relative to the jobs file; normalised (no ./, .., //)
             if job.get(k) is None:
                 continue
             q = Path(str(job[k])).expanduser()
@@ -174,6 +177,26 @@ def _line(i: int, job: dict, status: str, **values) -> dict:
     return line
 
 
+def _done_line(i: int, job: dict, r, t0: float) -> dict:
+    """The line of a job whose conversion returned ``r``: ``ok``, or ``error`` for a dry run that found what the real run would stop at."""
+    line = _line(
+        i,
+        job,
+        "ok",
+        input_bytes=r.input_bytes,
+        output_bytes=r.output_bytes,
+        shards=len(r.shards),
+        reused_shards=list(r.reused_shards),
+        rewritten_shards=list(r.rewritten_shards),
+        seconds=round(time.perf_counter() - t0, 3),
+        exit_code=0,
+        notes=list(r.notes),
+    )
+    if r.error is not None:
+        line.update(status="error", error=str(r.error), exit_code=getattr(r.error, "exit_code", EXIT_INTERNAL))
+    return line
+
+
 def run_jobs(
     jobs: list[dict], convert: Callable, keep_going: bool = False, emit=print, on_job: Callable | None = None, stop_code: Callable[[], int] | None = None
 ) -> int:
@@ -220,23 +243,8 @@ def run_jobs(
         if kw.get("layout_version") is not None:  # YAML reads 0.33 as a number
             kw["layout_version"] = str(kw["layout_version"])
         try:
-            r = convert(job["model"], job["output"], job["scheme"], **kw)
-            line = _line(
-                i,
-                job,
-                "ok",
-                input_bytes=r.input_bytes,
-                output_bytes=r.output_bytes,
-                shards=len(r.shards),
-                reused_shards=list(r.reused_shards),
-                rewritten_shards=list(r.rewritten_shards),
-                seconds=round(time.perf_counter() - t0, 3),
-                exit_code=0,
-                notes=list(r.notes),
-            )
-            if r.error is not None:  # a dry run that found what the real run would stop at
-                line.update(status="error", error=str(r.error), exit_code=getattr(r.error, "exit_code", EXIT_INTERNAL))
-                code = code or line["exit_code"]
+            line = _done_line(i, job, convert(job["model"], job["output"], job["scheme"], **kw), t0)
+            code = code or line["exit_code"]
         except CTConvertError as e:
             line = _line(i, job, "error", seconds=round(time.perf_counter() - t0, 3), error=str(e), exit_code=e.exit_code)
             code = code or e.exit_code

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
+from .. import __version__, options
 from ..checkpoint.config import build_quantization_config, updated_config
 from ..checkpoint.naming import is_generative, loader_patterns, tie_word_embeddings
 from ..checkpoint.provenance import PROVENANCE
@@ -80,7 +80,7 @@ def convert(
     out: str | Path | None,
     *,
     scheme: str | None = None,
-    max_shard_size: str | int = "5GB",
+    max_shard_size: str | int = options.DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     dry_run: bool = False,
 ) -> ConversionResult:

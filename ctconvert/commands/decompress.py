@@ -42,6 +42,7 @@ from ..checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, read_rows
 from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from ..errors import BadInputError, UnsupportedError, UsageError
 from ..formats import CompressionFormat, get_format
+from ..options import DEFAULT_SHARD_SIZE
 from ..pipeline.memory import fix_mmap_threshold
 from ..pipeline.tasks import CastTensor, ChunkBuffers, Compute, CopyTensor, run_tasks
 from ..sources import SOURCE_CONFIG_FILES, Source, open_source
@@ -79,7 +80,7 @@ def decompress(
     out: str | Path,
     *,
     dtype: str | None = None,
-    max_shard_size: str | int = "5GB",
+    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     chunk_elems: int = 4 * 2**20,
     progress=None,

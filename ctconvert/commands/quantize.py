@@ -37,6 +37,7 @@ from ..checkpoint.writer import (
     shard_names,
 )
 from ..errors import BadInputError, CTConvertError, OutputError, UnsupportedError, UsageError, agree, plural
+from ..layouts.versions import DEFAULT_LAYOUT_VERSION
 from ..pipeline.devices import resolve_devices
 from ..pipeline.executor import ExecOptions, execute, map_input_default
 from ..pipeline.memory import fix_mmap_threshold
@@ -214,7 +215,7 @@ def _quantize(src: str | Path, out: str | Path | None, scheme: str, o: QuantizeO
 def _parallel(result: ConversionResult, plan: Plan, ckpt: Checkpoint, layout: LayoutStage | None, tp: int, ep: int | None) -> None:
     """The tensor-parallel plan (:mod:`ctconvert.plan.parallel`); a real run notes the tensors that do not split at ``tp``
     and an uneven expert-parallel split at ``ep``."""
-    kernel, version = (layout.target, layout.layout_version) if layout is not None else (None, "0.33")
+    kernel, version = (layout.target, layout.layout_version) if layout is not None else (None, DEFAULT_LAYOUT_VERSION)
     mods, result.parallel_of = plan_modules(plan, ckpt.tensors, kernel, version)
     try:
         result.parallel = report = parallel_report(mods, ckpt.config, tp, ep)

@@ -35,6 +35,7 @@ from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
 from ..errors import BadInputError, UsageError
 from ..layouts import batched, kernels
 from ..layouts.kernels import Kernel
+from ..options import DEFAULT_SHARD_SIZE
 from ..pipeline.devices import resolve_device
 from ..pipeline.tasks import Compute, CopyTensor, run_tasks
 from ..plan import kernel_targets
@@ -54,7 +55,7 @@ def repack(
     layout_version: str = kernels.DEFAULT_LAYOUT_VERSION,
     act_dtype: str = "bf16",
     device: str = "auto",
-    max_shard_size: str | int = "5GB",
+    max_shard_size: str | int = DEFAULT_SHARD_SIZE,
     overwrite: bool = False,
     progress=None,
 ) -> dict:

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cutlass, marlin, marlin_fp8, marlin_mxfp4, marlin_nvfp4, sparse24
+from .versions import DEFAULT_LAYOUT_VERSION, LAYOUT_VERSIONS
 
 __all__ = [
     "CUTLASS_NVFP4",
@@ -64,9 +65,6 @@ __all__ = [
     "unrepack_module",
     "with_copied",
 ]
-
-LAYOUT_VERSIONS = ("0.33", "0.32", "0.31", "0.30", "0.29", "0.25", "0.21")
-DEFAULT_LAYOUT_VERSION = "0.33"
 
 
 @dataclass(frozen=True)

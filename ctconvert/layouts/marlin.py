@@ -40,6 +40,7 @@ import sys
 import torch
 
 from .common import check_tensor, int_view, parse_version, round_up
+from .versions import DEFAULT_LAYOUT_VERSION
 
 __all__ = [
     "pack_quantized_to_gptq",
@@ -317,7 +318,7 @@ def gptq_to_pack_quantized(q_w: torch.Tensor, num_bits: int, size_k: int) -> tor
 # --------------------------------------------------------------------------- §3.4
 
 
-def marlin_padded_nk(size_n: int, size_k: int, group_size: int, layout_version: str = "0.33") -> tuple[int, int]:
+def marlin_padded_nk(size_n: int, size_k: int, group_size: int, layout_version: str = DEFAULT_LAYOUT_VERSION) -> tuple[int, int]:
     """The ``(padded_n, padded_k)`` vLLM repacks with (kernel-layouts §3.4).
 
     From vLLM 0.25 (``marlin_padded_nk``; g = group_size, or 1 for channelwise):
@@ -379,7 +380,7 @@ def marlin_repack(
     size_n: int,
     num_bits: int,
     perm: torch.Tensor | None = None,
-    layout_version: str = "0.33",
+    layout_version: str = DEFAULT_LAYOUT_VERSION,
     *,
     group_size: int,
 ) -> torch.Tensor:
@@ -443,7 +444,7 @@ def marlin_unrepack(
     size_n: int,
     num_bits: int,
     perm: torch.Tensor | None = None,
-    layout_version: str = "0.33",
+    layout_version: str = DEFAULT_LAYOUT_VERSION,
     *,
     group_size: int,
     check_padding: bool = True,
@@ -526,7 +527,7 @@ def scale_perm_for(group_size: int, padded_k: int) -> torch.Tensor:
     return grouped if group_size != -1 and group_size < padded_k else single
 
 
-def marlin_permute_scales(s: torch.Tensor, size_k: int, size_n: int, group_size: int, layout_version: str = "0.33") -> torch.Tensor:
+def marlin_permute_scales(s: torch.Tensor, size_k: int, size_n: int, group_size: int, layout_version: str = DEFAULT_LAYOUT_VERSION) -> torch.Tensor:
     """``marlin_pad_scales`` + ``marlin_permute_scales`` (kernel-layouts §3.4, §4).
 
     Zero-pads ``s`` to ``(padded_G, padded_n)`` with ``padded_G = padded_k / group``
@@ -560,7 +561,7 @@ def marlin_unpermute_scales(
     size_k: int,
     size_n: int,
     group_size: int,
-    layout_version: str = "0.33",
+    layout_version: str = DEFAULT_LAYOUT_VERSION,
     *,
     check_padding: bool = True,
 ) -> torch.Tensor:
@@ -585,7 +586,7 @@ def marlin_unpermute_scales(
     return _unpad2(s, g, size_n, check_padding, "marlin_s")
 
 
-def marlin_permute_bias(b: torch.Tensor, size_k: int, size_n: int, group_size: int, layout_version: str = "0.33") -> torch.Tensor:
+def marlin_permute_bias(b: torch.Tensor, size_k: int, size_n: int, group_size: int, layout_version: str = DEFAULT_LAYOUT_VERSION) -> torch.Tensor:
     """``marlin_pad_dim`` + ``marlin_permute_bias`` (kernel-layouts §3.4, §4).
 
     Zero-pads the bias to ``padded_n`` (which depends on K and the group, so
@@ -612,7 +613,7 @@ def marlin_unpermute_bias(
     size_k: int,
     size_n: int,
     group_size: int,
-    layout_version: str = "0.33",
+    layout_version: str = DEFAULT_LAYOUT_VERSION,
     *,
     check_padding: bool = True,
 ) -> torch.Tensor:
@@ -651,7 +652,7 @@ def marlin_zero_points(
     size_k: int,
     size_n: int,
     num_bits: int,
-    layout_version: str = "0.33",
+    layout_version: str = DEFAULT_LAYOUT_VERSION,
     *,
     group_size: int,
 ) -> torch.Tensor:
@@ -692,7 +693,7 @@ def marlin_unzero_points(
     size_k: int,
     size_n: int,
     num_bits: int,
-    layout_version: str = "0.33",
+    layout_version: str = DEFAULT_LAYOUT_VERSION,
     *,
     group_size: int,
     check_padding: bool = True,

@@ -30,6 +30,7 @@ import torch
 from .common import LayoutTypeError, check_tensor, int_view
 from .common import act_dtype as act_dtype_of
 from .marlin import gptq_to_pack_quantized, marlin_permute_scales, marlin_repack, marlin_unpermute_scales, marlin_unrepack, pack_quantized_to_gptq
+from .versions import DEFAULT_LAYOUT_VERSION
 
 __all__ = [
     "fp8_exponent_bias",
@@ -167,7 +168,7 @@ def marlin_fp8_permuted_scales(
     size_n: int,
     act_dtype,
     logical_widths: Sequence[int] | None = None,
-    layout_version: str = "0.33",
+    layout_version: str = DEFAULT_LAYOUT_VERSION,
 ) -> torch.Tensor:
     """FP8 Marlin scales before the exponent-bias fold (§5.1 steps 2-3).
 
@@ -185,7 +186,7 @@ def marlin_fp8_repack(
     weight_fp8: torch.Tensor,
     weight_scale: torch.Tensor,
     act_dtype,
-    layout_version: str = "0.33",
+    layout_version: str = DEFAULT_LAYOUT_VERSION,
     logical_widths: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """compressed-tensors W8A16-FP8 layer -> vLLM's FP8 Marlin tensors (§5.1).
@@ -229,7 +230,7 @@ def marlin_fp8_unrepack(
     kernel: Mapping[str, torch.Tensor],
     size_n: int,
     size_k: int,
-    layout_version: str = "0.33",
+    layout_version: str = DEFAULT_LAYOUT_VERSION,
     strategy: str = "channel",
     logical_widths: Sequence[int] | None = None,
     scale_dtype: torch.dtype | None = None,

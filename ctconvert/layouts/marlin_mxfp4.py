@@ -34,6 +34,7 @@ from .common import LayoutTypeError, check_tensor
 from .common import act_dtype as act_dtype_of
 from .marlin import gptq_to_pack_quantized, marlin_permute_scales, marlin_repack, marlin_unpermute_scales, marlin_unrepack, pack_quantized_to_gptq
 from .marlin_nvfp4 import REORDER4
+from .versions import DEFAULT_LAYOUT_VERSION
 
 __all__ = [
     "MXFP4_GROUP_SIZE",
@@ -97,7 +98,9 @@ def _check_mxfp4(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> tup
     return n, k
 
 
-def marlin_mxfp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor, act_dtype, layout_version: str = "0.33") -> dict[str, torch.Tensor]:
+def marlin_mxfp4_repack(
+    weight_packed: torch.Tensor, weight_scale: torch.Tensor, act_dtype, layout_version: str = DEFAULT_LAYOUT_VERSION
+) -> dict[str, torch.Tensor]:
     """compressed-tensors MXFP4 layer -> vLLM's MXFP4 Marlin (W4A16) tensors (§5.3).
 
     Args:
@@ -121,7 +124,9 @@ def marlin_mxfp4_repack(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     return {"marlin_q_w": marlin_q_w, "marlin_scales": mxfp4_marlin_process_scales(permuted, act_dtype)}
 
 
-def marlin_mxfp4_unrepack(kernel: Mapping[str, torch.Tensor], size_n: int, size_k: int, layout_version: str = "0.33") -> dict[str, torch.Tensor]:
+def marlin_mxfp4_unrepack(
+    kernel: Mapping[str, torch.Tensor], size_n: int, size_k: int, layout_version: str = DEFAULT_LAYOUT_VERSION
+) -> dict[str, torch.Tensor]:
     """Inverse of :func:`marlin_mxfp4_repack`: ``weight_packed`` uint8 ``(N, K/2)`` (bit-exact) and
     ``weight_scale`` uint8 ``(N, K/32)`` (bit-exact unless :func:`marlin_mxfp4_lost_scales` flags an entry).
 

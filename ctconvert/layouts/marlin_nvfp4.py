@@ -34,6 +34,7 @@ from .common import LayoutTypeError, check_tensor, int_view, parse_version
 from .common import act_dtype as act_dtype_of
 from .cutlass import reciprocal_preimage
 from .marlin import gptq_to_pack_quantized, marlin_permute_scales, marlin_repack, marlin_unpermute_scales, marlin_unrepack, pack_quantized_to_gptq
+from .versions import DEFAULT_LAYOUT_VERSION
 
 __all__ = [
     "NVFP4_GROUP_SIZE",
@@ -74,7 +75,7 @@ def _exponent_bias_nvfp4(act_dtype) -> int:
     return 2 ** (e - 1) - 2 ** (2 - 1)
 
 
-def nvfp4_scale_factor(scales: torch.Tensor, act_dtype, layout_version: str = "0.33") -> torch.Tensor:
+def nvfp4_scale_factor(scales: torch.Tensor, act_dtype, layout_version: str = DEFAULT_LAYOUT_VERSION) -> torch.Tensor:
     """The power-of-two factor sf of the scale-factor rule (§5.2 step 3.2; vLLM >= 0.21).
 
     With ``m = max(scales * 128)`` over the entries > 0: ``sf = 2^floor(log2(448*128 / m))``
@@ -105,7 +106,7 @@ def nvfp4_scale_factor(scales: torch.Tensor, act_dtype, layout_version: str = "0
     return nvfp4_scale_factor_from_max(torch.where(x > 0, x, torch.zeros_like(x)).amax(), act_dtype, layout_version)
 
 
-def nvfp4_scale_factor_from_max(top: torch.Tensor, act_dtype, layout_version: str = "0.33") -> torch.Tensor:
+def nvfp4_scale_factor_from_max(top: torch.Tensor, act_dtype, layout_version: str = DEFAULT_LAYOUT_VERSION) -> torch.Tensor:
     """:func:`nvfp4_scale_factor` from each module's largest positive scale (0 when there is none).
 
     Args:
@@ -166,7 +167,7 @@ def nvfp4_decode_s0e5m3(codes: torch.Tensor, scale_factor: torch.Tensor) -> torc
     return (h.float() / 128.0 / scale_factor).to(torch.float8_e4m3fn)
 
 
-def nvfp4_marlin_process_scales(permuted_scales: torch.Tensor, act_dtype, layout_version: str = "0.33") -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_marlin_process_scales(permuted_scales: torch.Tensor, act_dtype, layout_version: str = DEFAULT_LAYOUT_VERSION) -> tuple[torch.Tensor, torch.Tensor]:
     """``nvfp4_marlin_process_scales`` with the factor rule (§5.2 step 3).
 
     Args:
@@ -263,7 +264,7 @@ def marlin_nvfp4_repack(
     weight_scale: torch.Tensor,
     weight_global_scale: torch.Tensor,
     act_dtype,
-    layout_version: str = "0.33",
+    layout_version: str = DEFAULT_LAYOUT_VERSION,
 ) -> dict[str, torch.Tensor]:
     """compressed-tensors NVFP4 layer -> vLLM's NVFP4 Marlin (W4A16) tensors (§5.2).
 
@@ -315,7 +316,7 @@ def marlin_nvfp4_unrepack(
     size_n: int,
     size_k: int,
     act_dtype,
-    layout_version: str = "0.33",
+    layout_version: str = DEFAULT_LAYOUT_VERSION,
     weight_global_scale: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Inverse of :func:`marlin_nvfp4_repack`: back to the compressed-tensors tensors.
@@ -352,7 +353,7 @@ def marlin_nvfp4_unrepack(
     return {"weight_packed": weight_packed, "weight_scale": weight_scale, "weight_global_scale": weight_global_scale}
 
 
-def marlin_nvfp4_lost_scales(weight_scale: torch.Tensor, act_dtype, layout_version: str = "0.33") -> torch.Tensor:
+def marlin_nvfp4_lost_scales(weight_scale: torch.Tensor, act_dtype, layout_version: str = DEFAULT_LAYOUT_VERSION) -> torch.Tensor:
     """Bool ``(N, K/16)`` mask: True where the Marlin S0E5M3 codes cannot give the
     checkpoint block scale back bit for bit (flushed below 2/(128*sf), negative,
     -0.0 or NaN; §5.2 step 3). The round trip is exact iff the mask is all False."""

@@ -56,6 +56,7 @@ from ..errors import BadInputError
 from ..formats import native
 from ..formats.common import tensor_absmax
 from ..formats.fp4 import nvfp4_global_scale
+from ..options import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
 from ..plan.planner import Plan, WorkUnit
 from .casting import cast_chunk
 
@@ -63,8 +64,6 @@ __all__ = ["DEFAULT_CHUNK_ELEMS", "DEFAULT_HOLD_BYTES", "ExecOptions", "Read", "
 
 COPY_CHUNK_BYTES = 64 * 2**20
 _CHECKED_COPY = ("BF16", "F16", "F32", "F64", "F8_E4M3")  # pass-through dtypes whose values are checked
-DEFAULT_CHUNK_ELEMS = 4 * 2**20
-DEFAULT_HOLD_BYTES = 1 << 30
 READ_AHEAD = 4  # chunks read ahead of the one being computed
 WRITE_BEHIND = 2  # CPU: writes queued per writer thread (a copy chunk is 64 MiB)
 WRITE_BUDGET = 192 * 2**20  # GPU: bytes queued for the writers, all writers together (_ByteBudget)

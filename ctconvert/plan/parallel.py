@@ -94,6 +94,7 @@ from ..checkpoint.naming import resolve_group
 from ..errors import agree, plural
 from ..formats import WeightArgs
 from ..layouts import marlin
+from ..layouts.versions import DEFAULT_LAYOUT_VERSION
 
 __all__ = ["ParallelModule", "ParallelReport", "ShardRow", "checkpoint_modules", "kernel_native_modules", "layer_kind", "parallel_report", "plan_modules"]
 
@@ -149,7 +150,7 @@ class ParallelModule:
     args: WeightArgs | None = None
     format: str | None = None  # the compressed-tensors format (``pack-quantized`` packs into int32 words)
     kernel: str | None = None
-    layout_version: str = "0.33"
+    layout_version: str = DEFAULT_LAYOUT_VERSION
 
 
 @dataclass
@@ -546,7 +547,9 @@ def _vocab(name: str, info) -> ParallelModule | None:
     return None
 
 
-def plan_modules(plan, tensors: dict, kernel: str | None = None, layout_version: str = "0.33") -> tuple[list[ParallelModule], dict[str, list[str]]]:
+def plan_modules(
+    plan, tensors: dict, kernel: str | None = None, layout_version: str = DEFAULT_LAYOUT_VERSION
+) -> tuple[list[ParallelModule], dict[str, list[str]]]:
     """The modules of a quantize plan (:class:`ctconvert.plan.planner.Plan`) and, per input tensor,
     the modules made from it. The dense ``[N, K]`` is the format's answer for the planned output
     shapes, so any unit the planner makes (a fused 3-D tensor split into experts too) is covered.
@@ -605,7 +608,7 @@ def kernel_native_modules(qcfg: dict, tensors: dict) -> list[ParallelModule]:
         args = WeightArgs.from_dict(g.get("weights"))
         fmt = g.get("format") or src.get("format")
         shape = (int(rec["size_n"]), int(rec["size_k"]))
-        out.append(ParallelModule(mod, shape, args, fmt, kernel_family(rec.get("kernel")), str(rec.get("layout_version", "0.33"))))
+        out.append(ParallelModule(mod, shape, args, fmt, kernel_family(rec.get("kernel")), str(rec.get("layout_version", DEFAULT_LAYOUT_VERSION))))
     native = set(qcfg.get("modules") or {})
     out += [v for name, info in tensors.items() if name.removesuffix(".weight") not in native and (v := _vocab(name, info)) is not None]
     return out

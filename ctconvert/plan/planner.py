@@ -40,6 +40,7 @@ from ..checkpoint.naming import (
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import TensorInfo
 from ..errors import UnsupportedError, UsageError, agree
+from ..options import DEFAULT_LM_HEAD_CHUNK_ROWS
 from .schemes import LM_HEAD_SCHEMES, Scheme, get_scheme
 from .sparsity import sparse_scheme
 
@@ -169,7 +170,7 @@ def make_plan(
     targets: list[str] | None = None,
     ignore: list[str] | None = None,
     lm_head: str = "none",
-    lm_head_chunk_rows: int = 8192,
+    lm_head_chunk_rows: int = DEFAULT_LM_HEAD_CHUNK_ROWS,
     skip_incompatible: bool = False,
     sparsity: str | None = None,
     sparsity_target: str | None = None,
