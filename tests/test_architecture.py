@@ -29,6 +29,7 @@ LAYERS = {
     "plan": 3,
     "calibration": 3.5,  # between plan and the quantizer (read -> plan -> calibrate -> quantize -> write)
     "pipeline": 4,
+    "stages": 4.5,  # quantize as a list of stages (source -> plan -> calibrate -> quantize -> target -> write): above pipeline, below commands
     "commands": 5,
     "api": 6,
     "cli": 7,
