@@ -501,6 +501,8 @@ class Executor:
     def _calibrated_others(self, unit: WorkUnit):
         """``(name, tensor)`` of the calibrated tensors the unit's outputs name for modules that are not its
         members (an attention module's ``k_scale``/``v_scale``, planned with the unit that holds its ``k_proj``)."""
+        if not self.opts.calibrated:
+            return
         for name, _, _ in unit.outputs:
             mod, _, part = name.rpartition(".")
             if mod not in unit.modules and part in self.opts.calibrated.get(mod, {}):
