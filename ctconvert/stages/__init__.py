@@ -3,9 +3,9 @@
 source -> plan -> (calibrate) -> quantize -> (target) -> write:
 
 * :class:`~.source.SourceStage`: the input opened once, as dense tensors (a quantized one dequantized on the fly);
-* :class:`~.plan.PlanStage`: every tensor's fate from the headers, the result, the tensor-parallel plan;
+* :class:`~.plan.PlanStage`: every tensor's fate from the headers, and the result;
 * :class:`~.calibrate.CalibrateStage`: static activation and KV-cache scales from calibration data (when needed);
-* :class:`~.quantize.QuantizeStage`: the devices, the ``quantization_config``, what the executor is told;
+* :class:`~.quantize.QuantizeStage`: the devices, the tensor-parallel plan, the ``quantization_config``, what the executor is told;
 * :class:`~.target.TargetStage`: ``--target``, the kernel-native layout in the same pass (when asked);
 * :class:`~.write.WriteStage`: the output folder, the streaming executor into it, the config and provenance.
 

@@ -2,8 +2,7 @@
 
 Its rules: ``--sparsity`` takes the presets as they are (no ``--group-size``/``--symmetric``) and no
 ``--lm-head``; a dry run shows the error the real run would stop at and the whole plan. It also
-describes a quantized source (requantize), starts the result, and plans the tensor-parallel split
-(a dry run, ``--tp``/``--ep``) and says what ``--sparsity`` warns about.
+describes a quantized source (requantize) and starts the result.
 """
 
 from __future__ import annotations
@@ -12,14 +11,11 @@ import dataclasses
 
 from ..checkpoint.reader import Checkpoint
 from ..errors import UnsupportedError, UsageError, agree, plural
-from ..layouts.kernels import DEFAULT_LAYOUT_VERSION
 from ..pipeline.options import QuantizeOptions
 from ..plan.dense_dtype import apply_dense_dtype
-from ..plan.parallel import parallel_report, plan_modules
 from ..plan.planner import Plan, TensorDecision, make_plan
 from ..plan.result import ConversionResult
 from ..plan.schemes import resolve_scheme
-from ..plan.sparsity import sparsity_warning
 from .job import QuantizeJob, Stage
 
 __all__ = ["PlanStage", "describe_source"]
@@ -28,8 +24,8 @@ __all__ = ["PlanStage", "describe_source"]
 class PlanStage(Stage):
     """``scheme`` and the options that choose what is quantized: ``targets``, ``ignore``, ``lm_head``,
     ``lm_head_chunk_rows``, ``skip_incompatible``, ``keep_unclassified``, ``default_ignore``,
-    ``quantize_mtp``, ``sparsity`` (with ``group_size``/``symmetric``), ``dense_dtype``; ``target`` and
-    ``layout_version`` for the 2:4 kernel and the tensor-parallel plan; ``tp``/``ep``.
+    ``quantize_mtp``, ``sparsity`` (with ``group_size``/``symmetric``), ``dense_dtype``; ``target`` for the
+    2:4 kernel.
 
     Raises :class:`UsageError` for ``--group-size``/``--symmetric`` or ``--lm-head`` with ``--sparsity``
     (and what :func:`~ctconvert.plan.schemes.resolve_scheme` and :func:`make_plan` raise)."""
@@ -58,26 +54,9 @@ class PlanStage(Stage):
             describe_source(plan, source)
         job.plan = plan
         job.result = ConversionResult.of_plan(plan, job.out, o.dry_run, source.original.total_bytes, ())  # the device: the quantize stage's
-        if o.dry_run or o.tp > 1 or o.ep is not None:
-            self._parallel(job)
-        if (warning := sparsity_warning(plan.scheme, o.target)) is not None:
-            job.result.notes.append(warning)
 
     def report(self, job: QuantizeJob) -> None:
         job.result.error = job.dry_error
-
-    def _parallel(self, job: QuantizeJob) -> None:
-        """The tensor-parallel plan (:mod:`ctconvert.plan.parallel`); a real run notes the tensors that do not split at ``tp``
-        and an uneven expert-parallel split at ``ep``."""
-        result, o = job.result, self.o
-        kernel, version = (o.target, o.layout_version) if o.target is not None else (None, DEFAULT_LAYOUT_VERSION)
-        mods, result.parallel_of = plan_modules(job.plan, job.ckpt.tensors, kernel, version)
-        try:
-            result.parallel = report = parallel_report(mods, job.ckpt.config, o.tp, o.ep)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        if not result.dry_run and (not report.ok or report.uneven):
-            result.notes.append(report.summary())
 
 
 def _listed(names: tuple[str, ...] | None) -> list[str] | None:
