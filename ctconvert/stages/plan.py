@@ -18,7 +18,7 @@ from ..plan.result import ConversionResult
 from ..plan.schemes import resolve_scheme
 from .job import QuantizeJob, Stage
 
-__all__ = ["PlanStage", "describe_source"]
+__all__ = ["PlanStage", "describe_source", "plan_or_error"]
 
 
 class PlanStage(Stage):
