@@ -60,7 +60,7 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, options: Q
     """Convert the checkpoint ``src`` to a compressed-tensors checkpoint at ``out``.
 
     ``src`` may be dense or already quantized (compressed-tensors, Hugging Face FP8 block, ModelOpt
-    NVFP4, AutoAWQ, GPTQ: :mod:`ctconvert.checkpoint.sources`): a quantized input is dequantized on the
+    NVFP4, AutoAWQ, GPTQ: :mod:`ctconvert.sources`): a quantized input is dequantized on the
     fly and requantized; when ``scheme`` is the source's own format (AWQ -> ``W4A16_ASYM`` ...), it is
     converted losslessly instead (:func:`convert`; ``lm_head``, ``targets``, ``ignore``, ``resume`` and
     ``refresh`` are then refused).

@@ -6,5 +6,5 @@ Between the plan and the quantizer (read -> plan -> **calibrate** -> quantize ->
 time (only that layer's weights in memory), and :mod:`.observe` turns the recorded
 min/max into compressed-tensors' scales (``input_global_scale``, ``input_scale``,
 ``input_zero_point``, ``k_scale``/``v_scale``) with compressed-tensors' own functions, and
-:mod:`.apply` adds the calibrated tensors to the plan (names at plan time, values after the run).
+:mod:`.apply` adds the calibrated tensors' names to the plan and returns their values after the run.
 """

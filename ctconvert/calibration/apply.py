@@ -2,13 +2,15 @@
 
 :func:`add_outputs` runs at plan time (``--dry-run`` shows it): per quantized Linear of a
 calibrated scheme ``input_global_scale`` (NVFP4, fp32 ``[1]``) or ``input_scale`` (model dtype
-``[1]``) and ``input_zero_point`` (int8 ``[1]``, asymmetric INT8); for the ``FP8`` preset the
-per-tensor ``weight_scale`` ``[1]``; with ``--kv-cache`` per attention module ``k_scale`` and
-``v_scale`` (``[1]``, or ``[num_key_value_heads, 1, 1]`` per head). Names and shapes are what
-compressed-tensors registers (``lifecycle/initialize.py``, release 0.20) and vLLM 0.33 loads
-(``compressed_tensors.py`` ``CompressedTensorsKVCacheMethod``, ``CompressedTensorsW4A4Fp4``,
-``CompressedTensorsW8A8Fp8``/``Int8``). :func:`run` calibrates and puts the values into each
-unit's ``extra`` (module -> {part: tensor}), which the executor writes with the unit.
+``[1]``) and ``input_zero_point`` (int8 ``[1]``, asymmetric INT8); with ``--kv-cache`` per
+attention module ``k_scale`` and ``v_scale`` (``[1]``, or ``[num_key_value_heads, 1, 1]`` per
+head). Names and shapes are what compressed-tensors registers (``lifecycle/initialize.py``,
+release 0.20) and vLLM 0.33 loads (``compressed_tensors.py`` ``CompressedTensorsKVCacheMethod``,
+``CompressedTensorsW4A4Fp4``, ``CompressedTensorsW8A8Fp8``/``Int8``). :func:`run` calibrates
+and returns the values as :class:`Calibrated` (module -> {part: tensor}), which the executor
+writes with the unit whose outputs name them (:attr:`ctconvert.pipeline.executor.ExecOptions.calibrated`).
+The ``FP8`` preset's per-tensor ``weight_scale`` is not calibration's: the executor's absmax pass
+computes it (:mod:`ctconvert.pipeline.scales`).
 """
 
 from __future__ import annotations
@@ -19,15 +21,13 @@ import torch
 
 from ..checkpoint.naming import is_generative
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.safetensors_io import TORCH_TO_ST, read_tensor
+from ..checkpoint.safetensors_io import TORCH_TO_ST
 from ..errors import UnsupportedError, UsageError, plural
-from ..formats.common import tensor_absmax
-from ..formats.fp8 import fp8_scale
 from ..options import DEFAULT_CALIBRATION_BATCH_TOKENS
 from ..plan.planner import Plan
 from .observe import KV_CACHE_ARGS, MinMax, input_qparams, kv_qparams
 
-__all__ = ["KV_CACHE_CHOICES", "CalibrationCost", "add_outputs", "attention_note", "estimate", "kv_cache_config", "needs_calibration", "run"]
+__all__ = ["KV_CACHE_CHOICES", "Calibrated", "CalibrationCost", "add_outputs", "attention_note", "estimate", "kv_cache_config", "needs_calibration", "run"]
 
 KV_CACHE_CHOICES = ("none", *KV_CACHE_ARGS)
 
@@ -165,6 +165,16 @@ def _fallback(name: str, stats: dict[str, MinMax]) -> MinMax | None:
     return found if found.min is not None else None
 
 
+@dataclass
+class Calibrated:
+    """What :func:`run` gives the quantize stage: ``tensors``, module -> {part: tensor} (CPU tensors: a
+    quantized Linear's ``input_scale``/``input_global_scale``/``input_zero_point`` ``[1]``, an attention
+    module's ``k_scale``/``v_scale``), and ``notes`` for the result."""
+
+    tensors: dict[str, dict[str, torch.Tensor]]
+    notes: list[str]
+
+
 def run(
     plan: Plan,
     ckpt: Checkpoint,
@@ -173,8 +183,8 @@ def run(
     kv_cache: str = "none",
     batch_tokens: int = DEFAULT_CALIBRATION_BATCH_TOKENS,
     progress=None,
-) -> list[str]:
-    """Calibrate and fill each unit's ``extra`` with its calibrated tensors; returns notes.
+) -> Calibrated:
+    """Calibrate: the calibrated tensors of every unit of ``plan`` that needs them, and notes.
 
     Raises what :func:`ctconvert.calibration.model.calibrate` raises, and :class:`UsageError` when a
     quantized Linear saw no calibration token and has no sibling expert to take its range from."""
@@ -183,6 +193,7 @@ def run(
     stats = calibrate(ckpt, tokens, device, kv_cache=kv_cache != "none", batch_tokens=batch_tokens, progress=progress)
     dtype = _model_dtype(ckpt)
     notes = list(stats.notes)
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
     for u in _calibrated_units(plan):
         observed = []
         for m in u.modules:
@@ -195,19 +206,15 @@ def run(
             observed.append(s)
         q = input_qparams(u.scheme.input_args, observed, dtype)  # a fused set's members see one input: one range
         for m in u.modules:
-            u.extra.setdefault(m, {}).update(q)
-        if u.scheme.weights.strategy == "tensor" and u.scheme.weights.type == "float":
-            for m, src in zip(u.modules, u.sources):
-                w = read_tensor(ckpt.tensors[src])
-                u.extra[m]["weight_scale"] = fp8_scale(tensor_absmax(w), w.dtype).reshape(1).to(w.dtype)
+            tensors.setdefault(m, {}).update(q)
     if kv_cache != "none":
-        for a, i in _attention_modules(plan).items():
+        for a in _attention_modules(plan):
             k, v = stats.keys.get(a), stats.values.get(a)
             if k is None or v is None:
                 raise UsageError(f"calibration: the attention module {a} was not observed (architecture without a k_proj/v_proj attention module)")
-            plan.units[i].extra.setdefault(a, {}).update(kv_qparams(kv_cache, k, v, dtype))
+            tensors.setdefault(a, {}).update(kv_qparams(kv_cache, k, v, dtype))
     notes.append(f"calibrated on {stats.tokens} tokens")
-    return notes
+    return Calibrated(tensors, notes)
 
 
 def check_model(ckpt: Checkpoint) -> None:

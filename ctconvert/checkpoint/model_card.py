@@ -33,7 +33,7 @@ def conversion_section(
     """The Markdown section (starts with :data:`HEADING`). ``source``: the input folder, named by its last
     component (a card is published: no local path; ``.`` and ``..`` are resolved first); ``calibration``: the
     data the activation scales were calibrated on (None: none used); ``derived_from``: a quantized source
-    (:meth:`ctconvert.checkpoint.sources.Source.derived_from`), requantized."""
+    (:meth:`ctconvert.sources.Source.derived_from`), requantized."""
     name = Path(os.path.abspath(source)).name or str(source)
     how = f"calibrated on {calibration}" if calibration else "without calibration data"
     shown = ", ".join(f"`{p}`" for p in ignore[:_SHOWN]) or "nothing"

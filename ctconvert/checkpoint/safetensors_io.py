@@ -91,7 +91,7 @@ class TensorInfo:
     base: str | None = None  # derived tensor: the stored tensor it is a slice of
     view: SliceView | None = None  # derived tensor whose bytes are not contiguous
     #: a tensor computed from others (a dequantized weight of a quantized source,
-    #: :mod:`ctconvert.checkpoint.sources`): an object with ``rows(r0, r1)`` and
+    #: :mod:`ctconvert.sources`): an object with ``rows(r0, r1)`` and
     #: ``read_bytes(offset, nbytes, out)``; the read functions below go through it
     virtual: object | None = field(default=None, compare=False, repr=False)
 

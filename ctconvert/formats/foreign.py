@@ -1,7 +1,7 @@
 """Weight formats of other tools, read back exactly as their own reference decompressors do.
 
 These are the formats ctconvert takes as input besides compressed-tensors (see
-:mod:`ctconvert.checkpoint.sources`); each function works on a row range of one
+:mod:`ctconvert.sources`); each function works on a row range of one
 module and is written from the published layout:
 
 - Hugging Face / DeepSeek FP8 block (``quant_method: "fp8"``): E4M3 ``weight [N, K]``,

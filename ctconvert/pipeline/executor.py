@@ -28,9 +28,11 @@ Provenance hashes of the sources are computed beside the executor, by the
 caller (:class:`~ctconvert.checkpoint.hashing.SourceHashes`), not here.
 
 NVFP4 needs one absmax over each fused set before any member is quantized
-(docs/compressed-tensors-format.md §9.1): a set of up to ``hold_bytes`` is read
-once and held (on the device) until its global scale is known; a larger set
-is read twice (absmax pass, then quantize pass).
+(docs/compressed-tensors-format.md §9.1), the FP8 preset one per tensor
+(:mod:`.scales`): a set of up to ``hold_bytes`` is read once and held (on the
+device) until its scales are known; a larger set is read twice (absmax pass,
+then quantize pass). Calibrated tensors (:attr:`ExecOptions.calibrated`) are
+written with their module.
 
 With a kernel-native target (``quantize --target``) each module's finished
 tensors go through :attr:`ExecOptions.repack` on the device before they are
@@ -51,22 +53,23 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.safetensors_io import ShardFile, TensorInfo, iter_row_chunks, map_rows, read_bytes, read_rows
+from ..checkpoint.safetensors_io import ShardFile, TensorInfo, map_rows, read_bytes, read_rows
 from ..errors import BadInputError
 from ..formats import native
 from ..formats.common import tensor_absmax
-from ..formats.fp4 import nvfp4_global_scale
 from ..options import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
 from ..plan.planner import Plan, WorkUnit
+from .buffers import ByteBudget, PinnedPool
 from .casting import cast_chunk
+from .nonfinite import copy_nonfinite, raise_nonfinite
+from .scales import UnitScales, needs_absmax_pass
 
 __all__ = ["DEFAULT_CHUNK_ELEMS", "DEFAULT_HOLD_BYTES", "ExecOptions", "Read", "execute", "make_reads", "split_units", "warm_up_shapes"]
 
 COPY_CHUNK_BYTES = 64 * 2**20
-_CHECKED_COPY = ("BF16", "F16", "F32", "F64", "F8_E4M3")  # pass-through dtypes whose values are checked
 READ_AHEAD = 4  # chunks read ahead of the one being computed
 WRITE_BEHIND = 2  # CPU: writes queued per writer thread (a copy chunk is 64 MiB)
-WRITE_BUDGET = 192 * 2**20  # GPU: bytes queued for the writers, all writers together (_ByteBudget)
+WRITE_BUDGET = 192 * 2**20  # GPU: bytes queued for the writers, all writers together (buffers.ByteBudget)
 READERS = {"cuda": 4, "cpu": 2}  # reader threads (preadv releases the GIL; CPU runs that map the input use 1)
 WRITERS = {"cuda": 4, "cpu": 2}  # writer threads; every write of one tensor goes to the same one, in order
 
@@ -82,7 +85,9 @@ class ExecOptions:
     """How the executor runs. ``impl``: quantizer implementation (see ``WeightFormat.quantize``);
     ``map_input``: on the CPU, read row chunks as views of the mapped file; ``repack``: the
     kernel-layout step, ``(module, {part: whole tensor}) -> {part: tensor}``
-    (:class:`ctconvert.plan.layout.LayoutStage`), or None to write compressed-tensors tensors."""
+    (:class:`ctconvert.stages.layout.LayoutStage`), or None to write compressed-tensors tensors;
+    ``calibrated``: module -> {part: tensor}, the calibrated tensors (:class:`ctconvert.calibration.apply.Calibrated`),
+    each written once with the unit whose outputs name it."""
 
     device: torch.device
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
@@ -94,6 +99,7 @@ class ExecOptions:
     allow_nonfinite: bool = False  # copy pass-through tensors that hold NaN/inf (listed in nonfinite) instead of refusing
     nonfinite: list = field(default_factory=list)  # pass-through tensors found holding NaN/inf (with allow_nonfinite)
     zeros: object | None = None  # a ctconvert.pipeline.zeros.ZeroTracker: rows quantized to all zeros from non-zero values
+    calibrated: dict = field(default_factory=dict)  # module -> {part: tensor} (input scales, k_scale/v_scale)
 
 
 @dataclass
@@ -134,7 +140,7 @@ def make_reads(ckpt: Checkpoint, plan: Plan, opts: ExecOptions):
             for step in [_chunk_rows(info, unit, opts.chunk_elems)]
             for r0 in range(0, info.shape[0], step)
         ]
-        if unit.scheme.global_scale:
+        if needs_absmax_pass(unit.scheme):
             hold = sum(i.nbytes for i in infos) <= opts.hold_bytes
             for j, (m, r0, r1) in enumerate(chunks):
                 yield Read(ui, "amax", m, r0, r1, hold=hold, end_of_pass=j == len(chunks) - 1)
@@ -144,69 +150,10 @@ def make_reads(ckpt: Checkpoint, plan: Plan, opts: ExecOptions):
             yield Read(ui, "quant", m, r0, r1, end_of_pass=j == len(chunks) - 1)
 
 
-class _PinnedPool:
-    """Reusable pinned host buffers for host-to-device copies (pageable copies are ~8x slower)."""
-
-    def __init__(self, count: int):
-        self.free: queue.Queue = queue.Queue()
-        self.count = count
-        self.made = 0
-        self.lock = threading.Lock()
-        self.closed = False  # set when the run stops: waiting readers give up
-
-    def get(self, nbytes: int) -> torch.Tensor:
-        with self.lock:
-            if self.made < self.count:
-                self.made += 1
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        while True:
-            try:
-                buf, event = self.free.get(timeout=0.1)
-                break
-            except queue.Empty:
-                if self.closed:
-                    raise RuntimeError("the executor stopped") from None
-        if event is not None:
-            event.synchronize()
-        if buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return buf
-
-    def put(self, buf: torch.Tensor, event) -> None:
-        self.free.put((buf, event))
-
-
-class _ByteBudget:
-    """The bytes queued for the writer threads of a GPU run, bounded by ``limit`` (one item may exceed it alone).
-
-    Bounding bytes rather than items keeps the writers busy while the computing thread makes no output (an
-    NVFP4 set's absmax pass reads the whole set first): a module's outputs, however many chunks, wait in
-    the queues instead of holding the computing thread, and memory stays bounded. Staging buffers are
-    taken from torch's caching pinned-memory allocator, so their sizes follow the outputs."""
-
-    def __init__(self, limit: int):
-        self.limit, self.used, self.closed = limit, 0, False
-        self.cv = threading.Condition()
-
-    def acquire(self, n: int) -> None:
-        with self.cv:
-            while self.used and self.used + n > self.limit:
-                if self.closed:
-                    raise RuntimeError("the executor stopped")
-                self.cv.wait(0.1)
-            self.used += n
-
-    def release(self, n: int) -> None:
-        with self.cv:
-            self.used -= n
-            self.cv.notify_all()
-
-
 @dataclass
 class _UnitState:
     cursors: dict = field(default_factory=dict)  # (member, key) -> byte offset
-    amax: torch.Tensor | None = None
-    gs: torch.Tensor | None = None
+    scales: UnitScales = field(default_factory=UnitScales)  # the absmax pass (pipeline/scales.py)
     held: list = field(default_factory=list)
     checks: list = field(default_factory=list)  # device amax per chunk, checked at the end (GPU)
     parts: dict = field(default_factory=dict)  # with ExecOptions.repack: member -> {part: [chunks]}
@@ -221,8 +168,8 @@ class Executor:
         self.cuda = self.dev.type == "cuda"
         kind = "cuda" if self.cuda else "cpu"
         self.readers = 1 if not self.cuda and opts.map_input else READERS[kind]
-        self.pool = _PinnedPool(READ_AHEAD + self.readers + 2) if self.cuda else None
-        self.budget = _ByteBudget(WRITE_BUDGET) if self.cuda else None  # bytes queued for the writers
+        self.pool = PinnedPool(READ_AHEAD + self.readers + 2) if self.cuda else None
+        self.budget = ByteBudget(WRITE_BUDGET) if self.cuda else None  # bytes queued for the writers
         self.stream = torch.cuda.Stream(self.dev) if self.cuda else None
         self.use_native = not self.cuda and opts.impl in ("auto", "native") and native.available()
         self.native_checks = opts.impl in ("auto", "native") and native.available()  # C scans of host bytes
@@ -300,7 +247,7 @@ class Executor:
         info = self.ckpt.tensors[unit.sources[job.member]]
         if job.kind == "copy":  # (bytes, whether they hold NaN/inf)
             data = read_bytes(info, job.start, job.stop - job.start)
-            return data, self._copy_nonfinite(info, data)
+            return data, copy_nonfinite(info, data, self.native_checks)
         if not self.cuda:
             if self.opts.map_input:
                 return map_rows(info, job.start, job.stop)
@@ -427,33 +374,21 @@ class Executor:
             return
         w = self._to_device(job, info, data)
         if job.kind == "amax":
-            a = self._absmax(w, info, job)
-            st.amax = a if st.amax is None else torch.maximum(st.amax, a)
+            st.scales.observe(job.member, self._absmax(w, info, job))
             if job.hold:
                 st.held.append((job, w))
             if job.end_of_pass:
                 self._check_unit(job.unit, st)
-                st.gs = nvfp4_global_scale(st.amax, info.torch_dtype)
+                st.scales.finish(unit.scheme, info.torch_dtype, [self.ckpt.tensors[s].torch_dtype for s in unit.sources])
                 for hjob, hw in st.held:
                     self._quantize(unit, hjob, hw, st)
                 st.held.clear()
             return
-        if not unit.scheme.global_scale and not self._scales_show_nonfinite(unit):
+        if not needs_absmax_pass(unit.scheme) and not self._scales_show_nonfinite(unit):
             self._absmax(w, info, job, st)  # NaN/inf scan
         self._quantize(unit, job, w, st)
         if job.end_of_pass:
             self._check_unit(job.unit, st)
-
-    def _copy_nonfinite(self, info: TensorInfo, data: torch.Tensor) -> bool:
-        """Whether a pass-through chunk of a floating tensor holds NaN/inf (an E4M3 byte NaN): found by the reader
-        thread that read it (the C scan on any device when the kernels are built), handled by :meth:`_check_copy`."""
-        if info.dtype not in _CHECKED_COPY or not data.numel():
-            return False
-        if info.dtype == "F8_E4M3":
-            return bool(((data.view(torch.uint8) & 0x7F) == 0x7F).any())
-        if self.native_checks and info.dtype != "F64":
-            return native.absmax(data.view(info.torch_dtype).reshape(1, -1))[1] > 0
-        return not bool(torch.isfinite(data.view(info.torch_dtype)).all())
 
     def _check_copy(self, info: TensorInfo, bad: bool) -> None:
         """A pass-through chunk of a floating tensor must be finite, checked on the bytes in memory as they are
@@ -461,7 +396,7 @@ class Executor:
         if not bad or info.name in self.opts.nonfinite:
             return
         if not self.opts.allow_nonfinite:
-            _raise_nonfinite(info, what="tensor", action="refusing to copy it (--allow-non-finite copies it with a note)")
+            raise_nonfinite(info, what="tensor", action="refusing to copy it (--allow-non-finite copies it with a note)")
         self.opts.nonfinite.append(info.name)
 
     def _absmax(self, w: torch.Tensor, info: TensorInfo, job: Read, st: _UnitState | None = None) -> torch.Tensor:
@@ -469,7 +404,7 @@ class Executor:
         if self.use_native:
             amax, bad = native.absmax(w)
             if bad:
-                _raise_nonfinite(info)
+                raise_nonfinite(info)
             return torch.tensor(amax, dtype=torch.float32)
         a = tensor_absmax(w)
         if self.cuda:
@@ -477,7 +412,7 @@ class Executor:
                 st.checks.append((info, a))
             return a
         if not bool(torch.isfinite(a)):
-            _raise_nonfinite(info)
+            raise_nonfinite(info)
         return a
 
     def _check_unit(self, ui: int, st: _UnitState, now: bool = False) -> None:
@@ -488,7 +423,8 @@ class Executor:
         folder until the run ends, so an error found a few units late loses nothing."""
         if not self.cuda:
             return
-        flags = ([st.amax] if st.amax is not None else []) + [a for _, a in st.checks]
+        amax = st.scales.amax
+        flags = ([amax] if amax is not None else []) + [a for _, a in st.checks]
         if flags:
             if self.finite_host is None:
                 self.finite_host = torch.ones(len(self.plan.units), dtype=torch.bool, pin_memory=True)
@@ -496,7 +432,7 @@ class Executor:
             self.finite_host[ui : ui + 1].copy_(ok.reshape(1), non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.stream)
-            self.pending_checks.append((ui, st.amax, list(st.checks), ev))
+            self.pending_checks.append((ui, amax, list(st.checks), ev))
         st.checks = []
         if now:
             torch.cuda.synchronize(self.dev)
@@ -511,31 +447,28 @@ class Executor:
                 continue
             if amax is not None and not bool(torch.isfinite(amax)):
                 for name in self.plan.units[ui].sources:
-                    _raise_nonfinite(self.ckpt.tensors[name], only_if_found=True)
+                    raise_nonfinite(self.ckpt.tensors[name], only_if_found=True)
             if checks:
                 vals = torch.stack([a for _, a in checks])
                 if not bool(torch.isfinite(vals).all()):
-                    _raise_nonfinite(checks[int((~torch.isfinite(vals)).nonzero()[0])][0])
+                    raise_nonfinite(checks[int((~torch.isfinite(vals)).nonzero()[0])][0])
 
     def _quantize(self, unit: WorkUnit, job: Read, w: torch.Tensor, st: _UnitState) -> None:
         info = self.ckpt.tensors[unit.sources[job.member]]
         prefix = unit.modules[job.member] + "."
-        extra = unit.extra.get(unit.modules[job.member], {})  # calibrated tensors (a given per-tensor weight_scale among them)
-        gs = st.gs if st.gs is not None else extra.get("weight_scale")
+        gs = st.scales.global_scale
         if job.member == 0 and job.start == 0:  # calibrated tensors of modules that are not members (k_scale/v_scale)
-            for mod, parts in unit.extra.items():
-                if mod not in unit.modules:
-                    for key, t in parts.items():
-                        self._write(f"{mod}.{key}", t.cpu())
+            for name, t in self._calibrated_others(unit):
+                self._write(name, t.cpu())
         try:
-            out = unit.scheme.quantize_rows(w, gs, impl=self.opts.impl)
+            out = unit.scheme.quantize_rows(w, gs, impl=self.opts.impl, weight_scale=st.scales.weight_scale.get(job.member))
         except ValueError as e:
             self._check_unit(job.unit, st, now=True)  # on a GPU the NaN/inf checks are still pending: they explain a failure first
             raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=str(info.file), tensor=info.name) from e
         if self._scales_show_nonfinite(unit) and not bool(torch.isfinite(out["weight_scale"]).all()):
-            _raise_nonfinite(info)
+            raise_nonfinite(info)
         if self.opts.zeros is not None:
-            self.opts.zeros.observe(info, job.start, w, out, unit.scheme, st.gs)
+            self.opts.zeros.observe(info, job.start, w, out, unit.scheme, gs)
         last = job.stop == info.shape[0]
         if self.opts.repack is None:  # row chunks go straight to their offsets
             writes = []
@@ -544,7 +477,7 @@ class Executor:
                 writes.append((prefix + key, t, pos))
                 st.cursors[(job.member, key)] = pos + t.numel() * t.element_size()
             if last:
-                writes += [(prefix + key, t, 0) for key, t in {**unit.scheme.whole_tensor_outputs(info.shape, st.gs), **extra}.items()]
+                writes += [(prefix + key, t, 0) for key, t in self._whole_outputs(unit, job.member, info, st).items()]
             self._write_device(writes)
         else:  # whole modules go through the kernel layout (on the device), then are written
             chunks = st.parts.setdefault(job.member, {})
@@ -552,10 +485,27 @@ class Executor:
                 chunks.setdefault(key, []).append(t)
             if last:
                 whole = {key: torch.cat(ts) if len(ts) > 1 else ts[0] for key, ts in st.parts.pop(job.member).items()}
-                whole.update(unit.scheme.whole_tensor_outputs(info.shape, st.gs))
-                whole.update(extra)
+                whole.update(self._whole_outputs(unit, job.member, info, st))
                 self._write_device([(prefix + key, t, 0) for key, t in self.opts.repack(unit.modules[job.member], whole).items()])
         self._progress((job.stop - job.start) * info.nbytes // max(1, info.shape[0]))
+
+    def _whole_outputs(self, unit: WorkUnit, member: int, info: TensorInfo, st: _UnitState) -> dict[str, torch.Tensor]:
+        """A member's tensors known once its last chunk is done: the format's whole-tensor outputs (NVFP4's
+        ``weight_global_scale``, ``weight_shape``), its calibrated tensors, then the FP8 preset's ``weight_scale``."""
+        whole = {**unit.scheme.whole_tensor_outputs(info.shape, st.scales.global_scale), **self.opts.calibrated.get(unit.modules[member], {})}
+        if (ws := st.scales.weight_scale.get(member)) is not None:
+            whole["weight_scale"] = ws
+        return whole
+
+    def _calibrated_others(self, unit: WorkUnit):
+        """``(name, tensor)`` of the calibrated tensors the unit's outputs name for modules that are not its
+        members (an attention module's ``k_scale``/``v_scale``, planned with the unit that holds its ``k_proj``)."""
+        if not self.opts.calibrated:
+            return
+        for name, _, _ in unit.outputs:
+            mod, _, part = name.rpartition(".")
+            if mod not in unit.modules and part in self.opts.calibrated.get(mod, {}):
+                yield name, self.opts.calibrated[mod][part]
 
     def _scales_show_nonfinite(self, unit: WorkUnit) -> bool:
         """NaN/inf are found from the scales the C kernels return, not by a separate scan (Scheme.scale_flags_nonfinite)."""
@@ -564,32 +514,6 @@ class Executor:
     def _progress(self, n: int) -> None:
         if self.opts.progress is not None:
             self.opts.progress.update(n)
-
-
-def _raise_nonfinite(info: TensorInfo, only_if_found: bool = False, what: str = "weight", action: str = "refusing to quantize") -> None:
-    """Find the first NaN/inf of a tensor (re-reading it on the CPU) and raise a one-line error."""
-    total = 0
-    first = None
-    kind = "inf"
-    for r0, w in iter_row_chunks(info):
-        w = w.float().reshape(w.shape[0] if w.dim() else 1, -1)  # E4M3 NaN -> NaN; 0-D and 1-D as rows
-        bad = ~torch.isfinite(w)
-        cnt = int(bad.sum())
-        if cnt:
-            if first is None:
-                idx = bad.nonzero()[0].tolist()
-                first = (r0 + idx[0], idx[1])
-            if bool(torch.isnan(w).any()):
-                kind = "NaN"
-            total += cnt
-    if total == 0 and only_if_found:
-        return
-    where = f"element {first[0]}" if len(info.shape) <= 1 else f"row {first[0]}, column {first[1]}"  # a 1-D tensor's rows are elements
-    raise BadInputError(
-        f"{what} holds {total} non-finite values ({kind}; first at {where}); {action}",
-        file=str(info.file),
-        tensor=info.name,
-    )
 
 
 def warm_up_shapes(ckpt: Checkpoint, plan: Plan, chunk_elems: int = DEFAULT_CHUNK_ELEMS, limit: int = 32) -> list:

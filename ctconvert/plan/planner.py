@@ -61,7 +61,6 @@ class WorkUnit:
     group: str | None = None  # config group name
     outputs: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)
     chunk_rows: int | None = None  # row chunk override (lm_head)
-    extra: dict = field(default_factory=dict)  # module -> {part: tensor}: calibrated tensors (ctconvert.calibration), written with the unit
     cast: str | None = None  # a copy written in another dtype (safetensors name; --dense-dtype, plan/dense_dtype.py)
 
     @property

@@ -324,3 +324,17 @@ def test_dry_run_says_where_the_real_run_would_stop(tmp_path):
     assert any("the run stops here unless --skip-incompatible" in n for n in res.notes)
     res = api.quantize(m, None, "W4A16", dry_run=True, skip_incompatible=True)
     assert res.error is None and any("kept dense and listed in ignore" in n for n in res.notes)
+
+
+def test_an_opened_source_is_converted_as_its_folder(tiny_llama, tmp_path):
+    """commands.quantize takes an opened Source (api opens the input once) and writes what the folder gives."""
+    from ctconvert.checkpoint.reader import open_checkpoint
+    from ctconvert.commands.quantize import quantize
+    from ctconvert.pipeline.options import QuantizeOptions
+    from ctconvert.sources import open_source
+
+    o = QuantizeOptions(device="cpu")
+    a = quantize(tiny_llama, tmp_path / "a", "W4A16", o)
+    b = quantize(open_source(open_checkpoint(tiny_llama, strict=True)), tmp_path / "b", "W4A16", o)
+    assert a.notes == b.notes and a.output_bytes == b.output_bytes
+    assert tree_hash(tmp_path / "a") == tree_hash(tmp_path / "b")

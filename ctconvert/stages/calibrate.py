@@ -1,0 +1,107 @@
+"""The calibrate stage: static activation scales and KV-cache scales from calibration data, entered once.
+
+Plan time (:meth:`CalibrateStage.prepare`, a dry run too): the calibrated tensors' names join the
+plan (:func:`ctconvert.calibration.apply.add_outputs`), the model is checked buildable, the cost is
+estimated (``result.calibration``). A dry run also reads and tokenizes the data as the real run will;
+the real run calibrates layer by layer (:func:`ctconvert.calibration.apply.run`) and hands the
+:class:`~ctconvert.calibration.apply.Calibrated` tensors to the quantize stage (``job.calibration``).
+Its rule: ``--refresh`` cannot update calibrated scales (they depend on every earlier layer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+
+from ..calibration import apply as calibration
+from ..calibration.data import load_tokens
+from ..checkpoint.reader import Checkpoint
+from ..errors import CTConvertError
+from ..pipeline.options import QuantizeOptions
+from .job import QuantizeJob, Stage
+
+__all__ = ["CalibrateStage", "layer_progress"]
+
+_NO_REFRESH = "--refresh cannot update calibrated activation scales (they depend on every earlier layer): convert again"
+
+
+class CalibrateStage(Stage):
+    """The options ``calibration`` (a file, token ids, or None: the built-in corpus), ``calibration_samples``,
+    ``calibration_seq_len``, ``calibration_batch_tokens``, ``kv_cache``. Does nothing for a plan that needs no
+    calibration (weights and dynamic activation scales only) and no ``--kv-cache``.
+
+    Raises :class:`~ctconvert.errors.UsageError` for an unknown ``kv_cache`` (or one with no attention to
+    calibrate), :class:`~ctconvert.errors.UnsupportedError` for a model calibration cannot run, and what
+    reading the data and calibrating raise."""
+
+    def __init__(self, o: QuantizeOptions):
+        self.file, self.samples, self.seq_len, self.batch_tokens = o.calibration, o.calibration_samples, o.calibration_seq_len, o.calibration_batch_tokens
+        self.kv_cache = o.kv_cache.lower()
+        self.cost: calibration.CalibrationCost | None = None
+
+    def prepare(self, job: QuantizeJob) -> None:
+        calibration.add_outputs(job.plan, job.ckpt, self.kv_cache)
+        job.calibrated = calibration.needs_calibration(job.plan, self.kv_cache)
+        job.kv_cache_scheme = calibration.kv_cache_config(self.kv_cache)
+        if not job.calibrated:
+            return
+        calibration.check_model(job.ckpt)
+        cost = calibration.estimate(job.plan, job.ckpt, self.samples, self.seq_len, self.kv_cache, self.batch_tokens)
+        job.result.calibration = {**cost.to_dict(), "source": str(self.file) if self.file else "built-in English corpus"}
+        job.fingerprint["calibration"] = [str(self.file or ""), self.samples, self.seq_len, self.kv_cache]
+        job.refresh_refused = _NO_REFRESH
+        self.cost = cost
+
+    def report(self, job: QuantizeJob) -> None:
+        if not job.calibrated:
+            job.result.notes.append("no calibration needed (weights and dynamic activation scales only)")
+            return
+        job.result.notes += [self.cost.describe(), *filter(None, [calibration.attention_note(job.ckpt)])]
+        data = self._read_data(job)
+        if isinstance(data, CTConvertError):
+            job.result.error = job.result.error or data
+
+    def run(self, job: QuantizeJob) -> None:
+        """Read the calibration tokens, run the model layer by layer (on the first device), hand the calibrated
+        tensors on; with a ``progress`` factory that takes ``unit``/``desc`` keywords, one step per decoder layer."""
+        if not job.calibrated:
+            return
+        t0, result = time.perf_counter(), job.result
+        data = self._read_data(job)
+        if isinstance(data, CTConvertError):
+            raise data
+        with layer_progress(job.progress, result.calibration["layers"], f"calibrate ({self.samples} x {self.seq_len} tokens)") as step:
+            job.calibration = calibration.run(job.plan, job.ckpt, data.tokens, job.devices[0], self.kv_cache, self.batch_tokens, progress=step)
+        result.notes += job.calibration.notes
+        result.calibration["seconds"] = round(time.perf_counter() - t0, 3)
+
+    def _read_data(self, job: QuantizeJob):
+        """Read and tokenize the calibration data as the real run will (a dry run stops where it would stop: no
+        tokenizer, too few tokens, ids outside the vocabulary); the data, or the error (returned, not raised)."""
+        ckpt: Checkpoint = job.ckpt
+        try:
+            data = load_tokens(ckpt.path, self.file, self.samples, self.seq_len, (ckpt.config.get("text_config") or ckpt.config).get("vocab_size"))
+        except CTConvertError as e:
+            return e
+        job.result.notes.append(f"calibration data: {data.source} ({data.kind}, {data.available} tokens; using {self.samples} x {self.seq_len})")
+        return data
+
+
+@contextlib.contextmanager
+def layer_progress(progress, layers: int, desc: str):
+    """``progress(layers, unit="layer", desc=desc)`` as a ``(layer, layers)`` callback (calibration's), or None
+    when there is no factory or it takes only ``(total_bytes)`` (the API's older form: no calibration progress)."""
+    if progress is None or not _takes_unit(progress) or layers < 1:
+        yield None
+        return
+    with progress(layers, unit="layer", desc=desc) as bar:
+        yield lambda done, total: bar.update(1)
+
+
+def _takes_unit(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "unit" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

@@ -1,0 +1,131 @@
+"""The plan stage: every tensor's fate, from the headers alone (:func:`ctconvert.plan.planner.make_plan`).
+
+Its rules: ``--sparsity`` takes the presets as they are (no ``--group-size``/``--symmetric``) and no
+``--lm-head``; a dry run shows the error the real run would stop at and the whole plan. It also
+describes a quantized source (requantize) and starts the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..checkpoint.reader import Checkpoint
+from ..errors import UnsupportedError, UsageError, agree, plural
+from ..pipeline.options import QuantizeOptions
+from ..plan.dense_dtype import apply_dense_dtype
+from ..plan.planner import Plan, TensorDecision, make_plan
+from ..plan.result import ConversionResult
+from ..plan.schemes import resolve_scheme
+from .job import QuantizeJob, Stage
+
+__all__ = ["PlanStage", "describe_source", "plan_or_error"]
+
+
+class PlanStage(Stage):
+    """``scheme`` and the options that choose what is quantized: ``targets``, ``ignore``, ``lm_head``,
+    ``lm_head_chunk_rows``, ``skip_incompatible``, ``keep_unclassified``, ``default_ignore``,
+    ``quantize_mtp``, ``sparsity`` (with ``group_size``/``symmetric``), ``dense_dtype``; ``target`` for the
+    2:4 kernel.
+
+    Raises :class:`UsageError` for ``--group-size``/``--symmetric`` or ``--lm-head`` with ``--sparsity``
+    (and what :func:`~ctconvert.plan.schemes.resolve_scheme` and :func:`make_plan` raise)."""
+
+    def __init__(self, scheme: str, o: QuantizeOptions):
+        if not o.sparsity:
+            scheme = resolve_scheme(scheme, o.group_size, o.symmetric)
+        elif o.group_size is not None or o.symmetric is not None:
+            raise UsageError("--group-size/--symmetric/--asymmetric cannot be combined with --sparsity (2:4 takes the presets as they are)")
+        self.scheme, self.o = scheme, o
+
+    def prepare(self, job: QuantizeJob) -> None:
+        o, source = self.o, job.source
+        plan_ignore = list(o.ignore or []) + [m for m in source.dense_linear if source.quantized]
+        rules = dict(keep_unclassified=o.keep_unclassified, default_ignore=o.default_ignore, quantize_mtp=o.quantize_mtp)
+        plan_kw = dict(targets=_listed(o.targets), ignore=plan_ignore or None, lm_head=o.lm_head, lm_head_chunk_rows=o.lm_head_chunk_rows, **rules)
+        if o.sparsity:
+            if o.lm_head.lower() != "none":  # its sparsity_config would claim the head as 2:4 for loaders
+                raise UsageError("--lm-head cannot be combined with --sparsity: 2:4 is for the Linear layers of the blocks")
+            plan_kw.update(sparsity=o.sparsity, sparsity_target=o.target)
+        plan, job.dry_error = plan_or_error(job.ckpt, self.scheme, o.dry_run, o.skip_incompatible, plan_kw)
+        apply_dense_dtype(plan, o.dense_dtype, job.ckpt.config)
+        if plan.views:  # per-expert parts of fused 3-D experts: read as tensors of their own from here on
+            job.ckpt = dataclasses.replace(job.ckpt, tensors={**job.ckpt.tensors, **plan.views})
+        if source.quantized:
+            describe_source(plan, source)
+        job.plan = plan
+        job.result = ConversionResult.of_plan(plan, job.out, o.dry_run, source.original.total_bytes, ())  # the device: the quantize stage's
+
+    def report(self, job: QuantizeJob) -> None:
+        job.result.error = job.dry_error
+
+
+def _listed(names: tuple[str, ...] | None) -> list[str] | None:
+    return list(names) if names is not None else None
+
+
+def plan_or_error(ckpt: Checkpoint, scheme, dry_run: bool, skip_incompatible: bool, plan_kw: dict) -> tuple[Plan, Exception | None]:
+    """The plan, and for a dry run the error the real run would stop at (the plan then shows every tensor).
+    Raises :class:`UnsupportedError` in a real run, or where not one layer fits."""
+    try:
+        return make_plan(ckpt, scheme, skip_incompatible=skip_incompatible, **plan_kw), None
+    except UnsupportedError as e:
+        if skip_incompatible:
+            raise
+        try:
+            plan = make_plan(ckpt, scheme, skip_incompatible=True, **plan_kw)
+        except UnsupportedError as every:  # not one layer fits: --skip-incompatible (the first error's hint) would not help
+            if not every.message.startswith("nothing to quantize"):
+                raise e from None
+            raise UnsupportedError(every.message.replace("--skip-incompatible kept", "--skip-incompatible would keep"), file=every.file) from None
+        if not dry_run:
+            raise
+        stops = " (the run stops here: leave it dense with --ignore, or pass --skip-incompatible)"
+        for row in plan.rows:  # say what this run would do, not what --skip-incompatible would
+            if row.reason and row.reason.endswith(" (skipped: --skip-incompatible)"):
+                row.reason = row.reason.removesuffix(" (skipped: --skip-incompatible)") + stops
+        plan.notes[:] = [n.replace("; kept dense and listed in ignore", "; the run stops here unless --skip-incompatible") for n in plan.notes]
+        return plan, e
+
+
+def describe_source(plan: Plan, source) -> None:
+    """Requantize: every row says the source format it is dequantized from; the Linear layers dense in the
+    source say so; the source's tensors that have no place in the output (its activation and KV-cache
+    scales) are rows of their own (action ``drop``); the notes say what the output derives from."""
+    dense = set(source.dense_linear)
+    for row in plan.rows:
+        row.source = source.format_of(row.name)
+        module = row.name.removesuffix(".weight")
+        if row.reason == f"--ignore {module}" and module in dense:
+            row.reason = "dense in the source (its ignore carries over)"
+    dropped = dict(source.dropped)
+    for m in source.modules.values():  # a source's input scales travel with its modules (convert keeps them)
+        if "input_scale" in m.parts:
+            dropped[m.parts["input_scale"].name] = "activation scale of the source's quantization"
+    for name, why in dropped.items():
+        info = source.original.tensors[name]
+        plan.rows.append(TensorDecision(name, info.file.name, info.dtype, info.shape, "drop", reason=why))
+    labels = sorted({m.label for m in source.modules.values()})
+    plan.notes.append(
+        f"requantize: {plural(len(source.modules), 'quantized module')} of the {source.quant_method} source ({'; '.join(labels)}) "
+        f"{agree(len(source.modules), 'is', 'are')} dequantized "
+        f"on the fly with the source format's exact math and quantized again with {plan.scheme.name}; "
+        f"verify --reference {source.original.path} measures the result against the dequantized source"
+    )
+    _requantize_note(plan, min(m.bits for m in source.modules.values()))
+    if dropped:
+        n = len(dropped)
+        plan.notes.append(f"{plural(n, 'activation/KV-cache scale tensor')} of the source {agree(n, 'is', 'are')} not carried over (action 'drop')")
+
+
+def _requantize_note(plan: Plan, bits: int) -> None:
+    """What requantizing a ``bits``-bit source with the plan's scheme costs (lossy twice, either way)."""
+    if plan.scheme.num_bits > bits:
+        plan.notes.append(
+            f"the source holds {bits}-bit weights: {plan.scheme.name} ({plan.scheme.num_bits}-bit) cannot restore the precision they lack, "
+            "and rounds them again (lossy twice)"
+        )
+    else:  # as many bits or fewer: another grid, so the dequantized values are rounded again as well
+        plan.notes.append(
+            f"the source holds {bits}-bit weights: {plan.scheme.name} rounds their dequantized values again onto its own grid "
+            "(lossy twice: its error adds to the source's)"
+        )
