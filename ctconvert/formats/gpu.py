@@ -293,6 +293,16 @@ if HAVE_TRITON:
             _fp4_tile(x.to(tl.float32), rows, groups, pidx, m3, p_ptr, s_ptr, gs_ptr, N, K, NVFP4, G, DT)
 
     @triton.jit
+    def _pow2_exponent(b, W: tl.constexpr, M: tl.constexpr, BIAS: tl.constexpr, EMAX: tl.constexpr):
+        """The MX power of two of non-negative values from their bit patterns ``b`` in D (W bits wide, M mantissa
+        bits, exponent bias BIAS, all-ones exponent EMAX): add a quarter of the exponent's step and drop the mantissa
+        (docs/compressed-tensors-format.md §6.5), then ``(exponent - BIAS as int32, exponent is 0, exponent is EMAX)``."""
+        ADD: tl.constexpr = 1 << (M - 2)
+        MASK: tl.constexpr = ((1 << W) - 1) ^ ((1 << M) - 1)
+        b = (b + ADD) & MASK
+        return ((b >> M) - BIAS).to(tl.int32), (b >> M) == 0, (b >> M) == EMAX
+
+    @triton.jit
     def _fp4_tile(x, rows, groups, pidx, m3, p_ptr, s_ptr, gs_ptr, N, K, NVFP4: tl.constexpr, G: tl.constexpr, DT: tl.constexpr):
         NG = K // G
         rmask = rows < N
@@ -316,23 +326,11 @@ if HAVE_TRITON:
         else:
             # power of two of amax on D's bit pattern (docs/compressed-tensors-format.md §6.5), all in integers
             if DT == 0:
-                b = amax.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                b = (b + 32) & 0xFF80
-                E = (b >> 7) - 127
-                zero = (b >> 7) == 0
-                ovf = (b >> 7) == 255
+                E, zero, ovf = _pow2_exponent(amax.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF, 16, 7, 127, 255)
             elif DT == 1:
-                b = amax.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                b = (b + 256) & 0xFC00
-                E = (b >> 10) - 15
-                zero = (b >> 10) == 0
-                ovf = (b >> 10) == 31
+                E, zero, ovf = _pow2_exponent(amax.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF, 16, 10, 15, 31)
             else:
-                b = amax.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-                b = (b + 2097152) & 0xFF800000
-                E = ((b >> 23) - 127).to(tl.int32)
-                zero = (b >> 23) == 0
-                ovf = (b >> 23) == 255
+                E, zero, ovf = _pow2_exponent(amax.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF, 32, 23, 127, 255)
             # the power of two rounds past D's largest: flag it (gs_ptr is an int32 flag for MXFP4)
             tl.store(gs_ptr + tl.zeros_like(E), 1, mask=ovf & m2)
             e = tl.where(zero, 0, E + 125)
