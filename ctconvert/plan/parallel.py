@@ -93,7 +93,7 @@ from ..checkpoint.modules import Module, dense_shape
 from ..checkpoint.naming import resolve_group
 from ..errors import agree, plural
 from ..formats import WeightArgs
-from ..layouts import marlin
+from ..layouts import marlin_base
 
 __all__ = ["ParallelModule", "ParallelReport", "ShardRow", "checkpoint_modules", "kernel_native_modules", "layer_kind", "parallel_report", "plan_modules"]
 
@@ -293,7 +293,7 @@ def _kernel_problems(n_r: int, k_r: int, args: WeightArgs | None, kernel: str | 
         if g > 0 and k_r % g:
             return []  # already reported as a split group
         try:
-            padded = marlin.marlin_padded_nk(n_r, k_r, g, version)
+            padded = marlin_base.marlin_padded_nk(n_r, k_r, g, version)
         except ValueError as e:
             return [f"per-rank [{n_r}, {k_r}] is not a whole Marlin tile run: {e}"]
         if padded != (n_r, k_r):

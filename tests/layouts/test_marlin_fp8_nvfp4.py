@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ctconvert.layouts.marlin import marlin_padded_nk
+from ctconvert.layouts.marlin_base import marlin_padded_nk
 from ctconvert.layouts.marlin_fp8 import (
     fp8_fold_exponent_bias,
     fp8_unfold_exponent_bias,
