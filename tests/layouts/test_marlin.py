@@ -15,15 +15,19 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ctconvert.layouts.marlin import gptq_to_pack_quantized, marlin_repack, marlin_sort_g_idx, marlin_unrepack, pack_quantized_to_gptq
-from ctconvert.layouts.marlin_base import marlin_padded_nk
-from ctconvert.layouts.marlin_scales import (
+from ctconvert.layouts.marlin import (
+    gptq_to_pack_quantized,
+    marlin_padded_nk,
     marlin_permute_bias,
     marlin_permute_scales,
+    marlin_repack,
+    marlin_sort_g_idx,
     marlin_unpermute_bias,
     marlin_unpermute_scales,
+    marlin_unrepack,
     marlin_unzero_points,
     marlin_zero_points,
+    pack_quantized_to_gptq,
 )
 
 from helpers import INT_BY_SIZE, VECTORS, bitwise_equal, vector_cases

@@ -27,7 +27,7 @@ from ctconvert.layouts.marlin_nvfp4 import (
     nvfp4_scale_factor,
 )
 
-from helpers import DEVICES, VECTORS, bits, bitwise_equal, vector_cases
+from helpers import DEVICES, VECTORS, bits, bitwise_equal, case_on, vector_cases
 
 ACT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -111,8 +111,7 @@ def test_nvfp4_vector_file_complete():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("idx", range(len(NVFP4_CASES)))
 def test_nvfp4_reference_vectors(idx, device):
-    i, p, ins, exp = NVFP4_CASES[idx]
-    ins = {k_: v.to(device) for k_, v in ins.items()}
+    i, p, ins, exp = case_on(NVFP4_CASES, idx, device)
     n, k, act = p["N"], p["K"], p["act_dtype"]
     assert marlin_padded_nk(n, k, 16) == (p["padded_N"], p["padded_K"])
     got = marlin_nvfp4_repack(ins["weight_packed"], ins["weight_scale"], ins["weight_global_scale"], act)
