@@ -22,27 +22,22 @@ import sys
 import tempfile
 from pathlib import Path
 
+
+def _moe_case(model_type: str, arch: str, experts: str) -> dict:
+    """A one-layer checkpoint of 4 fused experts (H = I = 128, under ``experts``) and one attention projection."""
+    return {
+        "config": {"model_type": model_type, "architectures": [arch], "hidden_size": 128, "num_experts": 4, "num_hidden_layers": 1},
+        "tensors": {f"{experts}.gate_up_proj": [4, 256, 128], f"{experts}.down_proj": [4, 128, 128], "model.layers.0.self_attn.o_proj.weight": [128, 128]},
+    }
+
+
 RECIPE = {
     "seed": 11,
     "std": 0.05,
     "schemes": ["FP8_DYNAMIC", "W4A16"],
     "cases": {
-        "qwen3_moe": {
-            "config": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 128, "num_experts": 4, "num_hidden_layers": 1},
-            "tensors": {
-                "model.layers.0.mlp.experts.gate_up_proj": [4, 256, 128],
-                "model.layers.0.mlp.experts.down_proj": [4, 128, 128],
-                "model.layers.0.self_attn.o_proj.weight": [128, 128],
-            },
-        },
-        "gemma4": {
-            "config": {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "hidden_size": 128, "num_experts": 4, "num_hidden_layers": 1},
-            "tensors": {
-                "model.layers.0.experts.gate_up_proj": [4, 256, 128],
-                "model.layers.0.experts.down_proj": [4, 128, 128],
-                "model.layers.0.self_attn.o_proj.weight": [128, 128],
-            },
-        },
+        "qwen3_moe": _moe_case("qwen3_moe", "Qwen3MoeForCausalLM", "model.layers.0.mlp.experts"),
+        "gemma4": _moe_case("gemma4_text", "Gemma4ForCausalLM", "model.layers.0.experts"),
     },
 }
 

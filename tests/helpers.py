@@ -71,6 +71,12 @@ def vector_cases(name: str) -> tuple:
     return tuple(out)
 
 
+def case_on(cases, idx: int, device: str) -> tuple:
+    """Case ``idx`` of ``cases`` (from :func:`vector_cases`) as ``(i, params, inputs, expected)``, its inputs moved to ``device``."""
+    i, p, ins, exp = cases[idx]
+    return i, p, {k: v.to(device) for k, v in ins.items()}, exp
+
+
 def randomized(model):
     """``model`` with every 2-D-or-more parameter drawn from N(0, 0.05) (seed 0), in place: the tiny transformers
     models of the family and calibration tests, with weights that are not the library's init."""

@@ -441,12 +441,18 @@ class ShardFile:
                 digests.append(bytes.fromhex(RangeHash(self.path, self.data_start + b, k).hexdigest()))
         return combine_shard_hash(self._header_digest, digests)
 
-    def close(self) -> None:
-        """Flush to disk and check that every tensor got all its bytes (once)."""
+    def _mark_closed(self) -> bool:
+        """Mark the file closed; False when it already was (close and abort run once, whichever comes first)."""
         with self._lock:
             if self.closed:
-                return
+                return False
             self.closed = True
+            return True
+
+    def close(self) -> None:
+        """Flush to disk and check that every tensor got all its bytes (once)."""
+        if not self._mark_closed():
+            return
         try:
             missing = [n for n, k in self.written.items() if k != self.offsets[n][1]]
             if missing:
@@ -459,10 +465,9 @@ class ShardFile:
             os.close(self.fd)
 
     def abort(self) -> None:
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
+        """Close the file without flushing or checking (a failed conversion; once)."""
+        if not self._mark_closed():
+            return
         try:
             os.close(self.fd)
         except OSError:

@@ -40,16 +40,17 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.comparison import CHUNK, compare_others, same_bytes
 from ..checkpoint.config import require_compressed_tensors
 from ..checkpoint.conformance import kv_scale_problems, linear_module_files, missing_fused_members, module_problems, sparsity_problems
 from ..checkpoint.families import split_fused_experts, transformers_per_expert_reason
 from ..checkpoint.kernel_native import is_kernel_native
-from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
+from ..checkpoint.modules import Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, Problem, open_checkpoint
-from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_bytes, read_rows, read_tensor
-from ..errors import CTConvertError, UsageError, agree, plural
-from ..formats import WeightArgs, get_format
+from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_rows, read_tensor
+from ..errors import CTConvertError, UsageError
+from ..formats import CompressionFormat, WeightArgs, get_format
 from ..formats.sparse24 import SPARSE_PREFIX, prune24
 from ..pipeline.zeros import candidate_rows, zero_rows
 from ..plan import kernel_targets as kernels
@@ -60,7 +61,6 @@ __all__ = ["THRESHOLDS", "verify"]
 
 #: largest relative L2 error accepted per (type, bits) of the weights
 THRESHOLDS = {("float", 8): 0.08, ("int", 8): 0.04, ("int", 4): 0.25, ("float", 4): 0.30}
-_CHUNK = 16 * 2**20
 _FLOAT_OR_E4M3 = ("BF16", "F16", "F32", "F64", "F8_E4M3")
 
 
@@ -112,7 +112,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         problems += _value_problems(ckpt, ref)
         with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
             rows, ref_problems = _compare_weights(mods, ref, bar, contradicted)
-            problems += ref_problems + _compare_others(ckpt, mods, ref, bar)
+            problems += ref_problems + compare_others(ckpt, mods, ref, bar)
         checks += ["error of every quantized weight against the reference", "every other tensor equals the reference", "every reference tensor accounted for"]
     report = _report(path, reference, problems, rows, checked=_checked(ckpt, checks, len(rows)))
     return _with_parallel(report, checkpoint_modules(mods, ckpt.tensors), ckpt, tp, ep)
@@ -250,7 +250,7 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
             if tuple(src.shape) != tuple(info.shape):
                 problems.append(_error(f"shape {list(info.shape)} differs from the reference {list(src.shape)}", tensor=name))
                 continue
-            if src.dtype == info.dtype and src.virtual is None and src.view is None and info.view is None and _same_bytes(info, src):
+            if src.dtype == info.dtype and src.virtual is None and src.view is None and info.view is None and same_bytes(info, src):
                 _tick(bar, src.nbytes)
                 continue
             if info.dtype not in _FLOAT_OR_E4M3 or src.dtype not in _FLOAT_OR_E4M3:
@@ -283,7 +283,7 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
 
 def _dense_row(name: str, info, src, limit: float) -> dict:
     se = sr = mx = 0.0
-    rows = max(1, _CHUNK // max(1, info.nbytes // max(1, info.shape[0]))) if info.shape else 1
+    rows = max(1, CHUNK // max(1, info.nbytes // max(1, info.shape[0]))) if info.shape else 1
     rows = max(128, rows // 128 * 128)  # a dequantized reference reads whole blocks and packed zero points
     n = info.shape[0] if info.shape else 1
     for r0 in range(0, n, rows):
@@ -358,7 +358,7 @@ def _value_problems(ckpt: Checkpoint, ref: Checkpoint | None = None) -> list[Pro
         if info.dtype not in _FLOAT_OR_E4M3:
             continue
         bad = 0
-        for _, t in iter_row_chunks(info, _CHUNK):
+        for _, t in iter_row_chunks(info, CHUNK):
             if info.dtype == "F8_E4M3":
                 bad += int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
             else:
@@ -366,7 +366,7 @@ def _value_problems(ckpt: Checkpoint, ref: Checkpoint | None = None) -> list[Pro
         if bad:
             what = " (E4M3 NaN bytes 0x7F/0xFF)" if info.dtype == "F8_E4M3" else ""
             r = ref.tensors.get(name) if ref is not None else None
-            if r is not None and r.dtype == info.dtype and tuple(r.shape) == tuple(info.shape) and _same_bytes(info, r):
+            if r is not None and r.dtype == info.dtype and tuple(r.shape) == tuple(info.shape) and same_bytes(info, r):
                 why = f"{bad} NaN/inf values{what}, as the reference holds them (a copy --allow-non-finite made)"
                 out.append(Problem("warning", why, str(info.file), name))
             else:
@@ -430,10 +430,10 @@ def _error_row(m: Module, src) -> dict:
     itself (:func:`ctconvert.formats.sparse24.prune24`: compressed-tensors 0.14's magnitude rule), with the format's
     limit (exact, 0, for dense 2:4 values, which are the pruned weight itself); its error against the dense reference,
     the pruning's own, is reported beside it (``rel_l2_dense``, ``max_abs_dense``, ``snr_db_dense``), not judged."""
-    sparse = str(m.format).startswith(SPARSE_PREFIX) or m.format == "marlin-24"
+    sparse = str(m.format).startswith(SPARSE_PREFIX) or m.format == CompressionFormat.MARLIN_24
     sums = {"pruned": [0.0, 0.0, 0.0], "dense": [0.0, 0.0, 0.0]}  # squared error, squared reference, max abs
     lost = 0
-    for r0, r1, got in dense_row_chunks(m, _CHUNK):
+    for r0, r1, got in dense_row_chunks(m, CHUNK):
         dense = read_rows(src, r0, r1)
         wants = {"dense": dense.float()}
         if sparse:
@@ -479,89 +479,13 @@ def _all_zero_problems(mods: dict[str, Module], ckpt: Checkpoint) -> list[Proble
         try:
             n, _ = dense_shape(m)
             cand = candidate_rows({"weight_scale": s}, fmt, WeightArgs.from_dict(m.weights), dtype, n)
-            if cand is None or not bool(cand.all()) or any(bool(got.any()) for _, _, got in dense_row_chunks(m, _CHUNK)):
+            if cand is None or not bool(cand.all()) or any(bool(got.any()) for _, _, got in dense_row_chunks(m, CHUNK)):
                 continue
         except (ValueError, KeyError, RuntimeError):
             continue  # a module that cannot be read is reported by the structure checks
         why = "every quantized value is zero: the source was all zero, or too small for the format (compare with --reference)"
         out.append(Problem("warning", why, None, m.name))
     return out
-
-
-_MISSING_SHOWN = 8  # reference tensors missing from the output that are listed one by one
-
-
-_SHORT = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf16"}
-
-
-def _compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint, bar=None) -> list[Problem]:
-    """Every output tensor that is not a part of a quantized module must come from the reference: equal bytes,
-    or (``quantize --dense-dtype``) the reference's values cast to its floating dtype, bit for bit (``torch``'s
-    ``.to``); found from the two checkpoints alone, not from the output's provenance. The KV cache scales of a
-    ``kv_cache_scheme`` are explained only on an attention module whose ``k_proj`` and ``v_proj`` the output
-    holds. Nothing of the reference may be missing but the dense weights of the quantized modules."""
-    out = []
-    kv = bool((ckpt.quantization_config or {}).get("kv_cache_scheme"))
-    cast = 0
-    for name, info in ckpt.tensors.items():
-        mod, _, part = name.rpartition(".")
-        mm = mods.get(mod)
-        if mm is not None and mm.quantized and (part in QUANT_PARTS or part in ACT_PARTS or part == "weight"):
-            continue  # checked against the config group's format (_module_problems) and by value (_compare_weights)
-        if part in KV_PARTS and kv and f"{mod}.k_proj" in mods and f"{mod}.v_proj" in mods:
-            continue  # calibrated KV cache scales of an attention module
-        s = ref.tensors.get(name)
-        if s is None:
-            why = "; a KV cache scale belongs to an attention module with k_proj and v_proj" if part in KV_PARTS and kv else ""
-            out.append(_error(f"tensor not in the reference, and the config does not explain it{why}", tensor=name))
-        elif s.shape == info.shape and s.dtype != info.dtype and s.dtype in _SHORT and info.dtype in _SHORT:  # quantize --dense-dtype
-            if _same_cast(info, s):
-                cast += 1
-            else:
-                c = f"{_SHORT[s.dtype]}->{_SHORT[info.dtype]}"
-                out.append(_error(f"values differ from the reference cast to {info.dtype} ({c}, --dense-dtype)", tensor=name))
-        elif s.dtype != info.dtype or s.shape != info.shape:
-            out.append(_error(f"{info.dtype}{list(info.shape)} differs from the reference {s.dtype}{list(s.shape)}", tensor=name))
-        elif not _same_bytes(info, s):
-            out.append(_error("bytes differ from the reference (a pass-through tensor was changed)", tensor=name))
-        if s is not None:
-            _tick(bar, s.nbytes)
-    if cast:
-        held = agree(cast, "holds", "hold")
-        out.append(Problem("note", f"{plural(cast, 'tensor')} {held} the reference's values cast to another float dtype (--dense-dtype), bit for bit"))
-    quant_weights = {m.name + ".weight" for m in mods.values() if m.quantized}
-    missing = [name for name in ref.tensors if name not in ckpt.tensors and name not in quant_weights]
-    if len(missing) > _MISSING_SHOWN:  # another model (more layers, other names): one line, not one per tensor
-        shown = ", ".join(missing[:3])
-        out.append(
-            _error(
-                f"{len(missing)} tensors of the reference are missing from the output ({shown} ...): is --reference the checkpoint "
-                f"this output was made from? (reference: {plural(len(ref.tensors), 'tensor')}, output: {len(ckpt.tensors)})"
-            )
-        )
-    else:
-        out += [_error("tensor of the reference is missing from the output", tensor=name) for name in missing]
-    return out
-
-
-def _same_cast(out, ref) -> bool:
-    """``out`` holds ``ref``'s values cast to its dtype (``torch.Tensor.to``), bit for bit."""
-    n = math.prod(ref.shape)
-    step = max(1, _CHUNK // ref.itemsize)
-    for e0 in range(0, n, step):
-        e1 = min(n, e0 + step)
-        want = read_bytes(ref, e0 * ref.itemsize, (e1 - e0) * ref.itemsize).view(ref.torch_dtype).to(out.torch_dtype)
-        if not torch.equal(read_bytes(out, e0 * out.itemsize, (e1 - e0) * out.itemsize), want.view(torch.uint8)):
-            return False
-    return True
-
-
-def _same_bytes(a, b) -> bool:
-    for b0 in range(0, a.nbytes, _CHUNK):
-        nb = min(_CHUNK, a.nbytes - b0)
-        if not torch.equal(read_bytes(a, b0, nb), read_bytes(b, b0, nb)):
-            return False
-    return True
 
 
 # -- kernel-native ------------------------------------------------------------------------------
@@ -625,7 +549,7 @@ def _kernel_native_others(ckpt: Checkpoint, q: dict, ref: Checkpoint, inverted: 
         s = ref.tensors.get(name)
         if s is None:
             out.append(_error("tensor not in the reference and not a tensor of any kernel-native module", tensor=name))
-        elif s.dtype != info.dtype or s.shape != info.shape or not _same_bytes(info, s):
+        elif s.dtype != info.dtype or s.shape != info.shape or not same_bytes(info, s):
             out.append(_error("differs from the reference (a pass-through tensor was changed)", tensor=name))
     return out
 

@@ -6,32 +6,8 @@ Same results, bit for bit, as the torch reference (``fp8.py``,
 division, and explicit RNE casts to the model dtype D where the reference
 rounds. The tests compare every kernel with the CPU result byte for byte.
 
-Where the arithmetic differs from the reference's steps, it gives the same
-values by construction:
-
-* ``x / s`` for every element of a group with one divisor ``s``: ``r =
-  RN(1/s)`` once per group, then ``q = RN(x·r)`` and one correction ``q' =
-  RN(q + RN(x − s·q)·r)`` (two FMAs). Markstein's theorem (Markstein 1990;
-  Muller et al., *Handbook of Floating-Point Arithmetic*, 2nd ed., §4.7) makes
-  ``q'`` the correctly rounded quotient when nothing underflows: for divisors
-  in [2^-64, 2^64], ``|x| >= 2^-100`` and quotients of at least 2^-60. A block
-  uses this path only when all its divisors lie in that range, else it divides
-  with ``div_rn``. Integer codes and E2M1 magnitudes depend only on quotients
-  of at least 2^-3; smaller ones round to code 0 whatever their error. The
-  NVFP4 sign bit (set where the reference quotient is below zero) comes from
-  ``x`` and the divisor exactly (:func:`_neg_nonzero_bound`). An FP8 row or
-  block takes the path only when each non-zero ``|x|`` also meets the bounds
-  above (:func:`_fp8_fast`), since E4M3 keeps the sign of a tiny quotient.
-  NVFP4 also computes its per-group ``amax / 6`` and ``s / gs`` this way when
-  the global scale lies in [2^-55, 2^55] (one test per tensor, no block
-  reduction).
-  ``tests/formats/test_gpu_division.py`` checks these claims on every bf16
-  value.
-* rounding to an integer: ``v + 1.5·2^23`` (fp32 addition rounds to the
-  nearest integer, ties to even, as ``rint``) instead of a conversion
-  instruction; the integer is the low bits of the sum.
-* E2M1 codes from the fp32 bit pattern (see :func:`_e2m1_mag`) instead of
-  seven comparisons.
+The helpers that make the arithmetic exact (reciprocal division, integer
+rounding, E2M1 codes), and the argument for each, are in :mod:`.gpu_math`.
 
 :func:`available` is False without CUDA or Triton; callers then use the torch
 reference on the GPU.
@@ -39,23 +15,20 @@ reference on the GPU.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .common import KERNEL_DTYPES as _DT
+from .gpu_math import HAVE_TRITON
 
-try:  # Triton is optional: CPU-only installs do not have it
+if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    _HAVE_TRITON = True
-except Exception:  # noqa: BLE001
-    _HAVE_TRITON = False
+    from .gpu_math import R6, div, e2m1_mag, fp8_fast, in_range, neg_nonzero_bound, nz_abs, rn_recip, rne_int, round_to_d, to_d
 
 
 def available() -> bool:
-    return _HAVE_TRITON and torch.cuda.is_available()
+    return HAVE_TRITON and torch.cuda.is_available()
 
 
 #: launch configurations (scripts/tune_gpu.py sweeps them on a large weight)
@@ -67,112 +40,19 @@ TUNE = {
 }
 _EPS = {0: 2.0**-7, 1: 2.0**-10, 2: 2.0**-23}
 
-if _HAVE_TRITON:
-
-    @triton.jit
-    def _rd(x, DT: tl.constexpr):
-        """Round fp32 to D (RNE) and back."""
-        if DT == 0:
-            return x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
-        elif DT == 1:
-            return x.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
-        else:
-            return x
-
-    @triton.jit
-    def _to_d(x, DT: tl.constexpr):
-        if DT == 0:
-            return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
-        elif DT == 1:
-            return x.to(tl.float16, fp_downcast_rounding="rtne")
-        else:
-            return x
-
-    # divisors in [2^-64, 2^64] take the reciprocal path (module docstring)
-    _LO = tl.constexpr(2.0**-64)
-    _HI = tl.constexpr(2.0**64)
-
-    @functools.cache
-    def _rn_recip(q: float) -> float:
-        """RN(1/q) in fp32, exactly (an fp32 division)."""
-        return (torch.tensor(1.0) / torch.tensor(q)).item()
-
-    _R6 = tl.constexpr(_rn_recip(6.0))
-
-    @triton.jit
-    def _in_range(s):
-        return (s >= _LO) & (s <= _HI)
-
-    @triton.jit
-    def _qdiv(x, s, r):
-        """RN(x / s) from r = RN(1/s): one product and one FMA correction (Markstein). A zero x keeps its sign
-        (the correction would add +0 to -0: an E4M3 -0.0 is byte 0x80)."""
-        q = x * r
-        e = tl.fma(-q, s, x)
-        return tl.where(x == 0.0, q, tl.fma(e, r, q))
-
-    @triton.jit
-    def _div(x, s, r, FAST):
-        """RN(x / s): by the reciprocal r = RN(1/s) (:func:`_qdiv`) where FAST says the block may, else ``div_rn``."""
-        if FAST:
-            q = _qdiv(x, s, r)
-        else:
-            q = tl.div_rn(x, s)
-        return q
-
-    @triton.jit
-    def _rne_int(v, OFF: tl.constexpr):
-        """RNE(v) + OFF as int32, for |v + OFF| < 2^22: the fp32 sum with 1.5 * 2^23 rounds to an integer."""
-        return (v + (12582912.0 + OFF)).to(tl.int32, bitcast=True) - 0x4B400000
-
-    @triton.jit
-    def _e2m1_mag(a):
-        """E2M1 code 0..7 of a in [0, 6], round to nearest, ties to even (fp4 values 0 .5 1 1.5 2 3 4 6).
-
-        Below 1 the grid step is 0.5: the code is RNE(2a). From 1 up the code is
-        the fp32 pattern's exponent and top mantissa bit, 2 + 2(E - 127) + m,
-        which is the pattern minus 0x3F000000 over 2^22, rounded to nearest even;
-        a carry out of the mantissa moves to the next binade, as rounding does."""
-        lo = (a * 2.0 + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
-        y = a.to(tl.int32, bitcast=True) - 0x3F000000
-        hi = (y + 0x1FFFFF + ((y >> 22) & 1)) >> 22
-        return tl.where(a < 1.0, lo, hi)
-
-    @triton.jit
-    def _neg_nonzero_bound(d):
-        """For positive normal fp32 d: bits B such that, as unsigned integers, bits(x) > B
-        exactly when x < 0 and RN(x / d) != 0, i.e. |x| > d * 2^-150 (a quotient of
-        2^-150 ties to zero). B is 0x80000000 | bits(RD(d * 2^-150))."""
-        db = d.to(tl.int32, bitcast=True)
-        ex = db >> 23
-        mant = (db & 0x7FFFFF) | 0x800000
-        t = tl.where(ex >= 151, db - (150 << 23), mant >> tl.minimum(151 - ex, 31))
-        return t.to(tl.uint32, bitcast=True) | 0x80000000
-
-    @triton.jit
-    def _fp8_fast(s, amin):
-        """Whether a row or block may take the reciprocal path: s in [2^-64, 2^64] and every non-zero
-        |x| (amin: their least) at least 2^-100 and s * 2^-60. Then every non-zero quotient is a normal
-        number >= 2^-60, where the FMA correction is exact; only a zero weight gives a zero quotient,
-        and both paths keep its sign (so a tiny negative quotient, which E4M3 keeps as -0, is never rounded)."""
-        return _in_range(s) & (amin >= 2.0**-100) & (amin >= s * 2.0**-60)
-
-    @triton.jit
-    def _nz_abs(x):
-        """|x|, with zeros as +inf: its minimum is the least non-zero magnitude."""
-        return tl.where(x == 0.0, float("inf"), tl.abs(x))
+if HAVE_TRITON:
 
     @triton.jit
     def _fp8_codes(x, s, r, FAST, DT: tl.constexpr):
-        """E4M3 bytes of D(x / s) clamped to ±448 (fp8.py); FAST: :func:`_fp8_fast` and r = RN(1/s)."""
-        q = _div(x, s, r, FAST)
+        """E4M3 bytes of D(x / s) clamped to ±448 (fp8.py); FAST: :func:`fp8_fast` and r = RN(1/s)."""
+        q = div(x, s, r, FAST)
         # clamp (the sign of zero kept, as fp8.py); clamping first lets it run on D pairs
-        v = tl.minimum(tl.maximum(_rd(q, DT), -448.0), 448.0)
+        v = tl.minimum(tl.maximum(round_to_d(q, DT), -448.0), 448.0)
         return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
 
     @triton.jit
     def _fp8_scale(m, DT: tl.constexpr, EPS: tl.constexpr):
-        s = _rd(tl.div_rn(m, 448.0), DT)
+        s = round_to_d(tl.div_rn(m, 448.0), DT)
         return tl.where(s == 0.0, EPS, s)
 
     @triton.jit
@@ -186,11 +66,11 @@ if _HAVE_TRITON:
             x = tl.load(w_ptr + base + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
             if RECIP:
-                amin = tl.minimum(amin, _nz_abs(x))
+                amin = tl.minimum(amin, nz_abs(x))
         s = _fp8_scale(tl.max(amax, axis=0), DT, EPS)
-        tl.store(s_ptr + row, _to_d(s, DT))
+        tl.store(s_ptr + row, to_d(s, DT))
         r = tl.div_rn(1.0, s)
-        fast = _fp8_fast(s, tl.min(amin, axis=0)) if RECIP else False
+        fast = fp8_fast(s, tl.min(amin, axis=0)) if RECIP else False
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             x = tl.load(w_ptr + base + offs, mask=offs < K, other=0.0).to(tl.float32)
@@ -210,8 +90,8 @@ if _HAVE_TRITON:
             x = xn.to(tl.float32)
             xn = tl.load(w_ptr + (row + npg) * K + offs, mask=m & (offs * 0 + row + npg < N), other=0.0)
             s = _fp8_scale(tl.max(tl.abs(x), axis=0), DT, EPS)
-            tl.store(s_ptr + row, _to_d(s, DT))
-            fast = _fp8_fast(s, tl.min(_nz_abs(x), axis=0)) if RECIP else False
+            tl.store(s_ptr + row, to_d(s, DT))
+            fast = fp8_fast(s, tl.min(nz_abs(x), axis=0)) if RECIP else False
             tl.store(q_ptr + row * K + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), fast, DT), mask=m)
 
     @triton.jit
@@ -224,8 +104,8 @@ if _HAVE_TRITON:
         offs = rows[:, None] * K + cols[None, :]
         x = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         s = _fp8_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0), DT, EPS)
-        tl.store(s_ptr + br * KB + bc, _to_d(s, DT))
-        fast = _fp8_fast(s, tl.min(tl.min(_nz_abs(x), axis=1), axis=0)) if RECIP else False
+        tl.store(s_ptr + br * KB + bc, to_d(s, DT))
+        fast = fp8_fast(s, tl.min(tl.min(nz_abs(x), axis=1), axis=0)) if RECIP else False
         tl.store(q_ptr + offs, _fp8_codes(x, s, tl.div_rn(1.0, s), fast, DT), mask=mask)
 
     @triton.jit
@@ -233,32 +113,17 @@ if _HAVE_TRITON:
         """RNE(clamp(D(D(x / s) + z))) + OFF as int32 (integer.py; no ``+ z`` when SYM).
         FAST: every s is in [2^-64, 2^64] and r = RN(1/s). The sign of a zero quotient
         does not matter here: it rounds to the integer 0 either way."""
-        v = _rd(_div(x, s, r, FAST), DT)
+        v = round_to_d(div(x, s, r, FAST), DT)
         if not SYM:
-            v = _rd(v + z, DT)
+            v = round_to_d(v + z, DT)
         v = tl.minimum(tl.maximum(v, QMIN * 1.0), QMAX * 1.0)
-        return _rne_int(v, OFF)
+        return rne_int(v, OFF)
 
     @triton.jit
-    def _int_group_tile(
-        x,
-        rows,
-        gi,
-        out_ptr,
-        s_ptr,
-        zp_ptr,
-        N,
-        K,
-        G: tl.constexpr,
-        BITS: tl.constexpr,
-        SYM: tl.constexpr,
-        PACK: tl.constexpr,
-        DT: tl.constexpr,
-        EPS: tl.constexpr,
-        RQ: tl.constexpr,
-    ):
+    def _int_group_tile(x, rows, gi, out_ptr, s_ptr, zp_ptr, N, K, G, BITS, SYM, PACK, DT, EPS, RQ):
         """Quantize one tile x [BR, G/PER, PER] (fp32): group gi of the given rows; store values, scales, zero points.
-        RQ: RN(1/Q) in fp32 for the scale's divisor Q ((2^B - 1) / 2 symmetric, 2^B - 1 asymmetric)."""
+        RQ: RN(1/Q) in fp32 for the scale's divisor Q ((2^B - 1) / 2 symmetric, 2^B - 1 asymmetric).
+        G .. RQ are :func:`_int_group_kernel`'s constexprs (Triton specializes a called function on them)."""
         NG = K // G
         PER: tl.constexpr = 32 // BITS if PACK else 1
         rmask = rows < N
@@ -272,26 +137,26 @@ if _HAVE_TRITON:
             sc = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
         else:
             mn = tl.minimum(tl.min(tl.min(x, axis=2), axis=1), 0.0)
-            sc = _rd(tl.maximum(tl.max(tl.max(x, axis=2), axis=1), 0.0) - mn, DT)
+            sc = round_to_d(tl.maximum(tl.max(tl.max(x, axis=2), axis=1), 0.0) - mn, DT)
         # the reciprocal path for the whole tile when every sc is 0 or in [2^-60, 2^60]: then sc / Q is
         # exact (sc >= 2^-100), every scale is in [2^-64, 2^64], and mn / s is exact where it matters
         # (|mn / s| >= 2^-10; below that QMIN - it rounds to QMIN in D either way)
         fast = tl.min((((sc >= 2.0**-60) & (sc <= 2.0**60)) | (sc == 0.0)).to(tl.int32), axis=0) != 0
-        s0 = _rd(_div(sc, Q, RQ, fast), DT)
+        s0 = round_to_d(div(sc, Q, RQ, fast), DT)
         s = tl.where(s0 == 0.0, EPS, s0)
         r = tl.div_rn(1.0, s)
         if SYM:
             z = tl.zeros_like(sc)
         else:
-            zf = _rd(QMIN - _rd(_div(mn, s, r, fast), DT), DT)  # s == s0 except where s0 == 0
+            zf = round_to_d(QMIN - round_to_d(div(mn, s, r, fast), DT), DT)  # s == s0 except where s0 == 0
             # where s0 == 0 the reference divides mn by 0: -inf (mn < 0), so QMIN - it is +inf, clamped to QMAX
             # below; NaN (mn == 0), a zero point of 0
             zf = tl.where(zf != zf, 0.0, zf)
             zf = tl.where(s0 == 0.0, tl.where(mn < 0.0, QMAX * 1.0, 0.0), zf)
             zf = tl.minimum(tl.maximum(zf, QMIN * 1.0), QMAX * 1.0)
-            z = _rne_int(zf, 0).to(tl.float32)
+            z = rne_int(zf, 0).to(tl.float32)
             tl.store(zp_ptr + rows * NG + gi, z.to(tl.int8), mask=rmask)
-        tl.store(s_ptr + rows * NG + gi, _to_d(s, DT), mask=rmask)
+        tl.store(s_ptr + rows * NG + gi, to_d(s, DT), mask=rmask)
         OFF: tl.constexpr = (1 << (BITS - 1)) if PACK else 0
         u = _int_codes(x, s[:, None, None], r[:, None, None], z[:, None, None], fast, QMIN, QMAX, OFF, SYM, DT)
         if PACK:  # u in [0, 2^BITS): each value in its own bit field
@@ -358,11 +223,11 @@ if _HAVE_TRITON:
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             amax = tl.maximum(amax, tl.abs(tl.load(w_ptr + base + offs, mask=offs < K, other=0.0).to(tl.float32)))
-        s = _rd(tl.div_rn(tl.max(amax, axis=0), ((1 << BITS) - 1) / 2.0), DT)
+        s = round_to_d(tl.div_rn(tl.max(amax, axis=0), ((1 << BITS) - 1) / 2.0), DT)
         s = tl.where(s == 0.0, EPS, s)
-        tl.store(s_ptr + row, _to_d(s, DT))
+        tl.store(s_ptr + row, to_d(s, DT))
         r = tl.div_rn(1.0, s)
-        fast = _in_range(s)
+        fast = in_range(s)
         QMIN: tl.constexpr = -(1 << (BITS - 1))
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
         for k0 in range(0, K, BLOCK):
@@ -376,17 +241,17 @@ if _HAVE_TRITON:
         """E2M1 codes (sign in bit 3) of x / d clamped to ±6 (fp4.py).
 
         NVFP4: d is the group's divisor scale / global scale, r = RN(1/d) and
-        neg the bound of :func:`_neg_nonzero_bound`: the sign bit is set exactly
+        neg the bound of :func:`neg_nonzero_bound`: the sign bit is set exactly
         where the reference's quotient is below zero (not for -0.0). MXFP4: d is
         2^(127-e), the exact reciprocal of the power-of-two scale, so x * d and
         x / 2^(e-127) are the same real number and round to the same value."""
         if NVFP4:
-            v = _div(x, d, r, FAST)
+            v = div(x, d, r, FAST)
             sign = (x.to(tl.uint32, bitcast=True) > neg).to(tl.int32)
         else:
-            v = _rd(x * d, DT)
+            v = round_to_d(x * d, DT)
             sign = (v < 0.0).to(tl.int32)
-        return _e2m1_mag(tl.minimum(tl.abs(v), 6.0)) | (sign << 3)
+        return e2m1_mag(tl.minimum(tl.abs(v), 6.0)) | (sign << 3)
 
     @triton.jit
     def _fp4_ptrs(w_ptr, t, N, K, G: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr):
@@ -428,6 +293,16 @@ if _HAVE_TRITON:
             _fp4_tile(x.to(tl.float32), rows, groups, pidx, m3, p_ptr, s_ptr, gs_ptr, N, K, NVFP4, G, DT)
 
     @triton.jit
+    def _pow2_exponent(b, W: tl.constexpr, M: tl.constexpr, BIAS: tl.constexpr, EMAX: tl.constexpr):
+        """The MX power of two of non-negative values from their bit patterns ``b`` in D (W bits wide, M mantissa
+        bits, exponent bias BIAS, all-ones exponent EMAX): add a quarter of the exponent's step and drop the mantissa
+        (docs/compressed-tensors-format.md §6.5), then ``(exponent - BIAS as int32, exponent is 0, exponent is EMAX)``."""
+        ADD: tl.constexpr = 1 << (M - 2)
+        MASK: tl.constexpr = ((1 << W) - 1) ^ ((1 << M) - 1)
+        b = (b + ADD) & MASK
+        return ((b >> M) - BIAS).to(tl.int32), (b >> M) == 0, (b >> M) == EMAX
+
+    @triton.jit
     def _fp4_tile(x, rows, groups, pidx, m3, p_ptr, s_ptr, gs_ptr, N, K, NVFP4: tl.constexpr, G: tl.constexpr, DT: tl.constexpr):
         NG = K // G
         rmask = rows < N
@@ -441,33 +316,21 @@ if _HAVE_TRITON:
             # in [2^-9, 448]), and the two per-group divisions take the reciprocal path too: amax / 6 is
             # exact for amax >= 2^-100, and a smaller amax gives gs * t < 2^-45, an E4M3 zero either way
             fast = (gs >= 2.0**-55) & (gs <= 2.0**55)
-            t = _rd(_div(amax, 6.0, _R6, fast), DT)
+            t = round_to_d(div(amax, 6.0, R6, fast), DT)
             s = tl.minimum(tl.maximum(gs * t, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
             s = tl.where(s == 0.0, 0.125, s)
             tl.store(s_ptr + rows[:, None] * NG + groups[None, :], s.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True), mask=m2)
-            d = _div(s, gs, tl.div_rn(1.0, gs), fast)
+            d = div(s, gs, tl.div_rn(1.0, gs), fast)
             r = tl.div_rn(1.0, d)
-            neg = _neg_nonzero_bound(d)[:, :, None]
+            neg = neg_nonzero_bound(d)[:, :, None]
         else:
             # power of two of amax on D's bit pattern (docs/compressed-tensors-format.md §6.5), all in integers
             if DT == 0:
-                b = amax.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                b = (b + 32) & 0xFF80
-                E = (b >> 7) - 127
-                zero = (b >> 7) == 0
-                ovf = (b >> 7) == 255
+                E, zero, ovf = _pow2_exponent(amax.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF, 16, 7, 127, 255)
             elif DT == 1:
-                b = amax.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                b = (b + 256) & 0xFC00
-                E = (b >> 10) - 15
-                zero = (b >> 10) == 0
-                ovf = (b >> 10) == 31
+                E, zero, ovf = _pow2_exponent(amax.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF, 16, 10, 15, 31)
             else:
-                b = amax.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-                b = (b + 2097152) & 0xFF800000
-                E = ((b >> 23) - 127).to(tl.int32)
-                zero = (b >> 23) == 0
-                ovf = (b >> 23) == 255
+                E, zero, ovf = _pow2_exponent(amax.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF, 32, 23, 127, 255)
             # the power of two rounds past D's largest: flag it (gs_ptr is an int32 flag for MXFP4)
             tl.store(gs_ptr + tl.zeros_like(E), 1, mask=ovf & m2)
             e = tl.where(zero, 0, E + 125)
@@ -579,7 +442,7 @@ def int_quant(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric:
             PACK=pack,
             DT=dt,
             EPS=_EPS[dt],
-            RQ=_rn_recip(((1 << num_bits) - 1) / (2 if symmetric else 1)),
+            RQ=rn_recip(((1 << num_bits) - 1) / (2 if symmetric else 1)),
             BR=br,
             LOOP=npg < nt,
             num_warps=cfg["num_warps"],

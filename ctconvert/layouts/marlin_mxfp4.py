@@ -30,10 +30,11 @@ from collections.abc import Mapping
 
 import torch
 
-from .common import LayoutTypeError, check_tensor
 from .common import act_dtype as act_dtype_of
-from .marlin import gptq_to_pack_quantized, marlin_permute_scales, marlin_repack, marlin_unpermute_scales, marlin_unrepack, pack_quantized_to_gptq
-from .marlin_nvfp4 import REORDER4
+from .common import check_tensor
+from .marlin import gptq_to_pack_quantized, marlin_repack, marlin_unrepack, pack_quantized_to_gptq
+from .marlin_nvfp4 import REORDER4, check_fp4
+from .marlin_scales import marlin_permute_scales, marlin_unpermute_scales
 from .versions import DEFAULT_LAYOUT_VERSION
 
 __all__ = [
@@ -87,17 +88,6 @@ def mxfp4_marlin_unprocess_scales(codes: torch.Tensor) -> torch.Tensor:
     return _reorder4(codes.view(torch.uint8))
 
 
-def _check_mxfp4(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> tuple[int, int]:
-    check_tensor(weight_packed, "weight_packed", torch.uint8, ndim=2)
-    n, k = weight_packed.shape[0], 2 * weight_packed.shape[1]
-    if n == 0 or k == 0 or k % MXFP4_GROUP_SIZE:
-        raise ValueError(f"MXFP4 needs non-empty shapes and K % 32 == 0, got (N, K) = ({n}, {k})")
-    if weight_scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
-        raise LayoutTypeError(f"weight_scale must hold E8M0 bytes (uint8), got {weight_scale.dtype}")
-    check_tensor(weight_scale, "weight_scale", shape=(n, k // MXFP4_GROUP_SIZE), ndim=2)
-    return n, k
-
-
 def marlin_mxfp4_repack(
     weight_packed: torch.Tensor, weight_scale: torch.Tensor, act_dtype, layout_version: str = DEFAULT_LAYOUT_VERSION
 ) -> dict[str, torch.Tensor]:
@@ -117,7 +107,7 @@ def marlin_mxfp4_repack(
         TypeError/ValueError: wrong dtypes or shapes, K not a multiple of 32, bad act_dtype or version.
     """
     act_dtype_of(act_dtype)
-    n, k = _check_mxfp4(weight_packed, weight_scale)
+    n, k = check_fp4(weight_packed, weight_scale, "MXFP4", MXFP4_GROUP_SIZE, (torch.uint8, torch.float8_e8m0fnu), "hold E8M0 bytes (uint8)")
     q_w = pack_quantized_to_gptq(weight_packed.contiguous().view(torch.int32), 4, k, copy=False)  # (K/8, N), a view
     marlin_q_w = marlin_repack(q_w, k, n, 4, None, layout_version, group_size=MXFP4_GROUP_SIZE)
     permuted = marlin_permute_scales(weight_scale.view(torch.uint8).t(), k, n, MXFP4_GROUP_SIZE, layout_version)

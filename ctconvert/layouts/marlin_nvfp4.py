@@ -33,7 +33,8 @@ import torch
 from .common import LayoutTypeError, check_tensor, int_view, parse_version
 from .common import act_dtype as act_dtype_of
 from .cutlass import reciprocal_preimage
-from .marlin import gptq_to_pack_quantized, marlin_permute_scales, marlin_repack, marlin_unpermute_scales, marlin_unrepack, pack_quantized_to_gptq
+from .marlin import gptq_to_pack_quantized, marlin_repack, marlin_unrepack, pack_quantized_to_gptq
+from .marlin_scales import marlin_permute_scales, marlin_unpermute_scales
 from .versions import DEFAULT_LAYOUT_VERSION
 
 __all__ = [
@@ -248,14 +249,19 @@ def nvfp4_marlin_unglobal_scale(marlin_global_scale: torch.Tensor, act_dtype, sc
     return (marlin_global_scale.to(torch.float32) * scale_factor) / 2.0 ** (b - 7)
 
 
-def _check_nvfp4(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> tuple[int, int]:
+def check_fp4(weight_packed: torch.Tensor, weight_scale: torch.Tensor, fmt: str, group: int, scale_dtypes: tuple, scale_rule: str) -> tuple[int, int]:
+    """``(N, K)`` of an FP4 module (NVFP4 or MXFP4): ``weight_packed`` uint8 ``(N, K/2)``, two E2M1 codes a byte, and
+    ``weight_scale`` ``(N, K/group)`` of one of ``scale_dtypes``.
+
+    Raises ``ValueError`` (``fmt`` and ``group`` name the rule) for empty shapes or K not a multiple of the group,
+    ``LayoutTypeError`` (``weight_scale must {scale_rule}``) for another scale dtype."""
     check_tensor(weight_packed, "weight_packed", torch.uint8, ndim=2)
     n, k = weight_packed.shape[0], 2 * weight_packed.shape[1]
-    if n == 0 or k == 0 or k % NVFP4_GROUP_SIZE:
-        raise ValueError(f"NVFP4 needs non-empty shapes and K % 16 == 0, got (N, K) = ({n}, {k})")
-    if weight_scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
-        raise LayoutTypeError(f"weight_scale must be float8_e4m3fn, got {weight_scale.dtype}")
-    check_tensor(weight_scale, "weight_scale", shape=(n, k // NVFP4_GROUP_SIZE), ndim=2)
+    if n == 0 or k == 0 or k % group:
+        raise ValueError(f"{fmt} needs non-empty shapes and K % {group} == 0, got (N, K) = ({n}, {k})")
+    if weight_scale.dtype not in scale_dtypes:
+        raise LayoutTypeError(f"weight_scale must {scale_rule}, got {weight_scale.dtype}")
+    check_tensor(weight_scale, "weight_scale", shape=(n, k // group), ndim=2)
     return n, k
 
 
@@ -293,7 +299,7 @@ def marlin_nvfp4_repack(
         TypeError/ValueError: wrong dtypes or shapes, bad act_dtype or version.
     """
     dt = act_dtype_of(act_dtype)
-    n, k = _check_nvfp4(weight_packed, weight_scale)
+    n, k = check_fp4(weight_packed, weight_scale, "NVFP4", NVFP4_GROUP_SIZE, (torch.float8_e4m3fn, torch.uint8), "be float8_e4m3fn")
     q_w = pack_quantized_to_gptq(weight_packed.contiguous().view(torch.int32), 4, k, copy=False)  # (K/8, N), a view
     marlin_q_w = marlin_repack(q_w, k, n, 4, None, layout_version, group_size=NVFP4_GROUP_SIZE)
     # (K/16, N): permuted as e4m3 bytes (a permutation and zero padding: the values vLLM moves after its

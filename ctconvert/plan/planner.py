@@ -14,7 +14,8 @@ decide every tensor (fused 3-D experts as their per-expert parts,
 :mod:`ctconvert.checkpoint.families`), settle which fused experts are written
 per expert, give every copied tensor its reason (or refuse one no rule
 classifies), check the fused sets, make the work units, plan ``lm_head``, and
-name the config groups.
+name the config groups. The fused-experts phases are in :mod:`.experts`; the
+rows and the record the phases share in :mod:`.decisions`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..checkpoint.families import FusedExperts, dense_experts_reason, is_mtp, mtp_dense_reason, split_fused_experts
+from ..checkpoint.families import FusedExperts, dense_experts_reason, is_mtp, mtp_dense_reason
 from ..checkpoint.naming import (
     BLOCK,
     DEFAULT_IGNORE_PATTERNS,
@@ -40,7 +41,10 @@ from ..checkpoint.naming import (
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import TensorInfo
 from ..errors import UnsupportedError, UsageError, agree
+from ..formats import CompressionFormat
 from ..options import DEFAULT_LM_HEAD_CHUNK_ROWS
+from .decisions import Decisions, TensorDecision
+from .experts import fused_experts, settle_experts
 from .schemes import LM_HEAD_SCHEMES, Scheme, get_scheme
 from .sparsity import sparse_scheme
 
@@ -80,23 +84,6 @@ class WorkUnit:
 
 
 @dataclass
-class TensorDecision:
-    """Row of the plan table: one input tensor and what happens to it."""
-
-    name: str
-    file: str
-    dtype: str
-    shape: tuple[int, ...]
-    action: str  # quantize | ignore | copy | split (a fused 3-D expert tensor written as per-expert tensors)
-    scheme: str | None = None
-    fused_set: str | None = None
-    reason: str | None = None
-    source: str | None = None  # the source format a quantized input's tensor is dequantized from (requantize)
-    slice_of: str | None = None  # a per-expert part: the stored fused tensor it is a slice of
-    cast: str | None = None  # a copied tensor written in another dtype: "fp32->bf16" (--dense-dtype)
-
-
-@dataclass
 class Plan:
     """The complete plan of one conversion."""
 
@@ -133,21 +120,7 @@ class Plan:
     @property
     def format(self) -> str:
         fmts = {s.format for s, _ in self.config_groups.values()}
-        return fmts.pop() if len(fmts) == 1 else "mixed-precision"
-
-
-@dataclass
-class _Decisions:
-    """What the per-tensor phase found (the later phases read it)."""
-
-    rows: dict[str, TensorDecision] = field(default_factory=dict)
-    to_quantize: dict[str, str] = field(default_factory=dict)  # tensor name -> module
-    ignored: list[str] = field(default_factory=list)  # modules listed in ignore
-    notes: list[str] = field(default_factory=list)
-    head_name: str | None = None
-    used_targets: set[str] = field(default_factory=set)
-    used_ignore: set[str] = field(default_factory=set)
-    defaults: dict[str, int] = field(default_factory=dict)  # default rule -> modules it kept dense
+        return fmts.pop() if len(fmts) == 1 else CompressionFormat.MIXED_PRECISION.value
 
 
 @dataclass
@@ -208,15 +181,15 @@ def make_plan(
     user_ignore = list(ignore or [])
     _check_patterns(targets + user_ignore)
 
-    d = _Decisions()
-    fused = _fused_experts(ckpt, keep_unclassified, d)
+    d = Decisions()
+    fused = fused_experts(ckpt, keep_unclassified, d)
     tensors = _with_parts(ckpt.tensors, fused)
     modules = frozenset(n[: -len(".weight")] for n in tensors if n.endswith(".weight"))
     rules = _Rules(ckpt.config, default_ignore, quantize_mtp, head_scheme is not None, skip_incompatible, modules)
     for name in _file_order(tensors):
         _decide(d, name, tensors[name], scheme, targets, user_ignore, rules)
     _refuse_uncalibratable_mtp(d, scheme, ckpt.config)
-    fused = _settle_experts(d, fused, ckpt.tensors)
+    fused = settle_experts(d, fused, ckpt.tensors)
     tensors = _with_parts(ckpt.tensors, fused)
     order = _file_order(tensors)
     _explain_copies(d, order, tensors, targets, user_ignore, keep_unclassified)
@@ -224,6 +197,24 @@ def make_plan(
     sets = _fused_sets(d, tensors, scheme)
     units = _units(d, order, tensors, sets, scheme, head_scheme, lm_head_chunk_rows)
     config_updates = _plan_head(d, ckpt, units, head_scheme, lm_head_chunk_rows)
+    config_groups = _config_groups(d, scheme, head_scheme, targets)
+    ignore_list = _ignore_list(d, order, tensors, user_ignore, ckpt.config)
+    return Plan(
+        scheme=scheme,
+        units=units,
+        rows=[r for n in _file_order(ckpt.tensors) for r in [d.rows[n], *(d.rows[p.name] for p in (fused[n].parts if n in fused else ()))]],
+        ignore=ignore_list,
+        config_groups=config_groups,
+        config_updates=config_updates,
+        notes=d.notes,
+        input_bytes=ckpt.total_bytes,
+        views={p.name: p for fe in fused.values() for p in fe.parts},
+        defaults=d.defaults,
+    )
+
+
+def _config_groups(d: Decisions, scheme: Scheme, head_scheme: Scheme | None, targets: list[str]) -> dict[str, tuple[Scheme, list[str]]]:
+    """The ``quantization_config`` groups: the head's (when quantized) and the main one; raises when there is nothing to quantize."""
     config_groups: dict[str, tuple[Scheme, list[str]]] = {}
     if head_scheme is not None:
         # The head gets its own group targeting it by name. Both compressed-tensors
@@ -243,22 +234,16 @@ def make_plan(
                 f"choose another scheme{' or --group-size' if scheme.weights.group_size else ''}"
             )
         raise UsageError("nothing to quantize: no tensor matches the targets (check --targets/--ignore)")
+    return config_groups
+
+
+def _ignore_list(d: Decisions, order: list[str], tensors: dict[str, TensorInfo], user_ignore: list[str], config: dict) -> list[str]:
+    """The config's ``ignore``: the modules kept dense, the patterns loaders need for them, and the user's own patterns that were used."""
     ignore_list = list(dict.fromkeys(d.ignored))
     linear_modules = {n[: -len(".weight")] for n in order if is_linear_weight(n, tensors[n])}
-    ignore_list += [p for p in loader_patterns(ignore_list, linear_modules, ckpt.config) if p not in ignore_list]
+    ignore_list += [p for p in loader_patterns(ignore_list, linear_modules, config) if p not in ignore_list]
     ignore_list += [p for p in user_ignore if p in d.used_ignore and p not in ignore_list]  # the user's own words, kept
-    return Plan(
-        scheme=scheme,
-        units=units,
-        rows=[r for n in _file_order(ckpt.tensors) for r in [d.rows[n], *(d.rows[p.name] for p in (fused[n].parts if n in fused else ()))]],
-        ignore=ignore_list,
-        config_groups=config_groups,
-        config_updates=config_updates,
-        notes=d.notes,
-        input_bytes=ckpt.total_bytes,
-        views={p.name: p for fe in fused.values() for p in fe.parts},
-        defaults=d.defaults,
-    )
+    return ignore_list
 
 
 def _file_order(tensors: dict[str, TensorInfo]) -> list[str]:
@@ -315,7 +300,7 @@ def _check_patterns(patterns: list[str]) -> None:
                 raise UsageError(f"invalid pattern {pat!r}: {e}") from None
 
 
-def _check_pattern_use(d: _Decisions, tensors: dict[str, TensorInfo], targets: list[str], user_ignore: list[str]) -> None:
+def _check_pattern_use(d: Decisions, tensors: dict[str, TensorInfo], targets: list[str], user_ignore: list[str]) -> None:
     """After the per-tensor phase: a ``--targets``/``--ignore`` entry that names no module of the checkpoint is a
     :class:`UsageError` that says how to write it (the usual slip: a bare ``q_proj`` where compressed-tensors wants
     a full module name or a ``re:`` pattern; ``lm_head`` in ``--targets`` instead of ``--lm-head``). An entry that
@@ -348,7 +333,7 @@ def _check_pattern_use(d: _Decisions, tensors: dict[str, TensorInfo], targets: l
 # -- phase 2: every tensor ------------------------------------------------------------
 
 
-def _decide(d: _Decisions, name: str, info: TensorInfo, scheme: Scheme, targets: list[str], user_ignore: list[str], rules: _Rules) -> None:
+def _decide(d: Decisions, name: str, info: TensorInfo, scheme: Scheme, targets: list[str], user_ignore: list[str], rules: _Rules) -> None:
     """Record one tensor's decision in ``d`` (a tensor left ``copy`` without a reason is explained, or refused, in phase 2c).
 
     A module named by an explicit target (a name or ``re:`` pattern) is quantized even where a
@@ -425,7 +410,7 @@ def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
     return None
 
 
-def _refuse_uncalibratable_mtp(d: _Decisions, scheme: Scheme, config: dict) -> None:
+def _refuse_uncalibratable_mtp(d: Decisions, scheme: Scheme, config: dict) -> None:
     """A quantized MTP layer cannot take a scheme with calibrated activation scales: calibration runs the model's
     decoder layers (transformers' forward), which never run the MTP layer, so no token reaches it."""
     mtp = [n for n in d.to_quantize if is_mtp(n, config)]
@@ -458,67 +443,11 @@ def _shape_problem(info: TensorInfo, scheme: Scheme) -> str | None:
 # -- phase 2b: fused 3-D experts ---------------------------------------------------------------
 
 
-def _fused_experts(ckpt: Checkpoint, keep_unclassified: bool, d: _Decisions) -> dict[str, FusedExperts]:
-    """The fused 3-D expert tensors and their per-expert parts. A family whose layout is not known is
-    refused (:func:`split_fused_experts`); with ``keep_unclassified`` its fused tensors stay whole and
-    phase 2c keeps them dense and reports them."""
-    try:
-        return split_fused_experts(ckpt.tensors, ckpt.config)
-    except UnsupportedError as e:
-        if not keep_unclassified:
-            raise
-        d.notes.append(f"fused experts not split: {e.message}")
-        return {}
-
-
-def _settle_experts(d: _Decisions, fused: dict[str, FusedExperts], stored: dict[str, TensorInfo]) -> dict[str, FusedExperts]:
-    """Which fused tensors are written per expert: every tensor (weights and biases) of an ``experts`` module
-    with a quantized part, so that no loader sees that module half fused (its dense parts are listed one by
-    one). The others are copied whole, as stored: their parts' decisions are folded into the stored tensor's
-    row (kept dense, the ``experts`` module listed in ``ignore`` when its parts were)."""
-    quantized = {fe.parent for fe in fused.values() if not fe.bias and any(d.rows[p.name].action == "quantize" for p in fe.parts)}
-    split = {n: fe for n, fe in fused.items() if fe.parent in quantized}
-    for n, fe in fused.items():
-        row = d.rows[n] = TensorDecision(n, stored[n].file.name, stored[n].dtype, stored[n].shape, "split")
-        if n in split:
-            row.reason = _split_reason(fe, stored[n])
-            continue
-        parts = [d.rows.pop(p.name) for p in fe.parts]
-        listed = [p.name[: -len(".weight")] for p in fe.parts if p.name[: -len(".weight")] in d.ignored]
-        if listed:
-            d.ignored[:] = [m for m in d.ignored if m not in set(listed)]
-            d.ignored += [fe.parent, _expert_probe_pattern(fe)]
-        dense = next((r for r in parts if r.action == "ignore"), None)
-        row.action = "ignore" if dense is not None and not fe.bias else "copy"
-        why = dense.reason if dense is not None else "its weights are kept dense" if fe.bias else "not targeted"
-        row.reason = f"fused experts kept dense and copied as stored: {why}"
-        names = {p.name for p in fe.parts}
-        kept = [x for x in d.notes if x.split(":")[0] not in names]
-        if len(kept) < len(d.notes):  # --skip-incompatible notes named the parts, which are not written
-            problem = next(x for x in d.notes if x.split(":")[0] in names).split(": ", 1)[1].removesuffix("; kept dense and listed in ignore")
-            d.notes[:] = [*kept, f"{n}: {problem}; kept dense and listed in ignore"]
-    return split
-
-
-def _expert_probe_pattern(fe: FusedExperts) -> str:
-    """The ``ignore`` pattern vLLM needs for dense fused experts: it picks a fused-MoE layer's method from the
-    per-expert names ``<experts>.0.<gate|up|down>`` (vLLM 0.33 compressed_tensors_moe.py
-    ``CompressedTensorsMoEMethod.get_moe_method``), which the ``experts`` module's own name does not match."""
-    return rf"re:{re.escape(fe.parent)}\.\d+\.({'|'.join(fe.layout.names)})$"
-
-
-def _split_reason(fe: FusedExperts, info: TensorInfo) -> str:
-    how = f"gate/up {'interleaved' if fe.layout.interleaved else 'halves'}" if fe.member == "gate_up_proj" else "one per expert"
-    how = f"transposed, {how}" if fe.transposed else how
-    leaves = ",".join(sorted({p.name.split(".")[-2] for p in fe.parts}))
-    return f"fused experts ({fe.model_type}: {how}) written as {fe.parent}.{{0..{info.shape[0] - 1}}}.{{{leaves}}}.{'bias' if fe.bias else 'weight'}"
-
-
 # -- phase 2c: what is copied, and why --------------------------------------------------------
 
 
 def _explain_copies(
-    d: _Decisions, order: list[str], tensors: dict[str, TensorInfo], targets: list[str], user_ignore: list[str], keep_unclassified: bool
+    d: Decisions, order: list[str], tensors: dict[str, TensorInfo], targets: list[str], user_ignore: list[str], keep_unclassified: bool
 ) -> None:
     """Give every copied tensor its reason. A floating tensor of 2 or more dimensions that no rule explains
     (not a Linear weight, embedding, norm, convolution, tower, router or expert) is refused by name, or with
@@ -560,7 +489,7 @@ def _explain_copies(
 _SKIPPED = " (skipped: --skip-incompatible)"  # the reason suffix of a weight --skip-incompatible kept dense
 
 
-def _fused_sets(d: _Decisions, tensors: dict[str, TensorInfo], scheme: Scheme) -> dict[tuple, list[str]]:
+def _fused_sets(d: Decisions, tensors: dict[str, TensorInfo], scheme: Scheme) -> dict[tuple, list[str]]:
     """Members to quantize grouped by fused set; a set is all-quantized or all-dense (else ``UsageError``)."""
     sets: dict[tuple, list[str]] = {}
     for name, module in d.to_quantize.items():
@@ -598,7 +527,7 @@ def _fused_sets(d: _Decisions, tensors: dict[str, TensorInfo], scheme: Scheme) -
 
 
 def _units(
-    d: _Decisions,
+    d: Decisions,
     order: list[str],
     tensors: dict[str, TensorInfo],
     sets: dict[tuple, list[str]],
@@ -649,7 +578,7 @@ def _head_unit(src: str, info: TensorInfo, scheme: Scheme, chunk_rows: int, row:
 # -- phase 5: lm_head and tied embeddings ------------------------------------------------------------
 
 
-def _plan_head(d: _Decisions, ckpt: Checkpoint, units: list[WorkUnit], head_scheme: Scheme | None, chunk_rows: int) -> dict:
+def _plan_head(d: Decisions, ckpt: Checkpoint, units: list[WorkUnit], head_scheme: Scheme | None, chunk_rows: int) -> dict:
     """A quantized head from a tied embedding (appended to ``units``), the ``ignore`` entry of a tied
     dense head, and the config updates (untied embeddings)."""
     tensors = ckpt.tensors

@@ -24,6 +24,20 @@ from ..formats import FORMATS, CompressionFormat, WeightArgs, WeightFormat
 __all__ = ["LM_HEAD_SCHEMES", "Scheme", "custom_scheme", "get_scheme", "resolve_scheme", "scheme_aliases", "scheme_from_file", "scheme_names"]
 
 
+class _FormatAnswer:
+    """A read-only :class:`Scheme` attribute that is its weight format's answer for the scheme's weight arguments:
+    ``scheme.<name>`` is ``scheme.weight_format.<name>(scheme.weights)``."""
+
+    def __init__(self, doc: str):
+        self.__doc__ = doc
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, scheme, owner=None):
+        return self if scheme is None else getattr(scheme.weight_format, self.name)(scheme.weights)
+
+
 @dataclass(frozen=True)
 class Scheme:
     """One weight quantization recipe: a preset name, its compressed-tensors format and weight arguments."""
@@ -62,25 +76,13 @@ class Scheme:
         """Needs one absmax over the fused set before any chunk is quantized (NVFP4)."""
         return self.weight_format.needs_global_scale
 
-    @property
-    def scale_flags_nonfinite(self) -> bool:
-        """See :meth:`ctconvert.formats.base.WeightFormat.scale_flags_nonfinite`."""
-        return self.weight_format.scale_flags_nonfinite(self.weights)
+    scale_flags_nonfinite = _FormatAnswer("See :meth:`ctconvert.formats.base.WeightFormat.scale_flags_nonfinite`.")
 
-    @property
-    def row_align(self) -> int:
-        """Row chunks must start at multiples of this (block scales, dim-0 packed zero points stay whole)."""
-        return self.weight_format.row_align(self.weights)
+    row_align = _FormatAnswer("Row chunks must start at multiples of this (block scales, dim-0 packed zero points stay whole).")
 
-    @property
-    def k_multiple(self) -> int:
-        """K must be a multiple of this (1 = any)."""
-        return self.weight_format.k_multiple(self.weights)
+    k_multiple = _FormatAnswer("K must be a multiple of this (1 = any).")
 
-    @property
-    def n_multiple(self) -> int:
-        """N must be a multiple of this for transformers and vLLM (1 = any)."""
-        return self.weight_format.n_multiple(self.weights)
+    n_multiple = _FormatAnswer("N must be a multiple of this for transformers and vLLM (1 = any).")
 
     def outputs(self, module: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, str, tuple[int, ...]]]:
         """Output tensors ``(name, safetensors dtype, shape)`` replacing ``module.weight`` ``[N, K]`` of ``dtype``."""

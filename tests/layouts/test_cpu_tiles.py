@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ctconvert.layouts import cpu
-from ctconvert.layouts.marlin import marlin_padded_nk, marlin_repack, marlin_unrepack
+from ctconvert.layouts.marlin import marlin_repack, marlin_unrepack
+from ctconvert.layouts.marlin_base import marlin_padded_nk
 
 needs_cc = pytest.mark.skipif(not cpu.available(torch.empty(1)), reason="no C compiler")
 

@@ -17,7 +17,7 @@ from ctconvert.layouts.cutlass import (
     unswizzle_blockscale,
 )
 
-from helpers import DEVICES, VECTORS, bitwise_equal, stable_seed, vector_cases
+from helpers import DEVICES, VECTORS, bitwise_equal, case_on, stable_seed, vector_cases
 
 VECTOR_FILE = "cutlass_nvfp4.safetensors"
 CASES = list(vector_cases(VECTOR_FILE))
@@ -36,8 +36,7 @@ def test_vector_file_complete():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("idx", range(len(CASES)))
 def test_reference_vectors(idx, device):
-    i, p, ins, exp = CASES[idx]
-    ins = {k: v.to(device) for k, v in ins.items()}
+    i, p, ins, exp = case_on(CASES, idx, device)
     kind = p["kind"]
     if kind == "swizzle":
         got = {"scale_swizzled": swizzle_blockscale(ins["scale"])}

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ctconvert.layouts.marlin import marlin_padded_nk
+from ctconvert.layouts.marlin_base import marlin_padded_nk
 from ctconvert.layouts.marlin_fp8 import (
     fp8_fold_exponent_bias,
     fp8_unfold_exponent_bias,
@@ -27,7 +27,7 @@ from ctconvert.layouts.marlin_nvfp4 import (
     nvfp4_scale_factor,
 )
 
-from helpers import DEVICES, VECTORS, bits, bitwise_equal, vector_cases
+from helpers import DEVICES, VECTORS, bits, bitwise_equal, case_on, vector_cases
 
 ACT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -111,8 +111,7 @@ def test_nvfp4_vector_file_complete():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("idx", range(len(NVFP4_CASES)))
 def test_nvfp4_reference_vectors(idx, device):
-    i, p, ins, exp = NVFP4_CASES[idx]
-    ins = {k_: v.to(device) for k_, v in ins.items()}
+    i, p, ins, exp = case_on(NVFP4_CASES, idx, device)
     n, k, act = p["N"], p["K"], p["act_dtype"]
     assert marlin_padded_nk(n, k, 16) == (p["padded_N"], p["padded_K"])
     got = marlin_nvfp4_repack(ins["weight_packed"], ins["weight_scale"], ins["weight_global_scale"], act)
@@ -357,3 +356,15 @@ def test_nvfp4_scale_processing_from_e4m3_equals_the_act_dtype_path(act):
             codes, sf = mn.nvfp4_marlin_process_scales(s, act, v)
             ref_codes, ref_sf = mn.nvfp4_marlin_process_scales(s.to(act), act, v)
             assert torch.equal(sf, ref_sf) and torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)), (trial, v)
+
+
+def test_one_fp4_shape_check_for_nvfp4_and_mxfp4():
+    from ctconvert.layouts.common import LayoutTypeError
+    from ctconvert.layouts.marlin_nvfp4 import check_fp4
+
+    wp = torch.zeros(4, 16, dtype=torch.uint8)  # K = 32
+    assert check_fp4(wp, torch.zeros(4, 2, dtype=torch.float8_e4m3fn), "NVFP4", 16, (torch.float8_e4m3fn, torch.uint8), "be float8_e4m3fn") == (4, 32)
+    with pytest.raises(ValueError, match=r"MXFP4 needs non-empty shapes and K % 32 == 0, got \(N, K\) = \(4, 48\)"):
+        check_fp4(torch.zeros(4, 24, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), "MXFP4", 32, (torch.uint8,), "hold E8M0 bytes (uint8)")
+    with pytest.raises(LayoutTypeError, match="weight_scale must be float8_e4m3fn, got torch.float16"):
+        check_fp4(wp, torch.zeros(4, 2, dtype=torch.float16), "NVFP4", 16, (torch.float8_e4m3fn, torch.uint8), "be float8_e4m3fn")

@@ -44,3 +44,11 @@ def test_scales_flag_exactly_the_non_finite_groups(name, dtype, impl):
         else:
             want = [[r, 0]]
         assert bad_groups == want, (bad, r, c)
+
+
+@pytest.mark.parametrize("name", scheme_names())
+def test_shape_rules_are_the_formats_answers(name):
+    s = get_scheme(name)
+    for attr in ("scale_flags_nonfinite", "row_align", "k_multiple", "n_multiple"):
+        assert getattr(s, attr) == getattr(s.weight_format, attr)(s.weights), attr
+    assert type(s).row_align.__doc__.startswith("Row chunks")

@@ -269,9 +269,10 @@ static inline int mx_scale(float amax, int dt, int off, float *s_out, uint8_t *b
     return 0;
 }
 
-/* ---- MXFP4: packed [n, k/2], scale [n, k/32] E8M0 bytes. Returns 0, or 1 when a
- * group's power-of-two scale overflows D (the caller raises). ---- */
-static inline __attribute__((always_inline)) int ct_mxfp4_impl(const void *w, int dt, int64_t n, int64_t k, uint8_t *packed, uint8_t *scale) {
+/* ---- MXFP4 (fp8 = 0): out = packed [n, k/2] E2M1 codes; MXFP8 (fp8 = 1): out = q [n, k] E4M3 bytes, elements as
+ * the FP8 formats round them. scale [n, k/32] E8M0 bytes. Returns 0, or 1 when a group's power-of-two scale
+ * overflows D (the caller raises). Called with constant dt and fp8, so each entry point compiles to its own loop. ---- */
+static inline __attribute__((always_inline)) int ct_mx_impl(const void *w, int dt, int64_t n, int64_t k, uint8_t *out, uint8_t *scale, int fp8) {
     const int64_t groups = k / 32;
     for (int64_t r = 0; r < n; r++) {
         const int64_t base = r * k;
@@ -280,31 +281,17 @@ static inline __attribute__((always_inline)) int ct_mxfp4_impl(const void *w, in
             uint32_t amax_b = 0;
             for (int j = 0; j < 32; j++) { uint32_t a = absbits(load(w, dt, c0 + j)); amax_b = a > amax_b ? a : amax_b; }
             float s;
-            if (mx_scale(u2f(amax_b), dt, 2, &s, &scale[r * groups + gi])) return 1;
-            int32_t c[32];
-            for (int j = 0; j < 32; j++) c[j] = e2m1_code(clampf(rd(load(w, dt, c0 + j) / s, dt), -6.0f, 6.0f));
-            uint8_t *o = packed + (c0 >> 1);
-            for (int j = 0; j < 16; j++) o[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
-        }
-    }
-    return 0;
-}
-
-/* ---- MXFP8: q [n, k] E4M3 bytes, scale [n, k/32] E8M0 bytes; elements as the FP8 formats round them.
- * Returns 0, or 1 on a scale overflow. ---- */
-static inline __attribute__((always_inline)) int ct_mxfp8_impl(const void *w, int dt, int64_t n, int64_t k, uint8_t *q, uint8_t *scale) {
-    const int64_t groups = k / 32;
-    for (int64_t r = 0; r < n; r++) {
-        const int64_t base = r * k;
-        for (int64_t gi = 0; gi < groups; gi++) {
-            const int64_t c0 = base + gi * 32;
-            uint32_t amax_b = 0;
-            for (int j = 0; j < 32; j++) { uint32_t a = absbits(load(w, dt, c0 + j)); amax_b = a > amax_b ? a : amax_b; }
-            float s;
-            if (mx_scale(u2f(amax_b), dt, 8, &s, &scale[r * groups + gi])) return 1;
-            for (int j = 0; j < 32; j++) {
-                float v = rd(load(w, dt, c0 + j) / s, dt);
-                q[c0 + j] = f32_to_e4m3(clampf(v, -448.0f, 448.0f));
+            if (mx_scale(u2f(amax_b), dt, fp8 ? 8 : 2, &s, &scale[r * groups + gi])) return 1;
+            if (fp8) {
+                for (int j = 0; j < 32; j++) {
+                    float v = rd(load(w, dt, c0 + j) / s, dt);
+                    out[c0 + j] = f32_to_e4m3(clampf(v, -448.0f, 448.0f));
+                }
+            } else {
+                int32_t c[32];
+                for (int j = 0; j < 32; j++) c[j] = e2m1_code(clampf(rd(load(w, dt, c0 + j) / s, dt), -6.0f, 6.0f));
+                uint8_t *o = out + (c0 >> 1);
+                for (int j = 0; j < 16; j++) o[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
             }
         }
     }
@@ -318,42 +305,28 @@ static inline __attribute__((always_inline)) int ct_mxfp8_impl(const void *w, in
  * vectorize with plain SSE2, where a float max with NaN rules does not. As before, NaN is left out
  * of the max (inf is not) and both are counted. */
 #define ABSMAX_BLOCK 32768 /* elements per int32 count of non-finite ones */
-static inline int64_t absmax16(const uint16_t *p, int64_t count, int16_t inf, int16_t *max_out) {
-    int16_t m = 0;
-    int64_t bad = 0;
-    for (int64_t b0 = 0; b0 < count; b0 += ABSMAX_BLOCK) {
-        int64_t b1 = b0 + ABSMAX_BLOCK < count ? b0 + ABSMAX_BLOCK : count;
-        int32_t nb = 0;
-        for (int64_t i = b0; i < b1; i++) {
-            int16_t u = (int16_t)(p[i] & 0x7FFF);
-            nb += u >= inf;
-            u = u > inf ? 0 : u;
-            m = u > m ? u : m;
-        }
-        bad += nb;
+/* absmax16 (bf16/fp16 patterns) and absmax32 (fp32): one loop, written once and instantiated per width so each
+ * keeps its own vector loop; inf is D's pattern of infinity. */
+#define DEFINE_ABSMAX(NAME, UT, ST, MAG)                                          \
+    static inline int64_t NAME(const UT *p, int64_t count, ST inf, ST *max_out) { \
+        ST m = 0;                                                                 \
+        int64_t bad = 0;                                                          \
+        for (int64_t b0 = 0; b0 < count; b0 += ABSMAX_BLOCK) {                    \
+            int64_t b1 = b0 + ABSMAX_BLOCK < count ? b0 + ABSMAX_BLOCK : count;   \
+            int32_t nb = 0;                                                       \
+            for (int64_t i = b0; i < b1; i++) {                                   \
+                ST u = (ST)(p[i] & MAG);                                          \
+                nb += u >= inf;                                                   \
+                u = u > inf ? 0 : u;                                              \
+                m = u > m ? u : m;                                                \
+            }                                                                     \
+            bad += nb;                                                            \
+        }                                                                         \
+        *max_out = m;                                                             \
+        return bad;                                                               \
     }
-    *max_out = m;
-    return bad;
-}
-
-static inline int64_t absmax32(const uint32_t *p, int64_t count, int32_t *max_out) {
-    const int32_t inf = 0x7F800000;
-    int32_t m = 0;
-    int64_t bad = 0;
-    for (int64_t b0 = 0; b0 < count; b0 += ABSMAX_BLOCK) {
-        int64_t b1 = b0 + ABSMAX_BLOCK < count ? b0 + ABSMAX_BLOCK : count;
-        int32_t nb = 0;
-        for (int64_t i = b0; i < b1; i++) {
-            int32_t u = (int32_t)(p[i] & 0x7FFFFFFFu);
-            nb += u >= inf;
-            u = u > inf ? 0 : u;
-            m = u > m ? u : m;
-        }
-        bad += nb;
-    }
-    *max_out = m;
-    return bad;
-}
+DEFINE_ABSMAX(absmax16, uint16_t, int16_t, 0x7FFF)
+DEFINE_ABSMAX(absmax32, uint32_t, int32_t, 0x7FFFFFFFu)
 
 /* ---- exported entry points: dispatch on the dtype so each body is compiled (and vectorized) per D ---- */
 void ct_fp8_channel(const void *w, int dt, int64_t n, int64_t k, uint8_t *q, void *scale) {
@@ -375,21 +348,21 @@ void ct_nvfp4(const void *w, int dt, int64_t n, int64_t k, float gs, uint8_t *pa
 }
 
 int ct_mxfp4(const void *w, int dt, int64_t n, int64_t k, uint8_t *packed, uint8_t *scale) {
-    if (dt == DT_BF16) return ct_mxfp4_impl(w, DT_BF16, n, k, packed, scale);
-    else if (dt == DT_F16) return ct_mxfp4_impl(w, DT_F16, n, k, packed, scale);
-    else return ct_mxfp4_impl(w, DT_F32, n, k, packed, scale);
+    if (dt == DT_BF16) return ct_mx_impl(w, DT_BF16, n, k, packed, scale, 0);
+    else if (dt == DT_F16) return ct_mx_impl(w, DT_F16, n, k, packed, scale, 0);
+    else return ct_mx_impl(w, DT_F32, n, k, packed, scale, 0);
 }
 
 int ct_mxfp8(const void *w, int dt, int64_t n, int64_t k, uint8_t *q, uint8_t *scale) {
-    if (dt == DT_BF16) return ct_mxfp8_impl(w, DT_BF16, n, k, q, scale);
-    else if (dt == DT_F16) return ct_mxfp8_impl(w, DT_F16, n, k, q, scale);
-    else return ct_mxfp8_impl(w, DT_F32, n, k, q, scale);
+    if (dt == DT_BF16) return ct_mx_impl(w, DT_BF16, n, k, q, scale, 1);
+    else if (dt == DT_F16) return ct_mx_impl(w, DT_F16, n, k, q, scale, 1);
+    else return ct_mx_impl(w, DT_F32, n, k, q, scale, 1);
 }
 
 int64_t ct_absmax(const void *w, int dt, int64_t count, float *amax_out) {
     if (dt == DT_F32) {
         int32_t m;
-        int64_t bad = absmax32((const uint32_t *)w, count, &m);
+        int64_t bad = absmax32((const uint32_t *)w, count, 0x7F800000, &m);
         *amax_out = u2f((uint32_t)m);
         return bad;
     }

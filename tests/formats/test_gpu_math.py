@@ -11,7 +11,7 @@ random and edge divisors over that whole range:
   blocks take this path only when every non-zero quotient is at least 2^-60;
   NVFP4's amax / 6 and s / gs have ``x >= 2^-100`` or do not matter; no
   quotient exceeds 448 (1 + 2^-7));
-* the NVFP4 sign rule (``bits(x) > _neg_nonzero_bound(s)`` as unsigned) is set
+* the NVFP4 sign rule (``bits(x) > neg_nonzero_bound(s)`` as unsigned) is set
   exactly where ``div_rn(x, s) < 0``.
 
 CUDA only (the CPU paths divide directly).
@@ -28,7 +28,7 @@ if torch.cuda.is_available():
     import triton
     import triton.language as tl
 
-    from ctconvert.formats.gpu import _neg_nonzero_bound, _qdiv
+    from ctconvert.formats.gpu_math import neg_nonzero_bound, qdiv
 
     @triton.jit
     def _qdiv_kernel(x_ptr, s_ptr, fast_ptr, ref_ptr, neg_ptr, n, BLOCK: tl.constexpr):
@@ -37,9 +37,9 @@ if torch.cuda.is_available():
         m = offs < n
         x = tl.load(x_ptr + offs, mask=m, other=0.0)
         s = tl.load(s_ptr + j)
-        tl.store(fast_ptr + j * n + offs, _qdiv(x, s, tl.div_rn(1.0, s)), mask=m)
+        tl.store(fast_ptr + j * n + offs, qdiv(x, s, tl.div_rn(1.0, s)), mask=m)
         tl.store(ref_ptr + j * n + offs, tl.div_rn(x, s), mask=m)
-        neg = x.to(tl.uint32, bitcast=True) > _neg_nonzero_bound(s)
+        neg = x.to(tl.uint32, bitcast=True) > neg_nonzero_bound(s)
         tl.store(neg_ptr + j * n + offs, neg.to(tl.int8), mask=m)
 
 
