@@ -226,7 +226,20 @@ class OutputFolder:
     block hash (:mod:`.hashing`). A later run with ``resume`` and the same fingerprint keeps every
     journaled shard whose bytes still hash the same; any other run starts it
     afresh. A lock (``flock``) keeps two runs out of one folder.
+
+    The one way every command writes a checkpoint (``quantize``, ``convert``, ``repack``, ``decompress``)::
+
+        with OutputFolder(out, overwrite=overwrite) as folder:   # the hidden folder, locked
+            fill(folder.open_shards(assign_shards(planned, limit)))   # every shard with its final header
+            folder.copy_files(src, skip={CONFIG_NAME})
+            folder.finish(config, total_bytes, {name: json_document})
+
+    Leaving the block commits (renames the folder into place); an exception aborts it, keeping the
+    partial folder for ``--resume`` only where :attr:`keep_partial` says so (never on a full disk).
     """
+
+    #: set by a writer whose interrupted run can be resumed: an error or Ctrl-C then keeps the partial folder
+    keep_partial: bool = False
 
     def __init__(self, out: Path, overwrite: bool = False, fingerprint: str = "", resume: bool = False, shard_sources=None):
         self.out = Path(out).absolute()
@@ -293,15 +306,40 @@ class OutputFolder:
         """Shard names already finished and journaled (kept from an earlier run)."""
         return set(self.journal["shards"])
 
+    def __enter__(self) -> OutputFolder:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None:
+            try:
+                self.commit()
+            except BaseException as e:
+                self._abort_for(e)
+                raise
+        else:
+            self._abort_for(exc)
+        return False
+
+    def _abort_for(self, exc: BaseException) -> None:
+        """Abort after ``exc``: keep the partial folder for ``--resume`` where :attr:`keep_partial` allows it and
+        the run was stopped (Ctrl-C) or failed writing (not on a full disk: a partial folder only keeps it full)."""
+        stopped = isinstance(exc, (KeyboardInterrupt, OutputError, OSError))
+        self.abort(keep=self.keep_partial and stopped and not disk_full(exc))
+
     def open_shards(self, shards: list[list[PlannedTensor]], reuse_from: dict[str, Path] | None = None) -> dict[str, ShardFile]:
         """Create every shard file with its final header; return tensor name -> shard.
 
         Shards already completed (resume) are kept as they are; those named in
         ``reuse_from`` (refresh) are copied from there and journaled. Writes
-        aimed at kept shards are dropped.
+        aimed at kept shards are dropped. Raises :class:`OutputError` before creating any
+        file when the disk cannot hold the shards still to write (:func:`free_space_problem`).
         """
         by_tensor: dict[str, ShardFile] = {}
         reuse_from = reuse_from or {}
+        kept = self.completed | set(reuse_from)
+        needed = sum(t.nbytes for name, ts in zip(shard_names(len(shards)), shards) if name not in kept for t in ts)
+        if (problem := free_space_problem(self.out, needed)) is not None:
+            raise OutputError(problem, file=self.out)
         for name, tensors in zip(shard_names(len(shards)), shards):
             if name in reuse_from and name not in self.journal["shards"]:
                 shutil.copyfile(reuse_from[name], self.tmp / name)
@@ -450,38 +488,6 @@ def _interrupts_held():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def write_checkpoint(
-    src: Path,
-    out: Path,
-    planned: list[PlannedTensor],
-    *,
-    max_shard_size: int,
-    overwrite: bool,
-    fill,
-    config,
-    skip: set[str] = frozenset(),
-    files: dict | None = None,
-) -> int:
-    """Write a whole checkpoint atomically: ``fill(shards)`` writes every planned tensor, then the
-    other files of ``src`` are copied (but ``config.json`` and ``skip``), the index and
-    ``config()`` (called after ``fill``) written, and ``files`` (name -> JSON document, e.g. the
-    provenance), and the folder renamed into place. On any error nothing is left at ``out``. Returns
-    the bytes of tensor data written."""
-    if (problem := free_space_problem(out, sum(t.nbytes for t in planned))) is not None:
-        raise OutputError(problem, file=out)
-    folder = OutputFolder(out, overwrite=overwrite)
-    try:
-        fill(folder.open_shards(assign_shards(planned, max_shard_size)))
-        folder.copy_files(src, skip={CONFIG_NAME, *skip})
-        total = sum(t.nbytes for t in planned)
-        folder.finish(config(), total, files)
-        folder.commit()
-    except BaseException:
-        folder.abort()
-        raise
-    return total
 
 
 def _fsync_dir(path: Path) -> None:

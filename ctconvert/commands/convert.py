@@ -43,7 +43,7 @@ from ..checkpoint.naming import is_generative, loader_patterns, tie_word_embeddi
 from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import CONFIG_NAME, open_checkpoint
 from ..checkpoint.safetensors_io import PlannedTensor
-from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
+from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
 from ..errors import BadInputError, UnsupportedError, UsageError, agree, plural
 from ..pipeline.tasks import Compute, CopyTensor, run_tasks
 from ..plan.planner import Plan, TensorDecision
@@ -137,9 +137,6 @@ def _write(source: Source, out: Path, planned: list[PlannedTensor], tasks: list,
     check_output_path(src, out, overwrite)
     qconfig = build_quantization_config(plan.config_groups, plan.scheme.format, plan.ignore)
 
-    def config():
-        return updated_config(source.view.config, qconfig, {})
-
     prov = {
         "ctconvert": __version__,
         "source": os.path.normpath(os.path.abspath(src)),  # absolute and normalised, as derived_from's path
@@ -147,17 +144,12 @@ def _write(source: Source, out: Path, planned: list[PlannedTensor], tasks: list,
         "derived_from": source.derived_from(),
         "tensors": {r.name: r.source for r in plan.rows if r.action == "convert"},
     }
-    return write_checkpoint(
-        src,
-        out,
-        planned,
-        max_shard_size=shard_limit,
-        overwrite=overwrite,
-        fill=lambda shards: run_tasks(tasks, shards),
-        config=config,
-        skip={PROVENANCE, *SOURCE_CONFIG_FILES},
-        files={PROVENANCE: prov},
-    )
+    total = sum(t.nbytes for t in planned)
+    with OutputFolder(out, overwrite=overwrite) as folder:
+        run_tasks(tasks, folder.open_shards(assign_shards(planned, shard_limit)))
+        folder.copy_files(src, skip={CONFIG_NAME, PROVENANCE, *SOURCE_CONFIG_FILES})
+        folder.finish(updated_config(source.view.config, qconfig, {}), total, {PROVENANCE: prov})
+    return total
 
 
 def _check_modules(source: Source, spec: GroupSpec, notes: list[str]) -> dict[str, dict[str, torch.Tensor]]:

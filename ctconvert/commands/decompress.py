@@ -39,7 +39,7 @@ from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense
 from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, read_rows
-from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
+from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
 from ..errors import BadInputError, UnsupportedError, UsageError
 from ..formats import CompressionFormat, get_format
 from ..options import DEFAULT_SHARD_SIZE
@@ -118,16 +118,11 @@ def decompress(
                         c[key] = _TORCH_NAMES[dtype]
         return cfg
 
-    total = write_checkpoint(
-        src,
-        out,
-        planned,
-        max_shard_size=parse_size(max_shard_size),
-        overwrite=overwrite,
-        fill=lambda shards: run_tasks(tasks, shards, progress=progress, total=sum(t.nbytes for t in planned), buffers=buffers),
-        config=config,
-        skip=skip,
-    )
+    total, limit = sum(t.nbytes for t in planned), parse_size(max_shard_size)
+    with OutputFolder(out, overwrite=overwrite) as folder:
+        run_tasks(tasks, folder.open_shards(assign_shards(planned, limit)), progress=progress, total=total, buffers=buffers)
+        folder.copy_files(src, skip={CONFIG_NAME, *skip})
+        folder.finish(config(), total)
     return {
         "output": str(out),
         "modules_decompressed": n_modules,

@@ -31,7 +31,7 @@ from ..checkpoint.kernel_native import is_kernel_native, kernel_native_config
 from ..checkpoint.modules import Module, dense_shape, modules_of
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
 from ..checkpoint.safetensors_io import DTYPES, PlannedTensor, read_tensor
-from ..checkpoint.writer import check_output_path, parse_size, write_checkpoint
+from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
 from ..errors import BadInputError, UsageError
 from ..layouts import batched, kernels
 from ..layouts.kernels import Kernel
@@ -86,10 +86,11 @@ def repack(
             cfg["quantization_config"] = kernel_native_config(qcfg, target, layout_version, act_dtype, records)
         return cfg
 
-    def fill(shards):
-        run_tasks(tasks, shards, progress=progress, total=sum(t.nbytes for t in planned))
-
-    total = write_checkpoint(src, out, planned, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, fill=fill, config=config)
+    total, limit = sum(t.nbytes for t in planned), parse_size(max_shard_size)
+    with OutputFolder(out, overwrite=overwrite) as folder:
+        run_tasks(tasks, folder.open_shards(assign_shards(planned, limit)), progress=progress, total=total)
+        folder.copy_files(src, skip={CONFIG_NAME})
+        folder.finish(config(), total)
     n = sum(isinstance(t, Compute) for t in tasks) if inverse else len(records)
     return {
         "output": str(out),

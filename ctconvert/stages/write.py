@@ -23,7 +23,7 @@ from ..checkpoint.model_card import CARD, append_conversion_section, conversion_
 from ..checkpoint.provenance import PROVENANCE, fingerprint, load_provenance, provenance, refresh_plan, shard_map, sources_by_shard
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint
 from ..checkpoint.safetensors_io import PlannedTensor
-from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, disk_full, free_space_problem, parse_size, partial_output, shard_names
+from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, disk_full, parse_size, partial_output
 from ..errors import OutputError, UsageError, agree, plural
 from ..pipeline.executor import ExecOptions, execute
 from ..pipeline.options import QuantizeOptions
@@ -49,7 +49,6 @@ class WriteStage(Stage):
     def __init__(self, o: QuantizeOptions):
         self.shard_limit = parse_size(o.max_shard_size)
         self.o = o
-        self.keep_partial = False
 
     def prepare(self, job: QuantizeJob) -> None:
         if self.o.dry_run:
@@ -86,16 +85,13 @@ class WriteStage(Stage):
             resume=self.o.resume,
             shard_sources=lambda shard: hashes.journaled(by_shard.get(shard, ())),  # what a finished shard was made from (--resume)
         )
-        self.keep_partial = False
         try:
-            self._stream(job, folder, assignment, by_shard, hashes)
-            total = self._complete(job, folder, planned, hashes)
+            with folder:  # commits on leaving; an error aborts it (keeping the partial folder where folder.keep_partial says)
+                self._stream(job, folder, assignment, by_shard, hashes)
+                total = self._complete(job, folder, planned, hashes)
         except (KeyboardInterrupt, OutputError, OSError) as e:
-            if (why := self._abort(folder, job.out, e)) is not None:
+            if (why := _explained(e, job.out, folder.keep_partial)) is not None:
                 raise why from e
-            raise
-        except BaseException:
-            folder.abort()
             raise
         result.output_bytes = total
         if job.created:
@@ -129,7 +125,6 @@ class WriteStage(Stage):
             hashes.known.update(computed)
         if self.o.resume:
             _drop_stale_shards(ckpt, folder, by_shard, hashes.known, result)
-        _check_free_space(out, assignment, folder, reuse_from)
         shards = folder.open_shards(assignment, reuse_from=reuse_from)
         if self.o.resume and getattr(folder, "discarded_partial", False):
             result.notes.append("--resume: the interrupted run used other inputs or options; starting over")
@@ -139,7 +134,7 @@ class WriteStage(Stage):
         todo_ids = {id(u) for u in todo}
         order = [s for u in todo for s in u.sources] + [s for u in plan.units if id(u) not in todo_ids for s in u.sources]
         hashes.hashing = SourceHashes([ckpt.tensors[s] for s in order if s not in hashes.known])
-        self.keep_partial = job.layout is None  # an interrupted run is kept for --resume, which --target does not offer
+        folder.keep_partial = job.layout is None  # an interrupted run is kept for --resume, which --target does not offer
         opts = job.exec
         _execute(ckpt, dataclasses.replace(plan, units=todo), shards, opts, job.devices, job.progress)
         result.notes += [f"{name}: holds non-finite values (NaN/inf); copied as it is (--allow-non-finite)" for name in opts.nonfinite]
@@ -167,18 +162,7 @@ class WriteStage(Stage):
         folder.finish(cfg, total, {PROVENANCE: prov})
         result.shards = sorted(set(folder.weight_map.values()))
         result.reused_shards = sorted(n for n, why in folder.reused.items() if why == "resume")
-        folder.commit()
         return total
-
-    def _abort(self, folder: OutputFolder, out: Path, e: BaseException) -> OutputError | None:
-        """Remove the temporary folder, or keep it for ``--resume``; the error to raise instead of ``e`` (None: ``e``)."""
-        full = disk_full(e)
-        folder.abort(keep=self.keep_partial and not full)  # a partial folder on a full disk only keeps it full
-        if full:
-            return OutputError(f"{e}; the partial output was removed to free the disk", file=out)
-        if isinstance(e, OutputError) and self.keep_partial and (left := partial_output(out)) is not None:
-            return OutputError(f"{e.message}; {partial_hint(left)}", file=e.file, tensor=e.tensor)
-        return None
 
 
 @dataclass
@@ -210,6 +194,16 @@ def _card_section(job: QuantizeJob, derived: dict | None) -> str:
     return conversion_section(job.ckpt.path, plan.scheme.name, plan.format, plan.ignore, job.fingerprint["lm_head"], target, calibrated_on, derived)
 
 
+def _explained(e: BaseException, out: Path, kept: bool) -> OutputError | None:
+    """The error to raise instead of ``e`` once the output folder is aborted (None: ``e`` as it is): a full
+    disk says the partial output was removed; a failed write with a partial folder kept says how to resume."""
+    if disk_full(e):
+        return OutputError(f"{e}; the partial output was removed to free the disk", file=out)
+    if isinstance(e, OutputError) and kept and (left := partial_output(out)) is not None:
+        return OutputError(f"{e.message}; {partial_hint(left)}", file=e.file, tensor=e.tensor)
+    return None
+
+
 def partial_hint(left: dict, batch: bool = False) -> str:
     """How to continue from, or remove, what an interrupted or failed run left (:func:`partial_output`).
     ``batch``: the run was a ``batch`` job, which has no ``--resume`` option but a ``resume: true`` job key."""
@@ -237,15 +231,6 @@ def _drop_stale_shards(ckpt: Checkpoint, folder: OutputFolder, by_shard: dict, k
         folder.forget(stale)
         n = len(stale)
         result.notes.append(f"--resume: {plural(n, 'finished shard')} {agree(n, 'was', 'were')} made from source bytes that changed since; written again")
-
-
-def _check_free_space(out: Path, assignment, folder: OutputFolder, reuse_from) -> None:
-    """Refuse before writing when the disk cannot hold the shards still to write."""
-    names = shard_names(len(assignment))
-    kept = folder.completed | set(reuse_from or {})
-    needed = sum(t.nbytes for name, ts in zip(names, assignment) if name not in kept for t in ts)
-    if (problem := free_space_problem(out, needed)) is not None:
-        raise OutputError(problem, file=out)
 
 
 def _execute(ckpt: Checkpoint, plan: Plan, shards, opts: ExecOptions, devs, progress) -> None:
