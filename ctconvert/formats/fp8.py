@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from .base import CompressionFormat, DequantSpec, WeightFormat, byte_values, dequantize_unpacked, expand_scale, factor_layout, unpacked_spec
-from .common import FP8_MAX, dtype_eps, group_absmax, rd, sdiv
+from .common import FP8_MAX, dtype_eps, group_absmax, ranges_absmax, rd, sdiv
 from .mx import E4M3_OFFSET, MX_GROUP, e8m0_scale, mx_scale
 
 __all__ = [
@@ -52,12 +52,13 @@ def fp8_quantize_values(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize_fp8_channel(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-output-channel FP8. ``w``: ``[N, K]`` bf16/fp16/fp32.
+def quantize_fp8_channel(w: torch.Tensor, ranges=None) -> dict[str, torch.Tensor]:
+    """Per-output-channel FP8. ``w``: ``[N, K]`` bf16/fp16/fp32; ``ranges``: an observer's per-row
+    ``(min, max)`` (D ``[N, 1]``) the scales are computed from instead of ``w``'s own absmax.
 
     Returns ``weight`` float8_e4m3fn ``[N, K]`` and ``weight_scale`` D ``[N, 1]``.
     """
-    s = fp8_scale(group_absmax(w, w.shape[1]), w.dtype)
+    s = fp8_scale(group_absmax(w, w.shape[1]) if ranges is None else ranges_absmax(*ranges).reshape(-1, 1), w.dtype)
     return {"weight": fp8_quantize_values(w, s), "weight_scale": s.to(w.dtype)}
 
 
@@ -140,6 +141,17 @@ class FloatQuantized(WeightFormat):
         if args.strategy == "block":
             return quantize_fp8_block(w, args.block_structure)
         return quantize_fp8_channel(w)
+
+    def _reference_ranges(self, w, args, global_scale, ranges):
+        if args.strategy == "channel":
+            return quantize_fp8_channel(w, ranges)
+        if args.strategy == "tensor":
+            # one range for the whole tensor: the caller passes its scale (``fp8_scale`` of the ranges' absmax)
+            if global_scale is None:
+                s = fp8_scale(ranges_absmax(*ranges).reshape(1), w.dtype)
+                return {"weight": fp8_quantize_values(w, s), "weight_scale": s.to(w.dtype)}
+            return self._reference(w, args, global_scale)
+        raise ValueError(f"float-quantized strategy {args.strategy!r} does not take an observer's ranges")
 
     def _fused(self, kernels, w, args, global_scale):
         if args.strategy == "tensor":

@@ -1,0 +1,389 @@
+"""Weight observers: the per-group ranges a format's quantizer turns into scales, llm-compressor's way.
+
+An observer looks at a weight chunk ``w`` ``[N, K]`` (bf16/fp16/fp32) and returns, per quantization group,
+the ``(min, max)`` range (in the weight's dtype D, shape ``[N, G]``) that the format's quantizer turns into
+scales (``WeightFormat.quantize(..., ranges=...)``); the bytes then equal those of llm-compressor 0.14.0.1
+``oneshot`` with ``QuantizationModifier(config_groups={...: {"weights": {..., "observer": NAME}}})`` on its
+eager (CPU) path, and the output config records ``"observer": NAME`` (and ``"observer_kwargs": {}``) in the
+weights' QuantizationArgs, as llm-compressor writes it.
+
+Observers (llm-compressor's registry names, ``llmcompressor/observers/``, release 0.14.0.1):
+
+==================== ======================================================================================
+``minmax``           the group's min and max (ctconvert's default; llm-compressor's weight default
+                     ``memoryless_minmax``, ``min_max.py: MemorylessMinMaxObserver``): today's bytes
+``memoryless_mse``   ``mse.py: MemorylessMSEObserver``: maxshrink 0.20, patience 5, grid 100, norm 2.4,
+                     expand 1.0
+``nvfp4_expanded_mse`` ``mse.py: NVFP4ExpandedMSEObserver``: expand 1.8, maxshrink 1 - 0.8/1.8, grid 200,
+                     patience 1000, norm 2.4 (PR #2950; ``fouroversix`` is an alias of it there)
+==================== ======================================================================================
+
+The search (``mse_quant.py: _grid_search_mse``, the eager implementation, used for every CPU tensor; the
+Triton one, registered for CUDA, differs: a zero point fixed from the unshrunk range and per-group
+patience with an error buffer, and is *not* what this module matches):
+
+1. ``observed`` is the weight reshaped per strategy (``helpers.py: _flatten_weight``): group and
+   tensor_group ``[1, N, G, g]``, channel ``[1, N, 1, K]``, tensor ``[1, 1, N*K]``. Here: ``[N, G, g]``.
+2. ``min0 = amin(observed) * expand``, ``max0 = amax(observed) * expand`` over the group, in D.
+3. For step ``i`` in ``range(int(maxshrink * grid))``: ``p = 1 - i / grid``, candidate range
+   ``(min0 * p, max0 * p)`` in D; candidate scale and zero point by compressed-tensors 0.19.0
+   ``quantization/utils/helpers.py: calculate_qparams`` with ``global_scale=None`` and, for
+   tensor_group (NVFP4), ``scale_dtype=None`` (so the candidate NVFP4 scale is ``D(amax / 6)``, neither
+   multiplied by a global scale nor rounded to E4M3); fake quantization by ``lifecycle/forward_helpers.py:
+   _quantize_dequantize`` with the TOKEN strategy (``x / scale`` in D, ``+ zp``, clamp, round to the
+   element type: ``torch.round`` for int, E4M3 for FP8, ``fp4_utils.py: cast_to_fp4`` for FP4, then
+   ``(q - zp) * scale`` in D); error ``sum(|q - observed| ** norm)`` over the group, in D.
+4. A group keeps the candidate whose error is strictly below its best so far (the first of equal
+   errors wins; the initial best error is ``finfo(D).max``, so a group whose every error is inf keeps the
+   unshrunk range). Patience is *global*: the loop stops after ``patience`` consecutive steps in which no
+   group of the whole tensor improved. With ``nvfp4_expanded_mse`` (patience 1000 > 111 steps) it never
+   stops early; with ``memoryless_mse`` (patience 5, 20 steps) it can, and a row chunk alone would stop at
+   a different step than the whole tensor: :class:`StopTracker` finds the whole tensor's step count from
+   every chunk's ``improved`` steps, and ``search(..., steps=S)`` then gives each chunk the whole tensor's
+   ranges.
+5. The searched ranges are the observer's statistics: ``base.py: Observer.get_qparams`` computes the
+   scales from them by ``calculate_qparams`` (the format's usual min/max arithmetic), and for tensor_group
+   the global scale from the absmax of the *searched* ranges of every fused partner
+   (``base.py: Observer.get_global_scale``, ``fusion.py: FusionHandler``, ``helpers.py:
+   FUSED_LAYER_NAMES``: q/k/v, gate/up, q_a/kv_a_with_mqa, w1/w3): :func:`range_absmax`.
+
+Every step here is the same torch operation on the same dtypes as llm-compressor's (so the same bytes,
+with the same torch, rounding, reductions and ``pow`` included). Formats: int (symmetric or not), FP8
+(channel, tensor, group) and NVFP4 (tensor_group); MX scales and block strategies are refused
+(``ValueError``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import WeightArgs
+
+__all__ = [
+    "OBSERVERS",
+    "MSEObserver",
+    "MinMaxObserver",
+    "Search",
+    "StopTracker",
+    "WeightObserver",
+    "get_observer",
+    "grouped",
+    "range_absmax",
+]
+
+
+def grouped(w: torch.Tensor, args: WeightArgs) -> torch.Tensor:
+    """``w`` ``[N, K]`` as llm-compressor observes it, without the leading observation dim: ``[N, G, g]``.
+
+    group / tensor_group: ``[N, K/g, g]``; channel: ``[N, 1, K]``; tensor: ``[1, 1, N*K]`` (the chunk must then
+    be the whole tensor). Raises ``ValueError`` for a non-2-D ``w``, a K that is not a multiple of the group
+    size, and the block strategy.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"an observer takes a 2-D weight chunk, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    if args.strategy in ("group", "tensor_group"):
+        g = args.group_size
+        if not g or k % g:
+            raise ValueError(f"K={k} is not a multiple of the group size {g}")
+        return w.reshape(n, k // g, g)
+    if args.strategy == "channel":
+        return w.reshape(n, 1, k)
+    if args.strategy == "tensor":
+        return w.reshape(1, 1, n * k)
+    raise ValueError(f"observers do not take the {args.strategy!r} strategy")
+
+
+def _check(w: torch.Tensor, args: WeightArgs) -> None:
+    if not w.dtype.is_floating_point or w.element_size() < 2:
+        raise ValueError(f"an observer takes a bf16/fp16/fp32 weight, got {w.dtype}")
+    if w.numel() and not bool(torch.isfinite(w).all()):
+        raise ValueError("the weight holds NaN or inf: no observer range can be searched for it")
+    if args.type == "float" and args.num_bits == 4 and not args.symmetric:
+        raise ValueError("asymmetric FP4 is not a quantization compressed-tensors implements")
+    if args.type == "float" and args.num_bits not in (4, 8):
+        raise ValueError(f"float weights of {args.num_bits} bits are not taken by the observers")
+    if args.type == "float" and args.num_bits == 4 and args.strategy != "tensor_group":
+        raise ValueError("FP4 with an E8M0 (MX) group scale is not taken by the observers")
+
+
+def range_absmax(mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
+    """The absmax of searched ranges, as ``Observer.get_global_scale`` takes it: ``max(max(mx), -min(mn))``.
+
+    ``mn``/``mx``: the ranges of one tensor (any shape, dtype D). Returns fp32 0-d holding a value of D;
+    the NVFP4 global scale of a fused set is :func:`.fp4.nvfp4_global_scale` of the max over its members.
+    """
+    return torch.maximum(mx.max(), -mn.min()).to(torch.float32)
+
+
+@dataclass
+class Search:
+    """What a search of one chunk found.
+
+    ``min``/``max``: D ``[N, G]`` (the :func:`grouped` groups) the ranges; ``step``: int16 ``[N, G]``, the
+    grid step each group took (``-1``: none improved, the unshrunk range); ``improved``: bool ``[steps]``,
+    whether any group of the chunk improved at each step run.
+    """
+
+    min: torch.Tensor
+    max: torch.Tensor
+    step: torch.Tensor
+    improved: torch.Tensor
+
+    @property
+    def ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(min, max)``, for ``WeightFormat.quantize(..., ranges=...)``."""
+        return self.min, self.max
+
+
+class WeightObserver:
+    """One observer: ``name`` (llm-compressor's registry name) and how it finds each group's range."""
+
+    name: str
+
+    def search(self, w: torch.Tensor, args: WeightArgs, steps: int | None = None) -> Search:
+        """The ranges of ``w`` ``[N, K]`` for ``args``; ``steps``: run exactly this many grid steps, without
+        stopping early (None: stop as llm-compressor does, with ``w`` taken as the whole tensor)."""
+        raise NotImplementedError
+
+    def ranges(self, w: torch.Tensor, args: WeightArgs, steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``search(w, args, steps).ranges``."""
+        return self.search(w, args, steps).ranges
+
+    @property
+    def total_steps(self) -> int:
+        """Grid steps of a search that does not stop early (0: no search)."""
+        return 0
+
+    @property
+    def needs_stop_pass(self) -> bool:
+        """Whether a row chunk's search depends on the rest of the tensor (global patience can stop it)."""
+        return False
+
+    def config_fields(self) -> dict:
+        """What the weights' QuantizationArgs of the output config record: llm-compressor writes the
+        observer's name and its (empty) keyword arguments."""
+        return {"observer": self.name, "observer_kwargs": {}}
+
+    def __repr__(self) -> str:
+        return f"<observer {self.name}>"
+
+
+class MinMaxObserver(WeightObserver):
+    """``minmax``: each group's own min and max (``min_max.py: _get_min_max``), the range the format's
+    quantizers compute by themselves; ``search`` returns it with no steps."""
+
+    name = "minmax"
+
+    def search(self, w, args, steps=None):
+        _check(w, args)
+        x = grouped(w, args)
+        mn, mx = torch.aminmax(x, dim=-1) if x.numel() else (x.sum(-1), x.sum(-1))
+        return Search(mn, mx, torch.full(mn.shape, -1, dtype=torch.int16, device=w.device), torch.zeros(0, dtype=torch.bool))
+
+    def config_fields(self):
+        return {"observer": "memoryless_minmax", "observer_kwargs": {}}
+
+
+class MSEObserver(WeightObserver):
+    """A shrink-factor grid search minimising ``sum |fake_quant(x) - x| ** norm`` per group (module docstring).
+
+    ``maxshrink``, ``patience``, ``grid``, ``norm``, ``expand``: llm-compressor's observer keyword arguments
+    (``mse.py``); the defaults of each name are in :data:`OBSERVERS`.
+    """
+
+    def __init__(self, name: str, *, maxshrink: float, patience: int, grid: float, norm: float = 2.4, expand: float = 1.0):
+        if expand < 1.0:
+            raise ValueError(f"expand must be at least 1.0, got {expand}")
+        self.name, self.maxshrink, self.patience, self.grid, self.norm, self.expand = name, maxshrink, patience, grid, norm, expand
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.maxshrink * self.grid)  # as ``_grid_search_mse`` counts them
+
+    @property
+    def needs_stop_pass(self) -> bool:
+        return self.patience < self.total_steps
+
+    def search(self, w, args, steps=None):
+        _check(w, args)
+        x = grouped(w, args)
+        q = _FakeQuant(args, x.device)
+        mn0 = torch.amin(x, dim=-1) * self.expand
+        mx0 = torch.amax(x, dim=-1) * self.expand
+        best_err = torch.full_like(mn0, torch.finfo(mn0.dtype).max)
+        best_step = torch.full(mn0.shape, -1, dtype=torch.int16, device=x.device)
+        total = self.total_steps if steps is None else steps
+        improved = torch.zeros(total, dtype=torch.bool)
+        stale = 0
+        for i in range(total):
+            err = q.error(x, *self._candidate(mn0, mx0, i), self.norm)
+            better = err < best_err
+            if bool(better.any()):
+                improved[i] = True
+                best_err = torch.where(better, err, best_err)
+                best_step[better] = i
+                stale = 0
+            elif steps is None:
+                stale += 1
+                if stale >= self.patience:
+                    improved = improved[: i + 1]
+                    break
+        mn, mx = self.ranges_at(mn0, mx0, best_step)
+        return Search(mn, mx, best_step, improved)
+
+    def _candidate(self, mn0, mx0, i):
+        p = 1 - i / self.grid  # a Python float: ``min0 * p`` rounds once to D, as upstream
+        return mn0 * p, mx0 * p
+
+    def ranges_at(self, mn0: torch.Tensor, mx0: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ranges of grid steps ``step`` (int ``[N, G]``, -1 = unshrunk) from the unshrunk ``(mn0, mx0)``
+        (``amin``/``amax`` times ``expand``, D ``[N, G]``): the same values the search returned."""
+        mn, mx = mn0.clone(), mx0.clone()
+        for i in torch.unique(step[step >= 0]).tolist():
+            sel = step == i
+            cmn, cmx = self._candidate(mn0[sel], mx0[sel], i)
+            mn[sel], mx[sel] = cmn, cmx
+        return mn, mx
+
+    def ranges_from_steps(self, w: torch.Tensor, args: WeightArgs, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ranges of ``w`` for the grid steps a search recorded (``Search.step``), without searching again."""
+        x = grouped(w, args)
+        return self.ranges_at(torch.amin(x, dim=-1) * self.expand, torch.amax(x, dim=-1) * self.expand, step)
+
+    def stop_tracker(self) -> StopTracker:
+        """A :class:`StopTracker` for one tensor."""
+        return StopTracker(self.total_steps, self.patience)
+
+
+class StopTracker:
+    """The number of grid steps llm-compressor's search of a whole tensor runs, from its chunks' searches.
+
+    A group's improvement at step ``i`` depends only on its own errors at steps ``<= i``, so the whole
+    tensor improves at step ``i`` exactly when some chunk's full search (``search(chunk, args,
+    steps=total)``) did; the loop stops after ``patience`` consecutive steps without one. :meth:`add` each
+    chunk's ``Search.improved``; :attr:`steps` is then the count to pass as ``search(..., steps=...)``;
+    :attr:`final` says that no further chunk can change it (every later chunk may be skipped).
+    """
+
+    def __init__(self, total: int, patience: int):
+        self.total, self.patience = total, patience
+        self.any = torch.zeros(total, dtype=torch.bool)
+
+    def add(self, improved: torch.Tensor) -> None:
+        """OR in one chunk's ``Search.improved`` (a full search: ``total`` steps)."""
+        if improved.numel() != self.total:
+            raise ValueError(f"a stop pass needs searches of all {self.total} steps, got {improved.numel()}")
+        self.any |= improved.cpu()
+
+    @property
+    def steps(self) -> int:
+        stale = 0
+        for i, hit in enumerate(self.any.tolist()):
+            stale = 0 if hit else stale + 1
+            if stale >= self.patience:
+                return i + 1
+        return self.total
+
+    @property
+    def final(self) -> bool:
+        return self.steps == self.total
+
+
+class _FakeQuant:
+    """Candidate qparams and fake quantization of one :class:`WeightArgs`, compressed-tensors 0.19.0's eager ops.
+
+    ``calculate_qparams`` (``quantization/utils/helpers.py``) with ``scale_dtype=None`` and no global scale,
+    then ``_quantize_dequantize`` (``lifecycle/forward_helpers.py``) with the TOKEN strategy: each line of
+    :meth:`qparams` and :meth:`error` is one upstream torch call on the same operand types (0-d fp32
+    range tensors, D scales, an int8 or E4M3 zero point).
+    """
+
+    def __init__(self, args: WeightArgs, device):
+        self.args = args
+        if args.type == "int":
+            half = 2.0**args.num_bits / 2
+            self.q_min, self.q_max = torch.tensor(-half, device=device), torch.tensor(half - 1, device=device)
+            self.zp_dtype = torch.int8 if args.num_bits <= 8 else torch.int16
+        else:
+            m = 448.0 if args.num_bits == 8 else 6.0
+            self.q_min, self.q_max = torch.tensor(-m, device=device), torch.tensor(m, device=device)
+            self.zp_dtype = torch.float8_e4m3fn
+
+    def qparams(self, mn: torch.Tensor, mx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mn = torch.min(mn, torch.zeros_like(mn))
+        mx = torch.max(mx, torch.zeros_like(mx))
+        bit_range = self.q_max - self.q_min
+        if self.args.symmetric:
+            scale = torch.max(torch.abs(mn), torch.abs(mx)) / (bit_range.to(mx.dtype) / 2)
+            zp = torch.zeros(scale.shape, device=mn.device, dtype=mn.dtype)
+        else:
+            scale = (mx - mn) / bit_range.to(mx.dtype)
+            zp = torch.clamp(self.q_min - (mn / scale), self.q_min, self.q_max)
+        eps = torch.finfo(scale.dtype).eps
+        scale = torch.where(scale == 0, torch.tensor(eps, dtype=scale.dtype, device=scale.device), scale)
+        if self.zp_dtype.is_floating_point:
+            fi = torch.finfo(self.zp_dtype)
+            zp = torch.clamp(zp, fi.min, fi.max).to(self.zp_dtype)
+        else:
+            ii = torch.iinfo(self.zp_dtype)
+            zp = torch.round(torch.clamp(zp, ii.min, ii.max)).to(self.zp_dtype)
+        return scale, zp
+
+    def error(self, x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, norm: float) -> torch.Tensor:
+        """``sum(|fake_quant(x) - x| ** norm)`` over the last dim of ``x`` ``[N, G, g]``, D ``[N, G]``."""
+        scale, zp = self.qparams(mn, mx)
+        scale, zp = scale.unsqueeze(-1), zp.unsqueeze(-1)
+        scaled = x / scale
+        scaled += zp.to(x.dtype)
+        t = torch.clamp(scaled, self.q_min, self.q_max)
+        if self.args.type == "int":
+            r = torch.round(t)
+        elif self.args.num_bits == 8:
+            r = t.to(torch.float8_e4m3fn)
+        else:
+            r = _cast_to_fp4(t)
+        r = r.to(scaled.dtype)
+        deq = (r.to(scale.dtype) - zp.to(scale.dtype)) * scale
+        q = deq.to(x.dtype)
+        return torch.sum((q - x).abs().pow(norm), dim=-1)
+
+
+def _cast_to_fp4(x: torch.Tensor) -> torch.Tensor:
+    """E2M1 rounding of compressed-tensors 0.19.0 ``quantization/utils/fp4_utils.py: cast_to_fp4`` (eager):
+    ``sign(x) * level(|x|)`` with the thresholds ``<= .25, < .75, <= 1.25, < 1.75, <= 2.5, < 3.5, <= 5``."""
+    sign = torch.sign(x)
+    a = torch.abs(x)
+    a[(a >= 0.0) & (a <= 0.25)] = 0.0
+    a[(a > 0.25) & (a < 0.75)] = 0.5
+    a[(a >= 0.75) & (a <= 1.25)] = 1.0
+    a[(a > 1.25) & (a < 1.75)] = 1.5
+    a[(a >= 1.75) & (a <= 2.5)] = 2.0
+    a[(a > 2.5) & (a < 3.5)] = 3.0
+    a[(a >= 3.5) & (a <= 5.0)] = 4.0
+    a[a > 5.0] = 6.0
+    return a * sign
+
+
+#: every observer by llm-compressor's name, with its defaults (``mse.py``, 0.14.0.1)
+OBSERVERS: dict[str, WeightObserver] = {
+    o.name: o
+    for o in (
+        MinMaxObserver(),
+        MSEObserver("memoryless_mse", maxshrink=0.20, patience=5, grid=100.0, norm=2.4, expand=1.0),
+        MSEObserver("nvfp4_expanded_mse", maxshrink=1 - 0.8 / 1.8, patience=1000, grid=200.0, norm=2.4, expand=1.8),
+    )
+}
+
+
+def get_observer(name: str | None) -> WeightObserver:
+    """The observer of a name (``None``, ``minmax`` and ``memoryless_minmax``: min/max); raises ``ValueError``
+    naming the known ones for another."""
+    if name in (None, "minmax", "memoryless_minmax"):
+        return OBSERVERS["minmax"]
+    try:
+        return OBSERVERS[name]
+    except KeyError:
+        raise ValueError(f"unknown observer {name!r}: one of {', '.join(OBSERVERS)}") from None
