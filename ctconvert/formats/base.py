@@ -302,7 +302,12 @@ class WeightFormat:
 
     # -- quantizing ----------------------------------------------------------------
     def quantize(
-        self, w: torch.Tensor, args: WeightArgs, global_scale: torch.Tensor | None = None, impl: str = "auto", ranges: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        w: torch.Tensor,
+        args: WeightArgs,
+        global_scale: torch.Tensor | None = None,
+        impl: str = "auto",
+        ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Quantize a row chunk ``w`` ``[r, K]``; keys are local names (``weight_packed`` ...).
 

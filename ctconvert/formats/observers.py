@@ -48,7 +48,11 @@ patience with an error buffer, and is *not* what this module matches):
    FUSED_LAYER_NAMES``: q/k/v, gate/up, q_a/kv_a_with_mqa, w1/w3): :func:`range_absmax`.
 
 Every step here is the same torch operation on the same dtypes as llm-compressor's (so the same bytes,
-with the same torch, rounding, reductions and ``pow`` included). Formats: int (symmetric or not), FP8
+with the same torch, rounding, reductions and ``pow`` included). Two facts of torch 2.13's CPU kernels
+that this depends on (and that a fused kernel must reproduce): a D tensor times a Python float is
+``D(float32(x) * float32(p))``; and ``pow`` of a bf16/fp16 tensor with a Python scalar exponent rounds the
+exponent to D first, so the error norm is in effect 2.40625 for bf16 weights and 2.400390625 for fp16
+(2.4 for fp32), ``|d| ** norm`` rounded to D, and the group sum accumulates in fp32 and rounds to D. Formats: int (symmetric or not), FP8
 (channel, tensor, group) and NVFP4 (tensor_group); MX scales and block strategies are refused
 (``ValueError``).
 """
@@ -211,6 +215,7 @@ class MSEObserver(WeightObserver):
         _check(w, args)
         x = grouped(w, args)
         q = _FakeQuant(args, x.device)
+        ax = x.abs() if args.type == "float" and args.num_bits == 4 else None
         mn0 = torch.amin(x, dim=-1) * self.expand
         mx0 = torch.amax(x, dim=-1) * self.expand
         best_err = torch.full_like(mn0, torch.finfo(mn0.dtype).max)
@@ -219,7 +224,7 @@ class MSEObserver(WeightObserver):
         improved = torch.zeros(total, dtype=torch.bool)
         stale = 0
         for i in range(total):
-            err = q.error(x, *self._candidate(mn0, mx0, i), self.norm)
+            err = q.error(x, *self._candidate(mn0, mx0, i), self.norm, ax)
             better = err < best_err
             if bool(better.any()):
                 improved[i] = True
@@ -332,28 +337,65 @@ class _FakeQuant:
             zp = torch.round(torch.clamp(zp, ii.min, ii.max)).to(self.zp_dtype)
         return scale, zp
 
-    def error(self, x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, norm: float) -> torch.Tensor:
-        """``sum(|fake_quant(x) - x| ** norm)`` over the last dim of ``x`` ``[N, G, g]``, D ``[N, G]``."""
+    def error(self, x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, norm: float, ax: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum(|fake_quant(x) - x| ** norm)`` over the last dim of ``x`` ``[N, G, g]``, D ``[N, G]``.
+
+        Two shortcuts give the same values as upstream's ops: a symmetric zero point is 0, so adding and
+        subtracting it changes no value (only the sign of a zero, which ``|q - x|`` drops); and for FP4,
+        whose clamp and rounding are odd functions (``x / s``, RNE, ``level * s`` all commute with the sign),
+        ``|q - x|`` is computed on ``ax = |x|`` (given by the caller, once per search), and the clamp to 6
+        is left out (every value above 5 rounds to 6 either way).
+        """
         scale, zp = self.qparams(mn, mx)
         scale, zp = scale.unsqueeze(-1), zp.unsqueeze(-1)
+        if self.args.type == "float" and self.args.num_bits == 4:
+            a = ax if ax is not None else x.abs()
+            # no clamp to 6: every value above 5 takes the level 6 with or without it
+            q = (_fp4_level(a / scale) * scale).to(x.dtype)
+            return torch.sum((q - a).abs().pow(norm), dim=-1)
         scaled = x / scale
-        scaled += zp.to(x.dtype)
+        if not self.args.symmetric:
+            scaled += zp.to(x.dtype)
         t = torch.clamp(scaled, self.q_min, self.q_max)
         if self.args.type == "int":
             r = torch.round(t)
-        elif self.args.num_bits == 8:
-            r = t.to(torch.float8_e4m3fn)
         else:
-            r = _cast_to_fp4(t)
-        r = r.to(scaled.dtype)
-        deq = (r.to(scale.dtype) - zp.to(scale.dtype)) * scale
-        q = deq.to(x.dtype)
+            r = t.to(torch.float8_e4m3fn).to(scaled.dtype)
+        deq = r.to(scale.dtype)
+        if not self.args.symmetric:
+            deq = deq - zp.to(scale.dtype)
+        q = (deq * scale).to(x.dtype)
         return torch.sum((q - x).abs().pow(norm), dim=-1)
 
 
+_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_BOUNDS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _next_up(v: float, dtype: torch.dtype) -> float:
+    """The smallest value of ``dtype`` above ``v`` (> 0)."""
+    t = torch.tensor([v], dtype=dtype)
+    bits = t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+    return (bits + 1).view(dtype).item()
+
+
+def _fp4_level(a: torch.Tensor) -> torch.Tensor:
+    """The E2M1 magnitude of ``a >= 0`` (anything above 5 is 6), in ``a``'s dtype, as ``cast_to_fp4`` rounds it
+    (compressed-tensors 0.19.0 ``quantization/utils/fp4_utils.py``, eager): ``<= .25 -> 0``, ``< .75 -> .5``,
+    ``<= 1.25 -> 1``, ``< 1.75 -> 1.5``, ``<= 2.5 -> 2``, ``< 3.5 -> 3``, ``<= 5 -> 4``, else 6; one
+    ``bucketize`` over the thresholds as values of the dtype (a strict ``>`` is ``>=`` the next value up)."""
+    d = a.dtype
+    b = _BOUNDS.get(d)
+    if b is None:
+        up = [_next_up(0.25, d), 0.75, _next_up(1.25, d), 1.75, _next_up(2.5, d), 3.5, _next_up(5.0, d)]
+        b = _BOUNDS[d] = torch.tensor(up, dtype=d)
+    idx = torch.bucketize(a, b.to(a.device), right=True)
+    return torch.tensor(_LEVELS, dtype=d, device=a.device)[idx]
+
+
 def _cast_to_fp4(x: torch.Tensor) -> torch.Tensor:
-    """E2M1 rounding of compressed-tensors 0.19.0 ``quantization/utils/fp4_utils.py: cast_to_fp4`` (eager):
-    ``sign(x) * level(|x|)`` with the thresholds ``<= .25, < .75, <= 1.25, < 1.75, <= 2.5, < 3.5, <= 5``."""
+    """E2M1 rounding of compressed-tensors 0.19.0 ``quantization/utils/fp4_utils.py: cast_to_fp4`` (eager),
+    step by step (the tests' reference for :func:`_fp4_level`)."""
     sign = torch.sign(x)
     a = torch.abs(x)
     a[(a >= 0.0) & (a <= 0.25)] = 0.0
