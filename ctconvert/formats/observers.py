@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import WeightArgs
+from .native import observe as native_observe
 
 __all__ = [
     "OBSERVERS",
@@ -147,14 +148,14 @@ class WeightObserver:
 
     name: str
 
-    def search(self, w: torch.Tensor, args: WeightArgs, steps: int | None = None) -> Search:
+    def search(self, w: torch.Tensor, args: WeightArgs, steps: int | None = None, impl: str = "auto") -> Search:
         """The ranges of ``w`` ``[N, K]`` for ``args``; ``steps``: run exactly this many grid steps, without
         stopping early (None: stop as llm-compressor does, with ``w`` taken as the whole tensor)."""
         raise NotImplementedError
 
-    def ranges(self, w: torch.Tensor, args: WeightArgs, steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``search(w, args, steps).ranges``."""
-        return self.search(w, args, steps).ranges
+    def ranges(self, w: torch.Tensor, args: WeightArgs, steps: int | None = None, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """``search(w, args, steps, impl).ranges``."""
+        return self.search(w, args, steps, impl).ranges
 
     @property
     def total_steps(self) -> int:
@@ -181,7 +182,7 @@ class MinMaxObserver(WeightObserver):
 
     name = "minmax"
 
-    def search(self, w, args, steps=None):
+    def search(self, w, args, steps=None, impl="auto"):
         _check(w, args)
         x = grouped(w, args)
         mn, mx = torch.aminmax(x, dim=-1) if x.numel() else (x.sum(-1), x.sum(-1))
@@ -211,8 +212,45 @@ class MSEObserver(WeightObserver):
     def needs_stop_pass(self) -> bool:
         return self.patience < self.total_steps
 
-    def search(self, w, args, steps=None):
+    def search(self, w, args, steps=None, impl="auto"):
+        """See :meth:`WeightObserver.search`. ``impl``: ``auto`` (the fused C kernel of :mod:`.native.observe` for a
+        CPU bf16/fp16 chunk of a group strategy when it is built, else the torch reference), ``torch`` or
+        ``native``: the same ranges, steps and improvements."""
         _check(w, args)
+        grouped(w, args)  # the shape checks
+        if impl != "torch" and args.strategy in ("group", "tensor_group") and native_observe.takes(w) and (impl == "native" or native_observe.available()):
+            total = self.total_steps if steps is None else steps
+            found = self._native(w, args, total)
+            if steps is None and self.patience < total:
+                tracker = StopTracker(total, self.patience)
+                tracker.add(found.improved)
+                if tracker.steps < total:
+                    found = self._native(w, args, tracker.steps)
+            return found
+        if impl == "native":
+            raise ValueError("the native observer kernel takes a CPU bf16/fp16 chunk of a group strategy")
+        return self._torch(w, args, steps)
+
+    def _native(self, w: torch.Tensor, args: WeightArgs, steps: int) -> Search:
+        """``steps`` grid steps in the C kernel; the groups it cannot vouch for searched again by torch."""
+        d = w.dtype
+        g = args.group_size
+        qmin, qmax = _FakeQuant.bounds(args)
+        bit_range = torch.tensor(qmax - qmin).to(d)
+        kind = "int" if args.type == "int" else ("fp8" if args.num_bits == 8 else "fp4")
+        p = torch.tensor([1 - i / self.grid for i in range(steps)], dtype=torch.float32)
+        norm = float(torch.tensor(self.norm).to(d))  # torch's pow of a D tensor takes its exponent in D
+        step, mn, mx, improved, unsure = native_observe.mse_search(
+            w, g, kind, args.symmetric, qmin, qmax, float(bit_range / 2), float(bit_range), self.expand, p, norm
+        )
+        if bool(unsure.any()):
+            again = self._torch(grouped(w, args)[unsure], args, steps)
+            step[unsure], mn[unsure], mx[unsure] = again.step[:, 0], again.min[:, 0], again.max[:, 0]
+            improved |= again.improved
+        return Search(mn, mx, step, improved)
+
+    def _torch(self, w: torch.Tensor, args: WeightArgs, steps: int | None) -> Search:
+        """The search in torch, operation for operation as upstream (module docstring)."""
         x = grouped(w, args)
         q = _FakeQuant(args, x.device)
         ax = x.abs() if args.type == "float" and args.num_bits == 4 else None
@@ -308,14 +346,21 @@ class _FakeQuant:
 
     def __init__(self, args: WeightArgs, device):
         self.args = args
+        qmin, qmax = self.bounds(args)
+        self.q_min, self.q_max = torch.tensor(qmin, device=device), torch.tensor(qmax, device=device)
         if args.type == "int":
-            half = 2.0**args.num_bits / 2
-            self.q_min, self.q_max = torch.tensor(-half, device=device), torch.tensor(half - 1, device=device)
             self.zp_dtype = torch.int8 if args.num_bits <= 8 else torch.int16
         else:
-            m = 448.0 if args.num_bits == 8 else 6.0
-            self.q_min, self.q_max = torch.tensor(-m, device=device), torch.tensor(m, device=device)
             self.zp_dtype = torch.float8_e4m3fn
+
+    @staticmethod
+    def bounds(args: WeightArgs) -> tuple[float, float]:
+        """``(q_min, q_max)`` of ``calculate_range``: ``±2^(B-1)`` (minus one above) for int, ±448 FP8, ±6 FP4."""
+        if args.type == "int":
+            half = 2.0**args.num_bits / 2
+            return -half, half - 1
+        m = 448.0 if args.num_bits == 8 else 6.0
+        return -m, m
 
     def qparams(self, mn: torch.Tensor, mx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mn = torch.min(mn, torch.zeros_like(mn))

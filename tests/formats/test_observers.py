@@ -17,6 +17,7 @@ import torch
 
 from ctconvert.formats import WeightArgs, get_format
 from ctconvert.formats.fp4 import nvfp4_global_scale
+from ctconvert.formats.native import observe as native_observe
 from ctconvert.formats.observers import OBSERVERS, StopTracker, _cast_to_fp4, _fp4_level, get_observer, grouped, range_absmax
 
 REF = Path(__file__).resolve().parent.parent / "data" / "observers" / "llmc_observers.safetensors"
@@ -46,9 +47,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
 
 
-def _quantize_module_set(src: dict[str, torch.Tensor], fmt, args, obs) -> dict[str, dict[str, torch.Tensor]]:
+def _quantize_module_set(src: dict[str, torch.Tensor], fmt, args, obs, impl: str = "auto") -> dict[str, dict[str, torch.Tensor]]:
     """Every module's compressed tensors, with NVFP4 global scales from the fused partners' searched ranges."""
-    ranges = {m: obs.ranges(w, args) for m, w in src.items()}
+    ranges = {m: obs.ranges(w, args, impl=impl) for m, w in src.items()}
     out = {}
     for m, w in src.items():
         gs = None
@@ -63,8 +64,19 @@ def _quantize_module_set(src: dict[str, torch.Tensor], fmt, args, obs) -> dict[s
     return out
 
 
-@pytest.mark.parametrize("case,run", _runs())
-def test_llmcompressor_bytes(case, run):
+def _impls():
+    """Every reference run through the default search (the C kernel where built) and through the torch
+    reference (the slowest one, bf16 NVFP4 with its 111 steps, under ``-m slow``)."""
+    out = []
+    for case, run in _runs():
+        out.append(pytest.param(case, run, "auto", id=f"{case}-{run}-auto"))
+        slow = case.endswith("bf16") and run.endswith("nvfp4_expanded_mse")
+        out.append(pytest.param(case, run, "torch", id=f"{case}-{run}-torch", marks=[pytest.mark.slow] if slow else []))
+    return out
+
+
+@pytest.mark.parametrize("case,run,impl", _impls())
+def test_llmcompressor_bytes(case, run, impl):
     """ctconvert's observer + quantizer write exactly llm-compressor's packed weights, scales, global scales."""
     f, meta = _reference()
     qc = meta["cases"][case]["runs"][run]
@@ -72,7 +84,7 @@ def test_llmcompressor_bytes(case, run):
     args, fmt, obs = WeightArgs.from_dict(group["weights"]), get_format(group["format"]), get_observer(group["weights"]["observer"])
     modules = meta["cases"][case]["modules"]
     src = {m: f.get_tensor(f"{case}/source/{m}.weight") for m in modules}
-    got = _quantize_module_set(src, fmt, args, obs)
+    got = _quantize_module_set(src, fmt, args, obs, impl)
     prefix = f"{case}/{run}/"
     expected = [k for k in f.keys() if k.startswith(prefix)]
     assert expected
@@ -292,3 +304,43 @@ def test_refusals():
         get_format("mxfp4-pack-quantized").quantize(torch.zeros(4, 64), mx, ranges=(None, None))
     with pytest.raises(ValueError, match="global scale"):
         get_format("nvfp4-pack-quantized").quantize(torch.zeros(4, 64), NVFP4, ranges=obs.ranges(torch.zeros(4, 64), NVFP4))
+
+
+@pytest.mark.skipif(not native_observe.available(), reason="no C compiler")
+@pytest.mark.parametrize(
+    "name,args,dtype,seed",
+    [
+        ("nvfp4_expanded_mse", NVFP4, torch.bfloat16, 1),
+        ("nvfp4_expanded_mse", NVFP4, torch.float16, 2),
+        ("memoryless_mse", NVFP4, torch.bfloat16, 3),
+        ("memoryless_mse", W4, torch.bfloat16, 4),
+        ("memoryless_mse", W4_ASYM, torch.float16, 5),
+        ("memoryless_mse", W4_ASYM, torch.bfloat16, 6),
+        ("memoryless_mse", WeightArgs(type="float", num_bits=8, strategy="group", group_size=128), torch.bfloat16, 7),
+        ("memoryless_mse", WeightArgs(type="int", num_bits=8, strategy="group", group_size=32), torch.float16, 8),
+    ],
+)
+def test_native_equals_torch(name, args, dtype, seed):
+    """The C kernel (with its torch fallback for the groups it cannot vouch for) gives the torch search's
+    ranges, steps and improvements, early stop included."""
+    obs = OBSERVERS[name]
+    w = _awkward(48, 512, dtype, seed)
+    for steps in (None, 7):
+        a, b = obs.search(w, args, steps, impl="torch"), obs.search(w, args, steps, impl="native")
+        assert torch.equal(a.min, b.min) and torch.equal(a.max, b.max)
+        assert torch.equal(a.step, b.step) and torch.equal(a.improved, b.improved)
+
+
+@pytest.mark.skipif(not native_observe.available(), reason="no C compiler")
+def test_native_fallback_is_exercised():
+    """Some groups are left to torch (near-ties within the kernel's rounding bounds), and the result is still torch's."""
+    obs = OBSERVERS["memoryless_mse"]
+    w = _awkward(64, 1024, torch.float16, 9)
+    p = torch.tensor([1 - i / obs.grid for i in range(obs.total_steps)], dtype=torch.float32)
+    norm = float(torch.tensor(obs.norm).to(w.dtype))
+    *_, unsure = native_observe.mse_search(w, 128, "int", False, -8.0, 7.0, 7.5, 15.0, 1.0, p, norm)
+    assert 0 < int(unsure.sum()) < unsure.numel() // 4
+    a, b = obs.search(w, W4_ASYM, impl="torch"), obs.search(w, W4_ASYM, impl="native")
+    assert torch.equal(a.min, b.min) and torch.equal(a.max, b.max)
+    with pytest.raises(ValueError, match="native observer kernel"):
+        obs.search(w.float(), W4_ASYM, impl="native")
