@@ -129,13 +129,16 @@ class Search:
 
     ``min``/``max``: D ``[N, G]`` (the :func:`grouped` groups) the ranges; ``step``: int16 ``[N, G]``, the
     grid step each group took (``-1``: none improved, the unshrunk range); ``improved``: bool ``[steps]``,
-    whether any group of the chunk improved at each step run.
+    whether any group of the chunk improved at each step run; ``hits``: int64 ``[N, G]``, bit ``i`` set where
+    the group improved at step ``i`` (searches of at most 63 steps; else None): with it the group's step
+    under any shorter count is known without searching again (:meth:`MSEObserver.steps_at`).
     """
 
     min: torch.Tensor
     max: torch.Tensor
     step: torch.Tensor
     improved: torch.Tensor
+    hits: torch.Tensor | None = None
 
     @property
     def ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,14 +243,16 @@ class MSEObserver(WeightObserver):
         kind = "int" if args.type == "int" else ("fp8" if args.num_bits == 8 else "fp4")
         p = torch.tensor([1 - i / self.grid for i in range(steps)], dtype=torch.float32)
         norm = float(torch.tensor(self.norm).to(d))  # torch's pow of a D tensor takes its exponent in D
-        step, mn, mx, improved, unsure = native_observe.mse_search(
+        step, mn, mx, improved, unsure, hits = native_observe.mse_search(
             w, g, kind, args.symmetric, qmin, qmax, float(bit_range / 2), float(bit_range), self.expand, p, norm
         )
         if bool(unsure.any()):
             again = self._torch(grouped(w, args)[unsure], args, steps)
             step[unsure], mn[unsure], mx[unsure] = again.step[:, 0], again.min[:, 0], again.max[:, 0]
+            if hits is not None:
+                hits[unsure] = again.hits[:, 0]
             improved |= again.improved
-        return Search(mn, mx, step, improved)
+        return Search(mn, mx, step, improved, hits)
 
     def _torch(self, w: torch.Tensor, args: WeightArgs, steps: int | None) -> Search:
         """The search in torch, operation for operation as upstream (module docstring)."""
@@ -258,6 +263,7 @@ class MSEObserver(WeightObserver):
         mx0 = torch.amax(x, dim=-1) * self.expand
         best_err = torch.full_like(mn0, torch.finfo(mn0.dtype).max)
         best_step = torch.full(mn0.shape, -1, dtype=torch.int16, device=x.device)
+        hits = torch.zeros(mn0.shape, dtype=torch.int64, device=x.device) if (self.total_steps if steps is None else steps) <= 63 else None
         total = self.total_steps if steps is None else steps
         improved = torch.zeros(total, dtype=torch.bool)
         stale = 0
@@ -268,6 +274,8 @@ class MSEObserver(WeightObserver):
                 improved[i] = True
                 best_err = torch.where(better, err, best_err)
                 best_step[better] = i
+                if hits is not None:
+                    hits |= better.to(torch.int64) << i
                 stale = 0
             elif steps is None:
                 stale += 1
@@ -275,7 +283,7 @@ class MSEObserver(WeightObserver):
                     improved = improved[: i + 1]
                     break
         mn, mx = self.ranges_at(mn0, mx0, best_step)
-        return Search(mn, mx, best_step, improved)
+        return Search(mn, mx, best_step, improved, hits)
 
     def _candidate(self, mn0, mx0, i):
         p = 1 - i / self.grid  # a Python float: ``min0 * p`` rounds once to D, as upstream
@@ -295,6 +303,15 @@ class MSEObserver(WeightObserver):
         """The ranges of ``w`` for the grid steps a search recorded (``Search.step``), without searching again."""
         x = grouped(w, args)
         return self.ranges_at(torch.amin(x, dim=-1) * self.expand, torch.amax(x, dim=-1) * self.expand, step)
+
+    @staticmethod
+    def steps_at(hits: torch.Tensor, steps: int) -> torch.Tensor:
+        """The grid step each group takes in a search of ``steps`` steps, from a longer search's ``Search.hits``:
+        its last improvement before ``steps`` (int16, -1 = none), as a search of ``steps`` steps would find."""
+        step = torch.full(hits.shape, -1, dtype=torch.int16, device=hits.device)
+        for i in range(min(steps, 63)):
+            step = torch.where((hits >> i) & 1 == 1, torch.tensor(i, dtype=torch.int16, device=hits.device), step)
+        return step
 
     def stop_tracker(self) -> StopTracker:
         """A :class:`StopTracker` for one tensor."""

@@ -251,6 +251,29 @@ def test_row_chunks_equal_the_whole_tensor():
     assert torch.equal(torch.cat([p.min for p in parts]), whole.min) and torch.equal(torch.cat([p.max for p in parts]), whole.max)
 
 
+@pytest.mark.parametrize("impl", ["torch", "native"])
+def test_one_search_per_chunk(impl):
+    """The streaming plan: one full search per chunk (keeping its ``hits``), the tracker's step count, then
+    each chunk's ranges from its hits without a second search, equal to one search of the whole tensor."""
+    if impl == "native" and not native_observe.available():
+        pytest.skip("no C compiler")
+    obs = OBSERVERS["memoryless_mse"]
+    for args, w in (
+        (W4, (torch.randn(4, 128, generator=torch.Generator().manual_seed(16)) * 0.02).to(torch.bfloat16)),
+        (W4_ASYM, _awkward(32, 256, torch.float16, 3)),
+    ):
+        whole = obs.search(w, args, impl="torch")
+        tracker, kept = obs.stop_tracker(), []
+        for r in range(0, w.shape[0], 2):
+            s = obs.search(w[r : r + 2], args, steps=obs.total_steps, impl=impl)
+            tracker.add(s.improved)
+            kept.append(s.hits)
+        step = torch.cat([obs.steps_at(h, tracker.steps) for h in kept])
+        assert torch.equal(step, whole.step)
+        mn, mx = obs.ranges_from_steps(w, args, step)
+        assert torch.equal(mn, whole.min) and torch.equal(mx, whole.max)
+
+
 def test_stop_tracker_final():
     t = StopTracker(20, 5)
     assert t.steps == 5 and not t.final
@@ -338,7 +361,7 @@ def test_native_fallback_is_exercised():
     w = _awkward(64, 1024, torch.float16, 9)
     p = torch.tensor([1 - i / obs.grid for i in range(obs.total_steps)], dtype=torch.float32)
     norm = float(torch.tensor(obs.norm).to(w.dtype))
-    *_, unsure = native_observe.mse_search(w, 128, "int", False, -8.0, 7.0, 7.5, 15.0, 1.0, p, norm)
+    _, _, _, _, unsure, _ = native_observe.mse_search(w, 128, "int", False, -8.0, 7.0, 7.5, 15.0, 1.0, p, norm)
     assert 0 < int(unsure.sum()) < unsure.numel() // 4
     a, b = obs.search(w, W4_ASYM, impl="torch"), obs.search(w, W4_ASYM, impl="native")
     assert torch.equal(a.min, b.min) and torch.equal(a.max, b.max)

@@ -132,14 +132,15 @@ static inline void group_error(const float *x, int64_t g, int kind, int sym, flo
 /*
  * Rows [0, n) of w (D = dt, [n, k] row-major), groups of g columns. p: the steps' shrink factors (fp32,
  * as torch takes a Python float), steps of them, all run (no early stop). Writes per group the best step
- * (int16, -1 = none improved) and the range (D) into best/mn_out/mx_out ([n, k/g]), ORs into improved[steps]
+ * (int16, -1 = none improved) and the range (D) into best/mn_out/mx_out ([n, k/g]), the steps (< 63) at which
+ * it improved as bits into hits (when not NULL), ORs into improved[steps]
  * the steps at which some certain group improved, and sets uncertain[group] = 1 where the kernel cannot
  * vouch for the result (those groups' outputs and improvements are to be recomputed by the caller).
  * Returns the number of uncertain groups.
  */
 int64_t ct_mse_search(const void *w, int dt, int64_t n, int64_t k, int64_t g, int kind, int sym, float qmin, float qmax, float half, float range,
                       float expand, const float *p, int64_t steps, float norm, float dmax, float eps, int16_t *best, void *mn_out, void *mx_out,
-                      uint8_t *improved, uint8_t *uncertain) {
+                      uint8_t *improved, uint8_t *uncertain, int64_t *hits) {
     int64_t groups = k / g, bad = 0;
     float x[g > 0 ? g : 1];
     uint8_t hit[steps > 0 ? steps : 1];
@@ -174,7 +175,12 @@ int64_t ct_mse_search(const void *w, int dt, int64_t n, int64_t k, int64_t g, in
             best[o] = bs;
             uncertain[o] = (uint8_t)!sure;
             if (!sure) { bad++; continue; }
-            for (int64_t i = 0; i < steps; i++) improved[i] |= hit[i];
+            int64_t bits = 0;
+            for (int64_t i = 0; i < steps; i++) {
+                improved[i] |= hit[i];
+                if (i < 63 && hit[i]) bits |= (int64_t)1 << i;
+            }
+            if (hits) hits[o] = bits;
             store_d(mn_out, dt, o, bs < 0 ? mn0 : rd(mn0 * p[bs], dt));
             store_d(mx_out, dt, o, bs < 0 ? mx0 : rd(mx0 * p[bs], dt));
         }

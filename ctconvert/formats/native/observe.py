@@ -21,7 +21,7 @@ _SRC = Path(__file__).with_name("observe.c")
 _p, _i64, _i32, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _LIB = cbuild.Library(
     _SRC,
-    {"ct_mse_search": ([_p, _i32, _i64, _i64, _i64, _i32, _i32, _f, _f, _f, _f, _f, _p, _i64, _f, _f, _f, _p, _p, _p, _p, _p], _i64)},
+    {"ct_mse_search": ([_p, _i32, _i64, _i64, _i64, _i32, _i32, _f, _f, _f, _f, _f, _p, _i64, _f, _f, _f, _p, _p, _p, _p, _p, _p], _i64)},
 )
 _DT = {torch.bfloat16: 0, torch.float16: 1}
 KINDS = {"int": 0, "fp8": 1, "fp4": 2}
@@ -39,13 +39,14 @@ def takes(w: torch.Tensor) -> bool:
 
 def mse_search(
     w: torch.Tensor, g: int, kind: str, symmetric: bool, qmin: float, qmax: float, half: float, rng: float, expand: float, p: torch.Tensor, norm: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Search every ``g``-column group of ``w`` ``[n, k]`` over the shrink factors ``p`` (fp32 ``[S]``), all run.
 
     ``kind``: ``int`` | ``fp8`` | ``fp4``; ``qmin``/``qmax``: the clamp range; ``half``/``rng``: the symmetric
     and asymmetric scale divisors as values of D; ``norm``: the error exponent as a value of D. Returns
-    ``(step int16 [n, k/g], min D, max D, improved bool [S], uncertain bool [n, k/g])``; uncertain groups'
-    outputs are undefined and their improvements are not in ``improved``.
+    ``(step int16 [n, k/g], min D, max D, improved bool [S], uncertain bool [n, k/g], hits)``, ``hits`` the
+    steps each group improved at as bits of an int64 ``[n, k/g]`` when ``S <= 63`` (else None); uncertain
+    groups' outputs are undefined and their improvements are not in ``improved``.
     """
     if not takes(w):
         raise ValueError("the observer kernel takes a 2-D CPU bf16/fp16 tensor")
@@ -61,6 +62,7 @@ def mse_search(
     step = torch.empty(n, groups, dtype=torch.int16)
     mn, mx = torch.empty(n, groups, dtype=w.dtype), torch.empty(n, groups, dtype=w.dtype)
     unsure = torch.zeros(n, groups, dtype=torch.uint8)
+    hits = torch.zeros(n, groups, dtype=torch.int64) if steps <= 63 else None
     parts: list[torch.Tensor] = []
     row_bytes = groups * 2
 
@@ -89,6 +91,7 @@ def mse_search(
             mx.data_ptr() + a * row_bytes,
             hit.data_ptr(),
             unsure.data_ptr() + a * groups,
+            hits.data_ptr() + a * groups * 8 if hits is not None else None,
         )
         parts.append(hit[:steps])
 
@@ -96,4 +99,4 @@ def mse_search(
     improved = torch.zeros(steps, dtype=torch.bool)
     for h in parts:
         improved |= h.bool()
-    return step, mn, mx, improved, unsure.bool()
+    return step, mn, mx, improved, unsure.bool(), hits
