@@ -35,7 +35,7 @@ OUT = ROOT / "tests" / "data" / "observers" / "llmc_observers.safetensors"
 #: (scheme preset, observer) pairs the reference holds
 RUNS = [
     ("NVFP4A16", "nvfp4_expanded_mse"),
-    ("NVFP4A16", "memoryless_minmax"),
+    ("NVFP4A16", "memoryless_minmax"),  # the harness: ctconvert's min/max bytes (bf16 case only)
     ("W4A16", "memoryless_mse"),
     ("W4A16_ASYM", "memoryless_mse"),
     ("FP8_DYNAMIC", "memoryless_mse"),
@@ -110,6 +110,8 @@ def main() -> None:
                 tensors[f"{case}/source/{m}.weight"] = state[f"{m}.weight"].clone().contiguous()
             meta["cases"][case] = {"dtype": spec[0], "modules": modules, "runs": {}}
             for scheme, observer in RUNS:
+                if observer == "memoryless_minmax" and case != "llama-bf16":
+                    continue  # the harness check once is enough (keeps the file under 2 MB)
                 model = tiny_llama(*spec)  # a fresh model: oneshot changes it in place
                 folder = Path(tmp) / f"{case}-source"
                 model.save_pretrained(str(folder))  # oneshot reads the model's config from its name_or_path
