@@ -39,6 +39,7 @@ RUNS = [
     ("W4A16", "memoryless_mse"),
     ("W4A16_ASYM", "memoryless_mse"),
     ("FP8_DYNAMIC", "memoryless_mse"),
+    ("MXFP4A16", "memoryless_mse"),  # bf16 case only
 ]
 #: case name -> (dtype, hidden, intermediate, layers, seed)
 CASES = {
@@ -110,8 +111,8 @@ def main() -> None:
                 tensors[f"{case}/source/{m}.weight"] = state[f"{m}.weight"].clone().contiguous()
             meta["cases"][case] = {"dtype": spec[0], "modules": modules, "runs": {}}
             for scheme, observer in RUNS:
-                if observer == "memoryless_minmax" and case != "llama-bf16":
-                    continue  # the harness check once is enough (keeps the file under 2 MB)
+                if (observer == "memoryless_minmax" or scheme.startswith("MX")) and case != "llama-bf16":
+                    continue  # the harness check and MX once are enough (keeps the file near 2 MB)
                 model = tiny_llama(*spec)  # a fresh model: oneshot changes it in place
                 folder = Path(tmp) / f"{case}-source"
                 model.save_pretrained(str(folder))  # oneshot reads the model's config from its name_or_path

@@ -108,17 +108,18 @@ def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor, ranges=None) -> 
     return {"weight_packed": pack_nibbles(codes), "weight_scale": s.to(torch.float8_e4m3fn)}
 
 
-def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+def quantize_mxfp4(w: torch.Tensor, ranges=None) -> dict[str, torch.Tensor]:
     """MXFP4 weight: E2M1 values with one E8M0 scale per 32 (OCP MX v1.0).
 
-    ``w``: ``[N, K]`` bf16/fp16/fp32 with ``K % 32 == 0``. Returns
+    ``w``: ``[N, K]`` bf16/fp16/fp32 with ``K % 32 == 0``; ``ranges``: an observer's
+    per-group ``(min, max)`` (D ``[N, K/32]``) the scales come from instead of ``w``'s. Returns
     ``weight_packed`` uint8 ``[N, K/2]`` and ``weight_scale`` uint8 ``[N, K/32]``
     (the biased exponent: scale = 2^(byte - 127)); the scale is :func:`.mx.mx_scale`'s.
     Raises ``ValueError`` when a group's power-of-two scale overflows D (fp16
     absmax >= 49152), where compressed-tensors would silently write an all-zero group.
     """
     n, k = w.shape
-    scale, byte = mx_scale(w, E2M1_OFFSET, "MXFP4")
+    scale, byte = mx_scale(w, E2M1_OFFSET, "MXFP4", None if ranges is None else ranges_absmax(*ranges))
     x = rd(w.to(torch.float32).reshape(n, k // MXFP4_GROUP, MXFP4_GROUP) / scale.unsqueeze(-1), w.dtype)
     codes = e2m1_codes(x.clamp_(-FP4_MAX, FP4_MAX).reshape(n, k))
     return {"weight_packed": pack_nibbles(codes), "weight_scale": byte}
@@ -209,6 +210,9 @@ class MXFP4PackQuantized(_FP4):
 
     def _reference(self, w, args, global_scale):
         return quantize_mxfp4(w)
+
+    def _reference_ranges(self, w, args, global_scale, ranges):
+        return quantize_mxfp4(w, ranges)
 
     def zero_scale(self, args, dtype):
         # the exponent clamps at byte 0; 2^-127 is zero only in fp16, where it becomes eps = 1 (byte 127)

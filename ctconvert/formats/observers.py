@@ -48,13 +48,15 @@ patience with an error buffer, and is *not* what this module matches):
    FUSED_LAYER_NAMES``: q/k/v, gate/up, q_a/kv_a_with_mqa, w1/w3): :func:`range_absmax`.
 
 Every step here is the same torch operation on the same dtypes as llm-compressor's (so the same bytes,
-with the same torch, rounding, reductions and ``pow`` included). Two facts of torch 2.13's CPU kernels
+with the same torch, rounding, reductions and ``pow`` included); for MX schemes (:func:`is_mx`) the
+candidate scale is the E8M0 one of ``calculate_qparams`` (``generate_mx_scales``: the search keeps
+``scale_dtype=uint8`` for the group strategy). Two facts of torch 2.13's CPU kernels
 that this depends on (and that a fused kernel must reproduce): a D tensor times a Python float is
 ``D(float32(x) * float32(p))``; and ``pow`` of a bf16/fp16 tensor with a Python scalar exponent rounds the
 exponent to D first, so the error norm is in effect 2.40625 for bf16 weights and 2.400390625 for fp16
 (2.4 for fp32), ``|d| ** norm`` rounded to D, and the group sum accumulates in fp32 and rounds to D. Formats: int (symmetric or not), FP8
-(channel, tensor, group) and NVFP4 (tensor_group); MX scales and block strategies are refused
-(``ValueError``).
+(channel, tensor, group), NVFP4 (tensor_group) and MXFP4/MXFP8 (group 32); the block strategy is
+refused (``ValueError``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import WeightArgs
+from .mx import round_pow2_bits
 from .native import observe as native_observe
 
 __all__ = [
@@ -75,6 +78,7 @@ __all__ = [
     "WeightObserver",
     "get_observer",
     "grouped",
+    "is_mx",
     "range_absmax",
 ]
 
@@ -110,8 +114,15 @@ def _check(w: torch.Tensor, args: WeightArgs) -> None:
         raise ValueError("asymmetric FP4 is not a quantization compressed-tensors implements")
     if args.type == "float" and args.num_bits not in (4, 8):
         raise ValueError(f"float weights of {args.num_bits} bits are not taken by the observers")
-    if args.type == "float" and args.num_bits == 4 and args.strategy != "tensor_group":
-        raise ValueError("FP4 with an E8M0 (MX) group scale is not taken by the observers")
+    if args.type == "float" and args.num_bits == 4 and args.strategy not in ("tensor_group",) and not is_mx(args):
+        raise ValueError("FP4 takes an observer as NVFP4 (tensor_group, 16) or MXFP4 (group, 32)")
+
+
+def is_mx(args: WeightArgs) -> bool:
+    """Whether ``args`` are an MX scheme (E8M0 scales): float, 4 or 8 bits, strategy group, group 32, as
+    compressed-tensors' ``should_generate_mx_scales`` tells (there also ``scale_dtype=uint8``, which
+    :class:`WeightArgs` does not carry: ctconvert writes no FP8 group-32 scheme with D scales)."""
+    return args.type == "float" and args.num_bits in (4, 8) and args.strategy == "group" and args.group_size == 32
 
 
 def range_absmax(mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
@@ -221,7 +232,13 @@ class MSEObserver(WeightObserver):
         ``native``: the same ranges, steps and improvements."""
         _check(w, args)
         grouped(w, args)  # the shape checks
-        if impl != "torch" and args.strategy in ("group", "tensor_group") and native_observe.takes(w) and (impl == "native" or native_observe.available()):
+        if (
+            impl != "torch"
+            and args.strategy in ("group", "tensor_group")
+            and not is_mx(args)
+            and native_observe.takes(w)
+            and (impl == "native" or native_observe.available())
+        ):
             total = self.total_steps if steps is None else steps
             found = self._native(w, args, total)
             if steps is None and self.patience < total:
@@ -231,7 +248,7 @@ class MSEObserver(WeightObserver):
                     found = self._native(w, args, tracker.steps)
             return found
         if impl == "native":
-            raise ValueError("the native observer kernel takes a CPU bf16/fp16 chunk of a group strategy")
+            raise ValueError("the native observer kernel takes a CPU bf16/fp16 chunk of a group strategy (not MX)")
         return self._torch(w, args, steps)
 
     def _native(self, w: torch.Tensor, args: WeightArgs, steps: int) -> Search:
@@ -365,10 +382,24 @@ class _FakeQuant:
         self.args = args
         qmin, qmax = self.bounds(args)
         self.q_min, self.q_max = torch.tensor(qmin, device=device), torch.tensor(qmax, device=device)
+        self.mx = is_mx(args)
         if args.type == "int":
             self.zp_dtype = torch.int8 if args.num_bits <= 8 else torch.int16
         else:
             self.zp_dtype = torch.float8_e4m3fn
+
+    def _mx_scale(self, amax: torch.Tensor) -> torch.Tensor:
+        """The E8M0 scale of an MX candidate, in D: compressed-tensors 0.19.0 ``generate_mx_scales``
+        (``127 + floor(log2(round_to_power_2(amax))) - offset`` in D), the ``scale_dtype=uint8`` rounding
+        (clamp to [0, 255], round, back to D), ``maybe_convert_from_mx_exp`` (``2.0 ** (e - 127)`` in fp32,
+        then D) and the zero guard (``eps`` of uint8: 1)."""
+        d = amax.dtype
+        offset = 2 if self.args.num_bits == 4 else 8  # floor(log2(6)), floor(log2(448))
+        p2 = round_pow2_bits(amax).to(d)
+        e = 127 + torch.floor(torch.log2(p2)) - offset
+        e = torch.round(torch.clamp(e, 0, 255)).to(torch.uint8).to(d)
+        scale = (2.00 ** ((e.to(torch.int32) - 127).to(torch.float))).to(d)
+        return torch.where(scale == 0, torch.tensor(1.0, dtype=d, device=scale.device), scale)
 
     @staticmethod
     def bounds(args: WeightArgs) -> tuple[float, float]:
@@ -383,6 +414,9 @@ class _FakeQuant:
         mn = torch.min(mn, torch.zeros_like(mn))
         mx = torch.max(mx, torch.zeros_like(mx))
         bit_range = self.q_max - self.q_min
+        if self.mx:
+            scale = self._mx_scale(torch.max(torch.abs(mn), torch.abs(mx)))
+            return scale, torch.zeros(scale.shape, device=mn.device, dtype=torch.uint8)
         if self.args.symmetric:
             scale = torch.max(torch.abs(mn), torch.abs(mx)) / (bit_range.to(mx.dtype) / 2)
             zp = torch.zeros(scale.shape, device=mn.device, dtype=mn.dtype)
@@ -411,7 +445,7 @@ class _FakeQuant:
         scale, zp = self.qparams(mn, mx)
         scale, zp = scale.unsqueeze(-1), zp.unsqueeze(-1)
         if self.args.type == "float" and self.args.num_bits == 4:
-            a = ax if ax is not None else x.abs()
+            a = ax if ax is not None else x.abs()  # (the MX scale is also positive: the same shortcut)
             # no clamp to 6: every value above 5 takes the level 6 with or without it
             q = (_fp4_level(a / scale) * scale).to(x.dtype)
             return torch.sum((q - a).abs().pow(norm), dim=-1)

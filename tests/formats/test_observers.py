@@ -125,6 +125,11 @@ def test_minmax_is_todays_bytes():
         fmt = get_format(name)
         a, b = fmt.quantize(w, args, impl="torch"), fmt.quantize(w, args, ranges=obs.ranges(w, args))
         assert a.keys() == b.keys() and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a), name
+    mx = WeightArgs(type="float", num_bits=4, strategy="group", group_size=32)
+    for name in ("mxfp4-pack-quantized", "mxfp8-quantized"):
+        fmt, args = get_format(name), mx if name.startswith("mxfp4") else WeightArgs(type="float", num_bits=8, strategy="group", group_size=32)
+        a, b = fmt.quantize(w, args, impl="torch"), fmt.quantize(w, args, ranges=obs.ranges(w, args))
+        assert all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a), name
     fmt = get_format("nvfp4-pack-quantized")
     gs = nvfp4_global_scale(range_absmax(*obs.ranges(w, NVFP4)), w.dtype)
     a, b = fmt.quantize(w, NVFP4, gs, impl="torch"), fmt.quantize(w, NVFP4, gs, ranges=obs.ranges(w, NVFP4))
@@ -318,13 +323,12 @@ def test_refusals():
             OBSERVERS["minmax"].search(w, W4)
     with pytest.raises(ValueError, match="block"):
         obs.search(torch.zeros(128, 128), WeightArgs(type="float", num_bits=8, strategy="block", block_structure=(128, 128)))
-    with pytest.raises(ValueError, match="MX"):
-        obs.search(torch.zeros(4, 64), WeightArgs(type="float", num_bits=4, strategy="group", group_size=32))
+    with pytest.raises(ValueError, match="NVFP4 .* or MXFP4"):
+        obs.search(torch.zeros(4, 64), WeightArgs(type="float", num_bits=4, strategy="group", group_size=16))
     with pytest.raises(ValueError, match="unknown observer 'mse2'"):
         get_observer("mse2")
     with pytest.raises(ValueError, match="observer's ranges"):
-        mx = WeightArgs(type="float", num_bits=4, strategy="group", group_size=32)
-        get_format("mxfp4-pack-quantized").quantize(torch.zeros(4, 64), mx, ranges=(None, None))
+        get_format("naive-quantized").quantize(torch.zeros(4, 64), W8_CHANNEL, ranges=(None, None))
     with pytest.raises(ValueError, match="global scale"):
         get_format("nvfp4-pack-quantized").quantize(torch.zeros(4, 64), NVFP4, ranges=obs.ranges(torch.zeros(4, 64), NVFP4))
 
