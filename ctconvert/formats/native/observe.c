@@ -4,8 +4,8 @@
  *
  * Each step is the torch reference's (and so upstream's) operation on the same values: an fp32 operation
  * rounded to D (bf16 or fp16) with round-to-nearest-even. Two results of torch's CPU kernels are not
- * reproduced operation for operation: |d| ** norm (torch: SLEEF's powf, within 1 ulp) and the fp32 sum of
- * a group's errors (torch: its own summation order). Both are rounded to D afterwards, so this kernel
+ * reproduced operation for operation: |d| ** norm (torch: SLEEF's powf, within 1 ulp; here bounds from a
+ * table of every D value, ct_pow_table) and the fp32 sum of a group's errors (torch: its own summation order). Both are rounded to D afterwards, so this kernel
  * computes them here (libm powf; a double sum) and flags the group as *uncertain* wherever a result lies
  * so close to a rounding boundary of D that another powf within 1 ulp, or another fp32 summation order,
  * could round it differently. Every other group's steps are then exactly torch's; the caller searches the
@@ -70,9 +70,8 @@ static inline float e4m3_to_f32(uint8_t b) {
 
 /* E2M1 magnitude of a >= 0, compressed-tensors' cast_to_fp4 thresholds (anything above 5 is 6). */
 static inline float e2m1_level(float a) {
-    static const float lv[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-    int c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-    return lv[c];
+    /* the sum of the steps between levels: 0, .5, 1, 1.5, 2, 3, 4, 6 */
+    return 0.5f * (float)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f)) + 1.0f * (float)((a > 2.5f) + (a >= 3.5f)) + 2.0f * (float)(a > 5.0f);
 }
 
 static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
@@ -86,10 +85,22 @@ static inline void pow_d(float a, float norm, int dt, float *lo, float *hi) {
     *hi = rd(u2f(u + 4u), dt);
 }
 
+/* The pow_d bounds of every non-negative value of D (|d| is one: 2^15 bit patterns), as floats: lo[i], hi[i]
+ * for the D value of bit pattern i. The search looks them up instead of calling powf. */
+void ct_pow_table(int dt, float norm, float *lo, float *hi) {
+    for (uint32_t i = 0; i < 0x8000u; i++) {
+        float a = dt == DT_BF16 ? u2f(i << 16) : h_to_f32((uint16_t)i);
+        if (a != a || a == INFINITY) { lo[i] = hi[i] = INFINITY; continue; }
+        pow_d(a, norm, dt, &lo[i], &hi[i]);
+    }
+}
+
+static inline uint32_t d_bits(float x, int dt) { return dt == DT_BF16 ? f2u(x) >> 16 : f32_to_h(x); }
+
 /* One group's error at one candidate range, as bounds [*lo, *hi] of what torch computes (equal when the
  * kernel is sure): its powf and its fp32 summation order are the only freedoms, see the file comment. */
-static inline void group_error(const float *x, int64_t g, int kind, int sym, float qmin, float qmax, float half, float range, float mn, float mx,
-                               float norm, int dt, float eps, float *lo, float *hi) {
+static inline __attribute__((always_inline)) void group_error(const float *restrict x, int64_t g, int kind, int sym, float qmin, float qmax, float half, float range, float mn, float mx,
+                               const float *plo, const float *phi, int dt, float eps, float *lo, float *hi) {
     float cmn = mn < 0.0f ? mn : 0.0f, cmx = mx > 0.0f ? mx : 0.0f;
     float scale, zp = 0.0f;
     if (sym) {
@@ -103,25 +114,30 @@ static inline void group_error(const float *x, int64_t g, int kind, int sym, flo
         zp = nearbyintf(clampf(z, -128.0f, 127.0f));
     }
     if (scale == 0.0f) scale = eps;
-    double slo = 0.0, shi = 0.0;
-    for (int64_t j = 0; j < g; j++) {
-        float v = x[j], q;
-        if (kind == KIND_FP4) {
-            float a = fabsf(v);
-            q = rd(e2m1_level(rd(a / scale, dt)) * scale, dt);
-            v = a;
-        } else {
+    /* two passes: the rounded |q - x| of every element (branch-free, so that it vectorizes), then the table sums */
+    uint32_t bits[g > 0 ? g : 1];
+    if (kind == KIND_FP4) {
+        for (int64_t j = 0; j < g; j++) {
+            float a = fabsf(x[j]);
+            float q = rd(e2m1_level(rd(a / scale, dt)) * scale, dt);
+            bits[j] = d_bits(fabsf(rd(q - a, dt)), dt) & 0x7FFFu;
+        }
+    } else {
+        for (int64_t j = 0; j < g; j++) {
+            float v = x[j];
             float t = rd(v / scale, dt);
             if (!sym) t = rd(t + zp, dt);
             t = clampf(t, qmin, qmax);
             float r = kind == KIND_INT ? nearbyintf(t) : e4m3_to_f32(f32_to_e4m3(t));
             if (!sym) r = rd(r - zp, dt);
-            q = rd(r * scale, dt);
+            float q = rd(r * scale, dt);
+            bits[j] = d_bits(fabsf(rd(q - v, dt)), dt) & 0x7FFFu;
         }
-        float plo, phi;
-        pow_d(fabsf(rd(q - v, dt)), norm, dt, &plo, &phi);
-        slo += (double)plo;
-        shi += (double)phi;
+    }
+    double slo = 0.0, shi = 0.0;
+    for (int64_t j = 0; j < g; j++) {
+        slo += (double)plo[bits[j]];
+        shi += (double)phi[bits[j]];
     }
     /* any fp32 summation order is within (g - 1) * 2^-24 * sum of the exact sum */
     double m = (double)g * 0x1p-23;
@@ -131,7 +147,7 @@ static inline void group_error(const float *x, int64_t g, int kind, int sym, flo
 
 /*
  * Rows [0, n) of w (D = dt, [n, k] row-major), groups of g columns. p: the steps' shrink factors (fp32,
- * as torch takes a Python float), steps of them, all run (no early stop). Writes per group the best step
+ * as torch takes a Python float), steps of them, all run (no early stop); plo/phi: ct_pow_table's. Writes per group the best step
  * (int16, -1 = none improved) and the range (D) into best/mn_out/mx_out ([n, k/g]), the steps (< 63) at which
  * it improved as bits into hits (when not NULL), ORs into improved[steps]
  * the steps at which some certain group improved, and sets uncertain[group] = 1 where the kernel cannot
@@ -139,7 +155,7 @@ static inline void group_error(const float *x, int64_t g, int kind, int sym, flo
  * Returns the number of uncertain groups.
  */
 int64_t ct_mse_search(const void *w, int dt, int64_t n, int64_t k, int64_t g, int kind, int sym, float qmin, float qmax, float half, float range,
-                      float expand, const float *p, int64_t steps, float norm, float dmax, float eps, int16_t *best, void *mn_out, void *mx_out,
+                      float expand, const float *p, int64_t steps, const float *plo, const float *phi, float dmax, float eps, int16_t *best, void *mn_out, void *mx_out,
                       uint8_t *improved, uint8_t *uncertain, int64_t *hits) {
     int64_t groups = k / g, bad = 0;
     float x[g > 0 ? g : 1];
@@ -160,7 +176,12 @@ int64_t ct_mse_search(const void *w, int dt, int64_t n, int64_t k, int64_t g, in
             int sure = 1;
             for (int64_t i = 0; i < steps; i++) {
                 float lo, hi;
-                group_error(x, g, kind, sym, qmin, qmax, half, range, rd(mn0 * p[i], dt), rd(mx0 * p[i], dt), norm, dt, eps, &lo, &hi);
+                /* constant dtypes and kinds, so that each element loop is compiled (and vectorized) for one case */
+                float cmn = rd(mn0 * p[i], dt), cmx = rd(mx0 * p[i], dt);
+                if (dt == DT_BF16 && kind == KIND_FP4) group_error(x, g, KIND_FP4, 1, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_BF16, eps, &lo, &hi);
+                else if (dt == DT_F16 && kind == KIND_FP4) group_error(x, g, KIND_FP4, 1, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_F16, eps, &lo, &hi);
+                else if (dt == DT_BF16) group_error(x, g, kind, sym, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_BF16, eps, &lo, &hi);
+                else group_error(x, g, kind, sym, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_F16, eps, &lo, &hi);
                 if (hi < best_lo) {
                     hit[i] = 1;
                     best_lo = lo;

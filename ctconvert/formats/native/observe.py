@@ -21,10 +21,26 @@ _SRC = Path(__file__).with_name("observe.c")
 _p, _i64, _i32, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _LIB = cbuild.Library(
     _SRC,
-    {"ct_mse_search": ([_p, _i32, _i64, _i64, _i64, _i32, _i32, _f, _f, _f, _f, _f, _p, _i64, _f, _f, _f, _p, _p, _p, _p, _p, _p], _i64)},
+    {
+        "ct_mse_search": ([_p, _i32, _i64, _i64, _i64, _i32, _i32, _f, _f, _f, _f, _f, _p, _i64, _p, _p, _f, _f, _p, _p, _p, _p, _p, _p], _i64),
+        "ct_pow_table": ([_i32, _f, _p, _p], None),
+    },
 )
 _DT = {torch.bfloat16: 0, torch.float16: 1}
 KINDS = {"int": 0, "fp8": 1, "fp4": 2}
+
+
+_TABLES: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _pow_table(lib, dt: int, norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ct_pow_table``'s bounds of ``|d| ** norm`` for every non-negative D value (built once per dtype and norm)."""
+    key = (dt, norm)
+    if key not in _TABLES:
+        lo, hi = torch.empty(0x8000, dtype=torch.float32), torch.empty(0x8000, dtype=torch.float32)
+        lib.ct_pow_table(dt, norm, lo.data_ptr(), hi.data_ptr())
+        _TABLES[key] = (lo, hi)
+    return _TABLES[key]
 
 
 def available() -> bool:
@@ -63,6 +79,7 @@ def mse_search(
     mn, mx = torch.empty(n, groups, dtype=w.dtype), torch.empty(n, groups, dtype=w.dtype)
     unsure = torch.zeros(n, groups, dtype=torch.uint8)
     hits = torch.zeros(n, groups, dtype=torch.int64) if steps <= 63 else None
+    plo, phi = _pow_table(lib, _DT[w.dtype], norm)
     parts: list[torch.Tensor] = []
     row_bytes = groups * 2
 
@@ -83,7 +100,8 @@ def mse_search(
             expand,
             p.data_ptr(),
             steps,
-            norm,
+            plo.data_ptr(),
+            phi.data_ptr(),
             dmax,
             eps,
             step.data_ptr() + a * row_bytes,
