@@ -57,6 +57,25 @@ exponent to D first, so the error norm is in effect 2.40625 for bf16 weights and
 (2.4 for fp32), ``|d| ** norm`` rounded to D, and the group sum accumulates in fp32 and rounds to D. Formats: int (symmetric or not), FP8
 (channel, tensor, group), NVFP4 (tensor_group) and MXFP4/MXFP8 (group 32); the block strategy is
 refused (``ValueError``).
+
+How a streaming quantizer uses it (one chunk = some rows of one tensor; the pipeline's part, not here):
+
+- ``minmax``: nothing changes (no ranges are passed, the fused quantizers run as today).
+- The observer replaces the min/max of the scale step only: ``fmt.quantize(chunk, args, global_scale,
+  ranges=(mn, mx))`` with the chunk's searched ranges; everything after (scale arithmetic, rounding,
+  packing) is the format's own.
+- Pre-pass, when the chunk alone does not decide its ranges:
+  NVFP4 (``fmt.needs_global_scale``): the fused set's global scale is
+  ``nvfp4_global_scale(max over members and chunks of range_absmax(*search.ranges), D)`` -- the searched
+  ranges, not the weights' absmax; global patience (``obs.needs_stop_pass``, ``memoryless_mse``): each
+  chunk's ``search(chunk, args, steps=obs.total_steps)`` goes into ``obs.stop_tracker().add(improved)``.
+  Keep each chunk's ``Search.step`` (int16 per group; with global patience ``Search.hits``, int64 per
+  group) instead of searching again: in the quantize pass ``obs.ranges_from_steps(chunk, args, step)``
+  (with ``step = obs.steps_at(hits, tracker.steps)``) gives the same ranges from the chunk's own min/max.
+  Both can share one pre-pass; a tensor needs none when neither applies (W4A16 / FP8 with
+  ``nvfp4_expanded_mse``'s patience, say).
+- The tensor strategy (FP8 per tensor) searches the whole tensor as one group: its chunk is the tensor.
+- Output config: the weights' QuantizationArgs of the group get ``obs.config_fields()``.
 """
 
 from __future__ import annotations
@@ -203,7 +222,9 @@ class MinMaxObserver(WeightObserver):
         return Search(mn, mx, torch.full(mn.shape, -1, dtype=torch.int16, device=w.device), torch.zeros(0, dtype=torch.bool))
 
     def config_fields(self):
-        return {"observer": "memoryless_minmax", "observer_kwargs": {}}
+        """Nothing: a min/max run writes today's config (llm-compressor, given ``memoryless_minmax``
+        explicitly, records that name; its default weights args record none)."""
+        return {}
 
 
 class MSEObserver(WeightObserver):
