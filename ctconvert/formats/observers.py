@@ -253,6 +253,12 @@ class MSEObserver(WeightObserver):
         ``native``: the same ranges, steps and improvements."""
         _check(w, args)
         grouped(w, args)  # the shape checks
+        if w.device.type != "cpu":
+            # the bytes are the CPU path's: CUDA's pow and reduction order are not torch's CPU ones (no GPU kernel yet)
+            found = self.search(w.cpu(), args, steps, impl)
+            dev = w.device
+            hits = None if found.hits is None else found.hits.to(dev)
+            return Search(found.min.to(dev), found.max.to(dev), found.step.to(dev), found.improved, hits)
         if (
             impl != "torch"
             and args.strategy in ("group", "tensor_group")

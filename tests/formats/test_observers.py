@@ -372,3 +372,18 @@ def test_native_fallback_is_exercised():
     assert torch.equal(a.min, b.min) and torch.equal(a.max, b.max)
     with pytest.raises(ValueError, match="native observer kernel"):
         obs.search(w.float(), W4_ASYM, impl="native")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+def test_cuda_chunk_gives_cpu_ranges():
+    """A CUDA chunk is searched on the CPU (the reference's bytes), its results handed back on the device."""
+    for name, args in (("nvfp4_expanded_mse", NVFP4), ("memoryless_mse", W4)):
+        obs = OBSERVERS[name]
+        w = _awkward(16, 256, torch.bfloat16, 4)
+        a, b = obs.search(w, args), obs.search(w.cuda(), args)
+        assert b.min.device.type == "cuda" and torch.equal(a.min, b.min.cpu()) and torch.equal(a.step, b.step.cpu())
+        fmt = get_format("pack-quantized" if args.type == "int" else "nvfp4-pack-quantized")
+        gs = nvfp4_global_scale(range_absmax(*a.ranges), w.dtype) if fmt.needs_global_scale else None
+        out_cpu = fmt.quantize(w, args, gs, ranges=a.ranges)
+        out_gpu = fmt.quantize(w.cuda(), args, None if gs is None else gs.cuda(), ranges=b.ranges)
+        assert all(torch.equal(_bits(out_cpu[k]), _bits(out_gpu[k].cpu())) for k in out_cpu)
