@@ -259,13 +259,7 @@ class MSEObserver(WeightObserver):
             dev = w.device
             hits = None if found.hits is None else found.hits.to(dev)
             return Search(found.min.to(dev), found.max.to(dev), found.step.to(dev), found.improved, hits)
-        if (
-            impl != "torch"
-            and args.strategy in ("group", "tensor_group")
-            and not is_mx(args)
-            and native_observe.takes(w)
-            and (impl == "native" or native_observe.available())
-        ):
+        if impl != "torch" and args.strategy in ("group", "tensor_group") and native_observe.takes(w) and (impl == "native" or native_observe.available()):
             total = self.total_steps if steps is None else steps
             found = self._native(w, args, total)
             if steps is None and self.patience < total:
@@ -275,7 +269,7 @@ class MSEObserver(WeightObserver):
                     found = self._native(w, args, tracker.steps)
             return found
         if impl == "native":
-            raise ValueError("the native observer kernel takes a CPU bf16/fp16 chunk of a group strategy (not MX)")
+            raise ValueError("the native observer kernel takes a CPU bf16/fp16 chunk of a group strategy")
         return self._torch(w, args, steps)
 
     def _native(self, w: torch.Tensor, args: WeightArgs, steps: int) -> Search:
@@ -287,8 +281,9 @@ class MSEObserver(WeightObserver):
         kind = "int" if args.type == "int" else ("fp8" if args.num_bits == 8 else "fp4")
         p = torch.tensor([1 - i / self.grid for i in range(steps)], dtype=torch.float32)
         norm = float(torch.tensor(self.norm).to(d))  # torch's pow of a D tensor takes its exponent in D
+        mx_offset = (2 if args.num_bits == 4 else 8) if is_mx(args) else 0  # floor(log2(6)), floor(log2(448))
         step, mn, mx, improved, unsure, hits = native_observe.mse_search(
-            w, g, kind, args.symmetric, qmin, qmax, float(bit_range / 2), float(bit_range), self.expand, p, norm
+            w, g, kind, args.symmetric, qmin, qmax, float(bit_range / 2), float(bit_range), self.expand, p, norm, mx_offset
         )
         if bool(unsure.any()):
             again = self._torch(grouped(w, args)[unsure], args, steps)

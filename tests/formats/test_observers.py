@@ -346,6 +346,10 @@ def test_refusals():
         ("memoryless_mse", W4_ASYM, torch.bfloat16, 6),
         ("memoryless_mse", WeightArgs(type="float", num_bits=8, strategy="group", group_size=128), torch.bfloat16, 7),
         ("memoryless_mse", WeightArgs(type="int", num_bits=8, strategy="group", group_size=32), torch.float16, 8),
+        ("memoryless_mse", WeightArgs(type="float", num_bits=4, strategy="group", group_size=32), torch.bfloat16, 9),
+        ("memoryless_mse", WeightArgs(type="float", num_bits=4, strategy="group", group_size=32), torch.float16, 10),
+        ("nvfp4_expanded_mse", WeightArgs(type="float", num_bits=4, strategy="group", group_size=32), torch.bfloat16, 11),
+        ("memoryless_mse", WeightArgs(type="float", num_bits=8, strategy="group", group_size=32), torch.bfloat16, 12),
     ],
 )
 def test_native_equals_torch(name, args, dtype, seed):

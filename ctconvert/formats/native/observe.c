@@ -97,15 +97,27 @@ void ct_pow_table(int dt, float norm, float *lo, float *hi) {
 
 static inline uint32_t d_bits(float x, int dt) { return dt == DT_BF16 ? f2u(x) >> 16 : f32_to_h(x); }
 
+/* The E8M0 candidate scale of compressed-tensors 0.19.0's calculate_qparams for an MX scheme, from the group's
+ * absmax a (a D value): round_to_power_2 on D's bits (add half of the E2M1 mantissa step, clear the mantissa),
+ * e = clamp(127 + floor(log2 p2) - off, 0, 255) rounded (exact in D), 2^(e - 127) in fp32 rounded to D, 0 -> 1. */
+static inline float mx_candidate(float a, int dt, int off) {
+    uint32_t b = d_bits(a, dt), mant = dt == DT_BF16 ? 7u : 10u, exp = dt == DT_BF16 ? 8u : 5u;
+    uint32_t r = (b + (1u << (mant - 2u))) & ((((1u << (exp + 1u)) - 1u) << mant) & 0xFFFFu);
+    float p2 = dt == DT_BF16 ? u2f(r << 16) : h_to_f32((uint16_t)r);
+    float e = p2 == 0.0f ? 0.0f : (p2 == INFINITY ? 255.0f : clampf(127.0f + floorf(log2f(p2)) - (float)off, 0.0f, 255.0f));
+    float s = rd(ldexpf(1.0f, (int)e - 127), dt);
+    return s == 0.0f ? 1.0f : s;
+}
+
 /* One group's error at one candidate range, as bounds [*lo, *hi] of what torch computes (equal when the
  * kernel is sure): its powf and its fp32 summation order are the only freedoms, see the file comment. */
-static inline __attribute__((always_inline)) void group_error(const float *restrict x, int64_t g, int kind, int sym, float qmin, float qmax, float half, float range, float mn, float mx,
+static inline __attribute__((always_inline)) void group_error(const float *restrict x, int64_t g, int kind, int mx_off, int sym, float qmin, float qmax, float half, float range, float mn, float mx,
                                const float *plo, const float *phi, int dt, float eps, float *lo, float *hi) {
     float cmn = mn < 0.0f ? mn : 0.0f, cmx = mx > 0.0f ? mx : 0.0f;
     float scale, zp = 0.0f;
     if (sym) {
         float a = fabsf(cmn) > fabsf(cmx) ? fabsf(cmn) : fabsf(cmx);
-        scale = rd(a / half, dt);
+        scale = mx_off ? mx_candidate(a, dt, mx_off) : rd(a / half, dt);
     } else {
         scale = rd(rd(cmx - cmn, dt) / range, dt);
         float z = rd(qmin - rd(cmn / scale, dt), dt);
@@ -147,14 +159,15 @@ static inline __attribute__((always_inline)) void group_error(const float *restr
 
 /*
  * Rows [0, n) of w (D = dt, [n, k] row-major), groups of g columns. p: the steps' shrink factors (fp32,
- * as torch takes a Python float), steps of them, all run (no early stop); plo/phi: ct_pow_table's. Writes per group the best step
+ * as torch takes a Python float), steps of them, all run (no early stop); plo/phi: ct_pow_table's; mx_off: 0,
+ * or the element offset of an MX scheme's E8M0 candidate scale (2 for FP4, 8 for FP8). Writes per group the best step
  * (int16, -1 = none improved) and the range (D) into best/mn_out/mx_out ([n, k/g]), the steps (< 63) at which
  * it improved as bits into hits (when not NULL), ORs into improved[steps]
  * the steps at which some certain group improved, and sets uncertain[group] = 1 where the kernel cannot
  * vouch for the result (those groups' outputs and improvements are to be recomputed by the caller).
  * Returns the number of uncertain groups.
  */
-int64_t ct_mse_search(const void *w, int dt, int64_t n, int64_t k, int64_t g, int kind, int sym, float qmin, float qmax, float half, float range,
+int64_t ct_mse_search(const void *w, int dt, int64_t n, int64_t k, int64_t g, int kind, int mx_off, int sym, float qmin, float qmax, float half, float range,
                       float expand, const float *p, int64_t steps, const float *plo, const float *phi, float dmax, float eps, int16_t *best, void *mn_out, void *mx_out,
                       uint8_t *improved, uint8_t *uncertain, int64_t *hits) {
     int64_t groups = k / g, bad = 0;
@@ -178,10 +191,10 @@ int64_t ct_mse_search(const void *w, int dt, int64_t n, int64_t k, int64_t g, in
                 float lo, hi;
                 /* constant dtypes and kinds, so that each element loop is compiled (and vectorized) for one case */
                 float cmn = rd(mn0 * p[i], dt), cmx = rd(mx0 * p[i], dt);
-                if (dt == DT_BF16 && kind == KIND_FP4) group_error(x, g, KIND_FP4, 1, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_BF16, eps, &lo, &hi);
-                else if (dt == DT_F16 && kind == KIND_FP4) group_error(x, g, KIND_FP4, 1, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_F16, eps, &lo, &hi);
-                else if (dt == DT_BF16) group_error(x, g, kind, sym, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_BF16, eps, &lo, &hi);
-                else group_error(x, g, kind, sym, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_F16, eps, &lo, &hi);
+                if (dt == DT_BF16 && kind == KIND_FP4) group_error(x, g, KIND_FP4, mx_off, 1, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_BF16, eps, &lo, &hi);
+                else if (dt == DT_F16 && kind == KIND_FP4) group_error(x, g, KIND_FP4, mx_off, 1, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_F16, eps, &lo, &hi);
+                else if (dt == DT_BF16) group_error(x, g, kind, mx_off, sym, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_BF16, eps, &lo, &hi);
+                else group_error(x, g, kind, mx_off, sym, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_F16, eps, &lo, &hi);
                 if (hi < best_lo) {
                     hit[i] = 1;
                     best_lo = lo;

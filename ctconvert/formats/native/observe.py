@@ -22,7 +22,7 @@ _p, _i64, _i32, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 _LIB = cbuild.Library(
     _SRC,
     {
-        "ct_mse_search": ([_p, _i32, _i64, _i64, _i64, _i32, _i32, _f, _f, _f, _f, _f, _p, _i64, _p, _p, _f, _f, _p, _p, _p, _p, _p, _p], _i64),
+        "ct_mse_search": ([_p, _i32, _i64, _i64, _i64, _i32, _i32, _i32, _f, _f, _f, _f, _f, _p, _i64, _p, _p, _f, _f, _p, _p, _p, _p, _p, _p], _i64),
         "ct_pow_table": ([_i32, _f, _p, _p], None),
     },
 )
@@ -54,12 +54,24 @@ def takes(w: torch.Tensor) -> bool:
 
 
 def mse_search(
-    w: torch.Tensor, g: int, kind: str, symmetric: bool, qmin: float, qmax: float, half: float, rng: float, expand: float, p: torch.Tensor, norm: float
+    w: torch.Tensor,
+    g: int,
+    kind: str,
+    symmetric: bool,
+    qmin: float,
+    qmax: float,
+    half: float,
+    rng: float,
+    expand: float,
+    p: torch.Tensor,
+    norm: float,
+    mx_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Search every ``g``-column group of ``w`` ``[n, k]`` over the shrink factors ``p`` (fp32 ``[S]``), all run.
 
-    ``kind``: ``int`` | ``fp8`` | ``fp4``; ``qmin``/``qmax``: the clamp range; ``half``/``rng``: the symmetric
-    and asymmetric scale divisors as values of D; ``norm``: the error exponent as a value of D. Returns
+    ``kind``: ``int`` | ``fp8`` | ``fp4``; ``mx_offset``: 0, or 2 (MXFP4) / 8 (MXFP8) for an E8M0 candidate
+    scale; ``qmin``/``qmax``: the clamp range; ``half``/``rng``: the symmetric and asymmetric scale divisors
+    as values of D; ``norm``: the error exponent as a value of D. Returns
     ``(step int16 [n, k/g], min D, max D, improved bool [S], uncertain bool [n, k/g], hits)``, ``hits`` the
     steps each group improved at as bits of an int64 ``[n, k/g]`` when ``S <= 63`` (else None); uncertain
     groups' outputs are undefined and their improvements are not in ``improved``.
@@ -92,6 +104,7 @@ def mse_search(
             k,
             g,
             KINDS[kind],
+            mx_offset,
             int(symmetric),
             qmin,
             qmax,
