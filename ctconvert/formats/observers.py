@@ -9,14 +9,16 @@ weights' QuantizationArgs, as llm-compressor writes it.
 
 Observers (llm-compressor's registry names, ``llmcompressor/observers/``, release 0.14.0.1):
 
-==================== ======================================================================================
-``minmax``           the group's min and max (ctconvert's default; llm-compressor's weight default
-                     ``memoryless_minmax``, ``min_max.py: MemorylessMinMaxObserver``): today's bytes
-``memoryless_mse``   ``mse.py: MemorylessMSEObserver``: maxshrink 0.20, patience 5, grid 100, norm 2.4,
-                     expand 1.0
+====================== ====================================================================================
+``minmax``             the group's min and max (ctconvert's default; llm-compressor's weight default
+                       ``memoryless_minmax``, ``min_max.py: MemorylessMinMaxObserver``): today's bytes and
+                       config (no ``observer`` field written)
+``memoryless_mse``     ``mse.py: MemorylessMSEObserver``: maxshrink 0.20, patience 5, grid 100, norm 2.4,
+                       expand 1.0: 20 steps, p = 1 .. 0.81
 ``nvfp4_expanded_mse`` ``mse.py: NVFP4ExpandedMSEObserver``: expand 1.8, maxshrink 1 - 0.8/1.8, grid 200,
-                     patience 1000, norm 2.4 (PR #2950; ``fouroversix`` is an alias of it there)
-==================== ======================================================================================
+                       patience 1000, norm 2.4 (PR #2950; ``fouroversix`` is an alias of it there):
+                       ``int(maxshrink * grid)`` = 111 steps, p = 1 .. 0.45 (its docstring says 112)
+====================== ====================================================================================
 
 The search (``mse_quant.py: _grid_search_mse``, the eager implementation, used for every CPU tensor; the
 Triton one, registered for CUDA, differs: a zero point fixed from the unshrunk range and per-group
