@@ -18,7 +18,7 @@ import torch
 from ctconvert.formats import WeightArgs, get_format
 from ctconvert.formats.fp4 import nvfp4_global_scale
 from ctconvert.formats.native import observe as native_observe
-from ctconvert.formats.observers import OBSERVERS, StopTracker, _cast_to_fp4, _fp4_level, get_observer, grouped, range_absmax
+from ctconvert.formats.observers import OBSERVERS, StopTracker, TensorSearch, _cast_to_fp4, _fp4_level, get_observer, grouped, range_absmax
 
 REF = Path(__file__).resolve().parent.parent / "data" / "observers" / "llmc_observers.safetensors"
 #: llm-compressor's fused sets for one global scale (``observers/helpers.py: FUSED_LAYER_NAMES``, 0.14.0.1)
@@ -391,3 +391,23 @@ def test_cuda_chunk_gives_cpu_ranges():
         out_cpu = fmt.quantize(w, args, gs, ranges=a.ranges)
         out_gpu = fmt.quantize(w.cuda(), args, None if gs is None else gs.cuda(), ranges=b.ranges)
         assert all(torch.equal(_bits(out_cpu[k]), _bits(out_gpu[k].cpu())) for k in out_cpu)
+
+
+@pytest.mark.parametrize(
+    "name,args,dtype",
+    [("nvfp4_expanded_mse", NVFP4, torch.bfloat16), ("memoryless_mse", NVFP4, torch.float16), ("memoryless_mse", W4_ASYM, torch.bfloat16)],
+)
+def test_tensor_search_two_passes(name, args, dtype):
+    """TensorSearch over row chunks: the whole tensor's ranges and searched absmax, chunk by chunk."""
+    obs = OBSERVERS[name]
+    w = _awkward(12, 256, dtype, 5)
+    whole = obs.search(w, args)
+    ts = TensorSearch(obs, args)
+    chunks = [(r, w[r : r + 5]) for r in range(0, 12, 5)]
+    for r0, c in chunks:
+        ts.add(r0, c)
+    assert torch.equal(ts.absmax, range_absmax(whole.min, whole.max))
+    got = [ts.ranges(r0, c) for r0, c in chunks]
+    assert torch.equal(torch.cat([g[0] for g in got]), whole.min) and torch.equal(torch.cat([g[1] for g in got]), whole.max)
+    with pytest.raises(KeyError):
+        ts.ranges(0, w[:5])
