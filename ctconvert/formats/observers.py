@@ -74,8 +74,9 @@ How a streaming quantizer uses it (one chunk = some rows of one tensor; the pipe
   Keep each chunk's ``Search.step`` (int16 per group; with global patience ``Search.hits``, int64 per
   group) instead of searching again: in the quantize pass ``obs.ranges_from_steps(chunk, args, step)``
   (with ``step = obs.steps_at(hits, tracker.steps)``) gives the same ranges from the chunk's own min/max.
-  Both can share one pre-pass; a tensor needs none when neither applies (W4A16 / FP8 with
-  ``nvfp4_expanded_mse``'s patience, say).
+  Both can share one pre-pass (:class:`TensorSearch` does both: ``add`` per chunk, ``absmax``, then
+  ``ranges`` per chunk); a tensor needs none when neither applies (a group format with
+  ``nvfp4_expanded_mse``, whose patience never stops it: ``obs.ranges(chunk, args)`` per chunk).
 - The tensor strategy (FP8 per tensor) searches the whole tensor as one group: its chunk is the tensor.
 - Output config: the weights' QuantizationArgs of the group get ``obs.config_fields()``.
 """
