@@ -301,14 +301,26 @@ class WeightFormat:
         return False
 
     # -- quantizing ----------------------------------------------------------------
-    def quantize(self, w: torch.Tensor, args: WeightArgs, global_scale: torch.Tensor | None = None, impl: str = "auto") -> dict[str, torch.Tensor]:
+    def quantize(
+        self,
+        w: torch.Tensor,
+        args: WeightArgs,
+        global_scale: torch.Tensor | None = None,
+        impl: str = "auto",
+        ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """Quantize a row chunk ``w`` ``[r, K]``; keys are local names (``weight_packed`` ...).
 
         ``impl``: ``auto`` (the C kernels for CPU tensors, the Triton kernels for CUDA tensors, when
         available; else the torch reference), ``torch``, ``native`` or ``triton``: the same bytes.
-        Whole-tensor outputs (:meth:`whole_tensor_outputs`) are not produced here. Raises
-        ``ValueError`` for values the format cannot hold.
+        ``ranges``: per-group ``(min, max)`` of an observer (:mod:`.observers`, D ``[r, G]``) that the scales
+        are computed from in place of the chunk's own min/max (the torch reference then runs; for NVFP4
+        ``global_scale`` must come from the fused set's searched ranges). Whole-tensor outputs
+        (:meth:`whole_tensor_outputs`) are not produced here. Raises ``ValueError`` for values the format
+        cannot hold, and for ranges a format does not take.
         """
+        if ranges is not None:
+            return self._reference_ranges(w, args, global_scale, ranges)
         if impl == "native" or (impl == "auto" and w.device.type == "cpu" and native.available()):
             return self._fused(native, w, args, global_scale)
         if impl in ("auto", "triton") and w.device.type == "cuda":
@@ -327,6 +339,10 @@ class WeightFormat:
 
     def _reference(self, w, args, global_scale):
         raise NotImplementedError(f"{self.name} is not written by ctconvert")
+
+    def _reference_ranges(self, w, args, global_scale, ranges):
+        """The torch reference with scales from an observer's ``ranges`` (see :meth:`quantize`)."""
+        raise ValueError(f"{self.name} does not take an observer's ranges")
 
     def _fused(self, kernels, w, args, global_scale):
         """Through :mod:`.native` (CPU) or :mod:`.gpu` (CUDA): both expose the same functions."""

@@ -70,3 +70,9 @@ def tensor_absmax(w: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=w.device)
     mn, mx = torch.aminmax(w)
     return torch.maximum(mx.clamp_min(0), mn.clamp_max(0).neg()).to(torch.float32)
+
+
+def ranges_absmax(mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
+    """``max(|min(mn, 0)|, max(mx, 0))`` of per-group ranges (an observer's ``(min, max)``), in fp32: the
+    ``max_val_pos`` compressed-tensors' ``calculate_qparams`` takes a symmetric scale from."""
+    return torch.maximum(mx.clamp_min(0), mn.clamp_max(0).neg()).to(torch.float32)

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from .base import CompressionFormat, DequantSpec, WeightArgs, WeightFormat, expand_scale, factor_layout
-from .common import FP4_MAX, FP8_MAX, group_absmax, rd, sdiv
+from .common import FP4_MAX, FP8_MAX, group_absmax, ranges_absmax, rd, sdiv
 from .mx import E2M1_OFFSET, MX_GROUP, e8m0_scale, mx_scale
 
 __all__ = [
@@ -87,17 +87,19 @@ def nvfp4_global_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return gs.reshape(1).to(torch.float32)
 
 
-def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor, ranges=None) -> dict[str, torch.Tensor]:
     """NVFP4 weight with a given global scale (shared by the fused set).
 
     ``w``: ``[N, K]`` bf16/fp16/fp32 with ``K % 16 == 0``; ``global_scale``: fp32
-    ``[1]`` from :func:`nvfp4_global_scale`. Returns ``weight_packed`` uint8
+    ``[1]`` from :func:`nvfp4_global_scale`; ``ranges``: an observer's per-group
+    ``(min, max)`` (D ``[N, K/16]``) the group scales are computed from instead of
+    ``w``'s own absmax. Returns ``weight_packed`` uint8
     ``[N, K/2]`` and ``weight_scale`` float8_e4m3fn ``[N, K/16]``.
     """
     d = w.dtype
     n, k = w.shape
     gs = global_scale.to(device=w.device, dtype=torch.float32)
-    amax = group_absmax(w, NVFP4_GROUP)
+    amax = group_absmax(w, NVFP4_GROUP) if ranges is None else ranges_absmax(*ranges).to(w.device)
     s = (gs * rd(sdiv(amax, FP4_MAX), d)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
     s = torch.where(s == 0, torch.full_like(s, 0.125), s)
     eff = s / gs
@@ -106,17 +108,18 @@ def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor) -> dict[str, tor
     return {"weight_packed": pack_nibbles(codes), "weight_scale": s.to(torch.float8_e4m3fn)}
 
 
-def quantize_mxfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
+def quantize_mxfp4(w: torch.Tensor, ranges=None) -> dict[str, torch.Tensor]:
     """MXFP4 weight: E2M1 values with one E8M0 scale per 32 (OCP MX v1.0).
 
-    ``w``: ``[N, K]`` bf16/fp16/fp32 with ``K % 32 == 0``. Returns
+    ``w``: ``[N, K]`` bf16/fp16/fp32 with ``K % 32 == 0``; ``ranges``: an observer's
+    per-group ``(min, max)`` (D ``[N, K/32]``) the scales come from instead of ``w``'s. Returns
     ``weight_packed`` uint8 ``[N, K/2]`` and ``weight_scale`` uint8 ``[N, K/32]``
     (the biased exponent: scale = 2^(byte - 127)); the scale is :func:`.mx.mx_scale`'s.
     Raises ``ValueError`` when a group's power-of-two scale overflows D (fp16
     absmax >= 49152), where compressed-tensors would silently write an all-zero group.
     """
     n, k = w.shape
-    scale, byte = mx_scale(w, E2M1_OFFSET, "MXFP4")
+    scale, byte = mx_scale(w, E2M1_OFFSET, "MXFP4", None if ranges is None else ranges_absmax(*ranges))
     x = rd(w.to(torch.float32).reshape(n, k // MXFP4_GROUP, MXFP4_GROUP) / scale.unsqueeze(-1), w.dtype)
     codes = e2m1_codes(x.clamp_(-FP4_MAX, FP4_MAX).reshape(n, k))
     return {"weight_packed": pack_nibbles(codes), "weight_scale": byte}
@@ -172,6 +175,11 @@ class NVFP4PackQuantized(_FP4):
     def _reference(self, w, args, global_scale):
         return quantize_nvfp4(w, global_scale)
 
+    def _reference_ranges(self, w, args, global_scale, ranges):
+        if global_scale is None:
+            raise ValueError("NVFP4 ranges need the fused set's global scale (from its searched ranges)")
+        return quantize_nvfp4(w, global_scale, ranges)
+
     def _fused(self, kernels, w, args, global_scale):
         return kernels.nvfp4(w, global_scale)
 
@@ -202,6 +210,9 @@ class MXFP4PackQuantized(_FP4):
 
     def _reference(self, w, args, global_scale):
         return quantize_mxfp4(w)
+
+    def _reference_ranges(self, w, args, global_scale, ranges):
+        return quantize_mxfp4(w, ranges)
 
     def zero_scale(self, args, dtype):
         # the exponent clamps at byte 0; 2^-127 is zero only in fp16, where it becomes eps = 1 (byte 127)

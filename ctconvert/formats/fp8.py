@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from .base import CompressionFormat, DequantSpec, WeightFormat, byte_values, dequantize_unpacked, expand_scale, factor_layout, unpacked_spec
-from .common import FP8_MAX, dtype_eps, group_absmax, rd, sdiv
+from .common import FP8_MAX, dtype_eps, group_absmax, ranges_absmax, rd, sdiv
 from .mx import E4M3_OFFSET, MX_GROUP, e8m0_scale, mx_scale
 
 __all__ = [
@@ -52,12 +52,13 @@ def fp8_quantize_values(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize_fp8_channel(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-output-channel FP8. ``w``: ``[N, K]`` bf16/fp16/fp32.
+def quantize_fp8_channel(w: torch.Tensor, ranges=None) -> dict[str, torch.Tensor]:
+    """Per-output-channel FP8. ``w``: ``[N, K]`` bf16/fp16/fp32; ``ranges``: an observer's per-row
+    ``(min, max)`` (D ``[N, 1]``) the scales are computed from instead of ``w``'s own absmax.
 
     Returns ``weight`` float8_e4m3fn ``[N, K]`` and ``weight_scale`` D ``[N, 1]``.
     """
-    s = fp8_scale(group_absmax(w, w.shape[1]), w.dtype)
+    s = fp8_scale(group_absmax(w, w.shape[1]) if ranges is None else ranges_absmax(*ranges).reshape(-1, 1), w.dtype)
     return {"weight": fp8_quantize_values(w, s), "weight_scale": s.to(w.dtype)}
 
 
@@ -80,17 +81,18 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
     return {"weight": fp8_quantize_values(w, s_full), "weight_scale": s.to(w.dtype)}
 
 
-def quantize_mxfp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+def quantize_mxfp8(w: torch.Tensor, ranges=None) -> dict[str, torch.Tensor]:
     """MXFP8 weight: E4M3 values with one E8M0 scale per 32 (OCP MX v1.0).
 
-    ``w``: ``[N, K]`` bf16/fp16/fp32 with ``K % 32 == 0``. Returns ``weight``
+    ``w``: ``[N, K]`` bf16/fp16/fp32 with ``K % 32 == 0``; ``ranges``: an observer's per-group ``(min, max)``
+    (D ``[N, K/32]``) the scales come from instead of ``w``'s. Returns ``weight``
     float8_e4m3fn ``[N, K]`` and ``weight_scale`` uint8 ``[N, K/32]`` (the biased
     exponent: scale = 2^(byte - 127)), as compressed-tensors 0.20.1's
     ``MXFP8QuantizationCompressor.compress`` writes them. Raises ``ValueError`` when a
     group's power-of-two scale overflows D (:func:`.mx.mx_scale`).
     """
     n, k = w.shape
-    scale, byte = mx_scale(w, E4M3_OFFSET, "MXFP8")
+    scale, byte = mx_scale(w, E4M3_OFFSET, "MXFP8", None if ranges is None else ranges_absmax(*ranges))
     q = fp8_quantize_values(w.reshape(n, k // MX_GROUP, MX_GROUP), scale.unsqueeze(-1))
     return {"weight": q.reshape(n, k), "weight_scale": byte}
 
@@ -141,6 +143,17 @@ class FloatQuantized(WeightFormat):
             return quantize_fp8_block(w, args.block_structure)
         return quantize_fp8_channel(w)
 
+    def _reference_ranges(self, w, args, global_scale, ranges):
+        if args.strategy == "channel":
+            return quantize_fp8_channel(w, ranges)
+        if args.strategy == "tensor":
+            # one range for the whole tensor: the caller passes its scale (``fp8_scale`` of the ranges' absmax)
+            if global_scale is None:
+                s = fp8_scale(ranges_absmax(*ranges).reshape(1), w.dtype)
+                return {"weight": fp8_quantize_values(w, s), "weight_scale": s.to(w.dtype)}
+            return self._reference(w, args, global_scale)
+        raise ValueError(f"float-quantized strategy {args.strategy!r} does not take an observer's ranges")
+
     def _fused(self, kernels, w, args, global_scale):
         if args.strategy == "tensor":
             return self._reference(w, args, global_scale)
@@ -186,6 +199,9 @@ class MXFP8Quantized(WeightFormat):
 
     def _reference(self, w, args, global_scale):
         return quantize_mxfp8(w)
+
+    def _reference_ranges(self, w, args, global_scale, ranges):
+        return quantize_mxfp8(w, ranges)
 
     def zero_scale(self, args, dtype):
         # as MXFP4: the exponent clamps at byte 0; 2^-127 is zero only in fp16, where it becomes 1 (byte 127)

@@ -14,7 +14,7 @@ import math
 import torch
 
 from .base import CompressionFormat, WeightFormat, byte_values, dequantize_unpacked, unpacked_spec
-from .common import dtype_eps, group_absmax, group_minmax, rd, sdiv
+from .common import dtype_eps, group_absmax, group_minmax, ranges_absmax, rd, sdiv
 
 __all__ = ["IntQuantized", "PackQuantized", "int_range", "pack_int32", "pack_int32_dim0", "quantize_int", "unpack_int32"]
 
@@ -24,11 +24,14 @@ def int_range(num_bits: int) -> tuple[int, int]:
     return -(1 << (num_bits - 1)), (1 << (num_bits - 1)) - 1
 
 
-def quantize_int(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric: bool = True) -> dict[str, torch.Tensor]:
+def quantize_int(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric: bool = True, ranges=None) -> dict[str, torch.Tensor]:
     """Quantize ``w`` ``[N, K]`` (bf16/fp16/fp32) to signed B-bit integers.
 
     ``group_size=None`` means one scale per output channel. Requires
-    ``K % group_size == 0`` (the caller checks and reports it). Returns
+    ``K % group_size == 0`` (the caller checks and reports it). ``ranges``: an
+    observer's per-group ``(min, max)`` (D ``[N, K/G]``) the scales and zero
+    points are computed from instead of ``w``'s own (clamped to include 0, as
+    ``calculate_qparams`` does). Returns
     ``weight`` int8 ``[N, K]`` (values in ``[qmin, qmax]``), ``weight_scale`` D
     ``[N, K/G]`` (or ``[N, 1]``) and, when asymmetric, ``weight_zero_point``
     int8 of the scale's shape.
@@ -39,11 +42,15 @@ def quantize_int(w: torch.Tensor, num_bits: int, group_size: int | None, symmetr
     qmin, qmax = int_range(num_bits)
     out: dict[str, torch.Tensor] = {}
     if symmetric:
-        amax = group_absmax(w, g)
+        amax = group_absmax(w, g) if ranges is None else ranges_absmax(*ranges)
         s = rd(sdiv(amax, (2**num_bits - 1) / 2), d)
         zp = None
     else:
-        mn, mx = group_minmax(w, g)
+        if ranges is None:
+            mn, mx = group_minmax(w, g)
+        else:
+            mn, mx = (r.to(torch.float32) for r in ranges)
+            mn, mx = mn.clamp_max(0), mx.clamp_min(0)
         s = rd(sdiv(rd(mx - mn, d), 2**num_bits - 1), d)
         zpf = rd(qmin - rd(mn / s, d), d).clamp(qmin, qmax)
         zpf = torch.nan_to_num(zpf, nan=0.0)
@@ -150,6 +157,9 @@ class IntQuantized(_Integer):
     def _reference(self, w, args, global_scale):
         return quantize_int(w, args.num_bits, args.group_size, args.symmetric)
 
+    def _reference_ranges(self, w, args, global_scale, ranges):
+        return quantize_int(w, args.num_bits, args.group_size, args.symmetric, ranges)
+
     def _fused(self, kernels, w, args, global_scale):
         return kernels.int_quant(w, args.num_bits, args.group_size, args.symmetric, False)
 
@@ -188,12 +198,15 @@ class PackQuantized(_Integer):
     def whole_tensor_outputs(self, shape, global_scale):
         return {"weight_shape": torch.tensor(list(shape), dtype=torch.int64)}
 
-    def _reference(self, w, args, global_scale):
-        r = quantize_int(w, args.num_bits, args.group_size, args.symmetric)
+    def _reference(self, w, args, global_scale, ranges=None):
+        r = quantize_int(w, args.num_bits, args.group_size, args.symmetric, ranges)
         out = {"weight_packed": pack_int32(r["weight"], args.num_bits), "weight_scale": r["weight_scale"]}
         if not args.symmetric:
             out["weight_zero_point"] = pack_int32_dim0(r["weight_zero_point"], args.num_bits)
         return out
+
+    def _reference_ranges(self, w, args, global_scale, ranges):
+        return self._reference(w, args, global_scale, ranges)
 
     def _fused(self, kernels, w, args, global_scale):
         out = kernels.int_quant(w, args.num_bits, args.group_size, args.symmetric, True)

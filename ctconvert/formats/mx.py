@@ -48,17 +48,19 @@ def round_pow2_bits(amax_d: torch.Tensor) -> torch.Tensor:
     return r
 
 
-def mx_scale(w: torch.Tensor, offset: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def mx_scale(w: torch.Tensor, offset: int, name: str, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The MX group scales of ``w`` ``[N, K]`` (bf16/fp16/fp32, ``K % 32 == 0``).
 
-    ``offset``: :data:`E2M1_OFFSET` or :data:`E4M3_OFFSET`; ``name``: the format, for the error.
+    ``offset``: :data:`E2M1_OFFSET` or :data:`E4M3_OFFSET`; ``name``: the format, for the error;
+    ``amax``: the group absmax to take the scales from (fp32 ``[N, K/32]`` holding values of D, e.g.
+    an observer's ranges), in place of ``w``'s own.
     Returns ``(scale, byte)``: the scale as fp32 ``[N, K/32]`` holding a value of D (what the
     elements are divided by) and the stored E8M0 byte, uint8 ``[N, K/32]``. Raises ``ValueError``
     when a group's power of two overflows D (e.g. an fp16 absmax >= 49152), where
     compressed-tensors would write an undefined byte and an all-zero group.
     """
     d = w.dtype
-    amax = group_absmax(w, MX_GROUP).to(d)
+    amax = (group_absmax(w, MX_GROUP) if amax is None else amax).to(d)
     p2 = round_pow2_bits(amax)
     if bool(torch.isinf(p2).any()):
         raise ValueError(f"{name} scale overflows {d}: a group absmax of {amax.max().item():g} rounds past the largest power of two of {d}")

@@ -1,0 +1,223 @@
+/*
+ * ctconvert CPU kernel of the MSE weight observers (../observers.py): llm-compressor 0.14.0.1's eager
+ * shrink-factor search, one group at a time, every candidate in registers.
+ *
+ * Each step is the torch reference's (and so upstream's) operation on the same values: an fp32 operation
+ * rounded to D (bf16 or fp16) with round-to-nearest-even. Two results of torch's CPU kernels are not
+ * reproduced operation for operation: |d| ** norm (torch: SLEEF's powf, within 1 ulp; here bounds from a
+ * table of every D value, ct_pow_table) and the fp32 sum of a group's errors (torch: its own summation order). Both are rounded to D afterwards, so this kernel
+ * computes them here (libm powf; a double sum) and flags the group as *uncertain* wherever a result lies
+ * so close to a rounding boundary of D that another powf within 1 ulp, or another fp32 summation order,
+ * could round it differently. Every other group's steps are then exactly torch's; the caller searches the
+ * uncertain groups again with the torch reference. fp32 weights (no rounding to hide behind) are not taken.
+ *
+ * Build: cc -O3 -shared -fPIC, no -ffast-math (IEEE division and rounding are part of the result).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { DT_BF16 = 0, DT_F16 = 1 };
+enum { KIND_INT = 0, KIND_FP8 = 1, KIND_FP4 = 2 };
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* fp16 <-> fp32 through F16C where the build has it (GCC's _Float16 casts are library calls without
+ * AVX512-FP16); both round to nearest even. */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline uint16_t f32_to_h(float x) { return (uint16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+static inline float h_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline uint16_t f32_to_h(float x) { _Float16 h = (_Float16)x; uint16_t u; memcpy(&u, &h, 2); return u; }
+static inline float h_to_f32(uint16_t u) { _Float16 h; memcpy(&h, &u, 2); return (float)h; }
+#endif
+
+static inline float rd(float x, int dt) {
+    if (dt == DT_BF16) {
+        uint32_t u = f2u(x);
+        return u2f(((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16);
+    }
+    return h_to_f32(f32_to_h(x));
+}
+
+static inline float load(const void *p, int dt, int64_t i) {
+    if (dt == DT_BF16) return u2f((uint32_t)((const uint16_t *)p)[i] << 16);
+    return h_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline void store_d(void *p, int dt, int64_t i, float x) {
+    if (dt == DT_BF16) ((uint16_t *)p)[i] = (uint16_t)(f2u(rd(x, dt)) >> 16);
+    else ((uint16_t *)p)[i] = f32_to_h(x);
+}
+
+/* fp32 -> E4M3FN byte (|x| <= 448), round to nearest even; and back (as quant.c). */
+static inline uint8_t f32_to_e4m3(float x) {
+    uint32_t sign = (f2u(x) >> 24) & 0x80u;
+    float a = fabsf(x);
+    uint32_t ua = f2u(a);
+    uint32_t norm = ((ua + 0x7FFFFu + ((ua >> 20) & 1u)) >> 20) - (120u << 3);
+    uint32_t sub = (uint32_t)(int32_t)rintf(a * 512.0f);
+    return (uint8_t)(sign | (a < 0.015625f ? sub : norm));
+}
+
+static inline float e4m3_to_f32(uint8_t b) {
+    uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
+    float v = e == 0 ? (float)m * 0x1p-9f : u2f(((e + 120u) << 23) | (m << 20));
+    return (b & 0x80) ? -v : v;
+}
+
+/* E2M1 magnitude of a >= 0, compressed-tensors' cast_to_fp4 thresholds (anything above 5 is 6). */
+static inline float e2m1_level(float a) {
+    /* the sum of the steps between levels: 0, .5, 1, 1.5, 2, 3, 4, 6 */
+    return 0.5f * (float)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f)) + 1.0f * (float)((a > 2.5f) + (a >= 3.5f)) + 2.0f * (float)(a > 5.0f);
+}
+
+static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+/* rd(|d| ** norm) bounds: *lo and *hi are what a powf within 1 ulp of libm's (SLEEF's, torch's) rounds to D. */
+static inline void pow_d(float a, float norm, int dt, float *lo, float *hi) {
+    if (a == 0.0f) { *lo = *hi = 0.0f; return; }
+    float v = powf(a, norm);
+    uint32_t u = f2u(v); /* v > 0: the neighbours by bit pattern, 4 ulps each side (2 would do) */
+    *lo = rd(u2f(u > 4u ? u - 4u : 0u), dt);
+    *hi = rd(u2f(u + 4u), dt);
+}
+
+/* The pow_d bounds of every non-negative value of D (|d| is one: 2^15 bit patterns), as floats: lo[i], hi[i]
+ * for the D value of bit pattern i. The search looks them up instead of calling powf. */
+void ct_pow_table(int dt, float norm, float *lo, float *hi) {
+    for (uint32_t i = 0; i < 0x8000u; i++) {
+        float a = dt == DT_BF16 ? u2f(i << 16) : h_to_f32((uint16_t)i);
+        if (a != a || a == INFINITY) { lo[i] = hi[i] = INFINITY; continue; }
+        pow_d(a, norm, dt, &lo[i], &hi[i]);
+    }
+}
+
+static inline uint32_t d_bits(float x, int dt) { return dt == DT_BF16 ? f2u(x) >> 16 : f32_to_h(x); }
+
+/* The E8M0 candidate scale of compressed-tensors 0.19.0's calculate_qparams for an MX scheme, from the group's
+ * absmax a (a D value): round_to_power_2 on D's bits (add half of the E2M1 mantissa step, clear the mantissa),
+ * e = clamp(127 + floor(log2 p2) - off, 0, 255) rounded (exact in D), 2^(e - 127) in fp32 rounded to D, 0 -> 1. */
+static inline float mx_candidate(float a, int dt, int off) {
+    uint32_t b = d_bits(a, dt), mant = dt == DT_BF16 ? 7u : 10u, exp = dt == DT_BF16 ? 8u : 5u;
+    uint32_t r = (b + (1u << (mant - 2u))) & ((((1u << (exp + 1u)) - 1u) << mant) & 0xFFFFu);
+    float p2 = dt == DT_BF16 ? u2f(r << 16) : h_to_f32((uint16_t)r);
+    float e = p2 == 0.0f ? 0.0f : (p2 == INFINITY ? 255.0f : clampf(127.0f + floorf(log2f(p2)) - (float)off, 0.0f, 255.0f));
+    float s = rd(ldexpf(1.0f, (int)e - 127), dt);
+    return s == 0.0f ? 1.0f : s;
+}
+
+/* One group's error at one candidate range, as bounds [*lo, *hi] of what torch computes (equal when the
+ * kernel is sure): its powf and its fp32 summation order are the only freedoms, see the file comment. */
+static inline __attribute__((always_inline)) void group_error(const float *restrict x, int64_t g, int kind, int mx_off, int sym, float qmin, float qmax, float half, float range, float mn, float mx,
+                               const float *plo, const float *phi, int dt, float eps, float *lo, float *hi) {
+    float cmn = mn < 0.0f ? mn : 0.0f, cmx = mx > 0.0f ? mx : 0.0f;
+    float scale, zp = 0.0f;
+    if (sym) {
+        float a = fabsf(cmn) > fabsf(cmx) ? fabsf(cmn) : fabsf(cmx);
+        scale = mx_off ? mx_candidate(a, dt, mx_off) : rd(a / half, dt);
+    } else {
+        scale = rd(rd(cmx - cmn, dt) / range, dt);
+        float z = rd(qmin - rd(cmn / scale, dt), dt);
+        if (z != z) z = 0.0f; /* 0/0 of an all-zero group: torch's int8 cast gives 0 */
+        z = clampf(z, qmin, qmax);
+        zp = nearbyintf(clampf(z, -128.0f, 127.0f));
+    }
+    if (scale == 0.0f) scale = eps;
+    /* two passes: the rounded |q - x| of every element (branch-free, so that it vectorizes), then the table sums */
+    uint32_t bits[g > 0 ? g : 1];
+    if (kind == KIND_FP4) {
+        for (int64_t j = 0; j < g; j++) {
+            float a = fabsf(x[j]);
+            float q = rd(e2m1_level(rd(a / scale, dt)) * scale, dt);
+            bits[j] = d_bits(fabsf(rd(q - a, dt)), dt) & 0x7FFFu;
+        }
+    } else {
+        for (int64_t j = 0; j < g; j++) {
+            float v = x[j];
+            float t = rd(v / scale, dt);
+            if (!sym) t = rd(t + zp, dt);
+            t = clampf(t, qmin, qmax);
+            float r = kind == KIND_INT ? nearbyintf(t) : e4m3_to_f32(f32_to_e4m3(t));
+            if (!sym) r = rd(r - zp, dt);
+            float q = rd(r * scale, dt);
+            bits[j] = d_bits(fabsf(rd(q - v, dt)), dt) & 0x7FFFu;
+        }
+    }
+    double slo = 0.0, shi = 0.0;
+    for (int64_t j = 0; j < g; j++) {
+        slo += (double)plo[bits[j]];
+        shi += (double)phi[bits[j]];
+    }
+    /* any fp32 summation order is within (g - 1) * 2^-24 * sum of the exact sum */
+    double m = (double)g * 0x1p-23;
+    *lo = rd((float)(slo * (1.0 - m)), dt);
+    *hi = shi > 1e30 ? INFINITY : rd((float)(shi * (1.0 + m)), dt);
+}
+
+/*
+ * Rows [0, n) of w (D = dt, [n, k] row-major), groups of g columns. p: the steps' shrink factors (fp32,
+ * as torch takes a Python float), steps of them, all run (no early stop); plo/phi: ct_pow_table's; mx_off: 0,
+ * or the element offset of an MX scheme's E8M0 candidate scale (2 for FP4, 8 for FP8). Writes per group the best step
+ * (int16, -1 = none improved) and the range (D) into best/mn_out/mx_out ([n, k/g]), the steps (< 63) at which
+ * it improved as bits into hits (when not NULL), ORs into improved[steps]
+ * the steps at which some certain group improved, and sets uncertain[group] = 1 where the kernel cannot
+ * vouch for the result (those groups' outputs and improvements are to be recomputed by the caller).
+ * Returns the number of uncertain groups.
+ */
+int64_t ct_mse_search(const void *w, int dt, int64_t n, int64_t k, int64_t g, int kind, int mx_off, int sym, float qmin, float qmax, float half, float range,
+                      float expand, const float *p, int64_t steps, const float *plo, const float *phi, float dmax, float eps, int16_t *best, void *mn_out, void *mx_out,
+                      uint8_t *improved, uint8_t *uncertain, int64_t *hits) {
+    int64_t groups = k / g, bad = 0;
+    float x[g > 0 ? g : 1];
+    uint8_t hit[steps > 0 ? steps : 1];
+    for (int64_t r = 0; r < n; r++) {
+        for (int64_t c = 0; c < groups; c++) {
+            int64_t base = r * k + c * g, o = r * groups + c;
+            float amin = INFINITY, amax = -INFINITY;
+            for (int64_t j = 0; j < g; j++) {
+                x[j] = load(w, dt, base + j);
+                amin = x[j] < amin ? x[j] : amin;
+                amax = x[j] > amax ? x[j] : amax;
+            }
+            float mn0 = rd(amin * expand, dt), mx0 = rd(amax * expand, dt);
+            /* the best error so far as bounds; a step is decided when its bounds and the best's do not overlap */
+            float best_lo = dmax, best_hi = dmax;
+            int16_t bs = -1;
+            int sure = 1;
+            for (int64_t i = 0; i < steps; i++) {
+                float lo, hi;
+                /* constant dtypes and kinds, so that each element loop is compiled (and vectorized) for one case */
+                float cmn = rd(mn0 * p[i], dt), cmx = rd(mx0 * p[i], dt);
+                if (dt == DT_BF16 && kind == KIND_FP4) group_error(x, g, KIND_FP4, mx_off, 1, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_BF16, eps, &lo, &hi);
+                else if (dt == DT_F16 && kind == KIND_FP4) group_error(x, g, KIND_FP4, mx_off, 1, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_F16, eps, &lo, &hi);
+                else if (dt == DT_BF16) group_error(x, g, kind, mx_off, sym, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_BF16, eps, &lo, &hi);
+                else group_error(x, g, kind, mx_off, sym, qmin, qmax, half, range, cmn, cmx, plo, phi, DT_F16, eps, &lo, &hi);
+                if (hi < best_lo) {
+                    hit[i] = 1;
+                    best_lo = lo;
+                    best_hi = hi;
+                    bs = (int16_t)i;
+                } else {
+                    hit[i] = 0;
+                    if (lo < best_hi) sure = 0;
+                }
+                if (!sure) break;
+            }
+            best[o] = bs;
+            uncertain[o] = (uint8_t)!sure;
+            if (!sure) { bad++; continue; }
+            int64_t bits = 0;
+            for (int64_t i = 0; i < steps; i++) {
+                improved[i] |= hit[i];
+                if (i < 63 && hit[i]) bits |= (int64_t)1 << i;
+            }
+            if (hits) hits[o] = bits;
+            store_d(mn_out, dt, o, bs < 0 ? mn0 : rd(mn0 * p[bs], dt));
+            store_d(mx_out, dt, o, bs < 0 ? mx0 : rd(mx0 * p[bs], dt));
+        }
+    }
+    return bad;
+}
