@@ -85,7 +85,7 @@ qparams and fake quantization, E2M1 rounding), ``search`` (the observers and the
 (:class:`StopTracker`), ``prepass`` (:class:`TensorSearch`), ``registry`` (:data:`OBSERVERS`).
 """
 
-from .groups import grouped, is_mx, range_absmax
+from .groups import args_refusal, grouped, is_mx, range_absmax
 from .patience import StopTracker
 from .prepass import TensorSearch
 from .registry import OBSERVERS, get_observer
@@ -99,6 +99,7 @@ __all__ = [
     "StopTracker",
     "TensorSearch",
     "WeightObserver",
+    "args_refusal",
     "get_observer",
     "grouped",
     "is_mx",

@@ -6,7 +6,7 @@ import torch
 
 from ..base import WeightArgs
 
-__all__ = ["check_weight", "grouped", "is_mx", "range_absmax"]
+__all__ = ["args_refusal", "check_weight", "grouped", "is_mx", "range_absmax"]
 
 
 def grouped(w: torch.Tensor, args: WeightArgs) -> torch.Tensor:
@@ -31,19 +31,29 @@ def grouped(w: torch.Tensor, args: WeightArgs) -> torch.Tensor:
     raise ValueError(f"observers do not take the {args.strategy!r} strategy")
 
 
-def check_weight(w: torch.Tensor, args: WeightArgs) -> None:
-    """Raises ``ValueError`` for a weight or scheme no observer takes: not bf16/fp16/fp32, NaN or inf, asymmetric FP4,
+def args_refusal(args: WeightArgs) -> str | None:
+    """Why no observer takes weights of ``args`` (None: they take one): the block strategy, asymmetric FP4,
     float of other than 4 or 8 bits, FP4 neither NVFP4 nor MXFP4."""
+    if args.strategy not in ("group", "tensor_group", "channel", "tensor"):
+        return f"observers do not take the {args.strategy!r} strategy"
+    if args.type == "float" and args.num_bits == 4 and not args.symmetric:
+        return "asymmetric FP4 is not a quantization compressed-tensors implements"
+    if args.type == "float" and args.num_bits not in (4, 8):
+        return f"float weights of {args.num_bits} bits are not taken by the observers"
+    if args.type == "float" and args.num_bits == 4 and args.strategy not in ("tensor_group",) and not is_mx(args):
+        return "FP4 takes an observer as NVFP4 (tensor_group, 16) or MXFP4 (group, 32)"
+    return None
+
+
+def check_weight(w: torch.Tensor, args: WeightArgs) -> None:
+    """Raises ``ValueError`` for a weight or scheme no observer takes: not bf16/fp16/fp32, NaN or inf, or
+    weights of :func:`args_refusal`'s kinds."""
     if not w.dtype.is_floating_point or w.element_size() < 2:
         raise ValueError(f"an observer takes a bf16/fp16/fp32 weight, got {w.dtype}")
     if w.numel() and not bool(torch.isfinite(w).all()):
         raise ValueError("the weight holds NaN or inf: no observer range can be searched for it")
-    if args.type == "float" and args.num_bits == 4 and not args.symmetric:
-        raise ValueError("asymmetric FP4 is not a quantization compressed-tensors implements")
-    if args.type == "float" and args.num_bits not in (4, 8):
-        raise ValueError(f"float weights of {args.num_bits} bits are not taken by the observers")
-    if args.type == "float" and args.num_bits == 4 and args.strategy not in ("tensor_group",) and not is_mx(args):
-        raise ValueError("FP4 takes an observer as NVFP4 (tensor_group, 16) or MXFP4 (group, 32)")
+    if (why := args_refusal(args)) is not None:
+        raise ValueError(why)
 
 
 def is_mx(args: WeightArgs) -> bool:
