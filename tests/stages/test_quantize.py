@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import write_checkpoint
 from safetensors import safe_open
 
 from ctconvert import api
 from ctconvert.cli import main
 from ctconvert.errors import UsageError
 from ctconvert.formats import WeightArgs, get_format
+
+from conftest import write_checkpoint
 
 REF = Path(__file__).resolve().parent.parent / "data" / "observers" / "llmc_observers.safetensors"
 HIDDEN, VOCAB = 128, 64
