@@ -32,7 +32,9 @@ NVFP4 needs one absmax over each fused set before any member is quantized
 (:mod:`.scales`): a set of up to ``hold_bytes`` is read once and held (on the
 device) until its scales are known; a larger set is read twice (absmax pass,
 then quantize pass). Calibrated tensors (:attr:`ExecOptions.calibrated`) are
-written with their module.
+written with their module. A weight observer (:attr:`ExecOptions.observer`) searches
+each chunk's ranges, in the same pass where the chunk alone decides them, else in
+the absmax pass (its pre-pass: :mod:`.scales`).
 
 With a kernel-native target (``quantize --target``) each module's finished
 tensors go through :attr:`ExecOptions.repack` on the device before they are
