@@ -35,7 +35,7 @@ from ..formats.fp4 import nvfp4_global_scale
 from ..formats.fp8 import fp8_scale
 from ..formats.observers import TensorSearch, WeightObserver
 
-__all__ = ["UnitScales", "fp8_tensor_scale", "needs_absmax_pass", "per_tensor_scale"]
+__all__ = ["UnitScales", "fp8_tensor_scale", "needs_absmax_pass", "per_tensor_scale", "search_impl"]
 
 
 def per_tensor_scale(scheme) -> bool:

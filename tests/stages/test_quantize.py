@@ -168,3 +168,18 @@ def test_target_takes_the_observers_tensors(sources, tmp_path):
     api.quantize(sources["llama-bf16"], tmp_path / "marlin", "W4A16", observer="memoryless_mse", target="marlin")
     api.repack(tmp_path / "marlin", tmp_path / "back", "compressed-tensors")
     _assert_llmc_bytes("llama-bf16", "W4A16/memoryless_mse", tmp_path / "back")
+
+
+@pytest.mark.parametrize("scheme,observer", [("W4A16", "nvfp4_expanded_mse"), ("NVFP4A16", "nvfp4_expanded_mse"), ("W4A16", "memoryless_mse")])
+def test_a_nan_weight_is_refused_by_name(scheme, observer, tmp_path):
+    """With or without a pre-pass, a NaN in a weight is the usual error naming the file and tensor (exit 3)."""
+    from ctconvert.errors import BadInputError
+
+    from conftest import LLAMA_CONFIG, llama_tensors
+
+    t = llama_tensors(LLAMA_CONFIG)
+    t["model.layers.1.mlp.up_proj.weight"][5, 7] = float("nan")
+    src = write_checkpoint(tmp_path / "nan", t, LLAMA_CONFIG)
+    with pytest.raises(BadInputError, match="NaN") as e:
+        api.quantize(src, tmp_path / "out", scheme, observer=observer)
+    assert "model.layers.1.mlp.up_proj.weight" in str(e.value) and e.value.exit_code == 3
