@@ -183,3 +183,29 @@ def test_a_nan_weight_is_refused_by_name(scheme, observer, tmp_path):
     with pytest.raises(BadInputError, match="NaN") as e:
         api.quantize(src, tmp_path / "out", scheme, observer=observer)
     assert "model.layers.1.mlp.up_proj.weight" in str(e.value) and e.value.exit_code == 3
+
+
+def test_moe_experts_fused_gate_up(tmp_path):
+    """MoE experts through the executor (row chunks, read twice): each expert's gate/up pair shares the global
+    scale of its searched ranges, as one search of each whole tensor gives it (the test_observers.py reference)."""
+    from ctconvert.formats.fp4 import nvfp4_global_scale
+    from ctconvert.formats.observers import OBSERVERS, range_absmax
+    from ctconvert.plan.schemes import get_scheme
+
+    from conftest import moe_checkpoint
+
+    src = moe_checkpoint(tmp_path, experts=2, inter=256)
+    api.quantize(src, tmp_path / "out", "NVFP4A16", observer="memoryless_mse", chunk_elems=64 * 256, hold_bytes=0)
+    obs, scheme = OBSERVERS["memoryless_mse"], get_scheme("NVFP4A16")
+    with safe_open(str(src / "model.safetensors"), "pt") as s, safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as got:
+        bases = [k[: -len("gate_proj.weight")] for k in s.keys() if ".experts." in k and k.endswith("gate_proj.weight")]
+        assert len(bases) == 4
+        for base in bases:
+            ws = {p: s.get_tensor(f"{base}{p}.weight") for p in ("gate_proj", "up_proj")}
+            ranges = {p: obs.ranges(w, scheme.weights) for p, w in ws.items()}
+            gs = nvfp4_global_scale(torch.stack([range_absmax(*r) for r in ranges.values()]).max(), torch.bfloat16)
+            for p, w in ws.items():
+                want = scheme.weight_format.quantize(w, scheme.weights, gs, ranges=ranges[p])
+                want.update(scheme.weight_format.whole_tensor_outputs(tuple(w.shape), gs))
+                for key, t in want.items():
+                    assert torch.equal(_bits(got.get_tensor(f"{base}{p}.{key}")), _bits(t)), f"{base}{p}.{key}"
