@@ -35,6 +35,7 @@ __all__ = [
     "DEFAULT_LAYOUT_VERSION",
     "DEFAULT_LM_HEAD_CHUNK_ROWS",
     "DEFAULT_SHARD_SIZE",
+    "OBSERVER_NAMES",
     "OPTIONS",
     "Option",
     "api_doc",
@@ -60,6 +61,9 @@ DEFAULT_HOLD_BYTES = 1 << 30
 
 #: ``quantize --target``: the kernel-native layouts a quantize run can write
 QUANTIZE_TARGETS = ("marlin", "cutlass-nvfp4", "cutlass-2of4", "cutlass-2of4-sm80", "marlin-24")
+#: ``quantize --observer``: llm-compressor's weight observer names (``llmcompressor/observers/``, 0.14.0.1) that
+#: :data:`ctconvert.formats.observers.OBSERVERS` implements (spelled here for a torch-free ``--help``; a test holds them equal)
+OBSERVER_NAMES = ("minmax", "memoryless_mse", "nvfp4_expanded_mse")
 #: ``repack --target``: the layouts repack builds, and compressed-tensors to undo one
 REPACK_TARGETS = ("marlin", "cutlass-nvfp4", "cutlass-2of4", "cutlass-2of4-sm80", "compressed-tensors")
 
@@ -206,6 +210,18 @@ _QUANTIZE = (
         flags=("--symmetric/--asymmetric",),
         annotation="bool | None",
         doc="weights of W4A16, W4A16_ASYM or W8A16 without (True) / with (False) a zero point (None: the preset's).",
+    ),
+    _choice(
+        "observer",
+        "minmax",
+        OBSERVER_NAMES,
+        "Weight observer (llm-compressor's names): minmax rounds to nearest with min/max scales; memoryless_mse and "
+        "nvfp4_expanded_mse search each group's range for the least error, data-free, with llm-compressor 0.14's bytes.",
+        "``minmax`` (each group's min/max: the default bytes, no ``observer`` field in the config), ``memoryless_mse`` or "
+        "``nvfp4_expanded_mse``: the weight ranges llm-compressor 0.14.0.1's observer of that name searches on its eager CPU path "
+        "(:mod:`ctconvert.formats.observers`), the same bytes, recorded as ``observer``/``observer_kwargs`` in the weights' "
+        "QuantizationArgs. :class:`UsageError` for a scheme or option it cannot honour (a block or per-tensor scheme, calibrated "
+        "activations, ``kv_cache``, ``sparsity``).",
     ),
     _choice(
         "dense_dtype",
@@ -408,6 +424,7 @@ COMMANDS: dict[str, tuple[Option, ...]] = {
         _ALL_LAYERS,
         _O["group_size"],
         _O["symmetric"],
+        _O["observer"],
         _O["lm_head"],
         _O["targets"],
         _O["ignore"],

@@ -103,6 +103,8 @@ def plan(ctx, result, target=None, all_rows: bool = False) -> None:
     styles = [{"quantize": "green", "convert": "green", "ignore": "yellow", "drop": "red"}.get(r.action) for r in plan.rows]
     con = ctx.console()
     title = f"plan: {plan.scheme.name} ({plan.format})"
+    if observers := getattr(plan, "observers", None):
+        title += ", observer " + ", ".join(f"{name} (config group {g})" for g, name in observers.items())
     if target:
         title += f", then repacked for {target[0]} (vLLM layout {target[1]}, {target[2]} activations)"
     if all_rows or len(rows) <= 60:

@@ -117,3 +117,11 @@ def test_the_target_choices_are_the_kernels_targets():
     """The CLI's --target spellings (torch-free, for a fast --help) are the names of the target table (plan/kernel_targets.py)."""
     assert options.QUANTIZE_TARGETS == kernel_targets.QUANTIZE_TARGETS
     assert options.REPACK_TARGETS == kernel_targets.REPACK_TARGETS
+
+
+def test_the_observer_choices_are_the_observers():
+    """The CLI's --observer names (torch-free, for a fast --help) are the observer registry's (formats/observers/)."""
+    from ctconvert.formats.observers import OBSERVERS
+
+    assert options.OBSERVER_NAMES == tuple(OBSERVERS)
+    assert OPTIONS["observer"].choices == options.OBSERVER_NAMES and OPTIONS["observer"].default == "minmax"

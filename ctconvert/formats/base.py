@@ -256,13 +256,15 @@ class WeightFormat:
 
     ``name``: the :class:`CompressionFormat`; ``required``: tensors a reader needs (local names);
     ``needs_global_scale``: one absmax over the fused set before any chunk is quantized;
-    ``writes``: whether ctconvert quantizes into it (``naive-quantized`` is read only).
+    ``writes``: whether ctconvert quantizes into it (``naive-quantized`` is read only); ``takes_ranges``:
+    whether :meth:`quantize` takes an observer's ``ranges`` (:mod:`.observers`).
     """
 
     name: CompressionFormat
     required: tuple[str, ...] = ()
     needs_global_scale = False
     writes = True
+    takes_ranges = False
 
     # -- shapes ------------------------------------------------------------------
     def outputs(self, shape: tuple[int, int], dtype: torch.dtype, args: WeightArgs) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

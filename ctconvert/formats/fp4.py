@@ -129,6 +129,8 @@ class _FP4(WeightFormat):
     """E2M1 values, two per byte (element 2j in the low nibble), ``weight_packed [N, K/2]`` uint8; dense
     ``E2M1 * factor`` (:meth:`_factor` per group of :meth:`_group_args`) in fp32, then bf16."""
 
+    takes_ranges = True
+
     def _factor(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 

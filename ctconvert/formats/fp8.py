@@ -101,6 +101,8 @@ class FloatQuantized(WeightFormat):
     """``float-quantized``: E4M3 ``weight [N, K]`` and a D ``weight_scale`` per channel ``[N, 1]``
     or per block ``[ceil(N/bh), ceil(K/bw)]`` (docs/compressed-tensors-format.md §4.2)."""
 
+    takes_ranges = True
+
     name = CompressionFormat.FLOAT_QUANTIZED
     required = ("weight", "weight_scale")
 
@@ -186,6 +188,8 @@ class MXFP8Quantized(WeightFormat):
     """``mxfp8-quantized``: E4M3 ``weight [N, K]`` and E8M0 ``weight_scale [N, K/32]`` uint8,
     scale = 2^(byte - 127) (docs/compressed-tensors-format.md §4.5; compressed-tensors 0.20.1
     ``compressors/mxfp8/base.py``; vLLM 0.33 ``CompressedTensorsW8A8Mxfp8``)."""
+
+    takes_ranges = True
 
     name = CompressionFormat.MXFP8_QUANTIZED
     required = ("weight", "weight_scale")

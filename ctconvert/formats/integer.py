@@ -129,6 +129,8 @@ def pack_int32_dim0(q: torch.Tensor, num_bits: int) -> torch.Tensor:
 class _Integer(WeightFormat):
     """What the two integer formats share: ``(2^B - 1)/2`` or ``2^B - 1`` divisors per group or channel."""
 
+    takes_ranges = True
+
     def row_align(self, args):
         return 1 if args.symmetric else 32  # asymmetric zero points are packed along dim 0: 32 rows -> B words
 

@@ -32,7 +32,9 @@ NVFP4 needs one absmax over each fused set before any member is quantized
 (:mod:`.scales`): a set of up to ``hold_bytes`` is read once and held (on the
 device) until its scales are known; a larger set is read twice (absmax pass,
 then quantize pass). Calibrated tensors (:attr:`ExecOptions.calibrated`) are
-written with their module.
+written with their module. A weight observer (:attr:`ExecOptions.observer`) searches
+each chunk's ranges, in the same pass where the chunk alone decides them, else in
+the absmax pass (its pre-pass: :mod:`.scales`).
 
 With a kernel-native target (``quantize --target``) each module's finished
 tensors go through :attr:`ExecOptions.repack` on the device before they are
@@ -100,6 +102,7 @@ class ExecOptions:
     nonfinite: list = field(default_factory=list)  # pass-through tensors found holding NaN/inf (with allow_nonfinite)
     zeros: object | None = None  # a ctconvert.pipeline.zeros.ZeroTracker: rows quantized to all zeros from non-zero values
     calibrated: dict = field(default_factory=dict)  # module -> {part: tensor} (input scales, k_scale/v_scale)
+    observer: object | None = None  # --observer other than minmax: a ctconvert.formats.observers.WeightObserver (scales.py)
 
 
 @dataclass
@@ -140,7 +143,7 @@ def make_reads(ckpt: Checkpoint, plan: Plan, opts: ExecOptions):
             for step in [_chunk_rows(info, unit, opts.chunk_elems)]
             for r0 in range(0, info.shape[0], step)
         ]
-        if needs_absmax_pass(unit.scheme):
+        if needs_absmax_pass(unit.scheme, opts.observer):
             hold = sum(i.nbytes for i in infos) <= opts.hold_bytes
             for j, (m, r0, r1) in enumerate(chunks):
                 yield Read(ui, "amax", m, r0, r1, hold=hold, end_of_pass=j == len(chunks) - 1)
@@ -322,7 +325,8 @@ class Executor:
                         raise item
                     job, fut = item
                     data = fut.result()
-                    self._handle(job, data, states.setdefault(job.unit, _UnitState()))
+                    st = states.get(job.unit) or states.setdefault(job.unit, _UnitState(scales=UnitScales(self.opts.observer)))
+                    self._handle(job, data, st)
                     if job.end_of_pass and job.kind == "quant":
                         states.pop(job.unit, None)
         finally:
@@ -375,6 +379,8 @@ class Executor:
         w = self._to_device(job, info, data)
         if job.kind == "amax":
             st.scales.observe(job.member, self._absmax(w, info, job))
+            with self._refusing(unit, job, st):
+                st.scales.search(job.member, job.start, w, unit.scheme, self.opts.impl)  # the observer's pre-pass (none for min/max)
             if job.hold:
                 st.held.append((job, w))
             if job.end_of_pass:
@@ -384,7 +390,7 @@ class Executor:
                     self._quantize(unit, hjob, hw, st)
                 st.held.clear()
             return
-        if not needs_absmax_pass(unit.scheme) and not self._scales_show_nonfinite(unit):
+        if not needs_absmax_pass(unit.scheme, self.opts.observer) and not self._scales_show_nonfinite(unit):
             self._absmax(w, info, job, st)  # NaN/inf scan
         self._quantize(unit, job, w, st)
         if job.end_of_pass:
@@ -460,11 +466,9 @@ class Executor:
         if job.member == 0 and job.start == 0:  # calibrated tensors of modules that are not members (k_scale/v_scale)
             for name, t in self._calibrated_others(unit):
                 self._write(name, t.cpu())
-        try:
-            out = unit.scheme.quantize_rows(w, gs, impl=self.opts.impl, weight_scale=st.scales.weight_scale.get(job.member))
-        except ValueError as e:
-            self._check_unit(job.unit, st, now=True)  # on a GPU the NaN/inf checks are still pending: they explain a failure first
-            raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=str(info.file), tensor=info.name) from e
+        with self._refusing(unit, job, st):
+            ranges = st.scales.ranges(job.member, job.start, w, unit.scheme, self.opts.impl)  # None for min/max
+            out = unit.scheme.quantize_rows(w, gs, impl=self.opts.impl, weight_scale=st.scales.weight_scale.get(job.member), ranges=ranges)
         if self._scales_show_nonfinite(unit) and not bool(torch.isfinite(out["weight_scale"]).all()):
             raise_nonfinite(info)
         if self.opts.zeros is not None:
@@ -489,6 +493,16 @@ class Executor:
                 self._write_device([(prefix + key, t, 0) for key, t in self.opts.repack(unit.modules[job.member], whole).items()])
         self._progress((job.stop - job.start) * info.nbytes // max(1, info.shape[0]))
 
+    @contextlib.contextmanager
+    def _refusing(self, unit: WorkUnit, job: Read, st: _UnitState):
+        """A quantizer's or observer's ``ValueError`` as :class:`BadInputError` naming the file and tensor."""
+        try:
+            yield
+        except ValueError as e:
+            self._check_unit(job.unit, st, now=True)  # on a GPU the NaN/inf checks are still pending: they explain a failure first
+            info = self.ckpt.tensors[unit.sources[job.member]]
+            raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=str(info.file), tensor=info.name) from e
+
     def _whole_outputs(self, unit: WorkUnit, member: int, info: TensorInfo, st: _UnitState) -> dict[str, torch.Tensor]:
         """A member's tensors known once its last chunk is done: the format's whole-tensor outputs (NVFP4's
         ``weight_global_scale``, ``weight_shape``), its calibrated tensors, then the FP8 preset's ``weight_scale``."""
@@ -509,7 +523,7 @@ class Executor:
 
     def _scales_show_nonfinite(self, unit: WorkUnit) -> bool:
         """NaN/inf are found from the scales the C kernels return, not by a separate scan (Scheme.scale_flags_nonfinite)."""
-        return self.use_native and unit.scheme.scale_flags_nonfinite
+        return self.use_native and unit.scheme.scale_flags_nonfinite and self.opts.observer is None  # an observer's ranges: torch's quantizer
 
     def _progress(self, n: int) -> None:
         if self.opts.progress is not None:

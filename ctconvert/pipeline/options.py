@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import UsageError
-from ..options import OPTIONS, job_keys
+from ..options import OBSERVER_NAMES, OPTIONS, job_keys
 from ..plan.dense_dtype import DENSE_DTYPES
 
 __all__ = ["QuantizeOptions", "job_keys"]
@@ -38,6 +38,10 @@ class _Checked:
         if dense not in DENSE_DTYPES:
             raise UsageError(f"unknown --dense-dtype {self.dense_dtype!r}; choose one of {', '.join(DENSE_DTYPES)}")
         object.__setattr__(self, "dense_dtype", dense)
+        observer = str(self.observer).lower()
+        if observer not in OBSERVER_NAMES:
+            raise UsageError(f"unknown --observer {self.observer!r}; choose one of {', '.join(OBSERVER_NAMES)}")
+        object.__setattr__(self, "observer", observer)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

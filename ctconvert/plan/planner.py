@@ -97,6 +97,7 @@ class Plan:
     input_bytes: int
     views: dict[str, TensorInfo] = field(default_factory=dict)  # per-expert parts of split fused tensors, by name
     defaults: dict[str, int] = field(default_factory=dict)  # default rule -> modules it kept dense
+    observers: dict[str, str] = field(default_factory=dict)  # config group -> its weight observer, where not minmax (--observer)
 
     @property
     def quantized_modules(self) -> int:

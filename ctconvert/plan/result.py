@@ -71,6 +71,8 @@ class ConversionResult:
             d["parallel"] = self.parallel.to_dict()
         if self.dry_run and self.plan is not None:
             d["plan"] = self.plan.to_dict()
+            if self.plan.observers:  # --observer, per config group (min/max: today's plan)
+                d["plan"]["observers"] = dict(self.plan.observers)
             if self.parallel is not None:
                 for row in d["plan"]["tensors"]:
                     if (tp := self.max_tp_of(row["name"])) is not None:

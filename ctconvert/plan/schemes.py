@@ -90,14 +90,24 @@ class Scheme:
         return [(f"{module}.{part}", TORCH_TO_ST[dt], tuple(s)) for part, (dt, s) in outs.items()]
 
     def quantize_rows(
-        self, w: torch.Tensor, global_scale: torch.Tensor | None = None, impl: str = "auto", *, weight_scale: torch.Tensor | None = None
+        self,
+        w: torch.Tensor,
+        global_scale: torch.Tensor | None = None,
+        impl: str = "auto",
+        *,
+        weight_scale: torch.Tensor | None = None,
+        ranges: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Quantize a row chunk ``w`` ``[r, K]``; see :meth:`ctconvert.formats.base.WeightFormat.quantize`.
 
         ``global_scale``: NVFP4's fp32 ``[1]`` scale of the fused set; ``weight_scale``: the ``[1]`` per-tensor
         scale of float ``strategy: tensor`` weights (the ``FP8`` preset), known before any chunk
-        (:mod:`ctconvert.pipeline.scales`). The format takes either as the scale given in advance."""
-        return self.weight_format.quantize(w, self.weights, global_scale if weight_scale is None else weight_scale, impl)
+        (:mod:`ctconvert.pipeline.scales`). The format takes either as the scale given in advance.
+        ``ranges``: an observer's per-group ``(min, max)`` (D ``[r, G]``), in place of the chunk's own min/max."""
+        scale = global_scale if weight_scale is None else weight_scale
+        if ranges is None:
+            return self.weight_format.quantize(w, self.weights, scale, impl)
+        return self.weight_format.quantize(w, self.weights, scale, impl, ranges=ranges)
 
     def whole_tensor_outputs(self, shape: tuple[int, int], global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The outputs that belong to the whole tensor (``weight_shape``, ``weight_global_scale``)."""

@@ -6,13 +6,18 @@ devices, plans how the quantized modules split over tensor/expert-parallel ranks
 the ``quantization_config`` (compressed-tensors' serialization,
 :func:`ctconvert.checkpoint.config.build_quantization_config`; 2:4: compressed-tensors 0.14's,
 :func:`ctconvert.plan.sparsity.sparse_config`; the ``kv_cache_scheme`` of ``--kv-cache``) and hands
-the executor the calibrated tensors (``job.calibration``).
+the executor the calibrated tensors (``job.calibration``) and the weight observer of ``--observer``
+(:mod:`ctconvert.formats.observers`): each config group's scheme is checked to take it (else a
+:class:`~ctconvert.errors.UsageError` naming the group, the scheme and why), the plan names it per
+config group (``plan.observers``), and the config records it in the group's weights as llm-compressor
+does (``observer``, ``observer_kwargs``); ``minmax`` changes nothing.
 """
 
 from __future__ import annotations
 
 from ..checkpoint.config import build_quantization_config
 from ..errors import UsageError
+from ..formats.observers import WeightObserver, args_refusal, get_observer
 from ..layouts.versions import DEFAULT_LAYOUT_VERSION
 from ..pipeline.devices import resolve_devices
 from ..pipeline.executor import ExecOptions, map_input_default
@@ -34,11 +39,15 @@ class QuantizeStage(Stage):
     def __init__(self, o: QuantizeOptions):
         self.devices = resolve_devices(o.device)
         self.o = o
+        observer = get_observer(o.observer)
+        self.observer: WeightObserver | None = None if observer.name == "minmax" else observer
 
     def prepare(self, job: QuantizeJob) -> None:
         o = self.o
         job.devices = self.devices
         job.result.device = ",".join(map(str, self.devices))
+        if self.observer is not None:
+            self._check_observer(job)
         if o.dry_run or o.tp > 1 or o.ep is not None:
             self._parallel(job)
         if (warning := sparsity_warning(job.plan.scheme, o.target)) is not None:
@@ -57,6 +66,30 @@ class QuantizeStage(Stage):
         if not result.dry_run and (not report.ok or report.uneven):
             result.notes.append(report.summary())
 
+    def _check_observer(self, job: QuantizeJob) -> None:
+        """Refuse what ``--observer`` cannot honour, by name (:class:`UsageError`); name it per config group in the plan."""
+        o, name = self.o, self.observer.name
+        if o.sparsity:
+            raise UsageError(f"--observer {name} does not take --sparsity {o.sparsity}: 2:4 pruning is not what llm-compressor's observers search")
+        if o.kv_cache != "none":
+            raise UsageError(f"--observer {name} does not take --kv-cache {o.kv_cache} (calibrated scales are not searched by a weight observer yet)")
+        for group, (scheme, _) in job.plan.config_groups.items():
+            why = self._refusal(scheme)
+            if why is not None:
+                raise UsageError(f"--observer {name} cannot take scheme {scheme.name} (config group {group}): {why}")
+            job.plan.observers[group] = name
+
+    @staticmethod
+    def _refusal(scheme) -> str | None:
+        """Why the observers cannot take ``scheme``'s weights in this run (None: they can)."""
+        if scheme.needs_calibration:
+            return "its activation scales are calibrated, and a calibrated run with an observer is not implemented"
+        if scheme.weights.strategy == "tensor":
+            return "its per-tensor weight scale would need the whole tensor searched as one group"
+        if not scheme.weight_format.takes_ranges:
+            return f"its format {scheme.format.value} does not take an observer's ranges"
+        return args_refusal(scheme.weights)
+
     def run(self, job: QuantizeJob) -> None:
         o, plan = self.o, job.plan
         qconfig = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
@@ -64,6 +97,8 @@ class QuantizeStage(Stage):
             qconfig = sparse_config(qconfig, plan.scheme, list(o.targets or ["Linear"]), plan.ignore)
         if job.kv_cache_scheme is not None:
             qconfig["kv_cache_scheme"] = job.kv_cache_scheme
+        for group in plan.observers:  # as llm-compressor records it (none for min/max: today's config)
+            qconfig["config_groups"][group]["weights"].update(self.observer.config_fields())
         job.qconfig = qconfig
         job.exec = ExecOptions(
             device=self.devices[0],
@@ -74,4 +109,5 @@ class QuantizeStage(Stage):
             allow_nonfinite=o.allow_nonfinite,
             zeros=ZeroTracker(),
             calibrated=job.calibration.tensors if job.calibration is not None else {},
+            observer=self.observer,
         )

@@ -112,7 +112,7 @@ class WriteStage(Stage):
         }
         if o.sparsity:
             options["sparsity"] = o.sparsity
-        changed = {k: getattr(o, k) for k in ("keep_unclassified", "default_ignore", "quantize_mtp", "dense_dtype")}
+        changed = {k: getattr(o, k) for k in ("keep_unclassified", "default_ignore", "quantize_mtp", "dense_dtype", "observer")}
         options.update({k: v for k, v in changed.items() if v != getattr(_DEFAULTS, k)})  # only where not the default: earlier outputs keep their fingerprint
         return options
 

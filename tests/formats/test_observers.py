@@ -1,4 +1,4 @@
-"""The weight observers (ctconvert/formats/observers.py) against llm-compressor 0.14.0.1 and an independent reference.
+"""The weight observers (ctconvert/formats/observers/) against llm-compressor 0.14.0.1 and an independent reference.
 
 ``tests/data/observers/llmc_observers.safetensors`` is made by ``scripts/llmc_observer_reference.py`` with
 llm-compressor's own ``oneshot`` (separate venv): every case and run it holds is checked, every compressed
@@ -18,7 +18,8 @@ import torch
 from ctconvert.formats import WeightArgs, get_format
 from ctconvert.formats.fp4 import nvfp4_global_scale
 from ctconvert.formats.native import observe as native_observe
-from ctconvert.formats.observers import OBSERVERS, StopTracker, TensorSearch, _cast_to_fp4, _fp4_level, get_observer, grouped, range_absmax
+from ctconvert.formats.observers import OBSERVERS, StopTracker, TensorSearch, get_observer, grouped, range_absmax
+from ctconvert.formats.observers.fake_quant import cast_to_fp4, fp4_level
 
 REF = Path(__file__).resolve().parent.parent / "data" / "observers" / "llmc_observers.safetensors"
 #: llm-compressor's fused sets for one global scale (``observers/helpers.py: FUSED_LAYER_NAMES``, 0.14.0.1)
@@ -177,7 +178,7 @@ def _straight_search(w: torch.Tensor, args: WeightArgs, obs) -> tuple[torch.Tens
         elif args.num_bits == 8:
             r = t.to(torch.float8_e4m3fn).to(torch.float32)
         else:
-            r = _cast_to_fp4(t.clone())
+            r = cast_to_fp4(t.clone())
         q = _rd(_rd(r - z, d) * s, d)
         e = _rd(torch.pow(_rd(q - x, d).abs(), _rd(torch.tensor(obs.norm), d)), d)  # torch's pow of a D tensor: the exponent in D
         err = _rd(e.sum(-1), d)
@@ -226,16 +227,16 @@ def test_search_equals_straight_reference(name, args, dtype, seed):
     assert torch.equal(mn, rmn) and torch.equal(mx, rmx)
 
 
-def test_fp4_level_every_value():
+def testfp4_level_every_value():
     """The bucketized E2M1 level equals compressed-tensors' step-by-step cast on every bf16 and fp16 value."""
     for d in (torch.bfloat16, torch.float16):
         v = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(d)
         v = v[torch.isfinite(v)]
         a = v.abs()
-        assert torch.equal(_fp4_level(a), _cast_to_fp4(a.clamp(max=6).clone())), d
+        assert torch.equal(fp4_level(a), cast_to_fp4(a.clamp(max=6).clone())), d
     x = torch.randn(1 << 14, generator=torch.Generator().manual_seed(0)).abs() * 3
     x = torch.cat([x, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.0])])
-    assert torch.equal(_fp4_level(x), _cast_to_fp4(x.clamp(max=6).clone()))
+    assert torch.equal(fp4_level(x), cast_to_fp4(x.clamp(max=6).clone()))
 
 
 def test_row_chunks_equal_the_whole_tensor():

@@ -90,3 +90,30 @@ def test_fp8_weight_scales_do_not_depend_on_chunks_or_holding(tiny_llama, tmp_pa
     for t in tensors[1:]:
         assert t.keys() == tensors[0].keys()
         assert all(torch.equal(t[k].view(torch.uint8), tensors[0][k].view(torch.uint8)) for k in t)
+
+
+@pytest.mark.parametrize(("name", "observer"), [("NVFP4A16", "nvfp4_expanded_mse"), ("NVFP4A16", "memoryless_mse"), ("W4A16", "memoryless_mse")])
+def test_the_observers_pre_pass_equals_one_search_of_each_tensor(name, observer):
+    """With an observer, uneven row chunks through the pre-pass (``search``) give each chunk the ranges of one
+    search of its whole tensor, and NVFP4's set scale the absmax of every member's searched ranges."""
+    from ctconvert.formats.observers import OBSERVERS, range_absmax
+
+    scheme, obs = get_scheme(name), OBSERVERS[observer]
+    g = torch.Generator().manual_seed(1)
+    members = [(torch.randn(40, 256, generator=g) * s).to(torch.bfloat16) for s in (0.02, 0.07)]
+    scales = UnitScales(obs)
+    assert needs_absmax_pass(scheme, obs) is (scheme.global_scale or obs.needs_stop_pass)
+    for m, w in enumerate(members):
+        for r0 in range(0, 40, 13):
+            scales.observe(m, tensor_absmax(w[r0 : r0 + 13]))
+            scales.search(m, r0, w[r0 : r0 + 13], scheme)
+    scales.finish(scheme, torch.bfloat16, [w.dtype for w in members])
+    whole = [obs.ranges(w, scheme.weights) for w in members]
+    if scheme.global_scale:
+        want = nvfp4_global_scale(torch.stack([range_absmax(*r) for r in whole]).max(), torch.bfloat16)
+        assert torch.equal(scales.global_scale, want)
+    for m, w in enumerate(members):
+        for r0 in range(0, 40, 13):
+            mn, mx = scales.ranges(m, r0, w[r0 : r0 + 13], scheme)
+            assert torch.equal(mn, whole[m][0][r0 : r0 + 13]) and torch.equal(mx, whole[m][1][r0 : r0 + 13])
+    assert UnitScales().ranges(0, 0, members[0], scheme) is None  # min/max: the quantizers' own
