@@ -133,6 +133,7 @@ def _load_jobs(path: str | Path) -> list[dict]:
             q = Path(str(job[k])).expanduser()
             job[k] = os.path.normpath(os.path.abspath(q if q.is_absolute() else (p.parent / q)))
         try:
+            QuantizeOptions(**{OPTION_OF_KEY[k]: v for k, v in job.items() if k in OPTION_OF_KEY})  # the options' own checks (types, --dense-dtype ...)
             if job.get("sparsity"):  # 2:4: checked here, named as the user wrote it (plan/sparsity.py)
                 sparse_scheme(str(job["scheme"]), str(job["sparsity"]))
                 job["scheme"] = str(job["scheme"]).upper()
@@ -143,7 +144,6 @@ def _load_jobs(path: str | Path) -> list[dict]:
             else:
                 job["scheme"] = get_scheme(str(job["scheme"])).name
                 resolve_scheme(job["scheme"], job.get("group_size"), job.get("symmetric"))
-            QuantizeOptions(**{OPTION_OF_KEY[k]: v for k, v in job.items() if k in OPTION_OF_KEY})  # the options' own checks (--dense-dtype ...)
         except CTConvertError as e:
             raise UsageError(f"job {i}: {e}", file=p) from None
         jobs.append(job)

@@ -16,6 +16,7 @@ for ``--help``.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from ..errors import UsageError
 from ..options import OBSERVER_NAMES, OPTIONS, job_keys
@@ -28,6 +29,8 @@ class _Checked:
     """The behaviour of :class:`QuantizeOptions` (its fields come from the table)."""
 
     def __post_init__(self):
+        for o in OPTIONS.values():
+            _check_type(o, getattr(self, o.name))
         for name in ("targets", "ignore"):
             v = getattr(self, name)
             if isinstance(v, str):
@@ -56,6 +59,31 @@ class _Checked:
         if unknown:
             raise TypeError(f"unknown quantize option(s): {', '.join(unknown)}; the options are {', '.join(cls.names())}")
         return dataclasses.replace(base, **kw) if base is not None else cls(**kw)
+
+
+def _check_type(o, value) -> None:
+    """Refuse a value of the wrong type for option ``o`` (:class:`UsageError` naming it): a flag takes a boolean
+    (``"no"`` or ``"false"`` is a string, never read as one), a count an integer (``"64"`` is refused, not
+    compared), ``None`` only where the option's annotation allows it. The annotation is the table's."""
+    kinds = {k.strip() for k in o.annotation.split("|")}
+    if value is None and "None" in kinds:
+        return
+    if "bool" in kinds:
+        ok, what = isinstance(value, bool), "true or false"
+    elif "int" in kinds and "str" not in kinds:
+        ok, what = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        if ok and o.type == "int>=1" and value < 1:
+            ok, what = False, "an integer >= 1"
+    elif "int" in kinds:  # a size: "5GB" or a number of bytes
+        ok, what = isinstance(value, (str, int)) and not isinstance(value, bool), "a size (text like 5GB, or bytes)"
+    elif kinds & {"str", "Path"} and not any(k.startswith("tuple") for k in kinds):
+        ok, what = isinstance(value, (str, os.PathLike)), "text"
+    else:  # targets / ignore: a name or a list of names
+        ok = isinstance(value, str) or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value))
+        what = "a name or a list of names"
+    if not ok:
+        key = f" (job key {o.job_key})" if o.job_key and o.job_key != o.name else ""
+        raise UsageError(f"option {o.name}{key}: expected {what}, got {value!r}")
 
 
 QuantizeOptions = dataclasses.make_dataclass(

@@ -198,3 +198,39 @@ def test_batch_interrupt_hint_says_what_works_for_batch(tmp_path, stopped, shard
         assert last.endswith(f"partial data (3.0 MiB, no shard finished yet) is kept in {outs[stopped]}.partial: remove that folder, or run the batch again"), (
             last
         )
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("overwrite", "no", "option overwrite: expected true or false, got 'no'"),
+        ("dry_run", "false", "option dry_run: expected true or false, got 'false'"),
+        ("group_size", "64", "option group_size: expected an integer, got '64'"),
+        ("tp", "two", "option tp: expected an integer, got 'two'"),
+        ("tp", 0, "option tp: expected an integer >= 1, got 0"),
+        ("allow_non_finite", 1, "option allow_nonfinite (job key allow_non_finite): expected true or false, got 1"),
+    ],
+)
+def test_batch_refuses_a_value_of_the_wrong_type_before_any_job(tiny_llama, tmp_path, key, value, expected):
+    """A string is never read as a flag or a number (``overwrite: "no"`` once replaced an output): the jobs file is refused,
+    exit 2, with the error and summary lines; an existing output is left as it is."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    f = _jobs(tmp_path, [{"model": str(tiny_llama), "output": str(out), "scheme": "W4A16", key: value}])
+    r = CliRunner().invoke(main, ["--json", "batch", str(f)])
+    lines = [json.loads(x) for x in r.stdout.strip().splitlines()]
+    assert r.exit_code == 2 and f"job 0: {expected}" in r.stderr
+    assert [x["status"] for x in lines] == ["error", "summary"] and lines[1]["jobs"] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+def test_the_api_refuses_a_value_of_the_wrong_type(tiny_llama, tmp_path):
+    from ctconvert import api
+    from ctconvert.errors import UsageError
+
+    for kw, msg in ((dict(overwrite="no"), "option overwrite: expected true or false"), (dict(tp="2"), "option tp: expected an integer")):
+        with pytest.raises(UsageError, match=msg):
+            api.quantize(tiny_llama, tmp_path / "o", "W4A16", **kw)
+    assert not (tmp_path / "o").exists()
+    assert api.QuantizeOptions(max_shard_size=10_000_000, targets="Linear", symmetric=None, map_input=False).targets == ("Linear",)
