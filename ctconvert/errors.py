@@ -52,6 +52,15 @@ def plural(n: int, noun: str, many: str | None = None) -> str:
     return f"{n} {noun if n == 1 else many or noun + 's'}"
 
 
+def human_bytes(n: float) -> str:
+    """``n`` bytes in binary units, for every message and table that shows a size (``512 B``, ``1.50 GiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def agree(n: int, one: str, many: str) -> str:
     """The verb (or word) that agrees with a count: ``agree(n, "is", "are")``."""
     return one if n == 1 else many

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from .errors import plural
+from .errors import human_bytes, plural
 
 __all__ = ["convert", "decompress", "human", "inspect", "plan", "problems", "quantized", "repack", "schemes", "table", "verify"]
 
@@ -29,13 +29,8 @@ def problems(con, found: list[dict]) -> None:
         con.print(f"[{'red' if p['severity'] == 'error' else 'yellow'}]{p['severity']}[/]: {text}")
 
 
-def human(n: int) -> str:
-    """``n`` bytes in binary units (``512 B``, ``1.50 GiB``)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
+#: ``n`` bytes in binary units (``512 B``, ``1.50 GiB``): :func:`ctconvert.errors.human_bytes`
+human = human_bytes
 
 
 def table(ctx, columns: list[tuple[str, int]], rows: list[list[str]], title: str | None = None, caption: str | None = None, styles=None):

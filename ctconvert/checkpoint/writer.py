@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from .. import __version__
-from ..errors import STOP_SIGNALS, OutputError, UsageError, plural
+from ..errors import STOP_SIGNALS, OutputError, UsageError, human_bytes, plural
 from .hashing import HASH_NAME, shard_hash
 from .reader import CONFIG_NAME, INDEX_NAME
 from .safetensors_io import PlannedTensor, ShardFile
@@ -174,7 +174,7 @@ def free_space_problem(out: Path, needed: int) -> str | None:
         return None
     if free >= needed:
         return None
-    return f"not enough free space: the output needs {needed / 2**30:.2f} GiB and {parent} has {free / 2**30:.2f} GiB free"
+    return f"not enough free space: the output needs {human_bytes(needed)} and {parent} has {human_bytes(free)} free"
 
 
 def partial_folder(out: Path) -> Path:
