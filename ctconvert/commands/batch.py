@@ -40,6 +40,7 @@ from .. import jsonout
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, CTConvertError, UsageError
 from ..options import OPTIONS, job_keys
 from ..pipeline.options import QuantizeOptions
+from ..plan.recipe import read_recipe
 from ..plan.schemes import get_scheme, resolve_scheme
 from ..plan.sparsity import sparse_scheme
 
@@ -124,7 +125,7 @@ def _load_jobs(path: str | Path) -> list[dict]:
                 meant += [f"{k!r}: did you mean {close[0]!r}?"] if close else []
             hint = f" ({'; '.join(meant)})" if meant else ""
             raise UsageError(f"job {i}: unknown keys {sorted(unknown)}{hint}; a job takes {', '.join(sorted(ALLOWED))}", file=p)
-        for k in ("model", "output", "scheme"):
+        for k in ("model", "output") if job.get("recipe") else ("model", "output", "scheme"):  # a recipe says the schemes
             if k not in job:
                 raise UsageError(f"job {i}: missing {k!r}", file=p)
         for k in PATH_KEYS:  # relative paths are relative to the jobs file; normalised (no ./, .., //)
@@ -133,7 +134,12 @@ def _load_jobs(path: str | Path) -> list[dict]:
             q = Path(str(job[k])).expanduser()
             job[k] = os.path.normpath(os.path.abspath(q if q.is_absolute() else (p.parent / q)))
         try:
-            if job.get("sparsity"):  # 2:4: checked here, named as the user wrote it (plan/sparsity.py)
+            if job.get("recipe"):
+                if j.get("scheme") is not None:  # a default scheme gives way to a job's recipe
+                    raise UsageError("'recipe' and 'scheme' cannot be combined: the recipe's config groups say each module's scheme")
+                job["scheme"] = None
+                read_recipe(job["recipe"])
+            elif job.get("sparsity"):  # 2:4: checked here, named as the user wrote it (plan/sparsity.py)
                 sparse_scheme(str(job["scheme"]), str(job["sparsity"]))
                 job["scheme"] = str(job["scheme"]).upper()
             elif str(job["scheme"]).lower().endswith((".json", ".yaml", ".yml")):  # a QuantizationScheme file, relative to the jobs file too
