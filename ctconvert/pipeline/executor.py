@@ -64,7 +64,7 @@ from ..plan.planner import Plan, WorkUnit
 from .buffers import ByteBudget, PinnedPool
 from .casting import cast_chunk
 from .nonfinite import copy_nonfinite, raise_nonfinite
-from .scales import UnitScales, needs_absmax_pass
+from .scales import UnitScales, needs_absmax_pass, observer_of
 
 __all__ = ["DEFAULT_CHUNK_ELEMS", "DEFAULT_HOLD_BYTES", "ExecOptions", "Read", "execute", "make_reads", "split_units", "warm_up_shapes"]
 
@@ -105,10 +105,6 @@ class ExecOptions:
     observer: object | None = None  # --observer other than minmax: a ctconvert.formats.observers.WeightObserver (scales.py)
     group_observers: dict = field(default_factory=dict)  # config group -> its WeightObserver other than minmax (wins over observer)
 
-    def observer_of(self, unit: WorkUnit):
-        """The weight observer of ``unit`` (its config group's, else the run's; None: min/max)."""
-        return self.group_observers.get(unit.group, self.observer)
-
 
 @dataclass
 class Read:
@@ -148,7 +144,7 @@ def make_reads(ckpt: Checkpoint, plan: Plan, opts: ExecOptions):
             for step in [_chunk_rows(info, unit, opts.chunk_elems)]
             for r0 in range(0, info.shape[0], step)
         ]
-        if needs_absmax_pass(unit.scheme, opts.observer_of(unit)):
+        if needs_absmax_pass(unit.scheme, observer_of(opts, unit)):
             hold = sum(i.nbytes for i in infos) <= opts.hold_bytes
             for j, (m, r0, r1) in enumerate(chunks):
                 yield Read(ui, "amax", m, r0, r1, hold=hold, end_of_pass=j == len(chunks) - 1)
@@ -330,7 +326,7 @@ class Executor:
                         raise item
                     job, fut = item
                     data = fut.result()
-                    st = states.get(job.unit) or states.setdefault(job.unit, _UnitState(scales=UnitScales(self.opts.observer_of(self.plan.units[job.unit]))))
+                    st = states.get(job.unit) or states.setdefault(job.unit, _UnitState(scales=UnitScales(observer_of(self.opts, self.plan.units[job.unit]))))
                     self._handle(job, data, st)
                     if job.end_of_pass and job.kind == "quant":
                         states.pop(job.unit, None)
@@ -395,7 +391,7 @@ class Executor:
                     self._quantize(unit, hjob, hw, st)
                 st.held.clear()
             return
-        if not needs_absmax_pass(unit.scheme, self.opts.observer_of(unit)) and not self._scales_show_nonfinite(unit):
+        if not needs_absmax_pass(unit.scheme, observer_of(self.opts, unit)) and not self._scales_show_nonfinite(unit):
             self._absmax(w, info, job, st)  # NaN/inf scan
         self._quantize(unit, job, w, st)
         if job.end_of_pass:
@@ -528,7 +524,7 @@ class Executor:
 
     def _scales_show_nonfinite(self, unit: WorkUnit) -> bool:
         """NaN/inf are found from the scales the C kernels return, not by a separate scan (Scheme.scale_flags_nonfinite)."""
-        return self.use_native and unit.scheme.scale_flags_nonfinite and self.opts.observer_of(unit) is None  # an observer's ranges: torch's quantizer
+        return self.use_native and unit.scheme.scale_flags_nonfinite and observer_of(self.opts, unit) is None  # an observer's ranges: torch's quantizer
 
     def _progress(self, n: int) -> None:
         if self.opts.progress is not None:

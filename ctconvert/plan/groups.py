@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..checkpoint.naming import matches
-from .schemes import Scheme
+from .schemes import Scheme, get_scheme
+from .sparsity import sparse_scheme
 
 __all__ = ["ConfigGroup", "GroupAssignment"]
 
@@ -44,6 +45,16 @@ class GroupAssignment:
         for g in self.groups:
             for t in g.targets:
                 self._by_target[t] = g
+
+    @classmethod
+    def of(cls, scheme_name, targets: list[str] | None, groups: list[ConfigGroup] | None, sparsity=None, sparsity_target=None) -> GroupAssignment:
+        """A recipe's ``groups`` (named in the plan rows), else one group ``group_0`` of the preset ``scheme_name`` (or a
+        :class:`Scheme`; with ``sparsity``: :func:`~ctconvert.plan.sparsity.sparse_scheme`) and ``targets`` (default ``Linear``).
+        Raises :class:`~ctconvert.errors.UsageError` for an unknown scheme."""
+        if groups:
+            return cls(groups, named=True)
+        scheme = sparse_scheme(scheme_name, sparsity, sparsity_target) if sparsity else get_scheme(scheme_name)
+        return cls([ConfigGroup("group_0", scheme, tuple(targets) if targets else ("Linear",))])
 
     @property
     def targets(self) -> list[str]:

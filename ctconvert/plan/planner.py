@@ -47,12 +47,10 @@ from .decisions import Decisions, TensorDecision
 from .experts import fused_experts, settle_experts
 from .groups import ConfigGroup, GroupAssignment
 from .schemes import LM_HEAD_SCHEMES, Scheme, get_scheme, weight_problem
-from .sparsity import sparse_scheme
 
 __all__ = ["Plan", "TensorDecision", "WorkUnit", "make_plan"]
 
 _HEAD_GROUP = "lm_head"
-_MAIN_GROUP = "group_0"
 
 
 @dataclass
@@ -179,11 +177,8 @@ def make_plan(
         plan = make_plan(open_checkpoint("model/"), "W4A16")
         [r.action for r in plan.rows]   # 'quantize' | 'ignore' | 'copy' | 'split', one per tensor (and per expert part)
     """
-    if groups:
-        assign, scheme = GroupAssignment(groups, named=True), groups[0].scheme
-    else:
-        scheme = sparse_scheme(scheme_name, sparsity, sparsity_target) if sparsity else get_scheme(scheme_name)  # 2:4: plan/sparsity.py
-        assign = GroupAssignment([ConfigGroup(_MAIN_GROUP, scheme, tuple(targets) if targets else ("Linear",))])
+    assign = GroupAssignment.of(scheme_name, targets, groups, sparsity, sparsity_target)
+    scheme = assign.groups[0].scheme
     _refuse_quantized(ckpt)
     head_scheme = _head_scheme(lm_head)
     targets = assign.targets
