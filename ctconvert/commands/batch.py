@@ -30,7 +30,6 @@ The output is JSON Lines: one line per job, every line with the same keys
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, CTConvertError, UsageError
 from ..options import OPTIONS, job_keys
 from ..pipeline.options import QuantizeOptions
 from ..plan.recipe import read_recipe
-from ..plan.schemes import get_scheme, resolve_scheme
+from ..plan.schemes import get_scheme, read_document, resolve_scheme
 from ..plan.sparsity import sparse_scheme
 
 __all__ = ["ALLOWED", "LINE_KEYS", "OPTION_OF_KEY", "PATH_KEYS", "load_jobs", "run_jobs"]
@@ -93,20 +92,7 @@ def load_jobs(path: str | Path, emit: Callable | None = None) -> list[dict]:
 
 def _load_jobs(path: str | Path) -> list[dict]:
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise UsageError(f"cannot read the jobs file: {e.strerror or e}", file=p) from e
-    try:
-        if p.suffix == ".json":
-            doc = json.loads(text)
-        else:
-            import yaml
-
-            doc = yaml.safe_load(text)
-    except Exception as e:  # noqa: BLE001 - yaml and json raise different classes
-        first = " ".join(str(e).split())
-        raise UsageError(f"jobs file is not valid YAML/JSON ({first})", file=p) from e
+    doc = read_document(p, "the jobs file")
     if isinstance(doc, list):
         doc = {"jobs": doc}
     if not isinstance(doc, dict) or not isinstance(doc.get("jobs"), list):

@@ -26,14 +26,13 @@ a :class:`~ctconvert.errors.UsageError` naming the file.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
 from ..options import OBSERVER_NAMES
 from .groups import ConfigGroup
-from .schemes import get_scheme, scheme_from_dict
+from .schemes import get_scheme, read_document, scheme_from_dict
 
 __all__ = ["Recipe", "read_recipe"]
 
@@ -60,20 +59,7 @@ class Recipe:
 def read_recipe(path: str | Path) -> Recipe:
     """Read an llm-compressor recipe file (the forms of the module docstring). Raises :class:`UsageError`."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise UsageError(f"cannot read the recipe: {e.strerror or e}", file=p) from e
-    try:
-        if p.suffix == ".json":
-            doc = json.loads(text)
-        else:
-            import yaml
-
-            doc = yaml.safe_load(text)
-    except Exception as e:  # noqa: BLE001 - yaml and json raise different classes
-        raise UsageError(f"recipe is not valid YAML/JSON ({' '.join(str(e).split())})", file=p) from e
-    args = _modifier_args(doc, p)
+    args = _modifier_args(read_document(p, "the recipe"), p)
     unknown = sorted(set(args) - _TAKEN)
     if unknown:
         raise UsageError(f"QuantizationModifier argument {', '.join(unknown)} is not implemented by ctconvert (refused, not partly applied)", file=p)

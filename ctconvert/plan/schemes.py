@@ -31,6 +31,7 @@ __all__ = [
     "scheme_aliases",
     "scheme_from_dict",
     "scheme_from_file",
+    "read_document",
     "scheme_names",
     "weight_problem",
 ]
@@ -280,21 +281,27 @@ def scheme_from_file(path: str | Path) -> Scheme:
     or ``symmetric`` (the combinations whose bytes ctconvert writes bit for bit like compressed-tensors);
     anything else is a :class:`UsageError` naming what differs."""
     p = Path(path)
-    try:
-        text = p.read_text()
-        if p.suffix == ".json":
-            doc = json.loads(text)
-        else:
-            import yaml
-
-            doc = yaml.safe_load(text)
-    except OSError as e:
-        raise UsageError(f"cannot read the scheme file: {e.strerror or e}", file=p) from e
-    except Exception as e:  # noqa: BLE001 - yaml and json raise different classes
-        raise UsageError(f"scheme file is not valid JSON/YAML ({' '.join(str(e).split())})", file=p) from e
+    doc = read_document(p, "the scheme file", "JSON/YAML")
     if not isinstance(doc, dict) or not isinstance(doc.get("weights"), dict):
         raise UsageError("scheme file needs a compressed-tensors QuantizationScheme mapping with a 'weights' entry", file=p)
     return scheme_from_dict(doc, p)
+
+
+def read_document(p: Path, what: str, kinds: str = "YAML/JSON"):
+    """The parsed content of file ``p``: JSON for a ``.json`` name, else YAML. :class:`UsageError` naming the file:
+    ``cannot read {what}: ...`` or ``{what without 'the '} is not valid {kinds} (...)``."""
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise UsageError(f"cannot read {what}: {e.strerror or e}", file=p) from e
+    try:
+        if p.suffix == ".json":
+            return json.loads(text)
+        import yaml
+
+        return yaml.safe_load(text)
+    except Exception as e:  # noqa: BLE001 - yaml and json raise different classes
+        raise UsageError(f"{what.removeprefix('the ')} is not valid {kinds} ({' '.join(str(e).split())})", file=p) from e
 
 
 def scheme_from_dict(doc: dict, p: Path | None = None) -> Scheme:
