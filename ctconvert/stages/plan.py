@@ -67,6 +67,8 @@ class PlanStage(Stage):
             plan.ignore += [p for p in self.recipe.ignore if p not in plan.ignore]
         job.plan = plan
         job.result = ConversionResult.of_plan(plan, job.out, o.dry_run, source.original.total_bytes, ())  # the device: the quantize stage's
+        if self.recipe is not None:  # the result names every scheme of the recipe's groups: W4A16+FP8_DYNAMIC
+            job.result.scheme = "+".join(dict.fromkeys(s.name for s, _ in plan.config_groups.values()))
 
     def report(self, job: QuantizeJob) -> None:
         job.result.error = job.dry_error
