@@ -91,6 +91,8 @@ def _recipe(scheme, o: QuantizeOptions):
     if given:
         named = ", ".join("--" + k.replace("_", "-") for k in given)
         raise UsageError(f"--recipe cannot be combined with {named}: the recipe's QuantizationModifier says that (targets, ignore, observers ...)")
+    if o.target is not None:
+        raise UsageError(f"--recipe with --target {o.target}: a kernel-native layout of a recipe's output is not implemented; leave out --target")
     return read_recipe(o.recipe)
 
 

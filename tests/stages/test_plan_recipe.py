@@ -119,8 +119,10 @@ def test_what_the_recipe_decides_is_refused_beside_it(source, tmp_path):
     for kw, flag in ((dict(observer="memoryless_mse"), "--observer"), (dict(lm_head="fp8"), "--lm-head"), (dict(ignore=["x"]), "--ignore")):
         with pytest.raises(UsageError, match=f"--recipe cannot be combined with {flag}"):
             api.quantize(source, tmp_path / "b", None, recipe=recipe, **kw)
+    with pytest.raises(UsageError, match="--recipe with --target marlin: a kernel-native layout of a recipe's output is not implemented"):
+        api.quantize(source, tmp_path / "e", None, recipe=recipe, target="marlin")
     with pytest.raises(UsageError, match="no scheme"):
         api.quantize(source, tmp_path / "c", None)
     r = CliRunner().invoke(main, ["quantize", str(source), "-o", str(tmp_path / "d")])
     assert r.exit_code == 2 and "Missing option" in r.output
-    assert not any((tmp_path / x).exists() for x in "abcd")
+    assert not any((tmp_path / x).exists() for x in "abcde")
