@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..checkpoint.naming import is_generative, matches, tie_word_embeddings
 from ..checkpoint.reader import Checkpoint
 from ..errors import UnsupportedError, UsageError, agree, plural
 from ..pipeline.options import QuantizeOptions
 from ..plan.dense_dtype import apply_dense_dtype
+from ..plan.groups import GroupAssignment
 from ..plan.planner import Plan, TensorDecision, make_plan
 from ..plan.recipe import read_recipe
 from ..plan.result import ConversionResult
@@ -51,7 +53,10 @@ class PlanStage(Stage):
         rules = dict(keep_unclassified=o.keep_unclassified, default_ignore=o.default_ignore, quantize_mtp=o.quantize_mtp)
         plan_kw = dict(targets=_listed(o.targets), ignore=plan_ignore or None, lm_head=o.lm_head, lm_head_chunk_rows=o.lm_head_chunk_rows, **rules)
         if self.recipe is not None:  # its groups and ignore, applied literally (no default ignores), as oneshot applies it
-            plan_kw.update(groups=list(self.recipe.groups), ignore=list(self.recipe.ignore) + plan_ignore or None, default_ignore=False)
+            _refuse_tied_head(self.recipe, job.ckpt)
+            modules = {n.rpartition(".")[0] for n in job.ckpt.tensors}  # an ignore entry naming no module (lm_head of a tied model): config only
+            used = [p for p in self.recipe.ignore if any(matches(m, [p], is_linear=False) for m in modules)]
+            plan_kw.update(groups=list(self.recipe.groups), ignore=used + plan_ignore or None, default_ignore=False)
         if o.sparsity:
             if o.lm_head.lower() != "none":  # its sparsity_config would claim the head as 2:4 for loaders
                 raise UsageError("--lm-head cannot be combined with --sparsity: 2:4 is for the Linear layers of the blocks")
@@ -94,6 +99,20 @@ def _recipe(scheme, o: QuantizeOptions):
     if o.target is not None:
         raise UsageError(f"--recipe with --target {o.target}: a kernel-native layout of a recipe's output is not implemented; leave out --target")
     return read_recipe(o.recipe)
+
+
+def _refuse_tied_head(recipe, ckpt: Checkpoint) -> None:
+    """A recipe whose groups take ``lm_head`` of a model with tied embeddings (no ``lm_head`` tensor): llm-compressor unties
+    and quantizes it, which ctconvert does only with ``--lm-head``; refused by name rather than written dense."""
+    if "lm_head.weight" in ckpt.tensors or not tie_word_embeddings(ckpt.config) or not is_generative(ckpt.config):
+        return
+    hit = GroupAssignment(list(recipe.groups)).match("lm_head", True)
+    if hit is not None and matches("lm_head", list(recipe.ignore), is_linear=True) is None:
+        raise UsageError(
+            f"the recipe's config group {hit[0].name} ({hit[1]}) takes lm_head, which this model ties to its embeddings: llm-compressor "
+            "would untie and quantize it, ctconvert does not from a recipe; add lm_head to the recipe's ignore",
+            file=recipe.path,
+        )
 
 
 def _listed(names: tuple[str, ...] | None) -> list[str] | None:

@@ -126,3 +126,18 @@ def test_what_the_recipe_decides_is_refused_beside_it(source, tmp_path):
     r = CliRunner().invoke(main, ["quantize", str(source), "-o", str(tmp_path / "d")])
     assert r.exit_code == 2 and "Missing option" in r.output
     assert not any((tmp_path / x).exists() for x in "abcde")
+
+
+def test_a_tied_head_the_recipe_takes_is_refused(tmp_path):
+    """llm-compressor unties and quantizes a tied lm_head that a group's targets take; ctconvert refuses it by name."""
+    from conftest import LLAMA_CONFIG, llama_tensors
+
+    cfg = {**LLAMA_CONFIG, "tie_word_embeddings": True}
+    t = {k: v for k, v in llama_tensors(cfg).items() if k != "lm_head.weight"}
+    src = write_checkpoint(tmp_path / "tied", t, cfg)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      scheme: W4A16\n      targets: [Linear]\n")
+    with pytest.raises(UsageError, match=r"config group group_0 \(Linear\) takes lm_head, which this model ties"):
+        api.quantize(src, tmp_path / "out", None, recipe=recipe)
+    recipe.write_text(recipe.read_text() + "      ignore: [lm_head]\n")
+    assert api.quantize(src, None, None, recipe=recipe, dry_run=True).quantized_modules == 14
