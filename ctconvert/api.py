@@ -72,7 +72,8 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, options: Q
     Args:
         scheme: a compressed-tensors preset name (:func:`schemes`), or the path of a ``.json``/``.yaml``
             file holding a compressed-tensors ``QuantizationScheme`` (a preset, or W4A16/W8A16 with
-            another ``group_size``/``symmetric``).
+            another ``group_size``/``symmetric``); None with ``recipe`` (an llm-compressor recipe file, whose
+            config groups say each module's scheme).
         progress: a callable ``(total_bytes) -> context manager with .update(n)``; one that also takes
             keywords ``unit`` and ``desc`` is called for calibration too, as ``(layers, unit="layer",
             desc="calibrate (N x L tokens)")``, and told each decoder layer calibrated (``update(1)``).
@@ -97,7 +98,7 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, options: Q
         print(r.quantized_modules, r.output_bytes)
     """
     o = QuantizeOptions.from_kwargs(options, **kw)
-    plain = o.group_size is None and o.symmetric is None and o.target is None
+    plain = o.group_size is None and o.symmetric is None and o.target is None and o.recipe is None
     source = _opened(src)
     lossless, why = source.lossless_scheme(scheme) if plain and source is not None else (False, None)
     if lossless:

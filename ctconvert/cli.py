@@ -209,6 +209,8 @@ def quantize(ctx: _Ctx, src, output, scheme, all_layers, **given):
     from . import api
 
     target, dry_run = given["target"], given["dry_run"]
+    if scheme is None and not given["recipe"]:
+        raise click.UsageError("Missing option '-s' / '--scheme' (or --recipe FILE.yaml).")
     _need_output(output, dry_run)
     if target is None and (given["layout_version"] or given["act_dtype"]):
         named = " and ".join(o for o, v in (("--layout-version", given["layout_version"]), ("--act-dtype", given["act_dtype"])) if v)

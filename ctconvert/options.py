@@ -223,6 +223,20 @@ _QUANTIZE = (
         "QuantizationArgs. :class:`UsageError` for a scheme or option it cannot honour (a block or per-tensor scheme, calibrated "
         "activations, ``kv_cache``, ``sparsity``).",
     ),
+    Option(
+        "recipe",
+        None,
+        help="An llm-compressor recipe (YAML/JSON): one QuantizationModifier with config_groups or scheme, targets, ignore, "
+        "per-group weight observers; several schemes in one output. Instead of --scheme.",
+        type="file",
+        annotation="str | Path | None",
+        doc="the path of an llm-compressor 0.14 recipe (:mod:`ctconvert.plan.recipe`: ``quant_stage: quant_modifiers: "
+        "QuantizationModifier:``), used instead of ``scheme`` (pass ``scheme=None``): each Linear takes the scheme of the config "
+        "group whose targets match it (compressed-tensors' rule), the recipe's ``ignore`` and observers apply, and the defaults "
+        "(lm_head, routers ...) do not (the recipe is applied as ``oneshot`` applies it). :class:`UsageError` for what ctconvert "
+        "does not implement (another modifier, an argument, a calibrated scheme), named, and with ``scheme``, ``targets``, "
+        "``ignore``, ``lm_head``, ``observer``, ``sparsity``, ``group_size``/``symmetric`` or ``kv_cache``.",
+    ),
     _choice(
         "dense_dtype",
         "keep",
@@ -409,7 +423,6 @@ _SCHEME = Option(
     "W4AFP8; calibrated: NVFP4, FP8, W8A8_STATIC, W8A8_STATIC_ASYM (DENSE: with --sparsity only); or a .json/.yaml file holding a "
     "compressed-tensors QuantizationScheme.",
     flags=("-s", "--scheme"),
-    required=True,
     field=False,
 )
 _ALL_LAYERS = Option("all_layers", False, help="With --dry-run: list every tensor (default: each when <= 60, else a summary).", type="flag", field=False)
@@ -425,6 +438,7 @@ COMMANDS: dict[str, tuple[Option, ...]] = {
         _O["group_size"],
         _O["symmetric"],
         _O["observer"],
+        _O["recipe"],
         _O["lm_head"],
         _O["targets"],
         _O["ignore"],

@@ -86,18 +86,21 @@ def plan(ctx, result, target=None, all_rows: bool = False) -> None:
     ``target``: ``(target, layout_version, act_dtype)`` of ``quantize --target``."""
     plan = result.plan
     sourced = any(getattr(r, "source", None) for r in plan.rows)  # a quantized input: the format each tensor comes from
-    cols = [("tensor", 0), ("dtype", 3), ("shape", 2), *([("source", 2)] if sourced else []), ("action", 0), ("scheme", 5), ("max TP", 4)]
+    grouped = any(getattr(r, "group", None) for r in plan.rows)  # a recipe: each quantized tensor's config group
+    cols = [("tensor", 0), ("dtype", 3), ("shape", 2), *([("source", 2)] if sourced else []), ("action", 0), ("scheme", 5)]
+    cols += [*([("group", 5)] if grouped else []), ("max TP", 4)]
     cols.append(("fused set / reason", 1))
     max_tp = getattr(result, "max_tp_of", lambda name: None)
     tps = [max_tp(r.name) for r in plan.rows]
     rows = [
-        [r.name, r.dtype, "x".join(map(str, r.shape)), *([r.source or "dense"] if sourced else []), r.action, r.scheme or "", "" if tp is None else str(tp)]
+        [r.name, r.dtype, "x".join(map(str, r.shape)), *([r.source or "dense"] if sourced else []), r.action, r.scheme or ""]
+        + [*([r.group or ""] if grouped else []), "" if tp is None else str(tp)]
         + [_with_cast(r.fused_set or r.reason or "", r)]
         for r, tp in zip(plan.rows, tps)
     ]
     styles = [{"quantize": "green", "convert": "green", "ignore": "yellow", "drop": "red"}.get(r.action) for r in plan.rows]
     con = ctx.console()
-    title = f"plan: {plan.scheme.name} ({plan.format})"
+    title = f"plan: {result.scheme if grouped else plan.scheme.name} ({plan.format})"
     if observers := getattr(plan, "observers", None):
         title += ", observer " + ", ".join(f"{name} (config group {g})" for g, name in observers.items())
     if target:

@@ -82,7 +82,7 @@ def test_quantize_options_are_the_table():
 def test_batch_keys_are_the_tables():
     assert job_keys() == {o.job_key or o.name: o.name for o in OPTIONS.values()}
     assert batch.ALLOWED == {"model", "output", "scheme", *job_keys()}
-    assert batch.PATH_KEYS == ("model", "output", "calibration")
+    assert batch.PATH_KEYS == ("model", "output", "recipe", "calibration")
 
 
 def test_the_api_doc_names_every_option():

@@ -30,7 +30,6 @@ The output is JSON Lines: one line per job, every line with the same keys
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import time
 from collections.abc import Callable
@@ -40,7 +39,8 @@ from .. import jsonout
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, CTConvertError, UsageError
 from ..options import OPTIONS, job_keys
 from ..pipeline.options import QuantizeOptions
-from ..plan.schemes import get_scheme, resolve_scheme
+from ..plan.recipe import read_recipe
+from ..plan.schemes import get_scheme, read_document, resolve_scheme
 from ..plan.sparsity import sparse_scheme
 
 __all__ = ["ALLOWED", "LINE_KEYS", "OPTION_OF_KEY", "PATH_KEYS", "load_jobs", "run_jobs"]
@@ -92,20 +92,7 @@ def load_jobs(path: str | Path, emit: Callable | None = None) -> list[dict]:
 
 def _load_jobs(path: str | Path) -> list[dict]:
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise UsageError(f"cannot read the jobs file: {e.strerror or e}", file=p) from e
-    try:
-        if p.suffix == ".json":
-            doc = json.loads(text)
-        else:
-            import yaml
-
-            doc = yaml.safe_load(text)
-    except Exception as e:  # noqa: BLE001 - yaml and json raise different classes
-        first = " ".join(str(e).split())
-        raise UsageError(f"jobs file is not valid YAML/JSON ({first})", file=p) from e
+    doc = read_document(p, "the jobs file")
     if isinstance(doc, list):
         doc = {"jobs": doc}
     if not isinstance(doc, dict) or not isinstance(doc.get("jobs"), list):
@@ -124,7 +111,7 @@ def _load_jobs(path: str | Path) -> list[dict]:
                 meant += [f"{k!r}: did you mean {close[0]!r}?"] if close else []
             hint = f" ({'; '.join(meant)})" if meant else ""
             raise UsageError(f"job {i}: unknown keys {sorted(unknown)}{hint}; a job takes {', '.join(sorted(ALLOWED))}", file=p)
-        for k in ("model", "output", "scheme"):
+        for k in ("model", "output") if job.get("recipe") else ("model", "output", "scheme"):  # a recipe says the schemes
             if k not in job:
                 raise UsageError(f"job {i}: missing {k!r}", file=p)
         for k in PATH_KEYS:  # relative paths are relative to the jobs file; normalised (no ./, .., //)
@@ -134,7 +121,12 @@ def _load_jobs(path: str | Path) -> list[dict]:
             job[k] = os.path.normpath(os.path.abspath(q if q.is_absolute() else (p.parent / q)))
         try:
             QuantizeOptions(**{OPTION_OF_KEY[k]: v for k, v in job.items() if k in OPTION_OF_KEY})  # the options' own checks (types, --dense-dtype ...)
-            if job.get("sparsity"):  # 2:4: checked here, named as the user wrote it (plan/sparsity.py)
+            if job.get("recipe"):
+                if j.get("scheme") is not None:  # a default scheme gives way to a job's recipe
+                    raise UsageError("'recipe' and 'scheme' cannot be combined: the recipe's config groups say each module's scheme")
+                job["scheme"] = None
+                read_recipe(job["recipe"])
+            elif job.get("sparsity"):  # 2:4: checked here, named as the user wrote it (plan/sparsity.py)
                 sparse_scheme(str(job["scheme"]), str(job["sparsity"]))
                 job["scheme"] = str(job["scheme"]).upper()
             elif str(job["scheme"]).lower().endswith((".json", ".yaml", ".yml")):  # a QuantizationScheme file, relative to the jobs file too

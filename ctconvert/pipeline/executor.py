@@ -64,7 +64,7 @@ from ..plan.planner import Plan, WorkUnit
 from .buffers import ByteBudget, PinnedPool
 from .casting import cast_chunk
 from .nonfinite import copy_nonfinite, raise_nonfinite
-from .scales import UnitScales, needs_absmax_pass
+from .scales import UnitScales, needs_absmax_pass, observer_of
 
 __all__ = ["DEFAULT_CHUNK_ELEMS", "DEFAULT_HOLD_BYTES", "ExecOptions", "Read", "execute", "make_reads", "split_units", "warm_up_shapes"]
 
@@ -103,6 +103,7 @@ class ExecOptions:
     zeros: object | None = None  # a ctconvert.pipeline.zeros.ZeroTracker: rows quantized to all zeros from non-zero values
     calibrated: dict = field(default_factory=dict)  # module -> {part: tensor} (input scales, k_scale/v_scale)
     observer: object | None = None  # --observer other than minmax: a ctconvert.formats.observers.WeightObserver (scales.py)
+    group_observers: dict = field(default_factory=dict)  # config group -> its WeightObserver other than minmax (wins over observer)
 
 
 @dataclass
@@ -143,7 +144,7 @@ def make_reads(ckpt: Checkpoint, plan: Plan, opts: ExecOptions):
             for step in [_chunk_rows(info, unit, opts.chunk_elems)]
             for r0 in range(0, info.shape[0], step)
         ]
-        if needs_absmax_pass(unit.scheme, opts.observer):
+        if needs_absmax_pass(unit.scheme, observer_of(opts, unit)):
             hold = sum(i.nbytes for i in infos) <= opts.hold_bytes
             for j, (m, r0, r1) in enumerate(chunks):
                 yield Read(ui, "amax", m, r0, r1, hold=hold, end_of_pass=j == len(chunks) - 1)
@@ -325,7 +326,7 @@ class Executor:
                         raise item
                     job, fut = item
                     data = fut.result()
-                    st = states.get(job.unit) or states.setdefault(job.unit, _UnitState(scales=UnitScales(self.opts.observer)))
+                    st = states.get(job.unit) or states.setdefault(job.unit, _UnitState(scales=UnitScales(observer_of(self.opts, self.plan.units[job.unit]))))
                     self._handle(job, data, st)
                     if job.end_of_pass and job.kind == "quant":
                         states.pop(job.unit, None)
@@ -390,7 +391,7 @@ class Executor:
                     self._quantize(unit, hjob, hw, st)
                 st.held.clear()
             return
-        if not needs_absmax_pass(unit.scheme, self.opts.observer) and not self._scales_show_nonfinite(unit):
+        if not needs_absmax_pass(unit.scheme, observer_of(self.opts, unit)) and not self._scales_show_nonfinite(unit):
             self._absmax(w, info, job, st)  # NaN/inf scan
         self._quantize(unit, job, w, st)
         if job.end_of_pass:
@@ -523,7 +524,7 @@ class Executor:
 
     def _scales_show_nonfinite(self, unit: WorkUnit) -> bool:
         """NaN/inf are found from the scales the C kernels return, not by a separate scan (Scheme.scale_flags_nonfinite)."""
-        return self.use_native and unit.scheme.scale_flags_nonfinite and self.opts.observer is None  # an observer's ranges: torch's quantizer
+        return self.use_native and unit.scheme.scale_flags_nonfinite and observer_of(self.opts, unit) is None  # an observer's ranges: torch's quantizer
 
     def _progress(self, n: int) -> None:
         if self.opts.progress is not None:

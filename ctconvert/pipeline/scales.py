@@ -35,13 +35,19 @@ from ..formats.fp4 import nvfp4_global_scale
 from ..formats.fp8 import fp8_scale
 from ..formats.observers import TensorSearch, WeightObserver
 
-__all__ = ["UnitScales", "fp8_tensor_scale", "needs_absmax_pass", "per_tensor_scale", "search_impl"]
+__all__ = ["UnitScales", "fp8_tensor_scale", "needs_absmax_pass", "observer_of", "per_tensor_scale", "search_impl"]
 
 
 def per_tensor_scale(scheme) -> bool:
     """Whether ``scheme`` (a :class:`~ctconvert.plan.schemes.Scheme`) quantizes each weight with one scale
     known before its chunks: float weights of ``strategy: tensor`` (the ``FP8`` preset)."""
     return scheme.weights.strategy == "tensor" and scheme.weights.type == "float"
+
+
+def observer_of(opts, unit):
+    """The weight observer of work ``unit`` under executor options ``opts`` (:class:`~ctconvert.pipeline.executor.ExecOptions`):
+    its config group's (a recipe's, ``group_observers``), else the run's (``observer``; None: min/max)."""
+    return opts.group_observers.get(unit.group, opts.observer)
 
 
 def needs_absmax_pass(scheme, observer: WeightObserver | None = None) -> bool:

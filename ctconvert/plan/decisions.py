@@ -27,6 +27,7 @@ class TensorDecision:
     source: str | None = None  # the source format a quantized input's tensor is dequantized from (requantize)
     slice_of: str | None = None  # a per-expert part: the stored fused tensor it is a slice of
     cast: str | None = None  # a copied tensor written in another dtype: "fp32->bf16" (--dense-dtype)
+    group: str | None = None  # the config group of a quantized tensor (a recipe's plan; None with one --scheme)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Decisions:
 
     rows: dict[str, TensorDecision] = field(default_factory=dict)
     to_quantize: dict[str, str] = field(default_factory=dict)  # tensor name -> module
+    group_of: dict[str, str] = field(default_factory=dict)  # tensor name to quantize -> its config group
     ignored: list[str] = field(default_factory=list)  # modules listed in ignore
     notes: list[str] = field(default_factory=list)
     head_name: str | None = None

@@ -45,13 +45,12 @@ from ..formats import CompressionFormat
 from ..options import DEFAULT_LM_HEAD_CHUNK_ROWS
 from .decisions import Decisions, TensorDecision
 from .experts import fused_experts, settle_experts
-from .schemes import LM_HEAD_SCHEMES, Scheme, get_scheme
-from .sparsity import sparse_scheme
+from .groups import ConfigGroup, GroupAssignment
+from .schemes import LM_HEAD_SCHEMES, Scheme, get_scheme, weight_problem
 
 __all__ = ["Plan", "TensorDecision", "WorkUnit", "make_plan"]
 
 _HEAD_GROUP = "lm_head"
-_MAIN_GROUP = "group_0"
 
 
 @dataclass
@@ -150,6 +149,7 @@ def make_plan(
     keep_unclassified: bool = False,
     default_ignore: bool = True,
     quantize_mtp: bool = False,
+    groups: list[ConfigGroup] | None = None,
 ) -> Plan:
     """Decide every tensor's fate. Raises before any data is read.
 
@@ -168,17 +168,20 @@ def make_plan(
     ``targets`` names (by name or ``re:`` pattern, not ``Linear``) is quantized
     even where a default would keep it dense; ``default_ignore=False`` drops
     every default (``lm_head``, routers, towers, MTP, Linear outside the
-    blocks). MTP layers stay dense unless ``quantize_mtp``.
+    blocks). MTP layers stay dense unless ``quantize_mtp``. ``groups`` (a recipe, :mod:`.recipe`): several config
+    groups in place of ``scheme_name``/``targets``, each module taking its group's scheme by compressed-tensors'
+    rule (:class:`~ctconvert.plan.groups.GroupAssignment`); a fused set split over two groups is a :class:`UsageError`.
 
     Example::
 
         plan = make_plan(open_checkpoint("model/"), "W4A16")
         [r.action for r in plan.rows]   # 'quantize' | 'ignore' | 'copy' | 'split', one per tensor (and per expert part)
     """
-    scheme = sparse_scheme(scheme_name, sparsity, sparsity_target) if sparsity else get_scheme(scheme_name)  # 2:4: plan/sparsity.py
+    assign = GroupAssignment.of(scheme_name, targets, groups, sparsity, sparsity_target)
+    scheme = assign.groups[0].scheme
     _refuse_quantized(ckpt)
     head_scheme = _head_scheme(lm_head)
-    targets = list(targets) if targets else ["Linear"]
+    targets = assign.targets
     user_ignore = list(ignore or [])
     _check_patterns(targets + user_ignore)
 
@@ -188,17 +191,17 @@ def make_plan(
     modules = frozenset(n[: -len(".weight")] for n in tensors if n.endswith(".weight"))
     rules = _Rules(ckpt.config, default_ignore, quantize_mtp, head_scheme is not None, skip_incompatible, modules)
     for name in _file_order(tensors):
-        _decide(d, name, tensors[name], scheme, targets, user_ignore, rules)
+        _decide(d, name, tensors[name], assign, user_ignore, rules)
     _refuse_uncalibratable_mtp(d, scheme, ckpt.config)
     fused = settle_experts(d, fused, ckpt.tensors)
     tensors = _with_parts(ckpt.tensors, fused)
     order = _file_order(tensors)
     _explain_copies(d, order, tensors, targets, user_ignore, keep_unclassified)
     _check_pattern_use(d, tensors, targets, user_ignore)
-    sets = _fused_sets(d, tensors, scheme)
-    units = _units(d, order, tensors, sets, scheme, head_scheme, lm_head_chunk_rows)
+    sets = _fused_sets(d, tensors, assign)
+    units = _units(d, order, tensors, sets, assign, head_scheme, lm_head_chunk_rows)
     config_updates = _plan_head(d, ckpt, units, head_scheme, lm_head_chunk_rows)
-    config_groups = _config_groups(d, scheme, head_scheme, targets)
+    config_groups = _config_groups(d, assign, head_scheme)
     ignore_list = _ignore_list(d, order, tensors, user_ignore, ckpt.config)
     return Plan(
         scheme=scheme,
@@ -214,8 +217,9 @@ def make_plan(
     )
 
 
-def _config_groups(d: Decisions, scheme: Scheme, head_scheme: Scheme | None, targets: list[str]) -> dict[str, tuple[Scheme, list[str]]]:
-    """The ``quantization_config`` groups: the head's (when quantized) and the main one; raises when there is nothing to quantize."""
+def _config_groups(d: Decisions, assign: GroupAssignment, head_scheme: Scheme | None) -> dict[str, tuple[Scheme, list[str]]]:
+    """The ``quantization_config`` groups: the head's (when quantized) and each group that quantizes a tensor; raises when there is nothing to quantize."""
+    scheme = assign.groups[0].scheme
     config_groups: dict[str, tuple[Scheme, list[str]]] = {}
     if head_scheme is not None:
         # The head gets its own group targeting it by name. Both compressed-tensors
@@ -223,8 +227,8 @@ def _config_groups(d: Decisions, scheme: Scheme, head_scheme: Scheme | None, tar
         # match names before the class name "Linear", so the head takes this
         # group whatever the group order (docs/compressed-tensors-format.md §7.5, docs/field-notes.md F6).
         config_groups[_HEAD_GROUP] = (head_scheme, _head_targets(d.head_name))
-    if d.to_quantize:
-        config_groups[_MAIN_GROUP] = (scheme, targets)
+    used = set(d.group_of.values())
+    config_groups.update({g.name: (g.scheme, list(g.targets)) for g in assign.groups if g.name in used})
     if not config_groups:
         skipped = [r for r in d.rows.values() if r.reason and r.reason.endswith("(skipped: --skip-incompatible)")]
         if skipped:
@@ -334,7 +338,7 @@ def _check_pattern_use(d: Decisions, tensors: dict[str, TensorInfo], targets: li
 # -- phase 2: every tensor ------------------------------------------------------------
 
 
-def _decide(d: Decisions, name: str, info: TensorInfo, scheme: Scheme, targets: list[str], user_ignore: list[str], rules: _Rules) -> None:
+def _decide(d: Decisions, name: str, info: TensorInfo, assign: GroupAssignment, user_ignore: list[str], rules: _Rules) -> None:
     """Record one tensor's decision in ``d`` (a tensor left ``copy`` without a reason is explained, or refused, in phase 2c).
 
     A module named by an explicit target (a name or ``re:`` pattern) is quantized even where a
@@ -352,8 +356,8 @@ def _decide(d: Decisions, name: str, info: TensorInfo, scheme: Scheme, targets: 
         if default is not None:
             d.defaults[default] = d.defaults.get(default, 0) + 1
 
-    explicit = matches(module, [t for t in targets if t != "Linear"], is_linear=linear)
-    hit = explicit or matches(module, targets, is_linear=linear)
+    group, hit = assign.match(module, linear) or (assign.groups[0], None)
+    explicit, scheme = (hit if hit != "Linear" else None), group.scheme
     user = matches(module, user_ignore, is_linear=linear)
     if DEFAULT_IGNORE_PATTERNS["lm_head"].search(module) and linear:
         d.head_name = name
@@ -372,7 +376,7 @@ def _decide(d: Decisions, name: str, info: TensorInfo, scheme: Scheme, targets: 
         return keep_dense(f"{default} (default)", default=default)
     if user is not None:
         return keep_dense(f"--ignore {user}", listed=linear)
-    problem = _shape_problem(info, scheme)
+    problem = weight_problem(info.dtype, info.shape, scheme)
     if problem is not None:
         if not rules.skip_incompatible:
             part = f"its per-expert part {name}: " if info.base else ""  # named by the stored tensor, which the user can find
@@ -390,8 +394,8 @@ def _decide(d: Decisions, name: str, info: TensorInfo, scheme: Scheme, targets: 
         keep_dense(problem + " (skipped: --skip-incompatible)")
         d.notes.append(f"{name}: {problem}; kept dense and listed in ignore")
         return
-    d.to_quantize[name] = module
-    row.action, row.scheme = "quantize", scheme.name
+    d.to_quantize[name], d.group_of[name] = module, group.name
+    row.action, row.scheme, row.group = "quantize", scheme.name, group.name if assign.named else None
 
 
 def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
@@ -421,24 +425,6 @@ def _refuse_uncalibratable_mtp(d: Decisions, scheme: Scheme, config: dict) -> No
             "the model's own decoder layers and the MTP layer is not one of them (no token reaches it); leave out --quantize-mtp "
             "(it stays dense) or use a weight-only or dynamic scheme (NVFP4A16, W4A16, FP8_DYNAMIC)"
         )
-
-
-def _shape_problem(info: TensorInfo, scheme: Scheme) -> str | None:
-    """Why ``scheme`` cannot take this targeted weight, or None."""
-    if info.dtype not in FLOAT_DTYPES:
-        return f"dtype {info.dtype} is not bf16/fp16/fp32"
-    if len(info.shape) != 2:
-        return f"{len(info.shape)}-D weight {list(info.shape)}; only 2-D Linear weights can be quantized"
-    n_rows, k = info.shape
-    if hasattr(scheme, "shape_problem"):  # a scheme with its own loader rules (2:4 sparsity)
-        return scheme.shape_problem(n_rows, k)
-    block = scheme.weights.strategy == "block"
-    if k % scheme.k_multiple:
-        what = "block width" if block else "group size"
-        return f"K={k} is not a multiple of the {what} {scheme.k_multiple} of {scheme.name}"
-    if n_rows % scheme.n_multiple:
-        return f"N={n_rows} is not a multiple of the block height {scheme.n_multiple} of {scheme.name} (transformers and vLLM need whole blocks)"
-    return None
 
 
 # -- phase 2b: fused 3-D experts ---------------------------------------------------------------
@@ -490,8 +476,8 @@ def _explain_copies(
 _SKIPPED = " (skipped: --skip-incompatible)"  # the reason suffix of a weight --skip-incompatible kept dense
 
 
-def _fused_sets(d: Decisions, tensors: dict[str, TensorInfo], scheme: Scheme) -> dict[tuple, list[str]]:
-    """Members to quantize grouped by fused set; a set is all-quantized or all-dense (else ``UsageError``)."""
+def _fused_sets(d: Decisions, tensors: dict[str, TensorInfo], assign: GroupAssignment) -> dict[tuple, list[str]]:
+    """Members to quantize grouped by fused set; a set is all-quantized or all-dense, in one config group (else ``UsageError``)."""
     sets: dict[tuple, list[str]] = {}
     for name, module in d.to_quantize.items():
         key = fused_key(module)
@@ -509,7 +495,7 @@ def _fused_sets(d: Decisions, tensors: dict[str, TensorInfo], scheme: Scheme) ->
                     why = f"fused with {', '.join(skipped)} in {label}, which the scheme cannot take; vLLM loads a fused layer with one scheme"
                     row = d.rows[name]
                     row.action, row.scheme, row.reason = "ignore", None, f"{why}{_SKIPPED}"
-                    del d.to_quantize[name]
+                    del d.to_quantize[name], d.group_of[name]
                     d.ignored.append(name[: -len(".weight")])
                     d.notes.append(f"{name}: {why}; kept dense and listed in ignore")
                 del sets[(parent, members)]
@@ -518,8 +504,13 @@ def _fused_sets(d: Decisions, tensors: dict[str, TensorInfo], scheme: Scheme) ->
                 f"fused set {fused_set_name(parent, members)} is only partly quantized ({', '.join(dense)} would stay dense); "
                 "vLLM needs one scheme per fused layer: ignore all of its members or none"
             )
+        if len(split := sorted({d.group_of[n] for n in names})) > 1:
+            raise UsageError(
+                f"fused set {fused_set_name(parent, members)} is split over config groups {', '.join(split)}; vLLM loads a fused layer "
+                "with one scheme: give all of its members one group's targets"
+            )
         missing = [m for m in members if m not in present]
-        if missing and scheme.global_scale:
+        if missing and assign.group(d.group_of[names[0]]).scheme.global_scale:
             d.notes.append(f"{parent}: fused set without {', '.join(missing)}; global scale shared by the members present")
     return sets
 
@@ -532,7 +523,7 @@ def _units(
     order: list[str],
     tensors: dict[str, TensorInfo],
     sets: dict[tuple, list[str]],
-    scheme: Scheme,
+    assign: GroupAssignment,
     head_scheme: Scheme | None,
     head_chunk_rows: int,
 ) -> list[WorkUnit]:
@@ -551,9 +542,10 @@ def _units(
                 label = fused_set_name(key[0], (d.to_quantize[m].rpartition(".")[2] for m in names))
                 for n in names:
                     d.rows[n].fused_set = label
-            unit = WorkUnit("quantize", names, [d.to_quantize[n] for n in names], scheme, _MAIN_GROUP)
+            group = assign.group(d.group_of[name])
+            unit = WorkUnit("quantize", names, [d.to_quantize[n] for n in names], group.scheme, group.name)
             for n in names:
-                unit.outputs += scheme.outputs(d.to_quantize[n], tensors[n].shape, tensors[n].torch_dtype)
+                unit.outputs += group.scheme.outputs(d.to_quantize[n], tensors[n].shape, tensors[n].torch_dtype)
             units.append(unit)
         elif name == d.head_name and head_scheme is not None:
             units.append(_head_unit(name, tensors[name], head_scheme, head_chunk_rows, row, module=_head_module(name)))

@@ -17,11 +17,24 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.naming import FLOAT_DTYPES
 from ..checkpoint.safetensors_io import TORCH_TO_ST
 from ..errors import UsageError
 from ..formats import FORMATS, CompressionFormat, WeightArgs, WeightFormat
 
-__all__ = ["LM_HEAD_SCHEMES", "Scheme", "custom_scheme", "get_scheme", "resolve_scheme", "scheme_aliases", "scheme_from_file", "scheme_names"]
+__all__ = [
+    "LM_HEAD_SCHEMES",
+    "Scheme",
+    "custom_scheme",
+    "get_scheme",
+    "resolve_scheme",
+    "scheme_aliases",
+    "scheme_from_dict",
+    "scheme_from_file",
+    "read_document",
+    "scheme_names",
+    "weight_problem",
+]
 
 
 class _FormatAnswer:
@@ -268,20 +281,33 @@ def scheme_from_file(path: str | Path) -> Scheme:
     or ``symmetric`` (the combinations whose bytes ctconvert writes bit for bit like compressed-tensors);
     anything else is a :class:`UsageError` naming what differs."""
     p = Path(path)
-    try:
-        text = p.read_text()
-        if p.suffix == ".json":
-            doc = json.loads(text)
-        else:
-            import yaml
-
-            doc = yaml.safe_load(text)
-    except OSError as e:
-        raise UsageError(f"cannot read the scheme file: {e.strerror or e}", file=p) from e
-    except Exception as e:  # noqa: BLE001 - yaml and json raise different classes
-        raise UsageError(f"scheme file is not valid JSON/YAML ({' '.join(str(e).split())})", file=p) from e
+    doc = read_document(p, "the scheme file", "JSON/YAML")
     if not isinstance(doc, dict) or not isinstance(doc.get("weights"), dict):
         raise UsageError("scheme file needs a compressed-tensors QuantizationScheme mapping with a 'weights' entry", file=p)
+    return scheme_from_dict(doc, p)
+
+
+def read_document(p: Path, what: str, kinds: str = "YAML/JSON"):
+    """The parsed content of file ``p``: JSON for a ``.json`` name, else YAML. :class:`UsageError` naming the file:
+    ``cannot read {what}: ...`` or ``{what without 'the '} is not valid {kinds} (...)``."""
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise UsageError(f"cannot read {what}: {e.strerror or e}", file=p) from e
+    try:
+        if p.suffix == ".json":
+            return json.loads(text)
+        import yaml
+
+        return yaml.safe_load(text)
+    except Exception as e:  # noqa: BLE001 - yaml and json raise different classes
+        raise UsageError(f"{what.removeprefix('the ')} is not valid {kinds} ({' '.join(str(e).split())})", file=p) from e
+
+
+def scheme_from_dict(doc: dict, p: Path | None = None) -> Scheme:
+    """The scheme of a compressed-tensors ``QuantizationScheme`` mapping (``weights``, ``input_activations``, optional
+    ``targets``/``format``), validated by compressed-tensors; the rules and errors of :func:`scheme_from_file`
+    (``p``: the file named in them)."""
     from compressed_tensors.quantization import QuantizationScheme
 
     try:
@@ -346,3 +372,21 @@ def get_scheme(name: str) -> Scheme:
     close = difflib.get_close_matches(key, scheme_names(), n=1)  # a typo (W4A61, NVFP4A61): name the nearest scheme first
     hint = f"did you mean {close[0]}? " if close else ""
     raise UsageError(f"unknown scheme {name!r}; {hint}choose one of: {', '.join(scheme_names())} (or a .json/.yaml QuantizationScheme file)")
+
+
+def weight_problem(dtype: str, shape: tuple[int, ...], scheme: Scheme) -> str | None:
+    """Why ``scheme`` cannot take a targeted weight of safetensors ``dtype`` and ``shape``, or None (the planner's shape rules)."""
+    if dtype not in FLOAT_DTYPES:
+        return f"dtype {dtype} is not bf16/fp16/fp32"
+    if len(shape) != 2:
+        return f"{len(shape)}-D weight {list(shape)}; only 2-D Linear weights can be quantized"
+    n_rows, k = shape
+    if hasattr(scheme, "shape_problem"):  # a scheme with its own loader rules (2:4 sparsity)
+        return scheme.shape_problem(n_rows, k)
+    block = scheme.weights.strategy == "block"
+    if k % scheme.k_multiple:
+        what = "block width" if block else "group size"
+        return f"K={k} is not a multiple of the {what} {scheme.k_multiple} of {scheme.name}"
+    if n_rows % scheme.n_multiple:
+        return f"N={n_rows} is not a multiple of the block height {scheme.n_multiple} of {scheme.name} (transformers and vLLM need whole blocks)"
+    return None

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..checkpoint.naming import is_generative, matches, tie_word_embeddings
 from ..checkpoint.reader import Checkpoint
 from ..errors import UnsupportedError, UsageError, agree, plural
 from ..pipeline.options import QuantizeOptions
 from ..plan.dense_dtype import apply_dense_dtype
+from ..plan.groups import GroupAssignment
 from ..plan.planner import Plan, TensorDecision, make_plan
+from ..plan.recipe import read_recipe
 from ..plan.result import ConversionResult
 from ..plan.schemes import resolve_scheme
 from .job import QuantizeJob, Stage
@@ -27,11 +30,18 @@ class PlanStage(Stage):
     ``quantize_mtp``, ``sparsity`` (with ``group_size``/``symmetric``), ``dense_dtype``; ``target`` for the
     2:4 kernel.
 
-    Raises :class:`UsageError` for ``--group-size``/``--symmetric`` or ``--lm-head`` with ``--sparsity``
-    (and what :func:`~ctconvert.plan.schemes.resolve_scheme` and :func:`make_plan` raise)."""
+    ``recipe`` (:func:`~ctconvert.plan.recipe.read_recipe`) in place of ``scheme``: its groups, its ``ignore``, its
+    observers (``plan.observers``), no default ignores (the recipe is applied as llm-compressor's ``oneshot`` applies it).
 
-    def __init__(self, scheme: str, o: QuantizeOptions):
-        if not o.sparsity:
+    Raises :class:`UsageError` for ``--group-size``/``--symmetric`` or ``--lm-head`` with ``--sparsity``, for a recipe
+    with ``scheme`` or an option the recipe decides, for neither (and what :func:`~ctconvert.plan.schemes.resolve_scheme`,
+    :func:`~ctconvert.plan.recipe.read_recipe` and :func:`make_plan` raise)."""
+
+    def __init__(self, scheme: str | None, o: QuantizeOptions):
+        self.recipe = _recipe(scheme, o)
+        if self.recipe is not None:
+            scheme = self.recipe.groups[0].scheme
+        elif not o.sparsity:
             scheme = resolve_scheme(scheme, o.group_size, o.symmetric)
         elif o.group_size is not None or o.symmetric is not None:
             raise UsageError("--group-size/--symmetric/--asymmetric cannot be combined with --sparsity (2:4 takes the presets as they are)")
@@ -42,6 +52,11 @@ class PlanStage(Stage):
         plan_ignore = list(o.ignore or []) + [m for m in source.dense_linear if source.quantized]
         rules = dict(keep_unclassified=o.keep_unclassified, default_ignore=o.default_ignore, quantize_mtp=o.quantize_mtp)
         plan_kw = dict(targets=_listed(o.targets), ignore=plan_ignore or None, lm_head=o.lm_head, lm_head_chunk_rows=o.lm_head_chunk_rows, **rules)
+        if self.recipe is not None:  # its groups and ignore, applied literally (no default ignores), as oneshot applies it
+            _refuse_tied_head(self.recipe, job.ckpt)
+            modules = {n.rpartition(".")[0] for n in job.ckpt.tensors}  # an ignore entry naming no module (lm_head of a tied model): config only
+            used = [p for p in self.recipe.ignore if any(matches(m, [p], is_linear=False) for m in modules)]
+            plan_kw.update(groups=list(self.recipe.groups), ignore=used + plan_ignore or None, default_ignore=False)
         if o.sparsity:
             if o.lm_head.lower() != "none":  # its sparsity_config would claim the head as 2:4 for loaders
                 raise UsageError("--lm-head cannot be combined with --sparsity: 2:4 is for the Linear layers of the blocks")
@@ -52,11 +67,52 @@ class PlanStage(Stage):
             job.ckpt = dataclasses.replace(job.ckpt, tensors={**job.ckpt.tensors, **plan.views})
         if source.quantized:
             describe_source(plan, source)
+        if self.recipe is not None:  # its observers per group; its ignore as written (llm-compressor writes it whole)
+            plan.observers.update({g: name for g, name in self.recipe.observers.items() if g in plan.config_groups})
+            plan.ignore += [p for p in self.recipe.ignore if p not in plan.ignore]
         job.plan = plan
         job.result = ConversionResult.of_plan(plan, job.out, o.dry_run, source.original.total_bytes, ())  # the device: the quantize stage's
+        if self.recipe is not None:  # the result names every scheme of the recipe's groups: W4A16+FP8_DYNAMIC
+            job.result.scheme = "+".join(dict.fromkeys(s.name for s, _ in plan.config_groups.values()))
 
     def report(self, job: QuantizeJob) -> None:
         job.result.error = job.dry_error
+
+
+#: the options a recipe decides itself: name -> its value when not given
+_RECIPE_DECIDES = {"targets": None, "ignore": None, "lm_head": "none", "observer": "minmax", "sparsity": None, "group_size": None}
+_RECIPE_DECIDES.update(symmetric=None, kv_cache="none")
+
+
+def _recipe(scheme, o: QuantizeOptions):
+    """The run's recipe (None without ``--recipe``); :class:`UsageError` for ``scheme`` with it, or neither, or an option it decides."""
+    if o.recipe is None:
+        if scheme is None:
+            raise UsageError("no scheme: give --scheme (a preset or QuantizationScheme file) or --recipe FILE.yaml")
+        return None
+    if scheme is not None:
+        raise UsageError(f"--recipe and --scheme {scheme} cannot be combined: the recipe's config groups say each module's scheme")
+    given = [k for k, v in _RECIPE_DECIDES.items() if (getattr(o, k) or None) != (v or None) and not (k == "lm_head" and str(o.lm_head).lower() == v)]
+    if given:
+        named = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise UsageError(f"--recipe cannot be combined with {named}: the recipe's QuantizationModifier says that (targets, ignore, observers ...)")
+    if o.target is not None:
+        raise UsageError(f"--recipe with --target {o.target}: a kernel-native layout of a recipe's output is not implemented; leave out --target")
+    return read_recipe(o.recipe)
+
+
+def _refuse_tied_head(recipe, ckpt: Checkpoint) -> None:
+    """A recipe whose groups take ``lm_head`` of a model with tied embeddings (no ``lm_head`` tensor): llm-compressor unties
+    and quantizes it, which ctconvert does only with ``--lm-head``; refused by name rather than written dense."""
+    if "lm_head.weight" in ckpt.tensors or not tie_word_embeddings(ckpt.config) or not is_generative(ckpt.config):
+        return
+    hit = GroupAssignment(list(recipe.groups)).match("lm_head", True)
+    if hit is not None and matches("lm_head", list(recipe.ignore), is_linear=True) is None:
+        raise UsageError(
+            f"the recipe's config group {hit[0].name} ({hit[1]}) takes lm_head, which this model ties to its embeddings: llm-compressor "
+            "would untie and quantize it, ctconvert does not from a recipe; add lm_head to the recipe's ignore",
+            file=recipe.path,
+        )
 
 
 def _listed(names: tuple[str, ...] | None) -> list[str] | None:

@@ -10,7 +10,9 @@ the executor the calibrated tensors (``job.calibration``) and the weight observe
 (:mod:`ctconvert.formats.observers`): each config group's scheme is checked to take it (else a
 :class:`~ctconvert.errors.UsageError` naming the group, the scheme and why), the plan names it per
 config group (``plan.observers``), and the config records it in the group's weights as llm-compressor
-does (``observer``, ``observer_kwargs``); ``minmax`` changes nothing.
+does (``observer``, ``observer_kwargs``); ``minmax`` changes nothing. A recipe (``--recipe``) names its own
+observer per config group (``plan.observers`` from the plan stage), checked the same way; its min/max groups
+record ``memoryless_minmax``, as llm-compressor's output of the recipe does.
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ class QuantizeStage(Stage):
         self.o = o
         observer = get_observer(o.observer)
         self.observer: WeightObserver | None = None if observer.name == "minmax" else observer
+        self.group_observers: dict[str, WeightObserver] = {}  # config group -> its observer other than min/max
 
     def prepare(self, job: QuantizeJob) -> None:
         o = self.o
         job.devices = self.devices
         job.result.device = ",".join(map(str, self.devices))
-        if self.observer is not None:
+        if self.observer is not None or job.plan.observers:
             self._check_observer(job)
         if o.dry_run or o.tp > 1 or o.ep is not None:
             self._parallel(job)
@@ -67,17 +70,22 @@ class QuantizeStage(Stage):
             result.notes.append(report.summary())
 
     def _check_observer(self, job: QuantizeJob) -> None:
-        """Refuse what ``--observer`` cannot honour, by name (:class:`UsageError`); name it per config group in the plan."""
-        o, name = self.o, self.observer.name
+        """Refuse what ``--observer`` (or a recipe's group observers) cannot honour, by name (:class:`UsageError`); name it
+        per config group in the plan; each group's observer for the executor (``self.group_observers``)."""
+        o, plan = self.o, job.plan
+        wanted = {g: self.observer.name for g in plan.config_groups} if self.observer is not None else dict(plan.observers)
+        name = ", ".join(sorted(set(wanted.values())))
         if o.sparsity:
             raise UsageError(f"--observer {name} does not take --sparsity {o.sparsity}: 2:4 pruning is not what llm-compressor's observers search")
         if o.kv_cache != "none":
             raise UsageError(f"--observer {name} does not take --kv-cache {o.kv_cache} (calibrated scales are not searched by a weight observer yet)")
-        for group, (scheme, _) in job.plan.config_groups.items():
+        for group, obs in wanted.items():
+            scheme = plan.config_groups[group][0]
             why = self._refusal(scheme)
             if why is not None:
-                raise UsageError(f"--observer {name} cannot take scheme {scheme.name} (config group {group}): {why}")
-            job.plan.observers[group] = name
+                raise UsageError(f"--observer {obs} cannot take scheme {scheme.name} (config group {group}): {why}")
+            plan.observers[group] = obs
+            self.group_observers[group] = get_observer(obs)
 
     @staticmethod
     def _refusal(scheme) -> str | None:
@@ -97,8 +105,11 @@ class QuantizeStage(Stage):
             qconfig = sparse_config(qconfig, plan.scheme, list(o.targets or ["Linear"]), plan.ignore)
         if job.kv_cache_scheme is not None:
             qconfig["kv_cache_scheme"] = job.kv_cache_scheme
-        for group in plan.observers:  # as llm-compressor records it (none for min/max: today's config)
-            qconfig["config_groups"][group]["weights"].update(self.observer.config_fields())
+        for group, observer in self.group_observers.items():  # as llm-compressor records it (none for min/max: today's config)
+            qconfig["config_groups"][group]["weights"].update(observer.config_fields())
+        if o.recipe is not None:  # a recipe's min/max groups: llm-compressor records its default weight observer
+            for group in set(plan.config_groups) - set(self.group_observers):
+                qconfig["config_groups"][group]["weights"].update(observer="memoryless_minmax", observer_kwargs={})
         job.qconfig = qconfig
         job.exec = ExecOptions(
             device=self.devices[0],
@@ -110,4 +121,5 @@ class QuantizeStage(Stage):
             zeros=ZeroTracker(),
             calibrated=job.calibration.tensors if job.calibration is not None else {},
             observer=self.observer,
+            group_observers=dict(self.group_observers),
         )

@@ -112,6 +112,8 @@ class WriteStage(Stage):
         }
         if o.sparsity:
             options["sparsity"] = o.sparsity
+        if o.recipe is not None:  # what the recipe asks for, not its path: each group's scheme, targets and observer
+            options["recipe"] = {g: [s.name, list(t), plan.observers.get(g, "minmax")] for g, (s, t) in plan.config_groups.items()}
         changed = {k: getattr(o, k) for k in ("keep_unclassified", "default_ignore", "quantize_mtp", "dense_dtype", "observer")}
         options.update({k: v for k, v in changed.items() if v != getattr(_DEFAULTS, k)})  # only where not the default: earlier outputs keep their fingerprint
         return options
