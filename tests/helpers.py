@@ -102,3 +102,29 @@ class RecordingBar:
 
     def update(self, n):
         self.log.append(n)
+
+
+def llama_around(linear: dict[str, torch.Tensor], dtype: torch.dtype, vocab: int, hidden: int, **config) -> tuple[dict[str, torch.Tensor], dict]:
+    """A Llama checkpoint around the Linear weights ``linear`` (``model.layers.N.*.weight``): zero embeddings and
+    ``lm_head``, unit norms for every layer the weights name; and its ``config.json`` (``config`` amends it: heads,
+    ``head_dim`` ...). For tests that feed reference weights (another tool's source tensors) through a whole run."""
+    t = dict(linear)
+    layers = 1 + max(int(n.split(".")[2]) for n in linear)
+    t["model.embed_tokens.weight"] = torch.zeros(vocab, hidden, dtype=dtype)
+    t["lm_head.weight"] = torch.zeros(vocab, hidden, dtype=dtype)
+    t["model.norm.weight"] = torch.ones(hidden, dtype=dtype)
+    for i in range(layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            t[f"model.layers.{i}.{norm}.weight"] = torch.ones(hidden, dtype=dtype)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 256,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "tie_word_embeddings": False,
+        **config,
+    }
+    return t, cfg

@@ -19,6 +19,7 @@ from ctconvert.cli import main
 from ctconvert.errors import UsageError
 
 from conftest import write_checkpoint
+from helpers import llama_around
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "recipes"
 REF = DATA / "llmc_recipes.safetensors"
@@ -33,26 +34,9 @@ def _meta() -> dict:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     """The reference's one-layer bf16 Llama: its Linear weights, plus embeddings, norms and an lm_head."""
-    dt = torch.bfloat16
     with safe_open(str(REF), "pt") as f:
-        t = {f"{m}.weight": f.get_tensor(f"source/{m}.weight") for m in _meta()["modules"]}
-    t["model.embed_tokens.weight"] = torch.zeros(VOCAB, HIDDEN, dtype=dt)
-    t["lm_head.weight"] = torch.zeros(VOCAB, HIDDEN, dtype=dt)
-    t["model.norm.weight"] = torch.ones(HIDDEN, dtype=dt)
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-        t[f"model.layers.0.{norm}.weight"] = torch.ones(HIDDEN, dtype=dt)
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": HIDDEN,
-        "intermediate_size": 256,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 1,
-        "vocab_size": VOCAB,
-        "torch_dtype": "bfloat16",
-        "tie_word_embeddings": False,
-    }
+        linear = {f"{m}.weight": f.get_tensor(f"source/{m}.weight") for m in _meta()["modules"]}
+    t, cfg = llama_around(linear, torch.bfloat16, VOCAB, HIDDEN, num_attention_heads=4, num_key_value_heads=2)
     return write_checkpoint(tmp_path_factory.mktemp("recipe") / "src", t, cfg)
 
 

@@ -20,6 +20,7 @@ from ctconvert.errors import UsageError
 from ctconvert.formats import WeightArgs, get_format
 
 from conftest import write_checkpoint
+from helpers import llama_around
 
 REF = Path(__file__).resolve().parent.parent / "data" / "observers" / "llmc_observers.safetensors"
 HIDDEN, VOCAB = 128, 64
@@ -41,28 +42,8 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     out = {}
     with safe_open(str(REF), "pt") as f:
         for case, c in _meta()["cases"].items():
-            dt = getattr(torch, c["dtype"])
-            t = {f"{m}.weight": f.get_tensor(f"{case}/source/{m}.weight") for m in c["modules"]}
-            layers = 1 + max(int(m.split(".")[2]) for m in c["modules"])
-            t["model.embed_tokens.weight"] = torch.zeros(VOCAB, HIDDEN, dtype=dt)
-            t["lm_head.weight"] = torch.zeros(VOCAB, HIDDEN, dtype=dt)
-            t["model.norm.weight"] = torch.ones(HIDDEN, dtype=dt)
-            for i in range(layers):
-                for norm in ("input_layernorm", "post_attention_layernorm"):
-                    t[f"model.layers.{i}.{norm}.weight"] = torch.ones(HIDDEN, dtype=dt)
-            cfg = {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": HIDDEN,
-                "intermediate_size": 256,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "head_dim": 64,
-                "num_hidden_layers": layers,
-                "vocab_size": VOCAB,
-                "torch_dtype": c["dtype"],
-                "tie_word_embeddings": False,
-            }
+            linear = {f"{m}.weight": f.get_tensor(f"{case}/source/{m}.weight") for m in c["modules"]}
+            t, cfg = llama_around(linear, getattr(torch, c["dtype"]), VOCAB, HIDDEN, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
             out[case] = write_checkpoint(tmp_path_factory.mktemp(case) / "src", t, cfg)
     return out
 
