@@ -128,3 +128,17 @@ def llama_around(linear: dict[str, torch.Tensor], dtype: torch.dtype, vocab: int
         **config,
     }
     return t, cfg
+
+
+def assert_reference_tensors(reference: Path, prefix: str, out: Path) -> list[str]:
+    """Every tensor of the safetensors file ``reference`` under ``prefix`` is in ``out/model.safetensors`` (without
+    the prefix), with its dtype, shape and bytes; the output's names of those tensors."""
+    from safetensors import safe_open
+
+    with safe_open(str(reference), "pt") as ref, safe_open(str(out / "model.safetensors"), "pt") as got:
+        keys = [k for k in ref.keys() if k.startswith(prefix)]
+        assert keys, f"no reference tensor under {prefix!r}"
+        for key in keys:
+            a, b = ref.get_tensor(key), got.get_tensor(key[len(prefix) :])
+            assert a.dtype == b.dtype and a.shape == b.shape and bitwise_equal(a, b), key
+        return [k[len(prefix) :] for k in keys]

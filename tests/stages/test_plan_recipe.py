@@ -19,7 +19,7 @@ from ctconvert.cli import main
 from ctconvert.errors import UsageError
 
 from conftest import write_checkpoint
-from helpers import llama_around
+from helpers import assert_reference_tensors, llama_around
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "recipes"
 REF = DATA / "llmc_recipes.safetensors"
@@ -40,10 +40,6 @@ def source(tmp_path_factory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("recipe") / "src", t, cfg)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
-
-
 def _semantic(group: dict) -> dict:
     """A config group without its null/empty fields (llm-compressor dumps every QuantizationArgs field)."""
 
@@ -55,13 +51,9 @@ def _semantic(group: dict) -> dict:
 
 def _assert_llmc_output(recipe: str, out: Path) -> None:
     prefix = f"{recipe}/"
-    with safe_open(str(REF), "pt") as ref, safe_open(str(out / "model.safetensors"), "pt") as got:
-        keys = [k for k in ref.keys() if k.startswith(prefix)]
-        assert keys
-        for key in keys:
-            a, b = ref.get_tensor(key), got.get_tensor(key[len(prefix) :])
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b)), key
-        mine_keys = {k for k in got.keys() if k.startswith("model.layers.")} - {k[len(prefix) :] for k in keys}
+    theirs = assert_reference_tensors(REF, prefix, out)
+    with safe_open(str(out / "model.safetensors"), "pt") as got:
+        mine_keys = {k for k in got.keys() if k.startswith("model.layers.")} - set(theirs)
         assert all(k.endswith("layernorm.weight") for k in mine_keys), mine_keys  # no quantized tensor of ours they lack
     theirs, mine = _meta()["recipes"][recipe], json.loads((out / "config.json").read_text())["quantization_config"]
     by_targets = lambda qc: sorted((_semantic(g) for g in qc["config_groups"].values()), key=lambda g: g["targets"])  # noqa: E731

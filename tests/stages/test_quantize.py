@@ -20,7 +20,7 @@ from ctconvert.errors import UsageError
 from ctconvert.formats import WeightArgs, get_format
 
 from conftest import write_checkpoint
-from helpers import llama_around
+from helpers import assert_reference_tensors, llama_around
 
 REF = Path(__file__).resolve().parent.parent / "data" / "observers" / "llmc_observers.safetensors"
 HIDDEN, VOCAB = 128, 64
@@ -61,12 +61,7 @@ def _assert_llmc_bytes(case: str, run: str, out: Path) -> None:
     """Every tensor llm-compressor wrote for ``case``/``run`` is in ``out`` with its bytes; the weights' config
     args carry its observer fields (none for min/max)."""
     prefix = f"{case}/{run}/"
-    with safe_open(str(REF), "pt") as ref, safe_open(str(out / "model.safetensors"), "pt") as got:
-        keys = [k for k in ref.keys() if k.startswith(prefix)]
-        assert keys
-        for key in keys:
-            a, b = ref.get_tensor(key), got.get_tensor(key[len(prefix) :])
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b)), key
+    assert_reference_tensors(REF, prefix, out)
     theirs = _meta()["cases"][case]["runs"][run]["config_groups"]["group_0"]["weights"]
     mine = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
     if _observer(run) == "minmax":
