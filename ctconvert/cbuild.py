@@ -17,6 +17,7 @@ import itertools
 import os
 import platform
 import queue
+import re
 import shutil
 import subprocess
 import tempfile
@@ -38,6 +39,20 @@ def flags() -> list[str]:
     return out
 
 
+def _source_bytes(src: Path) -> bytes:
+    """``src`` and every local header it includes (``#include "x.h"``, beside it, recursively): what a build depends
+    on, so a changed header builds the library anew instead of loading a stale cached one."""
+    seen: list[Path] = []
+    todo = [src]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.append(p)
+        todo += [p.parent / m.decode() for m in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', p.read_bytes(), re.M)]
+    return b"".join(p.read_bytes() for p in seen)
+
+
 def build(src: Path) -> ctypes.CDLL | None:
     """The compiled library of ``src`` (built now if not cached), or None."""
     if os.environ.get("CTCONVERT_NATIVE", "1") == "0":
@@ -46,7 +61,7 @@ def build(src: Path) -> ctypes.CDLL | None:
     if not cc:
         return None
     fl = flags()
-    key = hashlib.sha256(src.read_bytes() + " ".join([cc, *fl, platform.machine()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(_source_bytes(src) + " ".join([cc, *fl, platform.machine()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("CTCONVERT_CACHE") or Path.home() / ".cache" / "ctconvert")
     so = cache / f"{src.stem}-{key}.so"
     try:

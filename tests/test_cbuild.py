@@ -1,4 +1,5 @@
-"""parallel_ranges: every index once, errors re-raised, and worker threads started once per process, not per call."""
+"""cbuild: a build keyed on its source and local headers; parallel_ranges: every index once, errors re-raised, and
+worker threads started once per process, not per call."""
 
 from __future__ import annotations
 
@@ -65,3 +66,19 @@ def test_a_stalled_thread_holds_up_one_piece_not_its_share(monkeypatch):
     cbuild.parallel_ranges(n, 1, fn)
     assert sorted(seen) == list(range(n))
     assert len(pieces) == 2 * cbuild.PIECES_PER_THREAD and all((b - a) == n // len(pieces) for a, b in pieces)
+
+
+def test_a_build_is_keyed_on_the_local_headers_it_includes(tmp_path, monkeypatch):
+    """A changed header (``#include "x.h"``, here one included by another) builds anew: never a stale cached library."""
+    monkeypatch.setenv("CTCONVERT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "outer.h").write_text('#include "inner.h"\n')
+    (tmp_path / "inner.h").write_text("static inline int value(void) { return 1; }\n")
+    src = tmp_path / "k.c"
+    src.write_text('#include "outer.h"\nint ct_value(void) { return value(); }\n')
+    lib = cbuild.build(src)
+    if lib is None:
+        pytest.skip("no C compiler")
+    assert lib.ct_value() == 1
+    (tmp_path / "inner.h").write_text("static inline int value(void) { return 2; }\n")
+    assert cbuild.build(src).ct_value() == 2
+    assert len(list((tmp_path / "cache").glob("k-*.so"))) == 2

@@ -32,8 +32,7 @@
 enum { DT_BF16 = 0, DT_F16 = 1, DT_F32 = 2 };
 enum { TILE = 256 };
 
-static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+#include "fp_bits.h"
 
 /* RNE to bf16 (finite values and infinities; NaN products are counted, not stored). */
 static inline uint16_t f32_to_bf16_bits(float x) {

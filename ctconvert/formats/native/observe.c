@@ -20,8 +20,7 @@
 enum { DT_BF16 = 0, DT_F16 = 1 };
 enum { KIND_INT = 0, KIND_FP8 = 1, KIND_FP4 = 2 };
 
-static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+#include "fp_bits.h"
 
 /* fp16 <-> fp32 through F16C where the build has it (GCC's _Float16 casts are library calls without
  * AVX512-FP16); both round to nearest even. */
@@ -50,22 +49,6 @@ static inline float load(const void *p, int dt, int64_t i) {
 static inline void store_d(void *p, int dt, int64_t i, float x) {
     if (dt == DT_BF16) ((uint16_t *)p)[i] = (uint16_t)(f2u(rd(x, dt)) >> 16);
     else ((uint16_t *)p)[i] = f32_to_h(x);
-}
-
-/* fp32 -> E4M3FN byte (|x| <= 448), round to nearest even; and back (as quant.c). */
-static inline uint8_t f32_to_e4m3(float x) {
-    uint32_t sign = (f2u(x) >> 24) & 0x80u;
-    float a = fabsf(x);
-    uint32_t ua = f2u(a);
-    uint32_t norm = ((ua + 0x7FFFFu + ((ua >> 20) & 1u)) >> 20) - (120u << 3);
-    uint32_t sub = (uint32_t)(int32_t)rintf(a * 512.0f);
-    return (uint8_t)(sign | (a < 0.015625f ? sub : norm));
-}
-
-static inline float e4m3_to_f32(uint8_t b) {
-    uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
-    float v = e == 0 ? (float)m * 0x1p-9f : u2f(((e + 120u) << 23) | (m << 20));
-    return (b & 0x80) ? -v : v;
 }
 
 /* E2M1 magnitude of a >= 0, compressed-tensors' cast_to_fp4 thresholds (anything above 5 is 6). */
