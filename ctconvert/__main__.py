@@ -1,6 +1,7 @@
 """``python -m ctconvert`` and the ``ctconvert`` console script.
 
-Every command imports torch, which can take seconds. A Ctrl-C that lands
+Every command that reads tensors imports torch, which can take seconds (``--help``, ``--version`` and
+``schemes`` import none of it: they answer from the option table and the scheme table). A Ctrl-C that lands
 during those imports must still give the one-line message and exit code 130,
 never a traceback, and must never be lost: a KeyboardInterrupt raised inside
 torch's import can be swallowed, and the conversion then runs to the end. So
@@ -58,12 +59,17 @@ def bytecode_cache(environ=os.environ, probe: str = "torch") -> str | None:
 
 #: options that make click answer from the command definitions alone (no command runs, so no torch import)
 _HELP_OPTIONS = ("--version", "--help", "-h")
+#: commands that read no tensors: their answer comes from torch-free tables (``ctconvert.plan.schemes``)
+_LIGHT_COMMANDS = ("schemes",)
 
 
-def _answers_without_api(argv: list[str]) -> bool:
-    """Whether the command line only asks for the help or the version (or nothing: the help). A command that
-    runs after all (``--help`` as an option's value) imports the API itself, inside ``cli.run``'s handling."""
-    return not argv or any(a in _HELP_OPTIONS for a in argv)
+def _answers_without_engine(argv: list[str]) -> bool:
+    """Whether the command line only asks for the help or the version (or nothing: the help), or names a command
+    of :data:`_LIGHT_COMMANDS` (the first word that is not one of the group's flags, which take no values). A
+    command that needs the engine after all (``--help`` as an option's value) imports it itself, inside
+    ``cli.run``'s handling."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    return not argv or any(a in _HELP_OPTIONS for a in argv) or command in _LIGHT_COMMANDS
 
 
 def main() -> None:
@@ -71,8 +77,10 @@ def main() -> None:
     previous = {sig: signal.signal(sig, lambda signum, frame: hits.append(signum)) for sig in STOP_SIGNALS}
     try:
         bytecode_cache()  # inside the window too
-        if not _answers_without_api(sys.argv[1:]):
-            from . import api  # noqa: F401 - torch and the rest of the heavy imports, inside the window
+        if not _answers_without_engine(sys.argv[1:]):
+            from . import api
+
+            api.preload()  # torch and the rest of the heavy imports, inside the window
         from .cli import run
     finally:
         for sig, handler in previous.items():

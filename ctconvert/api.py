@@ -13,27 +13,23 @@ overrides the default (README "Environment").
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .checkpoint.kernel_native import KERNEL_NATIVE, is_kernel_native
-from .checkpoint.reader import open_checkpoint
-from .checkpoint.writer import finished_shards, partial_output
-from .commands import batch as _batch
-from .commands import convert as _convert
-from .commands import decompress as _decompress
-from .commands import inspection as _inspection
-from .commands import quantize as _quantize
-from .commands import repack as _repack
-from .commands import schemes as _schemes
-from .commands import verify as _verify
 from .errors import CTConvertError, UsageError
 from .options import DEFAULT_ACT_DTYPE, DEFAULT_LAYOUT_VERSION, DEFAULT_SHARD_SIZE
 from .options import api_doc as options_doc
-from .pipeline.options import QuantizeOptions
-from .plan.result import ConversionResult
-from .sources import Source, open_source
 
-#: the result of :func:`quantize` (also :func:`quantize_to_target`, :func:`convert`): the one result type
-QuantizeResult = ConversionResult
+if TYPE_CHECKING:  # at run time these come from __getattr__ (below), on first use
+    from .checkpoint.kernel_native import KERNEL_NATIVE, is_kernel_native
+    from .checkpoint.writer import finished_shards
+    from .pipeline.options import QuantizeOptions
+    from .plan.result import ConversionResult
+    from .plan.result import ConversionResult as QuantizeResult
+    from .sources import Source
+
+# The engine (torch, the commands) is imported by the function that needs it, so that ``import ctconvert.api``
+# and the commands that need no tensors (``schemes``) start in a fraction of a second; :func:`preload` imports it
+# all at once (the console script does, before a command that needs it).
 
 __all__ = [
     "KERNEL_NATIVE",
@@ -47,6 +43,7 @@ __all__ = [
     "inspect",
     "is_kernel_native",
     "load_jobs",
+    "preload",
     "quantize",
     "quantize_to_target",
     "repack",
@@ -97,6 +94,10 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, options: Q
         r = api.quantize("llama/", "llama-w4a16/", "W4A16", lm_head="fp8")
         print(r.quantized_modules, r.output_bytes)
     """
+    from .commands import convert as _convert
+    from .commands import quantize as _quantize
+    from .pipeline.options import QuantizeOptions
+
     o = QuantizeOptions.from_kwargs(options, **kw)
     plain = o.group_size is None and o.symmetric is None and o.target is None and o.recipe is None
     source = _opened(src)
@@ -128,6 +129,9 @@ def _opened(src: str | Path) -> Source | None:
     """``src`` opened as :func:`quantize` reads it, once for the lossless-or-requantize choice and the run; None when
     it cannot be (not a checkpoint folder, or not one it reads): the command then says so in its own words, after
     the checks it makes first (scheme, shard size, devices)."""
+    from .checkpoint.reader import open_checkpoint
+    from .sources import open_source
+
     try:
         return open_source(open_checkpoint(src, strict=True))
     except CTConvertError:
@@ -163,6 +167,8 @@ def convert(
         api.convert("llama-awq/", "llama-w4a16-asym/")
         api.convert("llama-nvfp4-modelopt/", "llama-nvfp4a16/", scheme="NVFP4A16")
     """
+    from .commands import convert as _convert
+
     return _convert.convert(src, out, scheme=scheme, max_shard_size=max_shard_size, overwrite=overwrite, dry_run=dry_run)
 
 
@@ -208,6 +214,8 @@ def repack(
         api.repack("llama-w4a16/", "llama-marlin/", "marlin")
         api.repack("llama-marlin/", "back/", "compressed-tensors")   # bit for bit the source
     """
+    from .commands import repack as _repack
+
     return _repack.repack(
         src,
         out,
@@ -240,6 +248,8 @@ def decompress(
 
         api.decompress("llama-w4a16/", "llama-dense/")
     """
+    from .commands import decompress as _decompress
+
     return _decompress.decompress(src, out, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite, progress=progress)
 
 
@@ -253,6 +263,8 @@ def inspect(path: str | Path) -> dict:
         report = api.inspect("llama-w4a16/")
         report["totals"]["linear_bits_per_weight"]
     """
+    from .commands import inspection as _inspection
+
     return _inspection.inspect_checkpoint(Path(path))
 
 
@@ -275,12 +287,16 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
 
         assert api.verify("llama-w4a16/", reference="llama/")["ok"]
     """
+    from .commands import verify as _verify
+
     return _verify.verify(path, reference, tp=tp, ep=ep, progress=progress)
 
 
 def load_jobs(path: str | Path, emit=None) -> list[dict]:
     """Read and check a ``batch`` jobs file (YAML or JSON). Raises :class:`UsageError` naming the file and job;
     with ``emit``, a refused file is also reported there as an ``error`` JSON line and the summary line."""
+    from .commands import batch as _batch
+
     return _batch.load_jobs(path, emit=emit)
 
 
@@ -289,6 +305,8 @@ def run_jobs(jobs: list[dict], keep_going: bool = False, emit=print, on_job=None
     ``target`` among them); ``emit`` gets one JSON line per job and a summary line, ``on_job(i, job)`` is called
     as each starts; ``stop_code()`` gives the exit code an interrupt is reported with (default 130).
     Returns the exit code (0, or the first failure's)."""
+    from .commands import batch as _batch
+
     return _batch.run_jobs(jobs, quantize, keep_going=keep_going, emit=emit, on_job=on_job, stop_code=stop_code)
 
 
@@ -309,11 +327,63 @@ def schemes() -> list[dict]:
 
         [(s["name"], s["aliases"]) for s in api.schemes()]   # [('FP8_BLOCK', []), ..., ('W8A8', ['INT8'])]
     """
+    from .commands import schemes as _schemes
+
     return _schemes.list_schemes()
 
 
 def partial_hint(out: str | Path, batch: bool = False) -> str | None:
     """What an interrupted or failed ``quantize`` toward ``out`` left, and how to resume or remove it (None: nothing).
     ``batch``: advise the ``resume: true`` job key of a jobs file instead of ``--resume``."""
+    from .checkpoint.writer import partial_output
+    from .commands import quantize as _quantize
+
     left = partial_output(Path(out))
     return _quantize.partial_hint(left, batch=batch) if left else None
+
+
+def preload() -> None:
+    """Import the whole engine now (torch, every command) instead of at the first call that needs it.
+
+    The console script calls it before a command that reads tensors, while stop signals are deferred
+    (:mod:`ctconvert.__main__`: a Ctrl-C inside torch's import could be lost); a host program may call it to
+    pay the import up front. Returns None; idempotent.
+
+    Example::
+
+        api.preload()   # the next api.quantize(...) starts without the import
+    """
+    from .commands import batch, convert, decompress, inspection, quantize, repack, verify  # noqa: F401
+
+    globals().update(_engine_names())
+
+
+#: public names of the engine's types, imported on first use (PEP 562)
+_ENGINE_NAMES = ("KERNEL_NATIVE", "ConversionResult", "QuantizeOptions", "QuantizeResult", "Source", "finished_shards", "is_kernel_native")
+
+
+def _engine_names() -> dict:
+    from .checkpoint.kernel_native import KERNEL_NATIVE, is_kernel_native
+    from .checkpoint.writer import finished_shards
+    from .pipeline.options import QuantizeOptions
+    from .plan.result import ConversionResult
+    from .sources import Source
+
+    #: QuantizeResult: the result of :func:`quantize` (also :func:`quantize_to_target`, :func:`convert`): the one result type
+    return {
+        "KERNEL_NATIVE": KERNEL_NATIVE,
+        "ConversionResult": ConversionResult,
+        "QuantizeOptions": QuantizeOptions,
+        "QuantizeResult": ConversionResult,
+        "Source": Source,
+        "finished_shards": finished_shards,
+        "is_kernel_native": is_kernel_native,
+    }
+
+
+def __getattr__(name: str):
+    if name not in _ENGINE_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    names = _engine_names()
+    globals().update(names)
+    return names[name]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,72 @@ def test_help_and_version_answer_without_importing_torch(args):
     assert "ctconvert" in mods and "click" in mods
 
 
-def test_a_command_that_runs_still_imports_the_api():
-    code, out, mods = _imported("schemes")
-    assert code == 0 and "NVFP4A16" in out and "torch" in mods
+def test_a_command_that_reads_tensors_imports_the_engine_up_front(tmp_path):
+    """``inspect`` (any command but ``schemes``) imports torch before it runs, inside the deferred-signal window,
+    even when it then fails (a missing folder: exit 3)."""
+    code, out, mods = _imported("inspect", str(tmp_path / "missing"))
+    assert code == 3 and "torch" in mods
+
+
+#: runs the console script's main() in this process, then (at its os._exit) prints which heavy packages were
+#: imported, as JSON on stderr's last line
+_WRAPPER = """
+import json, os, sys
+_exit = os._exit
+def report(code):
+    heavy = sorted(m for m in ("torch", "transformers", "compressed_tensors", "safetensors", "numpy") if m in sys.modules)
+    sys.stdout.flush()
+    sys.stderr.write("\\n" + json.dumps({"code": code, "heavy": heavy}) + "\\n")
+    sys.stderr.flush()
+    _exit(code)
+os._exit = report
+sys.argv = ["ctconvert", *sys.argv[1:]]
+from ctconvert.__main__ import main
+main()
+"""
+
+
+def _heavy(*args: str) -> tuple[int, str, list[str]]:
+    """Exit code, stdout and the heavy packages (torch, transformers, compressed-tensors, safetensors, numpy) in
+    ``sys.modules`` when the console script's ``main()`` for ``ctconvert ARGS`` exits."""
+    r = subprocess.run([sys.executable, "-c", _WRAPPER, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    seen = json.loads(r.stderr.strip().splitlines()[-1])
+    return seen["code"], r.stdout, seen["heavy"]
+
+
+@pytest.mark.parametrize("args", [("--version",), ("--help",), ("schemes",), ("schemes", "--json"), ("--json", "schemes"), ("--plain", "schemes")])
+def test_light_commands_leave_torch_transformers_and_compressed_tensors_unimported(args):
+    """``--version``, ``--help`` and ``schemes`` answer from torch-free tables: after the whole command, none of the
+    heavy packages is in ``sys.modules`` (the import chain of torch is what takes seconds)."""
+    code, out, heavy = _heavy(*args)
+    assert code == 0 and heavy == [], (code, heavy)
+    assert out.strip()
+
+
+def test_schemes_without_the_engine_lists_what_the_engine_would(tmp_path):
+    """The torch-free ``schemes`` answer equals the one computed in a process that has the engine loaded
+    (``api.preload()`` first: the format objects, torch)."""
+    code, out, heavy = _heavy("--json", "schemes")
+    assert code == 0 and heavy == []
+    loaded = (
+        "import json; from ctconvert import api; from ctconvert.plan.schemes import get_scheme; api.preload(); rows = api.schemes(); "
+        "print(json.dumps({'schemes': rows, 'objects': {r['name']: get_scheme(r['name']).weight_format.name.value for r in rows if r['needs'] is None}}))"
+    )
+    r = subprocess.run([sys.executable, "-c", loaded], cwd=ROOT, capture_output=True, text=True, check=True, timeout=300)
+    engine = json.loads(r.stdout)
+    rows = json.loads(out)["schemes"]
+    assert rows == engine["schemes"]
+    assert {s["name"]: s["format"] for s in rows if s["needs"] is None} == engine["objects"]  # each format object's own name
+    assert {"W4A16", "NVFP4", "FP8_BLOCK", "DENSE"} <= {s["name"] for s in rows}
+
+
+def test_the_api_imports_the_engine_on_first_use():
+    """``import ctconvert.api`` is torch-free; a public type (``api.QuantizeOptions``) or :func:`api.preload`
+    brings the engine in."""
+    code = (
+        "import sys; from ctconvert import api; a = 'torch' in sys.modules; "
+        "o = api.QuantizeOptions; b = 'torch' in sys.modules; "
+        "from ctconvert.pipeline.options import QuantizeOptions; print(a, b, o is QuantizeOptions, api.QuantizeResult is api.ConversionResult)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=300)
+    assert r.stdout.split() == ["False", "True", "True", "True"]

@@ -7,42 +7,24 @@ to the model dtype ``D`` exactly where compressed-tensors' CPU path rounds
 any device.
 
 :data:`FORMATS` maps each :class:`CompressionFormat` to its
-:class:`WeightFormat` object (see :mod:`.base`).
+:class:`WeightFormat` object (see :mod:`.base`). The names and the weight arguments are
+torch-free; :data:`FORMATS` and :func:`get_format` (:mod:`.registry`) load the format
+objects, and with them torch, on first use.
 """
 
 from __future__ import annotations
 
 from .base import CompressionFormat, WeightArgs, WeightFormat
-from .fp4 import MXFP4PackQuantized, NVFP4PackQuantized
-from .fp8 import FloatQuantized, MXFP8Quantized, NaiveQuantized
-from .integer import IntQuantized, PackQuantized
-from .sparse24 import SPARSE_PREFIX, Marlin24, sparse24_format
 
 __all__ = ["FORMATS", "CompressionFormat", "WeightArgs", "WeightFormat", "get_format"]
 
-#: every weight format ctconvert reads, by name; ``writes`` says which it also produces
-FORMATS: dict[CompressionFormat, WeightFormat] = {
-    f.name: f
-    for f in (
-        FloatQuantized(),
-        IntQuantized(),
-        NaiveQuantized(),
-        PackQuantized(),
-        NVFP4PackQuantized(),
-        MXFP4PackQuantized(),
-        MXFP8Quantized(),
-        Marlin24(),
-    )
-}
+_LAZY = ("FORMATS", "get_format")  # from .registry, on first use (PEP 562)
 
 
-def get_format(name: str | None) -> WeightFormat | None:
-    """The format object of a compressed-tensors format name, or None for an unknown (or missing) name."""
-    if name and name.startswith(SPARSE_PREFIX):  # "sparse-24-bitmask" or "sparse-24-bitmask+<inner format>"
-        inner = name[len(SPARSE_PREFIX) + 1 :]
-        inner_fmt = get_format(inner) if inner else None
-        return None if inner and inner_fmt is None else sparse24_format(inner_fmt)
-    try:
-        return FORMATS.get(CompressionFormat(name))
-    except ValueError:
-        return None
+def __getattr__(name: str):
+    if name in _LAZY:
+        from . import registry
+
+        value = globals()[name] = getattr(registry, name)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

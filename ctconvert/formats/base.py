@@ -21,12 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
-import torch
-
-from . import native
-from .common import KERNEL_DTYPES
-from .native import dequant as native_dequant
+if TYPE_CHECKING:  # torch (and the C kernels, which load it) is imported where it is used: the names and WeightArgs stay torch-free
+    import torch
 
 __all__ = [
     "CompressionFormat",
@@ -109,6 +107,8 @@ def expand_scale(scale: torch.Tensor, n: int, k: int, args: WeightArgs) -> torch
     ``group``/``tensor_group``: ``[n, G]`` repeated ``group_size`` times; ``block``: ``[ceil(n/bh), ceil(k/bw)]`` repeated in
     both dims, cut to ``[n, k]``. Raises ``ValueError`` for an unknown strategy.
     """
+    import torch
+
     s = scale.to(torch.float32)
     strategy = args.strategy
     if strategy == "tensor" or s.numel() == 1:
@@ -132,6 +132,8 @@ def factor_layout(t: torch.Tensor, n: int, k: int, args: WeightArgs, grouped_vie
     the rule of :func:`dequantize_unpacked`'s per-group path instead (``t.reshape(n, k // g, 1)`` when
     ``k % g == 0`` and ``t`` has more than one element).
     """
+    import torch
+
     if t.is_complex() or n <= 0 or k <= 0:
         return None
     s = t.to(torch.float32).contiguous()
@@ -155,6 +157,8 @@ def factor_layout(t: torch.Tensor, n: int, k: int, args: WeightArgs, grouped_vie
 def byte_values(dtype: torch.dtype) -> torch.Tensor:
     """fp32 ``[256]``: the value of each byte as an element of the one-byte ``dtype`` (int8, uint8, E4M3), by torch's
     own conversion (``.to(torch.float32)``), so a table lookup equals the conversion bit for bit."""
+    import torch
+
     return torch.arange(256, dtype=torch.int16).to(torch.uint8).view(dtype).to(torch.float32)
 
 
@@ -181,6 +185,10 @@ def unpacked_spec(tensors: dict[str, torch.Tensor], args: WeightArgs, codes: tor
     """The :class:`DequantSpec` of :func:`dequantize_unpacked` (``(q - zp) * scale`` in the scale's dtype), or None
     where the kernel does not take it. ``codes``/``nibbles``/``lut``/``k``: the codes of a packed weight in place of an
     unpacked one-byte ``weight`` (int8, E4M3)."""
+    import torch
+
+    from .common import KERNEL_DTYPES
+
     scale = tensors["weight_scale"]
     d = scale.dtype if scale.dtype.is_floating_point else torch.float16
     if d not in KERNEL_DTYPES:
@@ -233,6 +241,8 @@ def part_rows(part: str, shape: tuple[int, ...], dtype: str, r0: int, r1: int, a
 def dequantize_unpacked(tensors: dict[str, torch.Tensor], args: WeightArgs) -> torch.Tensor:
     """``(q - zp) * scale`` of an unpacked ``weight`` (FP8 or int8), in the scale's dtype (fp16 for an
     integer scale), as compressed-tensors' ``_dequantize`` computes it (docs/compressed-tensors-format.md §10)."""
+    import torch
+
     scale = tensors["weight_scale"]
     d = scale.dtype if scale.dtype.is_floating_point else torch.float16
     w = tensors["weight"]
@@ -321,6 +331,8 @@ class WeightFormat:
         (:meth:`whole_tensor_outputs`) are not produced here. Raises ``ValueError`` for values the format
         cannot hold, and for ranges a format does not take.
         """
+        from . import native
+
         if ranges is not None:
             return self._reference_ranges(w, args, global_scale, ranges)
         if impl == "native" or (impl == "auto" and w.device.type == "cpu" and native.available()):
@@ -366,6 +378,9 @@ class WeightFormat:
         reused buffer: no fresh allocation). Raises ``KeyError`` for a missing tensor and what the torch
         reference raises for inconsistent shapes.
         """
+        from .common import KERNEL_DTYPES
+        from .native import dequant as native_dequant
+
         if impl != "torch" and dtype in (None, *KERNEL_DTYPES) and (impl == "native" or native_dequant.available()):
             spec = None
             if all(t.device.type == "cpu" for t in tensors.values()):

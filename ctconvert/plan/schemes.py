@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..checkpoint.naming import FLOAT_DTYPES
-from ..checkpoint.safetensors_io import TORCH_TO_ST
 from ..errors import UsageError
-from ..formats import FORMATS, CompressionFormat, WeightArgs, WeightFormat
+from ..formats import CompressionFormat, WeightArgs, WeightFormat
+
+if TYPE_CHECKING:  # the table is torch-free (``ctconvert schemes``); the format objects import torch when first used
+    import torch
 
 __all__ = [
     "LM_HEAD_SCHEMES",
@@ -64,6 +64,8 @@ class Scheme:
 
     @property
     def weight_format(self) -> WeightFormat:
+        from ..formats import FORMATS
+
         return FORMATS[self.format]
 
     # the weight arguments, by their compressed-tensors names
@@ -99,6 +101,8 @@ class Scheme:
 
     def outputs(self, module: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, str, tuple[int, ...]]]:
         """Output tensors ``(name, safetensors dtype, shape)`` replacing ``module.weight`` ``[N, K]`` of ``dtype``."""
+        from ..checkpoint.safetensors_io import TORCH_TO_ST
+
         outs = self.weight_format.outputs(tuple(shape), dtype, self.weights)
         return [(f"{module}.{part}", TORCH_TO_ST[dt], tuple(s)) for part, (dt, s) in outs.items()]
 
@@ -376,6 +380,8 @@ def get_scheme(name: str) -> Scheme:
 
 def weight_problem(dtype: str, shape: tuple[int, ...], scheme: Scheme) -> str | None:
     """Why ``scheme`` cannot take a targeted weight of safetensors ``dtype`` and ``shape``, or None (the planner's shape rules)."""
+    from ..checkpoint.naming import FLOAT_DTYPES
+
     if dtype not in FLOAT_DTYPES:
         return f"dtype {dtype} is not bf16/fp16/fp32"
     if len(shape) != 2:

@@ -22,10 +22,7 @@ import copy
 from dataclasses import dataclass
 
 from ..errors import UnsupportedError, UsageError
-from ..formats import FORMATS, CompressionFormat, WeightArgs, WeightFormat
-from ..formats.sparse24 import sparse24_format
-from ..layouts.marlin24 import marlin24_shape_problem
-from .kernel_targets import FORMAT_RELEASES, TARGETS
+from ..formats import CompressionFormat, WeightArgs, WeightFormat
 from .schemes import Scheme, get_scheme
 
 __all__ = ["DENSE_SCHEME", "SPARSITY_CHOICES", "SparseScheme", "sparse_config", "sparse_scheme", "sparsity_warning"]
@@ -52,6 +49,9 @@ class SparseScheme(Scheme):
 
     @property
     def weight_format(self) -> WeightFormat:
+        from ..formats import FORMATS  # the format objects (torch) on first use: `ctconvert schemes` lists DENSE without them
+        from ..formats.sparse24 import sparse24_format
+
         if self.marlin24:
             return FORMATS[CompressionFormat.MARLIN_24]
         return sparse24_format(self.base.weight_format if self.base else None)
@@ -63,6 +63,8 @@ class SparseScheme(Scheme):
     def shape_problem(self, n: int, k: int) -> str | None:
         """Why this scheme cannot take an ``(N, K)`` weight (vLLM's loaders and kernels), or None."""
         if self.marlin24:
+            from ..layouts.marlin24 import marlin24_shape_problem
+
             return marlin24_shape_problem(n, k, self.weights.group_size)
         if k % 8:
             return f"K={k} is not a multiple of 8 (2:4 sparsity: vLLM's bitmask tensor is [N, K/8] and CUTLASS needs K % 8)"
@@ -139,6 +141,8 @@ def sparsity_warning(scheme: Scheme, target: str | None = None) -> str | None:
     """The run-time note on which vLLM releases load a 2:4 output (None for a scheme without sparsity)."""
     if not isinstance(scheme, SparseScheme):
         return None
+    from .kernel_targets import FORMAT_RELEASES, TARGETS
+
     if target in TARGETS and (releases := TARGETS[target].releases) is not None:  # a kernel-native 2:4 layout
         return f"2:4 sparse output ({target}): {releases}"
     fmt = scheme.output_format
