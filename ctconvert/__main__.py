@@ -17,11 +17,17 @@ what it imports in its own cache folder instead (``$CTCONVERT_CACHE/pycache``,
 default ``~/.cache/ctconvert/pycache``; never next to the sources), unless
 ``CTCONVERT_BYTECODE_CACHE=0`` or ``PYTHONPYCACHEPREFIX`` says otherwise. The
 Python API (``import ctconvert``) leaves the interpreter's settings alone.
+
+``quantize`` reads its source ahead during those imports (:mod:`ctconvert.checkpoint.readahead`: the shard
+headers, then the tensor bytes into the page cache, until the engine is imported; ``CTCONVERT_READAHEAD=0``
+turns it off). ``CTCONVERT_TRACE=1`` prints when each start-up step happened (:class:`Trace`).
 """
 
 import os
 import signal
 import sys
+import threading
+import time
 
 from .errors import STOP_SIGNALS, stop_exit_code, stop_message  # light: no torch
 
@@ -65,24 +71,79 @@ _LIGHT_COMMANDS = ("schemes",)
 
 def _answers_without_engine(argv: list[str]) -> bool:
     """Whether the command line only asks for the help or the version (or nothing: the help), or names a command
-    of :data:`_LIGHT_COMMANDS` (the first word that is not one of the group's flags, which take no values). A
-    command that needs the engine after all (``--help`` as an option's value) imports it itself, inside
-    ``cli.run``'s handling."""
-    command = next((a for a in argv if not a.startswith("-")), None)
-    return not argv or any(a in _HELP_OPTIONS for a in argv) or command in _LIGHT_COMMANDS
+    of :data:`_LIGHT_COMMANDS` (:func:`ctconvert.cli.command_word`). A command that needs the engine after all
+    (``--help`` as an option's value) imports it itself, inside ``cli.run``'s handling."""
+    from .cli import command_word  # torch-free, as click is
+
+    return not argv or any(a in _HELP_OPTIONS for a in argv) or command_word(argv) in _LIGHT_COMMANDS
+
+
+class Trace:
+    """``CTCONVERT_TRACE=1``: one stderr line per start-up step, ``ctconvert-trace STEP SECONDS [DETAIL]``, where
+    SECONDS is ``time.monotonic()`` (``CLOCK_MONOTONIC``: one clock for every process of the machine, so a parent
+    that noted it before starting this process has the time since then). Steps: ``main`` (the console script's
+    first line), ``readahead`` (the read ahead's first source read), ``first-open`` (the conversion's own first
+    open of a file of SRC, seen by an audit hook, :pep:`578`), ``engine`` (torch and the commands imported)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.stamp("main")
+
+    def stamp(self, step: str, detail: str = "") -> None:
+        self.stream.write(f"ctconvert-trace {step} {time.monotonic():.6f}{' ' + detail if detail else ''}\n")
+        self.stream.flush()
+
+    def watch(self, src: str) -> None:
+        """Stamp ``first-open`` at the first open of a path under ``src`` by a thread other than the read ahead's."""
+        root, seen = os.path.abspath(src), []
+
+        def hook(event, args):
+            if event != "open" or seen or not isinstance(args[0], (str, bytes, os.PathLike)):
+                return
+            path = os.path.abspath(os.fsdecode(args[0]))
+            if (path == root or path.startswith(root + os.sep)) and threading.current_thread().name != "ctconvert-readahead":
+                seen.append(path)
+                self.stamp("first-open", path)
+
+        sys.addaudithook(hook)
+
+
+def _read_ahead(argv: list[str], trace: Trace | None):
+    """Start reading ``quantize``'s SRC ahead (:func:`ctconvert.cli.quantize_reads` says what it reads); None for
+    another command, or with ``CTCONVERT_READAHEAD=0``."""
+    from .cli import quantize_reads
+
+    reads = quantize_reads(argv)
+    if reads is None:
+        return None
+    if trace is not None:
+        trace.watch(reads[0])
+    if os.environ.get("CTCONVERT_READAHEAD", "1") == "0":
+        return None
+    from .checkpoint.readahead import ReadAhead  # torch-free
+
+    first = (lambda path: trace.stamp("readahead", str(path))) if trace is not None else None
+    return ReadAhead(reads[0], data=reads[1], on_first_read=first).start()
 
 
 def main() -> None:
+    trace = Trace() if os.environ.get("CTCONVERT_TRACE") == "1" else None
     hits: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: hits.append(signum)) for sig in STOP_SIGNALS}
+    ahead = None
     try:
         bytecode_cache()  # inside the window too
         if not _answers_without_engine(sys.argv[1:]):
+            ahead = _read_ahead(sys.argv[1:], trace)
             from . import api
 
             api.preload()  # torch and the rest of the heavy imports, inside the window
+            if trace is not None:
+                trace.stamp("engine")
         from .cli import run
     finally:
+        if ahead is not None:
+            ahead.stop()  # the engine reads for itself from here
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if hits:

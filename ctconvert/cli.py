@@ -361,6 +361,29 @@ def schemes(ctx: _Ctx):
         render.schemes(ctx, rows)
 
 
+def command_word(argv: list[str]) -> str | None:
+    """The command a command line names: its first word that is not one of the group's flags (which take no
+    values: ``--json``, ``--debug``, ``-q``, ``--plain``, ``--help``, ``--version``); None when there is none."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def quantize_reads(argv: list[str]) -> tuple[str, bool] | None:
+    """What a ``quantize`` command line reads, as its own click command parses it (resiliently: nothing runs,
+    nothing is printed, nothing raises): ``(SRC, every tensor)``, ``every tensor`` False for ``--dry-run``,
+    ``--resume`` and ``--refresh`` (headers only, or not every shard); None for another command or a line
+    without SRC. The console script reads SRC ahead while it imports torch (:mod:`ctconvert.__main__`)."""
+    name = command_word(argv)
+    if name != "quantize":
+        return None
+    try:
+        params = quantize.make_context(name, argv[argv.index(name) + 1 :], resilient_parsing=True).params
+    except Exception:  # noqa: BLE001 - a line click refuses: cli.run says why, nothing is read ahead
+        return None
+    if not params.get("src"):
+        return None
+    return params["src"], not (params.get("dry_run") or params.get("resume") or params.get("refresh"))
+
+
 def run() -> None:
     """Console entry point: click's own handling, except that Ctrl-C exits 130 with one line."""
     global _AS_PROGRAM

@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ctconvert.cli import main
+from ctconvert.cli import command_word, main, quantize_reads
 
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 
@@ -239,3 +239,25 @@ def test_json_dumps_replaces_every_non_finite_float():
 
     doc = {"a": float("inf"), "b": [float("-inf"), 1.5, (float("nan"),)], "c": {"d": 0.0}}
     assert _strict_json(jsonout.dumps(doc)) == {"a": "inf", "b": ["-inf", 1.5, ["nan"]], "c": {"d": 0.0}}
+
+
+@pytest.mark.parametrize(
+    "argv, word, reads",
+    [
+        (["quantize", "m", "-o", "o", "-s", "W4A16"], "quantize", ("m", True)),
+        (["--json", "quantize", "-s", "W4A16", "m", "--dry-run"], "quantize", ("m", False)),
+        (["-q", "quantize", "--scheme=NVFP4", "--target", "marlin", "src", "-o", "o", "--device", "cpu"], "quantize", ("src", True)),
+        (["quantize", "m", "--resume", "-o", "x", "-s", "W4A16", "--json"], "quantize", ("m", False)),
+        (["quantize", "m", "--refresh", "-o", "x", "-s", "W4A16"], "quantize", ("m", False)),
+        (["quantize", "--help"], "quantize", None),  # no SRC
+        (["quantize", "m", "--no-such-option"], "quantize", None),  # click refuses it: cli.run says why
+        (["--plain", "schemes"], "schemes", None),
+        (["decompress", "m", "-o", "o"], "decompress", None),
+        (["--json", "--debug"], None, None),
+    ],
+)
+def test_what_a_command_line_reads(argv, word, reads):
+    """The command word after the group's flags, and what a quantize line reads (SRC; every tensor unless a dry
+    run, --resume or --refresh), as click parses it, without running or printing anything."""
+    assert command_word(argv) == word
+    assert quantize_reads(argv) == reads

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from ctconvert.__main__ import bytecode_cache
+
+from helpers import tree_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,3 +177,31 @@ def test_the_api_imports_the_engine_on_first_use():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=300)
     assert r.stdout.split() == ["False", "True", "True", "True"]
+
+
+def _quantize_traced(src: Path, out: Path, read_ahead: str) -> tuple[float, dict[str, list[str]]]:
+    """``ctconvert quantize SRC -o OUT -s W4A16`` with ``CTCONVERT_TRACE=1``: the parent's monotonic time before the
+    start, and each trace step's fields (seconds, detail)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CTCONVERT_TRACE="1", CTCONVERT_READAHEAD=read_ahead)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "ctconvert", "quantize", str(src), "-o", str(out), "-s", "W4A16", "-q"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    steps = {}
+    for line in r.stderr.splitlines():
+        if line.startswith("ctconvert-trace "):
+            _, step, *rest = line.split(" ", 3)
+            steps[step] = rest
+    return t0, steps
+
+
+def test_quantize_reads_its_source_ahead_of_the_engine_and_writes_the_same_bytes(tiny_llama, tmp_path):
+    """The read ahead starts before torch is imported, at SRC's index; the conversion's own first open comes
+    after the engine; the output is the same bytes without it (``CTCONVERT_READAHEAD=0``)."""
+    t0, steps = _quantize_traced(tiny_llama, tmp_path / "ahead", "1")
+    main, ahead, engine, first = (float(steps[s][0]) for s in ("main", "readahead", "engine", "first-open"))
+    assert t0 < main < ahead < engine <= first
+    assert steps["readahead"][1] == str(tiny_llama)
+    assert Path(steps["first-open"][1]).parent == tiny_llama
+    _, plain = _quantize_traced(tiny_llama, tmp_path / "plain", "0")
+    assert "readahead" not in plain and {"main", "engine", "first-open"} <= set(plain)
+    assert tree_hash(tmp_path / "ahead") == tree_hash(tmp_path / "plain")
