@@ -184,7 +184,8 @@ def _quantize_traced(src: Path, out: Path, read_ahead: str) -> tuple[float, dict
     start, and each trace step's fields (seconds, detail)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), CTCONVERT_TRACE="1", CTCONVERT_READAHEAD=read_ahead)
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "ctconvert", "quantize", str(src), "-o", str(out), "-s", "W4A16", "-q"], env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "ctconvert", "quantize", str(src), "-o", str(out), "-s", "W4A16", "-q"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     steps = {}
     for line in r.stderr.splitlines():
