@@ -56,7 +56,7 @@ def test_every_header_then_every_tensor_byte(tiny_llama, chunk):
 
 def test_headers_only_and_a_stop_before_the_start(tiny_llama):
     ahead = ReadAhead(tiny_llama, data=False).start()
-    ahead.stop(wait=30)
+    ahead.join(30)
     assert ahead.requested == 0 and ahead.headers == sum(_layout(p)[0] for p in shard_files(tiny_llama))
     stopped = ReadAhead(tiny_llama)
     stopped.stop()
@@ -70,7 +70,7 @@ def test_a_file_that_is_not_safetensors_is_left_to_the_reader(tmp_path):
     (folder / "a.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")  # header longer than the file
     (folder / "b.safetensors").write_bytes(b"abc")  # shorter than the length field
     ahead = ReadAhead(folder).start()
-    ahead.stop(wait=30)
+    ahead.join(30)
     assert (ahead.headers, ahead.requested) == (0, 0)
 
 
