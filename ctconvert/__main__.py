@@ -151,7 +151,7 @@ def main() -> None:
             signal.signal(sig, signal.SIG_IGN)
         sys.stderr.write(stop_message(hits[0], sys.argv[1:]) + "\n")
         sys.stderr.flush()
-        os._exit(stop_exit_code(hits[0]))  # nothing was opened yet
+        os._exit(stop_exit_code(hits[0]))  # nothing was written yet (the read ahead only reads)
     run()
 
 
