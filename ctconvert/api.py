@@ -335,10 +335,9 @@ def schemes() -> list[dict]:
 def partial_hint(out: str | Path, batch: bool = False) -> str | None:
     """What an interrupted or failed ``quantize`` toward ``out`` left, and how to resume or remove it (None: nothing).
     ``batch``: advise the ``resume: true`` job key of a jobs file instead of ``--resume``."""
-    from .checkpoint.writer import partial_output
     from .commands import quantize as _quantize
 
-    left = partial_output(Path(out))
+    left = _engine("partial_output")(Path(out))
     return _quantize.partial_hint(left, batch=batch) if left else None
 
 
@@ -359,12 +358,12 @@ def preload() -> None:
 
 
 #: public names of the engine's types, imported on first use (PEP 562)
-_ENGINE_NAMES = ("KERNEL_NATIVE", "ConversionResult", "QuantizeOptions", "QuantizeResult", "Source", "finished_shards", "is_kernel_native")
+_ENGINE_NAMES = ("KERNEL_NATIVE", "ConversionResult", "QuantizeOptions", "QuantizeResult", "Source", "finished_shards", "is_kernel_native", "partial_output")
 
 
 def _engine_names() -> dict:
     from .checkpoint.kernel_native import KERNEL_NATIVE, is_kernel_native
-    from .checkpoint.writer import finished_shards
+    from .checkpoint.writer import finished_shards, partial_output
     from .pipeline.options import QuantizeOptions
     from .plan.result import ConversionResult
     from .sources import Source
@@ -378,7 +377,14 @@ def _engine_names() -> dict:
         "Source": Source,
         "finished_shards": finished_shards,
         "is_kernel_native": is_kernel_native,
+        "partial_output": partial_output,
     }
+
+
+def _engine(name: str):
+    """This module's engine name ``name`` (:data:`_ENGINE_NAMES`): its global once loaded (or replaced by a host
+    program or a test), else loaded now."""
+    return globals()[name] if name in globals() else __getattr__(name)
 
 
 def __getattr__(name: str):
