@@ -162,7 +162,9 @@ class LayerPrefetcher:
             offsets.append(total)
             total += -(-info.nbytes // ALIGN) * ALIGN
         pinned = self.pin_memory and index not in self.unpinned
-        buf = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+        raw = torch.empty(total + ALIGN, dtype=torch.uint8, pin_memory=pinned)
+        shift = -raw.data_ptr() % ALIGN
+        buf = raw[shift : shift + total]
         jobs = []
         for info, off in zip(infos, offsets):
             whole = info.view is not None or info.virtual is not None or info.nbytes <= self.piece_bytes
