@@ -218,7 +218,7 @@ class CalibrationModel:
         every tensor of it accounted for, as transformers' ``from_pretrained`` does it (5.24 ``modeling_utils``:
         ``_move_missing_keys_from_meta_to_device``, then ``_initialize_missing_keys``). ``staged``: the module's
         tensors as :class:`~.prefetch.LayerPrefetcher` read them (:meth:`staging_groups`; copied to the device
-        asynchronously from page-locked memory; a tensor it lacks is read here), released once copied:
+        asynchronously from page-locked memory; a tensor it lacks is read here; the caller releases it):
 
         - every parameter and every persistent buffer (DeepSeek-V3's router ``e_score_correction_bias``, Gemma-4's
           ``layer_scalar``) is read from its checkpoint tensor; one the checkpoint lacks is a :class:`BadInputError`
@@ -246,8 +246,6 @@ class CalibrationModel:
                 t.copy_(v, non_blocking=staged is not None and staged.pinned)
                 t._is_hf_initialized = True
                 loaded.append((full, t, t._version))
-        if staged is not None:
-            staged.release()  # the copies are issued; the host allocator keeps a page-locked block until they are done
         if computed:
             self._compute_buffers(module, prefix, computed)
         for full, t, version in loaded:
@@ -313,6 +311,7 @@ class CalibrationModel:
         staged = self._staged(0)
         for name, m in self._outside_layers():
             self._materialize(m, name + "." if name else "", recurse=False, staged=staged)
+        _release(staged)
 
     def staging_groups(self) -> list[list[TensorInfo]]:
         """The checkpoint tensors :meth:`load_outside` and then each :meth:`run_layer` read, in that order (the
@@ -409,7 +408,9 @@ class CalibrationModel:
         with the observers' hooks, and put it back on ``meta``; its outputs."""
         layer = self.layers[i]
         prefix = f"{self.layers_name}.{i}."
-        self._materialize(layer, prefix, staged=self._staged(i + 1))
+        staged = self._staged(i + 1)
+        self._materialize(layer, prefix, staged=staged)
+        _release(staged)
         handles = self._hooks(layer, prefix)
         try:
             with torch.no_grad():
@@ -422,6 +423,13 @@ class CalibrationModel:
                 hd.remove()
             layer.to("meta")
         return out
+
+
+def _release(staged: StagedGroup | None) -> None:
+    """Hand a staged group back once its copies are issued (the host allocator keeps a page-locked block until the
+    copies that read it are done); the prefetcher may then read the next one."""
+    if staged is not None:
+        staged.release()
 
 
 def _pretrained_owners(model: nn.Module) -> dict[int, nn.Module]:

@@ -124,3 +124,13 @@ def test_prefetched_equals_whole_model(llama, device):
     w = calibrate_whole_model(ckpt, _tokens(), dev, kv_cache=True, batch_tokens=32)
     _same(s.inputs, w.inputs)
     _same(s.keys, w.keys)
+
+
+def test_every_tensor_comes_from_the_prefetcher(llama, monkeypatch):
+    """Inside calibrate nothing is read on the calling thread: every module of a group (the embedding and the final
+    norm of group 0 too) takes its tensors from the one staged group."""
+    calls = []
+    real = cal_model.read_tensor
+    monkeypatch.setattr(cal_model, "read_tensor", lambda info: calls.append(info.name) or real(info))
+    calibrate(open_checkpoint(llama), _tokens(), torch.device("cpu"), kv_cache=True, batch_tokens=32)
+    assert calls == []
