@@ -23,15 +23,18 @@ and persistent buffer from its checkpoint tensor, each non-persistent buffer com
 ``_init_weights``, and anything else an error naming it; no value is the uninitialised memory ``to_empty``
 allocates, so two runs write the same bytes.
 
-Peak memory: one decoder layer plus the hidden states of the calibration batch (and one
-micro-batch's intermediate activations). :func:`calibrate_whole_model` runs the same modules,
+Reading: :class:`~.prefetch.LayerPrefetcher` reads the next layer's tensors (in background threads, into
+page-locked memory for a GPU) while this one runs; the copies to the GPU are asynchronous, so that the device never
+waits on the host between layers. The layers' memory is freed by reference counting (no garbage collection pass).
+
+Peak memory: one decoder layer (two while the next one is read) plus the hidden states of the calibration batch (and
+one micro-batch's intermediate activations). :func:`calibrate_whole_model` runs the same modules,
 hooks and micro-batches through the fully loaded model (the reference the tests compare with).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import re
 from dataclasses import dataclass
 
@@ -39,11 +42,12 @@ import torch
 from torch import nn
 
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.safetensors_io import read_tensor
+from ..checkpoint.safetensors_io import TensorInfo, read_tensor
 from ..errors import BadInputError, CTConvertError, UnsupportedError
 from ..options import DEFAULT_CALIBRATION_BATCH_TOKENS
 from .experts import EXPERT_NAMES, ScoredExperts, UnfusedExperts, is_fused_experts, is_llama4_experts
 from .observe import MinMax, Stats
+from .prefetch import LayerPrefetcher, StagedGroup, default_threads
 
 __all__ = ["CalibrationModel", "calibrate", "calibrate_whole_model", "eager_only"]
 
@@ -91,6 +95,7 @@ class CalibrationModel:
         self._pretrained_owner = _pretrained_owners(model)
         self.stats = Stats()
         self.kv = False
+        self._prefetch: LayerPrefetcher | None = None
 
     # -- structure ------------------------------------------------------------------------------
     def _build(self, tf, arch: str) -> tuple[nn.Module, str]:
@@ -208,10 +213,12 @@ class CalibrationModel:
         return out
 
     # -- loading --------------------------------------------------------------------------------
-    def _materialize(self, module: nn.Module, prefix: str, recurse: bool = True) -> None:
+    def _materialize(self, module: nn.Module, prefix: str, recurse: bool = True, staged: StagedGroup | None = None) -> None:
         """Load ``module`` (named ``prefix`` + local names; ``recurse=False``: its own tensors only) onto the device,
         every tensor of it accounted for, as transformers' ``from_pretrained`` does it (5.24 ``modeling_utils``:
-        ``_move_missing_keys_from_meta_to_device``, then ``_initialize_missing_keys``):
+        ``_move_missing_keys_from_meta_to_device``, then ``_initialize_missing_keys``). ``staged``: the module's
+        tensors as :class:`~.prefetch.LayerPrefetcher` read them (:meth:`staging_groups`; copied to the device
+        asynchronously from page-locked memory; a tensor it lacks is read here; the caller releases it):
 
         - every parameter and every persistent buffer (DeepSeek-V3's router ``e_score_correction_bias``, Gemma-4's
           ``layer_scalar``) is read from its checkpoint tensor; one the checkpoint lacks is a :class:`BadInputError`
@@ -231,11 +238,12 @@ class CalibrationModel:
                 if src is None:
                     kind = "parameter" if isinstance(t, nn.Parameter) else "buffer"
                     raise BadInputError(f"calibration: the checkpoint has no tensor for {kind} {full!r} of the model", file=self.ckpt.path)
-                v = read_tensor(self.ckpt.tensors[src])
+                v = staged.get(src) if staged is not None else None
+                v = read_tensor(self.ckpt.tensors[src]) if v is None else v
                 if tuple(v.shape) != tuple(t.shape):
                     where = str(self.ckpt.tensors[src].file)
                     raise BadInputError(f"calibration: shape {list(v.shape)} does not fit {full} {list(t.shape)}", tensor=src, file=where)
-                t.copy_(v)
+                t.copy_(v, non_blocking=staged is not None and staged.pinned)
                 t._is_hf_initialized = True
                 loaded.append((full, t, t._version))
         if computed:
@@ -300,8 +308,49 @@ class CalibrationModel:
         return out
 
     def load_outside(self) -> None:
+        staged = self._staged(0)
         for name, m in self._outside_layers():
-            self._materialize(m, name + "." if name else "", recurse=False)
+            self._materialize(m, name + "." if name else "", recurse=False, staged=staged)
+        _release(staged)
+
+    def staging_groups(self) -> list[list[TensorInfo]]:
+        """The checkpoint tensors :meth:`load_outside` and then each :meth:`run_layer` read, in that order (the
+        groups of a :class:`~.prefetch.LayerPrefetcher`): every parameter and persistent buffer that has a
+        checkpoint tensor, each tensor once; what has none is left to :meth:`_materialize`'s error."""
+        parts = [[(m, (name + ".") if name else "", False) for name, m in self._outside_layers()]]
+        parts += [[(layer, f"{self.layers_name}.{i}.", True)] for i, layer in enumerate(self.layers)]
+        groups = []
+        for part in parts:
+            names: dict[str, None] = {}
+            for module, prefix, recurse in part:
+                for local, _ in self._tensors_of(module, recurse)[0]:
+                    src = self.names.get(prefix + local)
+                    if src is not None:
+                        names.setdefault(src)
+            groups.append([self.ckpt.tensors[n] for n in names])
+        return groups
+
+    @contextlib.contextmanager
+    def prefetching(self):
+        """While the context lasts, :meth:`load_outside` and then each :meth:`run_layer` (in order) take their tensors
+        from a :class:`~.prefetch.LayerPrefetcher` of :meth:`staging_groups`, which reads the next group while
+        this one runs (page-locked on a GPU; the embedding, read once, in pageable memory)."""
+        pf = LayerPrefetcher(self.staging_groups(), pin_memory=self.device.type == "cuda", unpinned=(0,), threads=default_threads(self.device))
+        self._prefetch = pf
+        try:
+            yield pf
+        finally:
+            self._prefetch = None
+            pf.close()
+
+    def _staged(self, group: int) -> StagedGroup | None:
+        """Group ``group`` of :meth:`staging_groups` from the prefetcher (None without one: :meth:`_materialize` reads)."""
+        if self._prefetch is None:
+            return None
+        staged = self._prefetch.take()
+        if staged.index != group:
+            raise CTConvertError(f"internal: calibration loads group {group} but the prefetcher read group {staged.index} (layers out of order)")
+        return staged
 
     # -- observing --------------------------------------------------------------------------------
     def _hooks(self, root: nn.Module, prefix: str):
@@ -355,9 +404,13 @@ class CalibrationModel:
         return hidden, recs
 
     def run_layer(self, i: int, hidden: list[torch.Tensor], recs: list[_Recorded]) -> list[torch.Tensor]:
+        """Load decoder layer ``i`` (from the prefetcher, inside :meth:`prefetching`), run every micro-batch through it
+        with the observers' hooks, and put it back on ``meta``; its outputs."""
         layer = self.layers[i]
         prefix = f"{self.layers_name}.{i}."
-        self._materialize(layer, prefix)
+        staged = self._staged(i + 1)
+        self._materialize(layer, prefix, staged=staged)
+        _release(staged)
         handles = self._hooks(layer, prefix)
         try:
             with torch.no_grad():
@@ -370,6 +423,13 @@ class CalibrationModel:
                 hd.remove()
             layer.to("meta")
         return out
+
+
+def _release(staged: StagedGroup | None) -> None:
+    """Hand a staged group back once its copies are issued (the host allocator keeps a page-locked block until the
+    copies that read it are done); the prefetcher may then read the next one."""
+    if staged is not None:
+        staged.release()
 
 
 def _pretrained_owners(model: nn.Module) -> dict[int, nn.Module]:
@@ -412,11 +472,27 @@ def build_meta(tf, ckpt: Checkpoint, dtype: torch.dtype, arch: str) -> tuple[nn.
     )
 
 
+#: the model :func:`check_buildable` built, ``(checkpoint, model)``, until :func:`calibrate` of that checkpoint takes it
+_PREBUILT: list[tuple[Checkpoint, CalibrationModel]] = []
+
+
 def check_buildable(ckpt: Checkpoint) -> None:
     """What :class:`CalibrationModel` does before its work: build the meta-device model, replace its fused experts
     and map the checkpoint's names onto it (seconds, no weights read), so that a dry run refuses what the real run
-    would refuse, with the same error (exit 4). ``ckpt``: with the plan's per-expert views, as calibration gets it."""
-    CalibrationModel(ckpt, torch.device("cpu"))
+    would refuse, with the same error (exit 4). ``ckpt``: with the plan's per-expert views, as calibration gets it.
+    The model is kept (one, the latest) for :func:`calibrate` of the same ``ckpt`` object, which then builds none."""
+    _PREBUILT[:] = [(ckpt, CalibrationModel(ckpt, torch.device("cpu")))]
+
+
+def _take_prebuilt(ckpt: Checkpoint, device: torch.device) -> CalibrationModel:
+    """The model :func:`check_buildable` built for this ``ckpt`` (unused: every module still on ``meta``), its
+    attention observer registered again (another model may have been built since), else a new one."""
+    if _PREBUILT and _PREBUILT[0][0] is ckpt:
+        cm = _PREBUILT.pop()[1]
+        cm.device = device
+        cm._register_attention(_transformers())
+        return cm
+    return CalibrationModel(ckpt, device)
 
 
 def _dtype(ckpt: Checkpoint) -> torch.dtype:
@@ -454,18 +530,18 @@ def calibrate(
     states. ``progress``: called with ``(layer, layers)`` after each layer. Raises :class:`UnsupportedError`
     (transformers cannot build the architecture) or :class:`BadInputError` (a parameter has no checkpoint tensor).
     """
-    cm = CalibrationModel(ckpt, device)
+    cm = _take_prebuilt(ckpt, device)
     cm.kv = kv_cache
-    cm.load_outside()
-    with _forward_errors(ckpt, "the embedding"):
-        hidden, recs = cm.capture(_micro_batches(tokens, batch_tokens))
-    for i in range(len(cm.layers)):
-        with _forward_errors(ckpt, f"decoder layer {i}"):
-            hidden = cm.run_layer(i, hidden, recs[i])
-        recs[i] = None
-        gc.collect()
-        if progress is not None:
-            progress(i + 1, len(cm.layers))
+    with cm.prefetching():
+        cm.load_outside()
+        with _forward_errors(ckpt, "the embedding"):
+            hidden, recs = cm.capture(_micro_batches(tokens, batch_tokens))
+        for i in range(len(cm.layers)):
+            with _forward_errors(ckpt, f"decoder layer {i}"):
+                hidden = cm.run_layer(i, hidden, recs[i])
+            recs[i] = None  # the layer's arguments and its input: freed by reference counting (no cycles hold them)
+            if progress is not None:
+                progress(i + 1, len(cm.layers))
     cm.stats.tokens = int(tokens.numel())
     out = cm.stats.cpu()
     out.notes = list(cm.notes)
