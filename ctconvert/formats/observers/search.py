@@ -116,7 +116,11 @@ class MSEObserver(WeightObserver):
         check_weight(w, args)
         grouped(w, args)  # the shape checks
         if w.device.type != "cpu":
-            # the bytes are the CPU path's: CUDA's pow and reduction order are not torch's CPU ones (no GPU kernel yet)
+            from . import gpu_search  # imports Triton: only for CUDA tensors
+
+            if impl == "auto" and gpu_search.takes(w, args, self.total_steps if steps is None else steps):
+                return Search(*gpu_search.search(self, w, args, steps))  # the CPU path's decisions, exactly (gpu_search.py)
+            # else the CPU searches: CUDA's pow and reduction order are not torch's CPU ones
             found = self.search(w.cpu(), args, steps, impl)
             dev = w.device
             hits = None if found.hits is None else found.hits.to(dev)
