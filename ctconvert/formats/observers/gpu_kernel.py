@@ -163,13 +163,14 @@ if HAVE_TRITON:
     def mse_search_kernel(
         w_ptr, idx_ptr, p_ptr, tlo_ptr, thi_ptr,
         step_ptr, mn_ptr, mx_ptr, hits_ptr, unsure_ptr, counted_ptr, lo_ptr, hi_ptr,
-        R, qmin, qmax, half, rng, expand, dmax, eps,
+        R, qmin, qmax, half, rng, expand, dmax, eps, m_lo, m_hi,
         S: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, KIND: tl.constexpr, SYM: tl.constexpr,
         MX_OFF: tl.constexpr, TWO: tl.constexpr, DUMP: tl.constexpr, HW: tl.constexpr,
     ):  # fmt: skip
         """Groups ``[pid * BLOCK, +BLOCK)`` of ``w`` ``[R, G]`` (with ``DUMP``: groups ``idx[...]``), ``S`` steps of
         shrink factors ``p``; tables ``tlo``/``thi`` (``TWO``: they differ somewhere, else ``thi`` is not read).
-        Writes per group the best step (int16, -1 none), its range (D), the improvements as bits (int64 word 0,
+        ``m_lo``/``m_hi``: ``1 -/+ G * 2^-23`` (exact in fp32), the widening of the sums. Writes per group the
+        best step (int16, -1 none), its range (D), the improvements as bits (int64 word 0,
         steps < 64), ``unsure`` (uint8) and per program the OR of the decided improvements (int64 x 2); with
         ``DUMP`` every step's ``[lo, hi]`` (fp32 ``[R, S]``)."""
         pid = tl.program_id(0)
@@ -196,8 +197,8 @@ if HAVE_TRITON:
             bits = _mag_bits(_abs_err(x, scale, zp, qmin, qmax, DT, KIND, SYM, HW), DT)
             slo = tl.sum(tl.where(mask, tl.load(tlo_ptr + bits), 0.0).to(tl.float64), axis=1)
             shi = tl.sum(tl.where(mask, tl.load(thi_ptr + bits), 0.0).to(tl.float64), axis=1) if TWO else slo
-            lo = _rd((slo * (1.0 - G * 1.1920928955078125e-07)).to(tl.float32), DT, HW)
-            hi = tl.where(shi > 1e30, float("inf"), _rd((shi * (1.0 + G * 1.1920928955078125e-07)).to(tl.float32), DT, HW))
+            lo = _rd((slo * m_lo).to(tl.float32), DT, HW)
+            hi = tl.where(shi > 1e30, float("inf"), _rd((shi * m_hi).to(tl.float32), DT, HW))
             if DUMP:
                 tl.store(lo_ptr + rows.to(tl.int64) * S + i, lo, mask=rmask)
                 tl.store(hi_ptr + rows.to(tl.int64) * S + i, hi, mask=rmask)

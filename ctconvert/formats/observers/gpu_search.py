@@ -98,7 +98,7 @@ def _shrink(steps: int, grid: float, device) -> torch.Tensor:
 class _Launch:
     """One observer's kernel arguments for chunks of one dtype (the constants of ``observe.c``'s call)."""
 
-    def __init__(self, observer, args: WeightArgs, w: torch.Tensor, steps: int):
+    def __init__(self, observer, args: WeightArgs, w: torch.Tensor, steps: int, widen: float = 1.0):
         d = w.dtype
         self.observer, self.args, self.steps, self.device = observer, args, steps, w.device
         self.g = args.group_size
@@ -107,7 +107,8 @@ class _Launch:
         self.kind = gpu_kernel.KIND_INT if args.type == "int" else (gpu_kernel.KIND_FP8 if args.num_bits == 8 else gpu_kernel.KIND_FP4)
         self.table = PowTable.get(d, observer.norm, w.device)
         self.p = _shrink(steps, observer.grid, w.device)
-        self.scalars = (qmin, qmax, float(rng / 2), float(rng), float(observer.expand), torch.finfo(d).max, torch.finfo(d).eps)
+        m = self.g * 2.0**-23 * widen  # observe.c's widening of a sum (gpu_kernel's docstring)
+        self.scalars = (qmin, qmax, float(rng / 2), float(rng), float(observer.expand), torch.finfo(d).max, torch.finfo(d).eps, 1.0 - m, 1.0 + m)
         self.mx_off = (2 if args.num_bits == 4 else 8) if is_mx(args) else 0
         gp = 1 << max(0, (self.g - 1).bit_length())
         self.consts = dict(
@@ -194,11 +195,11 @@ def _settle(launch: _Launch, xg: torch.Tensor, out: dict, improved: torch.Tensor
     improved |= imp
 
 
-def _full(observer, w: torch.Tensor, args: WeightArgs, steps: int):
+def _full(observer, w: torch.Tensor, args: WeightArgs, steps: int, widen: float):
     """Every one of ``steps`` grid steps over chunk ``w`` (no early stop): the ``Search`` fields, exact."""
     n, k = w.shape
     xg = grouped(w.contiguous(), args).reshape(-1, args.group_size)
-    launch = _Launch(observer, args, w, steps)
+    launch = _Launch(observer, args, w, steps, widen)
     out = launch.run(xg)
     improved = _improved(out["counted"], steps)
     _settle(launch, xg, out, improved)
@@ -207,15 +208,16 @@ def _full(observer, w: torch.Tensor, args: WeightArgs, steps: int):
     return out["mn"].view(shape), out["mx"].view(shape), out["step"].view(shape), improved, hits
 
 
-def search(observer, w: torch.Tensor, args: WeightArgs, steps: int | None = None):
+def search(observer, w: torch.Tensor, args: WeightArgs, steps: int | None = None, *, widen: float = 1.0):
     """``observer.search(w, args, steps)`` (:class:`~.search.MSEObserver`) on ``w``'s device: the fields of the
     same :class:`~.search.Search` as the CPU path's, ``(min, max, step, improved, hits)`` (on ``w``'s device;
     improved on the CPU). ``steps``: run exactly this many grid steps (None: stop as llm-compressor does, ``w`` the whole
-    tensor). Raises ``ValueError`` where :func:`takes` is False; the caller checks the weight first."""
+    tensor); ``widen``: the kernel's sum bounds times this (> 1: more groups settled exactly, the same result;
+    the tests' knob). Raises ``ValueError`` where :func:`takes` is False; the caller checks the weight first."""
     total = observer.total_steps if steps is None else steps
     if not takes(w, args, total):
         raise ValueError("the GPU observer search takes a CUDA bf16/fp16 chunk of a group strategy, at most 128 steps")
-    found = _full(observer, w, args, total)
+    found = _full(observer, w, args, total, widen)
     if steps is None and observer.patience < total:
         tracker = StopTracker(total, observer.patience)
         tracker.add(found[3])
@@ -224,5 +226,5 @@ def search(observer, w: torch.Tensor, args: WeightArgs, steps: int | None = None
             step = observer.steps_at(found[4], stop)
             found = (*observer.ranges_from_steps(w, args, step), step, found[3][:stop].clone(), found[4] & ((1 << stop) - 1))
         elif stop < total:
-            found = _full(observer, w, args, stop)
+            found = _full(observer, w, args, stop, widen)
     return found
