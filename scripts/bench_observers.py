@@ -101,14 +101,17 @@ def gpu_table(a) -> int:
             torch.cuda.synchronize()
             gpu_t = time.perf_counter() - t
             launch = gpu_search._Launch(obs, args, wd, obs.total_steps)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
             unsure = int(launch.run(wd.reshape(-1, args.group_size))["unsure"].sum())
+            kernel_t = time.perf_counter() - t
             cpu_t, ref = _time(lambda: obs.search(w, args))  # noqa: B023
             same = all(_same(x, y) for x, y in zip((got.min, got.max, got.step, got.improved, got.hits), (ref.min, ref.max, ref.step, ref.improved, ref.hits)))
             bad += not same
             groups = got.step.numel()
             rate = w.numel() * max(1, got.improved.numel()) / gpu_t / 1e9
             print(
-                f"{scheme:10s} {obs_name:20s} {str(dtype)[6:]:9s} GPU {gpu_t:7.3f}s ({rate:6.1f} G elem-steps/s)"
+                f"{scheme:10s} {obs_name:20s} {str(dtype)[6:]:9s} GPU {gpu_t:7.3f}s (kernel {kernel_t:6.3f}s, {rate:6.1f} G elem-steps/s)"
                 f"  settled {unsure}/{groups} groups ({unsure / groups:.2%})  CPU {cpu_t:7.2f}s  same {same}"
             )
     return 1 if bad else 0
