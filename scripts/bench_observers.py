@@ -117,6 +117,28 @@ def gpu_table(a) -> int:
     return 1 if bad else 0
 
 
+def tune(a) -> None:
+    """The kernel alone (no settling) per launch configuration of ``gpu_search.TUNE``, bf16 NVFP4, 111 steps."""
+    from ctconvert.formats.observers import gpu_search
+
+    obs, args = OBSERVERS["nvfp4_expanded_mse"], CASES[0][2]
+    w = (torch.randn(a.rows, a.cols, device="cuda") * 0.02).to(torch.bfloat16)
+    xg = w.reshape(-1, 16)
+    for elems in (512, 1024, 2048):
+        for warps in (2, 4, 8):
+            gpu_search.TUNE.update(elems=elems, num_warps=warps)
+            launch = gpu_search._Launch(obs, args, w, obs.total_steps)
+            launch.run(xg)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(3):
+                launch.run(xg)
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t) / 3
+            print(f"tune elems {elems:5d} warps {warps}: {dt * 1e3:7.2f} ms, {w.numel() * obs.total_steps / dt / 1e9:6.1f} G elem-steps/s")
+    gpu_search.TUNE.update(elems=1024, num_warps=4)
+
+
 def _quantize(src: Path, out: Path, device: str, observer: str, scheme: str) -> tuple[float, float]:
     shutil.rmtree(out, ignore_errors=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -126,7 +148,7 @@ def _quantize(src: Path, out: Path, device: str, observer: str, scheme: str) -> 
     wall = time.perf_counter() - t
     if r.returncode:
         sys.exit(f"{' '.join(cmd)}: exit {r.returncode}\n{r.stderr[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])["seconds"], wall
+    return json.loads(r.stdout)["seconds"], wall
 
 
 def _hashes(folder: Path) -> dict[str, str]:
@@ -174,9 +196,13 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/obsbench")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--layers", type=int, default=1, help="layers of the checkpoint whose CPU and CUDA outputs are compared")
+    ap.add_argument("--tune", action="store_true", help="time the kernel per launch configuration (CUDA)")
     a = ap.parse_args()
     if a.device == "cpu":
         return cpu_table(a)
+    if a.tune:
+        tune(a)
+        return 0
     return e2e(a) if a.e2e else gpu_table(a)
 
 

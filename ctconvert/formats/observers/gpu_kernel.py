@@ -8,11 +8,14 @@ operation, as in ``observe.c``:
 
 * ``|d| ** norm``: looked up in a table of torch's own results for every D value (``gpu_search.PowTable``;
   lo == hi there, except for a value whose vectorized and scalar torch ``pow`` round differently);
-* the group sum, which torch accumulates in fp32 in an order of its own: here an fp64 sum of the table's values
-  (within ``G * 2^-53`` of the exact sum, any order), widened by ``G * 2^-23`` each way, then rounded to D. Any
-  fp32 summation order of ``G`` non-negative terms is within ``(G - 1) * 2^-24`` of the exact sum, and the
-  widening covers that, the fp64 error and the fp64 -> fp32 rounding (``observe.c``'s bound, the same
-  arithmetic), so torch's D error lies in ``[lo, hi]``.
+* the group sum, which torch accumulates in fp32 in an order of its own: here an fp32 sum of the table's values
+  in the kernel's own order, then ``RN(s * (1 -/+ m))`` with ``m = G * 2^-23``, rounded to D. Why that bounds
+  torch's sum ``t``: any fp32 summation order of ``G`` non-negative terms is within ``(G - 1) u`` (``u = 2^-24``,
+  to first order) of the exact sum ``S``, so ours ``s`` and torch's ``t`` both are, and ``t >= S (1 - (G-1)u) >=
+  s (1 - 2(G-1)u)``; one more rounding of ``s * (1 - m)`` costs ``u``, and ``m = 2G u >= (2G - 1) u`` plus the
+  second-order terms (``< G^2 u^2``, below ``2^-34``); the same for the upper bound. Rounding to D is monotone,
+  so torch's D error lies in ``[lo, hi]`` (``observe.c``'s ``m``, there over an fp64 sum). Where our sum
+  overflows, ``S >= FLT_MAX / (1 + (G-1)u)``, so ``t >= FLT_MAX (1 - m)``: ``lo`` is taken from ``FLT_MAX``.
 
 A step is *decided* when ``hi < best_lo`` (the candidate is below the best so far, whatever torch's sums are:
 an improvement) or ``lo >= best_hi`` (it is not); a group with an undecided step is flagged ``unsure``, its
@@ -35,7 +38,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from ..gpu_math import in_range, qdiv
+    from ..gpu_math import qdiv
 
     __all__ += ["mse_search_kernel"]
 
@@ -126,10 +129,10 @@ if HAVE_TRITON:
         return tl.where(scale == 0.0, eps, scale), zp
 
     @triton.jit
-    def _abs_err(x, scale, zp, qmin, qmax, DT: tl.constexpr, KIND: tl.constexpr, SYM: tl.constexpr, HW: tl.constexpr):
+    def _abs_err(x, scale, zp, qmin, qmax, FAST, DT: tl.constexpr, KIND: tl.constexpr, SYM: tl.constexpr, HW: tl.constexpr):
         """``|fake_quant(x) - x|`` per element (a D value), ``scale``/``zp`` ``[BLOCK]``; FP4 takes ``x = |w|``."""
         s = tl.broadcast_to(scale[:, None], x.shape)
-        if tl.min(in_range(scale).to(tl.int32), axis=0) == 1:  # gpu_math: Markstein's division, exact here
+        if FAST:  # gpu_math: Markstein's division, the correctly rounded quotient here (mse_search_kernel)
             t = qdiv(x, s, tl.broadcast_to(tl.div_rn(1.0, scale)[:, None], x.shape))
         else:
             t = tl.div_rn(x, s)
@@ -182,6 +185,12 @@ if HAVE_TRITON:
         x = tl.load(w_ptr + grp[:, None] * G + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         mn0 = _rd(tl.min(tl.where(mask, x, float("inf")), axis=1) * expand, DT, HW)
         mx0 = _rd(tl.max(tl.where(mask, x, float("-inf")), axis=1) * expand, DT, HW)
+        # Markstein's division is exact for divisors in [2^-64, 2^64] (gpu_math): every candidate scale of a group
+        # whose unshrunk absmax A is 0 (scale eps) or within [2^-40, 2^40] at every shrink factor lies there
+        a0 = tl.maximum(tl.abs(mn0), tl.abs(mx0))
+        a1 = a0 * tl.load(p_ptr + S - 1)
+        ok = (a0 == 0.0) | ((a1 >= 2.0**-40) & (a0 <= 2.0**40)) | ~rmask
+        fast = tl.min(ok.to(tl.int32), axis=0) == 1
         if KIND == 2:
             x = tl.abs(x)
         best_lo = tl.full([BLOCK], dmax, tl.float32)
@@ -194,11 +203,11 @@ if HAVE_TRITON:
         for i in range(0, S):
             pi = tl.load(p_ptr + i)
             scale, zp = _scale_zp(_rd(mn0 * pi, DT, HW), _rd(mx0 * pi, DT, HW), qmin, qmax, half, rng, eps, DT, SYM, MX_OFF, HW)
-            bits = _mag_bits(_abs_err(x, scale, zp, qmin, qmax, DT, KIND, SYM, HW), DT)
-            slo = tl.sum(tl.where(mask, tl.load(tlo_ptr + bits), 0.0).to(tl.float64), axis=1)
-            shi = tl.sum(tl.where(mask, tl.load(thi_ptr + bits), 0.0).to(tl.float64), axis=1) if TWO else slo
-            lo = _rd((slo * m_lo).to(tl.float32), DT, HW)
-            hi = tl.where(shi > 1e30, float("inf"), _rd((shi * m_hi).to(tl.float32), DT, HW))
+            bits = _mag_bits(_abs_err(x, scale, zp, qmin, qmax, fast, DT, KIND, SYM, HW), DT)
+            slo = tl.sum(tl.where(mask, tl.load(tlo_ptr + bits), 0.0), axis=1)
+            shi = tl.sum(tl.where(mask, tl.load(thi_ptr + bits), 0.0), axis=1) if TWO else slo
+            lo = _rd(tl.minimum(slo, 3.4028234663852886e38) * m_lo, DT, HW)
+            hi = tl.where(shi > 1e30, float("inf"), _rd(shi * m_hi, DT, HW))
             if DUMP:
                 tl.store(lo_ptr + rows.to(tl.int64) * S + i, lo, mask=rmask)
                 tl.store(hi_ptr + rows.to(tl.int64) * S + i, hi, mask=rmask)

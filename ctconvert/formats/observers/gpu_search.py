@@ -41,6 +41,8 @@ __all__ = ["PowTable", "available", "search", "takes"]
 
 MAX_STEPS = 128  # two int64 words of improvement bits per group
 _DT = {torch.bfloat16: 0, torch.float16: 1}
+#: launch configuration: elements per program (BLOCK groups of the group size), warps per program
+TUNE = {"elems": 1024, "num_warps": 4}
 
 
 def _interpreting() -> bool:
@@ -112,7 +114,7 @@ class _Launch:
         self.mx_off = (2 if args.num_bits == 4 else 8) if is_mx(args) else 0
         gp = 1 << max(0, (self.g - 1).bit_length())
         self.consts = dict(
-            G=self.g, GP=gp, BLOCK=max(1, 1024 // gp), DT=_DT[d], KIND=self.kind, SYM=bool(args.symmetric), MX_OFF=self.mx_off,
+            G=self.g, GP=gp, BLOCK=max(1, TUNE["elems"] // gp), DT=_DT[d], KIND=self.kind, SYM=bool(args.symmetric), MX_OFF=self.mx_off,
             TWO=not self.table.exact, HW=not _interpreting(),
         )  # fmt: skip
 
@@ -134,7 +136,7 @@ class _Launch:
             gpu_kernel.mse_search_kernel[(programs,)](
                 xg, idx if dump else out["hits"], self.p, self.table.lo, self.table.hi,
                 out["step"], out["mn"], out["mx"], out["hits"], out["unsure"], out["counted"], lo, hi,
-                r, *self.scalars, S=self.steps, DUMP=dump, num_warps=4, **self.consts,
+                r, *self.scalars, S=self.steps, DUMP=dump, num_warps=TUNE["num_warps"], **self.consts,
             )  # fmt: skip
         return (lo, hi) if dump else out
 
@@ -147,10 +149,13 @@ def _improved(counted: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def _exact_errors(launch: _Launch, xg: torch.Tensor, idx: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[U, S]`` (CPU): torch's error of groups ``idx`` at every step: the bounds where they meet, else
-    torch's ``FakeQuant.error`` on the CPU for those (group, step) pairs."""
+    """fp32 ``[U, S]`` (CPU): torch's errors of groups ``idx`` at every step where they matter: the bounds where
+    they meet, else torch's ``FakeQuant.error`` on the CPU for those (group, step) pairs; a step whose ``lo`` is
+    at least some earlier step's ``hi`` (or D's max) cannot improve whatever its error, and keeps ``lo``."""
     err, hi = lo.cpu(), hi.cpu()
-    u, i = torch.nonzero(err != hi, as_tuple=True)
+    dmax = torch.full((err.shape[0], 1), launch.scalars[5])
+    before = torch.cat([dmax, hi[:, :-1]], dim=1).cummin(dim=1).values  # at least the best error before each step
+    u, i = torch.nonzero((err != hi) & (err < before), as_tuple=True)
     if u.numel():
         obs = launch.observer
         x = xg[idx.to(xg.device)[u.to(xg.device)]].cpu()
@@ -164,21 +169,18 @@ def _exact_errors(launch: _Launch, xg: torch.Tensor, idx: torch.Tensor, lo: torc
 
 def _decide(err: torch.Tensor, dmax: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The search's comparisons on exact errors ``err`` fp32 ``[U, S]``: (step int16 ``[U]``, hits int64 ``[U]``
-    (steps < 63), improved bool ``[S]``), as ``MSEObserver._torch`` keeps them (strictly below, first wins)."""
+    (steps < 63), improved bool ``[S]``), as ``MSEObserver._torch`` keeps them: step ``i`` improves where its
+    error is strictly below every earlier one and ``dmax`` (so the first of equal errors wins, and an error of
+    inf or NaN never improves: NaN counts as inf here)."""
     u, steps = err.shape
-    best = torch.full((u,), dmax, dtype=torch.float32)
-    step = torch.full((u,), -1, dtype=torch.int16)
-    hits = torch.zeros(u, dtype=torch.int64)
-    improved = torch.zeros(steps, dtype=torch.bool)
-    for i in range(steps):
-        better = err[:, i] < best
-        if bool(better.any()):
-            improved[i] = True
-            best = torch.where(better, err[:, i], best)
-            step[better] = i
-            if i < 63:
-                hits |= better.to(torch.int64) << i
-    return step, hits, improved
+    e = torch.nan_to_num(err, nan=float("inf"), posinf=float("inf"))
+    before = torch.cat([torch.full((u, 1), dmax, dtype=e.dtype), e[:, :-1]], dim=1).cummin(dim=1).values
+    better = e < before
+    idx = torch.arange(steps, dtype=torch.int64)
+    step = torch.cat([torch.full((u, 1), -1), torch.where(better, idx, -1)], dim=1).amax(dim=1).to(torch.int16)
+    low = better[:, :63].to(torch.int64) << idx[:63]
+    hits = low.sum(dim=1)  # distinct bits: their sum is their OR
+    return step, hits, better.any(dim=0)
 
 
 def _settle(launch: _Launch, xg: torch.Tensor, out: dict, improved: torch.Tensor) -> None:
