@@ -187,9 +187,9 @@ if HAVE_TRITON:
         mx0 = _rd(tl.max(tl.where(mask, x, float("-inf")), axis=1) * expand, DT, HW)
         # Markstein's division is exact for divisors in [2^-64, 2^64] (gpu_math): every candidate scale of a group
         # whose unshrunk absmax A is 0 (scale eps) or within [2^-40, 2^40] at every shrink factor lies there
-        a0 = tl.maximum(tl.abs(mn0), tl.abs(mx0))
-        a1 = a0 * tl.load(p_ptr + S - 1)
-        ok = (a0 == 0.0) | ((a1 >= 2.0**-40) & (a0 <= 2.0**40)) | ~rmask
+        big = tl.maximum(tl.abs(mn0), tl.abs(mx0))
+        small = big * tl.load(p_ptr + S - 1)
+        ok = (big == 0.0) | ((small >= 2.0**-40) & (big <= 2.0**40)) | ~rmask
         fast = tl.min(ok.to(tl.int32), axis=0) == 1
         if KIND == 2:
             x = tl.abs(x)
@@ -216,8 +216,8 @@ if HAVE_TRITON:
                 b0, b1 = _bits_of(better & sure, i)
                 c0 |= b0
                 c1 |= b1
-                a0, _a1 = _bits_of(better, i)
-                h0 |= a0
+                g0, _g1 = _bits_of(better, i)
+                h0 |= g0
                 sure = sure & (better | (lo >= best_hi))
                 best_lo = tl.where(better, lo, best_lo)
                 best_hi = tl.where(better, hi, best_hi)
