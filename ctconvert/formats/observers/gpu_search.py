@@ -42,7 +42,7 @@ __all__ = ["PowTable", "available", "search", "takes"]
 MAX_STEPS = 128  # two int64 words of improvement bits per group
 _DT = {torch.bfloat16: 0, torch.float16: 1}
 #: launch configuration: elements per program (BLOCK groups of the group size), warps per program
-TUNE = {"elems": 1024, "num_warps": 4}
+TUNE = {"elems": 1024, "num_warps": 2}  # the fastest of bench_observers.py --tune on an H200
 
 
 def _interpreting() -> bool:
@@ -149,37 +149,38 @@ def _improved(counted: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def _exact_errors(launch: _Launch, xg: torch.Tensor, idx: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[U, S]`` (CPU): torch's errors of groups ``idx`` at every step where they matter: the bounds where
-    they meet, else torch's ``FakeQuant.error`` on the CPU for those (group, step) pairs; a step whose ``lo`` is
-    at least some earlier step's ``hi`` (or D's max) cannot improve whatever its error, and keeps ``lo``."""
-    err, hi = lo.cpu(), hi.cpu()
-    dmax = torch.full((err.shape[0], 1), launch.scalars[5])
+    """fp32 ``[U, S]`` (on ``lo``'s device): torch's errors of groups ``idx`` at every step where they matter: the
+    bounds where they meet, else torch's ``FakeQuant.error`` on the CPU for those (group, step) pairs; a step whose
+    ``lo`` is at least some earlier step's ``hi`` (or D's max) cannot improve whatever its error, and keeps ``lo``."""
+    dmax = torch.full((lo.shape[0], 1), launch.scalars[5], device=lo.device)
     before = torch.cat([dmax, hi[:, :-1]], dim=1).cummin(dim=1).values  # at least the best error before each step
-    u, i = torch.nonzero((err != hi) & (err < before), as_tuple=True)
-    if u.numel():
-        obs = launch.observer
-        x = xg[idx.to(xg.device)[u.to(xg.device)]].cpu()
-        p = launch.p.cpu()[i]
-        mn0, mx0 = torch.amin(x, dim=-1) * obs.expand, torch.amax(x, dim=-1) * obs.expand
-        cmn, cmx = (mn0.float() * p).to(x.dtype), (mx0.float() * p).to(x.dtype)  # ``min0 * p``: D(fp32 * fp32)
-        ax = x.abs()[:, None] if launch.kind == gpu_kernel.KIND_FP4 else None
-        err[u, i] = FakeQuant(launch.args, "cpu").error(x[:, None], cmn[:, None], cmx[:, None], obs.norm, ax)[:, 0].float()
+    u, i = torch.nonzero((lo != hi) & (lo < before), as_tuple=True)
+    if not u.numel():
+        return lo
+    obs = launch.observer
+    x = xg[idx[u]].cpu()
+    p = launch.p[i].cpu()
+    mn0, mx0 = torch.amin(x, dim=-1) * obs.expand, torch.amax(x, dim=-1) * obs.expand
+    cmn, cmx = (mn0.float() * p).to(x.dtype), (mx0.float() * p).to(x.dtype)  # ``min0 * p``: D(fp32 * fp32)
+    ax = x.abs()[:, None] if launch.kind == gpu_kernel.KIND_FP4 else None
+    err = lo.clone()
+    err[u, i] = FakeQuant(launch.args, "cpu").error(x[:, None], cmn[:, None], cmx[:, None], obs.norm, ax)[:, 0].float().to(lo.device)
     return err
 
 
 def _decide(err: torch.Tensor, dmax: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The search's comparisons on exact errors ``err`` fp32 ``[U, S]``: (step int16 ``[U]``, hits int64 ``[U]``
-    (steps < 63), improved bool ``[S]``), as ``MSEObserver._torch`` keeps them: step ``i`` improves where its
-    error is strictly below every earlier one and ``dmax`` (so the first of equal errors wins, and an error of
-    inf or NaN never improves: NaN counts as inf here)."""
+    """The search's comparisons on exact errors ``err`` fp32 ``[U, S]`` (any device): (step int16 ``[U]``, hits
+    int64 ``[U]`` (steps < 63), improved bool ``[S]``), as ``MSEObserver._torch`` keeps them: step ``i`` improves
+    where its error is strictly below every earlier one and ``dmax`` (so the first of equal errors wins, and an
+    error of inf or NaN never improves: NaN counts as inf here)."""
     u, steps = err.shape
+    dev = err.device
     e = torch.nan_to_num(err, nan=float("inf"), posinf=float("inf"))
-    before = torch.cat([torch.full((u, 1), dmax, dtype=e.dtype), e[:, :-1]], dim=1).cummin(dim=1).values
+    before = torch.cat([torch.full((u, 1), dmax, dtype=e.dtype, device=dev), e[:, :-1]], dim=1).cummin(dim=1).values
     better = e < before
-    idx = torch.arange(steps, dtype=torch.int64)
-    step = torch.cat([torch.full((u, 1), -1), torch.where(better, idx, -1)], dim=1).amax(dim=1).to(torch.int16)
-    low = better[:, :63].to(torch.int64) << idx[:63]
-    hits = low.sum(dim=1)  # distinct bits: their sum is their OR
+    idx = torch.arange(steps, dtype=torch.int64, device=dev)
+    step = torch.cat([torch.full((u, 1), -1, device=dev), torch.where(better, idx, -1)], dim=1).amax(dim=1).to(torch.int16)
+    hits = (better[:, :63].to(torch.int64) << idx[:63]).sum(dim=1)  # distinct bits: their sum is their OR
     return step, hits, better.any(dim=0)
 
 
@@ -192,9 +193,9 @@ def _settle(launch: _Launch, xg: torch.Tensor, out: dict, improved: torch.Tensor
     step, hits, imp = _decide(_exact_errors(launch, xg, idx, lo, hi), launch.scalars[5])
     x = xg[idx]
     obs = launch.observer
-    mn, mx = obs.ranges_at(torch.amin(x, dim=-1) * obs.expand, torch.amax(x, dim=-1) * obs.expand, step.to(x.device))
-    out["step"][idx], out["hits"][idx], out["mn"][idx], out["mx"][idx] = step.to(x.device), hits.to(x.device), mn, mx
-    improved |= imp
+    mn, mx = obs.ranges_at(torch.amin(x, dim=-1) * obs.expand, torch.amax(x, dim=-1) * obs.expand, step)
+    out["step"][idx], out["hits"][idx], out["mn"][idx], out["mx"][idx] = step, hits, mn, mx
+    improved |= imp.cpu()
 
 
 def _full(observer, w: torch.Tensor, args: WeightArgs, steps: int, widen: float):
