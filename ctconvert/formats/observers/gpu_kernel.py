@@ -164,14 +164,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def mse_search_kernel(
-        w_ptr, idx_ptr, p_ptr, tlo_ptr, thi_ptr,
+        w_ptr, idx_ptr, cols_ptr, p_ptr, tlo_ptr, thi_ptr,
         step_ptr, mn_ptr, mx_ptr, hits_ptr, unsure_ptr, counted_ptr, lo_ptr, hi_ptr,
         R, qmin, qmax, half, rng, expand, dmax, eps, m_lo, m_hi,
         S: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, KIND: tl.constexpr, SYM: tl.constexpr,
         MX_OFF: tl.constexpr, TWO: tl.constexpr, DUMP: tl.constexpr, HW: tl.constexpr,
     ):  # fmt: skip
         """Groups ``[pid * BLOCK, +BLOCK)`` of ``w`` ``[R, G]`` (with ``DUMP``: groups ``idx[...]``), ``S`` steps of
-        shrink factors ``p``; tables ``tlo``/``thi`` (``TWO``: they differ somewhere, else ``thi`` is not read).
+        shrink factors ``p``; ``cols``: int32 ``0 .. GP-1``; tables ``tlo``/``thi`` (``TWO``: they differ somewhere, else ``thi`` is not read).
         ``m_lo``/``m_hi``: ``1 -/+ G * 2^-23`` (exact in fp32), the widening of the sums. Writes per group the
         best step (int16, -1 none), its range (D), the improvements as bits (int64 word 0,
         steps < 64), ``unsure`` (uint8) and per program the OR of the decided improvements (int64 x 2); with
@@ -180,7 +180,9 @@ if HAVE_TRITON:
         rows = pid * BLOCK + tl.arange(0, BLOCK)
         rmask = rows < R
         grp = tl.load(idx_ptr + rows, mask=rmask, other=0) if DUMP else rows.to(tl.int64)
-        cols = tl.arange(0, GP)
+        # the column index is loaded (``cols``: 0 .. GP-1), not tl.arange: one the compiler cannot see as contiguous gives
+        # x the layout of the table gathers (one element a thread), so that no step converts layouts through shared memory
+        cols = tl.load(cols_ptr + tl.arange(0, GP))
         mask = rmask[:, None] & (cols[None, :] < G)
         x = tl.load(w_ptr + grp[:, None] * G + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         mn0 = _rd(tl.min(tl.where(mask, x, float("inf")), axis=1) * expand, DT, HW)

@@ -109,6 +109,7 @@ class _Launch:
         self.kind = gpu_kernel.KIND_INT if args.type == "int" else (gpu_kernel.KIND_FP8 if args.num_bits == 8 else gpu_kernel.KIND_FP4)
         self.table = PowTable.get(d, observer.norm, w.device)
         self.p = _shrink(steps, observer.grid, w.device)
+        self.cols = torch.arange(1 << max(0, (self.g - 1).bit_length()), dtype=torch.int32, device=w.device)
         m = self.g * 2.0**-23 * widen  # observe.c's widening of a sum (gpu_kernel's docstring)
         self.scalars = (qmin, qmax, float(rng / 2), float(rng), float(observer.expand), torch.finfo(d).max, torch.finfo(d).eps, 1.0 - m, 1.0 + m)
         self.mx_off = (2 if args.num_bits == 4 else 8) if is_mx(args) else 0
@@ -134,7 +135,7 @@ class _Launch:
         hi = torch.empty_like(lo)
         if r:
             gpu_kernel.mse_search_kernel[(programs,)](
-                xg, idx if dump else out["hits"], self.p, self.table.lo, self.table.hi,
+                xg, idx if dump else out["hits"], self.cols, self.p, self.table.lo, self.table.hi,
                 out["step"], out["mn"], out["mx"], out["hits"], out["unsure"], out["counted"], lo, hi,
                 r, *self.scalars, S=self.steps, DUMP=dump, num_warps=TUNE["num_warps"], **self.consts,
             )  # fmt: skip

@@ -19,6 +19,7 @@ import torch
 from ctconvert.formats import WeightArgs
 from ctconvert.formats.observers import OBSERVERS, TensorSearch, gpu_search
 from ctconvert.formats.observers.gpu_search import PowTable
+from formats.test_observers import _awkward as awkward_rows
 
 NVFP4 = WeightArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16)
 MXFP4 = WeightArgs(type="float", num_bits=4, strategy="group", group_size=32)
@@ -37,16 +38,12 @@ STEPS = {"cuda": None, "cpu": 24}
 
 
 def _awkward(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * 0.02 * (1 + 4 * torch.rand(n, k, generator=g) ** 6)
-    w[0] = 0  # zeros
-    w[1] = 0.01  # ties: a constant row
-    w[2, : k // 2] = -w[2, k // 2 :]  # ties: mirrored halves
-    w[3] *= 1e-3  # tiny (fp16 subnormals)
-    w[4].abs_()  # no negative value
-    w[5, ::3] = 0  # a third zeros
+    """test_observers' awkward rows (zeros, constant and mirrored rows, tiny values, no negative value), and a
+    row a third zeros and a huge row (errors that overflow D, sums past the fp32 range)."""
+    w = awkward_rows(n, k, torch.float32, seed)
+    w[5, ::3] = 0
     big = 6e4 if dtype == torch.float16 else 1e30
-    w[6] = w[6] / w[6].abs().max() * big  # huge: errors that overflow D (inf) and sums past the fp32 range
+    w[6] = w[6] / w[6].abs().max() * big
     return w.to(dtype)
 
 
