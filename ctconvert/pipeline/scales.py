@@ -58,7 +58,7 @@ def needs_absmax_pass(scheme, observer: WeightObserver | None = None) -> bool:
 
 def search_impl(impl: str) -> str:
     """The observer search implementation for the executor's quantizer ``impl``: ``torch`` and ``native`` as
-    told, else ``auto`` (the C kernel where built; a CUDA chunk is searched on the CPU: the same ranges)."""
+    told, else ``auto`` (the C kernel where built; a CUDA chunk on the GPU where it can: the same ranges)."""
     return impl if impl in ("torch", "native") else "auto"
 
 
@@ -100,17 +100,16 @@ class UnitScales:
         ts = self.searches.get(member)
         if ts is None:
             ts = self.searches[member] = TensorSearch(self.observer, scheme.weights, search_impl(impl))
-        ts.add(row0, w.cpu() if w.device.type != "cpu" else w)
+        ts.add(row0, w)  # on w's device: a CUDA chunk is searched on the GPU (the CPU path's ranges, gpu_search.py)
 
     def ranges(self, member: int, row0: int, w: torch.Tensor, scheme, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor] | None:
         """The observer's ``(min, max)`` ranges of one chunk, D ``[r, G]`` on ``w``'s device, for
         ``Scheme.quantize_rows(..., ranges=...)``: from the pre-pass when the unit had one, else searched now
-        (on the CPU: the CPU's ranges on every device); None without an observer."""
+        (on w's device, the CPU path's ranges on every device); None without an observer."""
         if self.observer is None:
             return None
-        cpu = w.cpu() if w.device.type != "cpu" else w
         ts = self.searches.get(member)
-        found = ts.ranges(row0, cpu) if ts is not None else self.observer.ranges(cpu, scheme.weights, impl=search_impl(impl))
+        found = ts.ranges(row0, w) if ts is not None else self.observer.ranges(w, scheme.weights, impl=search_impl(impl))
         return found[0].to(w.device), found[1].to(w.device)
 
     def finish(self, scheme, set_dtype: torch.dtype, dtypes: list[torch.dtype]) -> None:

@@ -116,7 +116,11 @@ class MSEObserver(WeightObserver):
         check_weight(w, args)
         grouped(w, args)  # the shape checks
         if w.device.type != "cpu":
-            # the bytes are the CPU path's: CUDA's pow and reduction order are not torch's CPU ones (no GPU kernel yet)
+            from . import gpu_search  # imports Triton: only for CUDA tensors
+
+            if impl == "auto" and gpu_search.takes(w, args, self.total_steps if steps is None else steps):
+                return Search(*gpu_search.search(self, w, args, steps))  # the CPU path's decisions, exactly (gpu_search.py)
+            # else the CPU searches: CUDA's pow and reduction order are not torch's CPU ones
             found = self.search(w.cpu(), args, steps, impl)
             dev = w.device
             hits = None if found.hits is None else found.hits.to(dev)
@@ -193,12 +197,13 @@ class MSEObserver(WeightObserver):
     def ranges_at(self, mn0: torch.Tensor, mx0: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ranges of grid steps ``step`` (int ``[N, G]``, -1 = unshrunk) from the unshrunk ``(mn0, mx0)``
         (``amin``/``amax`` times ``expand``, D ``[N, G]``): the same values the search returned."""
-        mn, mx = mn0.clone(), mx0.clone()
-        for i in torch.unique(step[step >= 0]).tolist():
-            sel = step == i
-            cmn, cmx = self._candidate(mn0[sel], mx0[sel], i)
-            mn[sel], mx[sel] = cmn, cmx
-        return mn, mx
+        last = int(step.max()) if step.numel() else -1
+        if last < 0:
+            return mn0.clone(), mx0.clone()
+        # ``mn0 * p`` with p a Python float is D(fp32(mn0) * fp32(p)) (module docstring): one gather of the steps' p
+        p = torch.tensor([1 - i / self.grid for i in range(last + 1)], dtype=torch.float32, device=step.device)[step.long().clamp(min=0)]
+        kept = step >= 0
+        return torch.where(kept, (mn0.float() * p).to(mn0.dtype), mn0), torch.where(kept, (mx0.float() * p).to(mx0.dtype), mx0)
 
     def ranges_from_steps(self, w: torch.Tensor, args: WeightArgs, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ranges of ``w`` for the grid steps a search recorded (``Search.step``), without searching again."""
