@@ -439,6 +439,7 @@ def _args():
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--no-kernels", action="store_true", help="skip timing the quantize kernels on their own")
     ap.add_argument("--extra", default="", help="extra ctconvert quantize arguments, e.g. '--target marlin'")
+    ap.add_argument("--code", default=None, help="run the ctconvert of this checkout (default: this script's), e.g. a baseline for an A/B")
     ap.add_argument("--make-model", default=None, help=argparse.SUPPRESS)
     return ap.parse_args()
 
@@ -459,7 +460,8 @@ def main() -> None:
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = Path(a.code).resolve() if a.code else ROOT  # the ctconvert the runs use (an A/B against another checkout)
+    env = dict(os.environ, PYTHONPATH=str(code) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     src = _source(a, work, py, env)
     in_bytes = dir_bytes(src)
     peer_ok = not a.no_peer and not a.source_scheme and a.family == "llama" and Path(a.peer_python).exists()
@@ -489,7 +491,8 @@ def main() -> None:
     results = [_row(scheme, a, in_bytes, runs) for scheme in schemes]
     _table(results)
     doc = {"model": str(src), "size": a.size if not a.model else None, "family": a.family if not a.model else None, "input_bytes": in_bytes}
-    doc.update({"cold": a.cold, "source_scheme": a.source_scheme or None, "repeat": a.repeat, "statistic": "min", "results": results})
+    doc.update({"cold": a.cold, "source_scheme": a.source_scheme or None, "code": str(a.code or ROOT), "repeat": a.repeat, "statistic": "min"})
+    doc["results"] = results
     json.dump(doc, sys.stdout, indent=2)
     print()
 

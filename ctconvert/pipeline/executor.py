@@ -8,8 +8,14 @@ its shard as soon as a chunk is done. The threads of one :class:`Executor`:
   :class:`Read` to a pool of reader threads (``ctconvert-read-*``;
   :data:`READERS`), putting their futures into a bounded queue in plan order
   (:data:`READ_AHEAD`). A reader fills a pinned host buffer on a GPU (reused
-  once its host-to-device copy is done), maps the rows on the CPU, and scans
-  copied chunks for NaN/inf;
+  once its host-to-device copy is done), maps the rows on the CPU (and reads
+  their pages in, so that a cold page cache holds the reader, not this
+  thread), and scans copied chunks for NaN/inf; the reads of a plan, in order,
+  are :mod:`.reads`';
+* a read-ahead thread (``ctconvert-readahead``; :mod:`.readahead`) asks the
+  kernel to read the input a window (:attr:`ExecOptions.read_ahead` bytes)
+  ahead of the readers into the page cache, so that with a cold cache the disk
+  reads on while chunks compute and the writers write;
 * the computing thread (the caller's) takes the futures in order and runs
   ``_handle``: host-to-device copy, absmax, quantize (and repack) on the
   device's stream; on a GPU the outputs are copied into a pinned staging
