@@ -11,7 +11,7 @@ its shard as soon as a chunk is done. The threads of one :class:`Executor`:
   once its host-to-device copy is done), maps the rows on the CPU (and reads
   their pages in, so that a cold page cache holds the reader, not this
   thread), and scans copied chunks for NaN/inf; the reads of a plan, in order,
-  are :mod:`.reads`';
+  are :mod:`.reads`;
 * a read-ahead thread (``ctconvert-readahead``; :mod:`.readahead`) asks the
   kernel to read the input a window (:attr:`ExecOptions.read_ahead` bytes)
   ahead of the readers into the page cache, so that with a cold cache the disk
