@@ -17,6 +17,7 @@ larger unit.
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 from pathlib import Path
@@ -69,6 +70,7 @@ class ReadAhead:
             self._starts.setdefault(ui, pos)
             pos += n
             self._ends[ui] = pos
+        self._units = sorted(self._starts)  # the units that have pieces
         self._offsets: list[int] = []  # stream offset of each piece's end
         pos = 0
         for _, _, _, n in pieces:
@@ -95,9 +97,9 @@ class ReadAhead:
         if ui < 0:
             return self.window
         start = self._starts.get(ui)
-        if start is None:  # a unit with no bytes: the next unit that has some
-            later = [u for u in self._starts if u > ui]
-            start = self._starts[min(later)] if later else self._offsets[-1]
+        if start is None:  # a unit with no bytes of its own: from where the next unit that has some starts
+            k = bisect.bisect_right(self._units, ui)
+            start = self._starts[self._units[k]] if k < len(self._units) else (self._offsets[-1] if self._offsets else 0)
             return start + self.window
         return max(start + self.window, self._ends[ui])
 
