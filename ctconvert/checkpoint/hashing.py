@@ -96,14 +96,14 @@ class RangeHash:
         return self._hex
 
 
-def _ranges(info) -> list[tuple[Path, int, int]]:
-    """The stored byte ranges a source tensor's bytes come from: its own range; for a derived tensor
+def stored_ranges(info) -> list[tuple[Path, int, int]]:
+    """The stored byte ranges ``(file, absolute offset, nbytes)`` a source tensor's bytes come from: its own range; for a derived tensor
     with a ``view`` (an interleaved or transposed expert of a fused 3-D tensor) the whole expert
     region it is taken from (its own bytes are not one range); for a *virtual* tensor (a dequantized
     weight of a quantized source, :mod:`.sources`) the ranges of the stored tensors it is computed from."""
     virtual = getattr(info, "virtual", None)
     if virtual is not None:
-        return [r for part in virtual.stored() for r in _ranges(part)]
+        return [r for part in virtual.stored() for r in stored_ranges(part)]
     view = getattr(info, "view", None)
     if view is not None:
         return [(info.file, info.start, view.rows * view.cols * info.itemsize)]
@@ -135,7 +135,7 @@ class SourceHashes:
         self._hashes: dict[str, RangeHash | _Combined] = {}
         for info in infos:
             if info.name not in self._hashes:
-                ranges = _ranges(info)
+                ranges = stored_ranges(info)
                 if len(ranges) == 1 and ranges[0] == (info.file, info.start, info.nbytes):
                     self._hashes[info.name] = RangeHash(info.file, info.start, info.nbytes, legacy)
                 else:  # a derived tensor: the stored ranges it comes from (docs above)

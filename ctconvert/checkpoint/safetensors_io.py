@@ -18,6 +18,7 @@ and then writes each tensor (or row range) at its final offset with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
@@ -234,7 +235,8 @@ def read_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
 
 def _view_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
     """Rows ``[row0, row1)`` of a derived tensor with a :class:`SliceView`, contiguous, of its dtype.
-    Not transposed, only the region rows that hold them are read; transposed, the whole region."""
+    Not transposed, only the region rows that hold them are read; transposed, the whole region (read once for
+    the members that share it while a conversion runs: :data:`REGIONS`), its columns gathered by :func:`transposed`."""
     v, isz = info.view, info.itemsize
     n = row1 - row0
     if n <= 0:
@@ -242,11 +244,75 @@ def _view_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
     if not v.transpose:
         a0, a1 = v.offset + v.step * row0, v.offset + v.step * (row1 - 1) + 1
         region = _pread(info, info.start + a0 * v.cols * isz, (a1 - a0) * v.cols * isz).view(info.torch_dtype).reshape(a1 - a0, v.cols)
-        rows = region[:: v.step]
-    else:
-        region = _pread(info, info.start, v.rows * v.cols * isz).view(info.torch_dtype).reshape(v.rows, v.cols)
-        rows = region[:, v.offset + v.step * row0 : v.offset + v.step * (row1 - 1) + 1 : v.step].t()
-    return rows.contiguous().reshape((n, *info.shape[1:]))
+        return region[:: v.step].contiguous().reshape((n, *info.shape[1:]))
+    region = REGIONS.get(info).view(info.torch_dtype).reshape(v.rows, v.cols)
+    return transposed(region[:, v.offset + v.step * row0 : v.offset + v.step * (row1 - 1) + 1 : v.step]).reshape((n, *info.shape[1:]))
+
+
+#: rows of the source a block of :func:`transposed` copies at a time
+TRANSPOSE_BLOCK = 128
+
+
+def transposed(src: torch.Tensor) -> torch.Tensor:
+    """``src.t().contiguous()`` of a 2-D CPU tensor (any strides: a gate's every other column), copied in blocks of
+    :data:`TRANSPOSE_BLOCK` source rows, each of which stays in cache while it is scattered: 2-7x faster than one
+    strided copy for gpt-oss-sized experts ([2880, 5760] bf16 interleaved, 1 thread: 17 ms against 133 ms)."""
+    out = torch.empty((src.shape[1], src.shape[0]), dtype=src.dtype)
+    for r0 in range(0, src.shape[0], TRANSPOSE_BLOCK):
+        out[:, r0 : r0 + TRANSPOSE_BLOCK] = src[r0 : r0 + TRANSPOSE_BLOCK].t()
+    return out
+
+
+class RegionCache:
+    """The last few whole expert regions read for transposed derived tensors (:class:`SliceView`), so that the
+    members taken from one region (gpt-oss's gate and up, interleaved in ``gate_up_proj[e]``) read it once
+    from the file instead of once each. Only while a conversion runs (:meth:`active`: the executor's run);
+    outside one every read goes to the file. Holds at most ``size`` regions; thread-safe. Regions are
+    read-only: callers copy out of them."""
+
+    def __init__(self, size: int = 2):
+        self.size = size
+        self._items: dict[tuple, torch.Tensor] = {}
+        self._users = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def active(self):
+        """Keep regions while the block runs (blocks may nest and overlap, one per executor); the last one to
+        leave drops them, so no region outlives a run or sees a file that changed between runs."""
+        with self._lock:
+            self._users += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._users -= 1
+                if not self._users:
+                    self._items.clear()
+
+    def __len__(self) -> int:
+        """How many regions are kept now."""
+        return len(self._items)
+
+    def get(self, info: TensorInfo) -> torch.Tensor:
+        """The uint8 bytes of ``info``'s whole region (``view.rows x view.cols`` elements at ``info.start``)."""
+        key = (str(info.file), info.start, info.view.rows * info.view.cols * info.itemsize)
+        with self._lock:
+            hit = self._items.pop(key, None)
+            if hit is not None:
+                self._items[key] = hit  # most recent last
+                return hit
+        region = _pread(info, info.start, key[2])
+        with self._lock:
+            if self._users:
+                self._items[key] = region
+                while len(self._items) > self.size:
+                    self._items.pop(next(iter(self._items)))
+        return region
+
+
+#: the process's region cache (:class:`RegionCache`), active while an executor runs
+REGIONS = RegionCache()
 
 
 def iter_row_chunks(info: TensorInfo, chunk_bytes: int = 64 * 2**20):
@@ -263,8 +329,8 @@ def iter_row_chunks(info: TensorInfo, chunk_bytes: int = 64 * 2**20):
 def map_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
     """Rows ``[row0, row1)`` as a read-only view of a private mapping of the file (no copy).
 
-    The mapping covers only these rows and lives as long as the returned tensor;
-    writing to the tensor is not allowed. Falls back to :func:`read_rows` when
+    The mapping covers only these rows and lives as long as the returned tensor; its pages are read in
+    before this returns (:func:`populate`). Writing to the tensor is not allowed. Falls back to :func:`read_rows` when
     the range cannot be mapped. Raises :class:`BadInputError` on a short file.
     """
     if len(info.shape) < 1 or info.shape[0] == 0 or info.view is not None or info.virtual is not None:
@@ -281,8 +347,27 @@ def map_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
             mm = mmap.mmap(f.fileno(), n + (start - base), access=mmap.ACCESS_COPY, offset=base)
     except (OSError, ValueError):
         return read_rows(info, row0, row1)
+    populate(mm)
     raw = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=start - base)
     return raw.view(info.torch_dtype).reshape((row1 - row0, *info.shape[1:]))
+
+
+#: Linux 5.14's ``MADV_POPULATE_READ`` (``include/uapi/asm-generic/mman-common.h``): fault a mapping's pages in now
+MADV_POPULATE_READ = 22
+
+
+def populate(mm: mmap.mmap) -> None:
+    """Read a mapping's pages into memory now, on the calling thread (``MADV_POPULATE_READ``; where the kernel lacks
+    it, ``MADV_WILLNEED`` starts the reads instead), so that with a cold page cache the thread that maps the rows
+    (a reader) waits for the disk, not the thread that computes on them. Advice only: a refusal is ignored."""
+    for advice in (MADV_POPULATE_READ, getattr(mmap, "MADV_WILLNEED", None)):
+        if advice is None or not hasattr(mm, "madvise"):
+            return
+        try:
+            mm.madvise(advice)
+            return
+        except (OSError, ValueError):
+            continue
 
 
 def read_tensor(info: TensorInfo) -> torch.Tensor:

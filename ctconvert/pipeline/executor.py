@@ -8,8 +8,14 @@ its shard as soon as a chunk is done. The threads of one :class:`Executor`:
   :class:`Read` to a pool of reader threads (``ctconvert-read-*``;
   :data:`READERS`), putting their futures into a bounded queue in plan order
   (:data:`READ_AHEAD`). A reader fills a pinned host buffer on a GPU (reused
-  once its host-to-device copy is done), maps the rows on the CPU, and scans
-  copied chunks for NaN/inf;
+  once its host-to-device copy is done), maps the rows on the CPU (and reads
+  their pages in, so that a cold page cache holds the reader, not this
+  thread), and scans copied chunks for NaN/inf; the reads of a plan, in order,
+  are :mod:`.reads`;
+* a read-ahead thread (``ctconvert-readahead``; :mod:`.readahead`) asks the
+  kernel to read the input a window (:attr:`ExecOptions.read_ahead` bytes)
+  ahead of the readers into the page cache, so that with a cold cache the disk
+  reads on while chunks compute and the writers write;
 * the computing thread (the caller's) takes the futures in order and runs
   ``_handle``: host-to-device copy, absmax, quantize (and repack) on the
   device's stream; on a GPU the outputs are copied into a pinned staging
@@ -55,7 +61,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.safetensors_io import ShardFile, TensorInfo, map_rows, read_bytes, read_rows
+from ..checkpoint.safetensors_io import REGIONS, ShardFile, TensorInfo, map_rows, read_bytes, read_rows
 from ..errors import BadInputError
 from ..formats import native
 from ..formats.common import tensor_absmax
@@ -64,15 +70,27 @@ from ..plan.planner import Plan, WorkUnit
 from .buffers import ByteBudget, PinnedPool
 from .casting import cast_chunk
 from .nonfinite import copy_nonfinite, raise_nonfinite
+from .readahead import READ_AHEAD_BYTES, ReadAhead, unit_pieces
+from .reads import COPY_CHUNK_BYTES, Read, make_reads, warm_up_shapes
 from .scales import UnitScales, needs_absmax_pass, observer_of
 
-__all__ = ["DEFAULT_CHUNK_ELEMS", "DEFAULT_HOLD_BYTES", "ExecOptions", "Read", "execute", "make_reads", "split_units", "warm_up_shapes"]
+__all__ = [
+    "COPY_CHUNK_BYTES",
+    "DEFAULT_CHUNK_ELEMS",
+    "DEFAULT_HOLD_BYTES",
+    "ExecOptions",
+    "Read",
+    "execute",
+    "make_reads",
+    "split_units",
+    "unit_bytes",
+    "warm_up_shapes",
+]
 
-COPY_CHUNK_BYTES = 64 * 2**20
 READ_AHEAD = 4  # chunks read ahead of the one being computed
 WRITE_BEHIND = 2  # CPU: writes queued per writer thread (a copy chunk is 64 MiB)
 WRITE_BUDGET = 192 * 2**20  # GPU: bytes queued for the writers, all writers together (buffers.ByteBudget)
-READERS = {"cuda": 4, "cpu": 2}  # reader threads (preadv releases the GIL; CPU runs that map the input use 1)
+READERS = {"cuda": 4, "cpu": 2}  # reader threads (preadv releases the GIL; CPU runs that map the input use 1 unless sources need work)
 WRITERS = {"cuda": 4, "cpu": 2}  # writer threads; every write of one tensor goes to the same one, in order
 
 
@@ -104,54 +122,7 @@ class ExecOptions:
     calibrated: dict = field(default_factory=dict)  # module -> {part: tensor} (input scales, k_scale/v_scale)
     observer: object | None = None  # --observer other than minmax: a ctconvert.formats.observers.WeightObserver (scales.py)
     group_observers: dict = field(default_factory=dict)  # config group -> its WeightObserver other than minmax (wins over observer)
-
-
-@dataclass
-class Read:
-    """One read: a byte range of a copied tensor, or a row range of a quantized member."""
-
-    unit: int
-    kind: str  # copy | amax | quant
-    member: int = 0
-    start: int = 0  # byte offset (copy) or first row
-    stop: int = 0
-    hold: bool = False  # keep the chunk until the set's global scale is known
-    end_of_pass: bool = False  # last job of an amax pass / of a unit
-
-
-def _chunk_rows(info: TensorInfo, unit: WorkUnit, chunk_elems: int) -> int:
-    align = unit.scheme.row_align
-    if info.view is not None and info.view.transpose:  # every chunk of a transposed expert reads its whole region: one chunk
-        return max(align, -(-info.shape[0] // align) * align)
-    rows = unit.chunk_rows or max(1, chunk_elems // max(1, info.shape[1]))
-    return max(align, rows // align * align)
-
-
-def make_reads(ckpt: Checkpoint, plan: Plan, opts: ExecOptions):
-    """The reads of the whole conversion, in order."""
-    for ui, unit in enumerate(plan.units):
-        if unit.kind == "copy":
-            info = ckpt.tensors[unit.sources[0]]
-            for b0 in range(0, info.nbytes, COPY_CHUNK_BYTES):
-                yield Read(ui, "copy", 0, b0, min(info.nbytes, b0 + COPY_CHUNK_BYTES))
-            if info.nbytes == 0:
-                yield Read(ui, "copy", 0, 0, 0)
-            continue
-        infos = [ckpt.tensors[s] for s in unit.sources]
-        chunks = [
-            (m, r0, min(r0 + step, info.shape[0]))
-            for m, info in enumerate(infos)
-            for step in [_chunk_rows(info, unit, opts.chunk_elems)]
-            for r0 in range(0, info.shape[0], step)
-        ]
-        if needs_absmax_pass(unit.scheme, observer_of(opts, unit)):
-            hold = sum(i.nbytes for i in infos) <= opts.hold_bytes
-            for j, (m, r0, r1) in enumerate(chunks):
-                yield Read(ui, "amax", m, r0, r1, hold=hold, end_of_pass=j == len(chunks) - 1)
-            if hold:
-                continue
-        for j, (m, r0, r1) in enumerate(chunks):
-            yield Read(ui, "quant", m, r0, r1, end_of_pass=j == len(chunks) - 1)
+    read_ahead: int = READ_AHEAD_BYTES  # input bytes the kernel is asked to read ahead of the readers (pipeline/readahead.py; 0: none)
 
 
 @dataclass
@@ -171,7 +142,8 @@ class Executor:
         self.dev = opts.device
         self.cuda = self.dev.type == "cuda"
         kind = "cuda" if self.cuda else "cpu"
-        self.readers = 1 if not self.cuda and opts.map_input else READERS[kind]
+        self.readers = 1 if not self.cuda and opts.map_input and not _sources_need_work(ckpt, plan) else READERS[kind]
+        self.ahead = ReadAhead(unit_pieces(ckpt, plan.units), opts.read_ahead) if opts.read_ahead > 0 else None
         self.pool = PinnedPool(READ_AHEAD + self.readers + 2) if self.cuda else None
         self.budget = ByteBudget(WRITE_BUDGET) if self.cuda else None  # bytes queued for the writers
         self.stream = torch.cuda.Stream(self.dev) if self.cuda else None
@@ -270,6 +242,8 @@ class Executor:
             for job in jobs:
                 if stop.is_set():
                     return
+                if self.ahead is not None:
+                    self.ahead.reached(job.unit)
                 q.put((job, ex.submit(self._read, job)))
             q.put(None)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
@@ -307,6 +281,12 @@ class Executor:
         return t
 
     def run(self) -> None:
+        """Run the plan (the threads of the module docstring); the page-cache read-ahead and the region cache of fused
+        experts (:data:`~ctconvert.checkpoint.safetensors_io.REGIONS`) live as long as the run."""
+        with REGIONS.active(), contextlib.closing(self.ahead.start()) if self.ahead is not None else contextlib.nullcontext():
+            self._run()
+
+    def _run(self) -> None:
         warm = self._warm_up()
         q: queue.Queue = queue.Queue(maxsize=READ_AHEAD)
         stop = threading.Event()
@@ -531,23 +511,9 @@ class Executor:
             self.opts.progress.update(n)
 
 
-def warm_up_shapes(ckpt: Checkpoint, plan: Plan, chunk_elems: int = DEFAULT_CHUNK_ELEMS, limit: int = 32) -> list:
-    """The distinct first-chunk shapes of the plan's quantized tensors, in plan order: ``[(scheme, TensorInfo,
-    rows)]``, one per (scheme, dtype, K, chunk rows), at most ``limit`` (what :meth:`Executor._warm_up` compiles)."""
-    seen, jobs = set(), []
-    for unit in plan.units:
-        if unit.kind == "copy":
-            continue
-        for name in unit.sources:
-            info = ckpt.tensors[name]
-            if len(info.shape) != 2 or not info.shape[0]:
-                continue
-            rows = min(_chunk_rows(info, unit, chunk_elems), info.shape[0])
-            key = (id(unit.scheme), info.dtype, info.shape[1], rows)
-            if key not in seen and len(jobs) < limit:
-                seen.add(key)
-                jobs.append((unit.scheme, info, rows))
-    return jobs
+def _sources_need_work(ckpt: Checkpoint, plan: Plan) -> bool:
+    """Whether reading a quantized unit's sources is more than mapping them: slices of fused experts, dequantized weights."""
+    return any(ckpt.tensors[s].view is not None or ckpt.tensors[s].virtual is not None for u in plan.units if u.kind != "copy" for s in u.sources)
 
 
 def unit_bytes(ckpt: Checkpoint, unit: WorkUnit) -> int:

@@ -1,0 +1,106 @@
+"""safetensors_io's helpers for derived expert tensors and mapped rows: the blocked transpose, the region cache
+(one read per region while a run is active, none kept outside one), and the populating of mappings."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+
+from ctconvert.checkpoint import safetensors_io as sio
+from ctconvert.checkpoint.safetensors_io import REGIONS, RegionCache, SliceView, TensorInfo, map_rows, populate, read_rows, transposed
+
+
+@pytest.mark.parametrize("shape,step", [((300, 96), 2), ((128, 64), 1), ((1, 8), 2), ((257, 10), 1), ((0, 6), 2)])
+def test_transposed_is_the_strided_slice_transposed(shape, step):
+    g = torch.Generator().manual_seed(0)
+    region = torch.randn(shape, generator=g).to(torch.bfloat16)
+    for off in range(step):
+        src = region[:, off::step]
+        got = transposed(src)
+        assert got.is_contiguous() and got.shape == (src.shape[1], src.shape[0])
+        assert torch.equal(got.view(torch.int16), src.t().contiguous().view(torch.int16))
+
+
+def _gpt_oss_expert(tmp_path, h=130, i=48, experts=3):
+    """A raw file holding a fused [E, H, 2I] bf16 tensor (gpt-oss: x @ W, gate/up interleaved) and the derived
+    TensorInfos of expert 1's gate and up, as checkpoint/families.py makes them."""
+    g = torch.Generator().manual_seed(1)
+    fused = torch.randn(experts, h, 2 * i, generator=g).to(torch.bfloat16)
+    path = tmp_path / "experts.bin"
+    pad = 24  # data does not start at 0
+    path.write_bytes(b"\0" * pad + fused.reshape(-1).view(torch.uint8).numpy().tobytes())
+    per = h * 2 * i * 2
+    views = [SliceView(h, 2 * i, True, j, 2) for j in (0, 1)]
+    return fused, [TensorInfo(f"e.1.{n}", path, "BF16", (i, h), pad + per, i * h * 2, base="e", view=v) for n, v in zip(("gate", "up"), views)]
+
+
+def test_transposed_expert_rows_and_one_read_per_region(tmp_path, monkeypatch):
+    fused, (gate, up) = _gpt_oss_expert(tmp_path)
+    reads = []
+    real = sio._pread
+
+    def counting(info, pos, nbytes, out=None):
+        reads.append((pos, nbytes))
+        return real(info, pos, nbytes, out)
+
+    monkeypatch.setattr(sio, "_pread", counting)
+    with REGIONS.active():
+        g, u = read_rows(gate, 0, gate.shape[0]), read_rows(up, 5, 20)
+    assert torch.equal(g, fused[1][:, 0::2].t()) and torch.equal(u, fused[1][:, 1::2].t()[5:20])
+    assert len(reads) == 1  # gate and up: one region read
+    reads.clear()
+    assert torch.equal(read_rows(up, 0, up.shape[0]), fused[1][:, 1::2].t())
+    assert torch.equal(read_rows(up, 0, up.shape[0]), fused[1][:, 1::2].t())
+    assert len(reads) == 2  # no run active: every read goes to the file, nothing is kept
+    assert not len(REGIONS)
+
+
+def test_region_cache_keeps_at_most_size_regions_and_sees_a_changed_file_after_a_run(tmp_path):
+    fused, (gate, _) = _gpt_oss_expert(tmp_path)
+    cache = RegionCache(size=1)
+    other = TensorInfo("e.0.gate", gate.file, "BF16", gate.shape, gate.start - gate.view.rows * gate.view.cols * 2, gate.nbytes, base="e", view=gate.view)
+    with cache.active():
+        a = cache.get(gate)
+        assert cache.get(gate) is a
+        b = cache.get(other)
+        assert len(cache) == 1 and cache.get(other) is b and cache.get(gate) is not a
+        with cache.active():  # nested (two executors): the inner one leaving keeps the regions
+            pass
+        assert len(cache)
+    assert not len(cache)
+    assert torch.equal(a.view(torch.bfloat16).reshape(fused.shape[1:]), fused[1])
+    with open(gate.file, "r+b") as f:  # the file changes between runs: the next run reads it again
+        f.seek(gate.start)
+        f.write(b"\x11" * 64)
+    with cache.active():
+        assert cache.get(gate)[:64].tolist() == [0x11] * 64
+
+
+def test_populate_falls_back_to_willneed_and_ignores_refusals():
+    seen = []
+
+    class Refusing:
+        def __init__(self, refuse):
+            self.refuse = refuse
+
+        def madvise(self, advice):
+            seen.append(advice)
+            if advice in self.refuse:
+                raise OSError(22, "Invalid argument")
+
+    populate(Refusing({sio.MADV_POPULATE_READ}))
+    assert seen == [sio.MADV_POPULATE_READ, mmap.MADV_WILLNEED]
+    seen.clear()
+    populate(Refusing({sio.MADV_POPULATE_READ, mmap.MADV_WILLNEED}))  # advice only: no error
+    assert seen == [sio.MADV_POPULATE_READ, mmap.MADV_WILLNEED]
+
+
+def test_mapped_rows_are_the_file_bytes(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    t = torch.randn(70, 33, generator=g).to(torch.bfloat16)
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"\0" * 8 + t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    info = TensorInfo("t", path, "BF16", (70, 33), 8, t.numel() * 2)
+    assert torch.equal(map_rows(info, 3, 61), t[3:61]) and torch.equal(map_rows(info, 0, 70), t)
