@@ -86,6 +86,7 @@ qparams and fake quantization, E2M1 rounding), ``search`` (the observers and the
 """
 
 from .groups import args_refusal, grouped, is_mx, range_absmax
+from .imatrix import IMatrixMSEObserver, Importance
 from .patience import StopTracker
 from .prepass import TensorSearch
 from .registry import OBSERVERS, get_observer
@@ -93,6 +94,8 @@ from .search import MinMaxObserver, MSEObserver, Search, WeightObserver
 
 __all__ = [
     "OBSERVERS",
+    "IMatrixMSEObserver",
+    "Importance",
     "MSEObserver",
     "MinMaxObserver",
     "Search",
