@@ -69,6 +69,7 @@ def main() -> None:
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
 
     ids = token_ids()
     tensors: dict[str, torch.Tensor] = {}
@@ -80,7 +81,6 @@ def main() -> None:
         "llmcompressor": llmcompressor.__version__,
         "compressed_tensors": compressed_tensors.__version__,
         "torch": torch.__version__,
-        "config": json.loads(src.config.to_json_string()),
         "token_ids": ids,
         "modules": modules,
         "runs": {},
@@ -88,9 +88,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "source"
         src.save_pretrained(str(folder))
+        meta["config"] = json.loads((folder / "config.json").read_text())
         for scheme, observer in RUNS:
-            m = model()
-            m.config._name_or_path = str(folder)
+            # loaded as a user loads a checkpoint (``model()``'s ``.to(bfloat16)`` would also round the rotary
+            # embedding's fp32 ``inv_freq`` buffer, which from_pretrained computes in fp32)
+            m = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
             group = preset_name_to_scheme(scheme, ["Linear"]).model_dump(exclude_none=True)
             group["weights"]["observer"] = observer
             recipe = QuantizationModifier(config_groups={"group_0": group}, ignore=["lm_head"])

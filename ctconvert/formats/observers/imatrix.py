@@ -86,14 +86,18 @@ class Importance:
 
 
 class IMatrixMSEObserver(MSEObserver):
-    """``imatrix_mse`` / ``nvfp4_expanded_imatrix`` (module docstring); ``importance``: the normalised fp32 ``[K]``
-    weights of one module (:meth:`with_importance`), None: uniform (llm-compressor's fallback, the same search)."""
+    """``imatrix_mse`` / ``nvfp4_expanded_imatrix`` (module docstring). Bound to calibration data in three steps, as the
+    streaming executor meets it: :meth:`with_data` (every Linear's :class:`Importance`), :meth:`for_unit` (a work unit's
+    modules), :meth:`member` (one module: its importance weights the search; none, or one llm-compressor refuses,
+    gives its uniform fallback, the same search unweighted)."""
 
     needs_data = True
 
     def __init__(self, name: str, *, maxshrink: float, patience: int, grid: float, norm: float, expand: float = 1.0):
         super().__init__(name, maxshrink=maxshrink, patience=patience, grid=grid, norm=norm, expand=expand)
-        self.importance: torch.Tensor | None = None
+        self.stat: Importance | None = None
+        self.data: dict[str, Importance] = {}
+        self.modules: list[str] = []
 
     @property
     def total_steps(self) -> int:
@@ -103,18 +107,32 @@ class IMatrixMSEObserver(MSEObserver):
     def needs_stop_pass(self) -> bool:
         return 0 < self.patience < self.total_steps
 
-    def with_importance(self, importance: torch.Tensor | None) -> IMatrixMSEObserver:
-        """This observer for one module: ``importance`` fp32 ``[K]`` (:meth:`Importance.weights`), or None (uniform)."""
+    def _copy(self, **fields) -> IMatrixMSEObserver:
         bound = copy.copy(self)
-        bound.importance = importance
+        bound.__dict__.update(fields)
         return bound
 
+    def with_data(self, data: dict[str, Importance]) -> IMatrixMSEObserver:
+        """This observer with the calibration pass' statistics, module name -> :class:`Importance`."""
+        return self._copy(data=data)
+
+    def for_unit(self, modules: list[str]) -> IMatrixMSEObserver:
+        return self._copy(modules=list(modules))
+
+    def member(self, i: int) -> IMatrixMSEObserver:
+        return self.with_importance(self.data.get(self.modules[i]))
+
+    def with_importance(self, stat: Importance | None) -> IMatrixMSEObserver:
+        """This observer for one module whose inputs' statistic is ``stat`` (None: no data, uniform MSE)."""
+        return self._copy(stat=stat)
+
+    def fallback(self, module: str, args: WeightArgs, k: int) -> str | None:
+        """Why module ``module`` (``k`` input channels) is searched unweighted (llm-compressor's fallback), or None."""
+        return (self.data.get(module) or Importance()).weights(args, k)[1]
+
     def search(self, w, args, steps=None, impl="auto"):
-        """See :meth:`WeightObserver.search`; the torch reference on the CPU (``impl`` is not used: no C kernel yet).
-        Raises ``ValueError`` for an importance whose size is not ``K``."""
+        """See :meth:`WeightObserver.search`; the torch reference on the CPU (``impl`` is not used: no C kernel yet)."""
         check_weight(w, args)
-        if self.importance is not None and self.importance.numel() != w.shape[1]:
-            raise ValueError(f"imatrix: the importance has {self.importance.numel()} input channels, the weight {w.shape[1]}")
         if w.device.type != "cpu":
             return self._on_cpu(w, args, steps, impl)
         return self._torch(w, args, steps)
@@ -130,7 +148,8 @@ class IMatrixMSEObserver(MSEObserver):
         q = FakeQuant(args, x.device)
         ref = x.abs() if q.is_fp4 else x  # |q - x| of FP4 on |x| (FakeQuant.dequantized)
         ref32 = ref.float()
-        imp = None if self.importance is None or args.strategy == "tensor" else self.importance.to(x.device).reshape(x.shape[1:])
+        imp, _ = (self.stat or Importance()).weights(args, x.shape[1] * x.shape[2])
+        imp = None if imp is None else imp.to(x.device).reshape(x.shape[1:])
 
         def error(mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
             e = q.dequantized(x, mn, mx, ref).float()

@@ -49,6 +49,14 @@ class WeightObserver:
         stopping early (None: stop as llm-compressor does, with ``w`` taken as the whole tensor)."""
         raise NotImplementedError
 
+    def for_unit(self, modules: list[str]) -> WeightObserver:
+        """This observer for a work unit of these modules (a fused set's members; data-free observers: itself)."""
+        return self
+
+    def member(self, i: int) -> WeightObserver:
+        """This observer for member ``i`` of the unit of :meth:`for_unit` (data-free observers: itself)."""
+        return self
+
     def ranges(self, w: torch.Tensor, args: WeightArgs, steps: int | None = None, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """``search(w, args, steps, impl).ranges``."""
         return self.search(w, args, steps, impl).ranges
