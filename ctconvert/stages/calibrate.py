@@ -22,7 +22,7 @@ import time
 from ..calibration import apply as calibration
 from ..calibration.data import load_tokens
 from ..checkpoint.reader import Checkpoint
-from ..errors import CTConvertError
+from ..errors import CTConvertError, UnsupportedError
 from ..formats.observers import get_observer
 from ..pipeline.options import QuantizeOptions
 from .job import QuantizeJob, Stage
@@ -56,13 +56,27 @@ class CalibrateStage(Stage):
         job.kv_cache_scheme = calibration.kv_cache_config(self.kv_cache)
         if not job.calibrated:
             return
-        calibration.check_model(job.ckpt)
+        self._check_model(job)
         cost = calibration.estimate(job.plan, job.ckpt, self.samples, self.seq_len, self.kv_cache, self.batch_tokens)
         cost.schemes += [f"observer {n}" for n in self.importance]
         job.result.calibration = {**cost.to_dict(), "source": str(self.file) if self.file else "built-in English corpus"}
         job.fingerprint["calibration"] = [str(self.file or ""), self.samples, self.seq_len, self.kv_cache, *self.importance]
         job.refresh_refused = _NO_REFRESH
         self.cost = cost
+
+    def _check_model(self, job: QuantizeJob) -> None:
+        """:func:`calibration.check_model`; when only an observer asks for the calibration pass, its refusal says so."""
+        try:
+            calibration.check_model(job.ckpt)
+        except UnsupportedError as e:
+            if not self.importance or calibration.needs_calibration(job.plan, self.kv_cache):
+                raise
+            why = str(e.message).split(": use a data-free scheme")[0]
+            names = " and ".join(self.importance)
+            raise UnsupportedError(
+                f"--observer {names} needs a calibration pass (each input channel's E[x^2]), and {why}: use a data-free observer (memoryless_mse, nvfp4_expanded_mse)",
+                file=e.file,
+            ) from None
 
     def report(self, job: QuantizeJob) -> None:
         if not job.calibrated:
