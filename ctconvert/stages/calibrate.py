@@ -74,7 +74,8 @@ class CalibrateStage(Stage):
             why = str(e.message).split(": use a data-free scheme")[0]
             names = " and ".join(self.importance)
             raise UnsupportedError(
-                f"--observer {names} needs a calibration pass (each input channel's E[x^2]), and {why}: use a data-free observer (memoryless_mse, nvfp4_expanded_mse)",
+                f"--observer {names} needs a calibration pass (each input channel's E[x^2]), and {why}: "
+                "use a data-free observer (memoryless_mse, nvfp4_expanded_mse)",
                 file=e.file,
             ) from None
 

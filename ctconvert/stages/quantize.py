@@ -118,7 +118,8 @@ class QuantizeStage(Stage):
                         if why is not None:
                             unweighted.setdefault(why, []).append(m)
             for why, mods in unweighted.items():
-                job.result.notes.append(f"{obs.name}: {why} for {plural(len(mods), 'module')} ({', '.join(mods[:3])}{', ...' if len(mods) > 3 else ''}): searched unweighted, as llm-compressor does")
+                named = ", ".join(mods[:3]) + (", ..." if len(mods) > 3 else "")
+                job.result.notes.append(f"{obs.name}: {why} for {plural(len(mods), 'module')} ({named}): searched unweighted, as llm-compressor does")
 
     def run(self, job: QuantizeJob) -> None:
         o, plan = self.o, job.plan

@@ -159,4 +159,3 @@ class IMatrixMSEObserver(MSEObserver):
             return e.sum(dim=-1)
 
         return error
-

@@ -18,7 +18,19 @@ import torch
 from ctconvert.formats import WeightArgs, get_format
 from ctconvert.formats.observers import OBSERVERS, IMatrixMSEObserver, Importance, TensorSearch, get_observer, grouped
 
-from ..test_observers import FP8_CHANNEL, NVFP4, W4, W4_ASYM, W8_CHANNEL, awkward_weights, bits_of, quantize_module_set, straight_candidate, straight_fake_quant, straight_unshrunk
+from ..test_observers import (
+    FP8_CHANNEL,
+    NVFP4,
+    W4,
+    W4_ASYM,
+    W8_CHANNEL,
+    awkward_weights,
+    bits_of,
+    quantize_module_set,
+    straight_candidate,
+    straight_fake_quant,
+    straight_unshrunk,
+)
 
 REF = Path(__file__).resolve().parents[2] / "data" / "observers" / "llmc_imatrix.safetensors"
 
