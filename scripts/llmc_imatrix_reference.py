@@ -33,6 +33,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llmc_observer_reference import saved_weights  # noqa: E402  (the scripts folder, for one helper)
+
 OUT = ROOT / "tests" / "data" / "observers" / "llmc_imatrix.safetensors"
 SAMPLES, SEQ_LEN, VOCAB = 8, 32, 64
 RUNS = [("W4A16", "imatrix_mse"), ("W4A16_ASYM", "imatrix_mse"), ("FP8_DYNAMIC", "imatrix_mse"), ("NVFP4A16", "nvfp4_expanded_imatrix")]
@@ -41,8 +44,6 @@ RUNS = [("W4A16", "imatrix_mse"), ("W4A16_ASYM", "imatrix_mse"), ("FP8_DYNAMIC",
 def model():
     """The reference model: ``tiny_llama`` with two channels whose importance is zero."""
     import torch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from llmc_observer_reference import tiny_llama
 
     m = tiny_llama("bfloat16", 128, 256, 2, 0)
@@ -68,7 +69,7 @@ def main() -> None:
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     ids = token_ids()
@@ -113,13 +114,7 @@ def main() -> None:
             )
             for k, v in seen.items():
                 tensors[f"importance/{k}"] = v
-            got = {}
-            for f in sorted(out.glob("*.safetensors")):
-                got.update(load_file(str(f)))
-            for name in modules:
-                for k, v in got.items():
-                    if k.startswith(f"{name}.") and k[len(name) + 1 :].startswith("weight"):
-                        tensors[f"{scheme}/{observer}/{k}"] = v.contiguous()
+            tensors.update({f"{scheme}/{observer}/{k}": v for k, v in saved_weights(out, modules).items()})
             meta["runs"][f"{scheme}/{observer}"] = json.loads((out / "config.json").read_text())["quantization_config"]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(OUT), metadata={"reference": json.dumps(meta, sort_keys=True)})

@@ -150,14 +150,24 @@ def _straight_search(w: torch.Tensor, args: WeightArgs, obs) -> tuple[torch.Tens
     d = w.dtype
     x = grouped(w, args).to(torch.float32)
     mn0, mx0 = straight_unshrunk(x, obs, d)
-    best = torch.full_like(mn0, torch.finfo(d).max)
-    best_mn, best_mx = mn0.clone(), mx0.clone()
-    stale = 0
-    for i in range(int(obs.maxshrink * obs.grid)):
-        smn, smx = straight_candidate(mn0, mx0, obs, i, d)
+
+    def error(smn, smx):
         q = straight_fake_quant(x, smn, smx, args, d)
         e = _rd(torch.pow(_rd(q - x, d).abs(), _rd(torch.tensor(obs.norm), d)), d)  # torch's pow of a D tensor: the exponent in D
-        err = _rd(e.sum(-1), d)
+        return _rd(e.sum(-1), d)
+
+    best = torch.full_like(mn0, torch.finfo(d).max)
+    return straight_loop(mn0, mx0, obs, d, int(obs.maxshrink * obs.grid), error, best, lambda stale: stale >= obs.patience)
+
+
+def straight_loop(mn0, mx0, obs, d: torch.dtype, steps: int, error, best: torch.Tensor, stops) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid loop: ``steps`` candidates, ``error(min, max)`` per group, the strictly better kept (from ``best``), stopping
+    when ``stops(stale)`` (steps in a row without an improvement of any group); the ranges in D."""
+    best_mn, best_mx = mn0.clone(), mx0.clone()
+    stale = 0
+    for i in range(steps):
+        smn, smx = straight_candidate(mn0, mx0, obs, i, d)
+        err = error(smn, smx)
         better = err < best
         if bool(better.any()):
             best = torch.where(better, err, best)
@@ -165,7 +175,7 @@ def _straight_search(w: torch.Tensor, args: WeightArgs, obs) -> tuple[torch.Tens
             stale = 0
         else:
             stale += 1
-            if stale >= obs.patience:
+            if stops(stale):
                 break
     return best_mn.to(d), best_mx.to(d)
 

@@ -27,8 +27,8 @@ from ..test_observers import (
     awkward_weights,
     bits_of,
     quantize_module_set,
-    straight_candidate,
     straight_fake_quant,
+    straight_loop,
     straight_unshrunk,
 )
 
@@ -41,23 +41,14 @@ def _straight_imatrix(w: torch.Tensor, args: WeightArgs, obs, imp: torch.Tensor 
     x = grouped(w, args).to(torch.float32)
     mn0, mx0 = straight_unshrunk(x, obs, d)
     weights = None if imp is None else imp.reshape(x.shape[1:])
-    best = torch.full(mn0.shape, torch.finfo(torch.float32).max)
-    best_mn, best_mx = mn0.clone(), mx0.clone()
-    stale = 0
-    for i in range(max(1, int(obs.maxshrink * obs.grid)) + 1):
-        smn, smx = straight_candidate(mn0, mx0, obs, i, d)
+
+    def error(smn, smx):
         e = torch.pow((straight_fake_quant(x, smn, smx, args, d) - x).abs(), obs.norm)
-        err = (e if weights is None else e * weights).sum(-1)
-        better = err < best
-        if bool(better.any()):
-            best = torch.where(better, err, best)
-            best_mn, best_mx = torch.where(better, smn, best_mn), torch.where(better, smx, best_mx)
-            stale = 0
-        else:
-            stale += 1
-            if obs.patience > 0 and stale >= obs.patience:
-                break
-    return best_mn.to(d), best_mx.to(d)
+        return (e if weights is None else e * weights).sum(-1)
+
+    best = torch.full(mn0.shape, torch.finfo(torch.float32).max)
+    steps = max(1, int(obs.maxshrink * obs.grid)) + 1
+    return straight_loop(mn0, mx0, obs, d, steps, error, best, lambda stale: obs.patience > 0 and stale >= obs.patience)
 
 
 def _normalised(s: torch.Tensor, count: int) -> torch.Tensor:
