@@ -3,7 +3,7 @@
 
     PYTHONPATH=$PWD python3 scripts/bench_observers.py [--rows 1024] [--cols 4096] [--impl auto|torch|native]
 
-Prints, per (scheme, observer), the seconds of the min/max quantization, of the search and of the
+Prints, per (scheme, observer; the imatrix ones with a random importance), the seconds of the min/max quantization, of the search and of the
 quantization from its ranges, the ratio to min/max, and the search's ns per element and grid step.
 """
 
@@ -17,13 +17,15 @@ import torch
 from ctconvert.formats import WeightArgs, get_format
 from ctconvert.formats.common import tensor_absmax
 from ctconvert.formats.fp4 import nvfp4_global_scale
-from ctconvert.formats.observers import OBSERVERS, range_absmax
+from ctconvert.formats.observers import OBSERVERS, Importance, range_absmax
 
 CASES = [
     ("NVFP4A16", "nvfp4-pack-quantized", WeightArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16), "nvfp4_expanded_mse"),
     ("W4A16", "pack-quantized", WeightArgs(type="int", num_bits=4, strategy="group", group_size=128), "memoryless_mse"),
     ("MXFP4A16", "mxfp4-pack-quantized", WeightArgs(type="float", num_bits=4, strategy="group", group_size=32), "memoryless_mse"),
     ("FP8_DYNAMIC", "float-quantized", WeightArgs(type="float", num_bits=8, strategy="channel"), "memoryless_mse"),
+    ("W4A16", "pack-quantized", WeightArgs(type="int", num_bits=4, strategy="group", group_size=128), "imatrix_mse"),
+    ("NVFP4A16", "nvfp4-pack-quantized", WeightArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16), "nvfp4_expanded_imatrix"),
 ]
 
 
@@ -44,6 +46,8 @@ def main() -> None:
     print(f"bf16 [{a.rows}, {a.cols}], {torch.get_num_threads()} threads, impl {a.impl}")
     for scheme, name, args, obs_name in CASES:
         fmt, obs = get_format(name), OBSERVERS[obs_name]
+        if obs.needs_data:  # a random importance per input channel, as a calibration pass would give (torch search)
+            obs = obs.with_importance(Importance(torch.rand(a.cols) ** 4, 1))
         gs = nvfp4_global_scale(tensor_absmax(w), w.dtype) if fmt.needs_global_scale else None
         base, _ = _time(lambda: fmt.quantize(w, args, gs))  # noqa: B023
         impl = a.impl if args.strategy in ("group", "tensor_group") else "torch"  # no C search per channel
