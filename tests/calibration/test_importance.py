@@ -117,3 +117,42 @@ def test_encoder_model_is_refused_by_name(tmp_path):
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and "--observer imatrix_mse needs a calibration pass" in lines[0] and "BertModel is not one" in lines[0], res.output
     assert "use a data-free observer (memoryless_mse, nvfp4_expanded_mse)" in lines[0]
+
+
+def test_module_without_data_is_searched_unweighted(source, tmp_path):
+    """lm_head is not run by the calibration pass (no token reaches it here): llm-compressor's fallback, said in a note."""
+    from safetensors import safe_open
+
+    from ctconvert.formats import WeightArgs, get_format
+    from ctconvert.formats.fp4 import nvfp4_global_scale
+    from ctconvert.formats.observers import OBSERVERS, range_absmax
+
+    out = tmp_path / "out"
+    args = _args(source, "-o", str(out), "--scheme", "NVFP4A16", "--observer", "nvfp4_expanded_imatrix", "--lm-head", "nvfp4a16", "--json")
+    res = CliRunner().invoke(main, ["quantize", *args])
+    assert res.exit_code == 0, res.output
+    note = "nvfp4_expanded_imatrix: no importance data available for 1 module (lm_head): searched unweighted, as llm-compressor does"
+    assert note in json.loads(res.output)["notes"]
+    f, _ = _reference()
+    w = f.get_tensor("source/lm_head.weight")
+    nv = WeightArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16)
+    mn, mx = OBSERVERS["nvfp4_expanded_imatrix"].ranges(w, nv)
+    want = get_format("nvfp4-pack-quantized").quantize(w, nv, nvfp4_global_scale(range_absmax(mn, mx), w.dtype), ranges=(mn, mx))
+    with safe_open(str(out / "model.safetensors"), "pt") as got:
+        for name in ("weight_packed", "weight_scale"):
+            a, b = got.get_tensor(f"lm_head.{name}"), want[name]
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+def test_recipe_group_observer(source, tmp_path):
+    """A recipe whose group names ``imatrix_mse`` calibrates as ``--observer`` does: oneshot's bytes for that recipe."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        "quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      ignore: [lm_head]\n      config_groups:\n"
+        "        group_0:\n          targets: [Linear]\n"
+        "          weights: {num_bits: 4, type: int, symmetric: true, group_size: 128, strategy: group, observer: imatrix_mse}\n"
+    )
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["quantize", *_args(source, "-o", str(out), "--recipe", str(recipe))])
+    assert res.exit_code == 0, res.output
+    assert_reference_tensors(REF, "W4A16/imatrix_mse/", out)
