@@ -63,7 +63,7 @@ DEFAULT_HOLD_BYTES = 1 << 30
 QUANTIZE_TARGETS = ("marlin", "cutlass-nvfp4", "cutlass-2of4", "cutlass-2of4-sm80", "marlin-24")
 #: ``quantize --observer``: llm-compressor's weight observer names (``llmcompressor/observers/``, 0.14.0.1) that
 #: :data:`ctconvert.formats.observers.OBSERVERS` implements (spelled here for a torch-free ``--help``; a test holds them equal)
-OBSERVER_NAMES = ("minmax", "memoryless_mse", "nvfp4_expanded_mse")
+OBSERVER_NAMES = ("minmax", "memoryless_mse", "nvfp4_expanded_mse", "imatrix_mse", "nvfp4_expanded_imatrix")
 #: ``repack --target``: the layouts repack builds, and compressed-tensors to undo one
 REPACK_TARGETS = ("marlin", "cutlass-nvfp4", "cutlass-2of4", "cutlass-2of4-sm80", "compressed-tensors")
 
@@ -216,11 +216,14 @@ _QUANTIZE = (
         "minmax",
         OBSERVER_NAMES,
         "Weight observer (llm-compressor's names): minmax rounds to nearest with min/max scales; memoryless_mse and "
-        "nvfp4_expanded_mse search each group's range for the least error, data-free, with llm-compressor 0.14's bytes.",
+        "nvfp4_expanded_mse search each group's range for the least error, data-free, with llm-compressor 0.14's bytes; "
+        "imatrix_mse and nvfp4_expanded_imatrix weight that error by each input channel's E[x^2] over the calibration data.",
         "``minmax`` (each group's min/max: the default bytes, no ``observer`` field in the config), ``memoryless_mse`` or "
         "``nvfp4_expanded_mse``: the weight ranges llm-compressor 0.14.0.1's observer of that name searches on its eager CPU path "
         "(:mod:`ctconvert.formats.observers`), the same bytes, recorded as ``observer``/``observer_kwargs`` in the weights' "
-        "QuantizationArgs. :class:`UsageError` for a scheme or option it cannot honour (a block or per-tensor scheme, calibrated "
+        "QuantizationArgs. ``imatrix_mse`` / ``nvfp4_expanded_imatrix``: the same search with the error of each input channel "
+        "weighted by its mean square activation, from a calibration pass over ``calibration`` (the built-in corpus by default; "
+        "llm-compressor's statistic, eager attention). :class:`UsageError` for a scheme or option it cannot honour (a block or per-tensor scheme, calibrated "
         "activations, ``kv_cache``, ``sparsity``).",
     ),
     Option(

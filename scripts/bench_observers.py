@@ -6,7 +6,7 @@ search against the CPU path, bit for bit, and whole conversions.
     PYTHONPATH=$PWD python3 scripts/bench_observers.py --device cuda [--rows 14336 --cols 4096]
     PYTHONPATH=$PWD python3 scripts/bench_observers.py --device cuda --e2e [--workdir /tmp/obsbench]
 
-CPU (default): per (scheme, observer), the seconds of the min/max quantization, of the search and of the
+CPU (default): per (scheme, observer; the imatrix ones with a random importance), the seconds of the min/max quantization, of the search and of the
 quantization from its ranges, the ratio to min/max, and the search's ns per element and grid step.
 ``--device cuda``: per (scheme, observer, dtype), the GPU search's seconds (synchronized, after a warm-up),
 the groups its kernel left to be settled exactly, the CPU path's seconds, and whether every field of the two
@@ -37,13 +37,15 @@ sys.path.insert(0, str(ROOT))
 from ctconvert.formats import WeightArgs, get_format  # noqa: E402
 from ctconvert.formats.common import tensor_absmax  # noqa: E402
 from ctconvert.formats.fp4 import nvfp4_global_scale  # noqa: E402
-from ctconvert.formats.observers import OBSERVERS, range_absmax  # noqa: E402
+from ctconvert.formats.observers import OBSERVERS, Importance, range_absmax  # noqa: E402
 
 CASES = [
     ("NVFP4A16", "nvfp4-pack-quantized", WeightArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16), "nvfp4_expanded_mse"),
     ("W4A16", "pack-quantized", WeightArgs(type="int", num_bits=4, strategy="group", group_size=128), "memoryless_mse"),
     ("MXFP4A16", "mxfp4-pack-quantized", WeightArgs(type="float", num_bits=4, strategy="group", group_size=32), "memoryless_mse"),
     ("FP8_DYNAMIC", "float-quantized", WeightArgs(type="float", num_bits=8, strategy="channel"), "memoryless_mse"),
+    ("W4A16", "pack-quantized", WeightArgs(type="int", num_bits=4, strategy="group", group_size=128), "imatrix_mse"),
+    ("NVFP4A16", "nvfp4-pack-quantized", WeightArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16), "nvfp4_expanded_imatrix"),
 ]
 
 
@@ -59,6 +61,8 @@ def cpu_table(a) -> int:
     print(f"bf16 [{a.rows}, {a.cols}], {torch.get_num_threads()} threads, impl {a.impl}")
     for scheme, name, args, obs_name in CASES:
         fmt, obs = get_format(name), OBSERVERS[obs_name]
+        if obs.needs_data:  # a random importance per input channel, as a calibration pass would give (torch search)
+            obs = obs.with_importance(Importance(torch.rand(a.cols) ** 4, 1))
         gs = nvfp4_global_scale(tensor_absmax(w), w.dtype) if fmt.needs_global_scale else None
         base, _ = _time(lambda: fmt.quantize(w, args, gs))  # noqa: B023
         impl = a.impl if args.strategy in ("group", "tensor_group") else "torch"  # no C search per channel

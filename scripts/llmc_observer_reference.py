@@ -93,12 +93,22 @@ def run(model, scheme: str, observer: str, out: Path):
     oneshot(model=model, recipe=recipe, output_dir=str(out))
 
 
+def saved_weights(out: Path, modules: list[str]) -> dict:
+    """The compressed tensors of ``modules`` in the output folder ``out`` (``weight_packed``, ``weight_scale`` ...)."""
+    from safetensors.torch import load_file
+
+    got = {}
+    for f in sorted(out.glob("*.safetensors")):
+        got.update(load_file(str(f)))
+    return {k: v.contiguous() for m in modules for k, v in got.items() if k.startswith(f"{m}.") and k[len(m) + 1 :].startswith("weight")}
+
+
 def main() -> None:
     os.environ["CT_ENFORCE_EAGER"] = "1"
     import compressed_tensors
     import llmcompressor
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     meta: dict = {"llmcompressor": llmcompressor.__version__, "compressed_tensors": compressed_tensors.__version__, "torch": torch.__version__, "cases": {}}
@@ -119,13 +129,7 @@ def main() -> None:
                 model.config._name_or_path = str(folder)
                 out = Path(tmp) / f"{case}-{scheme}-{observer}"
                 run(model, scheme, observer, out)
-                got = {}
-                for f in sorted(out.glob("*.safetensors")):
-                    got.update(load_file(str(f)))
-                for m in modules:
-                    for k, v in got.items():
-                        if k.startswith(f"{m}.") and k[len(m) + 1 :].startswith("weight"):
-                            tensors[f"{case}/{scheme}/{observer}/{k}"] = v.contiguous()
+                tensors.update({f"{case}/{scheme}/{observer}/{k}": v for k, v in saved_weights(out, modules).items()})
                 qc = json.loads((out / "config.json").read_text())["quantization_config"]
                 meta["cases"][case]["runs"][f"{scheme}/{observer}"] = qc
     OUT.parent.mkdir(parents=True, exist_ok=True)

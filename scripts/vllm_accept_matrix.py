@@ -10,7 +10,8 @@ only ever imported by the venv given with ``--vllm-python`` (kept outside the pr
 
 For each family it builds the tiny checkpoint with transformers' own classes (the builders of
 tests/test_moe_families.py and the shapes of the other family tests, saved with ``save_pretrained``), converts it
-with this tree's ``ctconvert quantize`` for each scheme (NVFP4 calibrated on a fixed token batch), and runs
+with this tree's ``ctconvert quantize`` for each scheme (NVFP4 calibrated on a fixed token batch) and each recipe of
+:data:`RECIPES` (``--recipe``: several schemes in one output, for the families it lists), and runs
 ``vllm_accept.py`` on every output: sm_90 for all, sm_100 as well for NVFP4 (W4A4). One vLLM process per
 capability runs all its checkpoints one after another (vLLM's import is most of the time; a run after the first
 takes a second). The record has, per family,
@@ -37,6 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMES = ["FP8_DYNAMIC", "W4A16", "NVFP4A16", "NVFP4", "MXFP4A16"]
 CAPABILITIES = {"NVFP4": [90, 100]}  # every other scheme: [90]
+#: llm-compressor recipes (``--recipe``) recorded as a "scheme" of the families listed: several schemes in one output
+RECIPES = {"recipe:mixed_w4a16_fp8": ("tests/data/recipes/mixed_w4a16_fp8.yaml", ["llama"])}
 FAMILIES = [
     "llama",
     "qwen2",
@@ -181,7 +184,8 @@ def _reindex(path: Path) -> None:
 
 def convert(src: Path, out: Path, scheme: str, ids: Path) -> str | None:
     """``ctconvert quantize`` of this tree; None, or the error line."""
-    args = [sys.executable, "-m", "ctconvert", "quantize", str(src), "-s", scheme, "-o", str(out)]
+    how = ["--recipe", str(ROOT / RECIPES[scheme][0])] if scheme in RECIPES else ["-s", scheme]
+    args = [sys.executable, "-m", "ctconvert", "quantize", str(src), *how, "-o", str(out)]
     if scheme == "NVFP4":
         args += ["--calibration", str(ids), "--calibration-samples", "4", "--calibration-seq-len", "64"]
     if "mtp" in src.parent.name:
@@ -255,7 +259,7 @@ def readme_table(record: dict) -> str:
         by.setdefault(r["family"], {}).setdefault(r["scheme"], {})[r["capability"]] = r["verdict"]
     for fam in [f for f in FAMILIES if f in by]:
         cells = []
-        for s in SCHEMES:
+        for s in SCHEMES + [k for k in RECIPES if k in by[fam]]:
             caps = by[fam].get(s, {})
             cells.append(f"{s} " + " / ".join(f"{_SHORT[v]}" + (f" (sm_{c})" if len(caps) > 1 else "") for c, v in sorted(caps.items())))
         rows.append(f"| {fam} | {' · '.join(cells)} |")
@@ -277,7 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--accept", default="/work/shared/tools/vllm_accept.py")
     ap.add_argument("--out", default=str(ROOT / "tests" / "data" / "vllm_accept_033.json"))
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--schemes", default=",".join([*SCHEMES, *RECIPES]))
     ap.add_argument("--jobs", type=int, default=2, help="vLLM processes at a time")
     ap.add_argument("--work", help="folder for checkpoints and logs (default: a temporary one)")
     ap.add_argument("--readme", help="rewrite this README's table from the record")
@@ -300,6 +304,8 @@ def main(argv=None) -> int:
             src.mkdir(parents=True, exist_ok=True)
             build(fam, src)
         for s in schemes:
+            if s in RECIPES and fam not in RECIPES[s][1]:
+                continue
             out = work / fam / s
             err = None if (out / "config.json").exists() else convert(src, out, s, ids)
             for cap in CAPABILITIES.get(s, [90]):
@@ -333,7 +339,7 @@ def main(argv=None) -> int:
     order = {f: i for i, f in enumerate(FAMILIES)}
     for r in results:
         r["capability"] = int(r["capability"])
-    results.sort(key=lambda r: (order.get(r["family"], 99), SCHEMES.index(r["scheme"]), r["capability"]))
+    results.sort(key=lambda r: (order.get(r["family"], 99), [*SCHEMES, *RECIPES].index(r["scheme"]), r["capability"]))
     record = {
         "vllm": version,
         "tool": "../shared/tools/vllm_accept.py (vLLM's config parse, scheme choice, create_weights, load_weights, coverage, layout; no kernels)",

@@ -25,6 +25,7 @@ def test_record_covers_every_family_and_scheme():
     assert record["vllm"] == "0.33.0" and all(r["vllm"] == "0.33.0" for r in record["results"])
     got = {(r["family"], r["scheme"], r["capability"]) for r in record["results"]}
     want = {(f, s, c) for f in m.FAMILIES for s in m.SCHEMES for c in m.CAPABILITIES.get(s, [90])}
+    want |= {(f, r, 90) for r, (_, fams) in m.RECIPES.items() for f in fams}
     assert got == want and len(got) == len(record["results"])
     verdicts = {"ACCEPT", "REJECT", "not buildable on CPU", "convert failed"}
     assert all(r["verdict"] in verdicts and (r["first_problem"] is None) == (r["verdict"] == "ACCEPT") for r in record["results"])

@@ -15,7 +15,7 @@ computes it (:mod:`ctconvert.pipeline.scales`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -173,6 +173,7 @@ class Calibrated:
 
     tensors: dict[str, dict[str, torch.Tensor]]
     notes: list[str]
+    importance: dict = field(default_factory=dict)  # Linear module -> its Importance (the imatrix observers': run(importance=True))
 
 
 def run(
@@ -183,14 +184,16 @@ def run(
     kv_cache: str = "none",
     batch_tokens: int = DEFAULT_CALIBRATION_BATCH_TOKENS,
     progress=None,
+    importance: bool = False,
 ) -> Calibrated:
-    """Calibrate: the calibrated tensors of every unit of ``plan`` that needs them, and notes.
+    """Calibrate: the calibrated tensors of every unit of ``plan`` that needs them, and notes (with ``importance``
+    also every Linear's E[x^2] statistic, for the imatrix observers).
 
     Raises what :func:`ctconvert.calibration.model.calibrate` raises, and :class:`UsageError` when a
     quantized Linear saw no calibration token and has no sibling expert to take its range from."""
     from .model import calibrate
 
-    stats = calibrate(ckpt, tokens, device, kv_cache=kv_cache != "none", batch_tokens=batch_tokens, progress=progress)
+    stats = calibrate(ckpt, tokens, device, kv_cache=kv_cache != "none", batch_tokens=batch_tokens, progress=progress, importance=importance)
     dtype = _model_dtype(ckpt)
     notes = list(stats.notes)
     tensors: dict[str, dict[str, torch.Tensor]] = {}
@@ -214,7 +217,7 @@ def run(
                 raise UsageError(f"calibration: the attention module {a} was not observed (architecture without a k_proj/v_proj attention module)")
             tensors.setdefault(a, {}).update(kv_qparams(kv_cache, k, v, dtype))
     notes.append(f"calibrated on {stats.tokens} tokens")
-    return Calibrated(tensors, notes)
+    return Calibrated(tensors, notes, stats.importance)
 
 
 def check_model(ckpt: Checkpoint) -> None:

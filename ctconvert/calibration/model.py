@@ -78,13 +78,13 @@ class _Recorded:
 class CalibrationModel:
     """The meta-device model of a checkpoint, with the checkpoint-name map and the observers' hooks."""
 
-    def __init__(self, ckpt: Checkpoint, device: torch.device):
+    def __init__(self, ckpt: Checkpoint, device: torch.device, attention: tuple[str, ...] = ("sdpa", "eager")):
         tf = _transformers()
         self.ckpt, self.device = ckpt, device
         self.dtype = _dtype(ckpt)
         archs = ckpt.config.get("architectures") or [ckpt.config.get("model_type", "?")]
         self.notes: list[str] = []
-        model, self.attention = self._build(tf, archs[0])
+        model, self.attention = self._build(tf, archs[0], attention)
         self.model = model.eval()
         self.layers_name, self.layers = self._find_layers(model, archs[0])
         for name, m in list(model.named_modules()):
@@ -98,11 +98,12 @@ class CalibrationModel:
         self._prefetch: LayerPrefetcher | None = None
 
     # -- structure ------------------------------------------------------------------------------
-    def _build(self, tf, arch: str) -> tuple[nn.Module, str]:
+    def _build(self, tf, arch: str, attention: tuple[str, ...]) -> tuple[nn.Module, str]:
         """The meta-device model with SDPA attention, or with the architecture's eager attention where transformers
-        has no SDPA for it (gpt-oss: its attention sinks); ``(model, "sdpa" | "eager")``."""
-        model, impl = build_meta(tf, self.ckpt, self.dtype, arch)
-        if impl == "eager":
+        has no SDPA for it (gpt-oss: its attention sinks); ``(model, "sdpa" | "eager")``. ``attention``: the
+        implementations to try, in order (``("eager",)``: llm-compressor's calibration, which forces eager attention)."""
+        model, impl = build_meta(tf, self.ckpt, self.dtype, arch, attention)
+        if impl == "eager" and attention[0] != "eager":
             self.notes.append(
                 f"calibration: transformers {tf.__version__} has no SDPA attention for {arch}; calibrated with its eager attention "
                 '(attn_implementation="eager": the architecture\'s own attention code, slower)'
@@ -362,7 +363,7 @@ class CalibrationModel:
                 ck = self.names.get(full + ".weight", full + ".weight")[: -len(".weight")]
 
                 def pre(mod, args, ck=ck):
-                    self.stats.inputs.setdefault(ck, MinMax()).update(args[0])
+                    self.stats.observe_input(ck, args[0])
 
                 handles.append(m.register_forward_pre_hook(pre))
             elif hasattr(m, "k_proj") and hasattr(m, "v_proj"):
@@ -448,7 +449,7 @@ def _pretrained_owners(model: nn.Module) -> dict[int, nn.Module]:
     return out
 
 
-def build_meta(tf, ckpt: Checkpoint, dtype: torch.dtype, arch: str) -> tuple[nn.Module, str]:
+def build_meta(tf, ckpt: Checkpoint, dtype: torch.dtype, arch: str, attention: tuple[str, ...] = ("sdpa", "eager")) -> tuple[nn.Module, str]:
     """The checkpoint's model on the meta device (no memory, no weights): ``AutoModelForCausalLM.from_config``, or
     for a vision-language model (Qwen2.5-VL, LLaVA, ...) ``AutoModelForImageTextToText.from_config`` (its language
     model is calibrated on text), with SDPA attention, else with eager attention; ``(model, "sdpa" | "eager")``.
@@ -456,7 +457,7 @@ def build_meta(tf, ckpt: Checkpoint, dtype: torch.dtype, arch: str) -> tuple[nn.
     first = None
     config = None
     builders = [tf.AutoModelForCausalLM, getattr(tf, "AutoModelForImageTextToText", None)]
-    for impl in ("sdpa", "eager"):
+    for impl in attention:
         for auto in filter(None, builders):
             try:
                 config = config or tf.AutoConfig.from_pretrained(str(ckpt.path))
@@ -484,9 +485,13 @@ def check_buildable(ckpt: Checkpoint) -> None:
     _PREBUILT[:] = [(ckpt, CalibrationModel(ckpt, torch.device("cpu")))]
 
 
-def _take_prebuilt(ckpt: Checkpoint, device: torch.device) -> CalibrationModel:
+def _take_prebuilt(ckpt: Checkpoint, device: torch.device, attention: tuple[str, ...] = ("sdpa", "eager")) -> CalibrationModel:
     """The model :func:`check_buildable` built for this ``ckpt`` (unused: every module still on ``meta``), its
-    attention observer registered again (another model may have been built since), else a new one."""
+    attention observer registered again (another model may have been built since), else a new one built with
+    ``attention`` (the prebuilt one has the default attention: it is dropped when another is asked for)."""
+    if attention != ("sdpa", "eager"):
+        _PREBUILT.clear()
+        return CalibrationModel(ckpt, device, attention)
     if _PREBUILT and _PREBUILT[0][0] is ckpt:
         cm = _PREBUILT.pop()[1]
         cm.device = device
@@ -521,17 +526,27 @@ def _micro_batches(tokens: torch.Tensor, batch_tokens: int) -> list[torch.Tensor
 
 
 def calibrate(
-    ckpt: Checkpoint, tokens: torch.Tensor, device: torch.device, *, kv_cache: bool = False, batch_tokens: int = DEFAULT_CALIBRATION_BATCH_TOKENS, progress=None
+    ckpt: Checkpoint,
+    tokens: torch.Tensor,
+    device: torch.device,
+    *,
+    kv_cache: bool = False,
+    batch_tokens: int = DEFAULT_CALIBRATION_BATCH_TOKENS,
+    progress=None,
+    importance: bool = False,
 ) -> Stats:
     """Observe ``tokens`` (int64 ``[N, L]``) through the checkpoint's architecture, one decoder layer at a time.
 
     Returns the :class:`Stats` (on the CPU, in the model's dtype): per quantizable Linear the min/max of its
     input over all tokens; with ``kv_cache`` per attention module the per-KV-head min/max of the key and value
-    states. ``progress``: called with ``(layer, layers)`` after each layer. Raises :class:`UnsupportedError`
+    states; with ``importance`` per Linear its inputs' E[x^2] statistic (``Stats.importance``), the model run with its
+    eager attention, as llm-compressor's calibration runs it (``utils/helpers.py: use_eager_attention``). ``progress``: called with
+    ``(layer, layers)`` after each layer. Raises :class:`UnsupportedError`
     (transformers cannot build the architecture) or :class:`BadInputError` (a parameter has no checkpoint tensor).
     """
-    cm = _take_prebuilt(ckpt, device)
+    cm = _take_prebuilt(ckpt, device, ("eager",) if importance else ("sdpa", "eager"))
     cm.kv = kv_cache
+    cm.stats.collect_importance = importance
     with cm.prefetching():
         cm.load_outside()
         with _forward_errors(ckpt, "the embedding"):

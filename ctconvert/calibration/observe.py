@@ -7,6 +7,11 @@ over all calibration tokens, combined across batches with ``min``/``max``
 (exact in any dtype: no averaging). The reductions run on the values in the
 model's dtype, as the observer sees them.
 
+With ``Stats.collect_importance`` set (the ``imatrix`` weight observers), each Linear's input also feeds its
+:class:`~ctconvert.formats.observers.Importance` (llm-compressor ``observers/imatrix.py``: the fp32 sum of ``x ** 2``
+per input channel and the token count), one sample of a micro-batch at a time, in order, as llm-compressor's
+batch-size-1 calibration adds them.
+
 The scales are compressed-tensors' own functions (release 0.20,
 ``compressed_tensors/quantization/utils/helpers.py``): ``generate_gparam`` for the
 NVFP4 ``input_global_scale`` (fp32 ``[1]``; llm-compressor ``observers/base.py``
@@ -22,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from ..formats.observers import Importance
 
 __all__ = ["MinMax", "Stats", "global_scale_of", "input_qparams", "kv_qparams"]
 
@@ -64,10 +71,20 @@ class Stats:
     values: dict[str, MinMax] = field(default_factory=dict)
     tokens: int = 0
     notes: list[str] = field(default_factory=list)  # how the model was run (eager attention where it has no SDPA)
+    importance: dict[str, Importance] = field(default_factory=dict)  # Linear module -> its inputs' E[x^2] statistic
+    collect_importance: bool = False
+
+    def observe_input(self, module: str, x: torch.Tensor) -> None:
+        """One forward call's input ``x`` ``[..., K]`` of Linear ``module``: its min/max, and its importance when collected."""
+        self.inputs.setdefault(module, MinMax()).update(x)
+        if self.collect_importance:
+            self.importance.setdefault(module, Importance()).add_samples(x)
 
     def cpu(self) -> Stats:
         conv = lambda d: {k: MinMax(v.min.cpu(), v.max.cpu(), v.tokens) for k, v in d.items() if v.min is not None}
-        return Stats(conv(self.inputs), conv(self.keys), conv(self.values), self.tokens, list(self.notes))
+        out = Stats(conv(self.inputs), conv(self.keys), conv(self.values), self.tokens, list(self.notes))
+        out.importance = {k: v.cpu() for k, v in self.importance.items()}
+        return out
 
 
 def _ct():

@@ -46,8 +46,10 @@ def per_tensor_scale(scheme) -> bool:
 
 def observer_of(opts, unit):
     """The weight observer of work ``unit`` under executor options ``opts`` (:class:`~ctconvert.pipeline.executor.ExecOptions`):
-    its config group's (a recipe's, ``group_observers``), else the run's (``observer``; None: min/max)."""
-    return opts.group_observers.get(unit.group, opts.observer)
+    its config group's (a recipe's, ``group_observers``), else the run's (``observer``; None: min/max), for the unit's
+    modules (``WeightObserver.for_unit``: the imatrix observers' calibration data of each member)."""
+    obs = opts.group_observers.get(unit.group, opts.observer)
+    return None if obs is None else obs.for_unit(unit.modules)
 
 
 def needs_absmax_pass(scheme, observer: WeightObserver | None = None) -> bool:
@@ -99,7 +101,7 @@ class UnitScales:
             return
         ts = self.searches.get(member)
         if ts is None:
-            ts = self.searches[member] = TensorSearch(self.observer, scheme.weights, search_impl(impl))
+            ts = self.searches[member] = TensorSearch(self.observer.member(member), scheme.weights, search_impl(impl))
         ts.add(row0, w)  # on w's device: a CUDA chunk is searched on the GPU (the CPU path's ranges, gpu_search.py)
 
     def ranges(self, member: int, row0: int, w: torch.Tensor, scheme, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -109,7 +111,7 @@ class UnitScales:
         if self.observer is None:
             return None
         ts = self.searches.get(member)
-        found = ts.ranges(row0, w) if ts is not None else self.observer.ranges(w, scheme.weights, impl=search_impl(impl))
+        found = ts.ranges(row0, w) if ts is not None else self.observer.member(member).ranges(w, scheme.weights, impl=search_impl(impl))
         return found[0].to(w.device), found[1].to(w.device)
 
     def finish(self, scheme, set_dtype: torch.dtype, dtypes: list[torch.dtype]) -> None:

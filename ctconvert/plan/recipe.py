@@ -19,8 +19,9 @@ The forms read are llm-compressor 0.14.0.1's (``llmcompressor/recipe/recipe.py``
   any other argument or value (``kv_cache_scheme``, input/output observers, ``start: 0`` ...) is refused by name.
 
 Each group's scheme must be one ctconvert writes bit for bit (:func:`~ctconvert.plan.schemes.scheme_from_dict`)
-and not calibrated (a recipe's run is data-free); its observer one of
-:data:`ctconvert.options.OBSERVER_NAMES` (``memoryless_minmax``, the default, is ``minmax``). Every error is
+and without calibrated activations; its observer one of :data:`ctconvert.options.OBSERVER_NAMES`
+(``memoryless_minmax``, the default, is ``minmax``; an ``imatrix`` observer makes the run calibrate, as ``--observer``
+does, :mod:`ctconvert.stages.calibrate`). Every error is
 a :class:`~ctconvert.errors.UsageError` naming the file.
 """
 

@@ -6,6 +6,11 @@ estimated (``result.calibration``). A dry run also reads and tokenizes the data 
 the real run calibrates layer by layer (:func:`ctconvert.calibration.apply.run`) and hands the
 :class:`~ctconvert.calibration.apply.Calibrated` tensors to the quantize stage (``job.calibration``).
 Its rule: ``--refresh`` cannot update calibrated scales (they depend on every earlier layer).
+
+A weight observer that needs data (``--observer imatrix_mse`` / ``nvfp4_expanded_imatrix``, or a recipe group's) makes
+a data-free scheme calibrated too, as llm-compressor's ``oneshot`` calibrates when a dataset is given (the built-in
+corpus when no ``--calibration`` is named): the pass collects every Linear's E[x^2] statistic
+(``Calibrated.importance``), which the quantize stage hands to the observer.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import time
 from ..calibration import apply as calibration
 from ..calibration.data import load_tokens
 from ..checkpoint.reader import Checkpoint
-from ..errors import CTConvertError
+from ..errors import CTConvertError, UnsupportedError
+from ..formats.observers import get_observer
 from ..pipeline.options import QuantizeOptions
 from .job import QuantizeJob, Stage
 
@@ -38,20 +44,40 @@ class CalibrateStage(Stage):
     def __init__(self, o: QuantizeOptions):
         self.file, self.samples, self.seq_len, self.batch_tokens = o.calibration, o.calibration_samples, o.calibration_seq_len, o.calibration_batch_tokens
         self.kv_cache = o.kv_cache.lower()
+        self.observer = o.observer
         self.cost: calibration.CalibrationCost | None = None
+        self.importance: list[str] = []  # the observers that need calibration data
 
     def prepare(self, job: QuantizeJob) -> None:
         calibration.add_outputs(job.plan, job.ckpt, self.kv_cache)
-        job.calibrated = calibration.needs_calibration(job.plan, self.kv_cache)
+        names = {self.observer, *job.plan.observers.values()} if job.plan.observers else {self.observer}
+        self.importance = sorted(n for n in names if get_observer(n).needs_data)
+        job.calibrated = calibration.needs_calibration(job.plan, self.kv_cache) or bool(self.importance)
         job.kv_cache_scheme = calibration.kv_cache_config(self.kv_cache)
         if not job.calibrated:
             return
-        calibration.check_model(job.ckpt)
+        self._check_model(job)
         cost = calibration.estimate(job.plan, job.ckpt, self.samples, self.seq_len, self.kv_cache, self.batch_tokens)
+        cost.schemes += [f"observer {n}" for n in self.importance]
         job.result.calibration = {**cost.to_dict(), "source": str(self.file) if self.file else "built-in English corpus"}
-        job.fingerprint["calibration"] = [str(self.file or ""), self.samples, self.seq_len, self.kv_cache]
+        job.fingerprint["calibration"] = [str(self.file or ""), self.samples, self.seq_len, self.kv_cache, *self.importance]
         job.refresh_refused = _NO_REFRESH
         self.cost = cost
+
+    def _check_model(self, job: QuantizeJob) -> None:
+        """:func:`calibration.check_model`; when only an observer asks for the calibration pass, its refusal says so."""
+        try:
+            calibration.check_model(job.ckpt)
+        except UnsupportedError as e:
+            if not self.importance or calibration.needs_calibration(job.plan, self.kv_cache):
+                raise
+            why = str(e.message).split(": use a data-free scheme")[0]
+            names = " and ".join(self.importance)
+            raise UnsupportedError(
+                f"--observer {names} needs a calibration pass (each input channel's E[x^2]), and {why}: "
+                "use a data-free observer (memoryless_mse, nvfp4_expanded_mse)",
+                file=e.file,
+            ) from None
 
     def report(self, job: QuantizeJob) -> None:
         if not job.calibrated:
@@ -72,7 +98,9 @@ class CalibrateStage(Stage):
         if isinstance(data, CTConvertError):
             raise data
         with layer_progress(job.progress, result.calibration["layers"], f"calibrate ({self.samples} x {self.seq_len} tokens)") as step:
-            job.calibration = calibration.run(job.plan, job.ckpt, data.tokens, job.devices[0], self.kv_cache, self.batch_tokens, progress=step)
+            job.calibration = calibration.run(
+                job.plan, job.ckpt, data.tokens, job.devices[0], self.kv_cache, self.batch_tokens, progress=step, importance=bool(self.importance)
+            )
         result.notes += job.calibration.notes
         result.calibration["seconds"] = round(time.perf_counter() - t0, 3)
 

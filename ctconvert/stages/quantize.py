@@ -12,13 +12,15 @@ the executor the calibrated tensors (``job.calibration``) and the weight observe
 config group (``plan.observers``), and the config records it in the group's weights as llm-compressor
 does (``observer``, ``observer_kwargs``); ``minmax`` changes nothing. A recipe (``--recipe``) names its own
 observer per config group (``plan.observers`` from the plan stage), checked the same way; its min/max groups
-record ``memoryless_minmax``, as llm-compressor's output of the recipe does.
+record ``memoryless_minmax``, as llm-compressor's output of the recipe does. An observer that needs data (``imatrix_mse``,
+``nvfp4_expanded_imatrix``) gets the calibration pass' statistics (``job.calibration.importance``, per Linear), and a
+note names the modules it searches unweighted (llm-compressor's fallback: no token reached it, and the like).
 """
 
 from __future__ import annotations
 
 from ..checkpoint.config import build_quantization_config
-from ..errors import UsageError
+from ..errors import UsageError, plural
 from ..formats.observers import WeightObserver, args_refusal, get_observer
 from ..layouts.versions import DEFAULT_LAYOUT_VERSION
 from ..pipeline.devices import resolve_devices
@@ -98,6 +100,27 @@ class QuantizeStage(Stage):
             return f"its format {scheme.format.value} does not take an observer's ranges"
         return args_refusal(scheme.weights)
 
+    def _bind_data(self, job: QuantizeJob) -> None:
+        """The observers that need data, given the calibration pass' statistics; a note per reason a module has none."""
+        data = job.calibration.importance if job.calibration is not None else {}
+        for group, obs in list(self.group_observers.items()):
+            if not obs.needs_data:
+                continue
+            bound = self.group_observers[group] = obs.with_data(data)
+            if self.observer is obs:
+                self.observer = bound
+            unweighted: dict[str, list[str]] = {}
+            for u in job.plan.units:
+                if u.kind == "quantize" and u.group == group:
+                    for m, src in zip(u.modules, u.sources):
+                        info = job.ckpt.tensors.get(src)
+                        why = None if info is None else bound.fallback(m, u.scheme.weights, info.shape[-1])
+                        if why is not None:
+                            unweighted.setdefault(why, []).append(m)
+            for why, mods in unweighted.items():
+                named = ", ".join(mods[:3]) + (", ..." if len(mods) > 3 else "")
+                job.result.notes.append(f"{obs.name}: {why} for {plural(len(mods), 'module')} ({named}): searched unweighted, as llm-compressor does")
+
     def run(self, job: QuantizeJob) -> None:
         o, plan = self.o, job.plan
         qconfig = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
@@ -111,6 +134,7 @@ class QuantizeStage(Stage):
             for group in set(plan.config_groups) - set(self.group_observers):
                 qconfig["config_groups"][group]["weights"].update(observer="memoryless_minmax", observer_kwargs={})
         job.qconfig = qconfig
+        self._bind_data(job)
         job.exec = ExecOptions(
             device=self.devices[0],
             chunk_elems=o.chunk_elems,

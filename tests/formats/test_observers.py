@@ -44,11 +44,11 @@ def _runs():
     return [(case, run) for case, c in meta["cases"].items() for run in c["runs"]]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits_of(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
 
 
-def _quantize_module_set(src: dict[str, torch.Tensor], fmt, args, obs, impl: str = "auto") -> dict[str, dict[str, torch.Tensor]]:
+def quantize_module_set(src: dict[str, torch.Tensor], fmt, args, obs, impl: str = "auto") -> dict[str, dict[str, torch.Tensor]]:
     """Every module's compressed tensors, with NVFP4 global scales from the fused partners' searched ranges."""
     ranges = {m: obs.ranges(w, args, impl=impl) for m, w in src.items()}
     out = {}
@@ -85,7 +85,7 @@ def test_llmcompressor_bytes(case, run, impl):
     args, fmt, obs = WeightArgs.from_dict(group["weights"]), get_format(group["format"]), get_observer(group["weights"]["observer"])
     modules = meta["cases"][case]["modules"]
     src = {m: f.get_tensor(f"{case}/source/{m}.weight") for m in modules}
-    got = _quantize_module_set(src, fmt, args, obs, impl)
+    got = quantize_module_set(src, fmt, args, obs, impl)
     prefix = f"{case}/{run}/"
     expected = [k for k in f.keys() if k.startswith(prefix)]
     assert expected
@@ -93,7 +93,7 @@ def test_llmcompressor_bytes(case, run, impl):
         module, name = key[len(prefix) :].rsplit(".", 1)
         ref, mine = f.get_tensor(key), got[module].pop(name)
         assert mine.dtype == ref.dtype and mine.shape == ref.shape, key
-        assert torch.equal(_bits(mine), _bits(ref)), key
+        assert torch.equal(bits_of(mine), bits_of(ref)), key
     assert all(not rest for rest in got.values()), "ctconvert wrote tensors llm-compressor did not"
     weights = group["weights"]
     if obs.name != "minmax":  # min/max writes today's config, without the field
@@ -111,9 +111,9 @@ def test_mse_changes_the_bytes():
             args = WeightArgs.from_dict(c["runs"][run]["config_groups"]["group_0"]["weights"])
             fmt = get_format(c["runs"][run]["config_groups"]["group_0"]["format"])
             src = {m: f.get_tensor(f"{case}/source/{m}.weight") for m in c["modules"]}
-            plain = _quantize_module_set(src, fmt, args, OBSERVERS["minmax"])
+            plain = quantize_module_set(src, fmt, args, OBSERVERS["minmax"])
             name = "weight_packed" if "weight_packed" in plain[c["modules"][0]] else "weight"
-            differ = sum(not torch.equal(_bits(plain[m][name]), _bits(f.get_tensor(f"{case}/{run}/{m}.{name}"))) for m in c["modules"])
+            differ = sum(not torch.equal(bits_of(plain[m][name]), bits_of(f.get_tensor(f"{case}/{run}/{m}.{name}"))) for m in c["modules"])
             assert differ >= len(c["modules"]) // 2, (case, scheme)
 
 
@@ -126,16 +126,16 @@ def test_minmax_is_todays_bytes():
     for name, args in (("pack-quantized", W4), ("pack-quantized", W4_ASYM), ("int-quantized", W8_CHANNEL), ("float-quantized", FP8_CHANNEL)):
         fmt = get_format(name)
         a, b = fmt.quantize(w, args, impl="torch"), fmt.quantize(w, args, ranges=obs.ranges(w, args))
-        assert a.keys() == b.keys() and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a), name
+        assert a.keys() == b.keys() and all(torch.equal(bits_of(a[k]), bits_of(b[k])) for k in a), name
     mx = WeightArgs(type="float", num_bits=4, strategy="group", group_size=32)
     for name in ("mxfp4-pack-quantized", "mxfp8-quantized"):
         fmt, args = get_format(name), mx if name.startswith("mxfp4") else WeightArgs(type="float", num_bits=8, strategy="group", group_size=32)
         a, b = fmt.quantize(w, args, impl="torch"), fmt.quantize(w, args, ranges=obs.ranges(w, args))
-        assert all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a), name
+        assert all(torch.equal(bits_of(a[k]), bits_of(b[k])) for k in a), name
     fmt = get_format("nvfp4-pack-quantized")
     gs = nvfp4_global_scale(range_absmax(*obs.ranges(w, NVFP4)), w.dtype)
     a, b = fmt.quantize(w, NVFP4, gs, impl="torch"), fmt.quantize(w, NVFP4, gs, ranges=obs.ranges(w, NVFP4))
-    assert all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
+    assert all(torch.equal(bits_of(a[k]), bits_of(b[k])) for k in a)
 
 
 # -- an independent reference ------------------------------------------------------------------------------
@@ -149,39 +149,25 @@ def _straight_search(w: torch.Tensor, args: WeightArgs, obs) -> tuple[torch.Tens
     """The upstream loop written out: fp32 arithmetic, every upstream op rounded to D, no shortcut."""
     d = w.dtype
     x = grouped(w, args).to(torch.float32)
-    f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # noqa: E731  (torch's opmath of a Python scalar)
-    mn0 = _rd(x.amin(-1) * f32(obs.expand), d)
-    mx0 = _rd(x.amax(-1) * f32(obs.expand), d)
-    if args.type == "int":
-        qmin, qmax = -(2.0 ** (args.num_bits - 1)), 2.0 ** (args.num_bits - 1) - 1
-    else:
-        qmax = 448.0 if args.num_bits == 8 else 6.0
-        qmin = -qmax
+    mn0, mx0 = straight_unshrunk(x, obs, d)
+
+    def error(smn, smx):
+        q = straight_fake_quant(x, smn, smx, args, d)
+        e = _rd(torch.pow(_rd(q - x, d).abs(), _rd(torch.tensor(obs.norm), d)), d)  # torch's pow of a D tensor: the exponent in D
+        return _rd(e.sum(-1), d)
+
     best = torch.full_like(mn0, torch.finfo(d).max)
+    return straight_loop(mn0, mx0, obs, d, int(obs.maxshrink * obs.grid), error, best, lambda stale: stale >= obs.patience)
+
+
+def straight_loop(mn0, mx0, obs, d: torch.dtype, steps: int, error, best: torch.Tensor, stops) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid loop: ``steps`` candidates, ``error(min, max)`` per group, the strictly better kept (from ``best``), stopping
+    when ``stops(stale)`` (steps in a row without an improvement of any group); the ranges in D."""
     best_mn, best_mx = mn0.clone(), mx0.clone()
     stale = 0
-    for i in range(int(obs.maxshrink * obs.grid)):
-        p = f32(1 - i / obs.grid)
-        smn, smx = _rd(mn0 * p, d), _rd(mx0 * p, d)
-        cmn, cmx = smn.clamp(max=0), smx.clamp(min=0)
-        if args.symmetric:
-            scale = _rd(torch.maximum(cmn.abs(), cmx.abs()) / ((qmax - qmin) / 2), d)
-            zp = torch.zeros_like(scale)
-        else:
-            scale = _rd(_rd(cmx - cmn, d) / (qmax - qmin), d)
-            zp = torch.round(torch.nan_to_num(_rd(qmin - _rd(cmn / scale, d), d).clamp(qmin, qmax), nan=0.0))
-        scale = torch.where(scale == 0, torch.full_like(scale, torch.finfo(d).eps), scale)
-        s, z = scale.unsqueeze(-1), zp.unsqueeze(-1)
-        t = _rd(_rd(x / s, d) + z, d).clamp(qmin, qmax)
-        if args.type == "int":
-            r = torch.round(t)
-        elif args.num_bits == 8:
-            r = t.to(torch.float8_e4m3fn).to(torch.float32)
-        else:
-            r = cast_to_fp4(t.clone())
-        q = _rd(_rd(r - z, d) * s, d)
-        e = _rd(torch.pow(_rd(q - x, d).abs(), _rd(torch.tensor(obs.norm), d)), d)  # torch's pow of a D tensor: the exponent in D
-        err = _rd(e.sum(-1), d)
+    for i in range(steps):
+        smn, smx = straight_candidate(mn0, mx0, obs, i, d)
+        err = error(smn, smx)
         better = err < best
         if bool(better.any()):
             best = torch.where(better, err, best)
@@ -189,12 +175,54 @@ def _straight_search(w: torch.Tensor, args: WeightArgs, obs) -> tuple[torch.Tens
             stale = 0
         else:
             stale += 1
-            if stale >= obs.patience:
+            if stops(stale):
                 break
     return best_mn.to(d), best_mx.to(d)
 
 
-def _awkward(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+def _f32(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32))  # torch's opmath of a Python scalar
+
+
+def straight_unshrunk(x: torch.Tensor, obs, d: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``amin``/``amax`` of each group of ``x`` (fp32 values of D) times ``expand``, rounded to D."""
+    return _rd(x.amin(-1) * _f32(obs.expand), d), _rd(x.amax(-1) * _f32(obs.expand), d)
+
+
+def straight_candidate(mn0: torch.Tensor, mx0: torch.Tensor, obs, i: int, d: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grid step ``i``'s range: ``p = 1 - i / grid`` times the unshrunk range, rounded to D."""
+    p = _f32(1 - i / obs.grid)
+    return _rd(mn0 * p, d), _rd(mx0 * p, d)
+
+
+def straight_fake_quant(x: torch.Tensor, smn: torch.Tensor, smx: torch.Tensor, args: WeightArgs, d: torch.dtype) -> torch.Tensor:
+    """compressed-tensors' candidate qparams (no global scale) and fake quantization of ``x`` ``[N, G, g]``, written out:
+    fp32 arithmetic, every upstream op rounded to D; fp32 values of D."""
+    if args.type == "int":
+        qmin, qmax = -(2.0 ** (args.num_bits - 1)), 2.0 ** (args.num_bits - 1) - 1
+    else:
+        qmax = 448.0 if args.num_bits == 8 else 6.0
+        qmin = -qmax
+    cmn, cmx = smn.clamp(max=0), smx.clamp(min=0)
+    if args.symmetric:
+        scale = _rd(torch.maximum(cmn.abs(), cmx.abs()) / ((qmax - qmin) / 2), d)
+        zp = torch.zeros_like(scale)
+    else:
+        scale = _rd(_rd(cmx - cmn, d) / (qmax - qmin), d)
+        zp = torch.round(torch.nan_to_num(_rd(qmin - _rd(cmn / scale, d), d).clamp(qmin, qmax), nan=0.0))
+    scale = torch.where(scale == 0, torch.full_like(scale, torch.finfo(d).eps), scale)
+    s, z = scale.unsqueeze(-1), zp.unsqueeze(-1)
+    t = _rd(_rd(x / s, d) + z, d).clamp(qmin, qmax)
+    if args.type == "int":
+        r = torch.round(t)
+    elif args.num_bits == 8:
+        r = t.to(torch.float8_e4m3fn).to(torch.float32)
+    else:
+        r = cast_to_fp4(t.clone())
+    return _rd(_rd(r - z, d) * s, d)
+
+
+def awkward_weights(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.02 * (1 + 4 * torch.rand(n, k, generator=g) ** 6)
     w[0] = 0  # zeros
@@ -220,7 +248,7 @@ def _awkward(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 )
 def test_search_equals_straight_reference(name, args, dtype, seed):
     obs = OBSERVERS[name]
-    w = _awkward(24, 256, dtype, seed)
+    w = awkward_weights(24, 256, dtype, seed)
     mn, mx = obs.ranges(w, args)
     rmn, rmx = _straight_search(w, args, obs)
     assert mn.dtype == dtype and mn.shape == rmn.shape
@@ -267,7 +295,7 @@ def test_one_search_per_chunk(impl):
     obs = OBSERVERS["memoryless_mse"]
     for args, w in (
         (W4, (torch.randn(4, 128, generator=torch.Generator().manual_seed(16)) * 0.02).to(torch.bfloat16)),
-        (W4_ASYM, _awkward(32, 256, torch.float16, 3)),
+        (W4_ASYM, awkward_weights(32, 256, torch.float16, 3)),
     ):
         whole = obs.search(w, args, impl="torch")
         tracker, kept = obs.stop_tracker(), []
@@ -294,7 +322,7 @@ def test_stop_tracker_final():
 
 def test_ranges_from_steps():
     obs = OBSERVERS["nvfp4_expanded_mse"]
-    w = _awkward(8, 64, torch.bfloat16, 3)
+    w = awkward_weights(8, 64, torch.bfloat16, 3)
     s = obs.search(w, NVFP4)
     assert not obs.needs_stop_pass and s.improved.numel() == obs.total_steps == 111
     mn, mx = obs.ranges_from_steps(w, NVFP4, s.step)
@@ -305,7 +333,7 @@ def test_awkward_rows():
     """A zero row keeps a zero range (scale eps), a constant row keeps its first (unshrunk) candidate on ties."""
     for name, args in (("memoryless_mse", W4), ("nvfp4_expanded_mse", NVFP4)):
         obs = OBSERVERS[name]
-        w = _awkward(8, 256, torch.bfloat16, 0)
+        w = awkward_weights(8, 256, torch.bfloat16, 0)
         s = obs.search(w, args)
         assert not bool(s.min[0].any()) and not bool(s.max[0].any())
         assert bool(torch.isfinite(s.min.float()).all())
@@ -357,7 +385,7 @@ def test_native_equals_torch(name, args, dtype, seed):
     """The C kernel (with its torch fallback for the groups it cannot vouch for) gives the torch search's
     ranges, steps and improvements, early stop included."""
     obs = OBSERVERS[name]
-    w = _awkward(48, 512, dtype, seed)
+    w = awkward_weights(48, 512, dtype, seed)
     for steps in (None, 7):
         a, b = obs.search(w, args, steps, impl="torch"), obs.search(w, args, steps, impl="native")
         assert torch.equal(a.min, b.min) and torch.equal(a.max, b.max)
@@ -368,7 +396,7 @@ def test_native_equals_torch(name, args, dtype, seed):
 def test_native_fallback_is_exercised():
     """Some groups are left to torch (near-ties within the kernel's rounding bounds), and the result is still torch's."""
     obs = OBSERVERS["memoryless_mse"]
-    w = _awkward(64, 1024, torch.float16, 9)
+    w = awkward_weights(64, 1024, torch.float16, 9)
     p = torch.tensor([1 - i / obs.grid for i in range(obs.total_steps)], dtype=torch.float32)
     norm = float(torch.tensor(obs.norm).to(w.dtype))
     _, _, _, _, unsure, _ = native_observe.mse_search(w, 128, "int", False, -8.0, 7.0, 7.5, 15.0, 1.0, p, norm)
@@ -384,14 +412,14 @@ def test_cuda_chunk_gives_cpu_ranges():
     """A CUDA chunk is searched on the CPU (the reference's bytes), its results handed back on the device."""
     for name, args in (("nvfp4_expanded_mse", NVFP4), ("memoryless_mse", W4)):
         obs = OBSERVERS[name]
-        w = _awkward(16, 256, torch.bfloat16, 4)
+        w = awkward_weights(16, 256, torch.bfloat16, 4)
         a, b = obs.search(w, args), obs.search(w.cuda(), args)
         assert b.min.device.type == "cuda" and torch.equal(a.min, b.min.cpu()) and torch.equal(a.step, b.step.cpu())
         fmt = get_format("pack-quantized" if args.type == "int" else "nvfp4-pack-quantized")
         gs = nvfp4_global_scale(range_absmax(*a.ranges), w.dtype) if fmt.needs_global_scale else None
         out_cpu = fmt.quantize(w, args, gs, ranges=a.ranges)
         out_gpu = fmt.quantize(w.cuda(), args, None if gs is None else gs.cuda(), ranges=b.ranges)
-        assert all(torch.equal(_bits(out_cpu[k]), _bits(out_gpu[k].cpu())) for k in out_cpu)
+        assert all(torch.equal(bits_of(out_cpu[k]), bits_of(out_gpu[k].cpu())) for k in out_cpu)
 
 
 @pytest.mark.parametrize(
@@ -401,7 +429,7 @@ def test_cuda_chunk_gives_cpu_ranges():
 def test_tensor_search_two_passes(name, args, dtype):
     """TensorSearch over row chunks: the whole tensor's ranges and searched absmax, chunk by chunk."""
     obs = OBSERVERS[name]
-    w = _awkward(12, 256, dtype, 5)
+    w = awkward_weights(12, 256, dtype, 5)
     whole = obs.search(w, args)
     ts = TensorSearch(obs, args)
     chunks = [(r, w[r : r + 5]) for r in range(0, 12, 5)]

@@ -111,8 +111,8 @@ REFUSED = [
     (_qm(f"config_groups: {{g: {{targets: [], weights: {W4}}}}}\n"), "config group g: targets must be"),
     (_qm("config_groups: {g: {targets: [Linear]}}\n"), "config group g: needs weights"),
     (
-        _qm("config_groups: {g: {targets: [Linear], weights: {num_bits: 4, type: int, group_size: 128, strategy: group, observer: imatrix_mse}}}\n"),
-        "weight observer 'imatrix_mse' is not implemented",
+        _qm("config_groups: {g: {targets: [Linear], weights: {num_bits: 4, type: int, group_size: 128, strategy: group, observer: fouroversix}}}\n"),
+        "weight observer 'fouroversix' is not implemented",
     ),
     (_qm("config_groups: {g: {targets: [Linear], weights: {num_bits: 8, type: float, strategy: channel, observer_kwargs: {norm: 3}}}}\n"), "observer_kwargs"),
     ("[1, 2]\n", "must be a mapping of stages"),

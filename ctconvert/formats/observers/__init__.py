@@ -18,6 +18,10 @@ Observers (llm-compressor's registry names, ``llmcompressor/observers/``, releas
 ``nvfp4_expanded_mse`` ``mse.py: NVFP4ExpandedMSEObserver``: expand 1.8, maxshrink 1 - 0.8/1.8, grid 200,
                        patience 1000, norm 2.4 (PR #2950; ``fouroversix`` is an alias of it there):
                        ``int(maxshrink * grid)`` = 111 steps, p = 1 .. 0.45 (its docstring says 112)
+``imatrix_mse``        ``imatrix.py: IMatrixMSEObserver``, with calibration data: maxshrink 0.95, patience 5, grid
+                       20, norm 3.0: 20 steps, the error in fp32 weighted by each input channel's E[x^2]
+                       (:mod:`.imatrix`)
+``nvfp4_expanded_imatrix`` ``imatrix.py: NVFP4ExpandedIMatrixObserver``: ``nvfp4_expanded_mse``'s range, 112 steps
 ====================== ====================================================================================
 
 The search (``mse_quant.py: _grid_search_mse``, the eager implementation, used for every CPU tensor; the
@@ -80,12 +84,18 @@ How a streaming quantizer uses it (one chunk = some rows of one tensor; the pipe
 - The tensor strategy (FP8 per tensor) searches the whole tensor as one group: its chunk is the tensor.
 - Output config: the weights' QuantizationArgs of the group get ``obs.config_fields()``.
 
-Modules: ``groups`` (the reshape per strategy, the checks, :func:`range_absmax`), ``fake_quant`` (the candidate
+An observer that needs data (``needs_data``: the imatrix ones) is bound to it as the executor meets it:
+``obs.with_data({module: Importance})`` (the calibration pass'), ``.for_unit(unit.modules)``, ``.member(i)``; a
+data-free observer's ``for_unit``/``member`` are itself.
+
+Modules: ``imatrix`` (the imatrix observers and their :class:`Importance` statistic),
+``groups`` (the reshape per strategy, the checks, :func:`range_absmax`), ``fake_quant`` (the candidate
 qparams and fake quantization, E2M1 rounding), ``search`` (the observers and their grid search), ``patience``
 (:class:`StopTracker`), ``prepass`` (:class:`TensorSearch`), ``registry`` (:data:`OBSERVERS`).
 """
 
 from .groups import args_refusal, grouped, is_mx, range_absmax
+from .imatrix import IMatrixMSEObserver, Importance
 from .patience import StopTracker
 from .prepass import TensorSearch
 from .registry import OBSERVERS, get_observer
@@ -93,6 +103,8 @@ from .search import MinMaxObserver, MSEObserver, Search, WeightObserver
 
 __all__ = [
     "OBSERVERS",
+    "IMatrixMSEObserver",
+    "Importance",
     "MSEObserver",
     "MinMaxObserver",
     "Search",

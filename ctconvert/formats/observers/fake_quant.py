@@ -25,6 +25,7 @@ class FakeQuant:
         qmin, qmax = self.bounds(args)
         self.q_min, self.q_max = torch.tensor(qmin, device=device), torch.tensor(qmax, device=device)
         self.mx = is_mx(args)
+        self.is_fp4 = args.type == "float" and args.num_bits == 4
         if args.type == "int":
             self.zp_dtype = torch.int8 if args.num_bits <= 8 else torch.int16
         else:
@@ -76,7 +77,14 @@ class FakeQuant:
         return scale, zp
 
     def error(self, x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, norm: float, ax: torch.Tensor | None = None) -> torch.Tensor:
-        """``sum(|fake_quant(x) - x| ** norm)`` over the last dim of ``x`` ``[N, G, g]``, D ``[N, G]``.
+        """``sum(|fake_quant(x) - x| ** norm)`` over the last dim of ``x`` ``[N, G, g]``, in D ``[N, G]`` (``mse_quant.py:
+        _calculate_error``: the difference, its power and the sum in D). ``ax``: ``|x|``, for FP4 (:meth:`dequantized`)."""
+        ref = (ax if ax is not None else x.abs()) if self.is_fp4 else x
+        return torch.sum((self.dequantized(x, mn, mx, ref) - ref).abs().pow(norm), dim=-1)
+
+    def dequantized(self, x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, ax: torch.Tensor | None = None) -> torch.Tensor:
+        """``fake_quantize(x, *qparams(mn, mx))`` of ``x`` ``[N, G, g]`` with the TOKEN strategy, in D ``[N, G, g]``; for FP4
+        the fake quantization of ``|x|`` (``ax``, or computed here), which a caller compares with ``|x|``.
 
         Two shortcuts give the same values as upstream's ops: a symmetric zero point is 0, so adding and
         subtracting it changes no value (only the sign of a zero, which ``|q - x|`` drops); and for FP4,
@@ -86,11 +94,10 @@ class FakeQuant:
         """
         scale, zp = self.qparams(mn, mx)
         scale, zp = scale.unsqueeze(-1), zp.unsqueeze(-1)
-        if self.args.type == "float" and self.args.num_bits == 4:
+        if self.is_fp4:
             a = ax if ax is not None else x.abs()  # (the MX scale is also positive: the same shortcut)
             # no clamp to 6: every value above 5 takes the level 6 with or without it
-            q = (fp4_level(a / scale) * scale).to(x.dtype)
-            return torch.sum((q - a).abs().pow(norm), dim=-1)
+            return (fp4_level(a / scale) * scale).to(x.dtype)
         scaled = x / scale
         if not self.args.symmetric:
             scaled += zp.to(x.dtype)
@@ -102,8 +109,7 @@ class FakeQuant:
         deq = r.to(scale.dtype)
         if not self.args.symmetric:
             deq = deq - zp.to(scale.dtype)
-        q = (deq * scale).to(x.dtype)
-        return torch.sum((q - x).abs().pow(norm), dim=-1)
+        return (deq * scale).to(x.dtype)
 
 
 _LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

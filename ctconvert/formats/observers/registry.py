@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from .imatrix import IMatrixMSEObserver
 from .search import MinMaxObserver, MSEObserver, WeightObserver
 
 __all__ = ["OBSERVERS", "get_observer"]
 
-#: every observer by llm-compressor's name, with its defaults (``mse.py``, 0.14.0.1)
+#: every observer by llm-compressor's name, with its defaults (``mse.py``, ``imatrix.py``, 0.14.0.1)
 OBSERVERS: dict[str, WeightObserver] = {
     o.name: o
     for o in (
         MinMaxObserver(),
         MSEObserver("memoryless_mse", maxshrink=0.20, patience=5, grid=100.0, norm=2.4, expand=1.0),
         MSEObserver("nvfp4_expanded_mse", maxshrink=1 - 0.8 / 1.8, patience=1000, grid=200.0, norm=2.4, expand=1.8),
+        IMatrixMSEObserver("imatrix_mse", maxshrink=0.95, patience=5, grid=20, norm=3.0, expand=1.0),
+        IMatrixMSEObserver("nvfp4_expanded_imatrix", maxshrink=1 - 0.8 / 1.8, patience=1000, grid=200, norm=2.4, expand=1.8),
     )
 }
 

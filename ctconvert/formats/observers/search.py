@@ -42,11 +42,20 @@ class WeightObserver:
     """One observer: ``name`` (llm-compressor's registry name) and how it finds each group's range."""
 
     name: str
+    needs_data = False  # whether it needs calibration data (``imatrix``: the importance of each input channel)
 
     def search(self, w: torch.Tensor, args: WeightArgs, steps: int | None = None, impl: str = "auto") -> Search:
         """The ranges of ``w`` ``[N, K]`` for ``args``; ``steps``: run exactly this many grid steps, without
         stopping early (None: stop as llm-compressor does, with ``w`` taken as the whole tensor)."""
         raise NotImplementedError
+
+    def for_unit(self, modules: list[str]) -> WeightObserver:
+        """This observer for a work unit of these modules (a fused set's members; data-free observers: itself)."""
+        return self
+
+    def member(self, i: int) -> WeightObserver:
+        """This observer for member ``i`` of the unit of :meth:`for_unit` (data-free observers: itself)."""
+        return self
 
     def ranges(self, w: torch.Tensor, args: WeightArgs, steps: int | None = None, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """``search(w, args, steps, impl).ranges``."""
@@ -120,11 +129,7 @@ class MSEObserver(WeightObserver):
 
             if impl == "auto" and gpu_search.takes(w, args, self.total_steps if steps is None else steps):
                 return Search(*gpu_search.search(self, w, args, steps))  # the CPU path's decisions, exactly (gpu_search.py)
-            # else the CPU searches: CUDA's pow and reduction order are not torch's CPU ones
-            found = self.search(w.cpu(), args, steps, impl)
-            dev = w.device
-            hits = None if found.hits is None else found.hits.to(dev)
-            return Search(found.min.to(dev), found.max.to(dev), found.step.to(dev), found.improved, hits)
+            return self._on_cpu(w, args, steps, impl)
         if impl != "torch" and args.strategy in ("group", "tensor_group") and native_observe.takes(w) and (impl == "native" or native_observe.available()):
             total = self.total_steps if steps is None else steps
             found = self._native(w, args, total)
@@ -137,6 +142,14 @@ class MSEObserver(WeightObserver):
         if impl == "native":
             raise ValueError("the native observer kernel takes a CPU bf16/fp16 chunk of a group strategy")
         return self._torch(w, args, steps)
+
+    def _on_cpu(self, w: torch.Tensor, args: WeightArgs, steps: int | None, impl: str) -> Search:
+        """The search of a CUDA chunk on the CPU, its results back on ``w``'s device: the bytes are the CPU path's
+        (CUDA's pow and reduction order are not torch's CPU ones; what gpu_search does not take)."""
+        found = self.search(w.cpu(), args, steps, impl)
+        dev = w.device
+        hits = None if found.hits is None else found.hits.to(dev)
+        return Search(found.min.to(dev), found.max.to(dev), found.step.to(dev), found.improved, hits)
 
     def _native(self, w: torch.Tensor, args: WeightArgs, steps: int) -> Search:
         """``steps`` grid steps in the C kernel; the groups it cannot vouch for searched again by torch."""
@@ -162,18 +175,17 @@ class MSEObserver(WeightObserver):
     def _torch(self, w: torch.Tensor, args: WeightArgs, steps: int | None) -> Search:
         """The search in torch, operation for operation as upstream (module docstring)."""
         x = grouped(w, args)
-        q = FakeQuant(args, x.device)
-        ax = x.abs() if args.type == "float" and args.num_bits == 4 else None
+        error = self._errors(x, args)
         mn0 = torch.amin(x, dim=-1) * self.expand
         mx0 = torch.amax(x, dim=-1) * self.expand
-        best_err = torch.full_like(mn0, torch.finfo(mn0.dtype).max)
+        best_err = self._worst(mn0)
         best_step = torch.full(mn0.shape, -1, dtype=torch.int16, device=x.device)
         hits = torch.zeros(mn0.shape, dtype=torch.int64, device=x.device) if (self.total_steps if steps is None else steps) <= 63 else None
         total = self.total_steps if steps is None else steps
         improved = torch.zeros(total, dtype=torch.bool)
         stale = 0
         for i in range(total):
-            err = q.error(x, *self._candidate(mn0, mx0, i), self.norm, ax)
+            err = error(*self._candidate(mn0, mx0, i))
             better = err < best_err
             if bool(better.any()):
                 improved[i] = True
@@ -184,11 +196,26 @@ class MSEObserver(WeightObserver):
                 stale = 0
             elif steps is None:
                 stale += 1
-                if stale >= self.patience:
+                if self._stops(stale):
                     improved = improved[: i + 1]
                     break
         mn, mx = self.ranges_at(mn0, mx0, best_step)
         return Search(mn, mx, best_step, improved, hits)
+
+    def _errors(self, x: torch.Tensor, args: WeightArgs):
+        """The error function of one search of ``x`` ``[N, G, g]``: ``(mn, mx) -> sum(|q - x| ** norm)`` per group, in D
+        (:meth:`FakeQuant.error`)."""
+        q = FakeQuant(args, x.device)
+        ax = x.abs() if q.is_fp4 else None
+        return lambda mn, mx: q.error(x, mn, mx, self.norm, ax)
+
+    def _worst(self, mn0: torch.Tensor) -> torch.Tensor:
+        """The initial best error: ``finfo(D).max`` per group (``_grid_search_mse``)."""
+        return torch.full_like(mn0, torch.finfo(mn0.dtype).max)
+
+    def _stops(self, stale: int) -> bool:
+        """Whether ``stale`` steps in a row without an improvement stop the search (global patience)."""
+        return stale >= self.patience
 
     def _candidate(self, mn0, mx0, i):
         p = 1 - i / self.grid  # a Python float: ``min0 * p`` rounds once to D, as upstream
