@@ -90,7 +90,7 @@ def add_outputs(plan: Plan, ckpt: Checkpoint, kv_cache: str = "none") -> None:
 
 def attention_note(ckpt: Checkpoint) -> str | None:
     """For a dry run: a note when calibration will run the architecture's eager attention (no SDPA in transformers)."""
-    from .model import eager_only
+    from .meta import eager_only
 
     arch = eager_only(ckpt)
     if arch is None:

@@ -46,6 +46,7 @@ from ..checkpoint.safetensors_io import TensorInfo, read_tensor
 from ..errors import BadInputError, CTConvertError, UnsupportedError
 from ..options import DEFAULT_CALIBRATION_BATCH_TOKENS
 from .experts import EXPERT_NAMES, ScoredExperts, UnfusedExperts, is_fused_experts, is_llama4_experts
+from .meta import build_meta, eager_only, model_dtype, pretrained_owners, transformers_module
 from .observe import MinMax, Stats
 from .prefetch import LayerPrefetcher, StagedGroup, default_threads
 
@@ -57,14 +58,6 @@ _EAGER_ATTN_NAME = "ctconvert_observe_eager"  # the eager observer, with transfo
 
 class _Stop(Exception):
     pass
-
-
-def _transformers():
-    try:
-        import transformers
-    except ImportError as e:  # pragma: no cover - installed with the test extras
-        raise UnsupportedError("calibration runs the model's own architecture and needs transformers: pip install transformers") from e
-    return transformers
 
 
 @dataclass
@@ -79,9 +72,9 @@ class CalibrationModel:
     """The meta-device model of a checkpoint, with the checkpoint-name map and the observers' hooks."""
 
     def __init__(self, ckpt: Checkpoint, device: torch.device, attention: tuple[str, ...] = ("sdpa", "eager")):
-        tf = _transformers()
+        tf = transformers_module()
         self.ckpt, self.device = ckpt, device
-        self.dtype = _dtype(ckpt)
+        self.dtype = model_dtype(ckpt)
         archs = ckpt.config.get("architectures") or [ckpt.config.get("model_type", "?")]
         self.notes: list[str] = []
         model, self.attention = self._build(tf, archs[0], attention)
@@ -92,7 +85,7 @@ class CalibrationModel:
                 self._unfuse(name, m)
         self._register_attention(tf)
         self.names = self._checkpoint_names(tf)  # model parameter name -> checkpoint tensor name
-        self._pretrained_owner = _pretrained_owners(model)
+        self._pretrained_owner = pretrained_owners(model)
         self.stats = Stats()
         self.kv = False
         self._prefetch: LayerPrefetcher | None = None
@@ -433,46 +426,6 @@ def _release(staged: StagedGroup | None) -> None:
         staged.release()
 
 
-def _pretrained_owners(model: nn.Module) -> dict[int, nn.Module]:
-    """``id(module)`` -> the innermost ``transformers.PreTrainedModel`` that holds it (itself for a sub-model)."""
-    from transformers import PreTrainedModel
-
-    out: dict[int, nn.Module] = {}
-
-    def walk(m: nn.Module, owner: nn.Module) -> None:
-        owner = m if isinstance(m, PreTrainedModel) else owner
-        out[id(m)] = owner
-        for child in m.children():
-            walk(child, owner)
-
-    walk(model, model)
-    return out
-
-
-def build_meta(tf, ckpt: Checkpoint, dtype: torch.dtype, arch: str, attention: tuple[str, ...] = ("sdpa", "eager")) -> tuple[nn.Module, str]:
-    """The checkpoint's model on the meta device (no memory, no weights): ``AutoModelForCausalLM.from_config``, or
-    for a vision-language model (Qwen2.5-VL, LLaVA, ...) ``AutoModelForImageTextToText.from_config`` (its language
-    model is calibrated on text), with SDPA attention, else with eager attention; ``(model, "sdpa" | "eager")``.
-    Raises :class:`UnsupportedError` (exit 4) when neither builds it."""
-    first = None
-    config = None
-    builders = [tf.AutoModelForCausalLM, getattr(tf, "AutoModelForImageTextToText", None)]
-    for impl in attention:
-        for auto in filter(None, builders):
-            try:
-                config = config or tf.AutoConfig.from_pretrained(str(ckpt.path))
-                with torch.device("meta"):
-                    return auto.from_config(config, dtype=dtype, attn_implementation=impl), impl
-            except Exception as e:  # noqa: BLE001 - any failure to build it is one clear line
-                first = first or e
-    raise UnsupportedError(
-        f"ctconvert cannot calibrate {arch}: its calibration builds the model with transformers' AutoModelForCausalLM "
-        f"(or AutoModelForImageTextToText), which cannot build architecture {arch} ({type(first).__name__}: {str(first).splitlines()[0][:200]}): "
-        "use a data-free scheme (NVFP4A16, W4A16, FP8_DYNAMIC, ...), which needs no calibration",
-        file=ckpt.path / "config.json",
-    )
-
-
 #: the model :func:`check_buildable` built, ``(checkpoint, model)``, until :func:`calibrate` of that checkpoint takes it
 _PREBUILT: list[tuple[Checkpoint, CalibrationModel]] = []
 
@@ -495,29 +448,9 @@ def _take_prebuilt(ckpt: Checkpoint, device: torch.device, attention: tuple[str,
     if _PREBUILT and _PREBUILT[0][0] is ckpt:
         cm = _PREBUILT.pop()[1]
         cm.device = device
-        cm._register_attention(_transformers())
+        cm._register_attention(transformers_module())
         return cm
     return CalibrationModel(ckpt, device)
-
-
-def _dtype(ckpt: Checkpoint) -> torch.dtype:
-    """The model's dtype for calibration: its embedding's, else its first floating-point tensor's."""
-    emb_dtype = next((t.torch_dtype for n, t in ckpt.tensors.items() if n.endswith("embed_tokens.weight")), None)
-    return emb_dtype or next(t.torch_dtype for t in ckpt.tensors.values() if t.torch_dtype.is_floating_point)
-
-
-def eager_only(ckpt: Checkpoint) -> str | None:
-    """The architecture name when transformers has no SDPA attention for it (its class's ``_supports_sdpa`` is
-    False, which makes ``from_config(attn_implementation="sdpa")`` raise), so calibration will run its eager
-    attention; None when it has SDPA or when this cannot be told without building the model (the dry run's note)."""
-    try:
-        tf = _transformers()
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(tf.AutoConfig.from_pretrained(str(ckpt.path)))]
-    except Exception:  # noqa: BLE001 - not knowable from the config alone: the real run says what it did
-        return None
-    return None if getattr(cls, "_supports_sdpa", True) else cls.__name__
 
 
 def _micro_batches(tokens: torch.Tensor, batch_tokens: int) -> list[torch.Tensor]:

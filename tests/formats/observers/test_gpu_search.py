@@ -19,7 +19,7 @@ import torch
 from ctconvert.formats import WeightArgs
 from ctconvert.formats.observers import OBSERVERS, TensorSearch, gpu_search
 from ctconvert.formats.observers.gpu_search import PowTable
-from formats.test_observers import _awkward as awkward_rows
+from formats.test_observers import awkward_weights as awkward_rows
 
 NVFP4 = WeightArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16)
 MXFP4 = WeightArgs(type="float", num_bits=4, strategy="group", group_size=32)
