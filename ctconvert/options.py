@@ -414,19 +414,16 @@ _QUANTIZE = (
         "executor",
         "local",
         ("local", "ray"),
-        "Where the work runs: local (this machine) or ray (output shards as tasks on a Ray cluster; "
-        "pip install 'ctconvert[ray]'). The same bytes.",
-        "``local`` (this machine's devices) or ``ray``: the output shards are converted by Ray tasks on the cluster of "
-        "``ray_address`` (:mod:`ctconvert.pipeline.ray_executor`; source and output on storage every node sees at the same path); "
-        "the same bytes, and ``result.nodes`` says which nodes converted what. :class:`UsageError` (exit 2) without the ``ray`` extra "
-        "or when the cluster cannot be reached.",
+        "Where the work runs: local (this machine) or ray (output shards as tasks on a Ray cluster; pip install 'ctconvert[ray]'). The same bytes.",
+        "``local`` (this machine's devices) or ``ray``: Ray tasks on the cluster of ``ray_address`` convert the output shards, the same bytes "
+        "(:mod:`ctconvert.pipeline.ray_executor`); ``result.nodes`` names the nodes. :class:`UsageError` without the ``ray`` extra or its cluster.",
     ),
     Option(
         "ray_address",
         None,
         help="With --executor ray: the cluster to join (HOST:6379, ray://HOST:10001, auto); default RAY_ADDRESS, else a local Ray instance.",
         annotation="str | None",
-        doc="with ``executor=\"ray\"``: the address ``ray.init`` joins (``HOST:6379``, ``ray://HOST:10001``, ``auto``); None: Ray's own "
+        doc='with ``executor="ray"``: the address ``ray.init`` joins (``HOST:6379``, ``ray://HOST:10001``, ``auto``); None: Ray\'s own '
         "default (``RAY_ADDRESS`` when set, else a new local Ray instance).",
     ),
 )
@@ -531,9 +528,7 @@ COMMANDS: dict[str, tuple[Option, ...]] = {
     ),
     "batch": (
         Option("keep_going", False, help="Run every job even after one fails.", type="flag", field=False),
-        _O["executor"].but(
-            help="Run every job's conversion on this executor (local or ray) unless the job's executor key says otherwise.", cli_default=None, show_default=False
-        ),
+        _O["executor"].but(help="Run every job on this executor (local or ray) unless its executor key says otherwise.", cli_default=None, show_default=False),
         _O["ray_address"].but(help="With --executor ray: the cluster to join; default RAY_ADDRESS, else a local Ray instance."),
     ),
 }

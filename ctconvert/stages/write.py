@@ -50,7 +50,7 @@ class WriteStage(Stage):
     def __init__(self, o: QuantizeOptions):
         self.shard_limit = parse_size(o.max_shard_size)
         self.o = o
-        self.executor = RayExecutor(o.ray_address) if o.executor.lower() == "ray" else None  # None: the local executor
+        self.executor = RayExecutor(o.ray_address) if o.executor == "ray" else None  # None: the local executor
 
     def prepare(self, job: QuantizeJob) -> None:
         if self.o.dry_run:
