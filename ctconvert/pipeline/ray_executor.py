@@ -145,10 +145,11 @@ class TaskResult:
     nbytes: int
 
 
-def shard_groups(ckpt: Checkpoint, units: list, weight_map: dict[str, str], done: set[str]) -> list[tuple[list[str], list[int]]]:
+def shard_groups(units: list, weight_map: dict[str, str], done: set[str]) -> list[tuple[list[str], list[int]]]:
     """``[(shard names, unit indices)]``: the shards not in ``done``, grouped so that every unit writes into
-    one group only (a unit's outputs may straddle a shard boundary), each group's units in plan order;
-    groups in the order of their first shard."""
+    one group only (a unit's outputs may straddle a shard boundary), each group's units in plan order
+    (a unit with nothing left to write is in none); groups in the order of their first shard.
+    ``weight_map``: output tensor -> its shard."""
     parent: dict[str, str] = {}
 
     def root(s: str) -> str:
@@ -156,16 +157,16 @@ def shard_groups(ckpt: Checkpoint, units: list, weight_map: dict[str, str], done
             s = parent[s]
         return s
 
-    for u in units:
-        names = [weight_map[o[0]] for o in u.outputs if weight_map[o[0]] not in done]
+    todo = [[weight_map[o[0]] for o in u.outputs if weight_map[o[0]] not in done] for u in units]
+    for names in todo:
         for s in names:
             parent[root(s)] = root(names[0])
     groups: dict[str, tuple[list[str], list[int]]] = {}
-    for i, u in enumerate(units):
-        s = next(weight_map[o[0]] for o in u.outputs if weight_map[o[0]] not in done)
-        groups.setdefault(root(s), ([], []))[1].append(i)
     for s in sorted(parent):
-        groups[root(s)][0].append(s)
+        groups.setdefault(root(s), ([], []))[0].append(s)
+    for i, names in enumerate(todo):
+        if names:
+            groups[root(names[0])][1].append(i)
     return sorted(groups.values(), key=lambda g: g[0][0])
 
 
@@ -209,13 +210,14 @@ class RayExecutor:
             raise
         finally:
             ray.kill(progress)
+            _remove_parts(Path(folder.tmp))  # what attempts on lost workers left
         return self._merge(plan, opts, results)
 
     def _specs(self, ckpt: Checkpoint, plan: Plan, out: ShardOutput, cuda: bool, zeros: bool) -> list[TaskSpec]:
         weight_map = {t.name: name for name, ts in out.assignment.items() for t in ts}
         done = out.folder.completed
         specs = []
-        for key, (names, idx) in enumerate(shard_groups(ckpt, plan.units, weight_map, done)):
+        for key, (names, idx) in enumerate(shard_groups(plan.units, weight_map, done)):
             units = [plan.units[i] for i in idx]
             others = [PlannedTensor(*o) for u in units for o in u.outputs if weight_map[o[0]] in done]
             nbytes = sum(unit_bytes(ckpt, u) for u in units)
@@ -272,6 +274,8 @@ def _resources(ray, cuda: bool) -> dict:
     """A task's resources: one GPU (and a CPU) with CUDA; else the CPUs of the smallest node, so that a node
     converts one group at a time with all its cores, as a local run does."""
     if cuda:
+        if not ray.cluster_resources().get("GPU"):
+            raise UsageError("--device cuda with --executor ray: no node of the Ray cluster has a GPU (start its nodes with GPUs, or use --device cpu)")
         return {"num_gpus": 1, "num_cpus": 1}
     cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
     return {"num_cpus": int(min(cpus)) if cpus else 1}
