@@ -34,20 +34,55 @@ CHUNK = 4096
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A head and two worker nodes (``num_cpus=1`` each), the test process connected as the driver."""
+def cluster(tmp_path_factory):
+    """A head and two worker nodes (``num_cpus=1`` each), the test process connected as the driver. The second
+    worker node (``cluster.doomed``) turns slow once ``cluster.slow`` exists: each shard write sleeps, and each
+    shard it opens is listed in ``cluster.marker`` (what the test that removes it mid-run waits for)."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
     gpus = 1 if torch.cuda.is_available() else 0  # the GPU test's: one task on the head's GPU
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": gpus, "include_dashboard": False})
-    for _ in range(2):
-        c.add_node(num_cpus=1)
+    c.add_node(num_cpus=1)
+    c.marker = tmp_path_factory.mktemp("doomed") / "opened"
+    c.slow = c.marker.with_name("slow")
+    c.doomed = c.add_node(num_cpus=1, env_vars={"CT_TEST_MARKER": str(c.marker)})
     c.wait_for_nodes()
-    ray.init(address=c.address, logging_level="ERROR")
+    ray.init(address=c.address, logging_level="ERROR", runtime_env={"worker_process_setup_hook": _slow_node_hook()})
     yield c
     ray.shutdown()
     c.shutdown()
+
+
+def _slow_node_hook():
+    """Run in every Ray worker: on the doomed node (``CT_TEST_MARKER`` set), once the test says so, every shard write
+    sleeps and every shard opened is listed. (A closure: Ray pickles it by value.)"""
+
+    def hook():
+        import os
+        import time
+
+        marker = os.environ.get("CT_TEST_MARKER")
+        if not marker:
+            return
+        import ctconvert.checkpoint.safetensors_io as io
+
+        init, write, slow = io.ShardFile.__init__, io.ShardFile.write, os.path.join(os.path.dirname(marker), "slow")
+
+        def opened(self, *a, **k):
+            init(self, *a, **k)
+            if os.path.exists(slow):
+                with open(marker, "a") as f:
+                    f.write(self.path.name + "\n")
+
+        def slow_write(self, *a, **k):
+            if os.path.exists(slow):
+                time.sleep(0.1)
+            return write(self, *a, **k)
+
+        io.ShardFile.__init__, io.ShardFile.write = opened, slow_write
+
+    return hook
 
 
 @pytest.fixture(scope="module")
@@ -98,54 +133,39 @@ def test_same_bytes_as_local_and_nodes_say_who_did_what(cluster, src, local, sch
     assert not list(partial_folder(tmp_path / "out").parent.glob(".*ctconvert-partial"))
 
 
-#: the doomed node's Python: every shard write sleeps (so its task is still running when the node goes), and every
-#: shard it opens is listed in a marker file (the test removes the node once one of its tasks has started)
-SLOW_SITE = """
-import os, time
-import ctconvert.checkpoint.safetensors_io as io
-_init, _write = io.ShardFile.__init__, io.ShardFile.write
-def _started(self, *a, **k):
-    _init(self, *a, **k)
-    with open(os.environ["CT_TEST_MARKER"], "a") as f:
-        f.write(self.path.name + "\\n")
-def _slow(self, *a, **k):
-    time.sleep(0.1)
-    return _write(self, *a, **k)
-io.ShardFile.__init__, io.ShardFile.write = _started, _slow
-"""
-
-
 def test_a_node_lost_mid_run_is_retried_elsewhere(cluster, src, local, tmp_path):
     """A worker node removed while its task runs: the task runs again on another node, the same bytes."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_SITE)
-    marker = tmp_path / "started"
-    env = {"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}", "CT_TEST_MARKER": str(marker)}
-    others = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-    doomed = cluster.add_node(num_cpus=1, env_vars=env)
-    cluster.wait_for_nodes()
-    class Blocker:  # holds its node's one CPU, so that the conversion's first task goes to the doomed node (defined here: pickled by value)
-        def ready(self):
-            return True
+    release = tmp_path / "release"
 
-    blocker = ray.remote(num_cpus=1)(Blocker)
-    blockers = [blocker.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote() for n in others]
-    ray.get([b.ready.remote() for b in blockers])
+    def hold(path):  # holds its node's one CPU until released, so that the conversion's first task goes to the doomed node
+        import os
+        import time
+
+        while not os.path.exists(path):
+            time.sleep(0.05)
+
+    hold = ray.remote(num_cpus=1)(hold)
+    others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != cluster.doomed.node_id]
+    holds = [hold.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(str(release)) for n in others]
+    cluster.slow.touch()
     gone = []
 
     def remove(bar):
-        if not gone and marker.exists():
-            gone.append(doomed.node_id)
-            cluster.remove_node(doomed)
-            for b in blockers:
-                ray.kill(b)
+        if not gone and cluster.marker.exists():
+            gone.append(cluster.doomed.node_id)
+            cluster.remove_node(cluster.doomed)
+            release.touch()
 
-    r = api.quantize(src, tmp_path / "out", "W4A16", max_shard_size=SHARD, executor="ray", chunk_elems=CHUNK, progress=Bar(on_update=remove))
-    assert gone and marker.read_text().split()  # the doomed node's task had opened its shards when the node went
-    assert doomed.node_id not in {n["node_id"] for n in r.nodes}  # ... and was done again elsewhere
+    try:
+        r = api.quantize(src, tmp_path / "out", "W4A16", max_shard_size=SHARD, executor="ray", chunk_elems=CHUNK, progress=Bar(on_update=remove))
+    finally:
+        release.touch()
+        ray.get(holds)
+    assert gone and cluster.marker.read_text().split()  # the doomed node's task had opened its shards when the node went
+    assert cluster.doomed.node_id not in {n["node_id"] for n in r.nodes}  # ... and was done again elsewhere
     assert tree_hash(tmp_path / "out") == tree_hash(local["W4A16"])
 
 
