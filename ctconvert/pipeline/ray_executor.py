@@ -183,8 +183,16 @@ class RayExecutor:
         self.address = address
         self.ray = None
 
-    def connect(self) -> None:
+    def connect(self, devices=None) -> None:
+        """Join the cluster (:func:`connect`) and start warming one worker per node (``devices``: a CUDA one warms GPU
+        workers), so that starting Python, importing torch and loading the kernels overlap the driver's own work."""
         self.ray = connect(self.address)
+        cuda = any(torch.device(d).type == "cuda" for d in devices or ())
+        warm = self.ray.remote(_warm_worker)
+        resources = _resources(self.ray, cuda)
+        for node in self.ray.nodes():
+            if node.get("Alive") and node["Resources"].get("GPU" if cuda else "CPU", 0) >= 1:
+                warm.options(scheduling_strategy=_on(self.ray, node["NodeID"], soft=True), **resources).remote(cuda)
 
     def run(self, ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions, devices, out: ShardOutput) -> list[dict]:
         """Convert ``plan``'s units into the shards of ``out`` on the cluster (``devices``: a CUDA one asks
@@ -199,7 +207,7 @@ class RayExecutor:
                     shards[tensors[0].name].abort()
         _remove_parts(Path(folder.tmp))
         remote = ray.remote(convert_shards).options(max_retries=RETRIES, retry_exceptions=False, **_resources(ray, cuda))
-        progress = ray.remote(num_cpus=0)(_Progress).options(scheduling_strategy=_here(ray)).remote()
+        progress = ray.remote(num_cpus=0)(_Progress).options(scheduling_strategy=_on(ray)).remote()
         common = ray.put((ckpt, dataclasses.replace(plan, units=[], rows=[], notes=[]), dataclasses.replace(opts, progress=None, zeros=None, nonfinite=[])))
         refs = {remote.remote(common, spec, progress): spec for spec in specs}
         try:
@@ -281,11 +289,21 @@ def _resources(ray, cuda: bool) -> dict:
     return {"num_cpus": int(min(cpus)) if cpus else 1}
 
 
-def _here(ray):
-    """A scheduling strategy pinning an actor to the driver's node (it outlives the loss of any other)."""
+def _on(ray, node_id: str | None = None, soft: bool = False):
+    """A scheduling strategy placing a task or actor on node ``node_id`` (None: the driver's, which outlives the loss of any other)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    return NodeAffinitySchedulingStrategy(node_id=node_id or ray.get_runtime_context().get_node_id(), soft=soft)
+
+
+def _warm_worker(cuda: bool) -> None:
+    """A worker's start-up, done before its first task: this module (torch, the executor) is imported to run it; the C
+    kernels are loaded, and with ``cuda`` the device's context made."""
+    from ..formats import native
+
+    native.available()
+    if cuda and torch.cuda.is_available():
+        torch.zeros(1, device="cuda")
 
 
 def _remove_parts(folder: Path) -> None:

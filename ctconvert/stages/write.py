@@ -70,7 +70,7 @@ class WriteStage(Stage):
         if not job.refresh:
             check_output_path(job.src_path, out, self.o.overwrite)
         if self.executor is not None:  # a missing extra or an unreachable cluster fails before the output folder exists
-            self.executor.connect()
+            self.executor.connect(job.devices)
 
     def report(self, job: QuantizeJob) -> None:
         job.result.output_bytes = sum(PlannedTensor(*t).nbytes for t in job.plan.output_tensors)
