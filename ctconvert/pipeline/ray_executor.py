@@ -351,7 +351,8 @@ def _check_visible(ckpt: Checkpoint, units: list, folder: Path, where: str) -> N
         try:
             os.close(os.open(path, os.O_RDONLY))
         except OSError as e:
-            raise BadInputError(f"{where} cannot read the source ({e.strerror or e}); the source must be on storage every node sees at the same path", file=path) from None
+            why = f"{where} cannot read the source ({e.strerror or e}); the source must be on storage every node sees at the same path"
+            raise BadInputError(why, file=path) from None
     if not folder.is_dir():
         raise OutputError(f"{where} cannot see the output's partial folder; the output must be on storage every node sees at the same path", file=str(folder))
 

@@ -63,7 +63,9 @@ class ConversionResult:
         )
 
     def to_dict(self) -> dict:
-        hidden = {"plan", "error", "parallel", "parallel_of", *(() if self.lossless else ("source_format", "lossless")), *(() if self.nodes is not None else ("nodes",))}
+        hidden = {"plan", "error", "parallel", "parallel_of", *(() if self.lossless else ("source_format", "lossless"))}
+        if self.nodes is None:  # a local run: no nodes field (--executor ray: the Ray nodes)
+            hidden.add("nodes")
         d = {k: v for k, v in self.__dict__.items() if k not in hidden}
         if self.error is not None:  # a dry run that found what the real run would stop at: its message and exit code
             d["error"] = str(self.error)

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from ctconvert import api
 from ctconvert.checkpoint.writer import JOURNAL, partial_folder
-from ctconvert.errors import BadInputError
 from ctconvert.cli import main
+from ctconvert.errors import BadInputError
 from ctconvert.pipeline.ray_executor import INSTALL_HINT, shard_groups
 
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
