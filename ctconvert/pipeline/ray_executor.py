@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -182,17 +183,31 @@ class RayExecutor:
     def __init__(self, address: str | None = None):
         self.address = address
         self.ray = None
+        self._joining: threading.Thread | None = None
+        self._error: BaseException | None = None
 
-    def connect(self, devices=None) -> None:
-        """Join the cluster (:func:`connect`) and start warming one worker per node (``devices``: a CUDA one warms GPU
-        workers), so that starting Python, importing torch and loading the kernels overlap the driver's own work."""
-        self.ray = connect(self.address)
-        cuda = any(torch.device(d).type == "cuda" for d in devices or ())
-        warm = self.ray.remote(_warm_worker)
-        resources = _resources(self.ray, cuda)
-        for node in self.ray.nodes():
-            if node.get("Alive") and node["Resources"].get("GPU" if cuda else "CPU", 0) >= 1:
-                warm.options(scheduling_strategy=_on(self.ray, node["NodeID"], soft=True), **resources).remote(cuda)
+    def start(self, device: str = "cpu") -> None:
+        """Begin joining the cluster and warming its workers on a thread (:meth:`connect` waits for it), so that
+        this overlaps the driver's own work (opening the source, planning, calibrating). ``device``: the
+        ``--device`` given; one that can mean CUDA on a machine with CUDA warms GPU workers."""
+        cuda = str(device).lower() != "cpu" and torch.cuda.is_available()
+        self._joining = threading.Thread(target=self._join, args=(cuda,), daemon=True, name="ctconvert-ray-join")
+        self._joining.start()
+
+    def _join(self, cuda: bool) -> None:
+        try:
+            self.ray = connect(self.address)
+            _warm_up(self.ray, cuda)
+        except BaseException as e:  # noqa: BLE001 - re-raised by connect()
+            self._error = e
+
+    def connect(self) -> None:
+        """Join the cluster (:func:`connect`; begun by :meth:`start`, else now). Raises what joining raised."""
+        if self._joining is None:
+            self.start()
+        self._joining.join()
+        if self._error is not None:
+            raise self._error
 
     def run(self, ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions, devices, out: ShardOutput) -> list[dict]:
         """Convert ``plan``'s units into the shards of ``out`` on the cluster (``devices``: a CUDA one asks
@@ -287,6 +302,18 @@ def _resources(ray, cuda: bool) -> dict:
         return {"num_gpus": 1, "num_cpus": 1}
     cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
     return {"num_cpus": int(min(cpus)) if cpus else 1}
+
+
+def _warm_up(ray, cuda: bool) -> None:
+    """Start one worker per node (with ``cuda``, one per GPU), not waited for: Python, Ray, torch, the kernels."""
+    warm = ray.remote(_warm_worker)
+    for node in ray.nodes():
+        gpus = int(node["Resources"].get("GPU", 0)) if cuda else 0
+        if not node.get("Alive") or (cuda and not gpus) or node["Resources"].get("CPU", 0) < 1:
+            continue
+        resources = {"num_cpus": 1, "num_gpus": 1} if cuda else _resources(ray, False)
+        for _ in range(gpus or 1):
+            warm.options(scheduling_strategy=_on(ray, node["NodeID"], soft=True), **resources).remote(cuda)
 
 
 def _on(ray, node_id: str | None = None, soft: bool = False):

@@ -51,6 +51,8 @@ class WriteStage(Stage):
         self.shard_limit = parse_size(o.max_shard_size)
         self.o = o
         self.executor = RayExecutor(o.ray_address) if o.executor == "ray" else None  # None: the local executor
+        if self.executor is not None and not o.dry_run:
+            self.executor.start(o.device)  # joining the cluster overlaps opening and planning (waited for in prepare)
 
     def prepare(self, job: QuantizeJob) -> None:
         if self.o.dry_run:
@@ -70,7 +72,7 @@ class WriteStage(Stage):
         if not job.refresh:
             check_output_path(job.src_path, out, self.o.overwrite)
         if self.executor is not None:  # a missing extra or an unreachable cluster fails before the output folder exists
-            self.executor.connect(job.devices)
+            self.executor.connect()
 
     def report(self, job: QuantizeJob) -> None:
         job.result.output_bytes = sum(PlannedTensor(*t).nbytes for t in job.plan.output_tensors)
