@@ -7,8 +7,9 @@ Takes the ~1.2B-parameter bf16 checkpoint of scripts/bench.py (generated once in
 generator when absent) or ``--model``. Starts a one-node Ray cluster on this machine (``ray start --head
 --block``: every CPU, and with ``--device cuda`` one GPU, so one GPU worker), then for each scheme and repeat,
 interleaved, in separate processes: ``python -m ctconvert --json quantize SRC -o OUT -s S --device D`` with the
-local executor and with ``--executor ray --ray-address`` that cluster. Each figure is the minimum over the
-repeats (a shared machine only makes a run slower): the whole process (wall) and the call (``--json``
+local executor, with ``--executor ray --ray-address`` that cluster, and (``ray_warm``) twice in one driver process,
+timing the second call: the Ray executor once its workers are started, as in a ``batch`` of jobs. Each figure
+is the minimum over the repeats (a shared machine only makes a run slower): the whole process (wall) and the call (``--json``
 ``seconds``: from the start of the conversion, joining the cluster included). The outputs of the first
 repeat are compared file by file (sha256 of names and bytes: they must be identical). Prints a table (stderr)
 and a JSON document (stdout); ``overhead`` = ray / local - 1 (the target: at most 0.10). The cluster is
@@ -65,7 +66,7 @@ def start_cluster(cuda: bool, tmp: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     ray = Path(sys.executable).with_name("ray")
     cmd = [str(ray) if ray.exists() else "ray", "start", "--head", "--block", f"--port={port}", f"--num-cpus={os.cpu_count()}", "--include-dashboard=false"]
-    cmd += [f"--num-gpus={1 if cuda else 0}", f"--temp-dir={tmp}"]
+    cmd += [f"--num-gpus={1 if cuda else 0}", f"--temp-dir={tmp}", "--object-store-memory=500000000"]  # the tasks use little of it
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -89,6 +90,24 @@ def convert(src: Path, out: Path, scheme: str, device: str, shard: str, ray_addr
     return {"wall": r["seconds"], "seconds": doc["seconds"], "nodes": doc.get("nodes"), "bytes": doc["input_bytes"]}
 
 
+#: one driver, two conversions: the second call's time is the Ray executor's with its workers started (as in a batch)
+WARM = r"""
+import json, shutil, sys
+from ctconvert import api
+src, out, scheme, device, shard, address = sys.argv[1:7]
+for _ in range(2):
+    shutil.rmtree(out, ignore_errors=True)
+    r = api.quantize(src, out, scheme, device=device, max_shard_size=shard, executor="ray", ray_address=address)
+print(json.dumps({"seconds": r.seconds, "nodes": r.nodes, "input_bytes": r.input_bytes}))
+"""
+
+
+def convert_warm(src: Path, out: Path, scheme: str, device: str, shard: str, ray_address: str) -> dict:
+    r = timed([sys.executable, "-c", WARM, str(src), str(out), scheme, device, shard, ray_address], env=_env())
+    doc = _json(r)
+    return {"wall": r["seconds"], "seconds": doc["seconds"], "nodes": doc["nodes"], "bytes": doc["input_bytes"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="/tmp/ctbench")
@@ -106,9 +125,10 @@ def main() -> None:
     try:
         for rep in range(a.repeat):
             for scheme in a.schemes.split(","):
-                for kind, addr in (("local", None), ("ray", address)):
+                for kind, addr in (("local", None), ("ray", address), ("ray_warm", address)):
                     out = work / f"out-ray-bench-{kind}"
-                    r = convert(src, out, scheme, a.device, a.max_shard_size, addr)
+                    run = convert_warm if kind == "ray_warm" else convert
+                    r = run(src, out, scheme, a.device, a.max_shard_size, addr)
                     if rep == 0:
                         r["tree"] = tree_sha(out)
                     runs.setdefault(scheme, {}).setdefault(kind, []).append(r)
@@ -119,10 +139,12 @@ def main() -> None:
         proc.wait(60)
         shutil.rmtree(tmp, ignore_errors=True)
     rows = [_row(scheme, kinds) for scheme, kinds in runs.items()]
-    print(f"{'scheme':12} {'local s':>8} {'ray s':>8} {'overhead':>9} {'process':>8} {'identical':>9}  GB/s local / ray", file=sys.stderr)
+    head = f"{'scheme':12} {'local s':>8} {'ray s':>8} {'overhead':>9} {'process':>8} {'warm s':>7} {'warm':>7} {'identical':>9}"
+    print(head + "  GB/s local / ray", file=sys.stderr)
     for r in rows:
         print(
             f"{r['scheme']:12} {r['local_seconds']:8.2f} {r['ray_seconds']:8.2f} {r['overhead']:+9.1%} {r['process_overhead']:+8.1%} "
+            f"{r['ray_warm_seconds']:7.2f} {r['warm_overhead']:+7.1%} "
             f"{str(r['identical']):>9}  {r['local_gbps']:.3f} / {r['ray_gbps']:.3f}",
             file=sys.stderr,
         )
@@ -131,7 +153,7 @@ def main() -> None:
 
 def _row(scheme: str, kinds: dict) -> dict:
     local, ray = kinds["local"], kinds["ray"]
-    ls, rs = min(r["seconds"] for r in local), min(r["seconds"] for r in ray)
+    ls, rs, ws = min(r["seconds"] for r in local), min(r["seconds"] for r in ray), min(r["seconds"] for r in kinds["ray_warm"])
     lw, rw = min(r["wall"] for r in local), min(r["wall"] for r in ray)
     nbytes = local[0]["bytes"]
     return {
@@ -142,7 +164,9 @@ def _row(scheme: str, kinds: dict) -> dict:
         "local_process": round(lw, 3),
         "ray_process": round(rw, 3),
         "process_overhead": round(rw / lw - 1, 4),
-        "identical": local[0]["tree"] == ray[0]["tree"],
+        "ray_warm_seconds": round(ws, 3),
+        "warm_overhead": round(ws / ls - 1, 4),
+        "identical": local[0]["tree"] == ray[0]["tree"] == kinds["ray_warm"][0]["tree"],
         "local_gbps": round(nbytes / ls / 1e9, 3),
         "ray_gbps": round(nbytes / rs / 1e9, 3),
         "nodes": ray[0]["nodes"],
