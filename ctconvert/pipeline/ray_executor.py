@@ -178,8 +178,6 @@ class RayExecutor:
     unreachable cluster fails before the output folder is opened); :meth:`run` returns the ``nodes``
     of the result: ``[{"node": IP, "node_id": hex, "bytes": source bytes converted, "shards": K}]``."""
 
-    name = "ray"
-
     def __init__(self, address: str | None = None):
         self.address = address
         self.ray = None
@@ -281,12 +279,13 @@ class RayExecutor:
 
 
 def _result(ray, ref) -> TaskResult:
-    """A finished task's result; its error as the worker raised it (a ctconvert error keeps its exit code)."""
+    """A finished task's result; its error as the worker raised it (a ctconvert error keeps its exit code, an
+    ``OSError`` stays one: a full disk is explained as a local run's is)."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)
-        if isinstance(cause, CTConvertError):
+        if isinstance(cause, (CTConvertError, OSError)):
             raise cause from None
         raise CTConvertError(f"a Ray task failed: {type(cause or e).__name__}: {str(cause or e).strip().splitlines()[-1]}") from None
     except ray.exceptions.RayError as e:
