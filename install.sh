@@ -5,6 +5,7 @@
 # that nothing pulls a multi-GB CUDA wheel.
 #   ./install.sh            # the tool
 #   ./install.sh test       # the tool and what the test suite needs
+#   ./install.sh ray        # the tool and Ray, for --executor ray (README "Ray cluster")
 set -euo pipefail
 cd "$(dirname "$0")"
 PY="${PYTHON:-python3}"
@@ -12,5 +13,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install --quiet "torch==2.13.0"
 fi
 extra=""
-[ "${1:-}" = "test" ] && extra="[test]"
+case "${1:-}" in
+    test | ray) extra="[$1]" ;;
+esac
 "$PY" -m pip install --quiet -e ".${extra}"

@@ -413,6 +413,22 @@ _QUANTIZE = (
         annotation="int | None",
         doc="the expert-parallel degree to check the MoE experts for (then not split by ``tp``).",
     ),
+    _choice(
+        "executor",
+        "local",
+        ("local", "ray"),
+        "Where the work runs: local (this machine) or ray (output shards as tasks on a Ray cluster; pip install 'ctconvert[ray]'). The same bytes.",
+        "``local`` (this machine's devices) or ``ray``: Ray tasks on the cluster of ``ray_address`` convert the output shards, the same bytes "
+        "(:mod:`ctconvert.pipeline.ray_executor`); ``result.nodes`` names the nodes. :class:`UsageError` without the ``ray`` extra or its cluster.",
+    ),
+    Option(
+        "ray_address",
+        None,
+        help="With --executor ray: the cluster to join (HOST:6379, ray://HOST:10001, auto); default RAY_ADDRESS, else a local Ray instance.",
+        annotation="str | None",
+        doc='with ``executor="ray"``: the address ``ray.init`` joins (``HOST:6379``, ``ray://HOST:10001``, ``auto``); None: Ray\'s own '
+        "default (``RAY_ADDRESS`` when set, else a new local Ray instance).",
+    ),
 )
 #: every quantize option, in :class:`~ctconvert.pipeline.options.QuantizeOptions`' field order
 OPTIONS: dict[str, Option] = {o.name: o for o in _QUANTIZE}
@@ -468,6 +484,8 @@ COMMANDS: dict[str, tuple[Option, ...]] = {
         _O["default_ignore"],
         _O["quantize_mtp"],
         _O["dense_dtype"],
+        _O["executor"],
+        _O["ray_address"],
     ),
     "inspect": (_ALL_LAYERS.but(help="List every layer (default: every layer when <= 60, else a summary per scheme)."),),
     "verify": (Option("reference", None, help="The dense source: compare every tensor with it.", type="path", field=False), _O["tp"], _O["ep"]),
@@ -511,7 +529,11 @@ COMMANDS: dict[str, tuple[Option, ...]] = {
         _O["max_shard_size"].but(help=None),
         _O["overwrite"].but(help=None),
     ),
-    "batch": (Option("keep_going", False, help="Run every job even after one fails.", type="flag", field=False),),
+    "batch": (
+        Option("keep_going", False, help="Run every job even after one fails.", type="flag", field=False),
+        _O["executor"].but(help="Run every job on this executor (local or ray) unless its executor key says otherwise.", cli_default=None, show_default=False),
+        _O["ray_address"].but(help="With --executor ray: the cluster to join; default RAY_ADDRESS, else a local Ray instance."),
+    ),
 }
 
 

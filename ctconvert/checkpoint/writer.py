@@ -365,12 +365,7 @@ class OutputFolder:
 
         def record():
             try:
-                rec = {"size": shard.path.stat().st_size, HASH_NAME: shard.content_hash()}  # hashed as written
-                if self.shard_sources is not None:
-                    rec["sources"] = self.shard_sources(shard.path.name)
-                with self._lock:
-                    self.journal["shards"][shard.path.name] = rec
-                self._save_journal()
+                self.journal_shard(shard.path.name, shard.path.stat().st_size, shard.content_hash())  # hashed as written
             except BaseException as e:  # noqa: BLE001 - surfaced by finish()
                 errors.append(e)
             finally:
@@ -378,6 +373,17 @@ class OutputFolder:
 
         threading.Thread(target=record, daemon=True, name="ctconvert-hash").start()
         self._pending.append((done, errors))
+
+    def journal_shard(self, name: str, size: int, content_hash: str) -> None:
+        """Journal shard ``name`` as finished: its ``size`` and content hash (:func:`.hashing.combine_shard_hash`),
+        and what it was made from (``shard_sources``). Also for a shard another process wrote into the folder
+        (the Ray executor's workers: :mod:`ctconvert.pipeline.ray_executor`)."""
+        rec = {"size": size, HASH_NAME: content_hash}
+        if self.shard_sources is not None:
+            rec["sources"] = self.shard_sources(name)
+        with self._lock:
+            self.journal["shards"][name] = rec
+        self._save_journal()
 
     def write_json(self, name: str, data: dict, **kw) -> None:
         try:

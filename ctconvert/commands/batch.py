@@ -190,11 +190,21 @@ def _done_line(i: int, job: dict, r, t0: float) -> dict:
 
 
 def run_jobs(
-    jobs: list[dict], convert: Callable, keep_going: bool = False, emit=print, on_job: Callable | None = None, stop_code: Callable[[], int] | None = None
+    jobs: list[dict],
+    convert: Callable,
+    keep_going: bool = False,
+    emit=print,
+    on_job: Callable | None = None,
+    stop_code: Callable[[], int] | None = None,
+    executor: str | None = None,
+    ray_address: str | None = None,
 ) -> int:
     """Run the jobs in order through ``convert(model, output, scheme, **options)`` (the API's
     ``quantize``; the job keys named by :data:`OPTION_OF_KEY`); ``emit`` gets one JSON line
     per job and a summary line; ``on_job(i, job)`` is called as each job starts. Returns the exit code.
+    ``executor``/``ray_address`` (``batch --executor ray``): the options of every job that does not set its
+    own ``executor``/``ray_address`` key; with ``ray`` each job's shards are spread over the cluster, the jobs
+    one after the other (the same lines and exit codes as a local batch).
 
     The exit code is 0 when every job succeeded, else that of the first failure.
     Without ``keep_going`` the jobs after a failure are reported as skipped. An interrupt (Ctrl-C,
@@ -203,6 +213,7 @@ def run_jobs(
     """
     code = 0
     t_all = time.perf_counter()
+    given = {k: v for k, v in (("executor", executor), ("ray_address", ray_address)) if v is not None}
     counts = {"ok": 0, "error": 0, "skipped": 0, "interrupted": 0}
 
     def put(line: dict) -> None:
@@ -231,7 +242,7 @@ def run_jobs(
         if on_job is not None:
             on_job(i, job)
         t0 = time.perf_counter()
-        kw = {OPTION_OF_KEY[k]: v for k, v in job.items() if k not in ("model", "output", "scheme")}
+        kw = {**given, **{OPTION_OF_KEY[k]: v for k, v in job.items() if k not in ("model", "output", "scheme")}}
         if kw.get("layout_version") is not None:  # YAML reads 0.33 as a number
             kw["layout_version"] = str(kw["layout_version"])
         try:

@@ -45,6 +45,10 @@ class _Checked:
         if observer not in OBSERVER_NAMES:
             raise UsageError(f"unknown --observer {self.observer!r}; choose one of {', '.join(OBSERVER_NAMES)}")
         object.__setattr__(self, "observer", observer)
+        executor = str(self.executor).lower()
+        if executor not in OPTIONS["executor"].choices:
+            raise UsageError(f"unknown --executor {self.executor!r}; choose one of {', '.join(OPTIONS['executor'].choices)}")
+        object.__setattr__(self, "executor", executor)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -45,6 +45,7 @@ class ConversionResult:
     calibration: dict | None = None  # what calibration costs (dry run) or did: layers, tokens, source, peak estimate
     source_format: str | None = None  # a lossless conversion: the source's format (modelopt, awq, gptq)
     lossless: bool = False
+    nodes: list[dict] | None = None  # --executor ray: [{"node", "node_id", "bytes", "shards"}] (None, not in --json: a local run)
 
     @classmethod
     def of_plan(cls, plan: Plan, out, dry_run: bool, input_bytes: int, devs) -> ConversionResult:
@@ -63,6 +64,8 @@ class ConversionResult:
 
     def to_dict(self) -> dict:
         hidden = {"plan", "error", "parallel", "parallel_of", *(() if self.lossless else ("source_format", "lossless"))}
+        if self.nodes is None:  # a local run: no nodes field (--executor ray: the Ray nodes)
+            hidden.add("nodes")
         d = {k: v for k, v in self.__dict__.items() if k not in hidden}
         if self.error is not None:  # a dry run that found what the real run would stop at: its message and exit code
             d["error"] = str(self.error)

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 from ctconvert.cli import main
 from ctconvert.commands.batch import LINE_KEYS
+from ctconvert.errors import UsageError
 
 
 def test_batch_jobs(tiny_llama, tmp_path):
@@ -234,3 +235,25 @@ def test_the_api_refuses_a_value_of_the_wrong_type(tiny_llama, tmp_path):
             api.quantize(tiny_llama, tmp_path / "o", "W4A16", **kw)
     assert not (tmp_path / "o").exists()
     assert api.QuantizeOptions(max_shard_size=10_000_000, targets="Linear", symmetric=None, map_input=False).targets == ("Linear",)
+
+
+def test_batch_executor_is_every_jobs_default_unless_the_job_sets_its_own(tmp_path):
+    """``batch --executor ray`` (run_jobs' ``executor``/``ray_address``) reaches each job's conversion; a job's own key wins."""
+    from ctconvert.commands.batch import run_jobs
+
+    jobs = [
+        {"model": "m", "output": str(tmp_path / "a"), "scheme": "W4A16"},
+        {"model": "m", "output": str(tmp_path / "b"), "scheme": "W4A16", "executor": "local"},
+        {"model": "m", "output": str(tmp_path / "c"), "scheme": "W4A16", "ray_address": "other:6379"},
+    ]
+    seen = []
+
+    def convert(model, out, scheme, **kw):
+        seen.append((kw.get("executor"), kw.get("ray_address")))
+        raise UsageError("stop here")
+
+    run_jobs(jobs, convert, keep_going=True, emit=lambda line: None, executor="ray", ray_address="head:6379")
+    assert seen == [("ray", "head:6379"), ("local", "head:6379"), ("ray", "other:6379")]
+    seen.clear()
+    run_jobs(jobs[:1], convert, emit=lambda line: None)  # not given: the options' defaults apply (no keyword)
+    assert seen == [(None, None)]

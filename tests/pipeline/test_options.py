@@ -12,6 +12,7 @@ from ctconvert.cli import quantize as quantize_cmd
 from ctconvert.commands import batch
 from ctconvert.commands.convert import ConvertResult
 from ctconvert.commands.quantize import QuantizeResult
+from ctconvert.errors import UsageError
 from ctconvert.pipeline.options import QuantizeOptions, job_keys
 from ctconvert.plan.result import ConversionResult
 
@@ -76,7 +77,20 @@ def test_cli_defaults_are_the_options_defaults():
 
 def test_one_result_type():
     assert QuantizeResult is ConvertResult is api.QuantizeResult is ConversionResult
-    r = ConversionResult(output=None, scheme="W4A16", format="pack-quantized", dry_run=True, input_bytes=1)
+    r = ConversionResult(output=None, scheme="W4A16", format="fmt", dry_run=True, input_bytes=1)
     assert "lossless" not in r.to_dict() and "source_format" not in r.to_dict()
-    r = ConversionResult(output=None, scheme="W4A16_ASYM", format="pack-quantized", dry_run=True, input_bytes=1, source_format="awq", lossless=True)
+    r = ConversionResult(output=None, scheme="W4A16_ASYM", format="fmt", dry_run=True, input_bytes=1, source_format="awq", lossless=True)
     assert r.to_dict()["lossless"] is True and r.to_dict()["source_format"] == "awq"
+
+
+def test_executor_is_a_choice_of_local_or_ray():
+    assert QuantizeOptions().executor == "local" and QuantizeOptions(executor="RAY").executor == "ray"
+    with pytest.raises(UsageError, match="unknown --executor 'dask'; choose one of local, ray"):
+        QuantizeOptions(executor="dask")
+
+
+def test_a_local_result_has_no_nodes_and_a_ray_one_names_them():
+    r = ConversionResult(output="o", scheme="W4A16", format="fmt", dry_run=False, input_bytes=1)
+    assert "nodes" not in r.to_dict()
+    r.nodes = [{"node": "10.0.0.2", "node_id": "ab", "bytes": 1, "shards": 1}]
+    assert r.to_dict()["nodes"] == r.nodes

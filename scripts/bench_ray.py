@@ -1,0 +1,177 @@
+"""The Ray executor's overhead: the same conversion by the local executor and by ``--executor ray`` on one machine.
+
+    python scripts/bench_ray.py [--workdir /tmp/ctbench] [--model DIR] [--device cpu|cuda]
+                                [--repeat 2] [--schemes FP8_DYNAMIC,W4A16,NVFP4A16] [--max-shard-size 5GB]
+
+Takes the ~1.2B-parameter bf16 checkpoint of scripts/bench.py (generated once in ``--workdir/model`` by its
+generator when absent) or ``--model``. Starts a one-node Ray cluster on this machine (``ray start --head
+--block``: every CPU, and with ``--device cuda`` one GPU, so one GPU worker), then for each scheme and repeat,
+interleaved, in separate processes: ``python -m ctconvert --json quantize SRC -o OUT -s S --device D`` with the
+local executor, with ``--executor ray --ray-address`` that cluster, and (``ray_warm``) twice in one driver process,
+timing the second call: the Ray executor once its workers are started, as in a ``batch`` of jobs. Each figure
+is the minimum over the repeats (a shared machine only makes a run slower): the whole process (wall) and the call (``--json``
+``seconds``: from the start of the conversion, joining the cluster included). The outputs of the first
+repeat are compared file by file (sha256 of names and bytes: they must be identical). Prints a table (stderr)
+and a JSON document (stdout); ``overhead`` = ray / local - 1 (the target: at most 0.10). The cluster is
+stopped at the end (the ``ray start`` process this script started, by its id).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import _json, make_model, timed  # noqa: E402 - the generator and the timing of scripts/bench.py
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tree_sha(path: Path) -> str:
+    """sha256 over every file (relative name and bytes) under ``path``."""
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(path)).encode())
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def _env() -> dict:
+    """The environment of the cluster and of every run: this checkout first; Ray's token authentication on for the
+    head and its drivers alike (Ray >= 2.5x turns it on for a new head and a driver must say so: RAY_AUTH_MODE=token,
+    the token in ~/.ray/auth_token), unless the caller's environment says otherwise."""
+    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cluster(cuda: bool, tmp: Path) -> tuple[subprocess.Popen, str]:
+    """``ray start --head --block`` on this machine (every CPU; one GPU with ``cuda``): the process and its address."""
+    port = free_port()
+    ray = Path(sys.executable).with_name("ray")
+    cmd = [str(ray) if ray.exists() else "ray", "start", "--head", "--block", f"--port={port}", f"--num-cpus={os.cpu_count()}", "--include-dashboard=false"]
+    cmd += [f"--num-gpus={1 if cuda else 0}", f"--temp-dir={tmp}", "--object-store-memory=500000000"]  # the tasks use little of it
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            time.sleep(3)  # the GCS listens before the raylet has registered
+            return proc, f"127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit("the Ray head did not start within 120 s")
+
+
+def convert(src: Path, out: Path, scheme: str, device: str, shard: str, ray_address: str | None) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "ctconvert", "--json", "quantize", str(src), "-o", str(out), "-s", scheme, "--device", device, "--max-shard-size", shard]
+    if ray_address is not None:
+        cmd += ["--executor", "ray", "--ray-address", ray_address]
+    r = timed(cmd, env=_env())
+    doc = _json(r)
+    return {"wall": r["seconds"], "seconds": doc["seconds"], "nodes": doc.get("nodes"), "bytes": doc["input_bytes"]}
+
+
+#: one driver, two conversions: the second call's time is the Ray executor's with its workers started (as in a batch)
+WARM = r"""
+import json, shutil, sys
+from ctconvert import api
+src, out, scheme, device, shard, address = sys.argv[1:7]
+for _ in range(2):
+    shutil.rmtree(out, ignore_errors=True)
+    r = api.quantize(src, out, scheme, device=device, max_shard_size=shard, executor="ray", ray_address=address)
+print(json.dumps({"seconds": r.seconds, "nodes": r.nodes, "input_bytes": r.input_bytes}))
+"""
+
+
+def convert_warm(src: Path, out: Path, scheme: str, device: str, shard: str, ray_address: str) -> dict:
+    r = timed([sys.executable, "-c", WARM, str(src), str(out), scheme, device, shard, ray_address], env=_env())
+    doc = _json(r)
+    return {"wall": r["seconds"], "seconds": doc["seconds"], "nodes": doc["nodes"], "bytes": doc["input_bytes"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="/tmp/ctbench")
+    ap.add_argument("--model", default=None, help="an existing bf16 checkpoint instead of the generated one")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (the Ray cluster then has one GPU: one GPU worker)")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--schemes", default="FP8_DYNAMIC,W4A16,NVFP4A16")
+    ap.add_argument("--max-shard-size", default="5GB")
+    a = ap.parse_args()
+    work = Path(a.workdir)
+    src = Path(a.model) if a.model else make_model(work / "model")
+    tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    proc, address = start_cluster(a.device.startswith("cuda"), tmp)
+    runs: dict = {}
+    try:
+        for rep in range(a.repeat):
+            for scheme in a.schemes.split(","):
+                for kind, addr in (("local", None), ("ray", address), ("ray_warm", address)):
+                    out = work / f"out-ray-bench-{kind}"
+                    run = convert_warm if kind == "ray_warm" else convert
+                    r = run(src, out, scheme, a.device, a.max_shard_size, addr)
+                    if rep == 0:
+                        r["tree"] = tree_sha(out)
+                    runs.setdefault(scheme, {}).setdefault(kind, []).append(r)
+                    shutil.rmtree(out, ignore_errors=True)
+                    print(f"{scheme} {kind} #{rep}: {r['seconds']:.2f} s (process {r['wall']:.2f} s)", file=sys.stderr, flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        shutil.rmtree(tmp, ignore_errors=True)
+    rows = [_row(scheme, kinds) for scheme, kinds in runs.items()]
+    head = f"{'scheme':12} {'local s':>8} {'ray s':>8} {'overhead':>9} {'process':>8} {'warm s':>7} {'warm':>7} {'identical':>9}"
+    print(head + "  GB/s local / ray", file=sys.stderr)
+    for r in rows:
+        print(
+            f"{r['scheme']:12} {r['local_seconds']:8.2f} {r['ray_seconds']:8.2f} {r['overhead']:+9.1%} {r['process_overhead']:+8.1%} "
+            f"{r['ray_warm_seconds']:7.2f} {r['warm_overhead']:+7.1%} "
+            f"{str(r['identical']):>9}  {r['local_gbps']:.3f} / {r['ray_gbps']:.3f}",
+            file=sys.stderr,
+        )
+    print(json.dumps({"model": str(src), "device": a.device, "repeat": a.repeat, "rows": rows}, indent=1))
+
+
+def _row(scheme: str, kinds: dict) -> dict:
+    local, ray = kinds["local"], kinds["ray"]
+    ls, rs, ws = min(r["seconds"] for r in local), min(r["seconds"] for r in ray), min(r["seconds"] for r in kinds["ray_warm"])
+    lw, rw = min(r["wall"] for r in local), min(r["wall"] for r in ray)
+    nbytes = local[0]["bytes"]
+    return {
+        "scheme": scheme,
+        "local_seconds": round(ls, 3),
+        "ray_seconds": round(rs, 3),
+        "overhead": round(rs / ls - 1, 4),
+        "local_process": round(lw, 3),
+        "ray_process": round(rw, 3),
+        "process_overhead": round(rw / lw - 1, 4),
+        "ray_warm_seconds": round(ws, 3),
+        "warm_overhead": round(ws / ls - 1, 4),
+        "identical": local[0]["tree"] == ray[0]["tree"] == kinds["ray_warm"][0]["tree"],
+        "local_gbps": round(nbytes / ls / 1e9, 3),
+        "ray_gbps": round(nbytes / rs / 1e9, 3),
+        "nodes": ray[0]["nodes"],
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""The Ray executor (``--executor ray``) on a local multi-node Ray cluster (a head and two worker nodes, one CPU each).
+
+Every output is compared, file by file (``tree_hash``: names and bytes), with the local executor's output of the
+same command: the outputs carry no timestamps, so the two folders are equal. Skipped without Ray, except the tests
+of a missing Ray (a subprocess where ``import ray`` fails) and of the pure grouping of shards.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ctconvert import api
+from ctconvert.checkpoint.writer import JOURNAL, partial_folder
+from ctconvert.cli import main
+from ctconvert.errors import BadInputError
+from ctconvert.pipeline.ray_executor import INSTALL_HINT, shard_groups
+
+from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from helpers import tree_hash
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARD = "300KB"  # the tiny Llama's output in 4 to 9 shards (a fused set straddles a shard boundary in some)
+#: 6 layers: enough shards and chunks (CHUNK elements each) that tasks are still running when a node is removed
+BIG = dict(LLAMA_CONFIG, num_hidden_layers=6)
+CHUNK = 4096
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A head and two worker nodes (``num_cpus=1`` each), the test process connected as the driver. The second
+    worker node (``cluster.doomed``) turns slow once ``cluster.slow`` exists: each shard write sleeps, and each
+    shard it opens is listed in ``cluster.marker`` (what the test that removes it mid-run waits for)."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    gpus = 1 if torch.cuda.is_available() else 0  # the GPU test's: one task on the head's GPU
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": gpus, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    c.marker = tmp_path_factory.mktemp("doomed") / "opened"
+    c.slow = c.marker.with_name("slow")
+    c.doomed = c.add_node(num_cpus=1, env_vars={"CT_TEST_MARKER": str(c.marker)})
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="ERROR", runtime_env={"worker_process_setup_hook": _slow_node_hook()})
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def _slow_node_hook():
+    """Run in every Ray worker: on the doomed node (``CT_TEST_MARKER`` set), once the test says so, every shard write
+    sleeps and every shard opened is listed. (A closure: Ray pickles it by value.)"""
+
+    def hook():
+        import os
+        import time
+
+        marker = os.environ.get("CT_TEST_MARKER")
+        if not marker:
+            return
+        import ctconvert.checkpoint.safetensors_io as io
+
+        init, write, slow = io.ShardFile.__init__, io.ShardFile.write, os.path.join(os.path.dirname(marker), "slow")
+
+        def opened(self, *a, **k):
+            init(self, *a, **k)
+            if os.path.exists(slow):
+                with open(marker, "a") as f:
+                    f.write(self.path.name + "\n")
+
+        def slow_write(self, *a, **k):
+            if os.path.exists(slow):
+                time.sleep(0.1)
+            return write(self, *a, **k)
+
+        io.ShardFile.__init__, io.ShardFile.write = opened, slow_write
+
+    return hook
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("ray") / "src", llama_tensors(BIG), BIG, shards=3)
+
+
+@pytest.fixture(scope="module")
+def local(src) -> dict:
+    """The local executor's outputs, by scheme: the reference."""
+    outs = {}
+    for scheme in ("W4A16", "NVFP4A16"):
+        outs[scheme] = src.parent / f"local-{scheme}"
+        api.quantize(src, outs[scheme], scheme, max_shard_size=SHARD)
+    return outs
+
+
+class Bar:
+    """A progress factory recording the total and the updates; ``on_update(bar)`` runs at each update."""
+
+    def __init__(self, on_enter=None, on_update=None):
+        self.total, self.done, self.on_enter, self.on_update = None, 0, on_enter, on_update
+
+    @contextmanager
+    def __call__(self, total):
+        self.total = total
+        if self.on_enter is not None:
+            self.on_enter()
+        yield self
+
+    def update(self, n):
+        self.done += n
+        if self.on_update is not None:
+            self.on_update(self)
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16"])
+def test_same_bytes_as_local_and_nodes_say_who_did_what(cluster, src, local, scheme, tmp_path):
+    bar = Bar()
+    r = api.quantize(src, tmp_path / "out", scheme, max_shard_size=SHARD, executor="ray", progress=bar)
+    assert len(r.shards) >= 3
+    assert tree_hash(tmp_path / "out") == tree_hash(local[scheme])
+    assert sum(n["shards"] for n in r.nodes) == len(r.shards)
+    assert sum(n["bytes"] for n in r.nodes) == bar.total == bar.done  # cluster-wide progress: every source byte, once
+    import ray
+
+    assert {n["node_id"] for n in r.nodes} <= {n["NodeID"] for n in ray.nodes()}  # (which nodes: whichever had a worker ready)
+    doc = json.loads(json.dumps(r.to_dict()))
+    assert doc["nodes"] == r.nodes and "nodes" not in api.quantize(src, tmp_path / "l", scheme, dry_run=True).to_dict()
+    assert not list(partial_folder(tmp_path / "out").parent.glob(".*ctconvert-partial"))
+
+
+@contextmanager
+def only_on(cluster, node, release: Path):
+    """Every node's CPU but ``node``'s held (by tasks that wait for ``release`` to exist), so that the conversion's
+    tasks go to ``node`` one at a time; released on leaving (or earlier, by touching ``release``)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def hold(path):  # defined here: Ray pickles it by value
+        import os
+        import time
+
+        while not os.path.exists(path):
+            time.sleep(0.05)
+
+    hold = ray.remote(num_cpus=1)(hold)
+    others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != node.node_id]
+    holds = [hold.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(str(release)) for n in others]
+    try:
+        yield
+    finally:
+        release.touch()
+        ray.get(holds)
+
+
+def test_an_interrupted_driver_resumes_like_a_local_run(cluster, src, local, tmp_path):
+    """Ctrl-C on the driver once a shard is journaled (the tasks run one at a time on one node, so more follow):
+    the partial folder keeps the finished shards, and --resume reuses them and gives the same bytes."""
+    out = tmp_path / "out"
+
+    def stop(bar):
+        if json.loads((partial_folder(out) / JOURNAL).read_text())["shards"]:
+            raise KeyboardInterrupt
+
+    with only_on(cluster, cluster.doomed, tmp_path / "release"), pytest.raises(KeyboardInterrupt):
+        api.quantize(src, out, "W4A16", max_shard_size=SHARD, executor="ray", progress=Bar(on_update=stop))
+    assert not out.exists()
+    kept = json.loads((partial_folder(out) / JOURNAL).read_text())["shards"]
+    assert kept
+    r = api.quantize(src, out, "W4A16", max_shard_size=SHARD, executor="ray", resume=True)
+    assert set(kept) <= set(r.reused_shards)
+    assert tree_hash(out) == tree_hash(local["W4A16"])
+
+
+def test_a_node_lost_mid_run_is_retried_elsewhere(cluster, src, local, tmp_path):
+    """A worker node removed while its task runs: the task runs again on another node, the same bytes."""
+    release = tmp_path / "release"
+    gone = []
+
+    def remove(bar):
+        if not gone and cluster.marker.exists():
+            gone.append(cluster.doomed.node_id)
+            cluster.remove_node(cluster.doomed)
+            release.touch()
+
+    cluster.slow.touch()
+    with only_on(cluster, cluster.doomed, release):
+        r = api.quantize(src, tmp_path / "out", "W4A16", max_shard_size=SHARD, executor="ray", chunk_elems=CHUNK, progress=Bar(on_update=remove))
+    assert gone and cluster.marker.read_text().split()  # the doomed node's task had opened its shards when the node went
+    assert cluster.doomed.node_id not in {n["node_id"] for n in r.nodes}  # ... and was done again elsewhere
+    assert tree_hash(tmp_path / "out") == tree_hash(local["W4A16"])
+
+
+def test_a_node_that_cannot_read_the_source_is_named(cluster, src, tmp_path):
+    """A source file missing where the workers look (not on shared storage): one error naming the node and the file."""
+    hidden = src / "model-00002-of-00003.safetensors"
+    aside = src.parent / "aside.safetensors"
+
+    def hide():
+        hidden.rename(aside)
+
+    try:
+        with pytest.raises(BadInputError) as e:
+            api.quantize(src, tmp_path / "out", "W4A16", max_shard_size=SHARD, executor="ray", progress=Bar(on_enter=hide))
+    finally:
+        if aside.exists():
+            aside.rename(hidden)
+    msg = str(e.value)
+    assert e.value.exit_code == 3 and "\n" not in msg
+    assert str(hidden) in msg and "Ray node " in msg and "every node sees" in msg
+    assert not (tmp_path / "out").exists() and not partial_folder(tmp_path / "out").exists()
+
+
+def test_batch_on_ray_gives_the_lines_and_outputs_of_a_local_batch(cluster, src, local, tmp_path):
+    def jobs(name: str) -> Path:
+        doc = {"defaults": {"max_shard_size": SHARD}, "jobs": [{"model": str(src), "output": str(tmp_path / name / s), "scheme": s} for s in local]}
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+        return tmp_path / f"{name}.json"
+
+    lines = {}
+    for name, args in (("local", []), ("ray", ["--executor", "ray"])):
+        r = CliRunner().invoke(main, ["batch", str(jobs(name)), *args])
+        assert r.exit_code == 0, r.output
+        lines[name] = [json.loads(x) for x in r.stdout.splitlines()]
+    for a, b in zip(*lines.values(), strict=True):
+        for k in ("seconds", "output"):
+            a.pop(k, None), b.pop(k, None)
+        assert a == b
+    for s in local:
+        assert tree_hash(tmp_path / "ray" / s) == tree_hash(local[s])
+
+
+def _cli(*args, env=None, block_ray=False):
+    """The CLI in a new process (no Ray connection yet); ``block_ray``: ``import ray`` fails there."""
+    pre = "import sys; sys.modules['ray'] = None; " if block_ray else ""
+    code = pre + "from ctconvert.cli import main; main()"
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_without_ray_the_error_says_how_to_install_it(tiny_llama, tmp_path):
+    r = _cli("quantize", tiny_llama, "-o", tmp_path / "out", "-s", "W4A16", "--executor", "ray", block_ray=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"error: --executor ray needs Ray, which is not installed: {INSTALL_HINT}"]
+    assert not (tmp_path / "out").exists() and not partial_folder(tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("how", ["option", "RAY_ADDRESS"])
+def test_a_wrong_address_is_one_line_and_exit_2(tiny_llama, tmp_path, how):
+    pytest.importorskip("ray")
+    addr = "127.0.0.1:9"  # discard: nothing listens there
+    args = ["quantize", tiny_llama, "-o", tmp_path / "out", "-s", "W4A16", "--executor", "ray"]
+    r = _cli(*args, "--ray-address", addr) if how == "option" else _cli(*args, env={"RAY_ADDRESS": addr})
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach the Ray cluster at {addr}") and "ray start --head" in lines[0]
+    assert not (tmp_path / "out").exists() and not partial_folder(tmp_path / "out").exists()
+
+
+class _Unit:
+    def __init__(self, *outputs):
+        self.outputs = [(o, "BF16", (1,)) for o in outputs]
+
+
+def test_shard_groups_keep_each_unit_in_one_group():
+    """Groups are the shards still to write, joined where a unit writes into two; finished shards are left out."""
+    units = [_Unit("a"), _Unit("b", "c"), _Unit("d"), _Unit("e", "f")]
+    shard = {"a": "s1", "b": "s1", "c": "s2", "d": "s3", "e": "s3", "f": "s4"}
+    assert shard_groups(units, shard, set()) == [(["s1", "s2"], [0, 1]), (["s3", "s4"], [2, 3])]
+    assert shard_groups(units, shard, {"s3"}) == [(["s1", "s2"], [0, 1]), (["s4"], [3])]
+    assert shard_groups(units, shard, {"s1"}) == [(["s2"], [1]), (["s3", "s4"], [2, 3])]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_same_bytes_as_the_local_gpu_run(cluster, src, tmp_path):
+    """--device cuda: each task takes one GPU of its node (the test cluster's nodes have none, so a GPU host's own Ray)."""
+    local_out = tmp_path / "local"
+    api.quantize(src, local_out, "NVFP4A16", max_shard_size=SHARD, device="cuda")
+    r = api.quantize(src, tmp_path / "out", "NVFP4A16", max_shard_size=SHARD, device="cuda", executor="ray")
+    assert r.nodes and tree_hash(tmp_path / "out") == tree_hash(local_out)
