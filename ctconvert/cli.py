@@ -17,7 +17,7 @@ import traceback
 import click
 
 from . import __version__, errors, jsonout, render
-from .options import COMMANDS, api_keywords, click_spec
+from .options import COMMANDS, OPTIONS, click_spec
 
 
 class _Ctx:
@@ -46,6 +46,42 @@ _AS_PROGRAM = False  # set by run(): the process is ctconvert itself (not a test
 
 
 _received: list[int] = []  # the stop signals received, in order
+
+
+def split_list(values: tuple[str, ...]) -> list[str]:
+    """Repeated options, each possibly a comma-separated list. A comma inside ``()``, ``[]`` or ``{}`` stays
+    in its entry, so a ``re:`` pattern may hold commas there (``re:.*{1,3}``, ``re:.*(a,b)``)."""
+    out = []
+    for v in values:
+        depth, start = 0, 0
+        for i, ch in enumerate(v + ","):
+            if ch in "([{":
+                depth += 1
+            elif ch in ")]}":
+                depth = max(0, depth - 1)
+            elif ch == "," and depth == 0:
+                if entry := v[start:i].strip():
+                    out.append(entry)
+                start = i + 1
+    return out
+
+
+def api_keywords(values: dict) -> dict:
+    """The API keywords of a command line's click ``values`` (click parameter name -> value): every quantize
+    option given, a repeated one split (:func:`split_list`), an inverted flag inverted. An option the command line
+    left at ``None`` is left out (its API default applies)."""
+    out = {}
+    for o in OPTIONS.values():
+        if o.flags is None or o.cli_name not in values:
+            continue
+        v = values[o.cli_name]
+        if o.multiple:
+            v = split_list(v) or o.empty
+        elif o.invert:
+            v = not v
+        if v is not None:
+            out[o.name] = v
+    return out
 
 
 def _stop(signum, frame) -> None:

@@ -9,7 +9,7 @@ One :class:`Option` per option. From :data:`OPTIONS` (the ``quantize`` options, 
   keyword check of :func:`ctconvert.api.quantize` (``QuantizeOptions.from_kwargs``);
 * the job keys of ``batch`` (:func:`job_keys`);
 * the per-option part of :func:`ctconvert.api.quantize`'s docstring (:func:`api_doc`);
-* the keywords a ``quantize`` command line gives the API (:func:`api_keywords`).
+* the keywords a ``quantize`` command line gives the API (:func:`ctconvert.cli.api_keywords`).
 
 Imports nothing of the package but the layout version (torch-free: ``ctconvert --help`` reads it).
 The kernel-native ``--target`` names are spelled here (:data:`QUANTIZE_TARGETS`, :data:`REPACK_TARGETS`);
@@ -39,10 +39,8 @@ __all__ = [
     "OPTIONS",
     "Option",
     "api_doc",
-    "api_keywords",
     "click_spec",
     "job_keys",
-    "split_list",
 ]
 
 #: the largest output shard unless told otherwise (decimal units, as transformers: :func:`ctconvert.checkpoint.writer.parse_size`)
@@ -552,42 +550,6 @@ def click_spec(o: Option) -> tuple[tuple[str, ...], dict]:
     if o.required:
         kw["required"] = True
     return (*o.cli_flags, o.cli_name), kw
-
-
-def split_list(values: tuple[str, ...]) -> list[str]:
-    """Repeated options, each possibly a comma-separated list. A comma inside ``()``, ``[]`` or ``{}`` stays
-    in its entry, so a ``re:`` pattern may hold commas there (``re:.*{1,3}``, ``re:.*(a,b)``)."""
-    out = []
-    for v in values:
-        depth, start = 0, 0
-        for i, ch in enumerate(v + ","):
-            if ch in "([{":
-                depth += 1
-            elif ch in ")]}":
-                depth = max(0, depth - 1)
-            elif ch == "," and depth == 0:
-                if entry := v[start:i].strip():
-                    out.append(entry)
-                start = i + 1
-    return out
-
-
-def api_keywords(values: dict) -> dict:
-    """The API keywords of a command line's click ``values`` (click parameter name -> value): every quantize
-    option given, a repeated one split (:func:`split_list`), an inverted flag inverted. An option the command line
-    left at ``None`` is left out (its API default applies)."""
-    out = {}
-    for o in OPTIONS.values():
-        if o.flags is None or o.cli_name not in values:
-            continue
-        v = values[o.cli_name]
-        if o.multiple:
-            v = split_list(v) or o.empty
-        elif o.invert:
-            v = not v
-        if v is not None:
-            out[o.name] = v
-    return out
 
 
 def job_keys() -> dict[str, str]:

@@ -205,7 +205,7 @@ def test_usage_errors_are_one_line_and_json(tmp_path):
 
 
 def test_option_lists_split_on_commas_outside_brackets():
-    from ctconvert.options import split_list as _split
+    from ctconvert.cli import split_list as _split
 
     assert _split(("re:.*down_proj,model.layers.0.self_attn.o_proj",)) == ["re:.*down_proj", "model.layers.0.self_attn.o_proj"]
     assert _split((r"re:.*layers\.(1|2)\..*,re:x{1,3}", "a,b", " c ")) == [r"re:.*layers\.(1|2)\..*", "re:x{1,3}", "a", "b", "c"]

@@ -13,10 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from ctconvert import api, options
-from ctconvert.cli import main
+from ctconvert.cli import api_keywords, main
 from ctconvert.commands import batch
 from ctconvert.layouts import kernels
-from ctconvert.options import COMMANDS, OPTIONS, api_keywords, job_keys
+from ctconvert.options import COMMANDS, OPTIONS, job_keys
 from ctconvert.pipeline.options import QuantizeOptions
 from ctconvert.plan import kernel_targets
 
