@@ -2,6 +2,7 @@
 
     python scripts/bench.py [--workdir /tmp/ctbench] [--size 1b|8b] [--model DIR] [--device cpu|cuda]
                             [--repeat 2] [--schemes FP8_DYNAMIC,W4A16,NVFP4A16] [--peer-python /work/venvs/llmc/bin/python]
+                            [--peer-cache FILE]
 
 Generates (once, cached in --workdir) a Llama-shaped bf16 checkpoint, ~1.2B
 parameters (``--size 1b``, the default) or Llama-3-8B's shape (``--size 8b``,
@@ -295,6 +296,7 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, default=min(8, os.cpu_count() or 1), help="threads of the read and write floors")
     ap.add_argument("--peer-python", default=os.environ.get("CTCONVERT_PEER_PYTHON", "/work/venvs/llmc/bin/python"))
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peer-cache", default=None, help="JSON file of the peer's figures: runs it holds are reused, new ones added")
     ap.add_argument("--no-kernels", action="store_true", help="skip timing the quantize kernels on their own")
     ap.add_argument("--extra", default="", help="extra ctconvert quantize arguments, e.g. '--target marlin'")
     ap.add_argument("--make-model", default=None, help=argparse.SUPPRESS)
@@ -338,14 +340,7 @@ def main() -> None:
                 k["seconds"] = _json(k)["seconds"]
                 runs.setdefault((scheme, "kernels"), []).append(k)
             if peer_ok:
-                po = work / f"peer-{scheme}"
-                shutil.rmtree(po, ignore_errors=True)
-                pr = timed([a.peer_python, str(ROOT / "scripts" / "peer_llmc.py"), str(src), str(po), "--scheme", scheme, "--device", a.device])
-                pr["call_seconds"] = _json(pr).get("seconds")
-                if rep == 0 and not a.extra:  # every tensor byte-identical to llm-compressor's?
-                    pr["identical"] = _json(timed([py, "-c", COMPARE, str(out), str(po)], env))["identical"]
-                shutil.rmtree(po, ignore_errors=True)
-                runs.setdefault((scheme, "peer"), []).append(pr)
+                runs.setdefault((scheme, "peer"), []).append(_peer(a, src, scheme, rep, out, env))
             shutil.rmtree(out, ignore_errors=True)
             print(
                 f"[rep {rep + 1}] {scheme}: "
@@ -358,6 +353,28 @@ def main() -> None:
     doc = {"model": str(src), "size": a.size if not a.model else None, "input_bytes": in_bytes, "repeat": a.repeat, "statistic": "min", "results": results}
     json.dump(doc, sys.stdout, indent=2)
     print()
+
+
+def _peer(a, src: Path, scheme: str, rep: int, out: Path, env: dict) -> dict:
+    """One run of the peer (its wall, peak RSS and call seconds; on the first repeat whether its output equals
+    ctconvert's ``out``), or with ``--peer-cache`` the cached figures of run ``rep`` of this model, scheme and
+    device when the cache has them (the peer is slow; its figures do not change with ctconvert's code)."""
+    key = f"{Path(src).resolve()}|{scheme}|{a.device}"
+    cache = json.loads(Path(a.peer_cache).read_text()) if a.peer_cache and Path(a.peer_cache).exists() else {}
+    if len(cache.get(key, [])) > rep:
+        return cache[key][rep]
+    po = Path(a.workdir) / f"peer-{scheme}"
+    shutil.rmtree(po, ignore_errors=True)
+    pr = timed([a.peer_python, str(ROOT / "scripts" / "peer_llmc.py"), str(src), str(po), "--scheme", scheme, "--device", a.device])
+    pr["call_seconds"] = _json(pr).get("seconds")
+    if rep == 0 and not a.extra:  # every tensor byte-identical to llm-compressor's?
+        pr["identical"] = _json(timed([sys.executable, "-c", COMPARE, str(out), str(po)], env))["identical"]
+    shutil.rmtree(po, ignore_errors=True)
+    if a.peer_cache:
+        cache = json.loads(Path(a.peer_cache).read_text()) if Path(a.peer_cache).exists() else {}
+        cache.setdefault(key, []).append(pr)
+        Path(a.peer_cache).write_text(json.dumps(cache, indent=1))
+    return pr
 
 
 def _row(scheme: str, a, in_bytes: int, runs: dict) -> dict:
