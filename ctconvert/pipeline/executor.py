@@ -69,9 +69,7 @@ from .scales import UnitScales, needs_absmax_pass, observer_of
 __all__ = ["DEFAULT_CHUNK_ELEMS", "DEFAULT_HOLD_BYTES", "ExecOptions", "Read", "execute", "make_reads", "split_units", "warm_up_shapes"]
 
 COPY_CHUNK_BYTES = 64 * 2**20
-#: a copied chunk on the CPU with mapped input (a view of the page cache): small, since READ_AHEAD chunks and the
-#: writers' queues hold up to ~10 of them, and mapped chunks need no size above malloc's mmap threshold to be freed
-MAPPED_COPY_CHUNK_BYTES = 4 * 2**20
+MAPPED_COPY_CHUNK_BYTES = 4 * 2**20  # CPU, mapped input: a view of the page cache; ~10 wait in the queues (RSS)
 READ_AHEAD = 4  # chunks read ahead of the one being computed
 WRITE_BEHIND = 2  # CPU: writes queued per writer thread (a copy chunk is 64 MiB)
 WRITE_BUDGET = 192 * 2**20  # GPU: bytes queued for the writers, all writers together (buffers.ByteBudget)
@@ -135,8 +133,7 @@ def make_reads(ckpt: Checkpoint, plan: Plan, opts: ExecOptions):
     for ui, unit in enumerate(plan.units):
         if unit.kind == "copy":
             info = ckpt.tensors[unit.sources[0]]
-            step = MAPPED_COPY_CHUNK_BYTES if opts.device.type == "cpu" and opts.map_input else COPY_CHUNK_BYTES
-            for b0 in range(0, info.nbytes, step):
+            for b0 in range(0, info.nbytes, step := MAPPED_COPY_CHUNK_BYTES if opts.device.type == "cpu" and opts.map_input else COPY_CHUNK_BYTES):
                 yield Read(ui, "copy", 0, b0, min(info.nbytes, b0 + step))
             if info.nbytes == 0:
                 yield Read(ui, "copy", 0, 0, 0)
@@ -254,8 +251,7 @@ class Executor:
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
         if job.kind == "copy":  # (bytes, whether they hold NaN/inf)
-            n = job.stop - job.start
-            data = map_bytes(info, job.start, n) if not self.cuda and self.opts.map_input else read_bytes(info, job.start, n)
+            data = (map_bytes if not self.cuda and self.opts.map_input else read_bytes)(info, job.start, job.stop - job.start)
             return data, copy_nonfinite(info, data, self.native_checks)
         if not self.cuda:
             if self.opts.map_input:
