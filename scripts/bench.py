@@ -3,6 +3,7 @@
     python scripts/bench.py [--workdir /tmp/ctbench] [--size 1b|8b] [--model DIR] [--device cpu|cuda]
                             [--repeat 2] [--schemes FP8_DYNAMIC,W4A16,NVFP4A16] [--peer-python /work/venvs/llmc/bin/python]
                             [--cold [--drop-caches]] [--family llama|qwen3_moe|gpt_oss [--scale 1.0]] [--source-scheme FP8_BLOCK]
+                            [--peer-cache FILE]
 
 Generates (once, cached in --workdir) a Llama-shaped bf16 checkpoint, ~1.2B
 parameters (``--size 1b``, the default) or Llama-3-8B's shape (``--size 8b``,
@@ -437,6 +438,7 @@ def _args():
     ap.add_argument("--drop-caches", action="store_true", help="with --cold: also write /proc/sys/vm/drop_caches where writable (whole machine)")
     ap.add_argument("--peer-python", default=os.environ.get("CTCONVERT_PEER_PYTHON", "/work/venvs/llmc/bin/python"))
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peer-cache", default=None, help="JSON file of the peer's figures: runs it holds are reused, new ones added")
     ap.add_argument("--no-kernels", action="store_true", help="skip timing the quantize kernels on their own")
     ap.add_argument("--extra", default="", help="extra ctconvert quantize arguments, e.g. '--target marlin'")
     ap.add_argument("--code", default=None, help="run the ctconvert of this checkout (default: this script's), e.g. a baseline for an A/B")
@@ -528,7 +530,15 @@ def _measure(a, scheme: str, src: Path, work: Path, py: str, env: dict, extra: l
 
 
 def _peer(a, scheme: str, src: Path, work: Path, py: str, env: dict, compare: bool, runs: dict) -> None:
-    """llm-compressor's model_free_ptq on the same input; ``compare``: every tensor against ctconvert's output."""
+    """llm-compressor's model_free_ptq on the same input; ``compare``: every tensor against ctconvert's output. With
+    ``--peer-cache`` the cached figures of this model, scheme, device and repeat when the cache has them (the peer is
+    slow; its figures do not change with ctconvert's code), else the run's figures are added to it."""
+    key = f"{Path(src).resolve()}|{scheme}|{a.device}|{'cold' if a.cold else 'warm'}"
+    cache = json.loads(Path(a.peer_cache).read_text()) if a.peer_cache and Path(a.peer_cache).exists() else {}
+    rep = len(runs.get((scheme, "peer"), []))
+    if len(cache.get(key, [])) > rep:
+        runs.setdefault((scheme, "peer"), []).append(cache[key][rep])
+        return
     out, po = work / f"out-{scheme}", work / f"peer-{scheme}"
     shutil.rmtree(po, ignore_errors=True)
     if a.cold:
@@ -539,6 +549,9 @@ def _peer(a, scheme: str, src: Path, work: Path, py: str, env: dict, compare: bo
         pr["identical"] = _json(timed([py, "-c", COMPARE, str(out), str(po)], env))["identical"]
     shutil.rmtree(po, ignore_errors=True)
     runs.setdefault((scheme, "peer"), []).append(pr)
+    if a.peer_cache:
+        cache.setdefault(key, []).append(pr)
+        Path(a.peer_cache).write_text(json.dumps(cache, indent=1))
 
 
 def _row(scheme: str, a, in_bytes: int, runs: dict) -> dict:

@@ -42,6 +42,7 @@ def main() -> None:
     from ctconvert.checkpoint.config import build_quantization_config
     from ctconvert.plan.schemes import get_scheme
 
+    api.preload()  # the engine (torch, the commands) imported before the baseline: the API loads it lazily
     s = get_scheme("W4A16" if a.decompress else a.scheme)
     build_quantization_config({"g": (s, ["Linear"])}, s.format, [])
     # reset the high-water mark so that only the conversion counts

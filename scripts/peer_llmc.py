@@ -4,7 +4,7 @@
 Run with the interpreter of a separate venv that has llmcompressor installed
 (e.g. /work/venvs/llmc/bin/python), NOT the project's own venv:
 
-    python scripts/peer_llmc.py SRC_DIR OUT_DIR --scheme FP8_DYNAMIC|W4A16|NVFP4A16 \
+    python scripts/peer_llmc.py SRC_DIR OUT_DIR --scheme FP8_DYNAMIC|W4A16|NVFP4A16|... (SCHEMES) \
         [--device cpu|cuda] [--ignore PATTERN ...] [--max-workers N]
 
 It calls llm-compressor's model-free PTQ entrypoint (no model class is built;
@@ -29,7 +29,8 @@ import os
 import sys
 import time
 
-SCHEMES = ("FP8_DYNAMIC", "W4A16", "NVFP4A16")
+# the presets whose activations model_free_ptq accepts (dynamic or none: it refuses static input scales)
+SCHEMES = ("FP8_DYNAMIC", "FP8_BLOCK", "W4A16", "W4A16_ASYM", "W8A16", "W8A8", "W4AFP8", "NVFP4A16", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8")
 
 # Module-name patterns (compressed-tensors syntax: exact name or "re:" + regex,
 # matched with re.match against the module name, i.e. tensor name minus ".weight").

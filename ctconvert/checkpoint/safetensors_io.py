@@ -336,20 +336,35 @@ def map_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
     if len(info.shape) < 1 or info.shape[0] == 0 or info.view is not None or info.virtual is not None:
         return read_rows(info, row0, row1)
     row_bytes = info.nbytes // info.shape[0]
-    start = info.start + row0 * row_bytes
-    n = (row1 - row0) * row_bytes
-    if n == 0:
+    raw = _map(info, row0 * row_bytes, (row1 - row0) * row_bytes)
+    if raw is None:
         return read_rows(info, row0, row1)
+    return raw.view(info.torch_dtype).reshape((row1 - row0, *info.shape[1:]))
+
+
+def map_bytes(info: TensorInfo, offset: int, nbytes: int) -> torch.Tensor:
+    """``nbytes`` of a tensor's data from ``offset`` (uint8) as a read-only view of a private mapping of just
+    that range (no copy; its pages are the page cache's, unmapped with the tensor, so a chunk never stays in a
+    malloc arena). Falls back to :func:`read_bytes` for derived tensors and ranges that cannot be mapped."""
+    raw = None if info.view is not None or info.virtual is not None else _map(info, offset, nbytes)
+    return read_bytes(info, offset, nbytes) if raw is None else raw
+
+
+def _map(info: TensorInfo, offset: int, nbytes: int) -> torch.Tensor | None:
+    """uint8 view of ``nbytes`` of ``info``'s stored data from ``offset``, its pages read in (:func:`populate`), or None
+    (an empty or unmappable range)."""
+    if nbytes <= 0:
+        return None
+    start = info.start + offset
     page = mmap.ALLOCATIONGRANULARITY
     base = start - start % page
     try:
         with open(info.file, "rb") as f:
-            mm = mmap.mmap(f.fileno(), n + (start - base), access=mmap.ACCESS_COPY, offset=base)
+            mm = mmap.mmap(f.fileno(), nbytes + (start - base), access=mmap.ACCESS_COPY, offset=base)
     except (OSError, ValueError):
-        return read_rows(info, row0, row1)
+        return None
     populate(mm)
-    raw = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=start - base)
-    return raw.view(info.torch_dtype).reshape((row1 - row0, *info.shape[1:]))
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start - base)
 
 
 #: Linux 5.14's ``MADV_POPULATE_READ`` (``include/uapi/asm-generic/mman-common.h``): fault a mapping's pages in now

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.safetensors_io import REGIONS, ShardFile, TensorInfo, map_rows, read_bytes, read_rows
+from ..checkpoint.safetensors_io import REGIONS, ShardFile, TensorInfo, map_bytes, map_rows, read_bytes, read_rows
 from ..errors import BadInputError
 from ..formats import native
 from ..formats.common import tensor_absmax
@@ -222,7 +222,7 @@ class Executor:
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
         if job.kind == "copy":  # (bytes, whether they hold NaN/inf)
-            data = read_bytes(info, job.start, job.stop - job.start)
+            data = (map_bytes if not self.cuda and self.opts.map_input else read_bytes)(info, job.start, job.stop - job.start)
             return data, copy_nonfinite(info, data, self.native_checks)
         if not self.cuda:
             if self.opts.map_input:

@@ -104,6 +104,50 @@ static inline __attribute__((always_inline)) void ct_fp8_block_impl(const void *
     }
 }
 
+/* ---- min(x, 0) and max(x, 0) of g elements from i0 (NaN left out), as the running min/max
+ * `m = x < m ? x : m` from m = +0 computes them: in 16 lanes of GCC/clang vector types (a running min does
+ * not vectorize on its own), then over the lanes. Each lane starts at +0 and only moves to a strictly smaller
+ * (larger) value and never to NaN, so the lanes' min (max) is the running one, bit for bit. ---- */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16f load16(const void *p, int dt, int64_t i) {
+    if (dt == DT_BF16) {
+        v16h h;
+        memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        return (v16f)(__builtin_convertvector(h, v16u) << 16);
+    }
+    v16f x;
+    if (dt == DT_F32) memcpy(&x, (const float *)p + i, sizeof x);
+    else for (int l = 0; l < 16; l++) x[l] = (float)((const _Float16 *)p)[i + l];
+    return x;
+}
+
+static inline void group_minmax(const void *w, int dt, int64_t i0, int64_t g, float *mn_out, float *mx_out) {
+    v16f vmn = {0}, vmx = {0};
+    int64_t j = 0;
+    for (; j + 16 <= g; j += 16) {
+        v16f x = load16(w, dt, i0 + j);
+        v16i lt = x < vmn, gt = x > vmx;
+        vmn = (v16f)(((v16i)x & lt) | ((v16i)vmn & ~lt));
+        vmx = (v16f)(((v16i)x & gt) | ((v16i)vmx & ~gt));
+    }
+    float mn = 0.0f, mx = 0.0f;
+    for (int l = 0; l < 16; l++) {
+        mn = vmn[l] < mn ? vmn[l] : mn;
+        mx = vmx[l] > mx ? vmx[l] : mx;
+    }
+    for (; j < g; j++) {
+        float x = load(w, dt, i0 + j);
+        mn = x < mn ? x : mn;
+        mx = x > mx ? x : mx;
+    }
+    *mn_out = mn;
+    *mx_out = mx;
+}
+
 /* ---- Integer, per group (g == k for per channel), symmetric or asymmetric.
  * pack == 0: out is int8 [n, k]; pack == 1: out is int32 [n, ceil(k*bits/32)] (LSB first, u = q + 2^(B-1)).
  * scale [n, k/g] in D; zp [n, k/g] int8 (asymmetric only, else NULL). ---- */
@@ -126,12 +170,8 @@ static inline __attribute__((always_inline)) void ct_int_impl(const void *w, int
                 float amax = u2f(amax_b);
                 s = rd(amax / half, dt);
             } else {
-                float mn = 0.0f, mx = 0.0f;
-                for (int64_t j = 0; j < g; j++) {
-                    float x = load(w, dt, base + c0 + j);
-                    mn = x < mn ? x : mn;
-                    mx = x > mx ? x : mx;
-                }
+                float mn, mx;
+                group_minmax(w, dt, base + c0, g, &mn, &mx);
                 s = rd(rd(mx - mn, dt) / full, dt);
                 float zf = rd(qmin - rd(mn / s, dt), dt);
                 if (isnan(zf)) zf = 0.0f;
@@ -193,34 +233,52 @@ static inline __attribute__((always_inline)) void ct_int_impl(const void *w, int
     }
 }
 
-/* ---- NVFP4: packed [n, k/2] (even column in the low nibble), scale [n, k/16] E4M3 bytes. ---- */
+/* ---- NVFP4: packed [n, k/2] (even column in the low nibble), scale [n, k/16] E4M3 bytes.
+ * Per tile of NV_TILE groups of a row, three loops that each vectorize: the group absmax (on the bit patterns),
+ * the scales (elementwise over the groups: the same scalar steps per group as before), the elements
+ * (IEEE division by the group's effective scale, even/odd columns coded side by side into one byte). ---- */
+#define NV_TILE 256
 static inline __attribute__((always_inline)) void ct_nvfp4_impl(const void *w, int dt, int64_t n, int64_t k, float gs, uint8_t *packed, uint8_t *scale) {
     const int64_t groups = k / 16;
+    uint32_t amax_b[NV_TILE];
+    float eff[NV_TILE];
+    uint8_t codes[NV_TILE * 16];
     for (int64_t r = 0; r < n; r++) {
         const int64_t base = r * k;
-        for (int64_t gi = 0; gi < groups; gi++) {
-            const int64_t c0 = base + gi * 16;
-            float x[16];
-            uint32_t amax_b = 0;
-            for (int j = 0; j < 16; j++) { x[j] = load(w, dt, c0 + j); uint32_t a = absbits(x[j]); amax_b = a > amax_b ? a : amax_b; }
-            float amax = u2f(amax_b);
-            float t = rd(amax / 6.0f, dt);
-            uint8_t sb = f32_to_e4m3(clampf(gs * t, -448.0f, 448.0f));
-            float s = e4m3_to_f32(sb);
-            if (s == 0.0f) { s = 0.125f; sb = 0x20; }
-            scale[r * groups + gi] = sb;
-            const float eff = s / gs;
-            int32_t c[16];
-            for (int j = 0; j < 16; j++) c[j] = e2m1_code(clampf(x[j] / eff, -6.0f, 6.0f));
-            uint8_t *o = packed + (c0 >> 1);
-            for (int j = 0; j < 8; j++) o[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
+        for (int64_t g0 = 0; g0 < groups; g0 += NV_TILE) {
+            const int64_t ng = groups - g0 < NV_TILE ? groups - g0 : NV_TILE;
+            for (int64_t gi = 0; gi < ng; gi++) {
+                const int64_t c0 = base + (g0 + gi) * 16;
+                uint32_t m = 0;
+                for (int j = 0; j < 16; j++) { uint32_t a = absbits(load(w, dt, c0 + j)); m = a > m ? a : m; }
+                amax_b[gi] = m;
+            }
+            uint8_t *srow = scale + r * groups + g0;
+            for (int64_t gi = 0; gi < ng; gi++) {
+                float t = rd(u2f(amax_b[gi]) / 6.0f, dt);
+                uint8_t sb = f32_to_e4m3(clampf(gs * t, -448.0f, 448.0f));
+                float s = e4m3_to_f32(sb);
+                sb = s == 0.0f ? (uint8_t)0x20 : sb;
+                s = s == 0.0f ? 0.125f : s;
+                srow[gi] = sb;
+                eff[gi] = s / gs;
+            }
+            for (int64_t gi = 0; gi < ng; gi++) {
+                const int64_t c0 = base + (g0 + gi) * 16;
+                const float e = eff[gi];
+                for (int j = 0; j < 16; j++) codes[gi * 16 + j] = (uint8_t)e2m1_code(clampf(load(w, dt, c0 + j) / e, -6.0f, 6.0f));
+            }
+            uint8_t *o = packed + ((base + g0 * 16) >> 1);
+            for (int64_t i = 0; i < ng * 8; i++) o[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
         }
     }
 }
 
 /* ---- MX group scale (docs/compressed-tensors-format.md 6.5, ../mx.py): the power of two of a group
  * absmax on D's bit pattern (E2M1 mantissa rounding), byte = clamp(127 + E - off, 0, 255), scale =
- * D(2^(byte - 127)) with 0 -> 1. Returns 0, or 1 when the power of two overflows D. ---- */
+ * D(2^(byte - 127)) with 0 -> 1. Returns 0, or 1 when the power of two overflows D.
+ * 2^(e - 127) is built from its bits (e = 0: the fp32 subnormal 2^-127; e <= 252 here, since E <= 127 and
+ * off >= 2), and the stored byte is the fp32 exponent field of the scale (127 + ilogb(s); 0 for 2^-127). ---- */
 static inline int mx_scale(float amax, int dt, int off, float *s_out, uint8_t *byte_out) {
     int E; /* exponent of the power of two, or INT32_MIN for zero */
     if (dt == DT_BF16) {
@@ -239,16 +297,18 @@ static inline int mx_scale(float amax, int dt, int off, float *s_out, uint8_t *b
     }
     int e = E == INT32_MIN ? 0 : E + 127 - off;
     e = e < 0 ? 0 : (e > 255 ? 255 : e);
-    float s = rd(ldexpf(1.0f, e - 127), dt);
+    float s = rd(e == 0 ? u2f(0x00400000u) : u2f((uint32_t)e << 23), dt);
     if (s == 0.0f) s = 1.0f;
     *s_out = s;
-    *byte_out = (uint8_t)(127 + ilogbf(s));
+    *byte_out = (uint8_t)(f2u(s) >> 23);
     return 0;
 }
 
 /* ---- MXFP4 (fp8 = 0): out = packed [n, k/2] E2M1 codes; MXFP8 (fp8 = 1): out = q [n, k] E4M3 bytes, elements as
  * the FP8 formats round them. scale [n, k/32] E8M0 bytes. Returns 0, or 1 when a group's power-of-two scale
- * overflows D (the caller raises). Called with constant dt and fp8, so each entry point compiles to its own loop. ---- */
+ * overflows D (the caller raises). Called with constant dt and fp8, so each entry point compiles to its own loop.
+ * x / s is computed as x * (1 / s): s is a power of two in [2^-127, 2^125], so 1 / s is exact and both are the
+ * correctly rounded value of the same real number (the same bits, subnormal results included). ---- */
 static inline __attribute__((always_inline)) int ct_mx_impl(const void *w, int dt, int64_t n, int64_t k, uint8_t *out, uint8_t *scale, int fp8) {
     const int64_t groups = k / 32;
     for (int64_t r = 0; r < n; r++) {
@@ -259,15 +319,15 @@ static inline __attribute__((always_inline)) int ct_mx_impl(const void *w, int d
             for (int j = 0; j < 32; j++) { uint32_t a = absbits(load(w, dt, c0 + j)); amax_b = a > amax_b ? a : amax_b; }
             float s;
             if (mx_scale(u2f(amax_b), dt, fp8 ? 8 : 2, &s, &scale[r * groups + gi])) return 1;
+            const float inv = 1.0f / s;
             if (fp8) {
                 for (int j = 0; j < 32; j++) {
-                    float v = rd(load(w, dt, c0 + j) / s, dt);
+                    float v = rd(load(w, dt, c0 + j) * inv, dt);
                     out[c0 + j] = f32_to_e4m3(clampf(v, -448.0f, 448.0f));
                 }
             } else {
-                int32_t c[32];
-                for (int j = 0; j < 32; j++) c[j] = e2m1_code(clampf(rd(load(w, dt, c0 + j) / s, dt), -6.0f, 6.0f));
-                uint8_t *o = out + (c0 >> 1);
+                uint8_t c[32], *o = out + (c0 >> 1);
+                for (int j = 0; j < 32; j++) c[j] = (uint8_t)e2m1_code(clampf(rd(load(w, dt, c0 + j) * inv, dt), -6.0f, 6.0f));
                 for (int j = 0; j < 16; j++) o[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
             }
         }
