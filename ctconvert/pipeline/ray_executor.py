@@ -189,21 +189,30 @@ class RayExecutor:
         this overlaps the driver's own work (opening the source, planning, calibrating). ``device``: the
         ``--device`` given; one that can mean CUDA on a machine with CUDA warms GPU workers."""
         cuda = str(device).lower() != "cpu" and torch.cuda.is_available()
+        if not (self.address or os.environ.get("RAY_ADDRESS")):
+            # a new local instance: Ray starts its daemons (GCS, raylet) with PR_SET_PDEATHSIG, which kills them
+            # when the *thread* that started them ends, so it is started on this (the main) thread
+            try:
+                self.ray = connect(None)
+            except BaseException as e:  # noqa: BLE001 - re-raised by connect()
+                self._error = e
+                return
         self._joining = threading.Thread(target=self._join, args=(cuda,), daemon=True, name="ctconvert-ray-join")
         self._joining.start()
 
     def _join(self, cuda: bool) -> None:
         try:
-            self.ray = connect(self.address)
+            self.ray = self.ray or connect(self.address)
             _warm_up(self.ray, cuda)
         except BaseException as e:  # noqa: BLE001 - re-raised by connect()
             self._error = e
 
     def connect(self) -> None:
         """Join the cluster (:func:`connect`; begun by :meth:`start`, else now). Raises what joining raised."""
-        if self._joining is None:
+        if self._joining is None and self._error is None:
             self.start()
-        self._joining.join()
+        if self._joining is not None:
+            self._joining.join()
         if self._error is not None:
             raise self._error
 

@@ -8,8 +8,11 @@ of a missing Ray (a subprocess where ``import ray`` fails) and of the pure group
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -284,3 +287,23 @@ def test_on_a_gpu_the_same_bytes_as_the_local_gpu_run(cluster, src, tmp_path):
     api.quantize(src, local_out, "NVFP4A16", max_shard_size=SHARD, device="cuda")
     r = api.quantize(src, tmp_path / "out", "NVFP4A16", max_shard_size=SHARD, device="cuda", executor="ray")
     assert r.nodes and tree_hash(tmp_path / "out") == tree_hash(local_out)
+
+
+def test_with_no_address_a_new_local_instance_converts(tiny_llama, tmp_path):
+    """Neither --ray-address nor RAY_ADDRESS: a new local Ray instance, whose daemons (started with
+    PR_SET_PDEATHSIG) must outlive the thread that joins; the bytes of a local run."""
+    pytest.importorskip("ray")
+    ray_tmp = tempfile.mkdtemp(prefix="ctr", dir="/tmp")  # its own Ray folder (no cluster there to join); a short path for Ray's sockets
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
+    code = "from ctconvert.cli import main; main()"
+    args = ["quantize", str(tiny_llama), "-s", "W4A16"]
+    try:
+        cmd = [sys.executable, "-c", code, "--json", *args, "-o", str(tmp_path / "ray"), "--executor", "ray"]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert [n["shards"] for n in doc["nodes"]] == [1] and doc["nodes"][0]["bytes"] == doc["input_bytes"]
+    assert _cli(*args, "-o", tmp_path / "local").returncode == 0
+    assert tree_hash(tmp_path / "ray") == tree_hash(tmp_path / "local")
