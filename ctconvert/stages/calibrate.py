@@ -16,6 +16,7 @@ corpus when no ``--calibration`` is named): the pass collects every Linear's E[x
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import time
 
@@ -61,6 +62,8 @@ class CalibrateStage(Stage):
         cost.schemes += [f"observer {n}" for n in self.importance]
         job.result.calibration = {**cost.to_dict(), "source": str(self.file) if self.file else "built-in English corpus"}
         job.fingerprint["calibration"] = [str(self.file or ""), self.samples, self.seq_len, self.kv_cache, *self.importance]
+        if self.file:  # the data itself, not only its name: --resume must not mix shards calibrated on other text
+            job.fingerprint["calibration"].append(_content_digest(self.file))
         job.refresh_refused = _NO_REFRESH
         self.cost = cost
 
@@ -133,3 +136,16 @@ def _takes_unit(fn) -> bool:
     except (TypeError, ValueError):
         return False
     return any(p.name == "unit" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _content_digest(path) -> str:
+    """``sha256:HEX`` of a calibration file's bytes (read in 1 MiB pieces), or ``unreadable`` (loading the
+    data then raises the error that names the file)."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for piece in iter(lambda: f.read(1 << 20), b""):
+                h.update(piece)
+    except OSError:
+        return "unreadable"
+    return f"sha256:{h.hexdigest()}"

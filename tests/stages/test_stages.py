@@ -3,6 +3,8 @@ dry run, on the tiny Llama: each stage is prepared after the ones before it, as 
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from ctconvert.errors import UsageError
@@ -60,6 +62,20 @@ def test_calibrated_scales_cannot_be_refreshed(tiny_llama, tmp_path):
     assert job.kv_cache_scheme is not None and job.result.calibration["layers"] == 2
     with pytest.raises(UsageError, match="--refresh cannot update calibrated activation scales"):
         WriteStage(o).prepare(job)
+
+
+def test_the_calibration_files_bytes_are_in_the_fingerprint(tiny_llama, tmp_path):
+    """--resume and --refresh compare fingerprints: the same file name holding other text is another run."""
+    data = tmp_path / "cal.txt"
+    prints = []
+    for text in ("The first text. " * 50, "Another text, same name. " * 50):
+        data.write_text(text)
+        job, o = _planned(tiny_llama, "FP8", dry_run=True, calibration=str(data))
+        CalibrateStage(o).prepare(job)
+        prints.append(job.fingerprint["calibration"])
+        assert prints[-1][:4] == [str(data), o.calibration_samples, o.calibration_seq_len, "none"]
+    assert prints[0][-1] == "sha256:" + hashlib.sha256(("The first text. " * 50).encode()).hexdigest()
+    assert prints[0][-1] != prints[1][-1]
 
 
 def test_refresh_of_no_earlier_output_converts_in_full(tiny_llama, tmp_path):
