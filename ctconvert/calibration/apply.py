@@ -22,7 +22,7 @@ import torch
 from ..checkpoint.naming import is_generative
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST
-from ..errors import UnsupportedError, UsageError, plural
+from ..errors import BadInputError, UnsupportedError, UsageError, plural
 from ..options import DEFAULT_CALIBRATION_BATCH_TOKENS
 from ..plan.planner import Plan
 from .observe import KV_CACHE_ARGS, MinMax, input_qparams, kv_qparams
@@ -165,6 +165,19 @@ def _fallback(name: str, stats: dict[str, MinMax]) -> MinMax | None:
     return found if found.min is not None else None
 
 
+def _check_finite(ckpt: Checkpoint, module: str, what: str, s: MinMax) -> None:
+    """Raises :class:`BadInputError` (exit 3) when ``module``'s observed ``what`` reached NaN/inf on the calibration
+    text: no static scale can be computed from it (a non-finite value upstream, e.g. a weight kept with
+    ``--allow-non-finite``), and none is made up."""
+    if s.min is not None and not (bool(torch.isfinite(s.min).all()) and bool(torch.isfinite(s.max).all())):
+        raise BadInputError(
+            f"calibration: the {what} of {module} are not finite (NaN/inf) on the calibration text, so its static scales "
+            "cannot be computed: a non-finite value upstream of it in the checkpoint (a tensor kept with --allow-non-finite?); "
+            "use a scheme with dynamic activation scales (FP8_DYNAMIC, NVFP4A16, W4A16, ...)",
+            file=ckpt.path,
+        )
+
+
 @dataclass
 class Calibrated:
     """What :func:`run` gives the quantize stage: ``tensors``, module -> {part: tensor} (CPU tensors: a
@@ -206,6 +219,7 @@ def run(
                 if s is None:
                     raise UsageError(f"calibration: no calibration token reached {m}; it cannot get a static activation scale")
                 notes.append(f"{m}: no calibration token was routed to this expert; its input range is that of its layer's other experts")
+            _check_finite(ckpt, m, "inputs", s)
             observed.append(s)
         q = input_qparams(u.scheme.input_args, observed, dtype)  # a fused set's members see one input: one range
         for m in u.modules:
@@ -215,6 +229,8 @@ def run(
             k, v = stats.keys.get(a), stats.values.get(a)
             if k is None or v is None:
                 raise UsageError(f"calibration: the attention module {a} was not observed (architecture without a k_proj/v_proj attention module)")
+            _check_finite(ckpt, a, "keys", k)
+            _check_finite(ckpt, a, "values", v)
             tensors.setdefault(a, {}).update(kv_qparams(kv_cache, k, v, dtype))
     notes.append(f"calibrated on {stats.tokens} tokens")
     return Calibrated(tensors, notes, stats.importance)

@@ -426,3 +426,21 @@ def test_an_encoder_is_refused_for_calibration_before_any_work(minilm_path, tmp_
 def test_kv_cache_without_k_and_v_projections_says_why(minilm_path, tmp_path):
     with pytest.raises(UsageError, match=r"an encoder has no KV cache; MLA attention has no k_proj/v_proj"):
         api.quantize(minilm_path, tmp_path / "o", "W4A16", kv_cache="fp8")
+
+
+@pytest.mark.parametrize("scheme,kv", [("NVFP4", "none"), ("FP8", "none"), ("FP8_DYNAMIC", "fp8")])
+def test_non_finite_activations_get_no_made_up_static_scale(tmp_path, scheme, kv):
+    """A NaN norm weight kept with --allow-non-finite makes the next modules' inputs (the MLP's, or the
+    attention's keys and values) NaN: the run is refused naming the first such module, never given a scale of 1.0
+    or NaN; nothing is written."""
+    t = llama_tensors(LLAMA_CONFIG)
+    norm = "post_attention_layernorm" if kv == "none" else "input_layernorm"  # before the MLP / before the attention
+    t[f"model.layers.1.{norm}.weight"][3] = float("nan")
+    src = write_checkpoint(tmp_path / "m", t, LLAMA_CONFIG)
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([i % LLAMA_CONFIG["vocab_size"] for i in range(64)]))
+    with pytest.raises(BadInputError, match=r"calibration: the (inputs|keys|values) of model\.layers\.[1-9]\.\S+ are not finite") as e:
+        api.quantize(src, tmp_path / "q", scheme, allow_nonfinite=True, calibration=ids, calibration_samples=2, calibration_seq_len=16, kv_cache=kv)
+    assert e.value.exit_code == 3
+    assert ("mlp" in str(e.value)) if kv == "none" else ("self_attn" in str(e.value))
+    assert not (tmp_path / "q").exists()
