@@ -85,7 +85,8 @@ def connect(address: str | None):
         ray.init(address=address, logging_level=logging.ERROR, **local)
     except (ConnectionError, RuntimeError, ValueError, TimeoutError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"cannot join the Ray cluster at {given or 'a new local instance'}: {first}") from None
+        hint = "" if given is None else " (a cluster with token authentication, the default of `ray start --head`, needs RAY_AUTH_MODE=token and its token)"
+        raise UsageError(f"cannot join the Ray cluster at {given or 'a new local instance'}: {first}{hint}") from None
     return ray
 
 
