@@ -37,18 +37,16 @@ class _Checked:
                 v = [v]
             if v is not None:
                 object.__setattr__(self, name, tuple(v))
-        dense = str(self.dense_dtype).lower()
-        if dense not in DENSE_DTYPES:
-            raise UsageError(f"unknown --dense-dtype {self.dense_dtype!r}; choose one of {', '.join(DENSE_DTYPES)}")
-        object.__setattr__(self, "dense_dtype", dense)
-        observer = str(self.observer).lower()
-        if observer not in OBSERVER_NAMES:
-            raise UsageError(f"unknown --observer {self.observer!r}; choose one of {', '.join(OBSERVER_NAMES)}")
-        object.__setattr__(self, "observer", observer)
-        executor = str(self.executor).lower()
-        if executor not in OPTIONS["executor"].choices:
-            raise UsageError(f"unknown --executor {self.executor!r}; choose one of {', '.join(OPTIONS['executor'].choices)}")
-        object.__setattr__(self, "executor", executor)
+        self._one_of("dense_dtype", DENSE_DTYPES)
+        self._one_of("observer", OBSERVER_NAMES)
+        self._one_of("executor", OPTIONS["executor"].choices)
+
+    def _one_of(self, name: str, choices: tuple[str, ...]) -> None:
+        """Option ``name`` lower-cased, or :class:`UsageError` (``unknown --NAME 'v'; choose one of ...``) when it is none of ``choices``."""
+        value = str(getattr(self, name)).lower()
+        if value not in choices:
+            raise UsageError(f"unknown --{name.replace('_', '-')} {getattr(self, name)!r}; choose one of {', '.join(choices)}")
+        object.__setattr__(self, name, value)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
