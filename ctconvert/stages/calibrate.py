@@ -16,12 +16,12 @@ corpus when no ``--calibration`` is named): the pass collects every Linear's E[x
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import time
 
 from ..calibration import apply as calibration
 from ..calibration.data import load_tokens
+from ..checkpoint.hashing import file_hash
 from ..checkpoint.reader import Checkpoint
 from ..errors import CTConvertError, UnsupportedError
 from ..formats.observers import get_observer
@@ -63,7 +63,7 @@ class CalibrateStage(Stage):
         job.result.calibration = {**cost.to_dict(), "source": str(self.file) if self.file else "built-in English corpus"}
         job.fingerprint["calibration"] = [str(self.file or ""), self.samples, self.seq_len, self.kv_cache, *self.importance]
         if self.file:  # the data itself, not only its name: --resume must not mix shards calibrated on other text
-            job.fingerprint["calibration"].append(_content_digest(self.file))
+            job.fingerprint["calibration"].append(_content_hash(self.file))
         job.refresh_refused = _NO_REFRESH
         self.cost = cost
 
@@ -138,14 +138,10 @@ def _takes_unit(fn) -> bool:
     return any(p.name == "unit" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def _content_digest(path) -> str:
-    """``sha256:HEX`` of a calibration file's bytes (read in 1 MiB pieces), or ``unreadable`` (loading the
-    data then raises the error that names the file)."""
-    h = hashlib.sha256()
+def _content_hash(path) -> str:
+    """:func:`~ctconvert.checkpoint.hashing.file_hash` of a calibration file (the journal's hash of a file's bytes),
+    or ``unreadable`` (loading the data then raises the error that names the file)."""
     try:
-        with open(path, "rb") as f:
-            for piece in iter(lambda: f.read(1 << 20), b""):
-                h.update(piece)
+        return file_hash(path)
     except OSError:
         return "unreadable"
-    return f"sha256:{h.hexdigest()}"
