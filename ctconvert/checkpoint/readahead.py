@@ -28,14 +28,17 @@ _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 def shard_files(folder: str | Path) -> list[Path]:
     """The safetensors shards of checkpoint ``folder`` in the order its reader lists them: the index's files
-    (sorted, unique) when ``model.safetensors.index.json`` is there, else ``*.safetensors`` sorted by name.
+    (sorted, unique) when ``model.safetensors.index.json`` is there, else ``*.safetensors`` sorted by name
+    (only ``model.safetensors`` when it is one of several, as the reader does).
     Empty when ``folder`` is not a folder or the index cannot be read (the reader then says why)."""
     root = Path(folder)
     if not root.is_dir():
         return []
     index = root / _INDEX
     if not index.is_file():
-        return sorted(root.glob("*.safetensors"))
+        files = sorted(root.glob("*.safetensors"))
+        single = root / "model.safetensors"  # several shards but no index: the reader uses model.safetensors only
+        return [single] if len(files) > 1 and single.is_file() else files
     try:
         weight_map = json.loads(index.read_text()).get("weight_map") or {}
         return [root / name for name in sorted(set(weight_map.values())) if (root / name).is_file()]

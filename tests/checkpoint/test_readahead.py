@@ -36,6 +36,8 @@ def test_shards_in_the_readers_order(tiny_llama, tmp_path):
     assert shard_files(one) == [Path(f) for f in open_checkpoint(one).files] == [one / "model.safetensors"]
     assert shard_files(tmp_path / "missing") == []
     assert shard_files(one / "model.safetensors") == []  # a file, not a folder
+    (one / "extra.safetensors").write_bytes((one / "model.safetensors").read_bytes())  # several files and no index
+    assert shard_files(one) == [Path(f) for f in open_checkpoint(one).files] == [one / "model.safetensors"]
     (tiny_llama / "model.safetensors.index.json").write_text("{not json")
     assert shard_files(tiny_llama) == []  # the reader says what is wrong; nothing is read ahead
 
