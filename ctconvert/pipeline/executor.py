@@ -79,6 +79,7 @@ __all__ = [
     "DEFAULT_CHUNK_ELEMS",
     "DEFAULT_HOLD_BYTES",
     "ExecOptions",
+    "LocalExecutor",
     "Read",
     "execute",
     "make_reads",
@@ -530,6 +531,23 @@ def split_units(ckpt: Checkpoint, units: list[WorkUnit], parts: int) -> list[lis
         load[i] += unit_bytes(ckpt, u)
     order = {id(u): k for k, u in enumerate(units)}
     return [sorted(p, key=lambda u: order[id(u)]) for p in out]
+
+
+class LocalExecutor:
+    """This machine's devices, with the interface of :class:`~ctconvert.pipeline.ray_executor.RayExecutor` (the
+    write stage holds one or the other): :meth:`start` and :meth:`connect` have nothing to join; :meth:`run` is
+    :func:`execute` and gives no ``nodes``; the write stage hashes the sources beside it (``hashes_sources``)."""
+
+    hashes_sources = True
+
+    def start(self, device: str = "cpu") -> None:
+        pass
+
+    def connect(self) -> None:
+        pass
+
+    def run(self, ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions, devices, out) -> None:
+        execute(ckpt, plan, shards, opts, devices)
 
 
 def execute(ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions, devices: list[torch.device] | None = None) -> None:

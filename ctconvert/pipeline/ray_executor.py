@@ -177,7 +177,10 @@ class RayExecutor:
 
     ``address``: the cluster (:func:`connect`). :meth:`connect` before any work (a missing extra or an
     unreachable cluster fails before the output folder is opened); :meth:`run` returns the ``nodes``
-    of the result: ``[{"node": IP, "node_id": hex, "bytes": source bytes converted, "shards": K}]``."""
+    of the result: ``[{"node": IP, "node_id": hex, "bytes": source bytes converted, "shards": K}]``. The
+    workers hash the sources they read (``hashes_sources`` False: the driver does not)."""
+
+    hashes_sources = False
 
     def __init__(self, address: str | None = None):
         self.address = address

@@ -25,7 +25,7 @@ from ..checkpoint.reader import CONFIG_NAME, Checkpoint
 from ..checkpoint.safetensors_io import PlannedTensor
 from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, disk_full, parse_size, partial_output, shard_names
 from ..errors import OutputError, UsageError, agree, plural
-from ..pipeline.executor import ExecOptions, execute
+from ..pipeline.executor import ExecOptions, LocalExecutor
 from ..pipeline.options import QuantizeOptions
 from ..pipeline.ray_executor import RayExecutor, ShardOutput
 from ..plan.planner import Plan
@@ -50,8 +50,8 @@ class WriteStage(Stage):
     def __init__(self, o: QuantizeOptions):
         self.shard_limit = parse_size(o.max_shard_size)
         self.o = o
-        self.executor = RayExecutor(o.ray_address) if o.executor == "ray" else None  # None: the local executor
-        if self.executor is not None and not o.dry_run:
+        self.executor = RayExecutor(o.ray_address) if o.executor == "ray" else LocalExecutor()
+        if not o.dry_run:
             self.executor.start(o.device)  # joining the cluster overlaps opening and planning (waited for in prepare)
 
     def prepare(self, job: QuantizeJob) -> None:
@@ -71,8 +71,7 @@ class WriteStage(Stage):
         job.old_prov = load_provenance(out, job.fingerprint) if job.refresh else None
         if not job.refresh:
             check_output_path(job.src_path, out, self.o.overwrite)
-        if self.executor is not None:  # a missing extra or an unreachable cluster fails before the output folder exists
-            self.executor.connect()
+        self.executor.connect()  # a missing extra or an unreachable cluster fails before the output folder exists
 
     def report(self, job: QuantizeJob) -> None:
         job.result.output_bytes = sum(PlannedTensor(*t).nbytes for t in job.plan.output_tensors)
@@ -142,7 +141,7 @@ class WriteStage(Stage):
         todo_ids = {id(u) for u in todo}
         order = [s for u in todo for s in u.sources] + [s for u in plan.units if id(u) not in todo_ids for s in u.sources]
         # (on Ray the workers hash the sources they read: none here)
-        hashes.hashing = SourceHashes([ckpt.tensors[s] for s in order if s not in hashes.known] if self.executor is None else [])
+        hashes.hashing = SourceHashes([ckpt.tensors[s] for s in order if s not in hashes.known] if self.executor.hashes_sources else [])
         folder.keep_partial = job.layout is None  # an interrupted run is kept for --resume, which --target does not offer
         opts = job.exec
         out = ShardOutput(folder, dict(zip(shard_names(len(assignment)), assignment)), hashes.known)
@@ -243,10 +242,10 @@ def _drop_stale_shards(ckpt: Checkpoint, folder: OutputFolder, by_shard: dict, k
         result.notes.append(f"--resume: {plural(n, 'finished shard')} {agree(n, 'was', 'were')} made from source bytes that changed since; written again")
 
 
-def _execute(ckpt: Checkpoint, plan: Plan, shards, opts: ExecOptions, devs, progress, executor: RayExecutor | None, out: ShardOutput) -> list | None:
-    """Run ``plan`` into ``shards``: on this machine's devices (``executor`` None), or as Ray tasks writing the
+def _execute(ckpt: Checkpoint, plan: Plan, shards, opts: ExecOptions, devs, progress, executor: LocalExecutor | RayExecutor, out: ShardOutput) -> list | None:
+    """Run ``plan`` into ``shards`` with ``executor``: on this machine's devices, or as Ray tasks writing the
     shards of ``out``; the progress bar counts source bytes either way. The result's ``nodes`` (None locally)."""
-    run = (lambda: execute(ckpt, plan, shards, opts, devs)) if executor is None else (lambda: executor.run(ckpt, plan, shards, opts, devs, out))
+    run = lambda: executor.run(ckpt, plan, shards, opts, devs, out)  # noqa: E731
     if progress is None:
         return run()
     with progress(sum(ckpt.tensors[s].nbytes for u in plan.units for s in u.sources)) as bar:
