@@ -110,11 +110,11 @@ class _Launch:
         self.kind = gpu_kernel.KIND_INT if args.type == "int" else (gpu_kernel.KIND_FP8 if args.num_bits == 8 else gpu_kernel.KIND_FP4)
         self.table = PowTable.get(d, observer.norm, w.device)
         self.p = _shrink(steps, observer.grid, w.device)
-        self.cols = torch.arange(1 << max(0, (self.g - 1).bit_length()), dtype=torch.int32, device=w.device)
         m = self.g * 2.0**-23 * widen  # observe.c's widening of a sum (gpu_kernel's docstring)
         self.scalars = (qmin, qmax, float(rng / 2), float(rng), float(observer.expand), torch.finfo(d).max, torch.finfo(d).eps, 1.0 - m, 1.0 + m)
         self.mx_off = (2 if args.num_bits == 4 else 8) if is_mx(args) else 0
-        gp = 1 << max(0, (self.g - 1).bit_length())
+        gp = 1 << max(0, (self.g - 1).bit_length())  # the group padded to a power of two (Triton's block shapes)
+        self.cols = torch.arange(gp, dtype=torch.int32, device=w.device)
         self.consts = dict(
             G=self.g, GP=gp, BLOCK=max(1, TUNE["elems"] // gp), DT=_DT[d], KIND=self.kind, SYM=bool(args.symmetric), MX_OFF=self.mx_off,
             TWO=not self.table.exact, HW=not _interpreting(),
