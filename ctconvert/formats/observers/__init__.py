@@ -88,10 +88,15 @@ An observer that needs data (``needs_data``: the imatrix ones) is bound to it as
 ``obs.with_data({module: Importance})`` (the calibration pass'), ``.for_unit(unit.modules)``, ``.member(i)``; a
 data-free observer's ``for_unit``/``member`` are itself.
 
+A CUDA chunk of a group strategy (bf16/fp16) is searched on the GPU, with the CPU path's results exactly
+(``gpu_search``: every candidate's error bounded in a Triton kernel, the groups whose comparisons the bounds
+do not decide settled from torch's own pow and sum); other CUDA chunks are searched on the CPU.
+
 Modules: ``imatrix`` (the imatrix observers and their :class:`Importance` statistic),
 ``groups`` (the reshape per strategy, the checks, :func:`range_absmax`), ``fake_quant`` (the candidate
 qparams and fake quantization, E2M1 rounding), ``search`` (the observers and their grid search), ``patience``
-(:class:`StopTracker`), ``prepass`` (:class:`TensorSearch`), ``registry`` (:data:`OBSERVERS`).
+(:class:`StopTracker`), ``prepass`` (:class:`TensorSearch`), ``registry`` (:data:`OBSERVERS`), ``gpu_search``
+and ``gpu_kernel`` (the search on the GPU; Triton is imported only for a CUDA chunk).
 """
 
 from .groups import args_refusal, grouped, is_mx, range_absmax

@@ -164,7 +164,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def mse_search_kernel(
-        w_ptr, idx_ptr, cols_ptr, p_ptr, tlo_ptr, thi_ptr,
+        w_ptr, idx_ptr, pstep_ptr, cols_ptr, p_ptr, tlo_ptr, thi_ptr, d_ptr,
         step_ptr, mn_ptr, mx_ptr, hits_ptr, unsure_ptr, counted_ptr, lo_ptr, hi_ptr,
         R, qmin, qmax, half, rng, expand, dmax, eps, m_lo, m_hi,
         S: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr, KIND: tl.constexpr, SYM: tl.constexpr,
@@ -175,7 +175,8 @@ if HAVE_TRITON:
         ``m_lo``/``m_hi``: ``1 -/+ G * 2^-23`` (exact in fp32), the widening of the sums. Writes per group the
         best step (int16, -1 none), its range (D), the improvements as bits (int64 word 0,
         steps < 64), ``unsure`` (uint8) and per program the OR of the decided improvements (int64 x 2); with
-        ``DUMP`` every step's ``[lo, hi]`` (fp32 ``[R, S]``)."""
+        ``DUMP`` 1 every step's ``[lo, hi]`` (fp32 ``[R, S]``); with ``DUMP`` 2 row ``r``'s ``|q - x|`` (D ``[R, G]``)
+        of group ``idx[r]`` at step ``pstep[r]``, the elements whose ``pow`` and sum torch then takes."""
         pid = tl.program_id(0)
         rows = pid * BLOCK + tl.arange(0, BLOCK)
         rmask = rows < R
@@ -195,6 +196,12 @@ if HAVE_TRITON:
         fast = tl.min(ok.to(tl.int32), axis=0) == 1
         if KIND == 2:
             x = tl.abs(x)
+        if DUMP == 2:
+            pr = tl.load(p_ptr + tl.load(pstep_ptr + rows, mask=rmask, other=0))
+            scale, zp = _scale_zp(_rd(mn0 * pr, DT, HW), _rd(mx0 * pr, DT, HW), qmin, qmax, half, rng, eps, DT, SYM, MX_OFF, HW)
+            d = _abs_err(x, scale, zp, qmin, qmax, fast, DT, KIND, SYM, HW)
+            tl.store(d_ptr + rows.to(tl.int64)[:, None] * G + cols[None, :], d.to(d_ptr.dtype.element_ty), mask=mask)
+            return
         best_lo = tl.full([BLOCK], dmax, tl.float32)
         best_hi = best_lo
         bs = tl.full([BLOCK], -1, tl.int32)
@@ -210,7 +217,7 @@ if HAVE_TRITON:
             shi = tl.sum(tl.where(mask, tl.load(thi_ptr + bits), 0.0), axis=1) if TWO else slo
             lo = _rd(tl.minimum(slo, 3.4028234663852886e38) * m_lo, DT, HW)
             hi = tl.where(shi > 1e30, float("inf"), _rd(shi * m_hi, DT, HW))
-            if DUMP:
+            if DUMP == 1:
                 tl.store(lo_ptr + rows.to(tl.int64) * S + i, lo, mask=rmask)
                 tl.store(hi_ptr + rows.to(tl.int64) * S + i, hi, mask=rmask)
             else:
@@ -224,7 +231,7 @@ if HAVE_TRITON:
                 best_lo = tl.where(better, lo, best_lo)
                 best_hi = tl.where(better, hi, best_hi)
                 bs = tl.where(better, i, bs)
-        if not DUMP:
+        if DUMP == 0:
             pb = tl.load(p_ptr + tl.maximum(bs, 0))
             mn = tl.where(bs < 0, mn0, _rd(mn0 * pb, DT, HW))
             mx = tl.where(bs < 0, mx0, _rd(mx0 * pb, DT, HW))

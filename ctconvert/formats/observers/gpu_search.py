@@ -11,8 +11,9 @@ operation (its ``pow`` and its fp32 summation order are not torch's CPU ones), s
    and the improvements of a group whose every comparison is decided are then exactly the CPU path's.
 2. The other groups (typically a few in a thousand) are settled exactly (:func:`_settle`): the kernel writes
    their ``[lo, hi]`` at every step; where ``lo == hi`` that is ``E``; for the rest (where an fp32 sum lies
-   within the bound of a rounding boundary of D: one or two steps of such a group) torch computes ``E`` on the
-   CPU, as the reference does (``FakeQuant.error``); then the comparisons run on the exact sequence.
+   within the bound of a rounding boundary of D: one or two steps of such a group) the kernel writes the
+   elements' ``|q - x|`` (exact: elementwise IEEE arithmetic) and torch takes their ``pow`` and sum on the CPU,
+   the reference's own last operations (``FakeQuant.error``); then the comparisons run on the exact sequence.
 3. Global patience (``memoryless_mse``) runs on the exact improvements, as on the CPU (:class:`StopTracker`).
 
 What it does not decide: a D value whose ``|d| ** norm`` torch's vectorized and scalar kernels round
@@ -109,18 +110,20 @@ class _Launch:
         self.kind = gpu_kernel.KIND_INT if args.type == "int" else (gpu_kernel.KIND_FP8 if args.num_bits == 8 else gpu_kernel.KIND_FP4)
         self.table = PowTable.get(d, observer.norm, w.device)
         self.p = _shrink(steps, observer.grid, w.device)
-        self.cols = torch.arange(1 << max(0, (self.g - 1).bit_length()), dtype=torch.int32, device=w.device)
         m = self.g * 2.0**-23 * widen  # observe.c's widening of a sum (gpu_kernel's docstring)
         self.scalars = (qmin, qmax, float(rng / 2), float(rng), float(observer.expand), torch.finfo(d).max, torch.finfo(d).eps, 1.0 - m, 1.0 + m)
         self.mx_off = (2 if args.num_bits == 4 else 8) if is_mx(args) else 0
-        gp = 1 << max(0, (self.g - 1).bit_length())
+        gp = 1 << max(0, (self.g - 1).bit_length())  # the group padded to a power of two (Triton's block shapes)
+        self.cols = torch.arange(gp, dtype=torch.int32, device=w.device)
         self.consts = dict(
             G=self.g, GP=gp, BLOCK=max(1, TUNE["elems"] // gp), DT=_DT[d], KIND=self.kind, SYM=bool(args.symmetric), MX_OFF=self.mx_off,
             TWO=not self.table.exact, HW=not _interpreting(),
         )  # fmt: skip
 
-    def run(self, xg: torch.Tensor, idx: torch.Tensor | None = None):
-        """The kernel over groups ``xg`` ``[R, g]`` (``idx``: dump the bounds of these groups instead)."""
+    def run(self, xg: torch.Tensor, idx: torch.Tensor | None = None, pstep: torch.Tensor | None = None):
+        """The kernel over groups ``xg`` ``[R, g]``: the decisions (a dict of tensors); with ``idx``, the bounds
+        ``(lo, hi)`` of those groups at every step; with ``idx`` and ``pstep``, ``|q - x|`` of group ``idx[r]`` at
+        step ``pstep[r]`` (D ``[len(idx), g]``)."""
         r = xg.shape[0] if idx is None else idx.numel()
         block = self.consts["BLOCK"]
         programs = max(1, -(-r // block))
@@ -129,17 +132,19 @@ class _Launch:
             step=torch.empty(r, dtype=torch.int16, device=dev), mn=torch.empty(r, dtype=xg.dtype, device=dev),
             mx=torch.empty(r, dtype=xg.dtype, device=dev), hits=torch.empty(r, dtype=torch.int64, device=dev),
             unsure=torch.empty(r, dtype=torch.uint8, device=dev), counted=torch.zeros(2 * programs, dtype=torch.int64, device=dev),
-        )  # fmt: skip
-        dump = idx is not None
-        lo = torch.empty((r, self.steps) if dump else (1,), dtype=torch.float32, device=dev)
+        ) if idx is None else {}  # fmt: skip
+        mode = 0 if idx is None else (1 if pstep is None else 2)
+        lo = torch.empty((r, self.steps) if mode == 1 else (1,), dtype=torch.float32, device=dev)
         hi = torch.empty_like(lo)
+        d = torch.empty((r, self.g) if mode == 2 else (1,), dtype=xg.dtype, device=dev)
+        any_ = lo  # a pointer the mode does not read
         if r:
             gpu_kernel.mse_search_kernel[(programs,)](
-                xg, idx if dump else out["hits"], self.cols, self.p, self.table.lo, self.table.hi,
-                out["step"], out["mn"], out["mx"], out["hits"], out["unsure"], out["counted"], lo, hi,
-                r, *self.scalars, S=self.steps, DUMP=dump, num_warps=TUNE["num_warps"], **self.consts,
+                xg, any_ if idx is None else idx, any_ if pstep is None else pstep, self.cols, self.p, self.table.lo, self.table.hi, d,
+                *(out.get(k, any_) for k in ("step", "mn", "mx", "hits", "unsure", "counted")), lo, hi,
+                r, *self.scalars, S=self.steps, DUMP=mode, num_warps=TUNE["num_warps"], **self.consts,
             )  # fmt: skip
-        return (lo, hi) if dump else out
+        return (out, (lo, hi), d)[mode]
 
 
 def _improved(counted: torch.Tensor, steps: int) -> torch.Tensor:
@@ -151,21 +156,18 @@ def _improved(counted: torch.Tensor, steps: int) -> torch.Tensor:
 
 def _exact_errors(launch: _Launch, xg: torch.Tensor, idx: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """fp32 ``[U, S]`` (on ``lo``'s device): torch's errors of groups ``idx`` at every step where they matter: the
-    bounds where they meet, else torch's ``FakeQuant.error`` on the CPU for those (group, step) pairs; a step whose
-    ``lo`` is at least some earlier step's ``hi`` (or D's max) cannot improve whatever its error, and keeps ``lo``."""
+    bounds where they meet, else, for those (group, step) pairs, the kernel's exact ``|q - x|`` and torch's own
+    ``sum(... .pow(norm), dim=-1)`` of it on the CPU (``FakeQuant.error``'s last step, the same values); a step
+    whose ``lo`` is at least some earlier step's ``hi`` (or D's max) cannot improve whatever its error, and keeps
+    ``lo``."""
     dmax = torch.full((lo.shape[0], 1), launch.scalars[5], device=lo.device)
     before = torch.cat([dmax, hi[:, :-1]], dim=1).cummin(dim=1).values  # at least the best error before each step
     u, i = torch.nonzero((lo != hi) & (lo < before), as_tuple=True)
     if not u.numel():
         return lo
-    obs = launch.observer
-    x = xg[idx[u]].cpu()
-    p = launch.p[i].cpu()
-    mn0, mx0 = torch.amin(x, dim=-1) * obs.expand, torch.amax(x, dim=-1) * obs.expand
-    cmn, cmx = (mn0.float() * p).to(x.dtype), (mx0.float() * p).to(x.dtype)  # ``min0 * p``: D(fp32 * fp32)
-    ax = x.abs()[:, None] if launch.kind == gpu_kernel.KIND_FP4 else None
+    d = launch.run(xg, idx[u], i.to(torch.int32)).cpu()  # |q - x| of each pair, exact (the kernel's arithmetic)
     err = lo.clone()
-    err[u, i] = FakeQuant(launch.args, "cpu").error(x[:, None], cmn[:, None], cmx[:, None], obs.norm, ax)[:, 0].float().to(lo.device)
+    err[u, i] = torch.sum(d.pow(launch.observer.norm), dim=-1).float().to(lo.device)  # torch's pow and sum, on the CPU
     return err
 
 

@@ -97,6 +97,15 @@ def test_equals_cpu_reference(device, name, args, dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("device", DEVICES)
+def test_group_size_not_a_power_of_two(device):
+    """A group of 48 is padded to 64 columns in the kernel; the padding takes no part in a range or an error."""
+    obs, args = OBSERVERS["memoryless_mse"], WeightArgs(type="int", num_bits=4, strategy="group", group_size=48, symmetric=False)
+    w = _awkward(9, 96, torch.bfloat16, seed=7)
+    _assert_same(_search(obs, w, args, None, device), obs.search(w, args, impl="torch"))
+
+
+@needs_kernel
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name,args,dtype", [CASES[0], CASES[1], CASES[4], CASES[6]], ids=["nvfp4-bf16", "nvfp4-fp16", "w4asym-fp16", "mxfp4-bf16"])
 def test_settled_groups_are_exact(device, name, args, dtype):
     """Bounds widened 2^12 times: most comparisons are left undecided by the kernel, settled on the CPU from
