@@ -73,7 +73,8 @@ def quantize(src: str | Path, out: str | Path | None, scheme: str, *, options: Q
             config groups say each module's scheme).
         progress: a callable ``(total_bytes) -> context manager with .update(n)``; one that also takes
             keywords ``unit`` and ``desc`` is called for calibration too, as ``(layers, unit="layer",
-            desc="calibrate (N x L tokens)")``, and told each decoder layer calibrated (``update(1)``).
+            desc="calibrate (N x L tokens)")``, and told each decoder layer calibrated (``update(1)``); the two
+            bars may be open at once (calibration runs beside the conversion), each updated from one thread.
         **kw: the options, each one of :data:`ctconvert.options.OPTIONS`:
             {options}
 

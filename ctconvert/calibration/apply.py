@@ -27,7 +27,18 @@ from ..options import DEFAULT_CALIBRATION_BATCH_TOKENS
 from ..plan.planner import Plan
 from .observe import KV_CACHE_ARGS, MinMax, input_qparams, kv_qparams
 
-__all__ = ["KV_CACHE_CHOICES", "Calibrated", "CalibrationCost", "add_outputs", "attention_note", "estimate", "kv_cache_config", "needs_calibration", "run"]
+__all__ = [
+    "KV_CACHE_CHOICES",
+    "Calibrated",
+    "CalibrationCost",
+    "add_outputs",
+    "calibrated_modules",
+    "attention_note",
+    "estimate",
+    "kv_cache_config",
+    "needs_calibration",
+    "run",
+]
 
 KV_CACHE_CHOICES = ("none", *KV_CACHE_ARGS)
 
@@ -47,6 +58,13 @@ def _calibrated_units(plan: Plan):
 def needs_calibration(plan: Plan, kv_cache: str = "none") -> bool:
     """Whether this run needs calibration data (a static/local activation scheme, or a KV cache scheme)."""
     return kv_cache != "none" or bool(_calibrated_units(plan))
+
+
+def calibrated_modules(plan: Plan, kv_cache: str = "none") -> set[str]:
+    """The modules :func:`run` gives tensors to: every module of a calibrated unit, and with ``kv_cache`` every
+    attention module whose ``k_proj`` is quantized."""
+    mods = {m for u in _calibrated_units(plan) for m in u.modules}
+    return mods | set(_attention_modules(plan)) if kv_cache != "none" else mods
 
 
 def _attention_modules(plan: Plan) -> dict[str, int]:
@@ -198,50 +216,131 @@ def run(
     batch_tokens: int = DEFAULT_CALIBRATION_BATCH_TOKENS,
     progress=None,
     importance: bool = False,
+    feed=None,
+    check=None,
 ) -> Calibrated:
     """Calibrate: the calibrated tensors of every unit of ``plan`` that needs them, and notes (with ``importance``
     also every Linear's E[x^2] statistic, for the imatrix observers).
+
+    ``feed`` (a :class:`~ctconvert.calibration.feed.CalibratedFeed`): also put each module's tensors into it as soon as
+    its decoder layer has run (the same values, computed from the same CPU copies of the statistics), and the rest at
+    the end; ``check``: called after each layer (it raises to stop the calibration). The errors are raised at the end,
+    in plan order, as without a feed (a unit that would fail is not put: a reader waiting for it gets the error).
 
     Raises what :func:`ctconvert.calibration.model.calibrate` raises, and :class:`UsageError` when a
     quantized Linear saw no calibration token and has no sibling expert to take its range from."""
     from .model import calibrate
 
-    stats = calibrate(ckpt, tokens, device, kv_cache=kv_cache != "none", batch_tokens=batch_tokens, progress=progress, importance=importance)
-    dtype = _model_dtype(ckpt)
-    notes = list(stats.notes)
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
-    for u in _calibrated_units(plan):
-        observed = []
-        for m in u.modules:
-            s = stats.inputs.get(m)
-            if s is None:
-                s = _fallback(m, stats.inputs)
-                if s is None:
-                    raise UsageError(f"calibration: no calibration token reached {m}; it cannot get a static activation scale")
-                notes.append(f"{m}: no calibration token was routed to this expert; its input range is that of its layer's other experts")
-            _check_finite(ckpt, m, "inputs", s)
-            observed.append(s)
-        q = input_qparams(u.scheme.input_args, observed, dtype)  # a fused set's members see one input: one range
-        for m in u.modules:
-            tensors.setdefault(m, {}).update(q)
-    if kv_cache != "none":
-        for a in _attention_modules(plan):
-            k, v = stats.keys.get(a), stats.values.get(a)
-            if k is None or v is None:
-                raise UsageError(f"calibration: the attention module {a} was not observed (architecture without a k_proj/v_proj attention module)")
-            _check_finite(ckpt, a, "keys", k)
-            _check_finite(ckpt, a, "values", v)
-            tensors.setdefault(a, {}).update(kv_qparams(kv_cache, k, v, dtype))
-    notes.append(f"calibrated on {stats.tokens} tokens")
+    resolver = _Resolver(plan, ckpt, kv_cache)
+
+    def layer_done(stats, hooked) -> None:
+        if check is not None:
+            check()
+        if feed is not None:
+            resolver.stream(stats, hooked, feed)
+
+    stats = calibrate(
+        ckpt,
+        tokens,
+        device,
+        kv_cache=kv_cache != "none",
+        batch_tokens=batch_tokens,
+        progress=progress,
+        importance=importance,
+        layer_done=layer_done if feed is not None or check is not None else None,
+    )
+    tensors, notes = resolver.resolve(stats)
+    if feed is not None:
+        for module, parts in tensors.items():
+            feed.put(module, parts)
+    notes = [*stats.notes, *notes, f"calibrated on {stats.tokens} tokens"]
     return Calibrated(tensors, notes, stats.importance)
 
 
-def check_model(ckpt: Checkpoint) -> None:
+class _Resolver:
+    """The calibrated tensors of the plan's calibrated units and attention modules from the calibration statistics
+    (CPU copies, as :meth:`~ctconvert.calibration.observe.Stats.cpu` makes them): :meth:`resolve` all of them, in plan
+    order, raising the first error; :meth:`stream` those whose modules have all been observed, as layers finish."""
+
+    def __init__(self, plan: Plan, ckpt: Checkpoint, kv_cache: str):
+        self.ckpt, self.kv_cache, self.dtype = ckpt, kv_cache, _model_dtype(ckpt)
+        self.units = _calibrated_units(plan)
+        self.attention = list(_attention_modules(plan)) if kv_cache != "none" else []
+        self._streamed: set[int] = set()  # indices into units + attention already put
+        self._cpu: dict[str, MinMax] = {}  # final statistics' CPU copies, by module (inputs)
+        self._broken = False  # a streamed unit failed: the rest waits for resolve (which raises in plan order)
+
+    def _unit(self, u, inputs: dict[str, MinMax]) -> tuple[dict[str, torch.Tensor], list[str]]:
+        observed, notes = [], []
+        for m in u.modules:
+            s = inputs.get(m)
+            if s is None:
+                s = _fallback(m, inputs)
+                if s is None:
+                    raise UsageError(f"calibration: no calibration token reached {m}; it cannot get a static activation scale")
+                notes.append(f"{m}: no calibration token was routed to this expert; its input range is that of its layer's other experts")
+            _check_finite(self.ckpt, m, "inputs", s)
+            observed.append(s)
+        return input_qparams(u.scheme.input_args, observed, self.dtype), notes  # a fused set's members see one input: one range
+
+    def _attention(self, a: str, keys: dict[str, MinMax], values: dict[str, MinMax]) -> dict[str, torch.Tensor]:
+        k, v = keys.get(a), values.get(a)
+        if k is None or v is None:
+            raise UsageError(f"calibration: the attention module {a} was not observed (architecture without a k_proj/v_proj attention module)")
+        _check_finite(self.ckpt, a, "keys", k)
+        _check_finite(self.ckpt, a, "values", v)
+        return kv_qparams(self.kv_cache, k, v, self.dtype)
+
+    def resolve(self, stats) -> tuple[dict[str, dict[str, torch.Tensor]], list[str]]:
+        """Every calibrated module's tensors and the notes, from the whole pass' :class:`Stats` (on any device)."""
+        cpu = stats.cpu()
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        notes: list[str] = []
+        for u in self.units:
+            q, n = self._unit(u, cpu.inputs)
+            notes += n
+            for m in u.modules:
+                tensors.setdefault(m, {}).update(q)
+        for a in self.attention:
+            tensors.setdefault(a, {}).update(self._attention(a, cpu.keys, cpu.values))
+        return tensors, notes
+
+    def stream(self, stats, hooked: set[str], feed) -> None:
+        """Put into ``feed`` each unit (and attention module) not put yet whose modules have all been observed
+        (``hooked``: their layers have run, so their statistics are final). A module both a unit and an attention
+        module give (none today) is put whole at the end."""
+        if self._broken:
+            return
+        ready = [i for i, u in enumerate(self.units) if i not in self._streamed and all(m in hooked for m in u.modules)]
+        conv = lambda d, names: {k: MinMax(d[k].min.cpu(), d[k].max.cpu(), d[k].tokens) for k in names if k in d and d[k].min is not None}
+        try:
+            if ready:
+                heads = {m.partition(".experts.")[0] for i in ready for m in self.units[i].modules}
+                new = [k for k in stats.inputs if k not in self._cpu and k in hooked and (k in heads or k.partition(".experts.")[0] in heads)]
+                self._cpu.update(conv(stats.inputs, new + [m for i in ready for m in self.units[i].modules if m not in self._cpu]))
+            for i in ready:
+                q, _ = self._unit(self.units[i], self._cpu)
+                for m in self.units[i].modules:
+                    if m not in self.attention:
+                        feed.put(m, dict(q))
+                self._streamed.add(i)
+            for j, a in enumerate(self.attention):
+                key = len(self.units) + j
+                if key in self._streamed or a not in hooked or any(a in u.modules for u in self.units):
+                    continue
+                feed.put(a, self._attention(a, conv(stats.keys, [a]), conv(stats.values, [a])))
+                self._streamed.add(key)
+        except (UsageError, BadInputError):
+            self._broken = True
+
+
+def check_model(ckpt: Checkpoint, build: bool = True) -> None:
     """Refuse, before any work (also in a dry run), a checkpoint calibration cannot run: it runs decoder
     language models (``*ForCausalLM``, ``*ForConditionalGeneration``, ``*LMHeadModel``) layer by layer.
     It then builds the meta-device model as the real run does (:func:`.model.check_buildable`; ``ckpt`` with the
     plan's per-expert views): what transformers cannot build, or whose experts calibration cannot run (Llama-4),
-    is refused here, with the real run's message. Raises :class:`UnsupportedError` (exit 4)."""
+    is refused here, with the real run's message (``build`` False: not yet; :func:`build_model` does it later, as a
+    calibration beside the write stage does on its thread). Raises :class:`UnsupportedError` (exit 4)."""
     if not is_generative(ckpt.config):
         arch = ", ".join(ckpt.config.get("architectures") or []) or "this architecture"
         raise UnsupportedError(
@@ -249,6 +348,13 @@ def check_model(ckpt: Checkpoint) -> None:
             "(FP8_DYNAMIC, W8A8, W4A16, NVFP4A16, MXFP4 ...)",
             file=ckpt.path / "config.json",
         )
+    if build:
+        build_model(ckpt)
+
+
+def build_model(ckpt: Checkpoint) -> None:
+    """Build the meta-device model calibration will run (:func:`.model.check_buildable`: transformers imported, the
+    model kept for :func:`run` of the same ``ckpt``). Raises :class:`UnsupportedError` (exit 4)."""
     from .model import check_buildable  # transformers is imported only where calibration runs
 
     check_buildable(ckpt)

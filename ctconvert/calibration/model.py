@@ -87,6 +87,7 @@ class CalibrationModel:
         self.names = self._checkpoint_names(tf)  # model parameter name -> checkpoint tensor name
         self._pretrained_owner = pretrained_owners(model)
         self.stats = Stats()
+        self.hooked: set[str] = set()  # checkpoint names of the modules observed so far (their layers have run)
         self.kv = False
         self._prefetch: LayerPrefetcher | None = None
 
@@ -359,9 +360,11 @@ class CalibrationModel:
                     self.stats.observe_input(ck, args[0])
 
                 handles.append(m.register_forward_pre_hook(pre))
+                self.hooked.add(ck)
             elif hasattr(m, "k_proj") and hasattr(m, "v_proj"):
                 kw = self.names.get(full + ".k_proj.weight", full + ".k_proj.weight")
                 self.module_names[id(m)] = kw[: -len(".k_proj.weight")]
+                self.hooked.add(self.module_names[id(m)])
         return handles
 
     def capture(self, batches: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[_Recorded]]]:
@@ -467,6 +470,7 @@ def calibrate(
     batch_tokens: int = DEFAULT_CALIBRATION_BATCH_TOKENS,
     progress=None,
     importance: bool = False,
+    layer_done=None,
 ) -> Stats:
     """Observe ``tokens`` (int64 ``[N, L]``) through the checkpoint's architecture, one decoder layer at a time.
 
@@ -474,12 +478,15 @@ def calibrate(
     input over all tokens; with ``kv_cache`` per attention module the per-KV-head min/max of the key and value
     states; with ``importance`` per Linear its inputs' E[x^2] statistic (``Stats.importance``), the model run with its
     eager attention, as llm-compressor's calibration runs it (``utils/helpers.py: use_eager_attention``). ``progress``: called with
-    ``(layer, layers)`` after each layer. Raises :class:`UnsupportedError`
+    ``(layer, layers)`` after each layer. ``layer_done``: called after each layer with the :class:`Stats` so far (on the
+    device) and the checkpoint names of every module observed so far (Linear modules and attention modules: their
+    statistics are final once their layer has run), before ``progress``. Raises :class:`UnsupportedError`
     (transformers cannot build the architecture) or :class:`BadInputError` (a parameter has no checkpoint tensor).
     """
     cm = _take_prebuilt(ckpt, device, ("eager",) if importance else ("sdpa", "eager"))
     cm.kv = kv_cache
     cm.stats.collect_importance = importance
+    cm.hooked = set()
     with cm.prefetching():
         cm.load_outside()
         with _forward_errors(ckpt, "the embedding"):
@@ -488,6 +495,8 @@ def calibrate(
             with _forward_errors(ckpt, f"decoder layer {i}"):
                 hidden = cm.run_layer(i, hidden, recs[i])
             recs[i] = None  # the layer's arguments and its input: freed by reference counting (no cycles hold them)
+            if layer_done is not None:
+                layer_done(cm.stats, cm.hooked)
             if progress is not None:
                 progress(i + 1, len(cm.layers))
     cm.stats.tokens = int(tokens.numel())

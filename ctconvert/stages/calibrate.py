@@ -21,6 +21,7 @@ import time
 
 from ..calibration import apply as calibration
 from ..calibration.data import load_tokens
+from ..calibration.feed import BackgroundCalibration, CalibratedFeed
 from ..checkpoint.hashing import file_hash
 from ..checkpoint.reader import Checkpoint
 from ..errors import CTConvertError, UnsupportedError
@@ -48,6 +49,7 @@ class CalibrateStage(Stage):
         self.observer = o.observer
         self.cost: calibration.CalibrationCost | None = None
         self.importance: list[str] = []  # the observers that need calibration data
+        self._background: BackgroundCalibration | None = None
 
     def prepare(self, job: QuantizeJob) -> None:
         calibration.add_outputs(job.plan, job.ckpt, self.kv_cache)
@@ -57,7 +59,7 @@ class CalibrateStage(Stage):
         job.kv_cache_scheme = calibration.kv_cache_config(self.kv_cache)
         if not job.calibrated:
             return
-        self._check_model(job)
+        self._check_model(job, build=job.options.dry_run or not self._beside(job))  # else built on calibration's thread
         cost = calibration.estimate(job.plan, job.ckpt, self.samples, self.seq_len, self.kv_cache, self.batch_tokens)
         cost.schemes += [f"observer {n}" for n in self.importance]
         job.result.calibration = {**cost.to_dict(), "source": str(self.file) if self.file else "built-in English corpus"}
@@ -67,10 +69,10 @@ class CalibrateStage(Stage):
         job.refresh_refused = _NO_REFRESH
         self.cost = cost
 
-    def _check_model(self, job: QuantizeJob) -> None:
+    def _check_model(self, job: QuantizeJob, build: bool = True) -> None:
         """:func:`calibration.check_model`; when only an observer asks for the calibration pass, its refusal says so."""
         try:
-            calibration.check_model(job.ckpt)
+            calibration.check_model(job.ckpt, build)
         except UnsupportedError as e:
             if not self.importance or calibration.needs_calibration(job.plan, self.kv_cache):
                 raise
@@ -93,19 +95,75 @@ class CalibrateStage(Stage):
 
     def run(self, job: QuantizeJob) -> None:
         """Read the calibration tokens, run the model layer by layer (on the first device), hand the calibrated
-        tensors on; with a ``progress`` factory that takes ``unit``/``desc`` keywords, one step per decoder layer."""
+        tensors on; with a ``progress`` factory that takes ``unit``/``desc`` keywords, one step per decoder layer.
+
+        Where it can (:meth:`_beside`), calibration runs on its own thread beside the write stage: the executor gets a
+        :class:`~ctconvert.calibration.feed.CalibratedFeed` and waits only for each calibrated tensor's layer; the
+        write stage waits for the end of calibration before it commits the output (``job.before_commit``), and the
+        notes and seconds are those the run in line gives, in the same place."""
         if not job.calibrated:
             return
-        t0, result = time.perf_counter(), job.result
+        t0 = time.perf_counter()
         data = self._read_data(job)
         if isinstance(data, CTConvertError):
             raise data
-        with layer_progress(job.progress, result.calibration["layers"], f"calibrate ({self.samples} x {self.seq_len} tokens)") as step:
-            job.calibration = calibration.run(
-                job.plan, job.ckpt, data.tokens, job.devices[0], self.kv_cache, self.batch_tokens, progress=step, importance=bool(self.importance)
+        if self._beside(job):
+            self._start_beside(job, data, t0)
+            return
+        job.calibration = self._calibrate(job, data)
+        self._record(job, job.calibration, t0, len(job.result.notes))
+
+    def _calibrate(self, job: QuantizeJob, data, feed=None, check=None):
+        with layer_progress(job.progress, job.result.calibration["layers"], f"calibrate ({self.samples} x {self.seq_len} tokens)") as step:
+            return calibration.run(
+                job.plan,
+                job.ckpt,
+                data.tokens,
+                job.devices[0],
+                self.kv_cache,
+                self.batch_tokens,
+                progress=step,
+                importance=bool(self.importance),
+                feed=feed,
+                check=check,
             )
-        result.notes += job.calibration.notes
-        result.calibration["seconds"] = round(time.perf_counter() - t0, 3)
+
+    @staticmethod
+    def _record(job: QuantizeJob, cal, t0: float, at: int) -> None:
+        job.result.notes[at:at] = cal.notes
+        job.result.calibration["seconds"] = round(time.perf_counter() - t0, 3)
+
+    def _beside(self, job: QuantizeJob) -> bool:
+        """Whether calibration can run beside the write stage: not for the imatrix observers (the weights themselves
+        need the statistics), not on Ray (the workers get the calibrated tensors with their task), and not with
+        ``--resume`` (a failing calibration must leave the interrupted run's partial folder as it was). Then the model
+        is built on calibration's thread too: what transformers cannot build fails the run there, with the same
+        error and exit code (4) and nothing at the output, once the write stage has begun (a dry run refuses it first)."""
+        o = job.options
+        return not self.importance and o.executor == "local" and not o.resume and not o.refresh
+
+    def _start_beside(self, job: QuantizeJob, data, t0: float) -> None:
+        feed = CalibratedFeed(calibration.calibrated_modules(job.plan, self.kv_cache))
+
+        def work(feed, check):
+            calibration.build_model(job.ckpt)  # transformers imported and the model built here, beside the write stage
+            return self._calibrate(job, data, feed, check)
+
+        self._background = BackgroundCalibration(feed, work)
+        job.calibration = calibration.Calibrated(feed, [], {})
+        at = len(job.result.notes)
+
+        def wait() -> None:
+            done = self._background.result()
+            job.calibration = calibration.Calibrated(done.tensors, done.notes, done.importance)
+            self._record(job, done, t0, at)
+
+        job.before_commit.append(wait)
+
+    def close(self, job: QuantizeJob) -> None:
+        if self._background is not None:
+            self._background.cancel()  # at once when it has ended; else at its next layer (the run failed or was stopped)
+            self._background = None
 
     def _read_data(self, job: QuantizeJob):
         """Read and tokenize the calibration data as the real run will (a dry run stops where it would stop: no

@@ -3,7 +3,7 @@
 A stage is called in four rounds (:func:`run_stages`): every stage's :meth:`~Stage.prepare` (from the
 headers only: open, plan, refuse what cannot run), then each stage's :meth:`~Stage.report` (a dry run:
 what it adds to the result) or :meth:`~Stage.run` (the real run), then each stage's :meth:`~Stage.finish`
-(the result's last words). Every hook is optional.
+(the result's last words). :meth:`~Stage.close` ends the real run's rounds, whatever happened. Every hook is optional.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ class QuantizeJob:
     ``refresh_refused``: why ``--refresh`` cannot update this output (a stage's rule, checked where the
     output folder is chosen); ``refresh``/``created``: ``--refresh`` of an earlier output, or of none
     (a full conversion); ``qconfig``: the ``quantization_config``; ``layout``: the ``--target`` step
-    (:class:`~ctconvert.stages.layout.LayoutStage`, None without one); ``exec``: what the executor is told."""
+    (:class:`~ctconvert.stages.layout.LayoutStage`, None without one); ``exec``: what the executor is told;
+    ``before_commit``: what must have ended before the output folder is committed (each a callable that waits for it
+    and raises its error: a calibration running beside the write stage), called in order by the write stage."""
 
     src: object
     out: Path | None
@@ -61,6 +63,7 @@ class QuantizeJob:
     qconfig: dict | None = None
     layout: object = None
     exec: ExecOptions | None = None
+    before_commit: list = field(default_factory=list)  # callables the write stage calls before the output is committed
 
 
 class Stage:
@@ -78,16 +81,24 @@ class Stage:
     def finish(self, job: QuantizeJob) -> None:
         """After every stage ran (or reported): the result's last words."""
 
+    def close(self, job: QuantizeJob) -> None:
+        """After the real run, also when a stage failed or it was interrupted: stop and wait for what this stage left
+        running (a thread)."""
+
 
 def run_stages(stages: list[Stage], job: QuantizeJob) -> ConversionResult:
     """Prepare every stage, then report (``--dry-run``) or run each, then finish each; the result."""
     for stage in stages:
         stage.prepare(job)
-    for stage in stages:
-        if job.options.dry_run:
-            stage.report(job)
-        else:
-            stage.run(job)
+    try:
+        for stage in stages:
+            if job.options.dry_run:
+                stage.report(job)
+            else:
+                stage.run(job)
+    finally:
+        for stage in stages:
+            stage.close(job)
     for stage in stages:
         stage.finish(job)
     return job.result

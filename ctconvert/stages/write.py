@@ -93,6 +93,8 @@ class WriteStage(Stage):
         try:
             with folder:  # commits on leaving; an error aborts it (keeping the partial folder where folder.keep_partial says)
                 self._stream(job, folder, assignment, by_shard, hashes)
+                for wait in job.before_commit:  # a calibration beside the write stage: its error aborts the folder
+                    wait()
                 total = self._complete(job, folder, planned, hashes)
         except (KeyboardInterrupt, OutputError, OSError) as e:
             if (why := _explained(e, job.out, folder.keep_partial)) is not None:

@@ -36,9 +36,11 @@ def test_calibration_reports_each_decoder_layer(llama_ids, tmp_path):
 
     r = api.quantize(src, tmp_path / "q", "NVFP4", calibration=ids, calibration_samples=2, calibration_seq_len=64, progress=factory)
     layers = LLAMA_CONFIG["num_hidden_layers"]
-    assert [(t, u, d) for t, u, d, _ in bars[:1]] == [(layers, "layer", "calibrate (2 x 64 tokens)")]
-    assert bars[0][3] == [1] * layers  # one step per decoder layer, each after it ran
-    assert len(bars) == 2 and bars[1][1] == "B" and sum(bars[1][3]) == bars[1][0]  # then the conversion's bytes
+    by_unit = {u: (t, d, steps) for t, u, d, steps in bars}
+    assert len(bars) == 2 and set(by_unit) == {"layer", "B"}  # calibration's bar and the conversion's (open at once)
+    assert by_unit["layer"][:2] == (layers, "calibrate (2 x 64 tokens)")
+    assert by_unit["layer"][2] == [1] * layers  # one step per decoder layer, each after it ran
+    assert sum(by_unit["B"][2]) == by_unit["B"][0]  # the conversion's bytes
     assert r.calibration["layers"] == layers
 
 
