@@ -234,6 +234,11 @@ def test_batch_on_ray_gives_the_lines_and_outputs_of_a_local_batch(cluster, src,
     for a, b in zip(*lines.values(), strict=True):
         for k in ("seconds", "output"):
             a.pop(k, None), b.pop(k, None)
+        assert "nodes" not in a  # a local job's line: no nodes; a Ray job's: who did what, every shard and source byte once
+        if b["status"] != "summary":
+            nodes = b.pop("nodes")
+            assert sum(n["shards"] for n in nodes) == b["shards"] and sum(n["bytes"] for n in nodes) == b["input_bytes"]
+            assert {n["node_id"] for n in nodes} <= {n["NodeID"] for n in pytest.importorskip("ray").nodes()}
         assert a == b
     for s in local:
         assert tree_hash(tmp_path / "ray" / s) == tree_hash(local[s])
