@@ -120,10 +120,10 @@ def _read_ahead(argv: list[str], trace: Trace | None):
         trace.watch(reads[0])
     if os.environ.get("CTCONVERT_READAHEAD", "1") == "0":
         return None
-    from .checkpoint.readahead import ReadAhead  # torch-free
+    from .checkpoint.readahead import StartupReadAhead  # torch-free
 
     first = (lambda path: trace.stamp("readahead", str(path))) if trace is not None else None
-    return ReadAhead(reads[0], data=reads[1], on_first_read=first).start()
+    return StartupReadAhead(reads[0], data=reads[1], on_first_read=first).start()
 
 
 def main() -> None:

@@ -38,3 +38,37 @@ def test_problems_are_one_line_each_and_not_markup():
         ctx.console(), [{"severity": "error", "file": "a.safetensors", "tensor": "x", "message": "bad re:[a-z]"}, {"severity": "warning", "message": "w"}]
     )
     assert buf.getvalue() == "error: a.safetensors: x: bad re:[a-z]\nwarning: w\n"
+
+
+def test_a_passing_verify_says_the_same_plain_and_rich(tiny_llama, tmp_path):
+    """``verify`` with and without ``--plain`` (a pipe, every column fits): the same lines around the table, the same
+    title, header and rows in it (plain: aligned words; rich: boxed cells), no caption in either; ``--json`` unchanged."""
+    import json
+    import re
+
+    from click.testing import CliRunner
+
+    from ctconvert import api
+    from ctconvert.cli import main
+
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, "W4A16")
+    runs = {}
+    for plain in (False, True):
+        r = CliRunner(env={"COLUMNS": "200"}).invoke(main, [*(["--plain"] * plain), "verify", str(q), "--reference", str(tiny_llama)])
+        assert r.exit_code == 0, r.output
+        runs[plain] = r.stdout.splitlines()
+    rows = [["module", "format", "rel L2", "max abs", "SNR dB", "limit", "ok"]] + [
+        [t["module"], t["format"], f"{t['rel_l2']:.4f}", f"{t['max_abs']:.3g}", f"{t['snr_db']:.1f}", str(t["threshold"]), "yes"]
+        for t in api.verify(q, reference=tiny_llama)["tensors"]
+    ]
+    boxed = [ln for ln in runs[False] if ln[:1] in "┏┃┡│└"]
+    cells = [[c.strip() for c in ln.strip("┃│").split("┃" if "┃" in ln else "│")] for ln in boxed if ln[:1] in "┃│"]
+    names = {r[0] for r in rows}
+    assert cells == rows and [re.split(r"\s{2,}", ln.strip()) for ln in runs[True] if ln.split(" ", 1)[0] in names] == rows
+    title = f"error against {tiny_llama}"
+    around = lambda lines: [ln for ln in lines if ln[:1] not in "┏┃┡│└" and ln.split(" ", 1)[0] not in names]  # noqa: E731
+    assert [ln.strip() for ln in around(runs[False])] == [ln.strip() for ln in around(runs[True])] and title in around(runs[True])
+    assert around(runs[True])[-1] == "verify: passed" and not any("not shown" in ln for ln in runs[False] + runs[True])
+    r = CliRunner().invoke(main, ["--json", "--plain", "verify", str(q), "--reference", str(tiny_llama)])
+    assert json.loads(r.stdout)["ok"] and json.loads(r.stdout)["exit_code"] == 0

@@ -1,10 +1,10 @@
 """Read a checkpoint ahead while the process is still importing torch (torch-free: ``os`` only).
 
 ``ctconvert quantize`` spends its first seconds importing torch (1.5-2.3 s on an H200 machine, 3.6-3.9 s with
-a cold file cache), and reads nothing meanwhile. :class:`ReadAhead` uses that window: a daemon thread reads
+a cold file cache), and reads nothing meanwhile. :class:`StartupReadAhead` uses that window: a daemon thread reads
 every shard's header (the bytes the checkpoint reader parses first), then asks the kernel to bring the tensor
 bytes into the page cache (``posix_fadvise(POSIX_FADV_WILLNEED)``, Linux ``mm/fadvise.c``) in file order, one
-chunk at a time, each chunk awaited by reading its last byte, until :meth:`ReadAhead.stop` (the engine is
+chunk at a time, each chunk awaited by reading its last byte, until :meth:`StartupReadAhead.stop` (the engine is
 imported and reads for itself). Every byte it touches is one the conversion reads, in the order the conversion
 reads the shards (index order, else file names sorted, as :func:`ctconvert.checkpoint.reader.open_checkpoint`
 lists them); nothing is parsed, nothing is handed on: the conversion reads its own bytes, from the page cache
@@ -18,9 +18,9 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["CHUNK_BYTES", "ReadAhead", "shard_files"]
+__all__ = ["CHUNK_BYTES", "StartupReadAhead", "shard_files"]
 
-#: bytes asked for (and awaited) at a time; the thread looks at :meth:`ReadAhead.stop` between chunks
+#: bytes asked for (and awaited) at a time; the thread looks at :meth:`StartupReadAhead.stop` between chunks
 CHUNK_BYTES = 32 << 20
 _INDEX = "model.safetensors.index.json"  # reader.py's INDEX_NAME (that module imports torch)
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
@@ -46,7 +46,7 @@ def shard_files(folder: str | Path) -> list[Path]:
         return []
 
 
-class ReadAhead:
+class StartupReadAhead:
     """Reads ``folder``'s shard headers and, with ``data`` (a run that reads every tensor: not a dry run, not
     ``--resume``/``--refresh``), asks for their tensor bytes, on a daemon thread started by :meth:`start`.
 
@@ -65,7 +65,7 @@ class ReadAhead:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ctconvert-readahead", daemon=True)
 
-    def start(self) -> ReadAhead:
+    def start(self) -> StartupReadAhead:
         self._thread.start()
         return self
 

@@ -170,7 +170,8 @@ def _line(i: int, job: dict, status: str, **values) -> dict:
 
 
 def _done_line(i: int, job: dict, r, t0: float) -> dict:
-    """The line of a job whose conversion returned ``r``: ``ok``, or ``error`` for a dry run that found what the real run would stop at."""
+    """The line of a job whose conversion returned ``r``: ``ok``, or ``error`` for a dry run that found what the real run would stop at;
+    a job the Ray executor ran adds ``nodes`` (``r.nodes``: the nodes and what each did, as ``quantize --json`` has them)."""
     line = _line(
         i,
         job,
@@ -184,6 +185,8 @@ def _done_line(i: int, job: dict, r, t0: float) -> dict:
         exit_code=0,
         notes=list(r.notes),
     )
+    if r.nodes is not None:  # --executor ray (a local job's line has no nodes key, as its quantize --json has none)
+        line["nodes"] = list(r.nodes)
     if r.error is not None:
         line.update(status="error", error=str(r.error), exit_code=getattr(r.error, "exit_code", EXIT_INTERNAL))
     return line

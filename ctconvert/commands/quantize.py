@@ -15,7 +15,7 @@ from ..pipeline.options import QuantizeOptions
 from ..plan.result import ConversionResult
 from ..stages.calibrate import CalibrateStage
 from ..stages.job import QuantizeJob, Stage, run_stages
-from ..stages.plan import PlanStage
+from ..stages.plan import PlanErrorStage, PlanStage
 from ..stages.quantize import QuantizeStage
 from ..stages.source import SourceStage
 from ..stages.target import TargetStage
@@ -45,4 +45,4 @@ def _stages(scheme: str, o: QuantizeOptions) -> list[Stage]:
     write = WriteStage(o)
     quantize = QuantizeStage(o)
     plan = PlanStage(scheme, o)
-    return [SourceStage(), plan, CalibrateStage(o), quantize, *([target] if target else []), write]
+    return [SourceStage(), plan, CalibrateStage(o), quantize, *([target] if target else []), PlanErrorStage(), write]

@@ -70,7 +70,7 @@ from ..plan.planner import Plan, WorkUnit
 from .buffers import ByteBudget, PinnedPool
 from .casting import cast_chunk
 from .nonfinite import copy_nonfinite, raise_nonfinite
-from .readahead import READ_AHEAD_BYTES, ReadAhead, unit_pieces
+from .readahead import READ_AHEAD_BYTES, WindowReadAhead, unit_pieces
 from .reads import COPY_CHUNK_BYTES, Read, make_reads, warm_up_shapes
 from .scales import UnitScales, needs_absmax_pass, observer_of
 
@@ -144,7 +144,7 @@ class Executor:
         self.cuda = self.dev.type == "cuda"
         kind = "cuda" if self.cuda else "cpu"
         self.readers = 1 if not self.cuda and opts.map_input and not _sources_need_work(ckpt, plan) else READERS[kind]
-        self.ahead = ReadAhead(unit_pieces(ckpt, plan.units), opts.read_ahead) if opts.read_ahead > 0 else None
+        self.ahead = WindowReadAhead(unit_pieces(ckpt, plan.units), opts.read_ahead) if opts.read_ahead > 0 else None
         self.pool = PinnedPool(READ_AHEAD + self.readers + 2) if self.cuda else None
         self.budget = ByteBudget(WRITE_BUDGET) if self.cuda else None  # bytes queued for the writers
         self.stream = torch.cuda.Stream(self.dev) if self.cuda else None

@@ -9,10 +9,12 @@ tensors' files and byte ranges) go once into Ray's object store, each task gets 
 worker reads its source bytes itself from the storage every node sees, runs the same streaming
 :func:`~ctconvert.pipeline.executor.execute` on its device (one GPU, ``num_gpus=1``, with ``--device
 cuda``; else the node's CPUs), hashes its sources beside it (as the local write stage does), writes
-each shard under a temporary name in the partial folder and renames it once complete. It returns the
-shards' sizes and content hashes and its sources' hashes; the driver journals a shard only then (so an
-interrupted driver leaves a folder that ``--resume`` continues like a local run), and writes the index,
-config, provenance and model card last, as a local run does.
+each shard under a temporary name in the partial folder (:data:`TMP_MARK`). It returns the shards' sizes,
+content hashes and temporary names and its sources' hashes; the driver then renames each shard into its final
+name and journals it (the driver's own shard files of the shards the workers write are removed first), so a
+shard under its final name is a journaled one: an interrupted driver leaves a folder whose unfinished shards
+are gone (their temporary files removed) and that ``--resume`` continues like a local run. The driver writes
+the index, config, provenance and model card last, as a local run does.
 
 Faults: a task whose worker or node is lost is run again elsewhere (Ray's ``max_retries``:
 :data:`RETRIES`), rewriting its shards under a new temporary name (the same bytes); a worker that
@@ -54,7 +56,7 @@ RETRIES = 3
 REPORT_SECONDS = 0.5
 #: the driver looks at finished tasks and the progress this often (seconds)
 POLL_SECONDS = 0.2
-#: a shard being written by a task: ``.<shard>.ray-part-<attempt>`` in the partial folder (renamed when complete)
+#: a shard written by a task: ``.<shard>.ray-part-<attempt>`` in the partial folder (renamed by the driver when it journals it)
 TMP_MARK = ".ray-part-"
 #: seconds to reach a cluster address before giving up on it
 CONNECT_SECONDS = 5.0
@@ -135,7 +137,8 @@ class TaskSpec:
 @dataclass
 class TaskResult:
     """What a task returns: each shard's ``(size, content hash)``, its sources' hashes, the pass-through
-    tensors it found holding NaN/inf, the zero-quantized rows (``ZeroTracker.found``), its node."""
+    tensors it found holding NaN/inf, the zero-quantized rows (``ZeroTracker.found``), its node, and each
+    shard's temporary file name in the partial folder (``parts``: the driver renames it when it journals it)."""
 
     key: int
     shards: dict[str, tuple[int, str]]
@@ -145,6 +148,7 @@ class TaskResult:
     node: str
     node_id: str
     nbytes: int
+    parts: dict[str, str]
 
 
 def shard_groups(units: list, weight_map: dict[str, str], done: set[str]) -> list[tuple[list[str], list[int]]]:
@@ -227,10 +231,11 @@ class RayExecutor:
         ray = self.ray or connect(self.address)
         folder, cuda = out.folder, any(torch.device(d).type == "cuda" for d in (devices or [opts.device]))
         specs = self._specs(ckpt, plan, out, cuda, opts.zeros is not None)
-        for spec in specs:  # the driver's handles of the shards the workers write (they replace the files)
-            for tensors in spec.shards.values():
+        for spec in specs:  # the driver's files of the shards the workers write: closed and removed (a final name is a journaled shard)
+            for name, tensors in spec.shards.items():
                 if tensors:
                     shards[tensors[0].name].abort()
+                    (Path(folder.tmp) / name).unlink(missing_ok=True)
         _remove_parts(Path(folder.tmp))
         remote = ray.remote(convert_shards).options(max_retries=RETRIES, retry_exceptions=False, **_resources(ray, cuda))
         progress = ray.remote(num_cpus=0)(_Progress).options(scheduling_strategy=_on(ray)).remote()
@@ -259,7 +264,8 @@ class RayExecutor:
         return specs
 
     def _collect(self, ray, refs: dict, progress, bar, out: ShardOutput) -> list[TaskResult]:
-        """Wait for every task, journaling each shard as its task returns; the bar follows the workers' reports."""
+        """Wait for every task, renaming each shard into its final name and journaling it as its task returns; the
+        bar follows the workers' reports."""
         pending, results, shown = list(refs), [], 0
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
@@ -267,6 +273,7 @@ class RayExecutor:
                 results.append(r := _result(ray, ref))
                 out.known.update(r.hashes)
                 for name, (size, digest) in r.shards.items():
+                    os.replace(Path(out.folder.tmp) / r.parts[name], Path(out.folder.tmp) / name)
                     out.folder.journal_shard(name, size, digest)
             if bar is not None:
                 now = sum(r.nbytes for r in results) if not pending else ray.get(progress.total.remote())
@@ -398,7 +405,7 @@ def _check_visible(ckpt: Checkpoint, units: list, folder: Path, where: str) -> N
 
 def convert_shards(common, spec: TaskSpec, progress) -> TaskResult:
     """The Ray task (run on a worker): convert ``spec``'s units into its shards, each written under a
-    temporary name in the partial folder and renamed once complete. ``common``: ``(checkpoint, plan
+    temporary name in the partial folder (the driver renames it when it journals it). ``common``: ``(checkpoint, plan
     without units, executor options)``, shared by every task. Raises what the executor raises, and
     :class:`BadInputError`/:class:`OutputError` naming the node for a path it cannot reach."""
     import ray
@@ -425,7 +432,6 @@ def convert_shards(common, spec: TaskSpec, progress) -> TaskResult:
         for name, f in files.items():
             f.close()
             done[name] = (f.size, f.content_hash())
-            os.replace(f.path, folder / name)
     except BaseException:
         for f in files.values():
             f.abort()
@@ -433,4 +439,5 @@ def convert_shards(common, spec: TaskSpec, progress) -> TaskResult:
         raise
     reporter.flush()
     zeros = wopts.zeros.found if wopts.zeros is not None else {}
-    return TaskResult(spec.key, done, hashing.all(), list(wopts.nonfinite), zeros, ip, node_id, spec.nbytes)
+    parts = {name: f.path.name for name, f in files.items()}
+    return TaskResult(spec.key, done, hashing.all(), list(wopts.nonfinite), zeros, ip, node_id, spec.nbytes, parts)

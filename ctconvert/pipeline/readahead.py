@@ -2,7 +2,7 @@
 
 The executor's readers fetch a few row chunks ahead of the computing thread (:data:`.executor.READ_AHEAD`,
 bounded by process memory); with a cold page cache that leaves the disk idle whenever a chunk computes or the
-writers hold the disk, so the run takes about read + write instead of max(read, write). :class:`ReadAhead`
+writers hold the disk, so the run takes about read + write instead of max(read, write). :class:`WindowReadAhead`
 asks the kernel to read a window of the input beyond what the readers have reached
 (``posix_fadvise(POSIX_FADV_WILLNEED)``, Linux ``mm/fadvise.c``: it starts the reads and returns), on a
 thread of its own, so the bytes are in the page cache when a reader asks for them; what it holds is page
@@ -10,7 +10,7 @@ cache (reclaimable), never the process's memory, and it never waits for the writ
 
 The input is walked in the executor's order (:func:`unit_pieces`): every stored byte range the units read
 (a derived expert's whole region, the stored tensors a dequantized weight is computed from), cut into
-pieces of :data:`PIECE_BYTES`. The readers say where they are with :meth:`ReadAhead.reached` (the unit
+pieces of :data:`PIECE_BYTES`. The readers say where they are with :meth:`WindowReadAhead.reached` (the unit
 they read); the hints run at most ``window`` bytes past the start of that unit, or to its end for a
 larger unit.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..checkpoint.hashing import stored_ranges
 
-__all__ = ["PIECE_BYTES", "READ_AHEAD_BYTES", "ReadAhead", "unit_pieces"]
+__all__ = ["PIECE_BYTES", "READ_AHEAD_BYTES", "WindowReadAhead", "unit_pieces"]
 
 PIECE_BYTES = 16 * 2**20  # one hint: the range of one fadvise call
 READ_AHEAD_BYTES = 512 * 2**20  # the window hinted beyond the start of the unit the readers read
@@ -45,7 +45,7 @@ def unit_pieces(ckpt, units, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, 
     return out
 
 
-class ReadAhead:
+class WindowReadAhead:
     """Hints the kernel to read ``pieces`` (:func:`unit_pieces`) ahead of the readers, ``window`` bytes at most.
 
     ``start()`` runs the hints on a daemon thread; :meth:`reached` (any thread) moves the readers' position
@@ -77,7 +77,7 @@ class ReadAhead:
             pos += n
             self._offsets.append(pos)
 
-    def start(self) -> ReadAhead:
+    def start(self) -> WindowReadAhead:
         if self.pieces and (_willneed_available() or self.advise is not _willneed):
             self._thread = threading.Thread(target=self._run, daemon=True, name="ctconvert-readahead")
             self._thread.start()

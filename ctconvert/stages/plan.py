@@ -21,7 +21,7 @@ from ..plan.result import ConversionResult
 from ..plan.schemes import resolve_scheme
 from .job import QuantizeJob, Stage
 
-__all__ = ["PlanStage", "describe_source", "plan_or_error"]
+__all__ = ["PlanErrorStage", "PlanStage", "describe_source", "plan_or_error"]
 
 
 class PlanStage(Stage):
@@ -79,6 +79,16 @@ class PlanStage(Stage):
         job.result.error = job.dry_error
 
 
+class PlanErrorStage(Stage):
+    """A real run stops here at the plan's error (``job.dry_error``: a shape the scheme cannot take), after every check
+    a dry run makes too (calibration data and model, ``--observer``, ``--tp``), so that both stop at the same first error
+    with the same exit code; a dry run reports it with the plan (:meth:`PlanStage.report`)."""
+
+    def prepare(self, job: QuantizeJob) -> None:
+        if not job.options.dry_run and job.dry_error is not None:
+            raise job.dry_error
+
+
 #: the options a recipe decides itself: name -> its value when not given
 _RECIPE_DECIDES = {"targets": None, "ignore": None, "lm_head": "none", "observer": "minmax", "sparsity": None, "group_size": None}
 _RECIPE_DECIDES.update(symmetric=None, kv_cache="none")
@@ -120,8 +130,8 @@ def _listed(names: tuple[str, ...] | None) -> list[str] | None:
 
 
 def plan_or_error(ckpt: Checkpoint, scheme, dry_run: bool, skip_incompatible: bool, plan_kw: dict) -> tuple[Plan, Exception | None]:
-    """The plan, and for a dry run the error the real run would stop at (the plan then shows every tensor).
-    Raises :class:`UnsupportedError` in a real run, or where not one layer fits."""
+    """The plan, and the error the run stops at (a dry run's plan then shows every tensor; a real run raises it in
+    :class:`PlanErrorStage`, after the checks a dry run makes too). Raises :class:`UnsupportedError` where not one layer fits."""
     try:
         return make_plan(ckpt, scheme, skip_incompatible=skip_incompatible, **plan_kw), None
     except UnsupportedError as e:
@@ -134,7 +144,7 @@ def plan_or_error(ckpt: Checkpoint, scheme, dry_run: bool, skip_incompatible: bo
                 raise e from None
             raise UnsupportedError(every.message.replace("--skip-incompatible kept", "--skip-incompatible would keep"), file=every.file) from None
         if not dry_run:
-            raise
+            return plan, e
         stops = " (the run stops here: leave it dense with --ignore, or pass --skip-incompatible)"
         for row in plan.rows:  # say what this run would do, not what --skip-incompatible would
             if row.reason and row.reason.endswith(" (skipped: --skip-incompatible)"):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ctconvert.checkpoint.readahead import ReadAhead, shard_files
+from ctconvert.checkpoint.readahead import StartupReadAhead, shard_files
 from ctconvert.checkpoint.reader import open_checkpoint
 
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
@@ -47,7 +47,7 @@ def test_shards_in_the_readers_order(tiny_llama, tmp_path):
 def test_every_header_then_every_tensor_byte(tiny_llama, chunk):
     before = _digest(tiny_llama)
     firsts = []
-    ahead = ReadAhead(tiny_llama, chunk=chunk, on_first_read=firsts.append).start()
+    ahead = StartupReadAhead(tiny_llama, chunk=chunk, on_first_read=firsts.append).start()
     ahead.join(30)
     layouts = [_layout(p) for p in shard_files(tiny_llama)]
     assert ahead.headers == sum(h for h, _ in layouts)
@@ -57,10 +57,10 @@ def test_every_header_then_every_tensor_byte(tiny_llama, chunk):
 
 
 def test_headers_only_and_a_stop_before_the_start(tiny_llama):
-    ahead = ReadAhead(tiny_llama, data=False).start()
+    ahead = StartupReadAhead(tiny_llama, data=False).start()
     ahead.join(30)
     assert ahead.requested == 0 and ahead.headers == sum(_layout(p)[0] for p in shard_files(tiny_llama))
-    stopped = ReadAhead(tiny_llama)
+    stopped = StartupReadAhead(tiny_llama)
     stopped.stop()
     stopped.start().stop(wait=30)
     assert (stopped.headers, stopped.requested) == (0, 0)
@@ -71,7 +71,7 @@ def test_a_file_that_is_not_safetensors_is_left_to_the_reader(tmp_path):
     folder.mkdir()
     (folder / "a.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")  # header longer than the file
     (folder / "b.safetensors").write_bytes(b"abc")  # shorter than the length field
-    ahead = ReadAhead(folder).start()
+    ahead = StartupReadAhead(folder).start()
     ahead.join(30)
     assert (ahead.headers, ahead.requested) == (0, 0)
 

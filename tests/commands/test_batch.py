@@ -257,3 +257,25 @@ def test_batch_executor_is_every_jobs_default_unless_the_job_sets_its_own(tmp_pa
     seen.clear()
     run_jobs(jobs[:1], convert, emit=lambda line: None)  # not given: the options' defaults apply (no keyword)
     assert seen == [(None, None)]
+
+
+def test_a_job_the_ray_executor_ran_names_its_nodes(tmp_path):
+    """A job whose result has ``nodes`` (the Ray executor ran it) carries them in its line, after the keys every line
+    has; a local job's line (``nodes`` None) has exactly :data:`LINE_KEYS`, as before."""
+    from ctconvert.commands.batch import run_jobs
+    from ctconvert.plan.result import ConversionResult
+
+    nodes = [{"node": "10.0.0.1", "node_id": "a" * 56, "bytes": 1000, "shards": 2}, {"node": "10.0.0.2", "node_id": "b" * 56, "bytes": 24, "shards": 1}]
+    jobs = [{"model": "m", "output": str(tmp_path / o), "scheme": "W4A16"} for o in ("ray", "local")]
+
+    def convert(model, out, scheme, **kw):
+        ray = out.endswith("ray")
+        shards = ["s1", "s2", "s3"] if ray else ["s1"]
+        return ConversionResult(out, scheme, "fmt", False, 1024, shards=shards, nodes=[dict(n) for n in nodes] if ray else None)
+
+    lines = []
+    assert run_jobs(jobs, convert, emit=lines.append) == 0
+    ray, local, summary = (json.loads(x) for x in lines)
+    assert list(ray) == [*LINE_KEYS, "nodes"] and ray["nodes"] == nodes and ray["shards"] == 3 and ray["status"] == "ok"
+    assert list(local) == list(LINE_KEYS) and local["shards"] == 1
+    assert summary["ok"] == 2 and "nodes" not in summary

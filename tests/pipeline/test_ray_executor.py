@@ -24,7 +24,7 @@ from ctconvert import api
 from ctconvert.checkpoint.writer import JOURNAL, partial_folder
 from ctconvert.cli import main
 from ctconvert.errors import BadInputError
-from ctconvert.pipeline.ray_executor import INSTALL_HINT, shard_groups
+from ctconvert.pipeline.ray_executor import INSTALL_HINT, TMP_MARK, shard_groups
 
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 from helpers import tree_hash
@@ -176,9 +176,37 @@ def test_an_interrupted_driver_resumes_like_a_local_run(cluster, src, local, tmp
     assert not out.exists()
     kept = json.loads((partial_folder(out) / JOURNAL).read_text())["shards"]
     assert kept
+    left = sorted(p.name for p in partial_folder(out).iterdir())  # a shard under its final name is a journaled one; no temporary files
+    assert [n for n in left if n.endswith(".safetensors")] == sorted(kept) and not [n for n in left if TMP_MARK in n]
     r = api.quantize(src, out, "W4A16", max_shard_size=SHARD, executor="ray", resume=True)
     assert set(kept) <= set(r.reused_shards)
     assert tree_hash(out) == tree_hash(local["W4A16"])
+
+
+def test_a_shard_under_its_final_name_is_a_journaled_one(cluster, src, local, tmp_path):
+    """While the tasks run (one at a time, slowly, on one node) and after a driver interrupt, the partial folder
+    holds a shard under its final name only once the driver journaled it: no stubs, no worker's unjournaled shard
+    (the workers' files keep their temporary names until the driver renames them; an interrupt removes those)."""
+    out, seen = tmp_path / "out", []
+
+    def check(bar):
+        journaled = sorted(json.loads((partial_folder(out) / JOURNAL).read_text())["shards"])
+        seen.append((sorted(p.name for p in partial_folder(out).glob("*.safetensors") if not p.name.startswith(".")), journaled))
+        if journaled:
+            raise KeyboardInterrupt
+
+    cluster.slow.touch()
+    try:
+        with only_on(cluster, cluster.doomed, tmp_path / "release"), pytest.raises(KeyboardInterrupt):
+            api.quantize(src, out, "W4A16", max_shard_size=SHARD, executor="ray", chunk_elems=CHUNK, progress=Bar(on_update=check))
+    finally:
+        cluster.slow.unlink()
+        cluster.marker.unlink(missing_ok=True)  # the node-lost test waits for this node's next shards
+    assert seen and all(files == journaled for files, journaled in seen), seen
+    total = len(json.loads((partial_folder(out) / JOURNAL).read_text())["shards"])
+    left = sorted(p.name for p in partial_folder(out).iterdir())
+    shards = len(list(local["W4A16"].glob("*.safetensors")))
+    assert 0 < total == len([n for n in left if n.endswith(".safetensors")]) < shards and not [n for n in left if TMP_MARK in n]
 
 
 def test_a_node_lost_mid_run_is_retried_elsewhere(cluster, src, local, tmp_path):
@@ -234,6 +262,11 @@ def test_batch_on_ray_gives_the_lines_and_outputs_of_a_local_batch(cluster, src,
     for a, b in zip(*lines.values(), strict=True):
         for k in ("seconds", "output"):
             a.pop(k, None), b.pop(k, None)
+        assert "nodes" not in a  # a local job's line: no nodes; a Ray job's: who did what, every shard and source byte once
+        if b["status"] != "summary":
+            nodes = b.pop("nodes")
+            assert sum(n["shards"] for n in nodes) == b["shards"] and sum(n["bytes"] for n in nodes) == b["input_bytes"]
+            assert {n["node_id"] for n in nodes} <= {n["NodeID"] for n in pytest.importorskip("ray").nodes()}
         assert a == b
     for s in local:
         assert tree_hash(tmp_path / "ray" / s) == tree_hash(local[s])

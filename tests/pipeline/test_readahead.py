@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ctconvert.checkpoint.reader import open_checkpoint
-from ctconvert.pipeline.readahead import ReadAhead, unit_pieces
+from ctconvert.pipeline.readahead import WindowReadAhead, unit_pieces
 from ctconvert.plan.planner import make_plan
 
 MiB = 2**20
@@ -62,7 +62,7 @@ def test_unit_pieces_cover_every_source_byte_once_in_plan_order(tiny_llama):
 
 
 def test_the_window_runs_from_the_readers_unit_or_to_its_end():
-    ra = ReadAhead(_pieces([[4 * MiB], [16 * MiB, 16 * MiB], [], [8 * MiB]]), window=10 * MiB)
+    ra = WindowReadAhead(_pieces([[4 * MiB], [16 * MiB, 16 * MiB], [], [8 * MiB]]), window=10 * MiB)
     assert ra.limit() == 10 * MiB  # nothing read yet: the window from the start
     ra.reached(0)
     assert ra.limit() == 10 * MiB
@@ -78,7 +78,7 @@ def test_the_window_runs_from_the_readers_unit_or_to_its_end():
 
 def test_hints_stay_inside_the_window_until_the_readers_move(tmp_path):
     calls = []
-    ra = ReadAhead(_pieces([[MiB]] * 10, _file(tmp_path, 10 * MiB)), window=3 * MiB, advise=lambda fd, off, n: calls.append((off, n))).start()
+    ra = WindowReadAhead(_pieces([[MiB]] * 10, _file(tmp_path, 10 * MiB)), window=3 * MiB, advise=lambda fd, off, n: calls.append((off, n))).start()
     try:
         assert _wait(lambda: ra.hinted == 3)
         time.sleep(0.2)
@@ -93,7 +93,7 @@ def test_hints_stay_inside_the_window_until_the_readers_move(tmp_path):
 
 
 def test_close_stops_a_waiting_hinter_and_twice_is_harmless(tmp_path):
-    ra = ReadAhead(_pieces([[MiB]] * 4, _file(tmp_path, 4 * MiB)), window=MiB, advise=lambda fd, off, n: None).start()
+    ra = WindowReadAhead(_pieces([[MiB]] * 4, _file(tmp_path, 4 * MiB)), window=MiB, advise=lambda fd, off, n: None).start()
     assert _wait(lambda: ra.hinted == 1)
     t0 = time.monotonic()
     ra.close()
@@ -106,7 +106,7 @@ def test_real_hints_on_checkpoint_files(tiny_llama):
     ckpt = open_checkpoint(tiny_llama)
     plan = make_plan(ckpt, "W4A16")
     pieces = unit_pieces(ckpt, plan.units)
-    ra = ReadAhead(pieces, window=1 << 40).start()
+    ra = WindowReadAhead(pieces, window=1 << 40).start()
     try:
         assert _wait(lambda: ra.hinted == len(pieces) > 0)
     finally:
