@@ -121,7 +121,9 @@ class BackgroundCalibration:
             raise self._error
         return self._value
 
-    def cancel(self) -> None:
-        """Stop the calibration at its next layer and wait for the thread (its error, if any, is dropped)."""
+    def cancel(self, wait: bool = True) -> None:
+        """Stop the calibration at its next layer (its error, if any, is dropped), and wait for the thread unless
+        ``wait`` is False (the process is being stopped: a daemon thread ends with it)."""
         self._stop.set()
-        self._thread.join()
+        if wait:
+            self._thread.join()

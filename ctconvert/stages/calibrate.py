@@ -147,6 +147,7 @@ class CalibrateStage(Stage):
 
         def work(feed, check):
             calibration.build_model(job.ckpt)  # transformers imported and the model built here, beside the write stage
+            check()
             return self._calibrate(job, data, feed, check)
 
         self._background = BackgroundCalibration(feed, work)
@@ -160,9 +161,10 @@ class CalibrateStage(Stage):
 
         job.before_commit.append(wait)
 
-    def close(self, job: QuantizeJob) -> None:
+    def close(self, job: QuantizeJob, stopped: bool = False) -> None:
         if self._background is not None:
-            self._background.cancel()  # at once when it has ended; else at its next layer (the run failed or was stopped)
+            # ended: at once; else it stops at its next layer, waited for unless the process is being stopped
+            self._background.cancel(wait=not stopped)
             self._background = None
 
     def _read_data(self, job: QuantizeJob):

@@ -81,24 +81,28 @@ class Stage:
     def finish(self, job: QuantizeJob) -> None:
         """After every stage ran (or reported): the result's last words."""
 
-    def close(self, job: QuantizeJob) -> None:
-        """After the real run, also when a stage failed or it was interrupted: stop and wait for what this stage left
-        running (a thread)."""
+    def close(self, job: QuantizeJob, stopped: bool = False) -> None:
+        """After the real run, also when a stage failed or it was interrupted: stop what this stage left running (a
+        thread), and wait for it unless the run was ``stopped`` (Ctrl-C, SIGTERM: the process is ending)."""
 
 
 def run_stages(stages: list[Stage], job: QuantizeJob) -> ConversionResult:
     """Prepare every stage, then report (``--dry-run``) or run each, then finish each; the result."""
     for stage in stages:
         stage.prepare(job)
+    stopped = False
     try:
         for stage in stages:
             if job.options.dry_run:
                 stage.report(job)
             else:
                 stage.run(job)
+    except KeyboardInterrupt:  # Ctrl-C and the stop signals (the CLI raises it for SIGTERM/SIGHUP too)
+        stopped = True
+        raise
     finally:
         for stage in stages:
-            stage.close(job)
+            stage.close(job, stopped)
     for stage in stages:
         stage.finish(job)
     return job.result

@@ -17,7 +17,7 @@ from ctconvert import api
 from ctconvert.calibration import apply
 from ctconvert.calibration.feed import BackgroundCalibration, CalibratedFeed, Cancelled
 from ctconvert.checkpoint.reader import open_checkpoint
-from ctconvert.errors import BadInputError
+from ctconvert.errors import BadInputError, OutputError
 from ctconvert.plan.planner import make_plan
 from ctconvert.stages.calibrate import CalibrateStage
 
@@ -188,17 +188,46 @@ def test_beside_the_write_stage_writes_the_in_line_bytes(model, tmp_path, monkey
     assert beside.calibration["seconds"] > 0
 
 
-def test_an_interrupted_write_stops_the_calibration_thread(model, tmp_path, monkeypatch):
+def _calibrating() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ctconvert-calibrate" and t.is_alive()]
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, OutputError])
+def test_a_failed_or_interrupted_write_stops_the_calibration_thread(model, tmp_path, monkeypatch, error):
+    """A failed write waits for the calibration thread to stop (at its next layer); a stopped run (Ctrl-C, SIGTERM)
+    does not wait for it, and it stops by itself at its next layer."""
     from ctconvert.stages import write
 
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps([i % 300 for i in range(96)]))
+    from ctconvert.calibration.model import CalibrationModel
 
-    def interrupted(*a, **k):
-        raise KeyboardInterrupt
+    ran, gate = [], threading.Event()
+    real_build, real_cancel, real_layer = apply.build_model, BackgroundCalibration.cancel, CalibrationModel.run_layer
 
-    monkeypatch.setattr(write, "_execute", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    def build(ckpt):  # the thread builds its model only once the run has cancelled it
+        gate.wait(timeout=60)
+        real_build(ckpt)
+
+    def cancel(self, wait=True):
+        self._stop.set()
+        gate.set()
+        real_cancel(self, wait)
+
+    monkeypatch.setattr(apply, "build_model", build)
+    monkeypatch.setattr(BackgroundCalibration, "cancel", cancel)
+    monkeypatch.setattr(CalibrationModel, "run_layer", lambda self, *a: (ran.append(1), real_layer(self, *a))[1])
+
+    def failing(*a, **k):
+        raise error("disk gone") if error is OutputError else error
+
+    monkeypatch.setattr(write, "_execute", failing)
+    with pytest.raises(error):
         api.quantize(model, tmp_path / "q", "NVFP4", calibration=ids, calibration_samples=2, calibration_seq_len=48)
-    assert not any(t.name == "ctconvert-calibrate" and t.is_alive() for t in threading.enumerate())
+    if error is OutputError:
+        assert not _calibrating()  # waited for
+    for t in _calibrating():
+        t.join(timeout=120)
+    assert not _calibrating()
+    assert ran == []  # stopped at its first check (once its model is built), before any layer ran
     assert not (tmp_path / "q").exists()
