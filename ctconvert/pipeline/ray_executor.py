@@ -25,10 +25,7 @@ and only when this executor is used (:func:`ray_module`).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
-import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -39,15 +36,14 @@ import torch
 from ..checkpoint.hashing import SourceHashes
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import PlannedTensor, ShardFile
-from ..errors import BadInputError, CTConvertError, OutputError, UsageError
+from ..errors import BadInputError, CTConvertError, OutputError
 from ..plan.planner import Plan
 from .executor import ExecOptions, execute, unit_bytes
+from .ray_cluster import INSTALL_HINT, Joining, connect, joining, progress_actor, ray_module, resources
 from .zeros import ZeroTracker
 
 __all__ = ["INSTALL_HINT", "RETRIES", "RayExecutor", "ShardOutput", "TaskResult", "connect", "convert_shards", "ray_module", "shard_groups"]
 
-#: how to get the optional extra (the one-line error of ``--executor ray`` without it)
-INSTALL_HINT = "pip install 'ctconvert[ray]' (or ./install.sh ray)"
 #: times Ray runs a task again whose worker or node was lost (its shards are rewritten: the same bytes)
 RETRIES = 3
 #: a worker reports its progress at most this often (seconds), and once at its end
@@ -56,53 +52,6 @@ REPORT_SECONDS = 0.5
 POLL_SECONDS = 0.2
 #: a shard being written by a task: ``.<shard>.ray-part-<attempt>`` in the partial folder (renamed when complete)
 TMP_MARK = ".ray-part-"
-#: seconds to reach a cluster address before giving up on it
-CONNECT_SECONDS = 5.0
-
-
-def ray_module():
-    """The ``ray`` package, imported now. Raises :class:`UsageError` (exit 2) saying how to install it."""
-    try:
-        import ray
-    except ImportError:
-        raise UsageError(f"--executor ray needs Ray, which is not installed: {INSTALL_HINT}") from None
-    return ray
-
-
-def connect(address: str | None):
-    """Join the Ray cluster at ``address`` (``HOST:PORT``, ``ray://HOST:PORT``, ``auto``); None: Ray's own
-    default, ``RAY_ADDRESS`` when set, else a new local Ray instance. A process already connected stays
-    so. Returns the ``ray`` module. Raises :class:`UsageError` (exit 2) without Ray, or naming an address
-    that cannot be reached (tried for :data:`CONNECT_SECONDS`)."""
-    ray = ray_module()
-    if ray.is_initialized():
-        return ray
-    given = address or os.environ.get("RAY_ADDRESS") or None
-    if given is not None:
-        _probe(given)
-    local = {"include_dashboard": False} if given is None else {}
-    try:
-        ray.init(address=address, logging_level=logging.ERROR, **local)
-    except (ConnectionError, RuntimeError, ValueError, TimeoutError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        hint = "" if given is None else " (a cluster with token authentication, the default of `ray start --head`, needs RAY_AUTH_MODE=token and its token)"
-        raise UsageError(f"cannot join the Ray cluster at {given or 'a new local instance'}: {first}{hint}") from None
-    return ray
-
-
-def _probe(address: str) -> None:
-    """A quick TCP connect to ``address``'s host and port, so that a wrong one fails in seconds (``ray.init``
-    retries for a minute); ``auto``/``local`` and addresses without a port are left to Ray."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
-    except OSError as e:
-        raise UsageError(
-            f"cannot reach the Ray cluster at {address} (--ray-address or RAY_ADDRESS): {e.strerror or e}; "
-            "start one with `ray start --head`, or give the head node's address"
-        ) from None
 
 
 @dataclass
@@ -122,7 +71,7 @@ class TaskSpec:
     """One task: ``shards`` (name -> planned tensors, the header order) and the plan's ``units`` that write
     them, in plan order; ``others``: outputs of those units in shards finished already (dropped)."""
 
-    key: int
+    key: tuple[str, int]
     shards: dict[str, list[PlannedTensor]]
     units: list
     others: list[PlannedTensor]
@@ -137,7 +86,7 @@ class TaskResult:
     """What a task returns: each shard's ``(size, content hash)``, its sources' hashes, the pass-through
     tensors it found holding NaN/inf, the zero-quantized rows (``ZeroTracker.found``), its node."""
 
-    key: int
+    key: tuple[str, int]
     shards: dict[str, tuple[int, str]]
     hashes: dict[str, str]
     nonfinite: list[str]
@@ -185,40 +134,22 @@ class RayExecutor:
     def __init__(self, address: str | None = None):
         self.address = address
         self.ray = None
-        self._joining: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._joining: Joining | None = None
+        self._cuda = False
 
     def start(self, device: str = "cpu") -> None:
         """Begin joining the cluster and warming its workers on a thread (:meth:`connect` waits for it), so that
-        this overlaps the driver's own work (opening the source, planning, calibrating). ``device``: the
+        this overlaps the driver's own work (opening the source, planning, calibrating); a join the console script
+        began for this address is taken instead (:func:`~ctconvert.pipeline.ray_cluster.joining`). ``device``: the
         ``--device`` given; one that can mean CUDA on a machine with CUDA warms GPU workers."""
-        cuda = str(device).lower() != "cpu" and torch.cuda.is_available()
-        if not (self.address or os.environ.get("RAY_ADDRESS")):
-            # a new local instance: Ray starts its daemons (GCS, raylet) with PR_SET_PDEATHSIG, which kills them
-            # when the *thread* that started them ends, so it is started on this (the main) thread
-            try:
-                self.ray = connect(None)
-            except BaseException as e:  # noqa: BLE001 - re-raised by connect()
-                self._error = e
-                return
-        self._joining = threading.Thread(target=self._join, args=(cuda,), daemon=True, name="ctconvert-ray-join")
-        self._joining.start()
-
-    def _join(self, cuda: bool) -> None:
-        try:
-            self.ray = self.ray or connect(self.address)
-            _warm_up(self.ray, cuda)
-        except BaseException as e:  # noqa: BLE001 - re-raised by connect()
-            self._error = e
+        self._cuda = str(device).lower() != "cpu" and torch.cuda.is_available()
+        self._joining = joining(self.address, self._cuda)
 
     def connect(self) -> None:
         """Join the cluster (:func:`connect`; begun by :meth:`start`, else now). Raises what joining raised."""
-        if self._joining is None and self._error is None:
+        if self._joining is None:
             self.start()
-        if self._joining is not None:
-            self._joining.join()
-        if self._error is not None:
-            raise self._error
+        self.ray = self._joining.wait(self._cuda)
 
     def run(self, ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions, devices, out: ShardOutput) -> list[dict]:
         """Convert ``plan``'s units into the shards of ``out`` on the cluster (``devices``: a CUDA one asks
@@ -232,8 +163,8 @@ class RayExecutor:
                 if tensors:
                     shards[tensors[0].name].abort()
         _remove_parts(Path(folder.tmp))
-        remote = ray.remote(convert_shards).options(max_retries=RETRIES, retry_exceptions=False, **_resources(ray, cuda))
-        progress = ray.remote(num_cpus=0)(_Progress).options(scheduling_strategy=_on(ray)).remote()
+        remote = ray.remote(convert_shards).options(max_retries=RETRIES, retry_exceptions=False, **resources(ray, cuda))
+        progress = progress_actor(ray)
         common = ray.put((ckpt, dataclasses.replace(plan, units=[], rows=[], notes=[]), dataclasses.replace(opts, progress=None, zeros=None, nonfinite=[])))
         refs = {remote.remote(common, spec, progress): spec for spec in specs}
         try:
@@ -243,7 +174,8 @@ class RayExecutor:
                 ray.cancel(ref, force=True)
             raise
         finally:
-            ray.kill(progress)
+            if specs:
+                progress.forget.remote(specs[0].key[0])
             _remove_parts(Path(folder.tmp))  # what attempts on lost workers left
         return self._merge(plan, opts, results)
 
@@ -251,16 +183,18 @@ class RayExecutor:
         weight_map = {t.name: name for name, ts in out.assignment.items() for t in ts}
         done = out.folder.completed
         specs = []
+        run = uuid.uuid4().hex[:12]
         for key, (names, idx) in enumerate(shard_groups(plan.units, weight_map, done)):
             units = [plan.units[i] for i in idx]
             others = [PlannedTensor(*o) for u in units for o in u.outputs if weight_map[o[0]] in done]
             nbytes = sum(unit_bytes(ckpt, u) for u in units)
-            specs.append(TaskSpec(key, {n: out.assignment[n] for n in names}, units, others, str(out.folder.tmp), cuda, zeros, nbytes))
+            specs.append(TaskSpec((run, key), {n: out.assignment[n] for n in names}, units, others, str(out.folder.tmp), cuda, zeros, nbytes))
         return specs
 
     def _collect(self, ray, refs: dict, progress, bar, out: ShardOutput) -> list[TaskResult]:
         """Wait for every task, journaling each shard as its task returns; the bar follows the workers' reports."""
         pending, results, shown = list(refs), [], 0
+        run = next(iter(refs.values())).key[0] if refs else ""
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
             for ref in ready:
@@ -269,7 +203,7 @@ class RayExecutor:
                 for name, (size, digest) in r.shards.items():
                     out.folder.journal_shard(name, size, digest)
             if bar is not None:
-                now = sum(r.nbytes for r in results) if not pending else ray.get(progress.total.remote())
+                now = sum(r.nbytes for r in results) if not pending else ray.get(progress.total.remote(run))
                 if now > shown:
                     bar.update(now - shown)
                     shown = now
@@ -305,69 +239,16 @@ def _result(ray, ref) -> TaskResult:
         raise CTConvertError(f"a Ray task failed after {RETRIES} retries: {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
 
 
-def _resources(ray, cuda: bool) -> dict:
-    """A task's resources: one GPU (and a CPU) with CUDA; else the CPUs of the smallest node, so that a node
-    converts one group at a time with all its cores, as a local run does."""
-    if cuda:
-        if not ray.cluster_resources().get("GPU"):
-            raise UsageError("--device cuda with --executor ray: no node of the Ray cluster has a GPU (start its nodes with GPUs, or use --device cpu)")
-        return {"num_gpus": 1, "num_cpus": 1}
-    cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
-    return {"num_cpus": int(min(cpus)) if cpus else 1}
-
-
-def _warm_up(ray, cuda: bool) -> None:
-    """Start one worker per node (with ``cuda``, one per GPU), not waited for: Python, Ray, torch, the kernels."""
-    warm = ray.remote(_warm_worker)
-    for node in ray.nodes():
-        gpus = int(node["Resources"].get("GPU", 0)) if cuda else 0
-        if not node.get("Alive") or (cuda and not gpus) or node["Resources"].get("CPU", 0) < 1:
-            continue
-        resources = {"num_cpus": 1, "num_gpus": 1} if cuda else _resources(ray, False)
-        for _ in range(gpus or 1):
-            warm.options(scheduling_strategy=_on(ray, node["NodeID"], soft=True), **resources).remote(cuda)
-
-
-def _on(ray, node_id: str | None = None, soft: bool = False):
-    """A scheduling strategy placing a task or actor on node ``node_id`` (None: the driver's, which outlives the loss of any other)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(node_id=node_id or ray.get_runtime_context().get_node_id(), soft=soft)
-
-
-def _warm_worker(cuda: bool) -> None:
-    """A worker's start-up, done before its first task: this module (torch, the executor) is imported to run it; the C
-    kernels are loaded, and with ``cuda`` the device's context made."""
-    from ..formats import native
-
-    native.available()
-    if cuda and torch.cuda.is_available():
-        torch.zeros(1, device="cuda")
-
-
 def _remove_parts(folder: Path) -> None:
     """Remove the temporary shard files of earlier task attempts (lost workers, an interrupted run)."""
     for p in folder.glob(f".*{TMP_MARK}*"):
         p.unlink(missing_ok=True)
 
 
-class _Progress:
-    """The progress actor: each task's source bytes done so far (the most any attempt of it reported)."""
-
-    def __init__(self):
-        self.done: dict[int, int] = {}
-
-    def report(self, key: int, nbytes: int) -> None:
-        self.done[key] = max(self.done.get(key, 0), nbytes)
-
-    def total(self) -> int:
-        return sum(self.done.values())
-
-
 class _Reporter:
     """A worker's progress (``.update(n)``, as the executor calls it), sent to the actor every :data:`REPORT_SECONDS`."""
 
-    def __init__(self, actor, key: int):
+    def __init__(self, actor, key: tuple[str, int]):
         self.actor, self.key, self.done, self.sent = actor, key, 0, 0.0
 
     def update(self, n: int) -> None:
