@@ -7,13 +7,14 @@ engine. :class:`Joining` does all of it on a thread (a new local Ray instance on
 the driver imports torch itself (:mod:`ctconvert.__main__`), so that the workers' start-up overlaps the driver's
 own; :func:`joining` hands the :class:`~ctconvert.pipeline.ray_executor.RayExecutor` the join begun early for its
 address, or a new one. The progress actor (:class:`Progress`) lives here too, torch-free, so that its worker
-process starts in a fraction of a second instead of importing torch beside the converting workers; one actor
-serves every run of a driver (:func:`progress_actor`) and ends with the driver's Ray job, as Ray ends every
-actor that is not detached.
+process starts without importing torch beside the converting workers; it is made only for a run with a progress
+bar, one actor serves every run of a driver (:func:`progress_actor`), and it ends with the driver's Ray job, as
+Ray ends every actor that is not detached.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import socket
@@ -92,15 +93,15 @@ def _probe(address: str) -> None:
         ) from None
 
 
-def resources(ray, cuda: bool) -> dict:
-    """A task's resources: one GPU (and a CPU) with CUDA; else the CPUs of the smallest node, so that a node
-    converts one group at a time with all its cores, as a local run does. Raises :class:`UsageError` for CUDA
-    on a cluster without GPUs."""
+def resources(ray, cuda: bool, nodes: list[dict] | None = None) -> dict:
+    """A task's resources: one GPU (and a CPU) with CUDA; else the CPUs of the smallest node (of ``nodes``, Ray's
+    ``ray.nodes()``; None: asked now), so that a node converts one group at a time with all its cores, as a local
+    run does. Raises :class:`UsageError` for CUDA on a cluster without GPUs."""
     if cuda:
         if not ray.cluster_resources().get("GPU"):
             raise UsageError("--device cuda with --executor ray: no node of the Ray cluster has a GPU (start its nodes with GPUs, or use --device cpu)")
         return {"num_gpus": 1, "num_cpus": 1}
-    cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
+    cpus = [n["Resources"].get("CPU", 0) for n in (ray.nodes() if nodes is None else nodes) if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
     return {"num_cpus": int(min(cpus)) if cpus else 1}
 
 
@@ -113,14 +114,13 @@ def on_node(ray, node_id: str | None = None, soft: bool = False):
 
 def warm_up(ray, cuda: bool) -> None:
     """Start one worker per node (with ``cuda``, one per GPU), not waited for: Python, Ray, torch, the kernels
-    (:func:`warm_worker`); and the driver's progress actor (:func:`progress_actor`)."""
-    progress_actor(ray)
-    warm = ray.remote(warm_worker)
-    for node in ray.nodes():
+    (:func:`warm_worker`)."""
+    warm, nodes = ray.remote(warm_worker), ray.nodes()
+    need = {"num_cpus": 1, "num_gpus": 1} if cuda else resources(ray, False, nodes)
+    for node in nodes:
         gpus = int(node["Resources"].get("GPU", 0)) if cuda else 0
         if not node.get("Alive") or (cuda and not gpus) or node["Resources"].get("CPU", 0) < 1:
             continue
-        need = {"num_cpus": 1, "num_gpus": 1} if cuda else resources(ray, False)
         for _ in range(gpus or 1):
             warm.options(scheduling_strategy=on_node(ray, node["NodeID"], soft=True), **need).remote(cuda)
 
@@ -233,9 +233,7 @@ def begin_early(address: str | None, device: str) -> None:
     for the run that :func:`joining` will ask for it (the console script, before it imports torch). ``device``:
     the ``--device`` given; ``cpu`` warms CPU workers, another GPU workers when the cluster has GPUs. Without
     Ray nothing is begun (the run says how to install it)."""
-    try:
-        import ray  # noqa: F401 - only whether it is there
-    except ImportError:
+    if importlib.util.find_spec("ray") is None:
         return
     join = Joining(address, False if str(device).lower() == "cpu" else None)
     with _LOCK:

@@ -164,7 +164,7 @@ class RayExecutor:
                     shards[tensors[0].name].abort()
         _remove_parts(Path(folder.tmp))
         remote = ray.remote(convert_shards).options(max_retries=RETRIES, retry_exceptions=False, **resources(ray, cuda))
-        progress = progress_actor(ray)
+        progress = progress_actor(ray) if opts.progress is not None else None  # a bar to follow: the workers report
         common = ray.put((ckpt, dataclasses.replace(plan, units=[], rows=[], notes=[]), dataclasses.replace(opts, progress=None, zeros=None, nonfinite=[])))
         refs = {remote.remote(common, spec, progress): spec for spec in specs}
         try:
@@ -174,7 +174,7 @@ class RayExecutor:
                 ray.cancel(ref, force=True)
             raise
         finally:
-            if specs:
+            if specs and progress is not None:
                 progress.forget.remote(specs[0].key[0])
             _remove_parts(Path(folder.tmp))  # what attempts on lost workers left
         return self._merge(plan, opts, results)
@@ -246,7 +246,8 @@ def _remove_parts(folder: Path) -> None:
 
 
 class _Reporter:
-    """A worker's progress (``.update(n)``, as the executor calls it), sent to the actor every :data:`REPORT_SECONDS`."""
+    """A worker's progress (``.update(n)``, as the executor calls it), sent to the actor every :data:`REPORT_SECONDS`
+    (``actor`` None: a run without a progress bar, nothing sent)."""
 
     def __init__(self, actor, key: tuple[str, int]):
         self.actor, self.key, self.done, self.sent = actor, key, 0, 0.0
@@ -258,7 +259,8 @@ class _Reporter:
 
     def flush(self) -> None:
         self.sent = time.monotonic()
-        self.actor.report.remote(self.key, self.done)
+        if self.actor is not None:
+            self.actor.report.remote(self.key, self.done)
 
 
 def _where(ray) -> tuple[str, str]:
