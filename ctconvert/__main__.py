@@ -126,7 +126,7 @@ def _read_ahead(argv: list[str], trace: Trace | None):
     return ReadAhead(reads[0], data=reads[1], on_first_read=first).start()
 
 
-def _join_ray(argv: list[str], trace: Trace | None) -> None:
+def join_ray_early(argv: list[str], trace: Trace | None) -> None:
     """``quantize --executor ray`` (not a dry run): begin joining the Ray cluster and starting its workers now, so
     that their start-up (Python, Ray, torch) overlaps this process's own heavy imports
     (:func:`ctconvert.pipeline.ray_cluster.begin_early`; the run takes the join). Nothing for another command."""
@@ -138,7 +138,7 @@ def _join_ray(argv: list[str], trace: Trace | None) -> None:
         params = quantize.make_context("quantize", argv[argv.index("quantize") + 1 :], resilient_parsing=True).params
     except Exception:  # noqa: BLE001 - a line click refuses: cli.run says why
         return
-    if params.get("executor") != "ray" or params.get("dry_run"):
+    if params.get("executor") != "ray" or params.get("dry_run") or not params.get("src"):
         return
     from .pipeline.ray_cluster import begin_early  # torch-free
 
@@ -156,7 +156,7 @@ def main() -> None:
         bytecode_cache()  # inside the window too
         if not _answers_without_engine(sys.argv[1:]):
             ahead = _read_ahead(sys.argv[1:], trace)
-            _join_ray(sys.argv[1:], trace)
+            join_ray_early(sys.argv[1:], trace)
             from . import api
 
             api.preload()  # torch and the rest of the heavy imports, inside the window

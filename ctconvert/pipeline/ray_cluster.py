@@ -126,13 +126,14 @@ def warm_up(ray, cuda: bool) -> None:
 
 
 def warm_worker(cuda: bool) -> None:
-    """A worker's start-up, done before its first task (run on the worker): the engine the tasks run
-    (:mod:`ctconvert.pipeline.ray_executor`, torch) imported, the C kernels loaded, and with ``cuda`` the
-    device's context made."""
+    """A worker's start-up, done before its first task (run on the worker): the engine the tasks of
+    :mod:`ctconvert.pipeline.ray_executor` run (torch, the streaming executor, the checkpoint's reading and
+    hashing) imported, the C kernels loaded, and with ``cuda`` the device's context made."""
     import torch
 
+    from ..checkpoint import hashing, reader  # noqa: F401 - what the tasks use, imported ahead of them
     from ..formats import native
-    from . import ray_executor  # noqa: F401 - the engine of the tasks, imported ahead of them
+    from . import executor, zeros  # noqa: F401 - the same
 
     native.available()
     if cuda and torch.cuda.is_available():
