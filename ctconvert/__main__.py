@@ -83,7 +83,8 @@ class Trace:
     SECONDS is ``time.monotonic()`` (``CLOCK_MONOTONIC``: one clock for every process of the machine, so a parent
     that noted it before starting this process has the time since then). Steps: ``main`` (the console script's
     first line), ``readahead`` (the read ahead's first source read), ``first-open`` (the conversion's own first
-    open of a file of SRC, seen by an audit hook, :pep:`578`), ``engine`` (torch and the commands imported)."""
+    open of a file of SRC, seen by an audit hook, :pep:`578`), ``ray`` (``quantize --executor ray``: joining the cluster
+    begun, :func:`join_ray_early`), ``engine`` (torch and the commands imported)."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr
@@ -142,7 +143,10 @@ def join_ray_early(argv: list[str], trace: Trace | None) -> None:
         return
     from .pipeline.ray_cluster import begin_early  # torch-free
 
+    window = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     begin_early(params.get("ray_address"), params.get("device") or "auto")
+    for sig, handler in window.items():  # ray.init of a new local instance sets its own SIGTERM handler: the window's stays
+        signal.signal(sig, handler)
     if trace is not None:
         trace.stamp("ray", "joining")
 
