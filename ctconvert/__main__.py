@@ -128,18 +128,20 @@ def _read_ahead(argv: list[str], trace: Trace | None):
 
 
 def join_ray_early(argv: list[str], trace: Trace | None) -> None:
-    """``quantize --executor ray`` (not a dry run): begin joining the Ray cluster and starting its workers now, so
-    that their start-up (Python, Ray, torch) overlaps this process's own heavy imports
-    (:func:`ctconvert.pipeline.ray_cluster.begin_early`; the run takes the join). Nothing for another command."""
-    from .cli import command_word, quantize
+    """``quantize --executor ray`` (not a dry run) or ``batch --executor ray``: begin joining the Ray cluster and
+    starting its workers now, so that their start-up (Python, Ray, torch) overlaps this process's own heavy imports
+    (:func:`ctconvert.pipeline.ray_cluster.begin_early`; the first run takes the join). Nothing for another command."""
+    from . import cli
 
-    if command_word(argv) != "quantize" or not any(a == "ray" or a.endswith("=ray") for a in argv):
+    name = cli.command_word(argv)
+    command, needs = {"quantize": (cli.quantize, "src"), "batch": (cli.batch_cmd, "jobs_file")}.get(name, (None, None))
+    if command is None or not any(a == "ray" or a.endswith("=ray") for a in argv):
         return
     try:
-        params = quantize.make_context("quantize", argv[argv.index("quantize") + 1 :], resilient_parsing=True).params
+        params = command.make_context(name, argv[argv.index(name) + 1 :], resilient_parsing=True).params
     except Exception:  # noqa: BLE001 - a line click refuses: cli.run says why
         return
-    if params.get("executor") != "ray" or params.get("dry_run") or not params.get("src"):
+    if params.get("executor") != "ray" or params.get("dry_run") or not params.get(needs):
         return
     from .pipeline.ray_cluster import begin_early  # torch-free
 

@@ -175,10 +175,12 @@ def test_without_ray_nothing_is_begun(monkeypatch, fake_join):
         (["quantize", "SRC", "-o", "OUT"], []),
         (["quantize", "SRC", "-o", "ray"], []),  # "ray" as another option's value
         (["inspect", "ray"], []),
+        (["batch", "jobs.yaml", "--executor", "ray", "--ray-address", "h:2"], [("h:2", "auto")]),
+        (["batch", "jobs.yaml"], []),
         (["quantize", "--executor", "ray"], []),  # no SRC: cli.run says so
     ],
 )
-def test_the_console_script_begins_joining_only_for_a_ray_quantize(monkeypatch, argv, begun):
+def test_the_console_script_begins_joining_only_for_a_ray_quantize_or_batch(monkeypatch, argv, begun):
     calls = []
     monkeypatch.setattr(ray_cluster, "begin_early", lambda address, device: calls.append((address, device)))
     entry.join_ray_early(argv, None)
