@@ -18,12 +18,15 @@ stopped at the end (the ``ray start`` process this script started, by its id).
 
 ``--base DIR``: another checkout of ctconvert (``git archive REV | tar -x -C DIR``): its ``ray`` and ``ray_warm``
 runs too (``ray_base``, ``ray_warm_base``), interleaved with this checkout's in the same repeats, for an A/B
-comparison on a loaded machine; the rows then also give the base's figures and overheads.
+comparison on a loaded machine; the rows then also give the base's figures and overheads. Each checkout gets its
+own cluster (a Ray worker imports the code of its cluster's ``PYTHONPATH`` and of the driver's working directory,
+so every run is started in its checkout's folder).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -66,13 +69,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_cluster(cuda: bool, tmp: Path) -> tuple[subprocess.Popen, str]:
-    """``ray start --head --block`` on this machine (every CPU; one GPU with ``cuda``): the process and its address."""
+def start_cluster(cuda: bool, tmp: Path, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """``ray start --head --block`` on this machine (every CPU; one GPU with ``cuda``), its workers running the code
+    of the checkout ``root`` (their ``PYTHONPATH``): the process and its address."""
     port = free_port()
     ray = Path(sys.executable).with_name("ray")
     cmd = [str(ray) if ray.exists() else "ray", "start", "--head", "--block", f"--port={port}", f"--num-cpus={os.cpu_count()}", "--include-dashboard=false"]
     cmd += [f"--num-gpus={1 if cuda else 0}", f"--temp-dir={tmp}", "--object-store-memory=500000000"]  # the tasks use little of it
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(root), cwd=root)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -125,25 +129,31 @@ def main() -> None:
     a = ap.parse_args()
     work = Path(a.workdir)
     src = Path(a.model) if a.model else make_model(work / "model")
-    tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    proc, address = start_cluster(a.device.startswith("cuda"), tmp)
+    roots = [ROOT] + ([Path(a.base).resolve()] if a.base else [])
+    tmps = [Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp")) for _ in roots]
+    clusters: dict[Path, tuple[subprocess.Popen, str]] = {}
     runs: dict = {}
     try:
+        for root, tmp in zip(roots, tmps):  # one cluster per checkout: a worker imports its cluster's code, not the driver's
+            clusters[root] = start_cluster(a.device.startswith("cuda"), tmp, root)
         for rep in range(a.repeat):
             for scheme in a.schemes.split(","):
-                for kind, addr, root in _kinds(address, a.base):
+                for kind, addr, root in _kinds({r: c[1] for r, c in clusters.items()}, a.base):
                     out = work / f"out-ray-bench-{kind}"
                     run = convert_warm if kind.startswith("ray_warm") else convert
-                    r = run(src, out, scheme, a.device, a.max_shard_size, addr, root)
+                    with _cwd(root):  # Ray puts the driver's working directory on its workers' sys.path
+                        r = run(src, out, scheme, a.device, a.max_shard_size, addr, root)
                     if rep == 0:
                         r["tree"] = tree_sha(out)
                     runs.setdefault(scheme, {}).setdefault(kind, []).append(r)
                     shutil.rmtree(out, ignore_errors=True)
                     print(f"{scheme} {kind} #{rep}: {r['seconds']:.2f} s (process {r['wall']:.2f} s)", file=sys.stderr, flush=True)
     finally:
-        proc.terminate()
-        proc.wait(60)
-        shutil.rmtree(tmp, ignore_errors=True)
+        for proc, _ in clusters.values():
+            proc.terminate()
+            proc.wait(60)
+        for tmp in tmps:
+            shutil.rmtree(tmp, ignore_errors=True)
     rows = [_row(scheme, kinds) for scheme, kinds in runs.items()]
     head = f"{'scheme':12} {'local s':>8} {'ray s':>8} {'overhead':>9} {'process':>8} {'warm s':>7} {'warm':>7} {'identical':>9}"
     print(head + "  GB/s local / ray", file=sys.stderr)
@@ -163,12 +173,25 @@ def main() -> None:
     print(json.dumps({"model": str(src), "device": a.device, "repeat": a.repeat, "rows": rows}, indent=1))
 
 
-def _kinds(address: str, base: str | None) -> list[tuple[str, str | None, Path]]:
-    """The runs of one scheme and repeat: ``(kind, Ray address or None, the checkout whose code runs)``."""
-    kinds = [("local", None, ROOT), ("ray", address, ROOT), ("ray_warm", address, ROOT)]
+def _kinds(addresses: dict[Path, str], base: str | None) -> list[tuple[str, str | None, Path]]:
+    """The runs of one scheme and repeat: ``(kind, Ray address or None, the checkout whose code runs)``;
+    ``addresses``: each checkout's cluster."""
+    kinds = [("local", None, ROOT), ("ray", addresses[ROOT], ROOT), ("ray_warm", addresses[ROOT], ROOT)]
     if base is not None:
-        kinds += [("ray_base", address, Path(base).resolve()), ("ray_warm_base", address, Path(base).resolve())]
+        b = Path(base).resolve()
+        kinds += [("ray_base", addresses[b], b), ("ray_warm_base", addresses[b], b)]
     return kinds
+
+
+@contextlib.contextmanager
+def _cwd(path: Path):
+    """This process (and so the runs it starts) in the folder ``path`` meanwhile."""
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
 
 
 def _row(scheme: str, kinds: dict) -> dict:
