@@ -17,9 +17,11 @@ config, provenance and model card last, as a local run does.
 Faults: a task whose worker or node is lost is run again elsewhere (Ray's ``max_retries``:
 :data:`RETRIES`), rewriting its shards under a new temporary name (the same bytes); a worker that
 cannot read a source file raises :class:`BadInputError` naming its node and the path. Progress:
-workers report the source bytes they converted to a small actor on the driver's node (at most every
-:data:`REPORT_SECONDS`), which the driver reads into the progress bar. Ray is imported only here,
-and only when this executor is used (:func:`ray_module`).
+with a progress bar, workers report the source bytes they converted to a small actor on the driver's node
+(at most every :data:`REPORT_SECONDS`), which the driver reads into the bar. Joining the cluster, warming its
+workers and the progress actor are :mod:`ctconvert.pipeline.ray_cluster`'s (torch-free, so that the console
+script can begin them before its own heavy imports). Ray is imported only there and here, and only when this
+executor is used (:func:`ray_module`).
 """
 
 from __future__ import annotations
