@@ -351,3 +351,17 @@ def test_the_console_script_joins_the_cluster_early_and_writes_the_same_bytes(cl
     assert steps.index("ray") < steps.index("engine")  # joining began before torch was imported
     assert sum(n["shards"] for n in json.loads(r.stdout)["nodes"]) == len(list(out.glob("*.safetensors")))
     assert tree_hash(out) == tree_hash(local["W4A16"])
+
+
+def test_the_console_scripts_batch_joins_early_and_writes_the_same_bytes(cluster, src, local, tmp_path):
+    """``python -m ctconvert batch JOBS --executor ray --ray-address A``: the join begun early is the first job's."""
+    jobs = tmp_path / "jobs.json"
+    jobs.write_text(json.dumps({"defaults": {"max_shard_size": SHARD}, "jobs": [{"model": str(src), "output": str(tmp_path / "o"), "scheme": "W4A16"}]}))
+    r = _cli("batch", jobs, "--executor", "ray", "--ray-address", cluster.address, env={"CTCONVERT_TRACE": "1"}, entry="console")
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = [line.split()[1] for line in r.stderr.splitlines() if line.startswith("ctconvert-trace ")]
+    assert steps.index("ray") < steps.index("engine")
+    line, summary = [json.loads(x) for x in r.stdout.splitlines()]
+    assert (line["status"], summary["ok"], summary["exit_code"]) == ("ok", 1, 0)
+    assert line["shards"] == len(list((tmp_path / "o").glob("*.safetensors")))
+    assert tree_hash(tmp_path / "o") == tree_hash(local["W4A16"])
