@@ -34,6 +34,9 @@ __all__ = [
     "progress_actor",
     "ray_module",
     "resources",
+    "warm_once",
+    "warm_up",
+    "warm_worker",
 ]
 
 #: how to get the optional extra (the one-line error of ``--executor ray`` without it)
@@ -46,6 +49,8 @@ _LOCK = threading.Lock()
 _BEGUN: dict[str | None, Joining] = {}
 #: the driver's progress actor: ``(Ray job id, driver node id) -> actor handle`` (one entry at most)
 _ACTORS: dict[tuple[str, str], object] = {}
+#: the warm-ups done by this driver: ``(Ray job id, driver node id, cuda)`` (a later run's workers are warm already)
+_WARMED: set[tuple[str, str, bool]] = set()
 
 
 def ray_module():
@@ -164,8 +169,7 @@ def progress_actor(ray):
     """The driver's :class:`Progress` actor, on the driver's node (no CPU), made on the first call of the
     driver's Ray job and the same handle after (a new job, after ``ray.shutdown`` and ``ray.init``, makes a new
     one); Ray ends it with the job."""
-    context = ray.get_runtime_context()
-    key = (context.get_job_id(), context.get_node_id())
+    key = _job(ray)
     with _LOCK:
         if key not in _ACTORS:
             _ACTORS.clear()
@@ -173,12 +177,30 @@ def progress_actor(ray):
         return _ACTORS[key]
 
 
+def _job(ray) -> tuple[str, str]:
+    """This driver's Ray job: ``(job id, the driver's node id)`` (job ids repeat across clusters, node ids do not)."""
+    context = ray.get_runtime_context()
+    return context.get_job_id(), context.get_node_id()
+
+
+def warm_once(ray, cuda: bool) -> None:
+    """:func:`warm_up`, unless this driver's job has warmed the same kind of workers already (a ``batch``'s later
+    jobs, a second API call): Ray keeps a job's idle workers."""
+    key = (*_job(ray), cuda)
+    with _LOCK:
+        if key in _WARMED:
+            return
+        _WARMED.add(key)
+    warm_up(ray, cuda)
+
+
 class Joining:
-    """Joining the cluster at ``address`` (:func:`connect`) and warming its workers (:func:`warm_up`), begun now
-    and waited for by :meth:`wait`. ``cuda``: warm GPU workers; None: decided once joined (GPU workers when the
-    cluster has GPUs). A new local Ray instance (no ``address``, no ``RAY_ADDRESS``) is started on the calling
-    thread, which should be the main one: Ray starts its daemons (GCS, raylet) with ``PR_SET_PDEATHSIG``, which
-    kills them when the *thread* that started them ends; the rest runs on a thread."""
+    """Joining the cluster at ``address`` (:func:`connect`) and warming its workers (:func:`warm_up`, once per
+    driver's job and kind: :func:`warm_once`), begun now and waited for by :meth:`wait`. ``cuda``: warm GPU
+    workers; None: decided once joined (GPU workers when the cluster has GPUs). A new local Ray instance (no
+    ``address``, no ``RAY_ADDRESS``) is started on the calling thread, which should be the main one: Ray starts its
+    daemons (GCS, raylet) with ``PR_SET_PDEATHSIG``, which kills them when the *thread* that started them ends; the
+    rest runs on a thread."""
 
     def __init__(self, address: str | None, cuda: bool | None):
         self.address, self.cuda, self.ray = address, cuda, None
@@ -198,7 +220,7 @@ class Joining:
             self.ray = self.ray or connect(self.address)
             if self.cuda is None:
                 self.cuda = bool(self.ray.cluster_resources().get("GPU"))
-            warm_up(self.ray, self.cuda)
+            warm_once(self.ray, self.cuda)
         except BaseException as e:  # noqa: BLE001 - re-raised by wait()
             self.error = e
 
@@ -211,7 +233,7 @@ class Joining:
             raise self.error
         if cuda is not None and cuda != self.cuda:
             self.cuda = cuda
-            warm_up(self.ray, cuda)
+            warm_once(self.ray, cuda)
         return self.ray
 
 

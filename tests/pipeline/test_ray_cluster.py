@@ -10,6 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import types
+import uuid
 from pathlib import Path
 
 import pytest
@@ -46,10 +48,14 @@ class _Call:
 
 
 class _Ray:
-    """The parts of the ``ray`` module that warm-up and resources use."""
+    """The parts of the ``ray`` module that warm-up and resources use; each a driver of its own Ray job."""
 
     def __init__(self, nodes, gpus=0):
         self._nodes, self.gpus, self.calls, self.asked = nodes, gpus, [], 0
+        self.job = uuid.uuid4().hex
+
+    def get_runtime_context(self):
+        return types.SimpleNamespace(get_job_id=lambda: self.job, get_node_id=lambda: "driver-node")
 
     def nodes(self):
         self.asked += 1
@@ -116,6 +122,16 @@ def test_a_join_connects_on_a_thread_and_warms_what_the_run_needs(fake_join):
     assert j.wait(True) is fake and len(log) == 3
 
 
+def test_a_driver_warms_each_kind_of_worker_once_per_job(fake_join):
+    log, fake = fake_join
+    for cuda in (False, False, True, False, True):
+        Joining("h:1", cuda).wait()
+    assert [e for e in log if e[0] == "warm"] == [("warm", False), ("warm", True)]
+    fake.job = "a-new-job"  # after ray.shutdown and ray.init: the workers are new
+    Joining("h:1", False).wait()
+    assert log[-1] == ("warm", False)
+
+
 def test_a_new_local_instance_is_started_on_the_calling_thread(fake_join):
     log, _ = fake_join
     Joining(None, False).wait()
@@ -150,8 +166,8 @@ def test_the_run_takes_the_join_begun_early_for_its_address(fake_join):
     assert early.address == "h:1" and early.cuda is False
     assert joining("h:1", False) is not early  # taken once: the next run makes its own
     begin_early("h:1", "cuda")
-    joining("h:1", True).wait(True)  # GPUs decided once joined (the cluster has none), then the run's GPU workers
-    assert log[-2:] == [("warm", False), ("warm", True)]
+    joining("h:1", True).wait(True)  # GPUs decided once joined (the cluster has none: warm already), then the run's GPU workers
+    assert [e for e in log if e[0] == "warm"] == [("warm", False), ("warm", True)]
     begin_early("h:2", "cpu")
     other = joining("h:3", False)  # another address: the early join is waited for, a new one made
     assert other.address == "h:3" and ("connect", "h:2", "ctconvert-ray-join") in log
