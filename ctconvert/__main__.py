@@ -83,7 +83,8 @@ class Trace:
     SECONDS is ``time.monotonic()`` (``CLOCK_MONOTONIC``: one clock for every process of the machine, so a parent
     that noted it before starting this process has the time since then). Steps: ``main`` (the console script's
     first line), ``readahead`` (the read ahead's first source read), ``first-open`` (the conversion's own first
-    open of a file of SRC, seen by an audit hook, :pep:`578`), ``engine`` (torch and the commands imported)."""
+    open of a file of SRC, seen by an audit hook, :pep:`578`), ``ray`` (``quantize --executor ray``: joining the cluster
+    begun, :func:`join_ray_early`), ``engine`` (torch and the commands imported)."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr
@@ -126,6 +127,32 @@ def _read_ahead(argv: list[str], trace: Trace | None):
     return StartupReadAhead(reads[0], data=reads[1], on_first_read=first).start()
 
 
+def join_ray_early(argv: list[str], trace: Trace | None) -> None:
+    """``quantize --executor ray`` (not a dry run) or ``batch --executor ray``: begin joining the Ray cluster and
+    starting its workers now, so that their start-up (Python, Ray, torch) overlaps this process's own heavy imports
+    (:func:`ctconvert.pipeline.ray_cluster.begin_early`; the first run takes the join). Nothing for another command."""
+    from . import cli
+
+    name = cli.command_word(argv)
+    command, needs = {"quantize": (cli.quantize, "src"), "batch": (cli.batch_cmd, "jobs_file")}.get(name, (None, None))
+    if command is None or not any(a == "ray" or a.endswith("=ray") for a in argv):
+        return
+    try:
+        params = command.make_context(name, argv[argv.index(name) + 1 :], resilient_parsing=True).params
+    except Exception:  # noqa: BLE001 - a line click refuses: cli.run says why
+        return
+    if params.get("executor") != "ray" or params.get("dry_run") or not params.get(needs):
+        return
+    from .pipeline.ray_cluster import begin_early  # torch-free
+
+    window = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    begin_early(params.get("ray_address"), params.get("device") or "auto")
+    for sig, handler in window.items():  # ray.init of a new local instance sets its own SIGTERM handler: the window's stays
+        signal.signal(sig, handler)
+    if trace is not None:
+        trace.stamp("ray", "joining")
+
+
 def main() -> None:
     trace = Trace() if os.environ.get("CTCONVERT_TRACE") == "1" else None
     hits: list[int] = []
@@ -135,6 +162,7 @@ def main() -> None:
         bytecode_cache()  # inside the window too
         if not _answers_without_engine(sys.argv[1:]):
             ahead = _read_ahead(sys.argv[1:], trace)
+            join_ray_early(sys.argv[1:], trace)
             from . import api
 
             api.preload()  # torch and the rest of the heavy imports, inside the window

@@ -2,6 +2,7 @@
 
     python scripts/bench_ray.py [--workdir /tmp/ctbench] [--model DIR] [--device cpu|cuda]
                                 [--repeat 2] [--schemes FP8_DYNAMIC,W4A16,NVFP4A16] [--max-shard-size 5GB]
+                                [--base DIR]
 
 Takes the ~1.2B-parameter bf16 checkpoint of scripts/bench.py (generated once in ``--workdir/model`` by its
 generator when absent) or ``--model``. Starts a one-node Ray cluster on this machine (``ray start --head
@@ -14,11 +15,18 @@ is the minimum over the repeats (a shared machine only makes a run slower): the 
 repeat are compared file by file (sha256 of names and bytes: they must be identical). Prints a table (stderr)
 and a JSON document (stdout); ``overhead`` = ray / local - 1 (the target: at most 0.10). The cluster is
 stopped at the end (the ``ray start`` process this script started, by its id).
+
+``--base DIR``: another checkout of ctconvert (``git archive REV | tar -x -C DIR``): its ``ray`` and ``ray_warm``
+runs too (``ray_base``, ``ray_warm_base``), interleaved with this checkout's in the same repeats, for an A/B
+comparison on a loaded machine; the rows then also give the base's figures and overheads. Each checkout gets its
+own cluster (a Ray worker imports the code of its cluster's ``PYTHONPATH`` and of the driver's working directory,
+so every run is started in its checkout's folder).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -48,11 +56,11 @@ def tree_sha(path: Path) -> str:
     return h.hexdigest()
 
 
-def _env() -> dict:
+def _env(root: Path = ROOT) -> dict:
     """The environment of the cluster and of every run: this checkout first; Ray's token authentication on for the
     head and its drivers alike (Ray >= 2.5x turns it on for a new head and a driver must say so: RAY_AUTH_MODE=token,
     the token in ~/.ray/auth_token), unless the caller's environment says otherwise."""
-    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    return {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""), "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
 
 
 def free_port() -> int:
@@ -61,13 +69,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_cluster(cuda: bool, tmp: Path) -> tuple[subprocess.Popen, str]:
-    """``ray start --head --block`` on this machine (every CPU; one GPU with ``cuda``): the process and its address."""
+def start_cluster(cuda: bool, tmp: Path, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """``ray start --head --block`` on this machine (every CPU; one GPU with ``cuda``), its workers running the code
+    of the checkout ``root`` (their ``PYTHONPATH``): the process and its address."""
     port = free_port()
     ray = Path(sys.executable).with_name("ray")
     cmd = [str(ray) if ray.exists() else "ray", "start", "--head", "--block", f"--port={port}", f"--num-cpus={os.cpu_count()}", "--include-dashboard=false"]
     cmd += [f"--num-gpus={1 if cuda else 0}", f"--temp-dir={tmp}", "--object-store-memory=500000000"]  # the tasks use little of it
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(root), cwd=root)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -80,12 +89,12 @@ def start_cluster(cuda: bool, tmp: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the Ray head did not start within 120 s")
 
 
-def convert(src: Path, out: Path, scheme: str, device: str, shard: str, ray_address: str | None) -> dict:
+def convert(src: Path, out: Path, scheme: str, device: str, shard: str, ray_address: str | None, root: Path = ROOT) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "ctconvert", "--json", "quantize", str(src), "-o", str(out), "-s", scheme, "--device", device, "--max-shard-size", shard]
     if ray_address is not None:
         cmd += ["--executor", "ray", "--ray-address", ray_address]
-    r = timed(cmd, env=_env())
+    r = timed(cmd, env=_env(root))
     doc = _json(r)
     return {"wall": r["seconds"], "seconds": doc["seconds"], "nodes": doc.get("nodes"), "bytes": doc["input_bytes"]}
 
@@ -102,8 +111,8 @@ print(json.dumps({"seconds": r.seconds, "nodes": r.nodes, "input_bytes": r.input
 """
 
 
-def convert_warm(src: Path, out: Path, scheme: str, device: str, shard: str, ray_address: str) -> dict:
-    r = timed([sys.executable, "-c", WARM, str(src), str(out), scheme, device, shard, ray_address], env=_env())
+def convert_warm(src: Path, out: Path, scheme: str, device: str, shard: str, ray_address: str, root: Path = ROOT) -> dict:
+    r = timed([sys.executable, "-c", WARM, str(src), str(out), scheme, device, shard, ray_address], env=_env(root))
     doc = _json(r)
     return {"wall": r["seconds"], "seconds": doc["seconds"], "nodes": doc["nodes"], "bytes": doc["input_bytes"]}
 
@@ -116,28 +125,35 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--schemes", default="FP8_DYNAMIC,W4A16,NVFP4A16")
     ap.add_argument("--max-shard-size", default="5GB")
+    ap.add_argument("--base", default=None, help="another ctconvert checkout whose Ray runs are interleaved with this one's (A/B)")
     a = ap.parse_args()
     work = Path(a.workdir)
     src = Path(a.model) if a.model else make_model(work / "model")
-    tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    proc, address = start_cluster(a.device.startswith("cuda"), tmp)
+    roots = [ROOT] + ([Path(a.base).resolve()] if a.base else [])
+    tmps = [Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp")) for _ in roots]
+    clusters: dict[Path, tuple[subprocess.Popen, str]] = {}
     runs: dict = {}
     try:
+        for root, tmp in zip(roots, tmps):  # one cluster per checkout: a worker imports its cluster's code, not the driver's
+            clusters[root] = start_cluster(a.device.startswith("cuda"), tmp, root)
         for rep in range(a.repeat):
             for scheme in a.schemes.split(","):
-                for kind, addr in (("local", None), ("ray", address), ("ray_warm", address)):
+                for kind, addr, root in _kinds({r: c[1] for r, c in clusters.items()}, a.base):
                     out = work / f"out-ray-bench-{kind}"
-                    run = convert_warm if kind == "ray_warm" else convert
-                    r = run(src, out, scheme, a.device, a.max_shard_size, addr)
+                    run = convert_warm if kind.startswith("ray_warm") else convert
+                    with _cwd(root):  # Ray puts the driver's working directory on its workers' sys.path
+                        r = run(src, out, scheme, a.device, a.max_shard_size, addr, root)
                     if rep == 0:
                         r["tree"] = tree_sha(out)
                     runs.setdefault(scheme, {}).setdefault(kind, []).append(r)
                     shutil.rmtree(out, ignore_errors=True)
                     print(f"{scheme} {kind} #{rep}: {r['seconds']:.2f} s (process {r['wall']:.2f} s)", file=sys.stderr, flush=True)
     finally:
-        proc.terminate()
-        proc.wait(60)
-        shutil.rmtree(tmp, ignore_errors=True)
+        for proc, _ in clusters.values():
+            proc.terminate()
+            proc.wait(60)
+        for tmp in tmps:
+            shutil.rmtree(tmp, ignore_errors=True)
     rows = [_row(scheme, kinds) for scheme, kinds in runs.items()]
     head = f"{'scheme':12} {'local s':>8} {'ray s':>8} {'overhead':>9} {'process':>8} {'warm s':>7} {'warm':>7} {'identical':>9}"
     print(head + "  GB/s local / ray", file=sys.stderr)
@@ -148,7 +164,34 @@ def main() -> None:
             f"{str(r['identical']):>9}  {r['local_gbps']:.3f} / {r['ray_gbps']:.3f}",
             file=sys.stderr,
         )
+        if (b := r.get("base")) is not None:
+            print(
+                f"{'  (base)':12} {'':8} {b['ray_seconds']:8.2f} {b['overhead']:+9.1%} {b['process_overhead']:+8.1%} "
+                f"{b['ray_warm_seconds']:7.2f} {b['warm_overhead']:+7.1%} {str(b['identical']):>9}",
+                file=sys.stderr,
+            )
     print(json.dumps({"model": str(src), "device": a.device, "repeat": a.repeat, "rows": rows}, indent=1))
+
+
+def _kinds(addresses: dict[Path, str], base: str | None) -> list[tuple[str, str | None, Path]]:
+    """The runs of one scheme and repeat: ``(kind, Ray address or None, the checkout whose code runs)``;
+    ``addresses``: each checkout's cluster."""
+    kinds = [("local", None, ROOT), ("ray", addresses[ROOT], ROOT), ("ray_warm", addresses[ROOT], ROOT)]
+    if base is not None:
+        b = Path(base).resolve()
+        kinds += [("ray_base", addresses[b], b), ("ray_warm_base", addresses[b], b)]
+    return kinds
+
+
+@contextlib.contextmanager
+def _cwd(path: Path):
+    """This process (and so the runs it starts) in the folder ``path`` meanwhile."""
+    old = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
 
 
 def _row(scheme: str, kinds: dict) -> dict:
@@ -156,7 +199,7 @@ def _row(scheme: str, kinds: dict) -> dict:
     ls, rs, ws = min(r["seconds"] for r in local), min(r["seconds"] for r in ray), min(r["seconds"] for r in kinds["ray_warm"])
     lw, rw = min(r["wall"] for r in local), min(r["wall"] for r in ray)
     nbytes = local[0]["bytes"]
-    return {
+    row = {
         "scheme": scheme,
         "local_seconds": round(ls, 3),
         "ray_seconds": round(rs, 3),
@@ -171,6 +214,19 @@ def _row(scheme: str, kinds: dict) -> dict:
         "ray_gbps": round(nbytes / rs / 1e9, 3),
         "nodes": ray[0]["nodes"],
     }
+    if "ray_base" in kinds:
+        bs, bws = min(r["seconds"] for r in kinds["ray_base"]), min(r["seconds"] for r in kinds["ray_warm_base"])
+        bw = min(r["wall"] for r in kinds["ray_base"])
+        row["base"] = {
+            "ray_seconds": round(bs, 3),
+            "overhead": round(bs / ls - 1, 4),
+            "ray_process": round(bw, 3),
+            "process_overhead": round(bw / lw - 1, 4),
+            "ray_warm_seconds": round(bws, 3),
+            "warm_overhead": round(bws / ls - 1, 4),
+            "identical": local[0]["tree"] == kinds["ray_base"][0]["tree"] == kinds["ray_warm_base"][0]["tree"],
+        }
+    return row
 
 
 if __name__ == "__main__":

@@ -19,18 +19,17 @@ the index, config, provenance and model card last, as a local run does.
 Faults: a task whose worker or node is lost is run again elsewhere (Ray's ``max_retries``:
 :data:`RETRIES`), rewriting its shards under a new temporary name (the same bytes); a worker that
 cannot read a source file raises :class:`BadInputError` naming its node and the path. Progress:
-workers report the source bytes they converted to a small actor on the driver's node (at most every
-:data:`REPORT_SECONDS`), which the driver reads into the progress bar. Ray is imported only here,
-and only when this executor is used (:func:`ray_module`).
+with a progress bar, workers report the source bytes they converted to a small actor on the driver's node
+(at most every :data:`REPORT_SECONDS`), which the driver reads into the bar. Joining the cluster, warming its
+workers and the progress actor are :mod:`ctconvert.pipeline.ray_cluster`'s (torch-free, so that the console
+script can begin them before its own heavy imports). Ray is imported only there and here, and only when this
+executor is used (:func:`ray_module`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
-import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,15 +40,14 @@ import torch
 from ..checkpoint.hashing import SourceHashes
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import PlannedTensor, ShardFile
-from ..errors import BadInputError, CTConvertError, OutputError, UsageError
+from ..errors import BadInputError, CTConvertError, OutputError
 from ..plan.planner import Plan
 from .executor import ExecOptions, execute, unit_bytes
+from .ray_cluster import INSTALL_HINT, Joining, connect, joining, progress_actor, ray_module, resources
 from .zeros import ZeroTracker
 
 __all__ = ["INSTALL_HINT", "RETRIES", "RayExecutor", "ShardOutput", "TaskResult", "connect", "convert_shards", "ray_module", "shard_groups"]
 
-#: how to get the optional extra (the one-line error of ``--executor ray`` without it)
-INSTALL_HINT = "pip install 'ctconvert[ray]' (or ./install.sh ray)"
 #: times Ray runs a task again whose worker or node was lost (its shards are rewritten: the same bytes)
 RETRIES = 3
 #: a worker reports its progress at most this often (seconds), and once at its end
@@ -58,53 +56,6 @@ REPORT_SECONDS = 0.5
 POLL_SECONDS = 0.2
 #: a shard written by a task: ``.<shard>.ray-part-<attempt>`` in the partial folder (renamed by the driver when it journals it)
 TMP_MARK = ".ray-part-"
-#: seconds to reach a cluster address before giving up on it
-CONNECT_SECONDS = 5.0
-
-
-def ray_module():
-    """The ``ray`` package, imported now. Raises :class:`UsageError` (exit 2) saying how to install it."""
-    try:
-        import ray
-    except ImportError:
-        raise UsageError(f"--executor ray needs Ray, which is not installed: {INSTALL_HINT}") from None
-    return ray
-
-
-def connect(address: str | None):
-    """Join the Ray cluster at ``address`` (``HOST:PORT``, ``ray://HOST:PORT``, ``auto``); None: Ray's own
-    default, ``RAY_ADDRESS`` when set, else a new local Ray instance. A process already connected stays
-    so. Returns the ``ray`` module. Raises :class:`UsageError` (exit 2) without Ray, or naming an address
-    that cannot be reached (tried for :data:`CONNECT_SECONDS`)."""
-    ray = ray_module()
-    if ray.is_initialized():
-        return ray
-    given = address or os.environ.get("RAY_ADDRESS") or None
-    if given is not None:
-        _probe(given)
-    local = {"include_dashboard": False} if given is None else {}
-    try:
-        ray.init(address=address, logging_level=logging.ERROR, **local)
-    except (ConnectionError, RuntimeError, ValueError, TimeoutError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        hint = "" if given is None else " (a cluster with token authentication, the default of `ray start --head`, needs RAY_AUTH_MODE=token and its token)"
-        raise UsageError(f"cannot join the Ray cluster at {given or 'a new local instance'}: {first}{hint}") from None
-    return ray
-
-
-def _probe(address: str) -> None:
-    """A quick TCP connect to ``address``'s host and port, so that a wrong one fails in seconds (``ray.init``
-    retries for a minute); ``auto``/``local`` and addresses without a port are left to Ray."""
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS).close()
-    except OSError as e:
-        raise UsageError(
-            f"cannot reach the Ray cluster at {address} (--ray-address or RAY_ADDRESS): {e.strerror or e}; "
-            "start one with `ray start --head`, or give the head node's address"
-        ) from None
 
 
 @dataclass
@@ -124,7 +75,7 @@ class TaskSpec:
     """One task: ``shards`` (name -> planned tensors, the header order) and the plan's ``units`` that write
     them, in plan order; ``others``: outputs of those units in shards finished already (dropped)."""
 
-    key: int
+    key: tuple[str, int]
     shards: dict[str, list[PlannedTensor]]
     units: list
     others: list[PlannedTensor]
@@ -140,7 +91,7 @@ class TaskResult:
     tensors it found holding NaN/inf, the zero-quantized rows (``ZeroTracker.found``), its node, and each
     shard's temporary file name in the partial folder (``parts``: the driver renames it when it journals it)."""
 
-    key: int
+    key: tuple[str, int]
     shards: dict[str, tuple[int, str]]
     hashes: dict[str, str]
     nonfinite: list[str]
@@ -189,40 +140,22 @@ class RayExecutor:
     def __init__(self, address: str | None = None):
         self.address = address
         self.ray = None
-        self._joining: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._joining: Joining | None = None
+        self._cuda = False
 
     def start(self, device: str = "cpu") -> None:
         """Begin joining the cluster and warming its workers on a thread (:meth:`connect` waits for it), so that
-        this overlaps the driver's own work (opening the source, planning, calibrating). ``device``: the
+        this overlaps the driver's own work (opening the source, planning, calibrating); a join the console script
+        began for this address is taken instead (:func:`~ctconvert.pipeline.ray_cluster.joining`). ``device``: the
         ``--device`` given; one that can mean CUDA on a machine with CUDA warms GPU workers."""
-        cuda = str(device).lower() != "cpu" and torch.cuda.is_available()
-        if not (self.address or os.environ.get("RAY_ADDRESS")):
-            # a new local instance: Ray starts its daemons (GCS, raylet) with PR_SET_PDEATHSIG, which kills them
-            # when the *thread* that started them ends, so it is started on this (the main) thread
-            try:
-                self.ray = connect(None)
-            except BaseException as e:  # noqa: BLE001 - re-raised by connect()
-                self._error = e
-                return
-        self._joining = threading.Thread(target=self._join, args=(cuda,), daemon=True, name="ctconvert-ray-join")
-        self._joining.start()
-
-    def _join(self, cuda: bool) -> None:
-        try:
-            self.ray = self.ray or connect(self.address)
-            _warm_up(self.ray, cuda)
-        except BaseException as e:  # noqa: BLE001 - re-raised by connect()
-            self._error = e
+        self._cuda = str(device).lower() != "cpu" and torch.cuda.is_available()
+        self._joining = joining(self.address, self._cuda)
 
     def connect(self) -> None:
         """Join the cluster (:func:`connect`; begun by :meth:`start`, else now). Raises what joining raised."""
-        if self._joining is None and self._error is None:
+        if self._joining is None:
             self.start()
-        if self._joining is not None:
-            self._joining.join()
-        if self._error is not None:
-            raise self._error
+        self.ray = self._joining.wait(self._cuda)
 
     def run(self, ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions, devices, out: ShardOutput) -> list[dict]:
         """Convert ``plan``'s units into the shards of ``out`` on the cluster (``devices``: a CUDA one asks
@@ -237,8 +170,8 @@ class RayExecutor:
                     shards[tensors[0].name].abort()
                     (Path(folder.tmp) / name).unlink(missing_ok=True)
         _remove_parts(Path(folder.tmp))
-        remote = ray.remote(convert_shards).options(max_retries=RETRIES, retry_exceptions=False, **_resources(ray, cuda))
-        progress = ray.remote(num_cpus=0)(_Progress).options(scheduling_strategy=_on(ray)).remote()
+        remote = ray.remote(convert_shards).options(max_retries=RETRIES, retry_exceptions=False, **resources(ray, cuda))
+        progress = progress_actor(ray) if opts.progress is not None else None  # a bar to follow: the workers report
         common = ray.put((ckpt, dataclasses.replace(plan, units=[], rows=[], notes=[]), dataclasses.replace(opts, progress=None, zeros=None, nonfinite=[])))
         refs = {remote.remote(common, spec, progress): spec for spec in specs}
         try:
@@ -248,7 +181,8 @@ class RayExecutor:
                 ray.cancel(ref, force=True)
             raise
         finally:
-            ray.kill(progress)
+            if specs and progress is not None:
+                progress.forget.remote(specs[0].key[0])
             _remove_parts(Path(folder.tmp))  # what attempts on lost workers left
         return self._merge(plan, opts, results)
 
@@ -256,17 +190,19 @@ class RayExecutor:
         weight_map = {t.name: name for name, ts in out.assignment.items() for t in ts}
         done = out.folder.completed
         specs = []
+        run = uuid.uuid4().hex[:12]
         for key, (names, idx) in enumerate(shard_groups(plan.units, weight_map, done)):
             units = [plan.units[i] for i in idx]
             others = [PlannedTensor(*o) for u in units for o in u.outputs if weight_map[o[0]] in done]
             nbytes = sum(unit_bytes(ckpt, u) for u in units)
-            specs.append(TaskSpec(key, {n: out.assignment[n] for n in names}, units, others, str(out.folder.tmp), cuda, zeros, nbytes))
+            specs.append(TaskSpec((run, key), {n: out.assignment[n] for n in names}, units, others, str(out.folder.tmp), cuda, zeros, nbytes))
         return specs
 
     def _collect(self, ray, refs: dict, progress, bar, out: ShardOutput) -> list[TaskResult]:
         """Wait for every task, renaming each shard into its final name and journaling it as its task returns; the
         bar follows the workers' reports."""
         pending, results, shown = list(refs), [], 0
+        run = next(iter(refs.values())).key[0] if refs else ""
         while pending:
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
             for ref in ready:
@@ -276,7 +212,7 @@ class RayExecutor:
                     os.replace(Path(out.folder.tmp) / r.parts[name], Path(out.folder.tmp) / name)
                     out.folder.journal_shard(name, size, digest)
             if bar is not None:
-                now = sum(r.nbytes for r in results) if not pending else ray.get(progress.total.remote())
+                now = sum(r.nbytes for r in results) if not pending else ray.get(progress.total.remote(run))
                 if now > shown:
                     bar.update(now - shown)
                     shown = now
@@ -312,69 +248,17 @@ def _result(ray, ref) -> TaskResult:
         raise CTConvertError(f"a Ray task failed after {RETRIES} retries: {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
 
 
-def _resources(ray, cuda: bool) -> dict:
-    """A task's resources: one GPU (and a CPU) with CUDA; else the CPUs of the smallest node, so that a node
-    converts one group at a time with all its cores, as a local run does."""
-    if cuda:
-        if not ray.cluster_resources().get("GPU"):
-            raise UsageError("--device cuda with --executor ray: no node of the Ray cluster has a GPU (start its nodes with GPUs, or use --device cpu)")
-        return {"num_gpus": 1, "num_cpus": 1}
-    cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) >= 1]
-    return {"num_cpus": int(min(cpus)) if cpus else 1}
-
-
-def _warm_up(ray, cuda: bool) -> None:
-    """Start one worker per node (with ``cuda``, one per GPU), not waited for: Python, Ray, torch, the kernels."""
-    warm = ray.remote(_warm_worker)
-    for node in ray.nodes():
-        gpus = int(node["Resources"].get("GPU", 0)) if cuda else 0
-        if not node.get("Alive") or (cuda and not gpus) or node["Resources"].get("CPU", 0) < 1:
-            continue
-        resources = {"num_cpus": 1, "num_gpus": 1} if cuda else _resources(ray, False)
-        for _ in range(gpus or 1):
-            warm.options(scheduling_strategy=_on(ray, node["NodeID"], soft=True), **resources).remote(cuda)
-
-
-def _on(ray, node_id: str | None = None, soft: bool = False):
-    """A scheduling strategy placing a task or actor on node ``node_id`` (None: the driver's, which outlives the loss of any other)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(node_id=node_id or ray.get_runtime_context().get_node_id(), soft=soft)
-
-
-def _warm_worker(cuda: bool) -> None:
-    """A worker's start-up, done before its first task: this module (torch, the executor) is imported to run it; the C
-    kernels are loaded, and with ``cuda`` the device's context made."""
-    from ..formats import native
-
-    native.available()
-    if cuda and torch.cuda.is_available():
-        torch.zeros(1, device="cuda")
-
-
 def _remove_parts(folder: Path) -> None:
     """Remove the temporary shard files of earlier task attempts (lost workers, an interrupted run)."""
     for p in folder.glob(f".*{TMP_MARK}*"):
         p.unlink(missing_ok=True)
 
 
-class _Progress:
-    """The progress actor: each task's source bytes done so far (the most any attempt of it reported)."""
-
-    def __init__(self):
-        self.done: dict[int, int] = {}
-
-    def report(self, key: int, nbytes: int) -> None:
-        self.done[key] = max(self.done.get(key, 0), nbytes)
-
-    def total(self) -> int:
-        return sum(self.done.values())
-
-
 class _Reporter:
-    """A worker's progress (``.update(n)``, as the executor calls it), sent to the actor every :data:`REPORT_SECONDS`."""
+    """A worker's progress (``.update(n)``, as the executor calls it), sent to the actor every :data:`REPORT_SECONDS`
+    (``actor`` None: a run without a progress bar, nothing sent)."""
 
-    def __init__(self, actor, key: int):
+    def __init__(self, actor, key: tuple[str, int]):
         self.actor, self.key, self.done, self.sent = actor, key, 0, 0.0
 
     def update(self, n: int) -> None:
@@ -384,7 +268,8 @@ class _Reporter:
 
     def flush(self) -> None:
         self.sent = time.monotonic()
-        self.actor.report.remote(self.key, self.done)
+        if self.actor is not None:
+            self.actor.report.remote(self.key, self.done)
 
 
 def _where(ray) -> tuple[str, str]:

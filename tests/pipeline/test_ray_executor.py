@@ -272,27 +272,34 @@ def test_batch_on_ray_gives_the_lines_and_outputs_of_a_local_batch(cluster, src,
         assert tree_hash(tmp_path / "ray" / s) == tree_hash(local[s])
 
 
-def _cli(*args, env=None, block_ray=False):
+#: how a new process runs the CLI: click's command itself, or the console script (``python -m ctconvert``: the cluster
+#: joined and its workers started before the heavy imports)
+ENTRIES = {"cli": "from ctconvert.cli import main; main()", "console": "import runpy; runpy.run_module('ctconvert', run_name='__main__', alter_sys=True)"}
+
+
+def _cli(*args, env=None, block_ray=False, entry="cli"):
     """The CLI in a new process (no Ray connection yet); ``block_ray``: ``import ray`` fails there."""
     pre = "import sys; sys.modules['ray'] = None; " if block_ray else ""
-    code = pre + "from ctconvert.cli import main; main()"
+    code = pre + ENTRIES[entry]
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
 
 
-def test_without_ray_the_error_says_how_to_install_it(tiny_llama, tmp_path):
-    r = _cli("quantize", tiny_llama, "-o", tmp_path / "out", "-s", "W4A16", "--executor", "ray", block_ray=True)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_without_ray_the_error_says_how_to_install_it(tiny_llama, tmp_path, entry):
+    r = _cli("quantize", tiny_llama, "-o", tmp_path / "out", "-s", "W4A16", "--executor", "ray", block_ray=True, entry=entry)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"error: --executor ray needs Ray, which is not installed: {INSTALL_HINT}"]
     assert not (tmp_path / "out").exists() and not partial_folder(tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("how", ["option", "RAY_ADDRESS"])
-def test_a_wrong_address_is_one_line_and_exit_2(tiny_llama, tmp_path, how):
+def test_a_wrong_address_is_one_line_and_exit_2(tiny_llama, tmp_path, how, entry):
     pytest.importorskip("ray")
     addr = "127.0.0.1:9"  # discard: nothing listens there
     args = ["quantize", tiny_llama, "-o", tmp_path / "out", "-s", "W4A16", "--executor", "ray"]
-    r = _cli(*args, "--ray-address", addr) if how == "option" else _cli(*args, env={"RAY_ADDRESS": addr})
+    r = _cli(*args, "--ray-address", addr, entry=entry) if how == "option" else _cli(*args, env={"RAY_ADDRESS": addr}, entry=entry)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach the Ray cluster at {addr}") and "ray start --head" in lines[0]
@@ -322,21 +329,72 @@ def test_on_a_gpu_the_same_bytes_as_the_local_gpu_run(cluster, src, tmp_path):
     assert r.nodes and tree_hash(tmp_path / "out") == tree_hash(local_out)
 
 
-def test_with_no_address_a_new_local_instance_converts(tiny_llama, tmp_path):
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_with_no_address_a_new_local_instance_converts(tiny_llama, tmp_path, entry):
     """Neither --ray-address nor RAY_ADDRESS: a new local Ray instance, whose daemons (started with
-    PR_SET_PDEATHSIG) must outlive the thread that joins; the bytes of a local run."""
+    PR_SET_PDEATHSIG) must outlive the thread that joins, and are gone when the command has returned; the bytes
+    of a local run. (The console script starts it before its heavy imports, on its main thread.)"""
     pytest.importorskip("ray")
     ray_tmp = tempfile.mkdtemp(prefix="ctr", dir="/tmp")  # its own Ray folder (no cluster there to join); a short path for Ray's sockets
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp}
-    code = "from ctconvert.cli import main; main()"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(ROOT), "RAY_TMPDIR": ray_tmp, "CTCONVERT_TRACE": "1"}
     args = ["quantize", str(tiny_llama), "-s", "W4A16"]
     try:
-        cmd = [sys.executable, "-c", code, "--json", *args, "-o", str(tmp_path / "ray"), "--executor", "ray"]
+        cmd = [sys.executable, "-c", ENTRIES[entry], "--json", *args, "-o", str(tmp_path / "ray"), "--executor", "ray"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+        left = [p for p in _processes() if ray_tmp in p]
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert left == []  # the Ray instance the run started is stopped
+    assert ("ctconvert-trace ray " in r.stderr) == (entry == "console")
     doc = json.loads(r.stdout)
     assert [n["shards"] for n in doc["nodes"]] == [1] and doc["nodes"][0]["bytes"] == doc["input_bytes"]
     assert _cli(*args, "-o", tmp_path / "local").returncode == 0
     assert tree_hash(tmp_path / "ray") == tree_hash(tmp_path / "local")
+
+
+def _processes() -> list[str]:
+    """Every process's command line (``ps``)."""
+    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def test_the_console_script_joins_the_cluster_early_and_writes_the_same_bytes(cluster, src, local, tmp_path):
+    """``python -m ctconvert quantize --executor ray --ray-address A``: the join begun before the heavy imports
+    (the ``ray`` trace step) is the run's; the bytes of the local executor."""
+    out = tmp_path / "out"
+    r = _cli(
+        "--json",
+        "quantize",
+        src,
+        "-o",
+        out,
+        "-s",
+        "W4A16",
+        "--max-shard-size",
+        SHARD,
+        "--executor",
+        "ray",
+        "--ray-address",
+        cluster.address,
+        env={"CTCONVERT_TRACE": "1"},
+        entry="console",
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = [line.split()[1] for line in r.stderr.splitlines() if line.startswith("ctconvert-trace ")]
+    assert steps.index("ray") < steps.index("engine")  # joining began before torch was imported
+    assert sum(n["shards"] for n in json.loads(r.stdout)["nodes"]) == len(list(out.glob("*.safetensors")))
+    assert tree_hash(out) == tree_hash(local["W4A16"])
+
+
+def test_the_console_scripts_batch_joins_early_and_writes_the_same_bytes(cluster, src, local, tmp_path):
+    """``python -m ctconvert batch JOBS --executor ray --ray-address A``: the join begun early is the first job's."""
+    jobs = tmp_path / "jobs.json"
+    jobs.write_text(json.dumps({"defaults": {"max_shard_size": SHARD}, "jobs": [{"model": str(src), "output": str(tmp_path / "o"), "scheme": "W4A16"}]}))
+    r = _cli("batch", jobs, "--executor", "ray", "--ray-address", cluster.address, env={"CTCONVERT_TRACE": "1"}, entry="console")
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = [line.split()[1] for line in r.stderr.splitlines() if line.startswith("ctconvert-trace ")]
+    assert steps.index("ray") < steps.index("engine")
+    line, summary = [json.loads(x) for x in r.stdout.splitlines()]
+    assert (line["status"], summary["ok"], summary["exit_code"]) == ("ok", 1, 0)
+    assert line["shards"] == len(list((tmp_path / "o").glob("*.safetensors")))
+    assert tree_hash(tmp_path / "o") == tree_hash(local["W4A16"])
