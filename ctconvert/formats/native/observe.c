@@ -155,6 +155,36 @@ static inline __attribute__((always_inline)) void group_error(const float *restr
     *hi = shi > 1e30 ? INFINITY : rd((float)(shi * (1.0 + m)), dt);
 }
 
+/* One group of g elements at w[base..] (D) into x as floats, and its unshrunk range: amin, amax times expand, in D. */
+static inline void load_group(const void *w, int dt, int64_t base, int64_t g, float expand, float *restrict x, float *mn0, float *mx0) {
+    float amin = INFINITY, amax = -INFINITY;
+    for (int64_t j = 0; j < g; j++) {
+        x[j] = load(w, dt, base + j);
+        amin = x[j] < amin ? x[j] : amin;
+        amax = x[j] > amax ? x[j] : amax;
+    }
+    *mn0 = rd(amin * expand, dt);
+    *mx0 = rd(amax * expand, dt);
+}
+
+/* A searched group's outputs at index o: its step bs, whether it is uncertain; if sure, its improvements (ORed into
+ * improved, as bits into hits) and range. Returns sure. */
+static inline int store_group(int64_t o, int16_t bs, int sure, const uint8_t *hit, int64_t steps, const float *p, float mn0, float mx0, int dt, int16_t *best, void *mn_out,
+                              void *mx_out, uint8_t *improved, uint8_t *uncertain, int64_t *hits) {
+    best[o] = bs;
+    uncertain[o] = (uint8_t)!sure;
+    if (!sure) return 0;
+    int64_t bits = 0;
+    for (int64_t i = 0; i < steps; i++) {
+        improved[i] |= hit[i];
+        if (i < 63 && hit[i]) bits |= (int64_t)1 << i;
+    }
+    if (hits) hits[o] = bits;
+    store_d(mn_out, dt, o, bs < 0 ? mn0 : rd(mn0 * p[bs], dt));
+    store_d(mx_out, dt, o, bs < 0 ? mx0 : rd(mx0 * p[bs], dt));
+    return 1;
+}
+
 /*
  * Rows [0, n) of w (D = dt, [n, k] row-major), groups of g columns. p: the steps' shrink factors (fp32,
  * as torch takes a Python float), steps of them, all run (no early stop); plo/phi: ct_pow_table's; mx_off: 0,
@@ -174,13 +204,8 @@ int64_t ct_mse_search(const void *w, int dt, int64_t n, int64_t k, int64_t g, in
     for (int64_t r = 0; r < n; r++) {
         for (int64_t c = 0; c < groups; c++) {
             int64_t base = r * k + c * g, o = r * groups + c;
-            float amin = INFINITY, amax = -INFINITY;
-            for (int64_t j = 0; j < g; j++) {
-                x[j] = load(w, dt, base + j);
-                amin = x[j] < amin ? x[j] : amin;
-                amax = x[j] > amax ? x[j] : amax;
-            }
-            float mn0 = rd(amin * expand, dt), mx0 = rd(amax * expand, dt);
+            float mn0, mx0;
+            load_group(w, dt, base, g, expand, x, &mn0, &mx0);
             /* the best error so far as bounds; a step is decided when its bounds and the best's do not overlap */
             float best_lo = dmax, best_hi = dmax;
             int16_t bs = -1;
@@ -204,17 +229,7 @@ int64_t ct_mse_search(const void *w, int dt, int64_t n, int64_t k, int64_t g, in
                 }
                 if (!sure) break;
             }
-            best[o] = bs;
-            uncertain[o] = (uint8_t)!sure;
-            if (!sure) { bad++; continue; }
-            int64_t bits = 0;
-            for (int64_t i = 0; i < steps; i++) {
-                improved[i] |= hit[i];
-                if (i < 63 && hit[i]) bits |= (int64_t)1 << i;
-            }
-            if (hits) hits[o] = bits;
-            store_d(mn_out, dt, o, bs < 0 ? mn0 : rd(mn0 * p[bs], dt));
-            store_d(mx_out, dt, o, bs < 0 ? mx0 : rd(mx0 * p[bs], dt));
+            bad += !store_group(o, bs, sure, hit, steps, p, mn0, mx0, dt, best, mn_out, mx_out, improved, uncertain, hits);
         }
     }
     return bad;
@@ -317,33 +332,15 @@ static int imatrix_group(const float *restrict x, int64_t g, int kind, int mx_of
 int64_t ct_imatrix_search(const void *w, int dt, int64_t n, int64_t k, int64_t g, int kind, int mx_off, int sym, float qmin, float qmax, float half, float range,
                           float expand, const float *p, int64_t steps, const float *imp, int pmode, float norm, float eps, int16_t *best, void *mn_out, void *mx_out,
                           uint8_t *improved, uint8_t *uncertain, int64_t *hits) {
-    int64_t groups = k / g, bad = 0;
-    float x[g > 0 ? g : 1];
+    int64_t groups = k / g, uncertain_groups = 0;
+    float x[g > 0 ? g : 1], mn0, mx0;
     uint8_t hit[steps > 0 ? steps : 1];
-    for (int64_t r = 0; r < n; r++) {
-        for (int64_t c = 0; c < groups; c++) {
-            int64_t base = r * k + c * g, o = r * groups + c;
-            float amin = INFINITY, amax = -INFINITY;
-            for (int64_t j = 0; j < g; j++) {
-                x[j] = load(w, dt, base + j);
-                amin = x[j] < amin ? x[j] : amin;
-                amax = x[j] > amax ? x[j] : amax;
-            }
-            float mn0 = rd(amin * expand, dt), mx0 = rd(amax * expand, dt);
-            int16_t bs;
-            int sure = imatrix_group(x, g, kind, mx_off, sym, qmin, qmax, half, range, mn0, mx0, p, steps, imp ? imp + c * g : NULL, pmode, norm, dt, eps, &bs, hit);
-            best[o] = bs;
-            uncertain[o] = (uint8_t)!sure;
-            if (!sure) { bad++; continue; }
-            int64_t bits = 0;
-            for (int64_t i = 0; i < steps; i++) {
-                improved[i] |= hit[i];
-                if (i < 63 && hit[i]) bits |= (int64_t)1 << i;
-            }
-            if (hits) hits[o] = bits;
-            store_d(mn_out, dt, o, bs < 0 ? mn0 : rd(mn0 * p[bs], dt));
-            store_d(mx_out, dt, o, bs < 0 ? mx0 : rd(mx0 * p[bs], dt));
-        }
+    for (int64_t o = 0; o < n * groups; o++) { /* group o: row o / groups, columns from (o % groups) * g */
+        int64_t col = (o % groups) * g;
+        int16_t bs;
+        load_group(w, dt, (o / groups) * k + col, g, expand, x, &mn0, &mx0);
+        int sure = imatrix_group(x, g, kind, mx_off, sym, qmin, qmax, half, range, mn0, mx0, p, steps, imp ? imp + col : NULL, pmode, norm, dt, eps, &bs, hit);
+        uncertain_groups += !store_group(o, bs, sure, hit, steps, p, mn0, mx0, dt, best, mn_out, mx_out, improved, uncertain, hits);
     }
-    return bad;
+    return uncertain_groups;
 }

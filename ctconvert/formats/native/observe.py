@@ -87,28 +87,19 @@ def mse_search(
 
 
 def imatrix_search(
-    w: torch.Tensor,
-    g: int,
-    kind: str,
-    symmetric: bool,
-    qmin: float,
-    qmax: float,
-    half: float,
-    rng: float,
-    expand: float,
-    p: torch.Tensor,
-    imp: torch.Tensor | None,
-    norm: float,
-    mx_offset: int = 0,
+    w: torch.Tensor, grid: tuple, imp: torch.Tensor | None, norm: float, mx_offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`mse_search` with the imatrix observers' error (``ct_imatrix_search``): per group the fp32
     ``sum(|float(q) - float(x)| ** norm * imp)`` (llm-compressor 0.14.0.1 ``observers/imatrix.py: _grid_search``).
 
+    ``grid``: :func:`mse_search`'s arguments ``(g, kind, symmetric, qmin, qmax, half, rng, expand, p)``;
     ``imp``: the normalised importance, fp32 ``[k]`` (None: unweighted, the uniform fallback); ``norm``: the
     exponent as torch's pow of an fp32 tensor takes it (a Python float; 2.0 and 3.0 are products there and here).
     Returns what :func:`mse_search` returns; the uncertain groups (a pow or an fp32 sum within reach of a tie,
-    or a sum that may overflow) are to be searched again by the torch reference.
+    or a sum that may overflow) are to be searched again by the torch reference. Raises ``ValueError`` for a ``w``
+    :func:`takes` refuses or an importance of another dtype or size, ``RuntimeError`` when the kernel is not built.
     """
+    g, kind, symmetric, qmin, qmax, half, rng, expand, p = grid
     lib = _lib(w)
     if imp is not None and (imp.dtype != torch.float32 or imp.numel() != w.shape[1]):
         raise ValueError(f"the importance must be fp32 [{w.shape[1]}], got {imp.dtype} {tuple(imp.shape)}")

@@ -145,7 +145,7 @@ class IMatrixMSEObserver(MSEObserver):
 
     def _kernel(self, w: torch.Tensor, args: WeightArgs, common: tuple, mx_offset: int):
         """:func:`..native.observe.imatrix_search` of ``w`` with the importance of its ``K`` columns (None: uniform)."""
-        return native_observe.imatrix_search(w, *common, self._importance(args, w.shape[1]), self.norm, mx_offset)
+        return native_observe.imatrix_search(w, common, self._importance(args, w.shape[1]), self.norm, mx_offset)
 
     def _again(self, w: torch.Tensor, args: WeightArgs, unsure: torch.Tensor, steps: int) -> Search:
         """The torch search of the groups ``unsure`` (bool ``[N, G]``) of ``w``, each a row of one group weighted by

@@ -65,26 +65,28 @@ def _compressed(w: torch.Tensor, args: WeightArgs, found) -> dict[str, torch.Ten
         return {"refused": str(e)}
 
 
-@pytest.mark.parametrize(
-    "name,args,dtype,seed",
-    [
-        ("imatrix_mse", W4, torch.bfloat16, 1),
-        ("imatrix_mse", W4, torch.float16, 2),
-        ("imatrix_mse", W4_ASYM, torch.bfloat16, 3),
-        ("imatrix_mse", W4_G32_ASYM, torch.float16, 4),
-        ("imatrix_mse", W8_G32, torch.bfloat16, 5),
-        ("imatrix_mse", FP8_G128, torch.float16, 6),
-        ("imatrix_mse", MXFP8, torch.bfloat16, 7),
-        ("imatrix_mse", MXFP4, torch.float16, 8),
-        ("imatrix_mse", NVFP4, torch.bfloat16, 9),
-        ("nvfp4_expanded_imatrix", NVFP4, torch.bfloat16, 10),
-        ("nvfp4_expanded_imatrix", NVFP4, torch.float16, 11),
-        ("nvfp4_expanded_imatrix", MXFP4, torch.bfloat16, 12),
-    ],
-)
-def test_native_equals_torch(name, args, dtype, seed):
+# (observer, scheme, dtype): every kind of the kernel (int sym/asym, FP8, MXFP8, MXFP4, NVFP4), both dtypes, both norms
+CASES = [
+    ("imatrix_mse", W4, torch.bfloat16),
+    ("imatrix_mse", W4, torch.float16),
+    ("imatrix_mse", W4_ASYM, torch.bfloat16),
+    ("imatrix_mse", W4_G32_ASYM, torch.float16),
+    ("imatrix_mse", W8_G32, torch.bfloat16),
+    ("imatrix_mse", FP8_G128, torch.float16),
+    ("imatrix_mse", MXFP8, torch.bfloat16),
+    ("imatrix_mse", MXFP4, torch.float16),
+    ("imatrix_mse", NVFP4, torch.bfloat16),
+    ("nvfp4_expanded_imatrix", NVFP4, torch.bfloat16),
+    ("nvfp4_expanded_imatrix", NVFP4, torch.float16),
+    ("nvfp4_expanded_imatrix", MXFP4, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("seed", range(len(CASES)))
+def test_native_equals_torch(seed):
     """Weighted and unweighted (no statistic: the uniform fallback), whole-tensor (early stop) and fixed-step
     searches of 37 rows (not a multiple of anything): every field of the search and the compressed bytes are torch's."""
+    name, args, dtype = CASES[seed]
     w = _weights(37, 512, dtype, seed)
     for obs in (OBSERVERS[name].with_importance(_importance(512, seed)), OBSERVERS[name]):
         for steps in (None, 7):
@@ -109,7 +111,7 @@ def test_uncertain_groups_are_settled_by_torch():
     w = _weights(24, 512, torch.bfloat16, 4)
     imp = obs.stat.weights(W4, 512)[0]
     p = torch.tensor([1 - i / obs.grid for i in range(obs.total_steps)], dtype=torch.float32)
-    *_, unsure, _ = native_observe.imatrix_search(w, 128, "int", True, -8.0, 7.0, 7.5, 15.0, 1.0, p, imp, obs.norm)
+    *_, unsure, _ = native_observe.imatrix_search(w, (128, "int", True, -8.0, 7.0, 7.5, 15.0, 1.0, p), imp, obs.norm)
     assert bool(unsure[5].all()) and 0 < int(unsure.sum()) < unsure.numel() // 2
     _same(obs.search(w, W4, impl="torch"), obs.search(w, W4, impl="native"))
 
@@ -119,7 +121,7 @@ def test_kernel_against_a_written_out_group():
     w = torch.tensor([[0.5, -0.25, 0.125, 1.0, -0.75, 0.3, 0.0, -1.0]], dtype=torch.bfloat16)
     imp = torch.tensor([1.0, 0.0, 2.0, 1.0, 1.0, 0.5, 1.0, 1.0])
     p = torch.tensor([1 - i / 20 for i in range(10)], dtype=torch.float32)
-    step, mn, mx, improved, unsure, hits = native_observe.imatrix_search(w, 8, "int", True, -8.0, 7.0, 7.5, 15.0, 1.0, p, imp, 3.0)
+    step, mn, mx, improved, unsure, hits = native_observe.imatrix_search(w, (8, "int", True, -8.0, 7.0, 7.5, 15.0, 1.0, p), imp, 3.0)
     x = w.float()[0]
     best, best_i, bits = torch.finfo(torch.float32).max, -1, 0
     for i in range(10):
@@ -151,7 +153,7 @@ def test_refusals():
         obs.search(w.float(), W4, impl="native")
     p = torch.ones(3)
     with pytest.raises(ValueError, match="importance must be fp32"):
-        native_observe.imatrix_search(w, 128, "int", True, -8.0, 7.0, 7.5, 15.0, 1.0, p, torch.ones(128), 3.0)
+        native_observe.imatrix_search(w, (128, "int", True, -8.0, 7.0, 7.5, 15.0, 1.0, p), torch.ones(128), 3.0)
 
 
 def test_global_scale_of_searched_ranges_is_torch():
