@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ctconvert import cbuild
 from ctconvert.formats import WeightArgs, get_format
 from ctconvert.formats.fp4 import nvfp4_global_scale
 from ctconvert.formats.native import observe as native_observe
@@ -96,12 +97,19 @@ def test_native_equals_torch(seed):
         assert ta.keys() == tb.keys() and all(ta[k] == tb[k] if isinstance(ta[k], str) else torch.equal(ta[k], tb[k]) for k in ta)
 
 
-def test_auto_takes_the_kernel():
-    """``impl="auto"`` is the C kernel for a CPU bf16 chunk of a group strategy: its uncertain-group count is visible
-    in a direct call, and auto's result is the kernel's."""
+def test_auto_takes_the_kernel(monkeypatch):
+    """``impl="auto"`` calls the C kernel for a CPU bf16 chunk of a group strategy (and not for fp32 or the channel
+    strategy), and its result is the kernel's."""
+    calls = []
+    real = native_observe.imatrix_search
+    monkeypatch.setattr(native_observe, "imatrix_search", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
     obs = OBSERVERS["nvfp4_expanded_imatrix"].with_importance(_importance(256, 3))
     w = _weights(16, 256, torch.bfloat16, 3)
-    _same(obs.search(w, NVFP4, impl="auto"), obs.search(w, NVFP4, impl="native"))
+    _same(obs.search(w, NVFP4, impl="auto"), obs.search(w, NVFP4, impl="torch"))
+    assert calls == [torch.bfloat16]
+    obs.search(w.float(), NVFP4, impl="auto")
+    obs.search(w, WeightArgs(type="int", num_bits=8, strategy="channel"), impl="auto")
+    assert calls == [torch.bfloat16]
 
 
 def test_uncertain_groups_are_settled_by_torch():
@@ -163,3 +171,17 @@ def test_global_scale_of_searched_ranges_is_torch():
     a, b = obs.search(w, NVFP4, impl="torch"), obs.search(w, NVFP4, impl="native")
     assert bool(torch.isfinite(range_absmax(*a.ranges)))
     assert torch.equal(nvfp4_global_scale(range_absmax(*a.ranges), w.dtype), nvfp4_global_scale(range_absmax(*b.ranges), w.dtype))
+
+
+def test_the_scalar_build_gives_the_same_search(monkeypatch, tmp_path):
+    """Built without the AVX2/F16C flags (another CPU), the kernel's scalar path gives the torch search too."""
+    plain = [f for f in cbuild.flags() if not f.startswith("-m")]
+    monkeypatch.setattr(cbuild, "flags", lambda: plain)
+    monkeypatch.setenv("CTCONVERT_CACHE", str(tmp_path))
+    lib = cbuild.Library(native_observe._SRC, native_observe._LIB.signatures)
+    assert lib.get() is not None and list(tmp_path.glob("observe-*.so"))
+    monkeypatch.setattr(native_observe, "_LIB", lib)
+    for name, args, dtype in (("imatrix_mse", W4_G32_ASYM, torch.float16), ("nvfp4_expanded_imatrix", NVFP4, torch.bfloat16)):
+        obs = OBSERVERS[name].with_importance(_importance(256, 7))
+        w = _weights(12, 256, dtype, 7)
+        _same(obs.search(w, args, impl="torch"), obs.search(w, args, impl="native"))
