@@ -3,11 +3,15 @@
 search against the CPU path, bit for bit, and whole conversions.
 
     PYTHONPATH=$PWD python3 scripts/bench_observers.py [--rows 1024] [--cols 4096] [--impl auto|torch|native]
+    PYTHONPATH=$PWD python3 scripts/bench_observers.py --imatrix [--rows 1024 --cols 4096 --repeat 3]
     PYTHONPATH=$PWD python3 scripts/bench_observers.py --device cuda [--rows 14336 --cols 4096]
     PYTHONPATH=$PWD python3 scripts/bench_observers.py --device cuda --e2e [--workdir /tmp/obsbench]
 
 CPU (default): per (scheme, observer; the imatrix ones with a random importance), the seconds of the min/max quantization, of the search and of the
 quantization from its ranges, the ratio to min/max, and the search's ns per element and grid step.
+``--imatrix``: the imatrix observers (random importance, and none: the uniform fallback) on bf16 and fp16, min of
+``--repeat``: min/max quantization, the torch search, the C kernel's search (``ct_imatrix_search``), each search's
+ratio to min/max, the kernel's speed-up over torch, and whether the two searches are identical (``same``; exit 1 if not).
 ``--device cuda``: per (scheme, observer, dtype), the GPU search's seconds (synchronized, after a warm-up),
 the groups its kernel left to be settled exactly, the CPU path's seconds, and whether every field of the two
 searches (ranges, steps, improvements, hits) is identical (``same``). ``--e2e``: ``quantize --device cuda``
@@ -190,6 +194,41 @@ def e2e(a) -> int:
     return 1 if bad else 0
 
 
+def _best(fn, repeat: int) -> tuple[float, object]:
+    """The minimum seconds of ``repeat`` calls of ``fn`` (a loaded machine), and its last result."""
+    times, out = [], None
+    for _ in range(repeat):
+        t, out = _time(fn)
+        times.append(t)
+    return min(times), out
+
+
+def imatrix_table(a) -> int:
+    """The imatrix rows: min/max against the torch search and the C kernel, the same run, min of repeats."""
+    print(f"[{a.rows}, {a.cols}], {torch.get_num_threads()} threads, min of {a.repeat}")
+    differ = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.manual_seed(0)
+        w = (torch.randn(a.rows, a.cols) * 0.02).to(dtype)
+        for scheme, name, args, obs_name in CASES:
+            if not OBSERVERS[obs_name].needs_data:
+                continue
+            fmt = get_format(name)
+            gs = nvfp4_global_scale(tensor_absmax(w), w.dtype) if fmt.needs_global_scale else None
+            base, _ = _best(lambda: fmt.quantize(w, args, gs), a.repeat)  # noqa: B023
+            for label, stat in (("weighted", Importance(torch.rand(a.cols) ** 4, 1)), ("uniform", None)):
+                obs = OBSERVERS[obs_name].with_importance(stat)
+                t_torch, ref = _best(lambda: obs.search(w, args, impl="torch"), a.repeat)  # noqa: B023
+                t_nat, got = _best(lambda: obs.search(w, args, impl="native"), a.repeat)  # noqa: B023
+                same = all(torch.equal(x, y) for x, y in ((ref.min, got.min), (ref.max, got.max), (ref.step, got.step), (ref.improved, got.improved)))
+                differ += not same
+                print(
+                    f"{scheme:9s} {obs_name:23s} {str(dtype)[6:]:8s} {label:8s} minmax {base:7.4f}s  torch {t_torch:7.2f}s ({t_torch / base:6.0f}x)"
+                    f"  native {t_nat:7.3f}s ({t_nat / base:5.0f}x)  speed-up {t_torch / t_nat:5.1f}x  same {same}"
+                )
+    return 1 if differ else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=1024)
@@ -201,7 +240,10 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--layers", type=int, default=1, help="layers of the checkpoint whose CPU and CUDA outputs are compared")
     ap.add_argument("--tune", action="store_true", help="time the kernel per launch configuration (CUDA)")
+    ap.add_argument("--imatrix", action="store_true", help="the imatrix observers: torch search against the C kernel (CPU)")
     a = ap.parse_args()
+    if a.imatrix:
+        return imatrix_table(a)
     if a.device == "cpu":
         return cpu_table(a)
     if a.tune:

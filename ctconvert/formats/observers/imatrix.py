@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..base import WeightArgs
+from ..native import observe as native_observe
 from .fake_quant import FakeQuant
-from .groups import check_weight
-from .search import MSEObserver
+from .groups import check_weight, grouped
+from .search import MSEObserver, Search
 
 __all__ = ["IMatrixMSEObserver", "Importance"]
 
@@ -98,6 +99,7 @@ class IMatrixMSEObserver(MSEObserver):
         self.stat: Importance | None = None
         self.data: dict[str, Importance] = {}
         self.modules: list[str] = []
+        self._rows_imp: torch.Tensor | None = None
 
     @property
     def total_steps(self) -> int:
@@ -131,11 +133,31 @@ class IMatrixMSEObserver(MSEObserver):
         return (self.data.get(module) or Importance()).weights(args, k)[1]
 
     def search(self, w, args, steps=None, impl="auto"):
-        """See :meth:`WeightObserver.search`; the torch reference on the CPU (``impl`` is not used: no C kernel yet)."""
+        """See :meth:`WeightObserver.search`. ``impl``: ``auto`` (the fused C kernel ``ct_imatrix_search`` of
+        :mod:`..native.observe` for a CPU bf16/fp16 chunk of a group strategy when it is built, else the torch
+        reference), ``torch`` or ``native``: the same ranges, steps, improvements and hits. A CUDA chunk is searched
+        on the CPU (no GPU kernel of the weighted error)."""
         check_weight(w, args)
+        grouped(w, args)  # the shape checks
         if w.device.type != "cpu":
             return self._on_cpu(w, args, steps, impl)
-        return self._torch(w, args, steps)
+        return self._cpu(w, args, steps, impl)
+
+    def _kernel(self, w: torch.Tensor, args: WeightArgs, common: tuple, mx_offset: int):
+        """:func:`..native.observe.imatrix_search` of ``w`` with the importance of its ``K`` columns (None: uniform)."""
+        return native_observe.imatrix_search(w, common, self._importance(args, w.shape[1]), self.norm, mx_offset)
+
+    def _again(self, w: torch.Tensor, args: WeightArgs, unsure: torch.Tensor, steps: int) -> Search:
+        """The torch search of the groups ``unsure`` (bool ``[N, G]``) of ``w``, each a row of one group weighted by
+        its own columns' importance (the same fp32 values and sums as in the whole chunk's search)."""
+        x = grouped(w, args)
+        imp = self._importance(args, w.shape[1])
+        rows = None if imp is None else imp.reshape(1, *x.shape[1:]).expand(x.shape)[unsure]
+        return self._copy(_rows_imp=rows)._torch(x[unsure], args, steps)
+
+    def _importance(self, args: WeightArgs, k: int) -> torch.Tensor | None:
+        """The normalised importance of this module's ``k`` input channels, fp32 ``[k]``, or None (uniform MSE)."""
+        return (self.stat or Importance()).weights(args, k)[0]
 
     def _stops(self, stale: int) -> bool:
         return self.patience > 0 and stale >= self.patience
@@ -148,8 +170,11 @@ class IMatrixMSEObserver(MSEObserver):
         q = FakeQuant(args, x.device)
         ref = x.abs() if q.is_fp4 else x  # |q - x| of FP4 on |x| (FakeQuant.dequantized)
         ref32 = ref.float()
-        imp, _ = (self.stat or Importance()).weights(args, x.shape[1] * x.shape[2])
-        imp = None if imp is None else imp.to(x.device).reshape(x.shape[1:])
+        if self._rows_imp is not None:  # the groups of :meth:`_again`, each with its own columns' importance
+            imp = self._rows_imp.to(x.device).reshape(x.shape)
+        else:
+            imp = self._importance(args, x.shape[1] * x.shape[2])
+            imp = None if imp is None else imp.to(x.device).reshape(x.shape[1:])
 
         def error(mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
             e = q.dequantized(x, mn, mx, ref).float()

@@ -130,10 +130,14 @@ class MSEObserver(WeightObserver):
             if impl == "auto" and gpu_search.takes(w, args, self.total_steps if steps is None else steps):
                 return Search(*gpu_search.search(self, w, args, steps))  # the CPU path's decisions, exactly (gpu_search.py)
             return self._on_cpu(w, args, steps, impl)
+        return self._cpu(w, args, steps, impl)
+
+    def _cpu(self, w: torch.Tensor, args: WeightArgs, steps: int | None, impl: str) -> Search:
+        """The search of a CPU chunk: the C kernel (:meth:`_native`) where ``impl`` and the chunk let it, else torch."""
         if impl != "torch" and args.strategy in ("group", "tensor_group") and native_observe.takes(w) and (impl == "native" or native_observe.available()):
             total = self.total_steps if steps is None else steps
             found = self._native(w, args, total)
-            if steps is None and self.patience < total:
+            if steps is None and self.needs_stop_pass:
                 tracker = StopTracker(total, self.patience)
                 tracker.add(found.improved)
                 if tracker.steps < total:
@@ -154,23 +158,30 @@ class MSEObserver(WeightObserver):
     def _native(self, w: torch.Tensor, args: WeightArgs, steps: int) -> Search:
         """``steps`` grid steps in the C kernel; the groups it cannot vouch for searched again by torch."""
         d = w.dtype
-        g = args.group_size
         qmin, qmax = FakeQuant.bounds(args)
         bit_range = torch.tensor(qmax - qmin).to(d)
         kind = "int" if args.type == "int" else ("fp8" if args.num_bits == 8 else "fp4")
         p = torch.tensor([1 - i / self.grid for i in range(steps)], dtype=torch.float32)
-        norm = float(torch.tensor(self.norm).to(d))  # torch's pow of a D tensor takes its exponent in D
         mx_offset = (2 if args.num_bits == 4 else 8) if is_mx(args) else 0  # floor(log2(6)), floor(log2(448))
-        step, mn, mx, improved, unsure, hits = native_observe.mse_search(
-            w, g, kind, args.symmetric, qmin, qmax, float(bit_range / 2), float(bit_range), self.expand, p, norm, mx_offset
-        )
+        common = (args.group_size, kind, args.symmetric, qmin, qmax, float(bit_range / 2), float(bit_range), self.expand, p)
+        step, mn, mx, improved, unsure, hits = self._kernel(w, args, common, mx_offset)
         if bool(unsure.any()):
-            again = self._torch(grouped(w, args)[unsure], args, steps)
+            again = self._again(w, args, unsure, steps)
             step[unsure], mn[unsure], mx[unsure] = again.step[:, 0], again.min[:, 0], again.max[:, 0]
             if hits is not None:
                 hits[unsure] = again.hits[:, 0]
             improved |= again.improved
         return Search(mn, mx, step, improved, hits)
+
+    def _kernel(self, w: torch.Tensor, args: WeightArgs, common: tuple, mx_offset: int):
+        """The C kernel's search of ``w``: :func:`.native.observe.mse_search` with ``common`` (its arguments from ``g``
+        to ``p``), the norm and ``mx_offset``."""
+        norm = float(torch.tensor(self.norm).to(w.dtype))  # torch's pow of a D tensor takes its exponent in D
+        return native_observe.mse_search(w, *common, norm, mx_offset)
+
+    def _again(self, w: torch.Tensor, args: WeightArgs, unsure: torch.Tensor, steps: int) -> Search:
+        """The torch search of the groups ``unsure`` (bool ``[N, G]``) of ``w``, each as a row of one group."""
+        return self._torch(grouped(w, args)[unsure], args, steps)
 
     def _torch(self, w: torch.Tensor, args: WeightArgs, steps: int | None) -> Search:
         """The search in torch, operation for operation as upstream (module docstring)."""
