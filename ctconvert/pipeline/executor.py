@@ -108,7 +108,8 @@ class ExecOptions:
     kernel-layout step, ``(module, {part: whole tensor}) -> {part: tensor}``
     (:class:`ctconvert.stages.layout.LayoutStage`), or None to write compressed-tensors tensors;
     ``calibrated``: module -> {part: tensor}, the calibrated tensors (:class:`ctconvert.calibration.apply.Calibrated`),
-    each written once with the unit whose outputs name it."""
+    each written once with the unit whose outputs name it; a mapping whose ``get`` may wait for a module's layer
+    (:class:`ctconvert.calibration.feed.CalibratedFeed`, calibration running beside the executor)."""
 
     device: torch.device
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
