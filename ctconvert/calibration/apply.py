@@ -294,6 +294,10 @@ class _Resolver:
     def resolve(self, stats) -> tuple[dict[str, dict[str, torch.Tensor]], list[str]]:
         """Every calibrated module's tensors and the notes, from the whole pass' :class:`Stats` (on any device)."""
         cpu = stats.cpu()
+        calibrated = {m for u in self.units for m in u.modules}
+        for m, s in cpu.inputs.items():  # in the order the forward reached them: the first a non-finite value reached is named
+            if m in calibrated:
+                _check_finite(self.ckpt, m, "inputs", s)
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         notes: list[str] = []
         for u in self.units:

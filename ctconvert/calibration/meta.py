@@ -45,14 +45,19 @@ def build_meta(tf, ckpt: Checkpoint, dtype: torch.dtype, arch: str, attention: t
     first = None
     config = None
     builders = [tf.AutoModelForCausalLM, getattr(tf, "AutoModelForImageTextToText", None)]
-    for impl in attention:
-        for auto in filter(None, builders):
-            try:
-                config = config or tf.AutoConfig.from_pretrained(str(ckpt.path))
-                with torch.device("meta"):
-                    return auto.from_config(config, dtype=dtype, attn_implementation=impl), impl
-            except Exception as e:  # noqa: BLE001 - any failure to build it is one clear line
-                first = first or e
+    verbosity = tf.logging.get_verbosity()
+    tf.logging.set_verbosity_error()  # its warnings (a config of another model type, RoPE settings) are not ours to print
+    try:
+        for impl in attention:
+            for auto in filter(None, builders):
+                try:
+                    config = config or tf.AutoConfig.from_pretrained(str(ckpt.path))
+                    with torch.device("meta"):
+                        return auto.from_config(config, dtype=dtype, attn_implementation=impl), impl
+                except Exception as e:  # noqa: BLE001 - any failure to build it is one clear line
+                    first = first or e
+    finally:
+        tf.logging.set_verbosity(verbosity)
     raise UnsupportedError(
         f"ctconvert cannot calibrate {arch}: its calibration builds the model with transformers' AutoModelForCausalLM "
         f"(or AutoModelForImageTextToText), which cannot build architecture {arch} ({type(first).__name__}: {str(first).splitlines()[0][:200]}): "

@@ -31,6 +31,9 @@ from .job import QuantizeJob, Stage
 
 __all__ = ["CalibrateStage", "layer_progress"]
 
+#: the options that say which calibration data to use (a note says when a plan needs none)
+_DATA_OPTIONS = ("calibration", "calibration_samples", "calibration_seq_len", "calibration_batch_tokens")
+
 _NO_REFRESH = "--refresh cannot update calibrated activation scales (they depend on every earlier layer): convert again"
 
 
@@ -50,6 +53,8 @@ class CalibrateStage(Stage):
         self.cost: calibration.CalibrationCost | None = None
         self.importance: list[str] = []  # the observers that need calibration data
         self._background: BackgroundCalibration | None = None
+        defaults = QuantizeOptions()
+        self.given = [f"--{k.replace('_', '-')}" for k in _DATA_OPTIONS if getattr(o, k) != getattr(defaults, k)]  # named by the user
 
     def prepare(self, job: QuantizeJob) -> None:
         calibration.add_outputs(job.plan, job.ckpt, self.kv_cache)
@@ -58,6 +63,8 @@ class CalibrateStage(Stage):
         job.calibrated = calibration.needs_calibration(job.plan, self.kv_cache) or bool(self.importance)
         job.kv_cache_scheme = calibration.kv_cache_config(self.kv_cache)
         if not job.calibrated:
+            if self.given:
+                job.result.notes.append(f"{' and '.join(self.given)} not used: this plan needs no calibration (weights and dynamic activation scales only)")
             return
         self._check_model(job, build=job.options.dry_run or not self._beside(job))  # else built on calibration's thread
         cost = calibration.estimate(job.plan, job.ckpt, self.samples, self.seq_len, self.kv_cache, self.batch_tokens)
@@ -86,7 +93,8 @@ class CalibrateStage(Stage):
 
     def report(self, job: QuantizeJob) -> None:
         if not job.calibrated:
-            job.result.notes.append("no calibration needed (weights and dynamic activation scales only)")
+            if not self.given:  # else prepare's note says it
+                job.result.notes.append("no calibration needed (weights and dynamic activation scales only)")
             return
         job.result.notes += [self.cost.describe(), *filter(None, [calibration.attention_note(job.ckpt)])]
         data = self._read_data(job)

@@ -444,3 +444,17 @@ def test_non_finite_activations_get_no_made_up_static_scale(tmp_path, scheme, kv
     assert e.value.exit_code == 3
     assert ("mlp" in str(e.value)) if kv == "none" else ("self_attn" in str(e.value))
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("norm,first", [("input_layernorm", "self_attn.q_proj"), ("post_attention_layernorm", "mlp.gate_proj")])
+def test_non_finite_activations_name_the_first_module_the_forward_reached(tmp_path, norm, first):
+    """The refusal names the module a NaN reached first in the forward (q_proj after the input norm, gate_proj after
+    the MLP's norm), not the first in file order (down_proj), so it points at the bad tensor upstream of it."""
+    t = llama_tensors(LLAMA_CONFIG)
+    t[f"model.layers.0.{norm}.weight"][3] = float("nan")
+    src = write_checkpoint(tmp_path / "m", t, LLAMA_CONFIG)
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([i % LLAMA_CONFIG["vocab_size"] for i in range(64)]))
+    with pytest.raises(BadInputError, match=rf"the inputs of model\.layers\.0\.{first} are not finite"):
+        api.quantize(src, tmp_path / "q", "NVFP4", allow_nonfinite=True, calibration=ids, calibration_samples=2, calibration_seq_len=16)
+    assert not (tmp_path / "q").exists()
