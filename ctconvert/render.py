@@ -193,7 +193,10 @@ def inspect(ctx, report: dict, all_layers: bool) -> None:
         casts = ", ".join(f"{plural(n, 'tensor')} {k}" for k, n in c["casts"].items())
         con.print(f"  cast at conversion (--dense-dtype): {casts}", markup=False)
     for g, v in report["config_groups"].items():
-        con.print(f"  config group {g}: targets={v['targets']} scheme={v['scheme']} format={v['format']}", markup=False)
+        acts = f" activations={v['activations']}" if v.get("activations") else ""
+        con.print(f"  config group {g}: targets={v['targets']} scheme={v['scheme']} format={v['format']}{acts}", markup=False)
+    if report.get("kv_cache_scheme"):
+        con.print(f"  kv cache: {report['kv_cache_scheme']} (k_scale/v_scale per attention module)", markup=False)
     layers = report["layers"]
     cols = [("layer", 0), ("scheme", 2), ("format", 3), ("bytes", 1), ("bits/w", 0), ("tensors (dtype shape)", 4)]
     if all_layers or len(layers) <= 60:

@@ -164,8 +164,15 @@ def inspect_checkpoint(path: Path) -> dict:
         "quantization_config": _config_summary(qcfg),
         "sparsity_config": qcfg.get("sparsity_config") or None,  # 2:4 (compressed-tensors <= 0.14)
         "config_groups": {
-            g: {"targets": v.get("targets"), "format": v.get("format"), "scheme": describe_weights(v.get("weights") or {})} for g, v in groups.items()
+            g: {
+                "targets": v.get("targets"),
+                "format": v.get("format"),
+                "scheme": describe_weights(v.get("weights") or {}),
+                "activations": describe_activations(v.get("input_activations") or {}),
+            }
+            for g, v in groups.items()
         },
+        "kv_cache_scheme": describe_activations(qcfg.get("kv_cache_scheme") or {}) if qcfg else None,
         "ignore": qcfg.get("ignore") if qcfg else None,
         "derived_from": _derived_from(path),
         "dense_cast": _cast_summary(casts),
@@ -369,6 +376,16 @@ def _sparse_scheme(m: Module, scheme: str | None) -> str | None:
     if str(m.format).startswith(CompressionFormat.SPARSE_24_BITMASK.value) or m.format == CompressionFormat.MARLIN_24.value:
         return f"{scheme} 2:4" if scheme else "dense 2:4"
     return scheme
+
+
+def describe_activations(a: dict) -> str | None:
+    """A short name of activation (or KV cache) QuantizationArgs: ``fp8 token dynamic``, ``fp4 g16 local`` (NVFP4's
+    calibrated global scale), ``fp8 tensor static``, ``int8 tensor asym static``; None for none."""
+    if not a:
+        return None
+    dynamic = a.get("dynamic")
+    how = "local" if dynamic == "local" else ("dynamic" if dynamic else "static")
+    return f"{describe_weights(a)} {how}"
 
 
 def describe_weights(w: dict) -> str | None:

@@ -70,3 +70,26 @@ def test_inspect_of_a_broken_foreign_input_names_the_file_and_tensor(tmp_path):
     errs = [p for p in rep["problems"] if p["severity"] == "error"]
     assert len(errs) == 1 and errs[0]["file"].endswith(".safetensors") and "down_proj" in errs[0]["tensor"]
     assert CliRunner().invoke(main, ["inspect", str(src)]).exit_code == 3
+
+
+def test_inspect_names_the_activations_and_the_kv_cache(tmp_path):
+    """Each config group's input activations and the config's kv_cache_scheme are in the report (and the text):
+    NVFP4 (W4A4) is told apart from NVFP4A16, static FP8 from dynamic."""
+    from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+
+    src = write_checkpoint(tmp_path / "m", llama_tensors(LLAMA_CONFIG, seed=1), LLAMA_CONFIG)
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([i % 250 for i in range(64)]))
+    cal = dict(calibration=ids, calibration_samples=2, calibration_seq_len=16)
+    cases = [
+        ("NVFP4", dict(cal, kv_cache="fp8-head"), "fp4 g16 local", "fp8 attn_head static"),
+        ("NVFP4A16", {}, None, None),
+        ("FP8", dict(cal), "fp8 tensor static", None),
+        ("FP8_DYNAMIC", dict(cal, kv_cache="fp8"), "fp8 token dynamic", "fp8 tensor static"),
+    ]
+    for scheme, kw, acts, kv in cases:
+        out = tmp_path / scheme
+        api.quantize(src, out, scheme, **kw)
+        report = api.inspect(out)
+        assert [g["activations"] for g in report["config_groups"].values()] == [acts], scheme
+        assert report["kv_cache_scheme"] == kv, scheme
