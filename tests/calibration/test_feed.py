@@ -22,6 +22,7 @@ from ctconvert.plan.planner import make_plan
 from ctconvert.stages.calibrate import CalibrateStage
 
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from helpers import randomized
 
 transformers = pytest.importorskip("transformers")
 warnings.filterwarnings("ignore")
@@ -105,12 +106,7 @@ def _moe(path):
         num_experts=8,
         num_experts_per_tok=1,
     )
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.05)
-    model.save_pretrained(str(path))
+    randomized(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)).save_pretrained(str(path))
     return path
 
 
