@@ -266,8 +266,9 @@ class _Resolver:
         self.ckpt, self.kv_cache, self.dtype = ckpt, kv_cache, _model_dtype(ckpt)
         self.units = _calibrated_units(plan)
         self.attention = list(_attention_modules(plan)) if kv_cache != "none" else []
-        self._streamed: set[int] = set()  # indices into units + attention already put
-        self._cpu: dict[str, MinMax] = {}  # final statistics' CPU copies, by module (inputs)
+        self._unit_of = {m: i for i, u in enumerate(self.units) for m in u.modules}  # calibrated module -> its unit
+        self._seen: set[str] = set()  # modules observed by the layers streamed so far
+        self._cpu: dict[str, MinMax] = {}  # their final statistics' CPU copies (inputs)
         self._broken = False  # a streamed unit failed: the rest waits for resolve (which raises in plan order)
 
     def _unit(self, u, inputs: dict[str, MinMax]) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -310,30 +311,27 @@ class _Resolver:
         return tensors, notes
 
     def stream(self, stats, hooked: set[str], feed) -> None:
-        """Put into ``feed`` each unit (and attention module) not put yet whose modules have all been observed
-        (``hooked``: their layers have run, so their statistics are final). A module both a unit and an attention
-        module give (none today) is put whole at the end."""
+        """Put into ``feed`` each unit (and attention module) whose modules have all been observed, once the layer that
+        observed its last one has run (``hooked``: the modules observed so far, whose statistics are final). A module
+        that is both a unit's and an attention module (none today) is put whole at the end."""
         if self._broken:
             return
-        ready = [i for i, u in enumerate(self.units) if i not in self._streamed and all(m in hooked for m in u.modules)]
-        conv = lambda d, names: {k: MinMax(d[k].min.cpu(), d[k].max.cpu(), d[k].tokens) for k in names if k in d and d[k].min is not None}
+        new = hooked - self._seen
+        self._seen |= new
+        self._cpu.update({k: stats.inputs[k].cpu() for k in new if k in stats.inputs and stats.inputs[k].min is not None})  # siblings too (fallback)
+        ready = sorted({self._unit_of[m] for m in new if m in self._unit_of})
         try:
-            if ready:
-                heads = {m.partition(".experts.")[0] for i in ready for m in self.units[i].modules}
-                new = [k for k in stats.inputs if k not in self._cpu and k in hooked and (k in heads or k.partition(".experts.")[0] in heads)]
-                self._cpu.update(conv(stats.inputs, new + [m for i in ready for m in self.units[i].modules if m not in self._cpu]))
             for i in ready:
-                q, _ = self._unit(self.units[i], self._cpu)
-                for m in self.units[i].modules:
-                    if m not in self.attention:
-                        feed.put(m, dict(q))
-                self._streamed.add(i)
-            for j, a in enumerate(self.attention):
-                key = len(self.units) + j
-                if key in self._streamed or a not in hooked or any(a in u.modules for u in self.units):
+                u = self.units[i]
+                if not all(m in self._seen for m in u.modules):
                     continue
-                feed.put(a, self._attention(a, conv(stats.keys, [a]), conv(stats.values, [a])))
-                self._streamed.add(key)
+                q, _ = self._unit(u, self._cpu)
+                for m in u.modules:
+                    feed.put(m, dict(q))
+            final = lambda d, name: {name: d[name].cpu()} if name in d and d[name].min is not None else {}  # as Stats.cpu keeps it
+            for a in self.attention:
+                if a in new and a not in self._unit_of:
+                    feed.put(a, self._attention(a, final(stats.keys, a), final(stats.values, a)))
         except (UsageError, BadInputError):
             self._broken = True
 

@@ -12,7 +12,6 @@ give is answered at once (as an empty mapping's ``get`` is).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -88,7 +87,7 @@ class BackgroundCalibration:
     is the callable it calls between layers, which raises :class:`Cancelled` once :meth:`cancel` was called.
 
     :meth:`result` waits for the thread and returns ``work``'s value (or raises its error); :meth:`cancel` stops it at
-    the next layer and waits for it. ``seconds``: the thread's wall time, once it has ended."""
+    the next layer and waits for it."""
 
     def __init__(self, feed: CalibratedFeed, work: Callable):
         self.feed = feed
@@ -96,7 +95,6 @@ class BackgroundCalibration:
         self._stop = threading.Event()
         self._value = None
         self._error: BaseException | None = None
-        self.seconds: float | None = None
         self._thread = threading.Thread(target=self._run, name="ctconvert-calibrate", daemon=True)
         self._thread.start()
 
@@ -105,14 +103,11 @@ class BackgroundCalibration:
             raise Cancelled("the run stopped")
 
     def _run(self) -> None:
-        t0 = time.perf_counter()
         try:
             self._value = self._work(self.feed, self._check)
         except BaseException as e:  # noqa: BLE001 - handed to the feed's readers and to result()
             self._error = e
             self.feed.fail(e)
-        finally:
-            self.seconds = time.perf_counter() - t0
 
     def result(self):
         """``work``'s value, once the thread has ended; raises what ``work`` raised."""

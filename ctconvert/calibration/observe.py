@@ -54,6 +54,10 @@ class MinMax:
         self.max = hi if self.max is None else torch.maximum(self.max, hi)
         self.tokens += x.numel() // max(1, x.shape[-1])
 
+    def cpu(self) -> MinMax:
+        """A copy on the CPU (the same values: a copy, no arithmetic)."""
+        return MinMax(self.min.cpu(), self.max.cpu(), self.tokens)
+
     def merged(self, other: MinMax) -> MinMax:
         if self.min is None:
             return other
@@ -81,7 +85,7 @@ class Stats:
             self.importance.setdefault(module, Importance()).add_samples(x)
 
     def cpu(self) -> Stats:
-        conv = lambda d: {k: MinMax(v.min.cpu(), v.max.cpu(), v.tokens) for k, v in d.items() if v.min is not None}
+        conv = lambda d: {k: v.cpu() for k, v in d.items() if v.min is not None}
         out = Stats(conv(self.inputs), conv(self.keys), conv(self.values), self.tokens, list(self.notes))
         out.importance = {k: v.cpu() for k, v in self.importance.items()}
         return out
