@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from ctconvert import cbuild
+
 #: the integer dtype of each element size, to compare or rebuild tensors bit for bit
 INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: devices for device-parametrized tests: the CPU, and CUDA when present
@@ -86,6 +88,18 @@ def randomized(model):
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     return model
+
+
+def scalar_build(monkeypatch, tmp_path: Path, src, signatures, stem: str):
+    """A native library (``src`` with its ``signatures``, as ``cbuild.Library`` takes them) built without the vector
+    flags (``-m...``: AVX2/F16C/FMA/AVX-512, another CPU) into ``tmp_path`` (the cache), for the rest of the test;
+    asserts that it built (``STEM-*.so`` is there) and returns it."""
+    plain = [f for f in cbuild.flags() if not f.startswith("-m")]
+    monkeypatch.setattr(cbuild, "flags", lambda: plain)
+    monkeypatch.setenv("CTCONVERT_CACHE", str(tmp_path))
+    lib = cbuild.Library(src, signatures)
+    assert lib.get() is not None and list(tmp_path.glob(f"{stem}-*.so"))
+    return lib
 
 
 class RecordingBar:

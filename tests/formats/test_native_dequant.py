@@ -15,11 +15,12 @@ import torch
 from compressed_tensors.compressors.base import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-from ctconvert import cbuild
 from ctconvert.formats import FORMATS, WeightArgs
 from ctconvert.formats.fp4 import pack_nibbles
 from ctconvert.formats.integer import pack_int32, pack_int32_dim0
 from ctconvert.formats.native import dequant as native_dequant
+
+from helpers import scalar_build
 
 pytestmark = pytest.mark.skipif(not native_dequant.available(), reason="no C compiler: the native kernel is not built")
 
@@ -204,11 +205,7 @@ def test_layouts_the_kernel_does_not_take_go_to_torch(monkeypatch):
 
 def test_the_scalar_build_gives_the_same_bytes(monkeypatch, tmp_path):
     """Built without the AVX2/F16C flags (another CPU), the kernel's scalar path gives the same bytes."""
-    plain = [f for f in cbuild.flags() if not f.startswith("-m")]
-    monkeypatch.setattr(cbuild, "flags", lambda: plain)
-    monkeypatch.setenv("CTCONVERT_CACHE", str(tmp_path))
-    lib = cbuild.Library(native_dequant._SRC, native_dequant._LIB.signatures)
-    assert lib.get() is not None and list(tmp_path.glob("dequant-*.so"))
+    lib = scalar_build(monkeypatch, tmp_path, native_dequant._SRC, native_dequant._LIB.signatures, "dequant")
     monkeypatch.setattr(native_dequant, "_LIB", lib)
     for layout in ("w4-g128-asym", "w3-g32", "int8-g32-asym", "fp8-block", "nvfp4", "mxfp8"):
         fmt, a = LAYOUTS[layout]

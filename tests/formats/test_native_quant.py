@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctconvert import cbuild
 from ctconvert.formats import native
 from ctconvert.formats.integer import quantize_int
 
 from .test_bit_exact import CASES, DTYPES, assert_same_bytes, make_weight, ours
 from ct_reference import ct_compress
+from helpers import scalar_build
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler")
 
@@ -53,11 +53,7 @@ def test_asymmetric_min_max_over_any_group_length(k, dtype):
 def test_the_scalar_build_gives_the_same_bytes(monkeypatch, tmp_path):
     """Built without the vector flags (AVX2/F16C/FMA/AVX-512: another CPU), every quantize kernel gives the bytes of
     the build with them, on the awkward inputs of test_bit_exact and on wide rows."""
-    plain = [f for f in cbuild.flags() if not f.startswith("-m")]
-    monkeypatch.setattr(cbuild, "flags", lambda: plain)
-    monkeypatch.setenv("CTCONVERT_CACHE", str(tmp_path))
-    lib = cbuild.Library(native._SRC, native._LIB.signatures)
-    assert lib.get() is not None and list(tmp_path.glob("quant-*.so"))
+    lib = scalar_build(monkeypatch, tmp_path, native._SRC, native._LIB.signatures, "quant")
     cases = []
     for scheme in ("FP8_DYNAMIC", "FP8_BLOCK", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16", "MXFP8A16"):
         shape = WIDE.get(scheme, (9, 512))

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctconvert import cbuild
 from ctconvert.formats import WeightArgs, get_format
 from ctconvert.formats.fp4 import nvfp4_global_scale
 from ctconvert.formats.native import observe as native_observe
 from ctconvert.formats.observers import OBSERVERS, Importance, range_absmax
 
 from ..test_observers import NVFP4, W4, W4_ASYM, awkward_weights, bits_of
+from helpers import scalar_build
 
 pytestmark = pytest.mark.skipif(not native_observe.available(), reason="no C compiler")
 
@@ -175,11 +175,7 @@ def test_global_scale_of_searched_ranges_is_torch():
 
 def test_the_scalar_build_gives_the_same_search(monkeypatch, tmp_path):
     """Built without the AVX2/F16C flags (another CPU), the kernel's scalar path gives the torch search too."""
-    plain = [f for f in cbuild.flags() if not f.startswith("-m")]
-    monkeypatch.setattr(cbuild, "flags", lambda: plain)
-    monkeypatch.setenv("CTCONVERT_CACHE", str(tmp_path))
-    lib = cbuild.Library(native_observe._SRC, native_observe._LIB.signatures)
-    assert lib.get() is not None and list(tmp_path.glob("observe-*.so"))
+    lib = scalar_build(monkeypatch, tmp_path, native_observe._SRC, native_observe._LIB.signatures, "observe")
     monkeypatch.setattr(native_observe, "_LIB", lib)
     for name, args, dtype in (("imatrix_mse", W4_G32_ASYM, torch.float16), ("nvfp4_expanded_imatrix", NVFP4, torch.bfloat16)):
         obs = OBSERVERS[name].with_importance(_importance(256, 7))
