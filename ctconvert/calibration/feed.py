@@ -5,7 +5,8 @@ Calibration runs the model one decoder layer at a time; a Linear's static input 
 (:attr:`ctconvert.pipeline.executor.ExecOptions.calibrated`, module -> {part: tensor}) while calibration still runs on
 its own thread (:class:`BackgroundCalibration`): reading a module that calibration will give waits until its layer is
 done, so the write stage reads, quantizes and writes every weight while the model runs, and waits only for the tiny
-calibrated tensors. A failed calibration makes every waiting reader raise its error; a module calibration does not
+calibrated tensors; the executor asks :meth:`CalibratedFeed.ready` and writes a module's calibrated tensors later
+(their offsets are planned) when its layer is not done yet, so it never waits for calibration before its last unit. A failed calibration makes every waiting reader raise its error; a module calibration does not
 give is answered at once (as an empty mapping's ``get`` is).
 """
 
@@ -47,6 +48,11 @@ class CalibratedFeed(Mapping):
         with self._cv:
             self._error = error
             self._cv.notify_all()
+
+    def ready(self, module: str) -> bool:
+        """Whether reading ``module`` answers at once: given, not expected, or calibration failed (then it raises)."""
+        with self._cv:
+            return module not in self.expected or module in self._have or self._error is not None
 
     def _wait(self, module: str) -> dict[str, torch.Tensor] | None:
         if module not in self.expected:

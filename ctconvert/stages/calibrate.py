@@ -53,6 +53,7 @@ class CalibrateStage(Stage):
         self.cost: calibration.CalibrationCost | None = None
         self.importance: list[str] = []  # the observers that need calibration data
         self._background: BackgroundCalibration | None = None
+        self.built_s: float | None = None
         defaults = QuantizeOptions()
         self.given = [f"--{k.replace('_', '-')}" for k in _DATA_OPTIONS if getattr(o, k) != getattr(defaults, k)]  # named by the user
 
@@ -118,6 +119,7 @@ class CalibrateStage(Stage):
         if self._beside(job):
             self._start_beside(job, data, t0)
             return
+        self.built_s = round(time.perf_counter() - t0, 3)  # built at plan time (prepare's check)
         job.calibration = self._calibrate(job, data)
         self._record(job, job.calibration, t0, len(job.result.notes))
 
@@ -136,10 +138,12 @@ class CalibrateStage(Stage):
                 check=check,
             )
 
-    @staticmethod
-    def _record(job: QuantizeJob, cal, t0: float, at: int) -> None:
+    def _record(self, job: QuantizeJob, cal, t0: float, at: int) -> None:
+        """Calibration's notes, and its seconds: ``seconds`` from the stage's start to the end of the pass, of which
+        ``model_seconds`` until the model was built (transformers imported; beside the write stage: on its thread)."""
         job.result.notes[at:at] = cal.notes
         job.result.calibration["seconds"] = round(time.perf_counter() - t0, 3)
+        job.result.calibration["model_seconds"] = self.built_s
 
     def _beside(self, job: QuantizeJob) -> bool:
         """Whether calibration can run beside the write stage: not for the imatrix observers (the weights themselves
@@ -155,6 +159,7 @@ class CalibrateStage(Stage):
 
         def work(feed, check):
             calibration.build_model(job.ckpt)  # transformers imported and the model built here, beside the write stage
+            self.built_s = round(time.perf_counter() - t0, 3)
             check()
             return self._calibrate(job, data, feed, check)
 

@@ -227,3 +227,43 @@ def test_a_failed_or_interrupted_write_stops_the_calibration_thread(model, tmp_p
     assert not _calibrating()
     assert ran == []  # stopped at its first check (once its model is built), before any layer ran
     assert not (tmp_path / "q").exists()
+
+
+def test_the_write_stage_writes_every_weight_before_it_waits_for_calibration(model, tmp_path, monkeypatch):
+    """Calibration held before its first layer: the executor still writes every tensor that is not calibrated (the
+    calibrated ones are written later, at their planned offsets), and only then waits; the bytes are the in-line run's."""
+    from ctconvert.pipeline import executor
+    from ctconvert.stages import calibrate as stage
+
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([i % 300 for i in range(96)]))
+    kw = dict(calibration=ids, calibration_samples=2, calibration_seq_len=48, max_shard_size="200KB")
+    written, at_wait, release = [], [], threading.Event()
+    real_write, real_wait, real_build = executor.Executor._write_many, CalibratedFeed._wait, stage.calibration.build_model
+
+    def write(self, writes, *a, **kw):  # what the executor hands its writers (they write it a little later)
+        written.extend(name for name, _, _ in writes)
+        return real_write(self, writes, *a, **kw)
+
+    def wait(self, module):
+        if module in self.expected and not self.ready(module) and not at_wait:
+            at_wait.append(set(written))
+            release.set()
+        return real_wait(self, module)
+
+    def build(ckpt):
+        assert release.wait(60), "the write stage never waited for calibration"
+        return real_build(ckpt)
+
+    monkeypatch.setattr(executor.Executor, "_write_many", write)
+    monkeypatch.setattr(CalibratedFeed, "_wait", wait)
+    monkeypatch.setattr(stage.calibration, "build_model", build)
+    r = api.quantize(model, tmp_path / "beside", "NVFP4", **kw)
+    planned = {n for f in (tmp_path / "beside").glob("*.safetensors") for n in json.loads(f.read_bytes()[8 : 8 + int.from_bytes(f.read_bytes()[:8], "little")])}
+    calibrated = {n for n in planned if n.endswith("input_global_scale")}
+    assert r.shards and calibrated and at_wait
+    assert at_wait[0] >= {n for n in planned - calibrated if n.endswith("weight_packed")}  # every weight written before the wait
+    assert not at_wait[0] & calibrated
+    monkeypatch.setattr(CalibrateStage, "_beside", lambda self, job: False)
+    api.quantize(model, tmp_path / "inline", "NVFP4", **kw)
+    assert _digests(tmp_path / "beside") == _digests(tmp_path / "inline")
