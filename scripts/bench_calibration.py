@@ -123,7 +123,8 @@ def quantize_run(a, code: str, scheme: str, ids: Path, out: Path) -> dict:
     r = run_process(cmd, code_env(code), code)
     doc = json.loads(r.pop("stdout"))
     subprocess.run(["rm", "-rf", str(out)], check=False)
-    return {"run": f"quantize {scheme}", "code": code, **r, "call_s": doc.get("seconds"), "calibration_s": (doc.get("calibration") or {}).get("seconds"), "model_s": (doc.get("calibration") or {}).get("model_seconds")}
+    cal = doc.get("calibration") or {}
+    return {"run": f"quantize {scheme}", "code": code, **r, "call_s": doc["seconds"], "calibration_s": cal.get("seconds"), "model_s": cal.get("model_seconds")}
 
 
 def warm(model: str) -> None:

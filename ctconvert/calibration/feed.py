@@ -6,8 +6,8 @@ Calibration runs the model one decoder layer at a time; a Linear's static input 
 its own thread (:class:`BackgroundCalibration`): reading a module that calibration will give waits until its layer is
 done, so the write stage reads, quantizes and writes every weight while the model runs, and waits only for the tiny
 calibrated tensors; the executor asks :meth:`CalibratedFeed.ready` and writes a module's calibrated tensors later
-(their offsets are planned) when its layer is not done yet, so it never waits for calibration before its last unit. A failed calibration makes every waiting reader raise its error; a module calibration does not
-give is answered at once (as an empty mapping's ``get`` is).
+(their offsets are planned) when its layer is not done yet, so it never waits for calibration before its last unit. A failed calibration makes every waiting
+reader raise its error; a module calibration does not give is answered at once (as an empty mapping's ``get`` is).
 """
 
 from __future__ import annotations
