@@ -68,6 +68,7 @@ from ..formats.common import tensor_absmax
 from ..options import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
 from ..plan.planner import Plan, WorkUnit
 from .buffers import ByteBudget, PinnedPool
+from .calibrated import CalibratedWrites
 from .casting import cast_chunk
 from .nonfinite import copy_nonfinite, raise_nonfinite
 from .readahead import READ_AHEAD_BYTES, WindowReadAhead, unit_pieces
@@ -153,7 +154,7 @@ class Executor:
         self.native_checks = opts.impl in ("auto", "native") and native.available()  # C scans of host bytes
         self.wqs: list[queue.Queue] = [queue.Queue(maxsize=0 if self.cuda else WRITE_BEHIND) for _ in range(WRITERS[kind])]
         self.write_error: BaseException | None = None
-        self.deferred: list[tuple[str, dict[str, str] | None]] = []  # calibrated tensors whose layer calibration has not done yet
+        self.calibrated = CalibratedWrites(opts.calibrated, defer=opts.repack is None)  # written later when not known yet
         self.pending_checks: list = []  # GPU: (unit index, set absmax, chunk checks, event) (_check_unit)
         self.finite_host: torch.Tensor | None = None  # GPU: pinned, one flag per unit: its inputs are finite
         self.warmed, self.warm_error = 0, None  # GPU: the shapes _warm_up compiled, and why it stopped early
@@ -313,9 +314,9 @@ class Executor:
                     self._handle(job, data, st)
                     if job.end_of_pass and job.kind == "quant":
                         states.pop(job.unit, None)
-                    if self.deferred:
-                        self._write_deferred(wait=False)
-                self._write_deferred(wait=True)
+                    if self.calibrated.pending:
+                        self.calibrated.flush(self._write, wait=False)
+                self.calibrated.flush(self._write, wait=True)
         finally:
             stop.set()
             for p in (self.pool, self.budget):
@@ -493,7 +494,7 @@ class Executor:
     def _whole_outputs(self, unit: WorkUnit, member: int, info: TensorInfo, st: _UnitState) -> dict[str, torch.Tensor]:
         """A member's tensors known once its last chunk is done: the format's whole-tensor outputs (NVFP4's
         ``weight_global_scale``, ``weight_shape``), its calibrated tensors, then the FP8 preset's ``weight_scale``."""
-        whole = {**unit.scheme.whole_tensor_outputs(info.shape, st.scales.global_scale), **self._calibrated_now(unit.modules[member], None)}
+        whole = {**unit.scheme.whole_tensor_outputs(info.shape, st.scales.global_scale), **self.calibrated.now(unit.modules[member])}
         if (ws := st.scales.weight_scale.get(member)) is not None:
             whole["weight_scale"] = ws
         return whole
@@ -501,43 +502,18 @@ class Executor:
     def _calibrated_others(self, unit: WorkUnit):
         """``(name, tensor)`` of the calibrated tensors the unit's outputs name for modules that are not its
         members (an attention module's ``k_scale``/``v_scale``, planned with the unit that holds its ``k_proj``)."""
-        if not self.opts.calibrated:
+        if not self.calibrated:
             return
         others: dict[str, dict[str, str]] = {}
         for name, _, _ in unit.outputs:
             mod, _, part = name.rpartition(".")
-            if mod not in unit.modules and mod in self.opts.calibrated:
+            if mod not in unit.modules and mod in self.calibrated:
                 others.setdefault(mod, {})[part] = name
         for mod, names in others.items():
-            got = self._calibrated_now(mod, names)
+            got = self.calibrated.now(mod, names)
             for part, name in names.items():
                 if part in got:
                     yield name, got[part]
-
-    def _calibrated_now(self, module: str, names: dict[str, str] | None) -> dict[str, torch.Tensor]:
-        """``module``'s calibrated tensors, or ``{}`` when calibration beside the run has not reached its layer yet
-        (:meth:`CalibratedFeed.ready <ctconvert.calibration.feed.CalibratedFeed.ready>` False) and the outputs are
-        written as they are (no kernel layout): they are then written by :meth:`_write_deferred` once given (their
-        shard's planned offsets do not depend on when), ``names`` part -> output name (None: ``module.part``)."""
-        feed = self.opts.calibrated
-        ready = getattr(feed, "ready", None)
-        if ready is not None and self.opts.repack is None and not ready(module):
-            self.deferred.append((module, names))
-            return {}
-        return feed.get(module, {})
-
-    def _write_deferred(self, wait: bool) -> None:
-        """Write the deferred calibrated tensors whose layer calibration has done (``wait``: all, waiting for each);
-        a failed calibration raises its error here."""
-        feed, left = self.opts.calibrated, []
-        for module, names in self.deferred:
-            if not wait and not feed.ready(module):
-                left.append((module, names))
-                continue
-            for part, t in feed.get(module, {}).items():
-                if names is None or part in names:
-                    self._write(names[part] if names is not None else f"{module}.{part}", t.cpu())
-        self.deferred = left
 
     def _scales_show_nonfinite(self, unit: WorkUnit) -> bool:
         """NaN/inf are found from the scales the C kernels return, not by a separate scan (Scheme.scale_flags_nonfinite)."""

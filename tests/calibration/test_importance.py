@@ -55,17 +55,42 @@ def _args(source, *extra) -> list[str]:
     return [str(src), "--calibration", str(ids), "--calibration-samples", str(n), "--calibration-seq-len", str(seq), *extra]
 
 
-@pytest.mark.parametrize("batch_tokens", [32, 4096])
-def test_statistic_equals_llmcompressor(source, batch_tokens):
-    """Every Linear's ``sum / count`` is llm-compressor's fp32 importance, bit for bit (one sample per micro-batch, and 8)."""
+#: the Linears whose inputs no matmul has touched (embedding, RMSNorm): the same bits on every CPU
+FIRST = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj")
+
+
+def _statistic(source, batch_tokens: int) -> dict[str, torch.Tensor]:
     from ctconvert.calibration.model import calibrate
 
-    f, meta = _reference()
+    _, meta = _reference()
     stats = calibrate(open_checkpoint(source[0]), torch.tensor(meta["token_ids"]), torch.device("cpu"), importance=True, batch_tokens=batch_tokens)
     for m in meta["modules"]:
-        imp = stats.importance[m]
-        assert imp.count == len(meta["token_ids"]) * len(meta["token_ids"][0]), m
-        assert torch.equal(imp.sum / torch.tensor(imp.count).float(), f.get_tensor(f"importance/{m}")), m
+        assert stats.importance[m].count == len(meta["token_ids"]) * len(meta["token_ids"][0]), m
+    return {m: stats.importance[m].sum / torch.tensor(stats.importance[m].count).float() for m in meta["modules"]}
+
+
+@pytest.fixture(scope="module")
+def same_forward(source) -> bool:
+    """Whether this CPU's bf16 matmuls round as the reference machine's did: then the whole pass is llm-compressor's
+    bits (an AMD EPYC without AVX-512 rounds some bf16 products otherwise, ~4e-3 relative after two layers)."""
+    f, meta = _reference()
+    got = _statistic(source, 4096)
+    return all(torch.equal(got[m], f.get_tensor(f"importance/{m}")) for m in meta["modules"])
+
+
+@pytest.mark.parametrize("batch_tokens", [32, 4096])
+def test_statistic_equals_llmcompressor(source, batch_tokens, same_forward):
+    """Every Linear's ``sum / count`` is llm-compressor's fp32 importance, bit for bit (one sample per micro-batch, and 8)
+    where this CPU's matmuls round as the reference machine's; elsewhere bit for bit where no matmul came before (the
+    first layer's q/k/v) and within bf16 rounding (1e-2 relative) after."""
+    f, meta = _reference()
+    got = _statistic(source, batch_tokens)
+    for m in meta["modules"]:
+        want = f.get_tensor(f"importance/{m}")
+        if same_forward or m in FIRST:
+            assert torch.equal(got[m], want), m
+        else:
+            assert torch.allclose(got[m], want, rtol=1e-2, atol=0), m
 
 
 def test_statistic_is_off_by_default(source):
@@ -75,9 +100,32 @@ def test_statistic_is_off_by_default(source):
     assert stats.importance == {} and stats.inputs
 
 
+def _given_reference_statistic(monkeypatch) -> None:
+    """The calibration pass hands the observers llm-compressor's statistic (``Importance(sum=importance, count=1)``:
+    ``sum / count`` is its bits) instead of this machine's: what follows the statistic is the same on every CPU."""
+    from ctconvert.calibration import apply
+    from ctconvert.formats.observers.imatrix import Importance
+
+    f, meta = _reference()
+    real = apply.run
+
+    def run(*a, **kw):
+        done = real(*a, **kw)
+        return apply.Calibrated(done.tensors, done.notes, {**done.importance, **{m: Importance(f.get_tensor(f"importance/{m}"), 1) for m in meta["modules"]}})
+
+    monkeypatch.setattr(apply, "run", run)
+
+
+@pytest.mark.parametrize("given", ["statistic", "pass"])
 @pytest.mark.parametrize("run", RUNS)
-def test_bytes_equal_llmcompressor(source, tmp_path, run):
-    """``--observer NAME`` on a data-free scheme calibrates and writes oneshot's tensors and observer config."""
+def test_bytes_equal_llmcompressor(source, tmp_path, run, given, same_forward, monkeypatch):
+    """``--observer NAME`` on a data-free scheme calibrates and writes oneshot's tensors and observer config: given
+    llm-compressor's statistic on every CPU, and from this run's own pass where the CPU's matmuls round as the
+    reference machine's (else the statistic test above bounds the pass)."""
+    if given == "pass" and not same_forward:
+        pytest.skip("this CPU's bf16 matmuls round otherwise than the reference machine's (test_statistic_equals_llmcompressor bounds them)")
+    if given == "statistic":
+        _given_reference_statistic(monkeypatch)
     scheme, name = run.split("/")
     out = tmp_path / "out"
     res = CliRunner().invoke(main, ["quantize", *_args(source, "-o", str(out), "--scheme", scheme, "--observer", name, "--json")])
