@@ -199,18 +199,17 @@ def test_a_failed_or_interrupted_write_stops_the_calibration_thread(model, tmp_p
     from ctconvert.calibration.model import CalibrationModel
 
     ran, gate = [], threading.Event()
-    real_build, real_cancel, real_layer = apply.build_model, BackgroundCalibration.cancel, CalibrationModel.run_layer
+    real_init, real_cancel, real_layer = BackgroundCalibration.__init__, BackgroundCalibration.cancel, CalibrationModel.run_layer
 
-    def build(ckpt):  # the thread builds its model only once the run has cancelled it
-        gate.wait(timeout=60)
-        real_build(ckpt)
+    def init(self, feed, work):  # the thread starts its work only once the run has cancelled it
+        real_init(self, feed, lambda feed, check: (gate.wait(timeout=60), work(feed, check))[1])
 
     def cancel(self, wait=True):
         self._stop.set()
         gate.set()
         real_cancel(self, wait)
 
-    monkeypatch.setattr(apply, "build_model", build)
+    monkeypatch.setattr(BackgroundCalibration, "__init__", init)
     monkeypatch.setattr(BackgroundCalibration, "cancel", cancel)
     monkeypatch.setattr(CalibrationModel, "run_layer", lambda self, *a: (ran.append(1), real_layer(self, *a))[1])
 
@@ -225,7 +224,7 @@ def test_a_failed_or_interrupted_write_stops_the_calibration_thread(model, tmp_p
     for t in _calibrating():
         t.join(timeout=120)
     assert not _calibrating()
-    assert ran == []  # stopped at its first check (once its model is built), before any layer ran
+    assert ran == []  # stopped at its first check, before any layer ran
     assert not (tmp_path / "q").exists()
 
 
@@ -233,13 +232,12 @@ def test_the_write_stage_writes_every_weight_before_it_waits_for_calibration(mod
     """Calibration held before its first layer: the executor still writes every tensor that is not calibrated (the
     calibrated ones are written later, at their planned offsets), and only then waits; the bytes are the in-line run's."""
     from ctconvert.pipeline import executor
-    from ctconvert.stages import calibrate as stage
 
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps([i % 300 for i in range(96)]))
     kw = dict(calibration=ids, calibration_samples=2, calibration_seq_len=48, max_shard_size="200KB")
     written, at_wait, release = [], [], threading.Event()
-    real_write, real_wait, real_build = executor.Executor._write_many, CalibratedFeed._wait, stage.calibration.build_model
+    real_write, real_wait, real_init = executor.Executor._write_many, CalibratedFeed._wait, BackgroundCalibration.__init__
 
     def write(self, writes, *a, **kw):  # what the executor hands its writers (they write it a little later)
         written.extend(name for name, _, _ in writes)
@@ -251,13 +249,12 @@ def test_the_write_stage_writes_every_weight_before_it_waits_for_calibration(mod
             release.set()
         return real_wait(self, module)
 
-    def build(ckpt):
-        assert release.wait(60), "the write stage never waited for calibration"
-        return real_build(ckpt)
+    def init(self, feed, work):  # the calibration pass starts only once the write stage waits for it
+        real_init(self, feed, lambda feed, check: (release.wait(60), work(feed, check))[1])
 
     monkeypatch.setattr(executor.Executor, "_write_many", write)
     monkeypatch.setattr(CalibratedFeed, "_wait", wait)
-    monkeypatch.setattr(stage.calibration, "build_model", build)
+    monkeypatch.setattr(BackgroundCalibration, "__init__", init)
     r = api.quantize(model, tmp_path / "beside", "NVFP4", **kw)
     planned = {n for f in (tmp_path / "beside").glob("*.safetensors") for n in json.loads(f.read_bytes()[8 : 8 + int.from_bytes(f.read_bytes()[:8], "little")])}
     calibrated = {n for n in planned if n.endswith("input_global_scale")}
