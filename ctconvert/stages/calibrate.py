@@ -67,7 +67,10 @@ class CalibrateStage(Stage):
             if self.given:
                 job.result.notes.append(f"{' and '.join(self.given)} not used: this plan needs no calibration (weights and dynamic activation scales only)")
             return
-        self._check_model(job, build=job.options.dry_run or not self._beside(job))  # else built when the run starts
+        t0, build = time.perf_counter(), job.options.dry_run or not self._beside(job)  # else built when the run starts
+        self._check_model(job, build=build)
+        if build:
+            self.built_s = round(time.perf_counter() - t0, 3)
         cost = calibration.estimate(job.plan, job.ckpt, self.samples, self.seq_len, self.kv_cache, self.batch_tokens)
         cost.schemes += [f"observer {n}" for n in self.importance]
         job.result.calibration = {**cost.to_dict(), "source": str(self.file) if self.file else "built-in English corpus"}
@@ -119,7 +122,6 @@ class CalibrateStage(Stage):
         if self._beside(job):
             self._start_beside(job, data, t0)
             return
-        self.built_s = round(time.perf_counter() - t0, 3)  # built at plan time (prepare's check)
         job.calibration = self._calibrate(job, data)
         self._record(job, job.calibration, t0, len(job.result.notes))
 
@@ -139,8 +141,9 @@ class CalibrateStage(Stage):
             )
 
     def _record(self, job: QuantizeJob, cal, t0: float, at: int) -> None:
-        """Calibration's notes, and its seconds: ``seconds`` from the stage's start to the end of the pass, of which
-        ``model_seconds`` until the model was built (transformers imported: before the write stage starts)."""
+        """Calibration's notes, and its seconds: ``seconds`` from the stage's start to the end of the pass, and
+        ``model_seconds`` that building the model took (transformers imported), at plan time for a calibration in
+        line, else at the stage's start (before the write stage starts)."""
         job.result.notes[at:at] = cal.notes
         job.result.calibration["seconds"] = round(time.perf_counter() - t0, 3)
         job.result.calibration["model_seconds"] = self.built_s
@@ -159,8 +162,9 @@ class CalibrateStage(Stage):
 
         # transformers imported and the model built before the write stage starts: beside its threads the imports
         # (GIL-bound) took longer than the overlap saved (H200, 8B: model built after 6.8-7.0 s beside, 3.9-4.7 s first)
+        t1 = time.perf_counter()
         calibration.build_model(job.ckpt)
-        self.built_s = round(time.perf_counter() - t0, 3)
+        self.built_s = round(time.perf_counter() - t1, 3)
 
         def work(feed, check):
             check()

@@ -27,3 +27,22 @@ def test_calibration_options_on_a_data_free_plan_are_named_in_a_note(llama, tmp_
     assert not any(n.startswith("no calibration needed") for n in r.notes)
     plain = api.quantize(llama, tmp_path / "p", "W4A16", dry_run=dry_run)
     assert not any("not used" in n for n in plain.notes)
+
+
+@pytest.mark.parametrize("scheme,observer", [("NVFP4", None), ("W4A16", "imatrix_mse")])
+def test_model_seconds_is_what_building_the_model_took(llama, tmp_path, monkeypatch, scheme, observer):
+    """``calibration.model_seconds``: the build's own time, whether it ran at plan time (in line: the imatrix observer)
+    or when the stage starts (beside the write stage); ``seconds`` covers at least the build beside the write stage."""
+    import time
+
+    from ctconvert.calibration import apply
+
+    real = apply.build_model
+    monkeypatch.setattr(apply, "build_model", lambda ckpt: (time.sleep(0.4), real(ckpt))[1])
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([i % 300 for i in range(96)]))
+    kw = dict(calibration=ids, calibration_samples=2, calibration_seq_len=48, **({"observer": observer} if observer else {}))
+    cal = api.quantize(llama, tmp_path / "o", scheme, **kw).calibration
+    assert 0.4 <= cal["model_seconds"] < 30 and cal["seconds"] > 0
+    if observer is None:
+        assert cal["seconds"] >= cal["model_seconds"]
