@@ -336,13 +336,12 @@ class _Resolver:
             self._broken = True
 
 
-def check_model(ckpt: Checkpoint, build: bool = True) -> None:
+def check_model(ckpt: Checkpoint) -> None:
     """Refuse, before any work (also in a dry run), a checkpoint calibration cannot run: it runs decoder
     language models (``*ForCausalLM``, ``*ForConditionalGeneration``, ``*LMHeadModel``) layer by layer.
     It then builds the meta-device model as the real run does (:func:`.model.check_buildable`; ``ckpt`` with the
     plan's per-expert views): what transformers cannot build, or whose experts calibration cannot run (Llama-4),
-    is refused here, with the real run's message (``build`` False: not yet; :func:`build_model` does it later, as a
-    calibration beside the write stage does on its thread). Raises :class:`UnsupportedError` (exit 4)."""
+    is refused here, with the real run's message (:func:`build_model`). Raises :class:`UnsupportedError` (exit 4)."""
     if not is_generative(ckpt.config):
         arch = ", ".join(ckpt.config.get("architectures") or []) or "this architecture"
         raise UnsupportedError(
@@ -350,8 +349,7 @@ def check_model(ckpt: Checkpoint, build: bool = True) -> None:
             "(FP8_DYNAMIC, W8A8, W4A16, NVFP4A16, MXFP4 ...)",
             file=ckpt.path / "config.json",
         )
-    if build:
-        build_model(ckpt)
+    build_model(ckpt)
 
 
 def build_model(ckpt: Checkpoint) -> None:

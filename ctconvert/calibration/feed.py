@@ -4,10 +4,11 @@ Calibration runs the model one decoder layer at a time; a Linear's static input 
 ``k_scale``/``v_scale``) is final once its layer has run. The feed is the executor's ``calibrated`` mapping
 (:attr:`ctconvert.pipeline.executor.ExecOptions.calibrated`, module -> {part: tensor}) while calibration still runs on
 its own thread (:class:`BackgroundCalibration`): reading a module that calibration will give waits until its layer is
-done, so the write stage reads, quantizes and writes every weight while the model runs, and waits only for the tiny
-calibrated tensors; the executor asks :meth:`CalibratedFeed.ready` and writes a module's calibrated tensors later
-(their offsets are planned) when its layer is not done yet, so it never waits for calibration before its last unit. A failed calibration makes every waiting
-reader raise its error; a module calibration does not give is answered at once (as an empty mapping's ``get`` is).
+done. The executor (:class:`~ctconvert.pipeline.calibrated.CalibratedWrites`) asks :meth:`CalibratedFeed.ready` first
+and writes a module's calibrated tensors later, at their planned offsets, when its layer is not done yet: the write
+stage reads, quantizes and writes every weight while the model runs and waits only at its end. A failed calibration
+makes every waiting reader raise its error; a module calibration does not give is answered at once (as an empty
+mapping's ``get`` is).
 """
 
 from __future__ import annotations

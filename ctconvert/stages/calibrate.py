@@ -67,10 +67,11 @@ class CalibrateStage(Stage):
             if self.given:
                 job.result.notes.append(f"{' and '.join(self.given)} not used: this plan needs no calibration (weights and dynamic activation scales only)")
             return
-        t0, build = time.perf_counter(), job.options.dry_run or not self._beside(job)  # else built when the run starts
-        self._check_model(job, build=build)
-        if build:
-            self.built_s = round(time.perf_counter() - t0, 3)
+        # the model is built (transformers imported) here, also for a calibration beside the write stage: beside its
+        # threads the GIL-bound imports took longer than the overlap saved (H200, 8B: 6.8-7.0 s, against 3.9-4.7 s first)
+        t0 = time.perf_counter()
+        self._check_model(job)
+        self.built_s = round(time.perf_counter() - t0, 3)
         cost = calibration.estimate(job.plan, job.ckpt, self.samples, self.seq_len, self.kv_cache, self.batch_tokens)
         cost.schemes += [f"observer {n}" for n in self.importance]
         job.result.calibration = {**cost.to_dict(), "source": str(self.file) if self.file else "built-in English corpus"}
@@ -80,10 +81,10 @@ class CalibrateStage(Stage):
         job.refresh_refused = _NO_REFRESH
         self.cost = cost
 
-    def _check_model(self, job: QuantizeJob, build: bool = True) -> None:
+    def _check_model(self, job: QuantizeJob) -> None:
         """:func:`calibration.check_model`; when only an observer asks for the calibration pass, its refusal says so."""
         try:
-            calibration.check_model(job.ckpt, build)
+            calibration.check_model(job.ckpt)
         except UnsupportedError as e:
             if not self.importance or calibration.needs_calibration(job.plan, self.kv_cache):
                 raise
@@ -142,8 +143,7 @@ class CalibrateStage(Stage):
 
     def _record(self, job: QuantizeJob, cal, t0: float, at: int) -> None:
         """Calibration's notes, and its seconds: ``seconds`` from the stage's start to the end of the pass, and
-        ``model_seconds`` that building the model took (transformers imported), at plan time for a calibration in
-        line, else at the stage's start (before the write stage starts)."""
+        ``model_seconds`` that building the model took at plan time (transformers imported)."""
         job.result.notes[at:at] = cal.notes
         job.result.calibration["seconds"] = round(time.perf_counter() - t0, 3)
         job.result.calibration["model_seconds"] = self.built_s
@@ -151,20 +151,13 @@ class CalibrateStage(Stage):
     def _beside(self, job: QuantizeJob) -> bool:
         """Whether calibration can run beside the write stage: not for the imatrix observers (the weights themselves
         need the statistics), not on Ray (the workers get the calibrated tensors with their task), and not with
-        ``--resume`` (a failing calibration must leave the interrupted run's partial folder as it was). The model is
-        built (transformers imported) before the thread and the write stage start: what transformers cannot build
-        fails the run before any output, with the same error and exit code (4) as in line."""
+        ``--resume`` (a failing calibration must leave the interrupted run's partial folder as it was). The model was
+        built at plan time (:meth:`prepare`) in either case."""
         o = job.options
         return not self.importance and o.executor == "local" and not o.resume and not o.refresh
 
     def _start_beside(self, job: QuantizeJob, data, t0: float) -> None:
         feed = CalibratedFeed(calibration.calibrated_modules(job.plan, self.kv_cache))
-
-        # transformers imported and the model built before the write stage starts: beside its threads the imports
-        # (GIL-bound) took longer than the overlap saved (H200, 8B: model built after 6.8-7.0 s beside, 3.9-4.7 s first)
-        t1 = time.perf_counter()
-        calibration.build_model(job.ckpt)
-        self.built_s = round(time.perf_counter() - t1, 3)
 
         def work(feed, check):
             check()

@@ -31,8 +31,8 @@ def test_calibration_options_on_a_data_free_plan_are_named_in_a_note(llama, tmp_
 
 @pytest.mark.parametrize("scheme,observer", [("NVFP4", None), ("W4A16", "imatrix_mse")])
 def test_model_seconds_is_what_building_the_model_took(llama, tmp_path, monkeypatch, scheme, observer):
-    """``calibration.model_seconds``: the build's own time, whether it ran at plan time (in line: the imatrix observer)
-    or when the stage starts (beside the write stage); ``seconds`` covers at least the build beside the write stage."""
+    """``calibration.model_seconds``: the build's own time (at plan time), for a calibration in line (the imatrix
+    observer) and one beside the write stage."""
     import time
 
     from ctconvert.calibration import apply
@@ -44,5 +44,3 @@ def test_model_seconds_is_what_building_the_model_took(llama, tmp_path, monkeypa
     kw = dict(calibration=ids, calibration_samples=2, calibration_seq_len=48, **({"observer": observer} if observer else {}))
     cal = api.quantize(llama, tmp_path / "o", scheme, **kw).calibration
     assert 0.4 <= cal["model_seconds"] < 30 and cal["seconds"] > 0
-    if observer is None:
-        assert cal["seconds"] >= cal["model_seconds"]
