@@ -368,7 +368,7 @@ class Executor:
         if job.kind == "amax":
             st.scales.observe(job.member, self._absmax(w, info, job))
             with self._refusing(unit, job, st):
-                st.scales.search(job.member, job.start, w, unit.scheme, self.opts.impl)  # the observer's pre-pass (none for min/max)
+                st.scales.search(job.member, job.start, w, unit.scheme, self.opts.impl, job.stop >= info.shape[0])  # the observer's pre-pass (none for min/max)
             if job.hold:
                 st.held.append((job, w))
             if job.end_of_pass:

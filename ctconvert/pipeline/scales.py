@@ -94,15 +94,17 @@ class UnitScales:
         prev = self.member_amax.get(member)
         self.member_amax[member] = a if prev is None else torch.maximum(prev, a)
 
-    def search(self, member: int, row0: int, w: torch.Tensor, scheme, impl: str = "auto") -> None:
+    def search(self, member: int, row0: int, w: torch.Tensor, scheme, impl: str = "auto", last: bool = False) -> None:
         """The observer's pre-pass over one chunk ``w`` ``[r, K]`` (rows from ``row0``) of member ``member``
-        (nothing without an observer). Raises ``ValueError`` as the observer does (NaN/inf, a scheme it does not take)."""
+        (nothing without an observer); ``last``: the member's last chunk (chunks held for a batched search are
+        searched then: :meth:`TensorSearch.add`). Raises ``ValueError`` as the observer does (NaN/inf, a scheme
+        it does not take)."""
         if self.observer is None:
             return
         ts = self.searches.get(member)
         if ts is None:
             ts = self.searches[member] = TensorSearch(self.observer.member(member), scheme.weights, search_impl(impl))
-        ts.add(row0, w)  # on w's device: a CUDA chunk is searched on the GPU (the CPU path's ranges, gpu_search.py)
+        ts.add(row0, w, last)  # on w's device: a CUDA chunk is searched on the GPU (the CPU path's ranges, gpu_search.py)
 
     def ranges(self, member: int, row0: int, w: torch.Tensor, scheme, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor] | None:
         """The observer's ``(min, max)`` ranges of one chunk, D ``[r, G]`` on ``w``'s device, for

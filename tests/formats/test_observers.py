@@ -426,15 +426,21 @@ def test_cuda_chunk_gives_cpu_ranges():
     "name,args,dtype",
     [("nvfp4_expanded_mse", NVFP4, torch.bfloat16), ("memoryless_mse", NVFP4, torch.float16), ("memoryless_mse", W4_ASYM, torch.bfloat16)],
 )
-def test_tensor_search_two_passes(name, args, dtype):
-    """TensorSearch over row chunks: the whole tensor's ranges and searched absmax, chunk by chunk."""
+@pytest.mark.parametrize("batch", [None, 5 * 256 + 1, 10**9])
+def test_tensor_search_two_passes(name, args, dtype, batch, monkeypatch):
+    """TensorSearch over row chunks: the whole tensor's ranges and searched absmax, chunk by chunk; also with the
+    chunks held and searched in batches (``batch`` elements: the first two chunks, then the last; all three at the last)."""
     obs = OBSERVERS[name]
     w = awkward_weights(12, 256, dtype, 5)
     whole = obs.search(w, args)
-    ts = TensorSearch(obs, args)
+    rows = []
+    search = obs.search
+    monkeypatch.setattr(obs, "search", lambda x, *a, **k: rows.append(x.shape[0]) or search(x, *a, **k))
+    ts = TensorSearch(obs, args, batch_elems=batch)
     chunks = [(r, w[r : r + 5]) for r in range(0, 12, 5)]
     for r0, c in chunks:
-        ts.add(r0, c)
+        ts.add(r0, c, last=r0 + 5 >= 12)
+    assert rows == {None: [5, 5, 2], 5 * 256 + 1: [10, 2], 10**9: [12]}[batch]
     assert torch.equal(ts.absmax, range_absmax(whole.min, whole.max))
     got = [ts.ranges(r0, c) for r0, c in chunks]
     assert torch.equal(torch.cat([g[0] for g in got]), whole.min) and torch.equal(torch.cat([g[1] for g in got]), whole.max)
