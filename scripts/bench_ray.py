@@ -76,6 +76,7 @@ def start_cluster(cuda: bool, tmp: Path, root: Path = ROOT) -> tuple[subprocess.
     ray = Path(sys.executable).with_name("ray")
     cmd = [str(ray) if ray.exists() else "ray", "start", "--head", "--block", f"--port={port}", f"--num-cpus={os.cpu_count()}", "--include-dashboard=false"]
     cmd += [f"--num-gpus={1 if cuda else 0}", f"--temp-dir={tmp}", "--object-store-memory=500000000"]  # the tasks use little of it
+    cmd += ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]  # the address probed below (else the host's IP, where the head listens)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(root), cwd=root)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -235,11 +235,10 @@ class MSEObserver(WeightObserver):
     def ranges_at(self, mn0: torch.Tensor, mx0: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The ranges of grid steps ``step`` (int ``[N, G]``, -1 = unshrunk) from the unshrunk ``(mn0, mx0)``
         (``amin``/``amax`` times ``expand``, D ``[N, G]``): the same values the search returned."""
-        last = int(step.max()) if step.numel() else -1
-        if last < 0:
-            return mn0.clone(), mx0.clone()
-        # ``mn0 * p`` with p a Python float is D(fp32(mn0) * fp32(p)) (module docstring): one gather of the steps' p
-        p = torch.tensor([1 - i / self.grid for i in range(last + 1)], dtype=torch.float32, device=step.device)[step.long().clamp(min=0)]
+        # ``mn0 * p`` with p a Python float is D(fp32(mn0) * fp32(p)) (module docstring); p = 1 - i / grid in float64
+        # on the tensor's device is the Python float's value (IEEE division and subtraction, each correctly rounded),
+        # then rounded to fp32 as torch rounds the scalar: no table of the steps, and no wait for the largest step on a GPU
+        p = (1 - step.clamp(min=0).to(torch.float64) / self.grid).to(torch.float32)
         kept = step >= 0
         return torch.where(kept, (mn0.float() * p).to(mn0.dtype), mn0), torch.where(kept, (mx0.float() * p).to(mx0.dtype), mx0)
 
