@@ -77,9 +77,14 @@ def start_cluster(cuda: bool, tmp: Path, root: Path = ROOT) -> tuple[subprocess.
     cmd = [str(ray) if ray.exists() else "ray", "start", "--head", "--block", f"--port={port}", f"--num-cpus={os.cpu_count()}", "--include-dashboard=false"]
     cmd += [f"--num-gpus={1 if cuda else 0}", f"--temp-dir={tmp}", "--object-store-memory=500000000"]  # the tasks use little of it
     cmd += ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]  # the address probed below (else the host's IP, where the head listens)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(root), cwd=root)
+    env = _env(root)
+    if env["RAY_AUTH_MODE"] == "token":  # a head in token mode refuses to start without a token (a fresh machine has none)
+        subprocess.run([cmd[0], "get-auth-token", "--generate"], env=env, stdout=subprocess.DEVNULL, check=True)
+    log = tmp / "head.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=root)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
             time.sleep(3)  # the GCS listens before the raylet has registered
@@ -87,7 +92,8 @@ def start_cluster(cuda: bool, tmp: Path, root: Path = ROOT) -> tuple[subprocess.
         except OSError:
             time.sleep(0.5)
     proc.terminate()
-    raise SystemExit("the Ray head did not start within 120 s")
+    tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+    raise SystemExit("the Ray head did not start within 120 s" + "".join(f"\n  {line}" for line in tail))
 
 
 def convert(src: Path, out: Path, scheme: str, device: str, shard: str, ray_address: str | None, root: Path = ROOT) -> dict:
