@@ -50,7 +50,9 @@ def table(ctx, columns: list[tuple[str, int]], rows: list[list[str]], title: str
 
     con = ctx.console()
     keep = list(range(len(columns)))
-    need = lambda i: (min(widths[i], 14) if i == last else widths[i]) + 3  # noqa: E731 - cell padding and border
+    # the last column wraps at spaces: at least as wide as its longest word (up to 60), so that no name or pattern is split
+    word = min(60, max([len(w) for r in rows for w in r[last].split()] + [len(columns[last][0]), 14])) if rows else 14
+    need = lambda i: (min(widths[i], word) if i == last else widths[i]) + 3  # noqa: E731 - cell padding and border
     while sum(need(i) for i in keep) + 1 > con.width and any(columns[i][1] > 0 for i in keep):
         keep.remove(max((i for i in keep if columns[i][1] > 0), key=lambda i: (columns[i][1], i)))
     dropped = [columns[i][0] for i in range(len(columns)) if i not in keep]
@@ -60,7 +62,7 @@ def table(ctx, columns: list[tuple[str, int]], rows: list[list[str]], title: str
     table = Table(title=title, caption=caption, show_lines=False)
     for i in keep:
         if i == last and columns[i][1] > 0:
-            table.add_column(columns[i][0], overflow="fold", min_width=min(widths[i], 14))
+            table.add_column(columns[i][0], overflow="fold", min_width=min(widths[i], word))
         else:
             table.add_column(columns[i][0], no_wrap=True, min_width=widths[i])
     for j, r in enumerate(rows):  # cells as Text: a reason or pattern holding [a-z] is not rich markup
@@ -252,6 +254,12 @@ def quantized(result, refresh: bool) -> None:
 def verify(ctx, report: dict, reference) -> None:
     """``ctconvert verify``: what was checked, the error against ``reference`` (a line, a table), the TP plan, problems, verdict."""
     con = ctx.console()
+    if ctx.quiet:  # -q: no summary; what failed (its error rows, the problems) and the verdict
+        if bad := [r for r in report["tensors"] if not r["ok"]]:
+            _error_table(ctx, bad, reference)
+        problems(con, report["problems"])
+        con.print("[green]verify: passed[/]" if report["ok"] else "[red]verify: FAILED[/]")
+        return
     c = report["checked"]
     con.print(f"checked {plural(c['shards'], 'shard')}, {plural(c['tensors'], 'tensor')} ({human(c['bytes'])}): {'; '.join(c['checks'])}", markup=False)
     if (sm := report["summary"]) is not None:

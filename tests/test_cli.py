@@ -73,6 +73,28 @@ def test_tensor_parallel_plan_and_checks(tiny_llama, tmp_path):
     assert code == 2 and "--tp" in stderr
 
 
+def test_quiet_verify_prints_what_failed_and_the_verdict(tiny_llama, tmp_path):
+    """``-q verify``: no summary (the checks, the error table, the TP line), only what failed and the verdict."""
+    out = tmp_path / "o"
+    assert run("quantize", tiny_llama, "-s", "w4a16", "-o", out)[0] == 0
+    code, loud, _ = run("verify", out, "--reference", tiny_llama)
+    assert code == 0 and "checked " in loud and "error against" in loud and "tensor parallel" in loud
+    code, stdout, _ = run("-q", "verify", out, "--reference", tiny_llama)
+    assert code == 0 and stdout.strip() == "verify: passed"
+    code, stdout, _ = run("-q", "verify", out, "--tp", "4")
+    assert code == 5 and "does not split at --tp 4" in stdout and stdout.strip().endswith("verify: FAILED") and "checked " not in stdout
+
+
+def test_json_result_names_the_observer(tiny_llama, tmp_path):
+    """``--json quantize`` names each config group's observer other than min/max, in a run as in a dry run."""
+    code, stdout, _ = run("--json", "quantize", tiny_llama, "-s", "w4a16", "--observer", "memoryless_mse", "-o", tmp_path / "o")
+    assert code == 0 and json.loads(stdout)["observers"] == {"group_0": "memoryless_mse"}
+    code, stdout, _ = run("--json", "quantize", tiny_llama, "-s", "w4a16", "--observer", "memoryless_mse", "--dry-run")
+    assert code == 0 and json.loads(stdout)["observers"] == {"group_0": "memoryless_mse"}
+    code, stdout, _ = run("--json", "quantize", tiny_llama, "-s", "w4a16", "-o", tmp_path / "m")
+    assert code == 0 and "observers" not in json.loads(stdout)
+
+
 def test_rows_quantized_to_zero_are_named(tmp_path):
     cfg = dict(LLAMA_CONFIG, torch_dtype="float16")
     t = llama_tensors(cfg, dtype=torch.float16)

@@ -72,3 +72,14 @@ def test_a_passing_verify_says_the_same_plain_and_rich(tiny_llama, tmp_path):
     assert around(runs[True])[-1] == "verify: passed" and not any("not shown" in ln for ln in runs[False] + runs[True])
     r = CliRunner().invoke(main, ["--json", "--plain", "verify", str(q), "--reference", str(tiny_llama)])
     assert json.loads(r.stdout)["ok"] and json.loads(r.stdout)["exit_code"] == 0
+
+
+def test_the_last_column_wraps_between_words_never_inside_one():
+    """A reason holding a long pattern wraps at its spaces; the pattern and each name stay whole on one line."""
+    ctx, buf = _ctx(plain=False, width=100)
+    pattern = r"re:.*(gate|up|down)_proj$,re:.*self_attn\.(q|k|v|o)_proj$"
+    rows = [["model.layers.0.mlp.down_proj.weight", "BF16", f"Linear not matched by recipe targets {pattern}"], ["lm_head.weight", "BF16", "x"]]
+    render.table(ctx, [("tensor", 0), ("dtype", 3), ("reason", 1)], rows)
+    lines = buf.getvalue().splitlines()
+    assert any(pattern in line for line in lines) and any("model.layers.0.mlp.down_proj.weight" in line for line in lines)
+    assert all(len(line) <= 100 for line in lines)

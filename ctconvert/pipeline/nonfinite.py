@@ -50,7 +50,7 @@ def raise_nonfinite(info: TensorInfo, only_if_found: bool = False, what: str = "
         return
     where = f"element {first[0]}" if len(info.shape) <= 1 else f"row {first[0]}, column {first[1]}"  # a 1-D tensor's rows are elements
     raise BadInputError(
-        f"{what} holds {total} non-finite values ({kind}; first at {where}); {action}",
+        f"{what} holds {total} non-finite value{'' if total == 1 else 's'} ({kind}; first at {where}); {action}",
         file=str(info.file),
         tensor=info.name,
     )

@@ -43,3 +43,4 @@ class Decisions:
     used_targets: set[str] = field(default_factory=set)
     used_ignore: set[str] = field(default_factory=set)
     defaults: dict[str, int] = field(default_factory=dict)  # default rule -> modules it kept dense
+    flags: tuple[str, str] = ("--targets", "--ignore")  # how the reasons name targets and ignore (a recipe's own words with --recipe)

@@ -185,7 +185,7 @@ def make_plan(
     user_ignore = list(ignore or [])
     _check_patterns(targets + user_ignore)
 
-    d = Decisions()
+    d = Decisions(flags=("recipe targets", "recipe ignore") if groups else ("--targets", "--ignore"))
     fused = fused_experts(ckpt, keep_unclassified, d)
     tensors = _with_parts(ckpt.tensors, fused)
     modules = frozenset(n[: -len(".weight")] for n in tensors if n.endswith(".weight"))
@@ -311,12 +311,12 @@ def _check_pattern_use(d: Decisions, tensors: dict[str, TensorInfo], targets: li
     a full module name or a ``re:`` pattern; ``lm_head`` in ``--targets`` instead of ``--lm-head``). An entry that
     names modules none of which it changes (they stay dense by default anyway) gets a note."""
     modules = sorted({n.rpartition(".")[0] for n in tensors})
-    for opt, patterns, used in (("--targets", targets, d.used_targets), ("--ignore", user_ignore, d.used_ignore)):
+    for opt, patterns, used in ((d.flags[0], targets, d.used_targets), (d.flags[1], user_ignore, d.used_ignore)):
         for pat in patterns:
             if pat in used or pat == "Linear":
                 continue
-            if opt == "--targets" and pat.removeprefix("re:").strip(".*$^").endswith("lm_head"):
-                raise UsageError(f"--targets {pat!r}: lm_head is quantized with --lm-head nvfp4a16 or --lm-head fp8, not with --targets")
+            if opt == d.flags[0] and pat.removeprefix("re:").strip(".*$^").endswith("lm_head"):
+                raise UsageError(f"{opt} {pat!r}: lm_head is quantized with --lm-head nvfp4a16 or --lm-head fp8, not with {opt}")
             if any(matches(m, [pat], is_linear=False) is not None for m in modules):
                 d.notes.append(f"{opt} {pat!r} matched only modules that stay dense anyway")
                 continue
@@ -375,7 +375,7 @@ def _decide(d: Decisions, name: str, info: TensorInfo, assign: GroupAssignment, 
     if explicit is None and rules.default_ignore and (default := _default_rule(module, name, rules)) is not None:
         return keep_dense(f"{default} (default)", default=default)
     if user is not None:
-        return keep_dense(f"--ignore {user}", listed=linear)
+        return keep_dense(f"{d.flags[1]} {user}", listed=linear)
     problem = weight_problem(info.dtype, info.shape, scheme)
     if problem is not None:
         if not rules.skip_incompatible:
@@ -453,10 +453,10 @@ def _explain_copies(
         elif (kind := dense_kind(name)) is not None:
             row.reason = kind
         elif name.endswith(".weight") and is_linear_weight(name, info):
-            row.reason = f"Linear not matched by --targets {','.join(targets)}"
+            row.reason = f"Linear not matched by {d.flags[0]} {','.join(targets)}"
         elif (user := matches(name[: -len(".weight")] if name.endswith(".weight") else module, user_ignore, is_linear=False)) is not None:
             d.used_ignore.add(user)
-            row.action, row.reason = "ignore", f"--ignore {user}"
+            row.action, row.reason = "ignore", f"{d.flags[1]} {user}"
             d.ignored.append(name[: -len(".weight")] if name.endswith(".weight") else module)
         elif keep_unclassified:
             row.action, row.reason = "ignore", "unclassified tensor kept dense (--keep-unclassified)"

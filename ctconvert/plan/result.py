@@ -72,6 +72,8 @@ class ConversionResult:
             d["exit_code"] = getattr(self.error, "exit_code", 1)
         if self.parallel is not None:
             d["parallel"] = self.parallel.to_dict()
+        if self.plan is not None and self.plan.observers:  # each config group's weight observer other than min/max, run or dry run
+            d["observers"] = dict(self.plan.observers)
         if self.dry_run and self.plan is not None:
             d["plan"] = self.plan.to_dict()
             if self.plan.observers:  # --observer, per config group (min/max: today's plan)

@@ -166,7 +166,7 @@ def test_the_first_non_finite_weight_in_plan_order_is_named(tmp_path, scheme, de
     src["model.layers.0.self_attn.k_proj.weight"][2, 9] = float("nan")
     src["model.layers.1.mlp.up_proj.weight"][0, 0] = float("inf")
     ckpt = write_checkpoint(tmp_path / "m", src, LLAMA_CONFIG, shards=2)
-    with pytest.raises(BadInputError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*1 non-finite values \(NaN; first at row 2, column 9\)"):
+    with pytest.raises(BadInputError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*1 non-finite value \(NaN; first at row 2, column 9\)"):
         api.quantize(ckpt, tmp_path / "o", scheme, device=device)
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.ctconvert-*"))
 
@@ -176,7 +176,7 @@ def test_a_non_finite_value_of_a_1d_tensor_is_named_by_its_element(tmp_path):
     src = llama_tensors(LLAMA_CONFIG)
     src["model.layers.1.input_layernorm.weight"][5] = float("nan")
     ckpt = write_checkpoint(tmp_path / "m", src, LLAMA_CONFIG)
-    with pytest.raises(BadInputError, match=r"input_layernorm\.weight.*1 non-finite values \(NaN; first at element 5\)"):
+    with pytest.raises(BadInputError, match=r"input_layernorm\.weight.*1 non-finite value \(NaN; first at element 5\)"):
         api.quantize(ckpt, tmp_path / "o", "W4A16")
 
 

@@ -117,3 +117,20 @@ def test_a_tied_head_the_recipe_takes_is_refused(tmp_path):
         api.quantize(src, tmp_path / "out", None, recipe=recipe)
     recipe.write_text(recipe.read_text() + "      ignore: [lm_head]\n")
     assert api.quantize(src, None, None, recipe=recipe, dry_run=True).quantized_modules == 14
+
+
+def test_the_plan_names_a_recipes_targets_and_ignore_as_the_recipes(source, tmp_path):
+    """A recipe's reasons and notes name its own targets and ignore, not the --targets/--ignore it was not given;
+    the same checkpoint planned with those options names the options."""
+    r = CliRunner().invoke(main, ["--json", "quantize", str(source), "--recipe", str(DATA / "mixed_w4a16_fp8.yaml"), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    rows = {t["name"]: t for t in doc["plan"]["tensors"]}
+    assert rows["lm_head.weight"]["reason"].startswith("Linear not matched by recipe targets re:")
+    assert "recipe ignore 'lm_head' matched only modules that stay dense anyway" in doc["notes"]
+    assert "--targets" not in r.output and "--ignore" not in r.output
+    args = ["--json", "quantize", str(source), "-s", "W4A16", "--targets", r"re:.*mlp\.(gate|up|down)_proj$", "--dry-run"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert {t["name"]: t for t in doc["plan"]["tensors"]}["model.layers.0.self_attn.q_proj.weight"]["reason"].startswith("Linear not matched by --targets re:")
