@@ -108,11 +108,11 @@ class ZeroRows:
         if self.whole:
             return (
                 f"{self.tensor}: every quantized value is zero although the source is not (largest |value| {self.max_abs:.3g}, "
-                "too small for the format's scales): the layer computes zeros; keep it dense with --ignore"
+                "too small for the scales the format computes in the weight's dtype): the layer computes zeros; keep it dense with --ignore"
             )
         return (
             f"{self.tensor}: {self.zero_rows} of {self.rows} rows quantize to all zeros although their source is not "
-            f"(largest |value| {self.max_abs:.3g}, too small for the format's scales)"
+            f"(largest |value| {self.max_abs:.3g}, too small for the scales the format computes in the weight's dtype)"
         )
 
 
