@@ -233,6 +233,62 @@ def kv_scale_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
     return out
 
 
+#: per-expert Linear modules: ``<block>.experts.<i>.<projection>``
+_EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<i>\d+)\.(?P<proj>[^.]+)$")
+
+
+def vllm_expert_group(name: str, qcfg: dict) -> str | None:
+    """The config group vLLM 0.33 gives a name of its fused experts, by its own rule (None: ignored or untargeted).
+
+    vLLM 0.33 matches a layer against the targets in the config's order, the first exact name or ``re:`` pattern
+    that matches winning (not compressed-tensors' exact-before-pattern precedence), then the layer's class, where
+    ``Linear`` also stands for ``RoutedExperts`` (``model_executor/layers/quantization/compressed_tensors/utils.py``:
+    ``find_matched_target``; ``compressed_tensors.py``: ``_add_fused_moe_to_target_scheme_map``); a name ``ignore``
+    matches is unquantized (``should_ignore_layer``)."""
+    if matches(name, qcfg.get("ignore") or [], is_linear=False):
+        return None
+    groups = qcfg.get("config_groups") or {}
+    for gname, g in groups.items():
+        for t in g.get("targets") or []:
+            if t == name or (t.startswith("re:") and re.match(t[3:], name)):
+                return gname
+    return next((gname for gname, g in groups.items() if "Linear" in (g.get("targets") or [])), None)
+
+
+def vllm_expert_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
+    """Errors for quantized per-expert Linear modules that vLLM 0.33 would load with another config group's scheme.
+
+    vLLM 0.33 builds one ``RoutedExperts`` layer per MoE block, named ``<block>.experts.routed_experts``, and takes the
+    scheme of every expert from the names of expert 0 under it: ``<block>.experts.routed_experts.0.<projection>``
+    (``model_executor/layers/fused_moe/layer.py``: ``routed_experts_prefix``; ``compressed_tensors_moe.py``:
+    ``get_moe_method``). A target written for the checkpoint's names (``re:.*experts\\.\\d+\\..*``) may not match
+    that name; vLLM then falls back to the class (``Linear``), and builds the experts with another group's parameters
+    (its loader refuses them) or none. Each MoE block and projection whose experts' group (compressed-tensors' rule)
+    differs from :func:`vllm_expert_group` of that name is an error."""
+    seen: dict[tuple[str, str], Module] = {}
+    for m in mods.values():
+        if m.quantized and (hit := _EXPERT.match(m.name)) is not None:
+            key = (hit["block"], hit["proj"])
+            if key not in seen or int(hit["i"]) < int(_EXPERT.match(seen[key].name)["i"]):
+                seen[key] = m
+    out = []
+    for (block, proj), m in sorted(seen.items()):
+        name = f"{block}.experts.routed_experts.0.{proj}"
+        theirs = vllm_expert_group(name, qcfg)
+        if theirs != m.group:
+            out.append(
+                Problem(
+                    "error",
+                    f"vLLM 0.33 loads these experts as {name!r}, which {'config group ' + repr(theirs) if theirs else 'no config group'} takes, "
+                    f"not {m.group!r} that holds their tensors: it would build them with the wrong parameters; write the "
+                    f"targets so that they also match that name (for example 're:.*{proj}$')",
+                    str(m.parts[next(iter(m.parts))].file),
+                    f"{block}.experts.*.{proj}",
+                )
+            )
+    return out
+
+
 def contradictions(mods: dict[str, Module], qcfg: dict | None) -> list[Problem]:
     """Every error of :func:`module_problems` (quantized modules with a known group and format), of
     :func:`sparsity_problems` and of :func:`kv_scale_problems`, in module order."""

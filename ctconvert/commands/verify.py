@@ -42,7 +42,7 @@ import torch
 
 from ..checkpoint.comparison import CHUNK, compare_others, same_bytes
 from ..checkpoint.config import require_compressed_tensors
-from ..checkpoint.conformance import kv_scale_problems, linear_module_files, missing_fused_members, module_problems, sparsity_problems
+from ..checkpoint.conformance import kv_scale_problems, linear_module_files, missing_fused_members, module_problems, sparsity_problems, vllm_expert_problems
 from ..checkpoint.families import split_fused_experts, transformers_per_expert_reason
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
@@ -72,6 +72,7 @@ _STRUCTURE_CHECKS = [
     "dense Linear in ignore",
     "fused sets complete",
     "fused global scales",
+    "MoE experts' group as vLLM 0.33 matches them",
     "NaN/inf",
 ]
 
@@ -325,9 +326,10 @@ def _module_problems(mods: dict[str, Module], qcfg: dict) -> tuple[list[Problem]
     (:func:`ctconvert.checkpoint.conformance.module_problems`), dense Linear weights a group claims, modules a
     2:4 ``sparsity_config`` claims that are not stored 2:4 (:func:`~ctconvert.checkpoint.conformance.sparsity_problems`),
     missing KV cache scales of a static ``kv_cache_scheme`` (:func:`~ctconvert.checkpoint.conformance.kv_scale_problems`),
+    per-expert modules vLLM 0.33 would load with another group (:func:`~ctconvert.checkpoint.conformance.vllm_expert_problems`),
     fused sets with different NVFP4 global scales. Returns ``(problems, names of the modules whose tensors contradict
     their group)``: those are not dequantized."""
-    out, contradicted = sparsity_problems(mods, qcfg) + kv_scale_problems(mods, qcfg), set()
+    out, contradicted = sparsity_problems(mods, qcfg) + kv_scale_problems(mods, qcfg) + vllm_expert_problems(mods, qcfg), set()
     for m in mods.values():
         if m.quantized:
             if m.group is None:
