@@ -95,6 +95,16 @@ def test_json_result_names_the_observer(tiny_llama, tmp_path):
     assert code == 0 and "observers" not in json.loads(stdout)
 
 
+def test_a_redundant_target_is_noted_as_such_and_patterns_are_quoted_as_written(tiny_llama):
+    """A target whose modules an earlier target already takes gets a note saying so (not "stay dense"); an entry
+    that matches nothing is refused with its backslashes as the user wrote them (no repr doubling)."""
+    code, stdout, _ = run("--json", "quantize", tiny_llama, "-s", "w4a16", "--targets", r"re:.*mlp\..*", "--targets", r"re:.*up_proj$", "--dry-run")
+    assert code == 0, stdout
+    assert "--targets 're:.*up_proj$' matched only modules that another target already takes" in json.loads(stdout)["notes"]
+    code, _, stderr = run("quantize", tiny_llama, "-s", "w4a16", "--targets", r"re:.*mlp\.nothing$", "--dry-run")
+    assert code == 2 and r"--targets 're:.*mlp\.nothing$' matches no module" in stderr
+
+
 def test_rows_quantized_to_zero_are_named(tmp_path):
     cfg = dict(LLAMA_CONFIG, torch_dtype="float16")
     t = llama_tensors(cfg, dtype=torch.float16)
