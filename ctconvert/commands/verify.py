@@ -70,9 +70,9 @@ _STRUCTURE_CHECKS = [
     "config explains every quantized tensor",
     "tensors agree with their group's format (parts, dtypes, shapes; 2:4 and KV cache claims)",
     "dense Linear in ignore",
+    "MoE experts' group as vLLM 0.33 matches them",
     "fused sets complete",
     "fused global scales",
-    "MoE experts' group as vLLM 0.33 matches them",
     "NaN/inf",
 ]
 
