@@ -248,10 +248,9 @@ def vllm_expert_group(name: str, qcfg: dict) -> str | None:
     if matches(name, qcfg.get("ignore") or [], is_linear=False):
         return None
     groups = qcfg.get("config_groups") or {}
-    for gname, g in groups.items():
-        for t in g.get("targets") or []:
-            if t == name or (t.startswith("re:") and re.match(t[3:], name)):
-                return gname
+    for gname, g in groups.items():  # names and patterns first (not Linear), the first group in the config's order
+        if matches(name, g.get("targets") or [], is_linear=False) is not None:
+            return gname
     return next((gname for gname, g in groups.items() if "Linear" in (g.get("targets") or [])), None)
 
 
@@ -265,14 +264,14 @@ def vllm_expert_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
     that name; vLLM then falls back to the class (``Linear``), and builds the experts with another group's parameters
     (its loader refuses them) or none. Each MoE block and projection whose experts' group (compressed-tensors' rule)
     differs from :func:`vllm_expert_group` of that name is an error."""
-    seen: dict[tuple[str, str], Module] = {}
+    first: dict[tuple[str, str], tuple[int, Module]] = {}  # (block, projection) -> its lowest expert index, module
     for m in mods.values():
         if m.quantized and (hit := _EXPERT.match(m.name)) is not None:
-            key = (hit["block"], hit["proj"])
-            if key not in seen or int(hit["i"]) < int(_EXPERT.match(seen[key].name)["i"]):
-                seen[key] = m
+            key, i = (hit["block"], hit["proj"]), int(hit["i"])
+            if key not in first or i < first[key][0]:
+                first[key] = (i, m)
     out = []
-    for (block, proj), m in sorted(seen.items()):
+    for (block, proj), (_, m) in sorted(first.items()):
         name = f"{block}.experts.routed_experts.0.{proj}"
         theirs = vllm_expert_group(name, qcfg)
         if theirs != m.group:
