@@ -54,6 +54,9 @@ RETRIES = 3
 REPORT_SECONDS = 0.5
 #: the driver looks at finished tasks and the progress this often (seconds)
 POLL_SECONDS = 0.2
+#: on an error or interrupt, the driver waits at most this long for the cancelled tasks to end (their workers killed)
+#: before it removes their temporary files: a worker still running could create its file after the removal
+CANCEL_WAIT_SECONDS = 30.0
 #: a shard written by a task: ``.<shard>.ray-part-<attempt>`` in the partial folder (renamed by the driver when it journals it)
 TMP_MARK = ".ray-part-"
 
@@ -179,6 +182,7 @@ class RayExecutor:
         except BaseException:
             for ref in refs:
                 ray.cancel(ref, force=True)
+            ray.wait(list(refs), num_returns=len(refs), timeout=CANCEL_WAIT_SECONDS)
             raise
         finally:
             if specs and progress is not None:

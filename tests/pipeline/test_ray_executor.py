@@ -398,3 +398,66 @@ def test_the_console_scripts_batch_joins_early_and_writes_the_same_bytes(cluster
     assert (line["status"], summary["ok"], summary["exit_code"]) == ("ok", 1, 0)
     assert line["shards"] == len(list((tmp_path / "o").glob("*.safetensors")))
     assert tree_hash(tmp_path / "o") == tree_hash(local["W4A16"])
+
+
+class _LateKillRay:
+    """A stand-in for the ``ray`` module whose ``cancel`` kills a running task late, as Ray's does (the kill is a
+    message to the worker): the worker still creates its shard's temporary file 0.2 s after ``cancel`` returns, and
+    only then does its ref resolve. The first ``wait`` (the driver's poll) is interrupted by a Ctrl-C."""
+
+    def __init__(self, folder: Path):
+        import threading
+
+        self.folder, self.dead, self.polls, self.threading = folder, threading.Event(), 0, threading
+
+    def remote(self, *args):  # ray.remote(fn), and the task's .remote(common, spec, progress): its ref
+        return self if len(args) == 1 else "ref"
+
+    def options(self, **_):
+        return self
+
+    def put(self, obj):
+        return obj
+
+    def nodes(self):
+        return [{"Alive": True, "Resources": {"CPU": 1}}]
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        self.polls += 1
+        if self.polls == 1:
+            raise KeyboardInterrupt
+        self.dead.wait(timeout)
+        return (list(refs), []) if self.dead.is_set() else ([], list(refs))
+
+    def cancel(self, ref, force=False):
+        import time
+
+        def die():
+            time.sleep(0.2)
+            (self.folder / f".model-00001-of-00001.safetensors{TMP_MARK}late").write_bytes(b"x")
+            self.dead.set()
+
+        self.threading.Thread(target=die, daemon=True).start()
+
+
+def test_an_interrupt_removes_the_file_a_worker_made_while_it_was_being_killed(tmp_path, monkeypatch):
+    """The driver waits for the cancelled tasks to end (their workers killed) before it removes their temporary
+    files, so a file a worker created after the cancel is not left behind (CI once found two)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from ctconvert.pipeline import ray_executor as rx
+    from ctconvert.pipeline.executor import ExecOptions
+
+    folder = tmp_path / "partial"
+    folder.mkdir()
+    fake = _LateKillRay(folder)
+    ex = rx.RayExecutor()
+    ex.ray = fake
+    spec = rx.TaskSpec(("run", 0), {"model-00001-of-00001.safetensors": []}, [], [], str(folder), False, False)
+    monkeypatch.setattr(rx.RayExecutor, "_specs", lambda self, *a: [spec])
+    plan = dataclasses.make_dataclass("P", ["units", "rows", "notes"])([], [], [])
+    out = rx.ShardOutput(SimpleNamespace(tmp=str(folder), completed=set()), {})
+    with pytest.raises(KeyboardInterrupt):
+        ex.run(None, plan, {}, ExecOptions(device=torch.device("cpu")), None, out)
+    assert fake.dead.is_set() and not [p.name for p in folder.iterdir()]
