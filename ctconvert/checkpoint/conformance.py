@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from .reader import Problem
 from .safetensors_io import TORCH_TO_ST
 
 __all__ = [
+    "ExpertMismatch",
     "contradictions",
     "expected_parts",
     "kv_scale_problems",
@@ -46,6 +48,9 @@ __all__ = [
     "module_problems",
     "refuse",
     "sparsity_problems",
+    "vllm_expert_group",
+    "vllm_expert_mismatches",
+    "vllm_expert_problems",
 ]
 
 _SPARSE = CompressionFormat.SPARSE_24_BITMASK.value
@@ -254,37 +259,67 @@ def vllm_expert_group(name: str, qcfg: dict) -> str | None:
     return next((gname for gname, g in groups.items() if "Linear" in (g.get("targets") or [])), None)
 
 
-def vllm_expert_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
-    """Errors for quantized per-expert Linear modules that vLLM 0.33 would load with another config group's scheme.
+@dataclass(frozen=True)
+class ExpertMismatch:
+    """One MoE block's projection whose experts vLLM 0.33 would load with another config group (:func:`vllm_expert_mismatches`):
+    ``module``: its lowest-numbered expert's module; ``vllm_name``: the name vLLM matches; ``theirs``: the group vLLM
+    takes (None: none); ``ours``: the group that holds the experts' tensors."""
 
-    vLLM 0.33 builds one ``RoutedExperts`` layer per MoE block, named ``<block>.experts.routed_experts``, and takes the
-    scheme of every expert from the names of expert 0 under it: ``<block>.experts.routed_experts.0.<projection>``
+    block: str
+    proj: str
+    module: str
+    vllm_name: str
+    theirs: str | None
+    ours: str | None
+
+    @property
+    def experts(self) -> str:
+        return f"{self.block}.experts.*.{self.proj}"
+
+    def message(self) -> str:
+        took = f"config group {self.theirs!r} takes" if self.theirs else "no config group takes"
+        built = "with the wrong parameters" if self.theirs else "unquantized"
+        return (
+            f"vLLM 0.33 loads these experts as {self.vllm_name!r}, which {took}, not {self.ours!r} that holds their "
+            f"tensors: it would build them {built}; write the targets so that they also match that "
+            f"name (for example 're:.*{self.proj}$')"
+        )
+
+
+def vllm_expert_mismatches(groups: dict[str, str | None], qcfg: dict) -> list[ExpertMismatch]:
+    """The MoE blocks and projections whose experts vLLM 0.33 would load with another config group, in name order.
+
+    ``groups``: each quantized module's name -> its config group (compressed-tensors' rule). vLLM 0.33 builds one
+    ``RoutedExperts`` layer per MoE block, named ``<block>.experts.routed_experts``, and takes the scheme of every
+    expert from the names of expert 0 under it: ``<block>.experts.routed_experts.0.<projection>``
     (``model_executor/layers/fused_moe/layer.py``: ``routed_experts_prefix``; ``compressed_tensors_moe.py``:
     ``get_moe_method``). A target written for the checkpoint's names (``re:.*experts\\.\\d+\\..*``) may not match
     that name; vLLM then falls back to the class (``Linear``), and builds the experts with another group's parameters
-    (its loader refuses them) or none. Each MoE block and projection whose experts' group (compressed-tensors' rule)
-    differs from :func:`vllm_expert_group` of that name is an error."""
-    first: dict[tuple[str, str], tuple[int, Module]] = {}  # (block, projection) -> its lowest expert index, module
-    for m in mods.values():
-        if m.quantized and (hit := _EXPERT.match(m.name)) is not None:
+    (its loader refuses them) or none. A block and projection whose experts' group differs from
+    :func:`vllm_expert_group` of that name is a mismatch."""
+    first: dict[tuple[str, str], tuple[int, str]] = {}  # (block, projection) -> its lowest expert index, module
+    for name in groups:
+        if (hit := _EXPERT.match(name)) is not None:
             key, i = (hit["block"], hit["proj"]), int(hit["i"])
             if key not in first or i < first[key][0]:
-                first[key] = (i, m)
+                first[key] = (i, name)
     out = []
-    for (block, proj), (_, m) in sorted(first.items()):
-        name = f"{block}.experts.routed_experts.0.{proj}"
-        theirs = vllm_expert_group(name, qcfg)
-        if theirs != m.group:
-            out.append(
-                Problem(
-                    "error",
-                    f"vLLM 0.33 loads these experts as {name!r}, which {'config group ' + repr(theirs) if theirs else 'no config group'} takes, "
-                    f"not {m.group!r} that holds their tensors: it would build them with the wrong parameters; write the "
-                    f"targets so that they also match that name (for example 're:.*{proj}$')",
-                    str(m.parts[next(iter(m.parts))].file),
-                    f"{block}.experts.*.{proj}",
-                )
-            )
+    for (block, proj), (_, module) in sorted(first.items()):
+        vllm_name = f"{block}.experts.routed_experts.0.{proj}"
+        theirs = vllm_expert_group(vllm_name, qcfg)
+        if theirs != groups[module]:
+            out.append(ExpertMismatch(block, proj, module, vllm_name, theirs, groups[module]))
+    return out
+
+
+def vllm_expert_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
+    """Errors for quantized per-expert Linear modules that vLLM 0.33 would load with another config group's scheme
+    (:func:`vllm_expert_mismatches`), one per MoE block and projection, naming the first expert's file."""
+    groups = {m.name: m.group for m in mods.values() if m.quantized}
+    out = []
+    for mm in vllm_expert_mismatches(groups, qcfg):
+        m = mods[mm.module]
+        out.append(Problem("error", mm.message(), str(m.parts[next(iter(m.parts))].file), mm.experts))
     return out
 
 

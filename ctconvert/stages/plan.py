@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..checkpoint.config import build_quantization_config
+from ..checkpoint.conformance import vllm_expert_mismatches
 from ..checkpoint.naming import is_generative, matches, tie_word_embeddings
 from ..checkpoint.reader import Checkpoint
 from ..errors import UnsupportedError, UsageError, agree, plural
@@ -21,7 +23,7 @@ from ..plan.result import ConversionResult
 from ..plan.schemes import resolve_scheme
 from .job import QuantizeJob, Stage
 
-__all__ = ["PlanErrorStage", "PlanStage", "describe_source", "plan_or_error"]
+__all__ = ["PlanErrorStage", "PlanStage", "describe_source", "plan_or_error", "vllm_expert_error"]
 
 
 class PlanStage(Stage):
@@ -70,6 +72,7 @@ class PlanStage(Stage):
         if self.recipe is not None:  # its observers per group; its ignore as written (llm-compressor writes it whole)
             plan.observers.update({g: name for g, name in self.recipe.observers.items() if g in plan.config_groups})
             plan.ignore += [p for p in self.recipe.ignore if p not in plan.ignore]
+        job.dry_error = job.dry_error or vllm_expert_error(plan)
         job.plan = plan
         job.result = ConversionResult.of_plan(plan, job.out, o.dry_run, source.original.total_bytes, ())  # the device: the quantize stage's
         if self.recipe is not None:  # the result names every scheme of the recipe's groups: W4A16+FP8_DYNAMIC
@@ -151,6 +154,20 @@ def plan_or_error(ckpt: Checkpoint, scheme, dry_run: bool, skip_incompatible: bo
                 row.reason = row.reason.removesuffix(" (skipped: --skip-incompatible)") + stops
         plan.notes[:] = [n.replace("; kept dense and listed in ignore", "; the run stops here unless --skip-incompatible") for n in plan.notes]
         return plan, e
+
+
+def vllm_expert_error(plan: Plan) -> UsageError | None:
+    """The error of a plan whose MoE experts vLLM 0.33 would load with another config group than the one that holds
+    their tensors (:func:`~ctconvert.checkpoint.conformance.vllm_expert_mismatches` over the ``quantization_config``
+    the run would write): targets written for the checkpoint's expert names (``experts.N.``) that miss the name vLLM
+    matches. None when vLLM agrees (one group targeting ``Linear``, the usual run, always does). ``verify`` checks
+    the same of a written checkpoint."""
+    qcfg = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
+    found = vllm_expert_mismatches({m: u.group for u in plan.units if u.kind == "quantize" for m in u.modules}, qcfg)
+    if not found:
+        return None
+    more = f" ({len(found)} MoE blocks' projections in all: {', '.join(sorted({f.proj for f in found}))})" if len(found) > 1 else ""
+    return UsageError(f"{found[0].experts}: {found[0].message()}{more}")
 
 
 def describe_source(plan: Plan, source) -> None:

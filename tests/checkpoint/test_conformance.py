@@ -3,8 +3,16 @@ experts' config group as vLLM 0.33 matches it."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
 from ctconvert import api
 from ctconvert.checkpoint.conformance import vllm_expert_group
+from ctconvert.cli import main
+from ctconvert.errors import UsageError
 
 from conftest import moe_checkpoint
 
@@ -33,20 +41,59 @@ def test_vllm_matches_targets_in_config_order_then_linear():
     assert vllm_expert_group("x.up_proj", {"config_groups": {"a": {"targets": ["re:.*gate_proj$"]}}}) is None
 
 
+BAD = r"re:.*mlp\.(experts\.\d+\.)?(gate|up|down)_proj$"  # the experts by index: not vLLM's name of them
+GOOD = r"re:.*(gate|up|down)_proj$"
+
+
 def test_verify_refuses_experts_vllm_would_load_with_another_group(tmp_path):
-    """A recipe whose MLP pattern names the experts by index (compressed-tensors' names) gives experts that vLLM
+    """A config whose MLP pattern names the experts by index (compressed-tensors' names) describes experts that vLLM
     0.33, which matches `<block>.experts.routed_experts.0.<proj>`, takes for the Linear group: verify names every
-    block and projection; a pattern that also matches vLLM's name passes."""
+    block and projection; a pattern that also matches vLLM's name passes. (quantize refuses such a recipe, so the bad
+    output is the good one with its config's pattern replaced: compressed-tensors gives every module the same group.)"""
     src = moe_checkpoint(tmp_path)
-    outs = {}
-    for tag, mlp in (("bad", r"re:.*mlp\\.(experts\\.\\d+\\.)?(gate|up|down)_proj$"), ("good", r"re:.*(gate|up|down)_proj$")):
-        recipe = tmp_path / f"{tag}.yaml"
-        recipe.write_text(RECIPE.format(mlp=mlp))
-        api.quantize(src, tmp_path / tag, None, recipe=recipe)
-        outs[tag] = api.verify(tmp_path / tag)
+    recipe = tmp_path / "good.yaml"
+    recipe.write_text(RECIPE.format(mlp=GOOD.replace("\\", "\\\\")))
+    api.quantize(src, tmp_path / "good", None, recipe=recipe)
+    shutil.copytree(tmp_path / "good", tmp_path / "bad")
+    cfg = json.loads((tmp_path / "bad" / "config.json").read_text())
+    assert cfg["quantization_config"]["config_groups"]["mlp"]["targets"] == [GOOD]
+    cfg["quantization_config"]["config_groups"]["mlp"]["targets"] = [BAD]
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(cfg))
+    outs = {tag: api.verify(tmp_path / tag) for tag in ("bad", "good")}
     bad = [p for p in outs["bad"]["problems"] if "vLLM 0.33 loads these experts" in p["message"]]
     assert not outs["bad"]["ok"]
     assert sorted(p["tensor"] for p in bad) == sorted(f"model.layers.{i}.mlp.experts.*.{p}" for i in (0, 1) for p in ("down_proj", "gate_proj", "up_proj"))
     assert all(".mlp.experts.routed_experts.0." in p["message"] and "config group 'attention'" in p["message"] for p in bad)
+    assert all("wrong parameters" in p["message"] and p["file"].endswith(".safetensors") for p in bad)
     assert outs["good"]["ok"], outs["good"]["problems"]
     assert "MoE experts' group as vLLM 0.33 matches them" in outs["good"]["checked"]["checks"]
+
+
+def test_quantize_refuses_a_recipe_whose_experts_vllm_would_load_with_another_group(tmp_path):
+    """The same rule at plan time: the run stops before any work (exit 2, nothing written) naming the first block and
+    projection, vLLM's name, both groups, the fix and how many; a dry run shows the plan and the same error."""
+    src = moe_checkpoint(tmp_path)
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(RECIPE.format(mlp=BAD.replace("\\", "\\\\")))
+    r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(tmp_path / "out"), "--recipe", str(recipe)])
+    assert r.exit_code == 2 and not (tmp_path / "out").exists()
+    line = r.output.strip().splitlines()[-1]
+    first = "model.layers.0.mlp.experts.*.down_proj"
+    assert line.startswith(f"error: {first}: vLLM 0.33 loads these experts as 'model.layers.0.mlp.experts.routed_experts.0.down_proj'")
+    assert "config group 'attention' takes, not 'mlp'" in line and "'re:.*down_proj$'" in line
+    assert line.endswith("(6 MoE blocks' projections in all: down_proj, gate_proj, up_proj)")
+    dry = CliRunner().invoke(main, ["--json", "quantize", str(src), "-o", str(tmp_path / "out"), "--recipe", str(recipe), "--dry-run"])
+    doc = json.loads(dry.stdout)
+    assert dry.exit_code == 2 and doc["error"] == line.removeprefix("error: ") and doc["plan"]["tensors"]
+
+
+def test_quantize_refuses_targets_that_leave_vllms_experts_unquantized(tmp_path):
+    """--targets naming the experts by index only: vLLM's name of them matches no group, so it would build them
+    unquantized; a pattern that also matches `routed_experts.0` (``experts\\.\\d+``) is accepted and verify passes it."""
+    src = moe_checkpoint(tmp_path)
+    with pytest.raises(UsageError) as e:
+        api.quantize(src, tmp_path / "a", "W4A16", targets=[r"re:.*mlp\.experts\.\d+\..*"])
+    assert "which no config group takes, not 'group_0'" in e.value.message and "build them unquantized" in e.value.message
+    assert not (tmp_path / "a").exists()
+    api.quantize(src, tmp_path / "b", "W4A16", targets=[r"re:.*experts\.\d+\..*"])
+    assert api.verify(tmp_path / "b")["ok"]
