@@ -206,3 +206,35 @@ def test_quantize_reads_its_source_ahead_of_the_engine_and_writes_the_same_bytes
     _, plain = _quantize_traced(tiny_llama, tmp_path / "plain", "0")
     assert "readahead" not in plain and {"main", "engine", "first-open"} <= set(plain)
     assert tree_hash(tmp_path / "ahead") == tree_hash(tmp_path / "plain")
+
+
+#: runs the console script's main() for ``inspect SRC`` in this process with a gc callback, and prints (at its os._exit)
+#: the full collections seen, whether gc is on, how many objects are frozen and the OpenBLAS setting, as JSON
+_GC_WRAPPER = """
+import gc, json, os, sys
+full = []
+gc.callbacks.append(lambda phase, info: full.append(1) if phase == "start" and info["generation"] == 2 else None)
+_exit = os._exit
+def report(code):
+    sys.stdout.flush()
+    doc = dict(code=code, full=len(full), enabled=gc.isenabled(), frozen=gc.get_freeze_count(), blas=os.environ.get("OPENBLAS_NUM_THREADS"))
+    sys.stderr.write("\\n" + json.dumps(doc) + "\\n")
+    sys.stderr.flush()
+    _exit(code)
+os._exit = report
+sys.argv = ["ctconvert", *sys.argv[1:]]
+from ctconvert.__main__ import main
+main()
+"""
+
+
+@pytest.mark.parametrize("blas", [None, "3"])
+def test_the_engine_imports_run_without_the_cyclic_gc_and_are_frozen(tiny_llama, blas):
+    """The console script's heavy imports make no full collection (the gc is off for them; without that torch's import
+    alone triggers several), move to the permanent generation, and leave the gc on; numpy's OpenBLAS gets one thread
+    unless the environment says otherwise."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"} | ({"OPENBLAS_NUM_THREADS": blas} if blas else {})
+    r = subprocess.run([sys.executable, "-c", _GC_WRAPPER, "inspect", str(tiny_llama)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    doc = json.loads(r.stderr.strip().splitlines()[-1])
+    assert doc["code"] == 0 and doc["enabled"] and doc["frozen"] > 100_000, doc
+    assert doc["full"] == 0 and doc["blas"] == (blas or "1"), doc
