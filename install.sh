@@ -17,3 +17,8 @@ case "${1:-}" in
     test | ray) extra="[$1]" ;;
 esac
 "$PY" -m pip install --quiet -e ".${extra}"
+# An editable install leaves the package's bytecode to the first import, which a Python that may not write bytecode
+# (PYTHONDONTWRITEBYTECODE, common in containers) never writes: every run would compile ctconvert's ~120 modules
+# again (~0.15 s of a 2.5 s conversion on 2 cores). Write it now, next to the sources (ignored by git); a module
+# edited later is compiled again at its import, as usual.
+"$PY" -m compileall -q -j 0 ctconvert >/dev/null
