@@ -86,6 +86,10 @@ def _answers_without_engine(argv: list[str]) -> bool:
     return not argv or any(a in _HELP_OPTIONS for a in argv) or command_word(argv) in _LIGHT_COMMANDS
 
 
+#: the threads whose opens of SRC are the read ahead's, not the conversion's (readahead.py; hashing.py's pool)
+_AHEAD_THREADS = ("ctconvert-readahead", "ctconvert-hash")
+
+
 class Trace:
     """``CTCONVERT_TRACE=1``: one stderr line per start-up step, ``ctconvert-trace STEP SECONDS [DETAIL]``, where
     SECONDS is ``time.monotonic()`` (``CLOCK_MONOTONIC``: one clock for every process of the machine, so a parent
@@ -103,14 +107,15 @@ class Trace:
         self.stream.flush()
 
     def watch(self, src: str) -> None:
-        """Stamp ``first-open`` at the first open of a path under ``src`` by a thread other than the read ahead's."""
+        """Stamp ``first-open`` at the first open of a path under ``src`` by a thread other than the read ahead's
+        (its own, and the hashing threads, which hash what it begins during the imports)."""
         root, seen = os.path.abspath(src), []
 
         def hook(event, args):
             if event != "open" or seen or not isinstance(args[0], (str, bytes, os.PathLike)):
                 return
             path = os.path.abspath(os.fsdecode(args[0]))
-            if (path == root or path.startswith(root + os.sep)) and threading.current_thread().name != "ctconvert-readahead":
+            if (path == root or path.startswith(root + os.sep)) and not threading.current_thread().name.startswith(_AHEAD_THREADS):
                 seen.append(path)
                 self.stamp("first-open", path)
 
@@ -132,7 +137,8 @@ def _read_ahead(argv: list[str], trace: Trace | None):
     from .checkpoint.readahead import StartupReadAhead  # torch-free
 
     first = (lambda path: trace.stamp("readahead", str(path))) if trace is not None else None
-    return StartupReadAhead(reads[0], data=reads[1], on_first_read=first).start()
+    local = not any(a == "ray" or a.endswith("=ray") for a in argv)  # --executor ray: the workers hash, not this process
+    return StartupReadAhead(reads[0], data=reads[1], on_first_read=first, hash_sources=local).start()
 
 
 def join_ray_early(argv: list[str], trace: Trace | None) -> None:

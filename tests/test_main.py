@@ -238,3 +238,22 @@ def test_the_engine_imports_run_without_the_cyclic_gc_and_are_frozen(tiny_llama,
     doc = json.loads(r.stderr.strip().splitlines()[-1])
     assert doc["code"] == 0 and doc["enabled"] and doc["frozen"] > 100_000, doc
     assert doc["full"] == 0 and doc["blas"] == (blas or "1"), doc
+
+
+def test_the_read_ahead_hashes_the_sources_of_a_local_run_only(tiny_llama, tmp_path):
+    """A local ``quantize`` begins its source hashes during the imports; with ``--executor ray`` the workers hash
+    (the driver must not read a whole 1T-parameter source for nothing); a dry run reads headers only."""
+    from ctconvert.__main__ import _read_ahead
+
+    runs = {
+        "local": ["quantize", str(tiny_llama), "-o", str(tmp_path / "o"), "-s", "W4A16"],
+        "ray": ["quantize", str(tiny_llama), "-o", str(tmp_path / "o"), "-s", "W4A16", "--executor", "ray"],
+        "ray=": ["quantize", str(tiny_llama), "-o", str(tmp_path / "o"), "-s", "W4A16", "--executor=ray"],
+        "dry": ["quantize", str(tiny_llama), "-o", str(tmp_path / "o"), "-s", "W4A16", "--dry-run"],
+    }
+    got = {}
+    for k, argv in runs.items():
+        ahead = _read_ahead(argv, None)
+        ahead.stop(wait=30)
+        got[k] = ahead.hash_sources
+    assert got == {"local": True, "ray": False, "ray=": False, "dry": False}

@@ -42,6 +42,9 @@ HASH_SCHEME = f"{HASH_NAME}/blocks-{HASH_BLOCK_BYTES}"
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
+#: block hashes begun by :func:`hash_early`, by ``(st_dev, st_ino, st_size, st_mtime_ns, start, nbytes)``: taken
+#: (once) by the :class:`RangeHash` of the same block of the same, unchanged file
+_EARLY: dict[tuple, Future] = {}
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -72,6 +75,47 @@ def _hash_range(path: Path, start: int, nbytes: int, legacy: bool = False):
     return h.hexdigest() if legacy else h.digest()
 
 
+def _identity(path) -> tuple:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _blocks(path: Path, start: int, nbytes: int) -> list[Future]:
+    """The block hashes of a range, on the hashing threads: those :func:`hash_early` began for this file (as it is
+    now: same inode, size and modification time) taken from there, the others submitted now."""
+    spans = [(start + b, min(HASH_BLOCK_BYTES, nbytes - b)) for b in range(0, nbytes, HASH_BLOCK_BYTES)]
+    if _EARLY:
+        try:
+            ident = _identity(path)
+        except OSError:
+            ident = None  # the hash itself says why
+        with _POOL_LOCK:
+            early = [_EARLY.pop((*ident, b, k), None) if ident else None for b, k in spans]
+        return [f if f is not None else _pool().submit(_hash_range, path, b, k) for f, (b, k) in zip(early, spans)]
+    return [_pool().submit(_hash_range, path, b, k) for b, k in spans]
+
+
+def hash_early(path: Path, ranges: list[tuple[int, int]]) -> int:
+    """Begin the block hashes of ``ranges`` (``(absolute offset, nbytes)`` of tensors in ``path``) on the hashing
+    threads now, before anything asks for them: a :class:`RangeHash` of the same range of the same unchanged file
+    later takes them instead of hashing again (the console script hashes a source while it imports torch, on a core
+    the import leaves idle: :mod:`ctconvert.checkpoint.readahead`). Returns the blocks begun (0: ``path`` cannot be
+    read; the conversion then says why). What no hash takes is never waited for."""
+    try:
+        ident = _identity(path)
+    except OSError:
+        return 0
+    begun = 0
+    for start, nbytes in ranges:
+        for b in range(0, nbytes, HASH_BLOCK_BYTES):
+            k = min(HASH_BLOCK_BYTES, nbytes - b)
+            fut = _pool().submit(_hash_range, path, start + b, k)
+            with _POOL_LOCK:
+                _EARLY[(*ident, start + b, k)] = fut
+            begun += 1
+    return begun
+
+
 class RangeHash:
     """The block hash of one byte range of a file, computed on the hashing threads; :meth:`hexdigest` waits."""
 
@@ -79,7 +123,7 @@ class RangeHash:
         if legacy:
             self.blocks: list[Future] = [_pool().submit(_hash_range, path, start, nbytes, True)]
         else:
-            self.blocks = [_pool().submit(_hash_range, path, start + b, min(HASH_BLOCK_BYTES, nbytes - b)) for b in range(0, nbytes, HASH_BLOCK_BYTES)]
+            self.blocks = _blocks(path, start, nbytes)
         self.legacy = legacy
         self._hex: str | None = None
 

@@ -9,6 +9,12 @@ imported and reads for itself). Every byte it touches is one the conversion read
 reads the shards (index order, else file names sorted, as :func:`ctconvert.checkpoint.reader.open_checkpoint`
 lists them); nothing is parsed, nothing is handed on: the conversion reads its own bytes, from the page cache
 where the read ahead got there first. On a warm cache it costs one system call per chunk.
+
+With ``hash_sources`` (a local run, which hashes every source tensor for its provenance) it also begins those
+hashes, from the headers it read, on the hashing threads (:func:`ctconvert.checkpoint.hashing.hash_early`): the
+import leaves a core idle, and the conversion's own hashes of the same ranges then take the results instead of
+hashing again (the same bytes hashed the same way: the provenance does not change). Tensors of three or more
+dimensions are left out: a fused 3-D experts tensor is hashed by expert region when it is split, not as one range.
 """
 
 from __future__ import annotations
@@ -52,10 +58,13 @@ class StartupReadAhead:
 
     ``on_first_read``: called (on that thread) with ``folder`` just before its first read (the index, or the
     folder's listing), once. ``files``: the shards (:func:`shard_files`, listed on the thread); ``requested``:
-    the tensor bytes asked for so far; ``headers``: the header bytes read."""
+    the tensor bytes asked for so far; ``headers``: the header bytes read. ``hash_sources`` (with ``data``): begin the
+    source hashes too (module docs); ``hashed``: the hash blocks begun."""
 
-    def __init__(self, folder: str | Path, data: bool = True, chunk: int = CHUNK_BYTES, on_first_read=None):
+    def __init__(self, folder: str | Path, data: bool = True, chunk: int = CHUNK_BYTES, on_first_read=None, hash_sources: bool = False):
         self.folder = Path(folder)
+        self.hash_sources = hash_sources and data
+        self.hashed = 0  # hash blocks begun (hash_sources)
         self.files: list[Path] = []
         self.data = data and _WILLNEED is not None
         self.chunk = chunk
@@ -111,8 +120,24 @@ class StartupReadAhead:
         if not 0 < n <= size - 8:  # not a safetensors file: the reader says so
             os.close(fd)
             return None
-        self.headers += 8 + len(os.pread(fd, n, 8))
+        raw = os.pread(fd, n, 8)
+        self.headers += 8 + len(raw)
+        if self.hash_sources:
+            self._hash(path, raw, 8 + n)
         return fd, 8 + n
+
+    def _hash(self, path: Path, raw: bytes, base: int) -> None:
+        """Begin the hashes of the tensors of ``path`` under three dimensions (``raw``: its JSON header; ``base``:
+        its first tensor byte). A header that does not parse is left to the reader, which says why."""
+        from .hashing import hash_early  # torch-free
+
+        try:
+            header = json.loads(raw)
+            spans = [[int(x) for x in e["data_offsets"]] for k, e in header.items() if k != "__metadata__" and len(e["shape"]) < 3]
+            ranges = [(base + a, b - a) for a, b in spans]
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return
+        self.hashed += hash_early(path, [r for r in ranges if r[1] > 0])
 
     def _data(self, fd: int, start: int) -> None:
         size = os.fstat(fd).st_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -86,3 +87,45 @@ def test_derived_tensors_hash_the_stored_bytes_they_come_from(tmp_path):
     virtual = TensorInfo("a.weight", p, "BF16", (4, 8), 0, 64, virtual=_Virtual([a, b]))
     want = xxhash.xxh3_128(bytes.fromhex(_reference(bytes(data[0:10]))) + bytes.fromhex(_reference(bytes(data[20:26])))).hexdigest()
     assert hash_tensors([virtual])["a.weight"] == want
+
+
+def _range_infos(path, spans):
+    return [TensorInfo(f"t{i}", path, "U8", (n,), s, n) for i, (s, n) in enumerate(spans)]
+
+
+def test_early_hashes_are_taken_by_the_same_ranges_of_the_unchanged_file(tmp_path, monkeypatch):
+    """hash_early's blocks are what a later hash of the same range takes (the same values as hashing afresh, each
+    block taken once); a range it did not begin is hashed as usual; a file rewritten since (another modification
+    time) is hashed again, from its new bytes."""
+    from ctconvert.checkpoint import hashing
+
+    monkeypatch.setattr(hashing, "HASH_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(hashing, "_EARLY", {})
+    rng = random.Random(7)
+    path = tmp_path / "a.bin"
+    path.write_bytes(rng.randbytes(5 * 4096 + 123))
+    spans = [(0, 4096 * 2 + 5), (4096 * 2 + 5, 3 * 4096 + 118)]  # blocks of 4096 from each range's start: 3 and 4
+    fresh = hash_tensors(_range_infos(path, spans))
+    assert hashing.hash_early(path, spans) == 3 + 4 and len(hashing._EARLY) == 7
+    submitted = []
+    real = hashing._pool().submit
+    monkeypatch.setattr(hashing._pool(), "submit", lambda *a: submitted.append(a) or real(*a))
+    assert hash_tensors(_range_infos(path, spans)) == fresh and not submitted and not hashing._EARLY
+    assert hashing.hash_early(path, spans[:1]) == 3 and len(submitted) == 3
+    assert hash_tensors(_range_infos(path, spans)) == fresh
+    assert len(submitted) == 3 + 4 and not hashing._EARLY  # the second range's blocks, hashed now
+    hashing.hash_early(path, spans)
+    for f in list(hashing._EARLY.values()):
+        f.result()  # the old bytes' blocks, done
+    data = rng.randbytes(5 * 4096 + 123)
+    path.write_bytes(data)
+    os.utime(path, ns=(1, 1))  # another modification time, whatever the clock's resolution
+    want = {f"t{i}": _reference_blocks(data[a : a + n], 4096) for i, (a, n) in enumerate(spans)}
+    assert hash_tensors(_range_infos(path, spans)) == want != fresh
+    assert len(hashing._EARLY) == 7  # the old file's blocks: not taken
+    assert hashing.hash_early(tmp_path / "missing.bin", spans) == 0
+
+
+def _reference_blocks(data: bytes, block: int) -> str:
+    digests = b"".join(xxhash.xxh3_128(data[b : b + block]).digest() for b in range(0, len(data), block))
+    return xxhash.xxh3_128(digests).hexdigest()

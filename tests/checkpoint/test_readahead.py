@@ -80,3 +80,27 @@ def test_importing_it_imports_no_torch():
     code = "import sys, ctconvert.checkpoint.readahead; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120).stdout
     assert out.split() == ["False"]
+
+
+def test_a_local_run_begins_the_source_hashes_the_conversion_takes(tmp_path, monkeypatch):
+    """With ``hash_sources`` the read ahead begins the block hash of every tensor under three dimensions (a fused
+    3-D experts tensor is hashed by expert region when split: left out), and the provenance hashes of those tensors
+    then take them: the same values as hashing afresh, nothing left over."""
+    import torch
+
+    from ctconvert.checkpoint import hashing
+
+    monkeypatch.setattr(hashing, "_EARLY", {})
+    tensors = llama_tensors(LLAMA_CONFIG)
+    tensors["model.layers.0.mlp.experts.gate_up_proj"] = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    folder = write_checkpoint(tmp_path / "src", tensors, LLAMA_CONFIG, shards=2)
+    fresh = hashing.hash_tensors(list(open_checkpoint(folder).tensors.values()))
+    ahead = StartupReadAhead(folder, data=False, hash_sources=True).start()
+    ahead.join(30)
+    assert ahead.hashed == 0 and not hashing._EARLY  # headers only (a dry run, --resume): nothing hashed
+    ahead = StartupReadAhead(folder, hash_sources=True).start()
+    ahead.join(30)
+    infos = open_checkpoint(folder).tensors
+    flat = [i for i in infos.values() if len(i.shape) < 3]
+    assert ahead.hashed == len(hashing._EARLY) == sum(-(-i.nbytes // hashing.HASH_BLOCK_BYTES) for i in flat) >= len(tensors) - 1
+    assert hashing.hash_tensors(list(infos.values())) == fresh and not hashing._EARLY
