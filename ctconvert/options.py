@@ -159,6 +159,13 @@ _QUANTIZE = (
         "keep a weight the scheme cannot take dense (listed in ``ignore`` and reported) instead of refusing it.",
     ),
     _flag(
+        "allow_unloadable",
+        "Quantize modules vLLM 0.33 cannot load quantized (gpt-oss experts, most MoE routers) when targets name them.",
+        "quantize a module vLLM 0.33 cannot load quantized (gpt-oss experts, the MoE router of most families: "
+        ":func:`ctconvert.checkpoint.families.vllm_dense_reason`) when a target names it, instead of refusing it "
+        "(:class:`UnsupportedError`, exit 4); the output is then for other loaders, and ``verify`` reports those modules.",
+    ),
+    _flag(
         "keep_unclassified",
         "Keep tensors no rule classifies dense (listed in ignore and reported) instead of failing.",
         "keep a floating tensor of 2 or more dimensions that no rule classifies (or fused 3-D experts of a family whose layout is not known) "
@@ -463,6 +470,7 @@ COMMANDS: dict[str, tuple[Option, ...]] = {
         _O["overwrite"],
         _O["dry_run"],
         _O["skip_incompatible"],
+        _O["allow_unloadable"],
         _O["device"],
         _O["lm_head_chunk_rows"],
         _O["resume"],

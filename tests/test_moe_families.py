@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ctconvert import api
+from ctconvert.errors import UnsupportedError
 
 from helpers import randomized
 
@@ -147,13 +148,13 @@ def test_family_every_expert_quantized_routers_dense(saved, tmp_path, family, sc
     stored = _tensors(src)
 
     targets = _EXPERT_TARGETS.get(family)
-    plan = api.quantize(src, None, scheme, targets=targets, dry_run=True).to_dict()["plan"]
+    plan = api.quantize(src, None, scheme, targets=targets, allow_unloadable=bool(targets), dry_run=True).to_dict()["plan"]
     rows = {r["name"]: r for r in plan["tensors"]}
     assert set(stored) <= set(rows), set(stored) - set(rows)  # every stored tensor has its row
     assert all(r["action"] in ("quantize", "ignore", "copy", "split") and (r.get("reason") or r.get("scheme")) for r in plan["tensors"])
 
     out = tmp_path / "q"
-    res = api.quantize(src, out, scheme, targets=targets)
+    res = api.quantize(src, out, scheme, targets=targets, allow_unloadable=bool(targets))
     q = _tensors(out)
     routers = [router_fmt.format(x) for x in layers]
     experts = [f"{parent_fmt.format(x)}.{e}.{leaf}" for x in layers for e in range(E) for leaf in leaves]
@@ -172,7 +173,12 @@ def test_family_every_expert_quantized_routers_dense(saved, tmp_path, family, sc
     assert cfg["ignore"] == res.ignore
 
     report = api.verify(out, reference=src)
-    assert report["ok"], report["problems"]
+    errors = [p for p in report["problems"] if p["severity"] == "error"]
+    if family in _EXPERT_TARGETS:  # written with allow_unloadable: verify says vLLM 0.33 cannot load them, nothing else
+        assert not report["ok"] and len(errors) == 1 and "quantized, but gpt-oss experts: vLLM 0.33 cannot load them" in errors[0]["message"]
+        assert errors[0]["tensor"] == "model.layers.0.mlp.experts.0.down_proj" and f"(and {2 * 3 * E - 1} more such modules)" in errors[0]["message"]
+    else:
+        assert report["ok"], report["problems"]
     assert not api.inspect(out)["problems"]
     if scheme == "NVFP4A16":  # gate and up of one expert: one fused set, one global scale
         for x in layers:
@@ -325,7 +331,7 @@ def test_decompressed_output_verified_against_a_source_with_fused_experts(saved,
     from safetensors.torch import load_file, save_file
 
     src = saved(family)
-    api.quantize(src, tmp_path / "q", "NVFP4A16", targets=_EXPERT_TARGETS.get(family))
+    api.quantize(src, tmp_path / "q", "NVFP4A16", targets=_EXPERT_TARGETS.get(family), allow_unloadable=family in _EXPERT_TARGETS)
     api.decompress(tmp_path / "q", tmp_path / "d")
     report = api.verify(tmp_path / "d", reference=src)
     # transformers 5 loads gpt-oss's experts only fused (no per-expert conversion), Qwen3-MoE's either way
@@ -386,7 +392,10 @@ def test_gpt_oss_experts_dense_by_default_as_vllm_loads_them(saved, tmp_path, sc
     assert row.action == "ignore" and "vLLM 0.33 cannot load them quantized" in row.reason and "weight_global_scale" in row.reason
     assert rows["model.layers.0.mlp.experts.down_proj_bias"].action == "copy"
     assert api.verify(tmp_path / "q", reference=src)["ok"] and not api.inspect(tmp_path / "q")["problems"]
-    forced = api.quantize(src, tmp_path / "f", scheme, targets=_EXPERT_TARGETS["gpt_oss"], dry_run=True)
+    refused = api.quantize(src, tmp_path / "f", scheme, targets=_EXPERT_TARGETS["gpt_oss"], dry_run=True).error  # named by a target
+    assert isinstance(refused, UnsupportedError) and "gpt-oss experts: vLLM 0.33 cannot load them quantized" in refused.message
+    assert "--allow-unloadable" in refused.message
+    forced = api.quantize(src, tmp_path / "f", scheme, targets=_EXPERT_TARGETS["gpt_oss"], allow_unloadable=True, dry_run=True)
     assert not any(p in forced.ignore for p in experts)
 
 

@@ -33,6 +33,7 @@ import torch
 
 from ..errors import BadInputError
 from ..formats import CompressionFormat, WeightArgs, get_format
+from .families import vllm_dense_reason
 from .modules import ACT_PARTS, QUANT_PARTS, SPARSITY_GROUP, Module, dense_shape
 from .naming import FLOAT_DTYPES, fused_key, fused_set_name, is_linear_weight, matches
 from .reader import Problem
@@ -51,6 +52,7 @@ __all__ = [
     "vllm_expert_group",
     "vllm_expert_mismatches",
     "vllm_expert_problems",
+    "vllm_unloadable_problems",
 ]
 
 _SPARSE = CompressionFormat.SPARSE_24_BITMASK.value
@@ -320,6 +322,23 @@ def vllm_expert_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
     for mm in vllm_expert_mismatches(groups, qcfg):
         m = mods[mm.module]
         out.append(Problem("error", mm.message(), str(m.parts[next(iter(m.parts))].file), mm.experts))
+    return out
+
+
+def vllm_unloadable_problems(mods: dict[str, Module], config: dict) -> list[Problem]:
+    """Errors for quantized modules that vLLM 0.33 cannot load quantized
+    (:func:`~ctconvert.checkpoint.families.vllm_dense_reason`: gpt-oss's experts, the MoE router of the families whose
+    vLLM model builds it without a quantization config), one per reason and kind of module, naming the first module
+    and how many; ``quantize`` writes them only with ``--allow-unloadable``."""
+    found: dict[str, list[Module]] = {}
+    for m in mods.values():
+        if m.quantized and (why := vllm_dense_reason(m.name, config)) is not None:
+            found.setdefault(why, []).append(m)
+    out = []
+    for why, ms in found.items():
+        more = f" (and {len(ms) - 1} more such modules)" if len(ms) > 1 else ""
+        first = ms[0]
+        out.append(Problem("error", f"quantized, but {why}{more}", str(first.parts[next(iter(first.parts))].file), first.name))
     return out
 
 

@@ -100,7 +100,7 @@ _GPT_OSS = ExpertLayout(
     "gate_up_proj [E, H, 2I] / down_proj [E, I, H] (x @ W) and their biases as stored",
     vllm_dense=(
         "gpt-oss experts: vLLM 0.33 cannot load them quantized (gpt_oss.py reads per-expert w13_*/w2_* names with no path for "
-        "weight_shape or weight_global_scale; its FP8, NVFP4 and MXFP4 MoE methods have no expert bias); --targets naming them quantizes them"
+        "weight_shape or weight_global_scale; its FP8, NVFP4 and MXFP4 MoE methods have no expert bias)"
     ),
 )
 _QWEN3_VL_MOE = ExpertLayout(
@@ -198,6 +198,47 @@ def dense_experts_reason(module: str, config: dict) -> str | None:
         return None
     layout = next((FAMILIES[t] for t in model_types(config) if t in FAMILIES), None)
     return layout.vllm_dense if layout is not None else None
+
+
+#: model_type -> the vLLM 0.33 model file (``vllm/model_executor/models/``) that builds the family's MoE router
+#: (``gate``/``router``) as a ``GateLinear`` without ``quant_config``: unquantized, so a quantized router's tensors have
+#: no parameters to load into (read in each file's MoE block; Qwen3-MoE's ``qwen3_moe.py`` passes its quant_config).
+VLLM_DENSE_ROUTER: dict[str, str] = {
+    "mixtral": "mixtral.py",
+    "qwen2_moe": "qwen2_moe.py",
+    "qwen3_next": "qwen3_next.py",
+    "deepseek_v2": "deepseek_v2.py",
+    "deepseek_v3": "deepseek_v2.py",
+    "deepseek_v32": "deepseek_v2.py",
+    "kimi_k2": "deepseek_v2.py",
+    "glm4_moe": "glm4_moe.py",
+    "olmoe": "olmoe.py",
+    "llama4": "llama4.py",
+    "llama4_text": "llama4.py",
+    "gpt_oss": "gpt_oss.py",
+    "granitemoe": "granitemoe.py",
+    "phimoe": "phimoe.py",
+    "minimax_m2": "minimax_m2.py",
+    "ernie4_5_moe": "ernie45_moe.py",
+    "jamba": "jamba.py",
+}
+_ROUTER = re.compile(r"(^|\.)(mlp|block_sparse_moe|feed_forward|moe)\.(gate|router)$")
+
+
+def vllm_dense_reason(module: str, config: dict) -> str | None:
+    """Why vLLM 0.33 cannot load ``module`` quantized, or None where it can (as far as this table knows): the
+    experts of a family whose :attr:`ExpertLayout.vllm_dense` says so (:func:`dense_experts_reason`), and the MoE
+    router of a family :data:`VLLM_DENSE_ROUTER` lists. The plan refuses to quantize such a module unless
+    ``--allow-unloadable``; ``verify`` reports one that is quantized."""
+    if (why := dense_experts_reason(module, config)) is not None:
+        return why
+    if _ROUTER.search(module):
+        t = next((t for t in model_types(config) if t in VLLM_DENSE_ROUTER), None)
+        if t is not None:
+            return (
+                f"{t} router: vLLM 0.33 builds it unquantized (models/{VLLM_DENSE_ROUTER[t]}: GateLinear without quant_config), so it cannot load it quantized"
+            )
+    return None
 
 
 def config_value(config: dict, *keys: str):

@@ -15,7 +15,7 @@
 Keys of a job are ``model``, ``output``, ``scheme`` and the options of
 :func:`ctconvert.api.quantize`, the entries of the option table
 :data:`ctconvert.options.OPTIONS` (``lm_head``, ``targets``,
-``ignore``, ``max_shard_size``, ``overwrite``, ``skip_incompatible``, ``device``,
+``ignore``, ``max_shard_size``, ``overwrite``, ``skip_incompatible``, ``allow_unloadable``, ``device``,
 ``resume``, ``refresh``, ``dry_run``, ``group_size``, ``symmetric``, ``target``,
 ``layout_version``, ``act_dtype`` ...; ``allow_non_finite`` spelled as on the
 command line). Relative paths are relative to the jobs file; scheme names,

@@ -42,7 +42,15 @@ import torch
 
 from ..checkpoint.comparison import CHUNK, compare_others, same_bytes
 from ..checkpoint.config import require_compressed_tensors
-from ..checkpoint.conformance import kv_scale_problems, linear_module_files, missing_fused_members, module_problems, sparsity_problems, vllm_expert_problems
+from ..checkpoint.conformance import (
+    kv_scale_problems,
+    linear_module_files,
+    missing_fused_members,
+    module_problems,
+    sparsity_problems,
+    vllm_expert_problems,
+    vllm_unloadable_problems,
+)
 from ..checkpoint.families import split_fused_experts, transformers_per_expert_reason
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
@@ -71,6 +79,7 @@ _STRUCTURE_CHECKS = [
     "tensors agree with their group's format (parts, dtypes, shapes; 2:4 and KV cache claims)",
     "dense Linear in ignore",
     "MoE experts' group as vLLM 0.33 matches them",
+    "modules vLLM 0.33 cannot load quantized (gpt-oss experts, most MoE routers)",
     "fused sets complete",
     "fused global scales",
     "NaN/inf",
@@ -100,6 +109,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     mods = modules_of(ckpt)
     problems += _config_problems(ckpt, path)
     found, contradicted = _module_problems(mods, ckpt.quantization_config or {})
+    found += vllm_unloadable_problems(mods, ckpt.config)
     problems += found
     problems += unexplained_dense(ckpt, mods)
     problems += missing_fused_members(linear_module_files(mods), ckpt.config)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..checkpoint.families import FusedExperts, dense_experts_reason, is_mtp, mtp_dense_reason
+from ..checkpoint.families import FusedExperts, dense_experts_reason, is_mtp, mtp_dense_reason, vllm_dense_reason
 from ..checkpoint.naming import (
     BLOCK,
     DEFAULT_IGNORE_PATTERNS,
@@ -133,6 +133,7 @@ class _Rules:
     head_quantized: bool = False
     skip_incompatible: bool = False
     modules: frozenset = frozenset()  # the checkpoint's weight modules (which members of a fused set are present)
+    allow_unloadable: bool = False  # quantize modules vLLM 0.33 cannot load quantized (families.vllm_dense_reason)
 
 
 def make_plan(
@@ -150,17 +151,16 @@ def make_plan(
     default_ignore: bool = True,
     quantize_mtp: bool = False,
     groups: list[ConfigGroup] | None = None,
+    allow_unloadable: bool = False,
 ) -> Plan:
     """Decide every tensor's fate. Raises before any data is read.
 
-    Raises :class:`UsageError` (bad ``lm_head`` choice, partly ignored fused
-    set), :class:`UnsupportedError` (already-quantized input, NVFP4 W4A4, a
-    targeted weight whose shape the scheme cannot take, unless
-    ``skip_incompatible``, in which case it is kept dense, listed in ``ignore``
-    and reported in ``notes``; a floating tensor of 2 or more dimensions that
-    no rule classifies, or fused 3-D experts of a family whose layout is not
-    known, unless ``keep_unclassified``, which keeps it dense, lists its
-    module in ``ignore`` and reports it) or :class:`BadInputError`.
+    Raises :class:`UsageError` (bad ``lm_head`` choice, partly ignored fused set), :class:`UnsupportedError`
+    (already-quantized input, NVFP4 W4A4, a targeted weight whose shape the scheme cannot take or that vLLM 0.33
+    cannot load quantized (``families.vllm_dense_reason``; written with ``allow_unloadable``), unless
+    ``skip_incompatible``, which keeps it dense, listed in ``ignore`` and reported in ``notes``; a floating tensor of
+    2 or more dimensions that no rule classifies, or fused 3-D experts of a family whose layout is not known, unless
+    ``keep_unclassified``, which keeps it dense, lists its module in ``ignore`` and reports it) or :class:`BadInputError`.
 
     Fused 3-D experts are written as one 2-D Linear per expert
     (:func:`ctconvert.checkpoint.families.split_fused_experts`) when any of
@@ -189,7 +189,7 @@ def make_plan(
     fused = fused_experts(ckpt, keep_unclassified, d)
     tensors = _with_parts(ckpt.tensors, fused)
     modules = frozenset(n[: -len(".weight")] for n in tensors if n.endswith(".weight"))
-    rules = _Rules(ckpt.config, default_ignore, quantize_mtp, head_scheme is not None, skip_incompatible, modules)
+    rules = _Rules(ckpt.config, default_ignore, quantize_mtp, head_scheme is not None, skip_incompatible, modules, allow_unloadable)
     for name in _file_order(tensors):
         _decide(d, name, tensors[name], assign, user_ignore, rules)
     _refuse_uncalibratable_mtp(d, scheme, ckpt.config)
@@ -381,20 +381,23 @@ def _decide(d: Decisions, name: str, info: TensorInfo, assign: GroupAssignment, 
     if user is not None:
         return keep_dense(f"{d.flags[1]} {user}", listed=linear)
     problem = weight_problem(info.dtype, info.shape, scheme)
+    unloadable = None if problem or rules.allow_unloadable else vllm_dense_reason(module, rules.config)
+    problem = problem or unloadable
     if problem is not None:
         if not rules.skip_incompatible:
             part = f"its per-expert part {name}: " if info.base else ""  # named by the stored tensor, which the user can find
-            hint = f"leave it dense with --ignore {module!r} or pass --skip-incompatible"
+            dense = f"an entry in the recipe's ignore ({module!r})" if d.flags[1] != "--ignore" else f"--ignore {module!r}"
+            hint, anyway = f"leave it dense with {dense} or pass --skip-incompatible", " (or --allow-unloadable to write it quantized for other loaders)"
             key = fused_key(module)
             present = [m for m in key[1] if f"{key[0]}.{m}" in rules.modules] if key else []
             if len(present) > 1:  # vLLM loads a fused layer with one scheme: the whole set stays dense, or none of it
                 others = ", ".join(m for m in present if m != module.rpartition(".")[2])
                 hint = (
-                    f"leave it dense with --ignore {module!r} and its fused set's other members ({others}; vLLM loads "
+                    f"leave it dense with {dense} and its fused set's other members ({others}; vLLM loads "
                     f"{fused_set_name(key[0], present)} with one scheme), or pass --skip-incompatible (keeps the whole set dense)"
                 )
             shape = f"{list(info.shape)} {info.dtype} weight: " if len(info.shape) == 2 else ""
-            raise UnsupportedError(f"{part}{shape}{problem}; {hint}", file=str(info.file), tensor=info.base or name)
+            raise UnsupportedError(f"{part}{shape}{problem}; {hint}{anyway if unloadable else ''}", file=str(info.file), tensor=info.base or name)
         keep_dense(problem + " (skipped: --skip-incompatible)")
         d.notes.append(f"{name}: {problem}; kept dense and listed in ignore")
         return
@@ -409,7 +412,7 @@ def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
     if default is not None:
         return default
     if (why := dense_experts_reason(module, rules.config)) is not None:
-        return why
+        return f"{why}; targets naming them with --allow-unloadable quantize them"
     if not rules.quantize_mtp and is_mtp(name, rules.config):
         return "MTP layer; --quantize-mtp quantizes it"
     if (why := mtp_dense_reason(module, rules.config)) is not None:

@@ -52,7 +52,7 @@ class PlanStage(Stage):
     def prepare(self, job: QuantizeJob) -> None:
         o, source = self.o, job.source
         plan_ignore = list(o.ignore or []) + [m for m in source.dense_linear if source.quantized]
-        rules = dict(keep_unclassified=o.keep_unclassified, default_ignore=o.default_ignore, quantize_mtp=o.quantize_mtp)
+        rules = dict(keep_unclassified=o.keep_unclassified, default_ignore=o.default_ignore, quantize_mtp=o.quantize_mtp, allow_unloadable=o.allow_unloadable)
         plan_kw = dict(targets=_listed(o.targets), ignore=plan_ignore or None, lm_head=o.lm_head, lm_head_chunk_rows=o.lm_head_chunk_rows, **rules)
         if self.recipe is not None:  # its groups and ignore, applied literally (no default ignores), as oneshot applies it
             _refuse_tied_head(self.recipe, job.ckpt)

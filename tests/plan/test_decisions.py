@@ -41,7 +41,7 @@ EXPERTS = ["Linear", r"re:.*mlp\.experts\.\d+\..*"]
 
 
 def test_every_fused_expert_is_split_and_quantized(tmp_path):
-    plan = make_plan(_gpt_oss(tmp_path), "W4A16", targets=EXPERTS)
+    plan = make_plan(_gpt_oss(tmp_path), "W4A16", targets=EXPERTS, allow_unloadable=True)
     rows = {r.name: r for r in plan.rows}
     assert len(rows) == len(plan.rows)
     for layer in range(2):
@@ -63,12 +63,12 @@ def test_every_fused_expert_is_split_and_quantized(tmp_path):
 
 
 def test_experts_pattern_matches_the_split_modules(tmp_path):
-    plan = make_plan(_gpt_oss(tmp_path), "FP8_DYNAMIC", targets=["re:.*experts.*"])
+    plan = make_plan(_gpt_oss(tmp_path), "FP8_DYNAMIC", targets=["re:.*experts.*"], allow_unloadable=True)
     assert plan.quantized_modules == 2 * 3 * E and not any("matched no tensor" in n for n in plan.notes)
 
 
 def test_experts_kept_dense_stay_fused_and_are_listed(tmp_path):
-    plan = make_plan(_gpt_oss(tmp_path), "W4A16", targets=EXPERTS, ignore=["re:.*experts.*"])
+    plan = make_plan(_gpt_oss(tmp_path), "W4A16", allow_unloadable=True, targets=EXPERTS, ignore=["re:.*experts.*"])
     rows = {r.name: r for r in plan.rows}
     assert not plan.views and plan.quantized_modules == 2
     gu = rows["model.layers.0.mlp.experts.gate_up_proj"]
@@ -99,7 +99,7 @@ def test_experts_the_scheme_cannot_take(tmp_path):
 def test_experts_partly_dense_are_split_whole(tmp_path):
     """down_proj ignored, gate/up quantized: the whole experts module is written per expert (no loader may see it
     half fused), the dense parts listed one by one, the experts module itself not."""
-    plan = make_plan(_gpt_oss(tmp_path), "W4A16", targets=EXPERTS, ignore=[r"re:.*experts\.\d+\.down_proj$"])
+    plan = make_plan(_gpt_oss(tmp_path), "W4A16", allow_unloadable=True, targets=EXPERTS, ignore=[r"re:.*experts\.\d+\.down_proj$"])
     rows = {r.name: r for r in plan.rows}
     assert rows["model.layers.0.mlp.experts.down_proj"].action == "split" and plan.quantized_modules == 2 * (1 + 2 * E)
     assert rows["model.layers.0.mlp.experts.1.down_proj.weight"].action == "ignore"
@@ -260,7 +260,10 @@ def test_cli_options(tmp_path):
     assert doc["defaults_applied"] == {"router": 2, "lm_head": 1, "MTP layer; --quantize-mtp quantizes it": 1, gpt_oss: 2 * 3 * E}
     code, out, _ = run("--keep-unclassified", "--quantize-mtp")
     assert code == 0 and "model.layers.2.mlp.gate_proj" not in json.loads(out)["plan"]["ignore"]
-    code, out, _ = run("--keep-unclassified", "--no-default-ignore")
+    code, out, _ = run("--keep-unclassified", "--no-default-ignore")  # the routers and experts vLLM 0.33 builds unquantized
+    err = json.loads(out)["error"]
+    assert code == 4 and "vLLM 0.33 cannot load them quantized" in err and "--allow-unloadable" in err  # the first: an expert
+    code, out, _ = run("--keep-unclassified", "--no-default-ignore", "--allow-unloadable")
     doc = json.loads(out)["plan"]
     assert code == 0 and doc["ignore"] == ["model.layers.0.mlp"] and doc["defaults_applied"] == {}
 
@@ -274,10 +277,10 @@ def test_split_experts_refresh_and_provenance(tmp_path):
 
     ck = _gpt_oss(tmp_path)
     out = tmp_path / "q"
-    api.quantize(ck.path, out, "NVFP4A16", targets=EXPERTS)
+    api.quantize(ck.path, out, "NVFP4A16", targets=EXPERTS, allow_unloadable=True)
     prov = json.loads((out / "ctconvert-provenance.json").read_text())["tensors"]
     src = prov["model.layers.1.mlp.experts.3.up_proj.weight_packed"]
     assert {s["slice_of"] for s in src} == {"model.layers.1.mlp.experts.gate_up_proj"}  # gate and up: one global scale
     assert {s["tensor"] for s in src} == {"model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight"}
-    res = api.quantize(ck.path, out, "NVFP4A16", targets=EXPERTS, refresh=True)
+    res = api.quantize(ck.path, out, "NVFP4A16", targets=EXPERTS, allow_unloadable=True, refresh=True)
     assert res.rewritten_shards == []
