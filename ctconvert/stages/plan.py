@@ -166,7 +166,8 @@ def vllm_expert_error(plan: Plan) -> UsageError | None:
     found = vllm_expert_mismatches({m: u.group for u in plan.units if u.kind == "quantize" for m in u.modules}, qcfg)
     if not found:
         return None
-    more = f" ({len(found)} MoE blocks' projections in all: {', '.join(sorted({f.proj for f in found}))})" if len(found) > 1 else ""
+    blocks, projs = sorted({f.block for f in found}), sorted({f.proj for f in found})
+    more = f" ({len(found)} in all: {plural(len(blocks), 'MoE block')} x {', '.join(projs)})" if len(found) > 1 else ""
     return UsageError(f"{found[0].experts}: {found[0].message()}{more}")
 
 

@@ -81,7 +81,7 @@ def test_quantize_refuses_a_recipe_whose_experts_vllm_would_load_with_another_gr
     first = "model.layers.0.mlp.experts.*.down_proj"
     assert line.startswith(f"error: {first}: vLLM 0.33 loads these experts as 'model.layers.0.mlp.experts.routed_experts.0.down_proj'")
     assert "config group 'attention' takes, not 'mlp'" in line and "'re:.*down_proj$'" in line
-    assert line.endswith("(6 MoE blocks' projections in all: down_proj, gate_proj, up_proj)")
+    assert line.endswith("(6 in all: 2 MoE blocks x down_proj, gate_proj, up_proj)")
     dry = CliRunner().invoke(main, ["--json", "quantize", str(src), "-o", str(tmp_path / "out"), "--recipe", str(recipe), "--dry-run"])
     doc = json.loads(dry.stdout)
     assert dry.exit_code == 2 and doc["error"] == line.removeprefix("error: ") and doc["plan"]["tensors"]
