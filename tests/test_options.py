@@ -44,7 +44,8 @@ def _param(p) -> dict:
 def test_click_parameters_are_the_same_as_before_the_table():
     """Every click parameter of every command as at 515cc14 (tests/data/help/params.json): flags, type, default
     (an explicit None and none at all differ to click: a required option given a None default is not required). One
-    parameter name changed: --allow-non-finite's is its option's, ``allow_nonfinite`` (the file is keyed so)."""
+    parameter name changed: --allow-non-finite's is its option's, ``allow_nonfinite`` (the file is keyed so). An option
+    added since is added to the file (``--allow-unloadable``), never a changed one."""
     now = {f"{c} {p.name}": _param(p) for c, cmd in sorted(main.commands.items()) for p in cmd.params}
     before = json.loads((HELP / "params.json").read_text())
     assert json.loads(json.dumps(now, default=str)) == before
