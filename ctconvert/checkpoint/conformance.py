@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import BadInputError
+from ..errors import BadInputError, plural
 from ..formats import CompressionFormat, WeightArgs, get_format
 from .families import vllm_dense_reason
 from .modules import ACT_PARTS, QUANT_PARTS, SPARSITY_GROUP, Module, dense_shape
@@ -336,7 +336,7 @@ def vllm_unloadable_problems(mods: dict[str, Module], config: dict) -> list[Prob
             found.setdefault(why, []).append(m)
     out = []
     for why, ms in found.items():
-        more = f" (and {len(ms) - 1} more such modules)" if len(ms) > 1 else ""
+        more = f" (and {plural(len(ms) - 1, 'more such module')})" if len(ms) > 1 else ""
         first = ms[0]
         out.append(Problem("error", f"quantized, but {why}{more}", str(first.parts[next(iter(first.parts))].file), first.name))
     return out

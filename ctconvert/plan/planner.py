@@ -46,6 +46,7 @@ from ..options import DEFAULT_LM_HEAD_CHUNK_ROWS
 from .decisions import Decisions, TensorDecision
 from .experts import fused_experts, settle_experts
 from .groups import ConfigGroup, GroupAssignment
+from .patterns import check_pattern_use, check_patterns
 from .schemes import LM_HEAD_SCHEMES, Scheme, get_scheme, weight_problem
 
 __all__ = ["Plan", "TensorDecision", "WorkUnit", "make_plan"]
@@ -183,7 +184,7 @@ def make_plan(
     head_scheme = _head_scheme(lm_head)
     targets = assign.targets
     user_ignore = list(ignore or [])
-    _check_patterns(targets + user_ignore)
+    check_patterns(targets + user_ignore)
 
     d = Decisions(flags=("recipe targets", "recipe ignore") if groups else ("--targets", "--ignore"))
     fused = fused_experts(ckpt, keep_unclassified, d)
@@ -197,7 +198,7 @@ def make_plan(
     tensors = _with_parts(ckpt.tensors, fused)
     order = _file_order(tensors)
     _explain_copies(d, order, tensors, targets, user_ignore, keep_unclassified)
-    _check_pattern_use(d, tensors, targets, user_ignore)
+    check_pattern_use(d, tensors, targets, user_ignore)
     sets = _fused_sets(d, tensors, assign)
     units = _units(d, order, tensors, sets, assign, head_scheme, lm_head_chunk_rows)
     config_updates = _plan_head(d, ckpt, units, head_scheme, lm_head_chunk_rows)
@@ -296,49 +297,6 @@ def _head_scheme(lm_head: str) -> Scheme | None:
     return get_scheme(LM_HEAD_SCHEMES[key]) if LM_HEAD_SCHEMES[key] else None
 
 
-def _check_patterns(patterns: list[str]) -> None:
-    for pat in patterns:
-        if pat.startswith("re:"):
-            try:
-                re.compile(pat[3:])
-            except re.error as e:
-                raise UsageError(f"invalid pattern {pat!r}: {e}") from None
-
-
-def _check_pattern_use(d: Decisions, tensors: dict[str, TensorInfo], targets: list[str], user_ignore: list[str]) -> None:
-    """After the per-tensor phase: a ``--targets``/``--ignore`` entry that names no module of the checkpoint is a
-    :class:`UsageError` that says how to write it (the usual slip: a bare ``q_proj`` where compressed-tensors wants
-    a full module name or a ``re:`` pattern; ``lm_head`` in ``--targets`` instead of ``--lm-head``). An entry that
-    names modules none of which it changes (they stay dense by default anyway, or another target takes them) gets a
-    note. Entries are quoted as written (no repr: a pattern's backslashes stay single)."""
-    modules = sorted({n.rpartition(".")[0] for n in tensors})
-    for opt, patterns, used in ((d.flags[0], targets, d.used_targets), (d.flags[1], user_ignore, d.used_ignore)):
-        for pat in patterns:
-            if pat in used or pat == "Linear":
-                continue
-            if opt == d.flags[0] and pat.removeprefix("re:").strip(".*$^").endswith("lm_head"):
-                raise UsageError(f"{opt} '{pat}': lm_head is quantized with --lm-head nvfp4a16 or --lm-head fp8, not with {opt}")
-            hit = [m for m in modules if matches(m, [pat], is_linear=False) is not None]
-            if hit:
-                taken = set(d.to_quantize.values()).intersection(hit)
-                why = "another target already takes" if taken else "stay dense anyway"
-                d.notes.append(f"{opt} '{pat}' matched only modules that {why}")
-                continue
-            bare = pat.removeprefix("re:")
-            like = [m for m in modules if m == bare or m.endswith("." + bare)]
-            if not pat.startswith("re:") and like:
-                raise UsageError(
-                    f"{opt} '{pat}' matches no module: entries are full module names (like {like[0]!r}) or re: patterns "
-                    f"(re.match from the start of the name, like 're:.*{re.escape(bare)}$')"
-                )
-            linear = sorted(n[: -len(".weight")] for n, i in tensors.items() if n.endswith(".weight") and is_linear_weight(n, i))
-            example = linear[len(linear) // 2] if linear else modules[len(modules) // 2]
-            raise UsageError(
-                f"{opt} '{pat}' matches no module of this checkpoint: entries are full module names (like {example!r}) "
-                f"or re: patterns (re.match from the start of the name, like 're:.*{re.escape(example.rpartition('.')[2])}$')"
-            )
-
-
 # -- phase 2: every tensor ------------------------------------------------------------
 
 
@@ -363,7 +321,7 @@ def _decide(d: Decisions, name: str, info: TensorInfo, assign: GroupAssignment, 
     group, hit = assign.match(module, linear) or (assign.groups[0], None)
     explicit, scheme = (hit if hit != "Linear" else None), group.scheme
     user = matches(module, user_ignore, is_linear=linear)
-    if DEFAULT_IGNORE_PATTERNS["lm_head"].search(module) and linear:
+    if is_head := bool(DEFAULT_IGNORE_PATTERNS["lm_head"].search(module) and linear):
         d.head_name = name
         if rules.head_quantized:
             return
@@ -381,12 +339,13 @@ def _decide(d: Decisions, name: str, info: TensorInfo, assign: GroupAssignment, 
     if user is not None:
         return keep_dense(f"{d.flags[1]} {user}", listed=linear)
     problem = weight_problem(info.dtype, info.shape, scheme)
-    unloadable = None if problem or rules.allow_unloadable else vllm_dense_reason(module, rules.config)
+    unloadable = None if problem or rules.allow_unloadable else vllm_dense_reason(module, rules.config) or (_HEAD if is_head and explicit is None else None)
     problem = problem or unloadable
     if problem is not None:
         if not rules.skip_incompatible:
             part = f"its per-expert part {name}: " if info.base else ""  # named by the stored tensor, which the user can find
-            dense = f"an entry in the recipe's ignore ({module!r})" if d.flags[1] != "--ignore" else f"--ignore {module!r}"
+            entry = _every_layer(module) if unloadable else module  # one entry for every layer (and expert) vLLM cannot load
+            dense = f"an entry in the recipe's ignore ('{entry}')" if d.flags[1] != "--ignore" else f"--ignore '{entry}'"
             hint, anyway = f"leave it dense with {dense} or pass --skip-incompatible", " (or --allow-unloadable to write it quantized for other loaders)"
             key = fused_key(module)
             present = [m for m in key[1] if f"{key[0]}.{m}" in rules.modules] if key else []
@@ -403,6 +362,22 @@ def _decide(d: Decisions, name: str, info: TensorInfo, assign: GroupAssignment, 
         return
     d.to_quantize[name], d.group_of[name] = module, group.name
     row.action, row.scheme, row.group = "quantize", scheme.name, group.name if assign.named else None
+
+
+#: why a head that a group takes only as a ``Linear`` (--no-default-ignore, a recipe) is refused: vLLM 0.33 matches its
+#: ParallelLMHead by name, never as ``Linear`` (compressed_tensors.py ``get_quant_method``), so builds it unquantized
+_HEAD = (
+    "lm_head: vLLM 0.33 matches the head by name, not as a Linear, and would build it unquantized; "
+    "quantize it with --lm-head (nvfp4a16, fp8) or a target naming it"
+)
+
+
+def _every_layer(module: str) -> str:
+    """A ``re:`` pattern for ``module`` in every layer (and, for an expert, every expert of its block and all its
+    projections, and the fused tensors they are split from): ``model.layers.0.mlp.experts.3.down_proj`` ->
+    ``re:model\\.layers\\.\\d+\\.mlp\\.experts.*``."""
+    head, sep, _ = module.partition(".experts.")
+    return "re:" + re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(head + "." if sep else module)) + ("experts.*" if sep else "$")
 
 
 def _default_rule(module: str, name: str, rules: _Rules) -> str | None:

@@ -148,7 +148,7 @@ def plan_or_error(ckpt: Checkpoint, scheme, dry_run: bool, skip_incompatible: bo
             raise UnsupportedError(every.message.replace("--skip-incompatible kept", "--skip-incompatible would keep"), file=every.file) from None
         if not dry_run:
             return plan, e
-        stops = " (the run stops here: leave it dense with --ignore, or pass --skip-incompatible)"
+        stops = " (the run stops here: leave it dense with --ignore or the recipe's ignore, or pass --skip-incompatible)"
         for row in plan.rows:  # say what this run would do, not what --skip-incompatible would
             if row.reason and row.reason.endswith(" (skipped: --skip-incompatible)"):
                 row.reason = row.reason.removesuffix(" (skipped: --skip-incompatible)") + stops

@@ -107,7 +107,7 @@ def test_routers_vllm_builds_unquantized_are_refused_unless_allowed_and_verify_r
     from ctconvert.errors import UnsupportedError
 
     src = moe_checkpoint(tmp_path)
-    api.quantize(src, tmp_path / "q3", "W4A16", default_ignore=False)
+    api.quantize(src, tmp_path / "q3", "W4A16", default_ignore=False, ignore=["lm_head"])
     assert api.verify(tmp_path / "q3")["ok"]
     assert "model.layers.0.mlp.gate.weight_packed" in json.loads((tmp_path / "q3" / "model.safetensors.index.json").read_text())["weight_map"]
     q2 = tmp_path / "q2src"
@@ -115,13 +115,13 @@ def test_routers_vllm_builds_unquantized_are_refused_unless_allowed_and_verify_r
     cfg = json.loads((q2 / "config.json").read_text())
     (q2 / "config.json").write_text(json.dumps(dict(cfg, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])))
     with pytest.raises(UnsupportedError) as e:
-        api.quantize(q2, tmp_path / "a", "W4A16", default_ignore=False)
+        api.quantize(q2, tmp_path / "a", "W4A16", default_ignore=False, ignore=["lm_head"])
     assert "'model.layers.0.mlp.gate.weight'" in str(e.value) and "models/qwen2_moe.py: GateLinear without quant_config" in e.value.message
     assert "--allow-unloadable" in e.value.message and not (tmp_path / "a").exists()
-    kept = api.quantize(q2, tmp_path / "b", "W4A16", default_ignore=False, skip_incompatible=True)
+    kept = api.quantize(q2, tmp_path / "b", "W4A16", default_ignore=False, ignore=["lm_head"], skip_incompatible=True)
     assert {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate"} <= set(kept.ignore) and api.verify(tmp_path / "b")["ok"]
-    api.quantize(q2, tmp_path / "c", "W4A16", default_ignore=False, allow_unloadable=True)
+    api.quantize(q2, tmp_path / "c", "W4A16", default_ignore=False, ignore=["lm_head"], allow_unloadable=True)
     report = api.verify(tmp_path / "c")
     errors = [p for p in report["problems"] if p["severity"] == "error"]
     assert not report["ok"] and len(errors) == 1 and errors[0]["tensor"] == "model.layers.0.mlp.gate"
-    assert "qwen2_moe router: vLLM 0.33 builds it unquantized" in errors[0]["message"] and "(and 1 more such modules)" in errors[0]["message"]
+    assert "qwen2_moe router: vLLM 0.33 builds it unquantized" in errors[0]["message"] and "(and 1 more such module)" in errors[0]["message"]

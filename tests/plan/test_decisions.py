@@ -144,7 +144,12 @@ def test_no_default_ignore_drops_every_default(tmp_path):
     assert set(plan.ignore) == {"lm_head", "model.layers.0.mlp.gate", "model.visual.blocks.0.attn.qkv", "model.layers.2.mlp.gate_proj", "proj_out"}
     plan = make_plan(ck, "FP8_DYNAMIC", quantize_mtp=True)
     assert plan.quantized_modules == 2 and "model.layers.2.mlp.gate_proj" not in plan.ignore
-    plan = make_plan(ck, "FP8_DYNAMIC", default_ignore=False)
+    with pytest.raises(UnsupportedError) as e:  # the head only Linear takes: vLLM 0.33 matches it by name, builds it dense
+        make_plan(ck, "FP8_DYNAMIC", default_ignore=False)
+    assert "'lm_head.weight'" in str(e.value) and "--lm-head" in e.value.message and "--allow-unloadable" in e.value.message
+    plan = make_plan(ck, "FP8_DYNAMIC", default_ignore=False, targets=["Linear", "lm_head"])  # named: vLLM finds its group
+    assert plan.quantized_modules == 6 and plan.ignore == [] and plan.defaults == {}
+    plan = make_plan(ck, "FP8_DYNAMIC", default_ignore=False, allow_unloadable=True)
     assert plan.quantized_modules == 6 and plan.ignore == [] and plan.defaults == {}
 
 
@@ -262,7 +267,7 @@ def test_cli_options(tmp_path):
     assert code == 0 and "model.layers.2.mlp.gate_proj" not in json.loads(out)["plan"]["ignore"]
     code, out, _ = run("--keep-unclassified", "--no-default-ignore")  # the routers and experts vLLM 0.33 builds unquantized
     err = json.loads(out)["error"]
-    assert code == 4 and "vLLM 0.33 cannot load them quantized" in err and "--allow-unloadable" in err  # the first: an expert
+    assert code == 4 and "vLLM 0.33" in err and "--allow-unloadable" in err  # the first: the head, which only Linear takes
     code, out, _ = run("--keep-unclassified", "--no-default-ignore", "--allow-unloadable")
     doc = json.loads(out)["plan"]
     assert code == 0 and doc["ignore"] == ["model.layers.0.mlp"] and doc["defaults_applied"] == {}
@@ -284,3 +289,19 @@ def test_split_experts_refresh_and_provenance(tmp_path):
     assert {s["tensor"] for s in src} == {"model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight"}
     res = api.quantize(ck.path, out, "NVFP4A16", targets=EXPERTS, allow_unloadable=True, refresh=True)
     assert res.rewritten_shards == []
+
+
+def test_a_refused_unloadable_module_is_met_with_one_ignore_entry_for_every_layer(tmp_path):
+    """The refusal of modules vLLM 0.33 cannot load quantized suggests one ignore pattern for every layer and expert
+    (not layer 0's name, which would leave the next layer to refuse), and that entry, given, plans."""
+    import re
+
+    ck = _gpt_oss(tmp_path)
+    for targets in (EXPERTS, ["Linear", r"re:.*mlp\.router$"]):
+        with pytest.raises(UnsupportedError) as e:
+            make_plan(ck, "W4A16", targets=targets)
+        entry = re.search(r"--ignore '([^']+)'", e.value.message).group(1)
+        assert entry in (r"re:model\.layers\.\d+\.mlp\.experts.*", r"re:model\.layers\.\d+\.mlp\.router$"), entry
+        plan = make_plan(ck, "W4A16", targets=targets, ignore=[entry])
+        assert plan.quantized_modules > 0 and entry in plan.ignore
+        assert not [r for r in plan.rows if r.action == "quantize" and (".experts." in r.name or ".router." in r.name)]
