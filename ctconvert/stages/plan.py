@@ -11,6 +11,7 @@ import dataclasses
 
 from ..checkpoint.config import build_quantization_config
 from ..checkpoint.conformance import vllm_expert_mismatches
+from ..checkpoint.families import split_fused_experts
 from ..checkpoint.naming import is_generative, matches, tie_word_embeddings
 from ..checkpoint.reader import Checkpoint
 from ..errors import UnsupportedError, UsageError, agree, plural
@@ -56,7 +57,7 @@ class PlanStage(Stage):
         plan_kw = dict(targets=_listed(o.targets), ignore=plan_ignore or None, lm_head=o.lm_head, lm_head_chunk_rows=o.lm_head_chunk_rows, **rules)
         if self.recipe is not None:  # its groups and ignore, applied literally (no default ignores), as oneshot applies it
             _refuse_tied_head(self.recipe, job.ckpt)
-            modules = {n.rpartition(".")[0] for n in job.ckpt.tensors}  # an ignore entry naming no module (lm_head of a tied model): config only
+            modules = {n.rpartition(".")[0] for n in job.ckpt.tensors} | _expert_modules(job.ckpt)  # naming none (a tied lm_head): config only
             used = [p for p in self.recipe.ignore if any(matches(m, [p], is_linear=False) for m in modules)]
             plan_kw.update(groups=list(self.recipe.groups), ignore=used + plan_ignore or None, default_ignore=False)
         if o.sparsity:
@@ -95,6 +96,15 @@ class PlanErrorStage(Stage):
 #: the options a recipe decides itself: name -> its value when not given
 _RECIPE_DECIDES = {"targets": None, "ignore": None, "lm_head": "none", "observer": "minmax", "sparsity": None, "group_size": None}
 _RECIPE_DECIDES.update(symmetric=None, kv_cache="none")
+
+
+def _expert_modules(ckpt: Checkpoint) -> set[str]:
+    """The per-expert modules split from fused 3-D experts (``<parent>.<e>.<leaf>``): a recipe's ignore entry naming them
+    names modules of the plan (the plan itself says why a family's fused experts cannot be split)."""
+    try:
+        return {p.name.rpartition(".")[0] for fe in split_fused_experts(ckpt.tensors, ckpt.config).values() for p in fe.parts}
+    except UnsupportedError:
+        return set()
 
 
 def _recipe(scheme, o: QuantizeOptions):

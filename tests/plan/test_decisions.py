@@ -305,3 +305,25 @@ def test_a_refused_unloadable_module_is_met_with_one_ignore_entry_for_every_laye
         plan = make_plan(ck, "W4A16", targets=targets, ignore=[entry])
         assert plan.quantized_modules > 0 and entry in plan.ignore
         assert not [r for r in plan.rows if r.action == "quantize" and (".experts." in r.name or ".router." in r.name)]
+
+
+def test_a_recipes_ignore_may_name_an_expert_split_from_fused_experts(tmp_path):
+    """A recipe's ignore entry naming a per-expert module of fused 3-D experts (``experts.0.down_proj``) names a module
+    of the plan: that expert stays dense, and the config's ignore lists only what is dense (it was dropped before
+    the plan and written to the config anyway, beside the expert's quantized tensors: verify refused the output)."""
+    from ctconvert import api
+
+    ck = _gpt_oss(tmp_path)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n"
+        '      ignore: ["lm_head", "re:.*router$", "model.layers.0.mlp.experts.0.down_proj"]\n'
+        "      config_groups:\n        g:\n          targets: [Linear]\n"
+        "          weights: {num_bits: 4, type: int, symmetric: true, group_size: 32, strategy: group}\n"
+    )
+    res = api.quantize(ck.path, tmp_path / "out", None, recipe=recipe, allow_unloadable=True)
+    rows = {r.name: r for r in res.plan.rows}
+    assert rows["model.layers.0.mlp.experts.0.down_proj.weight"].action == "ignore"
+    assert rows["model.layers.0.mlp.experts.1.down_proj.weight"].action == "quantize"
+    report = api.verify(tmp_path / "out")
+    assert all("cannot load" in p["message"] for p in report["problems"] if p["severity"] == "error"), report["problems"]
