@@ -230,6 +230,12 @@ def _config_groups(d: Decisions, assign: GroupAssignment, head_scheme: Scheme | 
         config_groups[_HEAD_GROUP] = (head_scheme, _head_targets(d.head_name))
     used = set(d.group_of.values())
     config_groups.update({g.name: (g.scheme, list(g.targets)) for g in assign.groups if g.name in used})
+    if assign.named and config_groups:  # a recipe's group that quantizes nothing is left out of the config: say so
+        d.notes += [
+            f"config group '{g.name}' quantizes no module (its targets take none, or only modules kept dense): left out of the config"
+            for g in assign.groups
+            if g.name not in used
+        ]
     if not config_groups:
         skipped = [r for r in d.rows.values() if r.reason and r.reason.endswith("(skipped: --skip-incompatible)")]
         if skipped:

@@ -327,3 +327,25 @@ def test_a_recipes_ignore_may_name_an_expert_split_from_fused_experts(tmp_path):
     assert rows["model.layers.0.mlp.experts.1.down_proj.weight"].action == "quantize"
     report = api.verify(tmp_path / "out")
     assert all("cannot load" in p["message"] for p in report["problems"] if p["severity"] == "error"), report["problems"]
+
+
+def test_a_recipe_group_that_quantizes_nothing_is_noted(tmp_path):
+    """gpt-oss's experts refused and kept dense (--skip-incompatible): the recipe's MLP group then takes no module and
+    is left out of the config, which the plan says instead of leaving the user to find the scheme missing."""
+    from ctconvert import api
+
+    ck = _gpt_oss(tmp_path)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n"
+        '      ignore: ["lm_head", "re:.*router$"]\n      config_groups:\n'
+        '        mlp:\n          targets: ["re:.*(gate|up|down)_proj$"]\n'
+        "          weights: {num_bits: 4, type: int, symmetric: true, group_size: 32, strategy: group}\n"
+        "        rest:\n          targets: [Linear]\n"
+        "          weights: {num_bits: 4, type: int, symmetric: true, group_size: 16, strategy: group}\n"
+    )
+    res = api.quantize(ck.path, None, None, recipe=recipe, skip_incompatible=True, dry_run=True)
+    assert list(res.plan.config_groups) == ["rest"]
+    assert "config group 'mlp' quantizes no module (its targets take none, or only modules kept dense): left out of the config" in res.plan.notes
+    full = api.quantize(ck.path, None, None, recipe=recipe, allow_unloadable=True, dry_run=True)
+    assert list(full.plan.config_groups) == ["mlp", "rest"] and not [n for n in full.plan.notes if "quantizes no module" in n]
