@@ -129,7 +129,7 @@ def module_problems(m: Module, qcfg: dict) -> list[Problem]:
     fmt = get_format(m.format)
     if fmt is None:
         return []
-    where = {"file": str(next(iter(m.parts.values())).file), "tensor": m.name}
+    where = {"file": m.file, "tensor": m.name}
     missing = [p for p in fmt.required if p not in m.parts]
     if missing:
         return [Problem("error", f"format {m.format} (config group {m.group!r}) needs {', '.join(missing)}, which the checkpoint does not hold", **where)]
@@ -194,13 +194,12 @@ def sparsity_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
         if all(p in m.parts for p in _SPARSE_PARTS):
             continue
         held = "dense" if not m.quantized else (m.format or "quantized")
-        first = next(iter(m.parts.values()))
         out.append(
             Problem(
                 "error",
                 f"sparsity_config claims {_SPARSE} (2:4) for this module, but its tensors are plain {held} "
                 f"({', '.join(sorted(m.parts))}; no {'/'.join(_SPARSE_PARTS)}): the config and the tensors disagree",
-                str(first.file),
+                m.file,
                 m.name,
             )
         )
@@ -229,7 +228,7 @@ def kv_scale_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
                     Problem(
                         "error",
                         f"kv_cache_scheme ({kv.get('type')}{kv.get('num_bits')}, static) needs {p} on this attention module",
-                        str(m.parts[next(iter(m.parts))].file),
+                        m.file,
                         f"{parent}.{p}",
                     )
                 )
@@ -321,7 +320,7 @@ def vllm_expert_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
     out = []
     for mm in vllm_expert_mismatches(groups, qcfg):
         m = mods[mm.module]
-        out.append(Problem("error", mm.message(), str(m.parts[next(iter(m.parts))].file), mm.experts))
+        out.append(Problem("error", mm.message(), m.file, mm.experts))
     return out
 
 
@@ -338,7 +337,7 @@ def vllm_unloadable_problems(mods: dict[str, Module], config: dict) -> list[Prob
     for why, ms in found.items():
         more = f" (and {plural(len(ms) - 1, 'more such module')})" if len(ms) > 1 else ""
         first = ms[0]
-        out.append(Problem("error", f"quantized, but {why}{more}", str(first.parts[next(iter(first.parts))].file), first.name))
+        out.append(Problem("error", f"quantized, but {why}{more}", first.file, first.name))
     return out
 
 
@@ -377,7 +376,7 @@ def linear_module_files(mods: dict[str, Module]) -> dict[str, str]:
     for m in mods.values():
         w = m.parts.get("weight")
         if m.quantized or (w is not None and is_linear_weight(m.name + ".weight", w)):
-            out[m.name] = str(next(iter(m.parts.values())).file)
+            out[m.name] = m.file
     return out
 
 

@@ -63,6 +63,11 @@ class Module:
     def quantized(self) -> bool:
         return "weight_packed" in self.parts or "compressed" in self.parts or {"weight", "weight_scale"} <= self.parts.keys()
 
+    @property
+    def file(self) -> str:
+        """The file that holds the module's first tensor (where its problems are reported)."""
+        return str(next(iter(self.parts.values())).file)
+
 
 def modules_of(ckpt: Checkpoint) -> dict[str, Module]:
     """Group tensors by module and attach each quantized module's group, format and weight args."""

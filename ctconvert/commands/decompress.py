@@ -242,4 +242,4 @@ def _dequantize(m: Module, od: torch.dtype, chunk_elems: int, buffers: ChunkBuff
             yield name, dense, pos
             pos += dense.numel() * dense.element_size()
     except (KeyError, ValueError, RuntimeError) as e:
-        raise BadInputError(f"cannot dequantize ({m.format}): {e}", file=str(next(iter(m.parts.values())).file), tensor=name) from e
+        raise BadInputError(f"cannot dequantize ({m.format}): {e}", file=m.file, tensor=name) from e

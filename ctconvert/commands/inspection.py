@@ -146,7 +146,7 @@ def inspect_checkpoint(path: Path) -> dict:
     groups = qcfg.get("config_groups") or {}
     mods = modules_of(ckpt)
     layers = []
-    for m in sorted(mods.values(), key=lambda m: (str(next(iter(m.parts.values())).file), natural_key(m.name))):
+    for m in sorted(mods.values(), key=lambda m: (m.file, natural_key(m.name))):
         row = _layer(m, qcfg, problems)
         if row is not None:
             layers.append(row)
