@@ -80,10 +80,15 @@ def _identity(path) -> tuple:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def _spans(start: int, nbytes: int) -> list[tuple[int, int]]:
+    """The blocks ``(offset, nbytes)`` of a range: :data:`HASH_BLOCK_BYTES` each from its start, the last one shorter."""
+    return [(start + b, min(HASH_BLOCK_BYTES, nbytes - b)) for b in range(0, nbytes, HASH_BLOCK_BYTES)]
+
+
 def _blocks(path: Path, start: int, nbytes: int) -> list[Future]:
     """The block hashes of a range, on the hashing threads: those :func:`hash_early` began for this file (as it is
     now: same inode, size and modification time) taken from there, the others submitted now."""
-    spans = [(start + b, min(HASH_BLOCK_BYTES, nbytes - b)) for b in range(0, nbytes, HASH_BLOCK_BYTES)]
+    spans = _spans(start, nbytes)
     if _EARLY:
         try:
             ident = _identity(path)
@@ -105,15 +110,12 @@ def hash_early(path: Path, ranges: list[tuple[int, int]]) -> int:
         ident = _identity(path)
     except OSError:
         return 0
-    begun = 0
-    for start, nbytes in ranges:
-        for b in range(0, nbytes, HASH_BLOCK_BYTES):
-            k = min(HASH_BLOCK_BYTES, nbytes - b)
-            fut = _pool().submit(_hash_range, path, start + b, k)
-            with _POOL_LOCK:
-                _EARLY[(*ident, start + b, k)] = fut
-            begun += 1
-    return begun
+    spans = [s for start, nbytes in ranges for s in _spans(start, nbytes)]
+    for b, k in spans:
+        fut = _pool().submit(_hash_range, path, b, k)
+        with _POOL_LOCK:
+            _EARLY[(*ident, b, k)] = fut
+    return len(spans)
 
 
 class RangeHash:
