@@ -137,8 +137,14 @@ def _read_ahead(argv: list[str], trace: Trace | None):
     from .checkpoint.readahead import StartupReadAhead  # torch-free
 
     first = (lambda path: trace.stamp("readahead", str(path))) if trace is not None else None
-    local = not any(a == "ray" or a.endswith("=ray") for a in argv)  # --executor ray: the workers hash, not this process
-    return StartupReadAhead(reads[0], data=reads[1], on_first_read=first, hash_sources=local).start()
+    # --executor ray: the workers hash, not this process
+    return StartupReadAhead(reads[0], data=reads[1], on_first_read=first, hash_sources=not _names_ray(argv)).start()
+
+
+def _names_ray(argv: list[str]) -> bool:
+    """Whether the command line may ask for ``--executor ray`` (a word ``ray`` or ``...=ray``): the cheap test before
+    the line is parsed (a false yes only costs the parse, or a read ahead without the early source hashes)."""
+    return any(a == "ray" or a.endswith("=ray") for a in argv)
 
 
 def join_ray_early(argv: list[str], trace: Trace | None) -> None:
@@ -149,7 +155,7 @@ def join_ray_early(argv: list[str], trace: Trace | None) -> None:
 
     name = cli.command_word(argv)
     command, needs = {"quantize": (cli.quantize, "src"), "batch": (cli.batch_cmd, "jobs_file")}.get(name, (None, None))
-    if command is None or not any(a == "ray" or a.endswith("=ray") for a in argv):
+    if command is None or not _names_ray(argv):
         return
     try:
         params = command.make_context(name, argv[argv.index(name) + 1 :], resilient_parsing=True).params
