@@ -180,9 +180,13 @@ class RayExecutor:
         try:
             results = self._collect(ray, refs, progress, opts.progress, out)
         except BaseException:
-            for ref in refs:
+            # only the tasks still running: cancelling one whose reply is arriving trips a check in Ray's core worker
+            # that ends this process (task_manager.cc "Tried to complete task that was not pending"; seen once in CI)
+            _, running = ray.wait(list(refs), num_returns=len(refs), timeout=0) if refs else ([], [])
+            for ref in running:
                 ray.cancel(ref, force=True)
-            ray.wait(list(refs), num_returns=len(refs), timeout=CANCEL_WAIT_SECONDS)
+            if running:
+                ray.wait(running, num_returns=len(running), timeout=CANCEL_WAIT_SECONDS)
             raise
         finally:
             if specs and progress is not None:
