@@ -96,7 +96,8 @@ class Trace:
     that noted it before starting this process has the time since then). Steps: ``main`` (the console script's
     first line), ``readahead`` (the read ahead's first source read), ``first-open`` (the conversion's own first
     open of a file of SRC, seen by an audit hook, :pep:`578`), ``ray`` (``quantize --executor ray``: joining the cluster
-    begun, :func:`join_ray_early`), ``engine`` (torch and the commands imported)."""
+    begun, :func:`join_ray_early`), ``calibration`` (the calibration process started, :func:`start_calibration_early`),
+    ``engine`` (torch and the commands imported)."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr
@@ -173,6 +174,30 @@ def join_ray_early(argv: list[str], trace: Trace | None) -> None:
         trace.stamp("ray", "joining")
 
 
+def start_calibration_early(argv: list[str], trace: Trace | None) -> None:
+    """``quantize`` whose scheme calibrates beside the conversion (:func:`ctconvert.calibration.worker.wanted`): start
+    the calibration process now, so that its imports (torch, transformers) overlap this process's imports and
+    planning (:mod:`ctconvert.calibration.worker`; the calibrate stage takes it), where the machine has the room for
+    two processes (:func:`ctconvert.calibration.worker.has_room`: a CUDA device and 4 CPUs or more).
+    ``CTCONVERT_CALIBRATION_PROCESS=1`` starts it anyway, ``0`` never (calibration then runs on a thread of this
+    process). Nothing for another command."""
+    from . import cli
+
+    choice = os.environ.get("CTCONVERT_CALIBRATION_PROCESS", "auto")
+    if cli.command_word(argv) != "quantize" or choice == "0":
+        return
+    try:
+        params = cli.quantize.make_context("quantize", argv[argv.index("quantize") + 1 :], resilient_parsing=True).params
+    except Exception:  # noqa: BLE001 - a line click refuses: cli.run says why
+        return
+    from .calibration import worker  # torch-free
+
+    if worker.wanted(params) and (choice == "1" or worker.has_room(params.get("device") or "auto")):
+        worker.prestart(params["src"], params.get("device") or "auto")
+        if trace is not None:
+            trace.stamp("calibration", "process started")
+
+
 def main() -> None:
     trace = Trace() if os.environ.get("CTCONVERT_TRACE") == "1" else None
     hits: list[int] = []
@@ -183,6 +208,7 @@ def main() -> None:
         if not _answers_without_engine(sys.argv[1:]):
             ahead = _read_ahead(sys.argv[1:], trace)
             join_ray_early(sys.argv[1:], trace)
+            start_calibration_early(sys.argv[1:], trace)
             from . import api
 
             os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS, loaded by torch and never used

@@ -342,6 +342,13 @@ def check_model(ckpt: Checkpoint) -> None:
     It then builds the meta-device model as the real run does (:func:`.model.check_buildable`; ``ckpt`` with the
     plan's per-expert views): what transformers cannot build, or whose experts calibration cannot run (Llama-4),
     is refused here, with the real run's message (:func:`build_model`). Raises :class:`UnsupportedError` (exit 4)."""
+    check_generative(ckpt)
+    build_model(ckpt)
+
+
+def check_generative(ckpt: Checkpoint) -> None:
+    """The part of :func:`check_model` that needs no transformers: refuse what is not a decoder language model (from
+    ``config.json``'s ``architectures``). Raises :class:`UnsupportedError` (exit 4)."""
     if not is_generative(ckpt.config):
         arch = ", ".join(ckpt.config.get("architectures") or []) or "this architecture"
         raise UnsupportedError(
@@ -349,7 +356,6 @@ def check_model(ckpt: Checkpoint) -> None:
             "(FP8_DYNAMIC, W8A8, W4A16, NVFP4A16, MXFP4 ...)",
             file=ckpt.path / "config.json",
         )
-    build_model(ckpt)
 
 
 def build_model(ckpt: Checkpoint) -> None:

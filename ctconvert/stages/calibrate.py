@@ -22,6 +22,7 @@ import time
 from ..calibration import apply as calibration
 from ..calibration.data import load_tokens
 from ..calibration.feed import BackgroundCalibration, CalibratedFeed
+from ..calibration.worker import CalibrationProcess, CalibrationRequest, take
 from ..checkpoint.hashing import file_hash
 from ..checkpoint.reader import Checkpoint
 from ..errors import CTConvertError, UnsupportedError
@@ -52,7 +53,8 @@ class CalibrateStage(Stage):
         self.observer = o.observer
         self.cost: calibration.CalibrationCost | None = None
         self.importance: list[str] = []  # the observers that need calibration data
-        self._background: BackgroundCalibration | None = None
+        self._background: BackgroundCalibration | CalibrationProcess | None = None
+        self._process: CalibrationProcess | None = None  # the console script's calibration process, when it started one
         self.built_s: float | None = None
         defaults = QuantizeOptions()
         self.given = [f"--{k.replace('_', '-')}" for k in _DATA_OPTIONS if getattr(o, k) != getattr(defaults, k)]  # named by the user
@@ -68,9 +70,14 @@ class CalibrateStage(Stage):
                 job.result.notes.append(f"{' and '.join(self.given)} not used: this plan needs no calibration (weights and dynamic activation scales only)")
             return
         # the model is built (transformers imported) here, also for a calibration beside the write stage: beside its
-        # threads the GIL-bound imports took longer than the overlap saved (H200, 8B: 6.8-7.0 s, against 3.9-4.7 s first)
+        # threads the GIL-bound imports took longer than the overlap saved (H200, 8B: 6.8-7.0 s, against 3.9-4.7 s first);
+        # where the console script started a calibration process, that process imports and builds it instead
+        self._process = take(job.ckpt.path) if self._beside(job) and not job.options.dry_run else None
         t0 = time.perf_counter()
-        self._check_model(job)
+        if self._process is not None:
+            calibration.check_generative(job.ckpt)  # the rest of check_model: in that process, with the same errors
+        else:
+            self._check_model(job)
         self.built_s = round(time.perf_counter() - t0, 3)
         cost = calibration.estimate(job.plan, job.ckpt, self.samples, self.seq_len, self.kv_cache, self.batch_tokens)
         cost.schemes += [f"observer {n}" for n in self.importance]
@@ -117,6 +124,9 @@ class CalibrateStage(Stage):
         if not job.calibrated:
             return
         t0 = time.perf_counter()
+        if self._process is not None:
+            self._start_process(job, t0)
+            return
         data = self._read_data(job)
         if isinstance(data, CTConvertError):
             raise data
@@ -174,11 +184,34 @@ class CalibrateStage(Stage):
 
         job.before_commit.append(wait)
 
+    def _start_process(self, job: QuantizeJob, t0: float) -> None:
+        """:meth:`_start_beside` in the calibration process (:mod:`ctconvert.calibration.worker`): it reads the data,
+        builds the model and calibrates; its notes (the data's first) and ``model_seconds`` (its build) are recorded
+        as the thread's are."""
+        feed = CalibratedFeed(calibration.calibrated_modules(job.plan, self.kv_cache))
+        request = CalibrationRequest(job.plan, job.ckpt, self.file, self.samples, self.seq_len, job.devices[0], self.kv_cache, self.batch_tokens)
+        bar = lambda: layer_progress(job.progress, job.result.calibration["layers"], f"calibrate ({self.samples} x {self.seq_len} tokens)")
+        self._background = self._process.start(request, feed, bar)
+        self._process = None
+        job.calibration = calibration.Calibrated(feed, [], {})
+        at = len(job.result.notes)
+
+        def wait() -> None:
+            done = self._background.result()
+            self.built_s = self._background.model_seconds
+            job.calibration = done
+            self._record(job, done, t0, at)
+
+        job.before_commit.append(wait)
+
     def close(self, job: QuantizeJob, stopped: bool = False) -> None:
         if self._background is not None:
             # ended: at once; else it stops at its next layer, waited for unless the process is being stopped
             self._background.cancel(wait=not stopped)
             self._background = None
+        if self._process is not None:  # taken, never started (the run stopped before calibration)
+            self._process.cancel(wait=False)
+            self._process = None
 
     def _read_data(self, job: QuantizeJob):
         """Read and tokenize the calibration data as the real run will (a dry run stops where it would stop: no

@@ -1,0 +1,166 @@
+"""Calibration in its own process (ctconvert.calibration.worker): which command lines start it, where the machine has
+room for it, and that a run calibrated there writes the bytes, notes and errors of a run calibrated on a thread;
+a crashed process is one clear error with nothing left at the output; an untaken process ends."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from ctconvert import api
+from ctconvert.calibration import worker
+from ctconvert.errors import BadInputError, CTConvertError, UnsupportedError
+
+from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+
+pytest.importorskip("transformers")
+warnings.filterwarnings("ignore")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _params(line: str) -> dict:
+    from ctconvert import cli
+
+    argv = line.split()
+    return cli.quantize.make_context("quantize", argv, resilient_parsing=True).params
+
+
+@pytest.mark.parametrize(
+    "line,expected",
+    [
+        ("m -o o -s NVFP4", True),
+        ("m -o o -s nvfp4 --device cuda", True),
+        ("m -o o -s FP8", True),
+        ("m -o o -s W8A8_STATIC", True),
+        ("m -o o -s NVFP4A16", False),
+        ("m -o o -s FP8_DYNAMIC", False),
+        ("m -o o -s W4A16 --kv-cache fp8", True),
+        ("m -o o -s NVFP4 --dry-run", False),
+        ("m -o o -s NVFP4 --resume", False),
+        ("m -o o -s NVFP4 --executor ray", False),
+        ("m -o o -s NVFP4 --observer imatrix_mse", False),
+        ("m -o o -s no-such-scheme", False),
+        ("-o o -s NVFP4", False),
+    ],
+)
+def test_which_command_lines_start_the_calibration_process(line, expected):
+    assert worker.wanted(_params(line)) is expected
+
+
+def test_the_process_needs_a_cuda_device_and_four_cpus():
+    assert worker.has_room("cuda", cpus=8) and worker.has_room("cuda:1", cpus=4)
+    assert not worker.has_room("cuda", cpus=2)  # the imports and the forward would share the converter's cores
+    assert not worker.has_room("cpu", cpus=64)
+    assert worker.has_room("auto", cpus=8) == any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0"))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("worker")
+    return write_checkpoint(root / "m", llama_tensors(LLAMA_CONFIG, seed=7), LLAMA_CONFIG, shards=2)
+
+
+def _digests(folder: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.name != "ctconvert-provenance.json"}
+
+
+def _ids(tmp_path: Path) -> Path:
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([(i * 7) % 300 for i in range(128)]))
+    return ids
+
+
+@pytest.mark.parametrize("scheme,kv", [("NVFP4", "none"), ("FP8", "fp8")])
+def test_calibrated_in_the_process_the_bytes_and_notes_are_the_threads(model, tmp_path, scheme, kv):
+    kw = dict(calibration=_ids(tmp_path), calibration_samples=2, calibration_seq_len=48, kv_cache=kv, max_shard_size="200KB", device="cpu")
+    on_thread = api.quantize(model, tmp_path / "thread", scheme, **kw)
+    p = worker.prestart(str(model), "cpu")
+    in_process = api.quantize(model, tmp_path / "process", scheme, **kw)
+    assert worker.take(model) is None  # the stage took it
+    assert p._proc.wait(timeout=60) == 0  # it ended with the run
+    assert _digests(tmp_path / "process") == _digests(tmp_path / "thread")
+    assert in_process.notes == on_thread.notes and any(n.startswith("calibration data: ") for n in in_process.notes)
+    assert in_process.calibration["layers"] == on_thread.calibration["layers"]
+    assert in_process.calibration["model_seconds"] is not None and in_process.calibration["seconds"] > 0
+
+
+def _both(fn):
+    """``fn()``'s error on a thread and in the process."""
+    errors = []
+    for process in (False, True):
+        if process:
+            worker.prestart(fn.src, "cpu")
+        with pytest.raises(CTConvertError) as e:
+            fn()
+        worker._PRESTARTED.clear()
+        errors.append(e.value)
+    return errors
+
+
+def test_a_non_finite_layer_is_the_same_error_and_nothing_is_written(tmp_path):
+    t = llama_tensors(LLAMA_CONFIG)
+    t["model.layers.1.post_attention_layernorm.weight"][3] = float("nan")
+    src = write_checkpoint(tmp_path / "m", t, LLAMA_CONFIG)
+    ids = _ids(tmp_path)
+    kw = dict(calibration=ids, calibration_samples=2, calibration_seq_len=48, device="cpu", allow_nonfinite=True)  # the norm copied: calibration meets it
+    fn = lambda: api.quantize(src, tmp_path / "q", "NVFP4", **kw)
+    fn.src = str(src)
+    thread, process = _both(fn)
+    assert type(process) is type(thread) is BadInputError and str(process) == str(thread) and "not finite" in str(process)
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_model_transformers_cannot_build_is_the_same_refusal(tmp_path):
+    cfg = {**LLAMA_CONFIG, "architectures": ["NoSuchModelForCausalLM"], "model_type": "no_such_model"}
+    src = write_checkpoint(tmp_path / "m", llama_tensors(LLAMA_CONFIG), cfg)
+    ids = _ids(tmp_path)
+    fn = lambda: api.quantize(src, tmp_path / "q", "NVFP4", calibration=ids, calibration_samples=2, calibration_seq_len=48, device="cpu")
+    fn.src = str(src)
+    thread, process = _both(fn)
+    assert type(process) is type(thread) is UnsupportedError and str(process) == str(thread)
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_process_that_dies_is_one_clear_error_and_nothing_is_left(model, tmp_path, monkeypatch):
+    real = worker.CalibrationProcess.start
+
+    def start(self, request, feed, progress=None):
+        self._proc.kill()  # as an out-of-memory kill would
+        return real(self, request, feed, progress)
+
+    monkeypatch.setattr(worker.CalibrationProcess, "start", start)
+    worker.prestart(str(model), "cpu")
+    with pytest.raises(CTConvertError, match=r"the calibration process ended before calibration did \(exit code -9\)"):
+        api.quantize(model, tmp_path / "q", "NVFP4", calibration=_ids(tmp_path), calibration_samples=2, calibration_seq_len=48, device="cpu")
+    assert not (tmp_path / "q").exists() and not list(tmp_path.glob(".q*"))
+
+
+def test_an_untaken_process_ends_when_its_input_does(model):
+    p = worker.CalibrationProcess(str(model), "cpu")
+    t0 = time.monotonic()
+    p.cancel(wait=True)
+    assert p._proc.returncode == 0 and time.monotonic() - t0 < 60
+    assert worker.take(model) is None
+
+
+def test_the_console_script_starts_it_and_writes_the_threads_bytes(model, tmp_path):
+    """``python -m ctconvert quantize`` with the process forced on this CPU machine (``CTCONVERT_CALIBRATION_PROCESS=1``):
+    the trace names the start, the output equals the API's on a thread."""
+    ids = _ids(tmp_path)
+    args = ["quantize", str(model), "-s", "NVFP4", "--calibration", str(ids), "--calibration-samples", "2", "--calibration-seq-len", "48"]
+    args += ["--max-shard-size", "200KB", "--device", "cpu"]
+    env = {**os.environ, "CTCONVERT_CALIBRATION_PROCESS": "1", "CTCONVERT_TRACE": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "ctconvert", *args, "-o", str(tmp_path / "cli")], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^ctconvert-trace calibration [\d.]+ process started$", r.stderr, re.M)
+    api.quantize(model, tmp_path / "api", "NVFP4", calibration=ids, calibration_samples=2, calibration_seq_len=48, max_shard_size="200KB", device="cpu")
+    assert _digests(tmp_path / "cli") == _digests(tmp_path / "api")
