@@ -249,6 +249,31 @@ def _view_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
     return transposed(region[:, v.offset + v.step * row0 : v.offset + v.step * (row1 - 1) + 1 : v.step]).reshape((n, *info.shape[1:]))
 
 
+def region_bytes(info: TensorInfo) -> int:
+    """The byte size of the whole region of a derived tensor with a :class:`SliceView`."""
+    return info.view.rows * info.view.cols * info.itemsize
+
+
+def read_region(info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The uint8 bytes of a derived tensor's whole :class:`SliceView` region (``view.rows x view.cols`` elements at
+    ``info.start``), into ``out`` when given (contiguous uint8 CPU, e.g. pinned, of at least :func:`region_bytes`),
+    for a device that takes the rows out itself (:func:`rows_of_region`). Raises :class:`BadInputError` on a short read."""
+    return _pread(info, info.start, region_bytes(info), out)
+
+
+def rows_of_region(info: TensorInfo, region: torch.Tensor, row0: int, row1: int) -> torch.Tensor:
+    """Rows ``[row0, row1)`` of a derived tensor (contiguous, its dtype) from its region's bytes (:func:`read_region`)
+    on any device (a GPU gathers a transposed expert's columns itself): the values :func:`read_rows` gives."""
+    v = info.view
+    r = region[: region_bytes(info)].view(info.torch_dtype).reshape(v.rows, v.cols)
+    n = row1 - row0
+    if n <= 0:
+        return torch.empty((0, *info.shape[1:]), dtype=info.torch_dtype, device=region.device)
+    a0, a1 = v.offset + v.step * row0, v.offset + v.step * (row1 - 1) + 1
+    part = r[:, a0 : a1 : v.step].t() if v.transpose else r[a0 : a1 : v.step]
+    return part.contiguous().reshape((n, *info.shape[1:]))
+
+
 #: rows of the source a block of :func:`transposed` copies at a time
 TRANSPOSE_BLOCK = 128
 

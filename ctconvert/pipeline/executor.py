@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.safetensors_io import REGIONS, ShardFile, TensorInfo, map_bytes, map_rows, read_bytes, read_rows
+from ..checkpoint.safetensors_io import REGIONS, ShardFile, TensorInfo, map_bytes, map_rows, read_bytes, read_region, read_rows, region_bytes, rows_of_region
 from ..errors import BadInputError
 from ..formats import native
 from ..formats.common import tensor_absmax
@@ -232,6 +232,8 @@ class Executor:
             if self.opts.map_input:
                 return map_rows(info, job.start, job.stop)
             return read_rows(info, job.start, job.stop)
+        if info.view is not None and info.view.transpose:  # the whole region, transposed on the device (_to_device)
+            return read_region(info, out=self.pool.get(region_bytes(info)))
         row_bytes = info.nbytes // info.shape[0]
         n = (job.stop - job.start) * row_bytes
         buf = self.pool.get(n)
@@ -345,8 +347,11 @@ class Executor:
         shape = (job.stop - job.start, *info.shape[1:])
         if not self.cuda:
             return data.view(info.torch_dtype).reshape(shape)
-        n = (job.stop - job.start) * (info.nbytes // info.shape[0])
-        w = data[:n].to(self.dev, non_blocking=True).view(info.torch_dtype).reshape(shape)
+        if info.view is not None and info.view.transpose:  # a gpt-oss expert: its columns gathered here, not on a reader
+            w = rows_of_region(info, data[: region_bytes(info)].to(self.dev, non_blocking=True), job.start, job.stop)
+        else:
+            n = (job.stop - job.start) * (info.nbytes // info.shape[0])
+            w = data[:n].to(self.dev, non_blocking=True).view(info.torch_dtype).reshape(shape)
         ev = torch.cuda.Event()
         ev.record(self.stream)
         self.pool.put(data, ev)

@@ -64,6 +64,31 @@ def test_transposed_expert_rows_and_one_read_per_region(tmp_path, monkeypatch):
     assert not len(REGIONS)
 
 
+def _devices():
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("h,i,rows", [(130, 48, None), (64, 17, (3, 11)), (1, 5, (0, 5)), (40, 8, (7, 7))])
+def test_rows_of_a_region_on_any_device_are_read_rows(tmp_path, device, h, i, rows):
+    """rows_of_region (a GPU gathers a transposed expert's columns itself) gives read_rows' values, for transposed
+    gate/up views (every other column) and a plain strided view, whole or a row range (empty too), for shapes that
+    are not multiples of anything."""
+    fused, views = _gpt_oss_expert(tmp_path, h=h, i=i)
+    n = h // 2 or 1
+    plain = TensorInfo("e.1.rows", views[0].file, "BF16", (n, 2 * i), views[0].start, n * 2 * i * 2, base="e", view=SliceView(h, 2 * i, False, h % 2, 2))
+    for info in [*views, plain] if h > 1 else views:
+        r0, r1 = rows or (0, info.shape[0])
+        region = sio.read_region(info)
+        assert region.numel() == sio.region_bytes(info) == h * 2 * i * 2 and torch.equal(region.view(torch.bfloat16).reshape(h, 2 * i), fused[1])
+        got = sio.rows_of_region(info, region.to(device), r0, r1)
+        want = read_rows(info, r0, r1)
+        assert got.device.type == device and got.is_contiguous() and got.shape == want.shape == (r1 - r0, *info.shape[1:])
+        assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)), info.name
+    pinned = torch.empty(sio.region_bytes(views[0]) + 7, dtype=torch.uint8)  # into a larger buffer, as the executor's pool gives
+    assert torch.equal(sio.read_region(views[0], out=pinned)[: sio.region_bytes(views[0])], sio.read_region(views[0]))
+
+
 def test_region_cache_keeps_at_most_size_regions_and_sees_a_changed_file_after_a_run(tmp_path):
     fused, (gate, _) = _gpt_oss_expert(tmp_path)
     cache = RegionCache(size=1)
