@@ -131,12 +131,18 @@ class CalibrationProcess:
         self._value = None
         self._error: BaseException | None = None
 
-    def start(self, request: CalibrationRequest, feed, progress=None) -> CalibrationProcess:
+    def start(self, request: CalibrationRequest, feed, progress=None) -> CalibrationProcess | None:
         """Send ``request``; a thread then puts each module the child sends into ``feed`` (``feed.fail`` on an error),
         and steps ``progress`` (a context manager factory giving a ``(done, total)`` callback or None,
-        :func:`ctconvert.stages.calibrate.layer_progress`) at each layer."""
+        :func:`ctconvert.stages.calibrate.layer_progress`) at each layer. None (the child stopped) when the request
+        cannot be pickled (a source whose tensors hold what cannot travel): the caller calibrates on a thread."""
         try:
-            pickle.dump(request, self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - any object pickle refuses
+            self.cancel(wait=False)
+            return None
+        try:
+            self._proc.stdin.write(payload)
             self._proc.stdin.flush()
         except OSError:  # it ended already: the reader says why
             pass

@@ -124,8 +124,7 @@ class CalibrateStage(Stage):
         if not job.calibrated:
             return
         t0 = time.perf_counter()
-        if self._process is not None:
-            self._start_process(job, t0)
+        if self._process is not None and self._start_process(job, t0):
             return
         data = self._read_data(job)
         if isinstance(data, CTConvertError):
@@ -184,15 +183,16 @@ class CalibrateStage(Stage):
 
         job.before_commit.append(wait)
 
-    def _start_process(self, job: QuantizeJob, t0: float) -> None:
+    def _start_process(self, job: QuantizeJob, t0: float) -> bool:
         """:meth:`_start_beside` in the calibration process (:mod:`ctconvert.calibration.worker`): it reads the data,
         builds the model and calibrates; its notes (the data's first) and ``model_seconds`` (its build) are recorded
-        as the thread's are."""
+        as the thread's are. False when the plan cannot be sent to it (then calibration runs on the thread)."""
         feed = CalibratedFeed(calibration.calibrated_modules(job.plan, self.kv_cache))
         request = CalibrationRequest(job.plan, job.ckpt, self.file, self.samples, self.seq_len, job.devices[0], self.kv_cache, self.batch_tokens)
         bar = lambda: layer_progress(job.progress, job.result.calibration["layers"], f"calibrate ({self.samples} x {self.seq_len} tokens)")
-        self._background = self._process.start(request, feed, bar)
-        self._process = None
+        self._background, self._process = self._process.start(request, feed, bar), None
+        if self._background is None:  # the request cannot travel: on a thread after all
+            return False
         job.calibration = calibration.Calibrated(feed, [], {})
         at = len(job.result.notes)
 
@@ -203,6 +203,7 @@ class CalibrateStage(Stage):
             self._record(job, done, t0, at)
 
         job.before_commit.append(wait)
+        return True
 
     def close(self, job: QuantizeJob, stopped: bool = False) -> None:
         if self._background is not None:

@@ -174,3 +174,20 @@ def test_the_process_hides_scikit_learn_from_transformers(model):
     r = subprocess.run([sys.executable, "-c", code, str(model)], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["None", "False"]
+
+
+def test_a_request_that_cannot_be_pickled_calibrates_on_the_thread(model, tmp_path, monkeypatch):
+    kw = dict(calibration=_ids(tmp_path), calibration_samples=2, calibration_seq_len=48, max_shard_size="200KB", device="cpu")
+    on_thread = api.quantize(model, tmp_path / "thread", "NVFP4", **kw)
+    p = worker.prestart(str(model), "cpu")
+    real = worker.pickle.dumps
+
+    def refusing(obj, *a, **k):
+        if isinstance(obj, worker.CalibrationRequest):
+            raise TypeError("cannot pickle '_thread.lock' object")
+        return real(obj, *a, **k)
+
+    monkeypatch.setattr(worker.pickle, "dumps", refusing)
+    fallback = api.quantize(model, tmp_path / "fallback", "NVFP4", **kw)
+    assert p._proc.wait(timeout=60) is not None  # stopped
+    assert _digests(tmp_path / "fallback") == _digests(tmp_path / "thread") and fallback.notes == on_thread.notes
