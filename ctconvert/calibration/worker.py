@@ -242,9 +242,14 @@ def _warm(src: str, device: str) -> None:
     # (python -X importtime, with pandas and scipy under it). This process never generates: hidden from it, the
     # import is skipped (importlib.util.find_spec answers None for a name whose sys.modules entry is None)
     sys.modules.setdefault("sklearn", None)
+    opening = None
     try:
         import torch
 
+        if (device == "auto" or device.startswith("cuda")) and torch.cuda.is_available():  # the context, beside the imports
+            dev = "cuda" if device == "auto" else device.split(",")[0]
+            opening = threading.Thread(target=lambda: torch.empty(1, device=dev), name="ctconvert-cuda-init", daemon=True)
+            opening.start()
         from . import apply, model  # noqa: F401
 
         try:
@@ -255,8 +260,8 @@ def _warm(src: str, device: str) -> None:
                 importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
         except Exception:  # noqa: BLE001 - the build names what is wrong, with the real run's message
             pass
-        if (device == "auto" or device.startswith("cuda")) and torch.cuda.is_available():
-            torch.empty(1, device="cuda" if device == "auto" else device.split(",")[0])
+        if opening is not None:
+            opening.join()
     finally:
         gc.freeze()
         gc.enable()
