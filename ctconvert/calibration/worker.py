@@ -107,8 +107,9 @@ def take(src) -> CalibrationProcess | None:
 
 
 class CalibrationProcess:
-    """A child Python running :func:`main` (``SRC DEVICE``; this package as this process imported it) (the imports begin at once); :meth:`start` hands
-    it a :class:`CalibrationRequest` and a feed. Then, as :class:`~ctconvert.calibration.feed.BackgroundCalibration`:
+    """A child Python running :func:`main` on ``src`` and ``device`` (this package, as this process imported it),
+    whose imports begin at once; :meth:`start` hands it a :class:`CalibrationRequest` and a feed. Then, as
+    :class:`~ctconvert.calibration.feed.BackgroundCalibration`:
     :meth:`result` waits for the end and returns the :class:`~ctconvert.calibration.apply.Calibrated` (or raises what
     calibration raised there: the same :class:`~ctconvert.errors.CTConvertError`), :meth:`cancel` stops it.
     ``model_seconds``: how long the child took to build the model (after its imports)."""
