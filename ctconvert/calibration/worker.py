@@ -28,6 +28,7 @@ import atexit
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -121,13 +122,19 @@ class CalibrationProcess:
         env = dict(os.environ)
         if sys.pycache_prefix:  # the console script's bytecode cache (ctconvert.__main__.bytecode_cache): the child's too
             env["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD.format(root=_package_root()), self.src, str(device)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            env=env,
-        )
+        # the request goes through a socket, sent with MSG_NOSIGNAL: a child that died early is an EPIPE error here, not
+        # a SIGPIPE, which the console script leaves fatal (cli.run: `ctconvert inspect | head` ends quietly)
+        self._sock, theirs = socket.socketpair()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD.format(root=_package_root()), self.src, str(device)],
+                stdin=theirs,
+                stdout=subprocess.PIPE,
+                stderr=self._err,
+                env=env,
+            )
+        finally:
+            theirs.close()
         self._reader: threading.Thread | None = None
         self._value = None
         self._error: BaseException | None = None
@@ -143,8 +150,7 @@ class CalibrationProcess:
             self.cancel(wait=False)
             return None
         try:
-            self._proc.stdin.write(payload)
-            self._proc.stdin.flush()
+            self._sock.sendall(payload, getattr(socket, "MSG_NOSIGNAL", 0))
         except OSError:  # it ended already: the reader says why
             pass
         self._reader = threading.Thread(target=self._read, args=(feed, progress), name="ctconvert-calibrate", daemon=True)
@@ -188,6 +194,9 @@ class CalibrationProcess:
         self._err.seek(0)
         lines = [x for x in self._err.read().decode(errors="replace").splitlines() if x.strip()]
         last = f": {lines[-1].strip()[:300]}" if lines else ""
+        if code is not None and code < 0:  # a signal: SIGKILL is what the kernel's out-of-memory killer sends
+            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+            last = f": killed by {name}{' (out of memory?)' if name == 'SIGKILL' else ''}{last}"
         return CTConvertError(f"the calibration process ended before calibration did (exit code {code}){last}")
 
     def result(self):
@@ -213,9 +222,10 @@ class CalibrationProcess:
 
     def _close(self) -> None:
         try:
-            self._proc.stdin.close()
+            self._sock.shutdown(socket.SHUT_WR)  # the child's input ends
         except OSError:
             pass
+        self._sock.close()
 
 
 #: the child's program: this package's worker, imported from the folder this process imported it from

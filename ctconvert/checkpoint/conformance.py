@@ -326,12 +326,15 @@ def vllm_expert_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
 
 def vllm_unloadable_problems(mods: dict[str, Module], config: dict) -> list[Problem]:
     """Errors for quantized modules that vLLM 0.33 cannot load quantized
-    (:func:`~ctconvert.checkpoint.families.vllm_dense_reason`: gpt-oss's experts, the MoE router of the families whose
+    (:func:`~ctconvert.checkpoint.families.vllm_dense_reason`: gpt-oss's experts, experts whose group's scheme vLLM
+    has no fused-MoE method for, the MoE router of the families whose
     vLLM model builds it without a quantization config), one per reason and kind of module, naming the first module
     and how many; ``quantize`` writes them only with ``--allow-unloadable``."""
     found: dict[str, list[Module]] = {}
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
     for m in mods.values():
-        if m.quantized and (why := vllm_dense_reason(m.name, config)) is not None:
+        inputs = (groups.get(m.group) or {}).get("input_activations") if isinstance(groups.get(m.group), dict) else None
+        if m.quantized and (why := vllm_dense_reason(m.name, config, m.weights, inputs)) is not None:
             found.setdefault(why, []).append(m)
     out = []
     for why, ms in found.items():

@@ -225,12 +225,34 @@ VLLM_DENSE_ROUTER: dict[str, str] = {
 _ROUTER = re.compile(r"(^|\.)(mlp|block_sparse_moe|feed_forward|moe)\.(gate|router)$")
 
 
-def vllm_dense_reason(module: str, config: dict) -> str | None:
+def vllm_expert_scheme_reason(weights: dict | None, inputs: dict | None) -> str | None:
+    """Why vLLM 0.33 has no fused-MoE method for experts quantized with ``weights`` and ``inputs`` (compressed-tensors
+    ``QuantizationArgs`` dicts: ``type``, ``num_bits``, ``strategy``, ``dynamic``), or None where it has one: integer
+    weights with integer inputs load only with dynamic per-token inputs (vLLM 0.33
+    ``compressed_tensors_moe/compressed_tensors_moe.py``: ``CompressedTensorsMoEMethod.get_moe_method`` takes them
+    through ``_is_dynamic_token_w8a8`` / ``_is_dynamic_token_w4a8_int`` and raises "Unsupported FusedMoe scheme"
+    otherwise), so static INT8 inputs (W8A8_STATIC, W8A8_STATIC_ASYM) cannot serve experts."""
+    if not weights or not inputs or weights.get("type") != "int" or inputs.get("type") != "int":
+        return None
+    if inputs.get("dynamic") is True and inputs.get("strategy") == "token":
+        return None
+    how = "static" if inputs.get("dynamic") is False else f"{inputs.get('strategy')}"
+    return (
+        f"vLLM 0.33 has no fused-MoE method for int{weights.get('num_bits')} experts with {how} int{inputs.get('num_bits')} inputs "
+        "(compressed_tensors_moe.py: get_moe_method takes integer inputs only dynamic per token: use W8A8 for an MoE)"
+    )
+
+
+def vllm_dense_reason(module: str, config: dict, weights: dict | None = None, inputs: dict | None = None) -> str | None:
     """Why vLLM 0.33 cannot load ``module`` quantized, or None where it can (as far as this table knows): the
-    experts of a family whose :attr:`ExpertLayout.vllm_dense` says so (:func:`dense_experts_reason`), and the MoE
-    router of a family :data:`VLLM_DENSE_ROUTER` lists. The plan refuses to quantize such a module unless
-    ``--allow-unloadable``; ``verify`` reports one that is quantized."""
+    experts of a family whose :attr:`ExpertLayout.vllm_dense` says so (:func:`dense_experts_reason`), experts of any
+    family quantized with a scheme vLLM has no fused-MoE method for (``weights``/``inputs``: the module's
+    ``QuantizationArgs`` dicts, :func:`vllm_expert_scheme_reason`), and the MoE router of a family
+    :data:`VLLM_DENSE_ROUTER` lists. The plan refuses to quantize such a module unless ``--allow-unloadable``;
+    ``verify`` reports one that is quantized."""
     if (why := dense_experts_reason(module, config)) is not None:
+        return why
+    if is_expert(module) and (why := vllm_expert_scheme_reason(weights, inputs)) is not None:
         return why
     if _ROUTER.search(module):
         t = next((t for t in model_types(config) if t in VLLM_DENSE_ROUTER), None)

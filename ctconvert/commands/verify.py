@@ -79,7 +79,7 @@ _STRUCTURE_CHECKS = [
     "tensors agree with their group's format (parts, dtypes, shapes; 2:4 and KV cache claims)",
     "dense Linear in ignore",
     "MoE experts' group as vLLM 0.33 matches them",
-    "modules vLLM 0.33 cannot load quantized (gpt-oss experts, most MoE routers)",
+    "modules vLLM 0.33 cannot load quantized (gpt-oss experts, experts with static INT8 inputs, most MoE routers)",
     "fused sets complete",
     "fused global scales",
     "NaN/inf",

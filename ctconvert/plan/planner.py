@@ -345,7 +345,7 @@ def _decide(d: Decisions, name: str, info: TensorInfo, assign: GroupAssignment, 
     if user is not None:
         return keep_dense(f"{d.flags[1]} {user}", listed=linear)
     problem = weight_problem(info.dtype, info.shape, scheme)
-    unloadable = None if problem or rules.allow_unloadable else vllm_dense_reason(module, rules.config) or (_HEAD if is_head and explicit is None else None)
+    unloadable = None if problem or rules.allow_unloadable else _unloadable(module, scheme, rules) or (_HEAD if is_head and explicit is None else None)
     problem = problem or unloadable
     if problem is not None:
         if not rules.skip_incompatible:
@@ -376,6 +376,15 @@ _HEAD = (
     "lm_head: vLLM 0.33 matches the head by name, not as a Linear, and would build it unquantized; "
     "quantize it with --lm-head (nvfp4a16, fp8) or a target naming it"
 )
+
+
+def _unloadable(module: str, scheme: Scheme, rules) -> str | None:
+    """:func:`~ctconvert.checkpoint.families.vllm_dense_reason` of ``module`` quantized with ``scheme``."""
+    try:
+        group = scheme.config_group([])
+    except KeyError:  # a scheme of no preset's arguments: the module-only rules
+        group = {"weights": None, "input_activations": None}
+    return vllm_dense_reason(module, rules.config, group.get("weights"), group.get("input_activations"))
 
 
 def _every_layer(module: str) -> str:

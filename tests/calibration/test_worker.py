@@ -191,3 +191,27 @@ def test_a_request_that_cannot_be_pickled_calibrates_on_the_thread(model, tmp_pa
     fallback = api.quantize(model, tmp_path / "fallback", "NVFP4", **kw)
     assert p._proc.wait(timeout=60) is not None  # stopped
     assert _digests(tmp_path / "fallback") == _digests(tmp_path / "thread") and fallback.notes == on_thread.notes
+
+
+def test_a_process_killed_before_the_request_is_the_one_line_error_even_with_sigpipe_fatal(model, tmp_path):
+    """Trial finding: the console script leaves SIGPIPE fatal (cli.run), and a child killed in its first seconds made
+    the write of the request end the command silently (exit -13). The request now goes through a socket with
+    MSG_NOSIGNAL: the one-line error, nothing left at the output."""
+    ids = _ids(tmp_path)
+    code = f"""
+import signal, sys
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+from ctconvert import api
+from ctconvert.calibration import worker
+from ctconvert.errors import CTConvertError
+p = worker.prestart({str(model)!r}, "cpu")
+p._proc.kill(); p._proc.wait()
+try:
+    api.quantize({str(model)!r}, {str(tmp_path / "q")!r}, "NVFP4", calibration={str(ids)!r}, calibration_samples=2, calibration_seq_len=48, device="cpu")
+except CTConvertError as e:
+    print("ERROR", e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "ERROR the calibration process ended before calibration did (exit code -9)" in r.stdout
+    assert not (tmp_path / "q").exists()

@@ -125,3 +125,62 @@ def test_routers_vllm_builds_unquantized_are_refused_unless_allowed_and_verify_r
     errors = [p for p in report["problems"] if p["severity"] == "error"]
     assert not report["ok"] and len(errors) == 1 and errors[0]["tensor"] == "model.layers.0.mlp.gate"
     assert "qwen2_moe router: vLLM 0.33 builds it unquantized" in errors[0]["message"] and "(and 1 more such module)" in errors[0]["message"]
+
+
+@pytest.mark.parametrize(
+    "scheme,refused",
+    [("W8A8_STATIC", True), ("W8A8_STATIC_ASYM", True), ("W8A8", False), ("FP8", False), ("NVFP4", False), ("W4A16", False), ("FP8_DYNAMIC", False)],
+)
+def test_which_expert_schemes_vllm_has_a_fused_moe_method_for(scheme, refused):
+    """vLLM 0.33's get_moe_method takes integer inputs only dynamic per token: static INT8 experts have no method."""
+    from ctconvert.checkpoint.families import vllm_dense_reason, vllm_expert_scheme_reason
+    from ctconvert.plan.schemes import get_scheme
+
+    g = get_scheme(scheme).config_group([])
+    why = vllm_expert_scheme_reason(g["weights"], g["input_activations"])
+    assert (why is not None) is refused
+    cfg = {"model_type": "qwen3_moe"}
+    assert (vllm_dense_reason("model.layers.3.mlp.experts.7.up_proj", cfg, g["weights"], g["input_activations"]) is not None) is refused
+    assert vllm_dense_reason("model.layers.3.mlp.shared_expert.up_proj", cfg, g["weights"], g["input_activations"]) is None  # a plain Linear in vLLM
+    assert vllm_dense_reason("model.layers.3.self_attn.q_proj", cfg, g["weights"], g["input_activations"]) is None
+
+
+def test_static_int8_experts_are_refused_kept_dense_or_written_and_reported(tmp_path):
+    """Trial finding: W8A8_STATIC on a Qwen3-MoE passed verify and vLLM 0.33 rejected it ("Unsupported FusedMoe
+    scheme"). Now: refused before any work (exit 4, naming an expert and the vLLM function), its experts kept dense
+    with --skip-incompatible (verify passes), written with --allow-unloadable and reported by verify (exit 5)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from ctconvert.errors import UnsupportedError
+
+    from helpers import randomized
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=128, intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    src = tmp_path / "m"
+    randomized(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)).save_pretrained(str(src))
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([(i * 5) % 380 for i in range(128)]))
+    kw = dict(calibration=ids, calibration_samples=2, calibration_seq_len=32)
+    with pytest.raises(UnsupportedError) as e:
+        api.quantize(src, tmp_path / "a", "W8A8_STATIC", **kw)
+    assert ".mlp.experts." in str(e.value) and "no fused-MoE method for int8 experts with static int8 inputs" in e.value.message
+    assert "get_moe_method" in e.value.message and not (tmp_path / "a").exists()
+    kept = api.quantize(src, tmp_path / "b", "W8A8_STATIC", skip_incompatible=True, **kw)
+    assert "model.layers.0.mlp.experts.3.down_proj" in kept.ignore and "model.layers.0.self_attn.q_proj" not in kept.ignore
+    assert api.verify(tmp_path / "b")["ok"]
+    api.quantize(src, tmp_path / "c", "W8A8_STATIC", allow_unloadable=True, **kw)
+    report = api.verify(tmp_path / "c")
+    errors = [p for p in report["problems"] if p["severity"] == "error"]
+    assert (
+        not report["ok"]
+        and len(errors) == 1
+        and "no fused-MoE method" in errors[0]["message"]
+        and f"(and {2 * 4 * 3 - 1} more such modules)" in errors[0]["message"]
+    )  # 2 layers x 4 experts x 3
+    api.quantize(src, tmp_path / "d", "W8A8", **kw)
+    assert api.verify(tmp_path / "d")["ok"]
