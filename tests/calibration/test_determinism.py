@@ -72,6 +72,7 @@ def test_calibrated_run_twice_writes_identical_bytes(checkpoints, tmp_path, monk
     for i, fill in enumerate((0.0, float("nan"))):
         monkeypatch.setattr(nn.Module, "to_empty", _filled(fill))
         out = tmp_path / f"q{i}"
-        api.quantize(srcs[family], out, scheme, kv_cache=kv, calibration=ids, calibration_samples=2, calibration_seq_len=32)
+        # allow_unloadable: static INT8 MoE experts (vLLM 0.33 has no fused-MoE method) are still written, for their bytes
+        api.quantize(srcs[family], out, scheme, kv_cache=kv, calibration=ids, calibration_samples=2, calibration_seq_len=32, allow_unloadable=True)
         hashes.append(tree_hash(out))
     assert hashes[0] == hashes[1], (family, scheme)

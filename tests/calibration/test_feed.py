@@ -125,7 +125,7 @@ def _layer(module: str) -> int:
 @pytest.mark.parametrize("scheme,kv", [("NVFP4", "none"), ("FP8", "fp8"), ("INT8_STATIC_ASYM", "fp8-head")])
 def test_each_module_is_put_once_its_layer_ran_with_the_whole_pass_values(model, scheme, kv):
     ckpt = open_checkpoint(model)
-    plan = make_plan(ckpt, scheme)
+    plan = make_plan(ckpt, scheme, allow_unloadable=True)  # static INT8 MoE experts too (vLLM 0.33 cannot load them)
     apply.add_outputs(plan, ckpt, kv)
     tokens = torch.randint(0, 300, (2, 3), generator=torch.Generator().manual_seed(1))
     events, feed = [], CalibratedFeed(apply.calibrated_modules(plan, kv))
