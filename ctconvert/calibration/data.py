@@ -38,6 +38,12 @@ class CalibrationData:
     kind: str  # text | jsonl | token ids
     available: int  # tokens the source had
 
+    @property
+    def note(self) -> str:
+        """The output's note on the data: where it came from, how many tokens it had, how many are used."""
+        samples, seq_len = self.tokens.shape
+        return f"calibration data: {self.source} ({self.kind}, {self.available} tokens; using {samples} x {seq_len})"
+
 
 def _read_docs(path: Path) -> tuple[str, list]:
     """``(kind, docs)``: ``docs`` are strings (text) or lists of ints (token ids)."""
@@ -94,6 +100,12 @@ def _tokenizer(model_path: Path, source: str):
             "(a JSON array of ints, or integers separated by spaces)",
             file=model_path,
         ) from None
+
+
+def checkpoint_tokens(ckpt, file: str | Path | None, samples: int, seq_len: int) -> CalibrationData:
+    """:func:`load_tokens` for a checkpoint (``ckpt.path``, its tokenizer; ids checked against its config's
+    ``vocab_size``, the text config's for a multimodal model). Raises what :func:`load_tokens` raises."""
+    return load_tokens(ckpt.path, file, samples, seq_len, (ckpt.config.get("text_config") or ckpt.config).get("vocab_size"))
 
 
 def load_tokens(model_path: Path, file: str | Path | None, samples: int, seq_len: int, vocab_size: int | None) -> CalibrationData:

@@ -59,8 +59,8 @@ def wanted(params: dict) -> bool:
     """Whether a ``quantize`` command line (its click parameters, parsed resiliently) will calibrate beside its
     conversion: a local, not dry, not resumed run whose preset scheme has static or ``local`` activation scales
     (:attr:`ctconvert.plan.schemes.Scheme.needs_calibration`) or that asks for ``--kv-cache``, with a data-free
-    observer. A recipe, a scheme file or an imatrix observer: no (the stage then calibrates in its own process
-    as before). Torch-free."""
+    observer. A recipe, a scheme file or an imatrix observer: no (the stage then calibrates on a thread of the
+    converting process, or in line, as before). Torch-free."""
     if not params.get("src") or params.get("dry_run") or params.get("resume") or params.get("refresh") or params.get("recipe"):
         return False
     if (params.get("executor") or "local") != "local" or "imatrix" in str(params.get("observer") or ""):
@@ -282,12 +282,11 @@ def _serve(req: CalibrationRequest, send, stopped: threading.Event) -> tuple[lis
     """Read the data, build the model, calibrate (sending each module as its layer is done); the notes and the
     build's seconds."""
     from . import apply
-    from .data import load_tokens
+    from .data import checkpoint_tokens
     from .feed import Cancelled
 
     ckpt = req.ckpt
-    data = load_tokens(ckpt.path, req.file, req.samples, req.seq_len, (ckpt.config.get("text_config") or ckpt.config).get("vocab_size"))
-    note = f"calibration data: {data.source} ({data.kind}, {data.available} tokens; using {req.samples} x {req.seq_len})"
+    data = checkpoint_tokens(ckpt, req.file, req.samples, req.seq_len)
     t0 = time.perf_counter()
     apply.build_model(ckpt)
     built = round(time.perf_counter() - t0, 3)
@@ -299,7 +298,7 @@ def _serve(req: CalibrationRequest, send, stopped: threading.Event) -> tuple[lis
     cal = apply.run(
         req.plan, ckpt, data.tokens, req.device, req.kv_cache, req.batch_tokens, progress=lambda i, n: send(("layer", i, n)), feed=_Sender(send), check=check
     )
-    return [note, *cal.notes], built
+    return [data.note, *cal.notes], built
 
 
 class _Sender:

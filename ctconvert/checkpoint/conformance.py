@@ -333,7 +333,8 @@ def vllm_unloadable_problems(mods: dict[str, Module], config: dict) -> list[Prob
     found: dict[str, list[Module]] = {}
     groups = (config.get("quantization_config") or {}).get("config_groups") or {}
     for m in mods.values():
-        inputs = (groups.get(m.group) or {}).get("input_activations") if isinstance(groups.get(m.group), dict) else None
+        group = groups.get(m.group)
+        inputs = group.get("input_activations") if isinstance(group, dict) else None
         if m.quantized and (why := vllm_dense_reason(m.name, config, m.weights, inputs)) is not None:
             found.setdefault(why, []).append(m)
     out = []

@@ -20,11 +20,10 @@ import inspect
 import time
 
 from ..calibration import apply as calibration
-from ..calibration.data import load_tokens
+from ..calibration.data import checkpoint_tokens
 from ..calibration.feed import BackgroundCalibration, CalibratedFeed
 from ..calibration.worker import CalibrationProcess, CalibrationRequest, take
 from ..checkpoint.hashing import file_hash
-from ..checkpoint.reader import Checkpoint
 from ..errors import CTConvertError, UnsupportedError
 from ..formats.observers import get_observer
 from ..pipeline.options import QuantizeOptions
@@ -217,12 +216,11 @@ class CalibrateStage(Stage):
     def _read_data(self, job: QuantizeJob):
         """Read and tokenize the calibration data as the real run will (a dry run stops where it would stop: no
         tokenizer, too few tokens, ids outside the vocabulary); the data, or the error (returned, not raised)."""
-        ckpt: Checkpoint = job.ckpt
         try:
-            data = load_tokens(ckpt.path, self.file, self.samples, self.seq_len, (ckpt.config.get("text_config") or ckpt.config).get("vocab_size"))
+            data = checkpoint_tokens(job.ckpt, self.file, self.samples, self.seq_len)
         except CTConvertError as e:
             return e
-        job.result.notes.append(f"calibration data: {data.source} ({data.kind}, {data.available} tokens; using {self.samples} x {self.seq_len})")
+        job.result.notes.append(data.note)
         return data
 
 
