@@ -245,8 +245,7 @@ def _view_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
         a0, a1 = v.offset + v.step * row0, v.offset + v.step * (row1 - 1) + 1
         region = _pread(info, info.start + a0 * v.cols * isz, (a1 - a0) * v.cols * isz).view(info.torch_dtype).reshape(a1 - a0, v.cols)
         return region[:: v.step].contiguous().reshape((n, *info.shape[1:]))
-    region = REGIONS.get(info).view(info.torch_dtype).reshape(v.rows, v.cols)
-    return transposed(region[:, v.offset + v.step * row0 : v.offset + v.step * (row1 - 1) + 1 : v.step]).reshape((n, *info.shape[1:]))
+    return rows_of_region(info, REGIONS.get(info), row0, row1)
 
 
 def region_bytes(info: TensorInfo) -> int:
@@ -270,8 +269,10 @@ def rows_of_region(info: TensorInfo, region: torch.Tensor, row0: int, row1: int)
     if n <= 0:
         return torch.empty((0, *info.shape[1:]), dtype=info.torch_dtype, device=region.device)
     a0, a1 = v.offset + v.step * row0, v.offset + v.step * (row1 - 1) + 1
-    part = r[:, a0 : a1 : v.step].t() if v.transpose else r[a0 : a1 : v.step]
-    return part.contiguous().reshape((n, *info.shape[1:]))
+    if not v.transpose:
+        return r[a0 : a1 : v.step].contiguous().reshape((n, *info.shape[1:]))
+    cols = r[:, a0 : a1 : v.step]
+    return (transposed(cols) if cols.device.type == "cpu" else cols.t().contiguous()).reshape((n, *info.shape[1:]))
 
 
 #: rows of the source a block of :func:`transposed` copies at a time

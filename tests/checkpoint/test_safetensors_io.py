@@ -71,7 +71,8 @@ def _devices():
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("h,i,rows", [(130, 48, None), (64, 17, (3, 11)), (1, 5, (0, 5)), (40, 8, (7, 7))])
 def test_rows_of_a_region_on_any_device_are_read_rows(tmp_path, device, h, i, rows):
-    """rows_of_region (a GPU gathers a transposed expert's columns itself) gives read_rows' values, for transposed
+    """rows_of_region (a GPU gathers a transposed expert's columns itself; read_rows takes it too for a transposed view)
+    gives the expert's own rows, sliced independently out of the fused tensor, and read_rows' values, for transposed
     gate/up views (every other column) and a plain strided view, whole or a row range (empty too), for shapes that
     are not multiples of anything."""
     fused, views = _gpt_oss_expert(tmp_path, h=h, i=i)
@@ -83,6 +84,9 @@ def test_rows_of_a_region_on_any_device_are_read_rows(tmp_path, device, h, i, ro
         assert region.numel() == sio.region_bytes(info) == h * 2 * i * 2 and torch.equal(region.view(torch.bfloat16).reshape(h, 2 * i), fused[1])
         got = sio.rows_of_region(info, region.to(device), r0, r1)
         want = read_rows(info, r0, r1)
+        v = info.view
+        own = (fused[1][:, v.offset :: v.step].t() if v.transpose else fused[1][v.offset :: v.step])[r0:r1]  # the reference
+        assert torch.equal(want.view(torch.int16), own.contiguous().view(torch.int16)), info.name
         assert got.device.type == device and got.is_contiguous() and got.shape == want.shape == (r1 - r0, *info.shape[1:])
         assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)), info.name
     pinned = torch.empty(sio.region_bytes(views[0]) + 7, dtype=torch.uint8)  # into a larger buffer, as the executor's pool gives
