@@ -25,6 +25,7 @@ import torch
 
 from ..checkpoint.safetensors_io import TensorInfo, read_bytes
 from ..errors import BadInputError
+from . import preload
 
 __all__ = ["ALIGN", "PIECE_BYTES", "LayerPrefetcher", "StagedGroup", "default_threads"]
 
@@ -156,7 +157,13 @@ class LayerPrefetcher:
                 return
 
     def _read(self, index: int, infos: list[TensorInfo]) -> StagedGroup:
-        """Read one group into one buffer: its tensors' views, keyed by name."""
+        """Read one group into one buffer: its tensors' views, keyed by name; a tensor the calibration process's
+        :mod:`.preload` already put on the device is taken from there instead (its bytes, not read again)."""
+        preloaded = {}
+        for info in infos:
+            if (t := preload.take(info)) is not None:
+                preloaded[info.name] = t.view(info.torch_dtype).reshape(info.shape)
+        infos = [info for info in infos if info.name not in preloaded]
         offsets, total = [], 0
         for info in infos:
             offsets.append(total)
@@ -177,6 +184,7 @@ class LayerPrefetcher:
             for f in [self._pool.submit(_read_piece, *job) for job in jobs]:
                 f.result()  # the first failure in reading order
         tensors = {info.name: buf[off : off + info.nbytes].view(info.torch_dtype).reshape(info.shape) for info, off in zip(infos, offsets)}
+        tensors.update(preloaded)
         return StagedGroup(index, tensors, total, pinned, self._slots.release)
 
 

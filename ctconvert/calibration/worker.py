@@ -113,11 +113,13 @@ class CalibrationProcess:
     :class:`~ctconvert.calibration.feed.BackgroundCalibration`:
     :meth:`result` waits for the end and returns the :class:`~ctconvert.calibration.apply.Calibrated` (or raises what
     calibration raised there: the same :class:`~ctconvert.errors.CTConvertError`), :meth:`cancel` stops it.
-    ``model_seconds``: how long the child took to build the model (after its imports)."""
+    ``model_seconds``: how long the child took to build the model (after its imports); ``preloaded_bytes``: the
+    checkpoint bytes its pass took from the device preload (:mod:`.preload`) instead of reading them itself."""
 
     def __init__(self, src: str, device: str = "auto"):
         self.src = str(src)
         self.model_seconds: float | None = None
+        self.preloaded_bytes = 0
         self._err = tempfile.TemporaryFile()
         env = dict(os.environ)
         if sys.pycache_prefix:  # the console script's bytecode cache (ctconvert.__main__.bytecode_cache): the child's too
@@ -171,7 +173,7 @@ class CalibrationProcess:
                     elif kind == "layer" and step is not None:
                         step(*rest)
                     elif kind == "done":
-                        notes, self.model_seconds = rest
+                        notes, self.model_seconds, self.preloaded_bytes = rest
                         from .apply import Calibrated
 
                         self._value = Calibrated(tensors, notes, {})
@@ -240,6 +242,10 @@ def _package_root() -> str:
 # --- the child ---------------------------------------------------------------------------------------------------
 
 
+#: packages the calibration process hides from transformers (:func:`_warm`): it never generates nor trains
+_HIDDEN = ("sklearn", "scipy")
+
+
 def _warm(src: str, device: str) -> None:
     """Import what calibrating ``src`` needs (torch, transformers, the model's modeling module, this package's
     calibration) and open the CUDA device ``device`` names (``auto``: the first, where there is one)."""
@@ -251,15 +257,21 @@ def _warm(src: str, device: str) -> None:
     # scikit-learn serves only transformers' assisted generation (generation/candidate_generator.py imports
     # sklearn.metrics when it is installed): 3.6 s of the 11.1 s import of modeling_llama on an H200 machine
     # (python -X importtime, with pandas and scipy under it). This process never generates: hidden from it, the
-    # import is skipped (importlib.util.find_spec answers None for a name whose sys.modules entry is None)
-    sys.modules.setdefault("sklearn", None)
+    # import is skipped (importlib.util.find_spec answers None for a name whose sys.modules entry is None). So is
+    # scipy, which transformers' object-detection losses import (loss/loss_for_object_detection.py, through
+    # modeling_utils: 0.27 of 2.4 s on a 2-core machine): a modeling module that needs it is imported with it
+    hidden = [name for name in _HIDDEN if sys.modules.setdefault(name, None) is None]
     opening = None
     try:
         import torch
 
+        dev = None
         if (device == "auto" or device.startswith("cuda")) and torch.cuda.is_available():  # the context, beside the imports
             dev = "cuda" if device == "auto" else device.split(",")[0]
-            opening = threading.Thread(target=lambda: torch.empty(1, device=dev), name="ctconvert-cuda-init", daemon=True)
+        elif os.environ.get("CTCONVERT_CALIBRATION_PRELOAD") == "1":  # the preload forced on the CPU (tests)
+            dev = "cpu"
+        if dev is not None:
+            opening = threading.Thread(target=_open_device, args=(src, dev), name="ctconvert-cuda-init", daemon=True)
             opening.start()
         from . import apply, model  # noqa: F401
 
@@ -268,7 +280,13 @@ def _warm(src: str, device: str) -> None:
                 cfg = json.load(f)
             kind = (cfg.get("text_config") or {}).get("model_type") or cfg.get("model_type")
             if kind:
-                importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+                try:
+                    importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+                except ImportError:  # it needs what is hidden: shown again
+                    for name in hidden:
+                        if name in sys.modules and sys.modules[name] is None:
+                            del sys.modules[name]
+                    importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
         except Exception:  # noqa: BLE001 - the build names what is wrong, with the real run's message
             pass
         if opening is not None:
@@ -276,6 +294,35 @@ def _warm(src: str, device: str) -> None:
     finally:
         gc.freeze()
         gc.enable()
+
+
+def _open_device(src: str, dev: str) -> None:
+    """Open the CUDA context of ``dev``, then begin reading ``src``'s embedding and decoder layers onto it
+    (:class:`~.preload.DevicePreload`, within half the device's free memory less 8 GiB), beside the imports; not
+    with ``CTCONVERT_CALIBRATION_PRELOAD=0``, nor for a quantized checkpoint. ``dev`` ``cpu`` (the preload forced
+    with ``CTCONVERT_CALIBRATION_PRELOAD=1`` on a machine without CUDA: tests): into host memory, within 2 GiB. A
+    failure here costs only the preload (the pass reads what it needs and reports what is wrong)."""
+    import torch
+
+    torch.empty(1, device=dev)
+    if os.environ.get("CTCONVERT_CALIBRATION_PRELOAD", "1") == "0":
+        return
+    try:
+        from ..checkpoint.reader import open_checkpoint
+        from . import preload
+
+        ckpt = open_checkpoint(src)
+        if ckpt.quantization_config is not None:
+            return
+        if dev == "cpu":
+            budget = 2 * 2**30
+        else:
+            free, _ = torch.cuda.mem_get_info(torch.device(dev))
+            budget = min(free // 2, free - 8 * 2**30)
+        if budget > 0:
+            preload.install(preload.DevicePreload(preload.choose(ckpt.tensors.values(), budget), torch.device(dev)))
+    except Exception:  # noqa: BLE001 - the conversion's own reading says what is wrong with the checkpoint
+        pass
 
 
 def _serve(req: CalibrationRequest, send, stopped: threading.Event) -> tuple[list[str], float]:
@@ -347,7 +394,10 @@ def main() -> None:
     threading.Thread(target=lambda: (inp.read(), stopped.set()), daemon=True).start()
     try:
         notes, built = _serve(req, send, stopped)
-        send(("done", notes, built))
+        from . import preload
+
+        p = preload.active()
+        send(("done", notes, built, p.taken_bytes if p is not None else 0))
     except BaseException as e:  # noqa: BLE001 - every failure goes to the first process, which reports it
         try:
             send(("error", _portable(e)))

@@ -200,6 +200,7 @@ class CalibrateStage(Stage):
             self.built_s = self._background.model_seconds
             job.calibration = done
             self._record(job, done, t0, at)
+            job.result.calibration["preloaded_bytes"] = self._background.preloaded_bytes
 
         job.before_commit.append(wait)
         return True

@@ -18,6 +18,7 @@ import pytest
 
 from ctconvert import api
 from ctconvert.calibration import worker
+from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.errors import BadInputError, CTConvertError, UnsupportedError
 
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
@@ -79,10 +80,13 @@ def _ids(tmp_path: Path) -> Path:
     return ids
 
 
-@pytest.mark.parametrize("scheme,kv", [("NVFP4", "none"), ("FP8", "fp8")])
-def test_calibrated_in_the_process_the_bytes_and_notes_are_the_threads(model, tmp_path, scheme, kv):
+@pytest.mark.parametrize("scheme,kv,preloaded", [("NVFP4", "none", "0"), ("FP8", "fp8", "0"), ("NVFP4", "none", "1")])
+def test_calibrated_in_the_process_the_bytes_and_notes_are_the_threads(model, tmp_path, monkeypatch, scheme, kv, preloaded):
+    """And with the process's device preload (forced on the CPU here: CTCONVERT_CALIBRATION_PRELOAD=1): its pass takes
+    every layer's tensors from the preload (``preloaded_bytes``) and writes the same bytes."""
     kw = dict(calibration=_ids(tmp_path), calibration_samples=2, calibration_seq_len=48, kv_cache=kv, max_shard_size="200KB", device="cpu")
     on_thread = api.quantize(model, tmp_path / "thread", scheme, **kw)
+    monkeypatch.setenv("CTCONVERT_CALIBRATION_PRELOAD", preloaded)
     p = worker.prestart(str(model), "cpu")
     in_process = api.quantize(model, tmp_path / "process", scheme, **kw)
     assert worker.take(model) is None  # the stage took it
@@ -91,6 +95,8 @@ def test_calibrated_in_the_process_the_bytes_and_notes_are_the_threads(model, tm
     assert in_process.notes == on_thread.notes and any(n.startswith("calibration data: ") for n in in_process.notes)
     assert in_process.calibration["layers"] == on_thread.calibration["layers"]
     assert in_process.calibration["model_seconds"] is not None and in_process.calibration["seconds"] > 0
+    layers = sum(t.nbytes for n, t in open_checkpoint(model).tensors.items() if ".layers." in n or "embed_tokens" in n)
+    assert in_process.calibration["preloaded_bytes"] == (layers if preloaded == "1" else 0)
 
 
 def _both(fn):
@@ -166,14 +172,43 @@ def test_the_console_script_starts_it_and_writes_the_threads_bytes(model, tmp_pa
     assert _digests(tmp_path / "cli") == _digests(tmp_path / "api")
 
 
-def test_the_process_hides_scikit_learn_from_transformers(model):
+def test_the_process_hides_scikit_learn_and_scipy_from_transformers(model):
     """The calibration process's imports skip scikit-learn (transformers' assisted generation only; 3.6 s of an
-    H200 machine's 11 s import) and still build the model."""
+    H200 machine's 11 s import) and scipy (its object-detection losses), and still build the model."""
     code = "import sys; from ctconvert.calibration import worker; worker._warm(sys.argv[1], 'cpu'); "
-    code += "from transformers.utils import is_sklearn_available; print(sys.modules['sklearn'], is_sklearn_available())"
+    code += "from transformers.utils import is_sklearn_available, is_scipy_available; "
+    code += "print(sys.modules['sklearn'], is_sklearn_available(), sys.modules['scipy'], is_scipy_available())"
     r = subprocess.run([sys.executable, "-c", code, str(model)], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["None", "False"]
+    assert r.stdout.split() == ["None", "False", "None", "False"]
+
+
+_NEEDS_SCIPY = """
+import importlib.abc, importlib.machinery, sys
+class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name.startswith("transformers.models.needsscipy"):
+            return importlib.machinery.ModuleSpec(name, self, is_package=name.endswith("needsscipy"))
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        if module.__name__.endswith("modeling_needsscipy"):
+            import scipy.linalg  # what a modeling module may import at its top
+            module.linalg = scipy.linalg
+sys.meta_path.insert(0, Finder())
+from ctconvert.calibration import worker
+worker._warm(sys.argv[1], "cpu")
+print(type(sys.modules["scipy"]).__name__, hasattr(sys.modules["transformers.models.needsscipy.modeling_needsscipy"], "linalg"))
+"""
+
+
+def test_a_modeling_module_that_needs_a_hidden_package_is_imported_with_it(tmp_path):
+    pytest.importorskip("scipy")
+    (tmp_path / "config.json").write_text('{"model_type": "needsscipy"}')
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", _NEEDS_SCIPY, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["module", "True"]
 
 
 def test_a_request_that_cannot_be_pickled_calibrates_on_the_thread(model, tmp_path, monkeypatch):
