@@ -72,8 +72,9 @@ from .calibrated import CalibratedWrites
 from .casting import cast_chunk
 from .nonfinite import copy_nonfinite, raise_nonfinite
 from .readahead import READ_AHEAD_BYTES, WindowReadAhead, unit_pieces
-from .reads import COPY_CHUNK_BYTES, Read, make_reads, warm_up_shapes
+from .reads import COPY_CHUNK_BYTES, Read, make_reads, split_units, unit_bytes, warm_up_shapes
 from .scales import UnitScales, needs_absmax_pass, observer_of
+from .stored import StoredRows, on_device, read_stored
 
 __all__ = [
     "COPY_CHUNK_BYTES",
@@ -232,6 +233,8 @@ class Executor:
             if self.opts.map_input:
                 return map_rows(info, job.start, job.stop)
             return read_rows(info, job.start, job.stop)
+        if on_device(info):  # a quantized source's stored rows, dequantized on the device (pipeline/stored.py)
+            return read_stored(info, job.start, job.stop, self.pool)
         if info.view is not None and info.view.transpose:  # the whole region, transposed on the device (_to_device)
             return read_region(info, out=self.pool.get(region_bytes(info)))
         row_bytes = info.nbytes // info.shape[0]
@@ -347,7 +350,9 @@ class Executor:
         shape = (job.stop - job.start, *info.shape[1:])
         if not self.cuda:
             return data.view(info.torch_dtype).reshape(shape)
-        if info.view is not None and info.view.transpose:  # a gpt-oss expert: its columns gathered here, not on a reader
+        if isinstance(data, StoredRows):
+            w, data = data.to_device(self.dev), data.buf
+        elif info.view is not None and info.view.transpose:  # a gpt-oss expert: its columns gathered here, not on a reader
             w = rows_of_region(info, data[: region_bytes(info)].to(self.dev, non_blocking=True), job.start, job.stop)
         else:
             n = (job.stop - job.start) * (info.nbytes // info.shape[0])
@@ -532,22 +537,6 @@ class Executor:
 def _sources_need_work(ckpt: Checkpoint, plan: Plan) -> bool:
     """Whether reading a quantized unit's sources is more than mapping them: slices of fused experts, dequantized weights."""
     return any(ckpt.tensors[s].view is not None or ckpt.tensors[s].virtual is not None for u in plan.units if u.kind != "copy" for s in u.sources)
-
-
-def unit_bytes(ckpt: Checkpoint, unit: WorkUnit) -> int:
-    return sum(ckpt.tensors[s].nbytes for s in unit.sources)
-
-
-def split_units(ckpt: Checkpoint, units: list[WorkUnit], parts: int) -> list[list[WorkUnit]]:
-    """Deal units (fused sets, tensors) to ``parts`` workers, largest first, to the least loaded."""
-    load = [0] * parts
-    out: list[list[WorkUnit]] = [[] for _ in range(parts)]
-    for u in sorted(units, key=lambda u: -unit_bytes(ckpt, u)):
-        i = load.index(min(load))
-        out[i].append(u)
-        load[i] += unit_bytes(ckpt, u)
-    order = {id(u): k for k, u in enumerate(units)}
-    return [sorted(p, key=lambda u: order[id(u)]) for p in out]
 
 
 class LocalExecutor:

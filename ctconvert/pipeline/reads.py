@@ -16,7 +16,7 @@ from ..options import DEFAULT_CHUNK_ELEMS
 from ..plan.planner import Plan, WorkUnit
 from .scales import needs_absmax_pass, observer_of
 
-__all__ = ["COPY_CHUNK_BYTES", "Read", "chunk_rows", "make_reads", "warm_up_shapes"]
+__all__ = ["COPY_CHUNK_BYTES", "Read", "chunk_rows", "make_reads", "split_units", "unit_bytes", "warm_up_shapes"]
 
 COPY_CHUNK_BYTES = 64 * 2**20
 MAPPED_COPY_CHUNK_BYTES = 4 * 2**20  # CPU, mapped input: a view of the page cache; ~10 wait in the queues (RSS)
@@ -91,3 +91,20 @@ def warm_up_shapes(ckpt: Checkpoint, plan: Plan, chunk_elems: int = DEFAULT_CHUN
                 seen.add(key)
                 jobs.append((unit.scheme, info, rows))
     return jobs
+
+
+def unit_bytes(ckpt: Checkpoint, unit: WorkUnit) -> int:
+    """The source bytes a unit reads (its members' logical bytes)."""
+    return sum(ckpt.tensors[s].nbytes for s in unit.sources)
+
+
+def split_units(ckpt: Checkpoint, units: list[WorkUnit], parts: int) -> list[list[WorkUnit]]:
+    """Deal units (fused sets, tensors) to ``parts`` workers, largest first, to the least loaded."""
+    load = [0] * parts
+    out: list[list[WorkUnit]] = [[] for _ in range(parts)]
+    for u in sorted(units, key=lambda u: -unit_bytes(ckpt, u)):
+        i = load.index(min(load))
+        out[i].append(u)
+        load[i] += unit_bytes(ckpt, u)
+    order = {id(u): k for k, u in enumerate(units)}
+    return [sorted(p, key=lambda u: order[id(u)]) for p in out]

@@ -14,6 +14,7 @@ The dequantization math lives in :mod:`ctconvert.formats` and :mod:`ctconvert.fo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -113,6 +114,19 @@ class SourceModule:
 
     def dense(self, r0: int, r1: int) -> torch.Tensor:
         """Dense rows ``[r0, r1)`` (``r0`` a multiple of :attr:`align`) as the source's reference computes them."""
+        raise NotImplementedError
+
+    #: whether :meth:`stored_rows` and :meth:`dense_from` exist: the stored rows can be moved to a GPU and dequantized
+    #: there, giving the bytes :meth:`dense` gives (elementwise IEEE arithmetic only: conversions, products, roundings)
+    on_device: ClassVar[bool] = False
+
+    def stored_rows(self, r0: int, r1: int) -> dict[str, torch.Tensor]:
+        """The stored tensors' rows that dense rows ``[r0, r1)`` are computed from (CPU tensors; ``r0`` a multiple of
+        :attr:`align`), for :meth:`dense_from` on another device."""
+        raise NotImplementedError
+
+    def dense_from(self, parts: dict[str, torch.Tensor], r0: int, r1: int) -> torch.Tensor:
+        """Dense rows ``[r0, r1)`` from :meth:`stored_rows`' tensors, on their device (the torch reference)."""
         raise NotImplementedError
 
     # -- lossless re-expression in compressed-tensors (formats that have one override these) -------------
@@ -242,19 +256,45 @@ class VirtualDense:
         self.row_bytes = mod.shape[1] * DTYPES[mod.dtype][1]
 
     def rows(self, r0: int, r1: int) -> torch.Tensor:
-        m = self.mod
-        a0 = r0 // m.align * m.align
-        a1 = min(m.shape[0], math.ceil(r1 / m.align) * m.align)
-        try:
-            t = m.dense(a0, a1) if a1 > a0 else torch.empty((0, m.shape[1]), dtype=self.dtype)
-        except (KeyError, ValueError, RuntimeError, IndexError) as e:
-            a = m.anchor
-            raise BadInputError(f"cannot dequantize ({m.label}): {e}", file=str(a.file), tensor=a.name) from e
+        a0, a1 = self._aligned(r0, r1)
+        with self._naming():
+            t = self.mod.dense(a0, a1) if a1 > a0 else torch.empty((0, self.mod.shape[1]), dtype=self.dtype)
         return t.to(self.dtype)[r0 - a0 : r1 - a0]
 
     def stored(self) -> list:
         """The stored tensors this weight is computed from (what provenance hashes: :mod:`ctconvert.checkpoint.hashing`)."""
         return list(self.mod.parts.values())
+
+    @property
+    def on_device(self) -> bool:
+        """Whether :meth:`stored_rows` / :meth:`dense_from` can dequantize on a GPU (:attr:`SourceModule.on_device`)."""
+        return self.mod.on_device
+
+    def _aligned(self, r0: int, r1: int) -> tuple[int, int]:
+        m = self.mod
+        return r0 // m.align * m.align, min(m.shape[0], math.ceil(r1 / m.align) * m.align)
+
+    def stored_rows(self, r0: int, r1: int) -> dict[str, torch.Tensor]:
+        """The stored rows (CPU) that dense rows ``[r0, r1)`` come from (:meth:`SourceModule.stored_rows` of the
+        aligned range); raises :class:`BadInputError` naming the module's tensor as :meth:`rows` does."""
+        with self._naming():
+            return self.mod.stored_rows(*self._aligned(r0, r1))
+
+    def dense_from(self, parts: dict[str, torch.Tensor], r0: int, r1: int) -> torch.Tensor:
+        """Dense rows ``[r0, r1)`` of this weight's dtype from :meth:`stored_rows`' tensors, on their device: the
+        bytes :meth:`rows` gives."""
+        a0, a1 = self._aligned(r0, r1)
+        with self._naming():
+            t = self.mod.dense_from(parts, a0, a1) if a1 > a0 else torch.empty((0, self.mod.shape[1]), dtype=self.dtype)
+        return t.to(self.dtype)[r0 - a0 : r1 - a0]
+
+    @contextlib.contextmanager
+    def _naming(self):
+        try:
+            yield
+        except (KeyError, ValueError, RuntimeError, IndexError) as e:
+            a = self.mod.anchor
+            raise BadInputError(f"cannot dequantize ({self.mod.label}): {e}", file=str(a.file), tensor=a.name) from e
 
     def read_bytes(self, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
         r0 = offset // self.row_bytes

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, dense_rows, dense_shape, modules_of
+from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, dense_rows, dense_shape, module_rows, modules_of
 from ..checkpoint.naming import FLOAT_DTYPES
 from ..errors import BadInputError, UnsupportedError
 from ..formats import CompressionFormat, WeightArgs, get_format
@@ -39,6 +39,20 @@ class CompressedTensorsModule(SourceModule):
 
     def dense(self, r0: int, r1: int) -> torch.Tensor:
         return dense_rows(self.args["module"], r0, r1, self.shape[1])
+
+    @property
+    def on_device(self) -> bool:
+        """FP8 (``float-quantized``, every strategy): exact E4M3 -> fp32 conversions, one fp32 product with the
+        expanded scale, one rounding to the scale's dtype (``formats/base.py: dequantize_unpacked``), the same bytes on
+        any device. The packed and FP4 formats stay on the CPU kernel."""
+        return self.args["module"].format == CompressionFormat.FLOAT_QUANTIZED.value
+
+    def stored_rows(self, r0: int, r1: int) -> dict[str, torch.Tensor]:
+        return module_rows(self.args["module"], r0, r1)
+
+    def dense_from(self, parts: dict[str, torch.Tensor], r0: int, r1: int) -> torch.Tensor:
+        m = self.args["module"]
+        return get_format(m.format).dequantize(parts, WeightArgs.from_dict(m.weights))
 
 
 class CompressedTensorsFormat(SourceFormat):

@@ -34,11 +34,17 @@ class FP8BlockModule(SourceModule):
     def block(self) -> list[int] | None:
         return list(self.args["block"])
 
+    on_device: ClassVar[bool] = True  # fp32 products of exact conversions, rounded once: the same on any device
+
     def dense(self, r0: int, r1: int) -> torch.Tensor:
-        bh, bw = self.args["block"]
-        w = read_rows(self.parts["weight"], r0, r1)
-        s = read_rows(self.parts["weight_scale_inv"], r0 // bh, math.ceil(r1 / bh))
-        return fp8_block_dequantize(w, s, (bh, bw))
+        return self.dense_from(self.stored_rows(r0, r1), r0, r1)
+
+    def stored_rows(self, r0: int, r1: int) -> dict[str, torch.Tensor]:
+        bh, _ = self.args["block"]
+        return {"weight": read_rows(self.parts["weight"], r0, r1), "weight_scale_inv": read_rows(self.parts["weight_scale_inv"], r0 // bh, math.ceil(r1 / bh))}
+
+    def dense_from(self, parts: dict[str, torch.Tensor], r0: int, r1: int) -> torch.Tensor:
+        return fp8_block_dequantize(parts["weight"], parts["weight_scale_inv"], tuple(self.args["block"]))
 
 
 class FP8BlockFormat(SourceFormat):
