@@ -284,8 +284,11 @@ class VirtualDense:
         """Dense rows ``[r0, r1)`` of this weight's dtype from :meth:`stored_rows`' tensors, on their device: the
         bytes :meth:`rows` gives."""
         a0, a1 = self._aligned(r0, r1)
+        if a1 <= a0:  # no rows: an empty tensor where the parts are (the device the caller asked for)
+            device = next(iter(parts.values())).device if parts else torch.device("cpu")
+            return torch.empty((0, self.mod.shape[1]), dtype=self.dtype, device=device)
         with self._naming():
-            t = self.mod.dense_from(parts, a0, a1) if a1 > a0 else torch.empty((0, self.mod.shape[1]), dtype=self.dtype)
+            t = self.mod.dense_from(parts, a0, a1)
         return t.to(self.dtype)[r0 - a0 : r1 - a0]
 
     @contextlib.contextmanager

@@ -87,6 +87,19 @@ def test_stored_rows_dequantized_on_the_device_are_the_cpu_bytes(sources, kind, 
     assert pool.given == len(virtual) * len(_ranges(2))  # one buffer per read
 
 
+@pytest.mark.parametrize("kind", ["fp8-block (DeepSeek)", "FP8_BLOCK"])
+def test_an_empty_range_is_made_where_the_parts_are(sources, kind):
+    """No rows (r0 == r1 at a block edge) gives an empty tensor on the parts' device, not the CPU's (seen on CUDA;
+    the meta device stands in for it here)."""
+    src = open_source(open_checkpoint(sources[kind]))
+    for info in (i for i in src.view.tensors.values() if i.virtual is not None):
+        n = info.shape[0]
+        for r0 in (0, n):
+            parts = {k: v.to("meta") for k, v in info.virtual.stored_rows(r0, r0).items()}
+            got = info.virtual.dense_from(parts, r0, r0)
+            assert got.device.type == "meta" and got.shape == (0, info.shape[1]) and got.dtype == info.virtual.dtype
+
+
 def test_packed_and_fp4_sources_stay_on_the_cpu_kernel(tmp_path):
     dense = write_checkpoint(tmp_path / "d", llama_tensors(LLAMA_CONFIG, seed=1), LLAMA_CONFIG)
     for scheme in ("W4A16", "NVFP4A16", "W8A16"):
