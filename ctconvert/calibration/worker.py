@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["CalibrationProcess", "CalibrationRequest", "has_room", "prestart", "take", "wanted"]
+__all__ = ["CalibrationProcess", "CalibrationRequest", "child_env", "has_room", "prestart", "take", "wanted"]
 
 
 @dataclass
@@ -85,6 +85,21 @@ def has_room(device: str, cpus: int | None = None) -> bool:
     return device.startswith("cuda") or (device == "auto" and any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0")))
 
 
+def child_env(environ) -> dict:
+    """The calibration process's environment: ``environ`` with this process's bytecode settings. Where the console
+    script moved the bytecode cache to its own folder (:func:`ctconvert.__main__.bytecode_cache`: Python may write
+    none, ``PYTHONDONTWRITEBYTECODE``, and the installed packages ship none), the child reads *and writes* that folder
+    too: the child is the only process that imports transformers, and with the environment's
+    ``PYTHONDONTWRITEBYTECODE`` it compiled transformers' modules from source on every run (an H200 machine, 8B
+    NVFP4: ~2 s of its ~10 s of imports, ``scripts/profile_site``)."""
+    env = dict(environ)
+    if sys.pycache_prefix:
+        env["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix
+        if not sys.dont_write_bytecode:
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 #: the process :func:`prestart` started, until the calibrate stage takes it
 _PRESTARTED: list[CalibrationProcess] = []
 
@@ -121,9 +136,7 @@ class CalibrationProcess:
         self.model_seconds: float | None = None
         self.preloaded_bytes = 0
         self._err = tempfile.TemporaryFile()
-        env = dict(os.environ)
-        if sys.pycache_prefix:  # the console script's bytecode cache (ctconvert.__main__.bytecode_cache): the child's too
-            env["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix
+        env = child_env(os.environ)
         # the request goes through a socket, sent with MSG_NOSIGNAL: a child that died early is an EPIPE error here, not
         # a SIGPIPE, which the console script leaves fatal (cli.run: `ctconvert inspect | head` ends quietly)
         self._sock, theirs = socket.socketpair()

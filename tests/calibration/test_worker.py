@@ -26,6 +26,7 @@ from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
 pytest.importorskip("transformers")
 warnings.filterwarnings("ignore")
 ROOT = Path(__file__).resolve().parents[2]
+PYPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # this tree first, the rest kept
 
 
 def _params(line: str) -> dict:
@@ -62,6 +63,33 @@ def test_the_process_needs_a_cuda_device_and_four_cpus():
     assert not worker.has_room("cuda", cpus=2)  # the imports and the forward would share the converter's cores
     assert not worker.has_room("cpu", cpus=64)
     assert worker.has_room("auto", cpus=8) == any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0"))
+
+
+@pytest.fixture
+def bytecode_settings():
+    saved = sys.dont_write_bytecode, sys.pycache_prefix
+    yield
+    sys.dont_write_bytecode, sys.pycache_prefix = saved
+
+
+def test_the_child_writes_the_console_scripts_bytecode_cache(bytecode_settings, tmp_path):
+    """Where the console script moved the cache (PYTHONDONTWRITEBYTECODE, packages without bytecode), the child's
+    imports read and write that folder; elsewhere the environment's settings pass unchanged."""
+    base = {"PYTHONDONTWRITEBYTECODE": "1", "KEEP": "x"}
+    sys.dont_write_bytecode, sys.pycache_prefix = False, str(tmp_path / "cache")  # what bytecode_cache() sets
+    env = worker.child_env(base)
+    assert env["PYTHONPYCACHEPREFIX"] == str(tmp_path / "cache") and "PYTHONDONTWRITEBYTECODE" not in env and env["KEEP"] == "x"
+    assert base == {"PYTHONDONTWRITEBYTECODE": "1", "KEEP": "x"}  # not changed in place
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "probe_mod.py").write_text("X = 1\n")
+    child = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | env
+    subprocess.run([sys.executable, "-c", "import probe_mod"], cwd=src, env=child, check=True)
+    assert list((tmp_path / "cache").rglob("probe_mod*.pyc")) and not (src / "__pycache__").exists()
+    sys.dont_write_bytecode = True  # a prefix the user set with PYTHONDONTWRITEBYTECODE too: both kept
+    assert worker.child_env(base)["PYTHONDONTWRITEBYTECODE"] == "1"
+    sys.pycache_prefix = None
+    assert worker.child_env(base) == base
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +192,7 @@ def test_the_console_script_starts_it_and_writes_the_threads_bytes(model, tmp_pa
     ids = _ids(tmp_path)
     args = ["quantize", str(model), "-s", "NVFP4", "--calibration", str(ids), "--calibration-samples", "2", "--calibration-seq-len", "48"]
     args += ["--max-shard-size", "200KB", "--device", "cpu"]
-    env = {**os.environ, "CTCONVERT_CALIBRATION_PROCESS": "1", "CTCONVERT_TRACE": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "CTCONVERT_CALIBRATION_PROCESS": "1", "CTCONVERT_TRACE": "1", "PYTHONPATH": PYPATH}
     r = subprocess.run([sys.executable, "-m", "ctconvert", *args, "-o", str(tmp_path / "cli")], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert re.search(r"^ctconvert-trace calibration [\d.]+ process started$", r.stderr, re.M)
@@ -178,7 +206,7 @@ def test_the_process_hides_scikit_learn_and_scipy_from_transformers(model):
     code = "import sys; from ctconvert.calibration import worker; worker._warm(sys.argv[1], 'cpu'); "
     code += "from transformers.utils import is_sklearn_available, is_scipy_available; "
     code += "print(sys.modules['sklearn'], is_sklearn_available(), sys.modules['scipy'], is_scipy_available())"
-    r = subprocess.run([sys.executable, "-c", code, str(model)], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code, str(model)], env={**os.environ, "PYTHONPATH": PYPATH}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["None", "False", "None", "False"]
 
@@ -205,7 +233,7 @@ print(type(sys.modules["scipy"]).__name__, hasattr(sys.modules["transformers.mod
 def test_a_modeling_module_that_needs_a_hidden_package_is_imported_with_it(tmp_path):
     pytest.importorskip("scipy")
     (tmp_path / "config.json").write_text('{"model_type": "needsscipy"}')
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PYPATH}
     r = subprocess.run([sys.executable, "-c", _NEEDS_SCIPY, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["module", "True"]
@@ -246,7 +274,7 @@ try:
 except CTConvertError as e:
     print("ERROR", e)
 """
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": PYPATH}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert "ERROR the calibration process ended before calibration did (exit code -9)" in r.stdout
     assert not (tmp_path / "q").exists()
