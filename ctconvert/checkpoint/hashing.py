@@ -214,41 +214,78 @@ def file_hash(path: Path) -> str:
 
 
 class StreamHash:
-    """The block hash of a byte range fed in order, piece by piece (an output tensor as it is written).
+    """The block hash of a byte range fed piece by piece, in any order (an output tensor as its chunks are written,
+    by several writer threads).
 
-    :meth:`update_at` takes the bytes at ``offset`` into the range; a piece that is not the next one in order
-    makes the hash unknown (:attr:`ok` False: the caller hashes the range from the file instead)."""
+    :meth:`update_at` takes the bytes at ``offset`` into the range. The hash is per block of
+    :data:`HASH_BLOCK_BYTES` (as :class:`RangeHash` computes it from a file), so pieces of different blocks are hashed
+    as they come; within a block the bytes must be fed in order, so a piece that starts after bytes of its block not
+    seen yet is kept (a copy of at most one block's share of it) until they come. :meth:`complete` says whether every
+    byte of a range of ``nbytes`` was fed exactly once; overlapping pieces make the hash unknown (:attr:`ok` False:
+    the caller hashes the range from the file instead)."""
 
     def __init__(self) -> None:
-        self.pos = 0
+        self.pos = 0  # bytes hashed so far (all the range's, once complete)
         self.ok = True
-        self._cur = new_hasher()
-        self._in_block = 0
-        self._digests: list[bytes] = []
+        self._open: dict[int, list] = {}  # block -> [hasher, bytes fed]
+        self._done: dict[int, bytes] = {}  # block -> digest of a full block
+        self._early: dict[int, bytes] = {}  # offset -> bytes that came before the rest of their block
         self._lock = threading.Lock()
 
     def update_at(self, offset: int, data) -> None:
         view = memoryview(data).cast("B")
         with self._lock:
-            if not self.ok or offset != self.pos:
+            i, n = 0, len(view)
+            while i < n and self.ok:
+                off = offset + i
+                k = min(n - i, HASH_BLOCK_BYTES - off % HASH_BLOCK_BYTES)
+                self._feed(off, view[i : i + k])
+                i += k
+
+    def _feed(self, off: int, piece) -> None:
+        """Bytes ``piece`` at ``off``, all in one block: hashed if they continue it, else kept; then the kept bytes
+        that now continue it."""
+        while True:
+            b, at = divmod(off, HASH_BLOCK_BYTES)
+            st = self._open.get(b)
+            fed = st[1] if st is not None else (HASH_BLOCK_BYTES if b in self._done else 0)
+            if at < fed or (at > fed and off in self._early):  # bytes already fed: overlapping writes
                 self.ok = False
                 return
-            i, n = 0, len(view)
-            while i < n:
-                k = min(n - i, HASH_BLOCK_BYTES - self._in_block)
-                self._cur.update(view[i : i + k])
-                self._in_block += k
-                i += k
-                if self._in_block == HASH_BLOCK_BYTES:
-                    self._digests.append(self._cur.digest())
-                    self._cur, self._in_block = new_hasher(), 0
-            self.pos += n
+            if at > fed:
+                self._early[off] = bytes(piece)
+                return
+            if st is None:
+                st = self._open[b] = [new_hasher(), 0]
+            st[0].update(piece)
+            st[1] += len(piece)
+            self.pos += len(piece)
+            if st[1] == HASH_BLOCK_BYTES:
+                self._done[b] = st[0].digest()
+                del self._open[b]
+            off += len(piece)
+            if off % HASH_BLOCK_BYTES == 0:  # the block is done (a block's first bytes are never kept)
+                return
+            piece = self._early.pop(off, None)
+            if piece is None:
+                return
+
+    def complete(self, nbytes: int) -> bool:
+        """Whether the hash covers exactly bytes ``[0, nbytes)``, each once."""
+        with self._lock:
+            if not self.ok or self._early or self.pos != nbytes:
+                return False
+            full, rest = divmod(nbytes, HASH_BLOCK_BYTES)
+            return len(self._done) == full and all(b in self._done for b in range(full)) and (rest == 0 or (full in self._open and self._open[full][1] == rest))
 
     def digest(self) -> bytes:
-        """The 16-byte block hash (as :class:`RangeHash` computes it from a file)."""
+        """The 16-byte block hash (as :class:`RangeHash` computes it from a file) of the bytes fed, once
+        :meth:`complete`."""
         h = new_hasher()
-        for d in self._digests + ([self._cur.digest()] if self._in_block else []):
-            h.update(d)
+        for b in sorted(self._done):
+            h.update(self._done[b])
+        for b in sorted(self._open):
+            h.update(self._open[b][0].digest())
         return h.digest()
 
 

@@ -493,7 +493,7 @@ class ShardFile:
         if existing:
             return
         head = struct.pack("<Q", len(raw)) + raw
-        self._hashes = {t.name: StreamHash() for t in tensors}  # every tensor hashed as it is written (in order)
+        self._hashes = {t.name: StreamHash() for t in tensors}  # every tensor hashed as it is written (pieces in any order)
         header_hash = StreamHash()
         header_hash.update_at(0, head)
         self._header_digest = header_hash.digest()
@@ -556,11 +556,11 @@ class ShardFile:
 
     def content_hash(self) -> str:
         """The shard's content hash (:func:`.hashing.combine_shard_hash`) from the hashes taken as its tensors were
-        written; a tensor written out of order is hashed from the file. Call once every byte is written."""
+        written (in any order); a tensor whose pieces overlapped is hashed from the file. Call once every byte is written."""
         digests = []
         for name in sorted(self.offsets, key=lambda k: self.offsets[k]):
             h = self._hashes[name]
-            if h.ok and h.pos == self.offsets[name][1]:
+            if h.complete(self.offsets[name][1]):
                 digests.append(h.digest())
             else:
                 b, k = self.offsets[name]

@@ -65,11 +65,14 @@ def group_minmax(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.
 
 
 def tensor_absmax(w: torch.Tensor) -> torch.Tensor:
-    """``max(|min(x, 0)|, max(x, 0))`` over the whole tensor, fp32 0-d."""
+    """``max |x|`` over the whole tensor (``w`` any shape, a float dtype), fp32 0-d on ``w``'s device: the value of
+    ``max(|min(x, 0)|, max(x, 0))`` (compressed-tensors' ``max_val_pos``), exact in any dtype, NaN where ``w`` holds a
+    NaN, ``+0.0`` for zeros (``-0.0`` then is no scale's concern: NVFP4's global scale clamps to ``tiny``, FP8's maps
+    a zero scale to ``eps``). One reduction and one cast (an infinity-norm), not six kernels: a MoE checkpoint's
+    ~9,000 expert tensors paid ~1.3 s of launches for them on an H200."""
     if w.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=w.device)
-    mn, mx = torch.aminmax(w)
-    return torch.maximum(mx.clamp_min(0), mn.clamp_max(0).neg()).to(torch.float32)
+    return torch.linalg.vector_norm(w, float("inf")).to(torch.float32)
 
 
 def ranges_absmax(mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:

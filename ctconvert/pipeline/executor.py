@@ -24,9 +24,11 @@ its shard as soon as a chunk is done. The threads of one :class:`Executor`:
 * writer threads (``ctconvert-writer-*``; :data:`WRITERS`), each with a queue
   (bounded on a GPU by the bytes queued for all writers, :data:`WRITE_BUDGET`,
   so that a module's outputs never hold the computing thread; on the CPU by
-  items): wait for the staging copy's event, ``pwrite`` the bytes into their
-  shard (which hashes each output tensor as it is written and hands dirty
-  pages to the disk as it fills: :class:`~ctconvert.checkpoint.safetensors_io.ShardFile`).
+  items), each write dealt to the next writer in turn, so that the chunks of one
+  large tensor (a fused expert tensor of a few hundred MB) are written in
+  parallel: wait for the staging copy's event, ``pwrite`` the bytes into their
+  shard (which hashes each output tensor's pieces as they come, in any order, and
+  hands dirty pages to the disk as it fills: :class:`~ctconvert.checkpoint.safetensors_io.ShardFile`).
 
 So reading, host-device copies, device work and writing overlap, and the
 computing thread's work per chunk does not depend on the model's size.
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import queue
 import threading
@@ -94,7 +97,7 @@ READ_AHEAD = 4  # chunks read ahead of the one being computed
 WRITE_BEHIND = 2  # CPU: writes queued per writer thread (a copy chunk is 64 MiB)
 WRITE_BUDGET = 192 * 2**20  # GPU: bytes queued for the writers, all writers together (buffers.ByteBudget)
 READERS = {"cuda": 4, "cpu": 2}  # reader threads (preadv releases the GIL; CPU runs that map the input use 1 unless sources need work)
-WRITERS = {"cuda": 4, "cpu": 2}  # writer threads; every write of one tensor goes to the same one, in order
+WRITERS = {"cuda": 4, "cpu": 2}  # writer threads, each queued write dealt to the next in turn (a large tensor's chunks in parallel)
 
 
 def map_input_default() -> bool:
@@ -154,6 +157,7 @@ class Executor:
         self.use_native = not self.cuda and opts.impl in ("auto", "native") and native.available()
         self.native_checks = opts.impl in ("auto", "native") and native.available()  # C scans of host bytes
         self.wqs: list[queue.Queue] = [queue.Queue(maxsize=0 if self.cuda else WRITE_BEHIND) for _ in range(WRITERS[kind])]
+        self.turn = itertools.count()  # the writer of the next queued write (the shards hash pieces in any order)
         self.write_error: BaseException | None = None
         self.calibrated = CalibratedWrites(opts.calibrated, defer=opts.repack is None)  # written later when not known yet
         self.pending_checks: list = []  # GPU: (unit index, set absmax, chunk checks, event) (_check_unit)
@@ -187,7 +191,7 @@ class Executor:
         self._write_many([(name, t, pos)])
 
     def _write_many(self, writes: list, event=None, reserved: int | None = None) -> None:
-        """Queue ``writes`` to the writer that owns the first tensor. On a GPU they count against the write
+        """Queue ``writes`` to the next writer in turn. On a GPU they count against the write
         budget: ``reserved`` bytes already taken by the caller, else the tensors' bytes, taken here (waiting)."""
         if self.write_error is not None:
             raise self.write_error
@@ -196,15 +200,14 @@ class Executor:
             nbytes = sum(t.numel() * t.element_size() for _, t, _ in writes) if reserved is None else reserved
             if reserved is None:
                 self.budget.acquire(nbytes)
-        self.wqs[hash(writes[0][0]) % len(self.wqs)].put((writes, event, nbytes))
+        self.wqs[next(self.turn) % len(self.wqs)].put((writes, event, nbytes))
 
     def _write_device(self, writes: list) -> None:
         """Write device tensors ``[(name, tensor, byte offset)]`` (a chunk's or a module's outputs): on a GPU they are
         copied into one pinned staging buffer on the stream and written by a writer thread once the copy is done,
         while this thread goes on (no synchronisation here); host tensors are queued as they are."""
-        if not self.cuda:
-            for name, t, pos in writes:
-                self._write(name, t.cpu(), pos)
+        if not self.cuda:  # one queued item, as on a GPU: a chunk's tensors to one writer, the next chunk's to the next
+            self._write_many([(name, t.cpu(), pos) for name, t, pos in writes])
             return
         flat = [(name, t.contiguous().reshape(-1).view(torch.uint8), pos) for name, t, pos in writes]
         sizes = [-(-t.numel() // 64) * 64 for _, t, _ in flat]  # 64-byte aligned slices

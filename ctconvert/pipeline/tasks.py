@@ -7,8 +7,9 @@ the computation yields. :func:`run_tasks` runs them, in order, on the calling
 thread, and hands every chunk to writer threads (:data:`WRITERS`, each with a
 short queue: :data:`WRITE_BEHIND`) that ``pwrite`` it into its shard, so the
 next chunk is read and computed while the last ones go to the page cache.
-Every write of one tensor goes to the same writer, in order (the shard hashes
-each tensor as it is written). Memory is a few chunks: the one being computed
+Chunks are dealt to the writers in turn, so the chunks of one large tensor are
+written in parallel (the shard hashes each tensor's pieces as they come, in any
+order: :class:`~ctconvert.checkpoint.hashing.StreamHash`). Memory is a few chunks: the one being computed
 and those queued. :class:`ChunkBuffers` lets a computing task reuse its output
 buffers once they are written (a fresh large allocation costs a page fault per
 4 KiB page).
@@ -17,6 +18,7 @@ buffers once they are written (a fresh large allocation costs a page fault per
 from __future__ import annotations
 
 import contextlib
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -133,12 +135,12 @@ def run_tasks(tasks: list, shards: dict[str, ShardFile], progress=None, total: i
     for th in threads:
         th.start()
 
-    owner: dict[str, int] = {}  # output tensor -> its writer, dealt in turn
+    turn = itertools.count()  # chunks dealt to the writers in turn (the shard hashes pieces in any order)
 
     def write(name: str, t: torch.Tensor, pos: int) -> None:
         if errors:
             raise errors[0]
-        wqs[owner.setdefault(name, len(owner) % len(wqs))].put((name, t, pos))
+        wqs[next(turn) % len(wqs)].put((name, t, pos))
 
     try:
         with torch.inference_mode(), bar_cm as bar:

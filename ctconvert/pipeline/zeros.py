@@ -19,6 +19,7 @@ dequantized.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -44,8 +45,7 @@ def candidate_rows(out: dict[str, torch.Tensor], fmt, args, dtype: torch.dtype, 
         return None
     # compared as bit patterns (the substitute is a positive normal number: equal bits <=> equal values)
     bits = _BITS[s.element_size()]
-    ref = (torch.tensor(sub, dtype=torch.float32).to(s.dtype) if s.dtype.is_floating_point else torch.tensor(int(sub), dtype=s.dtype)).view(bits)
-    ref = int(ref.item())  # a Python scalar: no host-to-device copy (and no sync) on a GPU
+    ref = _substitute_bits(sub, s.dtype)  # a Python scalar: no host-to-device copy (and no sync) on a GPU
     raw = s.view(bits)
     if raw.device.type == "cpu":  # numpy: one thread, so no thread-pool wake-up per chunk
         hit = raw.numpy() == ref
@@ -60,6 +60,13 @@ def candidate_rows(out: dict[str, torch.Tensor], fmt, args, dtype: torch.dtype, 
     if args.strategy == "block":  # one scale row per block of rows
         per = per.repeat_interleave(args.block_structure[0])
     return per[:rows]
+
+
+@functools.lru_cache(maxsize=64)
+def _substitute_bits(sub: float, dtype: torch.dtype) -> int:
+    """The bit pattern of the zero-scale substitute ``sub`` stored as ``dtype`` (an int; once per pair, not per chunk)."""
+    t = torch.tensor(sub, dtype=torch.float32).to(dtype) if dtype.is_floating_point else torch.tensor(int(sub), dtype=dtype)
+    return int(t.view(_BITS[t.element_size()]).item())
 
 
 def _runs(idx: list[int]) -> list[tuple[int, int]]:

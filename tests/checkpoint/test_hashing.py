@@ -50,7 +50,7 @@ def test_shard_hash_taken_while_writing_equals_the_file_hash(tmp_path):
         for a, b in pieces if order == "in order" else pieces[::-1]:
             f.write("big", big[a:b], a)
         f.write("small", small[20:], 20 * 7 * 4)
-        f.write("small", small[:20], 0)  # out of order: hashed from the file
+        f.write("small", small[:20], 0)  # out of order: hashed as written all the same
         f.close()
         assert f.content_hash() == shard_hash(p)
         ref = shard_hash(p)
@@ -129,3 +129,64 @@ def test_early_hashes_are_taken_by_the_same_ranges_of_the_unchanged_file(tmp_pat
 def _reference_blocks(data: bytes, block: int) -> str:
     digests = b"".join(xxhash.xxh3_128(data[b : b + block]).digest() for b in range(0, len(data), block))
     return xxhash.xxh3_128(digests).hexdigest()
+
+
+def _pieces(rng: random.Random, n: int, block: int) -> list[tuple[int, int]]:
+    """``[0, n)`` cut at random points: some on block edges, pieces smaller and larger than a block."""
+    cuts = {0, n}
+    for _ in range(rng.randint(0, 12)):
+        cuts.add(rng.choice([rng.randrange(n + 1), rng.randrange(n // block + 1) * block]) if n else 0)
+    cuts = sorted(c for c in cuts if c <= n)
+    return list(zip(cuts, cuts[1:]))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_stream_hash_fed_in_any_order_is_the_file_hash(monkeypatch, seed):
+    """Pieces of a range fed in a random order (writer threads) give :class:`RangeHash`'s block hash of the bytes
+    (block size shrunk so that ranges span many blocks); a missing or overlapping piece makes it incomplete."""
+    from ctconvert.checkpoint import hashing
+
+    rng = random.Random(seed)
+    block = rng.choice([16, 64, 100])
+    monkeypatch.setattr(hashing, "HASH_BLOCK_BYTES", block)
+    n = rng.choice([0, 1, block - 1, block, block + 1, rng.randrange(1, 12 * block)])
+    data = rng.randbytes(n)
+    ref = xxhash.xxh3_128(b"".join(xxhash.xxh3_128(data[b : b + block]).digest() for b in range(0, n, block))).digest()
+    pieces = _pieces(rng, n, block)
+    rng.shuffle(pieces)
+    h = hashing.StreamHash()
+    for a, b in pieces:
+        assert not h.complete(n) or a == b
+        h.update_at(a, data[a:b])
+    assert h.complete(n) and h.pos == n and h.digest() == ref
+    if len(pieces) > 1:  # one piece missing: incomplete
+        h = hashing.StreamHash()
+        for a, b in pieces[1:]:
+            h.update_at(a, data[a:b])
+        assert not h.complete(n)
+    if n > 2:  # an overlapping piece: never complete
+        h = hashing.StreamHash()
+        for a, b in pieces:
+            h.update_at(a, data[a:b])
+        h.update_at(n // 2, data[n // 2 : n // 2 + 1])
+        assert not h.complete(n)
+
+
+def test_a_stream_hash_fed_by_threads_is_the_file_hash(monkeypatch):
+    import threading
+
+    from ctconvert.checkpoint import hashing
+
+    monkeypatch.setattr(hashing, "HASH_BLOCK_BYTES", 4096)
+    rng = random.Random(7)
+    data = rng.randbytes(200_003)
+    pieces = [(a, min(a + 3001, len(data))) for a in range(0, len(data), 3001)]
+    rng.shuffle(pieces)
+    h = hashing.StreamHash()
+    threads = [threading.Thread(target=lambda part: [h.update_at(a, data[a:b]) for a, b in part], args=(pieces[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ref = xxhash.xxh3_128(b"".join(xxhash.xxh3_128(data[b : b + 4096]).digest() for b in range(0, len(data), 4096))).digest()
+    assert h.complete(len(data)) and h.digest() == ref

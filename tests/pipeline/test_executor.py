@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -79,3 +80,38 @@ def test_fused_experts_quantized_and_no_region_kept_after_the_run(tmp_path):
     a, b = tensors(out), tensors(tmp_path / "r")
     assert set(a) == set(b) and len(a) == 3 * E * 3  # weight_packed, weight_scale, weight_shape per expert Linear
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))])
+def test_the_chunks_of_one_tensor_go_to_every_writer_and_hash_as_the_file(tiny_llama, tmp_path, monkeypatch, device):
+    """A tensor written in many chunks is dealt to all the writer threads (not one writer per tensor), and each shard's
+    hash taken as the pieces came (in any order) is the finished file's; the bytes are those of one writer."""
+    from ctconvert.checkpoint.hashing import shard_hash
+    from ctconvert.checkpoint.safetensors_io import ShardFile
+    from ctconvert.pipeline import executor
+
+    seen: dict[str, set] = {}
+    hashes: dict = {}
+    real_write, real_close = ShardFile.write, ShardFile.close
+
+    def write(self, name, tensor, byte_offset=0):
+        import threading
+
+        seen.setdefault(name, set()).add(threading.current_thread().name)
+        return real_write(self, name, tensor, byte_offset)
+
+    def close(self):
+        if not self.closed:  # close runs once (the second call does nothing)
+            real_close(self)
+            hashes[self.path.name] = (self.content_hash(), shard_hash(self.path))  # the finished file, before the rename
+
+    monkeypatch.setattr(ShardFile, "write", write)
+    monkeypatch.setattr(ShardFile, "close", close)
+    api.quantize(tiny_llama, tmp_path / "many", "W8A16", chunk_elems=256, device=device)  # a few rows per chunk
+    assert max(len(w) for w in seen.values()) == executor.WRITERS[device], seen
+    assert set(hashes) == {p.name for p in (tmp_path / "many").glob("*.safetensors")} and all(a == b for a, b in hashes.values())
+    monkeypatch.setattr(executor, "WRITERS", {"cpu": 1, "cuda": 1})
+    api.quantize(tiny_llama, tmp_path / "one", "W8A16", chunk_elems=256, device=device)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "many").iterdir() if p.suffix == ".safetensors"} == {
+        p.name: p.read_bytes() for p in (tmp_path / "one").iterdir() if p.suffix == ".safetensors"
+    }
