@@ -240,13 +240,17 @@ def quantized(result, refresh: bool) -> None:
     ratio = result.input_bytes / max(1, result.output_bytes)
     click.echo(
         f"wrote {result.output}: {result.scheme} ({result.format}), {plural(result.quantized_modules, 'Linear layer')} quantized, "
-        f"{plural(len(result.shards), 'shard')}, {human(result.input_bytes)} -> {human(result.output_bytes)} ({ratio:.2f}x) "
+        f"{sum(result.kept_dense.values())} kept dense, {plural(len(result.shards), 'shard')}, "
+        f"{human(result.input_bytes)} -> {human(result.output_bytes)} ({ratio:.2f}x) "
         f"in {result.seconds:.1f} s on {result.device}"
     )
     if result.reused_shards:
         click.echo(f"resumed: {plural(len(result.reused_shards), 'shard')} kept from the interrupted run", err=True)
     if refresh:
         click.echo(f"refreshed: rewrote {len(result.rewritten_shards)} of {plural(len(result.shards), 'shard')}", err=True)
+    for why, n in result.kept_dense.items():
+        if not why.startswith("lm_head (default"):  # the one every run has: in the count above, and --dry-run lists it
+            click.echo(f"note: kept dense: {plural(n, 'weight')}: {why}", err=True)
     for n in result.notes:
         click.echo(f"note: {n}", err=True)
 
@@ -284,17 +288,22 @@ def verify(ctx, report: dict, reference) -> None:
     con.print("[green]verify: passed[/]" if report["ok"] else "[red]verify: FAILED[/]")
 
 
+def _gain(row: dict) -> str:
+    return f"{row['gain']:.4f}" if "gain" in row else ""
+
+
 def _error_table(ctx, tensors: list[dict], reference) -> None:
     sparse = any("rel_l2_dense" in r for r in tensors)
-    cols = [("module", 0), ("format", 3), ("rel L2", 0), ("max abs", 2), ("SNR dB", 1), ("limit", 4), ("ok", 0)]
+    cols = [("module", 0), ("format", 3), ("rel L2", 0), ("max abs", 2), ("SNR dB", 1), ("gain", 3), ("limit", 4), ("ok", 0)]
     rows = [
-        [r["module"], r["format"], f"{r['rel_l2']:.4f}", f"{r['max_abs']:.3g}", f"{r['snr_db']:.1f}", str(r["threshold"]), "yes" if r["ok"] else "NO"]
+        [r["module"], r["format"], f"{r['rel_l2']:.4f}", f"{r['max_abs']:.3g}", f"{r['snr_db']:.1f}", _gain(r), str(r["threshold"])]
+        + ["yes" if r["ok"] else "NO"]
         for r in tensors
     ]
     if sparse:  # the rel L2 column is against the pruned reference for 2:4 modules; this one against the dense one
-        cols.insert(5, ("rel L2 dense", 2))
+        cols.insert(6, ("rel L2 dense", 2))
         for row, r in zip(rows, tensors):
-            row.insert(5, f"{r['rel_l2_dense']:.4f}" if "rel_l2_dense" in r else "")
+            row.insert(6, f"{r['rel_l2_dense']:.4f}" if "rel_l2_dense" in r else "")
     title = f"error against {reference}" + (" (2:4 modules: rel L2 against it pruned 2:4, rel L2 dense against it as it is)" if sparse else "")
     table(ctx, cols, rows, title=title, styles=[None if r["ok"] else "red" for r in tensors])
 

@@ -58,8 +58,8 @@ def test_a_passing_verify_says_the_same_plain_and_rich(tiny_llama, tmp_path):
         r = CliRunner(env={"COLUMNS": "200"}).invoke(main, [*(["--plain"] * plain), "verify", str(q), "--reference", str(tiny_llama)])
         assert r.exit_code == 0, r.output
         runs[plain] = r.stdout.splitlines()
-    rows = [["module", "format", "rel L2", "max abs", "SNR dB", "limit", "ok"]] + [
-        [t["module"], t["format"], f"{t['rel_l2']:.4f}", f"{t['max_abs']:.3g}", f"{t['snr_db']:.1f}", str(t["threshold"]), "yes"]
+    rows = [["module", "format", "rel L2", "max abs", "SNR dB", "gain", "limit", "ok"]] + [
+        [t["module"], t["format"], f"{t['rel_l2']:.4f}", f"{t['max_abs']:.3g}", f"{t['snr_db']:.1f}", f"{t['gain']:.4f}", str(t["threshold"]), "yes"]
         for t in api.verify(q, reference=tiny_llama)["tensors"]
     ]
     boxed = [ln for ln in runs[False] if ln[:1] in "┏┃┡│└"]

@@ -31,10 +31,29 @@ def copy_nonfinite(info: TensorInfo, data: torch.Tensor, native_checks: bool) ->
 
 
 def raise_nonfinite(info: TensorInfo, only_if_found: bool = False, what: str = "weight", action: str = "refusing to quantize") -> None:
-    """Find the first NaN/inf of a tensor (re-reading it on the CPU) and raise a one-line error."""
-    total = 0
-    first = None
-    kind = "inf"
+    """Find the first NaN/inf of a tensor (re-reading it on the CPU) and raise a one-line error. A weight dequantized
+    from stored tensors (``info.virtual``: an FP8 weight and its ``weight_scale_inv``, say) names the stored tensor
+    that holds the NaN/inf, where one does, rather than the weight computed from it."""
+    if info.virtual is not None:
+        for part in info.virtual.stored():
+            total, first, kind = _scan(part)
+            if total:
+                own = part.name == info.name  # the stored values under the weight's own name (E4M3 bytes)
+                msg = (
+                    f"{what} {_count(total, kind, first, part)} in its stored {part.dtype} values"
+                    if own
+                    else (f"stored tensor {_count(total, kind, first, part)}: {info.name} is dequantized from it")
+                )
+                raise BadInputError(f"{msg}; {action}", file=str(part.file), tensor=part.name)
+    total, first, kind = _scan(info)
+    if total == 0 and only_if_found:
+        return
+    raise BadInputError(f"{what} {_count(total, kind, first, info)}; {action}", file=str(info.file), tensor=info.name)
+
+
+def _scan(info: TensorInfo) -> tuple[int, tuple[int, int] | None, str]:
+    """The number of NaN/inf values of ``info``, the (row, column) of the first, and ``NaN`` or ``inf``."""
+    total, first, kind = 0, None, "inf"
     for r0, w in iter_row_chunks(info):
         w = w.float().reshape(w.shape[0] if w.dim() else 1, -1)  # E4M3 NaN -> NaN; 0-D and 1-D as rows
         bad = ~torch.isfinite(w)
@@ -46,11 +65,9 @@ def raise_nonfinite(info: TensorInfo, only_if_found: bool = False, what: str = "
             if bool(torch.isnan(w).any()):
                 kind = "NaN"
             total += cnt
-    if total == 0 and only_if_found:
-        return
-    where = f"element {first[0]}" if len(info.shape) <= 1 else f"row {first[0]}, column {first[1]}"  # a 1-D tensor's rows are elements
-    raise BadInputError(
-        f"{what} holds {total} non-finite value{'' if total == 1 else 's'} ({kind}; first at {where}); {action}",
-        file=str(info.file),
-        tensor=info.name,
-    )
+    return total, first, kind
+
+
+def _count(total: int, kind: str, first, info: TensorInfo) -> str:
+    where = "nowhere" if first is None else f"element {first[0]}" if len(info.shape) <= 1 else f"row {first[0]}, column {first[1]}"
+    return f"holds {total} non-finite value{'' if total == 1 else 's'} ({kind}; first at {where})"

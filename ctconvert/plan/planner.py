@@ -104,6 +104,16 @@ class Plan:
         return sum(len(u.modules) for u in self.units if u.kind == "quantize")
 
     @property
+    def kept_dense(self) -> dict[str, list[str]]:
+        """Reason -> the Linear weights kept dense for it (``ignore`` rows: defaults, ``--ignore``,
+        ``--skip-incompatible``), in plan order."""
+        found: dict[str, list[str]] = {}
+        for r in self.rows:
+            if r.action == "ignore":
+                found.setdefault(r.reason or "ignored", []).append(r.name)
+        return found
+
+    @property
     def output_tensors(self) -> list[tuple[str, str, tuple[int, ...]]]:
         return [o for u in self.units for o in u.outputs]
 
@@ -402,7 +412,7 @@ def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
     if default is not None:
         return default
     if (why := dense_experts_reason(module, rules.config)) is not None:
-        return f"{why}; targets naming them with --allow-unloadable quantize them"
+        return f"{why}; quantized only where targets name them and --allow-unloadable is given"
     if not rules.quantize_mtp and is_mtp(name, rules.config):
         return "MTP layer; --quantize-mtp quantizes it"
     if (why := mtp_dense_reason(module, rules.config)) is not None:

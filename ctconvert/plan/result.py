@@ -32,6 +32,7 @@ class ConversionResult:
     seconds: float = 0.0
     shards: list[str] = field(default_factory=list)
     quantized_modules: int = 0
+    kept_dense: dict[str, int] = field(default_factory=dict)  # reason -> Linear weights kept dense for it (Plan.kept_dense)
     ignore: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     device: str = "cpu"
@@ -56,6 +57,7 @@ class ConversionResult:
             dry_run=dry_run,
             input_bytes=input_bytes,
             quantized_modules=plan.quantized_modules,
+            kept_dense={why: len(names) for why, names in plan.kept_dense.items()},
             ignore=plan.ignore,
             notes=plan.notes,
             device=",".join(map(str, devs)),

@@ -151,10 +151,12 @@ class CalibrateStage(Stage):
 
     def _record(self, job: QuantizeJob, cal, t0: float, at: int) -> None:
         """Calibration's notes, and its seconds: ``seconds`` from the stage's start to the end of the pass, and
-        ``model_seconds`` that building the model took at plan time (transformers imported)."""
+        ``model_seconds`` that building the model took at plan time (transformers imported); ``preloaded_bytes`` 0
+        (only the calibration process preloads: it sets its own count after this)."""
         job.result.notes[at:at] = cal.notes
         job.result.calibration["seconds"] = round(time.perf_counter() - t0, 3)
         job.result.calibration["model_seconds"] = self.built_s
+        job.result.calibration["preloaded_bytes"] = 0
 
     def _beside(self, job: QuantizeJob) -> bool:
         """Whether calibration can run beside the write stage: not for the imatrix observers (the weights themselves

@@ -368,3 +368,25 @@ def test_decompress_reads_every_source(tmp_path):
     got = _tensors(tmp_path / "awq-dense")
     assert all(bitwise_equal(got[m + ".weight"], r) for m, r in refs.items())
     assert not (tmp_path / "awq-dense" / "quant_config.json").exists()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))])
+@pytest.mark.parametrize("part", ["weight_scale_inv", "weight"])
+def test_a_non_finite_stored_tensor_is_named_not_the_weight_made_from_it(tmp_path, part, device):
+    """A NaN in an FP8 source's ``weight_scale_inv`` names that tensor (the stored E4M3 weight is finite); a NaN byte
+    in the E4M3 weight names the weight, said to be its stored values. Nothing is written."""
+    src = ff.deepseek_checkpoint(tmp_path / "ds")
+    t = load_file(src / "model.safetensors")
+    name = f"model.layers.0.mlp.down_proj.{part}"
+    x = t[name].clone()
+    if part == "weight":
+        x.view(torch.uint8).reshape(-1)[5] = 0x7F  # E4M3 NaN
+        want = rf"'{name}': weight holds 1 non-finite value \(NaN; first at row 0, column 5\) in its stored F8_E4M3 values"
+    else:
+        x.reshape(-1)[1] = float("nan")
+        want = rf"'{name}': stored tensor holds 1 non-finite value \(NaN; first at row 0, column 1\): model\.layers\.0\.mlp\.down_proj\.weight is dequantized"
+    _edit(src, replace={name: x})
+    with pytest.raises(BadInputError, match=want) as e:
+        api.quantize(src, tmp_path / "out", "NVFP4A16", device=device)
+    assert "\n" not in str(e.value) and str(src / "model.safetensors") in str(e.value)
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,75 @@
+"""verify's gain check: an output whose scales are off by a factor (a global scale written 1.25x, FP8 scales 1.05x)
+stays within the relative-L2 limits of its format, and must fail all the same; correct outputs pass, heavy-tailed
+weights included."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ctconvert import api
+
+from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+
+
+def _scaled(out, tmp_path, suffix: str, factor: float, only: str | None = None):
+    """A copy of ``out`` with every tensor whose name ends with ``suffix`` (of module ``only``, else all) times
+    ``factor``, stored in its dtype."""
+    bad = tmp_path / f"bad-{suffix}-{factor}-{only}"
+    shutil.copytree(out, bad)
+    hit = []
+    for f in bad.glob("*.safetensors"):
+        ts = load_file(f)
+        for name, t in ts.items():
+            if name.endswith(suffix) and (only is None or name.startswith(only + ".")):
+                ts[name] = (t.float() * factor).to(t.dtype)
+                hit.append(name.rsplit(".", 1)[0])
+        save_file(ts, f, metadata={"format": "pt"})
+    assert hit
+    return bad, hit
+
+
+@pytest.mark.parametrize(
+    "scheme,suffix,factor",
+    [
+        ("NVFP4A16", "weight_global_scale", 1.25),
+        ("NVFP4A16", "weight_global_scale", 0.9),
+        ("FP8_BLOCK", "weight_scale", 1.05),
+        ("FP8_DYNAMIC", "weight_scale", 1.03),
+    ],
+)
+def test_scales_off_by_a_factor_fail_within_the_error_limit(tiny_llama, tmp_path, scheme, suffix, factor):
+    out = tmp_path / "q"
+    api.quantize(tiny_llama, out, scheme)
+    good = api.verify(out, tiny_llama)
+    assert good["ok"], good["problems"]
+    assert all(abs(r["gain"] - 1) < 0.5 * r["rel_l2"] or abs(r["gain"] - 1) <= 0.005 for r in good["tensors"])
+    module = "model.layers.1.mlp.down_proj"
+    for only in (module, None):  # one module, then every module
+        bad, hit = _scaled(out, tmp_path, suffix, factor, only)
+        rep = api.verify(bad, tiny_llama)
+        assert not rep["ok"]
+        rows = {r["module"]: r for r in rep["tensors"]}
+        for m in set(hit):
+            assert rows[m]["rel_l2"] <= rows[m]["threshold"]  # the error limit alone lets it through
+            assert not rows[m]["ok"] and not rows[m]["gain_ok"]
+            assert abs(rows[m]["gain"] - (1 / factor if suffix == "weight_global_scale" else factor)) < 0.02
+        flagged = {p["tensor"] for p in rep["problems"] if p["severity"] == "error" and "least-squares gain" in p["message"]}
+        assert flagged == set(hit)
+        assert all(rows[m]["ok"] for m in rows if m not in hit)
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16", "MXFP4", "FP8_BLOCK", "W8A8"])
+def test_heavy_tailed_weights_pass(tmp_path, scheme):
+    """Random weights with log-normal magnitudes (sigma 1.5, far heavier tails than trained weights) pass the gain check:
+    their gain moves with their larger rounding error."""
+    g = torch.Generator().manual_seed(1)
+    t = {k: (v.float() * torch.exp(torch.randn(v.shape, generator=g) * 1.5)).to(v.dtype) if v.dim() == 2 else v for k, v in llama_tensors(LLAMA_CONFIG).items()}
+    src = write_checkpoint(tmp_path / "heavy", t, LLAMA_CONFIG)
+    api.quantize(src, tmp_path / "q", scheme)
+    rep = api.verify(tmp_path / "q", src)
+    assert rep["ok"], rep["problems"]
+    assert max(abs(r["gain"] - 1) for r in rep["tensors"]) > 0.001  # the gain is measured, not a constant
