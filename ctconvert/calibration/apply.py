@@ -185,11 +185,11 @@ def _fallback(name: str, stats: dict[str, MinMax]) -> MinMax | None:
 
 def _check_finite(ckpt: Checkpoint, module: str, what: str, s: MinMax) -> None:
     """Raises :class:`BadInputError` (exit 3) when ``module``'s observed ``what`` reached NaN/inf on the calibration
-    text: no static scale can be computed from it (a non-finite value upstream, e.g. a weight kept with
+    data: no static scale can be computed from it (a non-finite value upstream, e.g. a weight kept with
     ``--allow-non-finite``), and none is made up."""
     if s.min is not None and not (bool(torch.isfinite(s.min).all()) and bool(torch.isfinite(s.max).all())):
         raise BadInputError(
-            f"calibration: the {what} of {module} are not finite (NaN/inf) on the calibration text, so its static scales "
+            f"calibration: the {what} of {module} are not finite (NaN/inf) on the calibration data, so its static scales "
             "cannot be computed: a non-finite value upstream of it in the checkpoint (a tensor kept with --allow-non-finite?); "
             "use a scheme with dynamic activation scales (FP8_DYNAMIC, NVFP4A16, W4A16, ...)",
             file=ckpt.path,

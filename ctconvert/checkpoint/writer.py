@@ -77,7 +77,9 @@ def check_output_path(src: Path, out: Path, overwrite: bool) -> None:
     if o == s or s in o.parents or o in s.parents:
         raise UsageError(f"output {out} overlaps the input {src}; ctconvert never writes into its input")
     if o.exists() and not overwrite:
-        raise OutputError("output path exists; pass --overwrite (overwrite=True in the API and batch jobs) to replace it", file=out)
+        if o.is_dir() and replaceable(o) and not not_written_here(o, s):
+            raise OutputError("output path exists; pass --overwrite (overwrite=True in the API and batch jobs) to replace it", file=out)
+        raise OutputError("output path exists and is not an earlier ctconvert output (which --overwrite replaces); choose another -o", file=out)
     if o.exists() and not o.is_dir():
         raise OutputError("output path exists and is not a folder", file=out)
     if o.exists() and not replaceable(o):
