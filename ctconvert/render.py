@@ -268,8 +268,9 @@ def verify(ctx, report: dict, reference) -> None:
     con.print(f"checked {plural(c['shards'], 'shard')}, {plural(c['tensors'], 'tensor')} ({human(c['bytes'])}): {'; '.join(c['checks'])}", markup=False)
     if (sm := report["summary"]) is not None:
         con.print(
-            f"{plural(sm['modules'], 'weight')} compared with {reference}: {sm['failed']} over the limit; worst {sm['worst_module']} "
-            f"(relative L2 {sm['worst_rel_l2']:.4f}, limit {sm['worst_threshold']}), lowest SNR {sm['min_snr_db']:.1f} dB",
+            f"{plural(sm['modules'], 'weight')} compared with {reference}: {sm['failed']} failed{_gain_failures(sm)}; worst {sm['worst_module']} "
+            f"(relative L2 {sm['worst_rel_l2']:.4f}, limit {sm['worst_threshold']}), lowest SNR {sm['min_snr_db']:.1f} dB, "
+            f"gain {sm['min_gain']:.4f}-{sm['max_gain']:.4f}",
             markup=False,
         )
         if "worst_rel_l2_dense" in sm:  # 2:4: judged against the pruned reference, the pruning's error beside it
@@ -286,6 +287,11 @@ def verify(ctx, report: dict, reference) -> None:
         con.print(f"tensor parallel: largest TP degree {par['max_tp']}{ep_note}", markup=False)
     problems(con, report["problems"])
     con.print("[green]verify: passed[/]" if report["ok"] else "[red]verify: FAILED[/]")
+
+
+def _gain_failures(sm: dict) -> str:
+    n = sm.get("gain_failed", 0)
+    return f" ({n} on the gain: a scale off by a factor)" if n else ""
 
 
 def _gain(row: dict) -> str:

@@ -1,4 +1,5 @@
-"""An output checkpoint's tensors beyond its quantized modules, against the reference it was made from.
+"""An output checkpoint against the reference it was made from: its tensors beyond the quantized modules, and the
+numbers the quantized modules are judged by (relative-L2 limits, the gain check, the reference's experts split).
 
 What ``verify --reference`` requires of every other tensor (:mod:`ctconvert.commands.verify` judges the quantized
 modules by value): it comes from the reference with equal bytes, or holds the reference's values cast to another
@@ -8,16 +9,32 @@ the quantized modules. Read from the two checkpoints alone, never from the outpu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from ..errors import agree, plural
+from ..errors import CTConvertError, agree, plural
+from .families import split_fused_experts
 from .modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module
 from .reader import Checkpoint, Problem
 from .safetensors_io import read_bytes
 
-__all__ = ["CHUNK", "compare_others", "same_bytes"]
+__all__ = [
+    "CHUNK",
+    "GAIN_FLOOR",
+    "GAIN_FLOOR_REQUANT",
+    "GAIN_SHARE",
+    "GAIN_SHARE_MX",
+    "GAIN_SHARE_REQUANT",
+    "THRESHOLDS",
+    "compare_others",
+    "error_stats",
+    "error_threshold",
+    "gain_message",
+    "same_bytes",
+    "split_reference",
+]
 
 CHUNK = 16 * 2**20  # bytes compared at a time
 
@@ -97,3 +114,63 @@ def same_bytes(a, b) -> bool:
         if not torch.equal(read_bytes(a, b0, nb), read_bytes(b, b0, nb)):
             return False
     return True
+
+
+# -- the quantized weights' error and gain (verify judges them; the numbers live here) --
+
+#: largest relative L2 error accepted per (type, bits) of the weights
+THRESHOLDS = {("float", 8): 0.08, ("int", 8): 0.04, ("int", 4): 0.25, ("float", 4): 0.30}
+#: the gain check: ``|gain - 1| <= max(GAIN_FLOOR, GAIN_SHARE * rel_l2)``, the gain being a module's least-squares
+#: factor ``<output, reference> / <reference, reference>`` (1 for a correct quantization: rounding errors do not
+#: correlate with the weight). A scale off by a factor ``s`` (a global scale written 1.25x, an FP8 scale 1.05x)
+#: moves the gain to ``s`` and the error to about ``sqrt((s-1)^2 + e^2)``, ``e`` the format's own error, so it fails
+#: once ``|s - 1| > e / sqrt(3)``, well inside the relative-L2 limit. Measured on correct outputs: ``|gain - 1|`` up to
+#: 0.1x the error on real weights (all-MiniLM-L6-v2, six schemes) and 0.41x on random weights with very heavy tails
+#: (log-normal magnitudes, sigma 1.5; MXFP4, W4A16 with the imatrix observer)
+GAIN_SHARE = 0.5
+GAIN_FLOOR = 0.005
+#: MXFP4/MXFP8: their power-of-two scales (E8M0, ``floor(log2 amax)`` less the format's largest exponent) clip the
+#: largest values of a block by design, which lowers the gain by up to ~0.4x the error on heavy-tailed weights; a
+#: scale off by a factor there is off by a power of two (gain 0.5 or 2), which this share still fails
+GAIN_SHARE_MX = 1.0
+#: against a quantized reference (a requantization): rounding values that already lie on another grid is biased by
+#: itself (measured over 10 compressed-tensors, 4 GPTQ, AWQ and ModelOpt sources x 7 targets: |gain - 1| up to 0.048,
+#: a GPTQ int4 source to W4A16, and up to 0.89x the error, MXFP4 to W8A8), so only a larger factor fails there
+GAIN_FLOOR_REQUANT = 0.08
+GAIN_SHARE_REQUANT = 0.75
+
+
+def error_threshold(weights: dict) -> float:
+    return THRESHOLDS.get((weights.get("type"), int(weights.get("num_bits") or 0)), 0.3)
+
+
+def gain_message(row: dict) -> str:
+    g, rel = row["gain"], row["rel_l2"]
+    return (
+        f"the dequantized weight is {g:.4f}x the reference's (least-squares gain; its relative L2 error {rel:.4f} is within "
+        f"{row['threshold']}, but a correct quantization's gain is within {row['gain_limit']:.4f} of 1): "
+        "a scale (global, per tensor or per group) is off by about that factor"
+    )
+
+
+def error_stats(se: float, sr: float, mx: float) -> tuple[float, float, float]:
+    """``(relative L2, max abs, SNR in dB)`` from the sums of squared error and squared reference."""
+    rel = math.sqrt(se / sr) if sr > 0 else (0.0 if se == 0 else math.inf)
+    snr = 10 * math.log10(sr / se) if se > 0 and sr > 0 else math.inf
+    return rel, mx, snr
+
+
+def split_reference(ref: Checkpoint, ckpt: Checkpoint, problems: list[Problem]) -> Checkpoint:
+    """The reference as the output names it: each fused 3-D expert tensor the output does not hold under its own
+    name is replaced by its per-expert parts (:func:`ctconvert.checkpoint.families.split_fused_experts`)."""
+    try:
+        fused = split_fused_experts(ref.tensors, ref.config)
+    except CTConvertError as e:
+        problems.append(Problem("warning", f"reference fused experts not split: {e.message}", e.file, e.tensor))
+        return ref
+    split = {n: fe for n, fe in fused.items() if n not in ckpt.tensors}
+    if not split:
+        return ref
+    tensors = {n: i for n, i in ref.tensors.items() if n not in split}
+    tensors.update({p.name: p for fe in split.values() for p in fe.parts})
+    return dataclasses.replace(ref, tensors=tensors)

@@ -34,13 +34,26 @@ Reads top to bottom: structure -> values -> reference errors -> the report.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from pathlib import Path
 
 import torch
 
-from ..checkpoint.comparison import CHUNK, compare_others, same_bytes
+from ..checkpoint.comparison import (
+    CHUNK,
+    GAIN_FLOOR,
+    GAIN_FLOOR_REQUANT,
+    GAIN_SHARE,
+    GAIN_SHARE_MX,
+    GAIN_SHARE_REQUANT,
+    THRESHOLDS,
+    compare_others,
+    error_stats,
+    error_threshold,
+    gain_message,
+    same_bytes,
+    split_reference,
+)
 from ..checkpoint.config import require_compressed_tensors
 from ..checkpoint.conformance import (
     kv_scale_problems,
@@ -51,13 +64,13 @@ from ..checkpoint.conformance import (
     vllm_expert_problems,
     vllm_unloadable_problems,
 )
-from ..checkpoint.families import split_fused_experts, transformers_per_expert_reason
+from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, Problem, open_checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_rows, read_tensor
-from ..errors import CTConvertError, UsageError
+from ..errors import UsageError
 from ..formats import CompressionFormat, WeightArgs, get_format
 from ..formats.sparse24 import SPARSE_PREFIX, prune24
 from ..pipeline.zeros import candidate_rows, zero_rows
@@ -65,24 +78,10 @@ from ..plan import kernel_targets as kernels
 from ..plan.parallel import checkpoint_modules, kernel_native_modules, parallel_report
 from ..sources import open_source
 
-__all__ = ["THRESHOLDS", "verify"]
+__all__ = ["verify"]
 
-#: largest relative L2 error accepted per (type, bits) of the weights
-THRESHOLDS = {("float", 8): 0.08, ("int", 8): 0.04, ("int", 4): 0.25, ("float", 4): 0.30}
+
 _FLOAT_OR_E4M3 = ("BF16", "F16", "F32", "F64", "F8_E4M3")
-#: the gain check: ``|gain - 1| <= max(GAIN_FLOOR, GAIN_SHARE * rel_l2)``, the gain being a module's least-squares
-#: factor ``<output, reference> / <reference, reference>`` (1 for a correct quantization: rounding errors do not
-#: correlate with the weight). A scale off by a factor ``s`` (a global scale written 1.25x, an FP8 scale 1.05x)
-#: moves the gain to ``s`` and the error to about ``sqrt((s-1)^2 + e^2)``, ``e`` the format's own error, so it fails
-#: once ``|s - 1| > e / sqrt(3)``, well inside the relative-L2 limit. Measured on correct outputs: ``|gain - 1|`` up to
-#: 0.1x the error on real weights (all-MiniLM-L6-v2, six schemes) and 0.41x on random weights with very heavy tails
-#: (log-normal magnitudes, sigma 1.5; MXFP4, W4A16 with the imatrix observer)
-GAIN_SHARE = 0.5
-GAIN_FLOOR = 0.005
-#: MXFP4/MXFP8: their power-of-two scales (E8M0, ``floor(log2 amax)`` less the format's largest exponent) clip the
-#: largest values of a block by design, which lowers the gain by up to ~0.4x the error on heavy-tailed weights; a
-#: scale off by a factor there is off by a power of two (gain 0.5 or 2), which this share still fails
-GAIN_SHARE_MX = 1.0
 
 
 #: what each check is called in the report's ``checked.checks``
@@ -133,10 +132,10 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         problems += _all_zero_problems(mods, ckpt)
     else:
         source = open_checkpoint(reference, strict=True)
-        ref = _split_reference(open_source(source).view, ckpt, problems)  # a quantized reference: its dequantized weights
+        ref = split_reference(open_source(source).view, ckpt, problems)  # a quantized reference: its dequantized weights
         problems += _value_problems(ckpt, ref)
         with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
-            rows, ref_problems = _compare_weights(mods, ref, bar, contradicted, gain=source.quantization_config is None)
+            rows, ref_problems = _compare_weights(mods, ref, bar, contradicted, requantized=source.quantization_config is not None)
             problems += ref_problems + compare_others(ckpt, mods, ref, bar)
         checks += ["error of every quantized weight against the reference", "every other tensor equals the reference", "every reference tensor accounted for"]
     report = _report(path, reference, problems, rows, checked=_checked(ckpt, checks, len(rows)))
@@ -184,6 +183,9 @@ def _summary(rows: list[dict]) -> dict | None:
         "worst_rel_l2": worst["rel_l2"],
         "worst_threshold": worst["threshold"],
         "min_snr_db": min(r["snr_db"] for r in rows),
+        "gain_failed": sum(not r.get("gain_ok", True) for r in rows),
+        "min_gain": min(r.get("gain", 1.0) for r in rows),
+        "max_gain": max(r.get("gain", 1.0) for r in rows),
         **_dense_summary(rows),
     }
 
@@ -195,22 +197,6 @@ def _dense_summary(rows: list[dict]) -> dict:
         return {}
     worst = max(sparse, key=lambda r: r["rel_l2_dense"])
     return {"sparse_modules": len(sparse), "worst_dense_module": worst["module"], "worst_rel_l2_dense": worst["rel_l2_dense"]}
-
-
-def _split_reference(ref: Checkpoint, ckpt: Checkpoint, problems: list[Problem]) -> Checkpoint:
-    """The reference as the output names it: each fused 3-D expert tensor the output does not hold under its own
-    name is replaced by its per-expert parts (:func:`ctconvert.checkpoint.families.split_fused_experts`)."""
-    try:
-        fused = split_fused_experts(ref.tensors, ref.config)
-    except CTConvertError as e:
-        problems.append(Problem("warning", f"reference fused experts not split: {e.message}", e.file, e.tensor))
-        return ref
-    split = {n: fe for n, fe in fused.items() if n not in ckpt.tensors}
-    if not split:
-        return ref
-    tensors = {n: i for n, i in ref.tensors.items() if n not in split}
-    tensors.update({p.name: p for fe in split.values() for p in fe.parts})
-    return dataclasses.replace(ref, tensors=tensors)
 
 
 def _report(path: Path, reference, problems: list[Problem], tensors: list[dict], **extra) -> dict:
@@ -255,7 +241,7 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
     ref_ckpt = open_checkpoint(reference, strict=True)
     quantized_ref = bool(ref_ckpt.quantization_config)
     ref = open_source(ref_ckpt).view if quantized_ref else ref_ckpt
-    split = _split_reference(ref, ckpt, problems)  # fused 3-D experts (gpt-oss): each per-expert tensor against its slice
+    split = split_reference(ref, ckpt, problems)  # fused 3-D experts (gpt-oss): each per-expert tensor against its slice
     if split is not ref and (why := transformers_per_expert_reason(ref.config)) is not None:  # a dense copy is for transformers too
         first = next(n for n in ref.tensors if n not in split.tensors)
         problems.append(_error(f"the reference stores these experts fused and this dense checkpoint holds them per expert: {why}", tensor=first))
@@ -403,10 +389,6 @@ def _value_problems(ckpt: Checkpoint, ref: Checkpoint | None = None) -> list[Pro
 # -- against the reference -------------------------------------------------------------------
 
 
-def _threshold(weights: dict) -> float:
-    return THRESHOLDS.get((weights.get("type"), int(weights.get("num_bits") or 0)), 0.3)
-
-
 _PRUNED_NOTE = (
     "2:4 sparse modules pass or fail on their error against the reference pruned 2:4 by verify (the format's limit; exact for dense "
     "2:4 values); their error against the dense reference, the pruning's own, is reported beside it (rel L2 dense), not judged"
@@ -414,13 +396,13 @@ _PRUNED_NOTE = (
 
 
 def _compare_weights(
-    mods: dict[str, Module], ref: Checkpoint, bar=None, contradicted: set[str] = frozenset(), gain: bool = True
+    mods: dict[str, Module], ref: Checkpoint, bar=None, contradicted: set[str] = frozenset(), requantized: bool = False
 ) -> tuple[list[dict], list[Problem]]:
     """One error row per quantized module: its dequantized weight against the reference's. ``contradicted``: the
     modules whose tensors contradict their config group (reported already), not dequantized; a module whose
-    tensors cannot be dequantized is an error. ``gain``: judge each module's gain too (a dense reference; against a
-    quantized one, whose weights lie on another grid, rounding them again is biased by itself: an int4 GPTQ source
-    requantized to W4A16 gains ~1.047, every row's absmax code -8 becoming -7.5 steps of the new scale)."""
+    tensors cannot be dequantized is an error. ``requantized``: the reference is itself quantized, whose weights lie
+    on another grid, so that rounding them again is biased by itself (an int4 GPTQ source requantized to W4A16 gains
+    ~1.047: each group's absmax code -8 becomes -7.5 steps of the new scale): the gain's wider limit."""
     rows, problems = [], []
     emb = find_embedding(ref.tensors)
     for m in sorted(mods.values(), key=lambda m: natural_key(m.name)):
@@ -437,7 +419,7 @@ def _compare_weights(
             problems.append(_error(f"shape {n}x{k} differs from the reference {list(src.shape)}", tensor=m.name))
             continue
         try:
-            row = _error_row(m, src, gain)
+            row = _error_row(m, src, requantized)
         except (ValueError, KeyError, RuntimeError, IndexError) as e:
             problems.append(_error(f"cannot be dequantized as {m.format}: {e}", tensor=m.name))
             continue
@@ -448,14 +430,14 @@ def _compare_weights(
         if row["rel_l2"] > row["threshold"]:
             problems.append(_error(f"relative L2 error {row['rel_l2']:.4f} exceeds {row['threshold']} for {m.format}", tensor=m.name))
         elif not row["gain_ok"]:
-            problems.append(_error(_gain_message(row), tensor=m.name))
+            problems.append(_error(gain_message(row), tensor=m.name))
         if row["zero_rows"]:
             what = "every row is" if row["zero_rows"] == n else f"{row['zero_rows']} of {n} rows are"
             problems.append(Problem("warning", f"{what} all zero in the output but not in the reference (values too small for the format)", None, m.name))
     return rows, problems
 
 
-def _error_row(m: Module, src, judge_gain: bool = True) -> dict:
+def _error_row(m: Module, src, requantized: bool = False) -> dict:
     """The error row of one quantized module against its reference weight ``src``: relative L2, max abs, SNR (dB).
 
     A 2:4 sparse module (``sparse-24-bitmask``, ``marlin-24``) is judged against the reference pruned 2:4 by verify
@@ -479,35 +461,22 @@ def _error_row(m: Module, src, judge_gain: bool = True) -> dict:
             acc[2] = max(acc[2], float(d.abs().max()) if d.numel() else 0.0)
             acc[3] += float((got * want).sum())
         lost += int(zero_rows(got, wants["pruned" if sparse else "dense"])[1].sum())
-    stats = {key: _stats(*acc[:3]) for key, acc in sums.items()}
+    stats = {key: error_stats(*acc[:3]) for key, acc in sums.items()}
     rel, mx, snr = stats["pruned" if sparse else "dense"]
-    limit = 0.0 if m.format == SPARSE_PREFIX else _threshold(m.weights or {})
+    limit = 0.0 if m.format == SPARSE_PREFIX else error_threshold(m.weights or {})
     judged = sums["pruned" if sparse else "dense"]
     gain = judged[3] / judged[1] if judged[1] > 0 else 1.0
     row = {"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "gain": gain}
-    limit_gain = max(GAIN_FLOOR, (GAIN_SHARE_MX if str(m.format).startswith("mxfp") else GAIN_SHARE) * rel) if judge_gain else None
-    row.update(gain_limit=limit_gain, gain_ok=limit_gain is None or abs(gain - 1) <= limit_gain, zero_rows=lost)
+    if requantized:
+        limit_gain = max(GAIN_FLOOR_REQUANT, GAIN_SHARE_REQUANT * rel)
+    else:
+        limit_gain = max(GAIN_FLOOR, (GAIN_SHARE_MX if str(m.format).startswith("mxfp") else GAIN_SHARE) * rel)
+    row.update(gain_limit=limit_gain, gain_ok=abs(gain - 1) <= limit_gain, zero_rows=lost)
     row["ok"] = rel <= limit and row["gain_ok"]
     if sparse:
         rel_d, mx_d, snr_d = stats["dense"]
         row.update(against="2:4-pruned reference", rel_l2_dense=rel_d, max_abs_dense=mx_d, snr_db_dense=snr_d)
     return row
-
-
-def _gain_message(row: dict) -> str:
-    g, rel = row["gain"], row["rel_l2"]
-    return (
-        f"the dequantized weight is {g:.4f}x the reference's (least-squares gain; its relative L2 error {rel:.4f} is within "
-        f"{row['threshold']}, but a correct quantization's gain is within {row['gain_limit']:.4f} of 1): "
-        "a scale (global, per tensor or per group) is off by about that factor"
-    )
-
-
-def _stats(se: float, sr: float, mx: float) -> tuple[float, float, float]:
-    """``(relative L2, max abs, SNR in dB)`` from the sums of squared error and squared reference."""
-    rel = math.sqrt(se / sr) if sr > 0 else (0.0 if se == 0 else math.inf)
-    snr = 10 * math.log10(sr / se) if se > 0 and sr > 0 else math.inf
-    return rel, mx, snr
 
 
 def _all_zero_problems(mods: dict[str, Module], ckpt: Checkpoint) -> list[Problem]:

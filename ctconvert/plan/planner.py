@@ -351,7 +351,7 @@ def _decide(d: Decisions, name: str, info: TensorInfo, assign: GroupAssignment, 
     if user is not None:
         d.used_ignore.add(user)  # also where a default keeps it dense: the pattern goes into the config
     if explicit is None and rules.default_ignore and (default := _default_rule(module, name, rules)) is not None:
-        return keep_dense(f"{default} (default)", default=default)
+        return keep_dense(default if "by default" in default else f"{default} (default)", default=default)
     if user is not None:
         return keep_dense(f"{d.flags[1]} {user}", listed=linear)
     problem = weight_problem(info.dtype, info.shape, scheme)
@@ -412,7 +412,7 @@ def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
     if default is not None:
         return default
     if (why := dense_experts_reason(module, rules.config)) is not None:
-        return f"{why}; quantized only where targets name them and --allow-unloadable is given"
+        return f"{why}; kept dense by default (targets naming them, with --allow-unloadable, quantize them)"
     if not rules.quantize_mtp and is_mtp(name, rules.config):
         return "MTP layer; --quantize-mtp quantizes it"
     if (why := mtp_dense_reason(module, rules.config)) is not None:
