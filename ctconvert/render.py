@@ -240,7 +240,7 @@ def quantized(result, refresh: bool) -> None:
     ratio = result.input_bytes / max(1, result.output_bytes)
     click.echo(
         f"wrote {result.output}: {result.scheme} ({result.format}), {plural(result.quantized_modules, 'Linear layer')} quantized, "
-        f"{sum(result.kept_dense.values())} kept dense, {plural(len(result.shards), 'shard')}, "
+        f"{plural(sum(result.kept_dense.values()), 'weight tensor')} kept dense, {plural(len(result.shards), 'shard')}, "
         f"{human(result.input_bytes)} -> {human(result.output_bytes)} ({ratio:.2f}x) "
         f"in {result.seconds:.1f} s on {result.device}"
     )

@@ -145,7 +145,7 @@ def test_counts_agree_with_their_nouns(tiny_llama, tmp_path):
     code, _, err = run("quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "store", "--overwrite")
     assert code == 6 and "this folder holds 1 other entry (precious)" in err
     code, stdout, _ = run("quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "o")
-    assert code == 0 and ", 14 Linear layers quantized, 1 kept dense, 1 shard, " in stdout
+    assert code == 0 and ", 14 Linear layers quantized, 1 weight tensor kept dense, 1 shard, " in stdout
     code, stdout, _ = run("verify", tmp_path / "o")
     assert code == 0 and stdout.startswith("checked 1 shard, 49 tensors (")
     code, stdout, _ = run("--plain", "inspect", tmp_path / "o")
