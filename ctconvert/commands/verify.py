@@ -130,6 +130,8 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     if reference is None:
         problems += _value_problems(ckpt)
         problems += _all_zero_problems(mods, ckpt)
+    elif not ckpt.tensors:  # no shard could be read (truncated, say): the errors above say why, not a wrong --reference
+        problems.append(Problem("note", "not compared with --reference: no tensor of the output could be read (the errors above)"))
     else:
         source = open_checkpoint(reference, strict=True)
         ref = split_reference(open_source(source).view, ckpt, problems)  # a quantized reference: its dequantized weights

@@ -488,3 +488,17 @@ def test_an_allow_non_finite_copy_verifies_against_a_reference_holding_the_same_
     ref2 = write_checkpoint(tmp_path / "src2", other, LLAMA_CONFIG)
     rep = api.verify(tmp_path / "q", ref2)
     assert not rep["ok"] and any(p["severity"] == "error" and p["tensor"] == name and "NaN/inf" in p["message"] for p in rep["problems"])
+
+
+def test_a_truncated_output_is_its_read_error_not_a_wrong_reference(tiny_llama, tmp_path):
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, "W4A16")
+    shard = next(q.glob("*.safetensors"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    rep = api.verify(q, tiny_llama)
+    assert not rep["ok"]
+    errors = [p for p in rep["problems"] if p["severity"] == "error"]
+    assert errors and all("truncated" in p["message"] and p["file"] == str(shard) for p in errors)
+    assert any(p["severity"] == "note" and "not compared with --reference" in p["message"] for p in rep["problems"])
+    assert not any("is --reference the checkpoint" in p["message"] for p in rep["problems"])
