@@ -31,6 +31,7 @@ __all__ = [
     "compare_others",
     "error_stats",
     "error_threshold",
+    "gain_limit",
     "gain_message",
     "same_bytes",
     "split_reference",
@@ -138,6 +139,14 @@ GAIN_SHARE_MX = 1.0
 #: a GPTQ int4 source to W4A16, and up to 0.89x the error, MXFP4 to W8A8), so only a larger factor fails there
 GAIN_FLOOR_REQUANT = 0.08
 GAIN_SHARE_REQUANT = 0.75
+
+
+def gain_limit(fmt, rel: float, requantized: bool) -> float:
+    """The largest ``|gain - 1|`` accepted for a module of format ``fmt`` whose relative L2 error is ``rel``
+    (the constants above): against a quantized reference (``requantized``) the wider limit."""
+    if requantized:
+        return max(GAIN_FLOOR_REQUANT, GAIN_SHARE_REQUANT * rel)
+    return max(GAIN_FLOOR, (GAIN_SHARE_MX if str(fmt).startswith("mxfp") else GAIN_SHARE) * rel)
 
 
 def error_threshold(weights: dict) -> float:

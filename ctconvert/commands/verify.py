@@ -41,15 +41,11 @@ import torch
 
 from ..checkpoint.comparison import (
     CHUNK,
-    GAIN_FLOOR,
-    GAIN_FLOOR_REQUANT,
-    GAIN_SHARE,
-    GAIN_SHARE_MX,
-    GAIN_SHARE_REQUANT,
     THRESHOLDS,
     compare_others,
     error_stats,
     error_threshold,
+    gain_limit,
     gain_message,
     same_bytes,
     split_reference,
@@ -469,10 +465,7 @@ def _error_row(m: Module, src, requantized: bool = False) -> dict:
     judged = sums["pruned" if sparse else "dense"]
     gain = judged[3] / judged[1] if judged[1] > 0 else 1.0
     row = {"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "gain": gain}
-    if requantized:
-        limit_gain = max(GAIN_FLOOR_REQUANT, GAIN_SHARE_REQUANT * rel)
-    else:
-        limit_gain = max(GAIN_FLOOR, (GAIN_SHARE_MX if str(m.format).startswith("mxfp") else GAIN_SHARE) * rel)
+    limit_gain = gain_limit(m.format, rel, requantized)
     row.update(gain_limit=limit_gain, gain_ok=abs(gain - 1) <= limit_gain, zero_rows=lost)
     row["ok"] = rel <= limit and row["gain_ok"]
     if sparse:
