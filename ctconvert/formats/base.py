@@ -329,9 +329,13 @@ class WeightFormat:
         are computed from in place of the chunk's own min/max (the torch reference then runs; for NVFP4
         ``global_scale`` must come from the fused set's searched ranges). Whole-tensor outputs
         (:meth:`whole_tensor_outputs`) are not produced here. Raises ``ValueError`` for values the format
-        cannot hold, and for ranges a format does not take.
+        cannot hold, for ranges a format does not take, and for a K that is not a multiple of the group
+        size (the planner keeps such a weight dense first; the kernels would read past a row's end).
         """
         from . import native
+
+        if args.group_size and w.dim() == 2 and w.shape[1] % args.group_size:
+            raise ValueError(f"K={w.shape[1]} is not a multiple of the group size {args.group_size} ({self.name})")
 
         if ranges is not None:
             return self._reference_ranges(w, args, global_scale, ranges)

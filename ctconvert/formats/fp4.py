@@ -77,28 +77,36 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 def nvfp4_global_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """NVFP4 ``weight_global_scale`` from the absmax of a tensor or fused set.
 
-    ``amax``: fp32 0-d holding a value of dtype D. Computes
+    ``amax``: fp32 0-d holding a value of dtype D (or ``[n]`` of them: the scales of
+    ``n`` sets, elementwise, each the bits a 0-d absmax gives). Computes
     ``D(D(1 / max(amax, tiny(D))) * 2688)``; NaN/inf become 1.0 (an all-zero
-    tensor gets 1.0). Returns fp32 ``[1]``. docs/compressed-tensors-format.md §6.4.
+    tensor gets 1.0). Returns fp32 ``[1]`` (``[n]``). docs/compressed-tensors-format.md §6.4.
     """
     a = torch.clamp(amax.to(torch.float32), min=torch.finfo(dtype).tiny)
     gs = rd(rd(torch.ones_like(a) / a, dtype) * (FP8_MAX * FP4_MAX), dtype)
     gs = torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
-    return gs.reshape(1).to(torch.float32)
+    return gs.reshape(-1).to(torch.float32)
 
 
 def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor, ranges=None) -> dict[str, torch.Tensor]:
     """NVFP4 weight with a given global scale (shared by the fused set).
 
     ``w``: ``[N, K]`` bf16/fp16/fp32 with ``K % 16 == 0``; ``global_scale``: fp32
-    ``[1]`` from :func:`nvfp4_global_scale`; ``ranges``: an observer's per-group
+    ``[1]`` from :func:`nvfp4_global_scale`, or ``[N, 1]``, one per row (the rows of several
+    sets stacked: each row's bits are those of its set alone); ``ranges``: an observer's per-group
     ``(min, max)`` (D ``[N, K/16]``) the group scales are computed from instead of
     ``w``'s own absmax. Returns ``weight_packed`` uint8
     ``[N, K/2]`` and ``weight_scale`` float8_e4m3fn ``[N, K/16]``.
     """
     d = w.dtype
     n, k = w.shape
-    gs = global_scale.to(device=w.device, dtype=torch.float32)
+    if global_scale.numel() not in (1, n):
+        raise ValueError(f"NVFP4 global scales: {global_scale.numel()} for {n} rows")
+    gs = (
+        global_scale.to(device=w.device, dtype=torch.float32).reshape(-1, 1)
+        if global_scale.numel() > 1
+        else global_scale.to(device=w.device, dtype=torch.float32)
+    )
     amax = group_absmax(w, NVFP4_GROUP) if ranges is None else ranges_absmax(*ranges).to(w.device)
     s = (gs * rd(sdiv(amax, FP4_MAX), d)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32)
     s = torch.where(s == 0, torch.full_like(s, 0.125), s)

@@ -269,20 +269,34 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fp4_kernel(
-        w_ptr, p_ptr, s_ptr, gs_ptr, N, K, NT, NVFP4: tl.constexpr, G: tl.constexpr, DT: tl.constexpr, BR: tl.constexpr, BG: tl.constexpr, LOOP: tl.constexpr
+        w_ptr,
+        p_ptr,
+        s_ptr,
+        gs_ptr,
+        N,
+        K,
+        NT,
+        NVFP4: tl.constexpr,
+        G: tl.constexpr,
+        DT: tl.constexpr,
+        BR: tl.constexpr,
+        BG: tl.constexpr,
+        LOOP: tl.constexpr,
+        PER_ROW: tl.constexpr = False,
     ):
         """NVFP4 (G=16, E4M3 scales, global scale) or MXFP4 (G=32, E8M0 scales).
 
         A tile of BR rows x BG groups is loaded once, contiguously, as [BR, BG,
         G/2, 2] and split into even and odd columns, so the two nibbles of each
         output byte meet without any reshape. LOOP: programs loop over tiles and
-        load the next tile before computing the current one (as _int_group_kernel)."""
+        load the next tile before computing the current one (as _int_group_kernel). PER_ROW (NVFP4): gs_ptr holds
+        one global scale per row (the rows of several fused sets stacked), else one for every row."""
         pid = tl.program_id(0)
         npg = tl.num_programs(0)
         rows, groups, pidx, ptrs, m = _fp4_ptrs(w_ptr, pid.to(tl.int64), N, K, G, BR, BG)
         xn = tl.load(ptrs, mask=m[:, :, :, None], other=0.0)
         if not LOOP:  # one program per tile
-            _fp4_tile(xn.to(tl.float32), rows, groups, pidx, m, p_ptr, s_ptr, gs_ptr, N, K, NVFP4, G, DT)
+            _fp4_tile(xn.to(tl.float32), rows, groups, pidx, m, p_ptr, s_ptr, gs_ptr, N, K, NVFP4, G, DT, PER_ROW)
             return
         for t0 in range(pid, NT, npg):
             t = tl.cast(t0, tl.int64)
@@ -290,7 +304,7 @@ if HAVE_TRITON:
             _r, _g, _p, ptrs, m = _fp4_ptrs(w_ptr, t + npg, N, K, G, BR, BG)
             xn = tl.load(ptrs, mask=m[:, :, :, None], other=0.0)
             rows, groups, pidx, _ptrs, m3 = _fp4_ptrs(w_ptr, t, N, K, G, BR, BG)
-            _fp4_tile(x.to(tl.float32), rows, groups, pidx, m3, p_ptr, s_ptr, gs_ptr, N, K, NVFP4, G, DT)
+            _fp4_tile(x.to(tl.float32), rows, groups, pidx, m3, p_ptr, s_ptr, gs_ptr, N, K, NVFP4, G, DT, PER_ROW)
 
     @triton.jit
     def _pow2_exponent(b, W: tl.constexpr, M: tl.constexpr, BIAS: tl.constexpr, EMAX: tl.constexpr):
@@ -303,7 +317,7 @@ if HAVE_TRITON:
         return ((b >> M) - BIAS).to(tl.int32), (b >> M) == 0, (b >> M) == EMAX
 
     @triton.jit
-    def _fp4_tile(x, rows, groups, pidx, m3, p_ptr, s_ptr, gs_ptr, N, K, NVFP4: tl.constexpr, G: tl.constexpr, DT: tl.constexpr):
+    def _fp4_tile(x, rows, groups, pidx, m3, p_ptr, s_ptr, gs_ptr, N, K, NVFP4: tl.constexpr, G: tl.constexpr, DT: tl.constexpr, PER_ROW: tl.constexpr):
         NG = K // G
         rmask = rows < N
         gmask = groups < NG
@@ -311,11 +325,18 @@ if HAVE_TRITON:
         amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))  # [BR, BG]
         m2 = rmask[:, None] & gmask[None, :]
         if NVFP4:
-            gs = tl.load(gs_ptr)
             # gs in [2^-55, 2^55]: every divisor d = s / gs then lies in [2^-64, 2^64] (s is an E4M3 value
             # in [2^-9, 448]), and the two per-group divisions take the reciprocal path too: amax / 6 is
-            # exact for amax >= 2^-100, and a smaller amax gives gs * t < 2^-45, an E4M3 zero either way
-            fast = (gs >= 2.0**-55) & (gs <= 2.0**55)
+            # exact for amax >= 2^-100, and a smaller amax gives gs * t < 2^-45, an E4M3 zero either way.
+            # PER_ROW: the tile takes the reciprocal path when every row's gs allows it (either path gives
+            # the same bits: the flag only says where the faster one is exact)
+            if PER_ROW:
+                gr = tl.load(gs_ptr + rows, mask=rmask, other=1.0)
+                fast = tl.min(((gr >= 2.0**-55) & (gr <= 2.0**55)).to(tl.int32), axis=0) != 0
+                gs = gr[:, None]
+            else:
+                gs = tl.load(gs_ptr)
+                fast = (gs >= 2.0**-55) & (gs <= 2.0**55)
             t = round_to_d(div(amax, 6.0, R6, fast), DT)
             s = tl.minimum(tl.maximum(gs * t, -448.0), 448.0).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
             s = tl.where(s == 0.0, 0.125, s)
@@ -463,17 +484,21 @@ def _fp4(w: torch.Tensor, nvfp4: bool, gs: torch.Tensor | None) -> dict[str, tor
     cfg = TUNE["fp4"]
     br, bg = cfg["br"], max(1, cfg["cols"] // g)
     if n and ng:
-        gs_t = gs.to(device=w.device, dtype=torch.float32).reshape(1) if nvfp4 else torch.zeros(1, dtype=torch.int32, device=w.device)
+        per_row = nvfp4 and gs.numel() > 1
+        if per_row and gs.numel() != n:
+            raise ValueError(f"NVFP4 global scales: {gs.numel()} for {n} rows")
+        gs_t = gs.to(device=w.device, dtype=torch.float32).reshape(-1) if nvfp4 else torch.zeros(1, dtype=torch.int32, device=w.device)
         nt = triton.cdiv(n, br) * triton.cdiv(ng, bg)
         npg = _programs(w, nt, cfg)
-        _fp4_kernel[(npg,)](w, packed, s, gs_t, n, k, nt, NVFP4=nvfp4, G=g, DT=dt, BR=br, BG=bg, LOOP=npg < nt, num_warps=cfg["num_warps"])
+        _fp4_kernel[(npg,)](w, packed, s, gs_t, n, k, nt, NVFP4=nvfp4, G=g, DT=dt, BR=br, BG=bg, LOOP=npg < nt, PER_ROW=per_row, num_warps=cfg["num_warps"])
         if not nvfp4 and bool(gs_t):
             raise ValueError(f"MXFP4 scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
     return {"weight_packed": packed, "weight_scale": s.view(torch.float8_e4m3fn) if nvfp4 else s}
 
 
 def nvfp4(w: torch.Tensor, global_scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Same as :func:`ctconvert.formats.fp4.quantize_nvfp4`, on CUDA."""
+    """Same as :func:`ctconvert.formats.fp4.quantize_nvfp4`, on CUDA: ``global_scale`` fp32 ``[1]``, or ``[N, 1]``
+    (one per row). Raises ``ValueError`` for per-row scales whose count is not ``N``."""
     return _fp4(w, True, global_scale)
 
 

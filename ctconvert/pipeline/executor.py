@@ -53,7 +53,6 @@ progress.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import os
 import queue
@@ -70,10 +69,11 @@ from ..formats import native
 from ..formats.common import tensor_absmax
 from ..options import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
 from ..plan.planner import Plan, WorkUnit
+from .batches import BatchError, batch_infos, quantize_batch, raise_first_nonfinite, read_batch
 from .buffers import ByteBudget, PinnedPool
 from .calibrated import CalibratedWrites
 from .casting import cast_chunk
-from .nonfinite import copy_nonfinite, raise_nonfinite
+from .nonfinite import DeviceFlags, copy_nonfinite, raise_nonfinite
 from .readahead import READ_AHEAD_BYTES, WindowReadAhead, unit_pieces
 from .reads import COPY_CHUNK_BYTES, Read, make_reads, split_units, unit_bytes, warm_up_shapes
 from .scales import UnitScales, needs_absmax_pass, observer_of
@@ -84,9 +84,7 @@ __all__ = [
     "DEFAULT_CHUNK_ELEMS",
     "DEFAULT_HOLD_BYTES",
     "ExecOptions",
-    "LocalExecutor",
     "Read",
-    "execute",
     "make_reads",
     "split_units",
     "unit_bytes",
@@ -104,6 +102,13 @@ def map_input_default() -> bool:
     """Whether CPU runs map the input files (chunks are views of the page cache, not copies): yes, unless
     the environment says ``CTCONVERT_MMAP=0``."""
     return os.environ.get("CTCONVERT_MMAP", "1") != "0"
+
+
+def batch_default() -> bool | None:
+    """Whether runs batch small units (:mod:`.batches`): as the environment says (``CTCONVERT_BATCH=1``/``0``), else
+    None (on a GPU)."""
+    v = os.environ.get("CTCONVERT_BATCH", "")
+    return None if v == "" else v != "0"
 
 
 @dataclass
@@ -130,6 +135,7 @@ class ExecOptions:
     observer: object | None = None  # --observer other than minmax: a ctconvert.formats.observers.WeightObserver (scales.py)
     group_observers: dict = field(default_factory=dict)  # config group -> its WeightObserver other than minmax (wins over observer)
     read_ahead: int = READ_AHEAD_BYTES  # input bytes the kernel is asked to read ahead of the readers (pipeline/readahead.py; 0: none)
+    batch: bool | None = field(default_factory=batch_default)  # quantize small units together (pipeline/batches.py); None: on a GPU
 
 
 @dataclass
@@ -160,8 +166,7 @@ class Executor:
         self.turn = itertools.count()  # the writer of the next queued write (the shards hash pieces in any order)
         self.write_error: BaseException | None = None
         self.calibrated = CalibratedWrites(opts.calibrated, defer=opts.repack is None)  # written later when not known yet
-        self.pending_checks: list = []  # GPU: (unit index, set absmax, chunk checks, event) (_check_unit)
-        self.finite_host: torch.Tensor | None = None  # GPU: pinned, one flag per unit: its inputs are finite
+        self.flags = DeviceFlags(ckpt.tensors, len(plan.units))  # GPU: the NaN/inf flags of each unit, read behind events
         self.warmed, self.warm_error = 0, None  # GPU: the shapes _warm_up compiled, and why it stopped early
 
     # -- writing (threads of their own: output bytes go to disk while the next chunks compute) --
@@ -209,24 +214,33 @@ class Executor:
         if not self.cuda:  # one queued item, as on a GPU: a chunk's tensors to one writer, the next chunk's to the next
             self._write_many([(name, t.cpu(), pos) for name, t, pos in writes])
             return
-        flat = [(name, t.contiguous().reshape(-1).view(torch.uint8), pos) for name, t, pos in writes]
-        sizes = [-(-t.numel() // 64) * 64 for _, t, _ in flat]  # 64-byte aligned slices
+        staged, ev, reserved = self._stage([t for _, t, _ in writes])
+        self._write_many([(name, h, pos) for (name, _, pos), h in zip(writes, staged)], ev, reserved=reserved)
+
+    def _stage(self, tensors: list) -> tuple[list, object, int]:
+        """GPU: copy ``tensors`` (device or host) into one pinned staging buffer on the stream, within the write budget:
+        ``(their bytes as uint8 host views, the copies' event, the bytes reserved)``; no synchronisation here."""
+        flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        sizes = [-(-t.numel() // 64) * 64 for t in flat]  # 64-byte aligned slices
         self.budget.acquire(sum(sizes))  # before the pinned buffer exists: memory stays within the budget
         buf = torch.empty(max(1, sum(sizes)), dtype=torch.uint8, pin_memory=True)
         staged, off = [], 0
-        for (name, t, pos), size in zip(flat, sizes):
+        for t, size in zip(flat, sizes):
             dst = buf[off : off + t.numel()]
             if t.numel():
                 dst.copy_(t, non_blocking=True)
-            staged.append((name, dst, pos))
+            staged.append(dst)
             off += size
         ev = torch.cuda.Event()
         ev.record(self.stream)
-        del buf  # the staged slices keep it alive until written
-        self._write_many(staged, ev, reserved=sum(sizes))
+        return staged, ev, sum(sizes)  # the staged slices keep the buffer alive until written
 
     # -- reading ---------------------------------------------------------------
     def _read(self, job: Read):
+        if job.kind == "batch":  # every member of the batch's units, into one buffer (pipeline/batches.py)
+            infos = batch_infos(self.ckpt.tensors, [self.plan.units[u] for u in job.units])
+            n = sum(i.nbytes for unit in infos for i in unit)
+            return read_batch(infos, self.pool.get(n) if self.cuda else torch.empty(n, dtype=torch.uint8))
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
         if job.kind == "copy":  # (bytes, whether they hold NaN/inf)
@@ -345,7 +359,7 @@ class Executor:
             raise self.write_error
         if self.cuda:
             torch.cuda.synchronize(self.dev)
-            self._resolve_checks()
+            self.flags.resolve()
             if self.opts.zeros is not None:  # the candidate rows the device left (pipeline/zeros.py: no sync per chunk)
                 self.opts.zeros.resolve(self.dev)
 
@@ -366,6 +380,9 @@ class Executor:
         return w
 
     def _handle(self, job: Read, data: torch.Tensor, st: _UnitState) -> None:
+        if job.kind == "batch":
+            self._handle_batch(job, data)
+            return
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
         if job.kind == "copy":
@@ -397,6 +414,42 @@ class Executor:
         if job.end_of_pass:
             self._check_unit(job.unit, st)
 
+    def _handle_batch(self, job: Read, data: torch.Tensor) -> None:
+        """A batch of small units (:mod:`.batches`): one host-to-device copy, one absmax and scale computation, one
+        NaN/inf flag (on a GPU read behind an event, as a unit's), one zero-row scan and one staging copy."""
+        units = [self.plan.units[u] for u in job.units]
+        infos = batch_infos(self.ckpt.tensors, units)
+        first = infos[0][0]
+        x = data.to(self.dev, non_blocking=True) if self.cuda else data
+        x = x.view(first.torch_dtype).reshape(len(units), len(infos[0]), *first.shape)
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            self.pool.put(data, ev)
+        try:
+            res = quantize_batch(units, infos, x, self.opts.impl, check_now=not self.cuda)
+        except BatchError as e:
+            if self.cuda:  # a NaN/inf found earlier, or in this batch, explains a failure first
+                torch.cuda.synchronize(self.dev)
+                self.flags.resolve()
+            raise_first_nonfinite(infos, e.amax)
+            info = infos[e.unit][e.member]
+            raise BadInputError(f"cannot quantize with {units[0].scheme.name}: {e.error}", file=str(info.file), tensor=info.name) from e
+        members = _flat(infos)
+        if self.cuda:
+            self.flags.add_stacked(job.unit, members, res.amax, self.stream)
+            self.flags.resolve()
+        if self.opts.zeros is not None:
+            self.opts.zeros.observe_stacked(members, x.reshape(len(members), *first.shape), res.scales, units[0].scheme, res.global_scales)
+        rows = res.writes()
+        if self.cuda:
+            staged, ev, reserved = self._stage([t for _, _, t in rows])
+        else:
+            staged, ev, reserved = [t.contiguous().reshape(-1).view(torch.uint8) for _, _, t in rows], None, None
+        writes = [(name, part, 0) for (_, names, _), h in zip(rows, staged) for name, part in zip(names, h.chunk(len(names)))]
+        self._write_many(writes, ev, reserved=reserved)
+        self._progress(data.numel())
+
     def _check_copy(self, info: TensorInfo, bad: bool) -> None:
         """A pass-through chunk of a floating tensor must be finite, checked on the bytes in memory as they are
         copied; else the tensor is refused by name, or listed with ``allow_nonfinite`` (in plan order)."""
@@ -423,42 +476,16 @@ class Executor:
         return a
 
     def _check_unit(self, ui: int, st: _UnitState, now: bool = False) -> None:
-        """On a GPU: the unit's NaN/inf flags (its set absmax, its chunks' absmax) are reduced on the device and
-        copied to pinned host memory behind an event; they are read once the event is done (here, for earlier
-        units, and at the end of the run), so no unit waits for the device. ``now``: wait and read every pending
-        flag (a quantizer failed: a NaN/inf found earlier explains it first). The output stays in its temporary
-        folder until the run ends, so an error found a few units late loses nothing."""
+        """On a GPU: queue the unit's NaN/inf flags (its set absmax, its chunks' absmax: :class:`DeviceFlags`) and read
+        those whose copy is done. ``now``: wait and read every pending flag (a quantizer failed: a NaN/inf found
+        earlier explains it first)."""
         if not self.cuda:
             return
-        amax = st.scales.amax
-        flags = ([amax] if amax is not None else []) + [a for _, a in st.checks]
-        if flags:
-            if self.finite_host is None:
-                self.finite_host = torch.ones(len(self.plan.units), dtype=torch.bool, pin_memory=True)
-            ok = torch.isfinite(torch.stack([a.reshape(()) for a in flags])).all()
-            self.finite_host[ui : ui + 1].copy_(ok.reshape(1), non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-            self.pending_checks.append((ui, amax, list(st.checks), ev))
+        self.flags.add(ui, st.scales.amax, st.checks, self.plan.units[ui].sources, self.stream)
         st.checks = []
         if now:
             torch.cuda.synchronize(self.dev)
-        self._resolve_checks()
-
-    def _resolve_checks(self) -> None:
-        """Raise for the first unit (in plan order) whose finished flags show NaN/inf; flags whose copy is not done
-        yet stay pending (the end of the run synchronises first, so all are read there)."""
-        while self.pending_checks and self.pending_checks[0][3].query():
-            ui, amax, checks, _ = self.pending_checks.pop(0)
-            if bool(self.finite_host[ui]):
-                continue
-            if amax is not None and not bool(torch.isfinite(amax)):
-                for name in self.plan.units[ui].sources:
-                    raise_nonfinite(self.ckpt.tensors[name], only_if_found=True)
-            if checks:
-                vals = torch.stack([a for _, a in checks])
-                if not bool(torch.isfinite(vals).all()):
-                    raise_nonfinite(checks[int((~torch.isfinite(vals)).nonzero()[0])][0])
+        self.flags.resolve()
 
     def _quantize(self, unit: WorkUnit, job: Read, w: torch.Tensor, st: _UnitState) -> None:
         info = self.ckpt.tensors[unit.sources[job.member]]
@@ -537,55 +564,10 @@ class Executor:
             self.opts.progress.update(n)
 
 
+def _flat(infos: list[list[TensorInfo]]) -> list[TensorInfo]:
+    return [i for unit in infos for i in unit]
+
+
 def _sources_need_work(ckpt: Checkpoint, plan: Plan) -> bool:
     """Whether reading a quantized unit's sources is more than mapping them: slices of fused experts, dequantized weights."""
     return any(ckpt.tensors[s].view is not None or ckpt.tensors[s].virtual is not None for u in plan.units if u.kind != "copy" for s in u.sources)
-
-
-class LocalExecutor:
-    """This machine's devices, with the interface of :class:`~ctconvert.pipeline.ray_executor.RayExecutor` (the
-    write stage holds one or the other): :meth:`start` and :meth:`connect` have nothing to join; :meth:`run` is
-    :func:`execute` and gives no ``nodes``; the write stage hashes the sources beside it (``hashes_sources``)."""
-
-    hashes_sources = True
-
-    def start(self, device: str = "cpu") -> None:
-        pass
-
-    def connect(self) -> None:
-        pass
-
-    def run(self, ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions, devices, out) -> None:
-        execute(ckpt, plan, shards, opts, devices)
-
-
-def execute(ckpt: Checkpoint, plan: Plan, shards: dict[str, ShardFile], opts: ExecOptions, devices: list[torch.device] | None = None) -> None:
-    """Run every unit of ``plan``, writing into ``shards``.
-
-    With several devices, units (a fused set or a tensor: the unit of work)
-    are dealt to one executor per device by size; all write into the same
-    shard files at disjoint offsets, so the output is the same bytes.
-    """
-    devices = devices or [opts.device]
-    if len(devices) == 1:
-        Executor(ckpt, plan, shards, dataclasses.replace(opts, device=devices[0])).run()
-        return
-    errors: list[BaseException] = []
-
-    def work(units: list[WorkUnit], dev: torch.device) -> None:
-        try:
-            Executor(ckpt, dataclasses.replace(plan, units=units), shards, dataclasses.replace(opts, device=dev)).run()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [
-        threading.Thread(target=work, args=(part, dev), name=f"ctconvert-{dev}", daemon=True)
-        for part, dev in zip(split_units(ckpt, plan.units, len(devices)), devices)
-        if part
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]

@@ -13,7 +13,7 @@ from ..checkpoint.safetensors_io import TensorInfo, iter_row_chunks
 from ..errors import BadInputError
 from ..formats import native
 
-__all__ = ["CHECKED_COPY", "copy_nonfinite", "raise_nonfinite"]
+__all__ = ["CHECKED_COPY", "DeviceFlags", "copy_nonfinite", "raise_nonfinite"]
 
 CHECKED_COPY = ("BF16", "F16", "F32", "F64", "F8_E4M3")  # pass-through dtypes whose values are checked
 
@@ -28,6 +28,61 @@ def copy_nonfinite(info: TensorInfo, data: torch.Tensor, native_checks: bool) ->
     if native_checks and info.dtype != "F64":
         return native.absmax(data.view(info.torch_dtype).reshape(1, -1))[1] > 0
     return not bool(torch.isfinite(data.view(info.torch_dtype)).all())
+
+
+class DeviceFlags:
+    """A GPU run's NaN/inf flags, never waited for: per unit (or batch of units), the absmaxes of its inputs are
+    reduced to one flag on the device and copied to pinned host memory behind an event (:meth:`add`); flags whose
+    copy is done are read by :meth:`resolve` (after later units, and at the end of the run), so that no unit waits
+    for the device. The output stays in its temporary folder until the run ends, so an error found a few units
+    late loses nothing. ``tensors``: the checkpoint's tensors by name; ``units``: the number of flags (the plan's
+    units)."""
+
+    def __init__(self, tensors: dict, units: int):
+        self.tensors, self.units = tensors, units
+        self.pending: list = []  # (flag index, set absmax or None, [(TensorInfo, absmax)] or (infos, absmax [n]), sources, event)
+        self.host: torch.Tensor | None = None  # pinned, one flag per unit: its inputs are finite
+
+    def add(self, ui: int, amax: torch.Tensor | None, checks: list, sources: list[str], stream) -> None:
+        """Flag ``ui``: finite iff ``amax`` (a fused set's 0-d absmax; NaN/inf there is looked for in ``sources``)
+        and every ``checks`` absmax (0-d, each with the :class:`TensorInfo` it names) are finite."""
+        flags = ([amax] if amax is not None else []) + [a for _, a in checks]
+        if not flags:
+            return
+        if self.host is None:
+            self.host = torch.ones(self.units, dtype=torch.bool, pin_memory=True)
+        ok = torch.isfinite(torch.stack([a.reshape(()) for a in flags])).all()
+        self.host[ui : ui + 1].copy_(ok.reshape(1), non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self.pending.append((ui, amax, list(checks), sources, ev))
+
+    def add_stacked(self, ui: int, infos: list[TensorInfo], amax: torch.Tensor, stream) -> None:
+        """Flag ``ui`` for a batch of tensors: finite iff every value of ``amax`` (fp32 ``[n]``, the absmax of each of
+        ``infos``, in order) is; one reduction, and the first non-finite one is named when the flag is read."""
+        if self.host is None:
+            self.host = torch.ones(self.units, dtype=torch.bool, pin_memory=True)
+        self.host[ui : ui + 1].copy_(torch.isfinite(amax).all().reshape(1), non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self.pending.append((ui, None, (infos, amax), [], ev))
+
+    def resolve(self) -> None:
+        """Raise for the first flag (in the order added) that shows NaN/inf, naming the tensor; flags whose copy is
+        not done yet stay pending (synchronise the device first to read them all)."""
+        while self.pending and self.pending[0][4].query():
+            ui, amax, checks, sources, _ = self.pending.pop(0)
+            if bool(self.host[ui]):
+                continue
+            if amax is not None and not bool(torch.isfinite(amax)):
+                for name in sources:
+                    raise_nonfinite(self.tensors[name], only_if_found=True)
+            if isinstance(checks, tuple):  # add_stacked: (infos, their absmax [n])
+                checks = list(zip(checks[0], checks[1]))
+            if checks:
+                vals = torch.stack([a.reshape(()) for _, a in checks])
+                if not bool(torch.isfinite(vals).all()):
+                    raise_nonfinite(checks[int((~torch.isfinite(vals)).nonzero()[0])][0])
 
 
 def raise_nonfinite(info: TensorInfo, only_if_found: bool = False, what: str = "weight", action: str = "refusing to quantize") -> None:

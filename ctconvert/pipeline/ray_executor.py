@@ -7,7 +7,7 @@ set straddles a shard boundary), and each group becomes one Ray task (:func:`con
 travel, not bytes: the checkpoint's headers (:class:`~ctconvert.checkpoint.reader.Checkpoint`, the
 tensors' files and byte ranges) go once into Ray's object store, each task gets its units, and the
 worker reads its source bytes itself from the storage every node sees, runs the same streaming
-:func:`~ctconvert.pipeline.executor.execute` on its device (one GPU, ``num_gpus=1``, with ``--device
+:func:`~ctconvert.pipeline.local.execute` on its device (one GPU, ``num_gpus=1``, with ``--device
 cuda``; else the node's CPUs), hashes its sources beside it (as the local write stage does), writes
 each shard under a temporary name in the partial folder (:data:`TMP_MARK`). It returns the shards' sizes,
 content hashes and temporary names and its sources' hashes; the driver then renames each shard into its final
@@ -42,7 +42,8 @@ from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import PlannedTensor, ShardFile
 from ..errors import BadInputError, CTConvertError, OutputError
 from ..plan.planner import Plan
-from .executor import ExecOptions, execute, unit_bytes
+from .executor import ExecOptions, unit_bytes
+from .local import execute
 from .ray_cluster import INSTALL_HINT, Joining, connect, joining, progress_actor, ray_module, resources
 from .zeros import ZeroTracker
 

@@ -4,6 +4,12 @@ A copied tensor is read in byte ranges of :data:`COPY_CHUNK_BYTES`; a quantized 
 about ``chunk_elems`` elements (:func:`chunk_rows`), once, or twice where the unit's scales need an absmax pass
 over the whole set first and the set is larger than ``hold_bytes`` (:mod:`.scales`). The executor
 (:mod:`.executor`) hands these reads to its reader threads in this order.
+
+On a GPU, small units of one shape (a MoE's experts: Qwen3-30B-A3B has 6,144 expert tensors of 3 MiB per 48
+layers) are read and quantized together, a *batch* of up to :data:`BATCH_BYTES` gathered from
+:data:`BATCH_WINDOW` consecutive units (:func:`batch_key`; the work is :mod:`.batches`): one host-to-device
+copy, one absmax, one NaN/inf flag, one quantize launch and one staging copy per batch instead of per tensor. The bytes written are
+the same: each member is quantized by the same call with the same scales as alone.
 """
 
 from __future__ import annotations
@@ -16,10 +22,26 @@ from ..options import DEFAULT_CHUNK_ELEMS
 from ..plan.planner import Plan, WorkUnit
 from .scales import needs_absmax_pass, observer_of
 
-__all__ = ["COPY_CHUNK_BYTES", "Read", "chunk_rows", "make_reads", "split_units", "unit_bytes", "warm_up_shapes"]
+__all__ = [
+    "BATCH_BYTES",
+    "COPY_CHUNK_BYTES",
+    "Read",
+    "batch_key",
+    "batching",
+    "chunk_rows",
+    "make_reads",
+    "split_units",
+    "unit_bytes",
+    "unit_order",
+    "warm_up_shapes",
+]
 
 COPY_CHUNK_BYTES = 64 * 2**20
 MAPPED_COPY_CHUNK_BYTES = 4 * 2**20  # CPU, mapped input: a view of the page cache; ~10 wait in the queues (RSS)
+BATCH_BYTES = 128 * 2**20  # source bytes of one batch of small units (.batches)
+BATCH_MEMBER_BYTES = 16 * 2**20  # a larger member is read and quantized alone (its launches are small against its bytes)
+BATCH_WINDOW = 128  # consecutive units a batch is gathered from: reads stay near the plan's order (the read-ahead window)
+BATCH_DTYPES = ("BF16", "F16", "F32")
 
 
 @dataclass
@@ -33,6 +55,7 @@ class Read:
     stop: int = 0
     hold: bool = False  # keep the chunk until the set's global scale is known
     end_of_pass: bool = False  # last job of an amax pass / of a unit
+    units: tuple[int, ...] = ()  # kind "batch": the units read and quantized together (``unit`` is the first)
 
 
 def chunk_rows(info: TensorInfo, unit: WorkUnit, chunk_elems: int) -> int:
@@ -47,8 +70,12 @@ def chunk_rows(info: TensorInfo, unit: WorkUnit, chunk_elems: int) -> int:
 
 def make_reads(ckpt: Checkpoint, plan: Plan, opts):
     """The reads of the whole conversion, in order. ``opts``: the run's :class:`.executor.ExecOptions`
-    (``device``, ``map_input``, ``chunk_elems``, ``hold_bytes`` and the observers are read)."""
-    for ui, unit in enumerate(plan.units):
+    (``device``, ``map_input``, ``chunk_elems``, ``hold_bytes``, ``batch`` and the observers are read)."""
+    for ui in unit_order(ckpt, plan, opts):
+        if isinstance(ui, tuple):
+            yield Read(ui[0], "batch", units=ui, end_of_pass=True)
+            continue
+        unit = plan.units[ui]
         if unit.kind == "copy":
             info = ckpt.tensors[unit.sources[0]]
             step = MAPPED_COPY_CHUNK_BYTES if opts.device.type == "cpu" and opts.map_input else COPY_CHUNK_BYTES
@@ -72,6 +99,62 @@ def make_reads(ckpt: Checkpoint, plan: Plan, opts):
                 continue
         for j, (m, r0, r1) in enumerate(chunks):
             yield Read(ui, "quant", m, r0, r1, end_of_pass=j == len(chunks) - 1)
+
+
+def batching(opts) -> bool:
+    """Whether a run with executor options ``opts`` batches small units: ``opts.batch`` (None: on a GPU), for a
+    data-free run written as compressed-tensors (no calibrated tensors, no kernel layout)."""
+    on = opts.device.type == "cuda" if opts.batch is None else opts.batch
+    return bool(on) and opts.repack is None and isinstance(opts.calibrated, dict) and not opts.calibrated
+
+
+def batch_key(ckpt: Checkpoint, unit: WorkUnit, opts) -> tuple | None:
+    """What units batched together share (their scheme, members' shapes and dtypes), or None where ``unit`` is read
+    alone: a copy, an observer's unit, a member that is not a plain stored 2-D float tensor (a view of fused experts,
+    a weight dequantized from stored tensors) or larger than :data:`BATCH_MEMBER_BYTES`, or read in more than one
+    chunk; members of one shape (a fused set of another shape is read alone)."""
+    if unit.kind == "copy" or observer_of(opts, unit) is not None:
+        return None
+    infos = [ckpt.tensors[s] for s in unit.sources]
+    first = infos[0]
+    for info in infos:
+        if info.view is not None or info.virtual is not None or info.dtype not in BATCH_DTYPES or len(info.shape) != 2:
+            return None
+        if info.shape != first.shape or info.dtype != first.dtype or not 0 < info.nbytes <= BATCH_MEMBER_BYTES:
+            return None
+        if chunk_rows(info, unit, opts.chunk_elems) < info.shape[0]:
+            return None
+    return (id(unit.scheme), len(infos), tuple(first.shape), first.dtype)
+
+
+def unit_order(ckpt: Checkpoint, plan: Plan, opts):
+    """The plan's unit indices in read order: an int for a unit read alone, a tuple for a batch (:func:`batch_key`;
+    units of one key within :data:`BATCH_WINDOW` consecutive units, up to :data:`BATCH_BYTES`), each batch where its
+    last unit joined it or where the window moved past its first."""
+    if not batching(opts):
+        yield from range(len(plan.units))
+        return
+    open_: dict[tuple, list[int]] = {}  # key -> units, in the order the batches opened
+    size: dict[tuple, int] = {}
+
+    def done(key):
+        units = open_.pop(key)
+        size.pop(key)
+        return tuple(units) if len(units) > 1 else units[0]
+
+    for ui, unit in enumerate(plan.units):
+        key = batch_key(ckpt, unit, opts)
+        for k in [k for k, us in open_.items() if key is None or ui - us[0] >= BATCH_WINDOW]:
+            yield done(k)
+        if key is None:
+            yield ui
+            continue
+        open_.setdefault(key, []).append(ui)
+        size[key] = size.get(key, 0) + unit_bytes(ckpt, unit)
+        if size[key] >= BATCH_BYTES:
+            yield done(key)
+    for k in list(open_):
+        yield done(k)
 
 
 def warm_up_shapes(ckpt: Checkpoint, plan: Plan, chunk_elems: int = DEFAULT_CHUNK_ELEMS, limit: int = 32) -> list:

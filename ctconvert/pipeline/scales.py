@@ -65,10 +65,10 @@ def search_impl(impl: str) -> str:
 
 
 def fp8_tensor_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The FP8 preset's ``weight_scale`` ``[1]`` of dtype ``dtype`` from a tensor's fp32 absmax (0-d):
-    ``fp8_scale(amax, dtype)`` (already a value of ``dtype``, so the cast is exact; an all-zero
-    tensor, ``-0.0`` included, gets ``eps(dtype)``)."""
-    return fp8_scale(amax, dtype).reshape(1).to(dtype)
+    """The FP8 preset's ``weight_scale`` ``[1]`` of dtype ``dtype`` from a tensor's fp32 absmax (0-d; ``[n]``: the
+    ``[n]`` scales of ``n`` tensors, elementwise): ``fp8_scale(amax, dtype)`` (already a value of ``dtype``, so the
+    cast is exact; an all-zero tensor, ``-0.0`` included, gets ``eps(dtype)``)."""
+    return fp8_scale(amax, dtype).reshape(-1).to(dtype)
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 
 from ..checkpoint.safetensors_io import TensorInfo, read_rows
 
-__all__ = ["ZeroRows", "ZeroTracker", "candidate_rows", "zero_rows"]
+__all__ = ["ZeroRows", "ZeroTracker", "candidate_rows", "stacked_candidates", "zero_rows"]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
@@ -39,27 +39,34 @@ def candidate_rows(out: dict[str, torch.Tensor], fmt, args, dtype: torch.dtype, 
     none, or no scale is stored. For block scales the unit is the block: a row counts when every block
     it lies in has the substitute scale (values rounding to zero beside larger values of their own
     group or block are ordinary quantization error, not counted)."""
-    sub = fmt.zero_scale(args, dtype)
     s = out.get("weight_scale")
-    if sub is None or s is None or s.numel() == 0:
+    got = stacked_candidates(None if s is None else s.unsqueeze(0), fmt, args, dtype, rows)
+    return None if got is None else got[0]
+
+
+def stacked_candidates(s: torch.Tensor | None, fmt, args, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
+    """:func:`candidate_rows` of ``n`` chunks of one shape at once: ``s`` their ``weight_scale`` stacked ``[n, *shape]``
+    (None: none stored); bool ``[n, rows]``, or None."""
+    sub = fmt.zero_scale(args, dtype)
+    if sub is None or s is None or s[0].numel() == 0:
         return None
     # compared as bit patterns (the substitute is a positive normal number: equal bits <=> equal values)
-    bits = _BITS[s.element_size()]
+    n = s.shape[0]
     ref = _substitute_bits(sub, s.dtype)  # a Python scalar: no host-to-device copy (and no sync) on a GPU
-    raw = s.view(bits)
+    raw = s.view(_BITS[s.element_size()])
     if raw.device.type == "cpu":  # numpy: one thread, so no thread-pool wake-up per chunk
         hit = raw.numpy() == ref
-        if s.numel() == 1:
-            return torch.from_numpy(hit.reshape(1)).expand(rows)
-        per = torch.from_numpy(hit.reshape(hit.shape[0], -1).all(axis=1))
+        if s[0].numel() == 1:
+            return torch.from_numpy(hit.reshape(n, 1)).expand(n, rows)
+        per = torch.from_numpy(hit.reshape(n, s.shape[1], -1).all(axis=2))
     else:
         hit = raw == ref
-        if s.numel() == 1:
-            return hit.reshape(1).expand(rows)
-        per = hit.reshape(hit.shape[0], -1).all(dim=1)
+        if s[0].numel() == 1:
+            return hit.reshape(n, 1).expand(n, rows)
+        per = hit.reshape(n, s.shape[1], -1).all(dim=2)
     if args.strategy == "block":  # one scale row per block of rows
-        per = per.repeat_interleave(args.block_structure[0])
-    return per[:rows]
+        per = per.repeat_interleave(args.block_structure[0], dim=1)
+    return per[:, :rows]
 
 
 @functools.lru_cache(maxsize=64)
@@ -143,6 +150,21 @@ class ZeroTracker:
         if mask.numpy().any():
             idx = mask.nonzero().flatten()
             self._examine(info, idx + r0, w[idx], scheme, gs)
+
+    def observe_stacked(self, infos: list[TensorInfo], w: torch.Tensor, scales: torch.Tensor | None, scheme, gs: list) -> None:
+        """:meth:`observe` of ``n`` whole tensors of one shape (a batch, :mod:`.batches`): ``infos`` theirs, ``w``
+        ``[n, R, K]`` their values, ``scales`` their ``weight_scale`` outputs stacked ``[n, ...]`` (None: none),
+        ``gs`` each one's NVFP4 global scale ``[1]`` (or None)."""
+        mask = stacked_candidates(scales, scheme.weight_format, scheme.weights, infos[0].torch_dtype, w.shape[1])
+        if mask is None:
+            return
+        if mask.device.type != "cpu":
+            with self.lock:
+                self.pending.setdefault(_key(mask.device), []).extend((info, 0, mask[j], scheme, gs[j]) for j, info in enumerate(infos))
+            return
+        for j in mask.numpy().any(axis=1).nonzero()[0].tolist():
+            idx = mask[j].nonzero().flatten()
+            self._examine(infos[j], idx, w[j][idx], scheme, gs[j])
 
     def resolve(self, device: torch.device) -> None:
         """Examine the candidate rows the chunks on ``device`` left (after the device is synchronized)."""

@@ -25,7 +25,8 @@ from ..checkpoint.reader import CONFIG_NAME, Checkpoint
 from ..checkpoint.safetensors_io import PlannedTensor
 from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, disk_full, parse_size, partial_output, shard_names
 from ..errors import OutputError, UsageError, agree, plural
-from ..pipeline.executor import ExecOptions, LocalExecutor
+from ..pipeline.executor import ExecOptions
+from ..pipeline.local import LocalExecutor
 from ..pipeline.options import QuantizeOptions
 from ..pipeline.ray_executor import RayExecutor, ShardOutput
 from ..plan.planner import Plan

@@ -106,13 +106,22 @@ def int_quant(w: torch.Tensor, num_bits: int, group_size: int | None, symmetric:
 
 
 def nvfp4(w: torch.Tensor, global_scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Same as :func:`ctconvert.formats.fp4.quantize_nvfp4`."""
+    """Same as :func:`ctconvert.formats.fp4.quantize_nvfp4`: ``global_scale`` fp32 ``[1]``, or ``[N, 1]`` (one per
+    row: each run of rows with one scale is a kernel call of its own). Raises ``ValueError`` for per-row scales
+    whose count is not ``N``."""
     dt, w = _check(w), w.contiguous()
     n, k = w.shape
-    gs = float(global_scale.reshape(-1)[0])
+    g = global_scale.reshape(-1).to(torch.float32)
+    if g.numel() != 1 and g.numel() != n:
+        raise ValueError(f"NVFP4 global scales: {g.numel()} for {n} rows")
     packed = torch.empty(n, k // 2, dtype=torch.uint8)
     s = torch.empty(n, k // 16, dtype=torch.uint8)
-    cbuild.parallel_ranges(n, 1, lambda a, b: _L().ct_nvfp4(_ptr(w, a), dt, b - a, k, gs, _ptr(packed, a), _ptr(s, a)))
+    cuts = [0, n] if g.numel() == 1 else [0, *((g[1:] != g[:-1]).nonzero().flatten() + 1).tolist(), n]
+    for r0, r1 in zip(cuts, cuts[1:]):
+        if r1 <= r0:
+            continue
+        gs = float(g[r0 if g.numel() > 1 else 0])
+        cbuild.parallel_ranges(r1 - r0, 1, lambda a, b, r0=r0, gs=gs: _L().ct_nvfp4(_ptr(w, r0 + a), dt, b - a, k, gs, _ptr(packed, r0 + a), _ptr(s, r0 + a)))
     return {"weight_packed": packed, "weight_scale": s.view(torch.float8_e4m3fn)}
 
 

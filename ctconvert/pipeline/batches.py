@@ -1,0 +1,168 @@
+"""A batch of small units quantized together: the device work of a ``batch`` read (:func:`.reads.unit_order`).
+
+A MoE checkpoint holds thousands of expert tensors of a few MiB; one at a time, each pays the executor's
+per-tensor work (a host-to-device copy and its event, an absmax, a NaN/inf flag, NVFP4's global scale, the
+zero-row scan, a staging copy and its event), which on an H200 took more time than the quantize kernels
+themselves. A batch is ``B`` units of ``M`` members of one shape ``[R, K]`` and dtype, read into one buffer
+(member after member, unit after unit): here one absmax reduction gives every member's absmax, the scales
+of every unit come from one elementwise computation on those vectors, and the outputs of every member are
+stacked per output name, so that the executor stages and checks the batch once.
+
+The bytes are the same as each unit's alone: a member is quantized by the same ``Scheme.quantize_rows`` call,
+with the same global scale or per-tensor scale (:func:`~ctconvert.formats.fp4.nvfp4_global_scale` and
+:func:`~ctconvert.pipeline.scales.fp8_tensor_scale` are elementwise, so a vector of absmaxes gives each unit's
+scale bit for bit), and an absmax is exact whatever the reduction's shape (a maximum of stored values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..checkpoint.safetensors_io import TensorInfo, read_bytes
+from ..plan.planner import WorkUnit
+from .nonfinite import raise_nonfinite
+from .scales import fp8_tensor_scale, per_tensor_scale
+
+__all__ = ["BatchError", "BatchResult", "batch_infos", "quantize_batch", "raise_first_nonfinite", "read_batch"]
+
+
+class BatchError(Exception):
+    """A member's quantizer raised ``ValueError``: ``unit`` (index into the batch), ``member``, ``error``, and the
+    batch's members' absmax ``amax`` (for :func:`raise_first_nonfinite`: a NaN/inf explains a failure first)."""
+
+    def __init__(self, unit: int, member: int, error: ValueError, amax: torch.Tensor):
+        super().__init__(str(error))
+        self.unit, self.member, self.error, self.amax = unit, member, error, amax
+
+
+def raise_first_nonfinite(infos: list[list[TensorInfo]], amax: torch.Tensor) -> None:
+    """Raise :class:`~ctconvert.errors.BadInputError` for the first member (unit after unit) whose absmax in
+    ``amax`` (fp32 ``[B * M]``) is NaN/inf, naming it (:func:`~.nonfinite.raise_nonfinite`); nothing if all are finite."""
+    bad = ~torch.isfinite(amax)
+    if bool(bad.any()):
+        j, m = int(bad.nonzero()[0]), len(infos[0])
+        raise_nonfinite(infos[j // m][j % m])
+
+
+@dataclass
+class BatchResult:
+    """The outputs of a batch of ``B`` units of ``M`` members, member ``j = b * M + m`` (unit ``b``'s member ``m``).
+
+    ``amax``: fp32 ``[B * M]``, each member's absmax (NaN/inf where the member holds one: the NaN/inf flags);
+    ``prefixes``: each member's module name and a dot; ``outputs``: output name (``weight_packed``, ``weight_scale``,
+    ``weight_global_scale`` ...) -> the ``B * M`` members' tensors stacked ``[B * M, *shape]`` (on the batch's
+    device, or on the CPU for a format's host-made outputs such as ``weight_shape``); ``global_scales``: each
+    member's NVFP4 global scale ``[1]`` (its unit's; None for other schemes); ``scales``: the stacked
+    ``weight_scale`` the quantizer returned (what the zero-row scan reads; None where it returned none)."""
+
+    amax: torch.Tensor
+    prefixes: list[str]
+    outputs: dict[str, torch.Tensor]
+    global_scales: list = None
+    scales: torch.Tensor | None = None
+
+    def writes(self) -> list[tuple[str, list[str], torch.Tensor]]:
+        """``(output name, the members' tensor names, the stacked tensor)`` per output name."""
+        return [(key, [p + key for p in self.prefixes], t) for key, t in self.outputs.items()]
+
+
+def batch_infos(tensors: dict, units: list[WorkUnit]) -> list[list[TensorInfo]]:
+    """Each unit's members' :class:`TensorInfo` (``tensors``: the checkpoint's, by name)."""
+    return [[tensors[s] for s in unit.sources] for unit in units]
+
+
+def read_batch(infos: list[list[TensorInfo]], out: torch.Tensor) -> torch.Tensor:
+    """Read every member's bytes, unit after unit, into ``out`` (uint8, contiguous, at least the members' bytes;
+    pinned on a GPU) and return that prefix of it. Members that lie back to back in one file are read by one
+    ``preadv``. Raises :class:`~ctconvert.errors.BadInputError` on a short read (naming the run's first tensor)."""
+    flat = [info for unit in infos for info in unit]
+    n = flat[0].nbytes
+    j = 0
+    while j < len(flat):
+        k = j + 1
+        while k < len(flat) and flat[k].file == flat[j].file and flat[k].start == flat[k - 1].start + n:
+            k += 1
+        read_bytes(flat[j], 0, (k - j) * n, out=out[j * n : k * n])  # a plain stored tensor: its file's bytes from its start
+        j = k
+    return out[: len(flat) * n]
+
+
+def quantize_batch(units: list[WorkUnit], infos: list[list[TensorInfo]], x: torch.Tensor, impl: str, check_now: bool) -> BatchResult:
+    """Quantize ``B`` units at once. ``units``: the batch's units (one scheme); ``infos``: their members' tensors
+    (``M`` each, one shape ``[R, K]`` and dtype D); ``x``: D ``[B, M, R, K]``, the members' values on the device
+    that computes; ``impl``: the quantizer implementation (``WeightFormat.quantize``); ``check_now``: raise for
+    a member holding NaN/inf here (the CPU; a GPU run reads :attr:`BatchResult.amax` behind an event instead).
+
+    Raises :class:`~ctconvert.errors.BadInputError` (NaN/inf, ``check_now``), :class:`BatchError` (a
+    quantizer's ``ValueError``)."""
+    scheme = units[0].scheme
+    b, m = x.shape[0], x.shape[1]
+    flat = x.reshape(b * m, -1)
+    amax = torch.linalg.vector_norm(flat, float("inf"), dim=1).to(torch.float32) if flat.shape[1] else torch.zeros(b * m, device=x.device)
+    if check_now:
+        raise_first_nonfinite(infos, amax)
+    gs = ws = None
+    if scheme.global_scale:
+        from ..formats.fp4 import nvfp4_global_scale
+
+        gs = nvfp4_global_scale(amax.reshape(b, m).amax(dim=1), x.dtype)  # [B]: each unit's set scale
+    if per_tensor_scale(scheme):
+        ws = fp8_tensor_scale(amax, x.dtype)  # [B * M]: each member's scale
+    outputs = _one_call(scheme, x, gs, impl) if ws is None and x.shape[2] % scheme.row_align == 0 else None
+    if outputs is not None:
+        quantized = set(outputs)
+        per_key = {}
+        for ub in range(b):
+            for key, t in scheme.whole_tensor_outputs(tuple(x.shape[2:]), gs[ub : ub + 1] if gs is not None else None).items():
+                per_key.setdefault(key, []).extend([t] * m)
+    else:
+        per_key, quantized = _member_calls(scheme, x, gs, ws, impl, amax)
+    outputs = {**(outputs or {}), **{key: torch.stack(ts) for key, ts in per_key.items()}}
+    prefixes = [unit.modules[mm] + "." for unit in units for mm in range(m)]
+    per_member_gs = [gs[j // m : j // m + 1] if gs is not None else None for j in range(b * m)]
+    scales = outputs["weight_scale"] if "weight_scale" in quantized else None
+    return BatchResult(amax, prefixes, outputs, per_member_gs, scales)
+
+
+def _one_call(scheme, x: torch.Tensor, gs: torch.Tensor | None, impl: str) -> dict[str, torch.Tensor] | None:
+    """The batch ``x`` ``[B, M, R, K]`` quantized as one tall ``[B * M * R, K]`` weight: the quantizer's outputs
+    as ``[B * M, ...]``, each member's the bits it gets alone (a format's rows are quantized independently in
+    chunks starting at multiples of its ``row_align``, which R is; NVFP4 takes one global scale per row, its
+    unit's). None where the members must be quantized one by one: a quantizer's ``ValueError`` (then each
+    member's call says which one), or an output whose rows do not divide into the members."""
+    n = x.shape[0] * x.shape[1]
+    g = None if gs is None else gs.repeat_interleave(x.shape[1] * x.shape[2]).reshape(-1, 1)
+    try:
+        out = scheme.quantize_rows(x.reshape(n * x.shape[2], x.shape[3]), g, impl=impl)
+    except ValueError:
+        return None
+    if any(t.dim() == 0 or t.shape[0] % n for t in out.values()):
+        return None
+    return {key: t.reshape(n, t.shape[0] // n, *t.shape[1:]) for key, t in out.items()}
+
+
+def _member_calls(scheme, x: torch.Tensor, gs, ws, impl: str, amax: torch.Tensor) -> tuple[dict[str, list], set]:
+    """Each member of ``x`` ``[B, M, R, K]`` quantized alone (its unit's global scale ``gs[b]``, its per-tensor
+    ``ws[j]``): ``(output name -> the members' tensors, the names the quantizer returned)``. Raises
+    :class:`BatchError` for a quantizer's ``ValueError``."""
+    b, m = x.shape[0], x.shape[1]
+    per_key: dict[str, list[torch.Tensor]] = {}
+    quantized: set = set()
+    for ub in range(b):
+        g = gs[ub : ub + 1] if gs is not None else None
+        for mm in range(m):
+            j = ub * m + mm
+            wsj = ws[j : j + 1] if ws is not None else None
+            try:
+                out = scheme.quantize_rows(x[ub, mm], g, impl=impl, weight_scale=wsj)
+            except ValueError as e:
+                raise BatchError(ub, mm, e, amax) from e
+            quantized.update(out)
+            out.update(scheme.whole_tensor_outputs(tuple(x.shape[2:]), g))
+            if wsj is not None:
+                out["weight_scale"] = wsj
+            for key, t in out.items():
+                per_key.setdefault(key, []).append(t)
+    return per_key, quantized
