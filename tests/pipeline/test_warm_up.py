@@ -44,3 +44,23 @@ def test_warm_up_compiles_the_quantize_kernels(tiny_llama):
         ex = Executor(ckpt, plan, {}, ExecOptions(device=torch.device("cuda")))
         ex._warm_up().join()
         assert ex.warm_error is None and ex.warmed == len(warm_up_shapes(ckpt, plan)) > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+@pytest.mark.parametrize("batch", [False, True])
+def test_warm_up_also_compiles_the_batches_per_row_kernel(tiny_llama, monkeypatch, batch):
+    from ctconvert.plan.schemes import Scheme
+
+    seen = []
+    real = Scheme.quantize_rows
+
+    def spy(self, w, global_scale=None, *a, **kw):
+        seen.append(None if global_scale is None else tuple(global_scale.shape))
+        return real(self, w, global_scale, *a, **kw)
+
+    monkeypatch.setattr(Scheme, "quantize_rows", spy)
+    ckpt = open_checkpoint(tiny_llama, strict=True)
+    ex = Executor(ckpt, make_plan(ckpt, "NVFP4A16"), {}, ExecOptions(device=torch.device("cuda"), batch=batch))
+    ex._warm_up().join()
+    assert ex.warm_error is None and (1,) in seen
+    assert any(s is not None and len(s) == 2 and s[0] >= 2 and s[1] == 1 for s in seen) == batch
