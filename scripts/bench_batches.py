@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""A/B of expert batching (``pipeline/batches.py``): the same conversion with ``CTCONVERT_BATCH=0`` and ``=1``,
+interleaved, each output compared file for file, the minimum call and process seconds of each, and the GB/s::
+
+    python3 scripts/bench_batches.py --family qwen3_moe --device cuda [--repeat 3] [--scheme NVFP4A16] [--workdir DIR]
+    python3 scripts/bench_batches.py --model DIR --device cuda
+
+``--family``/``--size``/``--scale`` generate the checkpoint as ``scripts/bench.py --make-model`` does (gpt-oss with
+its experts targeted, as bench.py runs it); ``--model`` takes one. The page cache is warmed by reading the source
+once first. Prints one line per run and a JSON summary (``min_call``, ``min_process``, ``gb_per_s`` per setting,
+``identical``). Exit 1 when two outputs differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench import FAMILY_ARGS, make_model  # noqa: E402
+
+
+def _same(a: Path, b: Path) -> bool:
+    cmp = filecmp.dircmp(a, b)
+    if cmp.left_only or cmp.right_only or cmp.funny_files:
+        return False
+    _, mismatch, errors = filecmp.cmpfiles(a, b, cmp.common_files, shallow=False)
+    return not mismatch and not errors
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--family", default="qwen3_moe", choices=("llama", "qwen3_moe", "gpt_oss"))
+    ap.add_argument("--size", default="8b", choices=("1b", "8b"))
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--scheme", default="NVFP4A16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-batches"))
+    a = ap.parse_args()
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    src = a.model or make_model(a.workdir / f"src-{a.family}-{a.size}-{a.scale}", size=a.size, family=a.family, scale=a.scale)
+    nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    for f in src.glob("*.safetensors"):  # warm the page cache
+        with open(f, "rb") as h:
+            while h.read(64 << 20):
+                pass
+    extra = FAMILY_ARGS.get(a.family, []) if a.model is None else []
+    runs: dict[str, list[tuple[float, float]]] = {"0": [], "1": []}
+    identical = True
+    for rep in range(a.repeat):
+        for b in ("0", "1"):
+            out = a.workdir / f"out-{b}"
+            shutil.rmtree(out, ignore_errors=True)
+            cmd = [sys.executable, "-m", "ctconvert", "--json", "quantize", str(src), "-o", str(out), "--scheme", a.scheme, "--device", a.device, *extra]
+            t0 = time.monotonic()
+            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, CTCONVERT_BATCH=b))
+            wall = time.monotonic() - t0
+            if p.returncode:
+                print(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}", file=sys.stderr)
+                return p.returncode
+            call = json.loads(p.stdout)["seconds"]
+            runs[b].append((call, wall))
+            print(f"[rep {rep + 1}] CTCONVERT_BATCH={b}: call {call:.2f} s, process {wall:.2f} s", flush=True)
+        same = _same(a.workdir / "out-0", a.workdir / "out-1")
+        identical &= same
+        print(f"[rep {rep + 1}] outputs {'identical' if same else 'DIFFER'}", flush=True)
+    summary = {
+        "source": str(src),
+        "source_bytes": nbytes,
+        "scheme": a.scheme,
+        "device": a.device,
+        "identical": identical,
+        **{
+            f"batch_{b}": {"min_call": min(c for c, _ in r), "min_process": min(w for _, w in r), "gb_per_s": round(nbytes / 1e9 / min(c for c, _ in r), 3)}
+            for b, r in runs.items()
+        },
+    }
+    print(json.dumps(summary, indent=2))
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
