@@ -196,6 +196,13 @@ def read_bytes(info: TensorInfo, offset: int, nbytes: int, out: torch.Tensor | N
     return _pread(info, info.start + offset, nbytes, out)
 
 
+def read_span(info: TensorInfo, pos: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``nbytes`` of ``info``'s file from absolute offset ``pos``, uint8 (into ``out`` when given: contiguous uint8 CPU,
+    e.g. pinned): several tensors (or fused experts' regions) that lie back to back, read by one ``preadv``. Raises
+    :class:`BadInputError` naming ``info`` on a short read or an I/O error."""
+    return _pread(info, pos, nbytes, out)
+
+
 def _pread(info: TensorInfo, pos: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``nbytes`` of ``info``'s file from absolute offset ``pos`` (uint8; into ``out`` when given)."""
     if out is None:

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.safetensors_io import TensorInfo, read_bytes
+from ..checkpoint.safetensors_io import TensorInfo, read_span, region_bytes
 from ..plan.planner import WorkUnit
 from .nonfinite import raise_nonfinite
 from .scales import fp8_tensor_scale, per_tensor_scale
 
-__all__ = ["BatchError", "BatchResult", "batch_infos", "quantize_batch", "raise_first_nonfinite", "read_batch"]
+__all__ = ["BatchError", "BatchResult", "batch_infos", "batch_nbytes", "batch_values", "quantize_batch", "raise_first_nonfinite", "read_batch"]
 
 
 class BatchError(Exception):
@@ -73,20 +73,49 @@ def batch_infos(tensors: dict, units: list[WorkUnit]) -> list[list[TensorInfo]]:
     return [[tensors[s] for s in unit.sources] for unit in units]
 
 
+def batch_nbytes(infos: list[list[TensorInfo]]) -> int:
+    """The bytes :func:`read_batch` reads: each member's, or each unit's region where its members are views of one."""
+    if infos[0][0].view is not None:
+        return len(infos) * region_bytes(infos[0][0])
+    return sum(i.nbytes for unit in infos for i in unit)
+
+
 def read_batch(infos: list[list[TensorInfo]], out: torch.Tensor) -> torch.Tensor:
-    """Read every member's bytes, unit after unit, into ``out`` (uint8, contiguous, at least the members' bytes;
-    pinned on a GPU) and return that prefix of it. Members that lie back to back in one file are read by one
-    ``preadv``. Raises :class:`~ctconvert.errors.BadInputError` on a short read (naming the run's first tensor)."""
-    flat = [info for unit in infos for info in unit]
-    n = flat[0].nbytes
+    """Read a batch's bytes, unit after unit, into ``out`` (uint8, contiguous, at least :func:`batch_nbytes`; pinned on
+    a GPU) and return that prefix of it: every member's bytes, or, where the members are views of fused 3-D experts
+    (:class:`~ctconvert.checkpoint.safetensors_io.SliceView`), each unit's region once (gpt-oss's gate and up are
+    columns of one). Pieces that lie back to back in one file are read by one ``preadv``. Raises
+    :class:`~ctconvert.errors.BadInputError` on a short read (naming the run's first tensor)."""
+    if infos[0][0].view is not None:
+        flat, n = [unit[0] for unit in infos], region_bytes(infos[0][0])
+    else:
+        flat, n = [info for unit in infos for info in unit], infos[0][0].nbytes
     j = 0
     while j < len(flat):
         k = j + 1
         while k < len(flat) and flat[k].file == flat[j].file and flat[k].start == flat[k - 1].start + n:
             k += 1
-        read_bytes(flat[j], 0, (k - j) * n, out=out[j * n : k * n])  # a plain stored tensor: its file's bytes from its start
+        read_span(flat[j], flat[j].start, (k - j) * n, out[j * n : k * n])
         j = k
     return out[: len(flat) * n]
+
+
+def batch_values(infos: list[list[TensorInfo]], data: torch.Tensor) -> torch.Tensor:
+    """The batch's values D ``[B, M, R, K]`` from the bytes :func:`read_batch` read (on any device; the members' own
+    bytes are a view of them, views of fused experts are gathered: for each member index one strided copy of every
+    unit's region, the values :func:`~ctconvert.checkpoint.safetensors_io.rows_of_region` gives each alone)."""
+    first = infos[0][0]
+    b, m = len(infos), len(infos[0])
+    if first.view is None:
+        return data.view(first.torch_dtype).reshape(b, m, *first.shape)
+    v0 = first.view
+    regions = data.view(first.torch_dtype).reshape(b, v0.rows, v0.cols)
+    x = torch.empty((b, m, *first.shape), dtype=first.torch_dtype, device=data.device)
+    for mm, info in enumerate(infos[0]):
+        v = info.view
+        a1 = v.offset + v.step * (first.shape[0] - 1) + 1
+        x[:, mm] = regions[:, :, v.offset : a1 : v.step].transpose(1, 2) if v.transpose else regions[:, v.offset : a1 : v.step]
+    return x
 
 
 def quantize_batch(units: list[WorkUnit], infos: list[list[TensorInfo]], x: torch.Tensor, impl: str, check_now: bool) -> BatchResult:

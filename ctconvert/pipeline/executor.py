@@ -69,7 +69,7 @@ from ..formats import native
 from ..formats.common import tensor_absmax
 from ..options import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
 from ..plan.planner import Plan, WorkUnit
-from .batches import BatchError, batch_infos, quantize_batch, raise_first_nonfinite, read_batch
+from .batches import BatchError, batch_infos, batch_nbytes, batch_values, quantize_batch, raise_first_nonfinite, read_batch
 from .buffers import ByteBudget, PinnedPool
 from .calibrated import CalibratedWrites
 from .casting import cast_chunk
@@ -239,8 +239,10 @@ class Executor:
     def _read(self, job: Read):
         if job.kind == "batch":  # every member of the batch's units, into one buffer (pipeline/batches.py)
             infos = batch_infos(self.ckpt.tensors, [self.plan.units[u] for u in job.units])
-            n = sum(i.nbytes for unit in infos for i in unit)
-            return read_batch(infos, self.pool.get(n) if self.cuda else torch.empty(n, dtype=torch.uint8))
+            n = batch_nbytes(infos)
+            buf = self.pool.get(n) if self.cuda else torch.empty(n, dtype=torch.uint8)
+            read_batch(infos, buf)
+            return buf  # the whole pooled buffer goes back to the pool, not the prefix read
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
         if job.kind == "copy":  # (bytes, whether they hold NaN/inf)
@@ -425,8 +427,8 @@ class Executor:
         units = [self.plan.units[u] for u in job.units]
         infos = batch_infos(self.ckpt.tensors, units)
         first = infos[0][0]
-        x = data.to(self.dev, non_blocking=True) if self.cuda else data
-        x = x.view(first.torch_dtype).reshape(len(units), len(infos[0]), *first.shape)
+        n = batch_nbytes(infos)
+        x = batch_values(infos, data[:n].to(self.dev, non_blocking=True) if self.cuda else data[:n])
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record(self.stream)
@@ -453,7 +455,7 @@ class Executor:
             staged, ev, reserved = [t.contiguous().reshape(-1).view(torch.uint8) for _, _, t in rows], None, None
         writes = [(name, part, 0) for (_, names, _), h in zip(rows, staged) for name, part in zip(names, h.chunk(len(names)))]
         self._write_many(writes, ev, reserved=reserved)
-        self._progress(data.numel())
+        self._progress(sum(i.nbytes for i in members))
 
     def _check_copy(self, info: TensorInfo, bad: bool) -> None:
         """A pass-through chunk of a floating tensor must be finite, checked on the bytes in memory as they are

@@ -109,22 +109,27 @@ def batching(opts) -> bool:
 
 
 def batch_key(ckpt: Checkpoint, unit: WorkUnit, opts) -> tuple | None:
-    """What units batched together share (their scheme, members' shapes and dtypes), or None where ``unit`` is read
-    alone: a copy, an observer's unit, a member that is not a plain stored 2-D float tensor (a view of fused experts,
-    a weight dequantized from stored tensors) or larger than :data:`BATCH_MEMBER_BYTES`, or read in more than one
-    chunk; members of one shape (a fused set of another shape is read alone)."""
+    """What units batched together share (their scheme, members' shapes, dtypes and views), or None where ``unit`` is
+    read alone: a copy, an observer's unit, a member that is not a stored 2-D float tensor (a weight dequantized from
+    stored tensors) or larger than :data:`BATCH_MEMBER_BYTES`, or read in more than one chunk; members of one shape (a
+    fused set of another shape is read alone); members that are views of fused 3-D experts (:class:`SliceView`) all
+    views of one expert's region (gpt-oss's interleaved gate and up), or none."""
     if unit.kind == "copy" or observer_of(opts, unit) is not None:
         return None
     infos = [ckpt.tensors[s] for s in unit.sources]
     first = infos[0]
     for info in infos:
-        if info.view is not None or info.virtual is not None or info.dtype not in BATCH_DTYPES or len(info.shape) != 2:
+        if info.virtual is not None or info.dtype not in BATCH_DTYPES or len(info.shape) != 2:
             return None
         if info.shape != first.shape or info.dtype != first.dtype or not 0 < info.nbytes <= BATCH_MEMBER_BYTES:
             return None
-        if chunk_rows(info, unit, opts.chunk_elems) < info.shape[0]:
+        if info.view is None and chunk_rows(info, unit, opts.chunk_elems) < info.shape[0]:
             return None
-    return (id(unit.scheme), len(infos), tuple(first.shape), first.dtype)
+    views = [i.view for i in infos]
+    if any(v is not None for v in views):  # fused experts' views: every member a view of one region (gpt-oss's gate/up)
+        if any(v is None for v in views) or len({(i.file, i.start) for i in infos}) != 1 or len({(v.rows, v.cols) for v in views}) != 1:
+            return None
+    return (id(unit.scheme), len(infos), tuple(first.shape), first.dtype, tuple(views))
 
 
 def unit_order(ckpt: Checkpoint, plan: Plan, opts):

@@ -181,3 +181,52 @@ def test_a_quantizer_error_in_a_batch_names_the_tensor(tmp_path, monkeypatch, de
         msgs.append(str(e.value))
         assert name in str(e.value) and "overflows" in str(e.value)
     assert msgs[0] == msgs[1]
+
+
+def _gpt_oss(tmp_path, poison=None):
+    """gpt-oss's fused 3-D experts (``gate_up_proj [E, H, 2I]`` interleaved, ``down_proj [E, I, H]``, used as x @ W):
+    its experts are views of one region each (gate and up every other column), batched as such."""
+    g = torch.Generator().manual_seed(8)
+    p = "model.layers.0.mlp.experts."
+    gu = torch.randn(E, H, 2 * INTER, generator=g) * torch.logspace(-3, 0, E).reshape(E, 1, 1)
+    gu[1, :, 4] = 0  # a gate row of zeros (column 4 of the region: gate row 2)
+    down = torch.randn(E, INTER, H, generator=g) * 0.02
+    down[2, 3, 5] = 1000.0
+    t = {p + "gate_up_proj": gu.bfloat16(), p + "down_proj": down.bfloat16(), "model.layers.0.input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16)}
+    if poison is not None:
+        name, idx, v = poison
+        t[name][idx] = v
+    return write_checkpoint(tmp_path / "gpt", t, {"model_type": "gpt_oss", "hidden_size": H, "num_local_experts": E})
+
+
+EXPERTS = ["Linear", r"re:.*mlp\.experts\.\d+\..*"]
+
+
+@pytest.mark.parametrize("device", cuda_params())
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "W4A16", "FP8_DYNAMIC", "MXFP4A16"])
+def test_fused_expert_views_batched_are_the_same_bytes(tmp_path, monkeypatch, scheme, device):
+    src = _gpt_oss(tmp_path)
+    ckpt = open_checkpoint(src)
+    plan = make_plan(ckpt, scheme, targets=EXPERTS, allow_unloadable=True)
+    ckpt = dataclasses.replace(ckpt, tensors={**ckpt.tensors, **plan.views})  # as the plan stage hands it on
+    order = list(unit_order(ckpt, plan, ExecOptions(device=torch.device(device), batch=True)))
+    batched = [plan.units[u] for b in order if isinstance(b, tuple) for u in b]
+    assert len(batched) == 2 * E and all(ckpt.tensors[s].view is not None for u in batched for s in u.sources)
+    kw = {"targets": EXPERTS, "allow_unloadable": True}
+    a = _run(src, tmp_path / "a", scheme, device, False, monkeypatch, **kw)
+    b = _run(src, tmp_path / "b", scheme, device, True, monkeypatch, **kw)
+    for f in (tmp_path / "a").glob("*.safetensors"):
+        assert f.read_bytes() == (tmp_path / "b" / f.name).read_bytes()
+    assert {k for k in _tensors(tmp_path / "a") if "experts.5.up_proj.weight" in k}
+    assert a.zero_quantized == b.zero_quantized
+
+
+@pytest.mark.parametrize("device", cuda_params())
+def test_non_finite_in_a_batched_fused_expert_names_the_view(tmp_path, monkeypatch, device):
+    src = _gpt_oss(tmp_path, poison=("model.layers.0.mlp.experts.gate_up_proj", (3, 7, 9), float("nan")))  # expert 3, up (odd column)
+    msgs = []
+    for batch in (False, True):
+        with pytest.raises(BadInputError) as e:
+            _run(src, tmp_path / f"o{batch}", "NVFP4A16", device, batch, monkeypatch, targets=EXPERTS, allow_unloadable=True)
+        msgs.append(str(e.value))
+    assert msgs[0] == msgs[1] and "experts.3.up_proj" in msgs[0]
