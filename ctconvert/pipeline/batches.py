@@ -4,7 +4,8 @@ A MoE checkpoint holds thousands of expert tensors of a few MiB; one at a time, 
 per-tensor work (a host-to-device copy and its event, an absmax, a NaN/inf flag, NVFP4's global scale, the
 zero-row scan, a staging copy and its event), which on an H200 took more time than the quantize kernels
 themselves. A batch is ``B`` units of ``M`` members of one shape ``[R, K]`` and dtype, read into one buffer
-(member after member, unit after unit): here one absmax reduction gives every member's absmax, the scales
+(member after member, unit after unit; for fused 3-D experts, each unit's region of the fused tensor, whose members
+are gathered for the whole batch at once: :func:`batch_values`): here one absmax reduction gives every member's absmax, the scales
 of every unit come from one elementwise computation on those vectors, and the outputs of every member are
 stacked per output name, so that the executor stages and checks the batch once.
 
