@@ -84,22 +84,34 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def _tokenizer(model_path: Path, source: str):
+    """The checkpoint's tokenizer (transformers ``AutoTokenizer``). Raises :class:`BadInputError` naming the folder where
+    it has no tokenizer files, where transformers cannot load them, or where what loads has no vocabulary
+    (transformers 5 builds an empty tokenizer of one token from a ``config.json`` alone)."""
     try:
         from transformers import AutoTokenizer
     except ImportError:  # pragma: no cover - installed with the test extras
         raise UsageError("calibrating from text needs transformers (pip install transformers), or pass token ids with --calibration") from None
+    found = [f for f in TOKENIZER_FILES if (model_path / f).is_file()]
+    if not found:
+        raise _no_tokenizer(model_path, source, found, "")
     try:
-        return AutoTokenizer.from_pretrained(str(model_path))
+        tok = AutoTokenizer.from_pretrained(str(model_path))
     except Exception as e:  # noqa: BLE001 - any failure to load it is one clear line
-        found = [f for f in TOKENIZER_FILES if (model_path / f).is_file()]
-        raise BadInputError(
-            f"no usable tokenizer in the checkpoint (looked for {', '.join(TOKENIZER_FILES)}; found {', '.join(found) or 'none'}"
-            f"{'' if not found else f': transformers could not load them ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})'}); "
-            f"{source} is text and calibration tokenizes it with the model's tokenizer: copy the model's "
-            "tokenizer files into the checkpoint folder (or a copy of it, if it is read-only), or pass token ids with --calibration FILE "
-            "(a JSON array of ints, or integers separated by spaces)",
-            file=model_path,
-        ) from None
+        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise _no_tokenizer(model_path, source, found, f": transformers could not load them ({first})") from None
+    if len(tok) < 2:
+        raise _no_tokenizer(model_path, source, found, f": what transformers loads from them has {len(tok)} token")
+    return tok
+
+
+def _no_tokenizer(model_path: Path, source: str, found: list[str], why: str) -> BadInputError:
+    return BadInputError(
+        f"no usable tokenizer in the checkpoint (looked for {', '.join(TOKENIZER_FILES)}; found {', '.join(found) or 'none'}{why}); "
+        f"{source} is text and calibration tokenizes it with the model's tokenizer: copy the model's "
+        "tokenizer files into the checkpoint folder (or a copy of it, if it is read-only), or pass token ids with --calibration FILE "
+        "(a JSON array of ints, or integers separated by spaces)",
+        file=model_path,
+    )
 
 
 def checkpoint_tokens(ckpt, file: str | Path | None, samples: int, seq_len: int) -> CalibrationData:

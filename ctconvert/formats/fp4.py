@@ -124,7 +124,7 @@ def quantize_mxfp4(w: torch.Tensor, ranges=None) -> dict[str, torch.Tensor]:
     ``weight_packed`` uint8 ``[N, K/2]`` and ``weight_scale`` uint8 ``[N, K/32]``
     (the biased exponent: scale = 2^(byte - 127)); the scale is :func:`.mx.mx_scale`'s.
     Raises ``ValueError`` when a group's power-of-two scale overflows D (fp16
-    absmax >= 49152), where compressed-tensors would silently write an all-zero group.
+    absmax >= 57344: :class:`~.mx.GroupOverflow`), where compressed-tensors would silently write an all-zero group.
     """
     n, k = w.shape
     scale, byte = mx_scale(w, E2M1_OFFSET, "MXFP4", None if ranges is None else ranges_absmax(*ranges))

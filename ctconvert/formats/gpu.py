@@ -492,7 +492,9 @@ def _fp4(w: torch.Tensor, nvfp4: bool, gs: torch.Tensor | None) -> dict[str, tor
         npg = _programs(w, nt, cfg)
         _fp4_kernel[(npg,)](w, packed, s, gs_t, n, k, nt, NVFP4=nvfp4, G=g, DT=dt, BR=br, BG=bg, LOOP=npg < nt, PER_ROW=per_row, num_warps=cfg["num_warps"])
         if not nvfp4 and bool(gs_t):
-            raise ValueError(f"MXFP4 scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
+            from .mx import overflow_error
+
+            raise overflow_error(w, "MXFP4") or ValueError(f"MXFP4 scale overflows {w.dtype}")
     return {"weight_packed": packed, "weight_scale": s.view(torch.float8_e4m3fn) if nvfp4 else s}
 
 

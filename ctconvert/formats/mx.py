@@ -17,7 +17,7 @@ import torch
 
 from .common import dtype_eps, group_absmax, rd
 
-__all__ = ["E2M1_OFFSET", "E4M3_OFFSET", "MX_GROUP", "e8m0_scale", "mx_scale", "round_pow2_bits"]
+__all__ = ["E2M1_OFFSET", "E4M3_OFFSET", "MX_GROUP", "GroupOverflow", "e8m0_scale", "mx_scale", "overflow_error", "round_pow2_bits"]
 
 MX_GROUP = 32
 E2M1_OFFSET = 2  # floor(log2(6))
@@ -48,6 +48,34 @@ def round_pow2_bits(amax_d: torch.Tensor) -> torch.Tensor:
     return r
 
 
+class GroupOverflow(ValueError):
+    """A group whose MX power-of-two scale overflows the weight's dtype: ``name`` (the format), ``dtype``, ``row`` (in the
+    quantized rows), ``col`` (the group's first column) and its ``absmax``; :meth:`shifted` moves the row (a chunk's
+    rows start at ``r0`` of the tensor)."""
+
+    def __init__(self, name: str, dtype: torch.dtype, row: int, col: int, absmax: float):
+        self.name, self.dtype, self.row, self.col, self.absmax = name, dtype, row, col, absmax
+        emax = 15 if dtype == torch.float16 else 127  # the largest power of two of D; 1.75 of it rounds past it (§6.5)
+        super().__init__(
+            f"{name} scale overflows {dtype} at row {row}, columns {col}-{col + MX_GROUP - 1}: the group's absmax {absmax:g} "
+            f"rounds past the largest power of two of {dtype} (an absmax of {1.75 * 2.0**emax:g} or more does)"
+        )
+
+    def shifted(self, r0: int) -> GroupOverflow:
+        return GroupOverflow(self.name, self.dtype, self.row + r0, self.col, self.absmax)
+
+
+def overflow_error(w: torch.Tensor, name: str, amax: torch.Tensor | None = None) -> GroupOverflow | None:
+    """The :class:`GroupOverflow` of the first group (row-major) of ``w`` ``[N, K]`` whose power of two overflows D, or
+    None; ``amax``: the group absmax ``[N, K/32]`` in D when known. For the kernels' flag, found again here."""
+    amax = (group_absmax(w, MX_GROUP) if amax is None else amax).to(w.dtype)
+    bad = torch.isinf(round_pow2_bits(amax))
+    if not bool(bad.any()):
+        return None
+    r, g = (int(i) for i in bad.nonzero()[0])
+    return GroupOverflow(name, w.dtype, r, g * MX_GROUP, float(amax[r, g]))
+
+
 def mx_scale(w: torch.Tensor, offset: int, name: str, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The MX group scales of ``w`` ``[N, K]`` (bf16/fp16/fp32, ``K % 32 == 0``).
 
@@ -56,14 +84,14 @@ def mx_scale(w: torch.Tensor, offset: int, name: str, amax: torch.Tensor | None 
     an observer's ranges), in place of ``w``'s own.
     Returns ``(scale, byte)``: the scale as fp32 ``[N, K/32]`` holding a value of D (what the
     elements are divided by) and the stored E8M0 byte, uint8 ``[N, K/32]``. Raises ``ValueError``
-    when a group's power of two overflows D (e.g. an fp16 absmax >= 49152), where
+    when a group's power of two overflows D (:class:`GroupOverflow`; an fp16 absmax >= 57344), where
     compressed-tensors would write an undefined byte and an all-zero group.
     """
     d = w.dtype
     amax = (group_absmax(w, MX_GROUP) if amax is None else amax).to(d)
     p2 = round_pow2_bits(amax)
     if bool(torch.isinf(p2).any()):
-        raise ValueError(f"{name} scale overflows {d}: a group absmax of {amax.max().item():g} rounds past the largest power of two of {d}")
+        raise overflow_error(w, name, amax)
     e = torch.floor(torch.log2(p2)) + (127 - offset)
     e = torch.round(e.clamp(0, 255))  # -inf (amax 0) -> 0
     scale = rd(torch.exp2(e - 127), d)

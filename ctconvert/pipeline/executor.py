@@ -67,6 +67,7 @@ from ..checkpoint.safetensors_io import REGIONS, ShardFile, TensorInfo, map_byte
 from ..errors import BadInputError
 from ..formats import native
 from ..formats.common import tensor_absmax
+from ..formats.mx import GroupOverflow
 from ..options import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
 from ..plan.planner import Plan, WorkUnit
 from .batches import BatchError, batch_infos, batch_nbytes, batch_values, quantize_batch, raise_first_nonfinite, read_batch
@@ -536,7 +537,8 @@ class Executor:
         except ValueError as e:
             self._check_unit(job.unit, st, now=True)  # on a GPU the NaN/inf checks are still pending: they explain a failure first
             info = self.ckpt.tensors[unit.sources[job.member]]
-            raise BadInputError(f"cannot quantize with {unit.scheme.name}: {e}", file=str(info.file), tensor=info.name) from e
+            why = e.shifted(job.start) if isinstance(e, GroupOverflow) else e  # a chunk's row is the tensor's row job.start + r
+            raise BadInputError(f"cannot quantize with {unit.scheme.name}: {why}", file=str(info.file), tensor=info.name) from e
 
     def _whole_outputs(self, unit: WorkUnit, member: int, info: TensorInfo, st: _UnitState) -> dict[str, torch.Tensor]:
         """A member's tensors known once its last chunk is done: the format's whole-tensor outputs (NVFP4's

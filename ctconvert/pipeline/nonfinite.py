@@ -107,8 +107,9 @@ def raise_nonfinite(info: TensorInfo, only_if_found: bool = False, what: str = "
 
 
 def _scan(info: TensorInfo) -> tuple[int, tuple[int, int] | None, str]:
-    """The number of NaN/inf values of ``info``, the (row, column) of the first, and ``NaN`` or ``inf``."""
-    total, first, kind = 0, None, "inf"
+    """The number of NaN/inf values of ``info``, the (row, column) of the first, and what they are: ``NaN`` where
+    there is one, else ``inf``, ``-inf`` or ``±inf``."""
+    total, first, seen = 0, None, set()
     for r0, w in iter_row_chunks(info):
         w = w.float().reshape(w.shape[0] if w.dim() else 1, -1)  # E4M3 NaN -> NaN; 0-D and 1-D as rows
         bad = ~torch.isfinite(w)
@@ -117,9 +118,9 @@ def _scan(info: TensorInfo) -> tuple[int, tuple[int, int] | None, str]:
             if first is None:
                 idx = bad.nonzero()[0].tolist()
                 first = (r0 + idx[0], idx[1])
-            if bool(torch.isnan(w).any()):
-                kind = "NaN"
+            seen.update(k for k, m in (("NaN", torch.isnan(w)), ("inf", w == float("inf")), ("-inf", w == float("-inf"))) if bool(m.any()))
             total += cnt
+    kind = "NaN" if "NaN" in seen else "±inf" if {"inf", "-inf"} <= seen else "-inf" if "-inf" in seen else "inf"
     return total, first, kind
 
 

@@ -367,6 +367,16 @@ def test_no_tokenizer(tmp_path):
     api.quantize(p, tmp_path / "ok", "FP8", calibration=ids)  # token ids need no tokenizer
 
 
+def test_no_tokenizer_files_for_a_model_type_transformers_builds_an_empty_tokenizer_for(tmp_path):
+    """transformers 5 builds an empty Qwen2 tokenizer (one token) from a Qwen3-MoE ``config.json`` alone: that is no
+    tokenizer, not a corpus of one token (a new user's trial)."""
+    from conftest import moe_checkpoint
+
+    p = moe_checkpoint(tmp_path)
+    assert not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+    _refused(p, tmp_path, BadInputError, r"no usable tokenizer in the checkpoint \(looked for .*; found none\)")
+
+
 def test_architecture_transformers_cannot_build(tmp_path):
     cfg = dict(SMALL, architectures=["NoSuchForCausalLM"], model_type="no_such_model")
     p = add_tokenizer(write_checkpoint(tmp_path / "m", llama_tensors(SMALL), cfg))

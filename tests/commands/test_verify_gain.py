@@ -91,3 +91,27 @@ def test_against_a_quantized_reference_the_limit_is_wider_and_still_fails_a_gros
     rep = api.verify(bad, fp8)
     assert not rep["ok"] and {r["module"] for r in rep["tensors"] if not r["gain_ok"]} == set(hit)
     assert rep["summary"]["gain_failed"] == len(set(hit)) and rep["summary"]["max_gain"] < 0.85
+
+
+def test_swapped_tensors_fail_on_the_error_not_counted_as_a_gain_failure(tiny_llama, tmp_path):
+    """Two modules' tensors swapped (a new user's trial): both fail on the relative L2 error; the summary does not call
+    them "on the gain: a scale off by a factor" (their gain is off too, but the error says it first)."""
+    out = tmp_path / "q"
+    api.quantize(tiny_llama, out, "NVFP4A16")
+    a, b = "model.layers.0.mlp.down_proj.", "model.layers.1.mlp.down_proj."
+    found = {}
+    for f in out.glob("*.safetensors"):
+        for name, t in load_file(f).items():
+            if name.startswith((a, b)):
+                found[name] = t
+    for f in out.glob("*.safetensors"):
+        ts = load_file(f)
+        if any(n.startswith((a, b)) for n in ts):
+            ts = {n: found[b + n[len(a) :]] if n.startswith(a) else found[a + n[len(b) :]] if n.startswith(b) else t for n, t in ts.items()}
+            save_file(ts, f, metadata={"format": "pt"})
+    rep = api.verify(out, tiny_llama)
+    assert not rep["ok"]
+    rows = {r["module"]: r for r in rep["tensors"]}
+    for m in (a[:-1], b[:-1]):
+        assert not rows[m]["ok"] and rows[m]["rel_l2"] > rows[m]["threshold"]
+    assert rep["summary"]["gain_failed"] == 0

@@ -141,7 +141,9 @@ def _mx(kernel: str, name: str, w: torch.Tensor, q_cols: int) -> tuple[torch.Ten
 
     cbuild.parallel_ranges(n, 1, run)
     if errs:
-        raise ValueError(f"{name} scale overflows {w.dtype}: a group absmax rounds past the largest power of two of {w.dtype}")
+        from ..mx import overflow_error
+
+        raise overflow_error(w, name) or ValueError(f"{name} scale overflows {w.dtype}")
     return q, s
 
 
