@@ -177,12 +177,8 @@ def _entry(path: Path, name: str, entry, data_start: int, size: int) -> TensorIn
 
 
 def read_bytes(info: TensorInfo, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Read ``nbytes`` of a tensor's data starting ``offset`` bytes into it.
-
-    Returns a uint8 tensor (``out`` when given: a contiguous uint8 CPU tensor,
-    e.g. pinned, of at least ``nbytes``). Raises :class:`BadInputError` on a
-    short read.
-    """
+    """Read ``nbytes`` of a tensor's data starting ``offset`` bytes into it: a uint8 tensor (``out`` when given: a
+    contiguous uint8 CPU tensor, e.g. pinned, of at least ``nbytes``). Raises :class:`BadInputError` on a short read."""
     if info.virtual is not None:
         return info.virtual.read_bytes(offset, nbytes, out)
     if info.view is not None:
@@ -193,18 +189,13 @@ def read_bytes(info: TensorInfo, offset: int, nbytes: int, out: torch.Tensor | N
             return data
         out[:nbytes].copy_(data)
         return out[:nbytes]
-    return _pread(info, info.start + offset, nbytes, out)
+    return read_span(info, info.start + offset, nbytes, out)
 
 
 def read_span(info: TensorInfo, pos: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``nbytes`` of ``info``'s file from absolute offset ``pos``, uint8 (into ``out`` when given: contiguous uint8 CPU,
-    e.g. pinned): several tensors (or fused experts' regions) that lie back to back, read by one ``preadv``. Raises
+    e.g. pinned): one tensor, or several (fused experts' regions) back to back, by ``preadv``. Raises
     :class:`BadInputError` naming ``info`` on a short read or an I/O error."""
-    return _pread(info, pos, nbytes, out)
-
-
-def _pread(info: TensorInfo, pos: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``nbytes`` of ``info``'s file from absolute offset ``pos`` (uint8; into ``out`` when given)."""
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8)
     view = memoryview(out.numpy()).cast("B")[:nbytes]
@@ -250,7 +241,7 @@ def _view_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
         return torch.empty((0, *info.shape[1:]), dtype=info.torch_dtype)
     if not v.transpose:
         a0, a1 = v.offset + v.step * row0, v.offset + v.step * (row1 - 1) + 1
-        region = _pread(info, info.start + a0 * v.cols * isz, (a1 - a0) * v.cols * isz).view(info.torch_dtype).reshape(a1 - a0, v.cols)
+        region = read_span(info, info.start + a0 * v.cols * isz, (a1 - a0) * v.cols * isz).view(info.torch_dtype).reshape(a1 - a0, v.cols)
         return region[:: v.step].contiguous().reshape((n, *info.shape[1:]))
     return rows_of_region(info, REGIONS.get(info), row0, row1)
 
@@ -264,7 +255,7 @@ def read_region(info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tens
     """The uint8 bytes of a derived tensor's whole :class:`SliceView` region (``view.rows x view.cols`` elements at
     ``info.start``), into ``out`` when given (contiguous uint8 CPU, e.g. pinned, of at least :func:`region_bytes`),
     for a device that takes the rows out itself (:func:`rows_of_region`). Raises :class:`BadInputError` on a short read."""
-    return _pread(info, info.start, region_bytes(info), out)
+    return read_span(info, info.start, region_bytes(info), out)
 
 
 def rows_of_region(info: TensorInfo, region: torch.Tensor, row0: int, row1: int) -> torch.Tensor:
@@ -335,7 +326,7 @@ class RegionCache:
             if hit is not None:
                 self._items[key] = hit  # most recent last
                 return hit
-        region = _pread(info, info.start, key[2])
+        region = read_span(info, info.start, key[2])
         with self._lock:
             if self._users:
                 self._items[key] = region

@@ -46,13 +46,13 @@ def _gpt_oss_expert(tmp_path, h=130, i=48, experts=3):
 def test_transposed_expert_rows_and_one_read_per_region(tmp_path, monkeypatch):
     fused, (gate, up) = _gpt_oss_expert(tmp_path)
     reads = []
-    real = sio._pread
+    real = sio.read_span
 
     def counting(info, pos, nbytes, out=None):
         reads.append((pos, nbytes))
         return real(info, pos, nbytes, out)
 
-    monkeypatch.setattr(sio, "_pread", counting)
+    monkeypatch.setattr(sio, "read_span", counting)
     with REGIONS.active():
         g, u = read_rows(gate, 0, gate.shape[0]), read_rows(up, 5, 20)
     assert torch.equal(g, fused[1][:, 0::2].t()) and torch.equal(u, fused[1][:, 1::2].t()[5:20])
