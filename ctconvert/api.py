@@ -301,25 +301,39 @@ def load_jobs(path: str | Path, emit=None) -> list[dict]:
     return _batch.load_jobs(path, emit=emit)
 
 
-def run_jobs(jobs: list[dict], keep_going: bool = False, emit=print, on_job=None, stop_code=None, executor=None, ray_address=None) -> int:
+def run_jobs(
+    jobs: list[dict], keep_going: bool = False, emit=print, on_job=None, stop_code=None, executor=None, ray_address=None, ray_keep_workers=None
+) -> int:
     """Run checked jobs (:func:`load_jobs`) through :func:`quantize` (a job's keys are its options, a
     ``target`` among them); ``emit`` gets one JSON line per job and a summary line, ``on_job(i, job)`` is called
     as each starts; ``stop_code()`` gives the exit code an interrupt is reported with (default 130);
-    ``executor``/``ray_address``: those options of every job that does not set them (``batch --executor ray``).
+    ``executor``/``ray_address``/``ray_keep_workers``: those options of every job that does not set them (``batch --executor ray``).
     Returns the exit code (0, or the first failure's)."""
     from .commands import batch as _batch
 
-    return _batch.run_jobs(jobs, quantize, keep_going=keep_going, emit=emit, on_job=on_job, stop_code=stop_code, executor=executor, ray_address=ray_address)
+    return _batch.run_jobs(
+        jobs,
+        quantize,
+        keep_going=keep_going,
+        emit=emit,
+        on_job=on_job,
+        stop_code=stop_code,
+        executor=executor,
+        ray_address=ray_address,
+        ray_keep_workers=ray_keep_workers,
+    )
 
 
-def batch(path: str | Path, keep_going: bool = False, emit=print, executor: str | None = None, ray_address: str | None = None) -> int:
-    """``ctconvert batch``: :func:`load_jobs`, then :func:`run_jobs` (``executor``/``ray_address``: as there).
+def batch(
+    path: str | Path, keep_going: bool = False, emit=print, executor: str | None = None, ray_address: str | None = None, ray_keep_workers: int | None = None
+) -> int:
+    """``ctconvert batch``: :func:`load_jobs`, then :func:`run_jobs` (``executor``/``ray_address``/``ray_keep_workers``: as there).
 
     Example::
 
         code = api.batch("jobs.yaml", keep_going=True)
     """
-    return run_jobs(load_jobs(path, emit=emit), keep_going=keep_going, emit=emit, executor=executor, ray_address=ray_address)
+    return run_jobs(load_jobs(path, emit=emit), keep_going=keep_going, emit=emit, executor=executor, ray_address=ray_address, ray_keep_workers=ray_keep_workers)
 
 
 def schemes() -> list[dict]:

@@ -351,7 +351,7 @@ def repack_cmd(ctx: _Ctx, src, output, target, **options):
 
 
 @_command("batch", "jobs_file", dir_okay=False)
-def batch_cmd(ctx: _Ctx, jobs_file, keep_going, executor, ray_address):
+def batch_cmd(ctx: _Ctx, jobs_file, keep_going, executor, ray_address, ray_keep_workers):
     """Run the conversions listed in JOBS_FILE (YAML or JSON).
 
     JSON Lines on stdout: one line per job, then a summary line."""
@@ -381,7 +381,8 @@ def batch_cmd(ctx: _Ctx, jobs_file, keep_going, executor, ray_address):
         return errors.stop_exit_code(_received[0] if _received else signal.SIGINT)
 
     on_job = lambda i, job: running.update(i=i, output=job["output"])  # noqa: E731
-    given = {k: v for k, v in (("executor", executor), ("ray_address", ray_address)) if v is not None}  # --executor ray: every job's default
+    cluster = (("executor", executor), ("ray_address", ray_address), ("ray_keep_workers", ray_keep_workers))
+    given = {k: v for k, v in cluster if v is not None}  # --executor ray ...: every job's default
     code = _run(ctx, lambda: api.run_jobs(jobs, keep_going=keep_going, emit=click.echo, on_job=on_job, stop_code=stop_code, **given), hint=hint)
     sys.exit(code)
 

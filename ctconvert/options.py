@@ -434,6 +434,18 @@ _QUANTIZE = (
         doc='with ``executor="ray"``: the address ``ray.init`` joins (``HOST:6379``, ``ray://HOST:10001``, ``auto``); None: Ray\'s own '
         "default (``RAY_ADDRESS`` when set, else a new local Ray instance).",
     ),
+    Option(
+        "ray_keep_workers",
+        0,
+        help="With --executor ray: keep one converting worker per node (per GPU with --device cuda), its imports done, for this many "
+        "seconds after its last task, so that the next run of any driver starts at once (0: none; kept workers hold their CPUs or GPU).",
+        type="int",
+        annotation="int",
+        doc='with ``executor="ray"``: seconds a *resident* worker (a detached Ray actor per node, or per GPU with CUDA, Python, Ray, '
+        "torch and the engine imported) stays after its last conversion, for the next run of any driver of the same ctconvert code "
+        "(:mod:`ctconvert.pipeline.ray_residents`); 0: none, Ray tasks as before. A kept worker holds its resources meanwhile. "
+        "The same bytes either way.",
+    ),
 )
 #: every quantize option, in :class:`~ctconvert.pipeline.options.QuantizeOptions`' field order
 OPTIONS: dict[str, Option] = {o.name: o for o in _QUANTIZE}
@@ -492,6 +504,7 @@ COMMANDS: dict[str, tuple[Option, ...]] = {
         _O["dense_dtype"],
         _O["executor"],
         _O["ray_address"],
+        _O["ray_keep_workers"],
     ),
     "inspect": (_ALL_LAYERS.but(help="List every layer (default: every layer when <= 60, else a summary per scheme)."),),
     "verify": (Option("reference", None, help="The dense source: compare every tensor with it.", type="path", field=False), _O["tp"], _O["ep"]),
@@ -539,6 +552,7 @@ COMMANDS: dict[str, tuple[Option, ...]] = {
         Option("keep_going", False, help="Run every job even after one fails.", type="flag", field=False),
         _O["executor"].but(help="Run every job on this executor (local or ray) unless its executor key says otherwise.", cli_default=None, show_default=False),
         _O["ray_address"].but(help="With --executor ray: the cluster to join; default RAY_ADDRESS, else a local Ray instance."),
+        _O["ray_keep_workers"].but(cli_default=None),
     ),
 }
 

@@ -201,12 +201,13 @@ def run_jobs(
     stop_code: Callable[[], int] | None = None,
     executor: str | None = None,
     ray_address: str | None = None,
+    ray_keep_workers: int | None = None,
 ) -> int:
     """Run the jobs in order through ``convert(model, output, scheme, **options)`` (the API's
     ``quantize``; the job keys named by :data:`OPTION_OF_KEY`); ``emit`` gets one JSON line
     per job and a summary line; ``on_job(i, job)`` is called as each job starts. Returns the exit code.
-    ``executor``/``ray_address`` (``batch --executor ray``): the options of every job that does not set its
-    own ``executor``/``ray_address`` key; with ``ray`` each job's shards are spread over the cluster, the jobs
+    ``executor``/``ray_address``/``ray_keep_workers`` (``batch --executor ray``): the options of every job that does
+    not set its own key of that name; with ``ray`` each job's shards are spread over the cluster, the jobs
     one after the other (the same lines and exit codes as a local batch).
 
     The exit code is 0 when every job succeeded, else that of the first failure.
@@ -216,7 +217,7 @@ def run_jobs(
     """
     code = 0
     t_all = time.perf_counter()
-    given = {k: v for k, v in (("executor", executor), ("ray_address", ray_address)) if v is not None}
+    given = {k: v for k, v in (("executor", executor), ("ray_address", ray_address), ("ray_keep_workers", ray_keep_workers)) if v is not None}
     counts = {"ok": 0, "error": 0, "skipped": 0, "interrupted": 0}
 
     def put(line: dict) -> None:

@@ -196,14 +196,15 @@ def warm_once(ray, cuda: bool) -> None:
 
 class Joining:
     """Joining the cluster at ``address`` (:func:`connect`) and warming its workers (:func:`warm_up`, once per
-    driver's job and kind: :func:`warm_once`), begun now and waited for by :meth:`wait`. ``cuda``: warm GPU
+    driver's job and kind: :func:`warm_once`; or ``warm(ray, cuda)`` where given: ``--ray-keep-workers``' residents,
+    :func:`~ctconvert.pipeline.ray_residents.residents`), begun now and waited for by :meth:`wait`. ``cuda``: warm GPU
     workers; None: decided once joined (GPU workers when the cluster has GPUs). A new local Ray instance (no
     ``address``, no ``RAY_ADDRESS``) is started on the calling thread, which should be the main one: Ray starts its
     daemons (GCS, raylet) with ``PR_SET_PDEATHSIG``, which kills them when the *thread* that started them ends; the
     rest runs on a thread."""
 
-    def __init__(self, address: str | None, cuda: bool | None):
-        self.address, self.cuda, self.ray = address, cuda, None
+    def __init__(self, address: str | None, cuda: bool | None, warm=None):
+        self.address, self.cuda, self.warm, self.ray = address, cuda, warm or warm_once, None
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
         if not (address or os.environ.get("RAY_ADDRESS")):
@@ -220,7 +221,7 @@ class Joining:
             self.ray = self.ray or connect(self.address)
             if self.cuda is None:
                 self.cuda = bool(self.ray.cluster_resources().get("GPU"))
-            warm_once(self.ray, self.cuda)
+            self.warm(self.ray, self.cuda)
         except BaseException as e:  # noqa: BLE001 - re-raised by wait()
             self.error = e
 
@@ -233,11 +234,11 @@ class Joining:
             raise self.error
         if cuda is not None and cuda != self.cuda:
             self.cuda = cuda
-            warm_once(self.ray, cuda)
+            self.warm(self.ray, cuda)
         return self.ray
 
 
-def joining(address: str | None, cuda: bool) -> Joining:
+def joining(address: str | None, cuda: bool, warm=None) -> Joining:
     """The join of ``address`` begun early (:func:`begin_early`), taken (the executor's ``cuda`` warmed at its
     :meth:`~Joining.wait`), or a new :class:`Joining`; a join begun early for another address is waited for first
     (one process joins one cluster)."""
@@ -248,16 +249,17 @@ def joining(address: str | None, cuda: bool) -> Joining:
     for other in others:
         if other.thread is not None:
             other.thread.join()
-    return begun if begun is not None else Joining(address, cuda)
+    return begun if begun is not None else Joining(address, cuda, warm)
 
 
-def begin_early(address: str | None, device: str) -> None:
+def begin_early(address: str | None, device: str, warm=None) -> None:
     """Begin joining ``address`` (None: ``RAY_ADDRESS``, else a new local instance) and warming its workers now,
     for the run that :func:`joining` will ask for it (the console script, before it imports torch). ``device``:
     the ``--device`` given; ``cpu`` warms CPU workers, another GPU workers when the cluster has GPUs. Without
-    Ray nothing is begun (the run says how to install it)."""
+    Ray nothing is begun (the run says how to install it). ``warm``: how to warm the workers, ``warm(ray, cuda)``
+    (default :func:`warm_once`; ``--ray-keep-workers``: :func:`~ctconvert.pipeline.ray_residents.keeping`)."""
     if importlib.util.find_spec("ray") is None:
         return
-    join = Joining(address, False if str(device).lower() == "cpu" else None)
+    join = Joining(address, False if str(device).lower() == "cpu" else None, warm)
     with _LOCK:
         _BEGUN[address] = join

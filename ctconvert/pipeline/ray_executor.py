@@ -40,11 +40,12 @@ import torch
 from ..checkpoint.hashing import SourceHashes
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import PlannedTensor, ShardFile
-from ..errors import BadInputError, CTConvertError, OutputError
+from ..errors import BadInputError, CTConvertError, OutputError, UsageError
 from ..plan.planner import Plan
 from .executor import ExecOptions, unit_bytes
 from .local import execute
 from .ray_cluster import INSTALL_HINT, Joining, connect, joining, progress_actor, ray_module, resources
+from .ray_residents import Dispatch, code_id, keeping, residents
 from .zeros import ZeroTracker
 
 __all__ = ["INSTALL_HINT", "RETRIES", "RayExecutor", "ShardOutput", "TaskResult", "connect", "convert_shards", "ray_module", "shard_groups"]
@@ -134,15 +135,19 @@ def shard_groups(units: list, weight_map: dict[str, str], done: set[str]) -> lis
 class RayExecutor:
     """Runs a plan's units as Ray tasks, one per group of output shards (:func:`shard_groups`).
 
-    ``address``: the cluster (:func:`connect`). :meth:`connect` before any work (a missing extra or an
-    unreachable cluster fails before the output folder is opened); :meth:`run` returns the ``nodes``
-    of the result: ``[{"node": IP, "node_id": hex, "bytes": source bytes converted, "shards": K}]``. The
-    workers hash the sources they read (``hashes_sources`` False: the driver does not)."""
+    ``address``: the cluster (:func:`connect`). ``keep``: seconds the workers stay after the run as residents, for the
+    next run of any driver (:mod:`ctconvert.pipeline.ray_residents`; 0: plain Ray tasks). :meth:`connect` before any
+    work (a missing extra or an unreachable cluster fails before the output folder is opened); :meth:`run` returns the
+    ``nodes`` of the result: ``[{"node": IP, "node_id": hex, "bytes": source bytes converted, "shards": K}]``. The
+    workers hash the sources they read (``hashes_sources`` False: the driver does not). Raises :class:`UsageError`
+    for a negative ``keep``."""
 
     hashes_sources = False
 
-    def __init__(self, address: str | None = None):
-        self.address = address
+    def __init__(self, address: str | None = None, keep: int = 0):
+        if keep < 0:
+            raise UsageError(f"--ray-keep-workers takes seconds >= 0, not {keep}")
+        self.address, self.keep = address, keep
         self.ray = None
         self._joining: Joining | None = None
         self._cuda = False
@@ -153,7 +158,7 @@ class RayExecutor:
         began for this address is taken instead (:func:`~ctconvert.pipeline.ray_cluster.joining`). ``device``: the
         ``--device`` given; one that can mean CUDA on a machine with CUDA warms GPU workers."""
         self._cuda = str(device).lower() != "cpu" and torch.cuda.is_available()
-        self._joining = joining(self.address, self._cuda)
+        self._joining = joining(self.address, self._cuda, keeping(self.keep) if self.keep > 0 else None)
 
     def connect(self) -> None:
         """Join the cluster (:func:`connect`; begun by :meth:`start`, else now). Raises what joining raised."""
@@ -177,17 +182,21 @@ class RayExecutor:
         remote = ray.remote(convert_shards).options(max_retries=RETRIES, retry_exceptions=False, **resources(ray, cuda))
         progress = progress_actor(ray) if opts.progress is not None else None  # a bar to follow: the workers report
         common = ray.put((ckpt, dataclasses.replace(plan, units=[], rows=[], notes=[]), dataclasses.replace(opts, progress=None, zeros=None, nonfinite=[])))
-        refs = {remote.remote(common, spec, progress): spec for spec in specs}
+        code = code_id()
+        dispatch = Dispatch(
+            ray,
+            residents(ray, cuda, self.keep) if self.keep and specs else [],
+            self.keep,
+            call=lambda handle, spec: handle.convert.remote(convert_shards, common, spec, progress, code),
+            task=lambda spec: remote.remote(common, spec, progress),
+            get=lambda ref: _result(ray, ref),
+            retries=RETRIES,
+        )
+        dispatch.add(specs)
         try:
-            results = self._collect(ray, refs, progress, opts.progress, out)
+            results = self._collect(ray, dispatch, progress, opts.progress, out, specs[0].key[0] if specs else "")
         except BaseException:
-            # only the tasks still running: cancelling one whose reply is arriving trips a check in Ray's core worker
-            # that ends this process (task_manager.cc "Tried to complete task that was not pending"; seen once in CI)
-            _, running = ray.wait(list(refs), num_returns=len(refs), timeout=0) if refs else ([], [])
-            for ref in running:
-                ray.cancel(ref, force=True)
-            if running:
-                ray.wait(running, num_returns=len(running), timeout=CANCEL_WAIT_SECONDS)
+            dispatch.stop(CANCEL_WAIT_SECONDS)
             raise
         finally:
             if specs and progress is not None:
@@ -207,21 +216,23 @@ class RayExecutor:
             specs.append(TaskSpec((run, key), {n: out.assignment[n] for n in names}, units, others, str(out.folder.tmp), cuda, zeros, nbytes))
         return specs
 
-    def _collect(self, ray, refs: dict, progress, bar, out: ShardOutput) -> list[TaskResult]:
-        """Wait for every task, renaming each shard into its final name and journaling it as its task returns; the
-        bar follows the workers' reports."""
-        pending, results, shown = list(refs), [], 0
-        run = next(iter(refs.values())).key[0] if refs else ""
-        while pending:
+    def _collect(self, ray, dispatch: Dispatch, progress, bar, out: ShardOutput, run: str) -> list[TaskResult]:
+        """Wait for every shard group, renaming each shard into its final name and journaling it as its call returns;
+        the bar follows the workers' reports."""
+        results, shown = [], 0
+        while pending := dispatch.pending():
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
             for ref in ready:
-                results.append(r := _result(ray, ref))
+                if (r := dispatch.result(ref)) is None:
+                    continue
+                results.append(r)
                 out.known.update(r.hashes)
                 for name, (size, digest) in r.shards.items():
                     os.replace(Path(out.folder.tmp) / r.parts[name], Path(out.folder.tmp) / name)
                     out.folder.journal_shard(name, size, digest)
+            dispatch.fill()
             if bar is not None:
-                now = sum(r.nbytes for r in results) if not pending else ray.get(progress.total.remote(run))
+                now = sum(r.nbytes for r in results) if not dispatch.pending() else ray.get(progress.total.remote(run))
                 if now > shown:
                     bar.update(now - shown)
                     shown = now

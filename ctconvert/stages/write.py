@@ -51,7 +51,7 @@ class WriteStage(Stage):
     def __init__(self, o: QuantizeOptions):
         self.shard_limit = parse_size(o.max_shard_size)
         self.o = o
-        self.executor = RayExecutor(o.ray_address) if o.executor == "ray" else LocalExecutor()
+        self.executor = RayExecutor(o.ray_address, o.ray_keep_workers) if o.executor == "ray" else LocalExecutor()
         if not o.dry_run:
             self.executor.start(o.device)  # joining the cluster overlaps opening and planning (waited for in prepare)
 

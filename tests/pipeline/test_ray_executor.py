@@ -461,3 +461,81 @@ def test_an_interrupt_removes_the_file_a_worker_made_while_it_was_being_killed(t
     with pytest.raises(KeyboardInterrupt):
         ex.run(None, plan, {}, ExecOptions(device=torch.device("cpu")), None, out)
     assert fake.dead.is_set() and not [p.name for p in folder.iterdir()]
+
+
+@pytest.fixture
+def no_residents(cluster):
+    """Every resident ended after the test, and the cluster's CPUs free again (a resident holds its node's CPU)."""
+    import ray
+
+    from ctconvert.pipeline.ray_residents import stop_residents
+
+    yield ray
+    stop_residents(ray)
+    _wait_until(lambda: not _residents(ray) and ray.available_resources().get("CPU", 0) >= ray.cluster_resources()["CPU"])
+
+
+def _residents(ray) -> dict:
+    """The residents alive, by name: ``(pid, node id, groups converted)``."""
+    from ctconvert.pipeline.ray_residents import NAMESPACE, PREFIX
+
+    out = {}
+    for e in ray.util.list_named_actors(all_namespaces=True):
+        if e.get("namespace") == NAMESPACE and e["name"].startswith(PREFIX):
+            try:
+                out[e["name"]] = ray.get(ray.get_actor(e["name"], namespace=NAMESPACE).where.remote(), timeout=60)
+            except (ValueError, ray.exceptions.RayError):  # ending
+                pass
+    return out
+
+
+def _wait_until(ok, seconds=60.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not ok():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_residents_serve_a_new_driver_with_the_same_bytes_and_end_when_idle(cluster, src, local, tmp_path, no_residents):
+    """``--ray-keep-workers``: the first run leaves one resident per node; a new driver (another process) converts in
+    those same processes and writes the local executor's bytes; told to keep 0.3 s, they end by themselves."""
+    ray = no_residents
+    r = api.quantize(src, tmp_path / "a", "W4A16", max_shard_size=SHARD, executor="ray", ray_keep_workers=120)
+    assert tree_hash(tmp_path / "a") == tree_hash(local["W4A16"]) and sum(n["shards"] for n in r.nodes) == len(r.shards)
+    alive = sum(1 for n in ray.nodes() if n["Alive"])  # (the doomed node is gone after the node-loss test)
+    _wait_until(lambda: len(_residents(ray)) == alive)  # one per live node (each with its one CPU)
+    before = _residents(ray)
+    assert sum(c for _, _, c in before.values()) >= 1
+    args = ["--json", "quantize", src, "-o", tmp_path / "b", "-s", "W4A16", "--max-shard-size", SHARD, "--executor", "ray"]
+    p = _cli(*args, "--ray-address", cluster.address, "--ray-keep-workers", "120", entry="console")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert tree_hash(tmp_path / "b") == tree_hash(local["W4A16"])
+    after = _residents(ray)
+    assert {k: v[:2] for k, v in after.items()} == {k: v[:2] for k, v in before.items()}  # the same processes, still there
+    groups = sum(n["shards"] for n in json.loads(p.stdout)["nodes"])
+    assert 1 <= sum(c for _, _, c in after.values()) - sum(c for _, _, c in before.values()) <= groups  # and they did the work
+    from ctconvert.pipeline.ray_residents import NAMESPACE
+
+    for name in after:
+        ray.get(ray.get_actor(name, namespace=NAMESPACE).keep_for.remote(0.3))
+    _wait_until(lambda: not _residents(ray), seconds=30)
+
+
+def test_residents_lost_before_a_run_leave_the_work_to_new_ones_or_tasks(cluster, src, local, tmp_path, no_residents):
+    """Residents killed between two runs (a node restarted, an operator): the next run still writes the local bytes."""
+    from ctconvert.pipeline.ray_residents import stop_residents
+
+    ray = no_residents
+    api.quantize(src, tmp_path / "a", "NVFP4A16", max_shard_size=SHARD, executor="ray", ray_keep_workers=120)
+    alive = sum(1 for n in ray.nodes() if n["Alive"])
+    _wait_until(lambda: len(_residents(ray)) == alive)
+    assert stop_residents(ray) == alive
+    api.quantize(src, tmp_path / "b", "NVFP4A16", max_shard_size=SHARD, executor="ray", ray_keep_workers=120)
+    assert tree_hash(tmp_path / "b") == tree_hash(local["NVFP4A16"])
+
+
+def test_a_negative_keep_is_a_usage_error(tiny_llama, tmp_path):
+    r = _cli("quantize", tiny_llama, "-o", tmp_path / "out", "-s", "W4A16", "--executor", "ray", "--ray-keep-workers", "-1", "--ray-address", "127.0.0.1:9")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --ray-keep-workers takes seconds >= 0, not -1"], r.stderr
