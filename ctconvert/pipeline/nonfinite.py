@@ -125,5 +125,18 @@ def _scan(info: TensorInfo) -> tuple[int, tuple[int, int] | None, str]:
 
 
 def _count(total: int, kind: str, first, info: TensorInfo) -> str:
-    where = "nowhere" if first is None else f"element {first[0]}" if len(info.shape) <= 1 else f"row {first[0]}, column {first[1]}"
+    """``holds N non-finite values (KIND; first at WHERE)``: WHERE an element (1-D), a row and column (2-D), or a full
+    index ``[i, j, k]`` (3-D and more: ``first``'s column is flat over the trailing dimensions, as :func:`_scan` reads them)."""
+    if first is None:
+        where = "nowhere"
+    elif len(info.shape) <= 1:
+        where = f"element {first[0]}"
+    elif len(info.shape) == 2:
+        where = f"row {first[0]}, column {first[1]}"
+    else:
+        rest, col = [], first[1]
+        for n in reversed(info.shape[1:]):
+            rest.append(col % n)
+            col //= n
+        where = f"index [{', '.join(map(str, [first[0], *reversed(rest)]))}]"
     return f"holds {total} non-finite value{'' if total == 1 else 's'} ({kind}; first at {where})"
