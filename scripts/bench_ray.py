@@ -9,7 +9,10 @@ generator when absent) or ``--model``. Starts a one-node Ray cluster on this mac
 --block``: every CPU, and with ``--device cuda`` one GPU, so one GPU worker), then for each scheme and repeat,
 interleaved, in separate processes: ``python -m ctconvert --json quantize SRC -o OUT -s S --device D`` with the
 local executor, with ``--executor ray --ray-address`` that cluster, and (``ray_warm``) twice in one driver process,
-timing the second call: the Ray executor once its workers are started, as in a ``batch`` of jobs. Each figure
+timing the second call: the Ray executor once its workers are started, as in a ``batch`` of jobs; then (``--keep``,
+default 600 s; ``0``: not) a run with ``--ray-keep-workers`` that leaves residents, and in each repeat a local run
+beside a new driver with ``--ray-keep-workers`` that they serve (``keep``: a new process per conversion, its
+workers' start-up paid by the first run; residents hold the CPUs, so these run after the others). Each figure
 is the minimum over the repeats (a shared machine only makes a run slower): the whole process (wall) and the call (``--json``
 ``seconds``: from the start of the conversion, joining the cluster included). The outputs of the first
 repeat are compared file by file (sha256 of names and bytes: they must be identical). Prints a table (stderr)
@@ -96,11 +99,13 @@ def start_cluster(cuda: bool, tmp: Path, root: Path = ROOT) -> tuple[subprocess.
     raise SystemExit("the Ray head did not start within 120 s" + "".join(f"\n  {line}" for line in tail))
 
 
-def convert(src: Path, out: Path, scheme: str, device: str, shard: str, ray_address: str | None, root: Path = ROOT) -> dict:
+def convert(src: Path, out: Path, scheme: str, device: str, shard: str, ray_address: str | None, root: Path = ROOT, keep: int = 0) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "ctconvert", "--json", "quantize", str(src), "-o", str(out), "-s", scheme, "--device", device, "--max-shard-size", shard]
     if ray_address is not None:
         cmd += ["--executor", "ray", "--ray-address", ray_address]
+    if keep:
+        cmd += ["--ray-keep-workers", str(keep)]
     r = timed(cmd, env=_env(root))
     doc = _json(r)
     return {"wall": r["seconds"], "seconds": doc["seconds"], "nodes": doc.get("nodes"), "bytes": doc["input_bytes"]}
@@ -133,6 +138,7 @@ def main() -> None:
     ap.add_argument("--schemes", default="FP8_DYNAMIC,W4A16,NVFP4A16")
     ap.add_argument("--max-shard-size", default="5GB")
     ap.add_argument("--base", default=None, help="another ctconvert checkout whose Ray runs are interleaved with this one's (A/B)")
+    ap.add_argument("--keep", type=int, default=600, help="then a new driver each run with --ray-keep-workers KEEP (residents of a first run; 0: not measured)")
     a = ap.parse_args()
     work = Path(a.workdir)
     src = Path(a.model) if a.model else make_model(work / "model")
@@ -155,6 +161,20 @@ def main() -> None:
                     runs.setdefault(scheme, {}).setdefault(kind, []).append(r)
                     shutil.rmtree(out, ignore_errors=True)
                     print(f"{scheme} {kind} #{rep}: {r['seconds']:.2f} s (process {r['wall']:.2f} s)", file=sys.stderr, flush=True)
+        if a.keep:  # residents hold their nodes' CPUs (GPUs): measured after the task runs, each against a local run beside it
+            addr, out = clusters[ROOT][1], work / "out-ray-bench-keep"
+            with _cwd(ROOT):
+                convert(src, out, a.schemes.split(",")[0], a.device, a.max_shard_size, addr, ROOT, a.keep)  # makes the residents
+                for rep in range(a.repeat):
+                    for scheme in a.schemes.split(","):
+                        for kind in ("local_keep", "ray_keep"):
+                            on_ray = kind == "ray_keep"
+                            r = convert(src, out, scheme, a.device, a.max_shard_size, addr if on_ray else None, ROOT, a.keep if on_ray else 0)
+                            if rep == 0:
+                                r["tree"] = tree_sha(out)
+                            runs[scheme].setdefault(kind, []).append(r)
+                            shutil.rmtree(out, ignore_errors=True)
+                            print(f"{scheme} {kind} #{rep}: {r['seconds']:.2f} s (process {r['wall']:.2f} s)", file=sys.stderr, flush=True)
     finally:
         for proc, _ in clusters.values():
             proc.terminate()
@@ -171,6 +191,12 @@ def main() -> None:
             f"{str(r['identical']):>9}  {r['local_gbps']:.3f} / {r['ray_gbps']:.3f}",
             file=sys.stderr,
         )
+        if (k := r.get("keep")) is not None:
+            print(
+                f"{'  (keep)':12} {k['local_seconds']:8.2f} {k['ray_seconds']:8.2f} {k['overhead']:+9.1%} {k['process_overhead']:+8.1%} "
+                f"{'':7} {'':7} {str(k['identical']):>9}   new driver, residents up (--ray-keep-workers)",
+                file=sys.stderr,
+            )
         if (b := r.get("base")) is not None:
             print(
                 f"{'  (base)':12} {'':8} {b['ray_seconds']:8.2f} {b['overhead']:+9.1%} {b['process_overhead']:+8.1%} "
@@ -221,6 +247,18 @@ def _row(scheme: str, kinds: dict) -> dict:
         "ray_gbps": round(nbytes / rs / 1e9, 3),
         "nodes": ray[0]["nodes"],
     }
+    if "ray_keep" in kinds:  # a new driver each run, served by residents (--ray-keep-workers), against local runs beside them
+        lk, rk = kinds["local_keep"], kinds["ray_keep"]
+        lks, rks, lkw, rkw = min(r["seconds"] for r in lk), min(r["seconds"] for r in rk), min(r["wall"] for r in lk), min(r["wall"] for r in rk)
+        row["keep"] = {
+            "local_seconds": round(lks, 3),
+            "ray_seconds": round(rks, 3),
+            "overhead": round(rks / lks - 1, 4),
+            "local_process": round(lkw, 3),
+            "ray_process": round(rkw, 3),
+            "process_overhead": round(rkw / lkw - 1, 4),
+            "identical": local[0]["tree"] == lk[0]["tree"] == rk[0]["tree"],
+        }
     if "ray_base" in kinds:
         bs, bws = min(r["seconds"] for r in kinds["ray_base"]), min(r["seconds"] for r in kinds["ray_warm_base"])
         bw = min(r["wall"] for r in kinds["ray_base"])
