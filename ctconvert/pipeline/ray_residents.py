@@ -108,7 +108,14 @@ class Resident:
             with self.state:
                 idle = self.busy == 0 and time.monotonic() - self.last > self.keep
             if idle:
-                os._exit(0)  # detached, never restarted: Ray marks it dead and frees its name and resources
+                break
+        try:  # an intended end (no "worker died" line on a driver's console); detached, never restarted: its name is free
+            import ray
+
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+            time.sleep(10)
+        finally:
+            os._exit(0)
 
 
 _CLASS: dict[int, object] = {}
@@ -193,7 +200,8 @@ class Dispatch:
         self.fill()
 
     def pending(self) -> list:
-        return [*self.inflight, *self.booting]
+        """The refs to wait on while work is left (a resident that never starts, its node full, ends no run)."""
+        return [*self.inflight, *self.booting] if self.queue or self.inflight else []
 
     def result(self, ref):
         """The :class:`~ctconvert.pipeline.ray_executor.TaskResult` of a ready ref, or None: a resident became ready

@@ -178,6 +178,17 @@ def test_no_residents_or_none_that_starts_means_ray_tasks():
     assert sorted(k for k, _ in tasks) == [0, 1] and calls == []
 
 
+def test_a_resident_that_never_starts_holds_no_run_once_the_others_are_done():
+    ray, d, handles, calls, tasks = _dispatch(specs=2)
+    never = next(ref for ref in d.booting if d.booting[ref] == 1)
+    del ray.done[never]  # r1's node is full: it is never placed
+    _round(ray, d)
+    assert [(h, k) for h, k, _ in calls] == [("r0", 0), ("r0", 1)] and never in d.pending()
+    for _, _, ref in calls:
+        ray.done[ref] = "ok"
+    assert _round(ray, d) == ["ok", "ok"] and d.pending() == [] and tasks == []
+
+
 def test_stop_cancels_running_tasks_and_kills_only_busy_residents():
     ray, d, handles, calls, tasks = _dispatch(starts=(True, True), specs=2)
     _round(ray, d)  # r0 takes both groups, r1 idle
