@@ -192,7 +192,9 @@ def modelopt_checkpoint(path: Path, seed=0, in_config=True, fused_scale_2=True) 
         tensors[f"{mod}.weight"] = packed
         tensors[f"{mod}.weight_scale"] = scale
         tensors[f"{mod}.weight_scale_2"] = s2.reshape(()).clone()
-        tensors[f"{mod}.input_scale"] = (torch.rand(1, generator=gen) * 0.1 + 0.01).reshape(())
+        # one input scale per fused set, as an export calibrates it: the members read the same input (verify fails members that differ)
+        inp = (torch.rand(1, generator=gen) * 0.1 + 0.01).reshape(())
+        tensors[f"{mod}.input_scale"] = shared.setdefault(("input", key), inp).clone()
         refs[mod] = modelopt_reference(packed, scale, s2.reshape(()))
     quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": ["lm_head"]}
     cfg = {**CONFIG, "torch_dtype": "bfloat16"}

@@ -10,7 +10,9 @@ the quantized modules. Read from the two checkpoints alone, never from the outpu
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import struct
 
 import torch
 
@@ -35,6 +37,7 @@ __all__ = [
     "gain_message",
     "same_bytes",
     "split_reference",
+    "unread_note",
 ]
 
 CHUNK = 16 * 2**20  # bytes compared at a time
@@ -183,3 +186,35 @@ def split_reference(ref: Checkpoint, ckpt: Checkpoint, problems: list[Problem]) 
     tensors = {n: i for n, i in ref.tensors.items() if n not in split}
     tensors.update({p.name: p for fe in split.values() for p in fe.parts})
     return dataclasses.replace(ref, tensors=tensors)
+
+
+def unread_note(ckpt: Checkpoint) -> Problem:
+    """The note of an output none of whose tensors could be read (``verify --reference`` compares nothing then): the
+    reader refuses a shard with one damaged tensor (truncated, say) as a whole, so the note counts the tensors its
+    shards' headers name and those the errors above call damaged, not "no tensor could be read" of one short tensor."""
+    named, unparsed = 0, 0
+    for f in ckpt.files:
+        names = _header_names(f)
+        named += len(names or ())
+        unparsed += names is None
+    damaged = len({p.tensor for p in ckpt.problems if p.severity == "error" and p.tensor})
+    if not named:
+        return Problem("note", "not compared with --reference: no shard's header could be read, so no tensor of the output was (the errors above)")
+    shards = f"{plural(len(ckpt.files) - unparsed, 'shard')} that {agree(len(ckpt.files) - unparsed, 'holds', 'hold')} them"
+    why = f"{plural(damaged, 'tensor')} of {named} {agree(damaged, 'is', 'are')} damaged (the errors above)" if damaged else "the errors above"
+    more = f"; {plural(unparsed, 'other shard')} unreadable" if unparsed else ""
+    return Problem(
+        "note",
+        f"not compared with --reference: {why}, and the reader refuses the {shards} as a whole, so none of the output's {named} tensors was compared{more}",
+    )
+
+
+def _header_names(path) -> list[str] | None:
+    """The tensor names a safetensors file's header lists (its data unchecked), or None where the header itself cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(n, 100 * 2**20)).decode("utf-8"))
+        return [k for k in header if k != "__metadata__"] if isinstance(header, dict) else None
+    except (OSError, struct.error, ValueError):
+        return None

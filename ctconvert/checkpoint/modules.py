@@ -7,6 +7,7 @@ the module's format object (:data:`ctconvert.formats.FORMATS`).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -28,7 +29,9 @@ __all__ = [
     "dense_row_chunks",
     "dense_rows",
     "dense_shape",
+    "FUSED_SHARED",
     "fused_global_scales",
+    "fused_scalars",
     "module_rows",
     "modules_of",
     "unexplained_dense",
@@ -166,11 +169,29 @@ def dense_rows(
 
 def fused_global_scales(mods: dict[str, Module]) -> dict[str, dict[str, float]]:
     """NVFP4 ``weight_global_scale`` of every fused-set member, by set (parent module name)."""
+    return fused_scalars(mods, "weight_global_scale")
+
+
+#: the one-element tensors every member of a fused set (q/k/v, gate/up) must hold with one value, and what they are: vLLM
+#: 0.33 builds one layer of the set and keeps one of each (the NVFP4 global scales; the calibrated input scales, which
+#: the members share since they read the same input: ``input_global_scale`` of NVFP4 W4A4, the static ``input_scale``
+#: and ``input_zero_point`` of FP8 and W8A8_STATIC(_ASYM))
+FUSED_SHARED = {
+    "weight_global_scale": "NVFP4 global scales",
+    "input_global_scale": "input global scales (calibrated: the members read the same input)",
+    "input_scale": "static input scales (calibrated: the members read the same input)",
+    "input_zero_point": "static input zero points (calibrated: the members read the same input)",
+}
+
+
+def fused_scalars(mods: dict[str, Module], part: str) -> dict[str, dict[str, float]]:
+    """The one-element tensor ``part`` of every fused-set member that holds one, by set (parent module name)."""
     sets: dict[str, dict[str, float]] = {}
     for m in mods.values():
         parent, _, leaf = m.name.rpartition(".")
-        if "weight_global_scale" in m.parts and leaf in FUSED_OF:
-            sets.setdefault(fused_set_name(parent, FUSED_OF[leaf]), {})[leaf] = float(read_tensor(m.parts["weight_global_scale"]).float().reshape(-1)[0])
+        info = m.parts.get(part)
+        if info is not None and leaf in FUSED_OF and math.prod(info.shape) == 1:
+            sets.setdefault(fused_set_name(parent, FUSED_OF[leaf]), {})[leaf] = float(read_tensor(info).float().reshape(-1)[0])
     return sets
 
 

@@ -49,6 +49,7 @@ from ..checkpoint.comparison import (
     gain_message,
     same_bytes,
     split_reference,
+    unread_note,
 )
 from ..checkpoint.config import require_compressed_tensors
 from ..checkpoint.conformance import (
@@ -62,14 +63,15 @@ from ..checkpoint.conformance import (
 )
 from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.kernel_native import is_kernel_native
-from ..checkpoint.modules import Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
+from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, Problem, open_checkpoint
+from ..checkpoint.rows import RowErrors, row_limit, row_problems, rows_ok
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_rows, read_tensor
 from ..errors import UsageError
 from ..formats import CompressionFormat, WeightArgs, get_format
 from ..formats.sparse24 import SPARSE_PREFIX, prune24
-from ..pipeline.zeros import candidate_rows, zero_rows
+from ..pipeline.zeros import candidate_rows
 from ..plan import kernel_targets as kernels
 from ..plan.parallel import checkpoint_modules, kernel_native_modules, parallel_report
 from ..sources import open_source
@@ -89,7 +91,7 @@ _STRUCTURE_CHECKS = [
     "MoE experts' group as vLLM 0.33 matches them",
     "modules vLLM 0.33 cannot load quantized (gpt-oss experts, experts with static INT8 inputs, most MoE routers)",
     "fused sets complete",
-    "fused global scales",
+    "fused global scales and input scales",
     "NaN/inf",
 ]
 
@@ -127,7 +129,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         problems += _value_problems(ckpt)
         problems += _all_zero_problems(mods, ckpt)
     elif not ckpt.tensors:  # no shard could be read (truncated, say): the errors above say why, not a wrong --reference
-        problems.append(Problem("note", "not compared with --reference: no tensor of the output could be read (the errors above)"))
+        problems.append(unread_note(ckpt))
     else:
         source = open_checkpoint(reference, strict=True)
         ref = split_reference(open_source(source).view, ckpt, problems)  # a quantized reference: its dequantized weights
@@ -335,7 +337,7 @@ def _module_problems(mods: dict[str, Module], qcfg: dict) -> tuple[list[Problem]
     2:4 ``sparsity_config`` claims that are not stored 2:4 (:func:`~ctconvert.checkpoint.conformance.sparsity_problems`),
     missing KV cache scales of a static ``kv_cache_scheme`` (:func:`~ctconvert.checkpoint.conformance.kv_scale_problems`),
     per-expert modules vLLM 0.33 would load with another group (:func:`~ctconvert.checkpoint.conformance.vllm_expert_problems`),
-    fused sets with different NVFP4 global scales. Returns ``(problems, names of the modules whose tensors contradict
+    fused sets whose members hold different NVFP4 global scales or calibrated input scales. Returns ``(problems, names of the modules whose tensors contradict
     their group)``: those are not dequantized."""
     out, contradicted = sparsity_problems(mods, qcfg) + kv_scale_problems(mods, qcfg) + vllm_expert_problems(mods, qcfg), set()
     for m in mods.values():
@@ -350,9 +352,10 @@ def _module_problems(mods: dict[str, Module], qcfg: dict) -> tuple[list[Problem]
                 contradicted.add(m.name)
         elif m.group is not None and "weight" in m.parts:
             out.append(_error(f"dense Linear weight matched by config group {m.group!r} but not in ignore", tensor=m.name))
-    for fused_set, vals in fused_global_scales(mods).items():
-        if len(set(vals.values())) > 1:
-            out.append(_error(f"fused set members have different NVFP4 global scales {vals}", tensor=fused_set))
+    for part, what in FUSED_SHARED.items():
+        for fused_set, vals in fused_scalars(mods, part).items():
+            if len(set(vals.values())) > 1:
+                out.append(_error(f"fused set members have different {what} {vals}", tensor=fused_set))
     return out, contradicted
 
 
@@ -429,9 +432,7 @@ def _compare_weights(
             problems.append(_error(f"relative L2 error {row['rel_l2']:.4f} exceeds {row['threshold']} for {m.format}", tensor=m.name))
         elif not row["gain_ok"]:
             problems.append(_error(gain_message(row), tensor=m.name))
-        if row["zero_rows"]:
-            what = "every row is" if row["zero_rows"] == n else f"{row['zero_rows']} of {n} rows are"
-            problems.append(Problem("warning", f"{what} all zero in the output but not in the reference (values too small for the format)", None, m.name))
+        problems += row_problems(row, m.name, n)
     return rows, problems
 
 
@@ -444,7 +445,8 @@ def _error_row(m: Module, src, requantized: bool = False) -> dict:
     the pruning's own, is reported beside it (``rel_l2_dense``, ``max_abs_dense``, ``snr_db_dense``), not judged."""
     sparse = str(m.format).startswith(SPARSE_PREFIX) or m.format == CompressionFormat.MARLIN_24
     sums = {"pruned": [0.0, 0.0, 0.0, 0.0], "dense": [0.0, 0.0, 0.0, 0.0]}  # squared error, squared reference, max abs, <got, ref>
-    lost = 0
+    gs = float(read_tensor(m.parts["weight_global_scale"]).float().reshape(-1)[0]) if "weight_global_scale" in m.parts else None
+    per_row = RowErrors(get_format(m.format), WeightArgs.from_dict(m.weights), src.torch_dtype if src.torch_dtype.is_floating_point else torch.bfloat16, gs)
     for r0, r1, got in dense_row_chunks(m, CHUNK):
         dense = read_rows(src, r0, r1)
         wants = {"dense": dense.float()}
@@ -458,7 +460,7 @@ def _error_row(m: Module, src, requantized: bool = False) -> dict:
             acc[1] += float((want * want).sum())
             acc[2] = max(acc[2], float(d.abs().max()) if d.numel() else 0.0)
             acc[3] += float((got * want).sum())
-        lost += int(zero_rows(got, wants["pruned" if sparse else "dense"])[1].sum())
+        per_row.add(r0, got, wants["pruned" if sparse else "dense"])
     stats = {key: error_stats(*acc[:3]) for key, acc in sums.items()}
     rel, mx, snr = stats["pruned" if sparse else "dense"]
     limit = 0.0 if m.format == SPARSE_PREFIX else error_threshold(m.weights or {})
@@ -466,8 +468,9 @@ def _error_row(m: Module, src, requantized: bool = False) -> dict:
     gain = judged[3] / judged[1] if judged[1] > 0 else 1.0
     row = {"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "gain": gain}
     limit_gain = gain_limit(m.format, rel, requantized)
-    row.update(gain_limit=limit_gain, gain_ok=abs(gain - 1) <= limit_gain, zero_rows=lost)
-    row["ok"] = rel <= limit and row["gain_ok"]
+    row.update(gain_limit=limit_gain, gain_ok=abs(gain - 1) <= limit_gain, row_threshold=row_limit(m.weights or {}, requantized), **per_row.result())
+    row["rows_ok"] = rows_ok(row)
+    row["ok"] = rel <= limit and row["gain_ok"] and row["rows_ok"]
     if sparse:
         rel_d, mx_d, snr_d = stats["dense"]
         row.update(against="2:4-pruned reference", rel_l2_dense=rel_d, max_abs_dense=mx_d, snr_db_dense=snr_d)

@@ -306,6 +306,16 @@ class WeightFormat:
         a non-zero level). None: not known for this format."""
         return None
 
+    def zero_row_floor(self, args: WeightArgs, dtype: torch.dtype, global_scale: float | None = None) -> tuple[float, float]:
+        """How small a row of ``dtype`` values must be to quantize to all zeros in a correct output: ``(absolute,
+        relative)``, the row's absmax is below ``absolute`` (its scales underflow: the zero-scale substitute of
+        :meth:`zero_scale` then maps every value to 0) or below ``relative`` times the absmax of the values its
+        scale is computed from (a per-tensor or block scale, where a row far below the others rounds to 0). Each
+        bound is the format's exact one times 2, so rounding cannot put a genuinely tiny row above it; a row
+        above both must quantize to something (its largest value maps to a non-zero level). ``global_scale``: the
+        module's NVFP4 ``weight_global_scale``. ``(0, 0)``: not known for this format (no row may be lost)."""
+        return 0.0, 0.0
+
     def scale_flags_nonfinite(self, args: WeightArgs) -> bool:
         """Whether ``weight_scale`` is non-finite exactly when its group holds a NaN/inf (the scale is
         ``max|x| / constant``: NaN-propagating in torch, over abs bit patterns in C), so that a separate

@@ -182,6 +182,11 @@ class NVFP4PackQuantized(_FP4):
     def zero_scale(self, args, dtype):
         return 0.125  # an E4M3 group scale of 0 -> 0.125 (module docstring)
 
+    def zero_row_floor(self, args, dtype, global_scale=None):
+        # all zero only when every group scale e4m3(gs * amax_g / 6) rounds to 0 (below 2^-10): amax_g < 2^-10 * 6 / gs
+        # (2.2e-6 of the fused set's absmax); then w / (0.125 / gs) is below 0.05, which E2M1 rounds to 0
+        return (2.0**-9 * FP4_MAX / global_scale if global_scale else 0.0), 0.0
+
     def _reference(self, w, args, global_scale):
         return quantize_nvfp4(w, global_scale)
 
@@ -227,6 +232,11 @@ class MXFP4PackQuantized(_FP4):
     def zero_scale(self, args, dtype):
         # the exponent clamps at byte 0; 2^-127 is zero only in fp16, where it becomes eps = 1 (byte 127)
         return 127.0 if dtype == torch.float16 else 0.0
+
+    def zero_row_floor(self, args, dtype, global_scale=None):
+        # the scale clamps at 2^-127 (values under 2^-129 round to 0); in fp16 a scale under 2^-25 (amax < 2^-23) is 0,
+        # replaced by 1, which rounds values under 0.25 to 0
+        return (2.0**-22 if dtype == torch.float16 else 2.0**-128), 0.0
 
     def _fused(self, kernels, w, args, global_scale):
         return kernels.mxfp4(w)

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from .base import CompressionFormat, DequantSpec, WeightFormat, byte_values, dequantize_unpacked, expand_scale, factor_layout, unpacked_spec
-from .common import FP8_MAX, dtype_eps, group_absmax, ranges_absmax, rd, sdiv
+from .common import FP8_MAX, dtype_eps, group_absmax, ranges_absmax, rd, sdiv, smallest_subnormal
 from .mx import E4M3_OFFSET, MX_GROUP, e8m0_scale, mx_scale
 
 __all__ = [
@@ -129,6 +129,12 @@ class FloatQuantized(WeightFormat):
     def zero_scale(self, args, dtype):
         return dtype_eps(dtype)  # fp8_scale: zeros -> eps(D)
 
+    def zero_row_floor(self, args, dtype, global_scale=None):
+        # all zero only when D(amax / 448) underflows (amax < 224 tiny(D)) and every value / eps(D) is below half
+        # the smallest E4M3 subnormal 2^-9; beside a larger per-tensor or block scale, values under 2^-10 / 448 of its absmax
+        absolute = min(2 * FP8_MAX * smallest_subnormal(dtype), dtype_eps(dtype) * 2.0**-9)
+        return absolute, (2.0**-9 / FP8_MAX if args.strategy in ("tensor", "block") else 0.0)
+
     def scale_flags_nonfinite(self, args):
         return args.strategy != "tensor"
 
@@ -210,6 +216,11 @@ class MXFP8Quantized(WeightFormat):
     def zero_scale(self, args, dtype):
         # as MXFP4: the exponent clamps at byte 0; 2^-127 is zero only in fp16, where it becomes 1 (byte 127)
         return 127.0 if dtype == torch.float16 else 0.0
+
+    def zero_row_floor(self, args, dtype, global_scale=None):
+        # the scale clamps at 2^-127 (values under 2^-137 round to 0); in fp16 a scale under 2^-25 (amax < 2^-17) is 0,
+        # replaced by 1, which rounds values under 2^-10 to 0
+        return (2.0**-16 if dtype == torch.float16 else 2.0**-136), 0.0
 
     def _fused(self, kernels, w, args, global_scale):
         fn = getattr(kernels, "mxfp8", None)

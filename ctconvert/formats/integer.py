@@ -14,7 +14,7 @@ import math
 import torch
 
 from .base import CompressionFormat, WeightFormat, byte_values, dequantize_unpacked, unpacked_spec
-from .common import dtype_eps, group_absmax, group_minmax, ranges_absmax, rd, sdiv
+from .common import dtype_eps, group_absmax, group_minmax, ranges_absmax, rd, sdiv, smallest_subnormal
 
 __all__ = ["IntQuantized", "PackQuantized", "int_range", "pack_int32", "pack_int32_dim0", "quantize_int", "unpack_int32"]
 
@@ -139,6 +139,12 @@ class _Integer(WeightFormat):
 
     def zero_scale(self, args, dtype):
         return dtype_eps(dtype)  # zero scales -> eps(D) (module docstring)
+
+    def zero_row_floor(self, args, dtype, global_scale=None):
+        # all zero only when every group's scale underflows: amax / ((2^B - 1) / 2) (symmetric), (max - min) / (2^B - 1)
+        # (asymmetric) below tiny(D) / 2; beside a larger per-tensor scale, values under half a step
+        levels = 2**args.num_bits - 1
+        return levels * smallest_subnormal(dtype), (2.0 / levels if args.strategy == "tensor" else 0.0)
 
 
 class IntQuantized(_Integer):

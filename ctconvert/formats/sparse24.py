@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import CompressionFormat, WeightFormat
+from .common import smallest_subnormal
 from .integer import quantize_int
 
 __all__ = [
@@ -272,6 +273,9 @@ class Marlin24(WeightFormat):
         k32, n2 = shapes["weight_packed"]
         return n2 // 2, 32 * k32
 
+    def zero_row_floor(self, args, dtype, global_scale=None):
+        return 15 * smallest_subnormal(torch.float16), 0.0  # symmetric int4, fp16 scales (as :class:`.integer.PackQuantized`)
+
 
 class Sparse24Bitmask(WeightFormat):
     """``sparse-24-bitmask`` over an inner quantization format (or none: dense 2:4 values).
@@ -314,6 +318,9 @@ class Sparse24Bitmask(WeightFormat):
 
     def scale_flags_nonfinite(self, args):
         return False  # pruning can drop a NaN before any scale sees it: the executor scans the input
+
+    def zero_row_floor(self, args, dtype, global_scale=None):
+        return self.inner.zero_row_floor(args, dtype, global_scale) if self.inner else (0.0, 0.0)  # dense 2:4 values: exact
 
     def quantize(self, w, args, global_scale=None, impl="auto"):
         pruned = prune24(w)

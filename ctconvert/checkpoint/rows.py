@@ -1,0 +1,132 @@
+"""Per-row checks of a quantized module against its reference (``verify --reference``): each row's relative L2 error
+against its reference row, and rows that quantize to all zeros although their reference row is not too small for
+the format.
+
+A module's overall relative L2 error hides a few wrong rows (rows swapped with their scales, a row's scales
+zeroed): each output row is judged on its own, against a per-format limit measured on correct outputs
+(:data:`ROW_LIMITS`). A row that is all zero in the output and not in the reference is judged by the zero-row rule
+instead (:meth:`ctconvert.formats.base.WeightFormat.zero_row_floor`: only a reference row too small for the
+format's scales may become zero; any other is an error), and is left out of the worst row. Both are computed in
+the one streaming pass over row chunks that gives the module's error (``verify``'s error row); read from the two
+checkpoints alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .reader import Problem
+
+__all__ = ["ROW_LIMITS", "RowErrors", "row_limit", "row_problems", "rows_ok"]
+
+#: largest relative L2 error of any single row (against its reference row), per (type, bits) of the weights. The worst
+#: row of correct outputs, measured over all-MiniLM-L6-v2 (fp32, K 384/1536), a random Gaussian tiny Llama and one with
+#: log-normal magnitudes (sigma 1.5; bf16, K 256/512): FP8_DYNAMIC 0.035, FP8_BLOCK 0.057, MXFP8A16 0.058; W8A8 0.084
+#: (MiniLM's outlier row 99 of encoder.layer.1.output.dense), W8A16 0.025; W4A16 0.298 (MiniLM, group 128), W4A16 group
+#: 32 0.187, W4A16_ASYM 0.218; NVFP4A16 0.128, MXFP4A16 0.201. A wrong row is far above: a row swapped with another
+#: (values and scales) ~1.4, a row whose scales are zeroed 1.0 (judged by the zero-row rule). Each limit is 2-3x the
+#: worst correct row of its kind and well below 1
+ROW_LIMITS = {("float", 8): 0.2, ("int", 8): 0.25, ("int", 4): 0.6, ("float", 4): 0.6}
+
+
+def row_limit(weights: dict, requantized: bool) -> float | None:
+    """The largest worst-row relative L2 error accepted for a module of ``weights`` (a config group's weight args);
+    None against a quantized reference (``requantized``: rows whose values already lie on another grid are not
+    judged one by one) or for weights of another kind."""
+    if requantized:
+        return None
+    return ROW_LIMITS.get((weights.get("type"), int(weights.get("num_bits") or 0)))
+
+
+class RowErrors:
+    """The per-row accumulator of one module: :meth:`add` each chunk of dequantized rows with its reference rows,
+    then :meth:`result`. ``fmt``/``args``: the module's format object and WeightArgs, ``dtype`` the dense weight's
+    (the dtype its scales were computed in), ``global_scale`` its NVFP4 ``weight_global_scale`` (or None)."""
+
+    def __init__(self, fmt, args, dtype: torch.dtype, global_scale: float | None = None):
+        self.fmt, self.args, self.dtype, self.global_scale = fmt, args, dtype, global_scale
+        self.worst, self.worst_row = 0.0, None
+        self.tensor_amax = 0.0
+        self.lost: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (row indices, their reference absmax, their chunk's absmax)
+
+    def add(self, r0: int, got: torch.Tensor, want: torch.Tensor) -> None:
+        """Rows ``r0 ..`` of the module: ``got`` dequantized, ``want`` the reference (fp32 ``[r, K]`` each)."""
+        if got.numel() == 0:
+            return
+        d = got - want
+        se, sr = (d * d).sum(dim=1), (want * want).sum(dim=1)
+        amax = want.abs().amax(dim=1)
+        lost = (got == 0).all(dim=1) & (amax > 0)
+        rel = torch.where(sr > 0, (se / sr.clamp_min(torch.finfo(torch.float32).tiny)).sqrt(), torch.where(se > 0, math.inf, 0.0))
+        rel = torch.where(lost, torch.zeros_like(rel), rel)  # judged by the zero-row rule
+        i = int(rel.argmax())
+        if self.worst_row is None or float(rel[i]) > self.worst:
+            self.worst, self.worst_row = float(rel[i]), r0 + i
+        chunk_amax = float(amax.max())
+        self.tensor_amax = max(self.tensor_amax, chunk_amax)
+        if bool(lost.any()):
+            idx = lost.nonzero().flatten()
+            self.lost.append((idx + r0, amax[idx], chunk_amax))
+
+    def result(self) -> dict:
+        """``worst_row_rel_l2``, ``worst_row`` (the rows quantized to something), ``zero_rows`` (rows all zero in the
+        output and not in the reference), of them ``zero_rows_unexplained`` (whose reference row is not too small for
+        the format; the first one's index, reference absmax and the format's floor: ``first_unexplained_zero_row``,
+        ``its_reference_absmax``, ``zero_row_floor``)."""
+        out = {"worst_row_rel_l2": self.worst, "worst_row": self.worst_row, "zero_rows": sum(int(i.numel()) for i, _, _ in self.lost)}
+        absolute, relative = self.fmt.zero_row_floor(self.args, self.dtype, self.global_scale)
+        bad, first = 0, None
+        for idx, amax, chunk_amax in self.lost:
+            span = self.tensor_amax if self.args.strategy == "tensor" else chunk_amax  # block scales: their rows lie in the chunk
+            floor = max(absolute, relative * span)
+            over = amax >= floor
+            bad += int(over.sum())
+            if first is None and bool(over.any()):
+                j = int(over.nonzero()[0])
+                first = {"first_unexplained_zero_row": int(idx[j]), "its_reference_absmax": float(amax[j]), "zero_row_floor": floor}
+        out["zero_rows_unexplained"] = bad
+        out.update(first or {})
+        return out
+
+
+def rows_ok(row: dict) -> bool:
+    """No row of the module is wrong: none all zero that the format explains not, the worst within ``row_threshold``."""
+    limit = row.get("row_threshold")
+    return not row["zero_rows_unexplained"] and (limit is None or row["worst_row_rel_l2"] <= limit)
+
+
+def row_problems(row: dict, module: str, n: int) -> list[Problem]:
+    """The problems of a module's error row (``row``, with :meth:`RowErrors.result` and ``row_threshold`` in it; ``n``
+    its rows): rows all zero that the format explains (a warning), rows all zero that it does not (an error naming
+    the first), a worst row beyond the row limit (an error naming it)."""
+    out = []
+    lost, bad = row["zero_rows"], row["zero_rows_unexplained"]
+    if bad:
+        what = "every row is" if bad == n else f"{bad} of {n} rows are"
+        out.append(
+            Problem(
+                "error",
+                f"{what} all zero in the output but not in the reference, whose rows are not too small for {row['format']} (row "
+                f"{row['first_unexplained_zero_row']}: reference absmax {row['its_reference_absmax']:.3g}, while only rows below "
+                f"{row['zero_row_floor']:.3g} quantize to zero): its scales or values were zeroed",
+                None,
+                module,
+            )
+        )
+    if lost - bad:
+        what = "every row is" if lost - bad == n else f"{lost - bad} of {n} rows are"
+        out.append(Problem("warning", f"{what} all zero in the output but not in the reference (values too small for the format)", None, module))
+    limit = row.get("row_threshold")
+    if limit is not None and row["worst_row_rel_l2"] > limit:
+        out.append(
+            Problem(
+                "error",
+                f"row {row['worst_row']} has relative L2 error {row['worst_row_rel_l2']:.4f} against its reference row, beyond the "
+                f"{limit} a correct {row['format']} row reaches (module: {row['rel_l2']:.4f}): rows or their scales were changed",
+                None,
+                module,
+            )
+        )
+    return out

@@ -1,0 +1,213 @@
+"""verify's per-row checks (a new user's trial): rows whose scales or values were zeroed, rows swapped with their scales and
+group scales reversed pass the module's overall error limit, and must fail all the same, naming the module and the row;
+rows genuinely too small for the format stay a warning. Also: calibrated input scales of a fused set that disagree, and
+the note of a truncated output."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from ctconvert import api
+from ctconvert.checkpoint.rows import ROW_LIMITS
+from ctconvert.cli import main
+
+from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+
+MODULE = "model.layers.0.mlp.gate_proj"  # 512 rows: a few wrong rows leave the module's relative L2 within its limit
+
+
+def _edit(out, tmp_path, tag: str, fn):
+    """A copy of ``out`` whose tensors ``fn(dict)`` changed in place."""
+    bad = tmp_path / f"bad-{tag}"
+    shutil.copytree(out, bad)
+    for f in bad.glob("*.safetensors"):
+        ts = load_file(f)
+        if any(n.startswith(MODULE + ".") for n in ts):
+            fn(ts)
+            save_file(ts, f, metadata={"format": "pt"})
+    return bad
+
+
+def _errors(rep) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for p in rep["problems"]:
+        if p["severity"] == "error":
+            out.setdefault(p["tensor"], []).append(p["message"])
+    return out
+
+
+@pytest.mark.parametrize(
+    "scheme,part",
+    [("W4A16", "weight_scale"), ("NVFP4A16", "weight_scale"), ("FP8_DYNAMIC", "weight_scale"), ("FP8_DYNAMIC", "weight"), ("NVFP4A16", "weight_packed")],
+)
+def test_zeroed_rows_fail_naming_the_module(tiny_llama, tmp_path, scheme, part):
+    """Rows whose scales (or codes) were set to zero dequantize to all zeros; their reference rows (absmax ~0.06) are far
+    above what the format rounds to zero, so they are an error (exit 5), not "values too small for the format"."""
+    out = tmp_path / "q"
+    api.quantize(tiny_llama, out, scheme)
+
+    def zero(ts):
+        ts[f"{MODULE}.{part}"][:3] = torch.zeros_like(ts[f"{MODULE}.{part}"][:3])
+
+    bad = _edit(out, tmp_path, f"{scheme}-{part}", zero)
+    rep = api.verify(bad, tiny_llama)
+    rows = {r["module"]: r for r in rep["tensors"]}
+    assert rows[MODULE]["rel_l2"] <= rows[MODULE]["threshold"] and rows[MODULE]["gain_ok"]  # the module's limits let it through
+    assert rows[MODULE]["zero_rows"] == 3 and rows[MODULE]["zero_rows_unexplained"] == 3 and not rows[MODULE]["ok"]
+    assert rows[MODULE]["first_unexplained_zero_row"] == 0 and rows[MODULE]["its_reference_absmax"] > 0.03
+    errors = _errors(rep)
+    assert set(errors) == {MODULE}
+    assert "3 of 512 rows are all zero in the output but not in the reference, whose rows are not too small" in errors[MODULE][0]
+    assert not any(p["severity"] == "warning" and "too small" in p["message"] for p in rep["problems"])
+    r = CliRunner().invoke(main, ["verify", str(bad), "--reference", str(tiny_llama)])
+    assert r.exit_code == 5 and MODULE in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    "scheme,dtype,tiny",
+    [
+        ("W4A16", torch.float16, 1e-7),  # its group scales round to zero in fp16 (README: "fp16 rows of about 1e-7")
+        ("FP8_DYNAMIC", torch.float16, 1e-7),
+        ("NVFP4A16", torch.bfloat16, 1e-30),  # far below the fused set's largest value: its E4M3 group scales round to zero
+        ("NVFP4A16", torch.float32, 1e-30),
+        ("MXFP4A16", torch.float32, 1e-40),  # below the smallest E8M0 scale 2^-127 times E2M1's half step
+    ],
+)
+def test_rows_too_small_for_the_format_stay_a_warning(tmp_path, scheme, dtype, tiny):
+    cfg = dict(LLAMA_CONFIG, torch_dtype=str(dtype).removeprefix("torch."))
+    t = llama_tensors(cfg, dtype=dtype)
+    w = t[MODULE + ".weight"].float()
+    w[:4] = w[:4] / w[:4].abs().amax(dim=1, keepdim=True) * tiny
+    t[MODULE + ".weight"] = w.to(dtype)
+    src = write_checkpoint(tmp_path / "src", t, cfg)
+    api.quantize(src, tmp_path / "q", scheme)
+    rep = api.verify(tmp_path / "q", src)
+    assert rep["ok"], _errors(rep)
+    row = {r["module"]: r for r in rep["tensors"]}[MODULE]
+    assert row["zero_rows"] == 4 and row["zero_rows_unexplained"] == 0 and row["worst_row_rel_l2"] < 1
+    warnings = [p for p in rep["problems"] if p["severity"] == "warning" and p["tensor"] == MODULE]
+    assert [p["message"] for p in warnings] == ["4 of 512 rows are all zero in the output but not in the reference (values too small for the format)"]
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16", "MXFP4A16"])
+def test_swapped_rows_fail_on_the_row_error(tiny_llama, tmp_path, scheme):
+    """5 row pairs swapped, values and scales together: the module's relative L2 stays within its 4-bit limit (5 of 512
+    rows), but each swapped row is ~1.4 off its reference row, far beyond the row limit. (8-bit modules fail such a swap on
+    their own tighter limits already.)"""
+    out = tmp_path / "q"
+    api.quantize(tiny_llama, out, scheme)
+    parts = ("weight_packed", "weight_scale")
+
+    def swap(ts):
+        for p in parts:
+            t = ts[f"{MODULE}.{p}"]
+            for a, b in ((1, 100), (5, 77), (9, 200), (30, 31), (60, 150)):
+                t[[a, b]] = t[[b, a]]
+
+    rep = api.verify(_edit(out, tmp_path, scheme, swap), tiny_llama)
+    row = {r["module"]: r for r in rep["tensors"]}[MODULE]
+    assert row["rel_l2"] <= row["threshold"] and not row["ok"] and not row["rows_ok"]
+    assert row["worst_row_rel_l2"] > 1.2 and row["worst_row"] in (1, 100, 5, 77, 9, 200, 30, 31, 60, 150)
+    assert row["row_threshold"] == ROW_LIMITS[("int" if scheme.startswith("W") else "float", 4)]
+    errors = _errors(rep)
+    assert set(errors) == {MODULE} and any(f"row {row['worst_row']} has relative L2 error" in m for m in errors[MODULE])
+
+
+def test_reversed_group_scales_fail_on_the_row_error(tmp_path):
+    """A W4A16 down_proj with two groups per row, its group scales reversed (``weight_scale.flip(1)``): relative L2 ~0.22
+    against the 0.25 limit and a gain of ~1, but its worst row is ~0.73 off (correct W4A16 rows measured up to 0.30)."""
+    cfg = dict(LLAMA_CONFIG, intermediate_size=256)
+    src = write_checkpoint(tmp_path / "src", llama_tensors(cfg), cfg)
+    out = tmp_path / "q"
+    api.quantize(src, out, "W4A16")
+    module = "model.layers.0.mlp.down_proj"
+    f = out / "model.safetensors"
+    ts = load_file(f)
+    ts[module + ".weight_scale"] = ts[module + ".weight_scale"].flip(1).contiguous()
+    save_file(ts, f, metadata={"format": "pt"})
+    rep = api.verify(out, src)
+    row = {r["module"]: r for r in rep["tensors"]}[module]
+    assert row["rel_l2"] <= row["threshold"] and row["gain_ok"]
+    assert row["worst_row_rel_l2"] > row["row_threshold"] and not rep["ok"]
+    assert set(_errors(rep)) == {module}
+
+
+def test_correct_outputs_report_their_worst_row(tiny_llama, tmp_path):
+    """Every error row says its worst row (``worst_row_rel_l2``, ``worst_row``) and the limit; a correct output is within it."""
+    out = tmp_path / "q"
+    api.quantize(tiny_llama, out, "W4A16", group_size=32)
+    rep = api.verify(out, tiny_llama)
+    assert rep["ok"], _errors(rep)
+    for r in rep["tensors"]:
+        assert r["rel_l2"] <= r["worst_row_rel_l2"] <= r["row_threshold"] == ROW_LIMITS[("int", 4)] and r["rows_ok"]
+        assert isinstance(r["worst_row"], int) and r["zero_rows"] == 0
+
+
+def test_against_a_quantized_reference_rows_are_not_judged_one_by_one(tiny_llama, tmp_path):
+    fp8 = tmp_path / "fp8"
+    api.quantize(tiny_llama, fp8, "FP8_BLOCK")
+    api.quantize(fp8, tmp_path / "q", "W4A16")
+    rep = api.verify(tmp_path / "q", fp8)
+    assert rep["ok"], _errors(rep)
+    assert all(r["row_threshold"] is None and "worst_row_rel_l2" in r for r in rep["tensors"])
+
+
+# -- fused sets' calibrated input scales ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def calibrated_llama(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from calibration.test_calibration import SMALL, add_tokenizer
+
+    return add_tokenizer(write_checkpoint(tmp_path_factory.mktemp("cal") / "llama", llama_tensors(SMALL, seed=3), SMALL))
+
+
+@pytest.mark.parametrize("scheme,part", [("NVFP4", "input_global_scale"), ("FP8", "input_scale"), ("W8A8_STATIC_ASYM", "input_scale")])
+def test_fused_members_with_different_input_scales_fail(calibrated_llama, tmp_path, scheme, part):
+    """vLLM keeps one input scale per fused layer (q/k/v, gate/up), whose members read the same input: a calibrated output
+    passes, and one whose k_proj input scale alone was doubled fails naming the set."""
+    out = tmp_path / "q"
+    api.quantize(calibrated_llama, out, scheme, calibration_samples=2, calibration_seq_len=32)
+    good = api.verify(out, calibrated_llama)
+    assert good["ok"], _errors(good)
+    name = f"model.layers.1.self_attn.k_proj.{part}"
+    for f in out.glob("*.safetensors"):
+        ts = load_file(f)
+        if name in ts:
+            ts[name] = ts[name] * 2
+            save_file(ts, f, metadata={"format": "pt"})
+    rep = api.verify(out, calibrated_llama)
+    errors = _errors(rep)
+    fused = "model.layers.1.self_attn.{q_proj,k_proj,v_proj}"
+    assert not rep["ok"] and set(errors) == {fused}
+    assert "fused set members have different" in errors[fused][0] and "'k_proj'" in errors[fused][0]
+
+
+# -- a truncated output -----------------------------------------------------------------------------------------------------
+
+
+def test_the_note_of_a_truncated_shard_counts_what_was_not_read(tmp_path):
+    """One byte cut off the only shard: only its last tensor is short, and the note says so (the reader refuses the shard as a
+    whole), not "no tensor of the output could be read"."""
+    src = tmp_path / "one"
+    api.quantize(write_checkpoint(tmp_path / "s1", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG), src, "W4A16")
+    shard = src / "model.safetensors"
+    n = len(load_file(shard))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 1)
+    r = CliRunner().invoke(main, ["verify", str(src), "--reference", str(tmp_path / "s1")])
+    assert r.exit_code == 5
+    out = r.stdout + r.stderr
+    assert "no tensor of the output could be read" not in out
+    assert f"1 tensor of {n} is damaged (the errors above), and the reader refuses the 1 shard that holds them as a whole" in out
+    with open(shard, "r+b") as f:
+        f.truncate(4)  # not even a header: then no tensor could be read
+    rep = api.verify(src, tmp_path / "s1")
+    notes = [p["message"] for p in rep["problems"] if p["severity"] == "note"]
+    assert not rep["ok"] and any("no shard's header could be read, so no tensor of the output was" in m for m in notes)
