@@ -178,7 +178,8 @@ def fused_global_scales(mods: dict[str, Module]) -> dict[str, dict[str, float]]:
 #: and ``input_zero_point`` of FP8 and W8A8_STATIC(_ASYM))
 FUSED_SHARED = {
     "weight_global_scale": "NVFP4 global scales",
-    "input_global_scale": "input global scales (calibrated: the members read the same input)",
+    "input_global_scale": "input global scales (calibrated: the members read the same input; vLLM 0.33 serves the fused layer with their "
+    "largest and warns of reduced accuracy, compressed_tensors_w4a4_nvfp4.py)",
     "input_scale": "static input scales (calibrated: the members read the same input)",
     "input_zero_point": "static input zero points (calibrated: the members read the same input)",
 }
