@@ -61,6 +61,7 @@ from ..checkpoint.conformance import (
     vllm_unloadable_problems,
 )
 from ..checkpoint.families import transformers_per_expert_reason
+from ..checkpoint.files_check import attention_shape_problems, reference_problems
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import Module, dense_row_chunks, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
@@ -89,9 +90,11 @@ _STRUCTURE_CHECKS = [
     "MoE experts' group as vLLM 0.33 matches them",
     "modules vLLM 0.33 cannot load quantized (gpt-oss experts, experts with static INT8 inputs, most MoE routers)",
     "fused sets complete",
+    "attention shapes against config.json",
     "fused global scales",
     "NaN/inf",
 ]
+_FILES_CHECK = "config.json and the copied files against the reference"
 
 
 def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1, ep: int | None = None, progress=None) -> dict:
@@ -120,7 +123,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     found += vllm_unloadable_problems(mods, ckpt.config)
     problems += found
     problems += unexplained_dense(ckpt, mods)
-    problems += missing_fused_members(linear_module_files(mods), ckpt.config)
+    problems += missing_fused_members(linear_module_files(mods), ckpt.config) + attention_shape_problems(mods, ckpt.config)
     rows: list[dict] = []
     checks = list(_STRUCTURE_CHECKS)
     if reference is None:
@@ -134,8 +137,13 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         problems += _value_problems(ckpt, ref)
         with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
             rows, ref_problems = _compare_weights(mods, ref, bar, contradicted, requantized=source.quantization_config is not None)
-            problems += ref_problems + compare_others(ckpt, mods, ref, bar)
-        checks += ["error of every quantized weight against the reference", "every other tensor equals the reference", "every reference tensor accounted for"]
+            problems += ref_problems + compare_others(ckpt, mods, ref, bar) + reference_problems(ckpt, source)
+        checks += [
+            _FILES_CHECK,
+            "error of every quantized weight against the reference",
+            "every other tensor equals the reference",
+            "every reference tensor accounted for",
+        ]
     report = _report(path, reference, problems, rows, checked=_checked(ckpt, checks, len(rows)))
     return _with_parallel(report, checkpoint_modules(mods, ckpt.tensors), ckpt, tp, ep)
 
@@ -244,7 +252,7 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
         first = next(n for n in ref.tensors if n not in split.tensors)
         problems.append(_error(f"the reference stores these experts fused and this dense checkpoint holds them per expert: {why}", tensor=first))
     ref = split
-    problems += _value_problems(ckpt, ref)
+    problems += _value_problems(ckpt, ref) + reference_problems(ckpt, ref_ckpt) + attention_shape_problems(modules_of(ckpt), ckpt.config)
     loose = max(THRESHOLDS.values())
     rows = []
     emb = find_embedding(ref.tensors)
@@ -286,7 +294,7 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
                     _error(f"relative L2 error {row['rel_l2']:.3g} exceeds {cast:.3g}, the rounding of a {src.dtype} -> {info.dtype} cast", tensor=name)
                 )
     problems += [_error("tensor of the reference is missing", tensor=n) for n in ref.tensors if n not in ckpt.tensors]
-    checks = ["folder (index, shards, duplicates)", "NaN/inf", "every tensor's values against the reference (dense)"]
+    checks = ["folder (index, shards, duplicates)", "NaN/inf", "every tensor's values against the reference (dense)", _FILES_CHECK]
     return _report(path, reference, problems, rows, checked=_checked(ckpt, checks, len(rows)))
 
 
@@ -540,8 +548,8 @@ def _verify_kernel_native(ckpt: Checkpoint, path: Path, reference: str | Path | 
         rows.append({"module": mod, "kernel": rec["kernel"], "round_trip": same, "equals_reference": ref_ok})
     checks = ["folder (index, shards, duplicates)", "round trip of every kernel-native module (invert, repack, same bytes)"]
     if ref is not None:
-        problems += _kernel_native_others(ckpt, q, ref, inverted)
-        checks += ["inverse equals the compressed-tensors reference, bit for bit", "every other tensor equals the reference, none missing"]
+        problems += _kernel_native_others(ckpt, q, ref, inverted) + reference_problems(ckpt, ref)
+        checks += [_FILES_CHECK, "inverse equals the compressed-tensors reference, bit for bit", "every other tensor equals the reference, none missing"]
     return _report(path, reference, problems, [], modules=rows, checked=_checked(ckpt, checks, len(rows)))
 
 
