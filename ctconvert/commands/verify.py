@@ -7,10 +7,9 @@ exactly the tensors its group's format and activation args write, with their
 dtypes and shapes (:mod:`ctconvert.checkpoint.conformance`: a config the
 tensors contradict fails, a 2:4 ``sparsity_config`` over plain tensors and a
 static ``kv_cache_scheme`` without its scales included); every dense Linear is
-in ``ignore``; no fused set lacks a member its other layers have; NVFP4 fused
-sets share one global scale (docs/compressed-tensors-format.md §9.1); no float
-tensor holds NaN/inf and no E4M3 byte is NaN (0x7F/0xFF, docs/field-notes.md
-report 2).
+in ``ignore``; no fused set lacks a member its other layers have; NVFP4 fused sets share one global scale
+(docs/compressed-tensors-format.md §9.1) and calibrated ones one input scale; the attention rows match config.json
+(:mod:`ctconvert.checkpoint.files_check`); no float tensor holds NaN/inf and no E4M3 byte is NaN (0x7F/0xFF).
 
 With ``reference`` (the dense source, or a quantized one: then its weights
 dequantized by :mod:`ctconvert.sources`), an independent check that
@@ -21,7 +20,8 @@ against the reference pruned 2:4 by verify, the error against the dense one
 beside it); every other output tensor must come from the reference (equal
 bytes, or its values cast bit for bit to another float dtype) or be explained
 by the config; every reference tensor must be in the output or replaced by the
-parts of a quantized module.
+parts of a quantized module; each row is judged too (:mod:`ctconvert.checkpoint.rows`); config.json and the
+copied files match the reference's but for what a conversion changes (:mod:`ctconvert.checkpoint.files_check`).
 
 A kernel-native checkpoint is verified by its round trip: every module is
 inverted and repacked again, and must give the stored bytes (and, with a
@@ -62,6 +62,7 @@ from ..checkpoint.conformance import (
     vllm_unloadable_problems,
 )
 from ..checkpoint.families import transformers_per_expert_reason
+from ..checkpoint.files_check import attention_shape_problems, reference_problems
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
@@ -78,7 +79,6 @@ from ..sources import open_source
 
 __all__ = ["verify"]
 
-
 _FLOAT_OR_E4M3 = ("BF16", "F16", "F32", "F64", "F8_E4M3")
 
 
@@ -91,9 +91,11 @@ _STRUCTURE_CHECKS = [
     "MoE experts' group as vLLM 0.33 matches them",
     "modules vLLM 0.33 cannot load quantized (gpt-oss experts, experts with static INT8 inputs, most MoE routers)",
     "fused sets complete",
+    "attention shapes against config.json",
     "fused global scales and input scales",
     "NaN/inf",
 ]
+_FILES_CHECK = "config.json and the copied files against the reference"
 
 
 def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1, ep: int | None = None, progress=None) -> dict:
@@ -122,7 +124,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     found += vllm_unloadable_problems(mods, ckpt.config)
     problems += found
     problems += unexplained_dense(ckpt, mods)
-    problems += missing_fused_members(linear_module_files(mods), ckpt.config)
+    problems += missing_fused_members(linear_module_files(mods), ckpt.config) + attention_shape_problems(mods, ckpt.config)
     rows: list[dict] = []
     checks = list(_STRUCTURE_CHECKS)
     if reference is None:
@@ -136,8 +138,13 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         problems += _value_problems(ckpt, ref)
         with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
             rows, ref_problems = _compare_weights(mods, ref, bar, contradicted, requantized=source.quantization_config is not None)
-            problems += ref_problems + compare_others(ckpt, mods, ref, bar)
-        checks += ["error of every quantized weight against the reference", "every other tensor equals the reference", "every reference tensor accounted for"]
+            problems += ref_problems + compare_others(ckpt, mods, ref, bar) + reference_problems(ckpt, source)
+        checks += [
+            _FILES_CHECK,
+            "error of every quantized weight against the reference",
+            "every other tensor equals the reference",
+            "every reference tensor accounted for",
+        ]
     report = _report(path, reference, problems, rows, checked=_checked(ckpt, checks, len(rows)))
     return _with_parallel(report, checkpoint_modules(mods, ckpt.tensors), ckpt, tp, ep)
 
@@ -246,7 +253,7 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
         first = next(n for n in ref.tensors if n not in split.tensors)
         problems.append(_error(f"the reference stores these experts fused and this dense checkpoint holds them per expert: {why}", tensor=first))
     ref = split
-    problems += _value_problems(ckpt, ref)
+    problems += _value_problems(ckpt, ref) + reference_problems(ckpt, ref_ckpt) + attention_shape_problems(modules_of(ckpt), ckpt.config)
     loose = max(THRESHOLDS.values())
     rows = []
     emb = find_embedding(ref.tensors)
@@ -288,7 +295,7 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
                     _error(f"relative L2 error {row['rel_l2']:.3g} exceeds {cast:.3g}, the rounding of a {src.dtype} -> {info.dtype} cast", tensor=name)
                 )
     problems += [_error("tensor of the reference is missing", tensor=n) for n in ref.tensors if n not in ckpt.tensors]
-    checks = ["folder (index, shards, duplicates)", "NaN/inf", "every tensor's values against the reference (dense)"]
+    checks = ["folder (index, shards, duplicates)", "NaN/inf", "every tensor's values against the reference (dense)", _FILES_CHECK]
     return _report(path, reference, problems, rows, checked=_checked(ckpt, checks, len(rows)))
 
 
@@ -543,8 +550,8 @@ def _verify_kernel_native(ckpt: Checkpoint, path: Path, reference: str | Path | 
         rows.append({"module": mod, "kernel": rec["kernel"], "round_trip": same, "equals_reference": ref_ok})
     checks = ["folder (index, shards, duplicates)", "round trip of every kernel-native module (invert, repack, same bytes)"]
     if ref is not None:
-        problems += _kernel_native_others(ckpt, q, ref, inverted)
-        checks += ["inverse equals the compressed-tensors reference, bit for bit", "every other tensor equals the reference, none missing"]
+        problems += _kernel_native_others(ckpt, q, ref, inverted) + reference_problems(ckpt, ref)
+        checks += [_FILES_CHECK, "inverse equals the compressed-tensors reference, bit for bit", "every other tensor equals the reference, none missing"]
     return _report(path, reference, problems, [], modules=rows, checked=_checked(ckpt, checks, len(rows)))
 
 

@@ -1,0 +1,90 @@
+"""The rules of :mod:`ctconvert.checkpoint.files_check` on hand-made configs and folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ctconvert.checkpoint.files_check import CONFIG_RULES, FILE_RULES, attention_shape_problems, config_problems, copied_file_problems
+from ctconvert.checkpoint.modules import Module
+from ctconvert.checkpoint.reader import Checkpoint
+from ctconvert.checkpoint.safetensors_io import TensorInfo
+
+VLM = {"model_type": "llava", "text_config": {"rope_theta": 1e6, "tie_word_embeddings": True, "torch_dtype": "float32"}, "vision_config": {"hidden_size": 64}}
+
+
+def _ckpt(config: dict, tensors=("lm_head.weight",)) -> Checkpoint:
+    return Checkpoint(Path("/nowhere"), config, dict.fromkeys(tensors), [], None)
+
+
+def _messages(got: dict, want: dict, tensors=("lm_head.weight",)) -> list[str]:
+    return [p.message for p in config_problems(_ckpt(got, tensors), _ckpt(want))]
+
+
+def test_nested_keys_are_named_with_dots():
+    got = {**VLM, "text_config": {**VLM["text_config"], "rope_theta": 1.0}, "vision_config": {}}
+    assert _messages(got, VLM) == [
+        "config.json's text_config.rope_theta is 1.0, the reference's 1000000.0",
+        "config.json lacks vision_config.hidden_size (the reference's: 64)",
+    ]
+
+
+def test_what_a_conversion_changes():
+    assert set(CONFIG_RULES) == {"quantization_config", "torch_dtype", "dtype", "tie_word_embeddings"} and "hidden" in FILE_RULES
+    converted = {
+        **VLM,
+        "quantization_config": {"quant_method": "compressed-tensors"},
+        "torch_dtype": "bfloat16",  # --dense-dtype adds it at the top level
+        "tie_word_embeddings": False,  # --lm-head unties it, at the top level and in text_config
+        "text_config": {**VLM["text_config"], "tie_word_embeddings": False, "torch_dtype": "bfloat16"},
+    }
+    assert _messages(converted, VLM) == []
+    assert "tie_word_embeddings is false but the output stores no lm_head" in _messages(converted, VLM, tensors=("model.embed_tokens.weight",))[0]
+    quantized_ref = {**VLM, "text_config": {**VLM["text_config"], "quantization_config": {"quant_method": "gptq"}}}
+    assert _messages(VLM, quantized_ref) == []  # the source's own, dropped (decompress, a requantization)
+    added = 'config.json adds text_config.quantization_config: {"quant_method": "gptq"} (not in the reference, and no conversion writes it)'
+    assert _messages(quantized_ref, VLM) == [added]
+    assert _messages({**VLM, "dtype": "float8"}, VLM) == ['config.json adds dtype: "float8" (not in the reference, and no conversion writes it)']
+
+
+def test_copied_files(tmp_path):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    files = {
+        "config.json": "{}",
+        "model.safetensors": "w",
+        "sub/model.safetensors.index.json": "{}",
+        "pytorch_model.bin": "w",  # --keep-other-weights
+        "original/consolidated.pth": "w",
+        "quantize_config.json": "{}",  # a quantized source's own
+        ".cache/huggingface/x.lock": "",  # hidden: not copied
+        ".gitattributes": "*.bin lfs",
+        "ctconvert-provenance.json": "{}",  # each quantize output writes its own
+        "1_Pooling/config.json": "{}",
+    }
+    for name, text in files.items():
+        (ref / name).parent.mkdir(parents=True, exist_ok=True)
+        (ref / name).write_text(text)
+    (out / "1_Pooling").mkdir(parents=True)
+    (out / "ctconvert-provenance.json").write_text('{"other": 1}')
+    assert [p.message for p in copied_file_problems(out, ref)] == [
+        ".gitattributes of the reference is missing from the output (a conversion copies it)",
+        "1_Pooling/config.json of the reference is missing from the output (a conversion copies it)",
+    ]
+    (out / ".gitattributes").write_text("*.bin lfs")
+    (out / "1_Pooling/config.json").write_text("{ }")
+    (out / "pytorch_model.bin").write_text("w")
+    assert [p.message for p in copied_file_problems(out, ref)] == ["1_Pooling/config.json differs from the reference's (a conversion copies it unchanged)"]
+
+
+def _module(name: str, rows: int) -> Module:
+    return Module(name, {"weight": TensorInfo(name + ".weight", Path("/x"), "BF16", (rows, 256), 0, rows * 512)})
+
+
+def test_attention_shapes_skip_other_rules():
+    cfg = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    mods = {m.name: m for m in (_module("model.layers.0.self_attn.q_proj", 256), _module("model.layers.0.self_attn.k_proj", 256))}
+    assert [p.tensor for p in attention_shape_problems(mods, cfg)] == ["model.layers.0.self_attn.k_proj"]
+    assert attention_shape_problems(mods, {**cfg, "kv_lora_rank": 512}) == []  # MLA
+    assert attention_shape_problems(mods, {**cfg, "model_type": "qwen3_next"}) == []  # a gated query of twice the rows
+    assert [p.tensor for p in attention_shape_problems(mods, {"text_config": cfg})] == ["model.layers.0.self_attn.k_proj"]
+    tower = {m.name: m for m in (_module("vision_tower.vision_model.layers.0.self_attn.k_proj", 96),)}
+    assert attention_shape_problems(tower, {"text_config": cfg}) == []  # the vision tower has its own config
