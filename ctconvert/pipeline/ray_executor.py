@@ -45,7 +45,7 @@ from ..plan.planner import Plan
 from .executor import ExecOptions, unit_bytes
 from .local import execute
 from .ray_cluster import INSTALL_HINT, Joining, connect, joining, progress_actor, ray_module, resources
-from .ray_residents import Dispatch, code_id, keeping, residents
+from .ray_residents import Dispatch, code_id, keeping, residents, retire
 from .zeros import ZeroTracker
 
 __all__ = ["INSTALL_HINT", "RETRIES", "RayExecutor", "ShardOutput", "TaskResult", "connect", "convert_shards", "ray_module", "shard_groups"]
@@ -183,6 +183,8 @@ class RayExecutor:
         progress = progress_actor(ray) if opts.progress is not None else None  # a bar to follow: the workers report
         common = ray.put((ckpt, dataclasses.replace(plan, units=[], rows=[], notes=[]), dataclasses.replace(opts, progress=None, zeros=None, nonfinite=[])))
         code = code_id()
+        if specs and not self.keep:
+            retire(ray)  # residents an earlier run left would hold the CPUs (GPUs) these tasks need
         dispatch = Dispatch(
             ray,
             residents(ray, cuda, self.keep) if self.keep and specs else [],

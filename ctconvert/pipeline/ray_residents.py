@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .ray_cluster import on_node, resources, warm_worker
 
-__all__ = ["NAMESPACE", "PREFIX", "Dispatch", "Resident", "StaleResident", "code_id", "keeping", "residents", "stop_residents"]
+__all__ = ["NAMESPACE", "PREFIX", "Dispatch", "Resident", "StaleResident", "code_id", "keeping", "residents", "retire", "stop_residents"]
 
 #: the Ray namespace of the residents (named actors are looked up by namespace and name)
 NAMESPACE = "ctconvert"
@@ -130,17 +130,19 @@ def _actor(ray):
 
 def residents(ray, cuda: bool, keep: float) -> list:
     """The residents of this code for ``cuda`` on every live node (one per GPU with CUDA; none on a node without
-    one), found by name or made now (not waited for), each told to stay ``keep`` seconds after its last conversion.
-    Returns their handles; :class:`Dispatch` waits for each to be ready before it hands it work."""
+    one), found by name or made now (not waited for), each told to stay ``keep`` seconds after its last conversion;
+    every other resident is told to end once idle (:func:`retire`). Returns their handles; :class:`Dispatch` waits
+    for each to be ready before it hands it work."""
     nodes = ray.nodes()
     need = {"num_gpus": 1, "num_cpus": 1} if cuda else resources(ray, False, nodes)
-    kind, code, out = "cuda" if cuda else "cpu", code_id(), []
+    kind, code, out, names = "cuda" if cuda else "cpu", code_id(), [], set()
     for node in nodes:
         gpus = int(node["Resources"].get("GPU", 0)) if cuda else 0
         if not node.get("Alive") or (cuda and not gpus) or node["Resources"].get("CPU", 0) < need["num_cpus"]:
             continue
         for slot in range(gpus or 1):
             name = f"{PREFIX}-{code}-{kind}-{node['NodeID']}-{slot}"
+            names.add(name)
             handle = (
                 _actor(ray)
                 .options(
@@ -156,7 +158,24 @@ def residents(ray, cuda: bool, keep: float) -> list:
                 .remote(cuda, keep)
             )
             out.append(handle)
+    retire(ray, names)
     return out
+
+
+def retire(ray, keep: set[str] = frozenset()) -> int:
+    """Tell every resident not named in ``keep`` to end as soon as it is idle (``keep_for(0)``: at once, or after the
+    conversion it is running): one of other ctconvert code (an upgrade), of the other device kind, or any resident
+    for a run without ``--ray-keep-workers``, would otherwise hold the CPUs (GPUs) this run's workers need until its
+    own keep ran out. Returns how many were told."""
+    n = 0
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") == NAMESPACE and entry["name"].startswith(PREFIX) and entry["name"] not in keep:
+            try:
+                ray.get_actor(entry["name"], namespace=NAMESPACE).keep_for.remote(0)
+                n += 1
+            except ValueError:  # ended meanwhile
+                pass
+    return n
 
 
 def keeping(keep: float):

@@ -538,3 +538,28 @@ def test_residents_lost_before_a_run_leave_the_work_to_new_ones_or_tasks(cluster
 def test_a_negative_keep_is_a_usage_error(tiny_llama, tmp_path):
     r = _cli("quantize", tiny_llama, "-o", tmp_path / "out", "-s", "W4A16", "--executor", "ray", "--ray-keep-workers", "-1", "--ray-address", "127.0.0.1:9")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --ray-keep-workers takes seconds >= 0, not -1"], r.stderr
+
+
+def test_residents_of_other_code_or_left_behind_are_retired_so_a_run_gets_the_nodes(cluster, src, local, tmp_path, no_residents):
+    """A resident of other ctconvert code (an upgrade) holding a node's CPU would make a run wait out its keep: a run
+    with --ray-keep-workers tells it to end when idle and converts; a run without it does the same to every resident."""
+    from ctconvert.pipeline.ray_cluster import on_node
+    from ctconvert.pipeline.ray_residents import NAMESPACE, PREFIX, Resident
+
+    ray = no_residents
+    stale = []
+    for node in (n for n in ray.nodes() if n["Alive"]):
+        name = f"{PREFIX}-0000000000000000-cpu-{node['NodeID']}-0"
+        opts = dict(name=name, namespace=NAMESPACE, lifetime="detached", max_concurrency=4, scheduling_strategy=on_node(ray, node["NodeID"]), num_cpus=1)
+        stale.append(ray.remote(Resident).options(**opts).remote(False, 3600))
+    ray.get([h.keep_for.remote(3600) for h in stale], timeout=300)  # every node's CPU held by another code's resident
+    args = ["--json", "quantize", src, "-o", tmp_path / "a", "-s", "W4A16", "--max-shard-size", SHARD, "--executor", "ray", "--ray-address", cluster.address]
+    p = _cli(*args, "--ray-keep-workers", "120", entry="console")  # (a 120 s limit: waiting out the stale keep would fail it)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert tree_hash(tmp_path / "a") == tree_hash(local["W4A16"])
+    assert not any("0000000000000000" in name for name in _residents(ray))
+    assert _residents(ray)  # this code's, left for the next run
+    p = _cli(*args[:4], tmp_path / "b", *args[5:], entry="console")  # no --ray-keep-workers: tasks, the residents retired
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert tree_hash(tmp_path / "b") == tree_hash(local["W4A16"])
+    _wait_until(lambda: not _residents(ray))
