@@ -211,3 +211,32 @@ def test_the_note_of_a_truncated_shard_counts_what_was_not_read(tmp_path):
     rep = api.verify(src, tmp_path / "s1")
     notes = [p["message"] for p in rep["problems"] if p["severity"] == "note"]
     assert not rep["ok"] and any("no shard's header could be read, so no tensor of the output was" in m for m in notes)
+
+
+@pytest.mark.parametrize("r", [3e-6, 6e-6, 1e-5, 2e-5])
+@pytest.mark.parametrize("scheme", ["FP8_BLOCK", "NVFP4A16"])
+def test_a_correct_row_tiny_beside_the_scale_it_shares_passes(tmp_path, scheme, r):
+    """A row whose absmax is r x its block's (tensor's) sits among the subnormals of the E4M3 scale it shares: a correct
+    quantization's error there is large (0.3-0.95 at r 3e-6-1e-5, the bytes equal to compressed-tensors'), so the row
+    limit does not judge rows near the format's floor (a false failure the sweep after the row check found); ordinary
+    rows still are."""
+    t = llama_tensors(LLAMA_CONFIG)
+    w = t[MODULE + ".weight"].float()
+    w[7] = w[7] / w[7].abs().max() * w.abs().max() * r
+    t[MODULE + ".weight"] = w.to(torch.bfloat16)
+    src = write_checkpoint(tmp_path / "src", t, LLAMA_CONFIG)
+    api.quantize(src, tmp_path / "q", scheme)
+    rep = api.verify(tmp_path / "q", src)
+    row = {x["module"]: x for x in rep["tensors"]}[MODULE]
+    assert rep["ok"] and not _errors(rep), _errors(rep)
+    assert row["worst_row"] != 7 and row["worst_row_rel_l2"] <= row["row_threshold"]
+    assert row["rows_near_floor"] + row["zero_rows"] >= (1 if r <= 1e-5 else 0)  # row 7: left to the floor rules
+
+    def swap(ts):  # and two ordinary rows swapped with their scales still fail
+        for part in ("weight_packed", "weight_scale", "weight"):
+            if f"{MODULE}.{part}" in ts and ts[f"{MODULE}.{part}"].dim() == 2 and ts[f"{MODULE}.{part}"].shape[0] == 512:
+                x = ts[f"{MODULE}.{part}"]
+                x[[100, 300]] = x[[300, 100]]
+
+    bad = _edit(tmp_path / "q", tmp_path, f"{scheme}-{r}", swap)
+    assert MODULE in _errors(api.verify(bad, src))
