@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .model_card import CARD, HEADING
 from .modules import Module, dense_shape
-from .naming import DEFAULT_IGNORE_PATTERNS
+from .naming import DEFAULT_IGNORE_PATTERNS, find_embedding
 from .reader import CONFIG_NAME, INDEX_NAME, Checkpoint, Problem
 
 __all__ = ["CONFIG_RULES", "FILE_RULES", "attention_shape_problems", "config_problems", "copied_file_problems", "reference_problems"]
@@ -197,10 +197,17 @@ _OTHER_ATTENTION = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "global_h
 _OTHER_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
 
 
-def attention_shape_problems(mods: dict[str, Module], config: dict) -> list[Problem]:
-    """Each ``q_proj``/``k_proj``/``v_proj`` of the language model (towers are skipped) has the rows its config says:
+def attention_shape_problems(mods: dict[str, Module], config: dict, tensors: dict) -> list[Problem]:
+    """Each ``q_proj``/``k_proj``/``v_proj`` of the language model's decoder layers has the rows its config says:
     ``num_attention_heads * head_dim`` and ``num_key_value_heads * head_dim`` (``head_dim`` from the config, else
-    ``hidden_size / num_attention_heads``). Architectures whose rows follow other rules are not checked."""
+    ``hidden_size / num_attention_heads``). The decoder layers are ``<P>layers.N.`` where ``<P>embed_tokens.weight`` is
+    the checkpoint's token embedding (``tensors``: the checkpoint's, by name): towers and resamplers of any naming
+    (MiniCPM-V's ``vpm.``, Idefics2's perceiver) are not the text model's and are skipped, as is everything when no
+    such embedding is found. Architectures whose rows follow other rules are not checked."""
+    emb = find_embedding(tensors) or ""
+    if not emb.endswith("embed_tokens.weight"):
+        return []
+    stack = emb[: -len("embed_tokens.weight")] + "layers."
     cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     heads, hd = cfg.get("num_attention_heads"), _head_dim(cfg)
     if not isinstance(heads, int) or hd is None or any(k in cfg or k in config for k in _OTHER_ATTENTION):
@@ -213,7 +220,9 @@ def attention_shape_problems(mods: dict[str, Module], config: dict) -> list[Prob
     for name in sorted(mods):
         parent, _, leaf = name.rpartition(".")
         key, n = want.get(leaf, (None, None))
-        if not isinstance(n, int) or f"{parent}.kv_a_proj_with_mqa" in mods or DEFAULT_IGNORE_PATTERNS["vision"].search(name + "."):
+        if not isinstance(n, int) or not name.startswith(stack) or f"{parent}.kv_a_proj_with_mqa" in mods:
+            continue
+        if DEFAULT_IGNORE_PATTERNS["vision"].search(name + "."):
             continue
         rows = _rows(mods[name])
         if rows is not None and rows != n * hd:

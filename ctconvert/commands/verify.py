@@ -124,7 +124,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     found += vllm_unloadable_problems(mods, ckpt.config)
     problems += found
     problems += unexplained_dense(ckpt, mods)
-    problems += missing_fused_members(linear_module_files(mods), ckpt.config) + attention_shape_problems(mods, ckpt.config)
+    problems += missing_fused_members(linear_module_files(mods), ckpt.config) + attention_shape_problems(mods, ckpt.config, ckpt.tensors)
     rows: list[dict] = []
     checks = list(_STRUCTURE_CHECKS)
     if reference is None:
@@ -253,7 +253,7 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
         first = next(n for n in ref.tensors if n not in split.tensors)
         problems.append(_error(f"the reference stores these experts fused and this dense checkpoint holds them per expert: {why}", tensor=first))
     ref = split
-    problems += _value_problems(ckpt, ref) + reference_problems(ckpt, ref_ckpt) + attention_shape_problems(modules_of(ckpt), ckpt.config)
+    problems += _value_problems(ckpt, ref) + reference_problems(ckpt, ref_ckpt) + attention_shape_problems(modules_of(ckpt), ckpt.config, ckpt.tensors)
     loose = max(THRESHOLDS.values())
     rows = []
     emb = find_embedding(ref.tensors)

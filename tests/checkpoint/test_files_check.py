@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ctconvert.checkpoint.files_check import CONFIG_RULES, FILE_RULES, attention_shape_problems, config_problems, copied_file_problems
 from ctconvert.checkpoint.modules import Module
 from ctconvert.checkpoint.reader import Checkpoint
@@ -82,9 +84,33 @@ def _module(name: str, rows: int) -> Module:
 def test_attention_shapes_skip_other_rules():
     cfg = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
     mods = {m.name: m for m in (_module("model.layers.0.self_attn.q_proj", 256), _module("model.layers.0.self_attn.k_proj", 256))}
-    assert [p.tensor for p in attention_shape_problems(mods, cfg)] == ["model.layers.0.self_attn.k_proj"]
-    assert attention_shape_problems(mods, {**cfg, "kv_lora_rank": 512}) == []  # MLA
-    assert attention_shape_problems(mods, {**cfg, "model_type": "qwen3_next"}) == []  # a gated query of twice the rows
-    assert [p.tensor for p in attention_shape_problems(mods, {"text_config": cfg})] == ["model.layers.0.self_attn.k_proj"]
+    emb = {"model.embed_tokens.weight": None}
+    assert [p.tensor for p in attention_shape_problems(mods, cfg, emb)] == ["model.layers.0.self_attn.k_proj"]
+    assert attention_shape_problems(mods, {**cfg, "kv_lora_rank": 512}, emb) == []  # MLA
+    assert attention_shape_problems(mods, {**cfg, "model_type": "qwen3_next"}, emb) == []  # a gated query of twice the rows
+    assert [p.tensor for p in attention_shape_problems(mods, {"text_config": cfg}, emb)] == ["model.layers.0.self_attn.k_proj"]
+    assert attention_shape_problems(mods, cfg, {}) == []  # no token embedding: no decoder stack known, nothing checked
     tower = {m.name: m for m in (_module("vision_tower.vision_model.layers.0.self_attn.k_proj", 96),)}
-    assert attention_shape_problems(tower, {"text_config": cfg}) == []  # the vision tower has its own config
+    assert attention_shape_problems(tower, {"text_config": cfg}, emb) == []  # the vision tower has its own config
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "vpm.encoder.layers.0.self_attn",  # MiniCPM-V's SigLIP tower
+        "apm.layers.0.self_attn",  # MiniCPM-o's audio tower
+        "model.embed_tokens_extend.image_embed.img_processor.encoder.layers.0.self_attn",  # Phi-4-multimodal
+        "model.connector.perceiver_resampler.layers.0.self_attn",  # Idefics2
+    ],
+)
+def test_towers_of_any_naming_are_not_the_decoders_attention(prefix):
+    """Only ``<P>layers.N`` beside the token embedding ``<P>embed_tokens`` is the text model (a sweep found towers whose
+    names the vision pattern misses failing a correct output: 28 x 128 = 3584 rows against a SigLIP's 1152)."""
+    cfg = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    mods = {m.name: m for m in (_module(f"{prefix}.q_proj", 96), _module(f"{prefix}.k_proj", 96), _module("model.layers.0.self_attn.k_proj", 128))}
+    assert attention_shape_problems(mods, cfg, {"model.embed_tokens.weight": None}) == []
+    mods["model.layers.0.self_attn.k_proj"] = _module("model.layers.0.self_attn.k_proj", 64)  # the decoder's own is still checked
+    assert [p.tensor for p in attention_shape_problems(mods, cfg, {"model.embed_tokens.weight": None})] == ["model.layers.0.self_attn.k_proj"]
+    lm = {"model.language_model.embed_tokens.weight": None}  # a VLM's text model under model.language_model.
+    vlm = {m.name: m for m in (_module("model.language_model.layers.0.self_attn.k_proj", 64),)}
+    assert [p.tensor for p in attention_shape_problems(vlm, {"text_config": cfg}, lm)] == ["model.language_model.layers.0.self_attn.k_proj"]
