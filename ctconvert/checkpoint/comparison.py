@@ -218,3 +218,28 @@ def _header_names(path) -> list[str] | None:
         return [k for k in header if k != "__metadata__"] if isinstance(header, dict) else None
     except (OSError, struct.error, ValueError):
         return None
+
+
+def loose_row(row: dict, info, src, loose: float) -> dict:
+    """What a dense output's Linear weight ``info`` (a ``decompress`` copy) is judged by when it is not its dense
+    reference ``src`` up to a cast: the loosest format limit ``loose`` (it may have been quantized); and where the
+    output is 2:4 sparse (two zeros or more in every group of 4 along K: a decompressed ``--sparsity 2:4`` output),
+    against the reference pruned 2:4 by :func:`~ctconvert.formats.sparse24.prune24` (the pruning alone gives ~0.36 on
+    Gaussian weights, beyond every limit), the error against the dense reference kept beside it (``rel_l2_dense``).
+    Returns the row's updates."""
+    from ..formats.sparse24 import prune24
+    from .safetensors_io import iter_row_chunks, read_rows
+
+    k = info.shape[-1] if len(info.shape) == 2 else 0
+    sums, r0 = [0.0, 0.0], 0
+    if k and k % 4 == 0 and str(info.dtype) in ("BF16", "F16", "F32"):
+        for r0, got in iter_row_chunks(info):
+            got = got.float()
+            if not bool(((got.reshape(got.shape[0], -1, 4) == 0).sum(dim=2) >= 2).all()):
+                return {"threshold": loose, "ok": row["rel_l2"] <= loose}  # not 2:4
+            want = prune24(read_rows(src, r0, r0 + got.shape[0])).float()
+            sums[0] += float(((got - want) ** 2).sum())
+            sums[1] += float((want * want).sum())
+        rel = math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else (0.0 if sums[0] == 0 else math.inf)
+        return {"against": "2:4-pruned reference", "rel_l2_dense": row["rel_l2"], "rel_l2": rel, "threshold": loose, "ok": rel <= loose}
+    return {"threshold": loose, "ok": row["rel_l2"] <= loose}

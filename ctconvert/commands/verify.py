@@ -47,6 +47,7 @@ from ..checkpoint.comparison import (
     error_threshold,
     gain_limit,
     gain_message,
+    loose_row,
     same_bytes,
     split_reference,
     unread_note,
@@ -280,7 +281,7 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
             if row["rel_l2"] == 0.0:
                 continue  # equal values (in another dtype, or another zero sign)
             if not row["ok"] and not quantized_ref and is_linear_weight(name, info):  # may have been quantized
-                row.update(threshold=loose, ok=row["rel_l2"] <= loose)
+                row.update(loose_row(row, info, src, loose))  # (a decompressed 2:4 output: against the pruned reference)
             rows.append(row)
             if row["ok"]:
                 continue
@@ -370,9 +371,8 @@ def _module_problems(mods: dict[str, Module], qcfg: dict) -> tuple[list[Problem]
 
 
 def _value_problems(ckpt: Checkpoint, ref: Checkpoint | None = None) -> list[Problem]:
-    """NaN/inf in float tensors, NaN bytes in E4M3 tensors: errors, but for a tensor that holds exactly the bytes of
-    the reference's tensor of that name (a pass-through copy ``--allow-non-finite`` made, which its note names): a
-    warning."""
+    """NaN/inf in float tensors, NaN bytes in E4M3 tensors: errors, but for a tensor that holds exactly the bytes of the
+    reference's tensor of that name (a pass-through copy ``--allow-non-finite`` made, which its note names): a warning."""
     out = []
     for name, info in ckpt.tensors.items():
         if info.dtype not in _FLOAT_OR_E4M3:

@@ -502,3 +502,23 @@ def test_a_truncated_output_is_its_read_error_not_a_wrong_reference(tiny_llama, 
     assert errors and all("truncated" in p["message"] and p["file"] == str(shard) for p in errors)
     assert any(p["severity"] == "note" and "not compared with --reference" in p["message"] for p in rep["problems"])
     assert not any("is --reference the checkpoint" in p["message"] for p in rep["problems"])
+
+
+@pytest.mark.parametrize("scheme", ["DENSE", "FP8_DYNAMIC", "W8A8"])
+def test_a_decompressed_2_4_output_is_judged_against_the_pruned_reference(tiny_llama, tmp_path, scheme):
+    """A ``decompress`` of a ``--sparsity 2:4`` output is half zeros: against the dense source its pruning alone is
+    ~0.36 relative L2, beyond every limit (a sweep found it failing, exit 5); it is compared with the reference pruned
+    2:4, its error against the dense one beside it. A pruned weight whose kept values are changed still fails."""
+    api.quantize(tiny_llama, tmp_path / "q", scheme, sparsity="2:4")
+    api.decompress(tmp_path / "q", tmp_path / "d")
+    rep = api.verify(tmp_path / "d", tiny_llama)
+    assert rep["ok"], [p for p in rep["problems"] if p["severity"] == "error"]
+    down = next(r for r in rep["tensors"] if r["module"].endswith("layers.0.mlp.down_proj"))
+    assert down["against"] == "2:4-pruned reference" and down["rel_l2"] < 0.1 < 0.3 < down["rel_l2_dense"]
+    f = next((tmp_path / "d").glob("*.safetensors"))
+    ts = load_file(f)
+    name = next(n for n in ts if n.endswith("mlp.down_proj.weight"))
+    ts[name] = torch.where(ts[name] != 0, ts[name] * -1, ts[name])  # still 2:4, every kept value negated
+    save_file(ts, f, metadata={"format": "pt"})
+    bad = api.verify(tmp_path / "d", tiny_llama)
+    assert not bad["ok"] and any(p["tensor"] == name and p["severity"] == "error" for p in bad["problems"])
