@@ -262,6 +262,17 @@ def test_vlm_language_model_quantized_vision_dense_unless_targeted(tmp_path):
     assert "visual.blocks.0.mlp.up_proj.weight_scale" in _tensors(tmp_path / "qv")
 
 
+def test_a_sparsity_only_output_explains_the_fused_experts_its_sparsity_config_ignores(saved, tmp_path):
+    """``--scheme DENSE --sparsity 2:4`` of gpt-oss: the fused 3-D experts stay dense, listed in ``sparsity_config``'s
+    ignore (there is no other ignore): verify and inspect explain them (a sweep found verify calling them unexplained)."""
+    src = saved("gpt_oss")
+    api.quantize(src, tmp_path / "s", "DENSE", sparsity="2:4")
+    qcfg = json.loads((tmp_path / "s" / "config.json").read_text())["quantization_config"]
+    assert not qcfg.get("config_groups") and any("experts" in p for p in qcfg["sparsity_config"]["ignore"])
+    for report in (api.verify(tmp_path / "s", reference=src), api.inspect(tmp_path / "s")):
+        assert not [p for p in report["problems"] if "does not explain" in p["message"]], report["problems"]
+
+
 def test_inspect_and_verify_flag_fused_experts_left_dense(saved, tmp_path):
     """The failure this issue began with: bf16 3-D experts in a quantized checkpoint that ``ignore`` does not name."""
     src = saved("gpt_oss")

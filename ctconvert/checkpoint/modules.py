@@ -210,7 +210,8 @@ def unexplained_dense(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem
 
     Explained are: quantized modules, Linear weights (checked against ``ignore`` elsewhere), tensors
     a naming rule classifies (:func:`.naming.dense_kind`: norms, embeddings, convolutions, towers)
-    and tensors whose module (or own name) ``ignore`` matches, and the KV cache's ``k_scale``/``v_scale``
+    and tensors whose module (or own name) ``ignore`` matches (a sparsity-only config's: its ``sparsity_config``'s),
+    and the KV cache's ``k_scale``/``v_scale``
     of a config with a ``kv_cache_scheme``. Anything else, fused 3-D MoE experts
     left in bf16 above all, is an error: loaders would build quantized layers the file does not hold,
     or the conversion silently skipped it."""
@@ -218,6 +219,8 @@ def unexplained_dense(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem
     if not qcfg:
         return []
     ignore = qcfg.get("ignore") or []
+    if not qcfg.get("config_groups"):  # sparsity only (--scheme DENSE --sparsity 2:4): its sparsity_config's ignore
+        ignore = [*ignore, *((qcfg.get("sparsity_config") or {}).get("ignore") or [])]
     out = []
     for m in mods.values():
         if m.quantized:
