@@ -76,7 +76,42 @@ def config_problems(ckpt: Checkpoint, ref: Checkpoint) -> list[Problem]:
             out.append(_error(message, file))
     if untied and not any(n.startswith("lm_head.") or ".lm_head." in n for n in ckpt.tensors):
         out.append(_error(f"{untied[0]} is false but the output stores no lm_head (the reference ties it): the head would be random", file))
+    return out + _dtype_problems(ckpt, ref, file) + _tied_head_problems(ckpt, file)
+
+
+_ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def _dtype_problems(ckpt: Checkpoint, ref: Checkpoint, file: str) -> list[Problem]:
+    """``torch_dtype``/``dtype`` (top level, ``text_config``) must name the dtype of the output's token embedding, the
+    dense tensor every conversion copies or casts (``--dense-dtype``, ``decompress --dtype``), wherever the reference's
+    names its own (a reference whose config and tensors disagree is copied as it is): a loader's ``dtype="auto"``
+    builds the model in the dtype the config names (a new user changed it by hand and verify passed)."""
+    e_out, e_ref = find_embedding(ckpt.tensors), find_embedding(ref.tensors)
+    if not e_out or not e_ref:
+        return []
+    have, out = ckpt.tensors[e_out].dtype, []
+    for prefix in ("", "text_config."):
+        o = ckpt.config.get("text_config") if prefix else ckpt.config
+        r = ref.config.get("text_config") if prefix else ref.config
+        for key in ("torch_dtype", "dtype") if isinstance(o, dict) and isinstance(r, dict) else ():
+            if key in o and _ST_DTYPE.get(r.get(key)) == ref.tensors[e_ref].dtype and _ST_DTYPE.get(o[key]) != have:
+                msg = f"config.json's {prefix}{key} is {_short(o[key])}, but the output's dense tensors are {have} ({e_out})"
+                out.append(_error(msg, file))
     return out
+
+
+def _tied_head_problems(ckpt: Checkpoint, file: str) -> list[Problem]:
+    """``tie_word_embeddings`` true while the output stores a quantized ``lm_head``: a loader ties the head to the
+    token embedding and leaves the stored one out (``--lm-head`` unties a tied head: README)."""
+    tied = ckpt.config.get("tie_word_embeddings")
+    if tied is None and isinstance(ckpt.config.get("text_config"), dict):
+        tied = ckpt.config["text_config"].get("tie_word_embeddings")
+    parts = sorted(n for n in ckpt.tensors if (n.startswith("lm_head.") or ".lm_head." in n) and not n.endswith("lm_head.weight"))
+    if tied is True and parts:
+        msg = f"tie_word_embeddings is true, but the output stores a quantized lm_head ({parts[0]}): a loader would tie the head to the embedding"
+        return [_error(msg, file)]
+    return []
 
 
 def _compare(got: dict, want: dict, prefix: str) -> list[tuple[str, str]]:

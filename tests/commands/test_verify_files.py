@@ -149,6 +149,25 @@ def test_dense_dtype_and_an_untied_head_pass(fp32_tied, tmp_path):
     assert any("tie_word_embeddings is false but the output stores no lm_head" in m for m in _errors(api.verify(plain, reference=fp32_tied)))
 
 
+def test_a_config_dtype_the_dense_tensors_do_not_have_fails(w4a16, fp32_tied, tmp_path):
+    """``torch_dtype`` changed by hand to another float dtype (a new user: bf16 tensors said float16; a --dense-dtype
+    bf16 output said float32 again) fails naming the key; the dtype --dense-dtype wrote passes (above)."""
+    src, out = w4a16
+    bad = _copy(out, tmp_path)
+    _set_config(bad, torch_dtype="float16")
+    assert any('torch_dtype is "float16", but the output\'s dense tensors are BF16' in m for m in _errors(api.verify(bad, reference=src)))
+    api.quantize(fp32_tied, tmp_path / "bf16", "W4A16", dense_dtype="bf16")
+    _set_config(tmp_path / "bf16", torch_dtype="float32")  # the reference's own value, but no longer the tensors'
+    assert any('torch_dtype is "float32", but the output\'s dense tensors are BF16' in m for m in _errors(api.verify(tmp_path / "bf16", reference=fp32_tied)))
+
+
+def test_a_head_tied_again_over_a_quantized_lm_head_fails(fp32_tied, tmp_path):
+    api.quantize(fp32_tied, tmp_path / "head", "W4A16", lm_head="nvfp4a16")
+    _set_config(tmp_path / "head", tie_word_embeddings=True)
+    errors = _errors(api.verify(tmp_path / "head", reference=fp32_tied))
+    assert any("tie_word_embeddings is true, but the output stores a quantized lm_head (lm_head." in m for m in errors), errors
+
+
 def test_decompress_against_both_references(w4a16, tmp_path):
     src, out = w4a16
     dense = tmp_path / "dense"
