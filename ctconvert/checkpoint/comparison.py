@@ -86,6 +86,12 @@ def compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint, b
         out.append(Problem("note", f"{plural(cast, 'tensor')} {held} the reference's values cast to another float dtype (--dense-dtype), bit for bit"))
     quant_weights = {m.name + ".weight" for m in mods.values() if m.quantized}
     missing = [name for name in ref.tensors if name not in ckpt.tensors and name not in quant_weights]
+    unread = {n for f in ckpt.files for n in (_header_names(f) or ()) if n not in ckpt.tensors}  # in shards the reader refused
+    unread |= {n.rpartition(".")[0] for n in unread}  # (their modules: a quantized one's reference weight)
+    hidden = [n for n in missing if n in unread or n.rpartition(".")[0] in unread]
+    if hidden:  # not missing: in a damaged shard (the reader's errors above), so not compared
+        missing = [n for n in missing if n not in set(hidden)]
+        out.append(Problem("note", f"{plural(len(hidden), 'tensor')} of the reference not compared: in a shard the reader refuses (the errors above)"))
     if len(missing) > _MISSING_SHOWN:  # another model (more layers, other names): one line, not one per tensor
         shown = ", ".join(missing[:3])
         out.append(

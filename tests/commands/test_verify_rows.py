@@ -240,3 +240,21 @@ def test_a_correct_row_tiny_beside_the_scale_it_shares_passes(tmp_path, scheme, 
 
     bad = _edit(tmp_path / "q", tmp_path, f"{scheme}-{r}", swap)
     assert MODULE in _errors(api.verify(bad, src))
+
+
+def test_a_truncated_shard_among_several_is_not_reported_as_missing_tensors(tmp_path):
+    """One of several shards cut short: the reader refuses it, and its tensors are not compared; verify says so in a
+    note instead of calling them missing from the output and asking whether --reference is the right checkpoint."""
+    src = write_checkpoint(tmp_path / "s", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG)
+    out = tmp_path / "q"
+    api.quantize(src, out, "W4A16", max_shard_size="300KB")
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) >= 3
+    last = shards[-1]
+    with open(last, "r+b") as f:
+        f.truncate(last.stat().st_size - 1)
+    rep = api.verify(out, src)
+    msgs = [(p["severity"], p["message"]) for p in rep["problems"]]
+    assert not rep["ok"] and any(sev == "error" and last.name in str(p) for p in rep["problems"] for sev in [p["severity"]])
+    assert not any("missing from the output" in m or "is --reference the checkpoint" in m for _, m in msgs), msgs
+    assert any(sev == "note" and "of the reference not compared: in a shard the reader refuses" in m for sev, m in msgs), msgs
