@@ -167,13 +167,12 @@ def join_ray_early(argv: list[str], trace: Trace | None) -> None:
     from .pipeline.ray_cluster import begin_early  # torch-free
 
     window = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    keep = params.get("ray_keep_workers") or 0
+    keep, warm = params.get("ray_keep_workers") or 0, None
     if keep > 0:
         from .pipeline.ray_residents import keeping  # torch-free too
 
-        begin_early(params.get("ray_address"), params.get("device") or "auto", keeping(keep))
-    else:
-        begin_early(params.get("ray_address"), params.get("device") or "auto")
+        warm = keeping(keep)
+    begin_early(params.get("ray_address"), params.get("device") or "auto", warm)
     for sig, handler in window.items():  # ray.init of a new local instance sets its own SIGTERM handler: the window's stays
         signal.signal(sig, handler)
     if trace is not None:

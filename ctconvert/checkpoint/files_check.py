@@ -37,8 +37,8 @@ CONFIG_RULES = {
     "dtype": "--dense-dtype: `config.json`'s `torch_dtype` (and `dtype`, where present) names the new dtype; decompress --dtype sets that dtype",
     "tie_word_embeddings": "--lm-head: tied embeddings are untied (both tensors written, `tie_word_embeddings: false`)",
 }
-#: the dtype names ``--dense-dtype`` and ``decompress --dtype`` write
-_DTYPE_NAMES = ("bfloat16", "float16", "float32")
+#: the dtype names ``--dense-dtype`` and ``decompress --dtype`` write, and the safetensors dtype each names
+_ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 #: files of the reference a correct output may lack or hold other bytes of (README wording): rule -> reason
 FILE_RULES = {
@@ -77,9 +77,6 @@ def config_problems(ckpt: Checkpoint, ref: Checkpoint) -> list[Problem]:
     if untied and not any(n.startswith("lm_head.") or ".lm_head." in n for n in ckpt.tensors):
         out.append(_error(f"{untied[0]} is false but the output stores no lm_head (the reference ties it): the head would be random", file))
     return out + _dtype_problems(ckpt, ref, file) + _tied_head_problems(ckpt, file)
-
-
-_ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 def _dtype_problems(ckpt: Checkpoint, ref: Checkpoint, file: str) -> list[Problem]:
@@ -139,7 +136,7 @@ def _allowed(key: str, prefix: str, got: dict, want: dict) -> bool | str:
     if key == "quantization_config":
         return not prefix or key not in got  # replaced or added at the top level; only removed in a nested config
     if key in ("torch_dtype", "dtype"):
-        return got.get(key) in _DTYPE_NAMES
+        return got.get(key) in _ST_DTYPE
     if key == "tie_word_embeddings" and got.get(key) is False:
         tied = want.get(key, want.get("text_config", {}).get(key) if isinstance(want.get("text_config"), dict) else None)
         return "untied" if tied is True else False

@@ -167,15 +167,8 @@ def retire(ray, keep: set[str] = frozenset()) -> int:
     conversion it is running): one of other ctconvert code (an upgrade), of the other device kind, or any resident
     for a run without ``--ray-keep-workers``, would otherwise hold the CPUs (GPUs) this run's workers need until its
     own keep ran out. Returns how many were told."""
-    n = 0
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry.get("namespace") == NAMESPACE and entry["name"].startswith(PREFIX) and entry["name"] not in keep:
-            try:
-                ray.get_actor(entry["name"], namespace=NAMESPACE).keep_for.remote(0)
-                n += 1
-            except ValueError:  # ended meanwhile
-                pass
-    return n
+    told = [h.keep_for.remote(0) for name, h in _alive(ray) if name not in keep]
+    return len(told)
 
 
 def keeping(keep: float):
@@ -188,15 +181,20 @@ def keeping(keep: float):
 def stop_residents(ray) -> int:
     """End every resident of the cluster (any code): returns how many. For tests and for an operator
     (``python -c "import ray; ray.init(ADDRESS); from ctconvert.pipeline.ray_residents import stop_residents; stop_residents(ray)"``)."""
-    n = 0
+    handles = [h for _, h in _alive(ray)]
+    for h in handles:
+        ray.kill(h, no_restart=True)
+    return len(handles)
+
+
+def _alive(ray):
+    """``(name, handle)`` of every resident of the cluster (any code), one that ended meanwhile left out."""
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry.get("namespace") == NAMESPACE and entry["name"].startswith(PREFIX):
             try:
-                ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
-                n += 1
+                yield entry["name"], ray.get_actor(entry["name"], namespace=NAMESPACE)
             except ValueError:  # ended meanwhile
                 pass
-    return n
 
 
 class Dispatch:
