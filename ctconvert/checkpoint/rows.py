@@ -55,10 +55,9 @@ class RowErrors:
     def __init__(self, fmt, args, dtype: torch.dtype, global_scale: float | None = None):
         self.fmt, self.args, self.dtype, self.global_scale = fmt, args, dtype, global_scale
         self.tensor_amax = 0.0
-        self.rel: list[torch.Tensor] = []  # each chunk's rows' relative L2 (zero rows: 0), their absmax, the chunk's absmax
-        self.amax: list[torch.Tensor] = []
-        self.span: list[float] = []
-        self.lost: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (row indices, their reference absmax, their chunk's absmax)
+        #: per chunk: its first row, its rows' relative L2 (zero rows: 0), their reference absmax, the chunk's absmax, and
+        #: which rows are all zero in the output and not in the reference
+        self.chunks: list[tuple[int, torch.Tensor, torch.Tensor, float, torch.Tensor]] = []
 
     def add(self, r0: int, got: torch.Tensor, want: torch.Tensor) -> None:
         """Rows ``r0 ..`` of the module: ``got`` dequantized, ``want`` the reference (fp32 ``[r, K]`` each)."""
@@ -71,13 +70,8 @@ class RowErrors:
         rel = torch.where(sr > 0, (se / sr.clamp_min(torch.finfo(torch.float32).tiny)).sqrt(), torch.where(se > 0, math.inf, 0.0))
         rel = torch.where(lost, torch.zeros_like(rel), rel)  # judged by the zero-row rule
         chunk_amax = float(amax.max())
-        self.rel.append(rel.cpu())
-        self.amax.append(amax.cpu())
-        self.span.append(chunk_amax)
+        self.chunks.append((r0, rel.cpu(), amax.cpu(), chunk_amax, lost.cpu()))
         self.tensor_amax = max(self.tensor_amax, chunk_amax)
-        if bool(lost.any()):
-            idx = lost.nonzero().flatten()
-            self.lost.append((idx + r0, amax[idx], chunk_amax))
 
     def result(self) -> dict:
         """``worst_row_rel_l2``, ``worst_row`` (the rows quantized to something, but those whose reference absmax is below
@@ -86,27 +80,22 @@ class RowErrors:
         the format; the first one's index, reference absmax and the format's floor: ``first_unexplained_zero_row``,
         ``its_reference_absmax``, ``zero_row_floor``)."""
         absolute, relative = self.fmt.zero_row_floor(self.args, self.dtype, self.global_scale)
-        worst, worst_row, near, r0 = 0.0, None, 0, 0
-        for rel, amax, span in zip(self.rel, self.amax, self.span):
+        worst, worst_row, near, zero, bad, first = 0.0, None, 0, 0, 0, None
+        for r0, rel, amax, span, lost in self.chunks:
+            # the scale a row shares: the tensor's, or (block scales: their rows lie in the chunk) at most the chunk's
             floor = max(absolute, relative * (self.tensor_amax if self.args.strategy == "tensor" else span))
             judged = amax >= NEAR_FLOOR * floor  # rows near the format's floor: not judged (NEAR_FLOOR)
             near += int((~judged & (rel > 0)).sum())
             rel = torch.where(judged, rel, torch.zeros_like(rel))
-            i = int(rel.argmax()) if rel.numel() else 0
-            if rel.numel() and (worst_row is None or float(rel[i]) > worst):
+            i = int(rel.argmax())
+            if worst_row is None or float(rel[i]) > worst:
                 worst, worst_row = float(rel[i]), r0 + i
-            r0 += rel.numel()
-        out = {"worst_row_rel_l2": worst, "worst_row": worst_row, "rows_near_floor": near, "zero_rows": sum(int(i.numel()) for i, _, _ in self.lost)}
-        bad, first = 0, None
-        for idx, amax, chunk_amax in self.lost:
-            span = self.tensor_amax if self.args.strategy == "tensor" else chunk_amax  # block scales: their rows lie in the chunk
-            floor = max(absolute, relative * span)
-            over = amax >= floor
-            bad += int(over.sum())
+            over = lost & (amax >= floor)  # all zero, though not too small for the format
+            zero, bad = zero + int(lost.sum()), bad + int(over.sum())
             if first is None and bool(over.any()):
                 j = int(over.nonzero()[0])
-                first = {"first_unexplained_zero_row": int(idx[j]), "its_reference_absmax": float(amax[j]), "zero_row_floor": floor}
-        out["zero_rows_unexplained"] = bad
+                first = {"first_unexplained_zero_row": r0 + j, "its_reference_absmax": float(amax[j]), "zero_row_floor": floor}
+        out = {"worst_row_rel_l2": worst, "worst_row": worst_row, "rows_near_floor": near, "zero_rows": zero, "zero_rows_unexplained": bad}
         out.update(first or {})
         return out
 
