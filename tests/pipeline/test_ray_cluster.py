@@ -198,7 +198,12 @@ def test_without_ray_nothing_is_begun(monkeypatch, fake_join):
 )
 def test_the_console_script_begins_joining_only_for_a_ray_quantize_or_batch(monkeypatch, argv, begun):
     calls = []
-    monkeypatch.setattr(ray_cluster, "begin_early", lambda address, device: calls.append((address, device)))
+
+    def begin(address, device, warm=None):
+        assert warm is None  # no --ray-keep-workers: the default warm-up
+        calls.append((address, device))
+
+    monkeypatch.setattr(ray_cluster, "begin_early", begin)
     entry.join_ray_early(argv, None)
     assert calls == begun
 
