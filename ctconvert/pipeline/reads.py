@@ -41,10 +41,6 @@ MAPPED_COPY_CHUNK_BYTES = 4 * 2**20  # CPU, mapped input: a view of the page cac
 BATCH_BYTES = 128 * 2**20  # source bytes of one batch of small units (.batches)
 BATCH_MEMBER_BYTES = 16 * 2**20  # a larger member is read and quantized alone (its launches are small against its bytes)
 BATCH_WINDOW = 128  # consecutive units a batch is gathered from: reads stay near the plan's order (the read-ahead window)
-# Fused 3-D experts' views (gpt-oss) batched by default on a GPU: no, until the batched gather has run on one (its CUDA
-# tests and timing have not: the CPU runs it with CTCONVERT_BATCH=1, byte for byte as each unit alone). Per-expert
-# tensors (Qwen3-MoE, Mixtral ...) are batched by default (run and timed on an H200).
-FUSED_VIEWS_BY_DEFAULT = False
 BATCH_DTYPES = ("BF16", "F16", "F32")
 
 
@@ -117,8 +113,8 @@ def batch_key(ckpt: Checkpoint, unit: WorkUnit, opts) -> tuple | None:
     read alone: a copy, an observer's unit, a member that is not a stored 2-D float tensor (a weight dequantized from
     stored tensors) or larger than :data:`BATCH_MEMBER_BYTES`, or read in more than one chunk; members of one shape (a
     fused set of another shape is read alone); members that are views of fused 3-D experts (:class:`SliceView`) all
-    views of one expert's region (gpt-oss's interleaved gate and up), or none, and such views only where batching was
-    asked for (``opts.batch`` True) unless :data:`FUSED_VIEWS_BY_DEFAULT`."""
+    views of one expert's region (gpt-oss's interleaved gate and up), or none (their batched gather and CUDA tests ran on
+    an H100, 2026-12-06: the same bytes as each unit alone, gpt-oss NVFP4A16 call 8.32 -> 6.60 s)."""
     if unit.kind == "copy" or observer_of(opts, unit) is not None:
         return None
     infos = [ckpt.tensors[s] for s in unit.sources]
@@ -131,8 +127,6 @@ def batch_key(ckpt: Checkpoint, unit: WorkUnit, opts) -> tuple | None:
         if info.view is None and chunk_rows(info, unit, opts.chunk_elems) < info.shape[0]:
             return None
     views = [i.view for i in infos]
-    if any(v is not None for v in views) and opts.batch is None and not FUSED_VIEWS_BY_DEFAULT:
-        return None  # asked for (CTCONVERT_BATCH=1) only, until a GPU has run it
     if any(v is not None for v in views):  # fused experts' views: every member a view of one region (gpt-oss's gate/up)
         if any(v is None for v in views) or len({(i.file, i.start) for i in infos}) != 1 or len({(v.rows, v.cols) for v in views}) != 1:
             return None
