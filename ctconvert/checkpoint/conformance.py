@@ -164,6 +164,28 @@ def module_problems(m: Module, qcfg: dict) -> list[Problem]:
                     f"{m.name}.{p}",
                 )
             )
+    return out or _negative_scales(m, what)
+
+
+#: the scale tensors of a module (weights' and activations'): compressed-tensors computes each from an absolute maximum or
+#: a range (compressed-tensors 0.14, ``quantization/utils/helpers.py: calculate_qparams``), E8M0 has no sign bit: none
+#: is ever below zero, and a negative one dequantizes the weight with its sign flipped
+SCALE_PARTS = ("weight_scale", "weight_global_scale", "input_scale", "input_global_scale")
+
+
+def _negative_scales(m: Module, what: str) -> list[Problem]:
+    """An error for each float scale tensor of ``m`` (:data:`SCALE_PARTS`) holding a value below zero (``-0`` is zero)."""
+    from .safetensors_io import read_tensor
+
+    out = []
+    for p in SCALE_PARTS:
+        info = m.parts.get(p)
+        if info is None or not (info.dtype in FLOAT_DTYPES or info.dtype.startswith("F8_")):
+            continue  # (MX's E8M0 scales are stored as U8: no sign)
+        neg = int((read_tensor(info).float() < 0).sum())
+        if neg:
+            why = f"{p}: {plural(neg, 'value')} below zero of {info.numel}; {what} never stores a negative scale"
+            out.append(Problem("error", why, str(info.file), f"{m.name}.{p}"))
     return out
 
 

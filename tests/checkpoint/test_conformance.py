@@ -184,3 +184,40 @@ def test_static_int8_experts_are_refused_kept_dense_or_written_and_reported(tmp_
     )  # 2 layers x 4 experts x 3
     api.quantize(src, tmp_path / "d", "W8A8", **kw)
     assert api.verify(tmp_path / "d")["ok"]
+
+
+@pytest.mark.parametrize(
+    ("scheme", "part"), [("NVFP4A16", "weight_scale"), ("NVFP4A16", "weight_global_scale"), ("W4A16", "weight_scale"), ("FP8_DYNAMIC", "weight_scale")]
+)
+def test_a_negative_scale_fails_verify_naming_the_tensor(tiny_llama, tmp_path, scheme, part):
+    """A scale with its sign bit set (a damaged byte, or a writer's bug) is an error of that tensor, with or without a
+    reference, also where the shard hashes in the index would not tell (they are dropped here); -0 is zero."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ctconvert.checkpoint.reader import INDEX_NAME
+    from ctconvert.checkpoint.writer import SHARDS_KEY
+
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, scheme)
+    index = json.loads((out / INDEX_NAME).read_text())
+    del index["metadata"][SHARDS_KEY]
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    name = f"model.layers.1.mlp.down_proj.{part}"
+    shard = out / index["weight_map"][name]
+    t = load_file(shard)
+    dtype, shape = t[name].dtype, t[name].shape
+    v = t[name].float().reshape(-1).clone()
+    i = int(v.nonzero()[0])
+    v[i] = -v[i]  # one value's sign bit set
+    t[name] = v.reshape(shape).to(dtype)
+    save_file(t, shard, metadata={"format": "pt"})
+    assert int((t[name].float() < 0).sum()) == 1
+    for ref in (None, tiny_llama):
+        errors = [p for p in api.verify(out, ref)["problems"] if p["severity"] == "error"]
+        assert errors and errors[0]["tensor"] == name and "1 value below zero" in errors[0]["message"]
+    v[i] = -0.0  # -0: a zero scale (a zero row's), not an error of this check
+    t[name] = v.reshape(shape).to(dtype)
+    assert torch.signbit(t[name].float().reshape(-1)[i])
+    save_file(t, shard, metadata={"format": "pt"})
+    assert not [p for p in api.verify(out)["problems"] if "below zero" in p["message"]]
