@@ -95,9 +95,10 @@ def _ignore_stops() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _interrupted(hint=None):
-    """Ctrl-C, SIGTERM or SIGHUP: one line, exit 130 (128 + the signal for the others). A second signal is
-    ignored; the output folder was already aborted (by the API), and the exit skips library exit hooks,
+def _interrupted(hint=None, ctx: _Ctx | None = None):
+    """Ctrl-C, SIGTERM or SIGHUP: one line, exit 130 (128 + the signal for the others), and with ``--json`` the
+    document of a failure (``ok`` false, ``error`` that line, ``exit_code``, ``type`` ``Interrupted``). A second signal
+    is ignored; the output folder was already aborted (by the API), and the exit skips library exit hooks,
     which could re-raise the interrupt. ``hint``: a function giving what was left behind and how to resume
     or remove it (None when nothing was)."""
     _ignore_stops()
@@ -106,6 +107,8 @@ def _interrupted(hint=None):
     left = hint() if hint else None
     if left:
         msg += f"; {left}"
+    if ctx is not None and ctx.json:
+        ctx.emit_json({"ok": False, "error": msg, "exit_code": errors.stop_exit_code(signum), "type": "Interrupted"})
     click.echo(msg, err=True)
     _flush()
     os._exit(errors.stop_exit_code(signum))
@@ -133,7 +136,7 @@ def _run(ctx: _Ctx, fn, hint=None, last: bool = True):
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        _interrupted(hint)
+        _interrupted(hint, ctx)
     except Exception as e:  # noqa: BLE001 - last-resort reporting
         if ctx.debug:
             traceback.print_exc()

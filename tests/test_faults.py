@@ -555,14 +555,16 @@ def test_sigterm_and_sighup_stop_like_ctrl_c(tmp_path, sig):
     m = _big_model(tmp_path)
     out = tmp_path / "o"
     args = ["quantize", str(m), "-s", "W4A16", "-o", str(out), "--max-shard-size", "8MB"]
-    p = subprocess.Popen([*SLOW_CTCONVERT, "0.05", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([*SLOW_CTCONVERT, "0.05", "--json", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and finished_shards(out) < 1:
         time.sleep(0.05)
     p.send_signal(getattr(signal, sig))
-    _, err = p.communicate(timeout=60)
+    stdout, err = p.communicate(timeout=60)
     assert p.returncode == 128 + getattr(signal, sig), err
     last = err.strip().splitlines()[-1]
+    doc = json.loads(stdout)  # --json: the document of a failure, its error the line on stderr
+    assert doc == {"ok": False, "error": last, "exit_code": p.returncode, "type": "Interrupted"}
     assert last.startswith(f"{sig}: interrupted: nothing was written") and ".o.ctconvert-partial" in last and "MiB" in last, err
     assert "--resume" in last and "Traceback" not in err
     assert_no_checkpoint(out)
