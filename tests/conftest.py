@@ -107,6 +107,24 @@ def moe_checkpoint(tmp_path: Path, experts: int = 4, inter: int = 640) -> Path:
     return write_checkpoint(tmp_path / "moe", t, cfg)
 
 
+def save_shard(tensors: dict, path: Path) -> None:
+    """Rewrite the output shard ``path`` with ``tensors`` as a writer would have written them: the bytes, and the shard's
+    size and hash in its folder's index record (``writer.SHARDS_KEY``, what verify compares). For the tests that model
+    a wrong output as written (a writer's bug), not bytes damaged after the run (tests/checkpoint/test_integrity.py)."""
+    from ctconvert.checkpoint.hashing import HASH_NAME, shard_hash
+    from ctconvert.checkpoint.reader import INDEX_NAME
+    from ctconvert.checkpoint.writer import SHARDS_KEY
+
+    path = Path(path)
+    save_file(tensors, path, metadata={"format": "pt"})
+    index = path.parent / INDEX_NAME
+    doc = json.loads(index.read_text()) if index.is_file() else {}
+    files = (doc.get("metadata") or {}).get(SHARDS_KEY, {}).get("files", {})
+    if path.name in files:
+        files[path.name] = {"size": path.stat().st_size, HASH_NAME: shard_hash(path)}
+        index.write_text(json.dumps(doc))
+
+
 @pytest.fixture
 def tiny_llama(tmp_path) -> Path:
     """A 2-layer bf16 Llama in 3 shards; q/k/v and gate/up members spread over different shards."""

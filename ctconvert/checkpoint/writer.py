@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import STOP_SIGNALS, OutputError, UsageError, human_bytes, plural
-from .hashing import HASH_NAME, shard_hash
+from .hashing import HASH_NAME, HASH_SCHEME, shard_hash
 from .reader import CONFIG_NAME, INDEX_NAME
 from .safetensors_io import PlannedTensor, ShardFile
 
@@ -136,6 +136,9 @@ def replaceable(folder: Path) -> bool:
 
 #: the index metadata key listing every file (relative path) a ctconvert output holds: what ``--overwrite`` may delete
 FILES_KEY = "ctconvert_files"
+#: the index metadata key holding every shard's size and content hash as it was written (``{"hash": HASH_SCHEME,
+#: "files": {shard: {"size": bytes, HASH_NAME: hex}}}``): what ``verify`` compares the shards' bytes with
+SHARDS_KEY = "ctconvert_shards"
 
 
 def not_written_here(folder: Path, src: Path) -> list[str]:
@@ -423,16 +426,27 @@ class OutputFolder:
         """Close shards, write the index, extra JSON files and ``config.json`` (last)."""
         for f in self.shards:
             f.close()
-        # Shard hashes still running only serve a resume of this run, which is finishing: not waited for
-        # (commit stops them from writing the journal).
         names = {str(p.relative_to(self.tmp)) for p in self.tmp.rglob("*") if p.is_file()} - {JOURNAL, JOURNAL + ".new", ".lock"}
         names |= {INDEX_NAME, CONFIG_NAME, *(extra_json or {})}
-        meta = {"total_size": total_size, MARKER: __version__, FILES_KEY: sorted(names)}
+        meta = {"total_size": total_size, MARKER: __version__, FILES_KEY: sorted(names), SHARDS_KEY: self._shard_records()}
         self.write_json(INDEX_NAME, {"metadata": meta, "weight_map": dict(sorted(self.weight_map.items()))})
         for name, data in (extra_json or {}).items():
             self.write_json(name, data)
         self.write_json(CONFIG_NAME, config, sort_keys=True)
         _fsync_dir(self.tmp)
+
+    def _shard_records(self) -> dict:
+        """Every shard's journal record (size and content hash, as written: :meth:`journal_shard`), once the hashes
+        still being taken are done; the index keeps them (:data:`SHARDS_KEY`) for ``verify``. A hash that failed
+        raises its error here."""
+        for done, errors in self._pending:
+            done.wait()
+            if errors:
+                raise errors[0]
+        shards = {f.path.name for f in self.shards}
+        with self._lock:
+            files = {n: {"size": r["size"], HASH_NAME: r[HASH_NAME]} for n, r in sorted(self.journal["shards"].items()) if n in shards}
+        return {"hash": HASH_SCHEME, "files": files}
 
     def commit(self) -> None:
         """Rename the finished folder into place (replacing an old output with ``overwrite``).

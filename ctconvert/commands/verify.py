@@ -1,12 +1,11 @@
 """``ctconvert verify``: structure, values, and (with a reference) error per tensor of a compressed-tensors checkpoint.
 
-Structure: the folder validates (index, shards, no duplicates); the config
-says ``quant_method: compressed-tensors`` and ``quantization_status:
-compressed``; every quantized module is explained by a config group and holds
-exactly the tensors its group's format and activation args write, with their
-dtypes and shapes (:mod:`ctconvert.checkpoint.conformance`: a config the
-tensors contradict fails, a 2:4 ``sparsity_config`` over plain tensors and a
-static ``kv_cache_scheme`` without its scales included); every dense Linear is
+Structure: the folder validates (index, shards, no duplicates), each shard's bytes are the ones written (the hashes in
+the index, :mod:`ctconvert.checkpoint.integrity`); the config says ``quant_method: compressed-tensors`` and
+``quantization_status: compressed``; every quantized module is explained by a config group and holds exactly the
+tensors its group's format and activation args write, with their dtypes and shapes
+(:mod:`ctconvert.checkpoint.conformance`: a config the tensors contradict fails, a 2:4 ``sparsity_config`` over plain
+tensors and a static ``kv_cache_scheme`` without its scales included); every dense Linear is
 in ``ignore``; no fused set lacks a member its other layers have; NVFP4 fused sets share one global scale
 (docs/compressed-tensors-format.md §9.1) and calibrated ones one input scale; the attention rows match config.json
 (:mod:`ctconvert.checkpoint.files_check`); no float tensor holds NaN/inf and no E4M3 byte is NaN (0x7F/0xFF).
@@ -23,10 +22,9 @@ by the config; every reference tensor must be in the output or replaced by the
 parts of a quantized module; each row is judged too (:mod:`ctconvert.checkpoint.rows`); config.json and the
 copied files match the reference's but for what a conversion changes (:mod:`ctconvert.checkpoint.files_check`).
 
-A kernel-native checkpoint is verified by its round trip: every module is
-inverted and repacked again, and must give the stored bytes (and, with a
-reference, the compressed-tensors source, whose every other tensor must be
-stored unchanged).
+A kernel-native checkpoint is verified by its round trip: every module is inverted and repacked again, and must give
+the stored bytes (and, with a reference, the compressed-tensors source, whose every other tensor must be stored
+unchanged).
 
 Reads top to bottom: structure -> values -> reference errors -> the report.
 """
@@ -64,6 +62,7 @@ from ..checkpoint.conformance import (
 )
 from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.files_check import attention_shape_problems, reference_problems
+from ..checkpoint.integrity import SHARDS_CHECK, shard_hash_problems
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
@@ -110,6 +109,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     if reference is not None and path.exists() and Path(reference).exists() and path.resolve() == Path(reference).resolve():
         raise UsageError("--reference is the checkpoint being verified, which measures nothing: give the source it was made from", file=path)
     ckpt = open_checkpoint(path, strict=False)
+    ckpt.problems.extend(shard_hash_problems(ckpt))  # every branch below reports ckpt.problems
     if is_kernel_native(ckpt.quantization_config):
         report = _verify_kernel_native(ckpt, path, reference)
         return _with_parallel(report, kernel_native_modules(ckpt.quantization_config, ckpt.tensors), ckpt, tp, ep)
@@ -176,7 +176,7 @@ def _tick(bar, n: int) -> None:
 
 def _checked(ckpt: Checkpoint, checks: list[str], compared: int) -> dict:
     """What verify looked at (the report's ``checked``)."""
-    return {"shards": len(ckpt.files), "tensors": len(ckpt.tensors), "bytes": ckpt.total_bytes, "checks": checks, "compared_modules": compared}
+    return {"shards": len(ckpt.files), "tensors": len(ckpt.tensors), "bytes": ckpt.total_bytes, "checks": [SHARDS_CHECK, *checks], "compared_modules": compared}
 
 
 def _summary(rows: list[dict]) -> dict | None:

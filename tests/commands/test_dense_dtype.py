@@ -157,8 +157,10 @@ def test_cli_plan_json_inspect_and_errors(fp32_llama, tmp_path):
     t["model.norm.weight"][3] = t["model.norm.weight"][3] * 2
     save_file(t, shard, metadata={"format": "pt"})
     rep = api.verify(out, reference=fp32_llama)
-    assert not rep["ok"] and [p["tensor"] for p in rep["problems"] if p["severity"] == "error"] == ["model.norm.weight"]
-    assert "values differ from the reference cast to BF16 (fp32->bf16, --dense-dtype)" in rep["problems"][0]["message"]
+    errors = [p for p in rep["problems"] if p["severity"] == "error"]
+    assert not rep["ok"] and [p.get("tensor") for p in errors] == [None, "model.norm.weight"]
+    assert errors[0]["file"] == str(shard) and "changed or damaged after it was written" in errors[0]["message"]  # the index's hash
+    assert "values differ from the reference cast to BF16 (fp32->bf16, --dense-dtype)" in errors[1]["message"]
 
 
 def test_batch_job_key(fp32_llama, tmp_path):

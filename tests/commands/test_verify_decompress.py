@@ -8,12 +8,12 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ctconvert import api
 from ctconvert.cli import main
 
-from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from conftest import LLAMA_CONFIG, llama_tensors, save_shard, write_checkpoint
 from ct_reference import PRESET_FORMAT
 
 SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"]
@@ -82,7 +82,7 @@ def test_verify_catches_problems(tiny_llama, tmp_path):
     t["model.layers.0.mlp.down_proj.weight_scale"] = sc.view(torch.float8_e4m3fn)
     t["model.norm.weight"] = t["model.norm.weight"].clone()
     t["model.norm.weight"][0] = 2.0
-    save_file(t, f, metadata={"format": "pt"})
+    save_shard(t, f)
     rep = api.verify(q, tiny_llama)
     msgs = " | ".join(p["message"] for p in rep["problems"])
     assert not rep["ok"]
@@ -97,7 +97,7 @@ def test_verify_threshold_fails_on_a_wrong_scale(tiny_llama, tmp_path):
     f = q / "model.safetensors"
     t = load_file(f)
     t["model.layers.1.mlp.gate_proj.weight_scale"] = t["model.layers.1.mlp.gate_proj.weight_scale"] * 1.5
-    save_file(t, f, metadata={"format": "pt"})
+    save_shard(t, f)
     rep = api.verify(q, tiny_llama)
     bad = [r for r in rep["tensors"] if not r["ok"]]
     assert [r["module"] for r in bad] == ["model.layers.1.mlp.gate_proj"]
@@ -148,7 +148,7 @@ def _tamper(folder, name, fn):
         t = load_file(f)
         if name in t:
             t[name] = fn(t[name])
-            save_file(t, f, metadata={"format": "pt"})
+            save_shard(t, f)
             return
     raise AssertionError(name)
 
@@ -207,7 +207,7 @@ def _add_tensor(folder, name, t):
     shard = sorted(folder.glob("*.safetensors"))[0]
     tensors = load_file(shard)
     tensors[name] = t
-    save_file(tensors, shard, metadata={"format": "pt"})
+    save_shard(tensors, shard)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         doc = json.loads(index.read_text())
@@ -338,7 +338,7 @@ def _drop_tensor(folder, name):
     for shard in folder.glob("*.safetensors"):
         tensors = load_file(shard)
         if tensors.pop(name, None) is not None:
-            save_file(tensors, shard, metadata={"format": "pt"})
+            save_shard(tensors, shard)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         doc = json.loads(index.read_text())
@@ -519,6 +519,6 @@ def test_a_decompressed_2_4_output_is_judged_against_the_pruned_reference(tiny_l
     ts = load_file(f)
     name = next(n for n in ts if n.endswith("mlp.down_proj.weight"))
     ts[name] = torch.where(ts[name] != 0, ts[name] * -1, ts[name])  # still 2:4, every kept value negated
-    save_file(ts, f, metadata={"format": "pt"})
+    save_shard(ts, f)
     bad = api.verify(tmp_path / "d", tiny_llama)
     assert not bad["ok"] and any(p["tensor"] == name and p["severity"] == "error" for p in bad["problems"])

@@ -5,18 +5,19 @@ the note of a truncated output."""
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ctconvert import api
 from ctconvert.checkpoint.rows import ROW_LIMITS
 from ctconvert.cli import main
 
-from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from conftest import LLAMA_CONFIG, llama_tensors, save_shard, write_checkpoint
 
 MODULE = "model.layers.0.mlp.gate_proj"  # 512 rows: a few wrong rows leave the module's relative L2 within its limit
 
@@ -29,7 +30,7 @@ def _edit(out, tmp_path, tag: str, fn):
         ts = load_file(f)
         if any(n.startswith(MODULE + ".") for n in ts):
             fn(ts)
-            save_file(ts, f, metadata={"format": "pt"})
+            save_shard(ts, f)
     return bad
 
 
@@ -118,6 +119,22 @@ def test_swapped_rows_fail_on_the_row_error(tiny_llama, tmp_path, scheme):
     assert set(errors) == {MODULE} and any(f"row {row['worst_row']} has relative L2 error" in m for m in errors[MODULE])
 
 
+def test_a_scale_so_large_the_error_overflows_fails_on_its_error_row(tiny_llama, tmp_path):
+    """One W4A16 group scale 2^120 times too large: the squared error overflows to inf. The module fails on its own error
+    row (relative L2 inf, SNR -inf dB), counted among the failed weights, not as a module that cannot be dequantized
+    (a new user saw "math domain error" there, with 0 failed in the summary)."""
+    out = tmp_path / "q"
+    api.quantize(tiny_llama, out, "W4A16")
+
+    def blow_up(ts):
+        ts[f"{MODULE}.weight_scale"][7, 0] *= 2.0**120  # its squared error overflows fp32
+
+    rep = api.verify(_edit(out, tmp_path, "huge", blow_up), tiny_llama)
+    row = {r["module"]: r for r in rep["tensors"]}[MODULE]
+    assert not rep["ok"] and not row["ok"] and row["rel_l2"] == math.inf and row["snr_db"] == -math.inf
+    assert rep["summary"]["failed"] == 1 and not any("cannot be dequantized" in p["message"] for p in rep["problems"])
+
+
 def test_reversed_group_scales_fail_on_the_row_error(tmp_path):
     """A W4A16 down_proj with two groups per row, its group scales reversed (``weight_scale.flip(1)``): relative L2 ~0.22
     against the 0.25 limit and a gain of ~1, but its worst row is ~0.73 off (correct W4A16 rows measured up to 0.30)."""
@@ -129,7 +146,7 @@ def test_reversed_group_scales_fail_on_the_row_error(tmp_path):
     f = out / "model.safetensors"
     ts = load_file(f)
     ts[module + ".weight_scale"] = ts[module + ".weight_scale"].flip(1).contiguous()
-    save_file(ts, f, metadata={"format": "pt"})
+    save_shard(ts, f)
     rep = api.verify(out, src)
     row = {r["module"]: r for r in rep["tensors"]}[module]
     assert row["rel_l2"] <= row["threshold"] and row["gain_ok"]
@@ -181,7 +198,7 @@ def test_fused_members_with_different_input_scales_fail(calibrated_llama, tmp_pa
         ts = load_file(f)
         if name in ts:
             ts[name] = ts[name] * 2
-            save_file(ts, f, metadata={"format": "pt"})
+            save_shard(ts, f)
     rep = api.verify(out, calibrated_llama)
     errors = _errors(rep)
     fused = "model.layers.1.self_attn.{q_proj,k_proj,v_proj}"

@@ -1,0 +1,64 @@
+"""The shards' bytes against the hashes ctconvert took as it wrote them (``verify``, with or without ``--reference``).
+
+Every output folder ctconvert writes (``quantize``, ``convert``, ``repack``, ``decompress``) records in its index's
+metadata (:data:`~.writer.SHARDS_KEY`) each shard's size and content hash (:func:`.hashing.combine_shard_hash`: the
+block hashes of its header and of each tensor's bytes, :mod:`.hashing`), taken from the bytes as they were handed to
+the disk. A shard whose bytes differ now was changed or damaged after the run: one flipped bit of a packed code or
+scale is invisible to the error statistics of ``--reference`` (a few wrong values among millions stay within the
+format's limits), but never to this comparison. Folders without the record (an earlier release, another tool) are
+not judged here; :func:`shard_hash_problems` then says so in a warning when the folder is otherwise ctconvert's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .hashing import HASH_NAME, HASH_SCHEME, shard_hash
+from .reader import INDEX_NAME, Checkpoint, Problem
+from .writer import MARKER, SHARDS_KEY
+
+__all__ = ["SHARDS_CHECK", "shard_hash_problems"]
+
+#: the line ``verify`` lists among its checks
+SHARDS_CHECK = "shard bytes against the hashes recorded as they were written"
+
+
+def shard_hash_problems(ckpt: Checkpoint) -> list[Problem]:
+    """Problems of the shards of ``ckpt`` (its index's files) against the record in its index (:data:`~.writer.SHARDS_KEY`).
+
+    An error for each shard whose size or content hash differs from the recorded one (naming the file), and for each
+    shard the record does not list; a warning when the index is ctconvert's but holds no record (an output of a
+    release before it: not judged); nothing for a folder of another tool, or for a record taken with another hash
+    scheme than this installation's (:data:`~.hashing.HASH_SCHEME`: a warning). A shard that cannot be read is left
+    to the checks that read it (the reader's errors name it already). Reads every byte of each shard (hashed in parallel, :func:`.hashing.shard_hash`)."""
+    index = str(Path(ckpt.path) / INDEX_NAME)
+    meta = (ckpt.index or {}).get("metadata")
+    meta = meta if isinstance(meta, dict) else {}
+    record = meta.get(SHARDS_KEY)
+    if not isinstance(record, dict):
+        if MARKER in meta:
+            why = f"the index records no shard hashes (written by ctconvert {meta[MARKER]}): the shards' bytes are not compared with what was written"
+            return [Problem("warning", why, index)]
+        return []
+    if record.get("hash") != HASH_SCHEME:
+        why = f"the shard hashes were taken with {record.get('hash')!r}, this installation hashes with {HASH_SCHEME!r}: not compared"
+        return [Problem("warning", why, index)]
+    files = record.get("files") if isinstance(record.get("files"), dict) else {}
+    problems, unread = [], {p.file for p in ckpt.problems if p.severity == "error"}  # (a truncated shard: said once, by the reader)
+    for path in sorted(p for p in ckpt.files if str(p) not in unread):
+        rec = files.get(path.name)
+        if rec is None:
+            problems.append(Problem("error", "no hash recorded for this shard in the index (it was not written with the others)", str(path)))
+            continue
+        try:
+            size = path.stat().st_size
+            if size != rec.get("size"):
+                why = f"size {size} bytes differs from the {rec.get('size')} written"
+            elif shard_hash(path) != rec.get(HASH_NAME):
+                why = "bytes differ from those written (content hash)"
+            else:
+                continue
+        except (OSError, ValueError, KeyError, AttributeError):
+            continue  # unreadable: reported by the checks that read it
+        problems.append(Problem("error", f"{why}: the shard was changed or damaged after it was written", str(path)))
+    return problems

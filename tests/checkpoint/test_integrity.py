@@ -1,0 +1,140 @@
+"""Shard hashes in the index (checkpoint/integrity.py, writer.SHARDS_KEY): every output records each shard's size and
+content hash as written, and verify fails on a shard whose bytes changed afterwards, naming it, with or without a
+reference (a changed byte of a packed code or scale that the error statistics cannot see)."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+from pathlib import Path
+
+import pytest
+
+from ctconvert import api
+from ctconvert.checkpoint.hashing import HASH_NAME, HASH_SCHEME, shard_hash
+from ctconvert.checkpoint.reader import INDEX_NAME
+from ctconvert.checkpoint.writer import SHARDS_KEY
+
+
+def _index(out: Path) -> dict:
+    return json.loads((out / INDEX_NAME).read_text())
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+def _flip(path: Path, tensor: str, rng: random.Random, mask: int) -> None:
+    """XOR one byte of ``tensor``'s data (a random position inside it) with ``mask``."""
+    start, header = _header(path)
+    a, b = header[tensor]["data_offsets"]
+    pos = start + rng.randrange(a, b)
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ mask]))
+
+
+def _errors(report: dict) -> list[dict]:
+    return [p for p in report["problems"] if p["severity"] == "error"]
+
+
+def test_every_output_records_each_shard_as_written(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16", max_shard_size="200KB")
+    record = _index(out)["metadata"][SHARDS_KEY]
+    shards = sorted(set(_index(out)["weight_map"].values()))
+    assert len(shards) > 1 and record["hash"] == HASH_SCHEME and sorted(record["files"]) == shards
+    for name in shards:  # each hash equals one taken from the file now, independently of the writer's
+        assert record["files"][name] == {"size": (out / name).stat().st_size, HASH_NAME: shard_hash(out / name)}
+    report = api.verify(out)
+    assert report["ok"] and report["checked"]["checks"][0] == "shard bytes against the hashes recorded as they were written"
+
+
+@pytest.mark.parametrize(
+    ("scheme", "part"),
+    [
+        ("W4A16", "weight_packed"),
+        ("W4A16", "weight_scale"),
+        ("W4A16", "input_layernorm.weight"),  # a copied dense tensor
+        ("NVFP4A16", "weight_packed"),
+        ("NVFP4A16", "weight_scale"),
+        ("NVFP4A16", "weight_global_scale"),
+        ("FP8_DYNAMIC", "weight"),
+        ("FP8_DYNAMIC", "weight_scale"),
+    ],
+)
+def test_one_changed_bit_of_an_output_tensor_fails_verify_naming_its_shard(tiny_llama, tmp_path, scheme, part):
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, scheme, max_shard_size="200KB")
+    wmap = _index(out)["weight_map"]
+    names = sorted(n for n in wmap if n.endswith("." + part) and "layers." in n)
+    assert names
+    rng = random.Random(f"{scheme}-{part}")
+    victim = rng.choice(names)
+    _flip(out / wmap[victim], victim, rng, mask=1 << rng.randrange(8))  # one bit: the smallest change
+    for ref in (None, tiny_llama):
+        report = api.verify(out, ref)
+        errors = _errors(report)
+        assert not report["ok"]
+        assert [e["file"] for e in errors if "changed or damaged" in e["message"]] == [str(out / wmap[victim])]
+
+
+def test_a_shard_of_another_size_fails(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16")
+    shard = out / sorted(set(_index(out)["weight_map"].values()))[0]
+    with open(shard, "ab") as f:
+        f.write(b"\0")
+    msgs = [e["message"] for e in _errors(api.verify(out)) if e.get("file") == str(shard)]
+    assert any(m.startswith(f"size {shard.stat().st_size} bytes differs from the {shard.stat().st_size - 1} written") for m in msgs)
+
+
+def test_an_index_without_the_record_is_not_judged_and_says_so(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16")
+    index = _index(out)
+    del index["metadata"][SHARDS_KEY]
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    report = api.verify(out)
+    warnings = [p["message"] for p in report["problems"] if p["severity"] == "warning"]
+    assert report["ok"] and any("records no shard hashes" in w for w in warnings)
+    index["metadata"] = {"total_size": index["metadata"]["total_size"]}  # another tool's index: nothing to say
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    assert not [p for p in api.verify(out)["problems"] if "shard hashes" in p["message"]]
+
+
+def test_a_record_of_another_hash_scheme_is_not_compared(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16")
+    index = _index(out)
+    index["metadata"][SHARDS_KEY]["hash"] = "sha256/blocks-1"
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    report = api.verify(out)
+    assert report["ok"] and any("this installation hashes with" in p["message"] for p in report["problems"])
+
+
+def test_a_shard_missing_from_the_record_fails(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16", max_shard_size="200KB")
+    index = _index(out)
+    first = sorted(index["metadata"][SHARDS_KEY]["files"])[0]
+    del index["metadata"][SHARDS_KEY]["files"][first]
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    errors = _errors(api.verify(out))
+    assert [e["file"] for e in errors] == [str(out / first)] and "no hash recorded" in errors[0]["message"]
+
+
+def test_decompress_and_resumed_outputs_record_their_own_shards(tiny_llama, tmp_path):
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, "W4A16", max_shard_size="200KB")
+    d = tmp_path / "d"
+    api.decompress(q, d)
+    record = _index(d)["metadata"][SHARDS_KEY]["files"]
+    assert sorted(record) == sorted(set(_index(d)["weight_map"].values()))
+    assert all(record[n][HASH_NAME] == shard_hash(d / n) for n in record)
+    assert api.verify(d, q)["ok"]
