@@ -349,7 +349,9 @@ def test_deepseek_mla_fused_set_with_a_member_fp8_block_cannot_take(saved, tmp_p
 def test_decompressed_output_verified_against_a_source_with_fused_experts(saved, tmp_path, family):
     """gpt-oss stores its experts fused (3-D, gate/up interleaved, x @ W): each per-expert tensor of the decompressed
     output is compared with its slice of the source, and a changed value in one expert is named."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from conftest import save_shard
 
     src = saved(family)
     api.quantize(src, tmp_path / "q", "NVFP4A16", targets=_EXPERT_TARGETS.get(family), allow_unloadable=family in _EXPERT_TARGETS)
@@ -366,7 +368,7 @@ def test_decompressed_output_verified_against_a_source_with_fused_experts(saved,
     tensors = load_file(str(f))
     tensors[name] = tensors[name].clone()
     tensors[name][3, 5] += 100.0
-    save_file(tensors, str(f), metadata={"format": "pt"})
+    save_shard(tensors, str(f))
     report = api.verify(tmp_path / "d", reference=src)
     assert not report["ok"]
     assert {p["tensor"] for p in report["problems"] if p["severity"] == "error"} - layout == {name}, report["problems"]

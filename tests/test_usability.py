@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from ctconvert.cli import main
 
-from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from conftest import LLAMA_CONFIG, llama_tensors, save_shard, write_checkpoint
 from helpers import RecordingBar
 
 
@@ -240,7 +240,7 @@ def test_verify_says_what_it_checked_and_summarizes_above_the_table(tiny_llama, 
 
 def test_verify_of_a_dense_decompress_output_compares_values(tmp_path):
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     cfg = dict(LLAMA_CONFIG, torch_dtype="float32")
     m = write_checkpoint(tmp_path / "m", llama_tensors(cfg, dtype=torch.float32), cfg)
@@ -255,7 +255,7 @@ def test_verify_of_a_dense_decompress_output_compares_values(tmp_path):
     f = tmp_path / "d" / "model.safetensors"
     t = load_file(f)
     t["model.layers.1.mlp.up_proj.weight"] = -t["model.layers.1.mlp.up_proj.weight"]
-    save_file(t, f, metadata={"format": "pt"})
+    save_shard(t, f)
     code, stdout, _ = run("--json", "verify", tmp_path / "d", "--reference", m)
     rep = json.loads(stdout)
     assert code == 5 and rep["summary"]["worst_module"] == "model.layers.1.mlp.up_proj" and rep["summary"]["failed"] == 1
