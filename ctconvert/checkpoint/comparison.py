@@ -176,7 +176,7 @@ def error_stats(se: float, sr: float, mx: float) -> tuple[float, float, float]:
     rel = math.sqrt(se / sr) if sr > 0 else (0.0 if se == 0 else math.inf)
     if math.isnan(se) or math.isnan(sr):
         snr = math.nan
-    elif se > 0 and sr > 0:  # an error that overflowed (se = inf, a scale off by 2^64): -inf dB, not log10(0)
+    elif se > 0 and sr > 0:  # an error that overflowed (se = inf, a scale off by 2^120): -inf dB, not log10(0)
         snr = 10 * math.log10(sr / se) if sr / se > 0 else -math.inf
     else:
         snr = math.inf

@@ -37,7 +37,7 @@ from .families import vllm_dense_reason
 from .modules import ACT_PARTS, QUANT_PARTS, SPARSITY_GROUP, Module, dense_shape
 from .naming import FLOAT_DTYPES, fused_key, fused_set_name, is_linear_weight, matches
 from .reader import Problem
-from .safetensors_io import TORCH_TO_ST
+from .safetensors_io import TORCH_TO_ST, read_tensor
 
 __all__ = [
     "ExpertMismatch",
@@ -175,8 +175,6 @@ SCALE_PARTS = ("weight_scale", "weight_global_scale", "input_scale", "input_glob
 
 def _negative_scales(m: Module, what: str) -> list[Problem]:
     """An error for each float scale tensor of ``m`` (:data:`SCALE_PARTS`) holding a value below zero (``-0`` is zero)."""
-    from .safetensors_io import read_tensor
-
     out = []
     for p in SCALE_PARTS:
         info = m.parts.get(p)
