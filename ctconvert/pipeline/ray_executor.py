@@ -93,8 +93,9 @@ class TaskSpec:
 @dataclass
 class TaskResult:
     """What a task returns: each shard's ``(size, content hash)``, its sources' hashes, the pass-through
-    tensors it found holding NaN/inf, the zero-quantized rows (``ZeroTracker.found``), its node, and each
-    shard's temporary file name in the partial folder (``parts``: the driver renames it when it journals it)."""
+    tensors it found holding NaN/inf, the zero-quantized rows (``ZeroTracker.found``), its node, each
+    shard's temporary file name in the partial folder (``parts``: the driver renames it when it journals it), and
+    whether a resident worker (an actor, :mod:`.ray_residents`) ran it rather than a plain task."""
 
     key: tuple[str, int]
     shards: dict[str, tuple[int, str]]
@@ -105,6 +106,7 @@ class TaskResult:
     node_id: str
     nbytes: int
     parts: dict[str, str]
+    resident: bool = False
 
 
 def shard_groups(units: list, weight_map: dict[str, str], done: set[str]) -> list[tuple[list[str], list[int]]]:
@@ -138,7 +140,8 @@ class RayExecutor:
     ``address``: the cluster (:func:`connect`). ``keep``: seconds the workers stay after the run as residents, for the
     next run of any driver (:mod:`ctconvert.pipeline.ray_residents`; 0: plain Ray tasks). :meth:`connect` before any
     work (a missing extra or an unreachable cluster fails before the output folder is opened); :meth:`run` returns the
-    ``nodes`` of the result: ``[{"node": IP, "node_id": hex, "bytes": source bytes converted, "shards": K}]``. The
+    ``nodes`` of the result: ``[{"node": IP, "node_id": hex, "bytes": source bytes converted, "shards": K,
+    "resident_shards": of those, the ones resident workers converted}]``. The
     workers hash the sources they read (``hashes_sources`` False: the driver does not). Raises :class:`UsageError`
     for a negative ``keep``."""
 
@@ -250,9 +253,10 @@ class RayExecutor:
                 opts.zeros.found.update(r.zeros)
         nodes: dict[str, dict] = {}
         for r in results:
-            entry = nodes.setdefault(r.node_id, {"node": r.node, "node_id": r.node_id, "bytes": 0, "shards": 0})
+            entry = nodes.setdefault(r.node_id, {"node": r.node, "node_id": r.node_id, "bytes": 0, "shards": 0, "resident_shards": 0})
             entry["bytes"] += r.nbytes
             entry["shards"] += len(r.shards)
+            entry["resident_shards"] += len(r.shards) if r.resident else 0
         return sorted(nodes.values(), key=lambda e: (e["node"], e["node_id"]))
 
 
@@ -347,4 +351,5 @@ def convert_shards(common, spec: TaskSpec, progress) -> TaskResult:
     reporter.flush()
     zeros = wopts.zeros.found if wopts.zeros is not None else {}
     parts = {name: f.path.name for name, f in files.items()}
-    return TaskResult(spec.key, done, hashing.all(), list(wopts.nonfinite), zeros, ip, node_id, spec.nbytes, parts)
+    resident = ray.get_runtime_context().get_actor_id() is not None  # a Resident's call (a plain task has no actor)
+    return TaskResult(spec.key, done, hashing.all(), list(wopts.nonfinite), zeros, ip, node_id, spec.nbytes, parts, resident)

@@ -128,7 +128,7 @@ def test_same_bytes_as_local_and_nodes_say_who_did_what(cluster, src, local, sch
     r = api.quantize(src, tmp_path / "out", scheme, max_shard_size=SHARD, executor="ray", progress=bar)
     assert len(r.shards) >= 3
     assert tree_hash(tmp_path / "out") == tree_hash(local[scheme])
-    assert sum(n["shards"] for n in r.nodes) == len(r.shards)
+    assert sum(n["shards"] for n in r.nodes) == len(r.shards) and all(n["resident_shards"] == 0 for n in r.nodes)  # plain tasks
     assert sum(n["bytes"] for n in r.nodes) == bar.total == bar.done  # cluster-wide progress: every source byte, once
     import ray
 
@@ -520,7 +520,9 @@ def test_residents_serve_a_new_driver_with_the_same_bytes_and_end_when_idle(clus
     after = _residents(ray)
     assert {k: after[k][:2] for k in before} == {k: v[:2] for k, v in before.items()}  # the same processes, still there
     groups = sum(n["shards"] for n in json.loads(p.stdout)["nodes"])
-    assert 1 <= sum(c for _, _, c in after.values()) - sum(c for _, _, c in before.values()) <= groups  # and they did the work
+    served = sum(c for _, _, c in after.values()) - sum(c for _, _, c in before.values())
+    assert 1 <= served <= groups  # and they did the work, which --json says
+    assert 1 <= sum(n["resident_shards"] for n in json.loads(p.stdout)["nodes"]) <= groups
     from ctconvert.pipeline.ray_residents import NAMESPACE
 
     for name in after:
