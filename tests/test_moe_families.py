@@ -415,9 +415,13 @@ def test_gpt_oss_experts_dense_by_default_as_vllm_loads_them(saved, tmp_path, sc
     assert row.action == "ignore" and "vLLM 0.33 cannot load them quantized" in row.reason and "weight_global_scale" in row.reason
     assert rows["model.layers.0.mlp.experts.down_proj_bias"].action == "copy"
     assert api.verify(tmp_path / "q", reference=src)["ok"] and not api.inspect(tmp_path / "q")["problems"]
-    refused = api.quantize(src, tmp_path / "f", scheme, targets=_EXPERT_TARGETS["gpt_oss"], dry_run=True).error  # named by a target
+    dry = api.quantize(src, tmp_path / "f", scheme, targets=_EXPERT_TARGETS["gpt_oss"], dry_run=True)  # named by a target
+    refused = dry.error
     assert isinstance(refused, UnsupportedError) and "gpt-oss experts: vLLM 0.33 cannot load them quantized" in refused.message
     assert "--allow-unloadable" in refused.message
+    stopped = [r.reason for r in dry.plan.rows if r.reason and "the run stops here" in r.reason]  # the dry run names both ways on
+    assert stopped and all(r.endswith("or pass --skip-incompatible, or --allow-unloadable)") for r in stopped), stopped
+    assert any("the run stops here unless --skip-incompatible, or --allow-unloadable" in n for n in dry.notes), dry.notes
     forced = api.quantize(src, tmp_path / "f", scheme, targets=_EXPERT_TARGETS["gpt_oss"], allow_unloadable=True, dry_run=True)
     assert not any(p in forced.ignore for p in experts)
 

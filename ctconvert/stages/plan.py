@@ -158,11 +158,12 @@ def plan_or_error(ckpt: Checkpoint, scheme, dry_run: bool, skip_incompatible: bo
             raise UnsupportedError(every.message.replace("--skip-incompatible kept", "--skip-incompatible would keep"), file=every.file) from None
         if not dry_run:
             return plan, e
-        stops = " (the run stops here: leave it dense with --ignore or the recipe's ignore, or pass --skip-incompatible)"
+        anyway = ", or --allow-unloadable" if "--allow-unloadable" in str(e) else ""  # (a module vLLM cannot load quantized)
+        stops = f" (the run stops here: leave it dense with --ignore or the recipe's ignore, or pass --skip-incompatible{anyway})"
         for row in plan.rows:  # say what this run would do, not what --skip-incompatible would
             if row.reason and row.reason.endswith(" (skipped: --skip-incompatible)"):
                 row.reason = row.reason.removesuffix(" (skipped: --skip-incompatible)") + stops
-        plan.notes[:] = [n.replace("; kept dense and listed in ignore", "; the run stops here unless --skip-incompatible") for n in plan.notes]
+        plan.notes[:] = [n.replace("; kept dense and listed in ignore", f"; the run stops here unless --skip-incompatible{anyway}") for n in plan.notes]
         return plan, e
 
 
