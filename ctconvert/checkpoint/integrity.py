@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .hashing import HASH_NAME, HASH_SCHEME, shard_hash
+from .hashing import HASH_SCHEME
 from .reader import INDEX_NAME, Checkpoint, Problem
-from .writer import MARKER, SHARDS_KEY
+from .writer import MARKER, SHARDS_KEY, record_mismatch
 
 __all__ = ["SHARDS_CHECK", "shard_hash_problems"]
 
@@ -51,14 +51,9 @@ def shard_hash_problems(ckpt: Checkpoint) -> list[Problem]:
             problems.append(Problem("error", "no hash recorded for this shard in the index (it was not written with the others)", str(path)))
             continue
         try:
-            size = path.stat().st_size
-            if size != rec.get("size"):
-                why = f"size {size} bytes differs from the {rec.get('size')} written"
-            elif shard_hash(path) != rec.get(HASH_NAME):
-                why = "bytes differ from those written (content hash)"
-            else:
-                continue
+            why = record_mismatch(path, rec)
         except (OSError, ValueError, KeyError, AttributeError):
             continue  # unreadable: reported by the checks that read it
-        problems.append(Problem("error", f"{why}: the shard was changed or damaged after it was written", str(path)))
+        if why is not None:
+            problems.append(Problem("error", f"{why}: the shard was changed or damaged after it was written", str(path)))
     return problems

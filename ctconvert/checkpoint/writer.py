@@ -141,6 +141,18 @@ FILES_KEY = "ctconvert_files"
 SHARDS_KEY = "ctconvert_shards"
 
 
+def record_mismatch(path: Path, rec: dict) -> str | None:
+    """How the shard ``path`` differs from its record (a journal's or the index's :data:`SHARDS_KEY`: ``size`` and
+    content hash, :func:`.hashing.shard_hash`), or None when it matches: the size first (no read), then the hash
+    (reads every byte). Raises ``OSError`` for a file that cannot be read."""
+    size = path.stat().st_size
+    if size != rec.get("size"):
+        return f"size {size} bytes differs from the {rec.get('size')} written"
+    if shard_hash(path) != rec.get(HASH_NAME):
+        return "bytes differ from those written (content hash)"
+    return None
+
+
 def not_written_here(folder: Path, src: Path) -> list[str]:
     """The files (relative paths, sorted) of an earlier ctconvert output ``folder`` that ctconvert did not write,
     which ``--overwrite`` must not delete in silence. The output's index lists the files it wrote
@@ -284,7 +296,7 @@ class OutputFolder:
 
     def _still_valid(self, name: str, rec: dict) -> bool:
         p = self.tmp / name
-        return p.is_file() and p.stat().st_size == rec.get("size") and shard_hash(p) == rec.get(HASH_NAME)
+        return p.is_file() and record_mismatch(p, rec) is None
 
     def _save_journal(self) -> None:
         with self._lock:
