@@ -471,7 +471,10 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return Runs(tmp_path_factory.mktemp("conservation"))
+    """The module's outputs (~430 MB): removed when its last test ends, not with the session."""
+    folder = tmp_path_factory.mktemp("conservation")
+    yield Runs(folder)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def deterministic(a, b) -> None:
