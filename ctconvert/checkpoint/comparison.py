@@ -29,6 +29,7 @@ __all__ = [
     "GAIN_SHARE",
     "GAIN_SHARE_MX",
     "GAIN_SHARE_REQUANT",
+    "PRUNED_NOTE",
     "THRESHOLDS",
     "compare_others",
     "error_stats",
@@ -128,6 +129,11 @@ def same_bytes(a, b) -> bool:
 
 # -- the quantized weights' error and gain (verify judges them; the numbers live here) --
 
+#: what verify says once where 2:4 sparse modules were compared
+PRUNED_NOTE = (
+    "2:4 sparse modules pass or fail on their error against the reference pruned 2:4 by verify (the format's limit; exact for dense "
+    "2:4 values); their error against the dense reference, the pruning's own, is reported beside it (rel L2 dense), not judged"
+)
 #: largest relative L2 error accepted per (type, bits) of the weights
 THRESHOLDS = {("float", 8): 0.08, ("int", 8): 0.04, ("int", 4): 0.25, ("float", 4): 0.30}
 #: the gain check: ``|gain - 1| <= max(GAIN_FLOOR, GAIN_SHARE * rel_l2)``, the gain being a module's least-squares

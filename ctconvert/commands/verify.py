@@ -19,7 +19,8 @@ against the reference pruned 2:4 by verify, the error against the dense one
 beside it); every other output tensor must come from the reference (equal
 bytes, or its values cast bit for bit to another float dtype) or be explained
 by the config; every reference tensor must be in the output or replaced by the
-parts of a quantized module; each row is judged too (:mod:`ctconvert.checkpoint.rows`); config.json and the
+parts of a quantized module; each row and each value is judged too (:mod:`ctconvert.checkpoint.rows`,
+:mod:`ctconvert.checkpoint.grid`: a value must be the nearest to its reference over its scale); config.json and the
 copied files match the reference's but for what a conversion changes (:mod:`ctconvert.checkpoint.files_check`).
 
 A kernel-native checkpoint is verified by its round trip: every module is inverted and repacked again, and must give
@@ -39,6 +40,7 @@ import torch
 
 from ..checkpoint.comparison import (
     CHUNK,
+    PRUNED_NOTE,
     THRESHOLDS,
     compare_others,
     error_stats,
@@ -62,6 +64,7 @@ from ..checkpoint.conformance import (
 )
 from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.files_check import attention_shape_problems, reference_problems
+from ..checkpoint.grid import GridCheck, grid_problems, unchecked_note
 from ..checkpoint.integrity import SHARDS_CHECK, shard_hash_problems
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense
@@ -143,6 +146,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         checks += [
             _FILES_CHECK,
             "error of every quantized weight against the reference",
+            "every quantized value the nearest to its reference over its scale",
             "every other tensor equals the reference",
             "every reference tensor accounted for",
         ]
@@ -164,9 +168,7 @@ def _with_parallel(report: dict, modules, ckpt: Checkpoint, tp: int, ep: int | N
 
 
 def _bar(progress, total: int):
-    if progress is None:
-        return contextlib.nullcontext(None)
-    return progress(total)
+    return contextlib.nullcontext(None) if progress is None else progress(total)
 
 
 def _tick(bar, n: int) -> None:
@@ -397,12 +399,6 @@ def _value_problems(ckpt: Checkpoint, ref: Checkpoint | None = None) -> list[Pro
 # -- against the reference -------------------------------------------------------------------
 
 
-_PRUNED_NOTE = (
-    "2:4 sparse modules pass or fail on their error against the reference pruned 2:4 by verify (the format's limit; exact for dense "
-    "2:4 values); their error against the dense reference, the pruning's own, is reported beside it (rel L2 dense), not judged"
-)
-
-
 def _compare_weights(
     mods: dict[str, Module], ref: Checkpoint, bar=None, contradicted: set[str] = frozenset(), requantized: bool = False
 ) -> tuple[list[dict], list[Problem]]:
@@ -433,14 +429,14 @@ def _compare_weights(
             continue
         _tick(bar, src.nbytes)
         rows.append(row)
-        if row.get("against") == "2:4-pruned reference" and not any(p.message == _PRUNED_NOTE for p in problems):
-            problems.append(Problem("note", _PRUNED_NOTE))
+        if row.get("against") == "2:4-pruned reference" and not any(p.message == PRUNED_NOTE for p in problems):
+            problems.append(Problem("note", PRUNED_NOTE))
         if row["rel_l2"] > row["threshold"]:
             problems.append(_error(f"relative L2 error {row['rel_l2']:.4f} exceeds {row['threshold']} for {m.format}", tensor=m.name))
         elif not row["gain_ok"]:
             problems.append(_error(gain_message(row), tensor=m.name))
-        problems += row_problems(row, m.name, n)
-    return rows, problems
+        problems += row_problems(row, m.name, n) + grid_problems(row, m.name)
+    return rows, problems + unchecked_note(rows)
 
 
 def _error_row(m: Module, src, requantized: bool = False) -> dict:
@@ -454,6 +450,7 @@ def _error_row(m: Module, src, requantized: bool = False) -> dict:
     sums = {"pruned": [0.0, 0.0, 0.0, 0.0], "dense": [0.0, 0.0, 0.0, 0.0]}  # squared error, squared reference, max abs, <got, ref>
     gs = float(read_tensor(m.parts["weight_global_scale"]).float().reshape(-1)[0]) if "weight_global_scale" in m.parts else None
     per_row = RowErrors(get_format(m.format), WeightArgs.from_dict(m.weights), src.torch_dtype if src.torch_dtype.is_floating_point else torch.bfloat16, gs)
+    grid = GridCheck(m)  # every value the nearest to its reference over its scale (checkpoint/grid.py)
     for r0, r1, got in dense_row_chunks(m, CHUNK):
         dense = read_rows(src, r0, r1)
         wants = {"dense": dense.float()}
@@ -468,6 +465,7 @@ def _error_row(m: Module, src, requantized: bool = False) -> dict:
             acc[2] = max(acc[2], float(d.abs().max()) if d.numel() else 0.0)
             acc[3] += float((got * want).sum())
         per_row.add(r0, got, wants["pruned" if sparse else "dense"])
+        grid.add(r0, r1, wants["pruned" if sparse else "dense"])
     stats = {key: error_stats(*acc[:3]) for key, acc in sums.items()}
     rel, mx, snr = stats["pruned" if sparse else "dense"]
     limit = 0.0 if m.format == SPARSE_PREFIX else error_threshold(m.weights or {})
@@ -476,8 +474,8 @@ def _error_row(m: Module, src, requantized: bool = False) -> dict:
     row = {"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "gain": gain}
     limit_gain = gain_limit(m.format, rel, requantized)
     row.update(gain_limit=limit_gain, gain_ok=abs(gain - 1) <= limit_gain, row_threshold=row_limit(m.weights or {}, requantized), **per_row.result())
-    row["rows_ok"] = rows_ok(row)
-    row["ok"] = rel <= limit and row["gain_ok"] and row["rows_ok"]
+    row.update(rows_ok=rows_ok(row), **grid.result())
+    row["ok"] = rel <= limit and row["gain_ok"] and row["rows_ok"] and row["grid_ok"]
     if sparse:
         rel_d, mx_d, snr_d = stats["dense"]
         row.update(against="2:4-pruned reference", rel_l2_dense=rel_d, max_abs_dense=mx_d, snr_db_dense=snr_d)
