@@ -2,21 +2,25 @@
 format's representable value nearest to the reference value over its own stored scale.
 
 Every scheme ctconvert writes rounds to nearest once its scales are chosen (compressed-tensors 0.14
-``quantization/lifecycle/forward.py``, ``_quantize``: ``round(x / scale) + zero_point``, clamped to the format's
-range; FP8 and FP4 values by the cast to the format: nearest, ties to even). Whatever chose the scale (min/max, a
+``quantization/lifecycle/forward.py``, ``_quantize``: ``x / scale`` (NVFP4's scale divided by its global scale
+first), plus the zero point, then clamped to the format's range and rounded: integers by ``torch.round``, FP8 and
+FP4 values to the format's nearest). Whatever chose the scale (min/max, a
 searched observer, an importance matrix, a requantized source), the value stored beside it is then fixed by the
 reference value. A module's relative L2 error and its rows (:mod:`.rows`) cannot see one group whose scale was
 written halved or doubled (one group of 128 among thousands moves a row's error by a few percent); this check
 sees it exactly: there most values of the group are no longer the nearest.
 
 The codes, grid and per-element scales are read through the format's :class:`~ctconvert.formats.base.DequantSpec`
-(``(lut[code] - zero_point) * factor``). A value is accepted when it is the nearest grid value to
-``reference / factor + zero_point``, or one of the two around a midpoint within :data:`TIE` of the quotient's
-magnitude: the quantizer divides, and adds the zero point, in the weight's dtype (bf16 rounds each by up to 2^-9),
-by a scale it may hold more precisely than the stored one (W4A16_ASYM's: 0.37% apart, seen on a tiny Llama, where
-0.4979 + zero point -1 was stored as 0: ``round(-0.5)``). Elements
-whose factor is zero or not finite are not judged (every value there dequantizes to zero or to nothing; the row
-checks judge them). A format without a spec (2:4 sparse, kernel layouts) is not checked: the row says so.
+(``(lut[code] - zero_point) * factor``). With ``q = reference / factor`` and ``x = q + zero_point``, a stored value is
+accepted when ``x`` lies in its rounding interval (the midpoints to its grid neighbours: :func:`intervals`) widened by
+:data:`TIE` of ``max(|q|, |x|)`` on each side: the nearest value, or either neighbour of a midpoint ``x`` lies that
+close to. The quantizer divides, and adds the zero point, in the weight's dtype (bf16 rounds each by up to 2^-9), by
+a scale it may hold more precisely than the stored one (W4A16_ASYM's: 0.37% apart, seen on a tiny Llama, where
+0.4979 + zero point -1 was stored as 0: ``round(-0.5)``). Elements whose factor is zero or whose ``x`` is not finite
+are not judged (every value there dequantizes to zero or to nothing; the row checks judge them). A format without a
+spec (2:4 sparse, marlin-24) is not checked: the row says so, and one note. The comparisons run in the C kernel
+:mod:`ctconvert.formats.native.grid` (a 1.2B model's 973M values add ~1 s to a 2-core ``verify --reference`` of
+~23 s), else with torch (:func:`_torch_check`), the same judgement.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from __future__ import annotations
 import torch
 
 from ..formats import CompressionFormat, WeightArgs, get_format
+from ..formats.native import grid as native_grid
 from .modules import Module, module_rows
 from .reader import Problem
 
-__all__ = ["TIE", "GridCheck", "grid_problems", "unchecked_note"]
+__all__ = ["TIE", "GridCheck", "grid_problems", "intervals", "unchecked_note"]
 
 #: a quotient within this share of its magnitude of a midpoint between two grid values may round to either (a scale
 #: written 2x or 0.5x moves most values of its group by 50-100% of theirs)
@@ -59,33 +64,16 @@ class GridCheck:
         if spec is None:
             self.unchecked = f"{self.m.format} values are not read code by code"
             return
-        r, k = want.shape
-        stored = spec.lut[_codes(spec.codes, spec.nibbles, k).long()]
-        factor = _expand(spec.factor, spec.layout, r, k)
-        x = quotient = want / factor
-        if spec.zero_point is not None:
-            x = quotient + _expand(spec.zero_point, spec.layout, r, k)
-        grid = torch.unique(spec.lut[torch.isfinite(spec.lut)])  # sorted; -0 and 0 are one value
-        i = torch.searchsorted(grid, x.contiguous()).clamp(1, grid.numel() - 1) if grid.numel() > 1 else None
-        lo, hi = (grid[i - 1], grid[i]) if i is not None else (grid.expand_as(x), grid.expand_as(x))
-        nearest = torch.where((x - lo).abs() <= (hi - x).abs(), lo, hi)
-        tie = ((x - lo).abs() - (hi - x).abs()).abs() <= 2 * TIE * torch.maximum(quotient.abs(), x.abs())  # within TIE of the midpoint
-        judged = torch.isfinite(x) & (factor != 0)
-        bad = judged & (stored != nearest) & ~(tie & ((stored == lo) | (stored == hi)))
-        self.values += int(judged.sum())
-        n_bad = int(bad.sum())
-        if n_bad and self.first is None:
-            j = int(bad.reshape(-1).nonzero()[0])
-            a, c = divmod(j, k)
-            self.first = {
-                "first_off_grid_row": r0 + a,
-                "first_off_grid_column": c,
-                "its_reference": float(want[a, c]),
-                "its_scale": float(factor[a, c]),
-                "its_nearest": float(nearest[a, c]),
-                "its_stored": float(stored[a, c]),
-            }
-        self.off += n_bad
+        lower, upper = intervals(spec.lut)
+        want = want.to(torch.float32).contiguous()
+        if native_grid.available():
+            judged, off, first = native_grid.grid_check(spec.codes, spec.nibbles, want, lower, upper, spec.factor, spec.zero_point, spec.layout, TIE)
+        else:
+            judged, off, first = _torch_check(spec, want, lower, upper)
+        self.values += judged
+        self.off += off
+        if off and self.first is None:
+            self.first = _describe(spec, want, first, r0)
 
     def result(self) -> dict:
         """``values_checked`` (the values judged), ``values_off_grid`` (those that are not the nearest), the first of
@@ -126,6 +114,56 @@ def unchecked_note(rows: list[dict]) -> list[Problem]:
         "not read code by code); their error, gain and rows are"
     )
     return [Problem("note", why)]
+
+
+def intervals(lut: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each code's rounding interval ``(lower, upper)``, fp32 like ``lut`` (code -> value): the midpoints to the value's
+    neighbours among the table's finite values (-inf/+inf at the ends; -0 and 0 are one value); an empty interval
+    (+inf, -inf) for a code whose value is not finite."""
+    lut = lut.to(torch.float32)
+    grid = torch.unique(lut[torch.isfinite(lut)])  # sorted
+    pos = torch.searchsorted(grid, lut.nan_to_num(0.0)).clamp(max=grid.numel() - 1)
+    inf = torch.full_like(lut, torch.inf)
+    lower = torch.where(pos > 0, (grid[(pos - 1).clamp(min=0)] + grid[pos]) / 2, -inf)
+    upper = torch.where(pos < grid.numel() - 1, (grid[pos] + grid[(pos + 1).clamp(max=grid.numel() - 1)]) / 2, inf)
+    finite = torch.isfinite(lut)
+    return torch.where(finite, lower, inf), torch.where(finite, upper, -inf)
+
+
+def _torch_check(spec, want: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor) -> tuple[int, int, int | None]:
+    """The kernel's comparisons (formats/native/grid.c) with torch: ``(judged, off the grid, first flat index or None)``."""
+    r, k = want.shape
+    code = _codes(spec.codes, spec.nibbles, k).long()
+    factor = _expand(spec.factor, spec.layout, r, k)
+    x = q = want / factor
+    if spec.zero_point is not None:
+        x = q + _expand(spec.zero_point, spec.layout, r, k)
+    t = TIE * torch.maximum(q.abs(), x.abs())
+    judged = torch.isfinite(x) & (factor != 0)
+    bad = judged & ((x < lower[code] - t) | (x > upper[code] + t))
+    flat = bad.reshape(-1).nonzero()
+    return int(judged.sum()), int(flat.numel()), int(flat[0]) if flat.numel() else None
+
+
+def _describe(spec, want: torch.Tensor, first: int, r0: int) -> dict:
+    """The report of the first off-grid value (flat index ``first`` into the chunk of rows from ``r0``)."""
+    k = want.shape[1]
+    a, c = divmod(first, k)
+    code = int(_codes(spec.codes[a : a + 1], spec.nibbles, k)[0, c])
+    f = float(_expand(spec.factor, spec.layout, a + 1, k)[a, c])
+    zp = float(_expand(spec.zero_point, spec.layout, a + 1, k)[a, c]) if spec.zero_point is not None else 0.0
+    x = float(want[a, c]) / f + zp
+    lut = spec.lut.to(torch.float32)
+    grid = torch.unique(lut[torch.isfinite(lut)])
+    nearest = float(grid[int((grid - x).abs().argmin())])
+    return {
+        "first_off_grid_row": r0 + a,
+        "first_off_grid_column": c,
+        "its_reference": float(want[a, c]),
+        "its_scale": f,
+        "its_nearest": nearest,
+        "its_stored": float(lut[code]),
+    }
 
 
 def _codes(codes: torch.Tensor, nibbles: bool, k: int) -> torch.Tensor:
