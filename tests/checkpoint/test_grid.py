@@ -44,7 +44,13 @@ def _source(tmp_path, seed: int = 0, edit=None):
     return write_checkpoint(tmp_path / f"src-{seed}", t, LLAMA_CONFIG, shards=2)
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "NVFP4", "MXFP4A16", "MXFP8A16"])
+CALIBRATED = ("NVFP4", "FP8", "W8A8_STATIC", "W8A8_STATIC_ASYM")
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    ["W4A16", "W4A16_ASYM", "W8A16", "W4AFP8", "W8A8", *CALIBRATED, "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"],
+)
 def test_every_value_of_a_correct_output_is_judged_and_on_the_grid(tmp_path, scheme):
     """Awkward rows in the source: one all zero, one of huge values, one of tiny ones (a different scale per row and
     group); every value of every module is judged (the ones of a zero-scale group excepted), none is off the grid."""
@@ -58,7 +64,7 @@ def test_every_value_of_a_correct_output_is_judged_and_on_the_grid(tmp_path, sch
     src = _source(tmp_path, seed=1, edit=awkward)
     out = tmp_path / "q"
     kw = {}
-    if scheme == "NVFP4":  # calibrated input scales: token ids need no tokenizer
+    if scheme in CALIBRATED:  # calibrated input scales: token ids need no tokenizer
         ids = tmp_path / "ids.json"
         ids.write_text(json.dumps([i % LLAMA_CONFIG["vocab_size"] for i in range(64)]))
         kw = {"calibration": ids, "calibration_samples": 2, "calibration_seq_len": 32}
@@ -85,14 +91,14 @@ def _group_edit(scheme: str, factor: float):
 
     if scheme == "FP8_BLOCK":  # [N/128, K/128] blocks
         return (lambda ts: scale(ts, (1, 2))), (range(128, 256), range(256, 384))
-    if scheme == "W8A16":  # one scale per row
+    if scheme == "W8A8":  # one scale per row
         return (lambda ts: scale(ts, (5, 0))), (range(5, 6), range(0, K))
-    g = {"W4A16": 128, "NVFP4A16": 16, "MXFP4A16": 32}[scheme]
+    g = {"W4A16": 128, "W8A16": 128, "NVFP4A16": 16, "MXFP4A16": 32}[scheme]
     return (lambda ts: scale(ts, (5, 2))), (range(5, 6), range(2 * g, 3 * g))
 
 
 @pytest.mark.parametrize("factor", [2.0, 0.5])
-@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16", "MXFP4A16", "W8A16", "FP8_BLOCK"])
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16", "MXFP4A16", "W8A16", "W8A8", "FP8_BLOCK"])
 def test_one_scale_written_off_by_two_fails_naming_a_value_it_covers(tmp_path, scheme, factor):
     src = _source(tmp_path)
     out = tmp_path / "q"
