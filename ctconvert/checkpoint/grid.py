@@ -18,12 +18,16 @@ close to. The quantizer divides, and adds the zero point, in the weight's dtype 
 a scale it may hold more precisely than the stored one (W4A16_ASYM's: 0.37% apart, seen on a tiny Llama, where
 0.4979 + zero point -1 was stored as 0: ``round(-0.5)``). Elements whose factor is zero or whose ``x`` is not finite
 are not judged (every value there dequantizes to zero or to nothing; the row checks judge them). A format without a
-spec (2:4 sparse, marlin-24) is not checked: the row says so, and one note. The comparisons run in the C kernel
+spec (2:4 sparse, marlin-24) is not checked, nor an output requantized from a quantized checkpoint against a dense
+reference (:func:`rounded_elsewhere`): the row says why, and one note. The comparisons run in the C kernel
 :mod:`ctconvert.formats.native.grid` (a 1.2B model's 973M values add ~1 s to a 2-core ``verify --reference`` of
 ~23 s), else with torch (:func:`_torch_check`), the same judgement.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 
@@ -31,8 +35,9 @@ from ..formats import CompressionFormat, WeightArgs, get_format
 from ..formats.native import grid as native_grid
 from .modules import Module, module_rows
 from .reader import Problem
+from .writer import PROVENANCE
 
-__all__ = ["TIE", "GridCheck", "grid_problems", "intervals", "unchecked_note"]
+__all__ = ["TIE", "GridCheck", "grid_problems", "intervals", "rounded_elsewhere", "unchecked_note"]
 
 #: a quotient within this share of its magnitude of a midpoint between two grid values may round to either (a scale
 #: written 2x or 0.5x moves most values of its group by 50-100% of theirs)
@@ -42,11 +47,12 @@ TIE = 2.0**-6
 class GridCheck:
     """The accumulator of one module: :meth:`add` each chunk of reference rows (fp32 ``[r, K]``), then :meth:`result`."""
 
-    def __init__(self, m: Module):
+    def __init__(self, m: Module, unchecked: str | None = None):
+        """``unchecked``: why the module's values are not judged at all (:func:`rounded_elsewhere`), or None."""
         self.m, self.fmt, self.args = m, get_format(m.format), WeightArgs.from_dict(m.weights)
         self.values = self.off = 0
         self.first: dict | None = None
-        self.unchecked: str | None = None
+        self.unchecked = unchecked
         if m.format == CompressionFormat.MARLIN_24.value:  # a kernel layout over all rows: not read by row ranges
             self.unchecked = f"{m.format} values are not read code by code"
 
@@ -96,7 +102,8 @@ def grid_problems(row: dict, module: str) -> list[Problem]:
             f"{off} of {n} values are not the {row['format']} value nearest to the reference over their scale (row "
             f"{row['first_off_grid_row']}, column {row['first_off_grid_column']}: reference {row['its_reference']:.4g} / scale "
             f"{row['its_scale']:.4g} is nearest {row['its_nearest']:g}, stored {row['its_stored']:g}): values or their scales were "
-            "changed after rounding",
+            "changed after rounding, or the output was not rounded from this reference (a requantized output is rounded from the "
+            "quantized checkpoint it was made from: give that as --reference)",
             None,
             module,
         )
@@ -104,16 +111,35 @@ def grid_problems(row: dict, module: str) -> list[Problem]:
 
 
 def unchecked_note(rows: list[dict]) -> list[Problem]:
-    """A note naming the formats of the modules (error rows) whose values were not judged one by one, if any."""
-    skipped = [r for r in rows if r.get("values_unchecked")]
-    if not skipped:
-        return []
-    formats = ", ".join(sorted({str(r["format"]) for r in skipped}))
-    why = (
-        f"the values of {len(skipped)} quantized module(s) ({formats}) are not judged one by one against their scales (the format is "
-        "not read code by code); their error, gain and rows are"
+    """A note per reason the values of modules (error rows) were not judged one by one, if any, with their count."""
+    reasons: dict[str, int] = {}
+    for r in rows:
+        if r.get("values_unchecked"):
+            reasons[r["values_unchecked"]] = reasons.get(r["values_unchecked"], 0) + 1
+    return [
+        Problem("note", f"the values of {n} quantized module(s) are not judged one by one against their scales ({why}); their error, gain and rows are")
+        for why, n in reasons.items()
+    ]
+
+
+def rounded_elsewhere(out: Path, reference_quantized: bool) -> str | None:
+    """Why no value of the output at ``out`` can be judged against a dense reference, or None: the output was requantized
+    from a quantized checkpoint (its ``ctconvert-provenance.json`` says ``derived_from``), whose values it was rounded
+    from, not the dense ones (a requantization of an FP8-block source to NVFP4A16 has ~2-35% of its values off the
+    grid of the bf16 original, though its error against it is within every limit). A quantized reference
+    (``reference_quantized``) is the checkpoint the values were rounded from: judged."""
+    if reference_quantized:
+        return None
+    try:
+        derived = json.loads((Path(out) / PROVENANCE).read_text()).get("derived_from")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(derived, dict):
+        return None
+    return (
+        f"the output was requantized from the quantized checkpoint {derived.get('path')}, whose values it was rounded from, not this "
+        "reference's: give that as --reference to judge them"
     )
-    return [Problem("note", why)]
 
 
 def intervals(lut: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

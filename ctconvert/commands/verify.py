@@ -64,7 +64,7 @@ from ..checkpoint.conformance import (
 )
 from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.files_check import attention_shape_problems, reference_problems
-from ..checkpoint.grid import GridCheck, grid_problems, unchecked_note
+from ..checkpoint.grid import GridCheck, grid_problems, rounded_elsewhere, unchecked_note
 from ..checkpoint.integrity import SHARDS_CHECK, shard_hash_problems
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense
@@ -141,7 +141,8 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         ref = split_reference(open_source(source).view, ckpt, problems)  # a quantized reference: its dequantized weights
         problems += _value_problems(ckpt, ref)
         with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
-            rows, ref_problems = _compare_weights(mods, ref, bar, contradicted, requantized=source.quantization_config is not None)
+            requantized = source.quantization_config is not None
+            rows, ref_problems = _compare_weights(mods, ref, bar, contradicted, requantized, rounded_elsewhere(path, requantized))
             problems += ref_problems + compare_others(ckpt, mods, ref, bar) + reference_problems(ckpt, source)
         checks += [
             _FILES_CHECK,
@@ -400,13 +401,14 @@ def _value_problems(ckpt: Checkpoint, ref: Checkpoint | None = None) -> list[Pro
 
 
 def _compare_weights(
-    mods: dict[str, Module], ref: Checkpoint, bar=None, contradicted: set[str] = frozenset(), requantized: bool = False
+    mods: dict[str, Module], ref: Checkpoint, bar=None, contradicted: set[str] = frozenset(), requantized: bool = False, unchecked: str | None = None
 ) -> tuple[list[dict], list[Problem]]:
     """One error row per quantized module: its dequantized weight against the reference's. ``contradicted``: the
     modules whose tensors contradict their config group (reported already), not dequantized; a module whose
     tensors cannot be dequantized is an error. ``requantized``: the reference is itself quantized, whose weights lie
     on another grid, so that rounding them again is biased by itself (an int4 GPTQ source requantized to W4A16 gains
-    ~1.047: each group's absmax code -8 becomes -7.5 steps of the new scale): the gain's wider limit."""
+    ~1.047: each group's absmax code -8 becomes -7.5 steps of the new scale): the gain's wider limit. ``unchecked``: why no
+    value is judged one by one (:func:`~ctconvert.checkpoint.grid.rounded_elsewhere`), or None."""
     rows, problems = [], []
     emb = find_embedding(ref.tensors)
     for m in sorted(mods.values(), key=lambda m: natural_key(m.name)):
@@ -423,7 +425,7 @@ def _compare_weights(
             problems.append(_error(f"shape {n}x{k} differs from the reference {list(src.shape)}", tensor=m.name))
             continue
         try:
-            row = _error_row(m, src, requantized)
+            row = _error_row(m, src, requantized, unchecked)
         except (ValueError, KeyError, RuntimeError, IndexError) as e:
             problems.append(_error(f"cannot be dequantized as {m.format}: {e}", tensor=m.name))
             continue
@@ -439,7 +441,7 @@ def _compare_weights(
     return rows, problems + unchecked_note(rows)
 
 
-def _error_row(m: Module, src, requantized: bool = False) -> dict:
+def _error_row(m: Module, src, requantized: bool = False, unchecked: str | None = None) -> dict:
     """The error row of one quantized module against its reference weight ``src``: relative L2, max abs, SNR (dB).
 
     A 2:4 sparse module (``sparse-24-bitmask``, ``marlin-24``) is judged against the reference pruned 2:4 by verify
@@ -450,7 +452,7 @@ def _error_row(m: Module, src, requantized: bool = False) -> dict:
     sums = {"pruned": [0.0, 0.0, 0.0, 0.0], "dense": [0.0, 0.0, 0.0, 0.0]}  # squared error, squared reference, max abs, <got, ref>
     gs = float(read_tensor(m.parts["weight_global_scale"]).float().reshape(-1)[0]) if "weight_global_scale" in m.parts else None
     per_row = RowErrors(get_format(m.format), WeightArgs.from_dict(m.weights), src.torch_dtype if src.torch_dtype.is_floating_point else torch.bfloat16, gs)
-    grid = GridCheck(m)  # every value the nearest to its reference over its scale (checkpoint/grid.py)
+    grid = GridCheck(m, unchecked)  # every value the nearest to its reference over its scale (checkpoint/grid.py)
     for r0, r1, got in dense_row_chunks(m, CHUNK):
         dense = read_rows(src, r0, r1)
         wants = {"dense": dense.float()}

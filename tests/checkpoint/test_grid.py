@@ -158,6 +158,29 @@ def test_a_format_not_read_code_by_code_is_said_not_judged(tmp_path):
     assert all(r["values_checked"] == 0 and r["grid_ok"] and "not read code by code" in r["values_unchecked"] for r in rows.values())
     notes = [p["message"] for p in rep["problems"] if p["severity"] == "note" and "not judged one by one" in p["message"]]
     assert notes == [
-        f"the values of {len(rows)} quantized module(s) (sparse-24-bitmask+float-quantized) are not judged one by one against their scales "
-        "(the format is not read code by code); their error, gain and rows are"
+        f"the values of {len(rows)} quantized module(s) are not judged one by one against their scales (sparse-24-bitmask+float-quantized "
+        "values are not read code by code); their error, gain and rows are"
     ]
+
+
+def test_a_requantized_output_is_judged_against_its_quantized_source_not_the_original(tmp_path):
+    """FP8_BLOCK -> NVFP4A16: its values are rounded from the FP8 block values. Against that checkpoint every value is
+    judged; against the bf16 original (the provenance says it was requantized) none is, with a note saying what to give;
+    without the provenance, the off-grid values fail and the message names that cause too."""
+    src = _source(tmp_path, seed=4)
+    fp8 = tmp_path / "fp8b"
+    api.quantize(src, fp8, "FP8_BLOCK")
+    out = tmp_path / "nvfp4"
+    api.quantize(fp8, out, "NVFP4A16")
+    rep = api.verify(out, fp8)
+    assert rep["ok"] and all(r["values_checked"] > 0 and r["values_off_grid"] == 0 for r in rep["tensors"])
+    rep = api.verify(out, src)
+    assert rep["ok"], rep["problems"]
+    assert all(r["values_checked"] == 0 and f"requantized from the quantized checkpoint {fp8}" in r["values_unchecked"] for r in rep["tensors"])
+    notes = [p["message"] for p in rep["problems"] if p["severity"] == "note" and "not judged one by one" in p["message"]]
+    assert len(notes) == 1 and "give that as --reference to judge them" in notes[0]
+    (out / "ctconvert-provenance.json").unlink()  # another tool's output: nothing says where its values come from
+    rep = api.verify(out, src)
+    assert not rep["ok"]
+    errors = [p["message"] for p in rep["problems"] if p["severity"] == "error"]
+    assert errors and all("or the output was not rounded from this reference" in e for e in errors)
