@@ -36,6 +36,12 @@ ROW_LIMITS = {("float", 8): 0.2, ("int", 8): 0.25, ("int", 4): 0.6, ("float", 4)
 #: absmax: FP8_BLOCK and per-tensor FP8 rows at 2.3x the floor 0.32-0.34, at 4.5x 0.16-0.17; NVFP4A16 at 1.4x 0.79,
 #: every value and scale equal to compressed-tensors' own); such rows hold a negligible share of the weight's energy
 NEAR_FLOOR = 16.0
+#: the largest value a row's own scale (per channel or group, stored in the weight's dtype D) maps its absmax to, per
+#: (type, bits) of the weights (compressed-tensors: ``amax / 448`` for FP8, ``amax / ((qmax - qmin) / 2)`` for int). Where
+#: that scale falls below D's smallest normal it keeps fewer bits, and a correct row's error grows past the row limit (a
+#: new user's fp16 Llama, FP8_DYNAMIC: 0.26 for a row of absmax under 448 x 2^-14 = 0.027): such rows are not judged by
+#: the row limit either (fp16 only, in practice: bf16's and fp32's smallest normal is 1.2e-38)
+ROW_SCALE_MAX = {("float", 8): 448.0, ("int", 8): 127.5, ("int", 4): 7.5}
 
 
 def row_limit(weights: dict, requantized: bool) -> float | None:
@@ -80,11 +86,13 @@ class RowErrors:
         the format; the first one's index, reference absmax and the format's floor: ``first_unexplained_zero_row``,
         ``its_reference_absmax``, ``zero_row_floor``)."""
         absolute, relative = self.fmt.zero_row_floor(self.args, self.dtype, self.global_scale)
+        own = self.args.strategy in ("channel", "group") and not str(self.fmt.name.value).startswith("mx")  # a scale in D per row
+        coarse = ROW_SCALE_MAX.get((self.args.type, int(self.args.num_bits or 0)), 0.0) * torch.finfo(self.dtype).tiny if own else 0.0
         worst, worst_row, near, zero, bad, first = 0.0, None, 0, 0, 0, None
         for r0, rel, amax, span, lost in self.chunks:
             # the scale a row shares: the tensor's, or (block scales: their rows lie in the chunk) at most the chunk's
             floor = max(absolute, relative * (self.tensor_amax if self.args.strategy == "tensor" else span))
-            judged = amax >= NEAR_FLOOR * floor  # rows near the format's floor: not judged (NEAR_FLOOR)
+            judged = (amax >= NEAR_FLOOR * floor) & (amax >= coarse)  # rows near the floor, or scaled in D's subnormals: not judged
             near += int((~judged & (rel > 0)).sum())
             rel = torch.where(judged, rel, torch.zeros_like(rel))
             i = int(rel.argmax())

@@ -234,9 +234,10 @@ class MXFP4PackQuantized(_FP4):
         return 127.0 if dtype == torch.float16 else 0.0
 
     def zero_row_floor(self, args, dtype, global_scale=None):
-        # the scale clamps at 2^-127 (values under 2^-129 round to 0); in fp16 a scale under 2^-25 (amax < 2^-23) is 0,
-        # replaced by 1, which rounds values under 0.25 to 0
-        return (2.0**-22 if dtype == torch.float16 else 2.0**-128), 0.0
+        # the scale clamps at 2^-127 (values under 2^-129 round to 0); in fp16 a group absmax below 0.75 x 2^-14 (a
+        # subnormal that round_pow2_bits rounds to 0: every such row came out zero, measured by bisection) gives scale 0,
+        # replaced by 1 (byte 127), which rounds values under 0.25 to 0: twice 2^-14 (a new user's fp16 Llama: 1.4e-05)
+        return (2.0**-13 if dtype == torch.float16 else 2.0**-128), 0.0
 
     def _fused(self, kernels, w, args, global_scale):
         return kernels.mxfp4(w)

@@ -275,3 +275,32 @@ def test_a_truncated_shard_among_several_is_not_reported_as_missing_tensors(tmp_
     assert not rep["ok"] and any(sev == "error" and last.name in str(p) for p in rep["problems"] for sev in [p["severity"]])
     assert not any("missing from the output" in m or "is --reference the checkpoint" in m for _, m in msgs), msgs
     assert any(sev == "note" and "of the reference not compared: in a shard the reader refuses" in m for sev, m in msgs), msgs
+
+
+@pytest.mark.parametrize("scheme", ["MXFP4A16", "MXFP8A16", "FP8_DYNAMIC", "W8A16", "W8A8", "W4A16"])
+def test_fp16_rows_small_for_their_scales_are_not_false_failures(tmp_path, scheme):
+    """A new user's fp16 Llama with rows of 1e-3, 1e-5 and 1e-6 of the others (and outlier columns): MX rows whose group
+    absmax is an fp16 subnormal come out zero (scale 0 -> 1), FP8/int rows whose own scale is an fp16 subnormal keep
+    fewer bits; the bytes are compressed-tensors' rule, so verify passes (zero rows a warning). A normal row whose scales
+    are zeroed still fails."""
+    t = llama_tensors(LLAMA_CONFIG, dtype=torch.float32, seed=9)
+    for k, v in t.items():
+        if v.dim() == 2 and "proj" in k:
+            f = torch.ones(v.shape[0], 1)
+            f[::7], f[1::11], f[2::13], f[3::17] = 1e-3, 1e-5, 30.0, 1e-6
+            v = v * f
+            v[:, ::37] *= 50
+            t[k] = v
+    src = write_checkpoint(tmp_path / "fp16", {k: v.to(torch.float16) for k, v in t.items()}, dict(LLAMA_CONFIG, torch_dtype="float16"))
+    out = tmp_path / "q"
+    api.quantize(src, out, scheme)
+    rep = api.verify(out, src)
+    assert rep["ok"], _errors(rep)
+    assert all(r["values_off_grid"] == 0 for r in rep["tensors"])
+
+    def zero(ts):  # row 4 (absmax ~0.05, not small): its scales zeroed
+        s = ts[f"{MODULE}.weight_scale"]
+        s[4] = torch.zeros_like(s[4])
+
+    rep = api.verify(_edit(out, tmp_path, scheme, zero), src)
+    assert not rep["ok"] and MODULE in _errors(rep)
