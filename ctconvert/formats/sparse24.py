@@ -348,6 +348,16 @@ class Sparse24Bitmask(WeightFormat):
         rest = {p: t for p, t in tensors.items() if p not in ("compressed", "bitmask", "shape")}
         return self.inner.dequantize({"weight": dense, **rest}, args, dtype=dtype, impl=impl, out=out)
 
+    def dequant_spec(self, tensors, args):
+        """The inner format's spec over the decompressed codes (zeros at the pruned positions: FP8 and int8 byte 0 is
+        the value 0); None for dense 2:4 values (compared exactly) or a mask that does not hold 2 of every 4."""
+        if self.inner is None:
+            return None
+        n, half = tensors["compressed"].shape
+        dense = decompress24(tensors["compressed"], tensors["bitmask"], (n, 2 * half))
+        rest = {p: t for p, t in tensors.items() if p not in ("compressed", "bitmask", "shape")}
+        return self.inner.dequant_spec({"weight": dense, **rest}, args)
+
     def __repr__(self) -> str:
         return f"<format sparse-24-bitmask over {self.inner.name.value if self.inner else 'dense'}>"
 

@@ -147,19 +147,40 @@ def test_one_code_moved_by_one_step_is_found_where_it_is(tmp_path):
     assert r["its_scale"] == pytest.approx(float(s[9, col // 128]))
 
 
-def test_a_format_not_read_code_by_code_is_said_not_judged(tmp_path):
-    """2:4 sparse values (sparse-24-bitmask): their rows say why their values were not judged, and a note names the format."""
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "W8A8"])
+def test_2of4_values_are_judged_and_a_row_scale_off_by_15_percent_fails(tmp_path, scheme):
+    """sparse-24-bitmask over FP8/int8: the codes decompressed (zeros where pruned) against the reference pruned 2:4 by
+    verify; a new user's row scale x1.15 passed the row limit (0.155 < 0.2) when these values were not judged."""
     src = _source(tmp_path, seed=3)
     out = tmp_path / "q"
-    api.quantize(src, out, "FP8_DYNAMIC", sparsity="2:4")
+    api.quantize(src, out, scheme, sparsity="2:4")
+    rep = api.verify(out, src)
+    assert rep["ok"], rep["problems"]
+    assert all(r["values_off_grid"] == 0 and r["values_unchecked"] is None for r in rep["tensors"])
+    assert _rows(rep)[MODULE]["values_checked"] == N * K  # the pruned positions too: code 0 where the pruned reference is 0
+
+    def scale(ts):
+        s = ts[MODULE + ".weight_scale"]
+        s[3] = (s[3].float() * 1.15).to(s.dtype)
+
+    rep = api.verify(_edit(out, tmp_path / "bad", scale), src)
+    r = _rows(rep)[MODULE]
+    assert not rep["ok"] and r["values_off_grid"] >= 1 and r["first_off_grid_row"] == 3
+
+
+def test_a_format_not_read_code_by_code_is_said_not_judged(tmp_path):
+    """marlin-24 (a kernel layout over all rows): its rows say why its values were not judged, and a note names it."""
+    src = _source(tmp_path, seed=3)
+    out = tmp_path / "m"
+    api.quantize_to_target(src, out, "W4A16", "marlin-24", sparsity="2:4")
     rep = api.verify(out, src)
     assert rep["ok"], rep["problems"]
     rows = _rows(rep)
-    assert all(r["values_checked"] == 0 and r["grid_ok"] and "not read code by code" in r["values_unchecked"] for r in rows.values())
+    assert all(r["values_checked"] == 0 and r["grid_ok"] and r["values_unchecked"] == "marlin-24 values are not read code by code" for r in rows.values())
     notes = [p["message"] for p in rep["problems"] if p["severity"] == "note" and "not judged one by one" in p["message"]]
     assert notes == [
-        f"the values of {len(rows)} quantized module(s) are not judged one by one against their scales (sparse-24-bitmask+float-quantized "
-        "values are not read code by code); their error, gain and rows are"
+        f"the values of {len(rows)} quantized module(s) are not judged one by one against their scales (marlin-24 values are not read "
+        "code by code); their error, gain and rows are"
     ]
 
 
