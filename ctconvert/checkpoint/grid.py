@@ -18,10 +18,11 @@ close to. The quantizer divides, and adds the zero point, in the weight's dtype 
 a scale it may hold more precisely than the stored one (W4A16_ASYM's: 0.37% apart, seen on a tiny Llama, where
 0.4979 + zero point -1 was stored as 0: ``round(-0.5)``). Elements whose factor is zero or whose ``x`` is not finite
 are not judged (every value there dequantizes to zero or to nothing; the row checks judge them). A format without a
-spec (marlin-24; 2:4 ``sparse-24-bitmask`` has its inner format's, over the decompressed codes) is not checked, nor an output requantized from a quantized checkpoint against a dense
-reference (:func:`rounded_elsewhere`): the row says why, and one note. The comparisons run in the C kernel
-:mod:`ctconvert.formats.native.grid` (a 1.2B model's 973M values add ~1 s to a 2-core ``verify --reference`` of
-~23 s), else with torch (:func:`_torch_check`), the same judgement.
+spec (marlin-24; 2:4 ``sparse-24-bitmask`` has its inner format's, over the decompressed codes) is not
+checked, nor an output requantized from a quantized checkpoint against a dense reference (:func:`rounded_elsewhere`):
+the row says why, and one note. The comparisons run in the C kernel :mod:`ctconvert.formats.native.grid` (a 1.2B
+model's 973M values add ~1 s to a 2-core ``verify --reference`` of ~23 s), else with torch (:func:`_torch_check`),
+the same judgement.
 """
 
 from __future__ import annotations
