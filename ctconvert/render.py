@@ -269,8 +269,8 @@ def verify(ctx, report: dict, reference) -> None:
     if (sm := report["summary"]) is not None:
         con.print(
             f"{plural(sm['modules'], 'weight')} compared with {reference}: {sm['failed']} failed{_gain_failures(sm)}; worst {sm['worst_module']} "
-            f"(relative L2 {sm['worst_rel_l2']:.4f}, limit {sm['worst_threshold']}), lowest SNR {sm['min_snr_db']:.1f} dB, "
-            f"gain {sm['min_gain']:.4f}-{sm['max_gain']:.4f}",
+            f"(relative L2 {sm['worst_rel_l2']:.4f}, limit {sm['worst_threshold']}), lowest SNR {sm['min_snr_db']:.1f} dB"
+            + (f", gain {sm['min_gain']:.4f}-{sm['max_gain']:.4f}" if sm.get("min_gain") is not None else ""),
             markup=False,
         )
         if "worst_rel_l2_dense" in sm:  # 2:4: judged against the pruned reference, the pruning's error beside it
@@ -290,8 +290,9 @@ def verify(ctx, report: dict, reference) -> None:
 
 
 def _gain_failures(sm: dict) -> str:
-    n = sm.get("gain_failed", 0)
-    return f" ({n} on the gain: a scale off by a factor)" if n else ""
+    why = [f"{n} on the gain: a scale off by a factor" for n in [sm.get("gain_failed", 0)] if n]
+    why += [f"{n} with values off the grid" for n in [sm.get("values_failed", 0)] if n]
+    return f" ({'; '.join(why)})" if why else ""
 
 
 def _gain(row: dict) -> str:

@@ -195,8 +195,9 @@ def _summary(rows: list[dict]) -> dict | None:
         "worst_threshold": worst["threshold"],
         "min_snr_db": min(r["snr_db"] for r in rows),
         "gain_failed": sum(not r.get("gain_ok", True) and r["rel_l2"] <= r["threshold"] for r in rows),  # failed on the gain alone
-        "min_gain": min(r.get("gain", 1.0) for r in rows),
-        "max_gain": max(r.get("gain", 1.0) for r in rows),
+        "values_failed": sum(not r.get("grid_ok", True) for r in rows),  # with values off the grid (checkpoint/grid.py)
+        "min_gain": min((r["gain"] for r in rows if "gain" in r), default=None),  # dense rows (a decompress output) have none
+        "max_gain": max((r["gain"] for r in rows if "gain" in r), default=None),
         **_dense_summary(rows),
     }
 
@@ -403,12 +404,11 @@ def _value_problems(ckpt: Checkpoint, ref: Checkpoint | None = None) -> list[Pro
 def _compare_weights(
     mods: dict[str, Module], ref: Checkpoint, bar=None, contradicted: set[str] = frozenset(), requantized: bool = False, unchecked: str | None = None
 ) -> tuple[list[dict], list[Problem]]:
-    """One error row per quantized module: its dequantized weight against the reference's. ``contradicted``: the
-    modules whose tensors contradict their config group (reported already), not dequantized; a module whose
-    tensors cannot be dequantized is an error. ``requantized``: the reference is itself quantized, whose weights lie
-    on another grid, so that rounding them again is biased by itself (an int4 GPTQ source requantized to W4A16 gains
-    ~1.047: each group's absmax code -8 becomes -7.5 steps of the new scale): the gain's wider limit. ``unchecked``: why no
-    value is judged one by one (:func:`~ctconvert.checkpoint.grid.rounded_elsewhere`), or None."""
+    """One error row per quantized module: its dequantized weight against the reference's. ``contradicted``: the modules whose tensors
+    contradict their config group (reported already), not dequantized; a module whose tensors cannot be dequantized is an error.
+    ``requantized``: the reference is itself quantized, whose weights lie on another grid, so that rounding them again is biased by
+    itself (an int4 GPTQ source requantized to W4A16 gains ~1.047: each group's absmax code -8 becomes -7.5 steps of the new scale):
+    the gain's wider limit. ``unchecked``: why no value is judged one by one (:func:`~ctconvert.checkpoint.grid.rounded_elsewhere`)."""
     rows, problems = [], []
     emb = find_embedding(ref.tensors)
     for m in sorted(mods.values(), key=lambda m: natural_key(m.name)):
