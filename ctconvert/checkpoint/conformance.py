@@ -171,19 +171,27 @@ def module_problems(m: Module, qcfg: dict) -> list[Problem]:
 #: a range (compressed-tensors 0.14, ``quantization/utils/helpers.py: calculate_qparams``), E8M0 has no sign bit: none
 #: is ever below zero, and a negative one dequantizes the weight with its sign flipped
 SCALE_PARTS = ("weight_scale", "weight_global_scale", "input_scale", "input_global_scale")
+#: calibrated activation scales (and the KV cache's ``k_scale``/``v_scale``) are never zero either: compressed-tensors
+#: replaces a zero scale by its dtype's eps (``calculate_qparams``) and NVFP4's global scale is ``448 x 6 / amax``; a
+#: loader divides activations by them
+ACTIVATION_SCALES = ("input_scale", "input_global_scale")
+_POSITIVE = "a calibrated scale is never zero or negative (a loader divides by it)"
 
 
 def _negative_scales(m: Module, what: str) -> list[Problem]:
-    """An error for each float scale tensor of ``m`` (:data:`SCALE_PARTS`) holding a value below zero (``-0`` is zero)."""
+    """An error for each float scale tensor of ``m`` (:data:`SCALE_PARTS`) holding a value below zero (``-0`` is zero), or
+    for an activation scale (:data:`ACTIVATION_SCALES`) holding a zero."""
     out = []
     for p in SCALE_PARTS:
         info = m.parts.get(p)
         if info is None or not (info.dtype in FLOAT_DTYPES or info.dtype.startswith("F8_")):
             continue  # (MX's E8M0 scales are stored as U8: no sign)
-        neg = int((read_tensor(info).float() < 0).sum())
-        if neg:
+        v = read_tensor(info).float()
+        if neg := int((v < 0).sum()):
             why = f"{p}: {plural(neg, 'value')} below zero of {info.numel}; {what} never stores a negative scale"
             out.append(Problem("error", why, str(info.file), f"{m.name}.{p}"))
+        elif p in ACTIVATION_SCALES and (zero := int((v == 0).sum())):
+            out.append(Problem("error", f"{p}: {plural(zero, 'value')} zero of {info.numel}; {_POSITIVE}", str(info.file), f"{m.name}.{p}"))
     return out
 
 
@@ -256,6 +264,8 @@ def kv_scale_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
                 out.append(
                     Problem("error", f"{p} is {info.dtype}{list(info.shape)}; a KV cache scale is a float [1] or [heads, 1, 1]", str(info.file), info.name)
                 )
+            elif bad := int((read_tensor(info).float() <= 0).sum()):
+                out.append(Problem("error", f"{p}: {plural(bad, 'value')} not above zero; {_POSITIVE}", str(info.file), info.name))
     return out
 
 

@@ -118,7 +118,7 @@ def unchecked_note(rows: list[dict]) -> list[Problem]:
         if r.get("values_unchecked"):
             reasons[r["values_unchecked"]] = reasons.get(r["values_unchecked"], 0) + 1
     return [
-        Problem("note", f"the values of {n} quantized module(s) are not judged one by one against their scales ({why}); their error, gain and rows are")
+        Problem("note", f"the values of {n} quantized module(s) are not judged one by one against their scales ({why}); their error, gain and rows still are")
         for why, n in reasons.items()
     ]
 

@@ -88,12 +88,13 @@ class RowErrors:
         absolute, relative = self.fmt.zero_row_floor(self.args, self.dtype, self.global_scale)
         own = self.args.strategy in ("channel", "group") and not str(self.fmt.name.value).startswith("mx")  # a scale in D per row
         coarse = ROW_SCALE_MAX.get((self.args.type, int(self.args.num_bits or 0)), 0.0) * torch.finfo(self.dtype).tiny if own else 0.0
-        worst, worst_row, near, zero, bad, first = 0.0, None, 0, 0, 0, None
+        worst, worst_row, near, zero, bad, first, judged_rows = 0.0, None, 0, 0, 0, None, 0
         for r0, rel, amax, span, lost in self.chunks:
             # the scale a row shares: the tensor's, or (block scales: their rows lie in the chunk) at most the chunk's
             floor = max(absolute, relative * (self.tensor_amax if self.args.strategy == "tensor" else span))
             judged = (amax >= NEAR_FLOOR * floor) & (amax >= coarse)  # rows near the floor, or scaled in D's subnormals: not judged
             near += int((~judged & (rel > 0)).sum())
+            judged_rows += int((judged & ~lost).sum())
             rel = torch.where(judged, rel, torch.zeros_like(rel))
             i = int(rel.argmax())
             if worst_row is None or float(rel[i]) > worst:
@@ -103,7 +104,8 @@ class RowErrors:
             if first is None and bool(over.any()):
                 j = int(over.nonzero()[0])
                 first = {"first_unexplained_zero_row": r0 + j, "its_reference_absmax": float(amax[j]), "zero_row_floor": floor}
-        out = {"worst_row_rel_l2": worst, "worst_row": worst_row, "rows_near_floor": near, "zero_rows": zero, "zero_rows_unexplained": bad}
+        out = {"worst_row_rel_l2": worst, "worst_row": worst_row, "rows_near_floor": near, "rows_judged": judged_rows, "zero_rows": zero}
+        out["zero_rows_unexplained"] = bad
         out.update(first or {})
         return out
 
@@ -117,7 +119,8 @@ def rows_ok(row: dict) -> bool:
 def row_problems(row: dict, module: str, n: int) -> list[Problem]:
     """The problems of a module's error row (``row``, with :meth:`RowErrors.result` and ``row_threshold`` in it; ``n``
     its rows): rows all zero that the format explains (a warning), rows all zero that it does not (an error naming
-    the first), a worst row beyond the row limit (an error naming it)."""
+    the first), a module beyond its error or gain limit whose every row is near the floor (a warning: verify does not
+    judge the module's limits there), a worst row beyond the row limit (an error naming it)."""
     out = []
     lost, bad = row["zero_rows"], row["zero_rows_unexplained"]
     if bad:
@@ -135,6 +138,13 @@ def row_problems(row: dict, module: str, n: int) -> list[Problem]:
     if lost - bad:
         what = "every row is" if lost - bad == n else f"{lost - bad} of {n} rows are"
         out.append(Problem("warning", f"{what} all zero in the output but not in the reference (values too small for the format)", None, module))
+    if not row.get("rows_judged", 1) and (row["rel_l2"] > row["threshold"] or not row["gain_ok"]):
+        why = (
+            f"relative L2 error {row['rel_l2']:.4f} (gain {row['gain']:.4f}) is beyond {row['format']}'s limits, but no row is large enough for "
+            "them: every row lies near the floor of its scales (or among the subnormals of a scale in fp16), where a correct "
+            "quantization's error grows; its values were judged one by one"
+        )
+        out.append(Problem("warning", why, None, module))
     limit = row.get("row_threshold")
     if limit is not None and row["worst_row_rel_l2"] > limit:
         out.append(

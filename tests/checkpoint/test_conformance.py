@@ -221,3 +221,33 @@ def test_a_negative_scale_fails_verify_naming_the_tensor(tiny_llama, tmp_path, s
     assert torch.signbit(t[name].float().reshape(-1)[i])
     save_file(t, shard, metadata={"format": "pt"})
     assert not [p for p in api.verify(out)["problems"] if "below zero" in p["message"]]
+
+
+@pytest.mark.parametrize(
+    ("scheme", "kv", "part"), [("FP8", "none", "input_scale"), ("NVFP4", "none", "input_global_scale"), ("FP8", "fp8", "k_scale"), ("FP8", "fp8", "v_scale")]
+)
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_a_calibrated_scale_that_is_not_above_zero_fails_verify(tiny_llama, tmp_path, scheme, kv, part, value):
+    """Activation and KV-cache scales are divided by at load (a new user set q/k/v's input_scale to 0, k_scale below zero:
+    both passed): zero or negative is an error naming the tensor, with or without a reference."""
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import save_shard
+
+    out = tmp_path / "out"
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([i % 300 for i in range(64)]))
+    api.quantize(tiny_llama, out, scheme, kv_cache=kv, calibration=ids, calibration_samples=2, calibration_seq_len=32)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    name = next(n for n in index["weight_map"] if n.startswith("model.layers.1.") and n.endswith("." + part))
+    shard = out / index["weight_map"][name]
+    t = load_file(shard)
+    t[name] = torch.full_like(t[name], value)
+    save_shard(t, shard)
+    for ref in (None, tiny_llama):
+        rep = api.verify(out, ref)
+        errors = [p for p in rep["problems"] if p["severity"] == "error" and p["tensor"] == name]
+        assert not rep["ok"] and errors, rep["problems"]
+        why = "a calibrated scale is never zero or negative" if value == 0.0 or part in ("k_scale", "v_scale") else "1 value below zero"
+        assert why in errors[0]["message"], errors

@@ -180,7 +180,7 @@ def test_a_format_not_read_code_by_code_is_said_not_judged(tmp_path):
     notes = [p["message"] for p in rep["problems"] if p["severity"] == "note" and "not judged one by one" in p["message"]]
     assert notes == [
         f"the values of {len(rows)} quantized module(s) are not judged one by one against their scales (marlin-24 values are not read "
-        "code by code); their error, gain and rows are"
+        "code by code); their error, gain and rows still are"
     ]
 
 
