@@ -311,7 +311,7 @@ def _error_table(ctx, tensors: list[dict], reference) -> None:
         cols.insert(6, ("rel L2 dense", 2))
         for row, r in zip(rows, tensors):
             row.insert(6, f"{r['rel_l2_dense']:.4f}" if "rel_l2_dense" in r else "")
-    title = f"error against {reference}" + (" (2:4 modules: rel L2 against it pruned 2:4, rel L2 dense against it as it is)" if sparse else "")
+    title = f"quantization error against {reference}" + (" (2:4 modules: rel L2 against it pruned 2:4, rel L2 dense against it as it is)" if sparse else "")
     table(ctx, cols, rows, title=title, styles=[None if r["ok"] else "red" for r in tensors])
 
 

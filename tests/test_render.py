@@ -66,7 +66,7 @@ def test_a_passing_verify_says_the_same_plain_and_rich(tiny_llama, tmp_path):
     cells = [[c.strip() for c in ln.strip("┃│").split("┃" if "┃" in ln else "│")] for ln in boxed if ln[:1] in "┃│"]
     names = {r[0] for r in rows}
     assert cells == rows and [re.split(r"\s{2,}", ln.strip()) for ln in runs[True] if ln.split(" ", 1)[0] in names] == rows
-    title = f"error against {tiny_llama}"
+    title = f"quantization error against {tiny_llama}"
     around = lambda lines: [ln for ln in lines if ln[:1] not in "┏┃┡│└" and ln.split(" ", 1)[0] not in names]  # noqa: E731
     assert [ln.strip() for ln in around(runs[False])] == [ln.strip() for ln in around(runs[True])] and title in around(runs[True])
     assert around(runs[True])[-1] == "verify: passed" and not any("not shown" in ln for ln in runs[False] + runs[True])
