@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("CT_ENFORCE_EAGER", "1")
@@ -123,6 +124,18 @@ def save_shard(tensors: dict, path: Path) -> None:
     if path.name in files:
         files[path.name] = {"size": path.stat().st_size, HASH_NAME: shard_hash(path)}
         index.write_text(json.dumps(doc))
+
+
+def edited_copy(out: Path, dst: Path, module: str, fn) -> Path:
+    """A copy ``dst`` of the output ``out`` whose shard(s) holding tensors of ``module`` were changed by ``fn(dict)`` in
+    place and rewritten as a writer would have written them (:func:`save_shard`: the index's hash record too)."""
+    shutil.copytree(out, dst)
+    for f in Path(dst).glob("*.safetensors"):
+        ts = load_file(f)
+        if any(n.startswith(module + ".") for n in ts):
+            fn(ts)
+            save_shard(ts, f)
+    return Path(dst)
 
 
 @pytest.fixture

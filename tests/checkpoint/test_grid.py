@@ -7,7 +7,6 @@ every value judged."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -16,21 +15,15 @@ from safetensors.torch import load_file
 from ctconvert import api
 from ctconvert.checkpoint.grid import TIE
 
-from conftest import LLAMA_CONFIG, llama_tensors, save_shard, write_checkpoint
+from conftest import LLAMA_CONFIG, edited_copy, llama_tensors, write_checkpoint
 
 MODULE = "model.layers.0.mlp.down_proj"  # [256, 512]
 N, K = LLAMA_CONFIG["hidden_size"], LLAMA_CONFIG["intermediate_size"]
 
 
 def _edit(out, dst, fn):
-    """A copy of ``out`` whose shard holding ``MODULE`` was changed by ``fn(dict)`` and rewritten as a writer would."""
-    shutil.copytree(out, dst)
-    for f in dst.glob("*.safetensors"):
-        ts = load_file(f)
-        if any(n.startswith(MODULE + ".") for n in ts):
-            fn(ts)
-            save_shard(ts, f)
-    return dst
+    """A copy of ``out`` whose tensors of ``MODULE`` ``fn(dict)`` changed, rewritten as a writer would."""
+    return edited_copy(out, dst, MODULE, fn)
 
 
 def _rows(rep) -> dict:

@@ -6,7 +6,6 @@ the note of a truncated output."""
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
@@ -17,21 +16,14 @@ from ctconvert import api
 from ctconvert.checkpoint.rows import ROW_LIMITS
 from ctconvert.cli import main
 
-from conftest import LLAMA_CONFIG, llama_tensors, save_shard, write_checkpoint
+from conftest import LLAMA_CONFIG, edited_copy, llama_tensors, save_shard, write_checkpoint
 
 MODULE = "model.layers.0.mlp.gate_proj"  # 512 rows: a few wrong rows leave the module's relative L2 within its limit
 
 
 def _edit(out, tmp_path, tag: str, fn):
-    """A copy of ``out`` whose tensors ``fn(dict)`` changed in place."""
-    bad = tmp_path / f"bad-{tag}"
-    shutil.copytree(out, bad)
-    for f in bad.glob("*.safetensors"):
-        ts = load_file(f)
-        if any(n.startswith(MODULE + ".") for n in ts):
-            fn(ts)
-            save_shard(ts, f)
-    return bad
+    """A copy of ``out`` whose tensors of ``MODULE`` ``fn(dict)`` changed in place."""
+    return edited_copy(out, tmp_path / f"bad-{tag}", MODULE, fn)
 
 
 def _errors(rep) -> dict[str, list[str]]:
