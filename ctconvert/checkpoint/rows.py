@@ -106,6 +106,7 @@ class RowErrors:
                 first = {"first_unexplained_zero_row": r0 + j, "its_reference_absmax": float(amax[j]), "zero_row_floor": floor}
         out = {"worst_row_rel_l2": worst, "worst_row": worst_row, "rows_near_floor": near, "rows_judged": judged_rows, "zero_rows": zero}
         out["zero_rows_unexplained"] = bad
+        out["module_limits_judged"] = judged_rows > 0 or near == 0  # not where every row lies near the floor (some not zero)
         out.update(first or {})
         return out
 
@@ -119,8 +120,9 @@ def rows_ok(row: dict) -> bool:
 def row_problems(row: dict, module: str, n: int) -> list[Problem]:
     """The problems of a module's error row (``row``, with :meth:`RowErrors.result` and ``row_threshold`` in it; ``n``
     its rows): rows all zero that the format explains (a warning), rows all zero that it does not (an error naming
-    the first), a module beyond its error or gain limit whose every row is near the floor (a warning: verify does not
-    judge the module's limits there), a worst row beyond the row limit (an error naming it)."""
+    the first), a module beyond its error or gain limit whose every row is near the floor or all zero, some near the
+    floor (a warning: verify does not judge the module's limits there; all zero rows have theirs), a worst row beyond the
+    row limit (an error naming it)."""
     out = []
     lost, bad = row["zero_rows"], row["zero_rows_unexplained"]
     if bad:
@@ -138,7 +140,7 @@ def row_problems(row: dict, module: str, n: int) -> list[Problem]:
     if lost - bad:
         what = "every row is" if lost - bad == n else f"{lost - bad} of {n} rows are"
         out.append(Problem("warning", f"{what} all zero in the output but not in the reference (values too small for the format)", None, module))
-    if not row.get("rows_judged", 1) and (row["rel_l2"] > row["threshold"] or not row["gain_ok"]):
+    if not row.get("module_limits_judged", True) and (row["rel_l2"] > row["threshold"] or not row["gain_ok"]):
         why = (
             f"relative L2 error {row['rel_l2']:.4f} (gain {row['gain']:.4f}) is beyond {row['format']}'s limits, but no row is large enough for "
             "them: every row lies near the floor of its scales (or among the subnormals of a scale in fp16), where a correct "

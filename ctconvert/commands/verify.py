@@ -433,9 +433,9 @@ def _compare_weights(
         rows.append(row)
         if row.get("against") == "2:4-pruned reference" and not any(p.message == PRUNED_NOTE for p in problems):
             problems.append(Problem("note", PRUNED_NOTE))
-        if row["rows_judged"] and row["rel_l2"] > row["threshold"]:  # no row large enough for the limits: a warning (rows.py)
+        if row["module_limits_judged"] and row["rel_l2"] > row["threshold"]:  # no row large enough for the limits: a warning (rows.py)
             problems.append(_error(f"relative L2 error {row['rel_l2']:.4f} exceeds {row['threshold']} for {m.format}", tensor=m.name))
-        elif row["rows_judged"] and not row["gain_ok"]:
+        elif row["module_limits_judged"] and not row["gain_ok"]:
             problems.append(_error(gain_message(row), tensor=m.name))
         problems += row_problems(row, m.name, n) + grid_problems(row, m.name)
     return rows, problems + unchecked_note(rows)
@@ -477,7 +477,7 @@ def _error_row(m: Module, src, requantized: bool = False, unchecked: str | None 
     limit_gain = gain_limit(m.format, rel, requantized)
     row.update(gain_limit=limit_gain, gain_ok=abs(gain - 1) <= limit_gain, row_threshold=row_limit(m.weights or {}, requantized), **per_row.result())
     row.update(rows_ok=rows_ok(row), **grid.result())
-    row["ok"] = (not row["rows_judged"] or rel <= limit and row["gain_ok"]) and row["rows_ok"] and row["grid_ok"]
+    row["ok"] = (not row["module_limits_judged"] or rel <= limit and row["gain_ok"]) and row["rows_ok"] and row["grid_ok"]
     if sparse:
         rel_d, mx_d, snr_d = stats["dense"]
         row.update(against="2:4-pruned reference", rel_l2_dense=rel_d, max_abs_dense=mx_d, snr_db_dense=snr_d)
