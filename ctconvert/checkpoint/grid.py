@@ -21,7 +21,7 @@ are not judged (every value there dequantizes to zero or to nothing; the row che
 spec (marlin-24; 2:4 ``sparse-24-bitmask`` has its inner format's, over the decompressed codes) is not
 checked, nor an output requantized from a quantized checkpoint against a dense reference (:func:`rounded_elsewhere`):
 the row says why, and one note. The comparisons run in the C kernel :mod:`ctconvert.formats.native.grid` (a 1.2B
-model's 973M values add ~1 s to a 2-core ``verify --reference`` of ~23 s), else with torch (:func:`_torch_check`),
+model's 973M values add 1-3 s to a 2-core ``verify --reference`` of ~23 s: ``scripts/bench_verify.py``), else with torch (:func:`_torch_check`),
 the same judgement.
 """
 
