@@ -23,6 +23,7 @@ from .model_card import CARD, HEADING
 from .modules import Module, dense_shape
 from .naming import DEFAULT_IGNORE_PATTERNS, find_embedding
 from .reader import CONFIG_NAME, INDEX_NAME, Checkpoint, Problem
+from .writer import PROVENANCE
 
 __all__ = ["CONFIG_RULES", "FILE_RULES", "attention_shape_problems", "config_problems", "copied_file_problems", "reference_problems"]
 
@@ -53,7 +54,6 @@ FILE_RULES = {
 _OTHER_WEIGHT_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".onnx_data", ".tflite", ".mlmodel", ".npz")
 _OTHER_WEIGHT_FOLDERS = ("original", "onnx", "openvino", "coreml", "tflite", "gguf", "flax")
 _SOURCE_CONFIG_FILES = ("hf_quant_config.json", "quantize_config.json", "quant_config.json")
-_PROVENANCE = "ctconvert-provenance.json"
 _SHOWN = 80  # characters of a value shown in a message
 
 
@@ -192,7 +192,7 @@ def _files(folder: Path) -> list[str]:
 
 def _own(rel: str) -> bool:
     """A file every conversion writes itself: shards, the index, ``config.json``, the provenance."""
-    return rel.endswith(".safetensors") or Path(rel).name == INDEX_NAME or rel in (CONFIG_NAME, _PROVENANCE)
+    return rel.endswith(".safetensors") or Path(rel).name == INDEX_NAME or rel in (CONFIG_NAME, PROVENANCE)
 
 
 def _hidden(rel: str) -> bool:
