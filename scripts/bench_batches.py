@@ -47,7 +47,12 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-batches"))
+    ap.add_argument("--variants", default="0:CTCONVERT_BATCH=0;1:CTCONVERT_BATCH=1", help="LABEL:NAME=VALUE NAME=VALUE;LABEL:... (the settings compared)")
     a = ap.parse_args()
+    variants = {}
+    for part in a.variants.split(";"):
+        label, _, kv = part.partition(":")
+        variants[label] = dict(x.split("=", 1) for x in kv.split())
     a.workdir.mkdir(parents=True, exist_ok=True)
     src = a.model or make_model(a.workdir / f"src-{a.family}-{a.size}-{a.scale}", size=a.size, family=a.family, scale=a.scale)
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
@@ -56,23 +61,24 @@ def main() -> int:
             while h.read(64 << 20):
                 pass
     extra = FAMILY_ARGS.get(a.family, []) if a.model is None else []
-    runs: dict[str, list[tuple[float, float]]] = {"0": [], "1": []}
+    runs: dict[str, list[tuple[float, float]]] = {b: [] for b in variants}
     identical = True
     for rep in range(a.repeat):
-        for b in ("0", "1"):
+        for b in variants:
             out = a.workdir / f"out-{b}"
             shutil.rmtree(out, ignore_errors=True)
             cmd = [sys.executable, "-m", "ctconvert", "--json", "quantize", str(src), "-o", str(out), "--scheme", a.scheme, "--device", a.device, *extra]
             t0 = time.monotonic()
-            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, CTCONVERT_BATCH=b))
+            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **variants[b]))
             wall = time.monotonic() - t0
             if p.returncode:
                 print(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}", file=sys.stderr)
                 return p.returncode
             call = json.loads(p.stdout)["seconds"]
             runs[b].append((call, wall))
-            print(f"[rep {rep + 1}] CTCONVERT_BATCH={b}: call {call:.2f} s, process {wall:.2f} s", flush=True)
-        same = _same(a.workdir / "out-0", a.workdir / "out-1")
+            print(f"[rep {rep + 1}] {b} {variants[b]}: call {call:.2f} s, process {wall:.2f} s", flush=True)
+        labels = list(variants)
+        same = all(_same(a.workdir / f"out-{labels[0]}", a.workdir / f"out-{x}") for x in labels[1:])
         identical &= same
         print(f"[rep {rep + 1}] outputs {'identical' if same else 'DIFFER'}", flush=True)
     summary = {
@@ -82,7 +88,11 @@ def main() -> int:
         "device": a.device,
         "identical": identical,
         **{
-            f"batch_{b}": {"min_call": min(c for c, _ in r), "min_process": min(w for _, w in r), "gb_per_s": round(nbytes / 1e9 / min(c for c, _ in r), 3)}
+            f"batch_{b}" if a.variants == ap.get_default("variants") else b: {
+                "min_call": min(c for c, _ in r),
+                "min_process": min(w for _, w in r),
+                "gb_per_s": round(nbytes / 1e9 / min(c for c, _ in r), 3),
+            }
             for b, r in runs.items()
         },
     }

@@ -5,9 +5,9 @@ when the ``xxhash`` package is missing) in *block form*: the bytes are cut
 into consecutive blocks of :data:`HASH_BLOCK_BYTES` (the last one shorter),
 each block is hashed on its own, and the hash is the XXH3-128 of the
 concatenated 16-byte block digests, in order (an empty range: the hash of no
-digests). Blocks are hashed on a few worker threads (xxhash releases the GIL)
-straight from read-only mappings of one block each (the page cache), so hashing
-runs beside a conversion, off its critical path. :data:`HASH_SCHEME` names
+digests). Blocks are hashed on a few worker threads (xxhash and ``preadv``
+release the GIL), each block read from the page cache into the thread's own
+buffer, so hashing runs beside a conversion, off its critical path. :data:`HASH_SCHEME` names
 the algorithm and block size; it is recorded with every hash (provenance
 format 2). ``legacy=True`` gives the format-1 hash (one XXH3-128 over all the
 bytes), for comparing with outputs of earlier releases.
@@ -16,7 +16,6 @@ bytes), for comparing with outputs of earlier releases.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +44,8 @@ _POOL_LOCK = threading.Lock()
 #: block hashes begun by :func:`hash_early`, by ``(st_dev, st_ino, st_size, st_mtime_ns, start, nbytes)``: taken
 #: (once) by the :class:`RangeHash` of the same block of the same, unchanged file
 _EARLY: dict[tuple, Future] = {}
+_LOCAL = threading.local()  # each hashing thread's read buffer (_hash_range)
+READ_PIECE_BYTES = 4 * 2**20  # bytes of one read of a block being hashed
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -57,21 +58,30 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def _hash_range(path: Path, start: int, nbytes: int, legacy: bool = False):
-    """Digest (bytes) of ``nbytes`` of ``path`` from ``start`` (``legacy``: hex of the whole range), through a
-    mapping of just that range, unmapped at once: a worker's resident memory stays one block."""
+    """Digest (bytes) of ``nbytes`` of ``path`` from ``start`` (``legacy``: hex of the whole range), read by ``preadv``
+    in pieces of :data:`READ_PIECE_BYTES` into one buffer per hashing thread (reused: a thread's resident memory is that
+    buffer). Raises ``OSError`` where the file is shorter than the range.
+
+    Reading into a buffer replaced a read-only mapping of each block (an H100, 2026-12-06: Qwen3-MoE NVFP4A16 call
+    4.56 -> 3.99 s, gpt-oss 5.23 -> 4.62 s, min of 3; ``scripts/bench_batches.py --variants``): mapping and unmapping
+    16 MiB per block, and faulting its pages in, took as long as hashing it, and unmapping stalls every thread of
+    the process (the readers, writers and the computing thread) on the address space's lock."""
     h = new_hasher()
     if nbytes:
-        base = start - start % mmap.ALLOCATIONGRANULARITY
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size < start + nbytes:
-                raise OSError(f"{path} is shorter than expected (needs {start + nbytes} bytes)")
-            mm = mmap.mmap(f.fileno(), start + nbytes - base, access=mmap.ACCESS_READ, offset=base)
+        buf = getattr(_LOCAL, "buf", None)
+        if buf is None:
+            buf = _LOCAL.buf = memoryview(bytearray(READ_PIECE_BYTES))
+        fd = os.open(path, os.O_RDONLY)
         try:
-            with memoryview(mm) as view:
-                for b in range(start - base, start - base + nbytes, 64 * 2**20):
-                    h.update(view[b : min(start - base + nbytes, b + 64 * 2**20)])
+            pos, end = start, start + nbytes
+            while pos < end:
+                k = os.preadv(fd, [buf[: min(len(buf), end - pos)]], pos)
+                if k <= 0:
+                    raise OSError(f"{path} is shorter than expected (needs {end} bytes)")
+                h.update(buf[:k])
+                pos += k
         finally:
-            mm.close()
+            os.close(fd)
     return h.hexdigest() if legacy else h.digest()
 
 

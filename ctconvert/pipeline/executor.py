@@ -244,11 +244,12 @@ class Executor:
             buf = self.pool.get(n) if self.cuda else torch.empty(n, dtype=torch.uint8)
             read_batch(infos, buf)
             return buf  # the whole pooled buffer goes back to the pool, not the prefix read
+        if job.kind == "copies":  # small copied tensors, whole: [(bytes, whether they hold NaN/inf)]
+            return [self._read_copy(self.ckpt.tensors[self.plan.units[u].sources[0]], 0, None) for u in job.units]
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
         if job.kind == "copy":  # (bytes, whether they hold NaN/inf)
-            data = (map_bytes if not self.cuda and self.opts.map_input else read_bytes)(info, job.start, job.stop - job.start)
-            return data, copy_nonfinite(info, data, self.native_checks)
+            return self._read_copy(info, job.start, job.stop)
         if not self.cuda:
             if self.opts.map_input:
                 return map_rows(info, job.start, job.stop)
@@ -262,6 +263,12 @@ class Executor:
         buf = self.pool.get(n)
         read_bytes(info, job.start * row_bytes, n, out=buf)
         return buf
+
+    def _read_copy(self, info: TensorInfo, start: int, stop: int | None) -> tuple[torch.Tensor, bool]:
+        """Bytes ``[start, stop)`` of a copied tensor (``stop`` None: to its end) and whether they hold NaN/inf."""
+        n = (info.nbytes if stop is None else stop) - start
+        data = (map_bytes if not self.cuda and self.opts.map_input else read_bytes)(info, start, n)
+        return data, copy_nonfinite(info, data, self.native_checks)
 
     def _reader(self, jobs, q: queue.Queue, stop: threading.Event):
         """Hand the reads, in order, to ``self.readers`` reader threads; the queue gets their futures in order
@@ -340,7 +347,11 @@ class Executor:
                         raise item
                     job, fut = item
                     data = fut.result()
-                    st = states.get(job.unit) or states.setdefault(job.unit, _UnitState(scales=UnitScales(observer_of(self.opts, self.plan.units[job.unit]))))
+                    st = None
+                    if job.kind in ("amax", "quant"):  # a unit's state lives from its first read to its last
+                        st = states.get(job.unit) or states.setdefault(
+                            job.unit, _UnitState(scales=UnitScales(observer_of(self.opts, self.plan.units[job.unit])))
+                        )
                     self._handle(job, data, st)
                     if job.end_of_pass and job.kind == "quant":
                         states.pop(job.unit, None)
@@ -387,21 +398,17 @@ class Executor:
         self.pool.put(data, ev)
         return w
 
-    def _handle(self, job: Read, data: torch.Tensor, st: _UnitState) -> None:
+    def _handle(self, job: Read, data, st: _UnitState | None) -> None:
         if job.kind == "batch":
             self._handle_batch(job, data)
             return
+        if job.kind in ("copy", "copies"):  # a chunk of one copied tensor, or small copied tensors whole: one queued write
+            pieces = [(job.unit, job.start, data)] if job.kind == "copy" else [(u, 0, d) for u, d in zip(job.units, data)]
+            self._write_many([self._copy_write(u, start, bytes_, bad) for u, start, (bytes_, bad) in pieces])
+            self._progress(sum(bytes_.numel() for _, _, (bytes_, _) in pieces))
+            return
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
-        if job.kind == "copy":
-            data, bad = data
-            self._check_copy(info, bad)
-            pos = job.start
-            if unit.cast is not None:  # --dense-dtype (pipeline/casting.py)
-                data, pos = cast_chunk(data, info.dtype, unit.cast, str(info.file), info.name, job.start)
-            self._write(info.name, data, pos)
-            self._progress(job.stop - job.start)
-            return
         w = self._to_device(job, info, data)
         if job.kind == "amax":
             st.scales.observe(job.member, self._absmax(w, info, job))
@@ -457,6 +464,16 @@ class Executor:
         writes = [(name, part, 0) for (_, names, _), h in zip(rows, staged) for name, part in zip(names, h.chunk(len(names)))]
         self._write_many(writes, ev, reserved=reserved)
         self._progress(sum(i.nbytes for i in members))
+
+    def _copy_write(self, ui: int, start: int, data: torch.Tensor, bad: bool) -> tuple[str, torch.Tensor, int]:
+        """The write ``(name, bytes, position)`` of copied bytes ``data`` read from byte ``start`` of unit ``ui``'s tensor,
+        checked for NaN/inf (``bad``: :meth:`_check_copy`) and cast where the unit says (``--dense-dtype``: pipeline/casting.py)."""
+        unit = self.plan.units[ui]
+        info = self.ckpt.tensors[unit.sources[0]]
+        self._check_copy(info, bad)
+        if unit.cast is not None:
+            data, start = cast_chunk(data, info.dtype, unit.cast, str(info.file), info.name, start)
+        return info.name, data, start
 
     def _check_copy(self, info: TensorInfo, bad: bool) -> None:
         """A pass-through chunk of a floating tensor must be finite, checked on the bytes in memory as they are

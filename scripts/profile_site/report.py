@@ -22,6 +22,8 @@ for d in docs:
             print(f"     self {c / d['hz']:6.2f}  {k}")
         for k, c in th["incl"][: a.top]:
             print(f"     incl {c / d['hz']:6.2f}  {k}")
+        for k, c in th.get("site", [])[: a.top]:
+            print(f"     site {c / d['hz']:6.2f}  {k}")
         if a.timeline:
             prev = None
             for t, top in th["timeline"]:

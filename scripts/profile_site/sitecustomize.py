@@ -5,7 +5,8 @@ and set ``CTPROF_DIR``; each process then samples all its threads (``CTPROF_HZ``
     CTPROF_DIR=/tmp/prof PYTHONPATH=scripts/profile_site ctconvert quantize SRC -o OUT --scheme NVFP4 ...
     python3 scripts/profile_site/report.py /tmp/prof
 
-Per thread: the functions seen most often (self: the innermost frame; incl: anywhere on the stack), and a timeline of
+Per thread: the functions seen most often (self: the innermost frame; incl: anywhere on the stack; site: the innermost
+ctconvert frame and its line, which says where a thread waits), and a timeline of
 its innermost ctconvert (else any) frame per 0.25 s, on the wall clock shared by the processes. No effect without
 ``CTPROF_DIR``. Time in C code without a Python frame is charged to its Python caller.
 """
@@ -30,6 +31,7 @@ if os.environ.get("CTPROF_DIR"):
         selfc = collections.defaultdict(collections.Counter)
         incl = collections.defaultdict(collections.Counter)
         line = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
+        site = collections.defaultdict(collections.Counter)  # innermost ctconvert frame with its line: where a wait is
         n = collections.Counter()
         me = threading.get_ident()
         last = time.time()
@@ -50,6 +52,7 @@ if os.environ.get("CTPROF_DIR"):
                     inner = inner or k
                     if ours is None and "/ctconvert/" in f.f_code.co_filename:
                         ours = k
+                        site[tn][f"{k} line {f.f_lineno}"] += 1
                     if k not in seen:
                         incl[tn][k] += 1
                         seen.add(k)
@@ -64,6 +67,7 @@ if os.environ.get("CTPROF_DIR"):
                         "seconds": c / _HZ,
                         "self": selfc[tn].most_common(40),
                         "incl": incl[tn].most_common(60),
+                        "site": site[tn].most_common(40),
                         "timeline": [(t, cc.most_common(2)) for t, cc in sorted(line[tn].items())],
                     }
                 with open(path + ".tmp", "w") as fh:
