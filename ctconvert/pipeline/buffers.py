@@ -27,10 +27,14 @@ class PinnedPool:
         self.closed = False  # set when the run stops: waiting readers give up
 
     def get(self, nbytes: int) -> torch.Tensor:
+        """A pinned uint8 buffer of at least ``nbytes`` (waiting for one to come back once ``count`` exist). A buffer
+        is made with the capacity torch's caching host allocator reserves for it anyway, the next power of two
+        (pytorch ``aten/src/ATen/core/CachingHostAllocator.h``, ``allocate``), so that it serves every later read up to
+        that size. Raises ``RuntimeError`` once the pool is closed."""
         with self.lock:
             if self.made < self.count:
                 self.made += 1
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                return _pinned(nbytes)
         while True:
             try:
                 buf, event = self.free.get(timeout=0.1)
@@ -41,11 +45,16 @@ class PinnedPool:
         if event is not None:
             event.synchronize()
         if buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            buf = _pinned(nbytes)
         return buf
 
     def put(self, buf: torch.Tensor, event) -> None:
         self.free.put((buf, event))
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    """A pinned uint8 buffer of the next power of two of at least ``nbytes`` bytes (at least 1)."""
+    return torch.empty(1 << max(0, nbytes - 1).bit_length(), dtype=torch.uint8, pin_memory=True)
 
 
 class ByteBudget:

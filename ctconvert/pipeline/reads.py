@@ -158,7 +158,10 @@ def batch_key(ckpt: Checkpoint, unit: WorkUnit, opts) -> tuple | None:
 def unit_order(ckpt: Checkpoint, plan: Plan, opts):
     """The plan's unit indices in read order: an int for a unit read alone, a tuple for a batch (:func:`batch_key`;
     units of one key within :data:`BATCH_WINDOW` consecutive units, up to :data:`BATCH_BYTES`), each batch where its
-    last unit joined it or where the window moved past its first."""
+    last unit joined it, where the next unit of its key would take it past :data:`BATCH_BYTES`, or where the window
+    moved past its first. Within the limit, a batch's pinned read buffer is one block of torch's caching host
+    allocator of that size (it rounds a request up to a power of two: batches that ended one unit past 128 MiB took
+    256 MiB blocks, 2.5 GB for the pool's ten buffers)."""
     if not batching(opts):
         yield from range(len(plan.units))
         return
@@ -177,8 +180,11 @@ def unit_order(ckpt: Checkpoint, plan: Plan, opts):
         if key is None:
             yield ui
             continue
+        n = unit_bytes(ckpt, unit)
+        if key in open_ and size[key] + n > BATCH_BYTES:  # a batch stays within BATCH_BYTES (a pinned block of that size)
+            yield done(key)
         open_.setdefault(key, []).append(ui)
-        size[key] = size.get(key, 0) + unit_bytes(ckpt, unit)
+        size[key] = size.get(key, 0) + n
         if size[key] >= BATCH_BYTES:
             yield done(key)
     for k in list(open_):
