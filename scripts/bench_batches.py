@@ -5,7 +5,7 @@ interleaved, each output compared file for file, the minimum call and process se
     python3 scripts/bench_batches.py --family qwen3_moe --device cuda [--repeat 3] [--scheme NVFP4A16] [--workdir DIR]
     python3 scripts/bench_batches.py --model DIR --device cuda
 
-``--variants "base:;pread:CTCONVERT_HASH_PREAD=1"`` compares other settings instead (``LABEL:NAME=VALUE ...``,
+``--variants "base:;noahead:CTCONVERT_READAHEAD=0"`` compares other settings instead (``LABEL:NAME=VALUE ...``,
 separated by ``;``; every output compared with the first's). ``--family``/``--size``/``--scale`` generate the checkpoint as ``scripts/bench.py --make-model`` does (gpt-oss with
 its experts targeted, as bench.py runs it); ``--model`` takes one. The page cache is warmed by reading the source
 once first. Prints one line per run and a JSON summary (``min_call``, ``min_process``, ``gb_per_s`` per setting,
