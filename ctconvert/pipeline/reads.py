@@ -13,7 +13,8 @@ the same: each member is quantized by the same call with the same scales as alon
 
 Small copied tensors (up to :data:`SMALL_COPY_BYTES`: gpt-oss has three bias vectors per expert, 3,072 per 8 layers)
 are read together, on any device, in *copies* reads of up to :data:`SMALL_COPIES` tensors or
-:data:`SMALL_COPIES_BYTES`: one read, one NaN/inf scan per tensor, one queued write; alone, each paid the executor's
+:data:`SMALL_COPIES_BYTES` from :data:`BATCH_WINDOW` consecutive units (so that a shard still finishes soon after
+its last tensor, as a resumed run needs): one read, one NaN/inf scan per tensor, one queued write; alone, each paid the executor's
 round trip (a future, a queue item, a writer's wake-up), which held an H100's gpt-oss NVFP4A16 run at 2.15x its I/O
 floor.
 """
@@ -81,7 +82,8 @@ def chunk_rows(info: TensorInfo, unit: WorkUnit, chunk_elems: int) -> int:
 def make_reads(ckpt: Checkpoint, plan: Plan, opts):
     """The reads of the whole conversion, in order. ``opts``: the run's :class:`.executor.ExecOptions`
     (``device``, ``map_input``, ``chunk_elems``, ``hold_bytes``, ``batch`` and the observers are read). Small copied
-    tensors are gathered into "copies" reads (:data:`SMALL_COPY_BYTES`), each yielded where it fills, the last at the end."""
+    tensors are gathered into "copies" reads (:data:`SMALL_COPY_BYTES`) from at most :data:`BATCH_WINDOW` consecutive
+    units, each yielded where it fills or where the plan moved past that window, the last at the end."""
     small: list[int] = []
     small_bytes = 0
     for ui in unit_order(ckpt, plan, opts):
@@ -89,6 +91,9 @@ def make_reads(ckpt: Checkpoint, plan: Plan, opts):
             yield Read(ui[0], "batch", units=ui, end_of_pass=True)
             continue
         unit = plan.units[ui]
+        if small and ui - small[0] >= BATCH_WINDOW:  # near the plan's order: a shard is finished soon after its last tensor
+            yield Read(small[0], "copies", units=tuple(small), end_of_pass=True)
+            small, small_bytes = [], 0
         if unit.kind == "copy" and 0 < (n := ckpt.tensors[unit.sources[0]].nbytes) <= SMALL_COPY_BYTES:
             small.append(ui)
             small_bytes += n

@@ -43,11 +43,12 @@ def _reads(path: Path, device: str = "cpu", **kw):
     return ckpt, plan, list(reads.make_reads(ckpt, plan, ExecOptions(device=torch.device(device), **kw)))
 
 
-@pytest.mark.parametrize("count, limit", [(3, 2**20), (512, 700), (2, 300)])
-def test_small_copies_are_read_together_each_once_within_the_limits(tmp_path, monkeypatch, count, limit):
+@pytest.mark.parametrize("count, limit, window", [(3, 2**20, 128), (512, 700, 128), (2, 300, 128), (512, 2**20, 7)])
+def test_small_copies_are_read_together_each_once_within_the_limits(tmp_path, monkeypatch, count, limit, window):
     monkeypatch.setattr(reads, "SMALL_COPY_BYTES", 600)  # the 256-value bf16 norms (512 B) and 128-value biases, not the embedding
     monkeypatch.setattr(reads, "SMALL_COPIES", count)
     monkeypatch.setattr(reads, "SMALL_COPIES_BYTES", limit)
+    monkeypatch.setattr(reads, "BATCH_WINDOW", window)
     ckpt, plan, got = _reads(_model(tmp_path))
     size = {u: ckpt.tensors[plan.units[u].sources[0]].nbytes for u in range(len(plan.units))}
     small = [u for u, unit in enumerate(plan.units) if unit.kind == "copy" and 0 < size[u] <= 600]
@@ -58,9 +59,11 @@ def test_small_copies_are_read_together_each_once_within_the_limits(tmp_path, mo
     assert not [r for r in got if r.kind == "copy" and r.unit in small]
     for g in groups:
         assert len(g) <= count and sum(size[u] for u in g[:-1]) < limit  # a read closes on the tensor that fills it
-        assert list(g) == sorted(g)  # in plan order
-    for g in groups[:-1]:  # every read but the last is full
-        assert len(g) == count or sum(size[u] for u in g) >= limit
+        assert list(g) == sorted(g) and g[-1] - g[0] < window  # in plan order, from the window of its first
+    for g, nxt in zip(groups, groups[1:]):  # every read but the last is full, or the next small copy lies past its window
+        assert len(g) == count or sum(size[u] for u in g) >= limit or nxt[0] - g[0] >= window
+    if window < len(plan.units):  # the window closes reads
+        assert any(len(g) < count and sum(size[u] for u in g) < limit for g in groups[:-1])
     big = [u for u, unit in enumerate(plan.units) if unit.kind == "copy" and size[u] > 600]
     assert big and all(sum(r.stop - r.start for r in got if r.kind == "copy" and r.unit == u) == size[u] for u in big)
 
