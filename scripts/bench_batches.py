@@ -7,9 +7,9 @@ interleaved, each output compared file for file, the minimum call and process se
 
 ``--variants "base:;noahead:CTCONVERT_READAHEAD=0"`` compares other settings instead (``LABEL:NAME=VALUE ...``,
 separated by ``;``; every output compared with the first's). ``--family``/``--size``/``--scale`` generate the
-checkpoint as ``scripts/bench.py --make-model`` does (gpt-oss with its experts targeted, as bench.py runs it); ``--model`` takes one. The page cache is warmed by reading the source
-once first. Prints one line per run and a JSON summary (``min_call``, ``min_process``, ``gb_per_s`` per setting,
-``identical``). Exit 1 when two outputs differ.
+checkpoint as ``scripts/bench.py --make-model`` does (gpt-oss with its experts targeted, as bench.py runs it);
+``--model`` takes one. The page cache is warmed by reading the source once first. Prints one line per run and a JSON
+summary (``min_call``, ``min_process``, ``gb_per_s`` per setting, ``identical``). Exit 1 when two outputs differ.
 """
 
 from __future__ import annotations
