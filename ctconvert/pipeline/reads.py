@@ -13,8 +13,9 @@ the same: each member is quantized by the same call with the same scales as alon
 
 Small copied tensors (up to :data:`SMALL_COPY_BYTES`: gpt-oss has three bias vectors per expert, 3,072 per 8 layers)
 are read together, on any device, in *copies* reads of up to :data:`SMALL_COPIES` tensors or
-:data:`SMALL_COPIES_BYTES` from :data:`BATCH_WINDOW` consecutive units (so that a shard still finishes soon after
-its last tensor, as a resumed run needs): one read, one NaN/inf scan per tensor, one queued write; alone, each paid the executor's
+:data:`SMALL_COPIES_BYTES`, from at most :data:`BATCH_WINDOW` consecutive units and :data:`SMALL_COPIES_SPAN` bytes of
+the plan (so that an output shard, a run of consecutive tensors, still finishes soon after its last one is read, as
+``--resume`` needs): one read, one NaN/inf scan per tensor, one queued write; alone, each paid the executor's
 round trip (a future, a queue item, a writer's wake-up), which held an H100's gpt-oss NVFP4A16 run at 2.15x its I/O
 floor.
 """
@@ -53,6 +54,7 @@ BATCH_DTYPES = ("BF16", "F16", "F32")
 SMALL_COPY_BYTES = 2**20  # a copied tensor up to this size is read with others (a "copies" read)
 SMALL_COPIES = 512  # tensors of one "copies" read, at most
 SMALL_COPIES_BYTES = 16 * 2**20  # bytes of one "copies" read, at most
+SMALL_COPIES_SPAN = 256 * 2**20  # source bytes of the plan a "copies" read's tensors come from, at most
 
 
 @dataclass
@@ -83,24 +85,34 @@ def make_reads(ckpt: Checkpoint, plan: Plan, opts):
     """The reads of the whole conversion, in order. ``opts``: the run's :class:`.executor.ExecOptions`
     (``device``, ``map_input``, ``chunk_elems``, ``hold_bytes``, ``batch`` and the observers are read). Small copied
     tensors are gathered into "copies" reads (:data:`SMALL_COPY_BYTES`) from at most :data:`BATCH_WINDOW` consecutive
-    units, each yielded where it fills or where the plan moved past that window, the last at the end."""
+    units and :data:`SMALL_COPIES_SPAN` bytes of the plan, each yielded where it fills or where the plan moved past
+    either, the last at the end."""
     small: list[int] = []
     small_bytes = 0
+    done = 0  # source bytes of the units met so far
+    small_from = 0  # ``done`` when the pending "copies" read took its first tensor
     for ui in unit_order(ckpt, plan, opts):
+        first = ui[0] if isinstance(ui, tuple) else ui
+        if small and (first - small[0] >= BATCH_WINDOW or done - small_from >= SMALL_COPIES_SPAN):  # near the plan's order
+            yield Read(small[0], "copies", units=tuple(small), end_of_pass=True)
+            small, small_bytes = [], 0
         if isinstance(ui, tuple):
+            done += sum(unit_bytes(ckpt, plan.units[u]) for u in ui)
             yield Read(ui[0], "batch", units=ui, end_of_pass=True)
             continue
         unit = plan.units[ui]
-        if small and ui - small[0] >= BATCH_WINDOW:  # near the plan's order: a shard is finished soon after its last tensor
-            yield Read(small[0], "copies", units=tuple(small), end_of_pass=True)
-            small, small_bytes = [], 0
-        if unit.kind == "copy" and 0 < (n := ckpt.tensors[unit.sources[0]].nbytes) <= SMALL_COPY_BYTES:
+        n = unit_bytes(ckpt, unit)
+        if unit.kind == "copy" and 0 < n <= SMALL_COPY_BYTES:
+            if not small:
+                small_from = done
             small.append(ui)
             small_bytes += n
+            done += n
             if len(small) >= SMALL_COPIES or small_bytes >= SMALL_COPIES_BYTES:
                 yield Read(small[0], "copies", units=tuple(small), end_of_pass=True)
                 small, small_bytes = [], 0
             continue
+        done += n
         if unit.kind == "copy":
             info = ckpt.tensors[unit.sources[0]]
             step = MAPPED_COPY_CHUNK_BYTES if opts.device.type == "cpu" and opts.map_input else COPY_CHUNK_BYTES

@@ -43,26 +43,34 @@ def _reads(path: Path, device: str = "cpu", **kw):
     return ckpt, plan, list(reads.make_reads(ckpt, plan, ExecOptions(device=torch.device(device), **kw)))
 
 
-@pytest.mark.parametrize("count, limit, window", [(3, 2**20, 128), (512, 700, 128), (2, 300, 128), (512, 2**20, 7)])
-def test_small_copies_are_read_together_each_once_within_the_limits(tmp_path, monkeypatch, count, limit, window):
+@pytest.mark.parametrize(
+    "count, limit, window, span", [(3, 2**20, 128, 2**30), (512, 700, 128, 2**30), (2, 300, 128, 2**30), (512, 2**20, 7, 2**30), (512, 2**20, 128, 300_000)]
+)
+def test_small_copies_are_read_together_each_once_within_the_limits(tmp_path, monkeypatch, count, limit, window, span):
     monkeypatch.setattr(reads, "SMALL_COPY_BYTES", 600)  # the 256-value bf16 norms (512 B) and 128-value biases, not the embedding
     monkeypatch.setattr(reads, "SMALL_COPIES", count)
     monkeypatch.setattr(reads, "SMALL_COPIES_BYTES", limit)
     monkeypatch.setattr(reads, "BATCH_WINDOW", window)
+    monkeypatch.setattr(reads, "SMALL_COPIES_SPAN", span)
     ckpt, plan, got = _reads(_model(tmp_path))
-    size = {u: ckpt.tensors[plan.units[u].sources[0]].nbytes for u in range(len(plan.units))}
+    size = {u: reads.unit_bytes(ckpt, plan.units[u]) for u in range(len(plan.units))}  # a copied tensor's: its bytes
     small = [u for u, unit in enumerate(plan.units) if unit.kind == "copy" and 0 < size[u] <= 600]
     groups = [r.units for r in got if r.kind == "copies"]
     assert len(groups) >= 2  # the case fills a read
     assert sorted(u for g in groups for u in g) == small  # each small copied tensor read once, in a "copies" read
     assert all(r.unit == r.units[0] and r.end_of_pass for r in got if r.kind == "copies")
     assert not [r for r in got if r.kind == "copy" and r.unit in small]
+    before = [sum(size[v] for v in range(u)) for u in range(len(plan.units) + 1)]  # source bytes ahead of each unit
+
+    def far(g, u):  # unit u lies past the window or the span of the read that began with g[0]
+        return u - g[0] >= window or before[u] - before[g[0]] >= span
+
     for g in groups:
         assert len(g) <= count and sum(size[u] for u in g[:-1]) < limit  # a read closes on the tensor that fills it
-        assert list(g) == sorted(g) and g[-1] - g[0] < window  # in plan order, from the window of its first
-    for g, nxt in zip(groups, groups[1:]):  # every read but the last is full, or the next small copy lies past its window
-        assert len(g) == count or sum(size[u] for u in g) >= limit or nxt[0] - g[0] >= window
-    if window < len(plan.units):  # the window closes reads
+        assert list(g) == sorted(g) and not far(g, g[-1])  # in plan order, near its first tensor
+    for g, nxt in zip(groups, groups[1:]):  # every read but the last is full, or closed where the plan moved on
+        assert len(g) == count or sum(size[u] for u in g) >= limit or far(g, nxt[0])
+    if window < len(plan.units) or span < before[-1]:  # the window or the span closes reads
         assert any(len(g) < count and sum(size[u] for u in g) < limit for g in groups[:-1])
     big = [u for u, unit in enumerate(plan.units) if unit.kind == "copy" and size[u] > 600]
     assert big and all(sum(r.stop - r.start for r in got if r.kind == "copy" and r.unit == u) == size[u] for u in big)
