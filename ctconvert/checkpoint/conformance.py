@@ -52,6 +52,7 @@ __all__ = [
     "vllm_expert_group",
     "vllm_expert_mismatches",
     "vllm_expert_problems",
+    "mixed_expert_blocks",
     "vllm_unloadable_problems",
 ]
 
@@ -343,9 +344,54 @@ def vllm_expert_mismatches(groups: dict[str, str | None], qcfg: dict) -> list[Ex
     return out
 
 
+@dataclass
+class MixedExperts:
+    """One MoE block's projection whose per-expert modules are not all quantized alike (:func:`mixed_expert_blocks`):
+    ``groups``: config group (None: dense) -> the expert indices in it, in index order."""
+
+    block: str
+    proj: str
+    groups: dict
+
+    @property
+    def experts(self) -> str:
+        return f"{self.block}.experts.*.{self.proj}"
+
+    def message(self) -> str:
+        def which(ix: list[int]) -> str:
+            return ", ".join(map(str, ix[:4])) + (f" and {len(ix) - 4} more" if len(ix) > 4 else "")
+
+        parts = [f"experts {which(ix)} {'dense' if g is None else f'in config group {g!r}'}" for g, ix in self.groups.items()]
+        return (
+            f"{'; '.join(parts)}: vLLM 0.33 builds a MoE block's experts as one fused layer with one quantization method, "
+            "so it cannot load experts quantized unlike each other; quantize every expert of the block alike "
+            "(--ignore all of its experts or none of them)"
+        )
+
+
+def mixed_expert_blocks(groups: dict[str, str | None]) -> list[MixedExperts]:
+    """The MoE blocks and projections whose per-expert Linear modules (``<block>.experts.<i>.<projection>``) are not
+    all in one config group, in name order. ``groups``: every per-expert module's name -> its config group (None:
+    dense). vLLM 0.33 builds a block's routed experts as one ``FusedMoE`` layer with the one quantization method
+    that expert 0's names select (``model_executor/layers/fused_moe/layer.py``; ``compressed_tensors_moe.py``:
+    ``get_moe_method``): a dense expert beside quantized ones has no parameter for its ``weight``, and quantized
+    experts beside a dense expert 0 have none for their ``weight_scale`` (``vllm_accept.py`` rejects both,
+    2026-12-06)."""
+    seen: dict[tuple[str, str], dict] = {}
+    for name, group in groups.items():
+        if (hit := _EXPERT.match(name)) is not None:
+            seen.setdefault((hit["block"], hit["proj"]), {}).setdefault(group, []).append(int(hit["i"]))
+    out = []
+    for (block, proj), by in sorted(seen.items()):
+        if len(by) > 1:
+            out.append(MixedExperts(block, proj, {g: sorted(ix) for g, ix in sorted(by.items(), key=lambda kv: min(kv[1]))}))
+    return out
+
+
 def vllm_expert_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
     """Errors for quantized per-expert Linear modules that vLLM 0.33 would load with another config group's scheme
-    (:func:`vllm_expert_mismatches`), one per MoE block and projection, naming the first expert's file. None for a
+    (:func:`vllm_expert_mismatches`), and for MoE blocks whose experts are not quantized alike
+    (:func:`mixed_expert_blocks`), one per MoE block and projection, naming the first expert's file. None for a
     sparsity-only config (``--scheme DENSE --sparsity 2:4``): vLLM 0.33 loads no ``sparse-24-bitmask`` checkpoint at all
     (the README's 2:4 section: vLLM <= 0.18), so which group its experts would take there is no question."""
     if not qcfg.get("config_groups"):
@@ -355,6 +401,10 @@ def vllm_expert_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
     for mm in vllm_expert_mismatches(groups, qcfg):
         m = mods[mm.module]
         out.append(Problem("error", mm.message(), m.file, mm.experts))
+    every = {m.name: (m.group if m.quantized else None) for m in mods.values() if "weight" in m.parts or m.quantized}
+    for mx in mixed_expert_blocks(every):
+        first = next(n for n in sorted(every) if (hit := _EXPERT.match(n)) and (hit["block"], hit["proj"]) == (mx.block, mx.proj))
+        out.append(Problem("error", mx.message(), mods[first].file, mx.experts))
     return out
 
 

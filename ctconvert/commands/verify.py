@@ -91,7 +91,7 @@ _STRUCTURE_CHECKS = [
     "config explains every quantized tensor",
     "tensors agree with their group's format (parts, dtypes, shapes; 2:4 and KV cache claims)",
     "dense Linear in ignore",
-    "MoE experts' group as vLLM 0.33 matches them",
+    "MoE experts' group as vLLM 0.33 matches them, alike within each block",
     "modules vLLM 0.33 cannot load quantized (gpt-oss experts, experts with static INT8 inputs, most MoE routers)",
     "fused sets complete",
     "attention shapes against config.json",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..checkpoint.config import build_quantization_config
-from ..checkpoint.conformance import vllm_expert_mismatches
+from ..checkpoint.conformance import mixed_expert_blocks, vllm_expert_mismatches
 from ..checkpoint.families import split_fused_experts
 from ..checkpoint.naming import is_generative, matches, tie_word_embeddings
 from ..checkpoint.reader import Checkpoint
@@ -73,7 +73,7 @@ class PlanStage(Stage):
         if self.recipe is not None:  # its observers per group; its ignore as written (llm-compressor writes it whole)
             plan.observers.update({g: name for g, name in self.recipe.observers.items() if g in plan.config_groups})
             plan.ignore += [p for p in self.recipe.ignore if p not in plan.ignore]
-        job.dry_error = job.dry_error or vllm_expert_error(plan)
+        job.dry_error = job.dry_error or vllm_expert_error(plan, o.allow_unloadable)
         job.plan = plan
         job.result = ConversionResult.of_plan(plan, job.out, o.dry_run, source.original.total_bytes, ())  # the device: the quantize stage's
         if self.recipe is not None:  # the result names every scheme of the recipe's groups: W4A16+FP8_DYNAMIC
@@ -167,14 +167,23 @@ def plan_or_error(ckpt: Checkpoint, scheme, dry_run: bool, skip_incompatible: bo
         return plan, e
 
 
-def vllm_expert_error(plan: Plan) -> UsageError | None:
+def vllm_expert_error(plan: Plan, allow_unloadable: bool = False) -> UsageError | None:
     """The error of a plan whose MoE experts vLLM 0.33 would load with another config group than the one that holds
     their tensors (:func:`~ctconvert.checkpoint.conformance.vllm_expert_mismatches` over the ``quantization_config``
     the run would write): targets written for the checkpoint's expert names (``experts.N.``) that miss the name vLLM
-    matches. None when vLLM agrees (one group targeting ``Linear``, the usual run, always does). ``verify`` checks
-    the same of a written checkpoint."""
+    matches; or whose experts of one MoE block are not quantized alike (some dense, or in other groups:
+    :func:`~ctconvert.checkpoint.conformance.mixed_expert_blocks`; allowed with ``allow_unloadable``, an output for
+    other loaders). None when vLLM agrees (one group targeting ``Linear``, the usual run, always does). ``verify``
+    checks the same of a written checkpoint."""
+    quantized = {m: u.group for u in plan.units if u.kind == "quantize" for m in u.modules}
+    if not allow_unloadable:
+        dense = {r.name.removesuffix(".weight"): None for r in plan.rows if r.action != "quantize" and r.name.endswith(".weight")}
+        mixed = mixed_expert_blocks({**dense, **quantized})
+        if mixed:
+            more = f" ({len(mixed)} in all)" if len(mixed) > 1 else ""
+            return UsageError(f"{mixed[0].experts}: {mixed[0].message()}{more}; --allow-unloadable writes it for other loaders")
     qcfg = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
-    found = vllm_expert_mismatches({m: u.group for u in plan.units if u.kind == "quantize" for m in u.modules}, qcfg)
+    found = vllm_expert_mismatches(quantized, qcfg)
     if not found:
         return None
     blocks, projs = sorted({f.block for f in found}), sorted({f.proj for f in found})

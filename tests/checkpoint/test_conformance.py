@@ -66,7 +66,7 @@ def test_verify_refuses_experts_vllm_would_load_with_another_group(tmp_path):
     assert all(".mlp.experts.routed_experts.0." in p["message"] and "config group 'attention'" in p["message"] for p in bad)
     assert all("wrong parameters" in p["message"] and p["file"].endswith(".safetensors") for p in bad)
     assert outs["good"]["ok"], outs["good"]["problems"]
-    assert "MoE experts' group as vLLM 0.33 matches them" in outs["good"]["checked"]["checks"]
+    assert "MoE experts' group as vLLM 0.33 matches them, alike within each block" in outs["good"]["checked"]["checks"]
 
 
 def test_quantize_refuses_a_recipe_whose_experts_vllm_would_load_with_another_group(tmp_path):
@@ -251,3 +251,38 @@ def test_a_calibrated_scale_that_is_not_above_zero_fails_verify(tiny_llama, tmp_
         assert not rep["ok"] and errors, rep["problems"]
         why = "a calibrated scale is never zero or negative" if value == 0.0 or part in ("k_scale", "v_scale") else "1 value below zero"
         assert why in errors[0]["message"], errors
+
+
+@pytest.mark.parametrize("ignored, mixed", [(["1"], True), (["0"], True), (["0", "1", "2", "3"], False)])
+def test_experts_of_one_block_quantized_unlike_each_other_are_refused_or_reported(tmp_path, ignored, mixed):
+    """vLLM 0.33 builds a MoE block's experts as one fused layer with one quantization method: some experts of a block
+    dense beside quantized ones (expert 0 or another; vllm_accept.py rejected both, 2026-12-06) is refused before any
+    work (exit 2, naming the block and projection, which experts are dense and which quantized), written with
+    --allow-unloadable and then failed by verify (exit 5) for every projection of that block only; a block whose
+    experts are all dense is not mixed, and verify passes it."""
+    from ctconvert.checkpoint.conformance import mixed_expert_blocks
+
+    src = moe_checkpoint(tmp_path)  # 2 layers of 4 experts
+    ignore = [rf"re:model\.layers\.0\.mlp\.experts\.{i}\..*" for i in ignored]
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(out), "-s", "W4A16", *[a for p in ignore for a in ("--ignore", p)]])
+    if not mixed:
+        assert r.exit_code == 0, r.output
+        assert api.verify(out, src)["ok"]
+        return
+    assert r.exit_code == 2 and not out.exists()
+    line = r.output.strip().splitlines()[-1]
+    rest = [i for i in range(4) if str(i) not in ignored]
+    assert line.startswith("error: model.layers.0.mlp.experts.*.down_proj: ")
+    assert f"experts {ignored[0]} dense" in line and f"experts {', '.join(map(str, rest))} in config group 'group_0'" in line
+    assert line.endswith("(3 in all); --allow-unloadable writes it for other loaders")
+    api.quantize(src, out, "W4A16", ignore=ignore, allow_unloadable=True)
+    doc = api.verify(out, src)
+    found = [p for p in doc["problems"] if "one fused layer" in p["message"]]
+    assert not doc["ok"] and sorted(p["tensor"] for p in found) == [f"model.layers.0.mlp.experts.*.{p}" for p in ("down_proj", "gate_proj", "up_proj")]
+    assert all(p["severity"] == "error" and p["file"].endswith(".safetensors") for p in found)
+    r = CliRunner().invoke(main, ["verify", str(out), "--reference", str(src)])
+    flat = " ".join(r.output.split())
+    assert r.exit_code == 5 and f"experts {ignored[0]} dense" in flat and f"experts {', '.join(map(str, rest))} in config group 'group_0'" in flat
+    got = mixed_expert_blocks({"b.experts.0.w": "g", "b.experts.2.w": None, "b.experts.1.w": "g", "c.experts.0.w": None, "c.experts.1.w": None})
+    assert [(m.block, m.proj, m.groups) for m in got] == [("b", "w", {"g": [0, 1], None: [2]})]
