@@ -38,6 +38,7 @@ __all__ = [
     "gain_message",
     "same_bytes",
     "split_reference",
+    "copy_of",
     "unread_note",
 ]
 
@@ -105,6 +106,16 @@ def compare_others(ckpt: Checkpoint, mods: dict[str, Module], ref: Checkpoint, b
     else:
         out += [Problem("error", "tensor of the reference is missing from the output", tensor=name) for name in missing]
     return out
+
+
+def copy_of(out, ref) -> bool:
+    """Whether tensor ``out`` is a copy of tensor ``ref`` (both :class:`TensorInfo`): the same shape, and the same dtype
+    and bytes, or (``quantize --dense-dtype``) ``ref``'s float values cast to ``out``'s float dtype, bit for bit."""
+    if tuple(out.shape) != tuple(ref.shape):
+        return False
+    if out.dtype == ref.dtype:
+        return same_bytes(out, ref)
+    return out.dtype in _SHORT and ref.dtype in _SHORT and _same_cast(out, ref)
 
 
 def _same_cast(out, ref) -> bool:

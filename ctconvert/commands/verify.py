@@ -43,6 +43,7 @@ from ..checkpoint.comparison import (
     PRUNED_NOTE,
     THRESHOLDS,
     compare_others,
+    copy_of,
     error_stats,
     error_threshold,
     gain_limit,
@@ -375,8 +376,8 @@ def _module_problems(mods: dict[str, Module], qcfg: dict) -> tuple[list[Problem]
 
 
 def _value_problems(ckpt: Checkpoint, ref: Checkpoint | None = None) -> list[Problem]:
-    """NaN/inf in float tensors, NaN bytes in E4M3 tensors: errors, but for a tensor that holds exactly the bytes of the
-    reference's tensor of that name (a pass-through copy ``--allow-non-finite`` made, which its note names): a warning."""
+    """NaN/inf in float tensors, NaN bytes in E4M3 tensors: errors, but for a copy of the reference's tensor of that name
+    (its bytes, or with ``--dense-dtype`` its values cast: a copy ``--allow-non-finite`` made, which its note names): a warning."""
     out = []
     for name, info in ckpt.tensors.items():
         if info.dtype not in _FLOAT_OR_E4M3:
@@ -389,8 +390,7 @@ def _value_problems(ckpt: Checkpoint, ref: Checkpoint | None = None) -> list[Pro
                 bad += int((~torch.isfinite(t)).sum())
         if bad:
             what = " (E4M3 NaN bytes 0x7F/0xFF)" if info.dtype == "F8_E4M3" else ""
-            r = ref.tensors.get(name) if ref is not None else None
-            if r is not None and r.dtype == info.dtype and tuple(r.shape) == tuple(info.shape) and same_bytes(info, r):
+            if ref is not None and (r := ref.tensors.get(name)) is not None and copy_of(info, r):  # its bytes, or its values cast
                 why = f"{bad} NaN/inf values{what}, as the reference holds them (a copy --allow-non-finite made)"
                 out.append(Problem("warning", why, str(info.file), name))
             else:

@@ -113,6 +113,16 @@ def test_nonfinite_values_stay_nonfinite(tmp_path):
     assert got.dtype == torch.float16 and torch.isnan(got[0]) and got[1] == float("inf") and got[2] == -float("inf")
     assert _bits(got[3:]) == _bits(t["model.norm.weight"][3:].half())
     assert any("model.norm.weight: holds non-finite values" in n for n in r.notes)
+    doc = api.verify(tmp_path / "out", path)  # the cast copy holds the reference's NaN/inf: a warning, not an error
+    assert doc["ok"], doc["problems"]
+    held = [p for p in doc["problems"] if p.get("tensor") == "model.norm.weight"]
+    assert [(p["severity"], p["message"]) for p in held] == [("warning", "3 NaN/inf values, as the reference holds them (a copy --allow-non-finite made)")]
+    t["model.norm.weight"][5] = float("nan")  # a NaN the output holds and the reference does not: an error
+    other = write_checkpoint(tmp_path / "other", t, cfg)
+    doc = api.verify(tmp_path / "out", other)
+    assert not doc["ok"] and any(
+        p["severity"] == "error" and p["message"] == "3 NaN/inf values" and p["tensor"] == "model.norm.weight" for p in doc["problems"]
+    )
 
 
 def test_cli_plan_json_inspect_and_errors(fp32_llama, tmp_path):
