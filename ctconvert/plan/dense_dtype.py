@@ -43,11 +43,13 @@ def apply_dense_dtype(plan: Plan, dense_dtype: str, config: dict) -> int:
     if target is None:
         return 0
     rows = {r.name: r for r in plan.rows}
-    cast = 0
+    cast, wide = 0, []
     for u in plan.units:
         if u.kind != "copy":
             continue
         name, dtype, shape = u.outputs[0]
+        if dtype == "F64":
+            wide.append(name)
         if dtype not in CASTABLE or dtype == target:
             continue
         u.outputs = [(name, target, shape)]
@@ -62,4 +64,8 @@ def apply_dense_dtype(plan: Plan, dense_dtype: str, config: dict) -> int:
         "(round to nearest even); "
         f"config.json's {'/'.join(keys)} says {_CONFIG_NAMES[target]}; quantized weights are computed from the source values"
     )
+    if wide:  # F64 tensors (a rotary table, a buffer) are copied as they are: the cast covers the weights' dtypes only
+        names = ", ".join(wide[:3]) + (" ..." if len(wide) > 3 else "")
+        stays = agree(len(wide), "stays", "stay")
+        plan.notes.append(f"--dense-dtype {dense_dtype}: {plural(len(wide), 'F64 tensor')} {stays} F64 (it casts F32, F16 and BF16 tensors): {names}")
     return cast

@@ -214,3 +214,15 @@ def test_transformers_loads_it(tmp_path):
         ref, got = dense(ids).logits, model(ids).logits
     assert torch.isfinite(got).all()
     assert torch.nn.functional.cosine_similarity(ref.flatten(), got.float().flatten(), dim=0) > 0.99
+
+
+def test_f64_tensors_stay_f64_and_a_note_names_them(tmp_path):
+    cfg = dict(LLAMA_CONFIG, torch_dtype="float32")
+    t = llama_tensors(cfg, dtype=torch.float32)
+    t["model.layers.0.self_attn.rotary_emb.table"] = torch.arange(6, dtype=torch.float64) / 7
+    path = write_checkpoint(tmp_path / "m", t, cfg)
+    r = api.quantize(path, tmp_path / "out", "W4A16", dense_dtype="bf16")
+    got = _tensors(tmp_path / "out")
+    assert got["model.layers.0.self_attn.rotary_emb.table"].dtype == torch.float64 and got["model.norm.weight"].dtype == torch.bfloat16
+    assert _bits(got["model.layers.0.self_attn.rotary_emb.table"]) == _bits(t["model.layers.0.self_attn.rotary_emb.table"])
+    assert "--dense-dtype bf16: 1 F64 tensor stays F64 (it casts F32, F16 and BF16 tensors): model.layers.0.self_attn.rotary_emb.table" in r.notes
