@@ -346,52 +346,56 @@ def vllm_expert_mismatches(groups: dict[str, str | None], qcfg: dict) -> list[Ex
 
 @dataclass
 class MixedExperts:
-    """One MoE block's projection whose per-expert modules are not all quantized alike (:func:`mixed_expert_blocks`):
-    ``groups``: config group (None: dense) -> the expert indices in it, in index order."""
+    """One MoE block whose per-expert modules are not all quantized alike (:func:`mixed_expert_blocks`): ``groups``:
+    config group (None: dense) -> ``(expert indices, projections)`` in it, sorted."""
 
     block: str
-    proj: str
     groups: dict
 
     @property
     def experts(self) -> str:
-        return f"{self.block}.experts.*.{self.proj}"
+        return f"{self.block}.experts"
 
     def message(self) -> str:
         def which(ix: list[int]) -> str:
-            return ", ".join(map(str, ix[:4])) + (f" and {len(ix) - 4} more" if len(ix) > 4 else "")
+            head = ", ".join(map(str, ix[:4])) + (f" and {len(ix) - 4} more" if len(ix) > 4 else "")
+            return f"expert{'s' if len(ix) > 1 else ''} {head}"
 
-        parts = [f"experts {which(ix)} {'dense' if g is None else f'in config group {g!r}'}" for g, ix in self.groups.items()]
+        parts = [f"{which(ix)} ({', '.join(projs)}) {'dense' if g is None else f'in config group {g!r}'}" for g, (ix, projs) in self.groups.items()]
         return (
-            f"{'; '.join(parts)}: vLLM 0.33 builds a MoE block's experts as one fused layer with one quantization method, "
-            "so it cannot load experts quantized unlike each other; quantize every expert of the block alike "
-            "(--ignore all of its experts or none of them)"
+            f"{'; '.join(parts)}: vLLM 0.33 builds a MoE block's experts as one fused layer with one quantization method "
+            "for all of its projections, so it cannot load experts or projections quantized unlike each other; quantize "
+            "every expert and projection of the block alike (--ignore all of them or none)"
         )
 
 
 def mixed_expert_blocks(groups: dict[str, str | None]) -> list[MixedExperts]:
-    """The MoE blocks and projections whose per-expert Linear modules (``<block>.experts.<i>.<projection>``) are not
-    all in one config group, in name order. ``groups``: every per-expert module's name -> its config group (None:
-    dense). vLLM 0.33 builds a block's routed experts as one ``FusedMoE`` layer with the one quantization method
-    that expert 0's names select (``model_executor/layers/fused_moe/layer.py``; ``compressed_tensors_moe.py``:
-    ``get_moe_method``): a dense expert beside quantized ones has no parameter for its ``weight``, and quantized
-    experts beside a dense expert 0 have none for their ``weight_scale`` (``vllm_accept.py`` rejects both,
+    """The MoE blocks whose per-expert Linear modules (``<block>.experts.<i>.<projection>``) are not all in one config
+    group, in name order. ``groups``: every per-expert module's name -> its config group (None: dense). vLLM 0.33
+    builds a block's routed experts as one ``FusedMoE`` layer with one quantization method for all its projections
+    (``model_executor/layers/fused_moe/layer.py``; ``compressed_tensors_moe.py``: ``get_moe_method``, which raises
+    "All MoE projections need to have same quantization scheme"): a dense expert beside quantized ones has no
+    parameter for its ``weight``, quantized experts beside a dense expert 0 have none for their ``weight_scale``, and
+    a dense ``down_proj`` beside quantized ``gate_proj``/``up_proj`` is refused (``vllm_accept.py`` rejected all three,
     2026-12-06)."""
-    seen: dict[tuple[str, str], dict] = {}
+    seen: dict[str, dict] = {}
     for name, group in groups.items():
         if (hit := _EXPERT.match(name)) is not None:
-            seen.setdefault((hit["block"], hit["proj"]), {}).setdefault(group, []).append(int(hit["i"]))
+            ix, projs = seen.setdefault(hit["block"], {}).setdefault(group, (set(), set()))
+            ix.add(int(hit["i"]))
+            projs.add(hit["proj"])
     out = []
-    for (block, proj), by in sorted(seen.items()):
+    for block, by in sorted(seen.items()):
         if len(by) > 1:
-            out.append(MixedExperts(block, proj, {g: sorted(ix) for g, ix in sorted(by.items(), key=lambda kv: min(kv[1]))}))
+            ordered = sorted(by.items(), key=lambda kv: (min(kv[1][0]), sorted(kv[1][1])))
+            out.append(MixedExperts(block, {g: (sorted(ix), sorted(projs)) for g, (ix, projs) in ordered}))
     return out
 
 
 def vllm_expert_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
     """Errors for quantized per-expert Linear modules that vLLM 0.33 would load with another config group's scheme
-    (:func:`vllm_expert_mismatches`), and for MoE blocks whose experts are not quantized alike
-    (:func:`mixed_expert_blocks`), one per MoE block and projection, naming the first expert's file. None for a
+    (:func:`vllm_expert_mismatches`, one per MoE block and projection), and for MoE blocks whose experts and
+    projections are not quantized alike (:func:`mixed_expert_blocks`, one per block), naming the first expert's file. None for a
     sparsity-only config (``--scheme DENSE --sparsity 2:4``): vLLM 0.33 loads no ``sparse-24-bitmask`` checkpoint at all
     (the README's 2:4 section: vLLM <= 0.18), so which group its experts would take there is no question."""
     if not qcfg.get("config_groups"):
@@ -403,7 +407,7 @@ def vllm_expert_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
         out.append(Problem("error", mm.message(), m.file, mm.experts))
     every = {m.name: (m.group if m.quantized else None) for m in mods.values() if "weight" in m.parts or m.quantized}
     for mx in mixed_expert_blocks(every):
-        first = next(n for n in sorted(every) if (hit := _EXPERT.match(n)) and (hit["block"], hit["proj"]) == (mx.block, mx.proj))
+        first = next(n for n in sorted(every) if (hit := _EXPERT.match(n)) and hit["block"] == mx.block)
         out.append(Problem("error", mx.message(), mods[first].file, mx.experts))
     return out
 

@@ -180,8 +180,8 @@ def vllm_expert_error(plan: Plan, allow_unloadable: bool = False) -> UsageError 
         dense = {r.name.removesuffix(".weight"): None for r in plan.rows if r.action != "quantize" and r.name.endswith(".weight")}
         mixed = mixed_expert_blocks({**dense, **quantized})
         if mixed:
-            more = f" ({len(mixed)} in all)" if len(mixed) > 1 else ""
-            return UsageError(f"{mixed[0].experts}: {mixed[0].message()}{more}; --allow-unloadable writes it for other loaders")
+            more = f" (and {plural(len(mixed) - 1, 'more such MoE block')})" if len(mixed) > 1 else ""
+            return UsageError(f"{mixed[0].experts}{more}: {mixed[0].message()}; --allow-unloadable writes it for other loaders")
     qcfg = build_quantization_config(plan.config_groups, plan.format, plan.ignore)
     found = vllm_expert_mismatches(quantized, qcfg)
     if not found:

@@ -149,7 +149,9 @@ class WriteStage(Stage):
         opts = job.exec
         out = ShardOutput(folder, dict(zip(shard_names(len(assignment)), assignment)), hashes.known)
         result.nodes = _execute(ckpt, dataclasses.replace(plan, units=todo), shards, opts, job.devices, job.progress, self.executor, out)
-        result.notes += [f"{name}: holds non-finite values (NaN/inf); copied as it is (--allow-non-finite)" for name in opts.nonfinite]
+        cast = {u.outputs[0][0]: u.cast for u in plan.units if u.kind == "copy" and u.cast}  # --dense-dtype
+        kept = {n: f"cast to {cast[n]} with its NaN/inf" if n in cast else "copied as it is" for n in opts.nonfinite}
+        result.notes += [f"{name}: holds non-finite values (NaN/inf); {kept[name]} (--allow-non-finite)" for name in opts.nonfinite]
         lost = opts.zeros.reports() if opts.zeros is not None else []
         result.notes += [z.note() for z in lost]
         result.zero_quantized = [z.to_dict() for z in lost]

@@ -253,36 +253,58 @@ def test_a_calibrated_scale_that_is_not_above_zero_fails_verify(tiny_llama, tmp_
         assert why in errors[0]["message"], errors
 
 
-@pytest.mark.parametrize("ignored, mixed", [(["1"], True), (["0"], True), (["0", "1", "2", "3"], False)])
-def test_experts_of_one_block_quantized_unlike_each_other_are_refused_or_reported(tmp_path, ignored, mixed):
-    """vLLM 0.33 builds a MoE block's experts as one fused layer with one quantization method: some experts of a block
-    dense beside quantized ones (expert 0 or another; vllm_accept.py rejected both, 2026-12-06) is refused before any
-    work (exit 2, naming the block and projection, which experts are dense and which quantized), written with
-    --allow-unloadable and then failed by verify (exit 5) for every projection of that block only; a block whose
-    experts are all dense is not mixed, and verify passes it."""
-    from ctconvert.checkpoint.conformance import mixed_expert_blocks
+@pytest.mark.parametrize(
+    "ignore, mixed",
+    [
+        ([r"re:model\.layers\.0\.mlp\.experts\.1\..*"], "expert 1 (down_proj, gate_proj, up_proj) dense"),
+        ([r"re:model\.layers\.0\.mlp\.experts\.0\..*"], "expert 0 (down_proj, gate_proj, up_proj) dense"),
+        ([r"re:model\.layers\.0\.mlp\.experts\.\d+\.down_proj"], "experts 0, 1, 2, 3 (down_proj) dense"),
+        ([r"re:model\.layers\.0\.mlp\.experts\..*"], None),
+    ],
+)
+def test_experts_of_one_block_quantized_unlike_each_other_are_refused_or_reported(tmp_path, ignore, mixed):
+    """vLLM 0.33 builds a MoE block's experts as one fused layer with one quantization method for all its projections:
+    some experts of a block dense beside quantized ones (expert 0 or another), or one projection of every expert dense
+    beside the others quantized ("All MoE projections need to have same quantization scheme"; vllm_accept.py rejected
+    all three, 2026-12-06), is refused before any work (exit 2, naming the block, which experts and projections are
+    dense and which quantized), written with --allow-unloadable and then failed by verify (exit 5) for that block only;
+    a block whose experts are all dense is not mixed, and verify passes it."""
 
     src = moe_checkpoint(tmp_path)  # 2 layers of 4 experts
-    ignore = [rf"re:model\.layers\.0\.mlp\.experts\.{i}\..*" for i in ignored]
     out = tmp_path / "out"
     r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(out), "-s", "W4A16", *[a for p in ignore for a in ("--ignore", p)]])
-    if not mixed:
+    if mixed is None:
         assert r.exit_code == 0, r.output
         assert api.verify(out, src)["ok"]
         return
     assert r.exit_code == 2 and not out.exists()
     line = r.output.strip().splitlines()[-1]
-    rest = [i for i in range(4) if str(i) not in ignored]
-    assert line.startswith("error: model.layers.0.mlp.experts.*.down_proj: ")
-    assert f"experts {ignored[0]} dense" in line and f"experts {', '.join(map(str, rest))} in config group 'group_0'" in line
-    assert line.endswith("(3 in all); --allow-unloadable writes it for other loaders")
+    assert line.startswith("error: model.layers.0.mlp.experts: ") and mixed in line and "in config group 'group_0'" in line
+    assert line.endswith("(--ignore all of them or none); --allow-unloadable writes it for other loaders")
     api.quantize(src, out, "W4A16", ignore=ignore, allow_unloadable=True)
     doc = api.verify(out, src)
     found = [p for p in doc["problems"] if "one fused layer" in p["message"]]
-    assert not doc["ok"] and sorted(p["tensor"] for p in found) == [f"model.layers.0.mlp.experts.*.{p}" for p in ("down_proj", "gate_proj", "up_proj")]
-    assert all(p["severity"] == "error" and p["file"].endswith(".safetensors") for p in found)
+    assert not doc["ok"] and [p["tensor"] for p in found] == ["model.layers.0.mlp.experts"]
+    assert all(p["severity"] == "error" and p["file"].endswith(".safetensors") and mixed in p["message"] for p in found)
     r = CliRunner().invoke(main, ["verify", str(out), "--reference", str(src)])
-    flat = " ".join(r.output.split())
-    assert r.exit_code == 5 and f"experts {ignored[0]} dense" in flat and f"experts {', '.join(map(str, rest))} in config group 'group_0'" in flat
-    got = mixed_expert_blocks({"b.experts.0.w": "g", "b.experts.2.w": None, "b.experts.1.w": "g", "c.experts.0.w": None, "c.experts.1.w": None})
-    assert [(m.block, m.proj, m.groups) for m in got] == [("b", "w", {"g": [0, 1], None: [2]})]
+    assert r.exit_code == 5 and mixed in " ".join(r.output.split())
+
+
+def test_mixed_expert_blocks_groups_experts_and_projections_by_config_group():
+    from ctconvert.checkpoint.conformance import mixed_expert_blocks
+
+    got = mixed_expert_blocks(
+        {
+            "b.experts.0.w": "g",
+            "b.experts.2.w": None,
+            "b.experts.1.w": "g",
+            "b.experts.1.v": "g",
+            "c.experts.0.w": None,
+            "c.experts.1.w": None,
+            "d.experts.0.w": "g",
+            "d.experts.0.v": None,
+        }
+    )
+    assert [(m.block, m.groups) for m in got] == [("b", {"g": ([0, 1], ["v", "w"]), None: ([2], ["w"])}), ("d", {None: ([0], ["v"]), "g": ([0], ["w"])})]
+    assert got[0].message().startswith("experts 0, 1 (v, w) in config group 'g'; expert 2 (w) dense: vLLM 0.33 builds")
+    assert mixed_expert_blocks({"x.experts.0.w": "g", "x.experts.1.w": "g", "y.mlp.gate": None}) == []
