@@ -32,13 +32,13 @@ __all__ = [
     "PRUNED_NOTE",
     "THRESHOLDS",
     "compare_others",
+    "copy_of",
     "error_stats",
     "error_threshold",
     "gain_limit",
     "gain_message",
     "same_bytes",
     "split_reference",
-    "copy_of",
     "unread_note",
 ]
 

@@ -46,13 +46,13 @@ __all__ = [
     "kv_scale_problems",
     "linear_module_files",
     "missing_fused_members",
+    "mixed_expert_blocks",
     "module_problems",
     "refuse",
     "sparsity_problems",
     "vllm_expert_group",
     "vllm_expert_mismatches",
     "vllm_expert_problems",
-    "mixed_expert_blocks",
     "vllm_unloadable_problems",
 ]
 
@@ -351,6 +351,7 @@ class MixedExperts:
 
     block: str
     groups: dict
+    first: str  # the block's first per-expert module, by name (where verify reports it)
 
     @property
     def experts(self) -> str:
@@ -379,16 +380,18 @@ def mixed_expert_blocks(groups: dict[str, str | None]) -> list[MixedExperts]:
     a dense ``down_proj`` beside quantized ``gate_proj``/``up_proj`` is refused (``vllm_accept.py`` rejected all three,
     2026-12-06)."""
     seen: dict[str, dict] = {}
+    first: dict[str, str] = {}
     for name, group in groups.items():
         if (hit := _EXPERT.match(name)) is not None:
             ix, projs = seen.setdefault(hit["block"], {}).setdefault(group, (set(), set()))
             ix.add(int(hit["i"]))
             projs.add(hit["proj"])
+            first[hit["block"]] = min(first.get(hit["block"], name), name)
     out = []
     for block, by in sorted(seen.items()):
         if len(by) > 1:
             ordered = sorted(by.items(), key=lambda kv: (min(kv[1][0]), sorted(kv[1][1])))
-            out.append(MixedExperts(block, {g: (sorted(ix), sorted(projs)) for g, (ix, projs) in ordered}))
+            out.append(MixedExperts(block, {g: (sorted(ix), sorted(projs)) for g, (ix, projs) in ordered}, first[block]))
     return out
 
 
@@ -407,8 +410,7 @@ def vllm_expert_problems(mods: dict[str, Module], qcfg: dict) -> list[Problem]:
         out.append(Problem("error", mm.message(), m.file, mm.experts))
     every = {m.name: (m.group if m.quantized else None) for m in mods.values() if "weight" in m.parts or m.quantized}
     for mx in mixed_expert_blocks(every):
-        first = next(n for n in sorted(every) if (hit := _EXPERT.match(n)) and hit["block"] == mx.block)
-        out.append(Problem("error", mx.message(), mods[first].file, mx.experts))
+        out.append(Problem("error", mx.message(), mods[mx.first].file, mx.experts))
     return out
 
 

@@ -33,8 +33,8 @@ from .scales import needs_absmax_pass, observer_of
 __all__ = [
     "BATCH_BYTES",
     "COPY_CHUNK_BYTES",
-    "SMALL_COPY_BYTES",
     "Read",
+    "SMALL_COPY_BYTES",
     "batch_key",
     "batching",
     "chunk_rows",
