@@ -6,7 +6,9 @@ interleaved, each output compared file for file, the minimum call and process se
     python3 scripts/bench_batches.py --model DIR --device cuda
 
 ``--variants "base:;noahead:CTCONVERT_READAHEAD=0"`` compares other settings instead (``LABEL:NAME=VALUE ...``,
-separated by ``;``; every output compared with the first's). ``--family``/``--size``/``--scale`` generate the
+separated by ``;``; every output compared with the first's); a label ``NAME@DIR`` runs the ctconvert package found in
+``DIR`` (another tree of the project, e.g. ``git archive`` of an earlier commit), as ``python -m ctconvert`` there.
+``--family``/``--size``/``--scale`` generate the
 checkpoint as ``scripts/bench.py --make-model`` does (gpt-oss with its experts targeted, as bench.py runs it);
 ``--model`` takes one. The page cache is warmed by reading the source once first. Prints one line per run and a JSON
 summary (``min_call``, ``min_process``, ``gb_per_s`` per setting, ``identical``). Exit 1 when two outputs differ.
@@ -66,11 +68,12 @@ def main() -> int:
     identical = True
     for rep in range(a.repeat):
         for b in variants:
-            out = a.workdir / f"out-{b}"
+            out = a.workdir / f"out-{b.partition('@')[0]}"
             shutil.rmtree(out, ignore_errors=True)
             cmd = [sys.executable, "-m", "ctconvert", "--json", "quantize", str(src), "-o", str(out), "--scheme", a.scheme, "--device", a.device, *extra]
             t0 = time.monotonic()
-            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **variants[b]))
+            tree = b.partition("@")[2] or None  # NAME@DIR: the package of another tree
+            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **variants[b]), cwd=tree)
             wall = time.monotonic() - t0
             if p.returncode:
                 print(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}", file=sys.stderr)
@@ -79,7 +82,7 @@ def main() -> int:
             runs[b].append((call, wall))
             print(f"[rep {rep + 1}] {b} {variants[b]}: call {call:.2f} s, process {wall:.2f} s", flush=True)
         labels = list(variants)
-        same = all(_same(a.workdir / f"out-{labels[0]}", a.workdir / f"out-{x}") for x in labels[1:])
+        same = all(_same(a.workdir / f"out-{labels[0].partition('@')[0]}", a.workdir / f"out-{x.partition('@')[0]}") for x in labels[1:])
         identical &= same
         print(f"[rep {rep + 1}] outputs {'identical' if same else 'DIFFER'}", flush=True)
     summary = {

@@ -5,6 +5,7 @@
 # one requantized from FP8-block), scripts/bench.py NVFP4A16 on the device (warm; floors from the same run) into
 # OUTDIR/bench-CASE.{json,log}, then one profiled run of every thread (scripts/profile_site: raw JSON kept in
 # OUTDIR/prof-CASE.tgz with the run's --json, report in OUTDIR/prof-CASE.txt). Each case's folder is removed after it (the disk is 64 GB).
+# At the end everything in OUTDIR is packed into OUTDIR/perf.tgz (the device returns at most 8 files a call).
 # Environment: REPEAT (2), SCHEMES (NVFP4A16), PROFILE (1; empty: none), BENCH_TIMEOUT (240 s a case).
 set -u
 OUT=${1:?OUTDIR}; shift
@@ -37,3 +38,4 @@ for C in $CASES; do
   fi
   rm -rf "$W"
 done
+(cd "$OUT" && tar czf perf.tgz --exclude=perf.tgz ./* && find . -mindepth 1 ! -name perf.tgz -delete)

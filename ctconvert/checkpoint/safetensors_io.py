@@ -448,6 +448,18 @@ def _libc_sync_file_range():
 _SYNC_FILE_RANGE = _libc_sync_file_range() if os.uname().sysname == "Linux" else None
 
 
+#: buffers of one ``pwritev`` call, at most (Linux ``IOV_MAX``)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+def _raw_bytes(tensor: torch.Tensor):
+    """A CPU tensor's raw bytes (row-major) as a uint8 array (a view where the tensor is contiguous)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+
+
 def start_writeback(fd: int) -> None:
     """Start writing a file's dirty pages to disk without waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``),
     so that the disk works while the conversion goes on and the final fsync has little left; elsewhere nothing."""
@@ -523,26 +535,44 @@ class ShardFile:
         ``tensor`` must be a CPU tensor; its raw bytes (row-major) are written,
         so a row range of a row-major tensor can be written on its own.
         """
+        self.write_many([(name, tensor, byte_offset)])
+
+    def write_many(self, pieces: list[tuple[str, torch.Tensor, int]]) -> None:
+        """Write several pieces ``(name, CPU tensor, byte offset into the tensor)`` (as :meth:`write` each), pieces
+        that lie back to back in the file by one ``pwritev`` (a batch of MoE experts: each expert's ``weight_packed``
+        and ``weight_scale`` are neighbours in the file, their global scales too), up to :data:`IOV_MAX` buffers a
+        call. Raises :class:`OutputError` naming the shard and tensor on an I/O error or a piece that overflows its
+        tensor."""
         if self.kept:
             return
-        start, nbytes = self.offsets[name]
-        t = tensor.detach().contiguous()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-        n = len(raw)
-        if byte_offset + n > nbytes:
-            raise OutputError(f"internal: write of {n} bytes at {byte_offset} overflows {nbytes}", file=self.path, tensor=name)
-        try:
+        spans = []  # (file offset, bytes, name)
+        for name, tensor, byte_offset in pieces:
+            start, nbytes = self.offsets[name]
+            raw = _raw_bytes(tensor)
+            n = len(raw)
+            if byte_offset + n > nbytes:
+                raise OutputError(f"internal: write of {n} bytes at {byte_offset} overflows {nbytes}", file=self.path, tensor=name)
             if n:
                 self._hashes[name].update_at(byte_offset, raw)
-                self._pwrite(raw, self.data_start + start + byte_offset)
-        except OSError as e:
-            raise OutputError(f"write failed: {e.strerror or e}", file=self.path, tensor=name) from e
+                spans.append((self.data_start + start + byte_offset, raw, name))
+        spans.sort(key=lambda x: x[0])
+        i = 0
+        while i < len(spans):  # runs of pieces back to back in the file: one pwritev each
+            j, end = i + 1, spans[i][0] + len(spans[i][1])
+            while j < len(spans) and j - i < IOV_MAX and spans[j][0] == end:
+                end += len(spans[j][1])
+                j += 1
+            try:
+                self._pwritev([raw for _, raw, _ in spans[i:j]], spans[i][0])
+            except OSError as e:
+                raise OutputError(f"write failed: {e.strerror or e}", file=self.path, tensor=spans[i][2]) from e
+            i = j
+        total = sum(len(raw) for _, raw, _ in spans)
         with self._lock:
-            self.written[name] += n
-            self.remaining -= n
-            self._unflushed += n
+            for _, raw, name in spans:
+                self.written[name] += len(raw)
+            self.remaining -= total
+            self._unflushed += total
             kick = self._unflushed >= WRITEBACK_BYTES and self.remaining > 0
             if kick:
                 self._unflushed = 0
@@ -551,6 +581,21 @@ class ShardFile:
             start_writeback(self.fd)
         if done:
             self.on_complete(self)
+
+    def _pwritev(self, bufs: list, offset: int) -> None:
+        """All of ``bufs`` (uint8 arrays) back to back from ``offset``: one ``pwritev``, the rest of a short write piece
+        by piece."""
+        if len(bufs) == 1:
+            self._pwrite(bufs[0], offset)
+            return
+        done = os.pwritev(self.fd, bufs, offset)
+        for b in bufs:  # a short write (rare): the rest, from where it stopped
+            n = len(b)
+            if done < n:
+                self._pwrite(memoryview(b).cast("B")[done:], offset + done)
+                done = n
+            offset += n
+            done -= n
 
     def content_hash(self) -> str:
         """The shard's content hash (:func:`.hashing.combine_shard_hash`) from the hashes taken as its tensors were

@@ -256,6 +256,13 @@ def dequantize_unpacked(tensors: dict[str, torch.Tensor], args: WeightArgs) -> t
         if zp is not None:
             q3.sub_(zp.to(torch.float32).reshape(n, k // g, 1))
         return q3.mul_(scale.to(torch.float32).reshape(n, k // g, 1)).view(n, k).to(d)
+    if args.strategy == "block" and zp is None and args.block_structure and scale.dim() == 2:
+        bh, bw = args.block_structure
+        if n % bh == 0 and k % bw == 0 and tuple(scale.shape) == (n // bh, k // bw):
+            # whole blocks: the scale broadcast over a [n/bh, bh, k/bw, bw] view, the values of expand_scale without
+            # building it (two repeat_interleave passes and an [n, k] fp32 tensor per chunk on the computing thread)
+            q4 = q.view(n // bh, bh, k // bw, bw)
+            return q4.mul_(scale.to(torch.float32).reshape(n // bh, 1, k // bw, 1)).view(n, k).to(d)
     if zp is not None:
         q = q - expand_scale(zp, n, k, args)
     return (q * expand_scale(scale, n, k, args)).to(d)

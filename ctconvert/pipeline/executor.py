@@ -21,14 +21,17 @@ its shard as soon as a chunk is done. The threads of one :class:`Executor`:
   device's stream; on a GPU the outputs are copied into a pinned staging
   buffer on the stream and handed on with a CUDA event, never synchronised
   here;
-* writer threads (``ctconvert-writer-*``; :data:`WRITERS`), each with a queue
-  (bounded on a GPU by the bytes queued for all writers, :data:`WRITE_BUDGET`,
-  so that a module's outputs never hold the computing thread; on the CPU by
-  items), each write dealt to the next writer in turn, so that the chunks of one
-  large tensor (a fused expert tensor of a few hundred MB) are written in
-  parallel: wait for the staging copy's event, ``pwrite`` the bytes into their
-  shard (which hashes each output tensor's pieces as they come, in any order, and
-  hands dirty pages to the disk as it fills: :class:`~ctconvert.checkpoint.safetensors_io.ShardFile`).
+* writer threads (``ctconvert-writer-*``; :data:`WRITERS`) that take the writes
+  from one queue (bounded on a GPU by the bytes queued, :data:`WRITE_BUDGET`, so
+  that a module's outputs never hold the computing thread; on the CPU by items),
+  the next free writer the next write, so that the chunks of one large tensor (a
+  fused expert tensor of a few hundred MB) are written in parallel and no write
+  waits behind a slow one while a writer idles (one queue per writer, dealt in
+  turn, measured the same or slower on an H100): wait for the staging copy's
+  event, write the bytes into their shard, pieces that are neighbours in the file
+  by one ``pwritev`` (a batch of experts), the shard hashing each output tensor's
+  pieces as they come, in any order, and handing dirty pages to the disk as it
+  fills (:class:`~ctconvert.checkpoint.safetensors_io.ShardFile`).
 
 So reading, host-device copies, device work and writing overlap, and the
 computing thread's work per chunk does not depend on the model's size.
@@ -53,7 +56,6 @@ progress.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import queue
 import threading
@@ -93,10 +95,10 @@ __all__ = [
 ]
 
 READ_AHEAD = 4  # chunks read ahead of the one being computed
-WRITE_BEHIND = 2  # CPU: writes queued per writer thread (a copy chunk is 64 MiB)
+WRITE_BEHIND = 2  # CPU: writes queued per writer thread, all in one queue (a copy chunk is 64 MiB)
 WRITE_BUDGET = 192 * 2**20  # GPU: bytes queued for the writers, all writers together (buffers.ByteBudget)
 READERS = {"cuda": 4, "cpu": 2}  # reader threads (preadv releases the GIL; CPU runs that map the input use 1 unless sources need work)
-WRITERS = {"cuda": 4, "cpu": 2}  # writer threads, each queued write dealt to the next in turn (a large tensor's chunks in parallel)
+WRITERS = {"cuda": 4, "cpu": 2}  # writer threads, taking from one queue (a large tensor's chunks in parallel)
 
 
 def map_input_default() -> bool:
@@ -163,17 +165,18 @@ class Executor:
         self.stream = torch.cuda.Stream(self.dev) if self.cuda else None
         self.use_native = not self.cuda and opts.impl in ("auto", "native") and native.available()
         self.native_checks = opts.impl in ("auto", "native") and native.available()  # C scans of host bytes
-        self.wqs: list[queue.Queue] = [queue.Queue(maxsize=0 if self.cuda else WRITE_BEHIND) for _ in range(WRITERS[kind])]
-        self.turn = itertools.count()  # the writer of the next queued write (the shards hash pieces in any order)
+        self.nwriters = WRITERS[kind]
+        # one queue for all the writers: the next free writer takes the next write (the shards hash pieces in any order)
+        self.wq: queue.Queue = queue.Queue(maxsize=0 if self.cuda else WRITE_BEHIND * self.nwriters)
         self.write_error: BaseException | None = None
         self.calibrated = CalibratedWrites(opts.calibrated, defer=opts.repack is None)  # written later when not known yet
         self.flags = DeviceFlags(ckpt.tensors, len(plan.units))  # GPU: the NaN/inf flags of each unit, read behind events
         self.warmed, self.warm_error = 0, None  # GPU: the shapes _warm_up compiled, and why it stopped early
 
     # -- writing (threads of their own: output bytes go to disk while the next chunks compute) --
-    def _writer(self, wq: queue.Queue) -> None:
+    def _writer(self) -> None:
         while True:
-            item = wq.get()
+            item = self.wq.get()
             if item is None:
                 return
             nbytes = item[2]
@@ -187,17 +190,21 @@ class Executor:
         try:
             if event is not None:
                 event.synchronize()  # the device-to-host copies into the staging buffer are done
+            by_shard: dict[int, tuple] = {}  # pieces of one shard written together (back to back: one pwritev)
             for name, t, pos in writes:
-                self.shards[name].write(name, t, pos)
+                shard = self.shards[name]
+                by_shard.setdefault(id(shard), (shard, []))[1].append((name, t, pos))
+            for shard, pieces in by_shard.values():
+                shard.write_many(pieces)
         except BaseException as e:  # noqa: BLE001 - re-raised by the computing thread
             self.write_error = e
 
     def _write(self, name: str, t: torch.Tensor, pos: int = 0) -> None:
-        """Queue one host tensor's bytes for ``name`` at byte ``pos`` (to the writer that owns the tensor)."""
+        """Queue one host tensor's bytes for ``name`` at byte ``pos``."""
         self._write_many([(name, t, pos)])
 
     def _write_many(self, writes: list, event=None, reserved: int | None = None) -> None:
-        """Queue ``writes`` to the next writer in turn. On a GPU they count against the write
+        """Queue ``writes`` for the writers (the next free one writes them). On a GPU they count against the write
         budget: ``reserved`` bytes already taken by the caller, else the tensors' bytes, taken here (waiting)."""
         if self.write_error is not None:
             raise self.write_error
@@ -206,7 +213,7 @@ class Executor:
             nbytes = sum(t.numel() * t.element_size() for _, t, _ in writes) if reserved is None else reserved
             if reserved is None:
                 self.budget.acquire(nbytes)
-        self.wqs[next(self.turn) % len(self.wqs)].put((writes, event, nbytes))
+        self.wq.put((writes, event, nbytes))
 
     def _write_device(self, writes: list) -> None:
         """Write device tensors ``[(name, tensor, byte offset)]`` (a chunk's or a module's outputs): on a GPU they are
@@ -333,7 +340,7 @@ class Executor:
         stop = threading.Event()
         t = threading.Thread(target=self._reader, args=(make_reads(self.ckpt, self.plan, self.opts), q, stop), daemon=True, name="ctconvert-reader")
         t.start()
-        writers = [threading.Thread(target=self._writer, args=(wq,), daemon=True, name=f"ctconvert-writer-{i}") for i, wq in enumerate(self.wqs)]
+        writers = [threading.Thread(target=self._writer, daemon=True, name=f"ctconvert-writer-{i}") for i in range(self.nwriters)]
         for wt in writers:
             wt.start()
         states: dict[int, _UnitState] = {}
@@ -368,8 +375,8 @@ class Executor:
                     q.get_nowait()
                 except queue.Empty:
                     t.join(0.05)
-            for wq in self.wqs:
-                wq.put(None)
+            for _ in writers:
+                self.wq.put(None)
             for wt in writers:
                 wt.join()
         if warm is not None:

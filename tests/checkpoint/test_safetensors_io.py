@@ -167,3 +167,51 @@ def test_map_bytes_of_a_derived_tensor_reads_its_own_bytes(tmp_path):
     part = next(q for fe in split_fused_experts(ck.tensors, ck.config).values() for q in fe.parts if q.view is not None)
     want = read_tensor(part).contiguous().reshape(-1).view(torch.uint8)
     assert torch.equal(map_bytes(part, 2, want.numel() - 2), want[2:])
+
+
+@pytest.mark.parametrize("short", [False, True], ids=["whole", "short-writes"])
+def test_write_many_writes_neighbours_by_one_pwritev_and_the_file_reads_back(tmp_path, monkeypatch, short):
+    """ShardFile.write_many: pieces in any order, empty ones, pieces of one tensor and neighbours in the file, give the
+    same file and the same content hash as writing each alone, read back independently (safetensors' own loader); runs
+    of neighbours go by one pwritev (counted), and a pwritev that writes less than asked (``short``) is finished."""
+    import os
+    import random
+
+    from safetensors.torch import load_file
+
+    from ctconvert.checkpoint.hashing import shard_hash
+    from ctconvert.checkpoint.safetensors_io import PlannedTensor, ShardFile
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"e{i}.weight_packed": torch.randint(0, 255, (5 + i, 24), dtype=torch.uint8, generator=g) for i in range(6)}
+    tensors |= {f"e{i}.weight_scale": torch.randint(0, 255, (5 + i, 3), dtype=torch.uint8, generator=g) for i in range(6)}
+    tensors |= {f"e{i}.weight_global_scale": torch.rand(1, generator=g) for i in range(6)}
+    tensors["empty"] = torch.empty(0, dtype=torch.float32)
+    order = [f"e{i}.{p}" for i in range(6) for p in ("weight_packed", "weight_scale", "weight_global_scale")] + ["empty"]
+    planned = [PlannedTensor(n, {torch.uint8: "U8", torch.float32: "F32"}[tensors[n].dtype], tuple(tensors[n].shape)) for n in order]
+    calls = []
+    real = os.pwritev
+
+    def pwritev(fd, bufs, offset):
+        calls.append(len(bufs))
+        if short and len(bufs) > 1:  # a short write: the first buffer and part of the second
+            return real(fd, [bufs[0], memoryview(bufs[1]).cast("B")[: len(bufs[1]) // 2]], offset)
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    one = ShardFile(tmp_path / "one.safetensors", planned)
+    for n in order:
+        one.write(n, tensors[n])
+    one.close()
+    many = ShardFile(tmp_path / "many.safetensors", planned)
+    pieces = [(n, tensors[n], 0) for n in order if n != "e5.weight_packed"]
+    pieces += [("e5.weight_packed", tensors["e5.weight_packed"][:4], 0), ("e5.weight_packed", tensors["e5.weight_packed"][4:], 4 * 24)]
+    random.Random(5).shuffle(pieces)
+    many.write_many(pieces[:9])
+    many.write_many(pieces[9:])
+    many.close()
+    assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "many.safetensors").read_bytes()
+    assert many.content_hash() == one.content_hash() == shard_hash(tmp_path / "many.safetensors")
+    back = load_file(tmp_path / "many.safetensors")
+    assert set(back) == set(tensors) and all(torch.equal(back[n], tensors[n]) for n in tensors)
+    assert calls and max(calls) > 1  # neighbours went together

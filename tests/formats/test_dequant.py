@@ -31,3 +31,28 @@ def test_dequant_matches_compressed_tensors(scheme, dtype, case):
     # and it is close to the input
     rel = (got.float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)
     assert rel < 0.2
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (128, 128), (200, 300), (384, 256)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("case", ["randn", "mixed", "zeros", "tiny", "huge"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_fp8_block_dequant_matches_compressed_tensors_in_whole_and_cut_blocks(shape, case, dtype):
+    """FP8_BLOCK's torch dequantization (a GPU run's, pipeline/stored.py) broadcasts each block scale over a blocked
+    view where the shape is whole blocks (formats/base.py: dequantize_unpacked), else expands it; both, and the
+    format's own path (the C kernel on the CPU), give compressed-tensors' decompress bit for bit. On CUDA the same
+    torch path is compared with the C kernel's bytes: tests/pipeline/test_stored.py."""
+    from ctconvert.formats.base import WeightArgs, dequantize_unpacked
+
+    n, k = shape
+    w = make_weight(case, dtype, n, k, seed=11)
+    comp = ct_compress(w, "FP8_BLOCK")
+    assert tuple(comp["weight_scale"].shape) == (-(-n // 128), -(-k // 128))
+    sch = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    ref = BaseCompressor.get_value_from_registry(PRESET_FORMAT["FP8_BLOCK"]).decompress(dict(comp), sch)["weight"]
+    bits = {2: torch.int16, 4: torch.int32}[ref.element_size()]
+    args = sch.weights.model_dump()
+    for got in (dequantize_unpacked(comp, WeightArgs.from_dict(args)), dequantize_weight(comp, args, PRESET_FORMAT["FP8_BLOCK"])):
+        assert got.dtype == ref.dtype == dtype and got.shape == ref.shape
+        assert torch.equal(got.view(bits), ref.view(bits))
+    if case != "zeros":
+        assert ref.float().abs().max() > 0

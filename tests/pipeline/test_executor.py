@@ -84,28 +84,32 @@ def test_fused_experts_quantized_and_no_region_kept_after_the_run(tmp_path):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))])
 def test_the_chunks_of_one_tensor_go_to_every_writer_and_hash_as_the_file(tiny_llama, tmp_path, monkeypatch, device):
-    """A tensor written in many chunks is dealt to all the writer threads (not one writer per tensor), and each shard's
-    hash taken as the pieces came (in any order) is the finished file's; the bytes are those of one writer."""
+    """A tensor written in many chunks is taken by all the writer threads from their one queue (not one writer per
+    tensor), and each shard's hash taken as the pieces came (in any order) is the finished file's; the bytes are those
+    of one writer."""
     from ctconvert.checkpoint.hashing import shard_hash
     from ctconvert.checkpoint.safetensors_io import ShardFile
     from ctconvert.pipeline import executor
 
     seen: dict[str, set] = {}
     hashes: dict = {}
-    real_write, real_close = ShardFile.write, ShardFile.close
+    real_write, real_close = ShardFile.write_many, ShardFile.close
 
-    def write(self, name, tensor, byte_offset=0):
+    def write_many(self, pieces):
         import threading
+        import time
 
-        seen.setdefault(name, set()).add(threading.current_thread().name)
-        return real_write(self, name, tensor, byte_offset)
+        for name, _, _ in pieces:
+            seen.setdefault(name, set()).add(threading.current_thread().name)
+        time.sleep(0.002)  # a slow disk: the queue fills, and every writer takes from it
+        return real_write(self, pieces)
 
     def close(self):
         if not self.closed:  # close runs once (the second call does nothing)
             real_close(self)
             hashes[self.path.name] = (self.content_hash(), shard_hash(self.path))  # the finished file, before the rename
 
-    monkeypatch.setattr(ShardFile, "write", write)
+    monkeypatch.setattr(ShardFile, "write_many", write_many)
     monkeypatch.setattr(ShardFile, "close", close)
     api.quantize(tiny_llama, tmp_path / "many", "W8A16", chunk_elems=256, device=device)  # a few rows per chunk
     assert max(len(w) for w in seen.values()) == executor.WRITERS[device], seen
