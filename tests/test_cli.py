@@ -42,7 +42,7 @@ def test_human_output(tiny_llama, tmp_path):
     code, stdout, _ = run("quantize", tiny_llama, "-s", "nvfp4a16", "-o", tmp_path / "o")
     assert code == 0 and "NVFP4A16 (nvfp4-pack-quantized), 14 Linear layers quantized" in stdout
     code, stdout, _ = run("inspect", tmp_path / "o")
-    assert code == 0 and "no problems found" in stdout and "fp4 g16" in stdout
+    assert code == 0 and "no problems found in the headers and config" in stdout and "ctconvert verify" in stdout and "fp4 g16" in stdout
     code, stdout, _ = run("inspect", tiny_llama)
     assert code == 0 and "dense (no quantization_config)" in stdout
 

@@ -88,16 +88,20 @@ def is_linear_weight(name: str, info: TensorInfo) -> bool:
 
 _CONV = re.compile(r"(^|\.)(conv\w*|patch_embed\w*|patch_embedding)(\.|$)")
 _STATE_SPACE = re.compile(r"(^|\.)(A_log|D|dt_bias)$")
+_ROTARY = re.compile(r"(^|\.)(rotary_emb|rotary_embedding|rope)(\.|$)|(^|\.)inv_freq$")  # RoPE's saved buffers (inv_freq, cos/sin caches)
 
 
 def dense_kind(name: str) -> str | None:
-    """Why a floating tensor that is not a Linear weight is copied as it is (``norm``, ``embedding``,
-    ``convolution``, ``vision/audio tower``, ``state-space parameter``), or None when no naming rule explains it."""
+    """Why a floating tensor that is not a Linear weight is copied as it is (``norm``, ``embedding``, ``rotary embedding
+    buffer`` (an old checkpoint's saved ``rotary_emb.inv_freq``), ``convolution``, ``vision/audio tower``,
+    ``state-space parameter``), or None when no naming rule explains it."""
     module = name.rpartition(".")[0] if name.endswith((".weight", ".bias")) else name
     if DEFAULT_IGNORE_PATTERNS["vision"].search(name):
         return "vision/audio tower"
     if "norm" in module or re.search(r"(^|\.)ln_?\w*$", module):
         return "norm"
+    if _ROTARY.search(name):
+        return "rotary embedding buffer"
     if _NOT_LINEAR.search(module):
         return "embedding"
     if _CONV.search(module):

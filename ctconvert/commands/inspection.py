@@ -24,6 +24,7 @@ import math
 from pathlib import Path
 
 from ..checkpoint.conformance import contradictions, linear_module_files, missing_fused_members
+from ..checkpoint.families import split_fused_experts
 from ..checkpoint.kernel_native import is_kernel_native, missing_tensors
 from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import BLOCK, decoder_layer_index, is_linear_weight, natural_key
@@ -145,11 +146,13 @@ def inspect_checkpoint(path: Path) -> dict:
     qcfg = ckpt.quantization_config or {}
     groups = qcfg.get("config_groups") or {}
     mods = modules_of(ckpt)
-    layers = []
-    for m in sorted(mods.values(), key=lambda m: (m.file, natural_key(m.name))):
+    keyed = []
+    for m in mods.values():
         row = _layer(m, qcfg, problems)
         if row is not None:
-            layers.append(row)
+            keyed.append(((m.file, natural_key(m.name)), row))
+    keyed += _fused_expert_rows(ckpt, problems)
+    layers = [row for _, row in sorted(keyed, key=lambda x: x[0])]
     problems += _fused_set_problems(mods)
     problems += missing_fused_members(linear_module_files(mods), ckpt.config)
     if qcfg.get("quant_method") == "compressed-tensors":
@@ -337,6 +340,37 @@ def _layer(m: Module, qcfg: dict, problems: list[Problem]) -> dict | None:
         "params": params,
         "bits_per_weight": round(8 * nbytes / params, 3) if params else None,
     }
+
+
+def _fused_expert_rows(ckpt: Checkpoint, problems: list[Problem]) -> list[tuple[tuple, dict]]:
+    """``(sort key, report row)`` of each fused 3-D expert weight stored as it is (gpt-oss's ``experts.gate_up_proj``
+    ``[E, H, 2I]`` and ``experts.down_proj``, kept dense: a quantized expert is stored split, one module per expert):
+    the experts' Linear weights, counted in the totals as one dense layer per tensor. A family the expert table does
+    not know is a warning (its experts are then not counted)."""
+    try:
+        fused = split_fused_experts(ckpt.tensors, ckpt.config)
+    except CTConvertError as e:
+        problems.append(Problem("warning", f"fused expert tensors not counted in the layers: {e.message}", tensor=e.tensor))
+        return []
+    out = []
+    for name, fe in fused.items():
+        if fe.bias:
+            continue
+        info = ckpt.tensors[name]
+        params = math.prod(info.shape)
+        row = {
+            "module": name,
+            "group": None,
+            "scheme": "dense",
+            "format": "dense",
+            "experts": int(info.shape[0]),
+            "tensors": {fe.member: {"dtype": info.dtype, "shape": list(info.shape)}},
+            "bytes": info.nbytes,
+            "params": params,
+            "bits_per_weight": round(8 * info.nbytes / params, 3) if params else None,
+        }
+        out.append(((str(info.file), natural_key(name)), row))
+    return out
 
 
 def _fused_set_problems(mods: dict[str, Module]) -> list[Problem]:

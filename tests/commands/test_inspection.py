@@ -93,3 +93,42 @@ def test_inspect_names_the_activations_and_the_kv_cache(tmp_path):
         report = api.inspect(out)
         assert [g["activations"] for g in report["config_groups"].values()] == [acts], scheme
         assert report["kv_cache_scheme"] == kv, scheme
+
+
+def test_inspect_counts_fused_experts_kept_dense_as_linear_weights(tmp_path):
+    """gpt-oss's fused 3-D experts kept dense (the default) are rows of the layer table and count in the totals: the
+    source, the output with dense experts and the output with experts quantized (split per expert) hold the same
+    Linear parameters; the fused rows say how many experts they hold."""
+    import torch
+
+    from conftest import write_checkpoint
+
+    h, i, e = 128, 128, 4
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    t = {"model.embed_tokens.weight": r(256, h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16), "lm_head.weight": r(256, h)}
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        t[p + "self_attn.q_proj.weight"] = r(h, h)
+        t[p + "mlp.router.weight"], t[p + "mlp.router.bias"] = r(e, h), r(e)
+        t[p + "mlp.experts.gate_up_proj"], t[p + "mlp.experts.gate_up_proj_bias"] = r(e, h, 2 * i), r(e, 2 * i)
+        t[p + "mlp.experts.down_proj"], t[p + "mlp.experts.down_proj_bias"] = r(e, i, h), r(e, h)
+    cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": h, "intermediate_size": i, "num_local_experts": e, "num_hidden_layers": 2}
+    src = write_checkpoint(tmp_path / "src", t, cfg)
+    api.quantize(src, tmp_path / "dense-experts", "W4A16")
+    api.quantize(src, tmp_path / "split", "W4A16", targets=["Linear", r"re:.*mlp\.experts\.\d+\..*"], allow_unloadable=True)
+    expert_params = 2 * e * (h * 2 * i + i * h)
+    reports = {k: api.inspect(tmp_path / k if k != "src" else src) for k in ("src", "dense-experts", "split")}
+    for k, rep in reports.items():
+        assert rep["totals"]["linear_params"] == expert_params + 2 * h * h + 2 * e * h + 256 * h, k  # experts, q_proj, routers, lm_head
+    for k in ("src", "dense-experts"):
+        fused = {row["module"]: row for row in reports[k]["layers"] if row.get("experts")}
+        assert set(fused) == {f"model.layers.{n}.mlp.experts.{m}" for n in range(2) for m in ("gate_up_proj", "down_proj")}, k
+        assert all(row["experts"] == e and row["format"] == "dense" and row["bits_per_weight"] == 16.0 for row in fused.values())
+    assert not any(row.get("experts") for row in reports["split"]["layers"])
+    assert reports["split"]["totals"]["quantized_layers"] == 2 * e * 3 + 2  # gate, up, down per expert; q_proj
+    out = CliRunner().invoke(main, ["inspect", str(tmp_path / "dense-experts"), "--all-layers"], env={"COLUMNS": "220"})
+    assert out.exit_code == 0 and "model.layers.0.mlp.experts.gate_up_proj" in out.output, out.output

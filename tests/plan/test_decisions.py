@@ -349,3 +349,14 @@ def test_a_recipe_group_that_quantizes_nothing_is_noted(tmp_path):
     assert "config group 'mlp' quantizes no module (its targets take none, or only modules kept dense): left out of the config" in res.plan.notes
     full = api.quantize(ck.path, None, None, recipe=recipe, allow_unloadable=True, dry_run=True)
     assert list(full.plan.config_groups) == ["mlp", "rest"] and not [n for n in full.plan.notes if "quantizes no module" in n]
+
+
+def test_copied_tensors_say_what_they_are_rotary_buffers_apart_from_embeddings(tmp_path):
+    """A saved RoPE buffer (an older checkpoint's ``rotary_emb.inv_freq``) is copied as a rotary embedding buffer, not
+    labelled an embedding; embeddings, norms and the other copies keep their reasons."""
+    inv = torch.arange(0, H, 2, dtype=torch.float32) / H
+    ck = _gpt_oss(tmp_path, **{"model.layers.0.self_attn.rotary_emb.inv_freq": inv, "model.rotary_emb.inv_freq": inv.clone()})
+    rows = {r.name: r for r in make_plan(ck, "W4A16").rows}
+    for name in ("model.layers.0.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq"):
+        assert rows[name].action == "copy" and rows[name].reason == "rotary embedding buffer", rows[name]
+    assert rows["model.embed_tokens.weight"].reason == "embedding" and rows["model.norm.weight"].reason == "norm"
