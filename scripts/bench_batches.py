@@ -6,7 +6,8 @@ interleaved, each output compared file for file, the minimum call and process se
     python3 scripts/bench_batches.py --model DIR --device cuda
 
 ``--variants "base:;noahead:CTCONVERT_READAHEAD=0"`` compares other settings instead (``LABEL:NAME=VALUE ...``,
-separated by ``;``; every output compared with the first's); a label ``NAME@DIR`` runs the ctconvert package found in
+separated by ``;``; every output compared with the first's; a word starting ``--`` or without ``=`` is a quantize
+option of that setting, e.g. ``"one:;four:--max-shard-size 1GB"``); a label ``NAME@DIR`` runs the ctconvert package found in
 ``DIR`` (another tree of the project, e.g. ``git archive`` of an earlier commit), as ``python -m ctconvert`` there.
 ``--family``/``--size``/``--scale`` generate the
 checkpoint as ``scripts/bench.py --make-model`` does (gpt-oss with its experts targeted, as bench.py runs it);
@@ -55,7 +56,7 @@ def main() -> int:
     variants = {}
     for part in a.variants.split(";"):
         label, _, kv = part.partition(":")
-        variants[label] = dict(x.split("=", 1) for x in kv.split())
+        variants[label] = kv.split()
     a.workdir.mkdir(parents=True, exist_ok=True)
     src = a.model or make_model(a.workdir / f"src-{a.family}-{a.size}-{a.scale}", size=a.size, family=a.family, scale=a.scale)
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
@@ -70,10 +71,12 @@ def main() -> int:
         for b in variants:
             out = a.workdir / f"out-{b.partition('@')[0]}"
             shutil.rmtree(out, ignore_errors=True)
-            cmd = [sys.executable, "-m", "ctconvert", "--json", "quantize", str(src), "-o", str(out), "--scheme", a.scheme, "--device", a.device, *extra]
+            env = dict(x.split("=", 1) for x in variants[b] if "=" in x and not x.startswith("-"))
+            args = [x for x in variants[b] if "=" not in x or x.startswith("-")]  # quantize options of this setting
+            cmd = [sys.executable, "-m", "ctconvert", "--json", "quantize", str(src), "-o", str(out), "--scheme", a.scheme, "--device", a.device, *extra, *args]
             t0 = time.monotonic()
             tree = b.partition("@")[2] or None  # NAME@DIR: the package of another tree
-            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **variants[b]), cwd=tree)
+            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **env), cwd=tree)
             wall = time.monotonic() - t0
             if p.returncode:
                 print(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}", file=sys.stderr)
