@@ -1,8 +1,8 @@
-"""``python slow_ctconvert.py SECONDS ARGS...``: ``python -m ctconvert ARGS...`` with every shard write delayed by SECONDS.
+"""``python slow_ctconvert.py SECONDS ARGS...``: ``python -m ctconvert ARGS...`` with every piece written to a shard delayed by SECONDS.
 
 For the interrupt tests (tests/test_faults.py): a conversion slow enough to be
 interrupted mid-way. Nothing of ctconvert is imported here: an import hook
-wraps ``ShardFile.write`` when ``ctconvert.checkpoint.safetensors_io`` is first
+wraps ``ShardFile.write_many`` (which ``ShardFile.write`` calls) when ``ctconvert.checkpoint.shard_file`` is first
 loaded, inside ctconvert's own Ctrl-C-deferred imports, and the CLI then runs
 exactly as ``python -m ctconvert`` does. The production code has no hook for it.
 """
@@ -14,7 +14,7 @@ import sys
 import time
 
 DELAY = float(sys.argv.pop(1))
-TARGET = "ctconvert.checkpoint.safetensors_io"
+TARGET = "ctconvert.checkpoint.shard_file"
 
 
 class _SlowWrites(importlib.abc.MetaPathFinder):
@@ -27,13 +27,13 @@ class _SlowWrites(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            write = module.ShardFile.write
+            write = module.ShardFile.write_many
 
-            def slow_write(self, *args, **kwargs):
-                time.sleep(DELAY)
-                return write(self, *args, **kwargs)
+            def slow_write(self, pieces):
+                time.sleep(DELAY * len(pieces))  # per piece written, as when each was its own write
+                return write(self, pieces)
 
-            module.ShardFile.write = slow_write
+            module.ShardFile.write_many = slow_write
 
         spec.loader.exec_module = exec_module
         return spec

@@ -27,7 +27,7 @@ from .. import __version__
 from ..errors import UsageError
 from .hashing import HASH_BLOCK_BYTES, HASH_NAME, HASH_SCHEME, hash_tensors
 from .reader import INDEX_NAME, Checkpoint
-from .safetensors_io import PlannedTensor
+from .shard_file import PlannedTensor
 from .writer import PROVENANCE, shard_names
 
 __all__ = ["PROVENANCE", "PROVENANCE_FORMAT", "fingerprint", "load_provenance", "provenance", "refresh_plan", "shard_map", "sources_by_shard"]

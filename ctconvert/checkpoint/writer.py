@@ -24,7 +24,7 @@ from .. import __version__
 from ..errors import STOP_SIGNALS, OutputError, UsageError, human_bytes, plural
 from .hashing import HASH_NAME, HASH_SCHEME, shard_hash
 from .reader import CONFIG_NAME, INDEX_NAME
-from .safetensors_io import PlannedTensor, ShardFile
+from .shard_file import PlannedTensor, ShardFile
 
 
 def parse_size(text: str | int) -> int:

@@ -42,7 +42,7 @@ from ..checkpoint.config import build_quantization_config, updated_config
 from ..checkpoint.naming import is_generative, loader_patterns, tie_word_embeddings
 from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import CONFIG_NAME, open_checkpoint
-from ..checkpoint.safetensors_io import PlannedTensor
+from ..checkpoint.shard_file import PlannedTensor
 from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
 from ..errors import BadInputError, UnsupportedError, UsageError, agree, plural
 from ..pipeline.tasks import Compute, CopyTensor, run_tasks

@@ -38,7 +38,8 @@ from ..checkpoint.families import is_expert, transformers_per_expert_reason
 from ..checkpoint.modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module, dense_row_chunks, dense_shape, modules_of
 from ..checkpoint.provenance import PROVENANCE
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
-from ..checkpoint.safetensors_io import TORCH_TO_ST, PlannedTensor, read_rows
+from ..checkpoint.safetensors_io import TORCH_TO_ST, read_rows
+from ..checkpoint.shard_file import PlannedTensor
 from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
 from ..errors import BadInputError, UnsupportedError, UsageError
 from ..formats import CompressionFormat, get_format

@@ -30,7 +30,8 @@ from ..checkpoint.conformance import contradictions, refuse
 from ..checkpoint.kernel_native import is_kernel_native, kernel_native_config
 from ..checkpoint.modules import Module, dense_shape, modules_of
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, open_checkpoint
-from ..checkpoint.safetensors_io import DTYPES, PlannedTensor, read_tensor
+from ..checkpoint.safetensors_io import DTYPES, read_tensor
+from ..checkpoint.shard_file import PlannedTensor
 from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
 from ..errors import BadInputError, UsageError
 from ..layouts import batched, kernels

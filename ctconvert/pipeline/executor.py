@@ -17,21 +17,16 @@ its shard as soon as a chunk is done. The threads of one :class:`Executor`:
   ahead of the readers into the page cache, so that with a cold cache the disk
   reads on while chunks compute and the writers write;
 * the computing thread (the caller's) takes the futures in order and runs
-  ``_handle``: host-to-device copy, absmax, quantize (and repack) on the
-  device's stream; on a GPU the outputs are copied into a pinned staging
-  buffer on the stream and handed on with a CUDA event, never synchronised
-  here;
-* writer threads (``ctconvert-writer-*``; :data:`WRITERS`) that take the writes
-  from one queue (bounded on a GPU by the bytes queued, :data:`WRITE_BUDGET`, so
-  that a module's outputs never hold the computing thread; on the CPU by items),
-  the next free writer the next write, so that the chunks of one large tensor (a
-  fused expert tensor of a few hundred MB) are written in parallel and no write
-  waits behind a slow one while a writer idles (one queue per writer, dealt in
-  turn, measured the same or slower on an H100): wait for the staging copy's
-  event, write the bytes into their shard, pieces that are neighbours in the file
-  by one ``pwritev`` (a batch of experts), the shard hashing each output tensor's
-  pieces as they come, in any order, and handing dirty pages to the disk as it
-  fills (:class:`~ctconvert.checkpoint.safetensors_io.ShardFile`).
+  ``_handle``: host-to-device copy, absmax, quantize (and repack) on the device's
+  stream; on a GPU the outputs go to a pinned staging buffer on the stream and on
+  with a CUDA event, never synchronised here;
+* writer threads (``ctconvert-writer-*``; :data:`WRITERS`) take the writes from
+  one queue (bounded on a GPU by bytes, :data:`WRITE_BUDGET`, so that a module's
+  outputs never hold the computing thread; on the CPU by items), the next free
+  writer the next write (a large tensor's chunks in parallel, no write behind a
+  slow one): wait for the staging copy's event, write the pieces into their shard
+  (neighbours in the file by one ``pwritev``), which hashes them as they come and
+  hands dirty pages to the disk (:class:`~ctconvert.checkpoint.shard_file.ShardFile`).
 
 So reading, host-device copies, device work and writing overlap, and the
 computing thread's work per chunk does not depend on the model's size.
@@ -47,10 +42,9 @@ written with their module. A weight observer (:attr:`ExecOptions.observer`) sear
 each chunk's ranges, in the same pass where the chunk alone decides them, else in
 the absmax pass (its pre-pass: :mod:`.scales`).
 
-With a kernel-native target (``quantize --target``) each module's finished
-tensors go through :attr:`ExecOptions.repack` on the device before they are
-written. This package is the only place that knows about devices, threads and
-progress.
+With a kernel-native target (``quantize --target``) each module's finished tensors go through
+:attr:`ExecOptions.repack` on the device before they are written. This package is the only place that
+knows about devices, threads and progress.
 """
 
 from __future__ import annotations
@@ -65,7 +59,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.safetensors_io import REGIONS, ShardFile, TensorInfo, map_bytes, map_rows, read_bytes, read_region, read_rows, region_bytes, rows_of_region
+from ..checkpoint.safetensors_io import REGIONS, TensorInfo, map_bytes, map_rows, read_bytes, read_region, read_rows, region_bytes, rows_of_region
+from ..checkpoint.shard_file import ShardFile
 from ..errors import BadInputError
 from ..formats import native
 from ..formats.common import tensor_absmax
@@ -190,12 +185,11 @@ class Executor:
         try:
             if event is not None:
                 event.synchronize()  # the device-to-host copies into the staging buffer are done
-            by_shard: dict[int, tuple] = {}  # pieces of one shard written together (back to back: one pwritev)
-            for name, t, pos in writes:
-                shard = self.shards[name]
-                by_shard.setdefault(id(shard), (shard, []))[1].append((name, t, pos))
-            for shard, pieces in by_shard.values():
-                shard.write_many(pieces)
+            by_shard: dict[str, list] = {}  # pieces of one shard written together (back to back: one pwritev)
+            for w in writes:
+                by_shard.setdefault(str(self.shards[w[0]].path), []).append(w)
+            for pieces in by_shard.values():
+                self.shards[pieces[0][0]].write_many(pieces)
         except BaseException as e:  # noqa: BLE001 - re-raised by the computing thread
             self.write_error = e
 

@@ -13,7 +13,7 @@ import threading
 import torch
 
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.safetensors_io import ShardFile
+from ..checkpoint.shard_file import ShardFile
 from ..plan.planner import Plan, WorkUnit
 from .executor import ExecOptions, Executor
 from .reads import split_units

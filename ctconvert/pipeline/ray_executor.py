@@ -39,7 +39,7 @@ import torch
 
 from ..checkpoint.hashing import SourceHashes
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.safetensors_io import PlannedTensor, ShardFile
+from ..checkpoint.shard_file import PlannedTensor, ShardFile
 from ..errors import BadInputError, CTConvertError, OutputError, UsageError
 from ..plan.planner import Plan
 from .executor import ExecOptions, unit_bytes

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.safetensors_io import ShardFile, TensorInfo, iter_row_chunks, read_bytes
+from ..checkpoint.safetensors_io import TensorInfo, iter_row_chunks, read_bytes
+from ..checkpoint.shard_file import ShardFile
 
 __all__ = ["WRITERS", "WRITE_BEHIND", "CastTensor", "ChunkBuffers", "Compute", "CopyTensor", "run_tasks"]
 

@@ -22,7 +22,7 @@ from ..checkpoint.hashing import SourceHashes, hash_tensors
 from ..checkpoint.model_card import CARD, append_conversion_section, conversion_section
 from ..checkpoint.provenance import PROVENANCE, fingerprint, load_provenance, provenance, refresh_plan, shard_map, sources_by_shard
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint
-from ..checkpoint.safetensors_io import PlannedTensor
+from ..checkpoint.shard_file import PlannedTensor
 from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, disk_full, parse_size, partial_output, shard_names
 from ..errors import OutputError, UsageError, agree, plural
 from ..pipeline.executor import ExecOptions

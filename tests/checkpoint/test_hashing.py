@@ -37,7 +37,7 @@ def test_shard_hash_taken_while_writing_equals_the_file_hash(tmp_path):
     import torch
 
     from ctconvert.checkpoint.hashing import shard_hash
-    from ctconvert.checkpoint.safetensors_io import PlannedTensor, ShardFile
+    from ctconvert.checkpoint.shard_file import PlannedTensor, ShardFile
 
     g = torch.Generator().manual_seed(0)
     big = torch.randint(0, 255, (HASH_BLOCK_BYTES + 4099,), dtype=torch.uint8, generator=g)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ctconvert.checkpoint.reader import open_checkpoint
-from ctconvert.checkpoint.safetensors_io import PlannedTensor, ShardFile, read_header, read_rows, read_tensor
+from ctconvert.checkpoint.safetensors_io import read_header, read_rows, read_tensor
+from ctconvert.checkpoint.shard_file import PlannedTensor, ShardFile
 from ctconvert.errors import BadInputError
 
 from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint

@@ -180,7 +180,7 @@ def test_write_many_writes_neighbours_by_one_pwritev_and_the_file_reads_back(tmp
     from safetensors.torch import load_file
 
     from ctconvert.checkpoint.hashing import shard_hash
-    from ctconvert.checkpoint.safetensors_io import PlannedTensor, ShardFile
+    from ctconvert.checkpoint.shard_file import PlannedTensor, ShardFile
 
     g = torch.Generator().manual_seed(3)
     tensors = {f"e{i}.weight_packed": torch.randint(0, 255, (5 + i, 24), dtype=torch.uint8, generator=g) for i in range(6)}

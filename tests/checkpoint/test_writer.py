@@ -44,7 +44,7 @@ def test_a_shard_written_elsewhere_and_journaled_is_kept_by_resume(tmp_path):
     """journal_shard (the Ray executor's hand-off): a shard another process wrote under a temporary name and renamed
     into the folder, journaled with the hash that process took as it wrote, is kept by --resume: its file hashes the
     same when read back (the check of a resume), and its record says what it was made from."""
-    from ctconvert.checkpoint.safetensors_io import PlannedTensor, ShardFile
+    from ctconvert.checkpoint.shard_file import PlannedTensor, ShardFile
 
     out = tmp_path / "o"
     planned = [[PlannedTensor("a", "BF16", (4, 8))], [PlannedTensor("b", "F32", (3,))]]

@@ -116,7 +116,14 @@ def test_inspect_counts_fused_experts_kept_dense_as_linear_weights(tmp_path):
         t[p + "mlp.router.weight"], t[p + "mlp.router.bias"] = r(e, h), r(e)
         t[p + "mlp.experts.gate_up_proj"], t[p + "mlp.experts.gate_up_proj_bias"] = r(e, h, 2 * i), r(e, 2 * i)
         t[p + "mlp.experts.down_proj"], t[p + "mlp.experts.down_proj_bias"] = r(e, i, h), r(e, h)
-    cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": h, "intermediate_size": i, "num_local_experts": e, "num_hidden_layers": 2}
+    cfg = {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_size": h,
+        "intermediate_size": i,
+        "num_local_experts": e,
+        "num_hidden_layers": 2,
+    }
     src = write_checkpoint(tmp_path / "src", t, cfg)
     api.quantize(src, tmp_path / "dense-experts", "W4A16")
     api.quantize(src, tmp_path / "split", "W4A16", targets=["Linear", r"re:.*mlp\.experts\.\d+\..*"], allow_unloadable=True)

@@ -88,7 +88,7 @@ def test_the_chunks_of_one_tensor_go_to_every_writer_and_hash_as_the_file(tiny_l
     tensor), and each shard's hash taken as the pieces came (in any order) is the finished file's; the bytes are those
     of one writer."""
     from ctconvert.checkpoint.hashing import shard_hash
-    from ctconvert.checkpoint.safetensors_io import ShardFile
+    from ctconvert.checkpoint.shard_file import ShardFile
     from ctconvert.pipeline import executor
 
     seen: dict[str, set] = {}

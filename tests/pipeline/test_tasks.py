@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ctconvert.checkpoint.reader import open_checkpoint
-from ctconvert.checkpoint.safetensors_io import PlannedTensor, ShardFile
+from ctconvert.checkpoint.shard_file import PlannedTensor, ShardFile
 from ctconvert.errors import OutputError
 from ctconvert.pipeline.tasks import CastTensor, ChunkBuffers, Compute, CopyTensor, run_tasks
 
