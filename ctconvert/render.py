@@ -159,6 +159,11 @@ def _cell_format(row: dict) -> str:
     return f"{row['format'] or ''}, cast {row['cast']}" if row.get("cast") else row["format"] or ""
 
 
+def _cell_scheme(row: dict) -> str:
+    """A layer's scheme cell; a fused 3-D expert tensor says how many experts it holds (``dense, 32 experts``)."""
+    return f"{row['scheme'] or ''}, {row['experts']} experts" if row.get("experts") else row["scheme"] or ""
+
+
 def _parts(tensors: dict) -> str:
     return ", ".join(f"{p}:{t['dtype']}{t['shape']}" for p, t in tensors.items())
 
@@ -202,12 +207,12 @@ def inspect(ctx, report: dict, all_layers: bool) -> None:
     layers = report["layers"]
     cols = [("layer", 0), ("scheme", 2), ("format", 3), ("bytes", 1), ("bits/w", 0), ("tensors (dtype shape)", 4)]
     if all_layers or len(layers) <= 60:
-        rows = [[r["module"], r["scheme"] or "", _cell_format(r), human(r["bytes"]), str(r["bits_per_weight"]), _parts(r["tensors"])] for r in layers]
+        rows = [[r["module"], _cell_scheme(r), _cell_format(r), human(r["bytes"]), str(r["bits_per_weight"]), _parts(r["tensors"])] for r in layers]
         caption = None
     else:
         agg: dict[tuple, list] = {}
         for r in layers:
-            a = agg.setdefault((r["scheme"], r["format"]), [[], 0, 0, {}])
+            a = agg.setdefault((_cell_scheme(r), r["format"]), [[], 0, 0, {}])
             a[0].append(r["module"])
             a[1] += r["bytes"]
             a[2] += r["params"]

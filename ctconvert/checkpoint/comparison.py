@@ -31,6 +31,8 @@ __all__ = [
     "GAIN_SHARE_REQUANT",
     "PRUNED_NOTE",
     "THRESHOLDS",
+    "WIDE",
+    "add_error_sums",
     "compare_others",
     "copy_of",
     "error_stats",
@@ -40,6 +42,7 @@ __all__ = [
     "same_bytes",
     "split_reference",
     "unread_note",
+    "widened",
 ]
 
 CHUNK = 16 * 2**20  # bytes compared at a time
@@ -186,6 +189,30 @@ def gain_message(row: dict) -> str:
         f"{row['threshold']}, but a correct quantization's gain is within {row['gain_limit']:.4f} of 1): "
         "a scale (global, per tensor or per group) is off by about that factor"
     )
+
+
+#: |value| beyond which a chunk's error sums are taken in float64: fp32 squares overflow past ~1.8e19, and a row sums K of them
+WIDE = 2.0**50
+
+
+def widened(got, wants: dict) -> tuple:
+    """``got`` (fp32 ``[r, K]``) and ``wants`` (key -> fp32 reference ``[r, K]``) as float64 where any value exceeds
+    :data:`WIDE` (a reference with weights of 1e19 and beyond: in fp32 its error sums were inf and its error NaN), else
+    as they are (fp32, today's sums bit for bit)."""
+    if got.numel() and max(float(got.abs().max()), max(float(w.abs().max()) for w in wants.values())) > WIDE:
+        return got.double(), {key: w.double() for key, w in wants.items()}
+    return got, wants
+
+
+def add_error_sums(acc: list, got, want) -> None:
+    """Add a chunk's squared error, squared reference, max abs error and ``<got, want>`` to ``acc`` (four floats, in
+    that order; :func:`error_stats` and the gain read them). ``got``/``want``: the dequantized and reference values,
+    one shape and dtype."""
+    d = got - want
+    acc[0] += float((d * d).sum())
+    acc[1] += float((want * want).sum())
+    acc[2] = max(acc[2], float(d.abs().max()) if d.numel() else 0.0)
+    acc[3] += float((got * want).sum())
 
 
 def error_stats(se: float, sr: float, mx: float) -> tuple[float, float, float]:

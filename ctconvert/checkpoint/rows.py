@@ -140,7 +140,7 @@ def row_problems(row: dict, module: str, n: int) -> list[Problem]:
     if lost - bad:
         what = "every row is" if lost - bad == n else f"{lost - bad} of {n} rows are"
         out.append(Problem("warning", f"{what} all zero in the output but not in the reference (values too small for the format)", None, module))
-    if not row.get("module_limits_judged", True) and (row["rel_l2"] > row["threshold"] or not row["gain_ok"]):
+    if not row.get("module_limits_judged", True) and (not row["rel_l2"] <= row["threshold"] or not row["gain_ok"]):
         why = (
             f"relative L2 error {row['rel_l2']:.4f} (gain {row['gain']:.4f}) is beyond {row['format']}'s limits, but no row is large enough for "
             "them: every row lies near the floor of its scales (or among the subnormals of a scale in fp16), where a correct "
@@ -148,7 +148,7 @@ def row_problems(row: dict, module: str, n: int) -> list[Problem]:
         )
         out.append(Problem("warning", why, None, module))
     limit = row.get("row_threshold")
-    if limit is not None and row["worst_row_rel_l2"] > limit:
+    if limit is not None and not row["worst_row_rel_l2"] <= limit:  # NaN too
         out.append(
             Problem(
                 "error",

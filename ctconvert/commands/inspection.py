@@ -88,7 +88,7 @@ def _inspect_kernel_native(ckpt, path: Path) -> dict:
             "linear_params": lp,
             "linear_bits_per_weight": round(8 * lb / lp, 3) if lp else None,
             "quantized_bits_per_weight": round(8 * qb / qp, 3) if qp else None,
-            "in_blocks": sum(1 for r in layers if BLOCK.search(r["module"] + ".")),
+            "in_blocks": sum(r.get("linear_layers", 1) for r in layers if BLOCK.search(r["module"] + ".")),
         },
         "problems": [p.to_dict() for p in problems],
     }
@@ -345,8 +345,9 @@ def _layer(m: Module, qcfg: dict, problems: list[Problem]) -> dict | None:
 def _fused_expert_rows(ckpt: Checkpoint, problems: list[Problem]) -> list[tuple[tuple, dict]]:
     """``(sort key, report row)`` of each fused 3-D expert weight stored as it is (gpt-oss's ``experts.gate_up_proj``
     ``[E, H, 2I]`` and ``experts.down_proj``, kept dense: a quantized expert is stored split, one module per expert):
-    the experts' Linear weights, counted in the totals as one dense layer per tensor. A family the expert table does
-    not know is a warning (its experts are then not counted)."""
+    the experts' Linear weights, each counted in the totals as the layers it holds (``linear_layers``: E, or 2E for
+    gate and up), as the split output counts them. A family the expert table does not know is a warning (its experts
+    are then not counted)."""
     try:
         fused = split_fused_experts(ckpt.tensors, ckpt.config)
     except CTConvertError as e:
@@ -364,6 +365,7 @@ def _fused_expert_rows(ckpt: Checkpoint, problems: list[Problem]) -> list[tuple[
             "scheme": "dense",
             "format": "dense",
             "experts": int(info.shape[0]),
+            "linear_layers": len(fe.parts),  # the Linear weights it holds: an expert's down_proj, or its gate and up
             "tensors": {fe.member: {"dtype": info.dtype, "shape": list(info.shape)}},
             "bytes": info.nbytes,
             "params": params,
@@ -395,13 +397,13 @@ def _totals(ckpt: Checkpoint, layers: list[dict]) -> dict:
         "tensors": len(ckpt.tensors),
         "files": len(ckpt.files),
         "bytes": sum(t.nbytes for t in ckpt.tensors.values()),
-        "linear_layers": len(layers),
+        "linear_layers": sum(r.get("linear_layers", 1) for r in layers),  # a fused expert tensor: the layers it holds
         "quantized_layers": sum(1 for r in layers if r["format"] != "dense"),
         "linear_bytes": lin_bytes,
         "linear_params": lin_params,
         "linear_bits_per_weight": round(8 * lin_bytes / lin_params, 3) if lin_params else None,
         "quantized_bits_per_weight": round(8 * q_bytes / q_params, 3) if q_params else None,
-        "in_blocks": sum(1 for r in layers if BLOCK.search(r["module"] + ".")),
+        "in_blocks": sum(r.get("linear_layers", 1) for r in layers if BLOCK.search(r["module"] + ".")),
     }
 
 

@@ -42,6 +42,7 @@ from ..checkpoint.comparison import (
     CHUNK,
     PRUNED_NOTE,
     THRESHOLDS,
+    add_error_sums,
     compare_others,
     copy_of,
     error_stats,
@@ -52,6 +53,7 @@ from ..checkpoint.comparison import (
     same_bytes,
     split_reference,
     unread_note,
+    widened,
 )
 from ..checkpoint.config import require_compressed_tensors
 from ..checkpoint.conformance import (
@@ -433,7 +435,7 @@ def _compare_weights(
         rows.append(row)
         if row.get("against") == "2:4-pruned reference" and not any(p.message == PRUNED_NOTE for p in problems):
             problems.append(Problem("note", PRUNED_NOTE))
-        if row["module_limits_judged"] and row["rel_l2"] > row["threshold"]:  # no row large enough for the limits: a warning (rows.py)
+        if row["module_limits_judged"] and not row["rel_l2"] <= row["threshold"]:  # NaN fails; no row large enough for the limits: a warning (rows.py)
             problems.append(_error(f"relative L2 error {row['rel_l2']:.4f} exceeds {row['threshold']} for {m.format}", tensor=m.name))
         elif row["module_limits_judged"] and not row["gain_ok"]:
             problems.append(_error(gain_message(row), tensor=m.name))
@@ -458,16 +460,11 @@ def _error_row(m: Module, src, requantized: bool = False, unchecked: str | None 
         wants = {"dense": dense.float()}
         if sparse:
             wants["pruned"] = prune24(dense).float()
-        got = got.float()
-        for key, want in wants.items():
-            d = got - want
-            acc = sums[key]
-            acc[0] += float((d * d).sum())
-            acc[1] += float((want * want).sum())
-            acc[2] = max(acc[2], float(d.abs().max()) if d.numel() else 0.0)
-            acc[3] += float((got * want).sum())
-        per_row.add(r0, got, wants["pruned" if sparse else "dense"])
         grid.add(r0, r1, wants["pruned" if sparse else "dense"])
+        got, wants = widened(got.float(), wants)
+        for key, want in wants.items():
+            add_error_sums(sums[key], got, want)
+        per_row.add(r0, got, wants["pruned" if sparse else "dense"])
     stats = {key: error_stats(*acc[:3]) for key, acc in sums.items()}
     rel, mx, snr = stats["pruned" if sparse else "dense"]
     limit = 0.0 if m.format == SPARSE_PREFIX else error_threshold(m.weights or {})

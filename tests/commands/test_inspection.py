@@ -131,6 +131,7 @@ def test_inspect_counts_fused_experts_kept_dense_as_linear_weights(tmp_path):
     reports = {k: api.inspect(tmp_path / k if k != "src" else src) for k in ("src", "dense-experts", "split")}
     for k, rep in reports.items():
         assert rep["totals"]["linear_params"] == expert_params + 2 * h * h + 2 * e * h + 256 * h, k  # experts, q_proj, routers, lm_head
+        assert rep["totals"]["linear_layers"] == 2 * e * 3 + 2 + 2 + 1, k  # a fused tensor counts the layers it holds
     for k in ("src", "dense-experts"):
         fused = {row["module"]: row for row in reports[k]["layers"] if row.get("experts")}
         assert set(fused) == {f"model.layers.{n}.mlp.experts.{m}" for n in range(2) for m in ("gate_up_proj", "down_proj")}, k
@@ -139,3 +140,5 @@ def test_inspect_counts_fused_experts_kept_dense_as_linear_weights(tmp_path):
     assert reports["split"]["totals"]["quantized_layers"] == 2 * e * 3 + 2  # gate, up, down per expert; q_proj
     out = CliRunner().invoke(main, ["inspect", str(tmp_path / "dense-experts"), "--all-layers"], env={"COLUMNS": "220"})
     assert out.exit_code == 0 and "model.layers.0.mlp.experts.gate_up_proj" in out.output, out.output
+    line = next(x for x in out.output.splitlines() if "experts.gate_up_proj" in x)
+    assert f"dense, {e} experts" in line, line

@@ -115,3 +115,34 @@ def test_swapped_tensors_fail_on_the_error_not_counted_as_a_gain_failure(tiny_ll
     for m in (a[:-1], b[:-1]):
         assert not rows[m]["ok"] and rows[m]["rel_l2"] > rows[m]["threshold"]
     assert rep["summary"]["gain_failed"] == 0
+
+
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "W8A16", "W4A16"])
+@pytest.mark.parametrize("magnitude", [1e19, 1e30])
+def test_huge_weights_are_judged_in_float64_and_a_nan_error_fails(tmp_path, scheme, magnitude):
+    """A weight whose values reach 1e19 and beyond (their squares overflow fp32) is judged on finite sums: a correct
+    output passes with the errors of the same weights scaled down (the relative error and gain do not depend on the
+    scale); an output whose dequantized values are NaN fails with the error named, never "within" its limit."""
+    g = torch.Generator().manual_seed(4)
+    t = llama_tensors(LLAMA_CONFIG, seed=4)
+    name = "model.layers.0.mlp.up_proj.weight"
+    t[name] = (torch.randn(t[name].shape, generator=g) * 0.02).to(torch.bfloat16)
+    small = write_checkpoint(tmp_path / "small", t, LLAMA_CONFIG)
+    t[name] = (t[name].float() * (magnitude / 0.02)).to(torch.bfloat16)
+    big = write_checkpoint(tmp_path / "big", t, LLAMA_CONFIG)
+    for src in (small, big):
+        api.quantize(src, tmp_path / f"q-{src.name}", scheme)
+    ref = {r["module"]: r for r in api.verify(tmp_path / "q-small", small)["tensors"]}
+    rep = api.verify(tmp_path / "q-big", big)
+    assert rep["ok"], rep["problems"]
+    row = {r["module"]: r for r in rep["tensors"]}["model.layers.0.mlp.up_proj"]
+    want = ref["model.layers.0.mlp.up_proj"]
+    assert row["rel_l2"] == pytest.approx(want["rel_l2"], rel=0.02) and row["gain"] == pytest.approx(want["gain"], abs=2e-3)
+    assert 0 < row["rel_l2"] < row["threshold"] and row["worst_row_rel_l2"] <= row["row_threshold"]
+    # the same output with the module's scales made NaN: an error, not a pass
+    bad, hit = _scaled(tmp_path / "q-big", tmp_path, "weight_scale", float("nan"), only="model.layers.0.mlp.up_proj")
+    rep = api.verify(bad, big)
+    assert not rep["ok"]
+    assert not {r["module"]: r for r in rep["tensors"]}["model.layers.0.mlp.up_proj"]["ok"]
+    msgs = [p["message"] for p in rep["problems"] if p["severity"] == "error" and p.get("tensor") == "model.layers.0.mlp.up_proj"]
+    assert msgs and not any("is within" in m for m in msgs), msgs

@@ -112,9 +112,10 @@ def test_swapped_rows_fail_on_the_row_error(tiny_llama, tmp_path, scheme):
 
 
 def test_a_scale_so_large_the_error_overflows_fails_on_its_error_row(tiny_llama, tmp_path):
-    """One W4A16 group scale 2^120 times too large: the squared error overflows to inf. The module fails on its own error
-    row (relative L2 inf, SNR -inf dB), counted among the failed weights, not as a module that cannot be dequantized
-    (a new user saw "math domain error" there, with 0 failed in the summary)."""
+    """One W4A16 group scale 2^120 times too large: its squared error overflows fp32 (the sums are then taken in float64:
+    comparison.widened). The module fails on its own error row (relative L2 ~1e34, SNR ~-700 dB), counted among the failed
+    weights, not as a module that cannot be dequantized (a new user saw "math domain error" there, with 0 failed in the
+    summary)."""
     out = tmp_path / "q"
     api.quantize(tiny_llama, out, "W4A16")
 
@@ -123,7 +124,7 @@ def test_a_scale_so_large_the_error_overflows_fails_on_its_error_row(tiny_llama,
 
     rep = api.verify(_edit(out, tmp_path, "huge", blow_up), tiny_llama)
     row = {r["module"]: r for r in rep["tensors"]}[MODULE]
-    assert not rep["ok"] and not row["ok"] and row["rel_l2"] == math.inf and row["snr_db"] == -math.inf
+    assert not rep["ok"] and not row["ok"] and row["rel_l2"] > 1e30 and row["snr_db"] < -600 and math.isfinite(row["rel_l2"])
     assert rep["summary"]["failed"] == 1 and not any("cannot be dequantized" in p["message"] for p in rep["problems"])
 
 
