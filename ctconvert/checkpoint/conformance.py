@@ -48,6 +48,7 @@ __all__ = [
     "missing_fused_members",
     "mixed_expert_blocks",
     "module_problems",
+    "partial_block_problems",
     "refuse",
     "sparsity_problems",
     "vllm_expert_group",
@@ -433,6 +434,31 @@ def vllm_unloadable_problems(mods: dict[str, Module], config: dict) -> list[Prob
         first = ms[0]
         out.append(Problem("error", f"quantized, but {why}{more}", first.file, first.name))
     return out
+
+
+def partial_block_problems(mods: dict[str, Module]) -> list[Problem]:
+    """An error for quantized modules with block scales (FP8_BLOCK) whose weight is not whole blocks (N or K not a multiple
+    of ``block_structure``: a [200, 200] weight with [2, 2] scales), naming the first and how many: transformers and
+    vLLM 0.33 load whole blocks only (the planner's rule, :func:`ctconvert.plan.schemes.weight_problem`, by which
+    ``quantize`` refuses such weights; vLLM ``validate_fp8_block_shape``). Read from the headers."""
+    bad = []
+    for m in mods.values():
+        w = m.weights or {}
+        block = w.get("block_structure") if m.quantized and w.get("strategy") == "block" else None
+        if not block:
+            continue
+        try:
+            n, k = dense_shape(m)
+        except (ValueError, KeyError, RuntimeError, TypeError):
+            continue
+        if n % int(block[0]) or k % int(block[1]):
+            bad.append((m, n, k, block))
+    if not bad:
+        return []
+    m, n, k, block = bad[0]
+    more = f" (and {plural(len(bad) - 1, 'more such module')})" if len(bad) > 1 else ""
+    why = f"its [{n}, {k}] weight is not whole {list(block)} blocks of scales: transformers and vLLM 0.33 load whole blocks only{more}"
+    return [Problem("error", why, m.file, m.name)]
 
 
 def contradictions(mods: dict[str, Module], qcfg: dict | None) -> list[Problem]:

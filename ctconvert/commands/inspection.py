@@ -23,7 +23,7 @@ import json
 import math
 from pathlib import Path
 
-from ..checkpoint.conformance import contradictions, linear_module_files, missing_fused_members
+from ..checkpoint.conformance import contradictions, linear_module_files, missing_fused_members, partial_block_problems
 from ..checkpoint.families import split_fused_experts
 from ..checkpoint.kernel_native import is_kernel_native, missing_tensors
 from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fused_global_scales, modules_of, unexplained_dense
@@ -156,7 +156,7 @@ def inspect_checkpoint(path: Path) -> dict:
     problems += _fused_set_problems(mods)
     problems += missing_fused_members(linear_module_files(mods), ckpt.config)
     if qcfg.get("quant_method") == "compressed-tensors":
-        problems += contradictions(mods, qcfg)
+        problems += contradictions(mods, qcfg) + partial_block_problems(mods)
     problems += unexplained_dense(ckpt, mods)
     casts = cast_tensors(path)
     for row in layers:

@@ -61,6 +61,7 @@ from ..checkpoint.conformance import (
     linear_module_files,
     missing_fused_members,
     module_problems,
+    partial_block_problems,
     sparsity_problems,
     vllm_expert_problems,
     vllm_unloadable_problems,
@@ -95,7 +96,7 @@ _STRUCTURE_CHECKS = [
     "tensors agree with their group's format (parts, dtypes, shapes; 2:4 and KV cache claims)",
     "dense Linear in ignore",
     "MoE experts' group as vLLM 0.33 matches them, alike within each block",
-    "modules vLLM 0.33 cannot load quantized (gpt-oss experts, experts with static INT8 inputs, most MoE routers)",
+    "modules vLLM 0.33 cannot load quantized (gpt-oss experts, experts with static INT8 inputs, most MoE routers, partial FP8 blocks)",
     "fused sets complete",
     "attention shapes against config.json",
     "fused global scales and input scales",
@@ -128,7 +129,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     mods = modules_of(ckpt)
     problems += _config_problems(ckpt, path)
     found, contradicted = _module_problems(mods, ckpt.quantization_config or {})
-    found += vllm_unloadable_problems(mods, ckpt.config)
+    found += vllm_unloadable_problems(mods, ckpt.config) + partial_block_problems(mods)
     problems += found
     problems += unexplained_dense(ckpt, mods)
     problems += missing_fused_members(linear_module_files(mods), ckpt.config) + attention_shape_problems(mods, ckpt.config, ckpt.tensors)

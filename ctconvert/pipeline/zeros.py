@@ -100,6 +100,10 @@ def zero_rows(deq: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch
     return zero, zero & (src != 0).any(dim=1)
 
 
+#: why values quantize to zero although they are not: the scales' own range, or a global scale set by larger values
+_WHY = "scales stored in the weight's dtype, or under a global scale that the largest value of the tensor or its fused set sets"
+
+
 @dataclass
 class ZeroRows:
     """What one tensor lost: ``zero_rows`` rows quantized to all zeros from non-zero values."""
@@ -122,11 +126,11 @@ class ZeroRows:
         if self.whole:
             return (
                 f"{self.tensor}: every quantized value is zero although the source is not (largest |value| {self.max_abs:.3g}, "
-                "too small for the scales the format computes in the weight's dtype): the layer computes zeros; keep it dense with --ignore"
+                f"below the smallest step of its scales: {_WHY}): the layer computes zeros; keep it dense with --ignore"
             )
         return (
             f"{self.tensor}: {self.zero_rows} of {self.rows} rows quantize to all zeros although their source is not "
-            f"(largest |value| {self.max_abs:.3g}, too small for the scales the format computes in the weight's dtype)"
+            f"(largest |value| {self.max_abs:.3g}, below the smallest step of their scales: {_WHY})"
         )
 
 

@@ -142,3 +142,47 @@ def test_inspect_counts_fused_experts_kept_dense_as_linear_weights(tmp_path):
     assert out.exit_code == 0 and "model.layers.0.mlp.experts.gate_up_proj" in out.output, out.output
     line = next(x for x in out.output.splitlines() if "experts.gate_up_proj" in x)
     assert f"dense, {e} experts" in line, line
+
+
+def test_partial_fp8_blocks_are_an_error_in_inspect_and_verify(tmp_path):
+    """An FP8_BLOCK checkpoint whose MLP weights are not whole 128x128 blocks ([200, 256] gate/up, [256, 200] down, made
+    with compressed-tensors' own compressor where ctconvert refuses them): transformers and vLLM 0.33 load whole blocks
+    only, so inspect (exit 3) and verify (exit 5) report it, naming the first module and how many more; the same
+    checkpoint with whole blocks has no such error."""
+    from safetensors.torch import save_file
+
+    from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+    from ct_reference import ct_compress
+
+    cfg = dict(LLAMA_CONFIG, intermediate_size=200)
+    t = llama_tensors(cfg, seed=3)
+    src = write_checkpoint(tmp_path / "src", t, cfg)
+    out = tmp_path / "fp8"
+    api.quantize(src, out, "FP8_BLOCK", skip_incompatible=True)  # the MLP stays dense and in ignore
+    conf = json.loads((out / "config.json").read_text())
+    mlp = [n[: -len(".weight")] for n in t if ".mlp." in n]
+    conf["quantization_config"]["ignore"] = [x for x in conf["quantization_config"]["ignore"] if x not in mlp]
+    (out / "config.json").write_text(json.dumps(conf))
+    shard = next(out.glob("*.safetensors"))
+    ts = load_file(shard)
+    for m in mlp:
+        del ts[m + ".weight"]
+        ts.update({f"{m}.{k}": v for k, v in ct_compress(t[m + ".weight"], "FP8_BLOCK").items()})
+    save_file(ts, shard, metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        idx = json.loads(index.read_text())
+        idx["weight_map"] = {n: shard.name for n in ts}
+        index.write_text(json.dumps(idx))
+    (out / "ctconvert-provenance.json").unlink(missing_ok=True)
+    rep = api.inspect(out)
+    errs = [p for p in rep["problems"] if p["severity"] == "error" and "whole [128, 128] blocks" in p["message"]]
+    assert len(errs) == 1 and errs[0]["tensor"] in mlp, rep["problems"]
+    assert f"and {len(mlp) - 1} more such modules" in errs[0]["message"] and "vLLM 0.33 load whole blocks only" in errs[0]["message"]
+    ver = api.verify(out)
+    assert not ver["ok"] and any("whole [128, 128] blocks" in p["message"] for p in ver["problems"] if p["severity"] == "error")
+    code = CliRunner().invoke(main, ["inspect", str(out)]).exit_code
+    assert code == 3
+    whole = tmp_path / "whole"
+    api.quantize(write_checkpoint(tmp_path / "src2", llama_tensors(LLAMA_CONFIG, seed=3), LLAMA_CONFIG), whole, "FP8_BLOCK")
+    assert not any("blocks of scales" in p["message"] for p in api.inspect(whole)["problems"] + api.verify(whole)["problems"])
