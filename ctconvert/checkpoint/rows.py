@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from ..errors import plural
 from .reader import Problem
 
 __all__ = ["ROW_LIMITS", "RowErrors", "row_limit", "row_problems", "rows_ok"]
@@ -60,6 +61,9 @@ class RowErrors:
 
     def __init__(self, fmt, args, dtype: torch.dtype, global_scale: float | None = None):
         self.fmt, self.args, self.dtype, self.global_scale = fmt, args, dtype, global_scale
+        grouped = args.strategy in ("group", "tensor_group") and args.group_size
+        self.group = int(args.group_size) if grouped else None  # scales per group of columns: a zeroed group is judged too
+        self.zero_groups: list[tuple[int, torch.Tensor]] = []  # per chunk: its first row, each row's largest zeroed group
         self.tensor_amax = 0.0
         #: per chunk: its first row, its rows' relative L2 (zero rows: 0), their reference absmax, the chunk's absmax, and
         #: which rows are all zero in the output and not in the reference
@@ -77,6 +81,11 @@ class RowErrors:
         rel = torch.where(lost, torch.zeros_like(rel), rel)  # judged by the zero-row rule
         chunk_amax = float(amax.max())
         self.chunks.append((r0, rel.cpu(), amax.cpu(), chunk_amax, lost.cpu()))
+        g = self.group
+        if g and got.shape[1] % g == 0 and got.shape[1] > g:  # groups all zero in a row that is not: their reference absmax
+            gamax = want.reshape(got.shape[0], -1, g).abs().amax(dim=2)
+            zeroed = (got.reshape(got.shape[0], -1, g) == 0).all(dim=2) & (gamax > 0) & ~lost.unsqueeze(1)
+            self.zero_groups.append((r0, torch.where(zeroed, gamax, torch.zeros_like(gamax)).amax(dim=1).cpu()))
         self.tensor_amax = max(self.tensor_amax, chunk_amax)
 
     def result(self) -> dict:
@@ -104,7 +113,15 @@ class RowErrors:
             if first is None and bool(over.any()):
                 j = int(over.nonzero()[0])
                 first = {"first_unexplained_zero_row": r0 + j, "its_reference_absmax": float(amax[j]), "zero_row_floor": floor}
+        zg, zg_first = 0, None
+        for (r0, gmax), (_, _, _, span, _) in zip(self.zero_groups, self.chunks):
+            over = gmax >= max(absolute, relative * (self.tensor_amax if self.args.strategy == "tensor" else span))
+            zg += int(over.sum())
+            if zg_first is None and bool(over.any()):
+                j = int(over.nonzero()[0])
+                zg_first = {"first_zero_group_row": r0 + j, "its_group_absmax": float(gmax[j])}
         out = {"worst_row_rel_l2": worst, "worst_row": worst_row, "rows_near_floor": near, "rows_judged": judged_rows, "zero_rows": zero}
+        out.update(zero_group_rows=zg, **(zg_first or {}))
         out["zero_rows_unexplained"] = bad
         out["module_limits_judged"] = judged_rows > 0 or near == 0  # not where every row lies near the floor (some not zero)
         out.update(first or {})
@@ -114,7 +131,7 @@ class RowErrors:
 def rows_ok(row: dict) -> bool:
     """No row of the module is wrong: none all zero that the format explains not, the worst within ``row_threshold``."""
     limit = row.get("row_threshold")
-    return not row["zero_rows_unexplained"] and (limit is None or row["worst_row_rel_l2"] <= limit)
+    return not row["zero_rows_unexplained"] and not row.get("zero_group_rows") and (limit is None or row["worst_row_rel_l2"] <= limit)
 
 
 def row_problems(row: dict, module: str, n: int) -> list[Problem]:
@@ -147,6 +164,17 @@ def row_problems(row: dict, module: str, n: int) -> list[Problem]:
             "quantization's error grows; its values were judged one by one"
         )
         out.append(Problem("warning", why, None, module))
+    if zg := row.get("zero_group_rows"):
+        out.append(
+            Problem(
+                "error",
+                f"{plural(zg, 'row')} of {n} have a group of {row['format']} values all zero in the output but not in the reference, "
+                f"whose values are not too small for the format (row {row['first_zero_group_row']}: group absmax "
+                f"{row['its_group_absmax']:.3g}): a group scale was zeroed",
+                None,
+                module,
+            )
+        )
     limit = row.get("row_threshold")
     if limit is not None and not row["worst_row_rel_l2"] <= limit:  # NaN too
         out.append(
