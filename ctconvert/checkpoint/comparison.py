@@ -24,6 +24,7 @@ from .safetensors_io import read_bytes
 
 __all__ = [
     "CHUNK",
+    "GAIN_FEW",
     "GAIN_FLOOR",
     "GAIN_FLOOR_REQUANT",
     "GAIN_SHARE",
@@ -35,6 +36,7 @@ __all__ = [
     "add_error_sums",
     "compare_others",
     "copy_of",
+    "effective_values",
     "error_stats",
     "error_threshold",
     "gain_limit",
@@ -170,12 +172,26 @@ GAIN_FLOOR_REQUANT = 0.08
 GAIN_SHARE_REQUANT = 0.75
 
 
-def gain_limit(fmt, rel: float, requantized: bool) -> float:
+def gain_limit(fmt, rel: float, requantized: bool, n_eff: float | None = None) -> float:
     """The largest ``|gain - 1|`` accepted for a module of format ``fmt`` whose relative L2 error is ``rel``
-    (the constants above): against a quantized reference (``requantized``) the wider limit."""
+    (the constants above): against a quantized reference (``requantized``) the wider limit. ``n_eff``: the weight's
+    effective number of values, ``(sum x^2)^2 / sum x^4`` (:func:`effective_values`): where a few values hold its
+    energy (one 3e38 value among 1e-2 ones: ``n_eff`` ~1) their own rounding errors do not average out and move the
+    gain by up to ``rel``, so the limit is at least ``GAIN_FEW * rel / sqrt(n_eff)`` (nothing for real weights, whose
+    ``n_eff`` is in the thousands)."""
+    few = GAIN_FEW * rel / math.sqrt(n_eff) if n_eff else 0.0
     if requantized:
-        return max(GAIN_FLOOR_REQUANT, GAIN_SHARE_REQUANT * rel)
-    return max(GAIN_FLOOR, (GAIN_SHARE_MX if str(fmt).startswith("mxfp") else GAIN_SHARE) * rel)
+        return max(GAIN_FLOOR_REQUANT, GAIN_SHARE_REQUANT * rel, few)
+    return max(GAIN_FLOOR, (GAIN_SHARE_MX if str(fmt).startswith("mxfp") else GAIN_SHARE) * rel, few)
+
+
+#: the gain limit's share of ``rel / sqrt(n_eff)`` (gain_limit): one dominant value moves the gain by its own error, ``rel``
+GAIN_FEW = 2.0
+
+
+def effective_values(acc: list) -> float | None:
+    """``(sum x^2)^2 / sum x^4`` of the reference from :func:`add_error_sums`' accumulator (None when it is all zero)."""
+    return acc[1] * acc[1] / acc[4] if acc[4] > 0 else None
 
 
 def error_threshold(weights: dict) -> float:
@@ -205,14 +221,16 @@ def widened(got, wants: dict) -> tuple:
 
 
 def add_error_sums(acc: list, got, want) -> None:
-    """Add a chunk's squared error, squared reference, max abs error and ``<got, want>`` to ``acc`` (four floats, in
-    that order; :func:`error_stats` and the gain read them). ``got``/``want``: the dequantized and reference values,
-    one shape and dtype."""
+    """Add a chunk's squared error, squared reference, max abs error, ``<got, want>`` and the reference's fourth powers
+    (in float64) to ``acc`` (five floats, in that order; :func:`error_stats`, the gain and :func:`effective_values`
+    read them). ``got``/``want``: the dequantized and reference values, one shape and dtype."""
     d = got - want
+    w2 = want * want
     acc[0] += float((d * d).sum())
-    acc[1] += float((want * want).sum())
+    acc[1] += float(w2.sum())
     acc[2] = max(acc[2], float(d.abs().max()) if d.numel() else 0.0)
     acc[3] += float((got * want).sum())
+    acc[4] += float((w2.double() ** 2).sum())
 
 
 def error_stats(se: float, sr: float, mx: float) -> tuple[float, float, float]:

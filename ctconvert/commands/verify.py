@@ -45,6 +45,7 @@ from ..checkpoint.comparison import (
     add_error_sums,
     compare_others,
     copy_of,
+    effective_values,
     error_stats,
     error_threshold,
     gain_limit,
@@ -452,7 +453,7 @@ def _error_row(m: Module, src, requantized: bool = False, unchecked: str | None 
     limit (exact, 0, for dense 2:4 values, which are the pruned weight itself); its error against the dense reference,
     the pruning's own, is reported beside it (``rel_l2_dense``, ``max_abs_dense``, ``snr_db_dense``), not judged."""
     sparse = str(m.format).startswith(SPARSE_PREFIX) or m.format == CompressionFormat.MARLIN_24
-    sums = {"pruned": [0.0, 0.0, 0.0, 0.0], "dense": [0.0, 0.0, 0.0, 0.0]}  # squared error, squared reference, max abs, <got, ref>
+    sums = {"pruned": [0.0] * 5, "dense": [0.0] * 5}  # squared error, squared reference, max abs, <got, ref>, sum ref^4
     gs = float(read_tensor(m.parts["weight_global_scale"]).float().reshape(-1)[0]) if "weight_global_scale" in m.parts else None
     per_row = RowErrors(get_format(m.format), WeightArgs.from_dict(m.weights), src.torch_dtype if src.torch_dtype.is_floating_point else torch.bfloat16, gs)
     grid = GridCheck(m, unchecked)  # every value the nearest to its reference over its scale (checkpoint/grid.py)
@@ -472,7 +473,7 @@ def _error_row(m: Module, src, requantized: bool = False, unchecked: str | None 
     judged = sums["pruned" if sparse else "dense"]
     gain = judged[3] / judged[1] if judged[1] > 0 else 1.0
     row = {"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "gain": gain}
-    limit_gain = gain_limit(m.format, rel, requantized)
+    limit_gain = gain_limit(m.format, rel, requantized, effective_values(judged))
     row.update(gain_limit=limit_gain, gain_ok=abs(gain - 1) <= limit_gain, row_threshold=row_limit(m.weights or {}, requantized), **per_row.result())
     row.update(rows_ok=rows_ok(row), **grid.result())
     row["ok"] = (not row["module_limits_judged"] or rel <= limit and row["gain_ok"]) and row["rows_ok"] and row["grid_ok"]
