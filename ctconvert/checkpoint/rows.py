@@ -93,14 +93,18 @@ class RowErrors:
         :data:`NEAR_FLOOR` times the format's floor, counted in ``rows_near_floor``), ``zero_rows`` (rows all zero in the
         output and not in the reference), of them ``zero_rows_unexplained`` (whose reference row is not too small for
         the format; the first one's index, reference absmax and the format's floor: ``first_unexplained_zero_row``,
-        ``its_reference_absmax``, ``zero_row_floor``)."""
+        ``its_reference_absmax``, ``zero_row_floor``), ``zero_group_rows`` (rows of other values holding a group all zero
+        whose reference group is not too small for the format; the first: ``first_zero_group_row``, ``its_group_absmax``)."""
         absolute, relative = self.fmt.zero_row_floor(self.args, self.dtype, self.global_scale)
         own = self.args.strategy in ("channel", "group") and not str(self.fmt.name.value).startswith("mx")  # a scale in D per row
         coarse = ROW_SCALE_MAX.get((self.args.type, int(self.args.num_bits or 0)), 0.0) * torch.finfo(self.dtype).tiny if own else 0.0
         worst, worst_row, near, zero, bad, first, judged_rows = 0.0, None, 0, 0, 0, None, 0
+
+        def floor_of(span: float) -> float:  # the scale a row shares: the tensor's, or (block scales: their rows lie in the chunk) at most the chunk's
+            return max(absolute, relative * (self.tensor_amax if self.args.strategy == "tensor" else span))
+
         for r0, rel, amax, span, lost in self.chunks:
-            # the scale a row shares: the tensor's, or (block scales: their rows lie in the chunk) at most the chunk's
-            floor = max(absolute, relative * (self.tensor_amax if self.args.strategy == "tensor" else span))
+            floor = floor_of(span)
             judged = (amax >= NEAR_FLOOR * floor) & (amax >= coarse)  # rows near the floor, or scaled in D's subnormals: not judged
             near += int((~judged & (rel > 0)).sum())
             judged_rows += int((judged & ~lost).sum())
@@ -115,7 +119,7 @@ class RowErrors:
                 first = {"first_unexplained_zero_row": r0 + j, "its_reference_absmax": float(amax[j]), "zero_row_floor": floor}
         zg, zg_first = 0, None
         for (r0, gmax), (_, _, _, span, _) in zip(self.zero_groups, self.chunks):
-            over = gmax >= max(absolute, relative * (self.tensor_amax if self.args.strategy == "tensor" else span))
+            over = gmax >= floor_of(span)
             zg += int(over.sum())
             if zg_first is None and bool(over.any()):
                 j = int(over.nonzero()[0])
