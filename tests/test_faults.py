@@ -587,21 +587,26 @@ def test_free_space_is_checked_before_writing(tiny_llama, tmp_path, monkeypatch)
 
 
 def _failing_pwrite(monkeypatch, err: int, after: int) -> None:
-    """Shard writes fail with ``err`` after ``after`` successful ones (a disk that fills up, a dying disk)."""
+    """Shard writes (``pwrite`` and ``pwritev``) fail with ``err`` after ``after`` successful ones (a disk that fills up,
+    a dying disk)."""
     import os as _os
 
-    from ctconvert.checkpoint import safetensors_io
+    from ctconvert.checkpoint import shard_file
 
-    pwrite = _os.pwrite
+    pwrite, pwritev = _os.pwrite, _os.pwritev
     calls = []
 
-    def failing(fd, data, offset):
-        calls.append(1)
-        if len(calls) > after:
-            raise OSError(err, _os.strerror(err))
-        return pwrite(fd, data, offset)
+    def failing(real):
+        def call(fd, data, offset):
+            calls.append(1)
+            if len(calls) > after:
+                raise OSError(err, _os.strerror(err))
+            return real(fd, data, offset)
 
-    monkeypatch.setattr(safetensors_io.os, "pwrite", failing)
+        return call
+
+    monkeypatch.setattr(shard_file.os, "pwrite", failing(pwrite))
+    monkeypatch.setattr(shard_file.os, "pwritev", failing(pwritev))
 
 
 def test_disk_full_while_writing_removes_the_partial_output(tiny_llama, tmp_path, monkeypatch):

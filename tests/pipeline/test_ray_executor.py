@@ -68,9 +68,9 @@ def _slow_node_hook():
         marker = os.environ.get("CT_TEST_MARKER")
         if not marker:
             return
-        import ctconvert.checkpoint.safetensors_io as io
+        import ctconvert.checkpoint.shard_file as io
 
-        init, write, slow = io.ShardFile.__init__, io.ShardFile.write, os.path.join(os.path.dirname(marker), "slow")
+        init, write, slow = io.ShardFile.__init__, io.ShardFile.write_many, os.path.join(os.path.dirname(marker), "slow")
 
         def opened(self, *a, **k):
             init(self, *a, **k)
@@ -83,7 +83,7 @@ def _slow_node_hook():
                 time.sleep(0.1)
             return write(self, *a, **k)
 
-        io.ShardFile.__init__, io.ShardFile.write = opened, slow_write
+        io.ShardFile.__init__, io.ShardFile.write_many = opened, slow_write  # write_many: every write of a shard
 
     return hook
 
