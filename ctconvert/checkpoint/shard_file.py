@@ -84,8 +84,9 @@ class ShardFile:
     ``tensors`` gives every tensor the file will hold. The data section is laid
     out largest element size first (so every tensor is aligned to its element
     size, as safetensors' own writer does), then in the given order. The file
-    is created at full size; :meth:`write` puts bytes at their final offsets,
-    and :meth:`close` checks that every byte range was written.
+    is created at full size; :meth:`write` (one piece) and :meth:`write_many` put
+    bytes at their final offsets, and :meth:`close` checks that every byte range
+    was written.
     """
 
     def __init__(self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None, on_complete=None):

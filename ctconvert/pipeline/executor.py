@@ -185,11 +185,11 @@ class Executor:
         try:
             if event is not None:
                 event.synchronize()  # the device-to-host copies into the staging buffer are done
-            by_shard: dict[str, list] = {}  # pieces of one shard written together (back to back: one pwritev)
+            by_shard: dict[ShardFile, list] = {}  # pieces of one shard written together (back to back: one pwritev)
             for w in writes:
-                by_shard.setdefault(str(self.shards[w[0]].path), []).append(w)
-            for pieces in by_shard.values():
-                self.shards[pieces[0][0]].write_many(pieces)
+                by_shard.setdefault(self.shards[w[0]], []).append(w)
+            for shard, pieces in by_shard.items():
+                shard.write_many(pieces)
         except BaseException as e:  # noqa: BLE001 - re-raised by the computing thread
             self.write_error = e
 
