@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.safetensors_io import TensorInfo, read_rows
+from ..formats.common import FP4_MAX, FP8_MAX
 
 __all__ = ["ZeroRows", "ZeroTracker", "candidate_rows", "stacked_candidates", "zero_rows"]
 
@@ -100,10 +101,6 @@ def zero_rows(deq: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch
     return zero, zero & (src != 0).any(dim=1)
 
 
-#: why values quantize to zero although they are not: the scales' own range, or a global scale set by larger values
-_WHY = "scales stored in the weight's dtype, or under a global scale that the largest value of the tensor or its fused set sets"
-
-
 @dataclass
 class ZeroRows:
     """What one tensor lost: ``zero_rows`` rows quantized to all zeros from non-zero values."""
@@ -113,6 +110,19 @@ class ZeroRows:
     zero_rows: int = 0  # rows quantized to all zeros whose source is not all zero
     all_zero_rows: int = 0  # rows quantized to all zeros (the above, and rows that were zero already)
     max_abs: float = 0.0  # the largest |value| among the zero_rows
+    dtype: str = ""  # the source weight's dtype (its scales underflow there, without a global scale)
+    set_max: float | None = None  # NVFP4: the largest |value| of the tensor or fused set that set the global scale
+
+    def cause(self) -> str:
+        """Why these rows' values fall below the smallest step of their scales: the global scale that the tensor's
+        or its fused set's largest value sets (NVFP4: E4M3 group scales relative to it), else the range of scales
+        computed for a weight of this dtype (compressed-tensors then substitutes a small scale, :mod:`.zeros`)."""
+        if self.set_max is not None:
+            return (
+                f"below the smallest step of their E4M3 group scales under the global scale that the largest |value| "
+                f"{self.set_max:.3g} of the tensor or its fused set sets"
+            )
+        return f"below the smallest step that scales computed for a {self.dtype} weight can take"
 
     @property
     def whole(self) -> bool:
@@ -120,17 +130,24 @@ class ZeroRows:
         return self.zero_rows > 0 and self.all_zero_rows == self.rows
 
     def to_dict(self) -> dict:
-        return {"tensor": self.tensor, "rows": self.rows, "zero_rows": self.zero_rows, "all_zero": self.whole, "max_abs": self.max_abs}
+        return {
+            "tensor": self.tensor,
+            "rows": self.rows,
+            "zero_rows": self.zero_rows,
+            "all_zero": self.whole,
+            "max_abs": self.max_abs,
+            "cause": "global_scale" if self.set_max is not None else "scale_range",
+        }
 
     def note(self) -> str:
         if self.whole:
             return (
                 f"{self.tensor}: every quantized value is zero although the source is not (largest |value| {self.max_abs:.3g}, "
-                f"below the smallest step of its scales: {_WHY}): the layer computes zeros; keep it dense with --ignore"
+                f"{self.cause()}): the layer computes zeros; keep it dense with --ignore"
             )
         return (
             f"{self.tensor}: {self.zero_rows} of {self.rows} rows quantize to all zeros although their source is not "
-            f"(largest |value| {self.max_abs:.3g}, below the smallest step of their scales: {_WHY})"
+            f"(largest |value| {self.max_abs:.3g}, {self.cause()})"
         )
 
 
@@ -199,7 +216,9 @@ class ZeroTracker:
             parts.update(scheme.whole_tensor_outputs(tuple(w.shape), gs))
             zero_q, lost = zero_rows(scheme.weight_format.dequantize(parts, scheme.weights), w)
         with self.lock:
-            rec = self.found.setdefault(info.name, ZeroRows(info.name, info.shape[0]))
+            rec = self.found.setdefault(info.name, ZeroRows(info.name, info.shape[0], dtype=str(info.torch_dtype).removeprefix("torch.")))
+            if gs is not None:  # NVFP4's global scale: D(1 / amax) * 2688 (formats.fp4.nvfp4_global_scale), so amax ~ 2688 / gs
+                rec.set_max = FP8_MAX * FP4_MAX / float(gs.reshape(-1)[0])
             rec.all_zero_rows += int((~nonzero).sum()) + int(zero_q.sum())
             rec.zero_rows += int(lost.sum())
             if bool(lost.any()):

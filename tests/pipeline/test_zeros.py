@@ -94,3 +94,24 @@ def test_deferred_path_counts_as_the_direct_one(tmp_path, name):
     if name != "FP8_BLOCK":
         assert rep.zero_rows == int(lost.sum()) and rep.all_zero_rows == int(zero.sum())
     assert rep.zero_rows >= 2 and not rep.whole
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("NVFP4A16", torch.bfloat16), ("NVFP4A16", torch.float16), ("W4A16", torch.float16), ("FP8_BLOCK", torch.float16)])
+def test_note_names_the_cause_that_applies(tmp_path, name, dtype):
+    """NVFP4's rows vanish under the global scale that the tensor's largest value sets (the note names that value);
+    the other formats' rows vanish because their scales underflow the weight's dtype (the note names the dtype)."""
+    scheme = get_scheme(name)
+    w = weight(dtype, seed=3)
+    save_file({"m.weight": w}, tmp_path / "model.safetensors")
+    info = open_checkpoint(tmp_path, strict=False).tensors["m.weight"]
+    tracker = ZeroTracker()
+    gs = nvfp4_global_scale(tensor_absmax(w), w.dtype) if scheme.global_scale else None
+    tracker.observe(info, 0, w, scheme.quantize_rows(w, gs, impl="torch"), scheme, gs)
+    (rep,) = tracker.reports()
+    note, amax = rep.note(), float(w.abs().max())
+    if scheme.global_scale:
+        assert rep.to_dict()["cause"] == "global_scale" and rep.set_max == pytest.approx(amax, rel=0.01)
+        assert f"largest |value| {rep.set_max:.3g} of the tensor or its fused set" in note and "weight can take" not in note
+    else:
+        assert rep.to_dict()["cause"] == "scale_range" and rep.set_max is None
+        assert f"scales computed for a {str(dtype).removeprefix('torch.')} weight" in note and "global scale" not in note
