@@ -115,18 +115,28 @@ def dense_shape(m: Module) -> tuple[int, int]:
     return fmt.dense_shape({p: tuple(i.shape) for p, i in m.parts.items()}, WeightArgs.from_dict(m.weights, num_bits=4), shape)
 
 
-def module_rows(m: Module, r0: int, r1: int, mapped: bool = False) -> dict[str, torch.Tensor]:
-    """The compressed tensors of module ``m`` that cover dense rows ``[r0, r1)`` (:func:`~ctconvert.formats.base.part_rows`).
-    ``mapped``: row ranges are read-only views of the mapped files (:func:`.safetensors_io.map_rows`: no copy)."""
+def module_spans(m: Module, r0: int, r1: int) -> dict[str, tuple[TensorInfo, int | None, int | None]]:
+    """Which stored tensors of module ``m``, and which of their rows, cover dense rows ``[r0, r1)``
+    (:func:`~ctconvert.formats.base.part_rows`): part -> ``(tensor, a, b)``, rows ``[a, b)`` of it, or ``(tensor,
+    None, None)``: all of it (per-tensor and global scales)."""
     args = WeightArgs.from_dict(m.weights)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, tuple[TensorInfo, int | None, int | None]] = {}
     for part, info in m.parts.items():
         rows = part_rows(part, tuple(info.shape), info.dtype, r0, r1, args)
         if rows is None:
-            out[part] = read_tensor(info)
+            out[part] = (info, None, None)
         elif rows is not False:
-            out[part] = map_rows(info, *rows) if mapped else read_rows(info, *rows)
+            out[part] = (info, *rows)
     return out
+
+
+def module_rows(m: Module, r0: int, r1: int, mapped: bool = False) -> dict[str, torch.Tensor]:
+    """The compressed tensors of module ``m`` that cover dense rows ``[r0, r1)`` (:func:`module_spans`, read).
+    ``mapped``: row ranges are read-only views of the mapped files (:func:`.safetensors_io.map_rows`: no copy)."""
+    return {
+        part: read_tensor(info) if a is None else map_rows(info, a, b) if mapped else read_rows(info, a, b)
+        for part, (info, a, b) in module_spans(m, r0, r1).items()
+    }
 
 
 def dense_row_chunks(m: Module, chunk_elems: int, dtype: torch.dtype | None = None, alloc=None, mapped: bool = False):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.safetensors_io import TensorInfo
+from ..checkpoint.safetensors_io import TensorInfo, read_bytes
 
 __all__ = ["StoredRows", "on_device", "read_stored"]
 
@@ -54,17 +54,26 @@ class StoredRows:
 
 
 def read_stored(info: TensorInfo, r0: int, r1: int, pool) -> StoredRows:
-    """Read the stored rows behind dense rows ``[r0, r1)`` of ``info`` (:meth:`VirtualDense.stored_rows`) into one
-    buffer of ``pool`` (a :class:`~.buffers.PinnedPool`), each part at a 64-byte aligned offset. Raises
-    :class:`BadInputError` (a short file, a shape the source's tensors do not have) naming the tensor."""
-    got = info.virtual.stored_rows(r0, r1)
-    layout, off = [], 0
-    for name, t in got.items():
-        n = t.numel() * t.element_size()
-        layout.append((name, off, n, t.dtype, tuple(t.shape)))
+    """Read the stored rows behind dense rows ``[r0, r1)`` of ``info`` (:meth:`VirtualDense.stored_spans`) into one
+    buffer of ``pool`` (a :class:`~.buffers.PinnedPool`), each part at a 64-byte aligned offset, straight from the
+    files (``preadv`` into the buffer: no tensor of their own first, no second copy). Raises
+    :class:`BadInputError` (a short file, a shape the source's tensors do not have) naming the tensor.
+
+    Reading each part into a new tensor and copying it over took a reader thread 1.6 s for an 8B FP8-block
+    source on an H100 (its fresh pages faulted in as the file was copied into them), against 0.7 s for the
+    dense source's twice as many bytes read into pooled buffers."""
+    layout, reads, off = [], [], 0
+    for name, (src, a, b) in info.virtual.stored_spans(r0, r1).items():
+        if a is None:  # the whole tensor
+            shape, skip, n = tuple(src.shape), 0, src.nbytes
+        else:
+            row_bytes = src.nbytes // src.shape[0] if src.shape and src.shape[0] else src.nbytes
+            shape, skip, n = (b - a, *src.shape[1:]), a * row_bytes, (b - a) * row_bytes
+        layout.append((name, off, n, src.torch_dtype, shape))
+        reads.append((src, skip, off, n))
         off += -(-n // _ALIGN) * _ALIGN
     buf = pool.get(max(1, off))
-    for (_, start, n, _, _), t in zip(layout, got.values()):
+    for src, skip, start, n in reads:
         if n:
-            buf[start : start + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+            read_bytes(src, skip, n, out=buf[start : start + n])
     return StoredRows(info, r0, r1, buf, layout)

@@ -26,7 +26,7 @@ import torch
 
 from ..checkpoint.naming import is_linear_weight
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.safetensors_io import DTYPES, TensorInfo, map_rows
+from ..checkpoint.safetensors_io import DTYPES, TensorInfo, map_rows, read_rows, read_tensor
 from ..errors import BadInputError
 
 __all__ = [
@@ -120,10 +120,16 @@ class SourceModule:
     #: there, giving the bytes :meth:`dense` gives (elementwise IEEE arithmetic only: conversions, products, roundings)
     on_device: ClassVar[bool] = False
 
-    def stored_rows(self, r0: int, r1: int) -> dict[str, torch.Tensor]:
-        """The stored tensors' rows that dense rows ``[r0, r1)`` are computed from (CPU tensors; ``r0`` a multiple of
-        :attr:`align`), for :meth:`dense_from` on another device."""
+    def stored_spans(self, r0: int, r1: int) -> dict[str, tuple[TensorInfo, int | None, int | None]]:
+        """Where the stored rows that dense rows ``[r0, r1)`` are computed from lie (``r0`` a multiple of
+        :attr:`align`): part name -> ``(stored tensor, a, b)``, its rows ``[a, b)``, or ``(tensor, None, None)``, all
+        of it. A reader may place them in a buffer of its own (``pipeline/stored.py``: page-locked, for a GPU)."""
         raise NotImplementedError
+
+    def stored_rows(self, r0: int, r1: int) -> dict[str, torch.Tensor]:
+        """The stored tensors' rows that dense rows ``[r0, r1)`` are computed from (CPU tensors read from
+        :meth:`stored_spans`), for :meth:`dense_from` on another device."""
+        return {name: read_tensor(info) if a is None else read_rows(info, a, b) for name, (info, a, b) in self.stored_spans(r0, r1).items()}
 
     def dense_from(self, parts: dict[str, torch.Tensor], r0: int, r1: int) -> torch.Tensor:
         """Dense rows ``[r0, r1)`` from :meth:`stored_rows`' tensors, on their device (the torch reference)."""
@@ -279,6 +285,11 @@ class VirtualDense:
         aligned range); raises :class:`BadInputError` naming the module's tensor as :meth:`rows` does."""
         with self._naming():
             return self.mod.stored_rows(*self._aligned(r0, r1))
+
+    def stored_spans(self, r0: int, r1: int) -> dict[str, tuple[TensorInfo, int | None, int | None]]:
+        """Where :meth:`stored_rows`' rows lie (:meth:`SourceModule.stored_spans` of the aligned range)."""
+        with self._naming():
+            return self.mod.stored_spans(*self._aligned(r0, r1))
 
     def dense_from(self, parts: dict[str, torch.Tensor], r0: int, r1: int) -> torch.Tensor:
         """Dense rows ``[r0, r1)`` of this weight's dtype from :meth:`stored_rows`' tensors, on their device: the

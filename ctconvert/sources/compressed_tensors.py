@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, dense_rows, dense_shape, module_rows, modules_of
+from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, dense_rows, dense_shape, module_spans, modules_of
 from ..checkpoint.naming import FLOAT_DTYPES
 from ..errors import BadInputError, UnsupportedError
 from ..formats import CompressionFormat, WeightArgs, get_format
@@ -47,8 +47,8 @@ class CompressedTensorsModule(SourceModule):
         any device. The packed and FP4 formats stay on the CPU kernel."""
         return self.args["module"].format == CompressionFormat.FLOAT_QUANTIZED.value
 
-    def stored_rows(self, r0: int, r1: int) -> dict[str, torch.Tensor]:
-        return module_rows(self.args["module"], r0, r1)
+    def stored_spans(self, r0: int, r1: int) -> dict:
+        return module_spans(self.args["module"], r0, r1)
 
     def dense_from(self, parts: dict[str, torch.Tensor], r0: int, r1: int) -> torch.Tensor:
         m = self.args["module"]

@@ -15,7 +15,6 @@ import torch
 
 from ..checkpoint.modules import ACT_PARTS
 from ..checkpoint.naming import FLOAT_DTYPES
-from ..checkpoint.safetensors_io import read_rows
 from ..errors import BadInputError, UnsupportedError
 from ..formats.foreign import fp8_block_dequantize
 from .base import SourceFormat, SourceModule, at, shape_is
@@ -39,9 +38,9 @@ class FP8BlockModule(SourceModule):
     def dense(self, r0: int, r1: int) -> torch.Tensor:
         return self.dense_from(self.stored_rows(r0, r1), r0, r1)
 
-    def stored_rows(self, r0: int, r1: int) -> dict[str, torch.Tensor]:
+    def stored_spans(self, r0: int, r1: int) -> dict:
         bh, _ = self.args["block"]
-        return {"weight": read_rows(self.parts["weight"], r0, r1), "weight_scale_inv": read_rows(self.parts["weight_scale_inv"], r0 // bh, math.ceil(r1 / bh))}
+        return {"weight": (self.parts["weight"], r0, r1), "weight_scale_inv": (self.parts["weight_scale_inv"], r0 // bh, math.ceil(r1 / bh))}
 
     def dense_from(self, parts: dict[str, torch.Tensor], r0: int, r1: int) -> torch.Tensor:
         return fp8_block_dequantize(parts["weight"], parts["weight_scale_inv"], tuple(self.args["block"]))
