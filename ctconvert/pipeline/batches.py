@@ -56,13 +56,15 @@ class BatchResult:
     ``weight_global_scale`` ...) -> the ``B * M`` members' tensors stacked ``[B * M, *shape]`` (on the batch's
     device, or on the CPU for a format's host-made outputs such as ``weight_shape``); ``global_scales``: each
     member's NVFP4 global scale ``[1]`` (its unit's; None for other schemes); ``scales``: the stacked
-    ``weight_scale`` the quantizer returned (what the zero-row scan reads; None where it returned none)."""
+    ``weight_scale`` the quantizer returned (what the zero-row scan reads; None where it returned none);
+    ``set_amax``: each member's unit's absmax ``[1]`` that its global scale came from (None for other schemes)."""
 
     amax: torch.Tensor
     prefixes: list[str]
     outputs: dict[str, torch.Tensor]
     global_scales: list = None
     scales: torch.Tensor | None = None
+    set_amax: list = None
 
     def writes(self) -> list[tuple[str, list[str], torch.Tensor]]:
         """``(output name, the members' tensor names, the stacked tensor)`` per output name."""
@@ -133,11 +135,12 @@ def quantize_batch(units: list[WorkUnit], infos: list[list[TensorInfo]], x: torc
     amax = torch.linalg.vector_norm(flat, float("inf"), dim=1).to(torch.float32) if flat.shape[1] else torch.zeros(b * m, device=x.device)
     if check_now:
         raise_first_nonfinite(infos, amax)
-    gs = ws = None
+    gs = ws = unit_amax = None
     if scheme.global_scale:
         from ..formats.fp4 import nvfp4_global_scale
 
-        gs = nvfp4_global_scale(amax.reshape(b, m).amax(dim=1), x.dtype)  # [B]: each unit's set scale
+        unit_amax = amax.reshape(b, m).amax(dim=1)
+        gs = nvfp4_global_scale(unit_amax, x.dtype)  # [B]: each unit's set scale
     if per_tensor_scale(scheme):
         ws = fp8_tensor_scale(amax, x.dtype)  # [B * M]: each member's scale
     outputs = _one_call(scheme, x, gs, impl) if ws is None and x.shape[2] % scheme.row_align == 0 else None
@@ -152,8 +155,9 @@ def quantize_batch(units: list[WorkUnit], infos: list[list[TensorInfo]], x: torc
     outputs = {**(outputs or {}), **{key: torch.stack(ts) for key, ts in per_key.items()}}
     prefixes = [unit.modules[mm] + "." for unit in units for mm in range(m)]
     per_member_gs = [gs[j // m : j // m + 1] if gs is not None else None for j in range(b * m)]
+    per_member_amax = [unit_amax[j // m : j // m + 1] if unit_amax is not None else None for j in range(b * m)]
     scales = outputs["weight_scale"] if "weight_scale" in quantized else None
-    return BatchResult(amax, prefixes, outputs, per_member_gs, scales)
+    return BatchResult(amax, prefixes, outputs, per_member_gs, scales, per_member_amax)
 
 
 def _one_call(scheme, x: torch.Tensor, gs: torch.Tensor | None, impl: str) -> dict[str, torch.Tensor] | None:

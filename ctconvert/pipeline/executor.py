@@ -447,7 +447,7 @@ class Executor:
             self.flags.add_stacked(job.unit, members, res.amax, self.stream)
             self.flags.resolve()
         if self.opts.zeros is not None:
-            self.opts.zeros.observe_stacked(members, x.reshape(len(members), *first.shape), res.scales, units[0].scheme, res.global_scales)
+            self.opts.zeros.observe_stacked(members, x.reshape(len(members), *first.shape), res.scales, units[0].scheme, res.global_scales, res.set_amax)
         rows = res.writes()
         if self.cuda:
             staged, ev, reserved = self._stage([t for _, _, t in rows])
@@ -517,7 +517,7 @@ class Executor:
         if self._scales_show_nonfinite(unit) and not bool(torch.isfinite(out["weight_scale"]).all()):
             raise_nonfinite(info)
         if self.opts.zeros is not None:
-            self.opts.zeros.observe(info, job.start, w, out, unit.scheme, gs)
+            self.opts.zeros.observe(info, job.start, w, out, unit.scheme, gs, st.scales.global_amax)
         last = job.stop == info.shape[0]
         if self.opts.repack is None:  # row chunks go straight to their offsets
             writes = []

@@ -85,6 +85,7 @@ class UnitScales:
     amax: torch.Tensor | None = None
     member_amax: dict[int, torch.Tensor] = field(default_factory=dict)
     global_scale: torch.Tensor | None = None
+    global_amax: torch.Tensor | None = None  # NVFP4: the absmax the set scale came from (zero-row notes name it)
     weight_scale: dict[int, torch.Tensor] = field(default_factory=dict)
     searches: dict[int, TensorSearch] = field(default_factory=dict)
 
@@ -126,5 +127,6 @@ class UnitScales:
                 amax = torch.stack([ts.absmax for ts in self.searches.values()]).max()
                 amax = amax if self.amax is None else amax.to(self.amax.device)
             self.global_scale = nvfp4_global_scale(amax, set_dtype)
+            self.global_amax = amax
         if per_tensor_scale(scheme):
             self.weight_scale = {m: fp8_tensor_scale(a, dtypes[m]) for m, a in self.member_amax.items()}

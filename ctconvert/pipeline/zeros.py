@@ -95,6 +95,13 @@ def _key(dev: torch.device) -> str:
     return str(dev)
 
 
+def _global_scale_overflows(amax: float, dtype: torch.dtype) -> bool:
+    """Whether NVFP4's global scale for absmax ``amax``, ``D(D(1 / amax) * 2688)``, is beyond the range of ``dtype``
+    D (then stored as 1: :func:`ctconvert.formats.fp4.nvfp4_global_scale`, as compressed-tensors' ``generate_gparam``)."""
+    inv = torch.tensor(1.0 / max(amax, torch.finfo(dtype).tiny), dtype=torch.float32).to(dtype)
+    return bool(torch.isinf(inv) or torch.isinf((inv.float() * (FP8_MAX * FP4_MAX)).to(dtype)))
+
+
 def zero_rows(deq: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows all zero in deq, of those the rows not all zero in src)``: bool ``[r]`` each, for ``[r, K]`` tensors."""
     zero = (deq == 0).all(dim=1)
@@ -112,11 +119,18 @@ class ZeroRows:
     max_abs: float = 0.0  # the largest |value| among the zero_rows
     dtype: str = ""  # the source weight's dtype (its scales underflow there, without a global scale)
     set_max: float | None = None  # NVFP4: the largest |value| of the tensor or fused set that set the global scale
+    saturated: bool = False  # NVFP4: that global scale (2688 / set_max) is beyond the dtype's range, so stored as 1
 
     def cause(self) -> str:
         """Why these rows' values fall below the smallest step of their scales: the global scale that the tensor's
-        or its fused set's largest value sets (NVFP4: E4M3 group scales relative to it), else the range of scales
-        computed for a weight of this dtype (compressed-tensors then substitutes a small scale, :mod:`.zeros`)."""
+        or its fused set's largest value sets (NVFP4: E4M3 group scales relative to it), or, where that global scale
+        is beyond the dtype's range and stored as 1 (fp16 sets of largest value under ~0.04), or without a global scale,
+        the range of scales computed for a weight of this dtype (compressed-tensors then substitutes a small scale)."""
+        if self.saturated:
+            return (
+                f"below the smallest step of their E4M3 group scales: the global scale 2688 / {self.set_max:.3g} that the "
+                f"largest |value| of the tensor or its fused set needs is beyond {self.dtype}'s range, so it is stored as 1"
+            )
         if self.set_max is not None:
             return (
                 f"below the smallest step of their E4M3 group scales under the global scale that the largest |value| "
@@ -136,7 +150,8 @@ class ZeroRows:
             "zero_rows": self.zero_rows,
             "all_zero": self.whole,
             "max_abs": self.max_abs,
-            "cause": "global_scale" if self.set_max is not None else "scale_range",
+            "cause": "global_scale" if self.set_max is not None and not self.saturated else "scale_range",
+            "set_max": self.set_max,
         }
 
     def note(self) -> str:
@@ -156,36 +171,38 @@ class ZeroTracker:
     """Collects :class:`ZeroRows` over a conversion (shared by the executors of every device)."""
 
     found: dict[str, ZeroRows] = field(default_factory=dict)
-    pending: dict[str, list] = field(default_factory=dict)  # device -> [(info, r0, mask, scheme, gs)], resolved at the end
+    pending: dict[str, list] = field(default_factory=dict)  # device -> [(info, r0, mask, scheme, gs, set_amax)], resolved at the end
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def observe(self, info: TensorInfo, r0: int, w: torch.Tensor, out: dict[str, torch.Tensor], scheme, gs: torch.Tensor | None) -> None:
-        """One quantized chunk (rows ``r0 ..`` of ``info``): ``w`` its source rows, ``out`` its outputs."""
+    def observe(self, info: TensorInfo, r0: int, w: torch.Tensor, out: dict[str, torch.Tensor], scheme, gs: torch.Tensor | None, set_amax=None) -> None:
+        """One quantized chunk (rows ``r0 ..`` of ``info``): ``w`` its source rows, ``out`` its outputs, ``gs`` NVFP4's
+        global scale and ``set_amax`` the absmax (fp32, one value) it came from (None for other schemes)."""
         mask = candidate_rows(out, scheme.weight_format, scheme.weights, info.torch_dtype, w.shape[0])
         if mask is None:
             return
         if mask.device.type != "cpu":  # no sync on the device: looked at once the run is over
             with self.lock:
-                self.pending.setdefault(_key(mask.device), []).append((info, r0, mask, scheme, gs))
+                self.pending.setdefault(_key(mask.device), []).append((info, r0, mask, scheme, gs, set_amax))
             return
         if mask.numpy().any():
             idx = mask.nonzero().flatten()
-            self._examine(info, idx + r0, w[idx], scheme, gs)
+            self._examine(info, idx + r0, w[idx], scheme, gs, set_amax)
 
-    def observe_stacked(self, infos: list[TensorInfo], w: torch.Tensor, scales: torch.Tensor | None, scheme, gs: list) -> None:
+    def observe_stacked(self, infos: list[TensorInfo], w: torch.Tensor, scales: torch.Tensor | None, scheme, gs: list, set_amax: list | None = None) -> None:
         """:meth:`observe` of ``n`` whole tensors of one shape (a batch, :mod:`.batches`): ``infos`` theirs, ``w``
         ``[n, R, K]`` their values, ``scales`` their ``weight_scale`` outputs stacked ``[n, ...]`` (None: none),
-        ``gs`` each one's NVFP4 global scale ``[1]`` (or None)."""
+        ``gs`` each one's NVFP4 global scale ``[1]`` (or None), ``set_amax`` the absmax each came from (or None)."""
+        set_amax = set_amax or [None] * len(infos)
         mask = stacked_candidates(scales, scheme.weight_format, scheme.weights, infos[0].torch_dtype, w.shape[1])
         if mask is None:
             return
         if mask.device.type != "cpu":
             with self.lock:
-                self.pending.setdefault(_key(mask.device), []).extend((info, 0, mask[j], scheme, gs[j]) for j, info in enumerate(infos))
+                self.pending.setdefault(_key(mask.device), []).extend((info, 0, mask[j], scheme, gs[j], set_amax[j]) for j, info in enumerate(infos))
             return
         for j in mask.numpy().any(axis=1).nonzero()[0].tolist():
             idx = mask[j].nonzero().flatten()
-            self._examine(infos[j], idx, w[j][idx], scheme, gs[j])
+            self._examine(infos[j], idx, w[j][idx], scheme, gs[j], set_amax[j])
 
     def resolve(self, device: torch.device) -> None:
         """Examine the candidate rows the chunks on ``device`` left (after the device is synchronized)."""
@@ -193,19 +210,20 @@ class ZeroTracker:
             entries = self.pending.pop(_key(torch.device(device)), [])
         if not entries:
             return
-        flags = torch.cat([m for _, _, m, _, _ in entries]).cpu()  # one transfer for the whole run
+        flags = torch.cat([e[2] for e in entries]).cpu()  # one transfer for the whole run
         pos = 0
-        for info, r0, mask, scheme, gs in entries:
+        for info, r0, mask, scheme, gs, set_amax in entries:
             part = flags[pos : pos + mask.numel()]
             pos += mask.numel()
             if bool(part.any()):
                 idx = part.nonzero().flatten()
                 rows = torch.cat([read_rows(info, r0 + a, r0 + b) for a, b in _runs(idx.tolist())])
-                self._examine(info, idx + r0, rows, scheme, gs.cpu() if gs is not None else None)
+                self._examine(info, idx + r0, rows, scheme, gs.cpu() if gs is not None else None, set_amax)
 
-    def _examine(self, info: TensorInfo, idx: torch.Tensor, w: torch.Tensor, scheme, gs: torch.Tensor | None) -> None:
+    def _examine(self, info: TensorInfo, idx: torch.Tensor, w: torch.Tensor, scheme, gs: torch.Tensor | None, set_amax=None) -> None:
         """Quantize the candidate rows again on the CPU (torch reference: the same bytes) and count the
-        rows whose dequantized values are all zero, and among them those whose source is not."""
+        rows whose dequantized values are all zero, and among them those whose source is not. ``set_amax``: the
+        absmax NVFP4's global scale ``gs`` came from (None: taken back from ``gs``, 2688 / gs)."""
         w = w.cpu().contiguous()
         gs = gs.cpu() if gs is not None else None
         nonzero = (w != 0).any(dim=1)
@@ -217,8 +235,11 @@ class ZeroTracker:
             zero_q, lost = zero_rows(scheme.weight_format.dequantize(parts, scheme.weights), w)
         with self.lock:
             rec = self.found.setdefault(info.name, ZeroRows(info.name, info.shape[0], dtype=str(info.torch_dtype).removeprefix("torch.")))
-            if gs is not None:  # NVFP4's global scale: D(1 / amax) * 2688 (formats.fp4.nvfp4_global_scale), so amax ~ 2688 / gs
-                rec.set_max = FP8_MAX * FP4_MAX / float(gs.reshape(-1)[0])
+            if gs is not None:  # NVFP4's global scale: D(D(1 / amax) * 2688) (formats.fp4.nvfp4_global_scale)
+                a = float(set_amax.reshape(-1)[0]) if set_amax is not None else FP8_MAX * FP4_MAX / float(gs.reshape(-1)[0])
+                rec.set_max = a
+                # beyond D's range the global scale is stored as 1 (compressed-tensors' generate_gparam): the dtype's range is the cause
+                rec.saturated = _global_scale_overflows(a, info.torch_dtype)
             rec.all_zero_rows += int((~nonzero).sum()) + int(zero_q.sum())
             rec.zero_rows += int(lost.sum())
             if bool(lost.any()):

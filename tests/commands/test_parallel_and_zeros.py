@@ -125,6 +125,13 @@ def test_quantize_reports_rows_quantized_to_zero(tmp_path, scheme, device):
     whole = by["model.layers.1.self_attn.o_proj.weight"]
     assert whole["all_zero"] and whole["zero_rows"] == 256
     assert whole["max_abs"] == pytest.approx(float(t["model.layers.1.self_attn.o_proj.weight"].abs().max()))
+    down = by["model.layers.0.mlp.down_proj.weight"]
+    if scheme == "NVFP4A16":  # the down_proj rows vanish under the global scale its largest value sets; the whole
+        # o_proj of ~1e-7 needs a global scale beyond fp16's range (stored as 1): the dtype's range is the cause
+        assert down["cause"] == "global_scale" and down["set_max"] == float(t["model.layers.0.mlp.down_proj.weight"].abs().max())
+        assert whole["cause"] == "scale_range" and whole["set_max"] == float(t["model.layers.1.self_attn.o_proj.weight"].abs().max())
+    else:
+        assert down["cause"] == whole["cause"] == "scale_range" and down["set_max"] is whole["set_max"] is None
     assert any(n.startswith("model.layers.1.self_attn.o_proj.weight: every quantized value is zero") for n in res.notes)
     assert any(n.startswith(f"model.layers.0.mlp.down_proj.weight: {TINY_ROWS} of 256 rows quantize to all zeros") for n in res.notes)
     # the bytes are compressed-tensors' own, and they do dequantize to zero

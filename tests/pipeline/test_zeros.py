@@ -85,7 +85,7 @@ def test_deferred_path_counts_as_the_direct_one(tmp_path, name):
         out = scheme.quantize_rows(rows, gs, impl="torch")
         direct.observe(info, r0, rows, out, scheme, gs)
         mask = candidate_rows(out, scheme.weight_format, scheme.weights, w.dtype, rows.shape[0])
-        deferred.pending.setdefault("cuda:0", []).append((info, r0, mask, scheme, gs))  # what observe keeps for a GPU chunk
+        deferred.pending.setdefault("cuda:0", []).append((info, r0, mask, scheme, gs, None))  # what observe keeps for a GPU chunk
     deferred.resolve(torch.device("cuda:0"))
     assert [r.to_dict() for r in direct.reports()] == [r.to_dict() for r in deferred.reports()]
     (rep,) = direct.reports()
@@ -96,22 +96,35 @@ def test_deferred_path_counts_as_the_direct_one(tmp_path, name):
     assert rep.zero_rows >= 2 and not rep.whole
 
 
-@pytest.mark.parametrize(("name", "dtype"), [("NVFP4A16", torch.bfloat16), ("NVFP4A16", torch.float16), ("W4A16", torch.float16), ("FP8_BLOCK", torch.float16)])
-def test_note_names_the_cause_that_applies(tmp_path, name, dtype):
-    """NVFP4's rows vanish under the global scale that the tensor's largest value sets (the note names that value);
-    the other formats' rows vanish because their scales underflow the weight's dtype (the note names the dtype)."""
+@pytest.mark.parametrize(
+    ("name", "dtype", "scale"),
+    [(n, d, s) for n in ("NVFP4A16", "NVFP4") for d in (torch.bfloat16, torch.float16) for s in (1.0, 0.02)]
+    + [("W4A16", torch.float16, 1.0), ("FP8_BLOCK", torch.float16, 1.0)],
+)
+def test_note_names_the_cause_that_applies(tmp_path, name, dtype, scale):
+    """NVFP4's rows vanish under the global scale that the tensor's largest value sets (the note names that value,
+    exactly); in fp16, a tensor whose largest value is under ~0.04 needs a global scale beyond fp16's range, stored
+    as 1, and the dtype's range is the cause; the other formats' rows vanish because their scales underflow the
+    weight's dtype (the note names the dtype)."""
     scheme = get_scheme(name)
-    w = weight(dtype, seed=3)
+    w = (weight(torch.float32, seed=3) * scale).to(dtype)  # largest |value| ~0.09, or ~0.002
     save_file({"m.weight": w}, tmp_path / "model.safetensors")
     info = open_checkpoint(tmp_path, strict=False).tensors["m.weight"]
     tracker = ZeroTracker()
-    gs = nvfp4_global_scale(tensor_absmax(w), w.dtype) if scheme.global_scale else None
-    tracker.observe(info, 0, w, scheme.quantize_rows(w, gs, impl="torch"), scheme, gs)
+    amax = tensor_absmax(w)
+    gs = nvfp4_global_scale(amax, w.dtype) if scheme.global_scale else None
+    tracker.observe(info, 0, w, scheme.quantize_rows(w, gs, impl="torch"), scheme, gs, amax if gs is not None else None)
     (rep,) = tracker.reports()
-    note, amax = rep.note(), float(w.abs().max())
+    note, d = rep.note(), rep.to_dict()
+    overflow = scheme.global_scale and dtype == torch.float16 and scale < 1
+    assert overflow == (scheme.global_scale and float(gs) == 1.0)  # the stored global scale says which case this is
     if scheme.global_scale:
-        assert rep.to_dict()["cause"] == "global_scale" and rep.set_max == pytest.approx(amax, rel=0.01)
-        assert f"largest |value| {rep.set_max:.3g} of the tensor or its fused set" in note and "weight can take" not in note
+        assert rep.set_max == d["set_max"] == float(w.abs().max())
+    if scheme.global_scale and not overflow:
+        assert d["cause"] == "global_scale" and "weight can take" not in note and "range" not in note
+        assert f"largest |value| {rep.set_max:.3g} of the tensor or its fused set" in note
+    elif overflow:
+        assert d["cause"] == "scale_range" and f"2688 / {rep.set_max:.3g}" in note and "beyond float16's range, so it is stored as 1" in note
     else:
-        assert rep.to_dict()["cause"] == "scale_range" and rep.set_max is None
+        assert d["cause"] == "scale_range" and d["set_max"] is None
         assert f"scales computed for a {str(dtype).removeprefix('torch.')} weight" in note and "global scale" not in note
