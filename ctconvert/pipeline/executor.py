@@ -77,7 +77,17 @@ from .reads import COPY_CHUNK_BYTES, Read, batching, make_reads, split_units, un
 from .scales import UnitScales, needs_absmax_pass, observer_of
 from .stored import StoredRows, on_device, read_stored
 
-__all__ = ["COPY_CHUNK_BYTES", "DEFAULT_CHUNK_ELEMS", "DEFAULT_HOLD_BYTES", "ExecOptions", "Read", "make_reads", "split_units", "unit_bytes", "warm_up_shapes"]
+__all__ = [
+    "COPY_CHUNK_BYTES",
+    "DEFAULT_CHUNK_ELEMS",
+    "DEFAULT_HOLD_BYTES",
+    "ExecOptions",
+    "Read",
+    "make_reads",
+    "split_units",
+    "unit_bytes",
+    "warm_up_shapes",
+]
 
 READ_AHEAD = 4  # chunks read ahead of the one being computed
 WRITE_BEHIND = 2  # CPU: writes queued per writer thread, all in one queue (a copy chunk is 64 MiB)
@@ -258,8 +268,7 @@ class Executor:
     def _read_copy(self, info: TensorInfo, start: int, stop: int | None) -> tuple[torch.Tensor, bool]:
         """Bytes ``[start, stop)`` of a copied tensor (``stop`` None: to its end) and whether they hold NaN/inf."""
         n = (info.nbytes if stop is None else stop) - start
-        out = torch.empty(n, dtype=torch.uint8, pin_memory=True) if self.cuda else None  # GPU: torch's cached pinned blocks, reused
-        data = map_bytes(info, start, n) if out is None and self.opts.map_input else read_bytes(info, start, n, out=out)
+        data = (map_bytes if not self.cuda and self.opts.map_input else read_bytes)(info, start, n)
         return data, copy_nonfinite(info, data, self.native_checks)
 
     def _reader(self, jobs, q: queue.Queue, stop: threading.Event):
