@@ -65,7 +65,8 @@ class RowErrors:
         self.group = int(args.group_size) if grouped else None  # scales per group of columns: a zeroed group is judged too
         self.zero_groups: list[tuple[int, torch.Tensor]] = []  # per chunk: its first row, each row's largest zeroed group
         self.tensor_amax = 0.0
-        #: per chunk: its first row, its rows' relative L2 (zero rows: 0), their reference absmax, the chunk's absmax, and
+        #: per chunk: its first row, its rows' relative L2 (zero rows: 0), their reference absmax, the largest absmax of the
+        #: rows each shares its scales with (block scales: each row's block of rows, a tensor; else the chunk's, a float), and
         #: which rows are all zero in the output and not in the reference
         self.chunks: list[tuple[int, torch.Tensor, torch.Tensor, float, torch.Tensor]] = []
 
@@ -80,7 +81,8 @@ class RowErrors:
         rel = torch.where(sr > 0, (se / sr.clamp_min(torch.finfo(torch.float32).tiny)).sqrt(), torch.where(se > 0, math.inf, 0.0))
         rel = torch.where(lost, torch.zeros_like(rel), rel)  # judged by the zero-row rule
         chunk_amax = float(amax.max())
-        self.chunks.append((r0, rel.cpu(), amax.cpu(), chunk_amax, lost.cpu()))
+        span = _block_spans(amax, r0, int(self.args.block_structure[0])) if self.args.strategy == "block" else chunk_amax
+        self.chunks.append((r0, rel.cpu(), amax.cpu(), span, lost.cpu()))
         g = self.group
         if g and got.shape[1] % g == 0 and got.shape[1] > g:  # groups all zero in a row that is not: their reference absmax
             gamax = want.reshape(got.shape[0], -1, g).abs().amax(dim=2)
@@ -100,7 +102,9 @@ class RowErrors:
         coarse = ROW_SCALE_MAX.get((self.args.type, int(self.args.num_bits or 0)), 0.0) * torch.finfo(self.dtype).tiny if own else 0.0
         worst, worst_row, near, zero, bad, first, judged_rows = 0.0, None, 0, 0, 0, None, 0
 
-        def floor_of(span: float) -> float:  # the scale a row shares: the tensor's, or (block scales: their rows lie in the chunk) at most the chunk's
+        def floor_of(span):  # the scale a row shares: the tensor's, its block's (per row), or at most the chunk's
+            if torch.is_tensor(span):
+                return (relative * span).clamp_min(absolute)
             return max(absolute, relative * (self.tensor_amax if self.args.strategy == "tensor" else span))
 
         for r0, rel, amax, span, lost in self.chunks:
@@ -116,7 +120,8 @@ class RowErrors:
             zero, bad = zero + int(lost.sum()), bad + int(over.sum())
             if first is None and bool(over.any()):
                 j = int(over.nonzero()[0])
-                first = {"first_unexplained_zero_row": r0 + j, "its_reference_absmax": float(amax[j]), "zero_row_floor": floor}
+                f = float(floor[j]) if torch.is_tensor(floor) else floor
+                first = {"first_unexplained_zero_row": r0 + j, "its_reference_absmax": float(amax[j]), "zero_row_floor": f}
         zg, zg_first = 0, None
         for (r0, gmax), (_, _, _, span, _) in zip(self.zero_groups, self.chunks):
             over = gmax >= floor_of(span)
@@ -130,6 +135,16 @@ class RowErrors:
         out["module_limits_judged"] = judged_rows > 0 or near == 0  # not where every row lies near the floor (some not zero)
         out.update(first or {})
         return out
+
+
+def _block_spans(amax: torch.Tensor, r0: int, rows: int) -> torch.Tensor:
+    """Per row of a chunk starting at row ``r0``: the largest reference absmax of its block of ``rows`` rows (the rows
+    whose block scales it shares, in some column block) within the chunk (fp32 ``[r]`` on the CPU)."""
+    a = amax.float().cpu()
+    ids = (torch.arange(a.numel()) + r0) // max(1, rows)
+    ids -= int(ids[0])
+    top = torch.zeros(int(ids[-1]) + 1).scatter_reduce(0, ids, a, "amax", include_self=False)
+    return top[ids]
 
 
 def rows_ok(row: dict) -> bool:

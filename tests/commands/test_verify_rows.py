@@ -341,3 +341,28 @@ def test_one_zeroed_group_scale_fails_though_the_row_error_stays_within(tiny_lla
     if scheme == "NVFP4A16":  # one group of 16: the row limit alone would have passed it
         assert row["worst_row_rel_l2"] <= row["row_threshold"]
     assert any("a group scale was zeroed" in m and "row 5" in m for m in _errors(rep)[MODULE]), _errors(rep)
+
+
+def test_rows_of_a_block_far_below_another_blocks_huge_row_are_judged(tmp_path):
+    """FP8_BLOCK: a huge row in the first 128-row block does not set the floor of the rows in the other blocks (their
+    own block scales are small): two rows of the second block swapped (values only: same block, same scales, still on
+    the grid, and the module's error is the huge row's) fail on the row error; the correct output passes and judges
+    those rows. (Before, the floor came from the largest row of the whole chunk: the swap passed verify.)"""
+    t = llama_tensors(LLAMA_CONFIG, seed=4)
+    w = t[MODULE + ".weight"]
+    w[3] = torch.randn(w.shape[1], generator=torch.Generator().manual_seed(9)).to(w.dtype) * 1e4
+    src = write_checkpoint(tmp_path / "src", t, LLAMA_CONFIG)
+    out = tmp_path / "q"
+    api.quantize(src, out, "FP8_BLOCK")
+    good = {r["module"]: r for r in api.verify(out, src)["tensors"]}[MODULE]
+    assert good["ok"] and good["rows_ok"] and good["rows_judged"] >= w.shape[0] - 128 and good["rows_near_floor"] < 128
+
+    def swap(ts):
+        q = ts[f"{MODULE}.weight"]
+        q[[130, 200]] = q[[200, 130]]
+
+    rep = api.verify(_edit(out, tmp_path, "block-swap", swap), src)
+    row = {r["module"]: r for r in rep["tensors"]}[MODULE]
+    assert row["rel_l2"] <= row["threshold"] and not row["ok"] and not row["rows_ok"]
+    assert row["worst_row"] in (130, 200) and row["worst_row_rel_l2"] > 1.2
+    assert any(f"row {row['worst_row']} has relative L2 error" in m for m in _errors(rep)[MODULE])
