@@ -59,6 +59,10 @@ class RowErrors:
     then :meth:`result`. ``fmt``/``args``: the module's format object and WeightArgs, ``dtype`` the dense weight's
     (the dtype its scales were computed in), ``global_scale`` its NVFP4 ``weight_global_scale`` (or None)."""
 
+    #: the output was requantized from a quantized checkpoint other than the reference (verify: ``derived_from``), whose
+    #: own rounding may have zeroed rows or groups: those are warned of, not judged (:func:`rows_ok`, :func:`row_problems`)
+    rounded_elsewhere = False
+
     def __init__(self, fmt, args, dtype: torch.dtype, global_scale: float | None = None):
         self.fmt, self.args, self.dtype, self.global_scale = fmt, args, dtype, global_scale
         grouped = args.strategy in ("group", "tensor_group") and args.group_size
@@ -132,6 +136,7 @@ class RowErrors:
         out = {"worst_row_rel_l2": worst, "worst_row": worst_row, "rows_near_floor": near, "rows_judged": judged_rows, "zero_rows": zero}
         out.update(zero_group_rows=zg, **(zg_first or {}))
         out["zero_rows_unexplained"] = bad
+        out["rounded_elsewhere"] = self.rounded_elsewhere
         out["module_limits_judged"] = judged_rows > 0 or near == 0  # not where every row lies near the floor (some not zero)
         out.update(first or {})
         return out
@@ -148,9 +153,12 @@ def _block_spans(amax: torch.Tensor, r0: int, rows: int) -> torch.Tensor:
 
 
 def rows_ok(row: dict) -> bool:
-    """No row of the module is wrong: none all zero that the format explains not, the worst within ``row_threshold``."""
+    """No row of the module is wrong: none all zero that the format explains not, the worst within ``row_threshold``.
+    Rows and groups all zero are not judged where the output was requantized from a quantized checkpoint other than
+    the reference (``rounded_elsewhere``: that checkpoint's own rounding may have zeroed them; :func:`row_problems` warns)."""
     limit = row.get("row_threshold")
-    return not row["zero_rows_unexplained"] and not row.get("zero_group_rows") and (limit is None or row["worst_row_rel_l2"] <= limit)
+    zeros_ok = row.get("rounded_elsewhere") or not row["zero_rows_unexplained"] and not row.get("zero_group_rows")
+    return bool(zeros_ok) and (limit is None or row["worst_row_rel_l2"] <= limit)
 
 
 def row_problems(row: dict, module: str, n: int) -> list[Problem]:
@@ -161,7 +169,20 @@ def row_problems(row: dict, module: str, n: int) -> list[Problem]:
     row limit (an error naming it)."""
     out = []
     lost, bad = row["zero_rows"], row["zero_rows_unexplained"]
-    if bad:
+    if (bad or row.get("zero_group_rows")) and row.get("rounded_elsewhere"):  # the source's own rounding may have zeroed them
+        what = f"{plural(bad, 'row')} of {n} all zero" if bad else f"{plural(row['zero_group_rows'], 'row')} of {n} with a group all zero"
+        out.append(
+            Problem(
+                "warning",
+                f"{what} in the output but not in the reference, though not too small for {row['format']}: the output was "
+                "requantized from a quantized checkpoint, whose own rounding may have zeroed them; give that checkpoint as "
+                "--reference to judge them",
+                None,
+                module,
+            )
+        )
+        bad = 0
+    elif bad:
         what = "every row is" if bad == n else f"{bad} of {n} rows are"
         out.append(
             Problem(
@@ -183,7 +204,7 @@ def row_problems(row: dict, module: str, n: int) -> list[Problem]:
             "quantization's error grows; its values were judged one by one"
         )
         out.append(Problem("warning", why, None, module))
-    if zg := row.get("zero_group_rows"):
+    if (zg := row.get("zero_group_rows")) and not row.get("rounded_elsewhere"):
         out.append(
             Problem(
                 "error",
