@@ -88,6 +88,14 @@ def nvfp4_global_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return gs.reshape(-1).to(torch.float32)
 
 
+def nvfp4_global_scale_overflows(amax: float, dtype: torch.dtype) -> bool:
+    """Whether :func:`nvfp4_global_scale` of absmax ``amax`` (a Python float of a ``dtype`` value) is beyond the range
+    of ``dtype``, so that it is stored as 1.0 instead (fp16 sets whose largest |value| is under ~0.04: 2688 / amax >
+    65504); the same roundings, without the substitution."""
+    inv = 1.0 / torch.tensor(max(amax, torch.finfo(dtype).tiny), dtype=torch.float32)
+    return not bool(torch.isfinite(rd(rd(inv, dtype) * (FP8_MAX * FP4_MAX), dtype)))
+
+
 def quantize_nvfp4(w: torch.Tensor, global_scale: torch.Tensor, ranges=None) -> dict[str, torch.Tensor]:
     """NVFP4 weight with a given global scale (shared by the fused set).
 

@@ -27,6 +27,7 @@ import torch
 
 from ..checkpoint.safetensors_io import TensorInfo, read_rows
 from ..formats.common import FP4_MAX, FP8_MAX
+from ..formats.fp4 import nvfp4_global_scale_overflows
 
 __all__ = ["ZeroRows", "ZeroTracker", "candidate_rows", "stacked_candidates", "zero_rows"]
 
@@ -93,13 +94,6 @@ def _key(dev: torch.device) -> str:
     if dev.type == "cuda" and dev.index is None:
         return f"cuda:{torch.cuda.current_device()}"
     return str(dev)
-
-
-def _global_scale_overflows(amax: float, dtype: torch.dtype) -> bool:
-    """Whether NVFP4's global scale for absmax ``amax``, ``D(D(1 / amax) * 2688)``, is beyond the range of ``dtype``
-    D (then stored as 1: :func:`ctconvert.formats.fp4.nvfp4_global_scale`, as compressed-tensors' ``generate_gparam``)."""
-    inv = torch.tensor(1.0 / max(amax, torch.finfo(dtype).tiny), dtype=torch.float32).to(dtype)
-    return bool(torch.isinf(inv) or torch.isinf((inv.float() * (FP8_MAX * FP4_MAX)).to(dtype)))
 
 
 def zero_rows(deq: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,7 +233,7 @@ class ZeroTracker:
                 a = float(set_amax.reshape(-1)[0]) if set_amax is not None else FP8_MAX * FP4_MAX / float(gs.reshape(-1)[0])
                 rec.set_max = a
                 # beyond D's range the global scale is stored as 1 (compressed-tensors' generate_gparam): the dtype's range is the cause
-                rec.saturated = _global_scale_overflows(a, info.torch_dtype)
+                rec.saturated = nvfp4_global_scale_overflows(a, info.torch_dtype)
             rec.all_zero_rows += int((~nonzero).sum()) + int(zero_q.sum())
             rec.zero_rows += int(lost.sum())
             if bool(lost.any()):

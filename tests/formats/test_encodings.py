@@ -102,3 +102,18 @@ def test_fp4_unpack_inverts_pack():
     codes = torch.arange(16, dtype=torch.uint8).repeat(3, 2)
     vals = fp4.unpack_e2m1(fp4.pack_nibbles(codes))
     assert torch.equal(fp4.e2m1_codes(vals) & 0x7, codes & 0x7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_global_scale_overflow_is_where_the_scale_is_substituted(dtype):
+    """nvfp4_global_scale_overflows says exactly where nvfp4_global_scale stores 1.0 for a scale beyond the dtype's range:
+    over a sweep of absmax values (the values of ``dtype``), the stored scale is 1.0 and 2688 / amax far from 1 there, and
+    nowhere else (fp16: under ~0.041; bf16 and fp32 only for absmax near their smallest normals)."""
+    amax = torch.logspace(-45, 5, 4001, dtype=torch.float64).to(dtype)
+    amax = torch.unique(amax[amax > 0]).to(torch.float32)
+    gs = fp4.nvfp4_global_scale(amax, dtype)
+    got = torch.tensor([fp4.nvfp4_global_scale_overflows(float(a), dtype) for a in amax])
+    want = (gs == 1.0) & ((2688.0 / amax.double() - 1).abs() > 0.01)
+    assert torch.equal(got, want)
+    if dtype == torch.float16:
+        assert bool(got[amax < 0.04].all()) and not bool(got[amax > 0.042].any())
