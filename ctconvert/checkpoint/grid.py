@@ -92,16 +92,6 @@ class GridCheck:
         return out
 
 
-def rounding_explains_gain(row: dict) -> bool:
-    """Whether a module's gain beyond its limit is its rounding's own: every value was judged (none left unchecked as
-    a module, e.g. rounded from another quantized checkpoint) and each is the nearest to its reference over its stored
-    scales (``row``: :meth:`GridCheck.result` in it). A scale off by a factor puts values off that grid; rounding puts
-    none there, yet rows of equal values all round the same way (a row of one value at its scale's largest step: int4
-    gives it 7 / 7.5 of itself), which moves the gain by up to the relative error (a new user's trial: W4A16 0.93x,
-    MXFP4A16 0.82x, compressed-tensors' own bytes)."""
-    return row.get("values_unchecked") is None and row.get("values_checked", 0) > 0 and not row.get("values_off_grid")
-
-
 def grid_problems(row: dict, module: str) -> list[Problem]:
     """An error for a module whose row (with :meth:`GridCheck.result` in it) has values off the grid, naming the first."""
     if not row.get("values_off_grid"):

@@ -69,7 +69,7 @@ from ..checkpoint.conformance import (
 )
 from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.files_check import attention_shape_problems, reference_problems
-from ..checkpoint.grid import GridCheck, grid_problems, rounded_elsewhere, rounding_explains_gain, unchecked_note
+from ..checkpoint.grid import GridCheck, grid_problems, rounded_elsewhere, unchecked_note
 from ..checkpoint.integrity import SHARDS_CHECK, shard_hash_problems
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense
@@ -475,8 +475,8 @@ def _error_row(m: Module, src, requantized: bool = False, unchecked: str | None 
     gain = judged[3] / judged[1] if judged[1] > 0 else 1.0
     row = {"module": m.name, "format": m.format, "rel_l2": rel, "max_abs": mx, "snr_db": snr, "threshold": limit, "gain": gain}
     limit_gain = gain_limit(m.format, rel, requantized, effective_values(judged))
-    row.update(gain_limit=limit_gain, row_threshold=row_limit(m.weights or {}, requantized), **per_row.result(), **grid.result())
-    row.update(rows_ok=rows_ok(row), gain_ok=abs(gain - 1) <= limit_gain or rounding_explains_gain(row))
+    row.update(gain_limit=limit_gain, gain_ok=abs(gain - 1) <= limit_gain, row_threshold=row_limit(m.weights or {}, requantized), **per_row.result())
+    row.update(rows_ok=rows_ok(row), **grid.result())
     row["ok"] = (not row["module_limits_judged"] or rel <= limit and row["gain_ok"]) and row["rows_ok"] and row["grid_ok"]
     if sparse:
         rel_d, mx_d, snr_d = stats["dense"]

@@ -169,24 +169,3 @@ def test_one_dominant_value_moves_the_gain_by_its_own_error_and_passes(tmp_path,
     assert not any(p["severity"] == "error" and "least-squares gain" in p["message"] for p in rep["problems"]), rep["problems"]
     bad, _ = _scaled(tmp_path / "q", tmp_path, "weight_scale", 0.5, only="model.layers.0.self_attn.k_proj")  # (x2 saturates E4M3 at 448)
     assert not {r["module"]: r for r in api.verify(bad, src)["tensors"]}["model.layers.0.self_attn.k_proj"]["ok"]
-
-
-@pytest.mark.parametrize(("scheme", "ratio"), [("W4A16", 7 / 7.5), ("MXFP4A16", 8192 / 1e4)])
-def test_a_row_of_one_huge_value_passes_though_its_rounding_moves_the_gain(tmp_path, scheme, ratio):
-    """A row whose every value is 1e4 (a new user's trial) holds nearly all of its weight's energy, and all its values
-    round the same way (int4: 7 / 7.5 of themselves at their scale's largest step; MXFP4: 4 x 2^11 = 8192): the gain is
-    that ratio, far beyond a gain limit made for independent roundings. Every value is the nearest over its stored
-    scale (compressed-tensors' own bytes), so the output passes; the module with its scales written 1.25x still fails."""
-    t = llama_tensors(LLAMA_CONFIG, seed=2)
-    module = "model.layers.0.self_attn.o_proj"
-    t[module + ".weight"][2] = 1e4
-    src = write_checkpoint(tmp_path / "src", t, LLAMA_CONFIG)
-    out = tmp_path / "q"
-    api.quantize(src, out, scheme)
-    rep = api.verify(out, src)
-    row = {r["module"]: r for r in rep["tensors"]}[module]
-    assert row["gain"] == pytest.approx(ratio, rel=0.01) and abs(row["gain"] - 1) > row["gain_limit"]  # beyond the limit alone
-    assert row["values_off_grid"] == 0 and row["values_checked"] > 0 and row["gain_ok"] and row["ok"] and rep["ok"], rep["problems"]
-    bad, hit = _scaled(out, tmp_path, "weight_scale", 1.25, module)
-    rows = {r["module"]: r for r in api.verify(bad, src)["tensors"]}
-    assert not rows[module]["ok"] and rows[module]["values_off_grid"] > 0  # (MXFP4's scale bytes times 1.25: far off, the error fails)
