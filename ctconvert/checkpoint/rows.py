@@ -60,7 +60,7 @@ class RowErrors:
     (the dtype its scales were computed in), ``global_scale`` its NVFP4 ``weight_global_scale`` (or None)."""
 
     #: the output was requantized from a quantized checkpoint other than the reference (verify: ``derived_from``), whose
-    #: own rounding may have zeroed rows or groups: those are warned of, not judged (:func:`rows_ok`, :func:`row_problems`)
+    #: own rounding may have zeroed rows or groups: their errors say so (:func:`row_problems`); they still fail
     rounded_elsewhere = False
 
     def __init__(self, fmt, args, dtype: torch.dtype, global_scale: float | None = None):
@@ -153,12 +153,9 @@ def _block_spans(amax: torch.Tensor, r0: int, rows: int) -> torch.Tensor:
 
 
 def rows_ok(row: dict) -> bool:
-    """No row of the module is wrong: none all zero that the format explains not, the worst within ``row_threshold``.
-    Rows and groups all zero are not judged where the output was requantized from a quantized checkpoint other than
-    the reference (``rounded_elsewhere``: that checkpoint's own rounding may have zeroed them; :func:`row_problems` warns)."""
+    """No row of the module is wrong: none all zero that the format explains not, the worst within ``row_threshold``."""
     limit = row.get("row_threshold")
-    zeros_ok = row.get("rounded_elsewhere") or not row["zero_rows_unexplained"] and not row.get("zero_group_rows")
-    return bool(zeros_ok) and (limit is None or row["worst_row_rel_l2"] <= limit)
+    return not row["zero_rows_unexplained"] and not row.get("zero_group_rows") and (limit is None or row["worst_row_rel_l2"] <= limit)
 
 
 def row_problems(row: dict, module: str, n: int) -> list[Problem]:
@@ -169,27 +166,17 @@ def row_problems(row: dict, module: str, n: int) -> list[Problem]:
     row limit (an error naming it)."""
     out = []
     lost, bad = row["zero_rows"], row["zero_rows_unexplained"]
-    if (bad or row.get("zero_group_rows")) and row.get("rounded_elsewhere"):  # the source's own rounding may have zeroed them
-        what = f"{plural(bad, 'row')} of {n} all zero" if bad else f"{plural(row['zero_group_rows'], 'row')} of {n} with a group all zero"
-        out.append(
-            Problem(
-                "warning",
-                f"{what} in the output but not in the reference, though not too small for {row['format']}: the output was "
-                "requantized from a quantized checkpoint, whose own rounding may have zeroed them; give that checkpoint as "
-                "--reference to judge them",
-                None,
-                module,
-            )
-        )
-        bad = 0
-    elif bad:
+    # requantized from a quantized checkpoint other than the reference: its own rounding may have zeroed them too
+    elsewhere = ", or the quantized checkpoint it was requantized from zeroed them (verify against that checkpoint to tell which)"
+    elsewhere = elsewhere if row.get("rounded_elsewhere") else ""
+    if bad:
         what = "every row is" if bad == n else f"{bad} of {n} rows are"
         out.append(
             Problem(
                 "error",
                 f"{what} all zero in the output but not in the reference, whose rows are not too small for {row['format']} (row "
                 f"{row['first_unexplained_zero_row']}: reference absmax {row['its_reference_absmax']:.3g}, while only rows below "
-                f"{row['zero_row_floor']:.3g} quantize to zero): its scales or values were zeroed",
+                f"{row['zero_row_floor']:.3g} quantize to zero): its scales or values were zeroed{elsewhere}",
                 None,
                 module,
             )
@@ -204,13 +191,13 @@ def row_problems(row: dict, module: str, n: int) -> list[Problem]:
             "quantization's error grows; its values were judged one by one"
         )
         out.append(Problem("warning", why, None, module))
-    if (zg := row.get("zero_group_rows")) and not row.get("rounded_elsewhere"):
+    if zg := row.get("zero_group_rows"):
         out.append(
             Problem(
                 "error",
                 f"{plural(zg, 'row')} of {n} have a group of {row['format']} values all zero in the output but not in the reference, "
                 f"whose values are not too small for the format (row {row['first_zero_group_row']}: group absmax "
-                f"{row['its_group_absmax']:.3g}): a group scale was zeroed",
+                f"{row['its_group_absmax']:.3g}): a group scale was zeroed{elsewhere}",
                 None,
                 module,
             )

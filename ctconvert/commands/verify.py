@@ -457,7 +457,7 @@ def _error_row(m: Module, src, requantized: bool = False, unchecked: str | None 
     gs = float(read_tensor(m.parts["weight_global_scale"]).float().reshape(-1)[0]) if "weight_global_scale" in m.parts else None
     per_row = RowErrors(get_format(m.format), WeightArgs.from_dict(m.weights), src.torch_dtype if src.torch_dtype.is_floating_point else torch.bfloat16, gs)
     grid = GridCheck(m, unchecked)  # every value the nearest to its reference over its scale (checkpoint/grid.py)
-    per_row.rounded_elsewhere = bool(unchecked)  # requantized from another quantized checkpoint: zero rows only warned of
+    per_row.rounded_elsewhere = bool(unchecked)  # requantized from another quantized checkpoint: zero-row errors say it may have zeroed them
     for r0, r1, got in dense_row_chunks(m, CHUNK):
         dense = read_rows(src, r0, r1)
         wants = {"dense": dense.float()}

@@ -169,3 +169,26 @@ def test_one_dominant_value_moves_the_gain_by_its_own_error_and_passes(tmp_path,
     assert not any(p["severity"] == "error" and "least-squares gain" in p["message"] for p in rep["problems"]), rep["problems"]
     bad, _ = _scaled(tmp_path / "q", tmp_path, "weight_scale", 0.5, only="model.layers.0.self_attn.k_proj")  # (x2 saturates E4M3 at 448)
     assert not {r["module"]: r for r in api.verify(bad, src)["tensors"]}["model.layers.0.self_attn.k_proj"]["ok"]
+
+
+@pytest.mark.parametrize(("scheme", "factor"), [("FP8_DYNAMIC", 0.93), ("W8A8", 0.97), ("W4A16", 0.9), ("NVFP4A16", 0.9)])
+def test_scales_written_small_for_rows_of_one_huge_value_fail(tmp_path, scheme, factor):
+    """Rows whose every value is 1e4 hold nearly all of the weight's energy; their scales written smaller clip every
+    value to the format's largest code, which is the nearest code to each quotient, so the value check cannot see it
+    (a new user's trial: a gain exemption built on that check passed these). The gain check fails them."""
+    t = llama_tensors(LLAMA_CONFIG, seed=2)
+    module = "model.layers.0.mlp.down_proj"
+    t[module + ".weight"][:4] = 1e4
+    src = write_checkpoint(tmp_path / "src", t, LLAMA_CONFIG)
+    out = tmp_path / "q"
+    api.quantize(src, out, scheme)
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    for f in bad.glob("*.safetensors"):
+        ts = load_file(f)
+        if module + ".weight_scale" in ts:
+            s = ts[module + ".weight_scale"]
+            s[:4] = (s[:4].float() * factor).to(s.dtype)
+            save_file(ts, f, metadata={"format": "pt"})
+    rows = {r["module"]: r for r in api.verify(bad, src)["tensors"]}
+    assert not rows[module]["ok"] and not rows[module]["gain_ok"], rows[module]
