@@ -18,7 +18,7 @@ from ..formats.base import dequantize_unpacked, part_rows
 from ..layouts.marlin24 import marlin24_unpack, marlin24_unpermute_scales
 from .naming import FLOAT_DTYPES, FUSED_OF, dense_kind, fused_set_name, is_linear_weight, matches, resolve_group
 from .reader import Checkpoint, Problem
-from .safetensors_io import TensorInfo, map_rows, read_rows, read_tensor
+from .safetensors_io import TensorInfo, read_spans, read_tensor
 
 __all__ = [
     "ACT_PARTS",
@@ -133,10 +133,7 @@ def module_spans(m: Module, r0: int, r1: int) -> dict[str, tuple[TensorInfo, int
 def module_rows(m: Module, r0: int, r1: int, mapped: bool = False) -> dict[str, torch.Tensor]:
     """The compressed tensors of module ``m`` that cover dense rows ``[r0, r1)`` (:func:`module_spans`, read).
     ``mapped``: row ranges are read-only views of the mapped files (:func:`.safetensors_io.map_rows`: no copy)."""
-    return {
-        part: read_tensor(info) if a is None else map_rows(info, a, b) if mapped else read_rows(info, a, b)
-        for part, (info, a, b) in module_spans(m, r0, r1).items()
-    }
+    return read_spans(module_spans(m, r0, r1), mapped)
 
 
 def dense_row_chunks(m: Module, chunk_elems: int, dtype: torch.dtype | None = None, alloc=None, mapped: bool = False):

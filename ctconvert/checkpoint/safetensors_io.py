@@ -224,9 +224,23 @@ def read_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:
         return raw.view(info.torch_dtype).reshape(info.shape)
     if info.view is not None:
         return _view_rows(info, row0, row1)
+    offset, nbytes, shape = row_span(info, row0, row1)
+    return read_bytes(info, offset, nbytes).view(info.torch_dtype).reshape(shape)
+
+
+def row_span(info: TensorInfo, row0: int | None, row1: int | None) -> tuple[int, int, tuple[int, ...]]:
+    """Where rows ``[row0, row1)`` (dim 0) of a stored tensor lie in its data: ``(byte offset, bytes, shape)``;
+    ``row0`` None or a 0-D tensor: the whole tensor."""
+    if row0 is None or len(info.shape) < 1:
+        return 0, info.nbytes, tuple(info.shape)
     row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
-    raw = read_bytes(info, row0 * row_bytes, (row1 - row0) * row_bytes)
-    return raw.view(info.torch_dtype).reshape((row1 - row0, *info.shape[1:]))
+    return row0 * row_bytes, (row1 - row0) * row_bytes, (row1 - row0, *info.shape[1:])
+
+
+def read_spans(spans: dict, mapped: bool = False) -> dict[str, torch.Tensor]:
+    """Read ``name -> (tensor, row0, row1)`` spans (``row0`` None: the whole tensor) as CPU tensors of their dtypes;
+    ``mapped``: row ranges are read-only views of the mapped files (:func:`map_rows`: no copy)."""
+    return {name: read_tensor(info) if a is None else map_rows(info, a, b) if mapped else read_rows(info, a, b) for name, (info, a, b) in spans.items()}
 
 
 def _view_rows(info: TensorInfo, row0: int, row1: int) -> torch.Tensor:

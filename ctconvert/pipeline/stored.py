@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checkpoint.safetensors_io import TensorInfo, read_bytes
+from ..checkpoint.safetensors_io import TensorInfo, read_bytes, row_span
 
 __all__ = ["StoredRows", "on_device", "read_stored"]
 
@@ -64,11 +64,7 @@ def read_stored(info: TensorInfo, r0: int, r1: int, pool) -> StoredRows:
     dense source's twice as many bytes read into pooled buffers."""
     layout, reads, off = [], [], 0
     for name, (src, a, b) in info.virtual.stored_spans(r0, r1).items():
-        if a is None:  # the whole tensor
-            shape, skip, n = tuple(src.shape), 0, src.nbytes
-        else:
-            row_bytes = src.nbytes // src.shape[0] if src.shape and src.shape[0] else src.nbytes
-            shape, skip, n = (b - a, *src.shape[1:]), a * row_bytes, (b - a) * row_bytes
+        skip, n, shape = row_span(src, a, b)
         layout.append((name, off, n, src.torch_dtype, shape))
         reads.append((src, skip, off, n))
         off += -(-n // _ALIGN) * _ALIGN

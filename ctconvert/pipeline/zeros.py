@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint.safetensors_io import TensorInfo, read_rows
-from ..formats.common import FP4_MAX, FP8_MAX
 from ..formats.fp4 import nvfp4_global_scale_overflows
 
 __all__ = ["ZeroRows", "ZeroTracker", "candidate_rows", "stacked_candidates", "zero_rows"]
@@ -217,7 +216,7 @@ class ZeroTracker:
     def _examine(self, info: TensorInfo, idx: torch.Tensor, w: torch.Tensor, scheme, gs: torch.Tensor | None, set_amax=None) -> None:
         """Quantize the candidate rows again on the CPU (torch reference: the same bytes) and count the
         rows whose dequantized values are all zero, and among them those whose source is not. ``set_amax``: the
-        absmax NVFP4's global scale ``gs`` came from (None: taken back from ``gs``, 2688 / gs)."""
+        absmax NVFP4's global scale ``gs`` came from (given with ``gs``)."""
         w = w.cpu().contiguous()
         gs = gs.cpu() if gs is not None else None
         nonzero = (w != 0).any(dim=1)
@@ -230,7 +229,7 @@ class ZeroTracker:
         with self.lock:
             rec = self.found.setdefault(info.name, ZeroRows(info.name, info.shape[0], dtype=str(info.torch_dtype).removeprefix("torch.")))
             if gs is not None:  # NVFP4's global scale: D(D(1 / amax) * 2688) (formats.fp4.nvfp4_global_scale)
-                a = float(set_amax.reshape(-1)[0]) if set_amax is not None else FP8_MAX * FP4_MAX / float(gs.reshape(-1)[0])
+                a = float(set_amax.reshape(-1)[0])
                 rec.set_max = a
                 # beyond D's range the global scale is stored as 1 (compressed-tensors' generate_gparam): the dtype's range is the cause
                 rec.saturated = nvfp4_global_scale_overflows(a, info.torch_dtype)

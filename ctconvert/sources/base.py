@@ -26,7 +26,7 @@ import torch
 
 from ..checkpoint.naming import is_linear_weight
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.safetensors_io import DTYPES, TensorInfo, map_rows, read_rows, read_tensor
+from ..checkpoint.safetensors_io import DTYPES, TensorInfo, map_rows, read_spans
 from ..errors import BadInputError
 
 __all__ = [
@@ -129,7 +129,7 @@ class SourceModule:
     def stored_rows(self, r0: int, r1: int) -> dict[str, torch.Tensor]:
         """The stored tensors' rows that dense rows ``[r0, r1)`` are computed from (CPU tensors read from
         :meth:`stored_spans`), for :meth:`dense_from` on another device."""
-        return {name: read_tensor(info) if a is None else read_rows(info, a, b) for name, (info, a, b) in self.stored_spans(r0, r1).items()}
+        return read_spans(self.stored_spans(r0, r1))
 
     def dense_from(self, parts: dict[str, torch.Tensor], r0: int, r1: int) -> torch.Tensor:
         """Dense rows ``[r0, r1)`` from :meth:`stored_rows`' tensors, on their device (the torch reference)."""

@@ -77,15 +77,16 @@ def test_deferred_path_counts_as_the_direct_one(tmp_path, name):
     save_file({"m.weight": w}, tmp_path / "model.safetensors")
     info = open_checkpoint(tmp_path, strict=False).tensors["m.weight"]
     direct, deferred = ZeroTracker(), ZeroTracker()
-    gs = None
+    gs = amax = None
     for r0 in (0, 128):  # two chunks, as the executor feeds them
         rows = w[r0 : r0 + 128]
         if scheme.global_scale:
-            gs = nvfp4_global_scale(tensor_absmax(w), w.dtype)
+            amax = tensor_absmax(w)
+            gs = nvfp4_global_scale(amax, w.dtype)
         out = scheme.quantize_rows(rows, gs, impl="torch")
-        direct.observe(info, r0, rows, out, scheme, gs)
+        direct.observe(info, r0, rows, out, scheme, gs, amax)
         mask = candidate_rows(out, scheme.weight_format, scheme.weights, w.dtype, rows.shape[0])
-        deferred.pending.setdefault("cuda:0", []).append((info, r0, mask, scheme, gs, None))  # what observe keeps for a GPU chunk
+        deferred.pending.setdefault("cuda:0", []).append((info, r0, mask, scheme, gs, amax))  # what observe keeps for a GPU chunk
     deferred.resolve(torch.device("cuda:0"))
     assert [r.to_dict() for r in direct.reports()] == [r.to_dict() for r in deferred.reports()]
     (rep,) = direct.reports()
