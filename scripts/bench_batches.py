@@ -7,7 +7,9 @@ interleaved, each output compared file for file, the minimum call and process se
 
 ``--variants "base:;noahead:CTCONVERT_READAHEAD=0"`` compares other settings instead (``LABEL:NAME=VALUE ...``,
 separated by ``;``; every output compared with the first's; a word starting ``--`` or without ``=`` is a quantize
-option of that setting, e.g. ``"one:;four:--max-shard-size 1GB"``); a label ``NAME@DIR`` runs the ctconvert package found in
+option of that setting, e.g. ``"one:;four:--max-shard-size 1GB"``; ``OUTDIR=DIR`` writes that setting's output under
+``DIR`` instead of ``--workdir``, e.g. ``"disk:;tmpfs:OUTDIR=/dev/shm/bb"``: a run without the disk's writeback);
+a label ``NAME@DIR`` runs the ctconvert package found in
 ``DIR`` (another tree of the project, e.g. ``git archive`` of an earlier commit), as ``python -m ctconvert`` there.
 ``--family``/``--size``/``--scale`` generate the
 checkpoint as ``scripts/bench.py --make-model`` does (gpt-oss with its experts targeted, as bench.py runs it);
@@ -67,11 +69,13 @@ def main() -> int:
     extra = FAMILY_ARGS.get(a.family, []) if a.model is None else []
     runs: dict[str, list[tuple[float, float]]] = {b: [] for b in variants}
     identical = True
+    outs: dict[str, Path] = {}
     for rep in range(a.repeat):
         for b in variants:
-            out = a.workdir / f"out-{b.partition('@')[0]}"
-            shutil.rmtree(out, ignore_errors=True)
             env = dict(x.split("=", 1) for x in variants[b] if "=" in x and not x.startswith("-"))
+            out = Path(env.pop("OUTDIR", a.workdir)) / f"out-{b.partition('@')[0]}"
+            shutil.rmtree(out, ignore_errors=True)
+            outs[b] = out
             args = [x for x in variants[b] if "=" not in x or x.startswith("-")]  # quantize options of this setting
             cmd = [sys.executable, "-m", "ctconvert", "--json", "quantize", str(src), "-o", str(out), "--scheme", a.scheme, "--device", a.device, *extra, *args]
             t0 = time.monotonic()
@@ -85,7 +89,7 @@ def main() -> int:
             runs[b].append((call, wall))
             print(f"[rep {rep + 1}] {b} {variants[b]}: call {call:.2f} s, process {wall:.2f} s", flush=True)
         labels = list(variants)
-        same = all(_same(a.workdir / f"out-{labels[0].partition('@')[0]}", a.workdir / f"out-{x.partition('@')[0]}") for x in labels[1:])
+        same = all(_same(outs[labels[0]], outs[x]) for x in labels[1:])
         identical &= same
         print(f"[rep {rep + 1}] outputs {'identical' if same else 'DIFFER'}", flush=True)
     summary = {

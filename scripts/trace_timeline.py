@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""When each part of one ctconvert run was busy: a timeline of its reads, computing, writes and flushes.
+
+    python scripts/trace_timeline.py [--out trace.json] [--bins 20] -- quantize SRC -o OUT --scheme NVFP4A16 ...
+
+Runs the CLI in this process (the arguments after ``--`` are its own) with a wrapper around a few methods of the
+pipeline's classes, each wrapper noting ``(what, thread, start, end, bytes)`` (``time.perf_counter``):
+
+* ``read``: a reader thread's read of one job (``Executor._read``), ``pool_wait``: its wait for a pinned buffer
+  (``PinnedPool.get``);
+* ``compute``: the computing thread's handling of one read (``Executor._handle``), ``budget_wait``: its wait for
+  room in the writers' queues (``ByteBudget.acquire``);
+* ``write``: a writer's ``ShardFile.write_many`` (bytes: the pieces' bytes), ``fsync``: ``ShardFile.close``;
+* ``hash_wait``: waits for the source hashes (``SourceHashes.all``), ``finish``: ``OutputFolder.finish`` and
+  ``commit``; ``executor``: ``Executor.run``; ``call``: the API call.
+
+Prints, per kind, the first start, the last end, the summed time, the time covered by at least one of them
+(their union) and the bytes; then a table of ``--bins`` equal slices of the call, each with the share of the slice
+that each kind covered and the GB written in it. No GPU is needed; nothing of the package changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's package, run from anywhere
+
+EVENTS: list[tuple[str, str, float, float, int]] = []
+
+
+def _wrap(cls, name: str, kind: str, nbytes=None, info=None):
+    fn = getattr(cls, name)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            n = nbytes(*args, **kw) if nbytes else 0
+            ev = (kind, threading.current_thread().name, t0, time.perf_counter(), n)
+            EVENTS.append((*ev, info(*args, **kw)) if info else ev)
+
+    setattr(cls, name, wrapper)
+
+
+def _job_info(self, job, *a, **kw) -> str:
+    """What one job of the computing thread was: its kind, its first unit's first source, and how many units."""
+    units = getattr(job, "units", None) or [job.unit]
+    try:
+        first = self.plan.units[units[0]].sources[0]
+    except (AttributeError, IndexError, TypeError):
+        first = "?"
+    return f"{job.kind} {first} x{len(units)}"
+
+
+def _piece_bytes(self, pieces, *a, **kw) -> int:
+    total = 0
+    for _, t, _ in pieces:
+        total += t.numel() * t.element_size() if hasattr(t, "numel") else len(t)
+    return total
+
+
+def _patch() -> None:
+    from ctconvert import api
+    from ctconvert.checkpoint.hashing import SourceHashes
+    from ctconvert.checkpoint.shard_file import ShardFile
+    from ctconvert.checkpoint.writer import OutputFolder
+    from ctconvert.pipeline.buffers import ByteBudget, PinnedPool
+    from ctconvert.pipeline.executor import Executor
+
+    _wrap(Executor, "_read", "read")
+    _wrap(PinnedPool, "get", "pool_wait")
+    _wrap(Executor, "_handle", "compute", info=_job_info)
+    from ctconvert.pipeline import executor as ex
+    from ctconvert.pipeline.nonfinite import DeviceFlags
+    from ctconvert.pipeline.zeros import ZeroTracker
+
+    _wrap(ex, "quantize_batch", "c_quantize")  # inside compute: the pieces of a batch's handling
+    _wrap(ex, "batch_values", "c_values")
+    _wrap(Executor, "_stage", "c_stage")
+    _wrap(Executor, "_absmax", "c_absmax")
+    _wrap(Executor, "_quantize", "c_quantize")
+    _wrap(ZeroTracker, "observe_stacked", "c_zeros")
+    _wrap(ZeroTracker, "observe", "c_zeros") if hasattr(ZeroTracker, "observe") else None
+    _wrap(DeviceFlags, "resolve", "c_flags")
+    _wrap(DeviceFlags, "add_stacked", "c_flags")
+    _wrap(ByteBudget, "acquire", "budget_wait")
+    _wrap(ShardFile, "write_many", "write", _piece_bytes)
+    _wrap(ShardFile, "close", "fsync")
+    _wrap(SourceHashes, "all", "hash_wait")
+    _wrap(OutputFolder, "finish", "finish")
+    _wrap(OutputFolder, "commit", "finish")
+    _wrap(Executor, "run", "executor")
+    _wrap(api, "quantize", "call")
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _covered(spans, lo: float, hi: float) -> float:
+    return _union([(max(a, lo), min(b, hi)) for a, b in spans if b > lo and a < hi])
+
+
+def report(events, bins: int) -> dict:
+    calls = [e for e in events if e[0] == "call"]
+    t0, t1 = (calls[0][2], calls[0][3]) if calls else (min(e[2] for e in events), max(e[3] for e in events))
+    kinds: dict[str, list] = {}
+    for e in events:
+        kinds.setdefault(e[0], []).append(e)
+    out = {"call_seconds": round(t1 - t0, 3), "kinds": {}, "bins": []}
+    for k, es in kinds.items():
+        spans = [(e[2], e[3]) for e in es]
+        out["kinds"][k] = {
+            "count": len(es),
+            "first_start": round(min(a for a, _ in spans) - t0, 3),
+            "last_end": round(max(b for _, b in spans) - t0, 3),
+            "summed": round(sum(b - a for a, b in spans), 3),
+            "union": round(_union(spans), 3),
+            "threads": len({e[1] for e in es}),
+            "GB": round(sum(e[4] for e in es) / 1e9, 3),
+        }
+    w = (t1 - t0) / bins
+    for i in range(bins):
+        lo, hi = t0 + i * w, t0 + (i + 1) * w
+        row = {"t": round(lo - t0, 2)}
+        for k in ("read", "compute", "budget_wait", "write", "fsync"):
+            spans = [(e[2], e[3]) for e in events if e[0] == k]
+            row[k] = round(_covered(spans, lo, hi) / w, 2)
+        row["write_GB"] = round(sum(e[4] for e in events if e[0] == "write" and lo <= e[3] < hi) / 1e9, 3)
+        out["bins"].append(row)
+    return out
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--bins", type=int, default=20)
+    ap.add_argument("--sync-debug", action="store_true", help="count the computing thread's CUDA synchronisations by site (torch.cuda.set_sync_debug_mode)")
+    ap.add_argument("--longest", type=int, default=12, help="list the N longest compute events")
+    a = ap.parse_args(argv[:cut])
+    _patch()
+    syncs: dict[str, int] = {}
+    if a.sync_debug:
+        import traceback
+        import warnings
+
+        import torch
+
+        torch.cuda.set_sync_debug_mode("warn")
+        shown = warnings.showwarning
+
+        def note(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return shown(message, category, filename, lineno, file, line)
+            frames = [f for f in traceback.extract_stack()[:-1] if "/ctconvert/" in f.filename]
+            site = " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-3:])) or f"{filename}:{lineno}"
+            key = f"{threading.current_thread().name}: {site}"
+            syncs[key] = syncs.get(key, 0) + 1
+
+        warnings.showwarning = note
+        warnings.simplefilter("always")
+    from ctconvert.cli import main as cli_main
+
+    try:
+        cli_main.main(args=argv[cut + 1 :], standalone_mode=False)
+    finally:
+        r = report(EVENTS, a.bins)
+        print(f"call {r['call_seconds']} s", file=sys.stderr)
+        print(f"{'kind':12} {'count':>6} {'first':>6} {'last':>6} {'summed':>7} {'union':>6} {'thr':>4} {'GB':>7}", file=sys.stderr)
+        for k, v in r["kinds"].items():
+            cols = f"{v['count']:6d} {v['first_start']:6.2f} {v['last_end']:6.2f} {v['summed']:7.2f} {v['union']:6.2f}"
+            print(f"{k:12} {cols} {v['threads']:4d} {v['GB']:7.3f}", file=sys.stderr)
+        print(f"{'t':>5} {'read':>5} {'comp':>5} {'bwait':>5} {'write':>5} {'fsync':>5} {'wGB':>6}", file=sys.stderr)
+        for b in r["bins"]:
+            cols = " ".join(f"{b[k]:5.2f}" for k in ("t", "read", "compute", "budget_wait", "write", "fsync"))
+            print(f"{cols} {b['write_GB']:6.3f}", file=sys.stderr)
+        t0 = next((e[2] for e in EVENTS if e[0] == "call"), 0.0)
+        comp = sorted((e for e in EVENTS if e[0] == "compute"), key=lambda e: e[2] - e[3])[: a.longest]
+        print("longest compute events (start, seconds, job):", file=sys.stderr)
+        for e in comp:
+            print(f"  {e[2] - t0:6.3f} {e[3] - e[2]:6.3f}  {e[5] if len(e) > 5 else ''}", file=sys.stderr)
+        if syncs:
+            print("CUDA synchronisations by site:", file=sys.stderr)
+            for k, v in sorted(syncs.items(), key=lambda kv: -kv[1]):
+                print(f"  {v:6d}  {k}", file=sys.stderr)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump({**r, "syncs": syncs, "events": EVENTS}, f)
+
+
+if __name__ == "__main__":
+    main()
