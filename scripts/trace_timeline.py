@@ -89,6 +89,9 @@ def _patch() -> None:
     _wrap(Executor, "_quantize", "c_quantize")
     _wrap(ZeroTracker, "observe_stacked", "c_zeros")
     _wrap(ZeroTracker, "observe", "c_zeros") if hasattr(ZeroTracker, "observe") else None
+    from ctconvert.pipeline import buffers
+
+    _wrap(buffers, "_pinned", "pinned_alloc")  # a new pinned buffer of the read pool (inside pool_wait)
     _wrap(DeviceFlags, "resolve", "c_flags")
     _wrap(DeviceFlags, "add_stacked", "c_flags")
     _wrap(ByteBudget, "acquire", "budget_wait")

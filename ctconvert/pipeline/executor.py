@@ -73,7 +73,7 @@ from .calibrated import CalibratedWrites
 from .casting import cast_chunk
 from .nonfinite import DeviceFlags, copy_nonfinite, raise_nonfinite
 from .readahead import READ_AHEAD_BYTES, WindowReadAhead, unit_pieces
-from .reads import COPY_CHUNK_BYTES, Read, batching, make_reads, split_units, unit_bytes, warm_up_shapes
+from .reads import COPY_CHUNK_BYTES, Read, make_reads, split_units, unit_bytes, warm_up_batches, warm_up_shapes
 from .scales import UnitScales, needs_absmax_pass, observer_of
 from .stored import StoredRows, on_device, read_stored
 
@@ -295,25 +295,22 @@ class Executor:
 
         Triton compiles a kernel at its first launch with given dtypes, constexprs and argument specialisation,
         and caches it on disk (``~/.triton/cache``); a process with a cold cache would otherwise spend ~1-2 s
-        of its call compiling (an H200 profile of an 8B NVFP4A16 run). Here each distinct (scheme, dtype, K,
-        chunk rows) is quantized once from zeros, on a stream of its own (and, for NVFP4 where units are batched, once
-        with one global scale per row: the batches' kernel); the results are dropped. A failure
-        here is ignored: the real launch compiles (and reports) as it would have."""
+        of its call compiling (an H200 profile of an 8B NVFP4A16 run). Here the first batch of each batch key
+        (:func:`.reads.warm_up_batches`: one tall launch, with one NVFP4 global scale per row), then each distinct
+        (scheme, dtype, K, chunk rows) is quantized once from zeros, on a stream of its own; the results are dropped.
+        A failure here is ignored: the real launch compiles (and reports) as it would have."""
         if not self.cuda or self.opts.impl == "torch":
             return None
-        jobs = warm_up_shapes(self.ckpt, self.plan, self.opts.chunk_elems)
-        per_row = batching(self.opts)
+        opts = self.opts
 
         def work() -> None:
             try:
                 with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream(self.dev)):
-                    for scheme, info, rows in jobs:
+                    batches = [(*b, True) for b in warm_up_batches(self.ckpt, self.plan, opts)]  # first: a MoE's time is in them
+                    for scheme, info, rows, per_row in [*batches, *((*s, False) for s in warm_up_shapes(self.ckpt, self.plan, opts.chunk_elems))]:
                         w = torch.zeros(rows, info.shape[1], dtype=info.torch_dtype, device=self.dev)
-                        gs = torch.ones(1, dtype=torch.float32, device=self.dev) if scheme.global_scale else None
-                        scheme.quantize_rows(w, gs, impl=self.opts.impl)
-                        if gs is not None and per_row:  # a batch's launch: one global scale per row (pipeline/batches.py)
-                            w = torch.zeros(max(2, rows), info.shape[1], dtype=info.torch_dtype, device=self.dev)
-                            scheme.quantize_rows(w, gs.expand(w.shape[0]).reshape(-1, 1).contiguous(), impl=self.opts.impl)
+                        gs = torch.ones(rows if per_row else 1, 1, dtype=torch.float32, device=self.dev) if scheme.global_scale else None
+                        scheme.quantize_rows(w, gs if per_row or gs is None else gs.reshape(1), impl=opts.impl)
                         self.warmed += 1
             except Exception as e:  # noqa: BLE001 - kept for --debug and tests; the real launch reports its own errors
                 self.warm_error = e

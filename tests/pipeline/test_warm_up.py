@@ -5,9 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ctconvert import api
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.pipeline.executor import ExecOptions, Executor, warm_up_shapes
+from ctconvert.pipeline.reads import warm_up_batches
 from ctconvert.plan.planner import make_plan
+from ctconvert.plan.schemes import Scheme
+
+from conftest import moe_checkpoint
 
 
 @pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16", "FP8_DYNAMIC"])
@@ -30,6 +35,39 @@ def test_one_shape_per_scheme_dtype_k_and_chunk_rows(tiny_llama, scheme):
     assert warm_up_shapes(ckpt, plan, limit=1) == warm_up_shapes(ckpt, plan)[:1]
 
 
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "W4A16"])
+def test_warm_up_batches_are_the_first_batch_launch_of_each_key(tmp_path, monkeypatch, scheme):
+    """The batches' warm-up launches the rows a run's first batch of each key launches: the tall weights the executor
+    quantizes (seen by a spy on ``Scheme.quantize_rows`` during a batched CPU run), first of each (K, member shape)."""
+    src = moe_checkpoint(tmp_path, experts=6, inter=128)
+    ckpt = open_checkpoint(src, strict=True)
+    plan = make_plan(ckpt, scheme)
+    opts = ExecOptions(device=torch.device("cpu"), batch=True)
+    got = warm_up_batches(ckpt, plan, opts)
+    launches = []
+    real = Scheme.quantize_rows
+
+    def spy(self, w, global_scale=None, *a, **kw):
+        launches.append((tuple(w.shape), None if global_scale is None else tuple(global_scale.shape)))
+        return real(self, w, global_scale, *a, **kw)
+
+    monkeypatch.setattr(Scheme, "quantize_rows", spy)
+    monkeypatch.setenv("CTCONVERT_BATCH", "1")
+    api.quantize(src, tmp_path / "out", scheme, device="cpu")
+    # a batch launch: more rows than any source tensor has (every member is read whole, one tall weight per batch)
+    most = max(i.shape[0] for i in ckpt.tensors.values() if len(i.shape) == 2)
+    tall = [shape for shape, _ in launches if shape[0] > most]
+    first: dict[int, tuple] = {}
+    for rows, k in tall:
+        first.setdefault(k, (rows, k))
+    assert len(got) == len(first) >= 2  # gate/up sets and downs: two keys, K = hidden and K = intermediate
+    assert sorted((rows, info.shape[1]) for _, info, rows in got) == sorted(first.values())
+    if scheme == "NVFP4A16":  # one global scale per row of a batch: the per-row kernel
+        assert all(gs == (rows, 1) for (rows, _), gs in launches if rows > most)
+    assert warm_up_batches(ckpt, plan, ExecOptions(device=torch.device("cpu"), batch=False)) == []
+    assert warm_up_batches(ckpt, plan, opts, limit=1) == got[:1]
+
+
 def test_no_warm_up_on_the_cpu(tiny_llama):
     ckpt = open_checkpoint(tiny_llama, strict=True)
     ex = Executor(ckpt, make_plan(ckpt, "W4A16"), {}, ExecOptions(device=torch.device("cpu")))
@@ -43,14 +81,12 @@ def test_warm_up_compiles_the_quantize_kernels(tiny_llama):
         plan = make_plan(ckpt, scheme)
         ex = Executor(ckpt, plan, {}, ExecOptions(device=torch.device("cuda")))
         ex._warm_up().join()
-        assert ex.warm_error is None and ex.warmed == len(warm_up_shapes(ckpt, plan)) > 0
+        assert ex.warm_error is None and ex.warmed == len(warm_up_batches(ckpt, plan, ex.opts)) + len(warm_up_shapes(ckpt, plan)) > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
 @pytest.mark.parametrize("batch", [False, True])
 def test_warm_up_also_compiles_the_batches_per_row_kernel(tiny_llama, monkeypatch, batch):
-    from ctconvert.plan.schemes import Scheme
-
     seen = []
     real = Scheme.quantize_rows
 
@@ -60,7 +96,10 @@ def test_warm_up_also_compiles_the_batches_per_row_kernel(tiny_llama, monkeypatc
 
     monkeypatch.setattr(Scheme, "quantize_rows", spy)
     ckpt = open_checkpoint(tiny_llama, strict=True)
-    ex = Executor(ckpt, make_plan(ckpt, "NVFP4A16"), {}, ExecOptions(device=torch.device("cuda"), batch=batch))
+    plan = make_plan(ckpt, "NVFP4A16")
+    ex = Executor(ckpt, plan, {}, ExecOptions(device=torch.device("cuda"), batch=batch))
     ex._warm_up().join()
     assert ex.warm_error is None and (1,) in seen
-    assert any(s is not None and len(s) == 2 and s[0] >= 2 and s[1] == 1 for s in seen) == batch
+    per_row = [s[0] for s in seen if s is not None and len(s) == 2 and s[0] >= 2 and s[1] == 1]
+    assert per_row == [rows for _, _, rows in warm_up_batches(ckpt, plan, ex.opts)]  # the batches' own rows
+    assert bool(per_row) == batch
