@@ -234,18 +234,22 @@ def warm_up_batches(ckpt: Checkpoint, plan: Plan, opts, limit: int = 8) -> list:
     does not batch. A batch is quantized as one tall weight of that many rows (:mod:`.batches`), a launch whose
     kernel the whole tensors' shapes need not compile (a Triton kernel is compiled per ``constexpr``, such as
     whether its programs loop over tiles, which depends on the rows: on an H100 the first Qwen3-MoE batch waited
-    0.55 s for it with a warm kernel cache, 2.2 s with a cold one)."""
+    0.55 s for it with a warm kernel cache, 2.2 s with a cold one). Keys first met more than ``2 * BATCH_WINDOW``
+    units after the last new one are left out (a thousand-layer MoE is not read through for them)."""
     if not batching(opts):
         return []
-    seen, jobs = set(), []
+    seen, jobs, last_new = set(), [], 0
     for ui in unit_order(ckpt, plan, opts):
         if not isinstance(ui, tuple):
             continue
+        if ui[0] - last_new > 2 * BATCH_WINDOW:  # no new key for a while (a MoE's layers repeat): the rest are met as they come
+            break
         unit = plan.units[ui[0]]
         key = batch_key(ckpt, unit, opts)
         if key in seen:
             continue
         seen.add(key)
+        last_new = ui[0]
         info = ckpt.tensors[unit.sources[0]]
         jobs.append((unit.scheme, info, len(ui) * len(unit.sources) * info.shape[0]))
         if len(jobs) >= limit:
