@@ -183,15 +183,23 @@ def _fallback(name: str, stats: dict[str, MinMax]) -> MinMax | None:
     return found if found.min is not None else None
 
 
-def _check_finite(ckpt: Checkpoint, module: str, what: str, s: MinMax) -> None:
+def _check_finite(ckpt: Checkpoint, module: str, what: str, s: MinMax, dtype: torch.dtype | None = None) -> None:
     """Raises :class:`BadInputError` (exit 3) when ``module``'s observed ``what`` reached NaN/inf on the calibration
-    data: no static scale can be computed from it (a non-finite value upstream, e.g. a weight kept with
-    ``--allow-non-finite``), and none is made up."""
+    data: no static scale can be computed from it, and none is made up. The cause named: in a float16 model
+    (``dtype``, what the calibration computes in) whose observed range is inf without NaN, float16's range overflowed
+    upstream of it (finite weights, activations beyond 65504); otherwise a non-finite value upstream (e.g. a weight
+    kept with ``--allow-non-finite``), with the overflow as the other possible cause in a float16 model."""
     if s.min is not None and not (bool(torch.isfinite(s.min).all()) and bool(torch.isfinite(s.max).all())):
+        nan = bool(torch.isnan(s.min).any()) or bool(torch.isnan(s.max).any())
+        overflow = "float16 overflowed upstream of it (a |value| beyond 65504 becomes inf: the model computes in its checkpoint's float16)"
+        upstream = "a non-finite value upstream of it in the checkpoint (a tensor kept with --allow-non-finite?)"
+        if dtype == torch.float16 and not nan:
+            cause, fix = f"{overflow}, or {upstream}", "calibrate a bfloat16 copy of the checkpoint, or use"
+        else:
+            cause, fix = upstream + (f", or {overflow}" if dtype == torch.float16 else ""), "use"
         raise BadInputError(
             f"calibration: the {what} of {module} are not finite (NaN/inf) on the calibration data, so its static scales "
-            "cannot be computed: a non-finite value upstream of it in the checkpoint (a tensor kept with --allow-non-finite?); "
-            "use a scheme with dynamic activation scales (FP8_DYNAMIC, NVFP4A16, W4A16, ...)",
+            f"cannot be computed: {cause}; {fix} a scheme with dynamic activation scales (FP8_DYNAMIC, NVFP4A16, W4A16, ...)",
             file=ckpt.path,
         )
 
@@ -280,7 +288,7 @@ class _Resolver:
                 if s is None:
                     raise UsageError(f"calibration: no calibration token reached {m}; it cannot get a static activation scale")
                 notes.append(f"{m}: no calibration token was routed to this expert; its input range is that of its layer's other experts")
-            _check_finite(self.ckpt, m, "inputs", s)
+            _check_finite(self.ckpt, m, "inputs", s, self.dtype)
             observed.append(s)
         return input_qparams(u.scheme.input_args, observed, self.dtype), notes  # a fused set's members see one input: one range
 
@@ -288,8 +296,8 @@ class _Resolver:
         k, v = keys.get(a), values.get(a)
         if k is None or v is None:
             raise UsageError(f"calibration: the attention module {a} was not observed (architecture without a k_proj/v_proj attention module)")
-        _check_finite(self.ckpt, a, "keys", k)
-        _check_finite(self.ckpt, a, "values", v)
+        _check_finite(self.ckpt, a, "keys", k, self.dtype)
+        _check_finite(self.ckpt, a, "values", v, self.dtype)
         return kv_qparams(self.kv_cache, k, v, self.dtype)
 
     def resolve(self, stats) -> tuple[dict[str, dict[str, torch.Tensor]], list[str]]:
@@ -298,7 +306,7 @@ class _Resolver:
         calibrated = {m for u in self.units for m in u.modules}
         for m, s in cpu.inputs.items():  # in the order the forward reached them: the first a non-finite value reached is named
             if m in calibrated:
-                _check_finite(self.ckpt, m, "inputs", s)
+                _check_finite(self.ckpt, m, "inputs", s, self.dtype)
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         notes: list[str] = []
         for u in self.units:

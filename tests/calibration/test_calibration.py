@@ -456,6 +456,29 @@ def test_non_finite_activations_get_no_made_up_static_scale(tmp_path, scheme, kv
     assert not (tmp_path / "q").exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_float16_activations_that_overflow_name_the_overflow(tmp_path, dtype):
+    """An fp16 model whose weights are all finite but whose activations pass 65504 (a norm weight of 6e4) computes inf
+    in calibration: the refusal names float16's range as the cause, not a non-finite tensor in the checkpoint (it
+    has none); the same model in bf16 does not overflow there, and calibrates."""
+    t = {k: v.to(dtype) for k, v in llama_tensors(LLAMA_CONFIG).items()}
+    t["model.layers.0.post_attention_layernorm.weight"][:] = 6e4
+    assert all(bool(torch.isfinite(v).all()) for v in t.values())
+    src = write_checkpoint(tmp_path / "m", t, {**LLAMA_CONFIG, "torch_dtype": str(dtype).removeprefix("torch.")})
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([i % LLAMA_CONFIG["vocab_size"] for i in range(64)]))
+    run = lambda: api.quantize(src, tmp_path / "q", "FP8", calibration=ids, calibration_samples=2, calibration_seq_len=16)  # noqa: E731
+    if dtype == torch.bfloat16:
+        assert run().calibration is not None and (tmp_path / "q").is_dir()
+        return
+    with pytest.raises(BadInputError, match=r"the inputs of model\.layers\.0\.mlp\.gate_proj are not finite") as e:
+        run()
+    msg = str(e.value)
+    assert "float16 overflowed upstream of it" in msg and msg.index("float16 overflowed") < msg.index("a non-finite value upstream")
+    assert "calibrate a bfloat16 copy" in msg and e.value.exit_code == 3
+    assert not (tmp_path / "q").exists()
+
+
 @pytest.mark.parametrize("norm,first", [("input_layernorm", "self_attn.q_proj"), ("post_attention_layernorm", "mlp.gate_proj")])
 def test_non_finite_activations_name_the_first_module_the_forward_reached(tmp_path, norm, first):
     """The refusal names the module a NaN reached first in the forward (q_proj after the input norm, gate_proj after
