@@ -309,8 +309,10 @@ class Executor:
                     batches = [(*b, True) for b in warm_up_batches(self.ckpt, self.plan, opts)]  # first: a MoE's time is in them
                     for scheme, info, rows, per_row in [*batches, *((*s, False) for s in warm_up_shapes(self.ckpt, self.plan, opts.chunk_elems))]:
                         w = torch.zeros(rows, info.shape[1], dtype=info.torch_dtype, device=self.dev)
-                        gs = torch.ones(rows if per_row else 1, 1, dtype=torch.float32, device=self.dev) if scheme.global_scale else None
-                        scheme.quantize_rows(w, gs if per_row or gs is None else gs.reshape(1), impl=opts.impl)
+                        gs = None
+                        if scheme.global_scale:  # a batch: one global scale per row ([rows, 1]); a tensor: one ([1])
+                            gs = torch.ones((rows, 1) if per_row else (1,), dtype=torch.float32, device=self.dev)
+                        scheme.quantize_rows(w, gs, impl=opts.impl)
                         self.warmed += 1
             except Exception as e:  # noqa: BLE001 - kept for --debug and tests; the real launch reports its own errors
                 self.warm_error = e
