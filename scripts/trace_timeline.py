@@ -1,22 +1,26 @@
 #!/usr/bin/env python3
 """When each part of one ctconvert run was busy: a timeline of its reads, computing, writes and flushes.
 
-    python scripts/trace_timeline.py [--out trace.json] [--bins 20] -- quantize SRC -o OUT --scheme NVFP4A16 ...
+    python scripts/trace_timeline.py [--out trace.json] [--bins 20] [--longest 12] [--sync-debug] -- quantize SRC -o OUT --scheme NVFP4A16 ...
 
 Runs the CLI in this process (the arguments after ``--`` are its own) with a wrapper around a few methods of the
 pipeline's classes, each wrapper noting ``(what, thread, start, end, bytes)`` (``time.perf_counter``):
 
 * ``read``: a reader thread's read of one job (``Executor._read``), ``pool_wait``: its wait for a pinned buffer
-  (``PinnedPool.get``);
-* ``compute``: the computing thread's handling of one read (``Executor._handle``), ``budget_wait``: its wait for
-  room in the writers' queues (``ByteBudget.acquire``);
+  (``PinnedPool.get``), ``pinned_alloc``: the making of a new one (``buffers._pinned``, inside ``pool_wait``);
+* ``compute``: the computing thread's handling of one read (``Executor._handle``; the job's kind, first source and
+  unit count are kept), ``budget_wait``: its wait for room in the writers' queues (``ByteBudget.acquire``); inside
+  ``compute``: ``c_values``, ``c_quantize`` (``quantize_batch``, ``Executor._quantize``), ``c_absmax``, ``c_zeros``,
+  ``c_flags``, ``c_stage`` (the staging copy, its budget wait included);
 * ``write``: a writer's ``ShardFile.write_many`` (bytes: the pieces' bytes), ``fsync``: ``ShardFile.close``;
 * ``hash_wait``: waits for the source hashes (``SourceHashes.all``), ``finish``: ``OutputFolder.finish`` and
   ``commit``; ``executor``: ``Executor.run``; ``call``: the API call.
 
 Prints, per kind, the first start, the last end, the summed time, the time covered by at least one of them
 (their union) and the bytes; then a table of ``--bins`` equal slices of the call, each with the share of the slice
-that each kind covered and the GB written in it. No GPU is needed; nothing of the package changes.
+that each kind covered and the GB written in it; the ``--longest`` compute jobs; with ``--sync-debug`` (CUDA) the
+synchronisations torch's sync debug mode reports, counted by thread and ctconvert call site. ``--out`` keeps it all,
+every event included, as JSON. No GPU is needed; nothing of the package changes.
 """
 
 from __future__ import annotations
