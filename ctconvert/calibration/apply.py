@@ -185,18 +185,18 @@ def _fallback(name: str, stats: dict[str, MinMax]) -> MinMax | None:
 
 def _check_finite(ckpt: Checkpoint, module: str, what: str, s: MinMax, dtype: torch.dtype | None = None) -> None:
     """Raises :class:`BadInputError` (exit 3) when ``module``'s observed ``what`` reached NaN/inf on the calibration
-    data: no static scale can be computed from it, and none is made up. The cause named: in a float16 model
-    (``dtype``, what the calibration computes in) whose observed range is inf without NaN, float16's range overflowed
-    upstream of it (finite weights, activations beyond 65504); otherwise a non-finite value upstream (e.g. a weight
-    kept with ``--allow-non-finite``), with the overflow as the other possible cause in a float16 model."""
+    data: no static scale can be computed from it, and none is made up. The causes named, the likelier first: in a
+    float16 model (``dtype``, what the calibration computes in), float16's range overflowed upstream of it (finite
+    weights, activations beyond 65504: inf, and in attention NaN), then a non-finite tensor upstream; in another dtype
+    that tensor alone (a weight kept with ``--allow-non-finite``: without it the run refuses such a tensor by name)."""
     if s.min is not None and not (bool(torch.isfinite(s.min).all()) and bool(torch.isfinite(s.max).all())):
-        nan = bool(torch.isnan(s.min).any()) or bool(torch.isnan(s.max).any())
-        overflow = "float16 overflowed upstream of it (a |value| beyond 65504 becomes inf: the model computes in its checkpoint's float16)"
-        upstream = "a non-finite value upstream of it in the checkpoint (a tensor kept with --allow-non-finite?)"
-        if dtype == torch.float16 and not nan:
+        upstream = "a non-finite tensor upstream of it in the checkpoint (kept with --allow-non-finite; without it the run refuses such a tensor by name)"
+        cause, fix = upstream, "use"
+        if dtype == torch.float16:
+            overflow = (
+                "float16 overflowed upstream of it (the model computes in its checkpoint's float16: a |value| beyond 65504 becomes inf, then NaN in attention)"
+            )
             cause, fix = f"{overflow}, or {upstream}", "calibrate a bfloat16 copy of the checkpoint, or use"
-        else:
-            cause, fix = upstream + (f", or {overflow}" if dtype == torch.float16 else ""), "use"
         raise BadInputError(
             f"calibration: the {what} of {module} are not finite (NaN/inf) on the calibration data, so its static scales "
             f"cannot be computed: {cause}; {fix} a scheme with dynamic activation scales (FP8_DYNAMIC, NVFP4A16, W4A16, ...)",

@@ -457,12 +457,23 @@ def test_non_finite_activations_get_no_made_up_static_scale(tmp_path, scheme, kv
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_float16_activations_that_overflow_name_the_overflow(tmp_path, dtype):
-    """An fp16 model whose weights are all finite but whose activations pass 65504 (a norm weight of 6e4) computes inf
-    in calibration: the refusal names float16's range as the cause, not a non-finite tensor in the checkpoint (it
-    has none); the same model in bf16 does not overflow there, and calibrates."""
+@pytest.mark.parametrize(
+    "tensor,scale,first",
+    [
+        ("model.layers.0.post_attention_layernorm.weight", None, "mlp.gate_proj"),  # activations of 6e4 x O(1): inf
+        ("model.layers.0.self_attn.q_proj.weight", 2.5e5, "self_attn.o_proj"),  # queries overflow; the softmax makes NaN
+    ],
+)
+def test_float16_activations_that_overflow_name_the_overflow(tmp_path, dtype, tensor, scale, first):
+    """An fp16 model whose weights are all finite but whose activations pass 65504 (norm weights of 6e4: inf reaches
+    the MLP; q_proj weights x 2.5e5: the attention turns the overflow into NaN) is refused naming float16's overflow
+    as the likelier cause, before a non-finite tensor (it has none); the same model in bf16 does not overflow, and
+    calibrates."""
     t = {k: v.to(dtype) for k, v in llama_tensors(LLAMA_CONFIG).items()}
-    t["model.layers.0.post_attention_layernorm.weight"][:] = 6e4
+    if scale is None:
+        t[tensor][:] = 6e4
+    else:
+        t[tensor] = (t[tensor].float() * scale).to(dtype)
     assert all(bool(torch.isfinite(v).all()) for v in t.values())
     src = write_checkpoint(tmp_path / "m", t, {**LLAMA_CONFIG, "torch_dtype": str(dtype).removeprefix("torch.")})
     ids = tmp_path / "ids.json"
@@ -471,10 +482,10 @@ def test_float16_activations_that_overflow_name_the_overflow(tmp_path, dtype):
     if dtype == torch.bfloat16:
         assert run().calibration is not None and (tmp_path / "q").is_dir()
         return
-    with pytest.raises(BadInputError, match=r"the inputs of model\.layers\.0\.mlp\.gate_proj are not finite") as e:
+    with pytest.raises(BadInputError, match=rf"the inputs of model\.layers\.0\.{first} are not finite") as e:
         run()
     msg = str(e.value)
-    assert "float16 overflowed upstream of it" in msg and msg.index("float16 overflowed") < msg.index("a non-finite value upstream")
+    assert "float16 overflowed upstream of it" in msg and msg.index("float16 overflowed") < msg.index("a non-finite tensor upstream")
     assert "calibrate a bfloat16 copy" in msg and e.value.exit_code == 3
     assert not (tmp_path / "q").exists()
 
