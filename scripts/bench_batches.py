@@ -13,7 +13,8 @@ a label ``NAME@DIR`` runs the ctconvert package found in
 ``DIR`` (another tree of the project, e.g. ``git archive`` of an earlier commit), as ``python -m ctconvert`` there.
 ``--family``/``--size``/``--scale`` generate the
 checkpoint as ``scripts/bench.py --make-model`` does (gpt-oss with its experts targeted, as bench.py runs it);
-``--model`` takes one. The page cache is warmed by reading the source once first. Prints one line per run and a JSON
+``--model`` takes one. The page cache is warmed by reading the source once first. Each setting's output folder
+(``out-LABEL``) is replaced by its next run. Prints one line per run and a JSON
 summary (``min_call``, ``min_process``, ``gb_per_s`` per setting, ``identical``). Exit 1 when two outputs differ.
 """
 
@@ -35,12 +36,11 @@ sys.path.insert(0, str(HERE))
 from bench import FAMILY_ARGS, make_model  # noqa: E402
 
 
-def _same(a: Path, b: Path) -> bool:
+def _differ(a: Path, b: Path) -> list[str]:
+    """The files of output folders ``a`` and ``b`` that differ (in one only, or other bytes); empty when identical."""
     cmp = filecmp.dircmp(a, b)
-    if cmp.left_only or cmp.right_only or cmp.funny_files:
-        return False
     _, mismatch, errors = filecmp.cmpfiles(a, b, cmp.common_files, shallow=False)
-    return not mismatch and not errors
+    return sorted({*cmp.left_only, *cmp.right_only, *cmp.funny_files, *mismatch, *errors})
 
 
 def main() -> int:
@@ -89,9 +89,10 @@ def main() -> int:
             runs[b].append((call, wall))
             print(f"[rep {rep + 1}] {b} {variants[b]}: call {call:.2f} s, process {wall:.2f} s", flush=True)
         labels = list(variants)
-        same = all(_same(outs[labels[0]], outs[x]) for x in labels[1:])
-        identical &= same
-        print(f"[rep {rep + 1}] outputs {'identical' if same else 'DIFFER'}", flush=True)
+        differ = {x: d for x in labels[1:] if (d := _differ(outs[labels[0]], outs[x]))}
+        identical &= not differ
+        said = "; ".join(f"{x}: {', '.join(d[:4])}{' ...' if len(d) > 4 else ''}" for x, d in differ.items())
+        print(f"[rep {rep + 1}] outputs {'DIFFER from ' + labels[0] + ' (' + said + ')' if differ else 'identical'}", flush=True)
     summary = {
         "source": str(src),
         "source_bytes": nbytes,

@@ -6,7 +6,7 @@
 Runs the CLI in this process (the arguments after ``--`` are its own) with a wrapper around a few methods of the
 pipeline's classes, each wrapper noting ``(what, thread, start, end, bytes)`` (``time.perf_counter``):
 
-* ``read``: a reader thread's read of one job (``Executor._read``), ``pool_wait``: its wait for a pinned buffer
+* ``read``: a reader thread's read of one job (``Executor._read``; bytes: the source bytes it reads), ``pool_wait``: its wait for a pinned buffer
   (``PinnedPool.get``), ``pinned_alloc``: the making of a new one (``buffers._pinned``, inside ``pool_wait``);
 * ``compute``: the computing thread's handling of one read (``Executor._handle``; the job's kind, first source and
   unit count are kept), ``budget_wait``: its wait for room in the writers' queues (``ByteBudget.acquire``); inside
@@ -64,6 +64,22 @@ def _job_info(self, job, *a, **kw) -> str:
     return f"{job.kind} {first} x{len(units)}"
 
 
+def _read_bytes(self, job, *a, **kw) -> int:
+    """The source bytes one read job reads: a batch's members (or fused experts' regions), copied tensors whole, a copy's
+    byte range, or a chunk's rows."""
+    from ctconvert.pipeline.batches import batch_infos, batch_nbytes
+
+    if job.kind == "batch":
+        return batch_nbytes(batch_infos(self.ckpt.tensors, [self.plan.units[u] for u in job.units]))
+    if job.kind == "copies":
+        return sum(self.ckpt.tensors[self.plan.units[u].sources[0]].nbytes for u in job.units)
+    unit = self.plan.units[job.unit]
+    info = self.ckpt.tensors[unit.sources[job.member]]
+    if job.kind == "copy":
+        return (info.nbytes if job.stop is None else job.stop) - job.start
+    return (job.stop - job.start) * (info.nbytes // info.shape[0]) if info.shape and info.shape[0] else 0
+
+
 def _piece_bytes(self, pieces, *a, **kw) -> int:
     total = 0
     for _, t, _ in pieces:
@@ -79,7 +95,7 @@ def _patch() -> None:
     from ctconvert.pipeline.buffers import ByteBudget, PinnedPool
     from ctconvert.pipeline.executor import Executor
 
-    _wrap(Executor, "_read", "read")
+    _wrap(Executor, "_read", "read", _read_bytes)
     _wrap(PinnedPool, "get", "pool_wait")
     _wrap(Executor, "_handle", "compute", info=_job_info)
     from ctconvert.pipeline import executor as ex
@@ -154,12 +170,17 @@ def report(events, bins: int) -> dict:
 def main() -> None:
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--bins", type=int, default=20)
+    ap = argparse.ArgumentParser(
+        usage="%(prog)s [--out JSON] [--bins N] [--longest N] [--sync-debug] -- quantize SRC -o OUT --scheme S ...",
+        description=__doc__.split("\n\n")[0],
+    )
+    ap.add_argument("--out", default=None, help="write the report and every event as JSON here")
+    ap.add_argument("--bins", type=int, default=20, help="slices of the call in the table (default 20)")
     ap.add_argument("--sync-debug", action="store_true", help="count the computing thread's CUDA synchronisations by site (torch.cuda.set_sync_debug_mode)")
     ap.add_argument("--longest", type=int, default=12, help="list the N longest compute events")
     a = ap.parse_args(argv[:cut])
+    if cut + 1 >= len(argv):
+        ap.error("give the ctconvert command after --, e.g. -- quantize SRC -o OUT --scheme NVFP4A16")
     _patch()
     syncs: dict[str, int] = {}
     if a.sync_debug:
@@ -186,28 +207,36 @@ def main() -> None:
     try:
         cli_main.main(args=argv[cut + 1 :], standalone_mode=False)
     finally:
-        r = report(EVENTS, a.bins)
-        print(f"call {r['call_seconds']} s", file=sys.stderr)
-        print(f"{'kind':12} {'count':>6} {'first':>6} {'last':>6} {'summed':>7} {'union':>6} {'thr':>4} {'GB':>7}", file=sys.stderr)
-        for k, v in r["kinds"].items():
-            cols = f"{v['count']:6d} {v['first_start']:6.2f} {v['last_end']:6.2f} {v['summed']:7.2f} {v['union']:6.2f}"
-            print(f"{k:12} {cols} {v['threads']:4d} {v['GB']:7.3f}", file=sys.stderr)
-        print(f"{'t':>5} {'read':>5} {'comp':>5} {'bwait':>5} {'write':>5} {'fsync':>5} {'wGB':>6}", file=sys.stderr)
-        for b in r["bins"]:
-            cols = " ".join(f"{b[k]:5.2f}" for k in ("t", "read", "compute", "budget_wait", "write", "fsync"))
-            print(f"{cols} {b['write_GB']:6.3f}", file=sys.stderr)
-        t0 = next((e[2] for e in EVENTS if e[0] == "call"), 0.0)
-        comp = sorted((e for e in EVENTS if e[0] == "compute"), key=lambda e: e[2] - e[3])[: a.longest]
-        print("longest compute events (start, seconds, job):", file=sys.stderr)
-        for e in comp:
-            print(f"  {e[2] - t0:6.3f} {e[3] - e[2]:6.3f}  {e[5] if len(e) > 5 else ''}", file=sys.stderr)
-        if syncs:
-            print("CUDA synchronisations by site:", file=sys.stderr)
-            for k, v in sorted(syncs.items(), key=lambda kv: -kv[1]):
-                print(f"  {v:6d}  {k}", file=sys.stderr)
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump({**r, "syncs": syncs, "events": EVENTS}, f)
+        _print(a, syncs)
+
+
+def _print(a, syncs: dict[str, int]) -> None:
+    """The report on stderr (and with ``--out`` as JSON); only a note where the run stopped before its executor."""
+    if not any(e[0] == "executor" for e in EVENTS):
+        print("no timeline: the run stopped before its executor started (its own error is above)", file=sys.stderr)
+        return
+    r = report(EVENTS, a.bins)
+    print(f"call {r['call_seconds']} s", file=sys.stderr)
+    print(f"{'kind':12} {'count':>6} {'first':>6} {'last':>6} {'summed':>7} {'union':>6} {'thr':>4} {'GB':>7}", file=sys.stderr)
+    for k, v in r["kinds"].items():
+        cols = f"{v['count']:6d} {v['first_start']:6.2f} {v['last_end']:6.2f} {v['summed']:7.2f} {v['union']:6.2f}"
+        print(f"{k:12} {cols} {v['threads']:4d} {v['GB']:7.3f}", file=sys.stderr)
+    print(f"{'t':>5} {'read':>5} {'comp':>5} {'bwait':>5} {'write':>5} {'fsync':>5} {'wGB':>6}", file=sys.stderr)
+    for b in r["bins"]:
+        cols = " ".join(f"{b[k]:5.2f}" for k in ("t", "read", "compute", "budget_wait", "write", "fsync"))
+        print(f"{cols} {b['write_GB']:6.3f}", file=sys.stderr)
+    t0 = next((e[2] for e in EVENTS if e[0] == "call"), 0.0)
+    comp = sorted((e for e in EVENTS if e[0] == "compute"), key=lambda e: e[2] - e[3])[: a.longest]
+    print("longest compute events (start, seconds, job):", file=sys.stderr)
+    for e in comp:
+        print(f"  {e[2] - t0:6.3f} {e[3] - e[2]:6.3f}  {e[5] if len(e) > 5 else ''}", file=sys.stderr)
+    if syncs:
+        print("CUDA synchronisations by site:", file=sys.stderr)
+        for k, v in sorted(syncs.items(), key=lambda kv: -kv[1]):
+            print(f"  {v:6d}  {k}", file=sys.stderr)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({**r, "syncs": syncs, "events": EVENTS}, f)
 
 
 if __name__ == "__main__":
