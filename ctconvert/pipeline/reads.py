@@ -28,7 +28,7 @@ from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import TensorInfo
 from ..options import DEFAULT_CHUNK_ELEMS
 from ..plan.planner import Plan, WorkUnit
-from .scales import needs_absmax_pass, observer_of
+from .scales import needs_absmax_pass, observer_of, per_tensor_scale
 
 __all__ = [
     "BATCH_BYTES",
@@ -234,8 +234,10 @@ def warm_up_batches(ckpt: Checkpoint, plan: Plan, opts, limit: int = 8) -> list:
     does not batch. A batch is quantized as one tall weight of that many rows (:mod:`.batches`), a launch whose
     kernel the whole tensors' shapes need not compile (a Triton kernel is compiled per ``constexpr``, such as
     whether its programs loop over tiles, which depends on the rows: on an H100 the first Qwen3-MoE batch waited
-    0.55 s for it with a warm kernel cache, 2.2 s with a cold one). Keys first met more than ``2 * BATCH_WINDOW``
-    units after the last new one are left out (a thousand-layer MoE is not read through for them)."""
+    0.55 s for it with a warm kernel cache, 2.2 s with a cold one). A key whose members are quantized one by one (a
+    per-tensor weight scale, or rows that are not a multiple of the format's ``row_align``) has no tall launch to
+    compile and is left out, as are keys first met more than ``2 * BATCH_WINDOW`` units after the last new one (a
+    thousand-layer MoE is not read through for them)."""
     if not batching(opts):
         return []
     seen, jobs, last_new = set(), [], 0
@@ -251,6 +253,8 @@ def warm_up_batches(ckpt: Checkpoint, plan: Plan, opts, limit: int = 8) -> list:
         seen.add(key)
         last_new = ui[0]
         info = ckpt.tensors[unit.sources[0]]
+        if per_tensor_scale(unit.scheme) or info.shape[0] % unit.scheme.row_align:
+            continue  # its members are quantized one by one (batches.quantize_batch): the tensors' own launches
         jobs.append((unit.scheme, info, len(ui) * len(unit.sources) * info.shape[0]))
         if len(jobs) >= limit:
             break
