@@ -240,11 +240,11 @@ def warm_up_batches(ckpt: Checkpoint, plan: Plan, opts, limit: int = 8) -> list:
     thousand-layer MoE is not read through for them)."""
     if not batching(opts):
         return []
-    seen, jobs, last_new = set(), [], 0
+    seen, jobs, last_new = set(), [], None
     for ui in unit_order(ckpt, plan, opts):
         if not isinstance(ui, tuple):
             continue
-        if ui[0] - last_new > 2 * BATCH_WINDOW:  # no new key for a while (a MoE's layers repeat): the rest are met as they come
+        if last_new is not None and ui[0] - last_new > 2 * BATCH_WINDOW:  # no new key for a while (a MoE's layers repeat)
             break
         unit = plan.units[ui[0]]
         key = batch_key(ckpt, unit, opts)

@@ -71,6 +71,31 @@ def test_warm_up_batches_are_the_first_batch_launch_of_each_key(tmp_path, monkey
     assert warm_up_batches(ckpt, plan, opts, limit=1) == got[:1]
 
 
+def test_warm_up_batches_found_after_many_units_read_alone(tmp_path, monkeypatch):
+    """Batches that start late in the plan (a vision tower or dense layers first, read alone) still get their warm-up:
+    the look-out for new keys counts from the first batch, not from the plan's start; it stops 2 x BATCH_WINDOW units
+    after the last new key."""
+    from ctconvert.pipeline import reads
+
+    src = moe_checkpoint(tmp_path, experts=96, inter=128)
+    ckpt = open_checkpoint(src, strict=True)
+    plan = make_plan(ckpt, "NVFP4A16")
+    opts = ExecOptions(device=torch.device("cpu"), batch=True)
+    order = list(unit_order(ckpt, plan, opts))
+    late = 2 * reads.BATCH_WINDOW + 10
+    assert any(isinstance(u, tuple) and u[0] > late for u in order)
+    # the same run as if every unit before `late` were read alone
+    monkeypatch.setattr(reads, "unit_order", lambda *a: iter([u for u in order if not isinstance(u, tuple) or u[0] > late]))
+    got = warm_up_batches(ckpt, plan, opts)
+    assert len(got) == 2 and all(rows > info.shape[0] for _, info, rows in got)
+    # no batch after the first ones brings a new key: the look-out ends 2 x BATCH_WINDOW units after the last new one
+    seen = []
+    monkeypatch.setattr(reads, "batch_key", lambda c, u, o: seen.append(u) or ("k", len(u.sources)))
+    warm_up_batches(ckpt, plan, opts)
+    first = next(u[0] for u in order if isinstance(u, tuple) and u[0] > late)
+    assert seen and all(plan.units.index(u) <= first + 3 * reads.BATCH_WINDOW for u in seen)
+
+
 def test_no_warm_up_on_the_cpu(tiny_llama):
     ckpt = open_checkpoint(tiny_llama, strict=True)
     ex = Executor(ckpt, make_plan(ckpt, "W4A16"), {}, ExecOptions(device=torch.device("cpu")))
