@@ -26,7 +26,7 @@ from ..plan.planner import WorkUnit
 from .nonfinite import raise_nonfinite
 from .scales import fp8_tensor_scale, per_tensor_scale
 
-__all__ = ["BatchError", "BatchResult", "batch_infos", "batch_nbytes", "batch_values", "quantize_batch", "raise_first_nonfinite", "read_batch"]
+__all__ = ["BatchError", "BatchResult", "batch_infos", "batch_nbytes", "batch_values", "one_launch", "quantize_batch", "raise_first_nonfinite", "read_batch"]
 
 
 class BatchError(Exception):
@@ -143,7 +143,7 @@ def quantize_batch(units: list[WorkUnit], infos: list[list[TensorInfo]], x: torc
         gs = nvfp4_global_scale(unit_amax, x.dtype)  # [B]: each unit's set scale
     if per_tensor_scale(scheme):
         ws = fp8_tensor_scale(amax, x.dtype)  # [B * M]: each member's scale
-    outputs = _one_call(scheme, x, gs, impl) if ws is None and x.shape[2] % scheme.row_align == 0 else None
+    outputs = _one_call(scheme, x, gs, impl) if one_launch(scheme, x.shape[2]) else None
     if outputs is not None:
         quantized = set(outputs)
         per_key = {}
@@ -158,6 +158,13 @@ def quantize_batch(units: list[WorkUnit], infos: list[list[TensorInfo]], x: torc
     per_member_amax = [unit_amax[j // m : j // m + 1] if unit_amax is not None else None for j in range(b * m)]
     scales = outputs["weight_scale"] if "weight_scale" in quantized else None
     return BatchResult(amax, prefixes, outputs, per_member_gs, scales, per_member_amax)
+
+
+def one_launch(scheme, rows: int) -> bool:
+    """Whether a batch of ``scheme`` members of ``rows`` rows each is quantized as one tall weight (:func:`_one_call`),
+    not member by member: no per-tensor weight scale (each member's own), and members of whole row chunks (``rows`` a
+    multiple of the format's ``row_align``). (A quantizer's ``ValueError`` also sends a batch member by member.)"""
+    return not per_tensor_scale(scheme) and rows % scheme.row_align == 0
 
 
 def _one_call(scheme, x: torch.Tensor, gs: torch.Tensor | None, impl: str) -> dict[str, torch.Tensor] | None:

@@ -28,7 +28,8 @@ from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import TensorInfo
 from ..options import DEFAULT_CHUNK_ELEMS
 from ..plan.planner import Plan, WorkUnit
-from .scales import needs_absmax_pass, observer_of, per_tensor_scale
+from .batches import one_launch
+from .scales import needs_absmax_pass, observer_of
 
 __all__ = [
     "BATCH_BYTES",
@@ -253,7 +254,7 @@ def warm_up_batches(ckpt: Checkpoint, plan: Plan, opts, limit: int = 8) -> list:
         seen.add(key)
         last_new = ui[0]
         info = ckpt.tensors[unit.sources[0]]
-        if per_tensor_scale(unit.scheme) or info.shape[0] % unit.scheme.row_align:
+        if not one_launch(unit.scheme, info.shape[0]):
             continue  # its members are quantized one by one (batches.quantize_batch): the tensors' own launches
         jobs.append((unit.scheme, info, len(ui) * len(unit.sources) * info.shape[0]))
         if len(jobs) >= limit:
