@@ -32,6 +32,31 @@ def test_parallel_ranges_covers_every_index_once_on_long_lived_workers(monkeypat
     assert sum(t.name.startswith("ctconvert-cpu-") for t in threading.enumerate()) == before < max(4, os.cpu_count() or 1)
 
 
+@pytest.mark.parametrize(
+    "n, per, grain, threads_used",
+    [(64, 128, 1 << 17, 1), (1024, 128, 1 << 17, 1), (1024, 256, 1 << 17, 2), (4096, 2048, 1 << 17, 4), (4096, 2048, 1 << 22, 2), (4096, 0, 1 << 30, 4)],
+)
+def test_a_small_call_runs_on_the_calling_thread_alone(monkeypatch, n, per, grain, threads_used):
+    """With ``per`` (elements an index) a call takes one thread per ``grain`` elements at most: a small expert's
+    kernel is not handed to a worker (the hand-off costs more than the work); ``per=0`` keeps every thread."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(cbuild, "PIECES_PER_THREAD", 1)
+    names, seen = set(), []
+    lock = threading.Lock()
+    gate = threading.Barrier(threads_used, timeout=5) if threads_used > 1 else None
+
+    def fn(a, b):
+        with lock:
+            names.add(threading.current_thread().name)
+            seen.extend(range(a, b))
+        if gate is not None:
+            gate.wait()  # each piece on a thread of its own: all of them meet here
+
+    cbuild.parallel_ranges(n, 1, fn, per=per, grain=grain)
+    assert sorted(seen) == list(range(n))
+    assert len(names) == threads_used and (threads_used > 1 or names == {threading.current_thread().name})
+
+
 def test_parallel_ranges_reraises_a_worker_error(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
 

@@ -66,13 +66,20 @@ def _hash_range(path: Path, start: int, nbytes: int, legacy: bool = False):
     4.56 -> 3.99 s, gpt-oss 5.23 -> 4.62 s, min of 3; ``scripts/bench_batches.py --variants``): mapping and unmapping
     16 MiB per block, and faulting its pages in, took as long as hashing it, and unmapping stalls every thread of
     the process (the readers, writers and the computing thread) on the address space's lock."""
-    h = new_hasher()
-    if nbytes:
-        buf = getattr(_LOCAL, "buf", None)
-        if buf is None:
-            buf = _LOCAL.buf = memoryview(bytearray(READ_PIECE_BYTES))
-        fd = os.open(path, os.O_RDONLY)
-        try:
+    return _hash_spans(path, [(start, nbytes)], legacy)[0]
+
+
+def _hash_spans(path: Path, spans: list[tuple[int, int]], legacy: bool = False) -> list:
+    """:func:`_hash_range` of each span ``(start, nbytes)`` of ``path``, the file opened once (a job of several small
+    ranges: :func:`_submit`)."""
+    out = []
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None:
+        buf = _LOCAL.buf = memoryview(bytearray(READ_PIECE_BYTES))
+    fd = os.open(path, os.O_RDONLY) if any(k for _, k in spans) else None
+    try:
+        for start, nbytes in spans:
+            h = new_hasher()
             pos, end = start, start + nbytes
             while pos < end:
                 k = os.preadv(fd, [buf[: min(len(buf), end - pos)]], pos)
@@ -80,9 +87,46 @@ def _hash_range(path: Path, start: int, nbytes: int, legacy: bool = False):
                     raise OSError(f"{path} is shorter than expected (needs {end} bytes)")
                 h.update(buf[:k])
                 pos += k
-        finally:
+            out.append(h.hexdigest() if legacy else h.digest())
+    finally:
+        if fd is not None:
             os.close(fd)
-    return h.hexdigest() if legacy else h.digest()
+    return out
+
+
+class _Part:
+    """One span's digest from a job that hashes several spans (:func:`_submit`); ``result()`` as a future's."""
+
+    __slots__ = ("future", "index")
+
+    def __init__(self, future: Future, index: int):
+        self.future, self.index = future, index
+
+    def result(self):
+        return self.future.result()[self.index]
+
+
+#: spans of one file hashed by one job on a hashing thread at most, and their bytes: a MoE's thousands of expert
+#: tensors of a few MiB each are a few jobs, not a future each (18,867 futures took ~0.7 s of the main thread before
+#: a 48-layer, 128-expert checkpoint's first read, with the hashing threads contending for the GIL)
+JOB_SPANS = 256
+JOB_BYTES = HASH_BLOCK_BYTES
+
+
+def _submit(path: Path, spans: list[tuple[int, int]]) -> list[_Part]:
+    """Hash ``spans`` of ``path`` on the hashing threads: consecutive spans together in jobs of at most
+    :data:`JOB_SPANS` spans and :data:`JOB_BYTES` bytes (a larger span alone). One :class:`_Part` per span, in order."""
+    parts: list[_Part] = []
+    i = 0
+    while i < len(spans):
+        j, total = i + 1, spans[i][1]
+        while j < len(spans) and j - i < JOB_SPANS and total + spans[j][1] <= JOB_BYTES:
+            total += spans[j][1]
+            j += 1
+        fut = _pool().submit(_hash_spans, path, spans[i:j])
+        parts += [_Part(fut, k) for k in range(j - i)]
+        i = j
+    return parts
 
 
 def _identity(path) -> tuple:
@@ -95,19 +139,27 @@ def _spans(start: int, nbytes: int) -> list[tuple[int, int]]:
     return [(start + b, min(HASH_BLOCK_BYTES, nbytes - b)) for b in range(0, nbytes, HASH_BLOCK_BYTES)]
 
 
-def _blocks(path: Path, start: int, nbytes: int) -> list[Future]:
-    """The block hashes of a range, on the hashing threads: those :func:`hash_early` began for this file (as it is
-    now: same inode, size and modification time) taken from there, the others submitted now."""
+def _early(path: Path, spans: list[tuple[int, int]]) -> list:
+    """The block hashes :func:`hash_early` began for ``spans`` of ``path`` (as the file is now: same inode, size and
+    modification time), taken (once); None for each span it did not begin."""
+    if not _EARLY:
+        return [None] * len(spans)
+    try:
+        ident = _identity(path)
+    except OSError:
+        return [None] * len(spans)  # the hash itself says why
+    with _POOL_LOCK:
+        return [_EARLY.pop((*ident, b, k), None) for b, k in spans]
+
+
+def _blocks(path: Path, start: int, nbytes: int) -> list:
+    """The block hashes of a range, on the hashing threads: those :func:`hash_early` began for this file taken from
+    there, the others submitted now."""
     spans = _spans(start, nbytes)
-    if _EARLY:
-        try:
-            ident = _identity(path)
-        except OSError:
-            ident = None  # the hash itself says why
-        with _POOL_LOCK:
-            early = [_EARLY.pop((*ident, b, k), None) if ident else None for b, k in spans]
-        return [f if f is not None else _pool().submit(_hash_range, path, b, k) for f, (b, k) in zip(early, spans)]
-    return [_pool().submit(_hash_range, path, b, k) for b, k in spans]
+    early = _early(path, spans)
+    todo = [s for s, f in zip(spans, early) if f is None]
+    new = iter(_submit(path, todo) if todo else [])
+    return [f if f is not None else next(new) for f in early]
 
 
 def hash_early(path: Path, ranges: list[tuple[int, int]]) -> int:
@@ -121,19 +173,21 @@ def hash_early(path: Path, ranges: list[tuple[int, int]]) -> int:
     except OSError:
         return 0
     spans = [s for start, nbytes in ranges for s in _spans(start, nbytes)]
-    for b, k in spans:
-        fut = _pool().submit(_hash_range, path, b, k)
-        with _POOL_LOCK:
-            _EARLY[(*ident, b, k)] = fut
+    parts = _submit(path, spans)
+    with _POOL_LOCK:
+        for (b, k), part in zip(spans, parts):
+            _EARLY[(*ident, b, k)] = part
     return len(spans)
 
 
 class RangeHash:
     """The block hash of one byte range of a file, computed on the hashing threads; :meth:`hexdigest` waits."""
 
-    def __init__(self, path: Path, start: int, nbytes: int, legacy: bool = False):
-        if legacy:
-            self.blocks: list[Future] = [_pool().submit(_hash_range, path, start, nbytes, True)]
+    def __init__(self, path: Path, start: int, nbytes: int, legacy: bool = False, blocks: list | None = None):
+        if blocks is not None:  # begun by the caller (SourceHashes: many ranges' blocks submitted together)
+            self.blocks: list = blocks
+        elif legacy:
+            self.blocks = [_pool().submit(_hash_range, path, start, nbytes, True)]
         else:
             self.blocks = _blocks(path, start, nbytes)
         self.legacy = legacy
@@ -189,13 +243,33 @@ class SourceHashes:
 
     def __init__(self, infos, legacy: bool = False):
         self._hashes: dict[str, RangeHash | _Combined] = {}
+        todo: list[tuple[str, list[tuple[Path, int, int]], bool]] = []  # (name, stored ranges, whether its own range)
         for info in infos:
             if info.name not in self._hashes:
+                self._hashes[info.name] = None  # type: ignore[assignment]  # (made below)
                 ranges = stored_ranges(info)
-                if len(ranges) == 1 and ranges[0] == (info.file, info.start, info.nbytes):
-                    self._hashes[info.name] = RangeHash(info.file, info.start, info.nbytes, legacy)
-                else:  # a derived tensor: the stored ranges it comes from (docs above)
-                    self._hashes[info.name] = _Combined([RangeHash(*r, legacy) for r in ranges])
+                todo.append((info.name, ranges, len(ranges) == 1 and ranges[0] == (info.file, info.start, info.nbytes)))
+        if legacy:
+            for name, ranges, own in todo:
+                self._hashes[name] = RangeHash(*ranges[0], True) if own else _Combined([RangeHash(*r, True) for r in ranges])
+            return
+        # every range's blocks: those hash_early began taken, the others submitted in order, small ones together
+        spans = [(Path(f), sp) for _, ranges, _ in todo for f, start, nbytes in ranges for sp in _spans(start, nbytes)]
+        blocks: list = []
+        i = 0
+        while i < len(spans):  # runs of one file
+            j = i
+            while j < len(spans) and spans[j][0] == spans[i][0]:
+                j += 1
+            run = [sp for _, sp in spans[i:j]]
+            early = _early(spans[i][0], run)
+            new = iter(_submit(spans[i][0], [sp for sp, f in zip(run, early) if f is None]))
+            blocks += [f if f is not None else next(new) for f in early]
+            i = j
+        at = iter(blocks)
+        for name, ranges, own in todo:  # a derived tensor: the hash of the stored ranges it comes from (docs above)
+            hs = [RangeHash(f, start, nbytes, blocks=[next(at) for _ in _spans(start, nbytes)]) for f, start, nbytes in ranges]
+            self._hashes[name] = hs[0] if own else _Combined(hs)
 
     def __contains__(self, name: str) -> bool:
         return name in self._hashes

@@ -14,7 +14,7 @@ import math
 import os
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,10 +33,11 @@ class PlannedTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
+    #: bytes of its data (computed once: a shard of a MoE plans tens of thousands of tensors)
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype][1]
+    def __post_init__(self) -> None:
+        self.nbytes = math.prod(self.shape) * DTYPES[self.dtype][1]
 
 
 #: written bytes after which a shard's dirty pages are handed to the disk (:func:`start_writeback`): small, so that
@@ -97,15 +98,21 @@ class ShardFile:
         self._lock = threading.Lock()
         order = sorted(range(len(tensors)), key=lambda i: -DTYPES[tensors[i].dtype][1])
         existing = metadata == "__existing__"
-        header: dict[str, object] = {"__metadata__": {"format": "pt"} if existing or not metadata else dict(metadata)}
+        meta = {"format": "pt"} if existing or not metadata else dict(metadata)
         self.offsets: dict[str, tuple[int, int]] = {}
+        # the header's JSON, entry by entry (what json.dumps(separators=(",", ":")) writes for the same dict, without
+        # building it: a MoE shard holds tens of thousands of tensors); names and dtypes escaped by json.dumps
+        parts = ['{"__metadata__":' + json.dumps(meta, separators=(",", ":"))]
         pos = 0
         for i in order:
             t = tensors[i]
-            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+            if t.name in self.offsets or t.name == "__metadata__":
+                raise ValueError(f"tensor {t.name!r} planned twice in {self.path.name}")
+            shape = ",".join(str(int(d)) for d in t.shape)
+            parts.append(f'{json.dumps(t.name)}:{{"dtype":{json.dumps(t.dtype)},"shape":[{shape}],"data_offsets":[{pos},{pos + t.nbytes}]}}')
             self.offsets[t.name] = (pos, t.nbytes)
             pos += t.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw = (",".join(parts) + "}").encode("utf-8")
         raw += b" " * (-len(raw) % 8)
         self.data_start = 8 + len(raw)
         self.size = self.data_start + pos
@@ -115,7 +122,7 @@ class ShardFile:
         if existing:
             return
         head = struct.pack("<Q", len(raw)) + raw
-        self._hashes = {t.name: StreamHash() for t in tensors}  # every tensor hashed as it is written (pieces in any order)
+        self._hashes: dict[str, StreamHash] = {}  # every tensor hashed as it is written (pieces in any order), from its first piece
         header_hash = StreamHash()
         header_hash.update_at(0, head)
         self._header_digest = header_hash.digest()
@@ -165,7 +172,10 @@ class ShardFile:
             if byte_offset + n > nbytes:
                 raise OutputError(f"internal: write of {n} bytes at {byte_offset} overflows {nbytes}", file=self.path, tensor=name)
             if n:
-                self._hashes[name].update_at(byte_offset, raw)
+                h = self._hashes.get(name)
+                if h is None:  # setdefault: writers of one file share it (atomic under the GIL)
+                    h = self._hashes.setdefault(name, StreamHash())
+                h.update_at(byte_offset, raw)
                 spans.append((self.data_start + start + byte_offset, raw, name))
         spans.sort(key=lambda x: x[0])
         i = 0
@@ -214,7 +224,7 @@ class ShardFile:
         written (in any order); a tensor whose pieces overlapped is hashed from the file. Call once every byte is written."""
         digests = []
         for name in sorted(self.offsets, key=lambda k: self.offsets[k]):
-            h = self._hashes[name]
+            h = self._hashes.get(name) or StreamHash()  # an empty tensor: nothing was written
             if h.complete(self.offsets[name][1]):
                 digests.append(h.digest())
             else:

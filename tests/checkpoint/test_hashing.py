@@ -111,9 +111,10 @@ def test_early_hashes_are_taken_by_the_same_ranges_of_the_unchanged_file(tmp_pat
     real = hashing._pool().submit
     monkeypatch.setattr(hashing._pool(), "submit", lambda *a: submitted.append(a) or real(*a))
     assert hash_tensors(_range_infos(path, spans)) == fresh and not submitted and not hashing._EARLY
-    assert hashing.hash_early(path, spans[:1]) == 3 and len(submitted) == 3
+    blocks = lambda: sum(len(a[2]) for a in submitted)  # noqa: E731  (blocks submitted: small ones share a job)
+    assert hashing.hash_early(path, spans[:1]) == 3 and blocks() == 3
     assert hash_tensors(_range_infos(path, spans)) == fresh
-    assert len(submitted) == 3 + 4 and not hashing._EARLY  # the second range's blocks, hashed now
+    assert blocks() == 3 + 4 and not hashing._EARLY  # the second range's blocks, hashed now
     hashing.hash_early(path, spans)
     for f in list(hashing._EARLY.values()):
         f.result()  # the old bytes' blocks, done
@@ -190,3 +191,34 @@ def test_a_stream_hash_fed_by_threads_is_the_file_hash(monkeypatch):
         t.join()
     ref = xxhash.xxh3_128(b"".join(xxhash.xxh3_128(data[b : b + 4096]).digest() for b in range(0, len(data), 4096))).digest()
     assert h.complete(len(data)) and h.digest() == ref
+
+
+def test_small_ranges_share_jobs_and_hash_as_each_alone(tmp_path, monkeypatch):
+    """Many small ranges (a MoE's experts) are hashed by a few jobs of consecutive ranges, never more than
+    JOB_SPANS ranges or JOB_BYTES bytes a job (a larger range alone); each range's hash is its own block hash, as
+    hashing it alone gives (empty ranges, ranges of several blocks and ranges in two files among them)."""
+    from ctconvert.checkpoint import hashing
+
+    monkeypatch.setattr(hashing, "HASH_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(hashing, "JOB_BYTES", 4096)
+    monkeypatch.setattr(hashing, "JOB_SPANS", 7)
+    monkeypatch.setattr(hashing, "_EARLY", {})
+    rng = random.Random(11)
+    infos, want = [], {}
+    for f in ("a.bin", "b.bin"):
+        sizes = [rng.choice([0, 1, 5, 300, 1000, 4096, 9000]) for _ in range(40)]
+        data = rng.randbytes(sum(sizes) + 17)
+        (tmp_path / f).write_bytes(data)
+        pos = 17
+        for i, n in enumerate(sizes):
+            name = f"{f}.{i}"
+            infos.append(TensorInfo(name, tmp_path / f, "U8", (n,), pos, n))
+            want[name] = _reference_blocks(data[pos : pos + n], 4096)
+            pos += n
+    jobs = []
+    real = hashing._pool().submit
+    monkeypatch.setattr(hashing._pool(), "submit", lambda fn, path, spans, *a: jobs.append(spans) or real(fn, path, spans, *a))
+    assert hash_tensors(infos) == want
+    blocks = sum(-(-i.nbytes // 4096) for i in infos)
+    assert sum(len(j) for j in jobs) == blocks and len(jobs) < blocks
+    assert all(len(j) <= 7 and (len(j) == 1 or sum(k for _, k in j) <= 4096) for j in jobs)

@@ -98,5 +98,5 @@ def dequant(
         if c:
             nan.append(c)
 
-    cbuild.parallel_ranges(n, 1, run)
+    cbuild.parallel_ranges(n, 1, run, per=k)
     return None if nan else out
