@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from .base import CompressionFormat, DequantSpec, WeightArgs, WeightFormat, expand_scale, factor_layout
@@ -80,12 +81,42 @@ def nvfp4_global_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ``amax``: fp32 0-d holding a value of dtype D (or ``[n]`` of them: the scales of
     ``n`` sets, elementwise, each the bits a 0-d absmax gives). Computes
     ``D(D(1 / max(amax, tiny(D))) * 2688)``; NaN/inf become 1.0 (an all-zero
-    tensor gets 1.0). Returns fp32 ``[1]`` (``[n]``). docs/compressed-tensors-format.md §6.4.
+    tensor gets 1.0). Returns fp32 ``[1]`` (``[n]``). docs/compressed-tensors-format.md §6.4. A 0-d CPU
+    ``amax`` is computed on a NumPy fp32 scalar (:func:`_global_scale_1`), with the same bits.
     """
+    if amax.device.type == "cpu" and amax.dim() == 0:  # one set's scale: the same steps on a NumPy fp32 scalar
+        return torch.tensor([_global_scale_1(float(amax), dtype)], dtype=torch.float32)
     a = torch.clamp(amax.to(torch.float32), min=torch.finfo(dtype).tiny)
     gs = rd(rd(torch.ones_like(a) / a, dtype) * (FP8_MAX * FP4_MAX), dtype)
     gs = torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
     return gs.reshape(-1).to(torch.float32)
+
+
+def _round_scalar(x: np.float32, dtype: torch.dtype) -> np.float32:
+    """:func:`~.common.rd` of one fp32 value: rounded to ``dtype`` (RNE; beyond its range: inf) and back to fp32. bf16
+    by rounding the fp32 bits (the rule of c10's ``round_to_nearest_even``: add ``0x7FFF`` plus the lowest kept
+    bit, drop the low 16 bits; NaN stays NaN), fp16 by NumPy's IEEE conversion."""
+    if dtype == torch.float32:
+        return x
+    if dtype == torch.float16:
+        return np.float32(np.float16(x))
+    if x != x:
+        return x
+    u = int(np.array(x, dtype=np.float32).view(np.uint32))
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return np.array(u, dtype=np.uint32).view(np.float32)[()]
+
+
+def _global_scale_1(amax: float, dtype: torch.dtype) -> float:
+    """:func:`nvfp4_global_scale` of one absmax (a Python float holding an fp32 value), the same fp32 steps without a
+    torch operation: a set's scale is made once per tensor, and seven 0-d torch operations took ~35 us on one core
+    (far more beside the run's reader and writer threads, which each operation lets take the GIL)."""
+    with np.errstate(all="ignore"):
+        a = np.float32(amax)
+        tiny = np.float32(torch.finfo(dtype).tiny)
+        a = tiny if a < tiny else a  # torch.clamp(min=tiny): NaN stays NaN
+        gs = _round_scalar(_round_scalar(np.float32(1.0) / a, dtype) * np.float32(FP8_MAX * FP4_MAX), dtype)
+    return 1.0 if not np.isfinite(gs) else float(gs)
 
 
 def nvfp4_global_scale_overflows(amax: float, dtype: torch.dtype) -> bool:

@@ -117,3 +117,21 @@ def test_global_scale_overflow_is_where_the_scale_is_substituted(dtype):
     assert torch.equal(got, want)
     if dtype == torch.float16:
         assert bool(got[amax < 0.04].all()) and not bool(got[amax > 0.042].any())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_one_global_scale_has_the_bits_of_the_vector_computation(dtype):
+    """A 0-d CPU absmax takes a NumPy scalar path (one set's scale, made per tensor); its bits are those the torch
+    computation gives the same value in a vector, over random fp32 bit patterns rounded to ``dtype`` (the absmax of
+    a tensor of that dtype) and the awkward ones: zeros, subnormals, the smallest normal, values whose scale
+    overflows ``dtype``, the largest finite, inf and NaN."""
+    g = torch.Generator().manual_seed(5)
+    bits = torch.randint(0, 2**31, (20000,), generator=g, dtype=torch.int64).to(torch.int32)
+    special = [0.0, -0.0, 1e-45, 1e-40, 1.1754944e-38, 6e-8, 6.1e-5, 0.04, 0.041, 0.0951, 1.0, 2688.0, 65504.0, 3.4028235e38]
+    amax = torch.cat([bits.view(torch.float32).abs(), torch.tensor(special + [float("inf"), float("nan")])])
+    amax = amax.to(dtype).to(torch.float32)
+    want = fp4.nvfp4_global_scale(amax, dtype)  # [n]: the torch path, elementwise
+    got = torch.cat([fp4.nvfp4_global_scale(a, dtype) for a in amax])  # each 0-d: the scalar path
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert got[-2].item() == 0.0 and got[-1].item() == 1.0  # an inf absmax: 1 / inf = 0; NaN: 1.0
