@@ -49,7 +49,12 @@ __all__ = [
 
 COPY_CHUNK_BYTES = 64 * 2**20
 MAPPED_COPY_CHUNK_BYTES = 4 * 2**20  # CPU, mapped input: a view of the page cache; ~10 wait in the queues (RSS)
-BATCH_BYTES = 128 * 2**20  # source bytes of one batch of small units (.batches)
+#: source bytes of one batch of small units (.batches), at most. Each reader buffer of the pool is pinned at that size
+#: when first needed, and pinning host memory stalls the device's copies meanwhile (an H100: 2.6 GiB/s pinned; twenty
+#: 128 MiB host-to-device copies took 0.29 s beside it, 0.05 s alone): with 32 MiB instead of 128 MiB Qwen3-MoE's
+#: NVFP4A16 call took 2.27 s instead of 2.51 s, gpt-oss's 2.66 s instead of 2.75 s (64 MiB: 2.34 s; min of 3, the same
+#: bytes; ``scripts/bench_batches.py --variants``), though ~4x as many batches launch
+BATCH_BYTES = 32 * 2**20
 BATCH_MEMBER_BYTES = 16 * 2**20  # a larger member is read and quantized alone (its launches are small against its bytes)
 BATCH_WINDOW = 128  # consecutive units a batch is gathered from: reads stay near the plan's order (the read-ahead window)
 BATCH_DTYPES = ("BF16", "F16", "F32")
