@@ -25,6 +25,10 @@ took ~0.2 s of a 2.6 s W8A8 run of the 1.2B benchmark model on 2 cores); and num
 loads and ctconvert never calls (torch computes with its own MKL), starts one thread instead of one per core
 (``OPENBLAS_NUM_THREADS=1`` unless the environment sets it), which otherwise spin beside the import.
 
+On a machine with an NVIDIA device node (and without ``--device cpu``), Triton's cache key is computed on a thread
+as soon as the imports are done (:mod:`ctconvert.formats.triton_key`): the first kernel launch of a process spent
+1.4 s making it.
+
 ``quantize`` reads its source ahead during those imports (:mod:`ctconvert.checkpoint.readahead`: the shard
 headers, then the tensor bytes into the page cache, until the engine is imported; ``CTCONVERT_READAHEAD=0``
 turns it off). ``CTCONVERT_TRACE=1`` prints when each start-up step happened (:class:`Trace`).
@@ -225,6 +229,10 @@ def main() -> None:
                 gc.enable()
             if trace is not None:
                 trace.stamp("engine")
+            from .formats import triton_key  # torch-free
+
+            if triton_key.wanted(sys.argv[1:]):
+                triton_key.begin()  # Triton's cache key, made while the command plans (its first launch needs it)
         from .cli import run
     finally:
         if ahead is not None:

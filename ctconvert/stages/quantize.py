@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from ..checkpoint.config import build_quantization_config
 from ..errors import UsageError, plural
+from ..formats import triton_key
 from ..formats.observers import WeightObserver, args_refusal, get_observer
 from ..layouts.versions import DEFAULT_LAYOUT_VERSION
 from ..pipeline.devices import resolve_devices
@@ -42,6 +43,8 @@ class QuantizeStage(Stage):
 
     def __init__(self, o: QuantizeOptions):
         self.devices = resolve_devices(o.device)
+        if not o.dry_run and any(d.type == "cuda" for d in self.devices):
+            triton_key.begin()  # Triton's cache key, made while the run plans (the console script begins it earlier)
         self.o = o
         observer = get_observer(o.observer)
         self.observer: WeightObserver | None = None if observer.name == "minmax" else observer

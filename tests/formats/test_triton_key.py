@@ -1,0 +1,85 @@
+"""triton_key: Triton's cache key made once on a thread of its own, only where a command may launch kernels; a
+Triton without the function, or one whose function raises, changes nothing."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+
+import pytest
+
+from ctconvert.formats import triton_key
+
+
+@pytest.fixture
+def fake_triton(tmp_path, monkeypatch):
+    """A package ``triton`` whose ``runtime.cache.triton_key`` counts its calls (body: the function's source)."""
+
+    def make(body: str):
+        pkg = tmp_path / "triton"
+        (pkg / "runtime").mkdir(parents=True, exist_ok=True)
+        (pkg / "compiler").mkdir(exist_ok=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "runtime" / "__init__.py").write_text("")
+        (pkg / "compiler" / "__init__.py").write_text("")
+        (pkg / "compiler" / "compiler.py").write_text("")
+        (pkg / "runtime" / "cache.py").write_text(textwrap.dedent(body))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.setattr(triton_key, "_THREAD", None)
+        monkeypatch.setattr(triton_key, "ERROR", None)
+        importlib.invalidate_caches()
+
+    return make
+
+
+def test_the_key_is_made_once_on_its_own_thread(fake_triton):
+    fake_triton("""
+        import threading
+        CALLS = []
+        def triton_key():
+            CALLS.append(threading.current_thread().name)
+            return "key"
+    """)
+    t = triton_key.begin()
+    assert t is not None and t.name == "ctconvert-triton-key"
+    t.join(10)
+    assert triton_key.begin() is t  # once per process
+    import triton.runtime.cache as cache
+
+    assert cache.CALLS == ["ctconvert-triton-key"] and triton_key.ERROR is None
+
+
+def test_a_triton_without_the_function_or_whose_function_raises_changes_nothing(fake_triton):
+    fake_triton("X = 1  # no triton_key here, nor in the compiler module\n")
+    triton_key.begin().join(10)
+    assert triton_key.ERROR is None
+    fake_triton("""
+        def triton_key():
+            raise OSError("no libtriton here")
+    """)
+    triton_key.begin().join(10)
+    assert isinstance(triton_key.ERROR, OSError)
+
+
+def test_no_triton_no_thread(monkeypatch):
+    monkeypatch.setattr(triton_key, "_THREAD", None)
+    monkeypatch.setattr(triton_key.importlib.util, "find_spec", lambda name: None)
+    assert triton_key.begin() is None
+
+
+@pytest.mark.parametrize(
+    "argv, node, want",
+    [
+        (["quantize", "m", "-o", "o", "--device", "cpu"], True, False),
+        (["quantize", "m", "-o", "o", "--device=cpu"], True, False),
+        (["quantize", "m", "-o", "o"], True, True),
+        (["quantize", "m", "-o", "o", "--device", "cuda:1"], True, True),
+        (["quantize", "m", "-o", "o"], False, False),
+    ],
+)
+def test_wanted_where_a_command_may_launch_kernels(monkeypatch, argv, node, want):
+    monkeypatch.setattr(triton_key.os.path, "exists", lambda p: node and p in ("/dev/nvidiactl", "/dev/nvidia0"))
+    assert triton_key.wanted(argv) is want
