@@ -20,7 +20,7 @@ import importlib.util
 import os
 import threading
 
-__all__ = ["begin", "wanted"]
+__all__ = ["begin", "wait", "wanted"]
 
 _THREAD: threading.Thread | None = None
 _LOCK = threading.Lock()
@@ -55,6 +55,14 @@ def begin() -> threading.Thread | None:
             _THREAD = threading.Thread(target=_compute, daemon=True, name="ctconvert-triton-key")
             _THREAD.start()
         return _THREAD
+
+
+def wait() -> None:
+    """Wait for the key :func:`begin` is making, if it began (a first launch would otherwise make it again beside
+    it: ``lru_cache`` does not hold a second caller back); at once where it did not."""
+    t = _THREAD
+    if t is not None:
+        t.join()
 
 
 def wanted(argv: list[str]) -> bool:

@@ -62,7 +62,7 @@ from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import REGIONS, TensorInfo, map_bytes, map_rows, read_bytes, read_region, read_rows, region_bytes, rows_of_region
 from ..checkpoint.shard_file import ShardFile
 from ..errors import BadInputError
-from ..formats import native
+from ..formats import native, triton_key
 from ..formats.common import tensor_absmax
 from ..formats.mx import GroupOverflow
 from ..options import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
@@ -305,6 +305,7 @@ class Executor:
 
         def work() -> None:
             try:
+                triton_key.wait()  # Triton's cache key, begun at start-up: its first launch needs it (formats/triton_key.py)
                 with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream(self.dev)):
                     batches = [(*b, True) for b in warm_up_batches(self.ckpt, self.plan, opts)]  # first: a MoE's time is in them
                     for scheme, info, rows, per_row in [*batches, *((*s, False) for s in warm_up_shapes(self.ckpt, self.plan, opts.chunk_elems))]:

@@ -83,3 +83,26 @@ def test_no_triton_no_thread(monkeypatch):
 def test_wanted_where_a_command_may_launch_kernels(monkeypatch, argv, node, want):
     monkeypatch.setattr(triton_key.os.path, "exists", lambda p: node and p in ("/dev/nvidiactl", "/dev/nvidia0"))
     assert triton_key.wanted(argv) is want
+
+
+def test_wait_holds_until_the_key_is_made_and_returns_at_once_without_it(fake_triton, monkeypatch):
+    fake_triton("""
+        import threading
+        GO = threading.Event()
+        DONE = []
+        def triton_key():
+            GO.wait(10)
+            DONE.append(1)
+    """)
+    monkeypatch.setattr(triton_key, "_THREAD", None)
+    triton_key.wait()  # nothing begun: at once
+    t = triton_key.begin()
+    import triton.runtime.cache as cache
+
+    waiter = __import__("threading").Thread(target=triton_key.wait)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not cache.DONE  # held while the key is being made
+    cache.GO.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and cache.DONE == [1] and not t.is_alive()
