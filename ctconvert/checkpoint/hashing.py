@@ -66,13 +66,15 @@ def _hash_range(path: Path, start: int, nbytes: int, legacy: bool = False):
     4.56 -> 3.99 s, gpt-oss 5.23 -> 4.62 s, min of 3; ``scripts/bench_batches.py --variants``): mapping and unmapping
     16 MiB per block, and faulting its pages in, took as long as hashing it, and unmapping stalls every thread of
     the process (the readers, writers and the computing thread) on the address space's lock."""
-    return _hash_spans(path, [(start, nbytes)], legacy)[0]
+    return _Part.value(_hash_spans(path, [(start, nbytes)], legacy)[0])
 
 
 def _hash_spans(path: Path, spans: list[tuple[int, int]], legacy: bool = False) -> list:
     """:func:`_hash_range` of each span ``(start, nbytes)`` of ``path``, the file opened once (a job of several small
-    ranges: :func:`_submit`)."""
-    out = []
+    ranges: :func:`_submit`); a span the file does not hold gets its ``OSError`` in its place (the other spans of
+    the job are hashed: an error belongs to the tensor whose bytes are missing). Raises ``OSError`` where the file
+    cannot be opened."""
+    out: list = []
     buf = getattr(_LOCAL, "buf", None)
     if buf is None:
         buf = _LOCAL.buf = memoryview(bytearray(READ_PIECE_BYTES))
@@ -81,12 +83,16 @@ def _hash_spans(path: Path, spans: list[tuple[int, int]], legacy: bool = False) 
         for start, nbytes in spans:
             h = new_hasher()
             pos, end = start, start + nbytes
-            while pos < end:
-                k = os.preadv(fd, [buf[: min(len(buf), end - pos)]], pos)
-                if k <= 0:
-                    raise OSError(f"{path} is shorter than expected (needs {end} bytes)")
-                h.update(buf[:k])
-                pos += k
+            try:
+                while pos < end:
+                    k = os.preadv(fd, [buf[: min(len(buf), end - pos)]], pos)
+                    if k <= 0:
+                        raise OSError(f"{path} is shorter than expected (needs {end} bytes)")
+                    h.update(buf[:k])
+                    pos += k
+            except OSError as e:
+                out.append(e)
+                continue
             out.append(h.hexdigest() if legacy else h.digest())
     finally:
         if fd is not None:
@@ -103,7 +109,14 @@ class _Part:
         self.future, self.index = future, index
 
     def result(self):
-        return self.future.result()[self.index]
+        return self.value(self.future.result()[self.index])
+
+    @staticmethod
+    def value(r):
+        """A span's digest, or its error raised (:func:`_hash_spans`)."""
+        if isinstance(r, BaseException):
+            raise r
+        return r
 
 
 #: spans of one file hashed by one job on a hashing thread at most, and their bytes: a MoE's thousands of expert
@@ -152,10 +165,9 @@ def _early(path: Path, spans: list[tuple[int, int]]) -> list:
         return [_EARLY.pop((*ident, b, k), None) for b, k in spans]
 
 
-def _blocks(path: Path, start: int, nbytes: int) -> list:
-    """The block hashes of a range, on the hashing threads: those :func:`hash_early` began for this file taken from
-    there, the others submitted now."""
-    spans = _spans(start, nbytes)
+def _blocks(path: Path, spans: list[tuple[int, int]]) -> list:
+    """The block hashes of ``spans`` (blocks, :func:`_spans`) of ``path``, on the hashing threads: those
+    :func:`hash_early` began for this file taken from there, the others submitted now (small ones together)."""
     early = _early(path, spans)
     todo = [s for s, f in zip(spans, early) if f is None]
     new = iter(_submit(path, todo) if todo else [])
@@ -189,7 +201,7 @@ class RangeHash:
         elif legacy:
             self.blocks = [_pool().submit(_hash_range, path, start, nbytes, True)]
         else:
-            self.blocks = _blocks(path, start, nbytes)
+            self.blocks = _blocks(path, _spans(start, nbytes))
         self.legacy = legacy
         self._hex: str | None = None
 
@@ -261,10 +273,7 @@ class SourceHashes:
             j = i
             while j < len(spans) and spans[j][0] == spans[i][0]:
                 j += 1
-            run = [sp for _, sp in spans[i:j]]
-            early = _early(spans[i][0], run)
-            new = iter(_submit(spans[i][0], [sp for sp, f in zip(run, early) if f is None]))
-            blocks += [f if f is not None else next(new) for f in early]
+            blocks += _blocks(spans[i][0], [sp for _, sp in spans[i:j]])
             i = j
         at = iter(blocks)
         for name, ranges, own in todo:  # a derived tensor: the hash of the stored ranges it comes from (docs above)

@@ -222,3 +222,25 @@ def test_small_ranges_share_jobs_and_hash_as_each_alone(tmp_path, monkeypatch):
     blocks = sum(-(-i.nbytes // 4096) for i in infos)
     assert sum(len(j) for j in jobs) == blocks and len(jobs) < blocks
     assert all(len(j) <= 7 and (len(j) == 1 or sum(k for _, k in j) <= 4096) for j in jobs)
+
+
+def test_a_range_the_file_lacks_fails_alone_in_its_job(tmp_path, monkeypatch):
+    """Ranges hashed by one job: the one past the end of a truncated file raises its OSError when its hash is
+    asked for; the others in the job hash as they would alone (the error belongs to the tensor whose bytes are
+    missing, not to its neighbours)."""
+    from ctconvert.checkpoint import hashing
+
+    monkeypatch.setattr(hashing, "_EARLY", {})
+    data = random.Random(3).randbytes(1000)
+    path = tmp_path / "t.bin"
+    path.write_bytes(data)
+    spans = [(0, 300), (300, 500), (800, 400)]  # the last needs 1200 bytes of 1000
+    jobs = []
+    real = hashing._pool().submit
+    monkeypatch.setattr(hashing._pool(), "submit", lambda fn, p, s, *a: jobs.append(s) or real(fn, p, s, *a))
+    h = hashing.SourceHashes(_range_infos(path, spans))
+    assert len(jobs) == 1  # all three in one job
+    assert h.get("t0") == _reference_blocks(data[:300], hashing.HASH_BLOCK_BYTES)
+    assert h.get("t1") == _reference_blocks(data[300:800], hashing.HASH_BLOCK_BYTES)
+    with pytest.raises(OSError, match="shorter than expected"):
+        h.get("t2")
