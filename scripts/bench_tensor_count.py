@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """What a conversion pays per tensor: a MoE checkpoint with Qwen3-30B-A3B's tensor count (48 layers of 128 experts,
-18,867 tensors) but small matrices (299 MB), converted with ``scripts/trace_timeline.py``::
+18,867 tensors) but small matrices (299 MB), each run traced by scripts/trace_timeline.py.
+
+Usage::
 
     python3 scripts/bench_tensor_count.py [--layers 48] [--experts 128] [--scheme NVFP4A16] [--device cpu] [--repeat 2]
         [--tree DIR ...] [--workdir /tmp/bench-tensor-count]
@@ -9,8 +11,8 @@ Per run: the call's seconds, when the executor started (planning, opening the sh
 source hashes come before it: nothing is read for the conversion until then), the executor's span, the time after
 it (flushes, the index, the provenance), and milliseconds per source tensor. ``--tree DIR`` (repeatable) also runs
 the ctconvert package of another tree of the project (e.g. ``git archive`` of an earlier commit), interleaved with this
-checkout's; every output is compared with this checkout's, file for file. Minimum over ``--repeat`` runs. Exit 1 when
-two outputs differ.
+checkout's; every output is compared with this checkout's, file for file (``identical`` is null without a
+``--tree``). Minimum over ``--repeat`` runs. Exit 1 when two outputs differ.
 """
 
 from __future__ import annotations
@@ -96,13 +98,13 @@ def run(tree: Path, src: Path, out: Path, a) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--scheme", default="NVFP4A16")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=48, help="decoder layers of the generated checkpoint (default 48)")
+    ap.add_argument("--experts", type=int, default=128, help="experts per layer (default 128)")
+    ap.add_argument("--scheme", default="NVFP4A16", help="the scheme converted to (default NVFP4A16)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--repeat", type=int, default=2, help="runs of each tree; the minimum is kept (default 2)")
     ap.add_argument("--tree", type=Path, action="append", default=[], help="another tree of the project to compare")
-    ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-tensor-count"))
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-tensor-count"), help="the checkpoint and the outputs")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     src = make_checkpoint(a.workdir / f"src-{a.layers}x{a.experts}", a.layers, a.experts)
@@ -125,7 +127,12 @@ def main() -> int:
                     print(f"[rep {rep + 1}] {label}: output differs ({', '.join(differ[:4])})", file=sys.stderr)
     for r in best.values():
         r["ms_per_tensor"] = round(r["call"] / count * 1e3, 3)
-    print(json.dumps({"source": str(src), "tensors": count, "scheme": a.scheme, "device": a.device, "identical": same, "min_by_call": best}, indent=2))
+    print(
+        json.dumps(
+            {"source": str(src), "tensors": count, "scheme": a.scheme, "device": a.device, "identical": same if len(trees) > 1 else None, "min_by_call": best},
+            indent=2,
+        )
+    )
     return 0 if same else 1
 
 

@@ -513,6 +513,34 @@ def test_resume_rewrites_a_shard_whose_source_changed(tmp_path):
     assert tree_hash(out) == tree_hash(full)
 
 
+def test_resume_says_which_finished_shard_it_writes_again_because_its_bytes_changed(tmp_path):
+    """Interrupt after a shard, flip a byte of that finished shard in the partial folder, resume: the shard fails its
+    journaled hash and is written again, and the run says so, naming it (it was rewritten silently); the output is
+    the uninterrupted run's."""
+    m = _big_model(tmp_path)
+    out = tmp_path / "o"
+    partial = tmp_path / ".o.ctconvert-partial"
+    args = ["quantize", str(m), "-s", "NVFP4A16", "-o", str(out), "--max-shard-size", "8MB"]
+    p = subprocess.Popen([*SLOW_CTCONVERT, "0.05", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and finished_shards(out) < 1:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    first = sorted(json.loads((partial / JOURNAL).read_text())["shards"])[0]
+    data = bytearray((partial / first).read_bytes())
+    data[-7] ^= 0x10
+    (partial / first).write_bytes(bytes(data))
+    r = subprocess.run([sys.executable, "-m", "ctconvert", "--json", *args, "--resume"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert first not in doc["reused_shards"]
+    assert any(n.startswith(f"--resume: {first}") and "changed or damaged" in n for n in doc["notes"]), doc["notes"]
+    full = tmp_path / "full"
+    api.quantize(m, full, "NVFP4A16", max_shard_size="8MB")
+    assert tree_hash(out) == tree_hash(full)
+
+
 @pytest.mark.parametrize("tensor", ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_pass_through_tensor_is_refused(tmp_path, tensor, bad):

@@ -284,6 +284,7 @@ class OutputFolder:
             self.discarded_partial = bool(old.get("shards")) and old.get("fingerprint") != fingerprint
             if resume and old.get("fingerprint") == fingerprint:
                 self.journal["shards"] = {k: v for k, v in old.get("shards", {}).items() if self._still_valid(k, v)}
+                self.damaged_partial = sorted(set(old.get("shards", {})) - set(self.journal["shards"]))  # written again
             else:
                 for p in self.tmp.iterdir():
                     if p.name != ".lock":

@@ -20,7 +20,6 @@ rows and the record the phases share in :mod:`.decisions`.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from ..checkpoint.families import FusedExperts, dense_experts_reason, is_mtp, mtp_dense_reason, vllm_dense_reason
@@ -43,6 +42,7 @@ from ..checkpoint.safetensors_io import TensorInfo
 from ..errors import UnsupportedError, UsageError, agree
 from ..formats import CompressionFormat
 from ..options import DEFAULT_LM_HEAD_CHUNK_ROWS
+from .advice import refusal_hint
 from .decisions import Decisions, TensorDecision
 from .experts import fused_experts, settle_experts
 from .groups import ConfigGroup, GroupAssignment
@@ -360,17 +360,8 @@ def _decide(d: Decisions, name: str, info: TensorInfo, assign: GroupAssignment, 
     if problem is not None:
         if not rules.skip_incompatible:
             part = f"its per-expert part {name}: " if info.base else ""  # named by the stored tensor, which the user can find
-            entry = _every_layer(module) if unloadable else module  # one entry for every layer (and expert) vLLM cannot load
-            dense = f"an entry in the recipe's ignore ('{entry}')" if d.flags[1] != "--ignore" else f"--ignore '{entry}'"
-            hint, anyway = f"leave it dense with {dense} or pass --skip-incompatible", " (or --allow-unloadable to write it quantized for other loaders)"
-            key = fused_key(module)
-            present = [m for m in key[1] if f"{key[0]}.{m}" in rules.modules] if key else []
-            if len(present) > 1:  # vLLM loads a fused layer with one scheme: the whole set stays dense, or none of it
-                others = ", ".join(m for m in present if m != module.rpartition(".")[2])
-                hint = (
-                    f"leave it dense with {dense} and its fused set's other members ({others}; vLLM loads "
-                    f"{fused_set_name(key[0], present)} with one scheme), or pass --skip-incompatible (keeps the whole set dense)"
-                )
+            hint = refusal_hint(module, info.shape, scheme, bool(unloadable), rules.modules, d.flags[1])
+            anyway = " (or --allow-unloadable to write it quantized for other loaders)"
             shape = f"{list(info.shape)} {info.dtype} weight: " if len(info.shape) == 2 else ""
             raise UnsupportedError(f"{part}{shape}{problem}; {hint}{anyway if unloadable else ''}", file=str(info.file), tensor=info.base or name)
         keep_dense(problem + " (skipped: --skip-incompatible)")
@@ -395,14 +386,6 @@ def _unloadable(module: str, scheme: Scheme, rules) -> str | None:
     except KeyError:  # a scheme of no preset's arguments: the module-only rules
         group = {"weights": None, "input_activations": None}
     return vllm_dense_reason(module, rules.config, group.get("weights"), group.get("input_activations"))
-
-
-def _every_layer(module: str) -> str:
-    """A ``re:`` pattern for ``module`` in every layer (and, for an expert, every expert of its block and all its
-    projections, and the fused tensors they are split from): ``model.layers.0.mlp.experts.3.down_proj`` ->
-    ``re:model\\.layers\\.\\d+\\.mlp\\.experts.*``."""
-    head, sep, _ = module.partition(".experts.")
-    return "re:" + re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(head + "." if sep else module)) + ("experts.*" if sep else "$")
 
 
 def _default_rule(module: str, name: str, rules: _Rules) -> str | None:

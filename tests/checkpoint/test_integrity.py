@@ -13,6 +13,7 @@ import pytest
 
 from ctconvert import api
 from ctconvert.checkpoint.hashing import HASH_NAME, HASH_SCHEME, shard_hash
+from ctconvert.checkpoint.integrity import SHARDS_CHECK
 from ctconvert.checkpoint.reader import INDEX_NAME
 from ctconvert.checkpoint.writer import SHARDS_KEY
 
@@ -103,9 +104,13 @@ def test_an_index_without_the_record_is_not_judged_and_says_so(tiny_llama, tmp_p
     report = api.verify(out)
     warnings = [p["message"] for p in report["problems"] if p["severity"] == "warning"]
     assert report["ok"] and any("records no shard hashes" in w for w in warnings)
+    assert SHARDS_CHECK not in report["checked"]["checks"]  # nothing compared: not claimed among the checks
+    api.quantize(tiny_llama, tmp_path / "out2", "W4A16")
+    assert SHARDS_CHECK in api.verify(tmp_path / "out2")["checked"]["checks"]  # a record: compared, and claimed
     index["metadata"] = {"total_size": index["metadata"]["total_size"]}  # another tool's index: nothing to say
     (out / INDEX_NAME).write_text(json.dumps(index))
-    assert not [p for p in api.verify(out)["problems"] if "shard hashes" in p["message"]]
+    report = api.verify(out)
+    assert not [p for p in report["problems"] if "shard hashes" in p["message"]] and SHARDS_CHECK not in report["checked"]["checks"]
 
 
 def test_a_record_of_another_hash_scheme_is_not_compared(tiny_llama, tmp_path):

@@ -360,3 +360,55 @@ def test_copied_tensors_say_what_they_are_rotary_buffers_apart_from_embeddings(t
     for name in ("model.layers.0.self_attn.rotary_emb.inv_freq", "model.rotary_emb.inv_freq"):
         assert rows[name].action == "copy" and rows[name].reason == "rotary embedding buffer", rows[name]
     assert rows["model.embed_tokens.weight"].reason == "embedding" and rows["model.norm.weight"].reason == "norm"
+
+
+def _qwen3_moe(tmp_path, k_down: int):
+    """A Qwen3-MoE whose experts' down_proj has K = ``k_down`` (its moe_intermediate_size)."""
+    t = {"model.embed_tokens.weight": bf(256, H), "model.norm.weight": bf(H), "lm_head.weight": bf(256, H)}
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        t[p + "self_attn.q_proj.weight"] = bf(H, H)
+        t[p + "mlp.gate.weight"] = bf(E, H)
+        for x in range(E):
+            q = f"{p}mlp.experts.{x}."
+            t.update({q + "gate_proj.weight": bf(k_down, H), q + "up_proj.weight": bf(k_down, H), q + "down_proj.weight": bf(H, k_down)})
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": H,
+        "num_experts": E,
+        "num_hidden_layers": 2,
+        "moe_intermediate_size": k_down,
+    }
+    return write_checkpoint(tmp_path / "moe", t, cfg)
+
+
+def test_an_expert_the_group_does_not_fit_is_met_with_advice_that_works(tmp_path):
+    """An expert whose K the preset's group size does not divide (Qwen3-MoE down_proj, K=64, W4A16's 128): ignoring
+    that expert only moves the refusal to the next one and --skip-incompatible leaves the experts quantized unlike
+    each other, so the refusal names neither; it names one ignore pattern for the block's experts in every layer and
+    a --group-size that divides K, and each of them, given, plans."""
+    import re
+
+    from ctconvert import api
+
+    src = _qwen3_moe(tmp_path, 64)
+    with pytest.raises(UnsupportedError) as e:
+        api.quantize(src, tmp_path / "o1", "W4A16")
+    msg = e.value.message
+    assert "K=64 is not a multiple of the group size 128" in msg and "--skip-incompatible" not in msg
+    entry = re.search(r"--ignore '([^']+)'", msg).group(1)
+    assert entry == r"re:model\.layers\.\d+\.mlp\.experts.*" and "--group-size 64" in msg
+    dry = api.quantize(src, None, "W4A16", dry_run=True)  # the dry run's rows and notes say the same, not --skip-incompatible
+    stopped = [r.reason for r in dry.plan.rows if r.reason and "the run stops here" in r.reason]
+    assert stopped and all("experts dense in every layer" in r and "--skip-incompatible" not in r for r in stopped)
+    assert not [n for n in dry.notes if "--skip-incompatible" in n]
+    res = api.quantize(src, tmp_path / "o2", "W4A16", ignore=[entry])
+    assert not [r for r in res.plan.rows if r.action == "quantize" and ".experts." in r.name]
+    res = api.quantize(src, tmp_path / "o3", "W4A16", group_size=64)
+    assert [r for r in res.plan.rows if r.action == "quantize" and r.name.endswith("experts.3.down_proj.weight")]
+    with pytest.raises(UsageError, match="quantized unlike each other"):  # what the refusal no longer suggests does not work
+        api.quantize(src, tmp_path / "o4", "W4A16", skip_incompatible=True)
+    with pytest.raises(UnsupportedError) as e:  # FP8_BLOCK: K=64 is not a whole block, and it has no --group-size
+        api.quantize(src, tmp_path / "o5", "FP8_BLOCK")
+    assert "--group-size" not in e.value.message and "--ignore 're:model" in e.value.message
