@@ -17,18 +17,19 @@ from .hashing import HASH_SCHEME
 from .reader import INDEX_NAME, Checkpoint, Problem
 from .writer import MARKER, SHARDS_KEY, record_mismatch
 
-__all__ = ["SHARDS_CHECK", "shard_hash_problems", "shards_compared"]
+__all__ = ["SHARDS_CHECK", "shard_hash_problems", "shards_checks"]
 
 #: the line ``verify`` lists among its checks
 SHARDS_CHECK = "shard bytes against the hashes recorded as they were written"
 
 
-def shards_compared(ckpt: Checkpoint) -> bool:
-    """Whether :func:`shard_hash_problems` compares the shards of ``ckpt`` with a record (its index holds one, taken
-    with this installation's hash scheme); a report lists :data:`SHARDS_CHECK` among its checks only then."""
+def shards_checks(ckpt: Checkpoint) -> list[str]:
+    """The check lines of :func:`shard_hash_problems` for a report's list of checks: ``[SHARDS_CHECK]`` where it
+    compares the shards of ``ckpt`` with a record (its index holds one, taken with this installation's hash scheme),
+    else none (a warning says why nothing was compared)."""
     meta = (ckpt.index or {}).get("metadata")
     record = meta.get(SHARDS_KEY) if isinstance(meta, dict) else None
-    return isinstance(record, dict) and record.get("hash") == HASH_SCHEME
+    return [SHARDS_CHECK] if isinstance(record, dict) and record.get("hash") == HASH_SCHEME else []
 
 
 def shard_hash_problems(ckpt: Checkpoint) -> list[Problem]:

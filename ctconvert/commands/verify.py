@@ -70,7 +70,7 @@ from ..checkpoint.conformance import (
 from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.files_check import attention_shape_problems, reference_problems
 from ..checkpoint.grid import GridCheck, grid_problems, rounded_elsewhere, unchecked_note
-from ..checkpoint.integrity import SHARDS_CHECK, shard_hash_problems, shards_compared
+from ..checkpoint.integrity import shard_hash_problems, shards_checks
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
@@ -184,8 +184,7 @@ def _tick(bar, n: int) -> None:
 
 def _checked(ckpt: Checkpoint, checks: list[str], compared: int) -> dict:
     """What verify looked at (the report's ``checked``)."""
-    shards = [SHARDS_CHECK] if shards_compared(ckpt) else []  # (no record in the index: a warning says so, no check is claimed)
-    return {"shards": len(ckpt.files), "tensors": len(ckpt.tensors), "bytes": ckpt.total_bytes, "checks": [*shards, *checks], "compared_modules": compared}
+    return dict(shards=len(ckpt.files), tensors=len(ckpt.tensors), bytes=ckpt.total_bytes, checks=shards_checks(ckpt) + checks, compared_modules=compared)
 
 
 def _summary(rows: list[dict]) -> dict | None:
