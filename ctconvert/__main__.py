@@ -229,9 +229,10 @@ def main() -> None:
                 gc.enable()
             if trace is not None:
                 trace.stamp("engine")
+            from .cli import command_word
             from .formats import triton_key  # torch-free
 
-            if triton_key.wanted(sys.argv[1:]):
+            if triton_key.wanted(command_word(sys.argv[1:]), sys.argv[1:]):
                 triton_key.begin()  # Triton's cache key, made while the command plans (its first launch needs it)
         from .cli import run
     finally:

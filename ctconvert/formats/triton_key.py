@@ -20,7 +20,7 @@ import importlib.util
 import os
 import threading
 
-__all__ = ["begin", "wait", "wanted"]
+__all__ = ["KERNEL_COMMANDS", "begin", "wait", "wanted"]
 
 _THREAD: threading.Thread | None = None
 _LOCK = threading.Lock()
@@ -65,9 +65,17 @@ def wait() -> None:
         t.join()
 
 
-def wanted(argv: list[str]) -> bool:
-    """Whether a command line may launch Triton kernels: not ``--device cpu``, on a machine with an NVIDIA device
-    node (the test :func:`ctconvert.calibration.worker.has_room` makes; torch-free)."""
+#: the commands that may launch Triton kernels (``quantize`` and ``repack`` take ``--device``; ``batch`` runs quantize
+#: jobs); ``inspect``, ``verify``, ``decompress`` and ``convert`` compute on the CPU
+KERNEL_COMMANDS = ("quantize", "repack", "batch")
+
+
+def wanted(command: str | None, argv: list[str]) -> bool:
+    """Whether command line ``argv``, of command ``command`` (its first word that names one), may launch Triton
+    kernels: one of :data:`KERNEL_COMMANDS`, not ``--device cpu``, on a machine with an NVIDIA device node (the test
+    :func:`ctconvert.calibration.worker.has_room` makes; torch-free)."""
+    if command not in KERNEL_COMMANDS:
+        return False
     for i, a in enumerate(argv):
         if a == "--device" and i + 1 < len(argv) and argv[i + 1] == "cpu" or a == "--device=cpu":
             return False

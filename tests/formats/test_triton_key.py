@@ -76,13 +76,20 @@ def test_no_triton_no_thread(monkeypatch):
         (["quantize", "m", "-o", "o", "--device", "cpu"], True, False),
         (["quantize", "m", "-o", "o", "--device=cpu"], True, False),
         (["quantize", "m", "-o", "o"], True, True),
-        (["quantize", "m", "-o", "o", "--device", "cuda:1"], True, True),
+        (["--json", "quantize", "m", "-o", "o", "--device", "cuda:1"], True, True),
+        (["repack", "m", "-o", "o", "--target", "marlin"], True, True),
+        (["batch", "jobs.yaml"], True, True),
         (["quantize", "m", "-o", "o"], False, False),
+        (["verify", "m"], True, False),
+        (["inspect", "m"], True, False),
+        (["decompress", "m", "-o", "o"], True, False),
     ],
 )
 def test_wanted_where_a_command_may_launch_kernels(monkeypatch, argv, node, want):
+    from ctconvert.cli import command_word
+
     monkeypatch.setattr(triton_key.os.path, "exists", lambda p: node and p in ("/dev/nvidiactl", "/dev/nvidia0"))
-    assert triton_key.wanted(argv) is want
+    assert triton_key.wanted(command_word(argv), argv) is want
 
 
 def test_wait_holds_until_the_key_is_made_and_returns_at_once_without_it(fake_triton, monkeypatch):
