@@ -25,8 +25,8 @@ took ~0.2 s of a 2.6 s W8A8 run of the 1.2B benchmark model on 2 cores); and num
 loads and ctconvert never calls (torch computes with its own MKL), starts one thread instead of one per core
 (``OPENBLAS_NUM_THREADS=1`` unless the environment sets it), which otherwise spin beside the import.
 
-On a machine with an NVIDIA device node (and without ``--device cpu``), Triton's cache key is computed on a thread
-as soon as the imports are done (:mod:`ctconvert.formats.triton_key`): the first kernel launch of a process spent
+For a command that may launch kernels (``quantize``, ``repack``, ``batch``) on a machine with an NVIDIA device node
+(and without ``--device cpu``), Triton's cache key is computed on a thread as soon as the imports are done (:mod:`ctconvert.formats.triton_key`): the first kernel launch of a process spent
 1.4 s making it.
 
 ``quantize`` reads its source ahead during those imports (:mod:`ctconvert.checkpoint.readahead`: the shard
