@@ -26,8 +26,8 @@ loads and ctconvert never calls (torch computes with its own MKL), starts one th
 (``OPENBLAS_NUM_THREADS=1`` unless the environment sets it), which otherwise spin beside the import.
 
 For a command that may launch kernels (``quantize``, ``repack``, ``batch``) on a machine with an NVIDIA device node
-(and without ``--device cpu``), Triton's cache key is computed on a thread as soon as the imports are done (:mod:`ctconvert.formats.triton_key`): the first kernel launch of a process spent
-1.4 s making it.
+(and without ``--device cpu``), Triton's cache key is computed on a thread as soon as the imports are done
+(:mod:`ctconvert.formats.triton_key`): the first kernel launch of a process spent 1.4 s making it.
 
 ``quantize`` reads its source ahead during those imports (:mod:`ctconvert.checkpoint.readahead`: the shard
 headers, then the tensor bytes into the page cache, until the engine is imported; ``CTCONVERT_READAHEAD=0``
