@@ -475,12 +475,11 @@ def test_overwrite_never_deletes_a_file_ctconvert_did_not_write(tiny_llama, tmp_
     assert run_cli("quantize", tiny_llama, "-s", "W4A16", "-o", out, "--overwrite")[0] == 0
 
 
-def test_resume_rewrites_a_shard_whose_source_changed(tmp_path):
-    """Interrupt after a shard, change 2 bytes of its source keeping size and mtime, resume: that shard is made
-    again from the new bytes, and the provenance records the bytes each shard was made from."""
+def _killed_after_a_shard(tmp_path: Path) -> tuple[Path, Path, Path, list[str]]:
+    """A slowed NVFP4A16 run of the big model in 8 MB shards, SIGKILLed once it journaled a finished shard:
+    ``(model, output path, partial folder, the command's arguments)``."""
     m = _big_model(tmp_path)
     out = tmp_path / "o"
-    partial = tmp_path / ".o.ctconvert-partial"
     args = ["quantize", str(m), "-s", "NVFP4A16", "-o", str(out), "--max-shard-size", "8MB"]
     p = subprocess.Popen([*SLOW_CTCONVERT, "0.05", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
@@ -488,6 +487,23 @@ def test_resume_rewrites_a_shard_whose_source_changed(tmp_path):
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait()
+    return m, out, tmp_path / ".o.ctconvert-partial", args
+
+
+def _resumed_as_uninterrupted(m: Path, out: Path, args: list[str], tmp_path: Path) -> dict:
+    """Resume ``args`` (``--json``): it succeeds and its output equals an uninterrupted run's, file for file. Its JSON."""
+    r = subprocess.run([sys.executable, "-m", "ctconvert", "--json", *args, "--resume"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    full = tmp_path / "full"
+    api.quantize(m, full, "NVFP4A16", max_shard_size="8MB")
+    assert tree_hash(out) == tree_hash(full)
+    return json.loads(r.stdout)
+
+
+def test_resume_rewrites_a_shard_whose_source_changed(tmp_path):
+    """Interrupt after a shard, change 2 bytes of its source keeping size and mtime, resume: that shard is made
+    again from the new bytes, and the provenance records the bytes each shard was made from."""
+    m, out, partial, args = _killed_after_a_shard(tmp_path)
     journal = json.loads((partial / JOURNAL).read_text())
     first = sorted(journal["shards"])[0]
     src = sorted(journal["shards"][first]["sources"])[0]  # a source tensor of a finished shard
@@ -504,41 +520,22 @@ def test_resume_rewrites_a_shard_whose_source_changed(tmp_path):
         fh.write(bytes([b[0] ^ 0x01, b[1] ^ 0x01]))
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
-    r = subprocess.run([sys.executable, "-m", "ctconvert", "--json", *args, "--resume"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    doc = json.loads(r.stdout)
+    doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
     assert first not in doc["reused_shards"] and any("written again" in n for n in doc["notes"]), doc
-    full = tmp_path / "full"
-    api.quantize(m, full, "NVFP4A16", max_shard_size="8MB")
-    assert tree_hash(out) == tree_hash(full)
 
 
 def test_resume_says_which_finished_shard_it_writes_again_because_its_bytes_changed(tmp_path):
     """Interrupt after a shard, flip a byte of that finished shard in the partial folder, resume: the shard fails its
     journaled hash and is written again, and the run says so, naming it (it was rewritten silently); the output is
     the uninterrupted run's."""
-    m = _big_model(tmp_path)
-    out = tmp_path / "o"
-    partial = tmp_path / ".o.ctconvert-partial"
-    args = ["quantize", str(m), "-s", "NVFP4A16", "-o", str(out), "--max-shard-size", "8MB"]
-    p = subprocess.Popen([*SLOW_CTCONVERT, "0.05", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while time.time() < deadline and finished_shards(out) < 1:
-        time.sleep(0.05)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
+    m, out, partial, args = _killed_after_a_shard(tmp_path)
     first = sorted(json.loads((partial / JOURNAL).read_text())["shards"])[0]
     data = bytearray((partial / first).read_bytes())
     data[-7] ^= 0x10
     (partial / first).write_bytes(bytes(data))
-    r = subprocess.run([sys.executable, "-m", "ctconvert", "--json", *args, "--resume"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    doc = json.loads(r.stdout)
+    doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
     assert first not in doc["reused_shards"]
     assert any(n.startswith(f"--resume: {first}") and "changed or damaged" in n for n in doc["notes"]), doc["notes"]
-    full = tmp_path / "full"
-    api.quantize(m, full, "NVFP4A16", max_shard_size="8MB")
-    assert tree_hash(out) == tree_hash(full)
 
 
 @pytest.mark.parametrize("tensor", ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight"])
