@@ -161,15 +161,18 @@ def plan_or_error(ckpt: Checkpoint, scheme, dry_run: bool, skip_incompatible: bo
         anyway = ", or --allow-unloadable" if "--allow-unloadable" in str(e) else ""  # (a module vLLM cannot load quantized)
         stops = f" (the run stops here: leave it dense with --ignore or the recipe's ignore, or pass --skip-incompatible{anyway})"
         # an expert the scheme cannot take: --skip-incompatible would leave its block's experts quantized unlike each other
-        expert = " (the run stops here: leave the block's experts dense in every layer, or use a group size that divides K; the error says how)"
+        expert_way = "leave the block's experts dense in every layer, or use a group size that divides K; the error says how"
+
+        def expert(name: str) -> bool:
+            return is_expert(name) and not anyway
+
         for row in plan.rows:  # say what this run would do, not what --skip-incompatible would
             if row.reason and row.reason.endswith(" (skipped: --skip-incompatible)"):
-                row.reason = row.reason.removesuffix(" (skipped: --skip-incompatible)") + (expert if is_expert(row.name) and not anyway else stops)
-        said = {
-            True: expert.strip(" ()").replace("the run stops here: ", "the run stops here unless you "),
-            False: f"the run stops here unless --skip-incompatible{anyway}",
-        }
-        plan.notes[:] = [n.replace("; kept dense and listed in ignore", "; " + said[is_expert(n.partition(":")[0]) and not anyway]) for n in plan.notes]
+                row.reason = row.reason.removesuffix(" (skipped: --skip-incompatible)") + (
+                    f" (the run stops here: {expert_way})" if expert(row.name) else stops
+                )
+        unless = {True: f"the run stops here unless you {expert_way}", False: f"the run stops here unless --skip-incompatible{anyway}"}
+        plan.notes[:] = [n.replace("; kept dense and listed in ignore", "; " + unless[expert(n.partition(":")[0])]) for n in plan.notes]
         return plan, e
 
 
