@@ -534,7 +534,8 @@ def test_resume_says_which_finished_shard_it_writes_again_because_its_bytes_chan
     data[-7] ^= 0x10
     (partial / first).write_bytes(bytes(data))
     doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
-    assert first not in doc["reused_shards"]
+    assert first not in doc["reused_shards"] and first in doc["rewritten_shards"]
+    assert sorted(doc["reused_shards"] + doc["rewritten_shards"]) == sorted(doc["shards"]), doc
     assert any(n.startswith(f"--resume: {first}") and "changed or damaged" in n for n in doc["notes"]), doc["notes"]
 
 

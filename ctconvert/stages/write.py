@@ -178,6 +178,8 @@ class WriteStage(Stage):
         folder.finish(cfg, total, {PROVENANCE: prov})
         result.shards = sorted(set(folder.weight_map.values()))
         result.reused_shards = sorted(n for n, why in folder.reused.items() if why == "resume")
+        if self.o.resume:  # the shards this run wrote: every one not kept from the interrupted run (a damaged one too)
+            result.rewritten_shards = sorted(set(result.shards) - set(result.reused_shards))
         return total
 
 
