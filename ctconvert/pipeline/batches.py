@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..checkpoint.safetensors_io import TensorInfo, read_span, region_bytes
@@ -158,6 +159,14 @@ def quantize_batch(units: list[WorkUnit], infos: list[list[TensorInfo]], x: torc
     per_member_amax = [unit_amax[j // m : j // m + 1] if unit_amax is not None else None for j in range(b * m)]
     scales = outputs["weight_scale"] if "weight_scale" in quantized else None
     return BatchResult(amax, prefixes, outputs, per_member_gs, scales, per_member_amax)
+
+
+def member_writes(rows: list[tuple[str, list[str], torch.Tensor]], staged: list[np.ndarray]) -> list[tuple[str, np.ndarray, int]]:
+    """The writes ``(output name, bytes, 0)`` of a batch's outputs: ``rows`` as :meth:`BatchResult.writes` gives them
+    (each output stacked over the members, names in member order), ``staged`` each one's bytes on the host (uint8
+    arrays); each member's share is an equal slice of its output's bytes (a view). Raises ``ValueError`` where the
+    bytes do not split evenly."""
+    return [(name, part, 0) for (_, names, _), h in zip(rows, staged) for name, part in zip(names, np.split(h, len(names)))]
 
 
 def one_launch(scheme, rows: int) -> bool:

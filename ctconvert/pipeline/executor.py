@@ -60,14 +60,14 @@ import torch
 
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import REGIONS, TensorInfo, map_bytes, map_rows, read_bytes, read_region, read_rows, region_bytes, rows_of_region
-from ..checkpoint.shard_file import ShardFile
+from ..checkpoint.shard_file import ShardFile, host_bytes
 from ..errors import BadInputError
 from ..formats import native, triton_key
 from ..formats.common import tensor_absmax
 from ..formats.mx import GroupOverflow
 from ..options import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
 from ..plan.planner import Plan, WorkUnit
-from .batches import BatchError, batch_infos, batch_nbytes, batch_values, quantize_batch, raise_first_nonfinite, read_batch
+from .batches import BatchError, batch_infos, batch_nbytes, batch_values, member_writes, quantize_batch, raise_first_nonfinite, read_batch
 from .buffers import ByteBudget, PinnedPool
 from .calibrated import CalibratedWrites
 from .casting import cast_chunk
@@ -204,7 +204,7 @@ class Executor:
             raise self.write_error
         nbytes = 0
         if self.budget is not None:
-            nbytes = sum(t.numel() * t.element_size() for _, t, _ in writes) if reserved is None else reserved
+            nbytes = sum(t.nbytes for _, t, _ in writes) if reserved is None else reserved
             if reserved is None:
                 self.budget.acquire(nbytes)
         self.wq.put((writes, event, nbytes))
@@ -226,12 +226,11 @@ class Executor:
         sizes = [-(-t.numel() // 64) * 64 for t in flat]  # 64-byte aligned slices
         self.budget.acquire(sum(sizes))  # before the pinned buffer exists: memory stays within the budget
         buf = torch.empty(max(1, sum(sizes)), dtype=torch.uint8, pin_memory=True)
-        staged, off = [], 0
+        staged, off, host = [], 0, buf.numpy()  # the writers get array views (host_bytes): no torch call a piece there
         for t, size in zip(flat, sizes):
-            dst = buf[off : off + t.numel()]
             if t.numel():
-                dst.copy_(t, non_blocking=True)
-            staged.append(dst)
+                buf[off : off + t.numel()].copy_(t, non_blocking=True)
+            staged.append(host[off : off + t.numel()])
             off += size
         ev = torch.cuda.Event()
         ev.record(self.stream)
@@ -461,8 +460,8 @@ class Executor:
         if self.cuda:
             staged, ev, reserved = self._stage([t for _, _, t in rows])
         else:
-            staged, ev, reserved = [t.contiguous().reshape(-1).view(torch.uint8) for _, _, t in rows], None, None
-        writes = [(name, part, 0) for (_, names, _), h in zip(rows, staged) for name, part in zip(names, h.chunk(len(names)))]
+            staged, ev, reserved = [host_bytes(t) for _, _, t in rows], None, None
+        writes = member_writes(rows, staged)
         self._write_many(writes, ev, reserved=reserved)
         self._progress(sum(i.nbytes for i in members))
 

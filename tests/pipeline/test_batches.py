@@ -8,6 +8,7 @@ import dataclasses
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -16,7 +17,7 @@ from ctconvert import api
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.errors import BadInputError
 from ctconvert.pipeline import reads
-from ctconvert.pipeline.batches import quantize_batch
+from ctconvert.pipeline.batches import member_writes, quantize_batch
 from ctconvert.pipeline.executor import ExecOptions
 from ctconvert.pipeline.reads import batch_key, unit_bytes, unit_order
 from ctconvert.plan.planner import make_plan
@@ -247,3 +248,19 @@ def test_non_finite_in_a_batched_fused_expert_names_the_view(tmp_path, monkeypat
             _run(src, tmp_path / f"o{batch}", "NVFP4A16", device, batch, monkeypatch, targets=EXPERTS, allow_unloadable=True)
         msgs.append(str(e.value))
     assert msgs[0] == msgs[1] and "experts.3.up_proj" in msgs[0]
+
+
+def test_member_writes_are_each_members_equal_slice_of_its_outputs_bytes():
+    """A batch's stacked output, staged as one byte array, goes to the writers as each member's slice (a view, in
+    member order); bytes that do not split evenly among the members are an error, never a silent short write."""
+    packed = torch.arange(3 * 2 * 5, dtype=torch.uint8).reshape(3, 2, 5)  # 3 members' [2, 5] weight_packed
+    scale = torch.randn(3, 2, 1).to(torch.float8_e4m3fn)
+    rows = [("weight_packed", [f"m{i}.weight_packed" for i in range(3)], packed), ("weight_scale", [f"m{i}.weight_scale" for i in range(3)], scale)]
+    staged = [t.contiguous().reshape(-1).view(torch.uint8).numpy() for _, _, t in rows]
+    writes = member_writes(rows, staged)
+    assert [n for n, _, _ in writes] == [*rows[0][1], *rows[1][1]] and all(pos == 0 for _, _, pos in writes)
+    for (_, part, _), member in zip(writes, [*packed, *scale]):
+        assert part.tobytes() == member.contiguous().view(torch.uint8).numpy().tobytes()
+        assert np.shares_memory(part, staged[0]) or np.shares_memory(part, staged[1])
+    with pytest.raises(ValueError):
+        member_writes([("weight_packed", ["a", "b"], packed)], [staged[0][:-1]])
