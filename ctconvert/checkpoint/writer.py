@@ -436,7 +436,8 @@ class OutputFolder:
         return copied
 
     def finish(self, config: dict, total_size: int, extra_json: dict[str, dict] | None = None) -> None:
-        """Close shards, write the index, extra JSON files and ``config.json`` (last)."""
+        """Close shards, write the index, extra JSON files and ``config.json`` (last), and flush every file and folder of
+        the output to disk (before :meth:`commit` renames it into place)."""
         for f in self.shards:
             f.close()
         names = {str(p.relative_to(self.tmp)) for p in self.tmp.rglob("*") if p.is_file()} - {JOURNAL, JOURNAL + ".new", ".lock"}
@@ -446,7 +447,14 @@ class OutputFolder:
         for name, data in (extra_json or {}).items():
             self.write_json(name, data)
         self.write_json(CONFIG_NAME, config, sort_keys=True)
-        _fsync_dir(self.tmp)
+        # every other file on disk before the folder is renamed into place (the shards this run wrote: ShardFile.close;
+        # those --refresh copied are not yet), else a crash just after the rename could leave a complete-looking output
+        # with an empty config.json or index
+        closed = {f.path.name for f in self.shards if not f.kept}
+        for name in sorted(names - closed):
+            _fsync_file(self.tmp / name)
+        for folder in sorted({(self.tmp / n).parent for n in names}, reverse=True):  # the copied files' subfolders too
+            _fsync_dir(folder)
 
     def _shard_records(self) -> dict:
         """Every shard's journal record (size and content hash, as written: :meth:`journal_shard`), once the hashes
@@ -523,6 +531,18 @@ def _interrupts_held():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _fsync_file(path: Path) -> None:
+    """Flush a finished file of the output folder to disk. Raises :class:`OutputError` naming it where that fails."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise OutputError(f"cannot flush: {e.strerror or e}", file=path) from e
 
 
 def _fsync_dir(path: Path) -> None:

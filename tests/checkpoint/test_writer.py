@@ -11,6 +11,8 @@ import torch
 from ctconvert import api
 from ctconvert.checkpoint import writer
 
+from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+
 
 @pytest.mark.parametrize("where", ["rename", "rmtree"])
 def test_ctrl_c_during_commit_is_held_off(tiny_llama, tmp_path, monkeypatch, where):
@@ -61,3 +63,39 @@ def test_a_shard_written_elsewhere_and_journaled_is_kept_by_resume(tmp_path):
     assert again.completed == {"model-00001-of-00002.safetensors"}
     assert again.journaled("model-00001-of-00002.safetensors")["sources"] == {"src.model-00001-of-00002.safetensors": "h"}
     again.abort()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fd by /proc/self/fd")
+@pytest.mark.parametrize("refresh", [False, True])
+def test_every_file_and_folder_is_on_disk_before_the_rename(tmp_path, monkeypatch, refresh):
+    """Before the partial folder is renamed into place, every file of it was fsynced (the index, config.json, the
+    provenance, the model card, copied files in subfolders; the shards, also those --refresh copied from the old
+    output) and so were its folders: a crash just after the rename cannot leave an output that looks complete with
+    an empty file."""
+    m = write_checkpoint(tmp_path / "m", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG, shards=2, extra_files={"README.md": "# m\n", "sub/tok.txt": "x"})
+    out = tmp_path / "o"
+    if refresh:
+        api.quantize(m, out, "W8A16", max_shard_size="100KB")
+    synced, renamed = [], []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def fsync(fd):
+        synced.append((len(renamed), os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(how):
+        return lambda a, b, *k, **kw: (renamed.append((str(a), str(b))), how(a, b, *k, **kw))[1]
+
+    monkeypatch.setattr(writer.os, "fsync", fsync)
+    monkeypatch.setattr(writer.os, "replace", rename(real_replace))
+    monkeypatch.setattr(writer.os, "rename", rename(real_rename))
+    res = api.quantize(m, out, "W8A16", max_shard_size="100KB", refresh=refresh)
+    monkeypatch.undo()
+    assert len(res.shards) > 1 and (not refresh or res.rewritten_shards == [])  # refresh: every shard copied from the old output
+    into_place = next(i for i, (_, b) in enumerate(renamed) if b == str(out))
+    partial = renamed[into_place][0]
+    before = {os.path.relpath(p, partial) for i, p in synced if i <= into_place and p.startswith(partial)}
+    files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    assert files <= before, sorted(files - before)
+    assert {".", "sub"} <= before
+    assert {"config.json", "model.safetensors.index.json", "README.md", "sub/tok.txt"} <= files
