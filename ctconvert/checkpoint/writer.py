@@ -452,9 +452,9 @@ class OutputFolder:
         # with an empty config.json or index
         closed = {f.path.name for f in self.shards if not f.kept}
         for name in sorted(names - closed):
-            _fsync_file(self.tmp / name)
-        for folder in sorted({(self.tmp / n).parent for n in names}, reverse=True):  # the copied files' subfolders too
-            _fsync_dir(folder)
+            _fsync(self.tmp / name)
+        for sub in sorted({(self.tmp / n).parent for n in names}, reverse=True):  # the copied files' subfolders too
+            _fsync(sub, folder=True)
 
     def _shard_records(self) -> dict:
         """Every shard's journal record (size and content hash, as written: :meth:`journal_shard`), once the hashes
@@ -493,7 +493,7 @@ class OutputFolder:
                 old = self.out.parent / f".{self.out.name}.ctconvert-old-{os.getpid()}"
                 os.rename(self.out, old)
             os.rename(self.tmp, self.out)
-            _fsync_dir(self.out.parent)
+            _fsync(self.out.parent, folder=True)
         except OSError as e:
             if old is not None and not self.out.exists():
                 os.rename(old, self.out)
@@ -533,8 +533,9 @@ def _interrupts_held():
             signal.signal(sig, handler)
 
 
-def _fsync_file(path: Path) -> None:
-    """Flush a finished file of the output folder to disk. Raises :class:`OutputError` naming it where that fails."""
+def _fsync(path: Path, folder: bool = False) -> None:
+    """Flush a file (or, with ``folder``, a folder's entries) of the output to disk. Raises :class:`OutputError`
+    naming a file that cannot be flushed; a folder is flushed where the filesystem allows it."""
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -542,15 +543,5 @@ def _fsync_file(path: Path) -> None:
         finally:
             os.close(fd)
     except OSError as e:
-        raise OutputError(f"cannot flush: {e.strerror or e}", file=path) from e
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+        if not folder:
+            raise OutputError(f"cannot flush: {e.strerror or e}", file=path) from e
