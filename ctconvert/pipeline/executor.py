@@ -221,7 +221,7 @@ class Executor:
 
     def _stage(self, tensors: list) -> tuple[list, object, int]:
         """GPU: copy ``tensors`` (device or host) into one pinned staging buffer on the stream, within the write budget:
-        ``(their bytes as uint8 host views, the copies' event, the bytes reserved)``; no synchronisation here."""
+        ``(their bytes as uint8 NumPy views of the buffer, the copies' event, the bytes reserved)``; no synchronisation here."""
         flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
         sizes = [-(-t.numel() // 64) * 64 for t in flat]  # 64-byte aligned slices
         self.budget.acquire(sum(sizes))  # before the pinned buffer exists: memory stays within the budget
