@@ -249,10 +249,11 @@ def quantized(result, refresh: bool) -> None:
         f"{human(result.input_bytes)} -> {human(result.output_bytes)} ({ratio:.2f}x) "
         f"in {result.seconds:.1f} s on {result.device}"
     )
-    if result.reused_shards:
+    if result.reused_shards and not refresh:
         click.echo(f"resumed: {plural(len(result.reused_shards), 'shard')} kept from the interrupted run", err=True)
     if refresh:
-        click.echo(f"refreshed: rewrote {len(result.rewritten_shards)} of {plural(len(result.shards), 'shard')}", err=True)
+        kept = f", kept {len(result.reused_shards)} unchanged" if result.reused_shards else ""
+        click.echo(f"refreshed: rewrote {len(result.rewritten_shards)} of {plural(len(result.shards), 'shard')}{kept}", err=True)
     for why, n in result.kept_dense.items():
         if not why.startswith("lm_head (default"):  # the one every run has: in the count above, and --dry-run lists it
             click.echo(f"note: kept dense: {plural(n, 'weight')}: {why}", err=True)

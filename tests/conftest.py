@@ -126,6 +126,24 @@ def save_shard(tensors: dict, path: Path) -> None:
         index.write_text(json.dumps(doc))
 
 
+def save_config(folder: Path, config: dict) -> None:
+    """Rewrite ``folder``'s ``config.json`` as a writer would have written it: the file, and its ``quantization_config``'s
+    hash in the index record (``writer.QCFG_KEY``, what verify compares). For the tests that model a checkpoint whose
+    config a tool wrote so (another tool's, or a writer's bug), not a config edited after the run
+    (tests/checkpoint/test_integrity.py)."""
+    from ctconvert.checkpoint.reader import INDEX_NAME
+    from ctconvert.checkpoint.writer import QCFG_KEY, config_digest
+
+    folder = Path(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    index = folder / INDEX_NAME
+    doc = json.loads(index.read_text()) if index.is_file() else {}
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    if QCFG_KEY in meta:
+        meta[QCFG_KEY] = config_digest(config["quantization_config"]) if isinstance(config.get("quantization_config"), dict) else None
+        index.write_text(json.dumps(doc))
+
+
 def edited_copy(out: Path, dst: Path, module: str, fn) -> Path:
     """A copy ``dst`` of the output ``out`` whose shard(s) holding tensors of ``module`` were changed by ``fn(dict)`` in
     place and rewritten as a writer would have written them (:func:`save_shard`: the index's hash record too)."""

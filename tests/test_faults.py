@@ -280,6 +280,7 @@ def _refresh_after_one_tensor_changed(m, out, tmp_path) -> None:
     save_file(t, f, metadata={"format": "pt"})
     res = api.quantize(m, out, "W4A16", max_shard_size="4MB", refresh=True)
     assert 1 <= len(res.rewritten_shards) < len(res.shards)
+    assert sorted(res.reused_shards + res.rewritten_shards) == sorted(res.shards)  # the unchanged ones kept, and said so
     full = tmp_path / "full"
     api.quantize(m, full, "W4A16", max_shard_size="4MB")
     assert tree_hash(out) == tree_hash(full)

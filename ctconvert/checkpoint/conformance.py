@@ -43,6 +43,7 @@ __all__ = [
     "ExpertMismatch",
     "contradictions",
     "expected_parts",
+    "group_arg_problems",
     "kv_scale_problems",
     "linear_module_files",
     "missing_fused_members",
@@ -58,6 +59,19 @@ __all__ = [
 ]
 
 _SPARSE = CompressionFormat.SPARSE_24_BITMASK.value
+#: the weights' ``type`` each format stores (compressed-tensors 0.20 ``compressors/quantized_compressors``: the
+#: pack and int compressors write integer codes, the float, NVFP4 and MX ones float codes)
+_FORMAT_TYPE = {
+    CompressionFormat.PACK_QUANTIZED.value: "int",
+    CompressionFormat.INT_QUANTIZED.value: "int",
+    CompressionFormat.FLOAT_QUANTIZED.value: "float",
+    CompressionFormat.NVFP4_PACK_QUANTIZED.value: "float",
+    CompressionFormat.MXFP4_PACK_QUANTIZED.value: "float",
+    CompressionFormat.MXFP8_QUANTIZED.value: "float",
+}
+#: the weight arguments NVFP4 is recognised by (vLLM 0.33 ``compressed_tensors.py``: ``_is_fp4a16_nvfp4`` and
+#: ``_is_fp4a4_nvfp4`` ask for 4-bit float, ``tensor_group`` strategy, groups of 16, symmetric)
+_NVFP4_ARGS = {"num_bits": 4, "strategy": "tensor_group", "group_size": 16, "symmetric": True}
 _SPARSE_PARTS = ("compressed", "bitmask", "shape")
 
 
@@ -122,6 +136,30 @@ def _shape_ok(part: str, got: tuple[int, ...], want: tuple[int, ...] | None, m: 
     if part == "shape" and math.prod(got) == 2:  # sparse-24-bitmask's [[N], [K]] is also seen flat
         return True
     return False
+
+
+def group_arg_problems(qcfg: dict, file: str | None = None) -> list[Problem]:
+    """An error for each config group whose weight arguments contradict its format where no tensor can (their shapes
+    and dtypes are the format's either way): a weight ``type`` the format does not store (:data:`_FORMAT_TYPE`),
+    ``dynamic`` weights (stored weights are quantized once, not at run time), NVFP4 weights without the arguments
+    vLLM recognises it by (:data:`_NVFP4_ARGS`). ``file``: the config's path, named in each error."""
+    out = []
+    groups = qcfg.get("config_groups")
+    for name, g in (groups if isinstance(groups, dict) else {}).items():
+        w = g.get("weights") if isinstance(g, dict) else None
+        if not isinstance(w, dict):
+            continue
+        fmt = g.get("format") or qcfg.get("format")
+        bad = []
+        if (want := _FORMAT_TYPE.get(fmt)) is not None and w.get("type") != want:
+            bad.append(f"type {w.get('type')!r} ({fmt} stores {want} codes)")
+        if w.get("dynamic", False) is not False:
+            bad.append(f"dynamic {w.get('dynamic')!r} (stored weights are quantized once: false)")
+        if fmt == CompressionFormat.NVFP4_PACK_QUANTIZED.value:
+            bad += [f"{k} {w.get(k)!r} (NVFP4: {v!r})" for k, v in _NVFP4_ARGS.items() if w.get(k) != v]
+        if bad:
+            out.append(Problem("error", f"config group {name!r}: weights {'; '.join(bad)}: vLLM would load these tensors otherwise or refuse them", file))
+    return out
 
 
 def module_problems(m: Module, qcfg: dict) -> list[Problem]:

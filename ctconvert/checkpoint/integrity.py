@@ -15,12 +15,13 @@ from pathlib import Path
 
 from .hashing import HASH_SCHEME
 from .reader import INDEX_NAME, Checkpoint, Problem
-from .writer import MARKER, SHARDS_KEY, record_mismatch
+from .writer import MARKER, QCFG_KEY, SHARDS_KEY, config_digest, record_mismatch
 
-__all__ = ["SHARDS_CHECK", "shard_hash_problems", "shards_checks"]
+__all__ = ["CONFIG_CHECK", "SHARDS_CHECK", "config_record_problems", "shard_hash_problems", "shards_checks"]
 
-#: the line ``verify`` lists among its checks
+#: the lines ``verify`` lists among its checks
 SHARDS_CHECK = "shard bytes against the hashes recorded as they were written"
+CONFIG_CHECK = "config.json's quantization_config against the hash recorded as it was written"
 
 
 def shards_checks(ckpt: Checkpoint) -> list[str]:
@@ -28,8 +29,27 @@ def shards_checks(ckpt: Checkpoint) -> list[str]:
     compares the shards of ``ckpt`` with a record (its index holds one, taken with this installation's hash scheme),
     else none (a warning says why nothing was compared)."""
     meta = (ckpt.index or {}).get("metadata")
-    record = meta.get(SHARDS_KEY) if isinstance(meta, dict) else None
-    return [SHARDS_CHECK] if isinstance(record, dict) and record.get("hash") == HASH_SCHEME else []
+    meta = meta if isinstance(meta, dict) else {}
+    record = meta.get(SHARDS_KEY)
+    shards = [SHARDS_CHECK] if isinstance(record, dict) and record.get("hash") == HASH_SCHEME else []
+    return shards + ([CONFIG_CHECK] if isinstance(meta.get(QCFG_KEY), str) else [])
+
+
+def config_record_problems(ckpt: Checkpoint) -> list[Problem]:
+    """An error where ``config.json``'s ``quantization_config`` is not the one the run wrote (its hash, recorded in the
+    index's metadata as :data:`~.writer.QCFG_KEY`, differs): arguments edited by hand that no tensor contradicts (a
+    weight ``type``, ``strategy`` or ``dynamic``, added ``input_activations``) change what vLLM loads, or make it refuse
+    the checkpoint. Nothing for a folder without the record (an earlier release, another tool)."""
+    meta = (ckpt.index or {}).get("metadata")
+    recorded = meta.get(QCFG_KEY) if isinstance(meta, dict) else None
+    if not isinstance(recorded, str):
+        return []
+    qcfg = ckpt.config.get("quantization_config") if isinstance(ckpt.config, dict) else None
+    if isinstance(qcfg, dict) and config_digest(qcfg) == recorded:
+        return []
+    what = "was removed" if qcfg is None else "is not the one ctconvert wrote (the index records its hash)"
+    why = f"the quantization_config {what}: it was changed after the conversion, and vLLM loads the tensors as it says; convert again"
+    return [Problem("error", why, str(Path(ckpt.path) / "config.json"))]
 
 
 def shard_hash_problems(ckpt: Checkpoint) -> list[Problem]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -139,6 +140,15 @@ FILES_KEY = "ctconvert_files"
 #: the index metadata key holding every shard's size and content hash as it was written (``{"hash": HASH_SCHEME,
 #: "files": {shard: {"size": bytes, HASH_NAME: hex}}}``): what ``verify`` compares the shards' bytes with
 SHARDS_KEY = "ctconvert_shards"
+#: the index metadata key holding the hash of the ``quantization_config`` the run wrote into ``config.json``
+#: (:func:`config_digest`): what ``verify`` compares that config with (vLLM loads the tensors as it says)
+QCFG_KEY = "ctconvert_quantization_config"
+
+
+def config_digest(qcfg: dict) -> str:
+    """The sha256 (hex) of a ``quantization_config`` as canonical JSON (keys sorted, no spaces): the same for the dict
+    a run writes and for the one read back from ``config.json``."""
+    return hashlib.sha256(json.dumps(qcfg, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def record_mismatch(path: Path, rec: dict) -> str | None:
@@ -443,6 +453,8 @@ class OutputFolder:
         names = {str(p.relative_to(self.tmp)) for p in self.tmp.rglob("*") if p.is_file()} - {JOURNAL, JOURNAL + ".new", ".lock"}
         names |= {INDEX_NAME, CONFIG_NAME, *(extra_json or {})}
         meta = {"total_size": total_size, MARKER: __version__, FILES_KEY: sorted(names), SHARDS_KEY: self._shard_records()}
+        if isinstance(config.get("quantization_config"), dict):
+            meta[QCFG_KEY] = config_digest(config["quantization_config"])
         self.write_json(INDEX_NAME, {"metadata": meta, "weight_map": dict(sorted(self.weight_map.items()))})
         for name, data in (extra_json or {}).items():
             self.write_json(name, data)

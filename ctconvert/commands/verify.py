@@ -58,6 +58,7 @@ from ..checkpoint.comparison import (
 )
 from ..checkpoint.config import require_compressed_tensors
 from ..checkpoint.conformance import (
+    group_arg_problems,
     kv_scale_problems,
     linear_module_files,
     missing_fused_members,
@@ -70,7 +71,7 @@ from ..checkpoint.conformance import (
 from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.files_check import attention_shape_problems, reference_problems
 from ..checkpoint.grid import GridCheck, grid_problems, rounded_elsewhere, unchecked_note
-from ..checkpoint.integrity import shard_hash_problems, shards_checks
+from ..checkpoint.integrity import config_record_problems, shard_hash_problems, shards_checks
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
@@ -109,15 +110,14 @@ _FILES_CHECK = "config.json and the copied files against the reference"
 def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1, ep: int | None = None, progress=None) -> dict:
     """Return the verification report of ``path`` (``ok`` is the verdict); see :func:`ctconvert.api.verify`.
 
-    ``progress``: a callable ``(total_bytes) -> context manager with .update(n)``, told the reference
-    bytes compared (the long part of ``--reference``)."""
+    ``progress``: a callable ``(total_bytes) -> context manager with .update(n)``, told the reference bytes compared."""
     path = Path(path)
     if tp < 1 or (ep is not None and ep < 1):
         raise UsageError(f"--tp and --ep must be >= 1, got {tp} and {ep}")
     if reference is not None and path.exists() and Path(reference).exists() and path.resolve() == Path(reference).resolve():
         raise UsageError("--reference is the checkpoint being verified, which measures nothing: give the source it was made from", file=path)
     ckpt = open_checkpoint(path, strict=False)
-    ckpt.problems.extend(shard_hash_problems(ckpt))  # every branch below reports ckpt.problems
+    ckpt.problems.extend(shard_hash_problems(ckpt) + config_record_problems(ckpt))  # every branch below reports ckpt.problems
     if is_kernel_native(ckpt.quantization_config):
         report = _verify_kernel_native(ckpt, path, reference)
         return _with_parallel(report, kernel_native_modules(ckpt.quantization_config, ckpt.tensors), ckpt, tp, ep)
@@ -339,7 +339,7 @@ def _config_problems(ckpt: Checkpoint, path: Path) -> list[Problem]:
     if not qcfg:  # a missing or unreadable config.json is reported once, by the folder check
         unread = any(p.file and Path(p.file).name == CONFIG_NAME for p in ckpt.problems)
         return [] if unread else [_error("config.json has no quantization_config", file=str(path / "config.json"))]
-    out = []
+    out = group_arg_problems(qcfg, str(path / CONFIG_NAME))  # weight arguments the format contradicts
     if qcfg.get("quant_method") != "compressed-tensors":
         out.append(_error(f"quant_method is {qcfg.get('quant_method')!r}, not 'compressed-tensors'"))
     sparse_only = "config_groups" not in qcfg and (qcfg.get("sparsity_config") or {}).get("format")  # compressed-tensors 0.14 2:4

@@ -20,8 +20,9 @@ class ConversionResult:
     """What a conversion did (``to_dict`` is the ``--json`` document).
 
     ``input_bytes``/``output_bytes``: bytes of tensors; ``seconds``: wall time; ``shards``: output shard
-    file names; ``reused_shards``: kept by ``--resume``; ``rewritten_shards``: written by this run (every shard
-    of a new output; the shards ``--resume`` did not keep; those ``--refresh`` found changed). A lossless conversion
+    file names; ``reused_shards``: kept from the interrupted run (``--resume``) or the old output (``--refresh``);
+    ``rewritten_shards``: written by this run (every shard of a new output; with ``--resume`` or ``--refresh`` the
+    others: together they are ``shards``). A lossless conversion
     (:mod:`ctconvert.commands.convert`) has ``lossless`` set and names the ``source_format``."""
 
     output: str | None

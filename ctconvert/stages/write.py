@@ -177,7 +177,7 @@ class WriteStage(Stage):
             prov["cast"] = casts
         folder.finish(cfg, total, {PROVENANCE: prov})
         result.shards = sorted(set(folder.weight_map.values()))
-        result.reused_shards = sorted(n for n, why in folder.reused.items() if why == "resume")
+        result.reused_shards = sorted(folder.reused)  # kept from the interrupted run (--resume) or the old output (--refresh)
         if self.o.resume:  # the shards this run wrote: every one not kept from the interrupted run (a damaged one too)
             result.rewritten_shards = sorted(set(result.shards) - set(result.reused_shards))
         return total

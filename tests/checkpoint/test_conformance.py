@@ -14,7 +14,7 @@ from ctconvert.checkpoint.conformance import vllm_expert_group
 from ctconvert.cli import main
 from ctconvert.errors import UsageError
 
-from conftest import moe_checkpoint
+from conftest import moe_checkpoint, save_config
 
 RECIPE = """quant_stage:
   quant_modifiers:
@@ -308,3 +308,29 @@ def test_mixed_expert_blocks_groups_experts_and_projections_by_config_group():
     assert [(m.block, m.groups) for m in got] == [("b", {"g": ([0, 1], ["v", "w"]), None: ([2], ["w"])}), ("d", {None: ([0], ["v"]), "g": ([0], ["w"])})]
     assert got[0].message().startswith("experts 0, 1 (v, w) in config group 'g'; expert 2 (w) dense: vLLM 0.33 builds")
     assert mixed_expert_blocks({"x.experts.0.w": "g", "x.experts.1.w": "g", "y.mlp.gate": None}) == []
+
+
+@pytest.mark.parametrize(
+    ("scheme", "edit", "want"),
+    [
+        ("NVFP4A16", {"type": "int"}, "weights type 'int' (nvfp4-pack-quantized stores float codes)"),
+        ("NVFP4A16", {"strategy": "group"}, "strategy 'group' (NVFP4: 'tensor_group')"),
+        ("NVFP4A16", {"symmetric": False}, "symmetric False (NVFP4: True)"),
+        ("W4A16", {"dynamic": True}, "dynamic True (stored weights are quantized once: false)"),
+        ("W4A16", {"type": "float"}, "type 'float' (pack-quantized stores int codes)"),
+        ("FP8_DYNAMIC", {"type": "int"}, "type 'int' (float-quantized stores float codes)"),
+    ],
+)
+def test_weight_arguments_the_format_contradicts_fail_verify_without_a_record(tiny_llama, tmp_path, scheme, edit, want):
+    """A config written so by a tool (the index's config record agrees, or there is none: another tool's checkpoint)
+    whose weight arguments no tensor contradicts but the format does: verify names the group and argument (exit 5);
+    the unedited output passes."""
+    out = tmp_path / "o"
+    api.quantize(tiny_llama, out, scheme)
+    assert api.verify(out)["ok"]
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"].update(edit)
+    save_config(out, cfg)
+    errors = [p for p in api.verify(out)["problems"] if p["severity"] == "error"]
+    assert any(want in p["message"] and "config group 'group_0'" in p["message"] and p["file"].endswith("config.json") for p in errors), errors
+    assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 5

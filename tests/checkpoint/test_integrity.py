@@ -143,3 +143,69 @@ def test_decompress_and_resumed_outputs_record_their_own_shards(tiny_llama, tmp_
     assert sorted(record) == sorted(set(_index(d)["weight_map"].values()))
     assert all(record[n][HASH_NAME] == shard_hash(d / n) for n in record)
     assert api.verify(d, q)["ok"]
+
+
+#: weight and activation arguments edited by hand that no tensor contradicts (the shapes and dtypes stay those of the
+#: format), each of which vLLM 0.33 loads otherwise or refuses (a new user's trial: verify passed every one)
+_CONFIG_EDITS = {
+    "type": lambda g: g["weights"].__setitem__("type", "int"),
+    "strategy": lambda g: g["weights"].__setitem__("strategy", "group"),
+    "dynamic": lambda g: g["weights"].__setitem__("dynamic", True),
+    "scale_dtype": lambda g: g["weights"].__setitem__("scale_dtype", None),
+    "input_activations": lambda g: g.__setitem__("input_activations", {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(_CONFIG_EDITS))
+@pytest.mark.parametrize("reference", [False, True])
+def test_a_quantization_config_edited_after_the_run_fails_verify(tiny_llama, tmp_path, edit, reference):
+    """The index records the hash of the quantization_config the run wrote (writer.QCFG_KEY); verify compares
+    config.json with it, with or without a reference, and names config.json (exit 5)."""
+    from click.testing import CliRunner
+
+    from ctconvert.checkpoint.integrity import CONFIG_CHECK
+    from ctconvert.checkpoint.writer import QCFG_KEY, config_digest
+    from ctconvert.cli import main
+
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "NVFP4A16")
+    cfg = json.loads((out / "config.json").read_text())
+    assert _index(out)["metadata"][QCFG_KEY] == config_digest(cfg["quantization_config"])
+    ref = tiny_llama if reference else None
+    report = api.verify(out, ref)
+    assert report["ok"] and CONFIG_CHECK in report["checked"]["checks"]
+    _CONFIG_EDITS[edit](cfg["quantization_config"]["config_groups"]["group_0"])
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    errors = _errors(api.verify(out, ref))
+    assert any("quantization_config is not the one ctconvert wrote" in p["message"] and p["file"].endswith("config.json") for p in errors), errors
+    args = ["verify", str(out), *(["--reference", str(tiny_llama)] if reference else [])]
+    assert CliRunner().invoke(main, args).exit_code == 5
+
+
+def test_the_config_record_is_compared_only_where_the_index_holds_one(tiny_llama, tmp_path):
+    """Key order and whitespace of config.json are not an edit; a removed quantization_config is named; an index
+    without the record (an earlier release, another tool) lists no such check and gets no error from it; a
+    decompressed output (no quantization_config) records none."""
+    from ctconvert.checkpoint.integrity import CONFIG_CHECK
+    from ctconvert.checkpoint.writer import QCFG_KEY
+
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16")
+    api.decompress(out, tmp_path / "dense")
+    assert QCFG_KEY not in _index(tmp_path / "dense")["metadata"]
+    cfg = json.loads((out / "config.json").read_text())
+    qcfg = cfg["quantization_config"]
+    cfg["quantization_config"] = dict(reversed(list(qcfg.items())))  # same values, another order and layout
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert api.verify(out)["ok"]
+    del cfg["quantization_config"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert any("quantization_config was removed" in p["message"] for p in _errors(api.verify(out)))
+    cfg["quantization_config"] = dict(qcfg, ignore=["lm_head", "model.layers.0.mlp.down_proj"])  # edited, then the record dropped
+    (out / "config.json").write_text(json.dumps(cfg))
+    index = _index(out)
+    del index["metadata"][QCFG_KEY]
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    report = api.verify(out)
+    assert CONFIG_CHECK not in report["checked"]["checks"]
+    assert not any("quantization_config" in p["message"] and "wrote" in p["message"] for p in report["problems"])

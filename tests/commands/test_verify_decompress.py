@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from ctconvert import api
 from ctconvert.cli import main
 
-from conftest import LLAMA_CONFIG, llama_tensors, save_shard, write_checkpoint
+from conftest import LLAMA_CONFIG, llama_tensors, save_config, save_shard, write_checkpoint
 from ct_reference import PRESET_FORMAT
 
 SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"]
@@ -216,9 +216,11 @@ def _add_tensor(folder, name, t):
 
 
 def _edit_config(folder, fn):
+    """Change the output's quantization_config as a tool would have written it (conftest.save_config: its record
+    too), so that the checks of the tensors against it are what a test sees."""
     cfg = json.loads((folder / "config.json").read_text())
     fn(cfg["quantization_config"])
-    (folder / "config.json").write_text(json.dumps(cfg))
+    save_config(folder, cfg)
 
 
 def _errors(rep, tensor=None):
