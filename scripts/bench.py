@@ -242,6 +242,7 @@ def model_config(family: str, size: str, scale: float) -> dict:
         return CONFIG_8B if size == "8b" else CONFIG
     c = dict(CONFIG_MOE, vocab_size=max(1024, int(CONFIG_MOE["vocab_size"] * scale) // 64 * 64))
     experts = max(4, int(MOE_EXPERTS * scale))
+    c["num_experts_per_tok"] = min(c["num_experts_per_tok"], experts)  # a scaled-down MoE routes to the experts it has
     if family == "qwen3_moe":
         extra = {"num_experts": experts, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
         return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **c, **extra}
@@ -442,7 +443,7 @@ def _args():
     ap.add_argument("--no-kernels", action="store_true", help="skip timing the quantize kernels on their own")
     ap.add_argument("--extra", default="", help="extra ctconvert quantize arguments, e.g. '--target marlin'")
     ap.add_argument("--code", default=None, help="run the ctconvert of this checkout (default: this script's), e.g. a baseline for an A/B")
-    ap.add_argument("--make-model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--make-model", default=None, metavar="DIR", help="only write the generated checkpoint (--size, --family, --scale) into DIR and exit")
     return ap.parse_args()
 
 

@@ -7,6 +7,8 @@ the disk. A shard whose bytes differ now was changed or damaged after the run: o
 scale is invisible to the error statistics of ``--reference`` (a few wrong values among millions stay within the
 format's limits), but never to this comparison. Folders without the record (an earlier release, another tool) are
 not judged here; :func:`shard_hash_problems` then says so in a warning when the folder is otherwise ctconvert's.
+The index also records the hash of the ``quantization_config`` written into ``config.json`` (:data:`~.writer.QCFG_KEY`):
+:func:`config_record_problems` fails a config edited afterwards, which no tensor may contradict.
 """
 
 from __future__ import annotations

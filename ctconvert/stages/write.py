@@ -139,7 +139,8 @@ class WriteStage(Stage):
         if self.o.resume and getattr(folder, "discarded_partial", False):
             result.notes.append("--resume: the interrupted run used other inputs or options; starting over")
         if self.o.resume and (damaged := getattr(folder, "damaged_partial", [])):
-            result.notes.append(f"--resume: {', '.join(damaged)} changed or damaged since the interrupted run finished them; written again")
+            them = "them" if len(damaged) > 1 else "it"
+            result.notes.append(f"--resume: {', '.join(damaged)} changed or damaged since the interrupted run finished {them}; written again")
         todo = [u for u in units if any(folder.weight_map[o[0]] not in folder.completed for o in u.outputs)]
         # every source not hashed yet, in the order the executor reads them (units kept from an interrupted run or by
         # --refresh last): block hashes on the hashing threads, off the executor's path
