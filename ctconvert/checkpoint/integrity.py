@@ -41,12 +41,17 @@ def config_record_problems(ckpt: Checkpoint) -> list[Problem]:
     """An error where ``config.json``'s ``quantization_config`` is not the one the run wrote (its hash, recorded in the
     index's metadata as :data:`~.writer.QCFG_KEY`, differs): arguments edited by hand that no tensor contradicts (a
     weight ``type``, ``strategy`` or ``dynamic``, added ``input_activations``) change what vLLM loads, or make it refuse
-    the checkpoint. Nothing for a folder without the record (an earlier release, another tool)."""
+    the checkpoint. A warning where an index of this release (it records shard hashes) lacks it; nothing for a folder
+    of an earlier release or another tool."""
     meta = (ckpt.index or {}).get("metadata")
-    recorded = meta.get(QCFG_KEY) if isinstance(meta, dict) else None
-    if not isinstance(recorded, str):
-        return []
+    meta = meta if isinstance(meta, dict) else {}
+    recorded = meta.get(QCFG_KEY)
     qcfg = ckpt.config.get("quantization_config") if isinstance(ckpt.config, dict) else None
+    if not isinstance(recorded, str):
+        if MARKER in meta and SHARDS_KEY in meta and qcfg is not None:  # ctconvert's index of this release, the record gone
+            why = "the index records no hash of the quantization_config: config.json is not compared with what was written"
+            return [Problem("warning", why, str(Path(ckpt.path) / INDEX_NAME))]
+        return []
     if isinstance(qcfg, dict) and config_digest(qcfg) == recorded:
         return []
     what = "was removed" if qcfg is None else "is not the one ctconvert wrote (the index records its hash)"

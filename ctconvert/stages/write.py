@@ -102,8 +102,6 @@ class WriteStage(Stage):
                 raise why from e
             raise
         result.output_bytes = total
-        if job.created:
-            result.rewritten_shards = list(result.shards)
         result.seconds = time.perf_counter() - job.t0
 
     def _run_options(self, plan: Plan) -> dict:
@@ -179,8 +177,8 @@ class WriteStage(Stage):
         folder.finish(cfg, total, {PROVENANCE: prov})
         result.shards = sorted(set(folder.weight_map.values()))
         result.reused_shards = sorted(folder.reused)  # kept from the interrupted run (--resume) or the old output (--refresh)
-        if self.o.resume:  # the shards this run wrote: every one not kept from the interrupted run (a damaged one too)
-            result.rewritten_shards = sorted(set(result.shards) - set(result.reused_shards))
+        # the shards this run wrote: every one not kept (from the interrupted run, a damaged one too, or the old output)
+        result.rewritten_shards = sorted(set(result.shards) - set(result.reused_shards))
         return total
 
 
