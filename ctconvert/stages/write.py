@@ -129,7 +129,7 @@ class WriteStage(Stage):
         ckpt, plan, result, out = job.ckpt, job.plan, job.result, job.out
         reuse_from, units = None, plan.units
         if job.old_prov is not None:
-            reuse_from, units, result.rewritten_shards, computed = refresh_plan(ckpt, plan.units, assignment, out, job.old_prov)
+            reuse_from, units, _, computed = refresh_plan(ckpt, plan.units, assignment, out, job.old_prov)  # (the rewritten shards: _complete)
             hashes.known.update(computed)
         if self.o.resume:
             _drop_stale_shards(ckpt, folder, by_shard, hashes.known, result)
