@@ -26,12 +26,17 @@ SHARDS_CHECK = "shard bytes against the hashes recorded as they were written"
 CONFIG_CHECK = "config.json's quantization_config against the hash recorded as it was written"
 
 
+def _metadata(ckpt: Checkpoint) -> dict:
+    """The ``metadata`` of the index of ``ckpt``, a dict (empty where there is none or it is not one)."""
+    meta = (ckpt.index or {}).get("metadata")
+    return meta if isinstance(meta, dict) else {}
+
+
 def shards_checks(ckpt: Checkpoint) -> list[str]:
     """The check lines of :func:`shard_hash_problems` for a report's list of checks: ``[SHARDS_CHECK]`` where it
     compares the shards of ``ckpt`` with a record (its index holds one, taken with this installation's hash scheme),
     else none (a warning says why nothing was compared)."""
-    meta = (ckpt.index or {}).get("metadata")
-    meta = meta if isinstance(meta, dict) else {}
+    meta = _metadata(ckpt)
     record = meta.get(SHARDS_KEY)
     shards = [SHARDS_CHECK] if isinstance(record, dict) and record.get("hash") == HASH_SCHEME else []
     return shards + ([CONFIG_CHECK] if isinstance(meta.get(QCFG_KEY), str) else [])
@@ -43,8 +48,7 @@ def config_record_problems(ckpt: Checkpoint) -> list[Problem]:
     weight ``type``, ``strategy`` or ``dynamic``, added ``input_activations``) change what vLLM loads, or make it refuse
     the checkpoint. A warning where an index of this release (it records shard hashes) lacks it; nothing for a folder
     of an earlier release or another tool."""
-    meta = (ckpt.index or {}).get("metadata")
-    meta = meta if isinstance(meta, dict) else {}
+    meta = _metadata(ckpt)
     recorded = meta.get(QCFG_KEY)
     qcfg = ckpt.config.get("quantization_config") if isinstance(ckpt.config, dict) else None
     if not isinstance(recorded, str):
@@ -68,8 +72,7 @@ def shard_hash_problems(ckpt: Checkpoint) -> list[Problem]:
     scheme than this installation's (:data:`~.hashing.HASH_SCHEME`: a warning). A shard that cannot be read is left
     to the checks that read it (the reader's errors name it already). Reads every byte of each shard (hashed in parallel, :func:`.hashing.shard_hash`)."""
     index = str(Path(ckpt.path) / INDEX_NAME)
-    meta = (ckpt.index or {}).get("metadata")
-    meta = meta if isinstance(meta, dict) else {}
+    meta = _metadata(ckpt)
     record = meta.get(SHARDS_KEY)
     if not isinstance(record, dict):
         if MARKER in meta:
