@@ -107,3 +107,22 @@ def test_a_build_is_keyed_on_the_local_headers_it_includes(tmp_path, monkeypatch
     (tmp_path / "inner.h").write_text("static inline int value(void) { return 2; }\n")
     assert cbuild.build(src).ct_value() == 2
     assert len(list((tmp_path / "cache").glob("k-*.so"))) == 2
+
+
+def test_a_wheel_ships_every_file_of_the_package_that_is_not_python():
+    """A wheel (``pip install .``, not the README's editable install) holds only the package data pyproject.toml names:
+    the C sources that cbuild compiles must be among it, or a wheel install silently runs the slower torch fallbacks."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(cbuild.__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    files = [p for p in (root / "ctconvert").rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".py", ".pyc")]
+    assert any(p.suffix == ".c" for p in files)
+    missing = []
+    for p in files:
+        package = ".".join(p.parent.relative_to(root).parts)
+        if not any(fnmatch.fnmatch(p.name, g) for g in data.get(package, []) + data.get("*", [])):
+            missing.append(str(p.relative_to(root)))
+    assert not missing, f"package files a wheel would leave out (add them to [tool.setuptools.package-data]): {missing}"
