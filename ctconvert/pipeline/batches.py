@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..checkpoint.safetensors_io import TensorInfo, read_span, region_bytes
+from ..checkpoint.transpose import transposed
 from ..plan.planner import WorkUnit
 from .nonfinite import raise_nonfinite
 from .scales import fp8_tensor_scale, per_tensor_scale
@@ -118,7 +119,13 @@ def batch_values(infos: list[list[TensorInfo]], data: torch.Tensor) -> torch.Ten
     for mm, info in enumerate(infos[0]):
         v = info.view
         a1 = v.offset + v.step * (first.shape[0] - 1) + 1
-        x[:, mm] = regions[:, :, v.offset : a1 : v.step].transpose(1, 2) if v.transpose else regions[:, v.offset : a1 : v.step]
+        if not v.transpose:
+            x[:, mm] = regions[:, v.offset : a1 : v.step]
+        elif data.device.type == "cpu":  # tiled, in C: a strided transposing copy runs at ~0.5 GB/s on a CPU
+            for ub in range(b):
+                transposed(regions[ub, :, v.offset : a1 : v.step], out=x[ub, mm])
+        else:
+            x[:, mm] = regions[:, :, v.offset : a1 : v.step].transpose(1, 2)
     return x
 
 

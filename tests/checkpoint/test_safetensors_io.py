@@ -14,20 +14,9 @@ import torch
 from ctconvert.checkpoint import safetensors_io as sio
 from ctconvert.checkpoint.families import split_fused_experts
 from ctconvert.checkpoint.reader import open_checkpoint
-from ctconvert.checkpoint.safetensors_io import REGIONS, RegionCache, SliceView, TensorInfo, map_bytes, map_rows, populate, read_rows, read_tensor, transposed
+from ctconvert.checkpoint.safetensors_io import REGIONS, RegionCache, SliceView, TensorInfo, map_bytes, map_rows, populate, read_rows, read_tensor
 
 from conftest import write_checkpoint
-
-
-@pytest.mark.parametrize("shape,step", [((300, 96), 2), ((128, 64), 1), ((1, 8), 2), ((257, 10), 1), ((0, 6), 2)])
-def test_transposed_is_the_strided_slice_transposed(shape, step):
-    g = torch.Generator().manual_seed(0)
-    region = torch.randn(shape, generator=g).to(torch.bfloat16)
-    for off in range(step):
-        src = region[:, off::step]
-        got = transposed(src)
-        assert got.is_contiguous() and got.shape == (src.shape[1], src.shape[0])
-        assert torch.equal(got.view(torch.int16), src.t().contiguous().view(torch.int16))
 
 
 def _gpt_oss_expert(tmp_path, h=130, i=48, experts=3):
