@@ -113,8 +113,9 @@ def test_a_wheel_ships_every_file_of_the_package_that_is_not_python():
     """A wheel (``pip install .``, not the README's editable install) holds only the package data pyproject.toml names:
     the C sources that cbuild compiles must be among it, or a wheel install silently runs the slower torch fallbacks."""
     import fnmatch
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     root = Path(cbuild.__file__).resolve().parents[1]
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
