@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import STOP_SIGNALS, OutputError, UsageError, human_bytes, plural
+from .json_text import dumps_indented
 from .hashing import HASH_NAME, HASH_SCHEME, shard_hash
 from .reader import CONFIG_NAME, INDEX_NAME
 from .shard_file import PlannedTensor, ShardFile
@@ -313,7 +314,7 @@ class OutputFolder:
         with self._lock:
             if self._committing:
                 return
-            data = json.dumps(self.journal, indent=1)
+            data = dumps_indented(self.journal, 1)
             tmp = self.tmp / (JOURNAL + ".new")
             tmp.write_text(data)
             os.replace(tmp, self.tmp / JOURNAL)
@@ -413,11 +414,12 @@ class OutputFolder:
             self.journal["shards"][name] = rec
         self._save_journal()
 
-    def write_json(self, name: str, data: dict, **kw) -> None:
+    def write_json(self, name: str, data: dict, sort_keys: bool = False) -> None:
+        """``data`` as ``json.dump(data, f, indent=2, sort_keys=sort_keys)`` writes it, and a newline, into the
+        folder's file ``name`` (:func:`.json_text.dumps_indented`: the same text, twice as fast)."""
         try:
             with open(self.tmp / name, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=2, **kw)
-                f.write("\n")
+                f.write(dumps_indented(data, 2, sort_keys=sort_keys) + "\n")
         except OSError as e:
             raise OutputError(f"cannot write: {e.strerror or e}", file=self.tmp / name) from e
 
