@@ -23,8 +23,8 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import STOP_SIGNALS, OutputError, UsageError, human_bytes, plural
-from .json_text import dumps_indented
 from .hashing import HASH_NAME, HASH_SCHEME, shard_hash
+from .json_text import dumps_indented
 from .reader import CONFIG_NAME, INDEX_NAME
 from .shard_file import PlannedTensor, ShardFile
 

@@ -38,7 +38,7 @@ def _value(rng: random.Random, depth: int):
 @pytest.mark.parametrize("seed", range(40))
 def test_the_same_text_as_json_dumps(seed):
     rng = random.Random(seed)
-    doc = {"tensors": {f"model.layers.{i}.w": [{"file": "a.safetensors", "xxh3_128": "%032x" % rng.getrandbits(128)}] for i in range(20)}}
+    doc = {"tensors": {f"model.layers.{i}.w": [{"file": "a.safetensors", "xxh3_128": f"{rng.getrandbits(128):032x}"}] for i in range(20)}}
     doc["other"] = _value(rng, 0)
     for indent in (0, 1, 2, 4):
         for sort_keys in (False, True):
