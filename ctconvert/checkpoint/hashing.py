@@ -265,8 +265,10 @@ class SourceHashes:
             for name, ranges, own in todo:
                 self._hashes[name] = RangeHash(*ranges[0], True) if own else _Combined([RangeHash(*r, True) for r in ranges])
             return
-        # every range's blocks: those hash_early began taken, the others submitted in order, small ones together
-        spans = [(Path(f), sp) for _, ranges, _ in todo for f, start, nbytes in ranges for sp in _spans(start, nbytes)]
+        # every range's blocks: those hash_early began taken, the others submitted in order, small ones together; a
+        # range several tensors come from (gpt-oss's gate and up: one expert region) is hashed once
+        unique = list(dict.fromkeys(r for _, ranges, _ in todo for r in ranges))
+        spans = [(Path(f), sp) for f, start, nbytes in unique for sp in _spans(start, nbytes)]
         blocks: list = []
         i = 0
         while i < len(spans):  # runs of one file
@@ -276,8 +278,9 @@ class SourceHashes:
             blocks += _blocks(spans[i][0], [sp for _, sp in spans[i:j]])
             i = j
         at = iter(blocks)
+        by_range = {(f, start, nbytes): RangeHash(f, start, nbytes, blocks=[next(at) for _ in _spans(start, nbytes)]) for f, start, nbytes in unique}
         for name, ranges, own in todo:  # a derived tensor: the hash of the stored ranges it comes from (docs above)
-            hs = [RangeHash(f, start, nbytes, blocks=[next(at) for _ in _spans(start, nbytes)]) for f, start, nbytes in ranges]
+            hs = [by_range[r] for r in ranges]
             self._hashes[name] = hs[0] if own else _Combined(hs)
 
     def __contains__(self, name: str) -> bool:

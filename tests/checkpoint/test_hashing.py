@@ -89,6 +89,31 @@ def test_derived_tensors_hash_the_stored_bytes_they_come_from(tmp_path):
     assert hash_tensors([virtual])["a.weight"] == want
 
 
+def test_tensors_of_one_region_hash_it_once(tmp_path, monkeypatch):
+    """gpt-oss's gate and up of one expert come from one region: each has the region's hash, and the region's blocks
+    are read and hashed once, not once per tensor (a transposed expert's own bytes are not one range)."""
+    from ctconvert.checkpoint import hashing
+    from ctconvert.checkpoint.safetensors_io import SliceView
+
+    monkeypatch.setattr(hashing, "HASH_BLOCK_BYTES", 64)
+    monkeypatch.setattr(hashing, "_EARLY", {})
+    data = random.Random(5).randbytes(2 * 6 * 8 * 2)  # two [6, 8] bf16 regions: experts 0 and 1 of a fused [2, 6, 8]
+    p = tmp_path / "f.bin"
+    p.write_bytes(data)
+    infos = []
+    for e in range(2):
+        start = e * 96
+        infos += [TensorInfo(f"e{e}.{n}", p, "BF16", (4, 6), start, 48, base="fused", view=SliceView(6, 8, True, j, 2)) for j, n in enumerate(("gate", "up"))]
+    jobs = []
+    real = hashing._pool().submit
+    monkeypatch.setattr(hashing._pool(), "submit", lambda fn, path, spans, *a: jobs.append(spans) or real(fn, path, spans, *a))
+    got = hash_tensors(infos)
+    for e in range(2):
+        want = xxhash.xxh3_128(bytes.fromhex(_reference_blocks(data[e * 96 : e * 96 + 96], 64))).hexdigest()  # of its one range
+        assert got[f"e{e}.gate"] == got[f"e{e}.up"] == want
+    assert sorted(s for j in jobs for s in j) == [(0, 64), (64, 32), (96, 64), (160, 32)]
+
+
 def _range_infos(path, spans):
     return [TensorInfo(f"t{i}", path, "U8", (n,), s, n) for i, (s, n) in enumerate(spans)]
 
