@@ -24,7 +24,7 @@ from ..errors import UsageError, plural
 from ..formats import triton_key
 from ..formats.observers import WeightObserver, args_refusal, get_observer
 from ..layouts.versions import DEFAULT_LAYOUT_VERSION
-from ..pipeline.devices import resolve_devices
+from ..pipeline.devices import begin_contexts, resolve_devices
 from ..pipeline.executor import ExecOptions, map_input_default
 from ..pipeline.options import QuantizeOptions
 from ..pipeline.zeros import ZeroTracker
@@ -45,6 +45,8 @@ class QuantizeStage(Stage):
         self.devices = resolve_devices(o.device)
         if not o.dry_run and any(d.type == "cuda" for d in self.devices):
             triton_key.begin()  # Triton's cache key, made while the run plans (the console script begins it earlier)
+            if o.executor == "local":  # (a Ray driver computes nothing on its own GPUs)
+                begin_contexts(self.devices)  # the CUDA contexts, opened while the run plans and opens its output
         self.o = o
         observer = get_observer(o.observer)
         self.observer: WeightObserver | None = None if observer.name == "minmax" else observer
