@@ -16,7 +16,10 @@ def test_no_thread_without_a_cuda_device():
     assert devices.begin_contexts([]) is None
 
 
-@pytest.mark.parametrize("device,executor,dry_run,begun", [("cuda", "local", False, True), ("cuda", "ray", False, False), ("cuda", "local", True, False), ("cpu", "local", False, False)])
+CASES = [("cuda", "local", False, True), ("cuda", "ray", False, False), ("cuda", "local", True, False), ("cpu", "local", False, False)]
+
+
+@pytest.mark.parametrize("device,executor,dry_run,begun", CASES)
 def test_the_quantize_stage_begins_it_for_a_local_run_on_cuda(monkeypatch, device, executor, dry_run, begun):
     calls = []
     monkeypatch.setattr(quantize_stage, "resolve_devices", lambda spec: [torch.device(device, 0) if device == "cuda" else torch.device("cpu")])
