@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 
-from .errors import STOP_SIGNALS, stop_exit_code, stop_message  # light: no torch
+from .errors import STOP_SIGNALS, stop_exit_code, stop_message, stops_to_handle  # light: no torch
 
 
 def bytecode_cache(environ=os.environ, probe: str = "torch") -> str | None:
@@ -210,7 +210,7 @@ def start_calibration_early(argv: list[str], trace: Trace | None) -> None:
 def main() -> None:
     trace = Trace() if os.environ.get("CTCONVERT_TRACE") == "1" else None
     hits: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: hits.append(signum)) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, lambda signum, frame: hits.append(signum)) for sig in stops_to_handle()}  # nohup's SIGHUP stays ignored
     ahead = None
     try:
         bytecode_cache()  # inside the window too

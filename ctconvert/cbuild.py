@@ -69,7 +69,11 @@ def build(src: Path) -> ctypes.CDLL | None:
     if not cc:
         return None
     fl = flags()
-    key = hashlib.sha256(_source_bytes(src) + " ".join([cc, *fl, platform.machine()]).encode()).hexdigest()[:16]
+    try:
+        source = _source_bytes(src)
+    except OSError:  # an install without the C sources (a wheel that left them out): the torch fallbacks run
+        return None
+    key = hashlib.sha256(source + " ".join([cc, *fl, platform.machine()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("CTCONVERT_CACHE") or Path.home() / ".cache" / "ctconvert")
     so = cache / f"{src.stem}-{key}.so"
     try:

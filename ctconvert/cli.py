@@ -431,8 +431,9 @@ def run() -> None:
     _AS_PROGRAM = True
     if hasattr(signal, "SIGPIPE"):  # `ctconvert inspect OUT | head`: end quietly like other Unix tools, not "exit 1"
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    for sig in errors.STOP_SIGNALS[1:]:
-        signal.signal(sig, _stop)
+    for sig in errors.stops_to_handle():  # not one the process was started ignoring (nohup's SIGHUP)
+        if sig != signal.SIGINT:  # (Python's own handler raises KeyboardInterrupt)
+            signal.signal(sig, _stop)
     code = 0
     try:
         main.main(standalone_mode=False)

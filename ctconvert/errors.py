@@ -27,6 +27,13 @@ WRITING_COMMANDS = ("quantize", "repack", "decompress", "batch")
 STOP_SIGNALS = tuple(sig for sig in (signal.SIGINT, getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if sig is not None)
 
 
+def stops_to_handle() -> tuple:
+    """The :data:`STOP_SIGNALS` this process was not started ignoring: ``nohup`` starts a command with SIGHUP
+    ignored (a closed terminal must not stop it) and a shell's background job may have SIGINT ignored; a handler
+    installed over that would stop the run anyway. Read before the process installs handlers of its own."""
+    return tuple(sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN)
+
+
 def stop_exit_code(signum: int) -> int:
     """130 for Ctrl-C, 128 + the signal for SIGTERM (143) and SIGHUP (129)."""
     return EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum

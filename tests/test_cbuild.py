@@ -127,3 +127,12 @@ def test_a_wheel_ships_every_file_of_the_package_that_is_not_python():
         if not any(fnmatch.fnmatch(p.name, g) for g in data.get(package, []) + data.get("*", [])):
             missing.append(str(p.relative_to(root)))
     assert not missing, f"package files a wheel would leave out (add them to [tool.setuptools.package-data]): {missing}"
+
+
+def test_a_missing_source_gives_no_library_not_an_error(tmp_path):
+    """An install without a kernel's C source (a wheel that left it out) runs the torch fallbacks: no library, no
+    exception (the conversion failed with FileNotFoundError before)."""
+    lib = cbuild.Library(tmp_path / "missing.c", {"f": ([], None)})
+    assert lib.get() is None
+    (tmp_path / "inc.c").write_text('#include "gone.h"\nint f(void) { return 1; }\n')
+    assert cbuild.Library(tmp_path / "inc.c", {"f": ([], None)}).get() is None  # a missing local header too

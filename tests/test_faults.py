@@ -599,6 +599,29 @@ def test_sigterm_and_sighup_stop_like_ctrl_c(tmp_path, sig):
     assert r.returncode == 0 and json.loads(r.stdout)["reused_shards"], r.stderr
 
 
+@pytest.mark.parametrize("sig", ["SIGHUP", "SIGINT"])
+def test_a_signal_the_run_was_started_ignoring_stays_ignored(tmp_path, sig):
+    """nohup starts a command with SIGHUP ignored (a background job of a script: SIGINT): the run must not install a
+    handler over that. Signalled every 20 ms from its start to its end (the import window, the conversion, the
+    commit), it completes and writes the same output as a run left alone."""
+    m = _big_model(tmp_path)
+    args = ["quantize", str(m), "-s", "W4A16", "--max-shard-size", "8MB"]
+    num = getattr(signal, sig)
+    p = subprocess.Popen(  # started ignoring it, as nohup starts a command (the child's disposition before its exec)
+        [*SLOW_CTCONVERT, "0.02", *args, "-o", str(tmp_path / "o")], stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(num, signal.SIG_IGN)
+    )
+    sent = 0
+    while p.poll() is None:
+        p.send_signal(num)
+        sent += 1
+        time.sleep(0.02)
+    err = p.stderr.read()
+    assert p.returncode == 0 and sent > 10, (sent, err)
+    r = subprocess.run([sys.executable, "-m", "ctconvert", *args, "-o", str(tmp_path / "ref")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert tree_hash(tmp_path / "o") == tree_hash(tmp_path / "ref")
+
+
 def test_free_space_is_checked_before_writing(tiny_llama, tmp_path, monkeypatch):
     import shutil
 
