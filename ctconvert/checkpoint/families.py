@@ -30,6 +30,7 @@ __all__ = [
     "FusedExperts",
     "config_value",
     "dense_experts_reason",
+    "fused_expert_parent",
     "is_expert",
     "is_mtp",
     "model_types",
@@ -149,6 +150,13 @@ FAMILIES: dict[str, ExpertLayout] = {
 
 #: a fused 3-D expert tensor (or its bias): ``<parent>.experts.<member>[.weight|.bias|_bias]``
 _FUSED = re.compile(r"^(?P<parent>.*(?:^|\.)experts)\.(?P<member>gate_up_proj|gate_proj|up_proj|down_proj)(?P<suffix>\.weight|\.bias|_bias)?$")
+
+
+def fused_expert_parent(name: str) -> str | None:
+    """The ``...experts`` module of a fused 3-D expert tensor's name (``<parent>.experts.gate_up_proj`` and the other
+    members, with or without ``.weight``, or its bias), else None. The name alone: the caller checks the shape."""
+    m = _FUSED.match(name)
+    return m["parent"] if m is not None else None
 
 
 def model_types(config: dict) -> list[str]:

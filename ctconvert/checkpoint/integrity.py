@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .hashing import HASH_SCHEME
 from .reader import INDEX_NAME, Checkpoint, Problem
-from .writer import MARKER, QCFG_KEY, SHARDS_KEY, config_digest, record_mismatch
+from .writer import MARKER, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest, record_mismatch
 
 __all__ = ["CONFIG_CHECK", "SHARDS_CHECK", "config_record_problems", "shard_hash_problems", "shards_checks"]
 
@@ -42,6 +42,16 @@ def shards_checks(ckpt: Checkpoint) -> list[str]:
     return shards + ([CONFIG_CHECK] if isinstance(meta.get(QCFG_KEY), str) else [])
 
 
+def _removed(meta: dict, key: str, index: str) -> list[Problem]:
+    """An error where the index lists ``key`` among its records (:data:`~.writer.RECORDS_KEY`) but lacks it: the
+    record was deleted after the run, so what it guards cannot be compared; else empty."""
+    listed = meta.get(RECORDS_KEY)
+    if isinstance(listed, list) and key in listed and key not in meta:
+        why = f"the index's {key} record was removed after the run (its {RECORDS_KEY} lists it): what it guards cannot be compared; convert again"
+        return [Problem("error", why, index)]
+    return []
+
+
 def config_record_problems(ckpt: Checkpoint) -> list[Problem]:
     """An error where ``config.json``'s ``quantization_config`` is not the one the run wrote (its hash, recorded in the
     index's metadata as :data:`~.writer.QCFG_KEY`, differs): arguments edited by hand that no tensor contradicts (a
@@ -52,6 +62,8 @@ def config_record_problems(ckpt: Checkpoint) -> list[Problem]:
     recorded = meta.get(QCFG_KEY)
     qcfg = ckpt.config.get("quantization_config") if isinstance(ckpt.config, dict) else None
     if not isinstance(recorded, str):
+        if removed := _removed(meta, QCFG_KEY, str(Path(ckpt.path) / INDEX_NAME)):
+            return removed
         if MARKER in meta and SHARDS_KEY in meta and qcfg is not None:  # ctconvert's index of this release, the record gone
             why = "the index records no hash of the quantization_config: config.json is not compared with what was written"
             return [Problem("warning", why, str(Path(ckpt.path) / INDEX_NAME))]
@@ -75,8 +87,10 @@ def shard_hash_problems(ckpt: Checkpoint) -> list[Problem]:
     meta = _metadata(ckpt)
     record = meta.get(SHARDS_KEY)
     if not isinstance(record, dict):
+        if removed := _removed(meta, SHARDS_KEY, index):
+            return removed
         if MARKER in meta:
-            why = f"the index records no shard hashes (written by ctconvert {meta[MARKER]}): the shards' bytes are not compared with what was written"
+            why = "the index records no shard hashes (an output of an earlier ctconvert release, or the record was removed): the shards' bytes are not compared"
             return [Problem("warning", why, index)]
         return []
     if record.get("hash") != HASH_SCHEME:

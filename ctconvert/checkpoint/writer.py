@@ -144,6 +144,9 @@ SHARDS_KEY = "ctconvert_shards"
 #: the index metadata key holding the hash of the ``quantization_config`` the run wrote into ``config.json``
 #: (:func:`config_digest`): what ``verify`` compares that config with (vLLM loads the tensors as it says)
 QCFG_KEY = "ctconvert_quantization_config"
+#: the index metadata key listing the records above that this index holds (:data:`SHARDS_KEY`, :data:`QCFG_KEY`): a
+#: record listed but absent was removed after the run, which ``verify`` fails (a record never written is told apart)
+RECORDS_KEY = "ctconvert_records"
 
 
 def config_digest(qcfg: dict) -> str:
@@ -457,6 +460,7 @@ class OutputFolder:
         meta = {"total_size": total_size, MARKER: __version__, FILES_KEY: sorted(names), SHARDS_KEY: self._shard_records()}
         if isinstance(config.get("quantization_config"), dict):
             meta[QCFG_KEY] = config_digest(config["quantization_config"])
+        meta[RECORDS_KEY] = [k for k in (SHARDS_KEY, QCFG_KEY) if k in meta]
         self.write_json(INDEX_NAME, {"metadata": meta, "weight_map": dict(sorted(self.weight_map.items()))})
         for name, data in (extra_json or {}).items():
             self.write_json(name, data)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -68,6 +69,7 @@ from ..checkpoint.conformance import (
     vllm_expert_problems,
     vllm_unloadable_problems,
 )
+from ..checkpoint.depth import COUNTS_CHECK, count_problems
 from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.files_check import attention_shape_problems, reference_problems
 from ..checkpoint.grid import GridCheck, grid_problems, rounded_elsewhere, unchecked_note
@@ -105,6 +107,7 @@ _STRUCTURE_CHECKS = [
     "NaN/inf",
 ]
 _FILES_CHECK = "config.json and the copied files against the reference"
+_NO_BAR = SimpleNamespace(update=lambda n: None)
 
 
 def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1, ep: int | None = None, progress=None) -> dict:
@@ -117,7 +120,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     if reference is not None and path.exists() and Path(reference).exists() and path.resolve() == Path(reference).resolve():
         raise UsageError("--reference is the checkpoint being verified, which measures nothing: give the source it was made from", file=path)
     ckpt = open_checkpoint(path, strict=False)
-    ckpt.problems.extend(shard_hash_problems(ckpt) + config_record_problems(ckpt))  # every branch below reports ckpt.problems
+    ckpt.problems.extend(shard_hash_problems(ckpt) + config_record_problems(ckpt) + count_problems(ckpt.config, ckpt.tensors, str(path)))  # all branches report
     if is_kernel_native(ckpt.quantization_config):
         report = _verify_kernel_native(ckpt, path, reference)
         return _with_parallel(report, kernel_native_modules(ckpt.quantization_config, ckpt.tensors), ckpt, tp, ep)
@@ -174,17 +177,14 @@ def _with_parallel(report: dict, modules, ckpt: Checkpoint, tp: int, ep: int | N
 
 
 def _bar(progress, total: int):
-    return contextlib.nullcontext(None) if progress is None else progress(total)
-
-
-def _tick(bar, n: int) -> None:
-    if bar is not None:
-        bar.update(n)
+    """``progress(total)``, or a context giving a bar whose ``update`` does nothing."""
+    return contextlib.nullcontext(_NO_BAR) if progress is None else progress(total)
 
 
 def _checked(ckpt: Checkpoint, checks: list[str], compared: int) -> dict:
     """What verify looked at (the report's ``checked``)."""
-    return dict(shards=len(ckpt.files), tensors=len(ckpt.tensors), bytes=ckpt.total_bytes, checks=shards_checks(ckpt) + checks, compared_modules=compared)
+    checks = [*shards_checks(ckpt), COUNTS_CHECK, *checks]
+    return dict(shards=len(ckpt.files), tensors=len(ckpt.tensors), bytes=ckpt.total_bytes, checks=checks, compared_modules=compared)
 
 
 def _summary(rows: list[dict]) -> dict | None:
@@ -210,9 +210,8 @@ def _summary(rows: list[dict]) -> dict | None:
 def _dense_summary(rows: list[dict]) -> dict:
     """The worst error against the dense reference of the 2:4 modules (their pruning), when there are any."""
     sparse = [r for r in rows if "rel_l2_dense" in r]
-    if not sparse:
+    if (worst := max(sparse, key=lambda r: r["rel_l2_dense"], default=None)) is None:
         return {}
-    worst = max(sparse, key=lambda r: r["rel_l2_dense"])
     return {"sparse_modules": len(sparse), "worst_dense_module": worst["module"], "worst_rel_l2_dense": worst["rel_l2_dense"]}
 
 
@@ -279,14 +278,14 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
                 problems.append(_error(f"shape {list(info.shape)} differs from the reference {list(src.shape)}", tensor=name))
                 continue
             if src.dtype == info.dtype and src.virtual is None and src.view is None and info.view is None and same_bytes(info, src):
-                _tick(bar, src.nbytes)
+                bar.update(src.nbytes)
                 continue
             if info.dtype not in _FLOAT_OR_E4M3 or src.dtype not in _FLOAT_OR_E4M3:
                 problems.append(_error(f"{info.dtype} values differ from the reference {src.dtype}", tensor=name))
                 continue
             cast = _cast_limit(info.dtype, src.dtype)
             row = _dense_row(name, info, src, cast)
-            _tick(bar, src.nbytes)
+            bar.update(src.nbytes)
             if row["rel_l2"] == 0.0:
                 continue  # equal values (in another dtype, or another zero sign)
             if not row["ok"] and not quantized_ref and is_linear_weight(name, info):  # may have been quantized
@@ -406,7 +405,7 @@ def _value_problems(ckpt: Checkpoint, ref: Checkpoint | None = None) -> list[Pro
 
 
 def _compare_weights(
-    mods: dict[str, Module], ref: Checkpoint, bar=None, contradicted: set[str] = frozenset(), requantized: bool = False, unchecked: str | None = None
+    mods: dict[str, Module], ref: Checkpoint, bar, contradicted: set[str] = frozenset(), requantized: bool = False, unchecked: str | None = None
 ) -> tuple[list[dict], list[Problem]]:
     """One error row per quantized module: its dequantized weight against the reference's. ``contradicted``: the modules whose tensors
     contradict their config group (reported already), not dequantized; a module whose tensors cannot be dequantized is an error.
@@ -433,7 +432,7 @@ def _compare_weights(
         except (ValueError, KeyError, RuntimeError, IndexError) as e:
             problems.append(_error(f"cannot be dequantized as {m.format}: {e}", tensor=m.name))
             continue
-        _tick(bar, src.nbytes)
+        bar.update(src.nbytes)
         rows.append(row)
         if row.get("against") == "2:4-pruned reference" and not any(p.message == PRUNED_NOTE for p in problems):
             problems.append(Problem("note", PRUNED_NOTE))

@@ -96,10 +96,23 @@ def test_a_shard_of_another_size_fails(tiny_llama, tmp_path):
 
 
 def test_an_index_without_the_record_is_not_judged_and_says_so(tiny_llama, tmp_path):
+    """A record the index lists (writer.RECORDS_KEY) but lacks was removed after the run: an error naming the index
+    (exit 5). An index without the record and without the listing (an earlier release) is not judged: a warning."""
+    from click.testing import CliRunner
+
+    from ctconvert.checkpoint.writer import QCFG_KEY, RECORDS_KEY
+    from ctconvert.cli import main
+
     out = tmp_path / "out"
     api.quantize(tiny_llama, out, "W4A16")
     index = _index(out)
+    assert index["metadata"][RECORDS_KEY] == [SHARDS_KEY, QCFG_KEY]
     del index["metadata"][SHARDS_KEY]
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    (e,) = [p for p in _errors(api.verify(out)) if "record was removed" in p["message"]]
+    assert SHARDS_KEY in e["message"] and e["file"] == str(out / INDEX_NAME)
+    assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 5
+    index["metadata"][RECORDS_KEY].remove(SHARDS_KEY)  # as an earlier release wrote it
     (out / INDEX_NAME).write_text(json.dumps(index))
     report = api.verify(out)
     warnings = [p["message"] for p in report["problems"] if p["severity"] == "warning"]
@@ -205,6 +218,10 @@ def test_the_config_record_is_compared_only_where_the_index_holds_one(tiny_llama
     (out / "config.json").write_text(json.dumps(cfg))
     index = _index(out)
     del index["metadata"][QCFG_KEY]
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    (e,) = [p for p in _errors(api.verify(out)) if "record was removed" in p["message"]]  # the index lists it: removed
+    assert QCFG_KEY in e["message"] and e["file"].endswith(INDEX_NAME)
+    index["metadata"]["ctconvert_records"].remove(QCFG_KEY)  # as a release before the listing wrote it
     (out / INDEX_NAME).write_text(json.dumps(index))
     report = api.verify(out)
     assert CONFIG_CHECK not in report["checked"]["checks"]
