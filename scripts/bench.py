@@ -236,9 +236,14 @@ CONFIG_MOE = {
 MOE_EXPERTS = 128
 
 
+SCALE_LLAMA = "--scale shrinks the MoE families' experts and vocabulary; a Llama is sized by --size 1b|8b"
+
+
 def model_config(family: str, size: str, scale: float) -> dict:
-    """The config.json of the generated checkpoint."""
+    """The config.json of the generated checkpoint. Raises ``ValueError`` for a Llama with a ``scale`` (it has none)."""
     if family == "llama":
+        if scale != 1.0:
+            raise ValueError(SCALE_LLAMA)
         return CONFIG_8B if size == "8b" else CONFIG
     c = dict(CONFIG_MOE, vocab_size=max(1024, int(CONFIG_MOE["vocab_size"] * scale) // 64 * 64))
     experts = max(4, int(MOE_EXPERTS * scale))
@@ -457,6 +462,8 @@ WHO = ("read", "write", "concurrent", "kernels", "ctconvert", "peer")
 
 def main() -> None:
     a = _args()
+    if a.scale != 1.0 and a.family == "llama":
+        sys.exit(f"bench.py: {SCALE_LLAMA}")
     if a.make_model:  # run in a child so that this process stays small (children inherit its peak RSS)
         make_model(Path(a.make_model), size=a.size, family=a.family, scale=a.scale)
         return

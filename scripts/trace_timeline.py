@@ -11,7 +11,8 @@ pipeline's classes, each wrapper noting ``(what, thread, start, end, bytes)`` (`
 * ``compute``: the computing thread's handling of one read (``Executor._handle``; the job's kind, first source and
   unit count are kept), ``budget_wait``: its wait for room in the writers' queues (``ByteBudget.acquire``); inside
   ``compute``: ``c_values``, ``c_quantize`` (``quantize_batch``, ``Executor._quantize``), ``c_absmax``, ``c_zeros``,
-  ``c_flags``, ``c_stage`` (the staging copy, its budget wait included);
+  ``c_flags``, ``c_stage`` (the staging copy, its budget wait included); inside ``c_quantize``: ``c_rows`` (the
+  scheme's ``quantize_rows``: the quantizer's kernels alone);
 * ``write``: a writer's ``ShardFile.write_many`` (bytes: the pieces' bytes), ``fsync``: ``ShardFile.close``;
 * ``hash_wait``: waits for the source hashes (``SourceHashes.all``), ``finish``: ``OutputFolder.finish`` and
   ``commit``; ``executor``: ``Executor.run``; ``call``: the API call.
@@ -107,6 +108,9 @@ def _patch() -> None:
     _wrap(Executor, "_stage", "c_stage")
     _wrap(Executor, "_absmax", "c_absmax")
     _wrap(Executor, "_quantize", "c_quantize")
+    from ctconvert.plan.schemes import Scheme
+
+    _wrap(Scheme, "quantize_rows", "c_rows")  # inside c_quantize: the quantizer's own call (the kernels)
     _wrap(ZeroTracker, "observe_stacked", "c_zeros")
     _wrap(ZeroTracker, "observe", "c_zeros") if hasattr(ZeroTracker, "observe") else None
     from ctconvert.pipeline import buffers
