@@ -23,7 +23,12 @@ is off during the heavy imports, which then move to its permanent generation (``
 walks torch's objects again (three full collections during the imports and the gen-0 and gen-1 passes after them
 took ~0.2 s of a 2.6 s W8A8 run of the 1.2B benchmark model on 2 cores); and numpy's OpenBLAS, which torch's import
 loads and ctconvert never calls (torch computes with its own MKL), starts one thread instead of one per core
-(``OPENBLAS_NUM_THREADS=1`` unless the environment sets it), which otherwise spin beside the import.
+(``OPENBLAS_NUM_THREADS=1`` unless the environment sets it), which otherwise spin beside the import. And torch
+places its CPU buffers of 2 MiB and more on transparent huge pages (``THP_MEM_ALLOC_ENABLE=1`` unless the
+environment sets it; c10 ``alloc_cpu.cpp``: 2 MiB alignment and ``madvise(MADV_HUGEPAGE)``, where the kernel's
+``transparent_hugepage`` allows it): each fresh buffer then faults in 2 MiB at a time instead of 4 KiB, which took
+most of ``verify --reference``'s time (the 1.2B benchmark model's W4A16 output on 2 cores: 17M page faults, 27 s of
+system time and 24 s of wall time; with it 0.9M faults and ~15 s). The calibration process inherits both.
 
 For a command that may launch kernels (``quantize``, ``repack``, ``batch``) on a machine with an NVIDIA device node
 (and without ``--device cpu``), Triton's cache key is computed on a thread as soon as the imports are done
@@ -215,6 +220,7 @@ def main() -> None:
     try:
         bytecode_cache()  # inside the window too
         if not _answers_without_engine(sys.argv[1:]):
+            os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # torch's large CPU buffers on huge pages (read at its import)
             ahead = _read_ahead(sys.argv[1:], trace)
             join_ray_early(sys.argv[1:], trace)
             start_calibration_early(sys.argv[1:], trace)

@@ -217,7 +217,7 @@ gc.callbacks.append(lambda phase, info: full.append(1) if phase == "start" and i
 _exit = os._exit
 def report(code):
     sys.stdout.flush()
-    doc = dict(code=code, full=len(full), enabled=gc.isenabled(), frozen=gc.get_freeze_count(), blas=os.environ.get("OPENBLAS_NUM_THREADS"))
+    doc = dict(code=code, full=len(full), enabled=gc.isenabled(), frozen=gc.get_freeze_count(), blas=os.environ.get("OPENBLAS_NUM_THREADS"), thp=os.environ.get("THP_MEM_ALLOC_ENABLE"))
     sys.stderr.write("\\n" + json.dumps(doc) + "\\n")
     sys.stderr.flush()
     _exit(code)
@@ -232,12 +232,13 @@ main()
 def test_the_engine_imports_run_without_the_cyclic_gc_and_are_frozen(tiny_llama, blas):
     """The console script's heavy imports make no full collection (the gc is off for them; without that torch's import
     alone triggers several), move to the permanent generation, and leave the gc on; numpy's OpenBLAS gets one thread
-    unless the environment says otherwise."""
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"} | ({"OPENBLAS_NUM_THREADS": blas} if blas else {})
+    and torch's large buffers huge pages, unless the environment says otherwise."""
+    keys = ("OPENBLAS_NUM_THREADS", "THP_MEM_ALLOC_ENABLE")
+    env = {k: v for k, v in os.environ.items() if k not in keys} | ({k: blas for k in keys} if blas else {})
     r = subprocess.run([sys.executable, "-c", _GC_WRAPPER, "inspect", str(tiny_llama)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     doc = json.loads(r.stderr.strip().splitlines()[-1])
     assert doc["code"] == 0 and doc["enabled"] and doc["frozen"] > 100_000, doc
-    assert doc["full"] == 0 and doc["blas"] == (blas or "1"), doc
+    assert doc["full"] == 0 and doc["blas"] == (blas or "1") and doc["thp"] == (blas or "1"), doc
 
 
 def test_the_read_ahead_hashes_the_sources_of_a_local_run_only(tiny_llama, tmp_path):
