@@ -217,7 +217,8 @@ gc.callbacks.append(lambda phase, info: full.append(1) if phase == "start" and i
 _exit = os._exit
 def report(code):
     sys.stdout.flush()
-    doc = dict(code=code, full=len(full), enabled=gc.isenabled(), frozen=gc.get_freeze_count(), blas=os.environ.get("OPENBLAS_NUM_THREADS"), thp=os.environ.get("THP_MEM_ALLOC_ENABLE"))
+    doc = dict(code=code, full=len(full), enabled=gc.isenabled(), frozen=gc.get_freeze_count())
+    doc.update(blas=os.environ.get("OPENBLAS_NUM_THREADS"), thp=os.environ.get("THP_MEM_ALLOC_ENABLE"))
     sys.stderr.write("\\n" + json.dumps(doc) + "\\n")
     sys.stderr.flush()
     _exit(code)
