@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 from .. import __version__
@@ -282,8 +283,10 @@ class OutputFolder:
         self.journal: dict = {"fingerprint": fingerprint, "shards": {}}
         self.reused: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._committing = False
+        self._journal_closed = False  # set by commit and abort: no journal is written after them
+        self._aborted = False
         self._pending: list = []
+        created = not self.tmp.exists()
         try:
             parent.mkdir(parents=True, exist_ok=True)
             for stale in parent.glob(f".{self.out.name}.ctconvert-tmp-*"):
@@ -304,10 +307,23 @@ class OutputFolder:
                     if p.name != ".lock":
                         shutil.rmtree(p) if p.is_dir() else p.unlink()
             self._save_journal()
-        except OSError as e:
-            raise OutputError(f"cannot create the output folder (-o): {e.strerror or e}", file=self.out) from e
+        except BaseException as e:  # an error or a Ctrl-C before the caller holds the folder: nothing of this run stays
+            self._undo(created)
+            if isinstance(e, OSError):
+                raise OutputError(f"cannot create the output folder (-o): {e.strerror or e}", file=self.out) from e
+            raise
         self.shards: list[ShardFile] = []
         self.weight_map: dict[str, str] = {}
+
+    def _undo(self, created: bool) -> None:
+        """Release what a failed ``__init__`` took: the lock, and the partial folder where this run created it (one
+        an earlier run left for ``--resume``, or another run holds, stays)."""
+        fd = getattr(self, "_lockfd", None)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if created:
+            _remove_folder(self.tmp)
 
     def _still_valid(self, name: str, rec: dict) -> bool:
         p = self.tmp / name
@@ -315,7 +331,7 @@ class OutputFolder:
 
     def _save_journal(self) -> None:
         with self._lock:
-            if self._committing:
+            if self._journal_closed:
                 return
             data = dumps_indented(self.journal, 1)
             tmp = self.tmp / (JOURNAL + ".new")
@@ -342,17 +358,17 @@ class OutputFolder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc is None:
+        if exc is None and not self._aborted:  # (a folder aborted inside the block is not committed)
             try:
                 self.commit()
             except BaseException as e:
-                self._abort_for(e)
+                self.abort_for(e)
                 raise
         else:
-            self._abort_for(exc)
+            self.abort_for(exc)
         return False
 
-    def _abort_for(self, exc: BaseException) -> None:
+    def abort_for(self, exc: BaseException) -> None:
         """Abort after ``exc``: keep the partial folder for ``--resume`` where :attr:`keep_partial` allows it and
         the run was stopped (Ctrl-C) or failed writing (not on a full disk: a partial folder only keeps it full)."""
         stopped = isinstance(exc, (KeyboardInterrupt, OutputError, OSError))
@@ -499,7 +515,7 @@ class OutputFolder:
 
     def _commit(self) -> None:
         self._lock.acquire()
-        self._committing = True
+        self._journal_closed = True
         for name in (JOURNAL, JOURNAL + ".new", ".lock"):
             try:
                 (self.tmp / name).unlink()
@@ -517,23 +533,40 @@ class OutputFolder:
                 os.rename(old, self.out)
             raise OutputError(f"cannot move the finished output into place: {e.strerror or e}", file=self.out) from e
         finally:
-            os.close(self._lockfd)
+            with contextlib.suppress(OSError):
+                os.close(self._lockfd)
             self._lock.release()
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
     def abort(self, keep: bool = False) -> None:
-        """Stop writing. With ``keep`` the partial folder stays for ``--resume``; else it is removed."""
+        """Stop writing. With ``keep`` the partial folder stays for ``--resume``; else it is removed. No journal is
+        written from here on (a shard finishing on a writer thread would create one inside a folder being removed, which
+        then stays behind: seen once, a Ctrl-C at the end of a ``--target`` run under load). Runs once (later calls: nothing)."""
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = self._journal_closed = True
         for f in self.shards:
             f.abort()
         for done, _ in self._pending:
             done.wait(5)
         if not keep:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            _remove_folder(self.tmp)
         try:
             os.close(self._lockfd)
         except OSError:
             pass
+
+
+def _remove_folder(folder: Path, tries: int = 5) -> None:
+    """Remove ``folder`` and everything in it, again where an entry appeared while it was being removed (a thread still
+    finishing a file); errors are ignored (a folder that cannot be removed is left, as ``rmtree(ignore_errors)`` does)."""
+    for _ in range(tries):
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            return
+        time.sleep(0.02)
 
 
 @contextlib.contextmanager

@@ -84,21 +84,24 @@ class WriteStage(Stage):
         assignment = assign_shards(planned, self.shard_limit)
         by_shard = sources_by_shard(job.plan.units, shard_map(assignment))
         hashes = _Hashes()
-        folder = OutputFolder(
-            job.out,
-            overwrite=self.o.overwrite or job.old_prov is not None,
-            fingerprint=fingerprint(job.ckpt, job.fingerprint, planned),
-            resume=self.o.resume,
-            shard_sources=lambda shard: hashes.journaled(by_shard.get(shard, ())),  # what a finished shard was made from (--resume)
-        )
+        folder = None
         try:
+            folder = OutputFolder(
+                job.out,
+                overwrite=self.o.overwrite or job.old_prov is not None,
+                fingerprint=fingerprint(job.ckpt, job.fingerprint, planned),
+                resume=self.o.resume,
+                shard_sources=lambda shard: hashes.journaled(by_shard.get(shard, ())),  # what a finished shard was made from (--resume)
+            )
             with folder:  # commits on leaving; an error aborts it (keeping the partial folder where folder.keep_partial says)
                 self._stream(job, folder, assignment, by_shard, hashes)
                 for wait in job.before_commit:  # a calibration beside the write stage: its error aborts the folder
                     wait()
                 total = self._complete(job, folder, planned, hashes)
-        except (KeyboardInterrupt, OutputError, OSError) as e:
-            if (why := _explained(e, job.out, folder.keep_partial)) is not None:
+        except BaseException as e:
+            if folder is not None:
+                folder.abort_for(e)  # a Ctrl-C between the folder's making and its `with`: __exit__ never ran (else: nothing)
+            if isinstance(e, (KeyboardInterrupt, OutputError, OSError)) and (why := _explained(e, job.out, folder is not None and folder.keep_partial)):
                 raise why from e
             raise
         result.output_bytes = total

@@ -99,3 +99,52 @@ def test_every_file_and_folder_is_on_disk_before_the_rename(tmp_path, monkeypatc
     assert files <= before, sorted(files - before)
     assert {".", "sub"} <= before
     assert {"config.json", "model.safetensors.index.json", "README.md", "sub/tok.txt"} <= files
+
+
+def test_an_interrupt_while_the_folder_is_made_leaves_nothing_of_this_run(tmp_path, monkeypatch):
+    """A Ctrl-C inside OutputFolder() (after its partial folder exists) removes the folder it created and releases its
+    lock; a partial folder an earlier run left (for --resume) stays."""
+    out = tmp_path / "o"
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer.OutputFolder, "_save_journal", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        writer.OutputFolder(out)
+    assert not writer.partial_folder(out).exists() and not out.exists()
+    earlier = writer.partial_folder(out)
+    earlier.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        writer.OutputFolder(out, resume=True)
+    assert earlier.is_dir()
+    monkeypatch.undo()
+    with writer.OutputFolder(out, resume=True) as folder:  # the lock was released: a later run takes the folder
+        folder.abort(keep=True)
+
+
+def test_no_journal_is_written_once_the_folder_is_aborted(tmp_path):
+    """A shard that finishes on a writer thread after abort() writes no journal (it would recreate entries in a folder
+    being removed, which then stayed behind); abort() runs once."""
+    folder = writer.OutputFolder(tmp_path / "o")
+    folder.abort()
+    assert not folder.tmp.exists()
+    folder.journal["shards"]["late.safetensors"] = {"size": 1}
+    folder._save_journal()  # what a late shard completion calls
+    folder.abort()
+    assert not folder.tmp.exists() and not (tmp_path / "o").exists()
+
+
+def test_an_interrupt_between_the_folder_and_its_with_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
+    """The write stage makes its folder, then enters it: a Ctrl-C landing in between (here: in __enter__, which then
+    never reaches __exit__) still removes the partial folder and reports the interrupt."""
+    from ctconvert.errors import CTConvertError
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer.OutputFolder, "__enter__", interrupted)
+    out = tmp_path / "o"
+    with pytest.raises((KeyboardInterrupt, CTConvertError)):
+        api.quantize(tiny_llama, out, "W4A16")
+    assert not out.exists() and not list(tmp_path.glob(".o.ctconvert-*"))
