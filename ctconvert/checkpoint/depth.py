@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import re
 
-from .families import config_value, fused_expert_parent
-from .naming import find_embedding
+from .families import config_value, is_fused_expert
+from .naming import decoder_layers_prefix
 from .reader import CONFIG_NAME, Problem
 from .safetensors_io import TensorInfo
 
@@ -39,7 +39,7 @@ COUNTS_CHECK = "decoder layers and experts against config.json's counts"
 #: the config keys naming the routed experts of each MoE block, in the order they are looked up
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _PER_EXPERT = re.compile(r"^(?P<parent>.*(?:^|\.)experts)\.(?P<e>\d+)\.")
-_SHOWN = 3  # modules named in a message
+_SHOWN = 3  # runs of indices shown in a message
 
 
 def count_problems(config: dict, tensors: dict[str, TensorInfo], folder: str) -> list[Problem]:
@@ -59,10 +59,9 @@ def layer_count_problems(config: dict, tensors: dict[str, TensorInfo], file: str
     path, named by the error. Empty where the config has no integer ``num_hidden_layers`` or no token embedding
     named ``...embed_tokens.weight`` is found."""
     n = config_value(config, "num_hidden_layers")
-    emb = find_embedding(tensors) or ""
-    if n is None or not emb.endswith("embed_tokens.weight"):
+    stack = decoder_layers_prefix(tensors)
+    if n is None or stack is None:
         return []
-    stack = emb[: -len("embed_tokens.weight")] + "layers."
     pattern = re.compile(re.escape(stack) + r"(\d+)\.")
     stored = {int(m.group(1)) for m in map(pattern.match, tensors) if m}
     if not stored:
@@ -87,17 +86,16 @@ def expert_count_problems(config: dict, tensors: dict[str, TensorInfo], file: st
 
     ``config``, ``tensors``, ``file``: as :func:`layer_count_problems`. Empty where the config has no integer
     expert count or the checkpoint stores no experts."""
-    n = next((v for k in EXPERT_KEYS if (v := config_value(config, k)) is not None), None)
+    key, n = next(((k, v) for k in EXPERT_KEYS if (v := config_value(config, k)) is not None), (None, None))
     if n is None:
         return []
-    key = next(k for k in EXPERT_KEYS if config_value(config, k) == n)
     per_expert: dict[str, set[int]] = {}
     fused: dict[str, int] = {}
     for name, info in tensors.items():
         m = _PER_EXPERT.match(name)
         if m is not None:
             per_expert.setdefault(m["parent"], set()).add(int(m["e"]))
-        elif len(info.shape) == 3 and fused_expert_parent(name) is not None:
+        elif len(info.shape) == 3 and is_fused_expert(name):
             fused[name] = int(info.shape[0])
     out = []
     wrong = {p: sorted(s) for p, s in per_expert.items() if s != set(range(n))}
@@ -119,7 +117,7 @@ def _expert_error(key: str, n: int, summary: str, example: str, file: str | None
 
 
 def _indices(xs: list[int]) -> str:
-    """``0, 1, 2 ... 47`` style: a sorted list of indices in a few characters, runs collapsed."""
+    """A sorted list of indices in a few characters: runs collapsed (``0..47, 50``), the first :data:`_SHOWN` runs shown."""
     runs: list[str] = []
     start = prev = xs[0]
     for x in [*xs[1:], None]:

@@ -30,8 +30,8 @@ __all__ = [
     "FusedExperts",
     "config_value",
     "dense_experts_reason",
-    "fused_expert_parent",
     "is_expert",
+    "is_fused_expert",
     "is_mtp",
     "model_types",
     "mtp_dense_reason",
@@ -152,11 +152,10 @@ FAMILIES: dict[str, ExpertLayout] = {
 _FUSED = re.compile(r"^(?P<parent>.*(?:^|\.)experts)\.(?P<member>gate_up_proj|gate_proj|up_proj|down_proj)(?P<suffix>\.weight|\.bias|_bias)?$")
 
 
-def fused_expert_parent(name: str) -> str | None:
-    """The ``...experts`` module of a fused 3-D expert tensor's name (``<parent>.experts.gate_up_proj`` and the other
-    members, with or without ``.weight``, or its bias), else None. The name alone: the caller checks the shape."""
-    m = _FUSED.match(name)
-    return m["parent"] if m is not None else None
+def is_fused_expert(name: str) -> bool:
+    """Whether ``name`` is that of a fused 3-D expert tensor (``<parent>.experts.gate_up_proj`` and the other members,
+    with or without ``.weight``, or its bias). The name alone: the caller checks the shape."""
+    return _FUSED.match(name) is not None
 
 
 def model_types(config: dict) -> list[str]:

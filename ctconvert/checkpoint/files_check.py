@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .model_card import CARD, HEADING
 from .modules import Module, dense_shape
-from .naming import DEFAULT_IGNORE_PATTERNS, find_embedding
+from .naming import DEFAULT_IGNORE_PATTERNS, decoder_layers_prefix, find_embedding
 from .reader import CONFIG_NAME, INDEX_NAME, Checkpoint, Problem
 from .writer import PROVENANCE
 
@@ -236,10 +236,9 @@ def attention_shape_problems(mods: dict[str, Module], config: dict, tensors: dic
     the checkpoint's token embedding (``tensors``: the checkpoint's, by name): towers and resamplers of any naming
     (MiniCPM-V's ``vpm.``, Idefics2's perceiver) are not the text model's and are skipped, as is everything when no
     such embedding is found. Architectures whose rows follow other rules are not checked."""
-    emb = find_embedding(tensors) or ""
-    if not emb.endswith("embed_tokens.weight"):
+    stack = decoder_layers_prefix(tensors)
+    if stack is None:
         return []
-    stack = emb[: -len("embed_tokens.weight")] + "layers."
     cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     heads, hd = cfg.get("num_attention_heads"), _head_dim(cfg)
     if not isinstance(heads, int) or hd is None or any(k in cfg or k in config for k in _OTHER_ATTENTION):

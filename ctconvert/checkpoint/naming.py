@@ -177,6 +177,14 @@ def find_embedding(tensors: dict[str, TensorInfo]) -> str | None:
     return hits[0] if len(hits) == 1 else None
 
 
+def decoder_layers_prefix(tensors: dict[str, TensorInfo]) -> str | None:
+    """The prefix of the text model's decoder layers, ``<P>layers.``, where ``<P>embed_tokens.weight`` is the
+    checkpoint's token embedding (:func:`find_embedding`); None where the embedding is not so named (BERT's
+    ``embeddings.word_embeddings``, none, several). Towers and resamplers of other namings are not under it."""
+    emb = find_embedding(tensors) or ""
+    return emb[: -len("embed_tokens.weight")] + "layers." if emb.endswith("embed_tokens.weight") else None
+
+
 def tie_word_embeddings(config: dict) -> bool:
     """``tie_word_embeddings`` of a config (or of its ``text_config``); False when absent."""
     if "tie_word_embeddings" in config:
