@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .hashing import HASH_SCHEME
 from .reader import INDEX_NAME, Checkpoint, Problem
-from .writer import MARKER, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest, record_mismatch
+from .writer import MARKER, PROVENANCE, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest, record_mismatch
 
 __all__ = ["CONFIG_CHECK", "SHARDS_CHECK", "config_record_problems", "shard_hash_problems", "shards_checks"]
 
@@ -42,12 +42,14 @@ def shards_checks(ckpt: Checkpoint) -> list[str]:
     return shards + ([CONFIG_CHECK] if isinstance(meta.get(QCFG_KEY), str) else [])
 
 
-def _removed(meta: dict, key: str, index: str) -> list[Problem]:
-    """An error where the index lists ``key`` among its records (:data:`~.writer.RECORDS_KEY`) but lacks it: the
-    record was deleted after the run, so what it guards cannot be compared; else empty."""
+def _removed(meta: dict, key: str, index: str, required: bool) -> list[Problem]:
+    """An error where an index of a release that lists its records (:data:`~.writer.RECORDS_KEY`) lacks a usable
+    ``key`` record that it lists, or that such a release always writes (``required``: the shard hashes, and the
+    config's hash where ``config.json`` holds a ``quantization_config``): the record was deleted or emptied after the
+    run (``null`` included), so what it guards cannot be compared; else empty."""
     listed = meta.get(RECORDS_KEY)
-    if isinstance(listed, list) and key in listed and key not in meta:
-        why = f"the index's {key} record was removed after the run (its {RECORDS_KEY} lists it): what it guards cannot be compared; convert again"
+    if RECORDS_KEY in meta and (required or (isinstance(listed, list) and key in listed)):
+        why = f"the index's {key} record was removed or emptied after the run (this release always writes it): what it guards cannot be compared; convert again"
         return [Problem("error", why, index)]
     return []
 
@@ -62,7 +64,7 @@ def config_record_problems(ckpt: Checkpoint) -> list[Problem]:
     recorded = meta.get(QCFG_KEY)
     qcfg = ckpt.config.get("quantization_config") if isinstance(ckpt.config, dict) else None
     if not isinstance(recorded, str):
-        if removed := _removed(meta, QCFG_KEY, str(Path(ckpt.path) / INDEX_NAME)):
+        if removed := _removed(meta, QCFG_KEY, str(Path(ckpt.path) / INDEX_NAME), required=qcfg is not None):
             return removed
         if MARKER in meta and SHARDS_KEY in meta and qcfg is not None:  # ctconvert's index of this release, the record gone
             why = "the index records no hash of the quantization_config: config.json is not compared with what was written"
@@ -84,10 +86,16 @@ def shard_hash_problems(ckpt: Checkpoint) -> list[Problem]:
     scheme than this installation's (:data:`~.hashing.HASH_SCHEME`: a warning). A shard that cannot be read is left
     to the checks that read it (the reader's errors name it already). Reads every byte of each shard (hashed in parallel, :func:`.hashing.shard_hash`)."""
     index = str(Path(ckpt.path) / INDEX_NAME)
+    if ckpt.index is None and (Path(ckpt.path) / PROVENANCE).is_file():  # ctconvert writes an index into every output
+        why = (
+            "the index ctconvert wrote is missing (the folder holds its ctconvert-provenance.json): the shards' bytes and the "
+            "quantization_config cannot be compared with what was written; restore it or convert again"
+        )
+        return [Problem("error", why, index)]
     meta = _metadata(ckpt)
     record = meta.get(SHARDS_KEY)
     if not isinstance(record, dict):
-        if removed := _removed(meta, SHARDS_KEY, index):
+        if removed := _removed(meta, SHARDS_KEY, index, required=True):
             return removed
         if MARKER in meta:
             why = "the index records no shard hashes (an output of an earlier ctconvert release, or the record was removed): the shards' bytes are not compared"
@@ -95,6 +103,8 @@ def shard_hash_problems(ckpt: Checkpoint) -> list[Problem]:
         return []
     if record.get("hash") != HASH_SCHEME:
         why = f"the shard hashes were taken with {record.get('hash')!r}, this installation hashes with {HASH_SCHEME!r}: not compared"
+        if RECORDS_KEY in meta:  # a release that lists its records hashes with this scheme: the record was edited
+            return [Problem("error", why.replace(": not compared", ", the only scheme of a release that lists its records: the record was edited"), index)]
         return [Problem("warning", why, index)]
     files = record.get("files") if isinstance(record.get("files"), dict) else {}
     problems, unread = [], {p.file for p in ckpt.problems if p.severity == "error"}  # (a truncated shard: said once, by the reader)

@@ -42,13 +42,20 @@ def test_layer_counts(prefix):
     assert p.severity == "error" and p.file == "cfg" and f"num_hidden_layers is {n}" in p.message and "2 of them" in p.message
     assert all(str(g) in p.message for g in gone)
     (p,) = layer_count_problems({"num_hidden_layers": n - 2}, _infos(_stack(prefix, range(n))))  # the config shrunk by hand
-    assert f"stores 2 more ({n - 2}..{n - 1}" in p.message and "refuses" in p.message
+    assert f"stores 2 layers past them ({n - 2}..{n - 1})" in p.message and "refuses" in p.message
     (p,) = layer_count_problems({"num_hidden_layers": n + 1}, _infos(_stack(prefix, range(n))))
     assert f"1 of them ({n})" in p.message and "random weights" in p.message
     mtp = {"num_hidden_layers": n - 1, "num_nextn_predict_layers": 1}  # DeepSeek-V3's MTP layer after the decoder: stored or not
     assert layer_count_problems(mtp, _infos(_stack(prefix, range(n)))) == layer_count_problems(mtp, _infos(_stack(prefix, range(n - 1)))) == []
     (p,) = layer_count_problems(dict(mtp, num_hidden_layers=n - 2), _infos(_stack(prefix, range(n))))
-    assert f"1 more ({n - 1} + num_nextn_predict_layers 1" in p.message
+    assert f"1 layers past them ({n - 1}) (after the decoder, num_nextn_predict_layers 1 MTP layers may be stored)" in p.message
+    names = _stack(prefix, range(n))
+    names[f"{prefix}layers.{n - 1}.eh_proj.weight"] = (8, 16)  # an MTP layer stored after the decoder
+    assert layer_count_problems(mtp, _infos(names)) == []
+    (p,) = layer_count_problems(dict(mtp, num_hidden_layers=n, num_nextn_predict_layers=0), _infos(names))  # counted as a decoder layer
+    assert f"layer {n - 1} holds an MTP layer's eh_proj" in p.message
+    (p,) = layer_count_problems({"num_hidden_layers": 0}, _infos(_stack(prefix, range(2))))
+    assert "num_hidden_layers is 0, but" in p.message and "stores 2 layers past them (0..1)" in p.message
 
 
 def test_layer_counts_judge_only_the_text_decoder():
@@ -85,6 +92,23 @@ def test_expert_counts(key):
     assert expert_count_problems({key: n}, _infos(fused)) == []
     (p,) = expert_count_problems({key: n - 1}, _infos(fused))
     assert "4 of 4 fused expert weights" in p.message and f"model.layers.0.mlp.experts.down_proj holds {n}" in p.message
+
+
+def test_every_expert_key_is_compared_and_counts_must_be_integers():
+    """A config holding two expert keys (transformers maps one onto the other) is judged on each; a count written as a
+    string, a float or a boolean is an error of its own (vLLM refuses the config), and is not read as a count."""
+    from ctconvert.checkpoint.depth import count_type_problems
+
+    names = _infos(_stack("model.", range(2), {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}))
+    assert expert_count_problems({"num_experts": 4, "num_local_experts": 4}, names) == []
+    (p,) = expert_count_problems({"num_experts": 4, "num_local_experts": 8}, names)
+    assert "num_local_experts is 8" in p.message
+    assert len(expert_count_problems({"text_config": {"num_experts": 2}, "n_routed_experts": 8}, names)) == 2
+    for bad in ("4", 4.0, True):
+        (p,) = count_type_problems({"text_config": {"num_experts": bad}}, "cfg")
+        assert p.message.startswith(f"config.json's text_config.num_experts is {json.dumps(bad)}, not an integer") and p.file == "cfg"
+        assert expert_count_problems({"num_experts": bad}, names) == [] and layer_count_problems({"num_hidden_layers": bad}, names) == []
+    assert count_type_problems({"num_hidden_layers": 2, "num_experts": 4, "num_nextn_predict_layers": None}) == []
 
 
 def _errors(report: dict) -> list[dict]:

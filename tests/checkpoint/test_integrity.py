@@ -112,7 +112,11 @@ def test_an_index_without_the_record_is_not_judged_and_says_so(tiny_llama, tmp_p
     (e,) = [p for p in _errors(api.verify(out)) if "record was removed" in p["message"]]
     assert SHARDS_KEY in e["message"] and e["file"] == str(out / INDEX_NAME)
     assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 5
-    index["metadata"][RECORDS_KEY].remove(SHARDS_KEY)  # as an earlier release wrote it
+    index["metadata"][RECORDS_KEY] = None  # emptied, not deleted: still this release's index
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    assert any("record was removed or emptied" in p["message"] for p in _errors(api.verify(out)))
+    index["metadata"][SHARDS_KEY] = None
+    del index["metadata"][RECORDS_KEY]  # as an earlier release wrote it (no list of records)
     (out / INDEX_NAME).write_text(json.dumps(index))
     report = api.verify(out)
     warnings = [p["message"] for p in report["problems"] if p["severity"] == "warning"]
@@ -127,13 +131,41 @@ def test_an_index_without_the_record_is_not_judged_and_says_so(tiny_llama, tmp_p
 
 
 def test_a_record_of_another_hash_scheme_is_not_compared(tiny_llama, tmp_path):
+    """An earlier release's record of another hash scheme: a warning, not compared. In an index that lists its records
+    (this release, one scheme) another scheme was written by hand: an error (the trial renamed it to skip the check)."""
     out = tmp_path / "out"
     api.quantize(tiny_llama, out, "W4A16")
     index = _index(out)
     index["metadata"][SHARDS_KEY]["hash"] = "sha256/blocks-1"
     (out / INDEX_NAME).write_text(json.dumps(index))
+    assert any("the record was edited" in p["message"] for p in _errors(api.verify(out)))
+    del index["metadata"]["ctconvert_records"]
+    (out / INDEX_NAME).write_text(json.dumps(index))
     report = api.verify(out)
     assert report["ok"] and any("this installation hashes with" in p["message"] for p in report["problems"])
+
+
+@pytest.mark.parametrize("record", [SHARDS_KEY, "ctconvert_quantization_config"])
+def test_a_record_set_to_null_or_an_index_deleted_fails_verify(tiny_llama, tmp_path, record):
+    """The trial's bypasses: a record set to null in this release's index, and the index of a ctconvert output deleted
+    (its provenance stays), are errors naming the index (exit 5), not a warning or silence."""
+    from click.testing import CliRunner
+
+    from ctconvert.cli import main
+
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16")
+    index = _index(out)
+    index["metadata"][record] = None
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    (e,) = [p for p in _errors(api.verify(out)) if "removed or emptied" in p["message"]]
+    assert record in e["message"] and e["file"] == str(out / INDEX_NAME)
+    assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 5
+    (out / INDEX_NAME).unlink()
+    for f in sorted(out.glob("*.safetensors"))[1:]:  # one shard left, as a single-file checkpoint needs no index
+        f.unlink()
+    (e,) = [p for p in _errors(api.verify(out)) if "index ctconvert wrote is missing" in p["message"]]
+    assert e["file"] == str(out / INDEX_NAME)
 
 
 def test_a_shard_missing_from_the_record_fails(tiny_llama, tmp_path):
@@ -221,7 +253,7 @@ def test_the_config_record_is_compared_only_where_the_index_holds_one(tiny_llama
     (out / INDEX_NAME).write_text(json.dumps(index))
     (e,) = [p for p in _errors(api.verify(out)) if "record was removed" in p["message"]]  # the index lists it: removed
     assert QCFG_KEY in e["message"] and e["file"].endswith(INDEX_NAME)
-    index["metadata"]["ctconvert_records"].remove(QCFG_KEY)  # as a release before the listing wrote it
+    del index["metadata"]["ctconvert_records"]  # as a release before the listing wrote it
     (out / INDEX_NAME).write_text(json.dumps(index))
     report = api.verify(out)
     assert CONFIG_CHECK not in report["checked"]["checks"]
