@@ -13,13 +13,14 @@ The index also records the hash of the ``quantization_config`` written into ``co
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .hashing import HASH_SCHEME
 from .reader import INDEX_NAME, Checkpoint, Problem
 from .writer import MARKER, PROVENANCE, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest, record_mismatch
 
-__all__ = ["CONFIG_CHECK", "SHARDS_CHECK", "config_record_problems", "shard_hash_problems", "shards_checks"]
+__all__ = ["CONFIG_CHECK", "SHARDS_CHECK", "config_record_problems", "provenance_module_problems", "record_problems", "shard_hash_problems", "shards_checks"]
 
 #: the lines ``verify`` lists among its checks
 SHARDS_CHECK = "shard bytes against the hashes recorded as they were written"
@@ -30,6 +31,12 @@ def _metadata(ckpt: Checkpoint) -> dict:
     """The ``metadata`` of the index of ``ckpt``, a dict (empty where there is none or it is not one)."""
     meta = (ckpt.index or {}).get("metadata")
     return meta if isinstance(meta, dict) else {}
+
+
+def record_problems(ckpt: Checkpoint) -> list[Problem]:
+    """The output of ``ckpt`` against every record of it taken as it was written: :func:`shard_hash_problems`,
+    :func:`config_record_problems`, :func:`provenance_module_problems`."""
+    return shard_hash_problems(ckpt) + config_record_problems(ckpt) + provenance_module_problems(ckpt)
 
 
 def shards_checks(ckpt: Checkpoint) -> list[str]:
@@ -120,3 +127,25 @@ def shard_hash_problems(ckpt: Checkpoint) -> list[Problem]:
         if why is not None:
             problems.append(Problem("error", f"{why}: the shard was changed or damaged after it was written", str(path)))
     return problems
+
+
+def provenance_module_problems(ckpt: Checkpoint) -> list[Problem]:
+    """An error where modules the output's ``ctconvert-provenance.json`` records (each output tensor's module: its
+    name up to the last dot) hold no tensor in the shards: a shard dropped with its index entries and records (a new
+    user's edit that left ``lm_head`` or the embedding out, which vLLM refuses) still shows against the provenance.
+    Modules, not tensors: ``repack`` and ``decompress`` keep their input's provenance while renaming the parts. Nothing
+    where there is no provenance or it cannot be read."""
+    path = Path(ckpt.path) / PROVENANCE
+    try:
+        recorded = json.loads(path.read_text()).get("tensors")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(recorded, dict) or not ckpt.tensors:
+        return []
+    held = {n.rpartition(".")[0] for n in ckpt.tensors}
+    lost = sorted({n.rpartition(".")[0] for n in recorded} - held)
+    if not lost:
+        return []
+    shown = ", ".join(m or "(top level)" for m in lost[:3]) + (f" and {len(lost) - 3} more" if len(lost) > 3 else "")
+    why = f"{len(lost)} modules the provenance records hold no tensor in the shards ({shown}): a shard or its tensors were removed after the run"
+    return [Problem("error", why, str(path))]

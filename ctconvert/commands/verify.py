@@ -73,7 +73,7 @@ from ..checkpoint.depth import COUNTS_CHECK, count_problems
 from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.files_check import attention_shape_problems, reference_problems
 from ..checkpoint.grid import GridCheck, grid_problems, rounded_elsewhere, unchecked_note
-from ..checkpoint.integrity import config_record_problems, shard_hash_problems, shards_checks
+from ..checkpoint.integrity import record_problems, shards_checks
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
@@ -120,7 +120,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     if reference is not None and path.exists() and Path(reference).exists() and path.resolve() == Path(reference).resolve():
         raise UsageError("--reference is the checkpoint being verified, which measures nothing: give the source it was made from", file=path)
     ckpt = open_checkpoint(path, strict=False)
-    ckpt.problems.extend(shard_hash_problems(ckpt) + config_record_problems(ckpt) + count_problems(ckpt.config, ckpt.tensors, str(path)))  # all branches report
+    ckpt.problems.extend(record_problems(ckpt) + count_problems(ckpt.config, ckpt.tensors, str(path)))  # every branch below reports ckpt.problems
     if is_kernel_native(ckpt.quantization_config):
         report = _verify_kernel_native(ckpt, path, reference)
         return _with_parallel(report, kernel_native_modules(ckpt.quantization_config, ckpt.tensors), ckpt, tp, ep)

@@ -260,3 +260,29 @@ def test_the_config_record_is_compared_only_where_the_index_holds_one(tiny_llama
     assert not any("quantization_config" in p["message"] and "wrote" in p["message"] for p in report["problems"])
     warned = [p for p in report["problems"] if p["severity"] == "warning" and "no hash of the quantization_config" in p["message"]]
     assert len(warned) == 1 and warned[0]["file"].endswith(INDEX_NAME)  # a ctconvert index of this release: said, not silent
+
+
+def test_a_shard_dropped_with_its_records_fails_against_the_provenance(tiny_llama, tmp_path):
+    """The trial's edit: one shard deleted along with its weight_map entries and its records (ctconvert_shards,
+    ctconvert_files): the modules the provenance records without a tensor left are an error naming the provenance;
+    the untouched output passes, and so does its decompressed copy (the provenance kept, the parts renamed)."""
+    from ctconvert.checkpoint.writer import FILES_KEY
+
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16", max_shard_size="300KB")
+    assert api.verify(out)["ok"]
+    api.decompress(out, tmp_path / "dense")
+    assert api.verify(tmp_path / "dense", tiny_llama)["ok"]
+    index = _index(out)
+    gone = sorted(set(index["weight_map"].values()))[-1]
+    lost = {n.rpartition(".")[0] for n, f in index["weight_map"].items() if f == gone}
+    lost -= {n.rpartition(".")[0] for n, f in index["weight_map"].items() if f != gone}
+    assert lost
+    (out / gone).unlink()
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != gone}
+    del index["metadata"][SHARDS_KEY]["files"][gone]
+    index["metadata"][FILES_KEY].remove(gone)
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    (e,) = [p for p in _errors(api.verify(out)) if "the provenance records hold no tensor" in p["message"]]
+    assert e["message"].startswith(f"{len(lost)} modules") and e["file"].endswith("ctconvert-provenance.json")
+    assert min(lost) in e["message"]
