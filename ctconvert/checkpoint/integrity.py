@@ -109,10 +109,10 @@ def shard_hash_problems(ckpt: Checkpoint) -> list[Problem]:
             return [Problem("warning", why, index)]
         return []
     if record.get("hash") != HASH_SCHEME:
-        why = f"the shard hashes were taken with {record.get('hash')!r}, this installation hashes with {HASH_SCHEME!r}: not compared"
+        taken = f"the shard hashes were taken with {record.get('hash')!r}, this installation hashes with {HASH_SCHEME!r}"
         if RECORDS_KEY in meta:  # a release that lists its records hashes with this scheme: the record was edited
-            return [Problem("error", why.replace(": not compared", ", the only scheme of a release that lists its records: the record was edited"), index)]
-        return [Problem("warning", why, index)]
+            return [Problem("error", f"{taken}, the only scheme of a release that lists its records: the record was edited", index)]
+        return [Problem("warning", f"{taken}: not compared", index)]
     files = record.get("files") if isinstance(record.get("files"), dict) else {}
     problems, unread = [], {p.file for p in ckpt.problems if p.severity == "error"}  # (a truncated shard: said once, by the reader)
     for path in sorted(p for p in ckpt.files if str(p) not in unread):

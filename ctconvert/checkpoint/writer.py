@@ -145,8 +145,9 @@ SHARDS_KEY = "ctconvert_shards"
 #: the index metadata key holding the hash of the ``quantization_config`` the run wrote into ``config.json``
 #: (:func:`config_digest`): what ``verify`` compares that config with (vLLM loads the tensors as it says)
 QCFG_KEY = "ctconvert_quantization_config"
-#: the index metadata key listing the records above that this index holds (:data:`SHARDS_KEY`, :data:`QCFG_KEY`): a
-#: record listed but absent was removed after the run, which ``verify`` fails (a record never written is told apart)
+#: the index metadata key listing the records above that this index holds (:data:`SHARDS_KEY`, :data:`QCFG_KEY`): an
+#: index holding it is of a release that writes them, so ``verify`` fails one listed or always written but absent,
+#: ``null`` or of another hash scheme (an index without it is an earlier release's: a warning)
 RECORDS_KEY = "ctconvert_records"
 
 
