@@ -412,3 +412,55 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
     """Read a whole tensor into a new CPU tensor of its dtype and shape."""
     raw = read_bytes(info, 0, info.nbytes)
     return raw.view(info.torch_dtype).reshape(info.shape)
+
+
+@dataclass
+class WholeReads:
+    """What :func:`read_whole` read: ``pieces``, each tensor's whole bytes (uint8, its logical bytes, as
+    :func:`read_bytes` gives them); ``runs``, the spans of a file read by one ``preadv`` each, as ``(bytes, dtype)``
+    with the safetensors dtype string its tensors share (None where they differ; a run may hold bytes of no tensor
+    asked for, a region's other columns, all of that dtype); ``run_of``, each piece's run (``-1``: read on its own, a computed
+    tensor)."""
+
+    pieces: list[torch.Tensor]
+    runs: list[tuple[torch.Tensor, str | None]]
+    run_of: list[int]
+
+
+def read_whole(infos: list[TensorInfo]) -> WholeReads:
+    """Whole tensors read together, each span of a file once: tensors (or the regions of :class:`SliceView`
+    tensors: gpt-oss's per-expert biases, gate and up sharing one) that lie back to back or overlap in one file are
+    one run, read by one ``preadv`` (:func:`read_span`), and each tensor's bytes are taken from its run. A MoE layer's
+    per-expert biases are a few hundred small tensors; read one by one, each paid an open, a read and a close, every
+    one of them a release of the GIL that a busy computing thread then held for up to the interpreter's switch
+    interval (a GPU run's reads of gpt-oss's biases took ~1 ms a tensor, 80-120 ms a read of a layer's, and the
+    computing thread waited ~0.4 s of a 4 s call for them). The bytes are :func:`read_bytes`'s. Raises
+    :class:`BadInputError` on a short read (naming the run's first tensor)."""
+    pieces: list = [None] * len(infos)
+    run_of = [-1] * len(infos)
+    spans = []  # (file, start, end, index) of each tensor's source span
+    for i, info in enumerate(infos):
+        if info.virtual is not None:
+            pieces[i] = read_bytes(info, 0, info.nbytes)
+        else:
+            spans.append((str(info.file), info.start, info.start + (region_bytes(info) if info.view is not None else info.nbytes), i))
+    spans.sort()
+    runs: list[tuple[torch.Tensor, str | None]] = []
+    j = 0
+    while j < len(spans):
+        file, start, end, _ = spans[j]
+        k = j + 1
+        while k < len(spans) and spans[k][0] == file and spans[k][1] <= end:
+            end = max(end, spans[k][2])
+            k += 1
+        members = [infos[s[3]] for s in spans[j:k]]
+        buf = read_span(members[0], start, end - start)
+        runs.append((buf, members[0].dtype if len({m.dtype for m in members}) == 1 else None))
+        for _, s, e, i in spans[j:k]:
+            info = infos[i]
+            part = buf[s - start : e - start]
+            if info.view is not None:
+                part = rows_of_region(info, part, 0, info.shape[0]).reshape(-1).view(torch.uint8)
+            pieces[i], run_of[i] = part, len(runs) - 1
+        j = k
+    return WholeReads(pieces, runs, run_of)

@@ -27,8 +27,20 @@ from ..checkpoint.transpose import transposed
 from ..plan.planner import WorkUnit
 from .nonfinite import raise_nonfinite
 from .scales import fp8_tensor_scale, per_tensor_scale
+from .zeros import stacked_candidates
 
-__all__ = ["BatchError", "BatchResult", "batch_infos", "batch_nbytes", "batch_values", "one_launch", "quantize_batch", "raise_first_nonfinite", "read_batch"]
+__all__ = [
+    "BatchError",
+    "BatchResult",
+    "batch_infos",
+    "batch_nbytes",
+    "batch_values",
+    "one_launch",
+    "quantize_batch",
+    "raise_first_nonfinite",
+    "read_batch",
+    "warm_batch",
+]
 
 
 class BatchError(Exception):
@@ -166,6 +178,22 @@ def quantize_batch(units: list[WorkUnit], infos: list[list[TensorInfo]], x: torc
     per_member_amax = [unit_amax[j // m : j // m + 1] if unit_amax is not None else None for j in range(b * m)]
     scales = outputs["weight_scale"] if "weight_scale" in quantized else None
     return BatchResult(amax, prefixes, outputs, per_member_gs, scales, per_member_amax)
+
+
+def warm_batch(scheme, info: TensorInfo, rows: int, impl: str, device: torch.device) -> None:
+    """A batch's device work done once on zeros (the warm-up of a GPU run: :mod:`.warm`), so that every kernel a batch
+    of ``scheme`` members like ``info`` (its first member) launches is compiled and loaded before the first batch
+    arrives: the gather of a fused expert's view (:func:`batch_values`), the absmax and scales, the quantizer's tall
+    launch of ``rows`` rows (the whole batch's, so that its Triton specialisation is the batch's), the NaN/inf flag
+    and the zero-row scan. Nothing is kept."""
+    r, k = info.shape
+    if info.view is not None:  # the gather of a fused expert's view
+        batch_values([[info]], torch.zeros(region_bytes(info), dtype=torch.uint8, device=device))
+    x = torch.zeros((rows // r, 1, r, k), dtype=info.torch_dtype, device=device)
+    units = [WorkUnit("quantize", [info.name], ["warm-up"], scheme)] * (rows // r)
+    res = quantize_batch(units, [[info]] * (rows // r), x, impl, check_now=False)
+    torch.isfinite(res.amax).all()
+    stacked_candidates(res.scales, scheme.weight_format, scheme.weights, info.torch_dtype, r)
 
 
 def member_writes(rows: list[tuple[str, list[str], torch.Tensor]], staged: list[np.ndarray]) -> list[tuple[str, np.ndarray, int]]:

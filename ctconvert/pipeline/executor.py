@@ -62,7 +62,7 @@ from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import REGIONS, TensorInfo, map_bytes, map_rows, read_bytes, read_region, read_rows, region_bytes, rows_of_region
 from ..checkpoint.shard_file import ShardFile, host_bytes
 from ..errors import BadInputError
-from ..formats import native, triton_key
+from ..formats import native
 from ..formats.common import tensor_absmax
 from ..formats.mx import GroupOverflow
 from ..options import DEFAULT_CHUNK_ELEMS, DEFAULT_HOLD_BYTES
@@ -71,11 +71,12 @@ from .batches import BatchError, batch_infos, batch_nbytes, batch_values, member
 from .buffers import ByteBudget, PinnedPool
 from .calibrated import CalibratedWrites
 from .casting import cast_chunk
-from .nonfinite import DeviceFlags, copy_nonfinite, raise_nonfinite
+from .nonfinite import DeviceFlags, copy_nonfinite, raise_nonfinite, read_copies
 from .readahead import READ_AHEAD_BYTES, WindowReadAhead, unit_pieces
-from .reads import COPY_CHUNK_BYTES, Read, make_reads, split_units, unit_bytes, warm_up_batches, warm_up_shapes
+from .reads import COPY_CHUNK_BYTES, Read, make_reads, split_units, unit_bytes, warm_up_shapes
 from .scales import UnitScales, needs_absmax_pass, observer_of
 from .stored import StoredRows, on_device, read_stored
+from .warm import WarmUp
 
 __all__ = [
     "COPY_CHUNK_BYTES",
@@ -166,7 +167,7 @@ class Executor:
         self.write_error: BaseException | None = None
         self.calibrated = CalibratedWrites(opts.calibrated, defer=opts.repack is None)  # written later when not known yet
         self.flags = DeviceFlags(ckpt.tensors, len(plan.units))  # GPU: the NaN/inf flags of each unit, read behind events
-        self.warmed, self.warm_error = 0, None  # GPU: the shapes _warm_up compiled, and why it stopped early
+        self.warm: WarmUp | None = None  # GPU: the warm-up (what it launched, why it stopped early)
 
     # -- writing (threads of their own: output bytes go to disk while the next chunks compute) --
     def _writer(self) -> None:
@@ -244,8 +245,9 @@ class Executor:
             buf = self.pool.get(n) if self.cuda else torch.empty(n, dtype=torch.uint8)
             read_batch(infos, buf)
             return buf  # the whole pooled buffer goes back to the pool, not the prefix read
-        if job.kind == "copies":  # small copied tensors, whole: [(bytes, whether they hold NaN/inf)]
-            return [self._read_copy(self.ckpt.tensors[self.plan.units[u].sources[0]], 0, None) for u in job.units]
+        if job.kind == "copies":  # small copied tensors, whole: [(bytes, whether they hold NaN/inf)]; each span once
+            infos = [self.ckpt.tensors[self.plan.units[u].sources[0]] for u in job.units]
+            return [self._read_copy(i, 0, None) for i in infos] if not self.cuda and self.opts.map_input else read_copies(infos, self.native_checks)
         unit = self.plan.units[job.unit]
         info = self.ckpt.tensors[unit.sources[job.member]]
         if job.kind == "copy":  # (bytes, whether they hold NaN/inf)
@@ -289,37 +291,11 @@ class Executor:
 
     # -- computing ---------------------------------------------------------------
     def _warm_up(self) -> threading.Thread | None:
-        """GPU: compile the quantize kernels of the plan's chunk shapes on a thread of their own, while the first
-        units are read and written (a checkpoint often starts with its embeddings, copied as they are).
-
-        Triton compiles a kernel at its first launch with given dtypes, constexprs and argument specialisation,
-        and caches it on disk (``~/.triton/cache``); a process with a cold cache would otherwise spend ~1-2 s
-        of its call compiling (an H200 profile of an 8B NVFP4A16 run). Here the first batch of each batch key
-        (:func:`.reads.warm_up_batches`: one tall launch, with one NVFP4 global scale per row), then each distinct
-        (scheme, dtype, K, chunk rows) is quantized once from zeros, on a stream of its own; the results are dropped.
-        A failure here is ignored: the real launch compiles (and reports) as it would have."""
+        """GPU: the run's kernels launched once on a thread of their own while the first units are read (:mod:`.warm`)."""
         if not self.cuda or self.opts.impl == "torch":
             return None
-        opts = self.opts
-
-        def work() -> None:
-            try:
-                triton_key.wait()  # Triton's cache key, begun at start-up: its first launch needs it (formats/triton_key.py)
-                with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream(self.dev)):
-                    batches = [(*b, True) for b in warm_up_batches(self.ckpt, self.plan, opts)]  # first: a MoE's time is in them
-                    for scheme, info, rows, per_row in [*batches, *((*s, False) for s in warm_up_shapes(self.ckpt, self.plan, opts.chunk_elems))]:
-                        w = torch.zeros(rows, info.shape[1], dtype=info.torch_dtype, device=self.dev)
-                        gs = None
-                        if scheme.global_scale:  # a batch: one global scale per row ([rows, 1]); a tensor: one ([1])
-                            gs = torch.ones((rows, 1) if per_row else (1,), dtype=torch.float32, device=self.dev)
-                        scheme.quantize_rows(w, gs, impl=opts.impl)
-                        self.warmed += 1
-            except Exception as e:  # noqa: BLE001 - kept for --debug and tests; the real launch reports its own errors
-                self.warm_error = e
-
-        t = threading.Thread(target=work, daemon=True, name="ctconvert-warmup")
-        t.start()
-        return t
+        self.warm = WarmUp(self.ckpt, self.plan, self.opts, self.dev)
+        return self.warm.start()
 
     def run(self) -> None:
         """Run the plan (the threads of the module docstring); the page-cache read-ahead and the region cache of fused

@@ -1,7 +1,8 @@
 """NaN/inf in the executor's inputs: the scan of a copied chunk, and the one-line error naming the first one.
 
 A quantized weight's NaN/inf is found from its absmax (or its scales, :attr:`Scheme.scale_flags_nonfinite`);
-a copied floating tensor's by :func:`copy_nonfinite` on the reader thread. Either way the tensor is then read
+a copied floating tensor's by :func:`copy_nonfinite` on the reader thread (small ones read together:
+:func:`read_copies`). Either way the tensor is then read
 again on the CPU by :func:`raise_nonfinite`, which says how many values are not finite and where the first is.
 """
 
@@ -9,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint.safetensors_io import TensorInfo, iter_row_chunks
+from ..checkpoint.safetensors_io import TensorInfo, iter_row_chunks, read_whole
 from ..errors import BadInputError
 from ..formats import native
 
-__all__ = ["CHECKED_COPY", "DeviceFlags", "copy_nonfinite", "raise_nonfinite"]
+__all__ = ["CHECKED_COPY", "DeviceFlags", "copy_nonfinite", "raise_nonfinite", "read_copies"]
 
 CHECKED_COPY = ("BF16", "F16", "F32", "F64", "F8_E4M3")  # pass-through dtypes whose values are checked
 
@@ -28,6 +29,25 @@ def copy_nonfinite(info: TensorInfo, data: torch.Tensor, native_checks: bool) ->
     if native_checks and info.dtype != "F64":
         return native.absmax(data.view(info.torch_dtype).reshape(1, -1))[1] > 0
     return not bool(torch.isfinite(data.view(info.torch_dtype)).all())
+
+
+def read_copies(infos: list[TensorInfo], native_checks: bool) -> list[tuple[torch.Tensor, bool]]:
+    """Whole copied tensors read together (:func:`~ctconvert.checkpoint.safetensors_io.read_whole`: each span of a
+    file once), each as ``(bytes, whether they hold NaN/inf)`` (:func:`copy_nonfinite`). A run of one dtype is scanned
+    once; where it is finite so is every tensor taken from it, and only a run holding NaN/inf has its tensors scanned
+    one by one (a scan through the C kernels, like a read, lets the GIL go)."""
+    got = read_whole(infos)
+    clean: dict[int, bool] = {}
+    out = []
+    for info, data, r in zip(infos, got.pieces, got.run_of):
+        if r >= 0 and got.runs[r][1] == info.dtype:
+            if r not in clean:
+                clean[r] = not copy_nonfinite(info, got.runs[r][0], native_checks)
+            if clean[r]:
+                out.append((data, False))
+                continue
+        out.append((data, copy_nonfinite(info, data, native_checks)))
+    return out
 
 
 class DeviceFlags:

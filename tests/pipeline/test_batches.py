@@ -264,3 +264,37 @@ def test_member_writes_are_each_members_equal_slice_of_its_outputs_bytes():
         assert np.shares_memory(part, staged[0]) or np.shares_memory(part, staged[1])
     with pytest.raises(ValueError):
         member_writes([("weight_packed", ["a", "b"], packed)], [staged[0][:-1]])
+
+
+@pytest.mark.parametrize("device", cuda_params())
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_warm_batch_launches_the_batch_kernels_of_each_key(tmp_path, monkeypatch, family, device):
+    """The warm-up's batch (``warm_batch``) runs a batch's own work on zeros: the quantizer's tall launch of the first
+    batch's rows with one NVFP4 global scale per row, the absmax, the NaN/inf flag and the zero-row scan, and for
+    fused experts the gather of a view; nothing of it is kept (a later run writes what it wrote without it)."""
+    from ctconvert.pipeline import batches as batches_mod
+    from ctconvert.pipeline.reads import warm_up_batches
+    from ctconvert.plan.schemes import Scheme
+
+    src = _gpt_oss(tmp_path) if family == "gpt_oss" else _moe(tmp_path)
+    kw = {"targets": EXPERTS, "allow_unloadable": True} if family == "gpt_oss" else {}
+    ckpt = open_checkpoint(src)
+    plan = make_plan(ckpt, "NVFP4A16", **kw)
+    ckpt = dataclasses.replace(ckpt, tensors={**ckpt.tensors, **plan.views})
+    jobs = warm_up_batches(ckpt, plan, ExecOptions(device=torch.device(device), batch=True))
+    assert jobs and all((info.view is not None) == (family == "gpt_oss") for _, info, _ in jobs)
+    launches, gathers, scans = [], [], []
+    real_rows, real_values, real_scan = Scheme.quantize_rows, batches_mod.batch_values, batches_mod.stacked_candidates
+
+    def rows_spy(self, w, gs=None, *a, **k):
+        launches.append((tuple(w.shape), tuple(gs.shape)))
+        return real_rows(self, w, gs, *a, **k)
+
+    monkeypatch.setattr(Scheme, "quantize_rows", rows_spy)
+    monkeypatch.setattr(batches_mod, "batch_values", lambda infos, data: gathers.append(infos[0][0].name) or real_values(infos, data))
+    monkeypatch.setattr(batches_mod, "stacked_candidates", lambda s, *a: scans.append(tuple(s.shape)) or real_scan(s, *a))
+    for scheme, info, rows in jobs:
+        batches_mod.warm_batch(scheme, info, rows, "auto", torch.device(device))
+    assert launches == [((rows, info.shape[1]), (rows, 1)) for _, info, rows in jobs]
+    assert scans == [(rows // info.shape[0], info.shape[0], info.shape[1] // 16) for _, info, rows in jobs]
+    assert gathers == ([info.name for _, info, _ in jobs] if family == "gpt_oss" else [])

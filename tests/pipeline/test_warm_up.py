@@ -109,7 +109,7 @@ def test_warm_up_compiles_the_quantize_kernels(tiny_llama):
         plan = make_plan(ckpt, scheme)
         ex = Executor(ckpt, plan, {}, ExecOptions(device=torch.device("cuda")))
         ex._warm_up().join()
-        assert ex.warm_error is None and ex.warmed == len(warm_up_batches(ckpt, plan, ex.opts)) + len(warm_up_shapes(ckpt, plan)) > 0
+        assert ex.warm.error is None and ex.warm.warmed == len(warm_up_batches(ckpt, plan, ex.opts)) + len(warm_up_shapes(ckpt, plan)) > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
@@ -127,7 +127,7 @@ def test_warm_up_also_compiles_the_batches_per_row_kernel(tiny_llama, monkeypatc
     plan = make_plan(ckpt, "NVFP4A16")
     ex = Executor(ckpt, plan, {}, ExecOptions(device=torch.device("cuda"), batch=batch))
     ex._warm_up().join()
-    assert ex.warm_error is None and (1,) in seen
+    assert ex.warm.error is None and (1,) in seen
     per_row = [s[0] for s in seen if s is not None and len(s) == 2 and s[0] >= 2 and s[1] == 1]
     assert per_row == [rows for _, _, rows in warm_up_batches(ckpt, plan, ex.opts)]  # the batches' own rows
     assert bool(per_row) == batch
