@@ -20,9 +20,10 @@ import json
 from pathlib import Path
 
 from .model_card import CARD, HEADING
-from .modules import Module, dense_shape
+from .modules import Module
 from .naming import DEFAULT_IGNORE_PATTERNS, decoder_layers_prefix, find_embedding
 from .reader import CONFIG_NAME, INDEX_NAME, Checkpoint, Problem
+from .widths import dense_dims
 from .writer import PROVENANCE
 
 __all__ = ["CONFIG_RULES", "FILE_RULES", "attention_shape_problems", "config_problems", "copied_file_problems", "reference_problems"]
@@ -76,7 +77,7 @@ def config_problems(ckpt: Checkpoint, ref: Checkpoint) -> list[Problem]:
             out.append(_error(message, file))
     if untied and not any(n.startswith("lm_head.") or ".lm_head." in n for n in ckpt.tensors):
         out.append(_error(f"{untied[0]} is false but the output stores no lm_head (the reference ties it): the head would be random", file))
-    return out + _dtype_problems(ckpt, ref, file) + _tied_head_problems(ckpt, file)
+    return out + _dtype_problems(ckpt, ref, file)  # a head tied over a stored lm_head: widths.tied_head_problems, with or without a reference
 
 
 def _dtype_problems(ckpt: Checkpoint, ref: Checkpoint, file: str) -> list[Problem]:
@@ -96,19 +97,6 @@ def _dtype_problems(ckpt: Checkpoint, ref: Checkpoint, file: str) -> list[Proble
                 msg = f"config.json's {prefix}{key} is {_short(o[key])}, but the output's dense tensors are {have} ({e_out})"
                 out.append(_error(msg, file))
     return out
-
-
-def _tied_head_problems(ckpt: Checkpoint, file: str) -> list[Problem]:
-    """``tie_word_embeddings`` true while the output stores a quantized ``lm_head``: a loader ties the head to the
-    token embedding and leaves the stored one out (``--lm-head`` unties a tied head: README)."""
-    tied = ckpt.config.get("tie_word_embeddings")
-    if tied is None and isinstance(ckpt.config.get("text_config"), dict):
-        tied = ckpt.config["text_config"].get("tie_word_embeddings")
-    parts = sorted(n for n in ckpt.tensors if (n.startswith("lm_head.") or ".lm_head." in n) and not n.endswith("lm_head.weight"))
-    if tied is True and parts:
-        msg = f"tie_word_embeddings is true, but the output stores a quantized lm_head ({parts[0]}): a loader would tie the head to the embedding"
-        return [_error(msg, file)]
-    return []
 
 
 def _compare(got: dict, want: dict, prefix: str) -> list[tuple[str, str]]:
@@ -271,14 +259,9 @@ def _head_dim(cfg: dict) -> int | None:
 
 
 def _rows(m: Module) -> int | None:
-    """The dense output rows of a module: its dense shape when quantized, else its weight's."""
-    try:
-        if m.quantized:
-            return dense_shape(m)[0]
-        w = m.parts.get("weight")
-        return int(w.shape[0]) if w is not None and len(w.shape) == 2 else None
-    except (ValueError, KeyError, TypeError):
-        return None
+    """The dense output rows of a module: its dense shape when quantized, else its weight's (:func:`.widths.dense_dims`)."""
+    dims = dense_dims(m)
+    return None if dims is None else dims[0]
 
 
 def _error(msg: str, file: str | None = None) -> Problem:

@@ -8,17 +8,15 @@ tensors its group's format and activation args write, with their dtypes and shap
 tensors and a static ``kv_cache_scheme`` without its scales included); every dense Linear is
 in ``ignore``; no fused set lacks a member its other layers have; NVFP4 fused sets share one global scale
 (docs/compressed-tensors-format.md §9.1) and calibrated ones one input scale; the attention rows match config.json
-(:mod:`ctconvert.checkpoint.files_check`); no float tensor holds NaN/inf and no E4M3 byte is NaN (0x7F/0xFF).
+(:mod:`ctconvert.checkpoint.files_check`), as do the layer and expert counts (:mod:`ctconvert.checkpoint.depth`), the
+widths and a tied head (:mod:`ctconvert.checkpoint.widths`); no float tensor holds NaN/inf and no E4M3 byte is NaN (0x7F/0xFF).
 
-With ``reference`` (the dense source, or a quantized one: then its weights
-dequantized by :mod:`ctconvert.sources`), an independent check that
-reads the two checkpoints and nothing else (not the writer's plan, not the
-output's provenance): every quantized weight is dequantized and compared
-(relative L2, max abs, SNR in dB) against a per-format threshold (2:4 modules
-against the reference pruned 2:4 by verify, the error against the dense one
-beside it); every other output tensor must come from the reference (equal
-bytes, or its values cast bit for bit to another float dtype) or be explained
-by the config; every reference tensor must be in the output or replaced by the
+With ``reference`` (the dense source, or a quantized one: then its weights dequantized by :mod:`ctconvert.sources`),
+an independent check that reads the two checkpoints and nothing else (not the writer's plan, not the output's
+provenance): every quantized weight is dequantized and compared (relative L2, max abs, SNR in dB) against a per-format
+threshold (2:4 modules against the reference pruned 2:4 by verify, the error against the dense one beside it); every
+other output tensor must come from the reference (equal bytes, or its values cast bit for bit to another float dtype)
+or be explained by the config; every reference tensor must be in the output or replaced by the
 parts of a quantized module; each row and each value is judged too (:mod:`ctconvert.checkpoint.rows`,
 :mod:`ctconvert.checkpoint.grid`: a value must be the nearest to its reference over its scale); config.json and the
 copied files match the reference's but for what a conversion changes (:mod:`ctconvert.checkpoint.files_check`).
@@ -80,6 +78,7 @@ from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, r
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, Problem, open_checkpoint
 from ..checkpoint.rows import RowErrors, row_limit, row_problems, rows_ok
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_rows, read_tensor
+from ..checkpoint.widths import WIDTHS_CHECK, width_problems
 from ..errors import UsageError
 from ..formats import CompressionFormat, WeightArgs, get_format
 from ..formats.sparse24 import SPARSE_PREFIX, prune24
@@ -120,7 +119,9 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     if reference is not None and path.exists() and Path(reference).exists() and path.resolve() == Path(reference).resolve():
         raise UsageError("--reference is the checkpoint being verified, which measures nothing: give the source it was made from", file=path)
     ckpt = open_checkpoint(path, strict=False)
-    ckpt.problems.extend(record_problems(ckpt) + count_problems(ckpt.config, ckpt.tensors, str(path)))  # every branch below reports ckpt.problems
+    mods = {} if is_kernel_native(ckpt.quantization_config) else modules_of(ckpt)  # kernel-native modules have no dense shapes
+    found = count_problems(ckpt.config, ckpt.tensors, str(path)) + width_problems(ckpt.config, ckpt.tensors, mods, str(path))
+    ckpt.problems.extend(record_problems(ckpt) + found)  # every branch below reports ckpt.problems
     if is_kernel_native(ckpt.quantization_config):
         report = _verify_kernel_native(ckpt, path, reference)
         return _with_parallel(report, kernel_native_modules(ckpt.quantization_config, ckpt.tensors), ckpt, tp, ep)
@@ -130,7 +131,6 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         fix = "to compare a dense checkpoint (a decompress output) with its source, give --reference SRC; `ctconvert inspect` describes any checkpoint"
         require_compressed_tensors(ckpt.quantization_config, path / CONFIG_NAME, "verify", fix)
     problems: list[Problem] = list(ckpt.problems)
-    mods = modules_of(ckpt)
     problems += _config_problems(ckpt, path)
     found, contradicted = _module_problems(mods, ckpt.quantization_config or {})
     found += vllm_unloadable_problems(mods, ckpt.config) + partial_block_problems(mods)
@@ -183,7 +183,7 @@ def _bar(progress, total: int):
 
 def _checked(ckpt: Checkpoint, checks: list[str], compared: int) -> dict:
     """What verify looked at (the report's ``checked``)."""
-    checks = [*shards_checks(ckpt), COUNTS_CHECK, *checks]
+    checks = [*shards_checks(ckpt), COUNTS_CHECK, WIDTHS_CHECK, *checks]
     return dict(shards=len(ckpt.files), tensors=len(ckpt.tensors), bytes=ckpt.total_bytes, checks=checks, compared_modules=compared)
 
 
