@@ -1,4 +1,4 @@
-"""``config.json``'s layer and expert counts against the tensors a checkpoint stores (``verify``, no reference needed).
+"""``config.json``'s layer, expert and vision block counts against the tensors a checkpoint stores (``verify``, no reference needed).
 
 A loader builds the model from the config and then fills it from the tensors. vLLM 0.33 builds ``num_hidden_layers``
 decoder layers and, in each MoE block, as many experts as the config's expert count
@@ -18,6 +18,38 @@ random weights (a layer or expert the model has but no tensor fills). Neither sh
   (``experts.gate_up_proj`` ...) has ``n`` rows in its first dimension, ``n`` being the config's
   ``num_experts``, ``num_local_experts`` or ``n_routed_experts`` (``text_config`` first; Qwen-MoE, Mixtral/gpt-oss/Llama-4,
   DeepSeek spell it so).
+- **Vision blocks** (:func:`vision_depth_problems`): the vision tower's block stack, found by the tensor names each
+  family's HF checkpoints store (:data:`_TOWERS`, by the config's ``model_type``), holds exactly the blocks vLLM 0.33
+  builds from ``n``, ``vision_config``'s ``depth`` (else its ``num_hidden_layers``; transformers maps the one onto
+  the other for Qwen's towers through ``attribute_map``): blocks ``0 .. n-1``, but for LLaVA (below):
+
+  - Qwen2-VL, Qwen2.5-VL, Qwen3-VL(-MoE): ``visual.blocks.N.``, or ``model.visual.blocks.N.`` (Qwen3-VL's
+    checkpoints, transformers 5's module names); vLLM 0.33 builds ``vision_config.depth`` blocks (qwen2_vl.py
+    ``Qwen2VisionTransformer``, qwen2_5_vl.py ``Qwen2_5_VisionTransformer``, qwen3_vl.py
+    ``Qwen3_VisionTransformer``, which qwen3_vl_moe.py reuses) and its ``load_weights`` looks every stored name up
+    in its parameters: a block past them is refused.
+  - Llama-4: ``vision_model.model.layers.N.``; vLLM 0.33 mllama4.py ``Llama4VisionEncoder`` builds
+    ``vision_config.num_hidden_layers`` layers, and ``Llama4ForConditionalGeneration.load_weights`` refuses a
+    stored layer past them the same way.
+  - Gemma-3 (SigLIP): ``vision_tower.vision_model.encoder.layers.N.`` as released, ``model.`` before it in
+    transformers 5's module names, and ``vision_tower.encoder.layers.N.`` as transformers 5.25 saves it (its
+    ``CLIPVisionModel``/``SiglipVisionModel`` drop the ``vision_model`` level: conversion_mapping.py ``PrefixChange``);
+    vLLM 0.33 gemma3_mm.py builds ``SiglipVisionModel(config.vision_config)`` with all
+    ``num_hidden_layers``, and siglip.py ``SiglipVisionModel.load_weights`` *skips* a stored layer past the ones it
+    built: no refusal, but a tower shallower than the one stored, which is an error all the same.
+  - LLaVA, LLaVA-NeXT, LLaVA-NeXT-Video, LLaVA-OneVision (CLIP or SigLIP towers, same names as Gemma-3): vLLM 0.33
+    llava.py ``init_vision_tower_for_llava`` builds only the layers up to ``vision_feature_layer`` (the deepest of
+    a list; ``_get_num_hidden_layers`` with utils.py ``get_layer_index``: ``n + k + 1`` for a negative ``k``, else
+    ``k``; transformers' default ``-2``, LLaVA-OneVision's ``-1``, where the config omits it), and clip.py /
+    siglip.py ``load_weights`` skip the stored layers past those. So a released LLaVA stores all ``n`` layers of
+    which vLLM builds ``n - 1``: layers ``0 .. built-1`` must be stored, ``built .. n-1`` may or may not be, and a
+    layer at or past ``n`` is an error (the config's tower is shallower than the stored one, and the feature layer
+    moves with it). A ``vision_feature_layer`` that is not an integer or a list of them is not judged.
+
+  A depth that is not an integer (``"32"``, ``32.0``, ``true``) is an error of its own. Other families (Pixtral's
+  ``vision_tower.transformer.layers``, GLM-4V, InternVL, MiniCPM-V, Qwen2.5-Omni ...) are not judged: their loaders
+  were not checked. Nor is a judged family whose config has no depth key or that stores no block (a text-only
+  extraction).
 
 A decoder layer index below ``num_hidden_layers`` holding an MTP layer's own modules (``eh_proj``, ``enorm``,
 ``hnorm``, ``shared_head``) is an error too: the config counts the MTP layer as a decoder layer. Every expert key the
@@ -31,30 +63,71 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 from .families import config_value, is_fused_expert
 from .naming import decoder_layers_prefix
 from .reader import CONFIG_NAME, Problem
 from .safetensors_io import TensorInfo
 
-__all__ = ["COUNTS_CHECK", "EXPERT_KEYS", "count_problems", "count_type_problems", "expert_count_problems", "layer_count_problems"]
+__all__ = [
+    "COUNTS_CHECK",
+    "EXPERT_KEYS",
+    "VISION_DEPTH_KEYS",
+    "count_problems",
+    "count_type_problems",
+    "expert_count_problems",
+    "layer_count_problems",
+    "vision_depth_problems",
+]
 
 #: the line ``verify`` lists among its checks
-COUNTS_CHECK = "decoder layers and experts against config.json's counts"
+COUNTS_CHECK = "decoder layers, experts and vision blocks against config.json's counts"
 
 #: the config keys naming the routed experts of each MoE block, in the order they are looked up
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _PER_EXPERT = re.compile(r"^(?P<parent>.*(?:^|\.)experts)\.(?P<e>\d+)\.")
 _SHOWN = 3  # runs of indices shown in a message
+#: the ``vision_config`` keys naming the vision tower's depth, the first present read
+VISION_DEPTH_KEYS = ("depth", "num_hidden_layers")
+
+
+@dataclass(frozen=True)
+class _Tower:
+    """How vLLM 0.33 builds and loads one family's vision blocks (see the module's docstring for the sources)."""
+
+    stack: re.Pattern  # a stored tensor of block N: group "p" the stack's prefix, group "i" the index
+    builder: str  # the vLLM file and class that build the blocks, named by the errors
+    skips_past: bool  # its loader skips a stored block past those it built (CLIP/SigLIP) instead of refusing it
+    feature_layer: int | None = None  # LLaVA: built up to vision_feature_layer, this its default
+
+
+_QWEN_BLOCKS = re.compile(r"^(?P<p>(?:model\.)?visual\.blocks\.)(?P<i>\d+)\.")
+_CLIP_LAYERS = re.compile(r"^(?P<p>(?:model\.)?vision_tower\.(?:vision_model\.)?encoder\.layers\.)(?P<i>\d+)\.")
+_LLAVA = "llava.py init_vision_tower_for_llava (CLIPVisionModel/SiglipVisionModel)"
+#: the judged families' vision towers, by the config's ``model_type``
+_TOWERS = {
+    "qwen2_vl": _Tower(_QWEN_BLOCKS, "qwen2_vl.py Qwen2VisionTransformer", False),
+    "qwen2_5_vl": _Tower(_QWEN_BLOCKS, "qwen2_5_vl.py Qwen2_5_VisionTransformer", False),
+    "qwen3_vl": _Tower(_QWEN_BLOCKS, "qwen3_vl.py Qwen3_VisionTransformer", False),
+    "qwen3_vl_moe": _Tower(_QWEN_BLOCKS, "qwen3_vl.py Qwen3_VisionTransformer", False),
+    "llama4": _Tower(re.compile(r"^(?P<p>vision_model\.model\.layers\.)(?P<i>\d+)\."), "mllama4.py Llama4VisionEncoder", False),
+    "gemma3": _Tower(_CLIP_LAYERS, "gemma3_mm.py SiglipVisionModel", True),
+    "llava": _Tower(_CLIP_LAYERS, _LLAVA, True, -2),
+    "llava_next": _Tower(_CLIP_LAYERS, _LLAVA, True, -2),
+    "llava_next_video": _Tower(_CLIP_LAYERS, _LLAVA, True, -2),
+    "llava_onevision": _Tower(_CLIP_LAYERS, _LLAVA, True, -1),
+}
 
 
 def count_problems(config: dict, tensors: dict[str, TensorInfo], folder: str) -> list[Problem]:
-    """:func:`layer_count_problems` and :func:`expert_count_problems` of one checkpoint (``folder``: its path); empty
-    where ``config`` is not a dict (a broken ``config.json``, reported by the reader)."""
+    """:func:`layer_count_problems`, :func:`expert_count_problems` and :func:`vision_depth_problems` of one checkpoint
+    (``folder``: its path); empty where ``config`` is not a dict (a broken ``config.json``, reported by the reader)."""
     if not isinstance(config, dict):
         return []
     file = f"{folder}/{CONFIG_NAME}"
-    return count_type_problems(config, file) + layer_count_problems(config, tensors, file) + expert_count_problems(config, tensors, file)
+    found = count_type_problems(config, file) + layer_count_problems(config, tensors, file) + expert_count_problems(config, tensors, file)
+    return found + vision_depth_problems(config, tensors, file)
 
 
 def layer_count_problems(config: dict, tensors: dict[str, TensorInfo], file: str | None = None) -> list[Problem]:
@@ -137,8 +210,66 @@ def count_type_problems(config: dict, file: str | None = None) -> list[Problem]:
         for key in ("num_hidden_layers", "num_nextn_predict_layers", *EXPERT_KEYS):
             v = cfg.get(key)
             if key in cfg and v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-                out.append(Problem("error", f"config.json's {prefix}{key} is {json.dumps(v)}, not an integer: vLLM cannot build the model from it", file))
+                out.append(_type_error(f"{prefix}{key}", v, "the model", file))
     return out
+
+
+def vision_depth_problems(config: dict, tensors: dict[str, TensorInfo], file: str | None = None) -> list[Problem]:
+    """An error where a judged family's vision blocks (:data:`_TOWERS`) are not what vLLM 0.33 builds from the
+    ``vision_config``'s depth (:data:`VISION_DEPTH_KEYS`, the first present): a block it builds without tensors (run
+    with random weights), or one stored past the config's depth (refused, or skipped by CLIP/SigLIP loaders: a
+    shallower tower than the one stored); a depth that is not an integer is an error of its own. The error names
+    config.json, the key, its value and the stored block indices.
+
+    ``config``, ``tensors``, ``file``: as :func:`layer_count_problems`. Empty for another family, a config without
+    ``vision_config`` or its depth key, or a checkpoint that stores no block of the family's stack."""
+    model_type = config.get("model_type")
+    tower = _TOWERS.get(model_type) if isinstance(model_type, str) else None
+    vc = config.get("vision_config")
+    key = next((k for k in VISION_DEPTH_KEYS if isinstance(vc, dict) and vc.get(k) is not None), None)
+    if tower is None or key is None:
+        return []
+    n, path = vc[key], f"vision_config.{key}"
+    if isinstance(n, bool) or not isinstance(n, int):
+        return [_type_error(path, n, "the vision tower", file)]
+    prefix, stored = None, set()
+    for m in map(tower.stack.match, tensors):
+        if m:
+            prefix = prefix or m["p"]
+            stored.add(int(m["i"]))
+    built = n if tower.feature_layer is None else _llava_built(config, n, tower.feature_layer)
+    if prefix is None or built is None:
+        return []
+    missing = sorted(set(range(built)) - stored)
+    extra = sorted(i for i in stored if i >= max(n, built))  # a LLaVA feature layer past n: vLLM builds and loads them
+    out = []
+    if missing:
+        out.append(f"{len(missing)} of the {built} vLLM 0.33 builds ({_indices(missing)}) have no tensors and would run with random weights")
+    if extra:
+        fate = "builds no layer for them (its CLIP/SigLIP loader skips them): a shallower tower than the one stored"
+        fate = fate if tower.skips_past else "has no parameter for them and refuses the checkpoint"
+        out.append(f"{len(extra)} of those stored ({_indices(extra)}) are at or past {n}: vLLM 0.33 {fate}")
+    if not out:
+        return []
+    span = f"{prefix}0 .. {prefix}{built - 1}" if built > 0 else "none"
+    if built != n:
+        span = f"with vision_feature_layer {json.dumps(config.get('vision_feature_layer', tower.feature_layer))}, vLLM builds {span}"
+    head = f"config.json's {path} is {n} ({span}; {tower.builder}), but the checkpoint stores vision blocks {_indices(sorted(stored))}"
+    return [Problem("error", f"{head}: " + "; ".join(out), file)]
+
+
+def _llava_built(config: dict, n: int, default: int) -> int | None:
+    """How many vision layers vLLM 0.33 builds for a LLaVA config (llava.py ``_get_num_hidden_layers``): up to the
+    deepest ``vision_feature_layer`` (``default`` where absent), None where that is not an integer or a list of them."""
+    layers = config.get("vision_feature_layer", default)
+    layers = layers if isinstance(layers, list) else [layers]
+    if not layers or any(isinstance(k, bool) or not isinstance(k, int) for k in layers):
+        return None
+    return max(n + k + 1 if k < 0 else k for k in layers)
+
+
+def _type_error(key: str, value, what: str, file: str | None) -> Problem:
+    return Problem("error", f"config.json's {key} is {json.dumps(value)}, not an integer: vLLM cannot build {what} from it", file)
 
 
 def _count(config: dict, key: str) -> int | None:

@@ -135,3 +135,137 @@ def test_verify_fails_a_config_whose_counts_the_tensors_contradict(tmp_path, edi
     assert any(f"config.json's {edit} is" in p["message"] and p["file"].endswith("config.json") for p in errors), errors
     args = ["verify", str(out), *(["--reference", str(src)] if reference else [])]
     assert CliRunner().invoke(main, args).exit_code == 5
+
+
+# ---- the vision tower's depth (vision_depth_problems) ----
+
+#: (model_type, the stored block stack's prefix, the vision_config depth key) of each judged family, as its HF checkpoints
+#: name the blocks (transformers 4 and 5 namings where they differ)
+VISION_FAMILIES = [
+    ("qwen2_vl", "visual.blocks.", "depth"),
+    ("qwen2_vl", "model.visual.blocks.", "depth"),
+    ("qwen2_5_vl", "visual.blocks.", "depth"),
+    ("qwen3_vl", "model.visual.blocks.", "depth"),
+    ("qwen3_vl_moe", "model.visual.blocks.", "depth"),
+    ("llama4", "vision_model.model.layers.", "num_hidden_layers"),
+    ("gemma3", "vision_tower.vision_model.encoder.layers.", "num_hidden_layers"),
+    ("gemma3", "model.vision_tower.vision_model.encoder.layers.", "num_hidden_layers"),
+    ("gemma3", "vision_tower.encoder.layers.", "num_hidden_layers"),  # as transformers 5.25 saves it
+    ("llava", "vision_tower.vision_model.encoder.layers.", "num_hidden_layers"),
+    ("llava_next", "model.vision_tower.vision_model.encoder.layers.", "num_hidden_layers"),
+    ("llava_next_video", "vision_tower.vision_model.encoder.layers.", "num_hidden_layers"),
+    ("llava", "vision_tower.encoder.layers.", "num_hidden_layers"),
+    ("llava_onevision", "model.vision_tower.vision_model.encoder.layers.", "num_hidden_layers"),
+]
+
+
+def _vlm(model_type: str, prefix: str, key: str, depth, blocks, **extra) -> tuple[dict, dict[str, TensorInfo]]:
+    """A VLM's config (vision depth ``depth`` under ``key``) and tensors: a 2-layer text decoder and vision ``blocks``."""
+    names = _stack("model.language_model." if prefix.startswith("model.") else "language_model.model.", range(2))
+    for i in blocks:
+        names.update({f"{prefix}{i}.layer_norm1.weight": (8,), f"{prefix}{i}.mlp.fc1.weight": (16, 8)})
+    names[prefix.split("blocks.")[0].split("layers.")[0] + "post_layernorm.weight"] = (8,)  # a tower tensor outside the stack
+    config = {"model_type": model_type, "text_config": {"num_hidden_layers": 2}, "vision_config": {key: depth}, **extra}
+    return config, _infos(names)
+
+
+@pytest.mark.parametrize(("model_type", "prefix", "key"), VISION_FAMILIES)
+def test_vision_depth_against_the_stored_blocks(model_type, prefix, key):
+    """Each judged family: the stored blocks 0..n-1 and the config's depth agree (silent); the depth edited up or down,
+    or a block's tensors deleted, is one error naming config.json, the key, its value and the stored indices."""
+    from ctconvert.checkpoint.depth import vision_depth_problems
+
+    n = random.Random(model_type).randint(4, 32)
+    fl = {"vision_feature_layer": -1} if model_type.startswith("llava") else {}  # LLaVA built to its last layer: all n (below: -2)
+    assert vision_depth_problems(*_vlm(model_type, prefix, key, n, range(n), **fl), "cfg") == []
+    (p,) = vision_depth_problems(*_vlm(model_type, prefix, key, n + 2, range(n), **fl), "cfg")  # edited up
+    assert p.severity == "error" and p.file == "cfg" and p.message.startswith(f"config.json's vision_config.{key} is {n + 2} (")
+    assert f"stores vision blocks 0..{n - 1}" in p.message and f"2 of the {n + 2} vLLM 0.33 builds ({n}..{n + 1}) have no tensors" in p.message
+    (p,) = vision_depth_problems(*_vlm(model_type, prefix, key, n - 1, range(n), **fl), "cfg")  # edited down
+    assert p.message.startswith(f"config.json's vision_config.{key} is {n - 1} ({prefix}0 .. {prefix}{n - 2};")
+    assert f"1 of those stored ({n - 1}) are at or past {n - 1}" in p.message
+    assert ("loader skips them" if model_type.startswith(("gemma3", "llava")) else "refuses the checkpoint") in p.message
+    gone = n // 2  # a block's tensors deleted
+    (p,) = vision_depth_problems(*_vlm(model_type, prefix, key, n, [i for i in range(n) if i != gone], **fl), "cfg")
+    assert f"vision_config.{key} is {n}" in p.message and f"stores vision blocks 0..{gone - 1}, {gone + 1}..{n - 1}:" in p.message
+    assert f"1 of the {n} vLLM 0.33 builds ({gone}) have no tensors and would run with random weights" in p.message
+    for bad in (str(n), float(n), True):
+        (p,) = vision_depth_problems(*_vlm(model_type, prefix, key, bad, range(n), **fl), "cfg")
+        assert p.message == f"config.json's vision_config.{key} is {json.dumps(bad)}, not an integer: vLLM cannot build the vision tower from it"
+
+
+def test_vision_depth_in_count_problems_and_not_judged_elsewhere():
+    """count_problems includes the rule (file: the folder's config.json); a text-only model, a config without the depth
+    key, an unjudged family (Pixtral's naming, GLM-4V), or a checkpoint storing no block of the stack: nothing said."""
+    from ctconvert.checkpoint.depth import count_problems, vision_depth_problems
+
+    config, tensors = _vlm("qwen2_vl", "visual.blocks.", "depth", 5, range(4))
+    (p,) = count_problems(config, tensors, "out")
+    assert p.file == "out/config.json" and "vision_config.depth is 5" in p.message
+    assert count_problems({"model_type": "qwen2", "num_hidden_layers": 2}, _infos(_stack("model.", range(2))), "out") == []
+    assert vision_depth_problems({"model_type": "qwen2_vl", "vision_config": {"embed_dim": 8}}, tensors) == []
+    assert vision_depth_problems({"model_type": "qwen2_vl", "vision_config": "x"}, tensors) == []
+    assert vision_depth_problems({"model_type": ["qwen2_vl"], "vision_config": {"depth": 5}}, tensors) == []
+    assert vision_depth_problems(*_vlm("glm4v", "model.visual.blocks.", "depth", 9, range(4))) == []
+    assert vision_depth_problems(*_vlm("mistral3", "vision_tower.transformer.layers.", "num_hidden_layers", 9, range(4))) == []
+    no_tower = {n: i for n, i in tensors.items() if not n.startswith("visual.")}
+    assert vision_depth_problems(config, no_tower) == []
+    assert vision_depth_problems(dict(config, vision_config={"depth": 4, "num_hidden_layers": 9}), tensors) == []  # depth read first
+    assert vision_depth_problems(dict(config, vision_config={"num_hidden_layers": 4}), tensors) == []  # else num_hidden_layers
+    assert len(vision_depth_problems(dict(config, vision_config={"depth": None, "num_hidden_layers": 9}), tensors)) == 1
+
+
+def test_llava_builds_only_up_to_its_feature_layer():
+    """vLLM 0.33 builds a LLaVA tower only up to vision_feature_layer (llava.py init_vision_tower_for_llava) and skips the
+    stored layers past it: a released LLaVA (-2) may leave its last layer out, and an edit up by one changes nothing
+    vLLM builds; a layer vLLM builds missing, or one stored past num_hidden_layers, is an error."""
+    from ctconvert.checkpoint.depth import vision_depth_problems
+
+    p = "vision_tower.vision_model.encoder.layers."
+    for stored in (range(24), range(23)):  # -2 (the default where absent): vLLM builds 23 of 24
+        assert vision_depth_problems(*_vlm("llava", p, "num_hidden_layers", 24, stored)) == []
+        assert vision_depth_problems(*_vlm("llava", p, "num_hidden_layers", 24, stored, vision_feature_layer=-2)) == []
+    assert vision_depth_problems(*_vlm("llava", p, "num_hidden_layers", 25, range(24))) == []  # vLLM builds 24, all stored
+    (e,) = vision_depth_problems(*_vlm("llava", p, "num_hidden_layers", 25, range(23)))
+    assert "1 of the 24 vLLM 0.33 builds (23) have no tensors" in e.message
+    (e,) = vision_depth_problems(*_vlm("llava", p, "num_hidden_layers", 26, range(24)))
+    assert "with vision_feature_layer -2, vLLM builds" in e.message and f"{p}0 .. {p}24;" in e.message and "1 of the 25 vLLM 0.33 builds (24)" in e.message
+    (e,) = vision_depth_problems(*_vlm("llava", p, "num_hidden_layers", 23, range(24)))
+    assert "vision_config.num_hidden_layers is 23" in e.message and "1 of those stored (23) are at or past 23: vLLM 0.33 builds no layer for them" in e.message
+    (e,) = vision_depth_problems(*_vlm("llava_onevision", p, "num_hidden_layers", 24, range(23)))  # OneVision's default -1: all 24
+    assert "1 of the 24 vLLM 0.33 builds (23)" in e.message
+    deepest = {"vision_feature_layer": [-2, -5, 3]}  # a list: up to the deepest
+    assert vision_depth_problems(*_vlm("llava_next", p, "num_hidden_layers", 24, range(23), **deepest)) == []
+    (e,) = vision_depth_problems(*_vlm("llava_next", p, "num_hidden_layers", 24, range(20), **deepest))
+    assert "with vision_feature_layer [-2, -5, 3], vLLM builds" in e.message and "3 of the 23 vLLM 0.33 builds (20..22)" in e.message
+    for odd in ("-2", None, [], [True]):  # not judged
+        assert vision_depth_problems(*_vlm("llava", p, "num_hidden_layers", 30, range(4), vision_feature_layer=odd)) == []
+
+
+def test_verify_fails_a_vlm_whose_vision_depth_was_edited(tmp_path):
+    """The trial, end to end: a tiny Qwen2-VL built and saved by transformers, quantized W4A16 on the CPU through the
+    CLI, passes verify (exit 0); vision_config.depth edited in the output's config.json fails it (exit 5, naming the key)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from ctconvert.cli import main
+
+    text = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    text.update(vocab_size=256, bos_token_id=1, eos_token_id=2, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]})
+    vision = {"depth": 3, "embed_dim": 32, "hidden_size": 128, "num_heads": 4, "mlp_ratio": 2}
+    ids = {"image_token_id": 250, "video_token_id": 251, "vision_start_token_id": 252, "vision_end_token_id": 253}
+    cfg = transformers.AutoConfig.for_model("qwen2_vl", text_config=text, vision_config=vision, **ids)
+    torch.manual_seed(0)
+    src, out = tmp_path / "src", tmp_path / "out"
+    transformers.AutoModelForImageTextToText.from_config(cfg, dtype=torch.bfloat16).save_pretrained(src)
+    r = CliRunner().invoke(main, ["quantize", str(src), "-o", str(out), "--scheme", "W4A16", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["verify", str(out)])
+    assert r.exit_code == 0 and COUNTS_CHECK in r.output, r.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["vision_config"]["depth"] == 3
+    for depth, what in ((2, "1 of those stored (2) are at or past 2"), (4, "1 of the 4 vLLM 0.33 builds (3) have no tensors")):
+        config["vision_config"]["depth"] = depth
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        r = CliRunner().invoke(main, ["verify", str(out)])
+        assert r.exit_code == 5 and f"config.json's vision_config.depth is {depth}" in r.output and what in r.output, r.output
