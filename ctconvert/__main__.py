@@ -28,12 +28,7 @@ places its CPU buffers of 2 MiB and more on transparent huge pages (``THP_MEM_AL
 environment sets it; c10 ``alloc_cpu.cpp``: 2 MiB alignment and ``madvise(MADV_HUGEPAGE)``, where the kernel's
 ``transparent_hugepage`` allows it): each fresh buffer then faults in 2 MiB at a time instead of 4 KiB, which took
 most of ``verify --reference``'s time (the 1.2B benchmark model's W4A16 output on 2 cores: 17M page faults, 27 s of
-system time and 24 s of wall time; with it 0.9M faults and ~15 s). The calibration process inherits both. The
-collector then runs at :data:`GC_THRESHOLDS` instead of Python's (700, 10, 10): a MoE's plan is tens of thousands of
-objects (gpt-oss's 8B benchmark checkpoint: 5,211 units, 12,459 output tensors), made and held through the run, which
-the default thresholds walk again and again (2 cores, time inside collections by ``gc.callbacks``: 4 full and 52
-generation-1 collections, ~0.2 s, before the 8B's first read; ~0.2 s of a 2.7 s conversion of the 1.6 GB gpt-oss; with
-these thresholds 2 full collections, ~0.1 s, and ~0.06 s). A run makes little cyclic garbage (no autograd graph: ``torch.inference_mode``).
+system time and 24 s of wall time; with it 0.9M faults and ~15 s). The calibration process inherits both.
 
 For a command that may launch kernels (``quantize``, ``repack``, ``batch``) on a machine with an NVIDIA device node
 (and without ``--device cpu``), Triton's cache key is computed on a thread as soon as the imports are done
@@ -52,10 +47,6 @@ import threading
 import time
 
 from .errors import STOP_SIGNALS, stop_exit_code, stop_message, stops_to_handle  # light: no torch
-
-#: the collector's thresholds in the console script after the imports (generation 0 after this many net allocations,
-#: generation 1 after this many generation-0 passes, generation 2 after this many generation-1 passes)
-GC_THRESHOLDS = (50_000, 20, 10)
 
 
 def bytecode_cache(environ=os.environ, probe: str = "torch") -> str | None:
@@ -241,7 +232,6 @@ def main() -> None:
                 api.preload()  # torch and the rest of the heavy imports, inside the window
             finally:
                 gc.freeze()  # what the imports made is never collected again (nor walked by later collections)
-                gc.set_threshold(*GC_THRESHOLDS)
                 gc.enable()
             if trace is not None:
                 trace.stamp("engine")
