@@ -128,11 +128,11 @@ def save_shard(tensors: dict, path: Path) -> None:
 
 def save_config(folder: Path, config: dict) -> None:
     """Rewrite ``folder``'s ``config.json`` as a writer would have written it: the file, and its ``quantization_config``'s
-    hash in the index record (``writer.QCFG_KEY``, what verify compares). For the tests that model a checkpoint whose
+    and its own hashes in the index records (``writer.QCFG_KEY``, ``writer.CONFIG_KEY``, what verify compares). For the tests that model a checkpoint whose
     config a tool wrote so (another tool's, or a writer's bug), not a config edited after the run
     (tests/checkpoint/test_integrity.py)."""
     from ctconvert.checkpoint.reader import INDEX_NAME
-    from ctconvert.checkpoint.writer import QCFG_KEY, config_digest
+    from ctconvert.checkpoint.writer import CONFIG_KEY, QCFG_KEY, config_digest
 
     folder = Path(folder)
     (folder / "config.json").write_text(json.dumps(config))
@@ -141,6 +141,9 @@ def save_config(folder: Path, config: dict) -> None:
     meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
     if QCFG_KEY in meta:
         meta[QCFG_KEY] = config_digest(config["quantization_config"]) if isinstance(config.get("quantization_config"), dict) else None
+    if CONFIG_KEY in meta:
+        meta[CONFIG_KEY] = config_digest(config)
+    if QCFG_KEY in meta or CONFIG_KEY in meta:
         index.write_text(json.dumps(doc))
 
 

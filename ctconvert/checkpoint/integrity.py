@@ -7,8 +7,9 @@ the disk. A shard whose bytes differ now was changed or damaged after the run: o
 scale is invisible to the error statistics of ``--reference`` (a few wrong values among millions stay within the
 format's limits), but never to this comparison. Folders without the record (an earlier release, another tool) are
 not judged here; :func:`shard_hash_problems` then says so in a warning when the folder is otherwise ctconvert's.
-The index also records the hash of the ``quantization_config`` written into ``config.json`` (:data:`~.writer.QCFG_KEY`):
-:func:`config_record_problems` fails a config edited afterwards, which no tensor may contradict.
+The index also records the hash of the ``quantization_config`` written into ``config.json`` (:data:`~.writer.QCFG_KEY`)
+and of the whole ``config.json`` (:data:`~.writer.CONFIG_KEY`): :func:`config_record_problems` fails a config edited
+afterwards, which no tensor may contradict.
 """
 
 from __future__ import annotations
@@ -18,13 +19,24 @@ from pathlib import Path
 
 from .hashing import HASH_SCHEME
 from .reader import INDEX_NAME, Checkpoint, Problem
-from .writer import MARKER, PROVENANCE, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest, record_mismatch
+from .writer import CONFIG_KEY, MARKER, PROVENANCE, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest, record_mismatch
 
-__all__ = ["CONFIG_CHECK", "SHARDS_CHECK", "config_record_problems", "provenance_module_problems", "record_problems", "shard_hash_problems", "shards_checks"]
+__all__ = [
+    "CONFIG_CHECK",
+    "SHARDS_CHECK",
+    "WHOLE_CONFIG_CHECK",
+    "config_record_problems",
+    "provenance_module_problems",
+    "record_problems",
+    "shard_hash_problems",
+    "shards_checks",
+]
 
 #: the lines ``verify`` lists among its checks
 SHARDS_CHECK = "shard bytes against the hashes recorded as they were written"
 CONFIG_CHECK = "config.json's quantization_config against the hash recorded as it was written"
+#: the line ``verify`` lists where it compares the whole ``config.json`` with its record (:data:`~.writer.CONFIG_KEY`)
+WHOLE_CONFIG_CHECK = "config.json against the hash recorded as it was written"
 
 
 def _metadata(ckpt: Checkpoint) -> dict:
@@ -46,7 +58,8 @@ def shards_checks(ckpt: Checkpoint) -> list[str]:
     meta = _metadata(ckpt)
     record = meta.get(SHARDS_KEY)
     shards = [SHARDS_CHECK] if isinstance(record, dict) and record.get("hash") == HASH_SCHEME else []
-    return shards + ([CONFIG_CHECK] if isinstance(meta.get(QCFG_KEY), str) else [])
+    configs = [c for c, key in ((CONFIG_CHECK, QCFG_KEY), (WHOLE_CONFIG_CHECK, CONFIG_KEY)) if isinstance(meta.get(key), str)]
+    return shards + configs
 
 
 def _removed(meta: dict, key: str, index: str, required: bool) -> list[Problem]:
@@ -75,12 +88,32 @@ def config_record_problems(ckpt: Checkpoint) -> list[Problem]:
             return removed
         if MARKER in meta and SHARDS_KEY in meta and qcfg is not None:  # ctconvert's index of this release, the record gone
             why = "the index records no hash of the quantization_config: config.json is not compared with what was written"
-            return [Problem("warning", why, str(Path(ckpt.path) / INDEX_NAME))]
-        return []
+            return [Problem("warning", why, str(Path(ckpt.path) / INDEX_NAME))] + _whole_config_problems(ckpt, meta)
+        return _whole_config_problems(ckpt, meta)
     if isinstance(qcfg, dict) and config_digest(qcfg) == recorded:
-        return []
+        return _whole_config_problems(ckpt, meta)
     what = "was removed" if qcfg is None else "is not the one ctconvert wrote (the index records its hash)"
     why = f"the quantization_config {what}: it was changed after the conversion, and vLLM loads the tensors as it says; convert again"
+    return [Problem("error", why, str(Path(ckpt.path) / "config.json"))]
+
+
+def _whole_config_problems(ckpt: Checkpoint, meta: dict) -> list[Problem]:
+    """An error where ``config.json`` is not the one the run wrote (its hash, :data:`~.writer.CONFIG_KEY`, differs):
+    vLLM builds the model from every key, so an edited size, count, head, activation, bias, rope or MoE routing key
+    makes it refuse the checkpoint or compute other numbers from the same tensors (a trial's ``num_key_value_heads``,
+    ``rope_theta``, ``rms_norm_eps``, ``num_experts_per_tok`` edits loaded and served other numbers), which no tensor
+    shows; an error too where an index that lists the record lacks it. Nothing for an index without the record (an
+    earlier release's, another tool's) or a ``config.json`` that is not a JSON object (the reader reports it)."""
+    recorded = meta.get(CONFIG_KEY)
+    if not isinstance(recorded, str):
+        return _removed(meta, CONFIG_KEY, str(Path(ckpt.path) / INDEX_NAME), required=False)
+    if not isinstance(ckpt.config, dict) or config_digest(ckpt.config) == recorded:
+        return []
+    why = (
+        "config.json is not the one ctconvert wrote (the index records its hash): it was edited after the conversion, and vLLM builds "
+        "the model from it (an edited size, count, activation or rope key makes vLLM refuse the checkpoint or compute other numbers); "
+        "verify --reference SRC names the keys that differ from the source; convert again"
+    )
     return [Problem("error", why, str(Path(ckpt.path) / "config.json"))]
 
 

@@ -145,16 +145,19 @@ SHARDS_KEY = "ctconvert_shards"
 #: the index metadata key holding the hash of the ``quantization_config`` the run wrote into ``config.json``
 #: (:func:`config_digest`): what ``verify`` compares that config with (vLLM loads the tensors as it says)
 QCFG_KEY = "ctconvert_quantization_config"
-#: the index metadata key listing the records above that this index holds (:data:`SHARDS_KEY`, :data:`QCFG_KEY`): an
+#: the index metadata key holding the hash of the whole ``config.json`` the run wrote (:func:`config_digest`): what
+#: ``verify`` compares the config with (vLLM builds the model from every key of it: sizes, counts, activations, rope)
+CONFIG_KEY = "ctconvert_config"
+#: the index metadata key listing the records above that this index holds (:data:`SHARDS_KEY`, :data:`QCFG_KEY`, :data:`CONFIG_KEY`): an
 #: index holding it is of a release that writes them, so ``verify`` fails one listed or always written but absent,
 #: ``null`` or of another hash scheme (an index without it is an earlier release's: a warning)
 RECORDS_KEY = "ctconvert_records"
 
 
-def config_digest(qcfg: dict) -> str:
-    """The sha256 (hex) of a ``quantization_config`` as canonical JSON (keys sorted, no spaces): the same for the dict
-    a run writes and for the one read back from ``config.json``."""
-    return hashlib.sha256(json.dumps(qcfg, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+def config_digest(cfg: dict) -> str:
+    """The sha256 (hex) of a ``quantization_config`` (or of a whole config) as canonical JSON (keys sorted, no spaces):
+    the same for the dict a run writes and for the one read back from ``config.json``."""
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def record_mismatch(path: Path, rec: dict) -> str | None:
@@ -477,7 +480,8 @@ class OutputFolder:
         meta = {"total_size": total_size, MARKER: __version__, FILES_KEY: sorted(names), SHARDS_KEY: self._shard_records()}
         if isinstance(config.get("quantization_config"), dict):
             meta[QCFG_KEY] = config_digest(config["quantization_config"])
-        meta[RECORDS_KEY] = [k for k in (SHARDS_KEY, QCFG_KEY) if k in meta]
+        meta[CONFIG_KEY] = config_digest(config)
+        meta[RECORDS_KEY] = [k for k in (SHARDS_KEY, QCFG_KEY, CONFIG_KEY) if k in meta]
         self.write_json(INDEX_NAME, {"metadata": meta, "weight_map": dict(sorted(self.weight_map.items()))})
         for name, data in (extra_json or {}).items():
             self.write_json(name, data)

@@ -100,13 +100,13 @@ def test_an_index_without_the_record_is_not_judged_and_says_so(tiny_llama, tmp_p
     (exit 5). An index without the record and without the listing (an earlier release) is not judged: a warning."""
     from click.testing import CliRunner
 
-    from ctconvert.checkpoint.writer import QCFG_KEY, RECORDS_KEY
+    from ctconvert.checkpoint.writer import CONFIG_KEY, QCFG_KEY, RECORDS_KEY
     from ctconvert.cli import main
 
     out = tmp_path / "out"
     api.quantize(tiny_llama, out, "W4A16")
     index = _index(out)
-    assert index["metadata"][RECORDS_KEY] == [SHARDS_KEY, QCFG_KEY]
+    assert index["metadata"][RECORDS_KEY] == [SHARDS_KEY, QCFG_KEY, CONFIG_KEY]
     del index["metadata"][SHARDS_KEY]
     (out / INDEX_NAME).write_text(json.dumps(index))
     (e,) = [p for p in _errors(api.verify(out)) if "record was removed" in p["message"]]
@@ -286,3 +286,71 @@ def test_a_shard_dropped_with_its_records_fails_against_the_provenance(tiny_llam
     (e,) = [p for p in _errors(api.verify(out)) if "the provenance records hold no tensor" in p["message"]]
     assert e["message"].startswith(f"{len(lost)} modules") and e["file"].endswith("ctconvert-provenance.json")
     assert min(lost) in e["message"]
+
+
+_WHOLE_EDITS = {  # keys a trial edited after the run: vLLM refused the output or served other numbers, verify passed
+    "num_key_value_heads": lambda c: c.__setitem__("num_key_value_heads", 1),
+    "rope_theta": lambda c: c.__setitem__("rope_theta", 1234.0),
+    "rms_norm_eps": lambda c: c.__setitem__("rms_norm_eps", 0.1),
+    "hidden_act": lambda c: c.__setitem__("hidden_act", "gelu"),
+    "mlp_bias": lambda c: c.__setitem__("mlp_bias", True),
+    "tie_word_embeddings": lambda c: c.__setitem__("tie_word_embeddings", not c.get("tie_word_embeddings", False)),
+    "architectures": lambda c: c.__setitem__("architectures", ["MistralForCausalLM"]),
+    "added key": lambda c: c.__setitem__("max_position_embeddings", 1 + c.get("max_position_embeddings", 0)),
+    "deleted key": lambda c: c.pop("rope_theta", None) or c.pop("rms_norm_eps"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(_WHOLE_EDITS))
+@pytest.mark.parametrize("reference", [False, True])
+def test_a_config_edited_after_the_run_fails_verify(tiny_llama, tmp_path, edit, reference):
+    """The index records the hash of the whole config.json the run wrote (writer.CONFIG_KEY): any key edited, added
+    or deleted afterwards fails verify, with or without a reference, naming config.json (exit 5); the check is
+    listed among verify's checks."""
+    from click.testing import CliRunner
+
+    from ctconvert.checkpoint.integrity import WHOLE_CONFIG_CHECK
+    from ctconvert.checkpoint.writer import CONFIG_KEY, config_digest
+    from ctconvert.cli import main
+
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16")
+    cfg = json.loads((out / "config.json").read_text())
+    assert _index(out)["metadata"][CONFIG_KEY] == config_digest(cfg)
+    ref = tiny_llama if reference else None
+    report = api.verify(out, ref)
+    assert report["ok"] and WHOLE_CONFIG_CHECK in report["checked"]["checks"]
+    _WHOLE_EDITS[edit](cfg)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    errors = _errors(api.verify(out, ref))
+    assert any("config.json is not the one ctconvert wrote" in p["message"] and p["file"] == str(out / "config.json") for p in errors), errors
+    args = ["verify", str(out), *(["--reference", str(tiny_llama)] if reference else [])]
+    assert CliRunner().invoke(main, args).exit_code == 5
+
+
+def test_the_whole_config_record_is_judged_only_where_the_index_holds_or_lists_it(tiny_llama, tmp_path):
+    """Key order and whitespace are not an edit; a decompressed output records its config too; an index that lists the
+    record but lacks it is an error naming the index; an index of an earlier release (neither the record nor the
+    listing) is not judged and claims no such check."""
+    from ctconvert.checkpoint.integrity import WHOLE_CONFIG_CHECK
+    from ctconvert.checkpoint.writer import CONFIG_KEY, RECORDS_KEY, config_digest
+
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16")
+    api.decompress(out, tmp_path / "dense")
+    dense_cfg = json.loads((tmp_path / "dense" / "config.json").read_text())
+    assert _index(tmp_path / "dense")["metadata"][CONFIG_KEY] == config_digest(dense_cfg)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(reversed(list(cfg.items()))), indent=3))  # same values, another layout
+    assert api.verify(out)["ok"]
+    cfg["rope_theta"] = 1.0
+    (out / "config.json").write_text(json.dumps(cfg))
+    index = _index(out)
+    del index["metadata"][CONFIG_KEY]  # edited, then the record dropped: the index lists it
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    (e,) = [p for p in _errors(api.verify(out)) if "record was removed" in p["message"]]
+    assert CONFIG_KEY in e["message"] and e["file"] == str(out / INDEX_NAME)
+    index["metadata"][RECORDS_KEY].remove(CONFIG_KEY)  # as the release before this record wrote its index
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    report = api.verify(out)
+    assert report["ok"] and WHOLE_CONFIG_CHECK not in report["checked"]["checks"], report["problems"]
