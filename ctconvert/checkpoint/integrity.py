@@ -110,9 +110,8 @@ def _whole_config_problems(ckpt: Checkpoint, meta: dict) -> list[Problem]:
     if not isinstance(ckpt.config, dict) or config_digest(ckpt.config) == recorded:
         return []
     why = (
-        "config.json is not the one ctconvert wrote (the index records its hash): it was edited after the conversion, and vLLM builds "
-        "the model from it (an edited size, count, activation or rope key makes vLLM refuse the checkpoint or compute other numbers); "
-        "verify --reference SRC names the keys that differ from the source; convert again"
+        "config.json is not the one ctconvert wrote (the index records its hash): edited after the run, and vLLM builds the model "
+        "from it; verify --reference SRC names the keys that differ; convert again"
     )
     return [Problem("error", why, str(Path(ckpt.path) / "config.json"))]
 

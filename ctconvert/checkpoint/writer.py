@@ -142,15 +142,11 @@ FILES_KEY = "ctconvert_files"
 #: the index metadata key holding every shard's size and content hash as it was written (``{"hash": HASH_SCHEME,
 #: "files": {shard: {"size": bytes, HASH_NAME: hex}}}``): what ``verify`` compares the shards' bytes with
 SHARDS_KEY = "ctconvert_shards"
-#: the index metadata key holding the hash of the ``quantization_config`` the run wrote into ``config.json``
-#: (:func:`config_digest`): what ``verify`` compares that config with (vLLM loads the tensors as it says)
-QCFG_KEY = "ctconvert_quantization_config"
-#: the index metadata key holding the hash of the whole ``config.json`` the run wrote (:func:`config_digest`): what
-#: ``verify`` compares the config with (vLLM builds the model from every key of it: sizes, counts, activations, rope)
-CONFIG_KEY = "ctconvert_config"
-#: the index metadata key listing the records above that this index holds (:data:`SHARDS_KEY`, :data:`QCFG_KEY`, :data:`CONFIG_KEY`): an
-#: index holding it is of a release that writes them, so ``verify`` fails one listed or always written but absent,
-#: ``null`` or of another hash scheme (an index without it is an earlier release's: a warning)
+#: the index metadata keys holding the hash (:func:`config_digest`) of the ``quantization_config`` the run wrote into
+#: ``config.json`` (vLLM loads the tensors as it says) and of the whole ``config.json`` (vLLM builds the model from it)
+QCFG_KEY, CONFIG_KEY = "ctconvert_quantization_config", "ctconvert_config"
+#: the index metadata key listing the records above this index holds: an index holding it is of a release that writes
+#: them, so ``verify`` fails one listed or always written but absent, ``null`` or of another hash scheme
 RECORDS_KEY = "ctconvert_records"
 
 

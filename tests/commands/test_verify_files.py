@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from ctconvert import api
 from ctconvert.cli import main
 
-from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+from conftest import LLAMA_CONFIG, llama_tensors, save_config, write_checkpoint
 
 FILES = {"tokenizer_config.json": '{"model_max_length": 128}', "generation_config.json": '{"bos_token_id": 1}', "README.md": "# A card\n\ntext\n"}
 
@@ -34,13 +34,15 @@ def _copy(out, tmp_path):
 
 
 def _set_config(path, **changes):
+    """config.json changed as a writer would have written it (its record in the index too: the checks of its keys are
+    tested here; a config edited after the run is tests/checkpoint/test_integrity.py's)."""
     cfg = json.loads((path / "config.json").read_text())
     for k, v in changes.items():
         if v is None:
             cfg.pop(k)
         else:
             cfg[k] = v
-    (path / "config.json").write_text(json.dumps(cfg))
+    save_config(path, cfg)
 
 
 def _errors(rep: dict) -> list[str]:
