@@ -73,6 +73,7 @@ from .safetensors_io import TensorInfo
 __all__ = [
     "COUNTS_CHECK",
     "EXPERT_KEYS",
+    "SIZE_KEYS",
     "VISION_DEPTH_KEYS",
     "count_problems",
     "count_type_problems",
@@ -88,6 +89,8 @@ COUNTS_CHECK = "decoder layers, experts and vision blocks against config.json's 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _PER_EXPERT = re.compile(r"^(?P<parent>.*(?:^|\.)experts)\.(?P<e>\d+)\.")
 _SHOWN = 3  # runs of indices shown in a message
+#: the config's size keys vLLM 0.33 reads as integers (the widths :mod:`.widths` compares, and the attention's)
+SIZE_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 #: the ``vision_config`` keys naming the vision tower's depth, the first present read
 VISION_DEPTH_KEYS = ("depth", "num_hidden_layers")
 
@@ -200,14 +203,15 @@ def expert_count_problems(config: dict, tensors: dict[str, TensorInfo], file: st
 
 
 def count_type_problems(config: dict, file: str | None = None) -> list[Problem]:
-    """An error for each count key (``num_hidden_layers``, ``num_nextn_predict_layers``, :data:`EXPERT_KEYS`, at the top
-    level or in ``text_config``) whose value is not an integer (``"4"``, ``4.0``, ``true``): vLLM refuses such a config,
-    and the other checks here read integers only."""
+    """An error for each count or size key (``num_hidden_layers``, ``num_nextn_predict_layers``, :data:`EXPERT_KEYS`,
+    :data:`SIZE_KEYS`, at the top level or in ``text_config``) whose value is not an integer (``"4"``, ``4.0``,
+    ``true``): vLLM refuses such a config (a trial's ``hidden_size: 256.0``: "expected int, got float"), and the checks
+    here and in :mod:`.widths` read integers only (a float width equal to the tensors' passed them)."""
     out = []
     for prefix, cfg in (("", config), ("text_config.", config.get("text_config"))):
         if not isinstance(cfg, dict):
             continue
-        for key in ("num_hidden_layers", "num_nextn_predict_layers", *EXPERT_KEYS):
+        for key in ("num_hidden_layers", "num_nextn_predict_layers", *EXPERT_KEYS, *SIZE_KEYS):
             v = cfg.get(key)
             if key in cfg and v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 out.append(_type_error(f"{prefix}{key}", v, "the model", file))

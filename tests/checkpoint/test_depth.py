@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from ctconvert import api
-from ctconvert.checkpoint.depth import COUNTS_CHECK, expert_count_problems, layer_count_problems
+from ctconvert.checkpoint.depth import COUNTS_CHECK, SIZE_KEYS, expert_count_problems, layer_count_problems
 from ctconvert.checkpoint.safetensors_io import TensorInfo
 
 from conftest import moe_checkpoint
@@ -109,6 +109,32 @@ def test_every_expert_key_is_compared_and_counts_must_be_integers():
         assert p.message.startswith(f"config.json's text_config.num_experts is {json.dumps(bad)}, not an integer") and p.file == "cfg"
         assert expert_count_problems({"num_experts": bad}, names) == [] and layer_count_problems({"num_hidden_layers": bad}, names) == []
     assert count_type_problems({"num_hidden_layers": 2, "num_experts": 4, "num_nextn_predict_layers": None}) == []
+
+
+@pytest.mark.parametrize(
+    "key", ["hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"]
+)
+@pytest.mark.parametrize("reference", [False, True])
+def test_a_size_that_is_not_an_integer_fails_verify(tiny_llama, tmp_path, key, reference):
+    """A size written as a float equal to the tensors' (``256.0``), a string or a boolean: vLLM refuses the config
+    (a trial's ``hidden_size: 256.0`` passed verify, with or without a reference, as 256.0 == 256); an error naming the
+    key, with or without a reference, the config written as a writer would (its record too: the check is this one)."""
+    from ctconvert.checkpoint.depth import count_type_problems
+
+    from conftest import save_config
+
+    assert key in SIZE_KEYS
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16")
+    cfg = json.loads((out / "config.json").read_text())
+    good = cfg.get(key, 64)
+    for bad in (float(good), str(good), True):
+        (p,) = count_type_problems({key: bad}, "cfg")
+        assert p.message.startswith(f"config.json's {key} is {json.dumps(bad)}, not an integer") and p.file == "cfg"
+    save_config(out, {**cfg, key: float(good)})
+    errors = _errors(api.verify(out, tiny_llama if reference else None))
+    assert any(p["message"].startswith(f"config.json's {key} is {float(good)}, not an integer") for p in errors), errors
+    assert count_type_problems({**cfg, key: good}) == [] and count_type_problems({key: None}) == []
 
 
 def _errors(report: dict) -> list[dict]:
