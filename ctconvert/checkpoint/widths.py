@@ -118,7 +118,9 @@ def size_problems(config: dict, tensors: dict[str, TensorInfo], mods: dict[str, 
 
 
 def tied_head_problems(config: dict, tensors: dict[str, TensorInfo], file: str | None = None) -> list[Problem]:
-    """``tie_word_embeddings`` true (top level, else ``text_config``) while the checkpoint stores an ``lm_head``: an
+    """``tie_word_embeddings`` false while a generating model (:func:`_generates`) stores no ``lm_head`` beside its
+    embedding: an error (vLLM builds a head of its own that no tensor fills). ``tie_word_embeddings`` true (top level,
+    else ``text_config``) while the checkpoint stores an ``lm_head``: an
     error for a quantized head (any ``lm_head.`` tensor but a dense ``weight``, or a ``weight`` beside a scale), and for
     a dense ``lm_head.weight`` whose dtype, shape or bytes are not the token embedding's (:func:`.naming.find_embedding`;
     not judged without one). vLLM 0.33 ties the head to ``embed_tokens`` and skips the stored one (module docstring).
@@ -126,11 +128,14 @@ def tied_head_problems(config: dict, tensors: dict[str, TensorInfo], file: str |
     tied = config.get("tie_word_embeddings")
     if tied is None and isinstance(config.get("text_config"), dict):
         tied = config["text_config"].get("tie_word_embeddings")
-    if tied is not True:
-        return []
     heads: dict[str, list[str]] = {}  # lm_head module -> its tensors
     for name in sorted((n for n in tensors if _is_head(n.rpartition(".")[0])), key=natural_key):
         heads.setdefault(name.rpartition(".")[0], []).append(name)
+    if tied is False and not heads and _generates(config) and find_embedding(tensors) is not None:
+        msg = "config.json's tie_word_embeddings is false, but the checkpoint stores no lm_head: vLLM 0.33 builds an untied head no tensor fills"
+        return [Problem("error", msg, file)]
+    if tied is not True:
+        return []
     why = "vLLM 0.33 ties the head to embed_tokens and skips the stored one (llama.py load_weights skip_prefixes)"
     quantized = [n for names in heads.values() for n in names if n.rpartition(".")[2] not in ("weight", "bias")]
     if quantized:
@@ -143,6 +148,13 @@ def tied_head_problems(config: dict, tensors: dict[str, TensorInfo], file: str |
             held = f"other values than {emb} ({a.dtype} {list(a.shape)}, {b.dtype} {list(b.shape)})"
             out.append(Problem("error", f"config.json's tie_word_embeddings is true, but {name} holds {held}: {why}", file, name))
     return out
+
+
+def _generates(config: dict) -> bool:
+    """Whether the config's architectures build a language-model head (``...ForCausalLM``,
+    ``...ForConditionalGeneration``): an encoder's (BERT's) has none to fill."""
+    archs = config.get("architectures")
+    return isinstance(archs, list) and any(isinstance(a, str) and a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in archs)
 
 
 def dense_dims(m: Module) -> tuple[int, int] | None:

@@ -330,3 +330,19 @@ def test_helpers_build_what_the_checkpoint_reader_does(tmp_path):
     assert {n: {p: tuple(i.shape) for p, i in m.parts.items()} for n, m in real.items()} == {
         n: {p: tuple(i.shape) for p, i in m.parts.items()} for n, m in fake.items()
     }
+
+
+def test_an_untied_head_that_no_tensor_fills(outputs):
+    """tie_word_embeddings false while a generating model stores no lm_head (a trial untied a tied Llama and Gemma-3:
+    vLLM refused them, verify passed without a reference): an error naming config.json; nothing for a model that stores
+    its head, for a missing key, or for an encoder (no ...ForCausalLM / ...ForConditionalGeneration)."""
+    dense = open_checkpoint(outputs["dense"])
+    headless = {n: i for n, i in dense.tensors.items() if not n.startswith("lm_head.")}
+    cfg = dict(dense.config, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    (p,) = tied_head_problems(cfg, headless, "cfg")
+    assert p.message.startswith("config.json's tie_word_embeddings is false, but the checkpoint stores no lm_head") and p.file == "cfg"
+    assert tied_head_problems(dict(cfg, architectures=["Gemma3ForConditionalGeneration"]), headless) != []
+    assert tied_head_problems(cfg, dense.tensors) == []  # the head is stored
+    assert tied_head_problems({k: v for k, v in cfg.items() if k != "tie_word_embeddings"}, headless) == []
+    assert tied_head_problems(dict(cfg, tie_word_embeddings=True), headless) == []  # tied: the embedding serves
+    assert tied_head_problems(dict(cfg, architectures=["BertModel"]), headless) == []
