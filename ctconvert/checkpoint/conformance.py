@@ -216,11 +216,14 @@ SCALE_PARTS = ("weight_scale", "weight_global_scale", "input_scale", "input_glob
 #: loader divides activations by them
 ACTIVATION_SCALES = ("input_scale", "input_global_scale")
 _POSITIVE = "a calibrated scale is never zero or negative (a loader divides by it)"
+#: NVFP4's weight global scale is ``448 x 6 / amax``, 1.0 for an all-zero weight (formats/fp4.py ``nvfp4_global_scale``),
+#: never zero: a loader divides the group scales by it (a zeroed one passed verify without a reference: a new user)
+_GLOBAL = "NVFP4's weight global scale is 448 x 6 / absmax, never zero (a loader divides the group scales by it)"
 
 
 def _negative_scales(m: Module, what: str) -> list[Problem]:
     """An error for each float scale tensor of ``m`` (:data:`SCALE_PARTS`) holding a value below zero (``-0`` is zero), or
-    for an activation scale (:data:`ACTIVATION_SCALES`) holding a zero."""
+    for an activation scale (:data:`ACTIVATION_SCALES`) or an NVFP4 ``weight_global_scale`` holding a zero."""
     out = []
     for p in SCALE_PARTS:
         info = m.parts.get(p)
@@ -230,8 +233,9 @@ def _negative_scales(m: Module, what: str) -> list[Problem]:
         if neg := int((v < 0).sum()):
             why = f"{p}: {plural(neg, 'value')} below zero of {info.numel}; {what} never stores a negative scale"
             out.append(Problem("error", why, str(info.file), f"{m.name}.{p}"))
-        elif p in ACTIVATION_SCALES and (zero := int((v == 0).sum())):
-            out.append(Problem("error", f"{p}: {plural(zero, 'value')} zero of {info.numel}; {_POSITIVE}", str(info.file), f"{m.name}.{p}"))
+        elif p in (*ACTIVATION_SCALES, "weight_global_scale") and (zero := int((v == 0).sum())):
+            why = _GLOBAL if p == "weight_global_scale" else _POSITIVE
+            out.append(Problem("error", f"{p}: {plural(zero, 'value')} zero of {info.numel}; {why}", str(info.file), f"{m.name}.{p}"))
     return out
 
 

@@ -254,6 +254,31 @@ def test_a_calibrated_scale_that_is_not_above_zero_fails_verify(tiny_llama, tmp_
         assert why in errors[0]["message"], errors
 
 
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_an_nvfp4_weight_global_scale_that_is_not_above_zero_fails_verify(tiny_llama, tmp_path, value):
+    """NVFP4's weight global scale is 448 x 6 / absmax (1.0 for an all-zero weight), never zero: a loader divides the
+    group scales by it (a new user zeroed one and verify passed without a reference); an error naming the tensor, with
+    or without a reference, the shard rewritten as a writer would (its hash record too: the check is this one)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import save_shard
+
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "NVFP4A16")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.self_attn.o_proj.weight_global_scale"
+    shard = out / index["weight_map"][name]
+    t = load_file(shard)
+    assert float(t[name]) > 0
+    t[name] = torch.full_like(t[name], value)
+    save_shard(t, shard)
+    for ref in (None, tiny_llama):
+        errors = [p for p in api.verify(out, ref)["problems"] if p["severity"] == "error" and p["tensor"] == name]
+        why = "NVFP4's weight global scale is 448 x 6 / absmax, never zero" if value == 0.0 else "1 value below zero"
+        assert errors and why in errors[0]["message"], errors
+
+
 @pytest.mark.parametrize(
     "ignore, mixed",
     [
