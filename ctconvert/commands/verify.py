@@ -126,7 +126,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         report = _verify_kernel_native(ckpt, path, reference)
         return _with_parallel(report, kernel_native_modules(ckpt.quantization_config, ckpt.tensors), ckpt, tp, ep)
     if reference is not None and not ckpt.quantization_config:
-        return _verify_dense(ckpt, path, reference, progress)
+        return _verify_dense(ckpt, mods, path, reference, progress)
     if not any(p.file and Path(p.file).name == CONFIG_NAME for p in ckpt.problems):  # a missing or broken config.json is reported as such
         fix = "to compare a dense checkpoint (a decompress output) with its source, give --reference SRC; `ctconvert inspect` describes any checkpoint"
         require_compressed_tensors(ckpt.quantization_config, path / CONFIG_NAME, "verify", fix)
@@ -242,7 +242,7 @@ def _cast_limit(a: str, b: str) -> float:
     return 0.0 if a == b else 2.0 ** -min(_SIGNIFICAND[a], _SIGNIFICAND[b]) * 1.001
 
 
-def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
+def _verify_dense(ckpt: Checkpoint, mods: dict, path: Path, reference, progress) -> dict:
     """A dense checkpoint (a ``decompress`` output) against its source: every tensor's values.
 
     The reference is the dense model it was quantized from, or the quantized checkpoint it was decompressed
@@ -262,7 +262,7 @@ def _verify_dense(ckpt: Checkpoint, path: Path, reference, progress) -> dict:
         first = next(n for n in ref.tensors if n not in split.tensors)
         problems.append(_error(f"the reference stores these experts fused and this dense checkpoint holds them per expert: {why}", tensor=first))
     ref = split
-    problems += _value_problems(ckpt, ref) + reference_problems(ckpt, ref_ckpt) + attention_shape_problems(modules_of(ckpt), ckpt.config, ckpt.tensors)
+    problems += _value_problems(ckpt, ref) + reference_problems(ckpt, ref_ckpt) + attention_shape_problems(mods, ckpt.config, ckpt.tensors)
     loose = max(THRESHOLDS.values())
     rows = []
     emb = find_embedding(ref.tensors)
