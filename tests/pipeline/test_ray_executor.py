@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -145,16 +146,22 @@ def only_on(cluster, node, release: Path):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    def hold(path):  # defined here: Ray pickles it by value
+    def hold(path, started):  # defined here: Ray pickles it by value
         import os
         import time
 
+        open(started, "w").close()
         while not os.path.exists(path):
             time.sleep(0.05)
 
     hold = ray.remote(num_cpus=1)(hold)
     others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != node.node_id]
-    holds = [hold.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(str(release)) for n in others]
+    started = [release.with_name(f"{release.name}-held-{i}") for i in range(len(others))]
+    holds = [hold.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(str(release), str(s)) for n, s in zip(others, started)]
+    deadline = time.monotonic() + 60  # the holds running before the conversion's tasks are scheduled: else those may take the other CPUs
+    while not all(s.exists() for s in started):
+        assert time.monotonic() < deadline, "the holding tasks did not start"
+        time.sleep(0.05)
     try:
         yield
     finally:
