@@ -68,6 +68,7 @@ from ..checkpoint.conformance import (
     vllm_unloadable_problems,
 )
 from ..checkpoint.depth import COUNTS_CHECK, count_problems
+from ..checkpoint.expected import EXPECTED_CHECK, expected_problems
 from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.files_check import attention_shape_problems, reference_problems
 from ..checkpoint.grid import GridCheck, grid_problems, rounded_elsewhere, unchecked_note
@@ -138,9 +139,9 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     problems += unexplained_dense(ckpt, mods)
     problems += missing_fused_members(linear_module_files(mods), ckpt.config) + attention_shape_problems(mods, ckpt.config, ckpt.tensors)
     rows: list[dict] = []
-    checks = list(_STRUCTURE_CHECKS)
+    checks = [*_STRUCTURE_CHECKS, *([EXPECTED_CHECK] if reference is None else [])]
     if reference is None:
-        problems += _value_problems(ckpt)
+        problems += _value_problems(ckpt) + expected_problems(ckpt, mods)  # no records to compare with: what the architecture builds
         problems += _all_zero_problems(mods, ckpt)
     elif not ckpt.tensors:  # no shard could be read (truncated, say): the errors above say why, not a wrong --reference
         problems.append(unread_note(ckpt))
