@@ -10,7 +10,8 @@ each family's vLLM 0.33 file, ``vllm/model_executor/models/``); every other fami
 
 - **Top level**: the text model's token embedding ``<P>embed_tokens.weight`` and final norm ``<P>norm.weight`` are
   stored, ``<P>layers.N.`` being the decoder stack (every judged family's ``...Model`` builds ``embed_tokens``, its
-  layers and ``norm``). A missing untied ``lm_head`` is :func:`.widths.tied_head_problems`' error.
+  layers and ``norm``); not judged where the checkpoint stores decoder layers and nothing else (a slice of a model,
+  not one to serve). A missing untied ``lm_head`` is :func:`.widths.tied_head_problems`' error.
 - **Decoder layers alike** (:func:`layer_problems`): a judged family builds every decoder layer below
   ``num_hidden_layers`` with the same attention and norms, and every MLP of one kind (dense, or MoE: DeepSeek's
   ``first_k_dense_replace``, Qwen-MoE's ``mlp_only_layers``/``decoder_sparse_step`` make some layers dense) alike
@@ -190,8 +191,9 @@ def expected_problems(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem
         return out + [Problem("note", f"missing or extra tensors are not judged: no decoder stack ({', '.join(_STACKS)}) is stored")]
     cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     top = stack[: -len("layers.")]
+    fragment = all(n.startswith(stack) for n in params)  # decoder layers only (a test's or a shard's slice): no top level to judge
     for leaf, what in (("embed_tokens.weight", "token embedding"), ("norm.weight", "final norm")):
-        if top + leaf not in params:
+        if top + leaf not in params and not fragment:
             why = f"missing: the {what}, which vLLM 0.33 {JUDGED[family]} builds, is not stored: vLLM refuses a parameter no tensor fills"
             out.append(Problem("error", why, file_of(top + leaf), top + leaf))
     out += _bias_problems(params, stack, family, cfg, file_of) + _router_problems(params, stack, family, cfg, file_of)
@@ -236,8 +238,9 @@ def layer_problems(params: dict[str, str], stack: str, n: int | None, file_of, s
     """Errors where decoder layers of one kind hold different parameters (module docstring): per parameter, the layers
     that lack it (most layers hold it) or hold it extra (few do). ``params``: :func:`parameters`; ``stack``:
     ``<P>layers.``; ``n``: the config's ``num_hidden_layers`` (layers at or past it, MTP, not compared; None: all);
-    ``skip``: tensor names another rule reported already."""
+    ``skip``: tensor names another rule reported already (their parameter is not compared in any layer)."""
     layers = _layers(params, stack, n)
+    skip = set().union(*_layers(dict.fromkeys(skip, ""), stack, None).values())  # relative to their layer
     rest = {i: {r for r in rels if not _is_mlp(r)} for i, rels in layers.items()}
     mlp = {i: {r for r in rels if _is_mlp(r)} for i, rels in layers.items()}
     out = _differ(rest, stack, "decoder layers", params, file_of, skip)
@@ -259,14 +262,14 @@ def _differ(sets: dict[int, set[str]], stack: str, what: str, params: dict[str, 
             continue
         if 2 * len(held) >= total:  # most hold it (or half, as in a two-layer model): missing from the others
             name = _name(stack, lack[0], rel)
-            if name in skip:
+            if rel in skip:
                 continue
             others = f"the other {len(held)} hold" if 2 * len(held) > total else f"{_list(held)} {agree(len(held), 'holds', 'hold')} (or those hold it extra)"
             msg = f"missing: {plural(len(lack), 'layer')} ({_list(lack)}) of the {total} {what} lack {rel}, which {others}"
             out.append(Problem("error", f"{msg}: vLLM 0.33 builds these layers alike and refuses a parameter no tensor fills", file_of(name), name))
         else:
             name = _name(stack, held[0], rel)
-            if name in skip:
+            if rel in skip:
                 continue
             msg = f"extra: {rel} is stored in {plural(len(held), 'layer')} ({_list(held)}) of the {total} {what} and not in the other {len(lack)}"
             out.append(Problem("error", f"{msg}: vLLM 0.33 builds these layers alike and has no parameter for it", file_of(name), name))

@@ -4,10 +4,13 @@ experts' config group as vLLM 0.33 matches it."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
+import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
 
 from ctconvert import api
 from ctconvert.checkpoint.conformance import vllm_expert_group
@@ -114,6 +117,9 @@ def test_routers_vllm_builds_unquantized_are_refused_unless_allowed_and_verify_r
     shutil.copytree(src, q2)
     cfg = json.loads((q2 / "config.json").read_text())
     (q2 / "config.json").write_text(json.dumps(dict(cfg, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])))
+    t = load_file(q2 / "model.safetensors")  # Qwen2-MoE's q/k/v have biases (vLLM 0.33 qwen2_moe.py: bias=True): verify wants them
+    t.update({k.replace(".weight", ".bias"): torch.zeros(v.shape[0], dtype=v.dtype) for k, v in t.items() if re.search(r"\.[qkv]_proj\.weight$", k)})
+    save_file(t, q2 / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(UnsupportedError) as e:
         api.quantize(q2, tmp_path / "a", "W4A16", default_ignore=False, ignore=["lm_head"])
     assert "'model.layers.0.mlp.gate.weight'" in str(e.value) and "models/qwen2_moe.py: GateLinear without quant_config" in e.value.message
