@@ -1,0 +1,169 @@
+"""The tensors the architecture builds, judged without a reference (ctconvert/checkpoint/expected.py): unit, and
+through verify on foreign outputs (no ctconvert records in the index, no provenance file)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from ctconvert import api
+from ctconvert.checkpoint.expected import EXPECTED_CHECK, expected_problems, expert_problems, layer_problems
+from ctconvert.checkpoint.modules import modules_of
+from ctconvert.checkpoint.reader import INDEX_NAME, open_checkpoint
+from ctconvert.cli import main
+
+from conftest import LLAMA_CONFIG, llama_tensors, moe_checkpoint, write_checkpoint
+
+LLAMA3 = dict(LLAMA_CONFIG, num_hidden_layers=3)
+L = "model.layers."
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """Correct outputs: the tiny Llama (2 layers, untied) W4A16 and NVFP4A16, a 3-layer one W4A16, a tied one
+    FP8_DYNAMIC, a Qwen3-MoE-named one W4A16; each also stripped to a foreign checkpoint (``<name>-foreign``)."""
+    tmp = tmp_path_factory.mktemp("expected")
+    out = {}
+    llama = write_checkpoint(tmp / "llama", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG)
+    llama3 = write_checkpoint(tmp / "llama3", llama_tensors(LLAMA3), LLAMA3)
+    tied_cfg = dict(LLAMA_CONFIG, tie_word_embeddings=True)
+    tied = write_checkpoint(tmp / "tied", {k: v for k, v in llama_tensors(tied_cfg).items() if k != "lm_head.weight"}, tied_cfg)
+    for name, src, scheme in (
+        ("llama-W4A16", llama, "W4A16"),
+        ("llama-NVFP4A16", llama, "NVFP4A16"),
+        ("llama3-W4A16", llama3, "W4A16"),
+        ("tied-FP8_DYNAMIC", tied, "FP8_DYNAMIC"),
+        ("moe-W4A16", moe_checkpoint(tmp), "W4A16"),
+    ):
+        api.quantize(src, tmp / name, scheme, device="cpu")
+        out[name] = tmp / name
+        out[name + "-foreign"] = damaged(tmp / name, tmp / (name + "-foreign"))
+    out["tmp"] = tmp
+    return out
+
+
+def damaged(src: Path, dst: Path, drop=(), add: dict | None = None, rename: dict | None = None) -> Path:
+    """A foreign copy of ``src`` (the index keeps only ``total_size``, no provenance file) without the tensors whose
+    name starts with one of ``drop``, with ``add`` (name -> tensor) and ``rename`` (old -> new) applied."""
+    shutil.copytree(src, dst)
+    (dst / "ctconvert-provenance.json").unlink(missing_ok=True)
+    t = load_file(dst / "model.safetensors")
+    t = {rename.get(k, k) if rename else k: v for k, v in t.items() if not k.startswith(tuple(drop))}
+    t.update(add or {})
+    save_file(t, dst / "model.safetensors", metadata={"format": "pt"})
+    index = dst / INDEX_NAME
+    if index.exists():
+        doc = json.loads(index.read_text())
+        index.write_text(json.dumps({"metadata": {"total_size": doc["metadata"]["total_size"]}, "weight_map": dict.fromkeys(t, "model.safetensors")}))
+    return dst
+
+
+def errors_of(path: Path) -> list[tuple[str, str]]:
+    """``(tensor, first word of the message)`` of every error :func:`expected_problems` finds in ``path``."""
+    ckpt = open_checkpoint(path, strict=False)
+    return [(p.tensor, p.message.split(":")[0]) for p in expected_problems(ckpt, modules_of(ckpt)) if p.severity == "error"]
+
+
+@pytest.mark.parametrize("name", ["llama-W4A16", "llama-NVFP4A16", "llama3-W4A16", "tied-FP8_DYNAMIC", "moe-W4A16"])
+def test_correct_outputs_pass(outputs, name):
+    """No false failure: every correct output passes verify, with ctconvert's records and as a foreign checkpoint."""
+    for path in (outputs[name], outputs[name + "-foreign"]):
+        rep = api.verify(path)
+        assert rep["ok"], rep["problems"]
+        assert EXPECTED_CHECK in rep["checked"]["checks"]
+        assert errors_of(path) == []
+
+
+def _bias(n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.bfloat16)
+
+
+DAMAGES = {
+    # name: (output, drop, add, rename, the expected errors)
+    "layer-norm": ("llama-W4A16", [f"{L}1.post_attention_layernorm.weight"], None, None, [(f"{L}1.post_attention_layernorm.weight", "missing")]),
+    "final-norm": ("llama-W4A16", ["model.norm.weight"], None, None, [("model.norm.weight", "missing")]),
+    "embedding": ("llama-W4A16", ["model.embed_tokens.weight"], None, None, [("model.embed_tokens.weight", "missing")]),
+    "embedding-tied": ("tied-FP8_DYNAMIC", ["model.embed_tokens.weight"], None, None, [("model.embed_tokens.weight", "missing")]),
+    "linear": ("llama-NVFP4A16", [f"{L}0.mlp.down_proj."], None, None, [(f"{L}0.mlp.down_proj.weight", "missing")]),
+    "linear-3": ("llama3-W4A16", [f"{L}2.self_attn.o_proj."], None, None, [(f"{L}2.self_attn.o_proj.weight", "missing")]),
+    "norm-3": ("llama3-W4A16", [f"{L}1.input_layernorm."], None, None, [(f"{L}1.input_layernorm.weight", "missing")]),
+    "extra-3": ("llama3-W4A16", [], {f"{L}1.self_attn.q_norm.weight": _bias(64)}, None, [(f"{L}1.self_attn.q_norm.weight", "extra")]),
+    "expert": ("moe-W4A16", [f"{L}0.mlp.experts.3.up_proj."], None, None, [(f"{L}0.mlp.experts.3.up_proj.weight", "missing")]),
+    "router": ("moe-W4A16", [f"{L}1.mlp.gate.weight"], None, None, [(f"{L}1.mlp.gate.weight", "missing")]),
+    "bias-one": ("llama-W4A16", [], {f"{L}0.self_attn.q_proj.bias": _bias(256)}, None, [(f"{L}0.self_attn.q_proj.bias", "extra")]),
+    "bias-all": (
+        "llama3-W4A16",
+        [],
+        {f"{L}{i}.mlp.down_proj.bias": _bias(256) for i in range(3)},
+        None,
+        [(f"{L}{i}.mlp.down_proj.bias", "extra") for i in range(3)],
+    ),
+    "renamed": (
+        "llama3-W4A16",
+        [],
+        None,
+        {f"{L}1.mlp.up_proj.{p}": f"{L}1.mlp.up_prj.{p}" for p in ("weight_packed", "weight_scale", "weight_shape")},
+        [(f"{L}1.mlp.up_prj.weight", "extra"), (f"{L}1.mlp.up_proj.weight", "missing")],
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_damages_fail(outputs, damage):
+    """Each damage of a foreign output is an error naming the tensor (exactly these), and verify fails on it."""
+    name, drop, add, rename, want = DAMAGES[damage]
+    path = damaged(outputs[name], outputs["tmp"] / f"d-{damage}", drop, add, rename)
+    assert sorted(errors_of(path)) == sorted(want)
+    rep = api.verify(path)
+    assert not rep["ok"]
+    assert {p["tensor"] for p in rep["problems"] if p["severity"] == "error"} >= {t for t, _ in want}
+
+
+def test_cli_names_file_and_tensor(outputs):
+    """verify exits 5 with one line naming the shard and the missing tensor."""
+    path = damaged(outputs["llama-W4A16"], outputs["tmp"] / "cli", [f"{L}1.post_attention_layernorm.weight"])
+    r = CliRunner().invoke(main, ["verify", str(path)])
+    assert r.exit_code == 5, r.output
+    line = next(x for x in r.output.splitlines() if "post_attention_layernorm" in x)
+    assert f"{path / 'model.safetensors'}: {L}1.post_attention_layernorm.weight: missing: 1 layer (1) of the 2 decoder layers lack" in line
+
+
+def test_unknown_family_is_not_judged(outputs):
+    """A family verify does not know: a note, no error, though a layer lacks a norm."""
+    path = damaged(outputs["llama-W4A16"], outputs["tmp"] / "unknown", [f"{L}1.post_attention_layernorm.weight"])
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(cfg, model_type="cohere", architectures=["CohereForCausalLM"])))
+    ckpt = open_checkpoint(path, strict=False)
+    found = expected_problems(ckpt, modules_of(ckpt))
+    assert [p.severity for p in found] == ["note"] and "model_type 'cohere' is not among the families" in found[0].message
+
+
+def _params(names):
+    return {n: n for n in names}
+
+
+def test_layer_rule_majority_mtp_and_kinds():
+    """Most layers hold a parameter: the others miss it; few hold it: extra; layers past num_hidden_layers (MTP) and
+    dense vs MoE MLPs are not compared with each other."""
+    rel = ("input_layernorm.weight", "self_attn.q_proj.weight")
+    names = [f"{L}{i}.{r}" for i in range(4) for r in rel if (i, r) != (2, "input_layernorm.weight")]
+    names += [f"{L}3.self_attn.sinks", f"{L}4.eh_proj.weight"]  # an extra in one of four; an MTP layer past 4
+    names += [f"{L}{i}.mlp.down_proj.weight" for i in (0, 2, 3)] + [f"{L}1.mlp.gate.weight", f"{L}1.mlp.experts.0.down_proj.weight"]
+    found = [(p.tensor, p.message.split(":")[0]) for p in layer_problems(_params(names), L, 4, lambda n: "f")]
+    assert found == [(f"{L}2.input_layernorm.weight", "missing"), (f"{L}3.self_attn.sinks", "extra")]
+
+
+def test_expert_rule_fused_and_per_expert():
+    """Per-expert blocks whose experts differ, and fused 3-D experts (gpt-oss) without both members or both biases."""
+    cfg = {"model_type": "gpt_oss"}
+    fused = _params([f"{L}0.mlp.experts.gate_up_proj", f"{L}0.mlp.experts.gate_up_proj_bias", f"{L}0.mlp.experts.down_proj_bias"])
+    assert [p.tensor for p in expert_problems(fused, cfg, lambda n: "f", True)] == [f"{L}0.mlp.experts.down_proj"]
+    per = _params([f"{L}0.mlp.experts.{e}.{p}.weight" for e in range(3) for p in ("w1", "w2", "w3") if (e, p) != (1, "w2")])
+    assert [p.tensor for p in expert_problems(per, {"model_type": "unknown"}, lambda n: "f", False)] == [f"{L}0.mlp.experts.1.w2.weight"]
+    assert expert_problems(_params([f"{L}0.mlp.experts.{e}.w1.weight" for e in range(2)]), {"model_type": "unknown"}, lambda n: "f", False) == []
