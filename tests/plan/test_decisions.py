@@ -24,6 +24,7 @@ def _gpt_oss(tmp_path, **extra):
     for layer in range(2):
         p = f"model.layers.{layer}."
         t[p + "self_attn.q_proj.weight"] = bf(H, H)
+        t[p + "self_attn.q_proj.bias"] = bf(H)  # gpt_oss.py builds the attention projections with a bias
         t[p + "self_attn.sinks"] = bf(2)
         t[p + "mlp.router.weight"] = bf(E, H)
         t[p + "mlp.router.bias"] = bf(E)
