@@ -202,8 +202,10 @@ def test_a_negative_scale_fails_verify_naming_the_tensor(tiny_llama, tmp_path, s
     api.quantize(tiny_llama, out, scheme)
     index = json.loads((out / INDEX_NAME).read_text())
     del index["metadata"][SHARDS_KEY]
-    del index["metadata"]["ctconvert_records"]  # as a release without the record wrote it
+    del index["metadata"]["ctconvert_records"], index["metadata"]["ctconvert_provenance"]  # as a release without the records wrote it
     (out / INDEX_NAME).write_text(json.dumps(index))
+    prov = json.loads((out / "ctconvert-provenance.json").read_text())  # and its provenance: format 2, which promises no records
+    (out / "ctconvert-provenance.json").write_text(json.dumps(dict(prov, provenance_format=2)))
     name = f"model.layers.1.mlp.down_proj.{part}"
     shard = out / index["weight_map"][name]
     t = load_file(shard)
