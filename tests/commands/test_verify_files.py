@@ -106,7 +106,7 @@ def test_head_dim_from_hidden_size(w4a16, tmp_path):
     _set_config(bad, head_dim=None)  # 256 / 4 = 64: consistent
     assert api.verify(bad)["ok"]
     _set_config(bad, hidden_size=512)  # 512 / 4 = 128: q_proj would have 512 rows
-    assert any("hidden_size / num_attention_heads = 128" in m for m in _errors(api.verify(bad)))
+    assert any("x head_dim 128 (config.json has no head_dim: hidden_size 512 / num_attention_heads 4) = 512 output rows" in m for m in _errors(api.verify(bad)))
 
 
 @pytest.mark.parametrize("name", ["generation_config.json", "tokenizer_config.json", "README.md"])
