@@ -242,10 +242,11 @@ def test_refresh_rewrites_only_changed_shards(tmp_path):
 def test_refresh_from_a_format_1_provenance(tmp_path):
     """An output of an earlier release (provenance format 1: one XXH3-128 over each tensor's bytes) still
     refreshes: the sources are compared with format-1 hashes, only the changed shard is rewritten, and the
-    new provenance is format 2 (block hashes, equal to a fresh conversion's)."""
+    new provenance is of the current format (block hashes, equal to a fresh conversion's)."""
     import xxhash
 
     from ctconvert.checkpoint.hashing import HASH_BLOCK_BYTES, hash_tensor_bytes
+    from ctconvert.checkpoint.provenance import PROVENANCE_FORMAT
     from ctconvert.checkpoint.reader import open_checkpoint
 
     m = _big_model(tmp_path)
@@ -253,7 +254,7 @@ def test_refresh_from_a_format_1_provenance(tmp_path):
     api.quantize(m, out, "W4A16", max_shard_size="4MB")
     p = out / "ctconvert-provenance.json"
     prov = json.loads(p.read_text())
-    assert prov["provenance_format"] == 2 and prov["hash_block_bytes"] == HASH_BLOCK_BYTES
+    assert prov["provenance_format"] == PROVENANCE_FORMAT and prov["hash_block_bytes"] == HASH_BLOCK_BYTES
     ckpt = open_checkpoint(m)
     info = ckpt.tensors["model.layers.3.mlp.up_proj.weight"]
     with open(info.file, "rb") as f:  # format 1 is the plain XXH3-128 of the bytes, independently computed here
@@ -265,7 +266,7 @@ def test_refresh_from_a_format_1_provenance(tmp_path):
     del prov["provenance_format"], prov["hash_block_bytes"]
     p.write_text(json.dumps(prov))
     _refresh_after_one_tensor_changed(m, out, tmp_path)
-    assert json.loads(p.read_text())["provenance_format"] == 2
+    assert json.loads(p.read_text())["provenance_format"] == PROVENANCE_FORMAT
 
 
 def _refresh_after_one_tensor_changed(m, out, tmp_path) -> None:

@@ -15,6 +15,12 @@ then reads garbage, or fails. Checked per quantized module (:func:`module_proble
   asymmetric; optional when symmetric) unless ``dynamic: "local"``.
 * ``weight_g_idx`` only for ``actorder: "group"`` (vLLM 0.33
   ``compressed_tensors_wNa16.py``, ``CompressedTensorsWNA16.create_weights``), I32 ``[K]``.
+* a stored ``weight_shape`` first: of another dtype or shape, it alone is the error (the dense shape the other
+  parts are compared with is read from it).
+
+Per config group, :func:`strategy_problems`: weight args whose ``strategy`` contradicts their ``group_size`` (a
+``group_size`` with ``channel``, a ``group`` strategy without one) are one error naming ``config.json`` and what
+the tensors hold, and the group's modules are not dequantized (their scales cannot be read as the config says).
 
 Over the model, :func:`missing_fused_members`: a fused set (q/k/v, gate/up ...) with a member missing where the
 other layers have it is wrong input, whatever the config. And :func:`sparsity_problems`: a ``sparsity_config`` of format ``sparse-24-bitmask``
@@ -34,6 +40,7 @@ import torch
 from ..errors import BadInputError, plural
 from ..formats import CompressionFormat, WeightArgs, get_format
 from .families import vllm_dense_reason
+from .group_args import group_arg_problems, strategy_conflict, strategy_problems
 from .modules import ACT_PARTS, QUANT_PARTS, SPARSITY_GROUP, Module, dense_shape
 from .naming import FLOAT_DTYPES, fused_key, fused_set_name, is_linear_weight, matches
 from .reader import Problem
@@ -41,9 +48,11 @@ from .safetensors_io import TORCH_TO_ST, read_tensor
 
 __all__ = [
     "ExpertMismatch",
+    "conforms",
     "contradictions",
     "expected_parts",
     "group_arg_problems",
+    "group_problems",
     "kv_scale_problems",
     "linear_module_files",
     "missing_fused_members",
@@ -52,6 +61,7 @@ __all__ = [
     "partial_block_problems",
     "refuse",
     "sparsity_problems",
+    "strategy_problems",
     "vllm_expert_group",
     "vllm_expert_mismatches",
     "vllm_expert_problems",
@@ -59,19 +69,6 @@ __all__ = [
 ]
 
 _SPARSE = CompressionFormat.SPARSE_24_BITMASK.value
-#: the weights' ``type`` each format stores (compressed-tensors 0.20 ``compressors/quantized_compressors``: the
-#: pack and int compressors write integer codes, the float, NVFP4 and MX ones float codes)
-_FORMAT_TYPE = {
-    CompressionFormat.PACK_QUANTIZED.value: "int",
-    CompressionFormat.INT_QUANTIZED.value: "int",
-    CompressionFormat.FLOAT_QUANTIZED.value: "float",
-    CompressionFormat.NVFP4_PACK_QUANTIZED.value: "float",
-    CompressionFormat.MXFP4_PACK_QUANTIZED.value: "float",
-    CompressionFormat.MXFP8_QUANTIZED.value: "float",
-}
-#: the weight arguments NVFP4 is recognised by (vLLM 0.33 ``compressed_tensors.py``: ``_is_fp4a16_nvfp4`` and
-#: ``_is_fp4a4_nvfp4`` ask for 4-bit float, ``tensor_group`` strategy, groups of 16, symmetric)
-_NVFP4_ARGS = {"num_bits": 4, "strategy": "tensor_group", "group_size": 16, "symmetric": True}
 _SPARSE_PARTS = ("compressed", "bitmask", "shape")
 
 
@@ -138,36 +135,15 @@ def _shape_ok(part: str, got: tuple[int, ...], want: tuple[int, ...] | None, m: 
     return False
 
 
-def group_arg_problems(qcfg: dict, file: str | None = None) -> list[Problem]:
-    """An error for each config group whose weight arguments contradict its format where no tensor can (their shapes
-    and dtypes are the format's either way): a weight ``type`` the format does not store (:data:`_FORMAT_TYPE`),
-    ``dynamic`` weights (stored weights are quantized once, not at run time), NVFP4 weights without the arguments
-    vLLM recognises it by (:data:`_NVFP4_ARGS`). ``file``: the config's path, named in each error."""
-    out = []
-    groups = qcfg.get("config_groups")
-    for name, g in (groups if isinstance(groups, dict) else {}).items():
-        w = g.get("weights") if isinstance(g, dict) else None
-        if not isinstance(w, dict):
-            continue
-        fmt = g.get("format") or qcfg.get("format")
-        bad = []
-        if (want := _FORMAT_TYPE.get(fmt)) is not None and w.get("type") != want:
-            bad.append(f"type {w.get('type')!r} ({fmt} stores {want} codes)")
-        if w.get("dynamic", False) is not False:
-            bad.append(f"dynamic {w.get('dynamic')!r} (stored weights are quantized once: false)")
-        if fmt == CompressionFormat.NVFP4_PACK_QUANTIZED.value:
-            bad += [f"{k} {w.get(k)!r} (NVFP4: {v!r})" for k, v in _NVFP4_ARGS.items() if w.get(k) != v]
-        if bad:
-            out.append(Problem("error", f"config group {name!r}: weights {'; '.join(bad)}: vLLM would load these tensors otherwise or refuse them", file))
-    return out
-
-
-def module_problems(m: Module, qcfg: dict) -> list[Problem]:
+def module_problems(m: Module, qcfg: dict, scales: bool = True) -> list[Problem]:
     """Errors for the tensors of the quantized module ``m`` that contradict its config group (module docstring):
-    a missing part, a part the format and args do not write, another dtype or shape. ``m`` must have a known
-    group and format (callers report the others)."""
+    a missing part, a part the format and args do not write, another dtype or shape (a stored ``weight_shape`` of
+    another dtype or shape alone: the others are compared with the dense shape read from it); with ``scales``, and
+    none of those, a negative or zero scale (:func:`_negative_scales`: reads the scales). ``m`` must have a known group
+    and format (callers report the others); a group whose strategy contradicts its group size is reported once, by
+    :func:`strategy_problems`, not here."""
     fmt = get_format(m.format)
-    if fmt is None:
+    if fmt is None or strategy_conflict(m.weights) is not None:
         return []
     where = {"file": m.file, "tensor": m.name}
     missing = [p for p in fmt.required if p not in m.parts]
@@ -190,21 +166,36 @@ def module_problems(m: Module, qcfg: dict) -> list[Problem]:
         n, k = dense_shape(m)
     except (ValueError, KeyError, RuntimeError):
         n = k = None
-    for p, (dts, shape) in req.items():
+    dense = f"a [{n}, {k}] weight" + (" (as its weight_shape says)" if "weight_shape" in m.parts else "")
+    parts = sorted(req.items(), key=lambda item: item[0] != "weight_shape")  # weight_shape first: the others' shapes follow it
+    for p, (dts, shape) in parts:
         info = m.parts.get(p)
-        if info is None:
+        if info is None or info.dtype in dts and _shape_ok(p, tuple(info.shape), shape, m):
             continue
-        if info.dtype not in dts or not _shape_ok(p, tuple(info.shape), shape, m):
-            want = "/".join(dts) + (str(list(shape)) if shape is not None else "")
-            out.append(
-                Problem(
-                    "error",
-                    f"{p} is {info.dtype}{list(info.shape)}, but {what} of a [{n}, {k}] weight stores {want}: the config and the tensors disagree",
-                    str(info.file),
-                    f"{m.name}.{p}",
-                )
-            )
-    return out or _negative_scales(m, what)
+        want = "/".join(dts) + (str(list(shape)) if shape is not None else "")
+        if p == "weight_shape":  # the dense shape cannot be read from it: the other parts are not compared with one
+            why = f"weight_shape is {info.dtype}{list(info.shape)}, but {what} stores {want}: the dense shape cannot be read from it"
+            return [*out, Problem("error", why, str(info.file), f"{m.name}.{p}")]
+        why = f"{p} is {info.dtype}{list(info.shape)}, but {what} of {dense} stores {want}: the config and the tensors disagree"
+        out.append(Problem("error", why, str(info.file), f"{m.name}.{p}"))
+    return out or (_negative_scales(m, what) if scales else [])
+
+
+def conforms(m: Module, qcfg: dict) -> bool:
+    """Whether module ``m``'s tensors agree with its config group (:func:`module_problems`, without reading its scales):
+    true for a module that is not quantized or has no known group or format (nothing to contradict). A module that does
+    not conform has no dense shape to judge the config's widths by (:mod:`.widths`: its error is the cause)."""
+    if not (m.quantized and m.group is not None and get_format(m.format) is not None):
+        return True
+    return not module_problems(m, qcfg, scales=False)
+
+
+def group_problems(mods: dict[str, Module], qcfg: dict, file: str | None = None) -> tuple[list[Problem], set[str]]:
+    """The errors of the config groups against the modules they claim, the root cause first: :func:`strategy_problems`
+    (whose modules, returned, are not to be dequantized or judged part by part), then :func:`sparsity_problems`,
+    :func:`kv_scale_problems` and :func:`vllm_expert_problems`. ``file``: ``config.json``'s path."""
+    out, names = strategy_problems(mods, qcfg, file)
+    return out + sparsity_problems(mods, qcfg) + kv_scale_problems(mods, qcfg) + vllm_expert_problems(mods, qcfg), names
 
 
 #: the scale tensors of a module (weights' and activations'): compressed-tensors computes each from an absolute maximum or
@@ -504,11 +495,11 @@ def partial_block_problems(mods: dict[str, Module]) -> list[Problem]:
 
 
 def contradictions(mods: dict[str, Module], qcfg: dict | None) -> list[Problem]:
-    """Every error of :func:`module_problems` (quantized modules with a known group and format), of
-    :func:`sparsity_problems` and of :func:`kv_scale_problems`, in module order."""
+    """Every error of :func:`strategy_problems` (first), of :func:`module_problems` (quantized modules with a known group
+    and format), of :func:`sparsity_problems` and of :func:`kv_scale_problems`, in module order."""
     if not qcfg:
         return []
-    out = []
+    out, _ = strategy_problems(mods, qcfg)
     for m in mods.values():
         if m.quantized and m.group is not None and get_format(m.format) is not None:
             out += module_problems(m, qcfg)

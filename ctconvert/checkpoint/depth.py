@@ -65,6 +65,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from ..errors import agree, plural
 from .families import config_value, is_fused_expert
 from .naming import decoder_layers_prefix
 from .reader import CONFIG_NAME, Problem
@@ -159,12 +160,14 @@ def layer_count_problems(config: dict, tensors: dict[str, TensorInfo], file: str
     counted = sorted(i for i in mtp_like if i < n)
     out = []
     if missing:
-        out.append(f"{len(missing)} of them ({_indices(missing)}) have no tensors: vLLM would run them with random weights")
+        out.append(f"{len(missing)} of them ({_indices(missing)}) {agree(len(missing), 'has', 'have')} no tensors: vLLM would run them with random weights")
     if extra:
         allowed = f" (after the decoder, num_nextn_predict_layers {mtp} MTP layers may be stored)" if mtp else ""
-        out.append(f"the checkpoint stores {len(extra)} layers past them ({_indices(extra)}){allowed}: vLLM has no parameter for them and refuses it")
+        past = f"the checkpoint stores {plural(len(extra), 'layer')} past them ({_indices(extra)}){allowed}"
+        out.append(f"{past}: vLLM has no parameter for {agree(len(extra), 'it', 'them')} and refuses the checkpoint")
     if counted:
-        out.append(f"layer {_indices(counted)} holds an MTP layer's eh_proj/enorm/hnorm/shared_head, which a decoder layer has no parameter for")
+        which = f"{agree(len(counted), 'layer', 'layers')} {_indices(counted)} {agree(len(counted), 'holds', 'hold')}"
+        out.append(f"{which} an MTP layer's eh_proj/enorm/hnorm/shared_head, which a decoder layer has no parameter for")
     span = f" ({stack}0 .. {stack}{n - 1})" if n > 0 else ""
     return [Problem("error", f"config.json's num_hidden_layers is {n}{span}, but " + "; ".join(out), file)] if out else []
 
@@ -193,12 +196,15 @@ def expert_count_problems(config: dict, tensors: dict[str, TensorInfo], file: st
         if wrong:
             p = min(wrong)
             what = f"{p} holds {len(wrong[p])} ({_indices(wrong[p])})"
-            out.append(_expert_error(key, n, f"{len(wrong)} of {len(per_expert)} MoE blocks stored per expert do not hold experts 0 .. {n - 1}", what, file))
+            do = agree(len(wrong), "does", "do")
+            summary = f"{len(wrong)} of {plural(len(per_expert), 'MoE block')} stored per expert {do} not hold experts 0 .. {n - 1}"
+            out.append(_expert_error(key, n, summary, what, file))
         bad = {name: e for name, e in fused.items() if e != n}
         if bad:
             name = min(bad)
             what = f"{name} holds {bad[name]}"
-            out.append(_expert_error(key, n, f"{len(bad)} of {len(fused)} fused expert weights do not hold {n} experts", what, file))
+            summary = f"{len(bad)} of {plural(len(fused), 'fused expert weight')} {agree(len(bad), 'does', 'do')} not hold {plural(n, 'expert')}"
+            out.append(_expert_error(key, n, summary, what, file))
     return out
 
 
@@ -248,11 +254,13 @@ def vision_depth_problems(config: dict, tensors: dict[str, TensorInfo], file: st
     extra = sorted(i for i in stored if i >= max(n, built))  # a LLaVA feature layer past n: vLLM builds and loads them
     out = []
     if missing:
-        out.append(f"{len(missing)} of the {built} vLLM 0.33 builds ({_indices(missing)}) have no tensors and would run with random weights")
+        has = agree(len(missing), "has", "have")
+        out.append(f"{len(missing)} of the {plural(built, 'block')} vLLM 0.33 builds ({_indices(missing)}) {has} no tensors and would run with random weights")
     if extra:
-        fate = "builds no layer for them (its CLIP/SigLIP loader skips them): a shallower tower than the one stored"
-        fate = fate if tower.skips_past else "has no parameter for them and refuses the checkpoint"
-        out.append(f"{len(extra)} of those stored ({_indices(extra)}) are at or past {n}: vLLM 0.33 {fate}")
+        them = agree(len(extra), "it", "them")
+        fate = f"builds no layer for {them} (its CLIP/SigLIP loader skips {them}): a shallower tower than the one stored"
+        fate = fate if tower.skips_past else f"has no parameter for {them} and refuses the checkpoint"
+        out.append(f"{len(extra)} of those stored ({_indices(extra)}) {agree(len(extra), 'is', 'are')} at or past {n}: vLLM 0.33 {fate}")
     if not out:
         return []
     span = f"{prefix}0 .. {prefix}{built - 1}" if built > 0 else "none"
@@ -283,7 +291,7 @@ def _count(config: dict, key: str) -> int | None:
 
 
 def _expert_error(key: str, n: int, summary: str, example: str, file: str | None) -> Problem:
-    why = f"vLLM builds {n} experts per block and would refuse the checkpoint or route to random weights"
+    why = f"vLLM builds {plural(n, 'expert')} per block and would refuse the checkpoint or route to random weights"
     return Problem("error", f"config.json's {key} is {n}, but {summary} (e.g. {example}): {why}", file)
 
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .conformance import conforms
 from .model_card import CARD, HEADING
 from .modules import Module
 from .naming import DEFAULT_IGNORE_PATTERNS, decoder_layers_prefix, find_embedding
 from .reader import CONFIG_NAME, INDEX_NAME, Checkpoint, Problem
-from .widths import dense_dims
+from .widths import dense_dims, tied_head_problems
 from .writer import PROVENANCE
 
 __all__ = ["CONFIG_RULES", "FILE_RULES", "attention_shape_problems", "config_problems", "copied_file_problems", "reference_problems"]
@@ -68,14 +69,16 @@ def reference_problems(ckpt: Checkpoint, ref: Checkpoint) -> list[Problem]:
 
 def config_problems(ckpt: Checkpoint, ref: Checkpoint) -> list[Problem]:
     """Every key of the reference's ``config.json`` in the output's with the same value, and no key added, but for
-    :data:`CONFIG_RULES`. An untied head (``tie_word_embeddings`` true -> false) must be stored in the output."""
+    :data:`CONFIG_RULES`. An untied head (``tie_word_embeddings`` true -> false) must be stored in the output; where
+    :func:`.widths.tied_head_problems` already fails that (a generating model), it is said once, there."""
     file, out, untied = str(Path(ckpt.path) / CONFIG_NAME), [], []
     for name, message in _compare(ckpt.config, ref.config, ""):
         if message == "untied":
             untied.append(name)
         else:
             out.append(_error(message, file))
-    if untied and not any(n.startswith("lm_head.") or ".lm_head." in n for n in ckpt.tensors):
+    headless = untied and not any(n.startswith("lm_head.") or ".lm_head." in n for n in ckpt.tensors)
+    if headless and not tied_head_problems(ckpt.config, ckpt.tensors):  # (an encoder's, or no embedding found)
         out.append(_error(f"{untied[0]} is false but the output stores no lm_head (the reference ties it): the head would be random", file))
     return out + _dtype_problems(ckpt, ref, file)  # a head tied over a stored lm_head: widths.tied_head_problems, with or without a reference
 
@@ -223,7 +226,8 @@ def attention_shape_problems(mods: dict[str, Module], config: dict, tensors: dic
     ``hidden_size / num_attention_heads``). The decoder layers are ``<P>layers.N.`` where ``<P>embed_tokens.weight`` is
     the checkpoint's token embedding (``tensors``: the checkpoint's, by name): towers and resamplers of any naming
     (MiniCPM-V's ``vpm.``, Idefics2's perceiver) are not the text model's and are skipped, as is everything when no
-    such embedding is found. Architectures whose rows follow other rules are not checked."""
+    such embedding is found. Architectures whose rows follow other rules are not checked, nor a quantized module whose
+    tensors contradict the ``quantization_config`` (:func:`.conformance.conforms`: its own error is the cause)."""
     stack = decoder_layers_prefix(tensors)
     if stack is None:
         return []
@@ -235,18 +239,18 @@ def attention_shape_problems(mods: dict[str, Module], config: dict, tensors: dic
         return []
     want = {"q_proj": ("num_attention_heads", heads), "k_proj": ("num_key_value_heads", cfg.get("num_key_value_heads"))}
     want["v_proj"] = want["k_proj"]
-    out = []
+    out, qcfg = [], config["quantization_config"] if isinstance(config.get("quantization_config"), dict) else {}
     for name in sorted(mods):
         parent, _, leaf = name.rpartition(".")
         key, n = want.get(leaf, (None, None))
-        if not isinstance(n, int) or not name.startswith(stack) or f"{parent}.kv_a_proj_with_mqa" in mods:
+        if not isinstance(n, int) or not name.startswith(stack) or f"{parent}.kv_a_proj_with_mqa" in mods or not conforms(mods[name], qcfg):
             continue
         if DEFAULT_IGNORE_PATTERNS["vision"].search(name + "."):
             continue
         rows = _rows(mods[name])
         if rows is not None and rows != n * hd:
-            how = f"head_dim {hd}" if "head_dim" in cfg else f"hidden_size / num_attention_heads = {hd}"
-            msg = f"config.json's {key} {n} x {how} = {n * hd} output rows, but {leaf} has {rows}"
+            how = "" if "head_dim" in cfg else f" (config.json has no head_dim: hidden_size {cfg.get('hidden_size')} / num_attention_heads {heads})"
+            msg = f"config.json's {key} {n} x head_dim {hd}{how} = {n * hd} output rows, but {leaf} has {rows}"
             out.append(Problem("error", msg, mods[name].file, name))
     return out
 

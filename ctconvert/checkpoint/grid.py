@@ -27,16 +27,15 @@ the same judgement.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from ..formats import CompressionFormat, WeightArgs, get_format
 from ..formats.native import grid as native_grid
+from .integrity import recorded_provenance
 from .modules import Module, module_rows
 from .reader import Problem
-from .writer import PROVENANCE
 
 __all__ = ["TIE", "GridCheck", "grid_problems", "intervals", "rounded_elsewhere", "unchecked_note"]
 
@@ -128,13 +127,12 @@ def rounded_elsewhere(out: Path, reference_quantized: bool) -> str | None:
     from a quantized checkpoint (its ``ctconvert-provenance.json`` says ``derived_from``), whose values it was rounded
     from, not the dense ones (a requantization of an FP8-block source to NVFP4A16 has ~2-35% of its values off the
     grid of the bf16 original, though its error against it is within every limit). A quantized reference
-    (``reference_quantized``) is the checkpoint the values were rounded from: judged."""
+    (``reference_quantized``) is the checkpoint the values were rounded from: judged. Only a provenance its index
+    records and that matches the record counts (:func:`.integrity.recorded_provenance`): a ``derived_from`` added by
+    hand, or one of an earlier release's output (no record), leaves the values judged."""
     if reference_quantized:
         return None
-    try:
-        derived = json.loads((Path(out) / PROVENANCE).read_text()).get("derived_from")
-    except (OSError, ValueError, AttributeError):
-        return None
+    derived = (recorded_provenance(out) or {}).get("derived_from")
     if not isinstance(derived, dict):
         return None
     return (

@@ -9,7 +9,11 @@ format's limits), but never to this comparison. Folders without the record (an e
 not judged here; :func:`shard_hash_problems` then says so in a warning when the folder is otherwise ctconvert's.
 The index also records the hash of the ``quantization_config`` written into ``config.json`` (:data:`~.writer.QCFG_KEY`)
 and of the whole ``config.json`` (:data:`~.writer.CONFIG_KEY`): :func:`config_record_problems` fails a config edited
-afterwards, which no tensor may contradict.
+afterwards, which no tensor may contradict. It records the hash of the output's ``ctconvert-provenance.json`` too
+(:data:`~.writer.PROVENANCE_KEY`): :func:`provenance_record_problems` fails one edited afterwards, and only a provenance
+that matches its record may steer ``verify`` (:func:`recorded_provenance`: an added ``derived_from`` turned the value
+check off). A provenance of a format that a release writing these records wrote (:data:`.provenance.RECORDS_SINCE_FORMAT`)
+beside an index without them is an error (:func:`stripped_records_problems`), not an earlier release's output.
 """
 
 from __future__ import annotations
@@ -18,18 +22,23 @@ import json
 from pathlib import Path
 
 from .hashing import HASH_SCHEME
+from .provenance import RECORDS_SINCE_FORMAT
 from .reader import INDEX_NAME, Checkpoint, Problem
-from .writer import CONFIG_KEY, MARKER, PROVENANCE, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest, record_mismatch
+from .writer import CONFIG_KEY, MARKER, PROVENANCE, PROVENANCE_KEY, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest, record_mismatch
 
 __all__ = [
     "CONFIG_CHECK",
+    "PROVENANCE_CHECK",
     "SHARDS_CHECK",
     "WHOLE_CONFIG_CHECK",
     "config_record_problems",
     "provenance_module_problems",
+    "provenance_record_problems",
     "record_problems",
+    "recorded_provenance",
     "shard_hash_problems",
     "shards_checks",
+    "stripped_records_problems",
 ]
 
 #: the lines ``verify`` lists among its checks
@@ -37,6 +46,8 @@ SHARDS_CHECK = "shard bytes against the hashes recorded as they were written"
 CONFIG_CHECK = "config.json's quantization_config against the hash recorded as it was written"
 #: the line ``verify`` lists where it compares the whole ``config.json`` with its record (:data:`~.writer.CONFIG_KEY`)
 WHOLE_CONFIG_CHECK = "config.json against the hash recorded as it was written"
+#: the line ``verify`` lists where it compares ``ctconvert-provenance.json`` with its record (:data:`~.writer.PROVENANCE_KEY`)
+PROVENANCE_CHECK = "ctconvert-provenance.json against the hash recorded as it was written"
 
 
 def _metadata(ckpt: Checkpoint) -> dict:
@@ -47,8 +58,100 @@ def _metadata(ckpt: Checkpoint) -> dict:
 
 def record_problems(ckpt: Checkpoint) -> list[Problem]:
     """The output of ``ckpt`` against every record of it taken as it was written: :func:`shard_hash_problems`,
-    :func:`config_record_problems`, :func:`provenance_module_problems`."""
-    return shard_hash_problems(ckpt) + config_record_problems(ckpt) + provenance_module_problems(ckpt)
+    :func:`config_record_problems`, :func:`provenance_record_problems`, :func:`provenance_module_problems`; where the
+    records were stripped from the index (:func:`stripped_records_problems`), that error instead of the comparisons."""
+    if stripped := stripped_records_problems(ckpt):
+        return stripped + provenance_module_problems(ckpt)
+    return shard_hash_problems(ckpt) + config_record_problems(ckpt) + provenance_record_problems(ckpt) + provenance_module_problems(ckpt)
+
+
+def _provenance(folder: Path) -> tuple[bool, dict | None]:
+    """``(whether the folder holds ctconvert-provenance.json, its JSON object or None where it cannot be read as one)``."""
+    path = Path(folder) / PROVENANCE
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return path.exists(), None
+    return True, doc if isinstance(doc, dict) else None
+
+
+def _format(doc: dict | None) -> int:
+    """The ``provenance_format`` of a provenance document (1 where it has none or it is not an integer: format 1 had no key)."""
+    fmt = (doc or {}).get("provenance_format", 1)
+    return fmt if isinstance(fmt, int) and not isinstance(fmt, bool) else 1
+
+
+def stripped_records_problems(ckpt: Checkpoint) -> list[Problem]:
+    """An error naming the index where the folder's ``ctconvert-provenance.json`` is of a format that only a release
+    writing the index's records writes (``provenance_format`` >= :data:`.provenance.RECORDS_SINCE_FORMAT`) while the
+    index does not list them (:data:`~.writer.RECORDS_KEY`): the records were removed after the run (a new user's trial
+    deleted them, and the output passed as an earlier release's, unjudged), so the shards, ``config.json`` and the
+    provenance cannot be compared with what was written. Empty for an index that lists its records, a provenance of an
+    earlier format (release 0.1.0 wrote format 2 and no records: today's warning, :func:`shard_hash_problems`), no
+    provenance, or no index (:func:`shard_hash_problems` reports a deleted one)."""
+    if ckpt.index is None or RECORDS_KEY in _metadata(ckpt):
+        return []
+    _, doc = _provenance(ckpt.path)
+    if _format(doc) < RECORDS_SINCE_FORMAT:
+        return []
+    why = (
+        f"the index holds none of the records ctconvert writes ({RECORDS_KEY}: the shards', the config's and the provenance's "
+        f"hashes), though {PROVENANCE} is of format {_format(doc)}, which only a release that writes them writes: they were "
+        "removed after the run, so nothing can be compared with what was written; convert again"
+    )
+    return [Problem("error", why, str(Path(ckpt.path) / INDEX_NAME))]
+
+
+def recorded_provenance(folder: str | Path) -> dict | None:
+    """The output's ``ctconvert-provenance.json`` (a dict) where its index records the provenance's hash
+    (:data:`~.writer.PROVENANCE_KEY`, :func:`~.writer.config_digest` of the document) and the file matches it; else None
+    (no record, an earlier release's output; an edited, missing or unreadable file). What verify reads from a provenance
+    to relax a check (``derived_from``: :func:`.grid.rounded_elsewhere`) is read from this only: a key added by hand
+    switches nothing off."""
+    try:
+        meta = json.loads((Path(folder) / INDEX_NAME).read_text()).get("metadata")
+    except (OSError, ValueError, AttributeError):
+        return None
+    recorded = meta.get(PROVENANCE_KEY) if isinstance(meta, dict) else None
+    _, doc = _provenance(Path(folder))
+    return doc if isinstance(recorded, str) and doc is not None and config_digest(doc) == recorded else None
+
+
+def provenance_record_problems(ckpt: Checkpoint) -> list[Problem]:
+    """``ctconvert-provenance.json`` against the hash its index records (:data:`~.writer.PROVENANCE_KEY`): an error naming
+    it where it differs (edited after the run: an added ``derived_from`` once turned verify's value check off), was
+    deleted or is not a JSON object; an error naming the index where the record was removed from an index that lists
+    it, or that a provenance of format :data:`.provenance.RECORDS_SINCE_FORMAT` or later always comes with. A note where
+    a provenance no record covers (an earlier release's) says the output was requantized from another checkpoint:
+    verify does not take that on trust, so its values are still judged against a dense reference."""
+    meta, path = _metadata(ckpt), Path(ckpt.path) / PROVENANCE
+    exists, doc = _provenance(ckpt.path)
+    recorded = meta.get(PROVENANCE_KEY)
+    if not isinstance(recorded, str):
+        required = exists and _format(doc) >= RECORDS_SINCE_FORMAT
+        if removed := _removed(meta, PROVENANCE_KEY, str(Path(ckpt.path) / INDEX_NAME), required=required):
+            return removed
+        derived = (doc or {}).get("derived_from")
+        if not isinstance(derived, dict):
+            return []
+        why = (
+            f"the provenance says the output was requantized from {derived.get('path')}, but the index records no hash of the "
+            "provenance (an earlier release's output), so verify does not take it on trust: against a dense --reference its values "
+            "are judged one by one; if they fail, verify against that checkpoint"
+        )
+        return [Problem("note", why, str(path))]
+    if not exists:
+        why = f"{PROVENANCE}, whose hash the index records, is missing: deleted after the run; convert again"
+    elif doc is None:
+        why = f"{PROVENANCE} is not a JSON object, and the index records the hash of the one ctconvert wrote: damaged after the run; convert again"
+    elif config_digest(doc) != recorded:
+        why = (
+            f"{PROVENANCE} is not the one ctconvert wrote (the index records its hash): edited after the run, and verify reads from it "
+            "what the output was made from (an added derived_from would switch off the value check); convert again"
+        )
+    else:
+        return []
+    return [Problem("error", why, str(path))]
 
 
 def shards_checks(ckpt: Checkpoint) -> list[str]:
@@ -58,7 +161,8 @@ def shards_checks(ckpt: Checkpoint) -> list[str]:
     meta = _metadata(ckpt)
     record = meta.get(SHARDS_KEY)
     shards = [SHARDS_CHECK] if isinstance(record, dict) and record.get("hash") == HASH_SCHEME else []
-    configs = [c for c, key in ((CONFIG_CHECK, QCFG_KEY), (WHOLE_CONFIG_CHECK, CONFIG_KEY)) if isinstance(meta.get(key), str)]
+    recorded = ((CONFIG_CHECK, QCFG_KEY), (WHOLE_CONFIG_CHECK, CONFIG_KEY), (PROVENANCE_CHECK, PROVENANCE_KEY))
+    configs = [c for c, key in recorded if isinstance(meta.get(key), str)]
     return shards + configs
 
 

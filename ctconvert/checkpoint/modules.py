@@ -35,6 +35,7 @@ __all__ = [
     "module_rows",
     "modules_of",
     "unexplained_dense",
+    "with_files",
 ]
 
 QUANT_PARTS = (
@@ -252,4 +253,18 @@ def unexplained_dense(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem
                     tensor=name,
                 )
             )
+    return out
+
+
+def with_files(problems: list[Problem], ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem]:
+    """``problems`` with the shard file named where one has none but names a tensor of ``ckpt`` (its file) or a module of
+    ``mods`` (the file of its first tensor, :attr:`Module.file`): what ``verify --reference`` finds in the values is
+    said ``model.safetensors: module: ...`` as every other error of a tensor. The others are kept as they are."""
+    out = []
+    for p in problems:
+        if p.file is None and p.tensor is not None:
+            held = ckpt.tensors.get(p.tensor)
+            file = str(held.file) if held is not None else (mods[p.tensor].file if p.tensor in mods and mods[p.tensor].parts else None)
+            p = Problem(p.severity, p.message, file, p.tensor)
+        out.append(p)
     return out

@@ -3,10 +3,13 @@
 Every output holds ``ctconvert-provenance.json``: for every output tensor the
 source file, tensor and content hash (:data:`.hashing.HASH_NAME` in block form,
 :mod:`.hashing`) of the bytes it was derived from, and the options of the run.
-The document carries ``provenance_format`` (:data:`PROVENANCE_FORMAT`, 2) and
+The document carries ``provenance_format`` (:data:`PROVENANCE_FORMAT`, 3) and
 ``hash_block_bytes``; an output of an earlier release (format 1: no such key,
 one XXH3-128 over each tensor's bytes) is still understood by ``--refresh``,
-which then compares the sources with format-1 hashes and writes format 2. ``--resume`` compares a run's
+which then compares the sources with format-1 hashes and writes the current format. Format 2 hashes as 3 does; from
+format 3 (:data:`RECORDS_SINCE_FORMAT`) the output's index also lists its records (:data:`.writer.RECORDS_KEY`: the
+shards', config's and this document's hashes), so ``verify`` fails such a provenance beside an index without them
+(:mod:`.integrity`) instead of taking the output for an earlier release's. ``--resume`` compares a run's
 :func:`fingerprint` with the interrupted one's; ``--refresh`` compares the
 source hashes with an earlier output's provenance (:func:`refresh_plan`) and
 redoes only what changed.
@@ -30,11 +33,24 @@ from .reader import INDEX_NAME, Checkpoint
 from .shard_file import PlannedTensor
 from .writer import PROVENANCE, shard_names
 
-__all__ = ["PROVENANCE", "PROVENANCE_FORMAT", "fingerprint", "load_provenance", "provenance", "refresh_plan", "shard_map", "sources_by_shard"]
+__all__ = [
+    "PROVENANCE",
+    "PROVENANCE_FORMAT",
+    "RECORDS_SINCE_FORMAT",
+    "fingerprint",
+    "load_provenance",
+    "provenance",
+    "refresh_plan",
+    "shard_map",
+    "sources_by_shard",
+]
 
 
-#: the provenance document's format: 2 = block hashes (:data:`.hashing.HASH_SCHEME`); 1 (no key) = flat XXH3-128
-PROVENANCE_FORMAT = 2
+#: the provenance document's format: 3 = block hashes (:data:`.hashing.HASH_SCHEME`), and the output's index lists its
+#: records, this document's hash among them; 2 = block hashes, an index without that promise; 1 (no key) = flat XXH3-128
+PROVENANCE_FORMAT = 3
+#: the first format written only beside an index that lists its records (:data:`.writer.RECORDS_KEY`)
+RECORDS_SINCE_FORMAT = 3
 
 
 def fingerprint(ckpt: Checkpoint, options: dict, planned: list[PlannedTensor]) -> str:
@@ -114,7 +130,7 @@ def load_provenance(out: Path, options: dict) -> dict:
     if prov.get("hash") != HASH_NAME:
         raise UsageError(f"earlier provenance uses {prov.get('hash')}, this install {HASH_NAME}; run a full conversion", file=p)
     fmt = prov.get("provenance_format", 1)
-    if fmt not in (1, PROVENANCE_FORMAT) or (fmt == PROVENANCE_FORMAT and prov.get("hash_block_bytes") != HASH_BLOCK_BYTES):
+    if fmt not in (1, 2, PROVENANCE_FORMAT) or (fmt != 1 and prov.get("hash_block_bytes") != HASH_BLOCK_BYTES):  # 2 hashes as 3
         raise UsageError(
             f"earlier provenance is format {fmt} (block size {prov.get('hash_block_bytes')}), which this release cannot compare; run a full conversion",
             file=p,

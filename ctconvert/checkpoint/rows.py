@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..errors import plural
+from ..errors import agree, plural
 from .reader import Problem
 
 __all__ = ["ROW_LIMITS", "RowErrors", "row_limit", "row_problems", "rows_ok"]
@@ -170,7 +170,7 @@ def row_problems(row: dict, module: str, n: int) -> list[Problem]:
     elsewhere = ", or the quantized checkpoint it was requantized from zeroed them (verify against that checkpoint to tell which)"
     elsewhere = elsewhere if row.get("rounded_elsewhere") else ""
     if bad:
-        what = "every row is" if bad == n else f"{bad} of {n} rows are"
+        what = "every row is" if bad == n else f"{bad} of {n} rows {agree(bad, 'is', 'are')}"
         out.append(
             Problem(
                 "error",
@@ -182,7 +182,7 @@ def row_problems(row: dict, module: str, n: int) -> list[Problem]:
             )
         )
     if lost - bad:
-        what = "every row is" if lost - bad == n else f"{lost - bad} of {n} rows are"
+        what = "every row is" if lost - bad == n else f"{lost - bad} of {n} rows {agree(lost - bad, 'is', 'are')}"
         out.append(Problem("warning", f"{what} all zero in the output but not in the reference (values too small for the format)", None, module))
     if not row.get("module_limits_judged", True) and (not row["rel_l2"] <= row["threshold"] or not row["gain_ok"]):
         why = (
@@ -195,7 +195,7 @@ def row_problems(row: dict, module: str, n: int) -> list[Problem]:
         out.append(
             Problem(
                 "error",
-                f"{plural(zg, 'row')} of {n} have a group of {row['format']} values all zero in the output but not in the reference, "
+                f"{plural(zg, 'row')} of {n} {agree(zg, 'has', 'have')} a group of {row['format']} values all zero in the output but not in the reference, "
                 f"whose values are not too small for the format (row {row['first_zero_group_row']}: group absmax "
                 f"{row['its_group_absmax']:.3g}): a group scale was zeroed{elsewhere}",
                 None,

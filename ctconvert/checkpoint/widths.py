@@ -41,7 +41,9 @@ VLM's text model is built from its ``text_config``, never from top-level keys):
   (``llama.py`` ``LlamaForCausalLM.__init__`` ``tie_weights``, ``load_weights`` ``skip_prefixes=["lm_head."]``), so a
   quantized head is an error, and a dense ``lm_head.weight`` one where its bytes are not the embedding's.
 
-Quantized modules are judged by their dense shape (:func:`.modules.dense_shape`), never the packed tensor's. Each
+Quantized modules are judged by their dense shape (:func:`.modules.dense_shape`), never the packed tensor's, and only
+where their tensors agree with their config group (:func:`.conformance.conforms`): an edited ``format`` or
+``weight_shape`` gives a module no dense shape to judge a width by, and its own error is the cause. Each
 disagreeing key is one error naming ``config.json``, the key and its value, the first tensor and what it holds, and how
 many other tensors disagree. A config without a key, or whose value is not an integer, is not judged on it (nor is
 a checkpoint whose decoder stack cannot be found); a missing ``tie_word_embeddings`` is not judged either
@@ -54,6 +56,7 @@ import re
 
 from ..errors import agree, plural
 from .comparison import same_bytes
+from .conformance import conforms
 from .families import FAMILIES, is_fused_expert, model_types
 from .modules import Module, dense_shape
 from .naming import DEFAULT_IGNORE_PATTERNS, decoder_layers_prefix, find_embedding, natural_key
@@ -97,12 +100,15 @@ def size_problems(config: dict, tensors: dict[str, TensorInfo], mods: dict[str, 
     its value, the first such tensor (natural order) and what it holds, and how many others disagree.
 
     ``config``: the parsed ``config.json``; ``tensors``: the checkpoint's tensors by name; ``mods``: its modules by
-    name; ``file``: the config's path, named by each error. Empty where no ``<P>embed_tokens.weight`` is found."""
+    name; ``file``: the config's path, named by each error. Empty where no ``<P>embed_tokens.weight`` is found. A quantized
+    module whose tensors contradict the config's ``quantization_config`` is not judged (its own error says why)."""
     stack = decoder_layers_prefix(tensors)
     if stack is None:
         return []
     cfg, where = (config["text_config"], "text_config.") if isinstance(config.get("text_config"), dict) else (config, "")
-    dims = {name: d for name, m in mods.items() if name.startswith(stack) or _is_head(name) if (d := dense_dims(m)) is not None}
+    qcfg = config["quantization_config"] if isinstance(config.get("quantization_config"), dict) else {}
+    judged = {name: m for name, m in mods.items() if (name.startswith(stack) or _is_head(name)) and conforms(m, qcfg)}  # (module docstring)
+    dims = {name: d for name, m in judged.items() if (d := dense_dims(m)) is not None}
     found = _hidden_found(cfg, stack, tensors, dims) + _vocab_found(config, cfg, stack, tensors, dims)
     found += _mlp_found(cfg, stack, dims) + _fused_found(config, cfg, stack, tensors)
     claims: dict[tuple[str, str], list[tuple[str, str]]] = {}

@@ -119,12 +119,7 @@ PROVENANCE = "ctconvert-provenance.json"
 
 def _index(folder: Path) -> dict:
     """The folder's safetensors index as a dict whose ``metadata`` is a dict; empty where it is missing or broken."""
-    try:
-        index = json.loads((folder / INDEX_NAME).read_text())
-    except (OSError, ValueError):
-        return {"metadata": {}}
-    if not isinstance(index, dict):
-        return {"metadata": {}}
+    index = _json_object(folder / INDEX_NAME)
     return {**index, "metadata": index["metadata"] if isinstance(index.get("metadata"), dict) else {}}
 
 
@@ -143,8 +138,9 @@ FILES_KEY = "ctconvert_files"
 #: "files": {shard: {"size": bytes, HASH_NAME: hex}}}``): what ``verify`` compares the shards' bytes with
 SHARDS_KEY = "ctconvert_shards"
 #: the index metadata keys holding the hash (:func:`config_digest`) of the ``quantization_config`` the run wrote into
-#: ``config.json`` (vLLM loads the tensors as it says) and of the whole ``config.json`` (vLLM builds the model from it)
-QCFG_KEY, CONFIG_KEY = "ctconvert_quantization_config", "ctconvert_config"
+#: ``config.json`` (vLLM loads the tensors as it says), of the whole ``config.json`` (vLLM builds the model from it) and
+#: of the output's ``ctconvert-provenance.json`` (``verify`` reads from it what the output was made from)
+QCFG_KEY, CONFIG_KEY, PROVENANCE_KEY = "ctconvert_quantization_config", "ctconvert_config", "ctconvert_provenance"
 #: the index metadata key listing the records above this index holds: an index holding it is of a release that writes
 #: them, so ``verify`` fails one listed or always written but absent, ``null`` or of another hash scheme
 RECORDS_KEY = "ctconvert_records"
@@ -215,13 +211,13 @@ def partial_folder(out: Path) -> Path:
     return out.parent / f".{out.name}.ctconvert-partial"
 
 
-def _read_journal(folder: Path) -> dict:
-    """The journal of a partial folder; {} when there is none or it is unreadable."""
+def _json_object(path: Path) -> dict:
+    """The JSON object in the file ``path`` (a journal, an index, a provenance); {} when there is none or it is unreadable."""
     try:
-        journal = json.loads((folder / JOURNAL).read_text())
+        doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return journal if isinstance(journal, dict) else {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def partial_output(out: Path) -> dict | None:
@@ -245,7 +241,7 @@ def disk_full(e: BaseException) -> bool:
 
 def finished_shards(out: Path) -> int:
     """How many shards an interrupted run toward ``out`` finished and journaled (what ``--resume`` keeps)."""
-    shards = _read_journal(partial_folder(out)).get("shards")
+    shards = _json_object(partial_folder(out) / JOURNAL).get("shards")
     return len(shards) if isinstance(shards, dict) else 0
 
 
@@ -297,7 +293,7 @@ class OutputFolder:
                 fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise OutputError("another ctconvert run is writing this output", file=self.out) from None
-            old = _read_journal(self.tmp)
+            old = _json_object(self.tmp / JOURNAL)
             self.discarded_partial = bool(old.get("shards")) and old.get("fingerprint") != fingerprint
             if resume and old.get("fingerprint") == fingerprint:
                 self.journal["shards"] = {k: v for k, v in old.get("shards", {}).items() if self._still_valid(k, v)}
@@ -467,17 +463,18 @@ class OutputFolder:
         return copied
 
     def finish(self, config: dict, total_size: int, extra_json: dict[str, dict] | None = None) -> None:
-        """Close shards, write the index, extra JSON files and ``config.json`` (last), and flush every file and folder of
+        """Close shards, write the index (its records: the shards', the ``quantization_config``'s, ``config.json``'s and the
+        provenance's hashes, :data:`RECORDS_KEY`), extra JSON files and ``config.json`` (last), and flush every file and folder of
         the output to disk (before :meth:`commit` renames it into place)."""
         for f in self.shards:
             f.close()
         names = {str(p.relative_to(self.tmp)) for p in self.tmp.rglob("*") if p.is_file()} - {JOURNAL, JOURNAL + ".new", ".lock"}
         names |= {INDEX_NAME, CONFIG_NAME, *(extra_json or {})}
         meta = {"total_size": total_size, MARKER: __version__, FILES_KEY: sorted(names), SHARDS_KEY: self._shard_records()}
-        if isinstance(config.get("quantization_config"), dict):
-            meta[QCFG_KEY] = config_digest(config["quantization_config"])
-        meta[CONFIG_KEY] = config_digest(config)
-        meta[RECORDS_KEY] = [k for k in (SHARDS_KEY, QCFG_KEY, CONFIG_KEY) if k in meta]
+        prov = (extra_json or {}).get(PROVENANCE) or _json_object(self.tmp / PROVENANCE)  # one copied (repack) too
+        digests = {QCFG_KEY: config.get("quantization_config"), CONFIG_KEY: config, PROVENANCE_KEY: prov or None}
+        meta.update({key: config_digest(doc) for key, doc in digests.items() if isinstance(doc, dict)})
+        meta[RECORDS_KEY] = [k for k in (SHARDS_KEY, *digests) if k in meta]
         self.write_json(INDEX_NAME, {"metadata": meta, "weight_map": dict(sorted(self.weight_map.items()))})
         for name, data in (extra_json or {}).items():
             self.write_json(name, data)

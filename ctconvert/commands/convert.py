@@ -40,7 +40,7 @@ import torch
 from .. import __version__, options
 from ..checkpoint.config import build_quantization_config, updated_config
 from ..checkpoint.naming import is_generative, loader_patterns, tie_word_embeddings
-from ..checkpoint.provenance import PROVENANCE
+from ..checkpoint.provenance import PROVENANCE, PROVENANCE_FORMAT
 from ..checkpoint.reader import CONFIG_NAME, open_checkpoint
 from ..checkpoint.shard_file import PlannedTensor
 from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, parse_size
@@ -140,6 +140,7 @@ def _write(source: Source, out: Path, planned: list[PlannedTensor], tasks: list,
     prov = {
         "ctconvert": __version__,
         "source": os.path.normpath(os.path.abspath(src)),  # absolute and normalised, as derived_from's path
+        "provenance_format": PROVENANCE_FORMAT,  # (no hashes here: the format says that the index lists its records)
         "conversion": "lossless",
         "derived_from": source.derived_from(),
         "tensors": {r.name: r.source for r in plan.rows if r.action == "convert"},

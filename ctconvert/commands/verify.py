@@ -58,13 +58,11 @@ from ..checkpoint.comparison import (
 from ..checkpoint.config import require_compressed_tensors
 from ..checkpoint.conformance import (
     group_arg_problems,
-    kv_scale_problems,
+    group_problems,
     linear_module_files,
     missing_fused_members,
     module_problems,
     partial_block_problems,
-    sparsity_problems,
-    vllm_expert_problems,
     vllm_unloadable_problems,
 )
 from ..checkpoint.depth import COUNTS_CHECK, count_problems
@@ -74,7 +72,7 @@ from ..checkpoint.files_check import attention_shape_problems, reference_problem
 from ..checkpoint.grid import GridCheck, grid_problems, rounded_elsewhere, unchecked_note
 from ..checkpoint.integrity import record_problems, shards_checks
 from ..checkpoint.kernel_native import is_kernel_native
-from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense
+from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense, with_files
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, Problem, open_checkpoint
 from ..checkpoint.rows import RowErrors, row_limit, row_problems, rows_ok
@@ -133,7 +131,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         require_compressed_tensors(ckpt.quantization_config, path / CONFIG_NAME, "verify", fix)
     problems: list[Problem] = list(ckpt.problems)
     problems += _config_problems(ckpt, path)
-    found, contradicted = _module_problems(mods, ckpt.quantization_config or {})
+    found, contradicted = _module_problems(mods, ckpt.quantization_config or {}, str(path / CONFIG_NAME))
     found += vllm_unloadable_problems(mods, ckpt.config) + partial_block_problems(mods)
     problems += found
     problems += unexplained_dense(ckpt, mods)
@@ -142,7 +140,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     checks = [*_STRUCTURE_CHECKS, *([EXPECTED_CHECK] if reference is None else [])]
     if reference is None:
         problems += _value_problems(ckpt) + expected_problems(ckpt, mods)  # no records to compare with: what the architecture builds
-        problems += _all_zero_problems(mods, ckpt)
+        problems += _all_zero_problems({n: m for n, m in mods.items() if n not in contradicted}, ckpt)  # (said: their tensors contradict the config)
     elif not ckpt.tensors:  # no shard could be read (truncated, say): the errors above say why, not a wrong --reference
         problems.append(unread_note(ckpt))
     else:
@@ -152,7 +150,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         with _bar(progress, sum(t.nbytes for t in ref.tensors.values())) as bar:
             requantized = source.quantization_config is not None
             rows, ref_problems = _compare_weights(mods, ref, bar, contradicted, requantized, rounded_elsewhere(path, requantized))
-            problems += ref_problems + compare_others(ckpt, mods, ref, bar) + reference_problems(ckpt, source)
+            problems += with_files(ref_problems + compare_others(ckpt, mods, ref, bar), ckpt, mods) + reference_problems(ckpt, source)
         checks += [
             _FILES_CHECK,
             "error of every quantized weight against the reference",
@@ -348,7 +346,7 @@ def _config_problems(ckpt: Checkpoint, path: Path) -> list[Problem]:
     return out
 
 
-def _module_problems(mods: dict[str, Module], qcfg: dict) -> tuple[list[Problem], set[str]]:
+def _module_problems(mods: dict[str, Module], qcfg: dict, file: str | None = None) -> tuple[list[Problem], set[str]]:
     """Quantized modules no config group explains, or whose tensors contradict their group's format
     (:func:`ctconvert.checkpoint.conformance.module_problems`), dense Linear weights a group claims, modules a
     2:4 ``sparsity_config`` claims that are not stored 2:4 (:func:`~ctconvert.checkpoint.conformance.sparsity_problems`),
@@ -356,7 +354,7 @@ def _module_problems(mods: dict[str, Module], qcfg: dict) -> tuple[list[Problem]
     per-expert modules vLLM 0.33 would load with another group (:func:`~ctconvert.checkpoint.conformance.vllm_expert_problems`),
     fused sets whose members hold different NVFP4 global scales or calibrated input scales. Returns ``(problems, names of the modules whose tensors contradict
     their group)``: those are not dequantized."""
-    out, contradicted = sparsity_problems(mods, qcfg) + kv_scale_problems(mods, qcfg) + vllm_expert_problems(mods, qcfg), set()
+    out, contradicted = group_problems(mods, qcfg, file)  # (a strategy that contradicts its group size first: those modules not dequantized)
     for m in mods.values():
         if m.quantized:
             if m.group is None:

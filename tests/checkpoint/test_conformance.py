@@ -208,8 +208,10 @@ def test_a_negative_scale_fails_verify_naming_the_tensor(tiny_llama, tmp_path, s
     api.quantize(tiny_llama, out, scheme)
     index = json.loads((out / INDEX_NAME).read_text())
     del index["metadata"][SHARDS_KEY]
-    del index["metadata"]["ctconvert_records"]  # as a release without the record wrote it
+    del index["metadata"]["ctconvert_records"], index["metadata"]["ctconvert_provenance"]  # as a release without the records wrote it
     (out / INDEX_NAME).write_text(json.dumps(index))
+    prov = json.loads((out / "ctconvert-provenance.json").read_text())  # and its provenance: format 2, which promises no records
+    (out / "ctconvert-provenance.json").write_text(json.dumps(dict(prov, provenance_format=2)))
     name = f"model.layers.1.mlp.down_proj.{part}"
     shard = out / index["weight_map"][name]
     t = load_file(shard)
@@ -366,3 +368,26 @@ def test_weight_arguments_the_format_contradicts_fail_verify_without_a_record(ti
     errors = [p for p in api.verify(out)["problems"] if p["severity"] == "error"]
     assert any(want in p["message"] and "config group 'group_0'" in p["message"] and p["file"].endswith("config.json") for p in errors), errors
     assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 5
+
+
+def test_a_weight_shape_of_another_dtype_is_the_one_error_of_its_module(tiny_llama, tmp_path):
+    """The trial's weight_shape stored F64: every other part was compared with the dense shape read from it ([0, 0])
+    and failed too, and an 'every quantized value is zero' warning followed. Now the weight_shape alone is the error, and
+    nothing else is said of the module."""
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import save_shard
+
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16")
+    name = "model.layers.0.self_attn.q_proj"
+    ts = load_file(out / "model.safetensors")
+    ts[f"{name}.weight_shape"] = ts[f"{name}.weight_shape"].to(torch.float64)
+    save_shard(ts, out / "model.safetensors")
+    report = api.verify(out)
+    (e,) = [p for p in report["problems"] if p.get("tensor", "").startswith(name)]
+    assert e["severity"] == "error" and e["tensor"] == f"{name}.weight_shape"
+    assert e["message"] == (
+        "weight_shape is F64[2], but pack-quantized (int4 group 128, config group 'group_0') stores I64/I32[2]: the dense shape cannot be read from it"
+    )

@@ -44,11 +44,11 @@ def test_layer_counts(prefix):
     (p,) = layer_count_problems({"num_hidden_layers": n - 2}, _infos(_stack(prefix, range(n))))  # the config shrunk by hand
     assert f"stores 2 layers past them ({n - 2}..{n - 1})" in p.message and "refuses" in p.message
     (p,) = layer_count_problems({"num_hidden_layers": n + 1}, _infos(_stack(prefix, range(n))))
-    assert f"1 of them ({n})" in p.message and "random weights" in p.message
+    assert f"1 of them ({n}) has no tensors" in p.message and "random weights" in p.message
     mtp = {"num_hidden_layers": n - 1, "num_nextn_predict_layers": 1}  # DeepSeek-V3's MTP layer after the decoder: stored or not
     assert layer_count_problems(mtp, _infos(_stack(prefix, range(n)))) == layer_count_problems(mtp, _infos(_stack(prefix, range(n - 1)))) == []
     (p,) = layer_count_problems(dict(mtp, num_hidden_layers=n - 2), _infos(_stack(prefix, range(n))))
-    assert f"1 layers past them ({n - 1}) (after the decoder, num_nextn_predict_layers 1 MTP layers may be stored)" in p.message
+    assert f"1 layer past them ({n - 1}) (after the decoder, num_nextn_predict_layers 1 MTP layers may be stored)" in p.message
     names = _stack(prefix, range(n))
     names[f"{prefix}layers.{n - 1}.eh_proj.weight"] = (8, 16)  # an MTP layer stored after the decoder
     assert layer_count_problems(mtp, _infos(names)) == []
@@ -81,10 +81,14 @@ def test_expert_counts(key):
     assert expert_count_problems({"text_config": {key: n}}, _infos(_stack("model.", range(3), experts))) == []
     assert expert_count_problems({}, _infos(_stack("model.", range(3), experts))) == []
     (p,) = expert_count_problems({key: n + 4}, _infos(_stack("model.", range(3), experts)), "cfg")
-    assert f"{key} is {n + 4}" in p.message and "2 of 2 MoE blocks" in p.message and f"model.layers.1.mlp.experts holds {n} (0..{n - 1})" in p.message
+    assert (
+        f"{key} is {n + 4}" in p.message
+        and "2 of 2 MoE blocks stored per expert do not hold" in p.message
+        and f"model.layers.1.mlp.experts holds {n} (0..{n - 1})" in p.message
+    )
     gap = {**experts, 2: [e for e in range(n) if e != n // 2]}
     (p,) = expert_count_problems({key: n}, _infos(_stack("model.", range(3), gap)))
-    assert "1 of 2 MoE blocks" in p.message and f"model.layers.2.mlp.experts holds {n - 1}" in p.message
+    assert "1 of 2 MoE blocks stored per expert does not hold" in p.message and f"model.layers.2.mlp.experts holds {n - 1}" in p.message
     fused = _stack("model.", range(2))
     fused.update({f"model.layers.{i}.mlp.experts.gate_up_proj": (n, 8, 16) for i in range(2)})
     fused.update({f"model.layers.{i}.mlp.experts.down_proj": (n, 8, 8) for i in range(2)})
@@ -206,15 +210,15 @@ def test_vision_depth_against_the_stored_blocks(model_type, prefix, key):
     assert vision_depth_problems(*_vlm(model_type, prefix, key, n, range(n), **fl), "cfg") == []
     (p,) = vision_depth_problems(*_vlm(model_type, prefix, key, n + 2, range(n), **fl), "cfg")  # edited up
     assert p.severity == "error" and p.file == "cfg" and p.message.startswith(f"config.json's vision_config.{key} is {n + 2} (")
-    assert f"stores vision blocks 0..{n - 1}" in p.message and f"2 of the {n + 2} vLLM 0.33 builds ({n}..{n + 1}) have no tensors" in p.message
+    assert f"stores vision blocks 0..{n - 1}" in p.message and f"2 of the {n + 2} blocks vLLM 0.33 builds ({n}..{n + 1}) have no tensors" in p.message
     (p,) = vision_depth_problems(*_vlm(model_type, prefix, key, n - 1, range(n), **fl), "cfg")  # edited down
     assert p.message.startswith(f"config.json's vision_config.{key} is {n - 1} ({prefix}0 .. {prefix}{n - 2};")
-    assert f"1 of those stored ({n - 1}) are at or past {n - 1}" in p.message
-    assert ("loader skips them" if model_type.startswith(("gemma3", "llava")) else "refuses the checkpoint") in p.message
+    assert f"1 of those stored ({n - 1}) is at or past {n - 1}" in p.message
+    assert ("loader skips it" if model_type.startswith(("gemma3", "llava")) else "refuses the checkpoint") in p.message
     gone = n // 2  # a block's tensors deleted
     (p,) = vision_depth_problems(*_vlm(model_type, prefix, key, n, [i for i in range(n) if i != gone], **fl), "cfg")
     assert f"vision_config.{key} is {n}" in p.message and f"stores vision blocks 0..{gone - 1}, {gone + 1}..{n - 1}:" in p.message
-    assert f"1 of the {n} vLLM 0.33 builds ({gone}) have no tensors and would run with random weights" in p.message
+    assert f"1 of the {n} blocks vLLM 0.33 builds ({gone}) has no tensors and would run with random weights" in p.message
     for bad in (str(n), float(n), True):
         (p,) = vision_depth_problems(*_vlm(model_type, prefix, key, bad, range(n), **fl), "cfg")
         assert p.message == f"config.json's vision_config.{key} is {json.dumps(bad)}, not an integer: vLLM cannot build the vision tower from it"
@@ -253,17 +257,19 @@ def test_llava_builds_only_up_to_its_feature_layer():
         assert vision_depth_problems(*_vlm("llava", p, "num_hidden_layers", 24, stored, vision_feature_layer=-2)) == []
     assert vision_depth_problems(*_vlm("llava", p, "num_hidden_layers", 25, range(24))) == []  # vLLM builds 24, all stored
     (e,) = vision_depth_problems(*_vlm("llava", p, "num_hidden_layers", 25, range(23)))
-    assert "1 of the 24 vLLM 0.33 builds (23) have no tensors" in e.message
+    assert "1 of the 24 blocks vLLM 0.33 builds (23) has no tensors" in e.message
     (e,) = vision_depth_problems(*_vlm("llava", p, "num_hidden_layers", 26, range(24)))
-    assert "with vision_feature_layer -2, vLLM builds" in e.message and f"{p}0 .. {p}24;" in e.message and "1 of the 25 vLLM 0.33 builds (24)" in e.message
+    assert (
+        "with vision_feature_layer -2, vLLM builds" in e.message and f"{p}0 .. {p}24;" in e.message and "1 of the 25 blocks vLLM 0.33 builds (24)" in e.message
+    )
     (e,) = vision_depth_problems(*_vlm("llava", p, "num_hidden_layers", 23, range(24)))
-    assert "vision_config.num_hidden_layers is 23" in e.message and "1 of those stored (23) are at or past 23: vLLM 0.33 builds no layer for them" in e.message
+    assert "vision_config.num_hidden_layers is 23" in e.message and "1 of those stored (23) is at or past 23: vLLM 0.33 builds no layer for it" in e.message
     (e,) = vision_depth_problems(*_vlm("llava_onevision", p, "num_hidden_layers", 24, range(23)))  # OneVision's default -1: all 24
-    assert "1 of the 24 vLLM 0.33 builds (23)" in e.message
+    assert "1 of the 24 blocks vLLM 0.33 builds (23)" in e.message
     deepest = {"vision_feature_layer": [-2, -5, 3]}  # a list: up to the deepest
     assert vision_depth_problems(*_vlm("llava_next", p, "num_hidden_layers", 24, range(23), **deepest)) == []
     (e,) = vision_depth_problems(*_vlm("llava_next", p, "num_hidden_layers", 24, range(20), **deepest))
-    assert "with vision_feature_layer [-2, -5, 3], vLLM builds" in e.message and "3 of the 23 vLLM 0.33 builds (20..22)" in e.message
+    assert "with vision_feature_layer [-2, -5, 3], vLLM builds" in e.message and "3 of the 23 blocks vLLM 0.33 builds (20..22)" in e.message
     for odd in ("-2", None, [], [True]):  # not judged
         assert vision_depth_problems(*_vlm("llava", p, "num_hidden_layers", 30, range(4), vision_feature_layer=odd)) == []
 
@@ -290,7 +296,7 @@ def test_verify_fails_a_vlm_whose_vision_depth_was_edited(tmp_path):
     assert r.exit_code == 0 and COUNTS_CHECK in r.output, r.output
     config = json.loads((out / "config.json").read_text())
     assert config["vision_config"]["depth"] == 3
-    for depth, what in ((2, "1 of those stored (2) are at or past 2"), (4, "1 of the 4 vLLM 0.33 builds (3) have no tensors")):
+    for depth, what in ((2, "1 of those stored (2) is at or past 2"), (4, "1 of the 4 blocks vLLM 0.33 builds (3) has no tensors")):
         config["vision_config"]["depth"] = depth
         (out / "config.json").write_text(json.dumps(config, indent=2))
         r = CliRunner().invoke(main, ["verify", str(out)])

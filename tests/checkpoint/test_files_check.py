@@ -48,6 +48,41 @@ def test_what_a_conversion_changes():
     assert _messages({**VLM, "dtype": "float8"}, VLM) == ['config.json adds dtype: "float8" (not in the reference, and no conversion writes it)']
 
 
+def test_an_untied_head_no_tensor_fills_is_said_once():
+    """A generating model untied (tie_word_embeddings false, the reference's true) that stores no lm_head: the widths check
+    (widths.tied_head_problems, with or without a reference) says it; config_problems does not say it again. For a model
+    that does not generate (no ...ForCausalLM / ...ForConditionalGeneration) config_problems still does."""
+    from ctconvert.checkpoint.widths import tied_head_problems
+
+    gen = {**VLM, "architectures": ["LlavaForConditionalGeneration"]}
+    untied = {**gen, "text_config": {**gen["text_config"], "tie_word_embeddings": False}}
+    headless = ("model.embed_tokens.weight",)
+    assert _messages(untied, gen, tensors=headless) == []
+    (p,) = tied_head_problems(untied, dict.fromkeys(headless))
+    assert "tie_word_embeddings is false, but the checkpoint stores no lm_head" in p.message
+    other = {**untied, "architectures": ["LlavaModel"]}
+    assert tied_head_problems(other, dict.fromkeys(headless)) == []
+    (m,) = _messages(other, {**gen, "architectures": ["LlavaModel"]}, tensors=headless)
+    assert "tie_word_embeddings is false but the output stores no lm_head" in m
+
+
+def test_a_head_dim_derived_from_hidden_size_is_said_plainly():
+    """Without head_dim in config.json the error says which keys gave it (hidden_size / num_attention_heads), not a
+    garbled 'x hidden_size / num_attention_heads = 64 = 256' formula."""
+    cfg = {"num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 256}
+    tensors = {"model.embed_tokens.weight": None, "model.layers.0.self_attn.k_proj.weight": None}
+    k = Module(
+        "model.layers.0.self_attn.k_proj", {"weight": TensorInfo("model.layers.0.self_attn.k_proj.weight", Path("m.safetensors"), "BF16", (128, 256), 0, 0)}
+    )
+    (p,) = attention_shape_problems({k.name: k}, cfg, tensors)
+    assert p.message == (
+        "config.json's num_key_value_heads 4 x head_dim 64 (config.json has no head_dim: hidden_size 256 / num_attention_heads 4) = 256 "
+        "output rows, but k_proj has 128"
+    )
+    (p,) = attention_shape_problems({k.name: k}, dict(cfg, head_dim=64), tensors)
+    assert p.message == "config.json's num_key_value_heads 4 x head_dim 64 = 256 output rows, but k_proj has 128"
+
+
 def test_copied_files(tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "out"
     files = {

@@ -44,6 +44,18 @@ def _errors(report: dict) -> list[dict]:
     return [p for p in report["problems"] if p["severity"] == "error"]
 
 
+def _as_earlier_release(out: Path, index: dict) -> None:
+    """Make ``out`` look written by release 0.1.0: no list of records (nor the provenance's record) in ``index``,
+    written back, and a provenance of format 2 (the format before the one that promises the records)."""
+    from ctconvert.checkpoint.writer import PROVENANCE_KEY, RECORDS_KEY
+
+    index["metadata"].pop(RECORDS_KEY, None)
+    index["metadata"].pop(PROVENANCE_KEY, None)
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    prov = json.loads((out / "ctconvert-provenance.json").read_text())
+    (out / "ctconvert-provenance.json").write_text(json.dumps(dict(prov, provenance_format=2)))
+
+
 def test_every_output_records_each_shard_as_written(tiny_llama, tmp_path):
     out = tmp_path / "out"
     api.quantize(tiny_llama, out, "W4A16", max_shard_size="200KB")
@@ -100,13 +112,13 @@ def test_an_index_without_the_record_is_not_judged_and_says_so(tiny_llama, tmp_p
     (exit 5). An index without the record and without the listing (an earlier release) is not judged: a warning."""
     from click.testing import CliRunner
 
-    from ctconvert.checkpoint.writer import CONFIG_KEY, QCFG_KEY, RECORDS_KEY
+    from ctconvert.checkpoint.writer import CONFIG_KEY, PROVENANCE_KEY, QCFG_KEY, RECORDS_KEY
     from ctconvert.cli import main
 
     out = tmp_path / "out"
     api.quantize(tiny_llama, out, "W4A16")
     index = _index(out)
-    assert index["metadata"][RECORDS_KEY] == [SHARDS_KEY, QCFG_KEY, CONFIG_KEY]
+    assert index["metadata"][RECORDS_KEY] == [SHARDS_KEY, QCFG_KEY, CONFIG_KEY, PROVENANCE_KEY]
     del index["metadata"][SHARDS_KEY]
     (out / INDEX_NAME).write_text(json.dumps(index))
     (e,) = [p for p in _errors(api.verify(out)) if "record was removed" in p["message"]]
@@ -116,8 +128,7 @@ def test_an_index_without_the_record_is_not_judged_and_says_so(tiny_llama, tmp_p
     (out / INDEX_NAME).write_text(json.dumps(index))
     assert any("record was removed or emptied" in p["message"] for p in _errors(api.verify(out)))
     index["metadata"][SHARDS_KEY] = None
-    del index["metadata"][RECORDS_KEY]  # as an earlier release wrote it (no list of records)
-    (out / INDEX_NAME).write_text(json.dumps(index))
+    _as_earlier_release(out, index)  # as an earlier release wrote it (no list of records)
     report = api.verify(out)
     warnings = [p["message"] for p in report["problems"] if p["severity"] == "warning"]
     assert report["ok"] and any("records no shard hashes" in w for w in warnings)
@@ -139,8 +150,7 @@ def test_a_record_of_another_hash_scheme_is_not_compared(tiny_llama, tmp_path):
     index["metadata"][SHARDS_KEY]["hash"] = "sha256/blocks-1"
     (out / INDEX_NAME).write_text(json.dumps(index))
     assert any("the record was edited" in p["message"] for p in _errors(api.verify(out)))
-    del index["metadata"]["ctconvert_records"]
-    (out / INDEX_NAME).write_text(json.dumps(index))
+    _as_earlier_release(out, index)
     report = api.verify(out)
     assert report["ok"] and any("this installation hashes with" in p["message"] for p in report["problems"])
 
@@ -253,8 +263,7 @@ def test_the_config_record_is_compared_only_where_the_index_holds_one(tiny_llama
     (out / INDEX_NAME).write_text(json.dumps(index))
     (e,) = [p for p in _errors(api.verify(out)) if "record was removed" in p["message"]]  # the index lists it: removed
     assert QCFG_KEY in e["message"] and e["file"].endswith(INDEX_NAME)
-    del index["metadata"]["ctconvert_records"]  # as a release before the listing wrote it
-    (out / INDEX_NAME).write_text(json.dumps(index))
+    _as_earlier_release(out, index)  # as a release before the listing wrote it
     report = api.verify(out)
     assert CONFIG_CHECK not in report["checked"]["checks"]
     assert not any("quantization_config" in p["message"] and "wrote" in p["message"] for p in report["problems"])
@@ -354,3 +363,65 @@ def test_the_whole_config_record_is_judged_only_where_the_index_holds_or_lists_i
     (out / INDEX_NAME).write_text(json.dumps(index))
     report = api.verify(out)
     assert report["ok"] and WHOLE_CONFIG_CHECK not in report["checked"]["checks"], report["problems"]
+
+
+def test_records_stripped_beside_a_provenance_of_this_format_fail_verify(tiny_llama, tmp_path):
+    """The trial's edit: every record removed from the index (ctconvert_records too), the provenance kept. The provenance's
+    format (3) is written only beside an index that lists its records: an error naming the index (exit 5), not an
+    earlier release's output passed with a warning. An output of release 0.1.0 (format 2, no records) is still only
+    warned about, and passes."""
+    from click.testing import CliRunner
+
+    from ctconvert.checkpoint.integrity import PROVENANCE_CHECK
+    from ctconvert.checkpoint.provenance import PROVENANCE_FORMAT, RECORDS_SINCE_FORMAT
+    from ctconvert.checkpoint.writer import MARKER, RECORDS_KEY
+    from ctconvert.cli import main
+
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16")
+    assert json.loads((out / "ctconvert-provenance.json").read_text())["provenance_format"] == PROVENANCE_FORMAT >= RECORDS_SINCE_FORMAT
+    report = api.verify(out)
+    assert report["ok"] and PROVENANCE_CHECK in report["checked"]["checks"]
+    index = _index(out)
+    for kept in ({"total_size": index["metadata"]["total_size"]}, {k: v for k, v in index["metadata"].items() if k != RECORDS_KEY}):
+        (out / INDEX_NAME).write_text(json.dumps(dict(index, metadata=kept)))
+        report = api.verify(out)
+        (e,) = _errors(report)
+        assert e["file"] == str(out / INDEX_NAME) and e["message"].startswith("the index holds none of the records ctconvert writes")
+        assert "ctconvert-provenance.json is of format 3" in e["message"] and "removed after the run" in e["message"]
+        assert not [p for p in report["problems"] if "earlier" in p["message"]]  # not taken for an earlier release's output
+        assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 5
+    index["metadata"] = {"total_size": index["metadata"]["total_size"], MARKER: "0.1.0"}
+    _as_earlier_release(out, index)
+    report = api.verify(out)
+    assert report["ok"] and any("records no shard hashes" in p["message"] for p in report["problems"] if p["severity"] == "warning")
+
+
+def test_an_edited_provenance_fails_and_switches_no_check_off(tiny_llama, tmp_path):
+    """The index records the provenance's hash: a derived_from added by hand (which told verify to judge no value one by
+    one against a dense reference) is an error naming the provenance, and the values are judged still; so is a deleted
+    provenance. The same document written in another layout passes. A derived_from in an earlier release's provenance
+    (no record) switches nothing off either: the values are judged, and a note says why."""
+    from ctconvert.checkpoint.writer import PROVENANCE_KEY, config_digest
+
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16")
+    p = out / "ctconvert-provenance.json"
+    prov = json.loads(p.read_text())
+    assert _index(out)["metadata"][PROVENANCE_KEY] == config_digest(prov)
+    p.write_text(json.dumps(dict(reversed(list(prov.items())))))  # the same values, another layout
+    assert api.verify(out)["ok"]
+    p.write_text(json.dumps(dict(prov, derived_from={"path": "/elsewhere", "quant_method": "compressed-tensors"}), indent=2))
+    report = api.verify(out, tiny_llama)
+    (e,) = _errors(report)
+    assert e["file"] == str(p) and e["message"].startswith("ctconvert-provenance.json is not the one ctconvert wrote (the index records its hash)")
+    assert report["tensors"] and all(r["values_checked"] > 0 for r in report["tensors"])  # not switched off
+    p.unlink()
+    (e,) = _errors(api.verify(out))
+    assert e["file"] == str(p) and "whose hash the index records, is missing" in e["message"]
+    p.write_text(json.dumps(dict(prov, derived_from={"path": "/elsewhere", "quant_method": "compressed-tensors"})))
+    _as_earlier_release(out, _index(out))
+    report = api.verify(out, tiny_llama)
+    assert report["ok"] and all(r["values_checked"] > 0 for r in report["tensors"])
+    notes = [x for x in report["problems"] if x["severity"] == "note" and "requantized from /elsewhere" in x["message"]]
+    assert len(notes) == 1 and "does not take it on trust" in notes[0]["message"] and notes[0]["file"] == str(p)

@@ -346,3 +346,29 @@ def test_an_untied_head_that_no_tensor_fills(outputs):
     assert tied_head_problems({k: v for k, v in cfg.items() if k != "tie_word_embeddings"}, headless) == []
     assert tied_head_problems(dict(cfg, tie_word_embeddings=True), headless) == []  # tied: the embedding serves
     assert tied_head_problems(dict(cfg, architectures=["BertModel"]), headless) == []
+
+
+@pytest.mark.parametrize("edit", ["format", "weight_shape"])
+def test_a_module_that_contradicts_its_config_is_not_judged_on_widths(outputs, tmp_path, edit):
+    """The trial's format edit (marlin-24) and weight_shape edit (values swapped) gave width errors first (config.json's
+    hidden_size ...), before the cause: such modules have no dense shape to judge a width by. Now the first error is the
+    module's own against its config group, and no width or attention-row error follows from it."""
+    import torch
+
+    from conftest import save_config
+
+    out = tmp_path / "out"
+    shutil.copytree(outputs["W4A16"], out)
+    if edit == "format":
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["quantization_config"]["config_groups"]["group_0"]["format"] = "marlin-24"
+        save_config(out, cfg)
+        first = "format marlin-24 (config group 'group_0') needs meta, scale_packed"
+    else:
+        ts = load_file(out / "model.safetensors")
+        ts["model.layers.0.self_attn.q_proj.weight_shape"] = torch.tensor([2 * H, H // 2], dtype=torch.int64)
+        save_shard(ts, out / "model.safetensors")
+        first = f"weight_packed is I32[{H}, {H // 8}], but pack-quantized (int4 group 128, config group 'group_0') of a [{2 * H}, {H // 2}] weight"
+    errors = _errors(api.verify(out))
+    assert errors and errors[0]["message"].startswith(first), errors[0]
+    assert not [p for p in errors if "hidden_size" in p["message"] or "output rows, but" in p["message"]], errors

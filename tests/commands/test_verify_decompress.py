@@ -307,6 +307,10 @@ def test_verify_finds_a_dense_dtype_cast_without_the_output_provenance(tmp_path)
     q = tmp_path / "q"
     api.quantize(m, q, "W8A16", dense_dtype="bf16")
     (q / "ctconvert-provenance.json").unlink()
+    index = json.loads((q / "model.safetensors.index.json").read_text())  # and its record: an output without a provenance
+    del index["metadata"]["ctconvert_provenance"]
+    index["metadata"]["ctconvert_records"].remove("ctconvert_provenance")
+    (q / "model.safetensors.index.json").write_text(json.dumps(index))
     rep = api.verify(q, m)
     assert rep["ok"], rep["problems"]
     assert any("hold the reference's values cast to another float dtype" in p["message"] for p in rep["problems"] if p["severity"] == "note")

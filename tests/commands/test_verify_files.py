@@ -106,7 +106,7 @@ def test_head_dim_from_hidden_size(w4a16, tmp_path):
     _set_config(bad, head_dim=None)  # 256 / 4 = 64: consistent
     assert api.verify(bad)["ok"]
     _set_config(bad, hidden_size=512)  # 512 / 4 = 128: q_proj would have 512 rows
-    assert any("hidden_size / num_attention_heads = 128" in m for m in _errors(api.verify(bad)))
+    assert any("x head_dim 128 (config.json has no head_dim: hidden_size 512 / num_attention_heads 4) = 512 output rows" in m for m in _errors(api.verify(bad)))
 
 
 @pytest.mark.parametrize("name", ["generation_config.json", "tokenizer_config.json", "README.md"])
@@ -148,7 +148,8 @@ def test_dense_dtype_and_an_untied_head_pass(fp32_tied, tmp_path):
     plain = tmp_path / "plain"  # untied in config.json, but no lm_head stored: the head would be random
     api.quantize(fp32_tied, plain, "W4A16")
     _set_config(plain, tie_word_embeddings=False)
-    assert any("tie_word_embeddings is false but the output stores no lm_head" in m for m in _errors(api.verify(plain, reference=fp32_tied)))
+    headless = [m for m in _errors(api.verify(plain, reference=fp32_tied)) if "no lm_head" in m]  # said once (widths.tied_head_problems)
+    assert headless == ["config.json's tie_word_embeddings is false, but the checkpoint stores no lm_head: vLLM 0.33 builds an untied head no tensor fills"]
 
 
 def test_a_config_dtype_the_dense_tensors_do_not_have_fails(w4a16, fp32_tied, tmp_path):

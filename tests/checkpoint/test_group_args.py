@@ -1,0 +1,45 @@
+"""Config groups whose weight arguments contradict themselves (ctconvert/checkpoint/group_args.py), through verify."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ctconvert import api
+
+from conftest import save_config
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_a_strategy_that_contradicts_the_group_size_is_one_error_naming_config_json(tiny_llama, tmp_path, reference):
+    """The trial's edit: strategy 'channel' over group-quantized W4A16 tensors (group_size 128 kept). compressed-tensors
+    refuses such args; with --reference verify used to dequantize each module as 'channel' and print a torch reshape
+    error 14 times. Now: one error naming config.json, the contradiction and what weight_scale holds; no module is
+    dequantized (the config written as a writer would: its records match, so this is the only error)."""
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "channel"
+    save_config(out, cfg)
+    report = api.verify(out, tiny_llama if reference else None)
+    (e,) = [p for p in report["problems"] if p["severity"] == "error"]
+    assert e["file"] == str(out / "config.json") and "tensor" not in e
+    assert e["message"] == (
+        "config group 'group_0': weights strategy 'channel' with group_size 128, which compressed-tensors (quant_args.py) and so vLLM 0.33 "
+        "refuse: a group_size goes with strategy 'group' or 'tensor_group' only; model.layers.0.mlp.down_proj.weight_scale is BF16[256, 4]: "
+        "one scale per 128 columns, where strategy 'channel' stores [256, 1]; its 14 modules are not dequantized"
+    )
+    assert report["tensors"] == []
+
+
+def test_a_grouped_strategy_without_a_group_size(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = None
+    save_config(out, cfg)
+    report = api.verify(out, tiny_llama)
+    (e,) = [p for p in report["problems"] if p["severity"] == "error"]
+    assert e["message"].startswith("config group 'group_0': weights strategy 'group' without a group_size (null), which compressed-tensors")
+    assert "model.layers.0.mlp.down_proj.weight_scale is BF16[256, 4]: one scale per 128 columns;" in e["message"]
