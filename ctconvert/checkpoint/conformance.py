@@ -210,11 +210,16 @@ _POSITIVE = "a calibrated scale is never zero or negative (a loader divides by i
 #: NVFP4's weight global scale is ``448 x 6 / amax``, 1.0 for an all-zero weight (formats/fp4.py ``nvfp4_global_scale``),
 #: never zero: a loader divides the group scales by it (a zeroed one passed verify without a reference: a new user)
 _GLOBAL = "NVFP4's weight global scale is 448 x 6 / absmax, never zero (a loader divides the group scales by it)"
+#: a module whose every (float) weight scale is zero dequantizes to zeros whatever its codes: compressed-tensors stores the
+#: format's substitute for a zero scale (eps of the dtype for int and FP8, 0.125 for NVFP4's E4M3: ``WeightFormat.zero_scale``),
+#: never 0, so such a module was zeroed after it was written, or written by another tool (a warning: vLLM loads it)
+_ALL_ZERO = "every value is zero, so every weight dequantizes to zero; compressed-tensors stores a substitute for a zero scale, never 0"
 
 
 def _negative_scales(m: Module, what: str) -> list[Problem]:
     """An error for each float scale tensor of ``m`` (:data:`SCALE_PARTS`) holding a value below zero (``-0`` is zero), or
-    for an activation scale (:data:`ACTIVATION_SCALES`) or an NVFP4 ``weight_global_scale`` holding a zero."""
+    for an activation scale (:data:`ACTIVATION_SCALES`) or an NVFP4 ``weight_global_scale`` holding a zero; a warning
+    for a float ``weight_scale`` that is zero throughout (:data:`_ALL_ZERO`)."""
     out = []
     for p in SCALE_PARTS:
         info = m.parts.get(p)
@@ -227,6 +232,8 @@ def _negative_scales(m: Module, what: str) -> list[Problem]:
         elif p in (*ACTIVATION_SCALES, "weight_global_scale") and (zero := int((v == 0).sum())):
             why = _GLOBAL if p == "weight_global_scale" else _POSITIVE
             out.append(Problem("error", f"{p}: {plural(zero, 'value')} zero of {info.numel}; {why}", str(info.file), f"{m.name}.{p}"))
+        elif p == "weight_scale" and v.numel() and not bool(v.ne(0).any()):
+            out.append(Problem("warning", _ALL_ZERO, str(info.file), f"{m.name}.{p}"))
     return out
 
 

@@ -287,6 +287,33 @@ def test_an_nvfp4_weight_global_scale_that_is_not_above_zero_fails_verify(tiny_l
         assert errors and why in errors[0]["message"], errors
 
 
+@pytest.mark.parametrize("scheme", ["W4A16", "FP8_DYNAMIC", "NVFP4A16", "MXFP4A16"])
+def test_a_weight_scale_zero_throughout_is_a_warning(tiny_llama, tmp_path, scheme):
+    """A module whose every (float) weight scale is zero dequantizes to zeros whatever its codes, and no compressed-tensors
+    quantizer stores such a scale (it substitutes the format's own): a warning naming the tensor, with or without a
+    reference (a new user zeroed every weight_scale of a foreign copy and verify said nothing). A scale zero in one group
+    only is not warned of, nor MX's E8M0 scales (bytes: 0 is 2^-127)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import save_shard
+
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, scheme)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    name, part = "model.layers.0.self_attn.o_proj.weight_scale", "model.layers.1.self_attn.o_proj.weight_scale"
+    shard = out / index["weight_map"][name]
+    t = load_file(shard)
+    assert t[name].ne(0).all() and t[part].ne(0).all()
+    t[name] = torch.zeros_like(t[name])
+    t[part] = t[part].clone()
+    t[part].view(-1)[0] = 0  # one group's scale only
+    save_shard(t, shard)
+    for ref in (None, tiny_llama):
+        warned = [p for p in api.verify(out, ref)["problems"] if p["severity"] == "warning" and "dequantizes to zero" in p["message"]]
+        assert [p["tensor"] for p in warned] == ([] if scheme == "MXFP4A16" else [name]), warned
+
+
 @pytest.mark.parametrize(
     "ignore, mixed",
     [
