@@ -60,9 +60,10 @@ def record_problems(ckpt: Checkpoint) -> list[Problem]:
     """The output of ``ckpt`` against every record of it taken as it was written: :func:`shard_hash_problems`,
     :func:`config_record_problems`, :func:`provenance_record_problems`, :func:`provenance_module_problems`; where the
     records were stripped from the index (:func:`stripped_records_problems`), that error instead of the comparisons."""
-    if stripped := stripped_records_problems(ckpt):
+    stripped = stripped_records_problems(ckpt)
+    if any(p.severity == "error" for p in stripped):
         return stripped + provenance_module_problems(ckpt)
-    return shard_hash_problems(ckpt) + config_record_problems(ckpt) + provenance_record_problems(ckpt) + provenance_module_problems(ckpt)
+    return stripped + shard_hash_problems(ckpt) + config_record_problems(ckpt) + provenance_record_problems(ckpt) + provenance_module_problems(ckpt)
 
 
 def _provenance(folder: Path) -> tuple[bool, dict | None]:
@@ -86,14 +87,24 @@ def stripped_records_problems(ckpt: Checkpoint) -> list[Problem]:
     writing the index's records writes (``provenance_format`` >= :data:`.provenance.RECORDS_SINCE_FORMAT`) while the
     index does not list them (:data:`~.writer.RECORDS_KEY`): the records were removed after the run (a new user's trial
     deleted them, and the output passed as an earlier release's, unjudged), so the shards, ``config.json`` and the
-    provenance cannot be compared with what was written. Empty for an index that lists its records, a provenance of an
-    earlier format (release 0.1.0 wrote format 2 and no records: today's warning, :func:`shard_hash_problems`), no
-    provenance, or no index (:func:`shard_hash_problems` reports a deleted one)."""
-    if ckpt.index is None or RECORDS_KEY in _metadata(ckpt):
+    provenance cannot be compared with what was written. A warning where a provenance of an earlier format sits beside an
+    index without ctconvert's marker either (an earlier release's index rewritten, or every ctconvert key stripped and
+    the format edited back: a trial's output passed silently). Empty for an index that lists its records, a provenance of
+    an earlier format beside a marked index (release 0.1.0 wrote format 2 and no records: the warning of
+    :func:`shard_hash_problems`), no provenance, or no index (:func:`shard_hash_problems` reports a deleted one)."""
+    meta = _metadata(ckpt)
+    if ckpt.index is None or RECORDS_KEY in meta:
         return []
-    _, doc = _provenance(ckpt.path)
+    held, doc = _provenance(ckpt.path)
     if _format(doc) < RECORDS_SINCE_FORMAT:
-        return []
+        if not held or MARKER in meta:  # (an earlier release's index, marked: shard_hash_problems warns)
+            return []
+        why = (
+            f"{PROVENANCE} (format {_format(doc)}) is ctconvert's, but the index holds neither its marker ({MARKER}) nor its "
+            "records: the index was rewritten or its records removed, so the shards and config.json are not compared with what "
+            "was written (judged as another tool's checkpoint)"
+        )
+        return [Problem("warning", why, str(Path(ckpt.path) / INDEX_NAME))]
     why = (
         f"the index holds none of the records ctconvert writes ({RECORDS_KEY}: the shards', the config's and the provenance's "
         f"hashes), though {PROVENANCE} is of format {_format(doc)}, which only a release that writes them writes: they were "
