@@ -291,7 +291,10 @@ def _count(config: dict, key: str) -> int | None:
 
 
 def _expert_error(key: str, n: int, summary: str, example: str, file: str | None) -> Problem:
-    why = f"vLLM builds {plural(n, 'expert')} per block and would refuse the checkpoint or route to random weights"
+    why = (
+        f"vLLM builds {plural(n, 'expert')} per block: an expert among them that no tensor fills is refused or left uninitialised, "
+        "and one past them is never loaded (the config and the checkpoint describe different models)"
+    )
     return Problem("error", f"config.json's {key} is {n}, but {summary} (e.g. {example}): {why}", file)
 
 
