@@ -62,6 +62,9 @@ class Module:
     group: str | None = None
     format: str | None = None
     weights: dict | None = None
+    #: ``(weight_shape's TensorInfo, its values)`` once :func:`dense_shape` read them: verify's checks ask a module's
+    #: dense shape several times (widths, attention rows, conformance, values), and each read opened the shard
+    _weight_shape: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def quantized(self) -> bool:
@@ -106,7 +109,11 @@ def dense_shape(m: Module) -> tuple[int, int]:
     (a packed weight without a known format is taken as FP4 when uint8, else int4). Raises
     ``ValueError`` for a module whose format is unknown."""
     ws = m.parts.get("weight_shape")
-    shape = [int(x) for x in read_tensor(ws).tolist()] if ws is not None else None
+    shape = None
+    if ws is not None:
+        if m._weight_shape is None or m._weight_shape[0] is not ws:  # (read once per stored tensor)
+            m._weight_shape = (ws, [int(x) for x in read_tensor(ws).tolist()])
+        shape = list(m._weight_shape[1])
     fmt = get_format(m.format)
     if fmt is None and "weight_packed" in m.parts:
         packed_u8 = m.parts["weight_packed"].dtype == "U8"
