@@ -23,7 +23,8 @@ each family's vLLM 0.33 file, ``vllm/model_executor/models/``); every other fami
   its ``weight`` (:data:`.modules.QUANT_PARTS`), and activation and KV-cache scales, which the config's quantization
   explains (:mod:`.conformance` judges them). MTP layers past ``num_hidden_layers`` are not compared.
 - **Experts alike** (:func:`expert_problems`): every expert of a block stored one Linear per expert holds the same
-  projections (vLLM's ``FusedMoE`` fills ``w13``/``w2`` of every expert: ``fused_moe/layer.py``
+  projections (the minority is the stray: a projection most experts hold is missing from the others, one few hold is
+  extra; in a layer-set family the set's projections are the ones expected) (vLLM's ``FusedMoE`` fills ``w13``/``w2`` of every expert: ``fused_moe/layer.py``
   ``make_expert_params_mapping``), in a judged family every expert of the model the same ones, at least the family's
   gate, up and down (:data:`.families.FAMILIES` names); a fused 3-D block (gpt-oss) holds ``gate_up_proj`` and
   ``down_proj`` and both biases or neither (gpt_oss.py ``_load_weights_other``). A judged family's MoE block holds its
@@ -34,8 +35,17 @@ each family's vLLM 0.33 file, ``vllm/model_executor/models/``); every other fami
   and qwen2_moe.py: q/k/v always; qwen3.py, qwen3_moe.py, glm4_moe.py: ``attention_bias``; gemma3.py:
   ``attention_bias`` for all four; gpt_oss.py: always; mixtral.py, deepseek_v2.py, olmoe.py: never).
 
-What a rule cannot judge says nothing: a parameter stored in every layer that the architecture lacks (but a bias), a
-whole sub-block missing from every layer, a checkpoint whose decoder stack is not found.
+- **Each layer's parameters** (:func:`set_problems`): for the families of :data:`.layer_params.LAYER_FILES` (llama,
+  qwen2 and its VL models' text layers, qwen3, gemma3, mixtral, qwen2_moe, qwen3_moe, gpt_oss), every decoder layer
+  below ``num_hidden_layers`` holds exactly the parameters its vLLM 0.33 decoder layer builds
+  (:func:`.layer_params.layer_parameters`: that module names each file and class): one it lacks is missing, one it
+  stores that the layer has none for is extra, in one layer or in all (the layer-alike rule cannot see those), and a
+  layer storing nothing is missing. RoPE buffers vLLM drops (``utils.py`` ``AutoWeightsLoader``
+  ``REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER``) are left out by :func:`parameters`. These families skip the layer-alike rule.
+
+What a rule cannot judge says nothing: in a family without a layer set, a parameter stored in every layer that the
+architecture lacks (but a bias) or a whole sub-block missing from every layer; MTP layers past ``num_hidden_layers``;
+a checkpoint whose decoder stack is not found.
 """
 
 from __future__ import annotations
