@@ -40,8 +40,9 @@ each family's vLLM 0.33 file, ``vllm/model_executor/models/``); every other fami
   below ``num_hidden_layers`` holds exactly the parameters its vLLM 0.33 decoder layer builds
   (:func:`.layer_params.layer_parameters`: that module names each file and class): one it lacks is missing, one it
   stores that the layer has none for is extra, in one layer or in all (the layer-alike rule cannot see those), and a
-  layer storing nothing is missing. RoPE buffers vLLM drops (``utils.py`` ``AutoWeightsLoader``
-  ``REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER``) are left out by :func:`parameters`. These families skip the layer-alike rule.
+  layer storing nothing is missing; a checkpoint of decoder layers only is judged by the layer-alike rule. RoPE
+  buffers vLLM drops (``utils.py`` ``AutoWeightsLoader`` ``REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER``) are left out by
+  :func:`parameters`. These families skip the layer-alike rule.
 
 What a rule cannot judge says nothing: in a family without a layer set, a parameter stored in every layer that the
 architecture lacks (but a bias) or a whole sub-block missing from every layer; MTP layers past ``num_hidden_layers``;
@@ -209,8 +210,8 @@ def expected_problems(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem
             out.append(Problem("error", why, file_of(top + leaf), top + leaf))
     out += _bias_problems(params, stack, family, cfg, file_of) + _router_problems(params, stack, family, cfg, file_of)
     n = config_value(config, "num_hidden_layers")
-    if family in LAYER_FILES:
-        return out + set_problems(params, stack, family, cfg, n, file_of, {p.tensor for p in out}, fragment)
+    if family in LAYER_FILES and not fragment:  # a slice of decoder layers (a test's, a shard's): alike only
+        return out + set_problems(params, stack, family, cfg, n, file_of, {p.tensor for p in out})
     return out + layer_problems(params, stack, n, file_of, {p.tensor for p in out})
 
 
