@@ -93,13 +93,15 @@ def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict,
 
 
 def moe_checkpoint(tmp_path: Path, experts: int = 4, inter: int = 640) -> Path:
-    """A 2-layer Qwen3-MoE-named checkpoint (``experts.N.{gate,up,down}_proj``, a ``gate`` router) on the tiny
-    Llama's attention, bf16, seed 3."""
+    """A 2-layer Qwen3-MoE checkpoint (``experts.N.{gate,up,down}_proj``, a ``gate`` router) on the tiny Llama's
+    attention with Qwen3's ``q_norm``/``k_norm``, bf16, seed 3."""
     cfg = dict(LLAMA_CONFIG, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=experts, moe_intermediate_size=inter)
     g = torch.Generator().manual_seed(3)
     t = {k: v for k, v in llama_tensors(LLAMA_CONFIG).items() if ".mlp." not in k}
     h = cfg["hidden_size"]
     for layer in range(cfg["num_hidden_layers"]):
+        for norm in ("q_norm", "k_norm"):  # Qwen3-MoE's attention (vLLM 0.33 qwen3_moe.py Qwen3MoeAttention)
+            t[f"model.layers.{layer}.self_attn.{norm}.weight"] = torch.ones(cfg["head_dim"], dtype=torch.bfloat16)
         p = f"model.layers.{layer}.mlp."
         t[p + "gate.weight"] = (torch.randn(experts, h, generator=g) * 0.02).bfloat16()
         for e in range(experts):

@@ -23,7 +23,8 @@ each family's vLLM 0.33 file, ``vllm/model_executor/models/``); every other fami
   its ``weight`` (:data:`.modules.QUANT_PARTS`), and activation and KV-cache scales, which the config's quantization
   explains (:mod:`.conformance` judges them). MTP layers past ``num_hidden_layers`` are not compared.
 - **Experts alike** (:func:`expert_problems`): every expert of a block stored one Linear per expert holds the same
-  projections (vLLM's ``FusedMoE`` fills ``w13``/``w2`` of every expert: ``fused_moe/layer.py``
+  projections (the minority is the stray: a projection most experts hold is missing from the others, one few hold is
+  extra; in a layer-set family the set's projections are the ones expected) (vLLM's ``FusedMoE`` fills ``w13``/``w2`` of every expert: ``fused_moe/layer.py``
   ``make_expert_params_mapping``), in a judged family every expert of the model the same ones, at least the family's
   gate, up and down (:data:`.families.FAMILIES` names); a fused 3-D block (gpt-oss) holds ``gate_up_proj`` and
   ``down_proj`` and both biases or neither (gpt_oss.py ``_load_weights_other``). A judged family's MoE block holds its
@@ -34,8 +35,18 @@ each family's vLLM 0.33 file, ``vllm/model_executor/models/``); every other fami
   and qwen2_moe.py: q/k/v always; qwen3.py, qwen3_moe.py, glm4_moe.py: ``attention_bias``; gemma3.py:
   ``attention_bias`` for all four; gpt_oss.py: always; mixtral.py, deepseek_v2.py, olmoe.py: never).
 
-What a rule cannot judge says nothing: a parameter stored in every layer that the architecture lacks (but a bias), a
-whole sub-block missing from every layer, a checkpoint whose decoder stack is not found.
+- **Each layer's parameters** (:func:`set_problems`): for the families of :data:`.layer_params.LAYER_FILES` (llama,
+  qwen2 and its VL models' text layers, qwen3, gemma3, mixtral, qwen2_moe, qwen3_moe, gpt_oss), every decoder layer
+  below ``num_hidden_layers`` holds exactly the parameters its vLLM 0.33 decoder layer builds
+  (:func:`.layer_params.layer_parameters`: that module names each file and class): one it lacks is missing, one it
+  stores that the layer has none for is extra, in one layer or in all (the layer-alike rule cannot see those), and a
+  layer storing nothing is missing; a checkpoint of decoder layers only is judged by the layer-alike rule. RoPE
+  buffers vLLM drops (``utils.py`` ``AutoWeightsLoader`` ``REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER``) are left out by
+  :func:`parameters`. These families skip the layer-alike rule.
+
+What a rule cannot judge says nothing: in a family without a layer set, a parameter stored in every layer that the
+architecture lacks (but a bias) or a whole sub-block missing from every layer; MTP layers past ``num_hidden_layers``;
+a checkpoint whose decoder stack is not found.
 """
 
 from __future__ import annotations
@@ -45,11 +56,12 @@ from dataclasses import dataclass
 
 from ..errors import agree, plural
 from .families import FAMILIES, config_value, model_types
+from .layer_params import LAYER_FILES, layer_parameters
 from .modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module
 from .naming import dense_kind, natural_key
 from .reader import Checkpoint, Problem
 
-__all__ = ["EXPECTED_CHECK", "JUDGED", "expected_problems", "expert_problems", "layer_problems", "parameters"]
+__all__ = ["EXPECTED_CHECK", "JUDGED", "expected_problems", "expert_problems", "layer_problems", "parameters", "set_problems"]
 
 #: the line ``verify`` lists among its checks
 EXPECTED_CHECK = "every tensor the architecture builds is stored and none it lacks (decoder layers, experts, routers, biases; judged families)"
@@ -181,7 +193,8 @@ def expected_problems(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem
     params = parameters(mods)
     file_of = _file_namer(ckpt, params)
     family = _family(config)
-    out = expert_problems(params, config, file_of, family is not None)
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    out = expert_problems(params, config, file_of, family is not None, _expert_leaves(family, cfg))
     if family is None:
         types = ", ".join(repr(t) for t in model_types(config)) or "none"
         why = f"model_type {types} is not among the families whose layers verify knows ({', '.join(sorted(JUDGED))})"
@@ -189,7 +202,6 @@ def expected_problems(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem
     stack = _stack(params)
     if stack is None:
         return out + [Problem("note", f"missing or extra tensors are not judged: no decoder stack ({', '.join(_STACKS)}) is stored")]
-    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     top = stack[: -len("layers.")]
     fragment = all(n.startswith(stack) for n in params)  # decoder layers only (a test's or a shard's slice): no top level to judge
     for leaf, what in (("embed_tokens.weight", "token embedding"), ("norm.weight", "final norm")):
@@ -197,7 +209,10 @@ def expected_problems(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem
             why = f"missing: the {what}, which vLLM 0.33 {JUDGED[family]} builds, is not stored: vLLM refuses a parameter no tensor fills"
             out.append(Problem("error", why, file_of(top + leaf), top + leaf))
     out += _bias_problems(params, stack, family, cfg, file_of) + _router_problems(params, stack, family, cfg, file_of)
-    return out + layer_problems(params, stack, config_value(config, "num_hidden_layers"), file_of, {p.tensor for p in out})
+    n = config_value(config, "num_hidden_layers")
+    if family in LAYER_FILES and not fragment:  # a slice of decoder layers (a test's, a shard's): alike only
+        return out + set_problems(params, stack, family, cfg, n, file_of, {p.tensor for p in out})
+    return out + layer_problems(params, stack, n, file_of, {p.tensor for p in out})
 
 
 def _file_namer(ckpt: Checkpoint, params: dict[str, str]):
@@ -264,8 +279,12 @@ def _differ(sets: dict[int, set[str]], stack: str, what: str, params: dict[str, 
             name = _name(stack, lack[0], rel)
             if rel in skip:
                 continue
-            others = f"the other {len(held)} hold" if 2 * len(held) > total else f"{_list(held)} {agree(len(held), 'holds', 'hold')} (or those hold it extra)"
-            msg = f"missing: {plural(len(lack), 'layer')} ({_list(lack)}) of the {total} {what} lack {rel}, which {others}"
+            if 2 * len(held) > total:
+                others = f"the other {len(held)} {agree(len(held), 'holds', 'hold')}"
+            else:
+                one = len(held) == 1
+                others = f"layer{'' if one else 's'} {_list(held)} {'holds' if one else 'hold'} (or {'that holds' if one else 'those hold'} it extra)"
+            msg = f"missing: {plural(len(lack), 'layer')} ({_list(lack)}) of the {total} {what} {agree(len(lack), 'lacks', 'lack')} {rel}, which {others}"
             out.append(Problem("error", f"{msg}: vLLM 0.33 builds these layers alike and refuses a parameter no tensor fills", file_of(name), name))
         else:
             name = _name(stack, held[0], rel)
@@ -273,6 +292,55 @@ def _differ(sets: dict[int, set[str]], stack: str, what: str, params: dict[str, 
                 continue
             msg = f"extra: {rel} is stored in {plural(len(held), 'layer')} ({_list(held)}) of the {total} {what} and not in the other {len(lack)}"
             out.append(Problem("error", f"{msg}: vLLM 0.33 builds these layers alike and has no parameter for it", file_of(name), name))
+    return out
+
+
+_FUSED_EXPERTS = re.compile(r"(^|\.)experts\.(?!\d)")  # a fused 3-D expert block's names (``experts.gate_up_proj``)
+
+
+def set_problems(params: dict[str, str], stack: str, family: str, cfg: dict, n: int | None, file_of, skip=frozenset(), fragment=False) -> list[Problem]:
+    """Errors where a decoder layer below ``n`` lacks a parameter of its family's set (:func:`.layer_params.layer_parameters`)
+    or stores one the set lacks: one error per parameter, naming the first layer. A layer below ``n`` storing nothing
+    is missing (unless ``fragment``: decoder layers only). Not judged here: the q/k/v/o and dense-MLP biases the bias
+    rule judges, the experts' projections (the expert rule's: missing per expert, here only names outside the set),
+    a fused expert block, tensors in ``skip`` (another rule's), layers at or past ``n`` (MTP)."""
+    pat = re.compile(re.escape(stack) + r"(\d+)\.(.+)$")
+    held: dict[int, dict[str, list[str]]] = {}  # layer -> relative parameter (experts as *) -> its stored names
+    for name in params:
+        m = pat.match(name)
+        if m and (n is None or int(m[1]) < n):
+            held.setdefault(int(m[1]), {}).setdefault(_PER_EXPERT.sub(r"\1experts.*.", m[2]), []).append(name)
+    if not held:
+        return []
+    where, rule = f"vLLM 0.33 {LAYER_FILES[family]}", _BIASES.get(family)
+    missing: dict[str, list[int]] = {}
+    extra: dict[str, list[int]] = {}
+    out = []
+    for i in range(n if n is not None and not fragment else max(held) + 1):
+        if i not in held:
+            if not fragment and n is not None:
+                name = _name(stack, i, "")[:-1]
+                msg = f"missing: decoder layer {i} of the config's {n} stores no tensor, and {where} builds it: vLLM refuses a parameter no tensor fills"
+                out.append(Problem("error", msg, file_of(name), name))
+            continue
+        want, delegated = layer_parameters(family, cfg, i)
+        for rel in sorted(want - set(held[i]), key=natural_key):
+            if "*" not in rel and _name(stack, i, rel) not in skip:
+                missing.setdefault(rel, []).append(i)
+        for rel, names in held[i].items():
+            bias = _ATTN_LEAF.match(rel) or _MLP_LEAF.match(rel)
+            judged = bias is not None and bias[2] == "bias" and rule is not None and _wants_bias(rule, bias, cfg) is not None
+            if rel in want or judged or rel.startswith(delegated) or _FUSED_EXPERTS.search(rel) or all(x in skip for x in names):
+                continue
+            extra.setdefault(rel, []).append(i)
+    for rel, layers in sorted(missing.items(), key=lambda kv: natural_key(kv[0])):
+        name = _name(stack, layers[0], rel)
+        msg = f"missing: {plural(len(layers), 'decoder layer')} ({_list(layers)}) of {len(held)} {agree(len(layers), 'lacks', 'lack')} {rel}"
+        out.append(Problem("error", f"{msg}, which {where} builds in every such layer: vLLM refuses a parameter no tensor fills", file_of(name), name))
+    for rel, layers in sorted(extra.items(), key=lambda kv: natural_key(kv[0])):
+        name = next(x for x in sorted(held[layers[0]][rel], key=natural_key) if x not in skip)
+        msg = f"extra: {rel} is stored in {plural(len(layers), 'decoder layer')} ({_list(layers)}) of {len(held)}"
+        out.append(Problem("error", f"{msg}, which {where} does not build: its loader has no parameter to load it into", file_of(name), name))
     return out
 
 
@@ -354,11 +422,24 @@ def _router_problems(params: dict[str, str], stack: str, family: str, cfg: dict,
     return out
 
 
-def expert_problems(params: dict[str, str], config: dict, file_of, judged: bool) -> list[Problem]:
+def _expert_leaves(family: str | None, cfg: dict) -> set[str] | None:
+    """The per-expert projections (``w1.weight`` ...) the family's decoder layer set names (:mod:`.layer_params`), or
+    None where it names none (not a set family, gpt-oss's experts judged alone)."""
+    if family not in LAYER_FILES:
+        return None
+    n = cfg.get("num_hidden_layers") if isinstance(cfg.get("num_hidden_layers"), int) else 1
+    rels = set().union(*(layer_parameters(family, cfg, i)[0] for i in range(max(n, 1))))
+    return {r.split("experts.*.", 1)[1] for r in rels if "experts.*." in r} or None
+
+
+def expert_problems(params: dict[str, str], config: dict, file_of, judged: bool, leaves: set[str] | None = None) -> list[Problem]:
     """Per-expert blocks whose experts hold different projections (every family: vLLM's ``FusedMoE`` fills every
-    expert's), and in a ``judged`` family (:data:`JUDGED`) experts that lack one the model's other experts hold or one
-    of the family's gate/up/down (:data:`.families.FAMILIES`), and fused 3-D blocks without both members (or with one
-    member's bias only). ``file_of``: as :func:`expected_problems` makes it."""
+    expert's): a projection most experts of the block hold (half, of two), or in a ``judged`` family (:data:`JUDGED`)
+    one the model's other blocks' experts mostly hold or one of the family's gate/up/down (:data:`.families.FAMILIES`),
+    is missing from the experts that lack it; any other is extra where stored (the stray is the minority). ``leaves``:
+    the family's exact per-expert projections (:func:`_expert_leaves`): those are missing where absent, any other extra.
+    Fused 3-D blocks without both members (or with one member's bias only). ``file_of``: as :func:`expected_problems`
+    makes it."""
     blocks: dict[str, dict[int, set[str]]] = {}
     fused: dict[str, set[str]] = {}
     for name in params:
@@ -368,21 +449,28 @@ def expert_problems(params: dict[str, str], config: dict, file_of, judged: bool)
             fused.setdefault(f[1], set()).add(member[1] + ("_bias" if member[2] in ("_bias", ".bias") else ""))
     layout = next((FAMILIES[t] for t in model_types(config) if t in FAMILIES), None)
     wanted = {f"{leaf}.weight" for leaf in layout.names} if judged and layout is not None else set()
-    model_wide = set().union(*(s for b in blocks.values() for s in b.values())) if judged and blocks else set()
+    major = {b: {leaf for leaf in set().union(*ex.values()) if 2 * sum(leaf in s for s in ex.values()) >= len(ex)} for b, ex in blocks.items()}
+    model_wide = set().union(*major.values()) if judged and blocks else set()
     out = []
     for block, experts in sorted(blocks.items(), key=lambda kv: natural_key(kv[0])):
-        here = set().union(*experts.values())
+        expect = leaves if leaves is not None else major[block] | model_wide | wanted
         for e in sorted(experts):
-            for leaf in sorted((here | model_wide | wanted) - experts[e]):
+            for leaf in sorted(expect - experts[e]):
                 where = (
-                    "other experts of this block hold"
-                    if leaf in here
+                    "the family's experts hold"
+                    if leaves is not None or (leaf in wanted and leaf not in major[block])
+                    else "the other experts of this block hold"
+                    if leaf in major[block]
                     else "the model's other experts hold"
-                    if leaf in model_wide
-                    else "the family's experts hold"
                 )
-                msg = f"missing: expert {e} of {block} lacks {leaf}, which {where} hold: vLLM 0.33 fills every expert's and refuses a parameter no tensor fills"
+                msg = f"missing: expert {e} of {block} lacks {leaf}, which {where}: vLLM 0.33 fills every expert's and refuses a parameter no tensor fills"
                 out.append(Problem("error", msg, file_of(f"{block}.{e}"), f"{block}.{e}.{leaf}"))
+            for leaf in sorted(experts[e] - expect):
+                holders = sum(leaf in s for s in experts.values())
+                why = "no other expert of this block holds it" if holders == 1 else f"{holders} of the block's {len(experts)} experts hold it"
+                why += "; the family's experts hold " + ", ".join(sorted(expect)) if leaves is not None else ""
+                msg = f"extra: expert {e} of {block} holds {leaf} ({why}): vLLM 0.33 has no parameter for it"
+                out.append(Problem("error", msg, file_of(f"{block}.{e}.{leaf}"), f"{block}.{e}.{leaf}"))
     for block, members in sorted(fused.items(), key=lambda kv: natural_key(kv[0])):
         want = {"gate_up_proj", "down_proj"} | ({"gate_up_proj_bias", "down_proj_bias"} if any(m.endswith("_bias") for m in members) else set())
         for missing in sorted(want - members):

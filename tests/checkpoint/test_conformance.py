@@ -116,9 +116,13 @@ def test_routers_vllm_builds_unquantized_are_refused_unless_allowed_and_verify_r
     q2 = tmp_path / "q2src"
     shutil.copytree(src, q2)
     cfg = json.loads((q2 / "config.json").read_text())
-    (q2 / "config.json").write_text(json.dumps(dict(cfg, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])))
+    qwen2 = dict(cfg, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], shared_expert_intermediate_size=0)
+    (q2 / "config.json").write_text(json.dumps(qwen2))
     t = load_file(q2 / "model.safetensors")  # Qwen2-MoE's q/k/v have biases (vLLM 0.33 qwen2_moe.py: bias=True): verify wants them
     t.update({k.replace(".weight", ".bias"): torch.zeros(v.shape[0], dtype=v.dtype) for k, v in t.items() if re.search(r"\.[qkv]_proj\.weight$", k)})
+    # and no q_norm/k_norm, but a shared_expert_gate in every sparse block (Qwen2MoeSparseMoeBlock builds it always)
+    t = {k: v for k, v in t.items() if not re.search(r"\.[qk]_norm\.", k)}
+    t.update({f"model.layers.{i}.mlp.shared_expert_gate.weight": torch.zeros(1, cfg["hidden_size"], dtype=torch.bfloat16) for i in range(2)})
     save_file(t, q2 / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(UnsupportedError) as e:
         api.quantize(q2, tmp_path / "a", "W4A16", default_ignore=False, ignore=["lm_head"])

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from ctconvert import api
-from ctconvert.checkpoint.expected import EXPECTED_CHECK, expected_problems, expert_problems, layer_problems
+from ctconvert.checkpoint.expected import EXPECTED_CHECK, expected_problems, expert_problems, layer_problems, set_problems
 from ctconvert.checkpoint.modules import modules_of
 from ctconvert.checkpoint.reader import INDEX_NAME, open_checkpoint
 from ctconvert.cli import main
@@ -22,6 +22,50 @@ from conftest import LLAMA_CONFIG, llama_tensors, moe_checkpoint, write_checkpoi
 
 LLAMA3 = dict(LLAMA_CONFIG, num_hidden_layers=3)
 L = "model.layers."
+
+
+QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+#: family -> (architecture, config keys, per-layer norms added to the tiny Llama, per-layer biases (name -> width),
+#: how the MLP is renamed); each as its vLLM 0.33 decoder layer holds it (ctconvert/checkpoint/layer_params.py)
+FAMILY_LAYERS = {
+    "qwen3": ("Qwen3ForCausalLM", {}, QK_NORMS, {}, None),
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        {"tie_word_embeddings": True, "attention_bias": False},
+        QK_NORMS + ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"),
+        {},
+        None,
+    ),
+    "qwen2": ("Qwen2ForCausalLM", {}, (), {"self_attn.q_proj.bias": 256, "self_attn.k_proj.bias": 128, "self_attn.v_proj.bias": 128}, None),
+    "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}, (), {}, "mixtral"),
+}
+
+
+def _with_norms(path: Path, rels, biases: dict | None = None) -> Path:
+    """``path``'s checkpoint with ``rels`` (norms of head_dim 64, or of hidden 256 for a layer norm) and ``biases``
+    added to every decoder layer."""
+    t = load_file(path / "model.safetensors")
+    cfg = json.loads((path / "config.json").read_text())
+    for i in range(cfg["num_hidden_layers"]):
+        t.update({f"{L}{i}.{r}": torch.ones(64 if "_norm." in r else 256, dtype=torch.bfloat16) for r in rels})
+        t.update({f"{L}{i}.{r}": _bias(n) for r, n in (biases or {}).items()})
+    save_file(t, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _family_checkpoint(tmp: Path, family: str) -> Path:
+    """The tiny Llama named as ``family`` (:data:`FAMILY_LAYERS`), its layers holding what the family's do."""
+    arch, keys, rels, biases, mlp = FAMILY_LAYERS[family]
+    cfg = dict(LLAMA_CONFIG, architectures=[arch], model_type=family, **keys)
+    t = llama_tensors(cfg)
+    if mlp == "mixtral":  # block_sparse_moe.gate and experts.N.w1/w2/w3 (gate, down, up)
+        t = {k: v for k, v in t.items() if ".mlp." not in k}
+        for i in range(cfg["num_hidden_layers"]):
+            t[f"{L}{i}.block_sparse_moe.gate.weight"] = torch.randn(4, 256).bfloat16() * 0.02
+            for e in range(4):
+                for w, shape in (("w1", (512, 256)), ("w2", (256, 512)), ("w3", (512, 256))):
+                    t[f"{L}{i}.block_sparse_moe.experts.{e}.{w}.weight"] = torch.randn(*shape).bfloat16() * 0.02
+    return _with_norms(write_checkpoint(tmp / family, t, cfg), rels, biases)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +84,7 @@ def outputs(tmp_path_factory):
         ("llama3-W4A16", llama3, "W4A16"),
         ("tied-FP8_DYNAMIC", tied, "FP8_DYNAMIC"),
         ("moe-W4A16", moe_checkpoint(tmp), "W4A16"),
+        *((f"{family}-W4A16", _family_checkpoint(tmp, family), "W4A16") for family in FAMILY_LAYERS),
     ):
         api.quantize(src, tmp / name, scheme, device="cpu")
         out[name] = tmp / name
@@ -70,7 +115,7 @@ def errors_of(path: Path) -> list[tuple[str, str]]:
     return [(p.tensor, p.message.split(":")[0]) for p in expected_problems(ckpt, modules_of(ckpt)) if p.severity == "error"]
 
 
-@pytest.mark.parametrize("name", ["llama-W4A16", "llama-NVFP4A16", "llama3-W4A16", "tied-FP8_DYNAMIC", "moe-W4A16"])
+@pytest.mark.parametrize("name", ["llama-W4A16", "llama-NVFP4A16", "llama3-W4A16", "tied-FP8_DYNAMIC", "moe-W4A16", *(f"{f}-W4A16" for f in FAMILY_LAYERS)])
 def test_correct_outputs_pass(outputs, name):
     """No false failure: every correct output passes verify, with ctconvert's records and as a foreign checkpoint."""
     for path in (outputs[name], outputs[name + "-foreign"]):
@@ -104,6 +149,37 @@ DAMAGES = {
         None,
         [(f"{L}{i}.mlp.down_proj.bias", "extra") for i in range(3)],
     ),
+    # every layer alike, wrong in each (the trial's: vLLM 0.33 rejects each, the layer-alike rule saw none)
+    "o_proj-all": ("llama-W4A16", [f"{L}{i}.self_attn.o_proj." for i in range(2)], None, None, [(f"{L}0.self_attn.o_proj.weight", "missing")]),
+    "norm-all": ("llama-W4A16", [f"{L}{i}.post_attention_layernorm." for i in range(2)], None, None, [(f"{L}0.post_attention_layernorm.weight", "missing")]),
+    "k_norm-all": ("llama-W4A16", [], {f"{L}{i}.self_attn.k_norm.weight": _bias(64) for i in range(2)}, None, [(f"{L}0.self_attn.k_norm.weight", "extra")]),
+    "extra_scale-all": ("llama-W4A16", [], {f"{L}{i}.self_attn.extra_scale": _bias(8) for i in range(2)}, None, [(f"{L}0.self_attn.extra_scale", "extra")]),
+    "extra_scale-l0": ("llama-W4A16", [], {f"{L}0.self_attn.extra_scale": _bias(8)}, None, [(f"{L}0.self_attn.extra_scale", "extra")]),
+    "gemma-k_norm-all": ("gemma3_text-W4A16", [f"{L}{i}.self_attn.k_norm." for i in range(2)], None, None, [(f"{L}0.self_attn.k_norm.weight", "missing")]),
+    "qwen3-q_norm": ("qwen3-W4A16", [f"{L}1.self_attn.q_norm."], None, None, [(f"{L}1.self_attn.q_norm.weight", "missing")]),
+    "qwen2-k_bias-all": (
+        "qwen2-W4A16",
+        [f"{L}{i}.self_attn.k_proj.bias" for i in range(2)],
+        None,
+        None,
+        [(f"{L}{i}.self_attn.k_proj.bias", "missing") for i in range(2)],
+    ),
+    "layer-gone": ("llama-W4A16", [f"{L}1."], None, None, [(f"{L}1", "missing")]),
+    "expert-renamed": (
+        "moe-W4A16",
+        [],
+        None,
+        {f"{L}0.mlp.experts.1.up_proj.{p}": f"{L}0.mlp.experts.1.upp_proj.{p}" for p in ("weight_packed", "weight_scale", "weight_shape")},
+        [(f"{L}0.mlp.experts.1.upp_proj.weight", "extra"), (f"{L}0.mlp.experts.1.up_proj.weight", "missing")],
+    ),
+    "mixtral-w2": ("mixtral-W4A16", [f"{L}0.block_sparse_moe.experts.3.w2."], None, None, [(f"{L}0.block_sparse_moe.experts.3.w2.weight", "missing")]),
+    "mixtral-router-all": (
+        "mixtral-W4A16",
+        [f"{L}{i}.block_sparse_moe.gate." for i in range(2)],
+        None,
+        None,
+        [(f"{L}{i}.block_sparse_moe.gate.weight", "missing") for i in range(2)],
+    ),
     "renamed": (
         "llama3-W4A16",
         [],
@@ -122,7 +198,7 @@ def test_damages_fail(outputs, damage):
     assert sorted(errors_of(path)) == sorted(want)
     rep = api.verify(path)
     assert not rep["ok"]
-    assert {p["tensor"] for p in rep["problems"] if p["severity"] == "error"} >= {t for t, _ in want}
+    assert {p.get("tensor") for p in rep["problems"] if p["severity"] == "error"} >= {t for t, _ in want}
 
 
 def test_cli_names_file_and_tensor(outputs):
@@ -131,7 +207,8 @@ def test_cli_names_file_and_tensor(outputs):
     r = CliRunner().invoke(main, ["verify", str(path)])
     assert r.exit_code == 5, r.output
     line = next(x for x in r.output.splitlines() if "post_attention_layernorm" in x)
-    assert f"{path / 'model.safetensors'}: {L}1.post_attention_layernorm.weight: missing: 1 layer (1) of the 2 decoder layers lack" in line
+    want = f"{L}1.post_attention_layernorm.weight: missing: 1 decoder layer (1) of 2 lacks post_attention_layernorm.weight"
+    assert f"{path / 'model.safetensors'}: {want}" in line
 
 
 def test_unknown_family_is_not_judged(outputs):
@@ -167,3 +244,46 @@ def test_expert_rule_fused_and_per_expert():
     per = _params([f"{L}0.mlp.experts.{e}.{p}.weight" for e in range(3) for p in ("w1", "w2", "w3") if (e, p) != (1, "w2")])
     assert [p.tensor for p in expert_problems(per, {"model_type": "unknown"}, lambda n: "f", False)] == [f"{L}0.mlp.experts.1.w2.weight"]
     assert expert_problems(_params([f"{L}0.mlp.experts.{e}.w1.weight" for e in range(2)]), {"model_type": "unknown"}, lambda n: "f", False) == []
+
+
+def test_rope_buffers_pass(outputs):
+    """RoPE buffers an old checkpoint saved in every layer (vLLM 0.33 utils.py AutoWeightsLoader drops them) are no error."""
+    add = {f"{L}{i}.self_attn.rotary_emb.{b}": torch.ones(32) for i in range(2) for b in ("inv_freq", "cos_cached", "sin_cached")}
+    path = damaged(outputs["llama-W4A16"], outputs["tmp"] / "rope", add=add)
+    assert errors_of(path) == []
+    assert api.verify(path)["ok"]
+
+
+def test_layer_rule_message_agrees():
+    """Two layers that disagree (a family without a parameter set): the count agrees with its verb, the holder is named a layer."""
+    names = [f"{L}0.input_layernorm.weight", f"{L}0.self_attn.q_proj.weight", f"{L}1.self_attn.q_proj.weight"]
+    (p,) = layer_problems(_params(names), L, 2, lambda n: "f")
+    assert p.message.startswith("missing: 1 layer (1) of the 2 decoder layers lacks input_layernorm.weight, which layer 0 holds (or that holds it extra)")
+
+
+def test_expert_rule_minority_is_the_stray():
+    """One expert's projection renamed, in a family without a set: that expert holds an extra and lacks the other's name;
+    no other expert is blamed, and no message doubles a word."""
+    names = [f"{L}0.mlp.experts.{e}.{p}.weight" for e in range(8) for p in ("w1", "w2", "w3")]
+    names = [n.replace("experts.1.w3", "experts.1.w33") for n in names]
+    found = expert_problems(_params(names), {"model_type": "unknown"}, lambda n: "f", False)
+    assert [(p.tensor, p.message.split(":")[0]) for p in found] == [
+        (f"{L}0.mlp.experts.1.w3.weight", "missing"),
+        (f"{L}0.mlp.experts.1.w33.weight", "extra"),
+    ]
+    assert all("hold hold" not in p.message for p in found)
+    assert "which the other experts of this block hold:" in found[0].message
+
+
+def test_set_rule_dense_and_sparse_layers():
+    """Qwen3-MoE: a layer in mlp_only_layers builds a dense MLP, the others the sparse block (qwen3_moe.py); each is
+    judged against its own kind; a whole layer missing below num_hidden_layers is one error."""
+    cfg = {"num_experts": 2, "mlp_only_layers": [0], "decoder_sparse_step": 1}
+    common = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    common += [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+    dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    sparse = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}_proj.weight" for e in range(2) for p in ("gate", "up", "down")]
+    names = [f"{L}0.{r}" for r in common + dense] + [f"{L}1.{r}" for r in common + sparse] + [f"{L}2.{r}" for r in common + dense]
+    found = [(p.tensor, p.message.split(":")[0]) for p in set_problems(_params(names), L, "qwen3_moe", cfg, 4, lambda n: "f")]
+    assert found == [(f"{L}3", "missing"), (f"{L}2.mlp.gate.weight", "missing"), (f"{L}2.mlp.down_proj.weight", "extra"),
+                     (f"{L}2.mlp.gate_proj.weight", "extra"), (f"{L}2.mlp.up_proj.weight", "extra")]  # fmt: skip

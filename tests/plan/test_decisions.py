@@ -314,7 +314,9 @@ def test_a_recipes_ignore_may_name_an_expert_split_from_fused_experts(tmp_path):
     the plan and written to the config anyway, beside the expert's quantized tensors: verify refused the output)."""
     from ctconvert import api
 
-    ck = _gpt_oss(tmp_path)
+    rest = {f"model.layers.{i}.self_attn.{p}_proj.{w}": bf(H, H) if w == "weight" else bf(H) for i in range(2) for p in "kvo" for w in ("weight", "bias")}
+    rest |= {f"model.layers.{i}.{n}_layernorm.weight": bf(H) for i in range(2) for n in ("input", "post_attention")}
+    ck = _gpt_oss(tmp_path, **rest)  # every parameter of gpt_oss.py's TransformerBlock: verify judges each layer's set
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
         "quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n"
