@@ -304,7 +304,7 @@ def _verify_dense(ckpt: Checkpoint, mods: dict, path: Path, reference, progress)
                 )
     problems += [_error("tensor of the reference is missing", tensor=n) for n in ref.tensors if n not in ckpt.tensors]
     checks = ["folder (index, shards, duplicates)", "NaN/inf", "every tensor's values against the reference (dense)", _FILES_CHECK]
-    return _report(path, reference, problems, rows, checked=_checked(ckpt, checks, len(rows)))
+    return _report(path, reference, with_files(problems, ckpt, mods), rows, checked=_checked(ckpt, checks, len(rows)))  # each named with its shard
 
 
 def _dense_row(name: str, info, src, limit: float) -> dict:

@@ -182,6 +182,7 @@ def test_verify_of_a_dense_output_is_exact_in_the_same_dtype(tiny_llama, tmp_pat
     rep = api.verify(d, tiny_llama)
     bad = [p for p in rep["problems"] if p["tensor"] == "model.layers.0.input_layernorm.weight"]
     assert not rep["ok"] and len(bad) == 1 and "same dtype BF16: must be equal" in bad[0]["message"]
+    assert bad[0]["file"] == str(d / "model.safetensors")  # named with its shard, as every other error of a tensor
 
 
 def test_verify_of_a_dense_output_against_its_quantized_source_is_exact(tiny_llama, tmp_path):
