@@ -223,25 +223,37 @@ def _file_namer(ckpt: Checkpoint, params: dict[str, str]):
     else:
         fallback = str(ckpt.files[0]) if len(ckpt.files) == 1 else str(ckpt.path)
 
+    below: dict[str, str] = {}  # module prefix -> the shard of the first stored tensor below it (made at the first miss)
+
     def file_of(name: str) -> str:
         info = ckpt.tensors.get(params.get(name, name))
+        if info is not None:
+            return str(info.file)
+        if not below:  # once, not a scan of every tensor per missing name (a MoE's errors can number thousands)
+            for t in params.values():
+                prefix = t
+                while "." in prefix:
+                    prefix = prefix.rpartition(".")[0]
+                    below.setdefault(prefix, str(ckpt.tensors[t].file))
         prefix = name
-        while info is None and "." in prefix:
+        while "." in prefix:
             prefix = prefix.rpartition(".")[0]
-            info = next((ckpt.tensors[t] for t in params.values() if t.startswith(prefix + ".")), None)
-        return str(info.file) if info is not None else fallback
+            if prefix in below:
+                return below[prefix]
+        return fallback
 
     return file_of
 
 
-def _layers(params: dict[str, str], stack: str, n: int | None) -> dict[int, set[str]]:
-    """Decoder layer -> its parameters' names relative to it, per-expert indices as ``*`` (below ``n`` when given)."""
+def _layers(params: dict[str, str], stack: str, n: int | None) -> dict[int, dict[str, list[str]]]:
+    """Decoder layer -> its parameters' names relative to it, per-expert indices as ``*`` (below ``n`` when given), each
+    with the parameter names it stands for (one, or one per expert)."""
     pat = re.compile(re.escape(stack) + r"(\d+)\.(.+)$")
-    out: dict[int, set[str]] = {}
+    out: dict[int, dict[str, list[str]]] = {}
     for name in params:
         m = pat.match(name)
         if m and (n is None or int(m[1]) < n):
-            out.setdefault(int(m[1]), set()).add(_PER_EXPERT.sub(r"\1experts.*.", m[2]))
+            out.setdefault(int(m[1]), {}).setdefault(_PER_EXPERT.sub(r"\1experts.*.", m[2]), []).append(name)
     return out
 
 
@@ -304,12 +316,7 @@ def set_problems(params: dict[str, str], stack: str, family: str, cfg: dict, n: 
     is missing (unless ``fragment``: decoder layers only). Not judged here: the q/k/v/o and dense-MLP biases the bias
     rule judges, the experts' projections (the expert rule's: missing per expert, here only names outside the set),
     a fused expert block, tensors in ``skip`` (another rule's), layers at or past ``n`` (MTP)."""
-    pat = re.compile(re.escape(stack) + r"(\d+)\.(.+)$")
-    held: dict[int, dict[str, list[str]]] = {}  # layer -> relative parameter (experts as *) -> its stored names
-    for name in params:
-        m = pat.match(name)
-        if m and (n is None or int(m[1]) < n):
-            held.setdefault(int(m[1]), {}).setdefault(_PER_EXPERT.sub(r"\1experts.*.", m[2]), []).append(name)
+    held = _layers(params, stack, n)  # layer -> relative parameter (experts as *) -> its stored names
     if not held:
         return []
     where, rule = f"vLLM 0.33 {LAYER_FILES[family]}", _BIASES.get(family)
