@@ -71,7 +71,8 @@ class BatchResult:
     device, or on the CPU for a format's host-made outputs such as ``weight_shape``); ``global_scales``: each
     member's NVFP4 global scale ``[1]`` (its unit's; None for other schemes); ``scales``: the stacked
     ``weight_scale`` the quantizer returned (what the zero-row scan reads; None where it returned none);
-    ``set_amax``: each member's unit's absmax ``[1]`` that its global scale came from (None for other schemes)."""
+    ``set_amax``: each member's unit's absmax ``[1]`` that its global scale came from (None for other schemes);
+    ``unit_scales`` and ``unit_amax``: the same per unit, fp32 ``[B]`` (None for other schemes)."""
 
     amax: torch.Tensor
     prefixes: list[str]
@@ -79,6 +80,8 @@ class BatchResult:
     global_scales: list = None
     scales: torch.Tensor | None = None
     set_amax: list = None
+    unit_scales: torch.Tensor | None = None
+    unit_amax: torch.Tensor | None = None
 
     def writes(self) -> list[tuple[str, list[str], torch.Tensor]]:
         """``(output name, the members' tensor names, the stacked tensor)`` per output name."""
@@ -177,7 +180,7 @@ def quantize_batch(units: list[WorkUnit], infos: list[list[TensorInfo]], x: torc
     per_member_gs = [gs[j // m : j // m + 1] if gs is not None else None for j in range(b * m)]
     per_member_amax = [unit_amax[j // m : j // m + 1] if unit_amax is not None else None for j in range(b * m)]
     scales = outputs["weight_scale"] if "weight_scale" in quantized else None
-    return BatchResult(amax, prefixes, outputs, per_member_gs, scales, per_member_amax)
+    return BatchResult(amax, prefixes, outputs, per_member_gs, scales, per_member_amax, gs, unit_amax)
 
 
 def warm_batch(scheme, info: TensorInfo, rows: int, impl: str, device: torch.device) -> None:

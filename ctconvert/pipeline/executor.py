@@ -71,6 +71,7 @@ from .batches import BatchError, batch_infos, batch_nbytes, batch_values, member
 from .buffers import ByteBudget, PinnedPool
 from .calibrated import CalibratedWrites
 from .casting import cast_chunk
+from .graphs import BatchGraphs, graphs_default
 from .nonfinite import DeviceFlags, copy_nonfinite, raise_nonfinite, read_copies
 from .readahead import READ_AHEAD_BYTES, WindowReadAhead, unit_pieces
 from .reads import COPY_CHUNK_BYTES, Read, make_reads, split_units, unit_bytes, warm_up_shapes
@@ -168,6 +169,7 @@ class Executor:
         self.calibrated = CalibratedWrites(opts.calibrated, defer=opts.repack is None)  # written later when not known yet
         self.flags = DeviceFlags(ckpt.tensors, len(plan.units))  # GPU: the NaN/inf flags of each unit, read behind events
         self.warm: WarmUp | None = None  # GPU: the warm-up (what it launched, why it stopped early)
+        self.graphs = BatchGraphs(self.dev, opts.impl, opts.zeros is not None, ready=self._warm_done) if self.cuda and graphs_default() else None
 
     # -- writing (threads of their own: output bytes go to disk while the next chunks compute) --
     def _writer(self) -> None:
@@ -297,6 +299,9 @@ class Executor:
         self.warm = WarmUp(self.ckpt, self.plan, self.opts, self.dev)
         return self.warm.start()
 
+    def _warm_done(self) -> bool:
+        return self.warm is None or self.warm.done
+
     def run(self) -> None:
         """Run the plan (the threads of the module docstring); the page-cache read-ahead and the region cache of fused
         experts (:data:`~ctconvert.checkpoint.safetensors_io.REGIONS`) live as long as the run."""
@@ -407,16 +412,42 @@ class Executor:
 
     def _handle_batch(self, job: Read, data: torch.Tensor) -> None:
         """A batch of small units (:mod:`.batches`): one host-to-device copy, one absmax and scale computation, one
-        NaN/inf flag (on a GPU read behind an event, as a unit's), one zero-row scan and one staging copy."""
+        NaN/inf flag (on a GPU read behind an event, as a unit's), one zero-row scan and one staging copy; on a GPU,
+        a batch of a kind seen before is one replay of its captured device work (:mod:`.graphs`)."""
         units = [self.plan.units[u] for u in job.units]
         infos = batch_infos(self.ckpt.tensors, units)
+        got = self.graphs.run(units, infos, data) if self.graphs is not None else None
+        if got is None:
+            res = self._batch_eager(job, units, infos, data)
+        else:
+            self._release(data)
+            res, ok, mask = got
+            self.flags.add_stacked(job.unit, _flat(infos), res.amax, self.stream, ok=ok)
+            self.flags.resolve()
+            if self.opts.zeros is not None and mask is not None:
+                self.opts.zeros.observe_mask(_flat(infos), mask, units[0].scheme, res.global_scales, res.set_amax)
+        rows = res.writes()
+        if self.cuda:
+            staged, ev, reserved = self._stage([t for _, _, t in rows])
+        else:
+            staged, ev, reserved = [host_bytes(t) for _, _, t in rows], None, None
+        self._write_many(member_writes(rows, staged), ev, reserved=reserved)
+        self._progress(sum(i.nbytes for unit in infos for i in unit))
+
+    def _release(self, data: torch.Tensor) -> None:
+        """GPU: hand a pinned read buffer back to the pool once the copies queued from it so far are done."""
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        self.pool.put(data, ev)
+
+    def _batch_eager(self, job: Read, units: list, infos: list, data: torch.Tensor):
+        """A batch's device work launched op by op (:func:`~.batches.quantize_batch`), its flags and zero-row scan
+        queued: its :class:`~.batches.BatchResult`."""
         first = infos[0][0]
         n = batch_nbytes(infos)
         x = batch_values(infos, data[:n].to(self.dev, non_blocking=True) if self.cuda else data[:n])
         if self.cuda:
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-            self.pool.put(data, ev)
+            self._release(data)
         try:
             res = quantize_batch(units, infos, x, self.opts.impl, check_now=not self.cuda)
         except BatchError as e:
@@ -432,14 +463,7 @@ class Executor:
             self.flags.resolve()
         if self.opts.zeros is not None:
             self.opts.zeros.observe_stacked(members, x.reshape(len(members), *first.shape), res.scales, units[0].scheme, res.global_scales, res.set_amax)
-        rows = res.writes()
-        if self.cuda:
-            staged, ev, reserved = self._stage([t for _, _, t in rows])
-        else:
-            staged, ev, reserved = [host_bytes(t) for _, _, t in rows], None, None
-        writes = member_writes(rows, staged)
-        self._write_many(writes, ev, reserved=reserved)
-        self._progress(sum(i.nbytes for i in members))
+        return res
 
     def _copy_write(self, ui: int, start: int, data: torch.Tensor, bad: bool) -> tuple[str, torch.Tensor, int]:
         """The write ``(name, bytes, position)`` of copied bytes ``data`` read from byte ``start`` of unit ``ui``'s tensor,

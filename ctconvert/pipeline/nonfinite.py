@@ -77,12 +77,13 @@ class DeviceFlags:
         ev.record(stream)
         self.pending.append((ui, amax, list(checks), sources, ev))
 
-    def add_stacked(self, ui: int, infos: list[TensorInfo], amax: torch.Tensor, stream) -> None:
+    def add_stacked(self, ui: int, infos: list[TensorInfo], amax: torch.Tensor, stream, ok: torch.Tensor | None = None) -> None:
         """Flag ``ui`` for a batch of tensors: finite iff every value of ``amax`` (fp32 ``[n]``, the absmax of each of
-        ``infos``, in order) is; one reduction, and the first non-finite one is named when the flag is read."""
+        ``infos``, in order) is; one reduction (``ok``: bool ``[1]``, that reduction done already, on the device), and
+        the first non-finite one is named when the flag is read."""
         if self.host is None:
             self.host = torch.ones(self.units, dtype=torch.bool, pin_memory=True)
-        self.host[ui : ui + 1].copy_(torch.isfinite(amax).all().reshape(1), non_blocking=True)
+        self.host[ui : ui + 1].copy_(torch.isfinite(amax).all().reshape(1) if ok is None else ok, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record(stream)
         self.pending.append((ui, None, (infos, amax), [], ev))

@@ -39,6 +39,7 @@ class WarmUp:
     def __init__(self, ckpt, plan, opts, dev: torch.device):
         self.ckpt, self.plan, self.opts, self.dev = ckpt, plan, opts, dev
         self.warmed, self.error = 0, None
+        self.done = False  # the thread's work is over (a CUDA graph may be captured: .graphs)
 
     def start(self) -> threading.Thread:
         t = threading.Thread(target=self._work, daemon=True, name="ctconvert-warmup")
@@ -60,3 +61,5 @@ class WarmUp:
                     self.warmed += 1
         except Exception as e:  # noqa: BLE001 - kept for --debug and tests; the real launch reports its own errors
             self.error = e
+        finally:
+            self.done = True

@@ -190,12 +190,19 @@ class ZeroTracker:
         if mask is None:
             return
         if mask.device.type != "cpu":
-            with self.lock:
-                self.pending.setdefault(_key(mask.device), []).extend((info, 0, mask[j], scheme, gs[j], set_amax[j]) for j, info in enumerate(infos))
+            self.observe_mask(infos, mask, scheme, gs, set_amax)
             return
         for j in mask.numpy().any(axis=1).nonzero()[0].tolist():
             idx = mask[j].nonzero().flatten()
             self._examine(infos[j], idx, w[j][idx], scheme, gs[j], set_amax[j])
+
+    def observe_mask(self, infos: list[TensorInfo], mask: torch.Tensor, scheme, gs: list, set_amax: list | None = None) -> None:
+        """:meth:`observe_stacked` with the candidates already found on a device (:func:`stacked_candidates`: bool
+        ``[n, R]``, a replayed batch's, :mod:`.graphs`): kept, with each one's ``gs`` and ``set_amax``, until
+        :meth:`resolve`."""
+        set_amax = set_amax or [None] * len(infos)
+        with self.lock:
+            self.pending.setdefault(_key(mask.device), []).extend((info, 0, mask[j], scheme, gs[j], set_amax[j]) for j, info in enumerate(infos))
 
     def resolve(self, device: torch.device) -> None:
         """Examine the candidate rows the chunks on ``device`` left (after the device is synchronized)."""
