@@ -274,7 +274,9 @@ class WeightFormat:
     ``name``: the :class:`CompressionFormat`; ``required``: tensors a reader needs (local names);
     ``needs_global_scale``: one absmax over the fused set before any chunk is quantized;
     ``writes``: whether ctconvert quantizes into it (``naive-quantized`` is read only); ``takes_ranges``:
-    whether :meth:`quantize` takes an observer's ``ranges`` (:mod:`.observers`).
+    whether :meth:`quantize` takes an observer's ``ranges`` (:mod:`.observers`); ``reads_back``: whether its
+    quantizer reads a device value back to the host on a GPU (an overflow check that raises at once), so that its
+    launches cannot be captured as a CUDA graph (:mod:`ctconvert.pipeline.graphs`).
     """
 
     name: CompressionFormat
@@ -282,6 +284,7 @@ class WeightFormat:
     needs_global_scale = False
     writes = True
     takes_ranges = False
+    reads_back = False
 
     # -- shapes ------------------------------------------------------------------
     def outputs(self, shape: tuple[int, int], dtype: torch.dtype, args: WeightArgs) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

@@ -256,6 +256,7 @@ class MXFP4PackQuantized(_FP4):
     (docs/compressed-tensors-format.md §4.5; OCP Microscaling Formats v1.0)."""
 
     name = CompressionFormat.MXFP4_PACK_QUANTIZED
+    reads_back = True  # the power of two's overflow (formats/gpu.py: _fp4, formats/mx.py: mx_scale)
     required = ("weight_packed", "weight_scale")
 
     def outputs(self, shape, dtype, args):

@@ -196,6 +196,7 @@ class MXFP8Quantized(WeightFormat):
     ``compressors/mxfp8/base.py``; vLLM 0.33 ``CompressedTensorsW8A8Mxfp8``)."""
 
     takes_ranges = True
+    reads_back = True  # the power of two's overflow (formats/mx.py: mx_scale)
 
     name = CompressionFormat.MXFP8_QUANTIZED
     required = ("weight", "weight_scale")

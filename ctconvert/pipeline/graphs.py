@@ -107,11 +107,14 @@ class BatchGraphs:
     def run(self, units, infos: list[list[TensorInfo]], data: torch.Tensor):
         """Replay the batch of ``units`` (their members ``infos``) on its bytes ``data`` (pinned host uint8, at least
         :func:`~.batches.batch_nbytes`): :meth:`Captured.result`, or None where this batch runs eagerly (its key's
-        first, a failed capture, the warm-up still running, :data:`GRAPH_LIMIT` kinds captured). The copy of ``data``
+        first, a failed capture, the warm-up still running, :data:`GRAPH_LIMIT` kinds captured, a format whose quantizer
+        reads a value back: ``WeightFormat.reads_back``). The copy of ``data``
         is queued on the current stream (record its event after this call)."""
         key = graph_key(units, infos)
         got = self.graphs.get(key)
         if got is None:
+            if units[0].scheme.weight_format.reads_back:  # its overflow check raises at once: never captured
+                return None
             if key in self.failed or key not in self.seen or len(self.graphs) >= self.limit or not self.ready():
                 self.seen.add(key)
                 return None
