@@ -77,13 +77,14 @@ class Captured:
         n = b * m
         gs = side[n : n + b] if self.res.unit_scales is not None else None
         ua = side[n + b :] if gs is not None else None
+        each = self.masked and gs is not None  # each member's share: only the zero-row scan reads it
         res = BatchResult(
             side[:n],
             [unit.modules[mm] + "." for unit in units for mm in range(m)],
             self.res.outputs,
-            [gs[j // m : j // m + 1] if gs is not None else None for j in range(n)],
+            [gs[j // m : j // m + 1] for j in range(n)] if each else [None] * n,
             self.res.scales,
-            [ua[j // m : j // m + 1] if ua is not None else None for j in range(n)],
+            [ua[j // m : j // m + 1] for j in range(n)] if each else [None] * n,
             gs,
             ua,
         )
