@@ -109,7 +109,8 @@ class DeviceFlags:
 def raise_nonfinite(info: TensorInfo, only_if_found: bool = False, what: str = "weight", action: str = "refusing to quantize") -> None:
     """Find the first NaN/inf of a tensor (re-reading it on the CPU) and raise a one-line error. A weight dequantized
     from stored tensors (``info.virtual``: an FP8 weight and its ``weight_scale_inv``, say) names the stored tensor
-    that holds the NaN/inf, where one does, rather than the weight computed from it."""
+    that holds the NaN/inf, where one does, else a stored ``*global_scale`` of 0 that it is divided by (a finite value
+    that makes the weight's values NaN/inf), rather than the weight computed from them."""
     if info.virtual is not None:
         for part in info.virtual.stored():
             total, first, kind = _scan(part)
@@ -121,6 +122,14 @@ def raise_nonfinite(info: TensorInfo, only_if_found: bool = False, what: str = "
                     else (f"stored tensor {_count(total, kind, first, part)}: {info.name} is dequantized from it")
                 )
                 raise BadInputError(f"{msg}; {action}", file=str(part.file), tensor=part.name)
+        for part in info.virtual.stored():  # finite, but a divisor of zero: compressed-tensors' NVFP4 divides by it
+            if part.name.endswith("global_scale") and any(bool((w == 0).any()) for _, w in iter_row_chunks(part)):
+                raise BadInputError(
+                    f"stored tensor is 0: {info.name} is dequantized by dividing its weight_scale by it (compressed-tensors "
+                    f"0.20 nvfp4 decompress), which gives non-finite values; {action}",
+                    file=str(part.file),
+                    tensor=part.name,
+                )
     total, first, kind = _scan(info)
     if total == 0 and only_if_found:
         return

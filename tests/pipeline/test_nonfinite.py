@@ -10,7 +10,7 @@ from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.errors import BadInputError
 from ctconvert.pipeline.nonfinite import raise_nonfinite
 
-from conftest import write_checkpoint
+from conftest import cuda_params, write_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -86,3 +86,31 @@ def test_read_copies_flags_the_tensors_a_scan_of_each_flags(tmp_path, poison, ba
         assert torch.equal(data, read_bytes(info, 0, info.nbytes)) and b == copy_nonfinite(info, read_bytes(info, 0, info.nbytes), native_checks)
     gates = [i for i in infos if i.name.endswith("gate_proj.bias")]  # the up half of each region is asked for by none
     assert not any(b for _, b in read_copies(gates, native_checks)) or any("gate_proj" in n for n in bad)
+
+
+@pytest.mark.parametrize("device", cuda_params())
+def test_an_nvfp4_sources_zero_global_scale_is_named_not_its_non_finite_weight(tmp_path, device):
+    """compressed-tensors' NVFP4 divides ``weight_scale`` by ``weight_global_scale``: a stored 0 (finite itself) makes
+    the dequantized weight NaN/inf, and the error names the 0 and the division, not "N non-finite values". Another
+    member's finite scale still converts; nothing is written."""
+    from safetensors.torch import load_file, save_file
+
+    from ctconvert import api
+
+    from conftest import LLAMA_CONFIG, llama_tensors
+
+    src = write_checkpoint(tmp_path / "m", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG)
+    api.quantize(src, tmp_path / "nv", "NVFP4A16", device=device)
+    name = "model.layers.0.self_attn.k_proj.weight_global_scale"
+    for f in (tmp_path / "nv").glob("*.safetensors"):
+        t = load_file(f)
+        if name in t:
+            t[name] = torch.zeros_like(t[name])
+            save_file(t, f, metadata={"format": "pt"})
+            shard = f
+    with pytest.raises(BadInputError) as e:
+        api.quantize(tmp_path / "nv", tmp_path / "out", "W4A16", device=device)
+    msg = str(e.value)
+    assert f"{shard}: tensor '{name}': stored tensor is 0: model.layers.0.self_attn.k_proj.weight is dequantized by dividing" in msg
+    assert "non-finite values;" in msg and "holds" not in msg and "\n" not in msg
+    assert not (tmp_path / "out").exists()
