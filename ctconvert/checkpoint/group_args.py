@@ -39,7 +39,8 @@ def group_arg_problems(qcfg: dict, file: str | None = None) -> list[Problem]:
     """An error for each config group whose weight arguments contradict its format where no tensor can (their shapes
     and dtypes are the format's either way): a weight ``type`` the format does not store (:data:`_FORMAT_TYPE`),
     ``dynamic`` weights (stored weights are quantized once, not at run time), NVFP4 weights without the arguments
-    vLLM recognises it by (:data:`_NVFP4_ARGS`). ``file``: the config's path, named in each error."""
+    vLLM recognises it by (:data:`_NVFP4_ARGS`; a ``strategy`` and ``group_size`` that contradict each other are
+    :func:`strategy_problems`' error, not said twice). ``file``: the config's path, named in each error."""
     out = []
     groups = qcfg.get("config_groups")
     for name, g in (groups if isinstance(groups, dict) else {}).items():
@@ -52,8 +53,9 @@ def group_arg_problems(qcfg: dict, file: str | None = None) -> list[Problem]:
             bad.append(f"type {w.get('type')!r} ({fmt} stores {want} codes)")
         if w.get("dynamic", False) is not False:
             bad.append(f"dynamic {w.get('dynamic')!r} (stored weights are quantized once: false)")
-        if fmt == CompressionFormat.NVFP4_PACK_QUANTIZED.value:
-            bad += [f"{k} {w.get(k)!r} (NVFP4: {v!r})" for k, v in _NVFP4_ARGS.items() if w.get(k) != v]
+        if fmt == CompressionFormat.NVFP4_PACK_QUANTIZED.value:  # a strategy contradicting its group_size: strategy_problems says it
+            said = ("strategy", "group_size") if strategy_conflict(w) is not None else ()
+            bad += [f"{k} {w.get(k)!r} (NVFP4: {v!r})" for k, v in _NVFP4_ARGS.items() if w.get(k) != v and k not in said]
         if bad:
             out.append(Problem("error", f"config group {name!r}: weights {'; '.join(bad)}: vLLM would load these tensors otherwise or refuse them", file))
     return out

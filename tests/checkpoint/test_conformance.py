@@ -401,6 +401,22 @@ def test_weight_arguments_the_format_contradicts_fail_verify_without_a_record(ti
     assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 5
 
 
+def test_an_nvfp4_strategy_contradicting_its_group_size_is_said_once(tiny_llama, tmp_path):
+    """``strategy: channel`` over NVFP4's groups of 16: the strategy error (what the scales hold) is the group's one
+    config error; the NVFP4-arguments error does not say the strategy again, but still says another argument edited
+    beside it."""
+    out = tmp_path / "o"
+    api.quantize(tiny_llama, out, "NVFP4A16")
+    for edit, others in (({"strategy": "channel"}, []), ({"strategy": "channel", "symmetric": False}, ["symmetric False (NVFP4: True)"])):
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["quantization_config"]["config_groups"]["group_0"]["weights"].update({"strategy": "tensor_group", "symmetric": True, **edit})
+        save_config(out, cfg)
+        errors = [p["message"] for p in api.verify(out)["problems"] if p["severity"] == "error" and "config group 'group_0'" in p["message"]]
+        assert len(errors) == 1 + len(others), errors
+        assert sum("strategy 'channel' with group_size 16" in e for e in errors) == 1 and "NVFP4: 'tensor_group'" not in " ".join(errors)
+        assert all(any(o in e for e in errors) for o in others)
+
+
 def test_a_weight_shape_of_another_dtype_is_the_one_error_of_its_module(tiny_llama, tmp_path):
     """The trial's weight_shape stored F64: every other part was compared with the dense shape read from it ([0, 0])
     and failed too, and an 'every quantized value is zero' warning followed. Now the weight_shape alone is the error, and
