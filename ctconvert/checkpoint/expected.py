@@ -31,15 +31,18 @@ each family's vLLM 0.33 file, ``vllm/model_executor/models/``); every other fami
   router beside its experts (``gate``; ``router`` for gpt-oss) and the experts beside its router.
 - **Biases against the config** (:data:`_BIASES`): where the family's vLLM file reads the attention or MLP bias from
   the config (or fixes it), each stored q/k/v/o (and llama's gate/up/down) projection holds a bias exactly when it
-  says so (llama.py ``LlamaModel``: ``attention_bias`` or ``bias``, ``qkv_bias`` for q/k/v, ``mlp_bias``; qwen2.py
-  and qwen2_moe.py: q/k/v always; qwen3.py, qwen3_moe.py, glm4_moe.py: ``attention_bias``; gemma3.py:
-  ``attention_bias`` for all four; gpt_oss.py: always; mixtral.py, deepseek_v2.py, olmoe.py: never).
+  says so (llama.py ``LlamaModel``, mistral.py and phi3.py too: ``attention_bias`` or ``bias``, ``qkv_bias`` for
+  q/k/v, ``mlp_bias``; Phi-3's fused ``qkv_proj``/``gate_up_proj`` as their members; qwen2.py and qwen2_moe.py: q/k/v
+  always; qwen3.py, qwen3_moe.py, glm4_moe.py: ``attention_bias``; gemma2.py, gemma3.py: ``attention_bias`` for all
+  four; gpt_oss.py: always; mixtral.py, deepseek_v2.py, olmoe.py: never).
 
 - **Each layer's parameters** (:func:`set_problems`): for the families of :data:`.layer_params.LAYER_FILES` (llama,
-  qwen2 and its VL models' text layers, qwen3, gemma3, mixtral, qwen2_moe, qwen3_moe, gpt_oss), every decoder layer
-  below ``num_hidden_layers`` holds exactly the parameters its vLLM 0.33 decoder layer builds
-  (:func:`.layer_params.layer_parameters`: that module names each file and class): one it lacks is missing, one it
-  stores that the layer has none for is extra, in one layer or in all (the layer-alike rule cannot see those), and a
+  mistral, phi3, qwen2 and its VL models' text layers, qwen3, gemma2, gemma3, mixtral, qwen2_moe, qwen3_moe,
+  deepseek_v2/v3 and kimi_k2 (MLA, no indexer: :func:`.layer_params.has_layer_set`), glm4_moe, olmoe, gpt_oss),
+  every decoder layer below ``num_hidden_layers`` holds exactly the parameters its vLLM 0.33 decoder layer builds
+  (:func:`.layer_params.layer_parameters`: that module names each file and class; a fused ``qkv_proj``/``gate_up_proj``
+  or its members, as the layer stores it, where the loader takes both): one it lacks is missing, one it stores that
+  the layer has none for is extra, in one layer or in all (the layer-alike rule cannot see those), and a
   layer storing nothing is missing; a checkpoint of decoder layers only is judged by the layer-alike rule. RoPE
   buffers vLLM drops (``utils.py`` ``AutoWeightsLoader`` ``REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER``) are left out by
   :func:`parameters`. These families skip the layer-alike rule.
@@ -56,7 +59,7 @@ from dataclasses import dataclass
 
 from ..errors import agree, plural
 from .families import FAMILIES, config_value, model_types
-from .layer_params import LAYER_FILES, layer_parameters
+from .layer_params import LAYER_FILES, has_layer_set, layer_parameters, stored_form
 from .modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module
 from .naming import dense_kind, natural_key
 from .reader import Checkpoint, Problem
@@ -100,10 +103,10 @@ class _Biases:
 
 #: model_type -> the biases its vLLM 0.33 file builds (module docstring: the files and the config keys they read)
 _BIASES = {
-    "llama": _Biases(_llama_qkv, _llama_o, _attr("mlp_bias")),
+    **dict.fromkeys(("llama", "mistral", "phi3"), _Biases(_llama_qkv, _llama_o, _attr("mlp_bias"))),
     **dict.fromkeys(("qwen2", "qwen2_vl", "qwen2_5_vl", "qwen2_moe"), _Biases(_always, _never)),
     **dict.fromkeys(("qwen3", "qwen3_moe", "glm4_moe"), _Biases(_attr("attention_bias"), _never)),
-    **dict.fromkeys(("gemma3", "gemma3_text"), _Biases(_attr("attention_bias"), _attr("attention_bias"))),
+    **dict.fromkeys(("gemma2", "gemma3", "gemma3_text"), _Biases(_attr("attention_bias"), _attr("attention_bias"))),
     "gpt_oss": _Biases(_always, _always),
     **dict.fromkeys(("mixtral", "deepseek_v2", "deepseek_v3", "kimi_k2", "olmoe"), _Biases(_never, _never)),
 }
@@ -144,8 +147,8 @@ _STACKS = ("model.layers.", "model.language_model.layers.", "language_model.mode
 _MLP_ROOTS = ("mlp", "block_sparse_moe", "feed_forward")
 _MOE_PART = re.compile(r"(^|\.)(experts|shared_experts?|router|gate|shared_expert_gate)\.")
 _PER_EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
-_ATTN_LEAF = re.compile(r"^self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
-_MLP_LEAF = re.compile(r"^mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+_ATTN_LEAF = re.compile(r"^self_attn\.(q_proj|k_proj|v_proj|qkv_proj|o_proj)\.(weight|bias)$")  # qkv_proj: Phi-3's fused
+_MLP_LEAF = re.compile(r"^mlp\.(gate_proj|up_proj|gate_up_proj|down_proj)\.(weight|bias)$")
 _FUSED_MEMBER = re.compile(r"^(gate_up_proj|down_proj)(_bias|\.bias|\.weight)?$")
 
 
@@ -210,7 +213,7 @@ def expected_problems(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem
             out.append(Problem("error", why, file_of(top + leaf), top + leaf))
     out += _bias_problems(params, stack, family, cfg, file_of) + _router_problems(params, stack, family, cfg, file_of)
     n = config_value(config, "num_hidden_layers")
-    if family in LAYER_FILES and not fragment:  # a slice of decoder layers (a test's, a shard's): alike only
+    if has_layer_set(family, cfg) and not fragment:  # a slice of decoder layers (a test's, a shard's): alike only
         return out + set_problems(params, stack, family, cfg, n, file_of, {p.tensor for p in out})
     return out + layer_problems(params, stack, n, file_of, {p.tensor for p in out})
 
@@ -331,6 +334,7 @@ def set_problems(params: dict[str, str], stack: str, family: str, cfg: dict, n: 
                 out.append(Problem("error", msg, file_of(name), name))
             continue
         want, delegated = layer_parameters(family, cfg, i)
+        want = stored_form(family, want, held[i])  # fused qkv_proj/gate_up_proj or their members, as stored
         for rel in sorted(want - set(held[i]), key=natural_key):
             if "*" not in rel and _name(stack, i, rel) not in skip:
                 missing.setdefault(rel, []).append(i)
@@ -386,17 +390,17 @@ def _bias_problems(params: dict[str, str], stack: str, family: str, cfg: dict, f
 def _wants_bias(rule: _Biases, leaf: re.Match, cfg: dict) -> bool | None:
     """Whether the family builds ``leaf``'s projection with a bias (None: not judged)."""
     member = leaf[1]
-    fn = rule.mlp if member in ("gate_proj", "up_proj", "down_proj") else rule.o if member == "o_proj" else rule.qkv
+    fn = rule.mlp if member in ("gate_proj", "up_proj", "gate_up_proj", "down_proj") else rule.o if member == "o_proj" else rule.qkv
     return None if fn is None else fn(cfg)
 
 
 def _bias_key(family: str, leaf: re.Match) -> str:
     """The config key the family's vLLM file reads for ``leaf``'s bias, for the message."""
-    if leaf[1] in ("gate_proj", "up_proj", "down_proj"):
+    if leaf[1] in ("gate_proj", "up_proj", "gate_up_proj", "down_proj"):
         return "mlp_bias"
-    if family == "llama":
+    if family in ("llama", "mistral", "phi3"):
         return "attention_bias (qkv_bias for q/k/v where present)"
-    if family in ("qwen3", "qwen3_moe", "glm4_moe", "gemma3", "gemma3_text"):
+    if family in ("qwen3", "qwen3_moe", "glm4_moe", "gemma2", "gemma3", "gemma3_text"):
         return "attention_bias"
     return f"model_type {family!r} (fixed)"
 
@@ -432,7 +436,7 @@ def _router_problems(params: dict[str, str], stack: str, family: str, cfg: dict,
 def _expert_leaves(family: str | None, cfg: dict) -> set[str] | None:
     """The per-expert projections (``w1.weight`` ...) the family's decoder layer set names (:mod:`.layer_params`), or
     None where it names none (not a set family, gpt-oss's experts judged alone)."""
-    if family not in LAYER_FILES:
+    if not has_layer_set(family, cfg):
         return None
     n = cfg.get("num_hidden_layers") if isinstance(cfg.get("num_hidden_layers"), int) else 1
     rels = set().union(*(layer_parameters(family, cfg, i)[0] for i in range(max(n, 1))))

@@ -25,6 +25,36 @@ expert's index written ``*``:
 - gpt_oss.py ``TransformerBlock``: the norms, ``self_attn.{q,k,v,o}_proj`` (biases: :mod:`.expected`'s bias rule),
   ``self_attn.sinks`` (``OAIAttention``), ``mlp.router.weight`` and ``.bias`` (``MLPBlock``: ``GateLinear(bias=True)``);
   its experts (``mlp.experts.``) are judged by the expert rule alone (fused or per expert).
+- mistral.py ``MistralDecoderLayer`` (a ``LlamaDecoderLayer`` with ``MistralAttention``, ``LlamaModel``'s loader):
+  llama's, and ``ada_rms_norm_t_cond.0``/``.2`` (two Linears) where the config's ``ada_rms_norm_t_cond`` is set.
+- phi3.py ``Phi3ForCausalLM`` (``LlamaForCausalLM``: llama.py ``LlamaDecoderLayer``): llama's, as a Phi-3 checkpoint
+  stores them: ``self_attn.qkv_proj`` and ``mlp.gate_up_proj`` fused (``LlamaModel.hf_to_vllm_mapper`` maps only the
+  split names, so a fused tensor fills its parameter whole).
+- gemma2.py ``Gemma2DecoderLayer``: llama's and ``pre_feedforward_layernorm``/``post_feedforward_layernorm``.
+- deepseek_v2.py ``DeepseekV2DecoderLayer`` (deepseek_v2, deepseek_v3 and kimi_k2, whose config vLLM reads as
+  transformers' ``DeepseekV3Config``): the norms; MLA attention (``DeepseekV2MLAAttention``, or
+  ``DeepseekV2Attention`` where MLA is off: the same names): ``q_proj`` where ``q_lora_rank`` is None, else
+  ``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``; ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``,
+  ``o_proj``; a MoE block (``DeepseekV2MoE``: ``mlp.gate``, its ``e_score_correction_bias`` where ``topk_method`` is
+  ``noaux_tc``, the experts' ``gate_proj``/``up_proj``/``down_proj``, ``mlp.shared_experts.*`` where
+  ``n_shared_experts`` is not None) where ``n_routed_experts`` is not None, the index is at least
+  ``first_k_dense_replace`` and a multiple of ``moe_layer_freq`` (getattr default 1), else a dense ``mlp``
+  (``DeepseekV2MLP``). Defaults of absent keys are transformers' config classes' (``q_lora_rank`` 1536; V2:
+  ``first_k_dense_replace`` 0, ``n_shared_experts`` 2; V3: 3, 1). No set (the layer-alike rule judges) where the
+  layer is not MLA (``qk_nope_head_dim`` and ``qk_rope_head_dim`` 0: ``DeepseekAttention``) or builds V3.2's
+  indexer (``index_topk``); a stored router bias where vLLM builds none is left to the router rule (not judged).
+- glm4_moe.py ``Glm4MoeDecoderLayer``: the norms, ``self_attn.{q,k,v,o}_proj`` and ``q_norm``/``k_norm`` where
+  ``use_qk_norm`` is set (``Glm4MoeAttention``); a MoE block (``Glm4MoE``: ``mlp.gate`` with its
+  ``e_score_correction_bias`` always, the experts, ``mlp.shared_experts.*`` where ``n_shared_experts`` is not None)
+  where ``n_routed_experts`` is not None and the index is at least ``first_k_dense_replace`` (transformers'
+  ``Glm4MoeConfig``: 1), else a dense ``mlp``.
+- olmoe.py ``OlmoeDecoderLayer``: the norms, ``self_attn.{q,k,v,o}_proj`` and ``q_norm``/``k_norm`` (always,
+  ``OlmoeAttention``), ``mlp.gate`` and the experts' ``gate_proj``/``up_proj``/``down_proj`` (``OlmoeMoE``).
+
+A ``LlamaModel`` (llama, mistral, phi3) or Gemma-2 loader fills ``qkv_proj`` and ``gate_up_proj`` from either the
+split tensors or one fused tensor (:data:`FUSED_FORMS`): each layer is judged in the form it stores
+(:func:`stored_form`). A shared expert block where ``n_shared_experts`` is 0 (a zero-width MLP vLLM still builds)
+is not judged.
 
 Biases of q/k/v/o and of a dense MLP's gate/up/down are left to :mod:`.expected`'s bias rule (read from the config);
 RoPE buffers an old checkpoint saved are dropped before (``utils.py`` ``AutoWeightsLoader``
@@ -34,13 +64,29 @@ KV-cache scales too (:func:`.expected.parameters`).
 
 from __future__ import annotations
 
-__all__ = ["LAYER_FILES", "layer_parameters"]
+__all__ = ["FUSED_FORMS", "LAYER_FILES", "has_layer_set", "layer_parameters", "stored_form"]
 
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 _ATTN = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo")
 _QK_NORM = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 _DENSE = tuple(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
 _GEMMA_NORMS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+_GUD = ("gate", "up", "down")
+_EXPERTS = frozenset(f"mlp.experts.*.{p}_proj.weight" for p in _GUD)
+_SHARED = frozenset(f"mlp.shared_experts.{p}_proj.weight" for p in _GUD)
+_PHI3 = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight")
+_DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+#: transformers' defaults of the keys deepseek_v2.py reads, where config.json lacks them (DeepseekV2Config, DeepseekV3Config)
+_DEEPSEEK_DEFAULTS = {"deepseek_v2": {"first_k_dense_replace": 0, "n_shared_experts": 2}, "v3": {"first_k_dense_replace": 3, "n_shared_experts": 1}}
+
+#: model_type -> each fused parameter its vLLM 0.33 loader also fills whole from one stored tensor of its name, with
+#: the split members that fill it otherwise (llama.py ``LlamaModel.hf_to_vllm_mapper``, gemma2.py's: ``.q_proj`` ...
+#: map onto ``.qkv_proj``; a stored ``qkv_proj`` maps onto itself)
+_FUSED = {
+    "self_attn.qkv_proj.weight": frozenset(f"self_attn.{p}_proj.weight" for p in "qkv"),
+    "mlp.gate_up_proj.weight": frozenset(("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+}
+FUSED_FORMS = dict.fromkeys(("llama", "mistral", "phi3", "gemma2"), _FUSED)
 
 #: model_type -> the vLLM 0.33 decoder layer whose parameters :func:`layer_parameters` gives (module docstring)
 LAYER_FILES = {
@@ -55,6 +101,12 @@ LAYER_FILES = {
     "qwen3_moe": "qwen3_moe.py Qwen3MoeDecoderLayer",
     "qwen2_moe": "qwen2_moe.py Qwen2MoeDecoderLayer",
     "gpt_oss": "gpt_oss.py TransformerBlock",
+    "mistral": "mistral.py MistralDecoderLayer",
+    "phi3": "llama.py LlamaDecoderLayer (phi3.py Phi3ForCausalLM)",
+    "gemma2": "gemma2.py Gemma2DecoderLayer",
+    **dict.fromkeys(_DEEPSEEK, "deepseek_v2.py DeepseekV2DecoderLayer"),
+    "glm4_moe": "glm4_moe.py Glm4MoeDecoderLayer",
+    "olmoe": "olmoe.py OlmoeDecoderLayer",
 }
 
 
@@ -79,10 +131,66 @@ def _qwen_moe(cfg: dict, layer: int, always_shared_gate: bool) -> set[str]:
     return out
 
 
+def _deepseek(family: str, cfg: dict, layer: int) -> tuple[set[str], tuple[str, ...]] | None:
+    """deepseek_v2.py ``DeepseekV2DecoderLayer`` (module docstring); None where it is not MLA or builds an indexer."""
+    if "index_topk" in cfg or (cfg.get("qk_nope_head_dim", 128) == 0 and cfg.get("qk_rope_head_dim", 64) == 0):
+        return None
+    defaults = _DEEPSEEK_DEFAULTS["deepseek_v2" if family == "deepseek_v2" else "v3"]
+    out = set(_NORMS) | {f"self_attn.{p}" for p in ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight")}
+    if cfg.get("q_lora_rank", 1536) is None:
+        out.add("self_attn.q_proj.weight")
+    else:
+        out |= {"self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight"}
+    freq = cfg.get("moe_layer_freq", 1)
+    moe = cfg.get("n_routed_experts", 64) is not None and layer >= cfg.get("first_k_dense_replace", defaults["first_k_dense_replace"]) and layer % freq == 0
+    if not moe:
+        return out | set(_DENSE), ()
+    router_bias = cfg.get("topk_method") == "noaux_tc"
+    shared, delegated = _shared(cfg.get("n_shared_experts", defaults["n_shared_experts"]))
+    out |= {"mlp.gate.weight"} | _EXPERTS | shared | ({"mlp.gate.e_score_correction_bias"} if router_bias else set())
+    return out, delegated + (() if router_bias else ("mlp.gate.e_score_correction_bias",))
+
+
+def _shared(n) -> tuple[set[str], tuple[str, ...]]:
+    """The shared expert's parameters for ``n_shared_experts`` ``n`` (None: none built), and the prefixes left unjudged
+    (0: a zero-width MLP vLLM builds all the same)."""
+    if n is None:
+        return set(), ()
+    return (set(_SHARED), ()) if n else (set(), ("mlp.shared_experts.",))
+
+
+def _glm4_moe(cfg: dict, layer: int) -> tuple[set[str], tuple[str, ...]]:
+    """glm4_moe.py ``Glm4MoeDecoderLayer`` (module docstring)."""
+    out = set(_NORMS) | set(_ATTN) | (set(_QK_NORM) if cfg.get("use_qk_norm", False) else set())
+    if cfg.get("n_routed_experts", 128) is None or layer < cfg.get("first_k_dense_replace", 1):
+        return out | set(_DENSE), ()
+    shared, delegated = _shared(cfg.get("n_shared_experts", 1))
+    return out | {"mlp.gate.weight", "mlp.gate.e_score_correction_bias"} | _EXPERTS | shared, delegated
+
+
+def has_layer_set(family: str | None, cfg: dict) -> bool:
+    """Whether :func:`layer_parameters` gives ``family``'s layers a set under this config (DeepSeek: not where the
+    layer is not MLA, or builds an indexer)."""
+    return family in LAYER_FILES and layer_parameters(family, cfg, 0) is not None
+
+
+def stored_form(family: str, want: set[str], held) -> set[str]:
+    """``want`` with each fused parameter of :data:`FUSED_FORMS` in the form the layer stores (``held``: its relative
+    names): its fused tensor where it holds that, else its split members where it holds any of them."""
+    out = set(want)
+    for fused, members in FUSED_FORMS.get(family, {}).items():
+        if fused in held and members <= out:
+            out = (out - members) | {fused}
+        elif fused in out and fused not in held and any(m in held for m in members):
+            out = (out - {fused}) | members
+    return out
+
+
 def layer_parameters(family: str, cfg: dict, layer: int) -> tuple[set[str], tuple[str, ...]] | None:
     """The parameters (relative names, experts' index ``*``) vLLM 0.33 builds in decoder layer ``layer`` of ``family``
     from the text config ``cfg``, and the prefixes whose names another rule judges (gpt-oss's experts); None where the
-    family has no set here (:data:`LAYER_FILES`). Biases of q/k/v/o and of a dense MLP are not in it (the bias rule's)."""
+    family has no set here (:data:`LAYER_FILES`) or not under this config (:func:`has_layer_set`). Biases of q/k/v/o
+    and of a dense MLP are not in it (the bias rule's)."""
     base = set(_NORMS) | set(_ATTN)
     if family == "llama":
         return base | set(_DENSE), ()
@@ -100,4 +208,17 @@ def layer_parameters(family: str, cfg: dict, layer: int) -> tuple[set[str], tupl
         return base | _qwen_moe(cfg, layer, always_shared_gate=True), ()
     if family == "gpt_oss":
         return base | {"self_attn.sinks", "mlp.router.weight", "mlp.router.bias"}, ("mlp.experts.",)
+    if family == "mistral":
+        ada = {"ada_rms_norm_t_cond.0.weight", "ada_rms_norm_t_cond.2.weight"} if cfg.get("ada_rms_norm_t_cond", False) else set()
+        return base | set(_DENSE) | ada, ()
+    if family == "phi3":
+        return set(_NORMS) | set(_PHI3), ()
+    if family == "gemma2":
+        return base | set(_DENSE) | set(_GEMMA_NORMS), ()
+    if family in _DEEPSEEK:
+        return _deepseek(family, cfg, layer)
+    if family == "glm4_moe":
+        return _glm4_moe(cfg, layer)
+    if family == "olmoe":
+        return base | set(_QK_NORM) | {"mlp.gate.weight"} | _EXPERTS, ()
     return None

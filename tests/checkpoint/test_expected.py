@@ -4,6 +4,7 @@ through verify on foreign outputs (no ctconvert records in the index, no provena
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -14,11 +15,13 @@ from safetensors.torch import load_file, save_file
 
 from ctconvert import api
 from ctconvert.checkpoint.expected import EXPECTED_CHECK, expected_problems, expert_problems, layer_problems, set_problems
+from ctconvert.checkpoint.layer_params import LAYER_FILES, has_layer_set, layer_parameters
 from ctconvert.checkpoint.modules import modules_of
 from ctconvert.checkpoint.reader import INDEX_NAME, open_checkpoint
 from ctconvert.cli import main
 
 from conftest import LLAMA_CONFIG, llama_tensors, moe_checkpoint, write_checkpoint
+from helpers import randomized
 
 LLAMA3 = dict(LLAMA_CONFIG, num_hidden_layers=3)
 L = "model.layers."
@@ -287,3 +290,218 @@ def test_set_rule_dense_and_sparse_layers():
     found = [(p.tensor, p.message.split(":")[0]) for p in set_problems(_params(names), L, "qwen3_moe", cfg, 4, lambda n: "f")]
     assert found == [(f"{L}3", "missing"), (f"{L}2.mlp.gate.weight", "missing"), (f"{L}2.mlp.down_proj.weight", "extra"),
                      (f"{L}2.mlp.gate_proj.weight", "extra"), (f"{L}2.mlp.up_proj.weight", "extra")]  # fmt: skip
+
+
+# Families saved by transformers' own classes (save_pretrained: the names a real checkpoint has), 3 layers; DeepSeek and
+# GLM-4.5 with layer 0 dense (first_k_dense_replace=1). Widths multiples of 128 (W4A16's group).
+TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=3, vocab_size=256)
+TINY_MOE = dict(moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1)
+TINY_MLA = dict(kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64)
+
+
+def _saved_model(family: str):
+    t = transformers_or_skip()
+    if family == "mistral":
+        return t.MistralForCausalLM(t.MistralConfig(**TINY, head_dim=64))
+    if family == "phi3":  # stores self_attn.qkv_proj and mlp.gate_up_proj fused
+        return t.Phi3ForCausalLM(t.Phi3Config(**TINY, pad_token_id=0))
+    if family == "gemma2":
+        return t.Gemma2ForCausalLM(t.Gemma2Config(**TINY, head_dim=64))
+    if family == "deepseek_v2":  # q_lora_rank None: q_proj (DeepSeek-V2-Lite's); config saved with topk_method 'greedy'
+        return t.DeepseekV2ForCausalLM(t.DeepseekV2Config(**dict(TINY, num_key_value_heads=2), **TINY_MOE, **TINY_MLA, q_lora_rank=None, n_shared_experts=2))
+    if family == "deepseek_v3":  # q_a_proj/q_a_layernorm/q_b_proj; router bias stored, topk_method not saved (transformers 5)
+        return t.DeepseekV3ForCausalLM(t.DeepseekV3Config(**dict(TINY, num_key_value_heads=2), **TINY_MOE, **TINY_MLA, q_lora_rank=128, n_shared_experts=1))
+    if family == "glm4_moe":
+        return t.Glm4MoeForCausalLM(t.Glm4MoeConfig(**TINY, head_dim=64, **TINY_MOE, n_shared_experts=1, use_qk_norm=True))
+    assert family == "olmoe"
+    return t.OlmoeForCausalLM(t.OlmoeConfig(**dict(TINY, intermediate_size=128), num_experts=4, num_experts_per_tok=2))
+
+
+def transformers_or_skip():
+    return pytest.importorskip("transformers")
+
+
+SAVED = ("mistral", "phi3", "gemma2", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe")
+
+
+@pytest.fixture(scope="module")
+def saved_families(tmp_path_factory):
+    """family -> {"src": transformers' save_pretrained, "W4A16"/"NVFP4A16": ctconvert's outputs of it, "<scheme>-foreign"}."""
+    tmp = tmp_path_factory.mktemp("saved")
+    out = {}
+    for family in SAVED:
+        torch.manual_seed(0)
+        src = tmp / family
+        randomized(_saved_model(family).to(torch.bfloat16)).save_pretrained(str(src))
+        out[family] = {"src": src, "tmp": tmp}
+        for scheme in ("W4A16", "NVFP4A16"):
+            api.quantize(src, tmp / f"{family}-{scheme}", scheme, device="cpu")
+            out[family][scheme] = tmp / f"{family}-{scheme}"
+            out[family][scheme + "-foreign"] = damaged(tmp / f"{family}-{scheme}", tmp / f"{family}-{scheme}-foreign")
+    return out
+
+
+@pytest.mark.parametrize("family", SAVED)
+def test_saved_family_passes(saved_families, family):
+    """No false failure: the checkpoint transformers' own class saved, and ctconvert's W4A16 and NVFP4A16 outputs of it
+    (with records and foreign), hold exactly the family's layer set: no error from the expected-tensor rules."""
+    got = saved_families[family]
+    ckpt = open_checkpoint(got["src"], strict=False)
+    assert [p for p in expected_problems(ckpt, modules_of(ckpt)) if p.severity != "note"] == []
+    for key in ("W4A16", "NVFP4A16", "W4A16-foreign", "NVFP4A16-foreign"):
+        rep = api.verify(got[key])
+        assert rep["ok"], (key, rep["problems"])
+        assert errors_of(got[key]) == []
+
+
+#: family -> (what is dropped from every layer (a prefix), the errors expected (layer, relative name, first word)):
+#: each a parameter vLLM 0.33 builds in every such layer, so no layer differs from another
+SAVED_MISSING = {
+    "mistral": (["post_attention_layernorm.weight"], [(0, "post_attention_layernorm.weight")]),
+    "phi3": (["self_attn.qkv_proj."], [(0, "self_attn.qkv_proj.weight")]),
+    "gemma2": (["pre_feedforward_layernorm.weight"], [(0, "pre_feedforward_layernorm.weight")]),
+    "deepseek_v2": (["self_attn.kv_a_layernorm.weight"], [(0, "self_attn.kv_a_layernorm.weight")]),
+    "deepseek_v3": (["self_attn.q_a_layernorm.weight"], [(0, "self_attn.q_a_layernorm.weight")]),
+    "glm4_moe": (["self_attn.k_norm.weight"], [(0, "self_attn.k_norm.weight")]),
+    "olmoe": (["self_attn.q_norm.weight"], [(0, "self_attn.q_norm.weight")]),
+}
+
+
+def _every_layer(rels, n=3):
+    return [f"{L}{i}.{r}" for i in range(n) for r in rels]
+
+
+@pytest.mark.parametrize("family", SAVED)
+def test_saved_family_parameter_missing_from_every_layer(saved_families, family):
+    """A parameter gone from every layer (the layer-alike rule sees no difference): one error naming it and the vLLM
+    0.33 decoder layer that builds it; verify fails."""
+    rels, want = SAVED_MISSING[family]
+    got = saved_families[family]
+    path = damaged(got["W4A16-foreign"], got["tmp"] / f"{family}-missing", _every_layer(rels))
+    assert errors_of(path) == [(f"{L}{i}.{r}", "missing") for i, r in want]
+    ckpt = open_checkpoint(path, strict=False)
+    (msg,) = [p.message for p in expected_problems(ckpt, modules_of(ckpt)) if p.severity == "error"]
+    rel = want[0][1]
+    assert msg.startswith(f"missing: 3 decoder layers (0, 1, 2) of 3 lack {rel}, which vLLM 0.33 {LAYER_FILES[family]} builds in every such layer")
+    assert not api.verify(path)["ok"]
+
+
+#: family -> (the router dropped from every MoE layer, the MoE layers, the message's start)
+SAVED_ROUTERS = {
+    "deepseek_v3": ("mlp.gate.weight", (1, 2), "missing: MoE block {b} stores experts but no router (gate.weight), which vLLM 0.33 deepseek_v2.py builds"),
+    "deepseek_v2": ("mlp.gate.weight", (1, 2), "missing: MoE block {b} stores experts but no router (gate.weight), which vLLM 0.33 deepseek_v2.py builds"),
+    "glm4_moe": ("mlp.gate.e_score_correction_bias", (1, 2), "missing: the router lacks e_score_correction_bias, which vLLM 0.33 glm4_moe.py builds"),
+    "olmoe": ("mlp.gate.weight", (0, 1, 2), "missing: MoE block {b} stores experts but no router (gate.weight), which vLLM 0.33 olmoe.py builds"),
+}
+
+
+@pytest.mark.parametrize("family", list(SAVED_ROUTERS))
+def test_saved_family_router_missing_from_every_moe_layer(saved_families, family):
+    """A MoE family's router (or GLM-4.5's router bias, built always) gone from every MoE layer: one error per layer."""
+    rel, layers, start = SAVED_ROUTERS[family]
+    got = saved_families[family]
+    path = damaged(got["W4A16-foreign"], got["tmp"] / f"{family}-router", [f"{L}{i}.{rel}" for i in layers])
+    ckpt = open_checkpoint(path, strict=False)
+    found = [(p.tensor, p.message) for p in expected_problems(ckpt, modules_of(ckpt)) if p.severity == "error"]
+    assert [t for t, _ in found] == [f"{L}{i}.{rel}" for i in layers]
+    assert all(m.startswith(start.format(b=f"{L}{i}.mlp")) for (_, m), i in zip(found, layers))
+    assert not api.verify(path)["ok"]
+
+
+#: family -> a parameter its vLLM 0.33 decoder layer does not build, added to every layer (as another family has it)
+SAVED_EXTRA = {
+    "mistral": "self_attn.q_norm.weight",
+    "phi3": "pre_feedforward_layernorm.weight",
+    "gemma2": "self_attn.q_norm.weight",
+    "deepseek_v2": "self_attn.q_a_layernorm.weight",  # q_lora_rank None: vLLM builds q_proj, no q_a_layernorm
+    "deepseek_v3": "self_attn.q_norm.weight",
+    "glm4_moe": "self_attn.sinks",
+    "olmoe": "post_feedforward_layernorm.weight",
+}
+
+
+@pytest.mark.parametrize("family", SAVED)
+def test_saved_family_extra_parameter_in_every_layer(saved_families, family):
+    """A parameter the family's vLLM 0.33 decoder layer does not build, stored in every layer: one error naming it."""
+    rel = SAVED_EXTRA[family]
+    got = saved_families[family]
+    path = damaged(got["W4A16-foreign"], got["tmp"] / f"{family}-extra", add={n: _bias(64) for n in _every_layer([rel])})
+    ckpt = open_checkpoint(path, strict=False)
+    found = [(p.tensor, p.message) for p in expected_problems(ckpt, modules_of(ckpt)) if p.severity == "error"]
+    assert [t for t, _ in found] == [f"{L}0.{rel}"]
+    assert found[0][1].startswith(f"extra: {rel} is stored in 3 decoder layers (0, 1, 2) of 3, which vLLM 0.33 {LAYER_FILES[family]} does not build")
+    assert not api.verify(path)["ok"]
+
+
+def test_fused_or_split_as_stored(saved_families):
+    """llama.py's loader (Phi-3, Mistral, Llama) and gemma2.py's fill qkv_proj and gate_up_proj from one fused tensor
+    or from the split ones: a Phi-3 stored split passes, and a member the split form lacks is missing; a Mistral stored
+    fused passes. A fused bias follows the bias rule of its members."""
+    t = load_file(saved_families["phi3"]["src"] / "model.safetensors")
+    cfg = json.loads((saved_families["phi3"]["src"] / "config.json").read_text())
+    split = {}
+    for k, v in t.items():
+        if k.endswith("self_attn.qkv_proj.weight"):
+            q, kk, vv = v.split([128, 64, 64])
+            split.update({k.replace("qkv_proj", p): w for p, w in (("q_proj", q), ("k_proj", kk), ("v_proj", vv))})
+        elif k.endswith("mlp.gate_up_proj.weight"):
+            split.update(dict(zip((k.replace("gate_up_proj", "gate_proj"), k.replace("gate_up_proj", "up_proj")), v.chunk(2))))
+        else:
+            split[k] = v
+    tmp = saved_families["phi3"]["tmp"]
+    assert errors_of(write_checkpoint(tmp / "phi3-split", split, cfg)) == []
+    no_k = {k: v for k, v in split.items() if "k_proj" not in k}
+    assert errors_of(write_checkpoint(tmp / "phi3-split-no-k", no_k, cfg)) == [(f"{L}0.self_attn.k_proj.weight", "missing")]
+    biased = dict(t, **{f"{L}{i}.self_attn.qkv_proj.bias": _bias(256) for i in range(3)})
+    assert errors_of(write_checkpoint(tmp / "phi3-qkv-bias", biased, cfg)) == [(f"{L}{i}.self_attn.qkv_proj.bias", "extra") for i in range(3)]
+    assert errors_of(write_checkpoint(tmp / "phi3-qkv-bias-wanted", biased, dict(cfg, attention_bias=True))) == [
+        (f"{L}{i}.self_attn.o_proj.bias", "missing") for i in range(3)
+    ]
+    m = load_file(saved_families["mistral"]["src"] / "model.safetensors")
+    fused = {k: v for k, v in m.items() if not re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.", k)}
+    for i in range(3):
+        p = f"{L}{i}."
+        fused[p + "self_attn.qkv_proj.weight"] = torch.cat([m[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        fused[p + "mlp.gate_up_proj.weight"] = torch.cat([m[p + "mlp.gate_proj.weight"], m[p + "mlp.up_proj.weight"]])
+    mcfg = json.loads((saved_families["mistral"]["src"] / "config.json").read_text())
+    assert errors_of(write_checkpoint(tmp / "mistral-fused", fused, mcfg)) == []
+
+
+def test_deepseek_and_glm_sets_follow_the_config():
+    """deepseek_v2.py / glm4_moe.py read the config as vLLM 0.33 does, absent keys at transformers' config defaults."""
+    mla = {"self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight"}
+    lora = {"self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight"}
+    dense = {f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    experts = {f"mlp.experts.*.{p}_proj.weight" for p in ("gate", "up", "down")}
+    shared = {f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")}
+    norms = {"input_layernorm.weight", "post_attention_layernorm.weight"}
+    router = {"mlp.gate.weight", "mlp.gate.e_score_correction_bias"}
+    # V3 (and Kimi-K2, read as DeepseekV3Config): first_k_dense_replace 3, q_lora_rank 1536, one shared expert
+    for family in ("deepseek_v3", "kimi_k2"):
+        assert layer_parameters(family, {}, 2) == (norms | mla | lora | dense, ())
+        assert layer_parameters(family, {"topk_method": "noaux_tc"}, 3) == (
+            norms | mla | lora | {"mlp.gate.weight", "mlp.gate.e_score_correction_bias"} | experts | shared,
+            (),
+        )
+    # V2: first_k_dense_replace 0; q_lora_rank null: q_proj; greedy: no router bias (a stored one left to the router rule)
+    want, delegated = layer_parameters("deepseek_v2", {"q_lora_rank": None, "n_shared_experts": None}, 0)
+    assert want == norms | mla | {"self_attn.q_proj.weight", "mlp.gate.weight"} | experts and delegated == ("mlp.gate.e_score_correction_bias",)
+    assert "mlp.gate.weight" not in layer_parameters("deepseek_v2", {"moe_layer_freq": 2}, 1)[0]
+    assert not has_layer_set("deepseek_v3", {"index_topk": 2048}) and not has_layer_set("deepseek_v2", {"qk_nope_head_dim": 0, "qk_rope_head_dim": 0})
+    # GLM-4.5: first_k_dense_replace 1, router bias always, q/k norms where use_qk_norm
+    glm = set(norms) | {f"self_attn.{p}_proj.weight" for p in "qkvo"}
+    assert layer_parameters("glm4_moe", {}, 0) == (glm | dense, ())
+    assert layer_parameters("glm4_moe", {"use_qk_norm": True}, 1)[0] == glm | set(QK_NORMS) | router | experts | shared
+    assert layer_parameters("mistral", {"ada_rms_norm_t_cond": True}, 0)[0] >= {"ada_rms_norm_t_cond.0.weight", "ada_rms_norm_t_cond.2.weight"}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layer_past_num_hidden_layers_is_not_judged(saved_families, family):
+    """An MTP layer (index num_hidden_layers: a decoder layer and enorm/hnorm/eh_proj/shared_head) is no layer-set error."""
+    got = saved_families[family]
+    t = load_file(got["src"] / "model.safetensors")
+    t.update({k.replace(f"{L}2.", f"{L}3."): v.clone() for k, v in t.items() if k.startswith(f"{L}2.")})
+    t.update({f"{L}3.{n}": torch.ones(128, dtype=torch.bfloat16) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")})
+    t[f"{L}3.eh_proj.weight"] = torch.zeros(128, 256, dtype=torch.bfloat16)
+    cfg = dict(json.loads((got["src"] / "config.json").read_text()), num_nextn_predict_layers=1)
+    assert errors_of(write_checkpoint(got["tmp"] / f"{family}-mtp", t, cfg)) == []
