@@ -374,9 +374,7 @@ class Executor:
         else:
             n = (job.stop - job.start) * (info.nbytes // info.shape[0])
             w = data[:n].to(self.dev, non_blocking=True).view(info.torch_dtype).reshape(shape)
-        ev = torch.cuda.Event()
-        ev.record(self.stream)
-        self.pool.put(data, ev)
+        self._release(data)
         return w
 
     def _handle(self, job: Read, data, st: _UnitState | None) -> None:
@@ -422,10 +420,11 @@ class Executor:
         else:
             self._release(data)
             res, ok, mask = got
-            self.flags.add_stacked(job.unit, _flat(infos), res.amax, self.stream, ok=ok)
+            members = _flat(infos)
+            self.flags.add_stacked(job.unit, members, res.amax, self.stream, ok=ok)
             self.flags.resolve()
             if self.opts.zeros is not None and mask is not None:
-                self.opts.zeros.observe_mask(_flat(infos), mask, units[0].scheme, res.global_scales, res.set_amax)
+                self.opts.zeros.observe_mask(members, mask, units[0].scheme, res.global_scales, res.set_amax)
         rows = res.writes()
         if self.cuda:
             staged, ev, reserved = self._stage([t for _, _, t in rows])
