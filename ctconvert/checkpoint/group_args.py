@@ -50,15 +50,20 @@ def group_arg_problems(qcfg: dict, file: str | None = None) -> list[Problem]:
         fmt = g.get("format") or qcfg.get("format")
         bad = []
         if (want := _FORMAT_TYPE.get(fmt)) is not None and w.get("type") != want:
-            bad.append(f"type {w.get('type')!r} ({fmt} stores {want} codes)")
+            bad.append(f"type {_shown(w.get('type'))} ({fmt} stores {want} codes)")
         if w.get("dynamic", False) is not False:
-            bad.append(f"dynamic {w.get('dynamic')!r} (stored weights are quantized once: false)")
+            bad.append(f"dynamic {_shown(w.get('dynamic'))} (stored weights are quantized once: false)")
         if fmt == CompressionFormat.NVFP4_PACK_QUANTIZED.value:  # a strategy contradicting its group_size: strategy_problems says it
             said = ("strategy", "group_size") if strategy_conflict(w) is not None else ()
-            bad += [f"{k} {w.get(k)!r} (NVFP4: {v!r})" for k, v in _NVFP4_ARGS.items() if w.get(k) != v and k not in said]
+            bad += [f"{k} {_shown(w.get(k))} (NVFP4: {v!r})" for k, v in _NVFP4_ARGS.items() if w.get(k) != v and k not in said]
         if bad:
             out.append(Problem("error", f"config group {name!r}: weights {'; '.join(bad)}: vLLM would load these tensors otherwise or refuse them", file))
     return out
+
+
+def _shown(v) -> str:
+    """A config value as the message shows it: JSON's ``null`` for None (as config.json holds it), else its repr."""
+    return "null" if v is None else repr(v)
 
 
 #: the strategies a ``group_size`` > 0 goes with: compressed-tensors 0.17 (vLLM 0.33's) and 0.20.1
@@ -96,9 +101,13 @@ def strategy_problems(mods: dict[str, Module], qcfg: dict, file: str | None = No
             continue
         members = sorted((m for m in mods.values() if m.quantized and m.group == group), key=lambda m: natural_key(m.name))
         names |= {m.name for m in members}
+        strategy = g["weights"].get("strategy")
+        rule = (
+            f"strategy {strategy!r} needs a positive group_size" if strategy in _GROUPED else "a group_size goes with strategy 'group' or 'tensor_group' only"
+        )
         why = (
-            f"config group {group!r}: weights {conflict}, which compressed-tensors (quant_args.py) and so vLLM 0.33 refuse: a group_size "
-            f"goes with strategy 'group' or 'tensor_group' only{_scales_held(members, g['weights'].get('strategy'))}"
+            f"config group {group!r}: weights {conflict}, which compressed-tensors (quant_args.py) and so vLLM 0.33 refuse: {rule}"
+            f"{_scales_held(members, strategy)}"
         )
         out.append(Problem("error", why + (f"; its {plural(len(members), 'module')} are not dequantized" if members else ""), file))
     return out, names
