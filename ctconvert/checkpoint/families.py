@@ -26,6 +26,7 @@ from .safetensors_io import SliceView, TensorInfo
 
 __all__ = [
     "FAMILIES",
+    "VLLM_HEAD",
     "ExpertLayout",
     "FusedExperts",
     "config_value",
@@ -37,6 +38,7 @@ __all__ = [
     "mtp_dense_reason",
     "split_fused_experts",
     "transformers_per_expert_reason",
+    "vllm_head",
 ]
 
 
@@ -205,6 +207,40 @@ def dense_experts_reason(module: str, config: dict) -> str | None:
         return None
     layout = next((FAMILIES[t] for t in model_types(config) if t in FAMILIES), None)
     return layout.vllm_dense if layout is not None else None
+
+
+#: How vLLM 0.33 builds a family's ``lm_head`` (its CausalLM class, read in ``vllm/model_executor/models/``), by
+#: config ``model_type`` (outer first, :func:`model_types`): ``"embedding"``, no ``lm_head`` parameter at all (the
+#: logits are computed with ``embed_tokens``, so any stored ``lm_head.`` tensor is refused); ``"config"``, a head tied to
+#: ``embed_tokens`` iff ``tie_word_embeddings`` (``tie_weights``; ``utils.py`` ``AutoWeightsLoader`` skips the aliased
+#: ``lm_head.weight``); ``"own"``, always its own head whatever ``tie_word_embeddings`` says (it must be stored).
+#: A model_type not listed is judged by the ``"config"`` rule. The one table of these choices: data, not branches.
+VLLM_HEAD: dict[str, tuple[str, str, str]] = {
+    "llama": ("config", "llama.py", "LlamaForCausalLM"),
+    "mistral": ("config", "mistral.py", "MistralForCausalLM"),
+    "phi3": ("config", "phi3.py", "Phi3ForCausalLM"),
+    "qwen2": ("config", "qwen2.py", "Qwen2ForCausalLM"),
+    "qwen2_vl": ("config", "qwen2.py", "Qwen2ForCausalLM"),
+    "qwen2_5_vl": ("config", "qwen2.py", "Qwen2ForCausalLM"),
+    "qwen3": ("config", "qwen3.py", "Qwen3ForCausalLM"),
+    "gemma2": ("embedding", "gemma2.py", "Gemma2ForCausalLM"),
+    "gemma3": ("config", "gemma3.py", "Gemma3ForCausalLM"),
+    "gemma3_text": ("config", "gemma3.py", "Gemma3ForCausalLM"),
+    "mixtral": ("config", "mixtral.py", "MixtralForCausalLM"),
+    "qwen2_moe": ("config", "qwen2_moe.py", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("config", "qwen3_moe.py", "Qwen3MoeForCausalLM"),
+    "deepseek_v2": ("own", "deepseek_v2.py", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("own", "deepseek_v2.py", "DeepseekV3ForCausalLM"),
+    "kimi_k2": ("own", "deepseek_v2.py", "DeepseekV3ForCausalLM"),
+    "glm4_moe": ("own", "glm4_moe.py", "Glm4MoeForCausalLM"),
+    "olmoe": ("own", "olmoe.py", "OlmoeForCausalLM"),
+    "gpt_oss": ("own", "gpt_oss.py", "GptOssForCausalLM"),
+}
+
+
+def vllm_head(config: dict) -> tuple[str, str, str] | None:
+    """``(kind, vLLM file, class)`` of :data:`VLLM_HEAD` for the config's first listed model_type, else None."""
+    return next((VLLM_HEAD[t] for t in model_types(config) if t in VLLM_HEAD), None)
 
 
 #: model_type -> the vLLM 0.33 model file (``vllm/model_executor/models/``) that builds the family's MoE router

@@ -37,9 +37,13 @@ VLM's text model is built from its ``text_config``, never from top-level keys):
   family's one orientation (gpt-oss ``gate_up_proj`` ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``; Qwen-MoE
   ``[E, 2I, H]``, ``[E, H, I]``); Qwen3-VL-MoE's come both ways, told apart by ``hidden_size`` itself, and are skipped.
 - Tied head (:func:`tied_head_problems`): ``tie_word_embeddings`` true (top level, else ``text_config``) while the output
-  stores an ``lm_head``: vLLM 0.33 ties the head to ``embed_tokens`` and skips every ``lm_head.`` weight
-  (``llama.py`` ``LlamaForCausalLM.__init__`` ``tie_weights``, ``load_weights`` ``skip_prefixes=["lm_head."]``), so a
-  quantized head is an error, and a dense ``lm_head.weight`` one where its bytes are not the embedding's.
+  stores an ``lm_head``: vLLM 0.33 ties the head to ``embed_tokens`` (``llama.py`` ``LlamaForCausalLM.__init__``
+  ``tie_weights``) and its ``utils.py`` ``AutoWeightsLoader`` skips the aliased ``lm_head.weight``, so a quantized head
+  is an error, and a dense ``lm_head.weight`` one where its bytes are not the embedding's. That is the rule of the
+  families :data:`.families.VLLM_HEAD` marks ``"config"`` (and of those it does not list); Gemma 2's ``gemma2.py``
+  builds no ``lm_head`` at all (any stored ``lm_head.`` tensor is an error, a missing one never is), and the families
+  marked ``"own"`` (OLMoE, DeepSeek-V2/V3, Kimi-K2, GLM-4.5, gpt-oss) always build their own head, so a missing
+  ``lm_head`` is an error whatever ``tie_word_embeddings`` says (and a stored one is never judged against the flag).
 
 Quantized modules are judged by their dense shape (:func:`.modules.dense_shape`), never the packed tensor's, and only
 where their tensors agree with their config group (:func:`.conformance.conforms`): an edited ``format`` or
@@ -53,11 +57,12 @@ a checkpoint whose decoder stack cannot be found); a missing ``tie_word_embeddin
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from ..errors import agree, plural
 from .comparison import same_bytes
 from .conformance import conforms
-from .families import FAMILIES, is_fused_expert, model_types
+from .families import FAMILIES, is_fused_expert, model_types, vllm_head
 from .modules import Module, dense_shape
 from .naming import DEFAULT_IGNORE_PATTERNS, decoder_layers_prefix, find_embedding, natural_key
 from .reader import CONFIG_NAME, Problem
@@ -130,19 +135,35 @@ def tied_head_problems(config: dict, tensors: dict[str, TensorInfo], file: str |
     error for a quantized head (any ``lm_head.`` tensor but a dense ``weight``, or a ``weight`` beside a scale), and for
     a dense ``lm_head.weight`` whose dtype, shape or bytes are not the token embedding's (:func:`.naming.find_embedding`;
     not judged without one). vLLM 0.33 ties the head to ``embed_tokens`` and skips the stored one (module docstring).
-    Used with and without ``--reference`` (``--lm-head`` unties a tied head: README)."""
+    Used with and without ``--reference`` (``--lm-head`` unties a tied head: README). Families
+    :data:`.families.VLLM_HEAD` marks otherwise follow vLLM's class instead: ``"embedding"`` (Gemma 2), any stored
+    ``lm_head.`` tensor is an error; ``"own"`` (OLMoE ...), a missing head is one, whatever the flag."""
     tied = config.get("tie_word_embeddings")
     if tied is None and isinstance(config.get("text_config"), dict):
         tied = config["text_config"].get("tie_word_embeddings")
     heads: dict[str, list[str]] = {}  # lm_head module -> its tensors
     for name in sorted((n for n in tensors if _is_head(n.rpartition(".")[0])), key=natural_key):
         heads.setdefault(name.rpartition(".")[0], []).append(name)
+    head = vllm_head(config)
+    if head is not None and head[0] == "embedding":  # vLLM builds no lm_head: logits from the embedding, whatever the flag
+        if not heads:
+            return []
+        first = next(iter(heads.values()))[0]
+        msg = f"{first} is stored ({Path(tensors[first].file).name}), but vLLM 0.33 {head[1]} {head[2]} builds no lm_head: "
+        msg += "it computes logits with the embedding; a stored head is refused"
+        return [Problem("error", msg, file, first)]
+    if head is not None and head[0] == "own":  # vLLM always builds its own head, never tied
+        if heads or not _generates(config) or find_embedding(tensors) is None:
+            return []
+        flag = f"tie_word_embeddings is {str(tied).lower()}" if tied is not None else "tie_word_embeddings is absent"
+        msg = f"config.json's {flag}, but the checkpoint stores no lm_head: vLLM 0.33 {head[1]} {head[2]} always builds lm_head; "
+        return [Problem("error", msg + "tie_word_embeddings is not followed: store lm_head.weight", file)]
     if tied is False and not heads and _generates(config) and find_embedding(tensors) is not None:
         msg = "config.json's tie_word_embeddings is false, but the checkpoint stores no lm_head: vLLM 0.33 builds an untied head no tensor fills"
         return [Problem("error", msg, file)]
     if tied is not True:
         return []
-    why = "vLLM 0.33 ties the head to embed_tokens and skips the stored one (llama.py load_weights skip_prefixes)"
+    why = "vLLM 0.33 ties the head to embed_tokens and skips the stored one (tie_weights; utils.py AutoWeightsLoader skips the aliased lm_head.weight)"
     quantized = [n for names in heads.values() for n in names if n.rpartition(".")[2] not in ("weight", "bias")]
     if quantized:
         msg = f"config.json's tie_word_embeddings is true, but the output stores a quantized lm_head ({quantized[0]}): {why}"

@@ -11,7 +11,7 @@ import dataclasses
 
 from ..checkpoint.config import build_quantization_config
 from ..checkpoint.conformance import mixed_expert_blocks, vllm_expert_mismatches
-from ..checkpoint.families import is_expert, split_fused_experts
+from ..checkpoint.families import is_expert, split_fused_experts, vllm_head
 from ..checkpoint.naming import is_generative, matches, tie_word_embeddings
 from ..checkpoint.reader import Checkpoint
 from ..errors import UnsupportedError, UsageError, agree, plural
@@ -66,6 +66,7 @@ class PlanStage(Stage):
             plan_kw.update(sparsity=o.sparsity, sparsity_target=o.target)
         plan, job.dry_error = plan_or_error(job.ckpt, self.scheme, o.dry_run, o.skip_incompatible, plan_kw)
         apply_dense_dtype(plan, o.dense_dtype, job.ckpt.config)
+        _no_head_note(plan, job.ckpt, o.lm_head)
         if plan.views:  # per-expert parts of fused 3-D experts: read as tensors of their own from here on
             job.ckpt = dataclasses.replace(job.ckpt, tensors={**job.ckpt.tensors, **plan.views})
         if source.quantized:
@@ -198,6 +199,21 @@ def vllm_expert_error(plan: Plan, allow_unloadable: bool = False) -> UsageError 
     blocks, projs = sorted({f.block for f in found}), sorted({f.proj for f in found})
     more = f" ({len(found)} in all: {plural(len(blocks), 'MoE block')} x {', '.join(projs)})" if len(found) > 1 else ""
     return UsageError(f"{found[0].experts}: {found[0].message()}{more}")
+
+
+def _no_head_note(plan: Plan, ckpt: Checkpoint, lm_head: str) -> None:
+    """A family whose vLLM 0.33 class builds no ``lm_head`` (:data:`.families.VLLM_HEAD` ``"embedding"``: Gemma 2)
+    while the output would store one (the source's, or ``--lm-head``'s untied head): a note that vLLM refuses the
+    output (and ``verify`` fails it); it is still written, for other loaders (transformers builds the untied head)."""
+    head = vllm_head(ckpt.config)
+    stored = next((n for n in ckpt.tensors if n.startswith("lm_head.") or ".lm_head." in n), None)
+    if head is None or head[0] != "embedding" or (stored is None and lm_head.lower() == "none"):
+        return
+    what = f"the source stores {stored}" if stored else f"--lm-head {lm_head} writes lm_head"
+    plan.notes.append(
+        f"{what}, but vLLM 0.33 {head[1]} {head[2]} builds no lm_head (it computes logits with the embedding): "
+        "vLLM refuses this output and verify fails it; it is written for other loaders"
+    )
 
 
 def describe_source(plan: Plan, source) -> None:
