@@ -24,6 +24,8 @@ checkpoint vLLM refuses, which neither the quantized modules nor :mod:`.widths` 
 - DeepSeek's MLA norms (``deepseek_v2.py`` ``DeepseekV2MLAAttention``): ``kv_a_layernorm`` ``[kv_lora_rank]``,
   ``q_a_layernorm`` ``[q_lora_rank]``.
 
+Each only where the family builds the parameter under this config (:func:`_built`; DeepSeek's router bias where
+``topk_method`` is ``noaux_tc``): one stored where vLLM builds none is :mod:`.expected`'s error (extra), not a size.
 A family not listed, a config without the key (or not an integer), a tensor outside the language model's decoder stack
 (:func:`.naming.decoder_layers_prefix`), and a quantized router whose dense shape cannot be read are not judged.
 """
@@ -124,33 +126,45 @@ def _rules(family: str, cfg: dict) -> dict[str, tuple[list[int], tuple[str, str]
     out: dict[str, tuple[list[int], tuple[str, str]]] = {}
     hidden, heads, kv = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads"), _int(cfg, "num_key_value_heads")
     hd, hd_keys = _head_dim(_FAMILIES[family][3], cfg, hidden, heads)
-    if hd is not None and family in _PER_HEAD_NORM:
+    if hd is not None and family in _PER_HEAD_NORM and _built(family, cfg, "qk_norm"):
         for p in ("q_norm", "k_norm"):
             out[f"self_attn.{p}.weight"] = ([hd], ("[head_dim]", hd_keys))
     if hd is not None and heads is not None and family == "olmoe":
         out["self_attn.q_norm.weight"] = ([heads * hd], ("[num_attention_heads * head_dim]", f"num_attention_heads, {hd_keys}"))
         if kv is not None:
             out["self_attn.k_norm.weight"] = ([kv * hd], ("[num_key_value_heads * head_dim]", f"num_key_value_heads, {hd_keys}"))
-    if hd is not None and family in _QKV_BIAS:
+    if hd is not None and family in _QKV_BIAS and _built(family, cfg, "qkv_bias"):
         if heads is not None:
             out["self_attn.q_proj.bias"] = ([heads * hd], ("[num_attention_heads * head_dim]", f"num_attention_heads, {hd_keys}"))
         if kv is not None:
             for p in ("k_proj", "v_proj"):
                 out[f"self_attn.{p}.bias"] = ([kv * hd], ("[num_key_value_heads * head_dim]", f"num_key_value_heads, {hd_keys}"))
-    if hidden is not None and family in _O_BIAS:
+    if hidden is not None and family in _O_BIAS and cfg.get("attention_bias") is True:
         out["self_attn.o_proj.bias"] = ([hidden], ("[hidden_size]", "hidden_size"))
     key = next((k for k in _EXPERTS_KEYS.get(family, ()) if k in cfg), None)
     if key is not None and (experts := _int(cfg, key)) is not None:
         root = "block_sparse_moe" if family == "mixtral" else "mlp"
         if hidden is not None:
             out[f"{root}.gate.weight"] = ([experts, hidden], (f"[{key}, hidden_size]", f"{key}, hidden_size"))
-        if family in _ESCORE:
+        if family == "glm4_moe" or family in _ESCORE and cfg.get("topk_method") == "noaux_tc":  # else none built: expected.py
             out[f"{root}.gate.e_score_correction_bias"] = ([experts], (f"[{key}]", key))
     if family in _MLA:
         for p, key in (("kv_a_layernorm", "kv_lora_rank"), ("q_a_layernorm", "q_lora_rank")):
             if (n := _int(cfg, key)) is not None:
                 out[f"self_attn.{p}.weight"] = ([n], (f"[{key}]", key))
     return out
+
+
+def _built(family: str, cfg: dict, what: str) -> bool:
+    """Whether the family's vLLM file builds the q/k norms (``qk_norm``) or the q/k/v biases (``qkv_bias``) under this
+    config: Qwen2 its norms only with ``qk_norm`` (``qwen2.py``), GLM-4.5 only with ``use_qk_norm``; Qwen2 and
+    Qwen2-MoE their biases always, the others only with ``attention_bias`` true (Llama: ``qkv_bias`` where present).
+    One stored where none is built is :mod:`.expected`'s (an extra tensor), not a size."""
+    if what == "qk_norm":
+        return cfg.get("qk_norm") is True if family == "qwen2" else cfg.get("use_qk_norm") is True if family == "glm4_moe" else True
+    if family in ("qwen2", "qwen2_moe"):
+        return True
+    return cfg.get("qkv_bias", cfg.get("attention_bias")) is True if family in _O_BIAS else cfg.get("attention_bias") is True
 
 
 def _head_dim(how: str | None, cfg: dict, hidden: int | None, heads: int | None) -> tuple[int | None, str]:

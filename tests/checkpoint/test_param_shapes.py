@@ -154,3 +154,13 @@ def test_router_bias_without_noaux_tc_is_an_error(outs):
     assert found[0]["message"].startswith(f"extra: {L}1.mlp.gate.e_score_correction_bias is stored, but vLLM 0.33 deepseek_v2.py DeepseekV2MoE")
     assert "(config.json topk_method: 'greedy';" in found[0]["message"] and "KeyError" in found[0]["message"]
     assert not rep["ok"]
+
+
+def test_parameter_vllm_does_not_build_is_not_sized(outs):
+    """A q_proj.bias stored where Qwen3's attention_bias is false (qwen3.py builds none) is not a size error: its error
+    is expected.py's extra tensor, which verify reports instead."""
+    tensor = f"{L}0.self_attn.q_proj.bias"
+    path = damaged(outs["qwen3"], outs["tmp"] / "qwen3-add-qbias", add={tensor: torch.zeros(64, dtype=torch.bfloat16)})
+    assert _shape_errors(path) == []
+    rep = api.verify(path)
+    assert not rep["ok"] and any(p["tensor"] == tensor and p["message"].startswith("extra") for p in rep["problems"])
