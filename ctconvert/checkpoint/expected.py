@@ -145,7 +145,7 @@ _ROUTER_BIAS = {
 #: why a DeepSeek router's stored e_score_correction_bias is refused where topk_method is not noaux_tc
 _NO_ROUTER_BIAS = (
     'vLLM 0.33 deepseek_v2.py DeepseekV2MoE builds that parameter only where getattr(config, "topk_method", None) == "noaux_tc" '
-    "(config.json topk_method: {!r}; transformers' DeepseekV3Config has no such key, so a config without it reads None), "
+    "(config.json topk_method: {}; transformers' DeepseekV3Config has no such key, so a config without it reads None), "
     "and its load_weights has no parameter to load it into (KeyError): vLLM refuses the checkpoint"
 )
 #: the text decoder stacks looked for when no token embedding names one (a deleted embedding)
@@ -438,7 +438,8 @@ def _router_problems(params: dict[str, str], stack: str, family: str, cfg: dict,
             why = f"vLLM 0.33 {JUDGED[family]} builds (topk_method {cfg.get('topk_method')!r}) and refuses unfilled"
             out.append(Problem("error", f"missing: the router lacks e_score_correction_bias, which {why}", file_of(name), name))
         elif rule is not None and not rule(cfg) and f"{router}.e_score_correction_bias" in rels:
-            out.append(Problem("error", f"extra: {name} is stored, but {_NO_ROUTER_BIAS.format(cfg.get('topk_method', 'absent'))}", file_of(name), name))
+            method = repr(cfg["topk_method"]) if "topk_method" in cfg else "absent"
+            out.append(Problem("error", f"extra: {name} is stored, but {_NO_ROUTER_BIAS.format(method)}", file_of(name), name))
     return out
 
 
