@@ -215,6 +215,7 @@ DEEPSEEK_CONFIG = {
     "num_hidden_layers": 2,
     "num_nextn_predict_layers": 1,
     "n_routed_experts": 2,
+    "topk_method": "noaux_tc",  # the Hub's: vLLM 0.33 builds the router's e_score_correction_bias only so (deepseek_v2.py)
     "vocab_size": 320,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",

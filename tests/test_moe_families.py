@@ -37,6 +37,7 @@ def _mixtral():
 def _deepseek_v3():
     mla = dict(q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
     moe = dict(moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
+    moe["topk_method"] = "noaux_tc"  # the Hub's: vLLM 0.33 builds the router's e_score_correction_bias only so (deepseek_v2.py)
     cfg = transformers.DeepseekV3Config(**{**TEXT, "num_key_value_heads": 2}, **moe, **mla)
     return transformers.DeepseekV3ForCausalLM(cfg)
 

@@ -142,6 +142,12 @@ _ROUTER_BIAS = {
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2"), lambda cfg: cfg.get("topk_method") == "noaux_tc"),
     "glm4_moe": _always,
 }
+#: why a DeepSeek router's stored e_score_correction_bias is refused where topk_method is not noaux_tc
+_NO_ROUTER_BIAS = (
+    'vLLM 0.33 deepseek_v2.py DeepseekV2MoE builds that parameter only where getattr(config, "topk_method", None) == "noaux_tc" '
+    "(config.json topk_method: {}; transformers' DeepseekV3Config has no such key, so a config without it reads None), "
+    "and its load_weights has no parameter to load it into (KeyError): vLLM refuses the checkpoint"
+)
 #: the text decoder stacks looked for when no token embedding names one (a deleted embedding)
 _STACKS = ("model.layers.", "model.language_model.layers.", "language_model.model.layers.")
 _MLP_ROOTS = ("mlp", "block_sparse_moe", "feed_forward")
@@ -407,8 +413,9 @@ def _bias_key(family: str, leaf: re.Match) -> str:
 
 def _router_problems(params: dict[str, str], stack: str, family: str, cfg: dict, file_of) -> list[Problem]:
     """A judged MoE block that holds experts and no router, or a router and no experts; a router without the
-    ``e_score_correction_bias`` its family builds (:data:`_ROUTER_BIAS`). One stored where vLLM builds none is not
-    judged: a config transformers 5 saved drops DeepSeek's ``topk_method`` (vLLM's build then differs from the Hub's)."""
+    ``e_score_correction_bias`` its family builds (:data:`_ROUTER_BIAS`), and one stored where it builds none (DeepSeek
+    with ``topk_method`` not ``noaux_tc``, absent included: a config transformers 5 saved drops it, and vLLM 0.33 reads
+    ``getattr(config, "topk_method", None)``)."""
     router = _ROUTER_NAME.get(family, "gate")
     blocks: dict[str, set[str]] = {}
     pat = re.compile(re.escape(stack) + r"\d+\.(?:" + "|".join(_MLP_ROOTS) + r")\.")
@@ -426,10 +433,13 @@ def _router_problems(params: dict[str, str], stack: str, family: str, cfg: dict,
         elif routed and not experts:
             msg = f"missing: MoE block {block} stores a router but no experts, which vLLM 0.33 {JUDGED[family]} builds and no tensor fills"
             out.append(Problem("error", msg, file_of(block), f"{block}.experts"))
-        if routed and (rule := _ROUTER_BIAS.get(family)) is not None and rule(cfg) and f"{router}.e_score_correction_bias" not in rels:
-            name = f"{block}.{router}.e_score_correction_bias"  # one stored where vLLM builds none: not judged (not confirmed)
+        rule, name = _ROUTER_BIAS.get(family), f"{block}.{router}.e_score_correction_bias"
+        if routed and rule is not None and rule(cfg) and f"{router}.e_score_correction_bias" not in rels:
             why = f"vLLM 0.33 {JUDGED[family]} builds (topk_method {cfg.get('topk_method')!r}) and refuses unfilled"
             out.append(Problem("error", f"missing: the router lacks e_score_correction_bias, which {why}", file_of(name), name))
+        elif rule is not None and not rule(cfg) and f"{router}.e_score_correction_bias" in rels:
+            method = repr(cfg["topk_method"]) if "topk_method" in cfg else "absent"
+            out.append(Problem("error", f"extra: {name} is stored, but {_NO_ROUTER_BIAS.format(method)}", file_of(name), name))
     return out
 
 

@@ -42,7 +42,7 @@ expert's index written ``*``:
   (``DeepseekV2MLP``). Defaults of absent keys are transformers' config classes' (``q_lora_rank`` 1536; V2:
   ``first_k_dense_replace`` 0, ``n_shared_experts`` 2; V3: 3, 1). No set (the layer-alike rule judges) where the
   layer is not MLA (``qk_nope_head_dim`` and ``qk_rope_head_dim`` 0: ``DeepseekAttention``) or builds V3.2's
-  indexer (``index_topk``); a stored router bias where vLLM builds none is left to the router rule (not judged).
+  indexer (``index_topk``); a stored router bias where vLLM builds none is left to the router rule (expected.py: an error).
 - glm4_moe.py ``Glm4MoeDecoderLayer``: the norms, ``self_attn.{q,k,v,o}_proj`` and ``q_norm``/``k_norm`` where
   ``use_qk_norm`` is set (``Glm4MoeAttention``); a MoE block (``Glm4MoE``: ``mlp.gate`` with its
   ``e_score_correction_bias`` always, the experts, ``mlp.shared_experts.*`` where ``n_shared_experts`` is not None)

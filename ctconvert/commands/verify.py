@@ -74,6 +74,7 @@ from ..checkpoint.integrity import record_problems, shards_checks
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense, with_files
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
+from ..checkpoint.param_shapes import PARAM_SHAPES_CHECK, param_shape_problems
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, Problem, open_checkpoint
 from ..checkpoint.rows import RowErrors, row_limit, row_problems, rows_ok
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_rows, read_tensor
@@ -120,6 +121,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     ckpt = open_checkpoint(path, strict=False)
     mods = {} if is_kernel_native(ckpt.quantization_config) else modules_of(ckpt)  # kernel-native modules have no dense shapes
     found = count_problems(ckpt.config, ckpt.tensors, str(path)) + width_problems(ckpt.config, ckpt.tensors, mods, str(path))
+    found += param_shape_problems(ckpt.config, ckpt.tensors, mods)
     ckpt.problems.extend(record_problems(ckpt) + found)  # every branch below reports ckpt.problems
     if is_kernel_native(ckpt.quantization_config):
         report = _verify_kernel_native(ckpt, path, reference)
@@ -182,7 +184,7 @@ def _bar(progress, total: int):
 
 def _checked(ckpt: Checkpoint, checks: list[str], compared: int) -> dict:
     """What verify looked at (the report's ``checked``)."""
-    checks = [*shards_checks(ckpt), COUNTS_CHECK, WIDTHS_CHECK, *checks]
+    checks = [*shards_checks(ckpt), COUNTS_CHECK, WIDTHS_CHECK, PARAM_SHAPES_CHECK, *checks]
     return dict(shards=len(ckpt.files), tensors=len(ckpt.tensors), bytes=ckpt.total_bytes, checks=checks, compared_modules=compared)
 
 

@@ -309,8 +309,9 @@ def _saved_model(family: str):
         return t.Gemma2ForCausalLM(t.Gemma2Config(**TINY, head_dim=64))
     if family == "deepseek_v2":  # q_lora_rank None: q_proj (DeepSeek-V2-Lite's); config saved with topk_method 'greedy'
         return t.DeepseekV2ForCausalLM(t.DeepseekV2Config(**dict(TINY, num_key_value_heads=2), **TINY_MOE, **TINY_MLA, q_lora_rank=None, n_shared_experts=2))
-    if family == "deepseek_v3":  # q_a_proj/q_a_layernorm/q_b_proj; router bias stored, topk_method not saved (transformers 5)
-        return t.DeepseekV3ForCausalLM(t.DeepseekV3Config(**dict(TINY, num_key_value_heads=2), **TINY_MOE, **TINY_MLA, q_lora_rank=128, n_shared_experts=1))
+    if family == "deepseek_v3":  # q_a_proj/q_a_layernorm/q_b_proj; router bias stored: topk_method noaux_tc as the Hub's config
+        cfg = t.DeepseekV3Config(**dict(TINY, num_key_value_heads=2), **TINY_MOE, **TINY_MLA, q_lora_rank=128, n_shared_experts=1, topk_method="noaux_tc")
+        return t.DeepseekV3ForCausalLM(cfg)
     if family == "glm4_moe":
         return t.Glm4MoeForCausalLM(t.Glm4MoeConfig(**TINY, head_dim=64, **TINY_MOE, n_shared_experts=1, use_qk_norm=True))
     assert family == "olmoe"

@@ -1,0 +1,181 @@
+"""The sizes of a decoder layer's non-quantized parameters (norms, router, biases) against ``config.json``, as vLLM 0.33
+builds them (``verify``, no reference needed).
+
+vLLM 0.33 builds each of these parameters from the config and its weight loaders assert the stored shape
+(``default_weight_loader``, ``linear.py`` ``weight_loader``), so a norm, a router or a bias of another size is a
+checkpoint vLLM refuses, which neither the quantized modules nor :mod:`.widths` see. Read in each model file
+(``vllm/model_executor/models/``), per ``model_type`` (the ``text_config``'s sizes where there is one):
+
+- ``self_attn.q_norm``/``k_norm`` ``[head_dim]``: ``qwen3.py`` ``Qwen3Attention``, ``qwen3_moe.py``
+  ``Qwen3MoeAttention``, ``gemma3.py`` ``Gemma3Attention`` and ``glm4_moe.py`` ``Glm4MoeAttention`` (``config.head_dim``,
+  judged only where ``config.json`` holds it: transformers fills its class default otherwise), ``qwen2.py`` ``Qwen2Attention`` (``hidden_size /
+  num_attention_heads``, never ``head_dim``). OLMoE's span every head: ``olmoe.py`` ``OlmoeAttention`` builds
+  ``RMSNorm(num_heads * head_dim)`` and ``RMSNorm(num_kv_heads * head_dim)`` (``head_dim = hidden_size /
+  num_attention_heads``).
+- ``self_attn.q_proj.bias`` ``[num_attention_heads * head_dim]``, ``k_proj``/``v_proj.bias`` ``[num_key_value_heads *
+  head_dim]`` (``QKVParallelLinear``; head_dim as above, Qwen2 and Qwen2-MoE ``hidden_size / num_attention_heads``,
+  Gemma 2 ``config.head_dim``, Llama and Mistral ``head_dim`` else ``hidden_size / num_attention_heads``), and Llama's
+  and Mistral's ``o_proj.bias`` ``[hidden_size]`` (``llama.py`` ``LlamaAttention``: ``RowParallelLinear``).
+- The MoE router ``gate.weight`` ``[experts, hidden_size]`` (``GateLinear``): ``mixtral.py`` ``MixtralMoE``
+  (``num_local_experts``), ``qwen2_moe.py`` ``Qwen2MoeSparseMoeBlock``, ``qwen3_moe.py`` ``Qwen3MoeSparseMoeBlock``,
+  ``olmoe.py`` ``OlmoeMoE`` (``num_experts``), ``deepseek_v2.py`` ``DeepseekV2MoE`` and ``glm4_moe.py`` ``Glm4MoE``
+  (``n_routed_experts``), or the alias transformers saved it under (:data:`_EXPERTS_KEYS`); its
+  ``e_score_correction_bias`` ``[n_routed_experts]`` (the last two).
+- DeepSeek's MLA norms (``deepseek_v2.py`` ``DeepseekV2MLAAttention``): ``kv_a_layernorm`` ``[kv_lora_rank]``,
+  ``q_a_layernorm`` ``[q_lora_rank]``.
+
+Each only where the family builds the parameter under this config (:func:`_built`; DeepSeek's router bias where
+``topk_method`` is ``noaux_tc``): one stored where vLLM builds none is :mod:`.expected`'s error (extra), not a size.
+A family not listed, a config without the key (or not an integer), a tensor outside the language model's decoder stack
+(:func:`.naming.decoder_layers_prefix`), and a quantized router whose dense shape cannot be read are not judged.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .families import model_types
+from .modules import Module
+from .naming import decoder_layers_prefix
+from .reader import Problem
+from .safetensors_io import TensorInfo
+from .widths import dense_dims
+
+__all__ = ["PARAM_SHAPES_CHECK", "param_shape_problems"]
+
+#: the line ``verify`` lists among its checks
+PARAM_SHAPES_CHECK = "q/k norms, MoE routers, attention biases and MLA norms sized as config.json says"
+
+#: model_type -> (vLLM 0.33 file, attention class, MoE class, how head_dim is read: "cfg" head_dim else hidden/heads,
+#: "hidden" hidden/heads only, "key" config.head_dim only: judged only where config.json has it, since transformers
+#: fills a class default (Qwen3's 128, Gemma 3's 256) that vLLM's ``getattr(config, "head_dim", None)`` then reads)
+_FAMILIES = {
+    "qwen3": ("qwen3.py", "Qwen3Attention", None, "key"),
+    "qwen3_moe": ("qwen3_moe.py", "Qwen3MoeAttention", "Qwen3MoeSparseMoeBlock", "key"),
+    "gemma3": ("gemma3.py", "Gemma3Attention", None, "key"),
+    "gemma3_text": ("gemma3.py", "Gemma3Attention", None, "key"),
+    "gemma2": ("gemma2.py", "Gemma2Attention", None, "key"),
+    "glm4_moe": ("glm4_moe.py", "Glm4MoeAttention", "Glm4MoE", "key"),
+    "qwen2": ("qwen2.py", "Qwen2Attention", None, "hidden"),
+    "qwen2_moe": ("qwen2_moe.py", "Qwen2MoeAttention", "Qwen2MoeSparseMoeBlock", "hidden"),
+    "olmoe": ("olmoe.py", "OlmoeAttention", "OlmoeMoE", "hidden"),
+    "mixtral": ("mixtral.py", "MixtralAttention", "MixtralMoE", None),
+    "llama": ("llama.py", "LlamaAttention", None, "cfg"),
+    "mistral": ("mistral.py", "MistralAttention (LlamaAttention)", None, "cfg"),
+    "deepseek_v2": ("deepseek_v2.py", "DeepseekV2MLAAttention", "DeepseekV2MoE", None),
+    "deepseek_v3": ("deepseek_v2.py", "DeepseekV2MLAAttention", "DeepseekV2MoE", None),
+    "kimi_k2": ("deepseek_v2.py", "DeepseekV2MLAAttention", "DeepseekV2MoE", None),
+}
+_PER_HEAD_NORM = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "glm4_moe", "qwen2")
+_QKV_BIAS = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "gemma2", "glm4_moe", "qwen2", "qwen2_moe", "llama", "mistral")
+_O_BIAS = ("llama", "mistral")
+#: model_type -> the config key vLLM reads for the experts, then its aliases (transformers 5.20's ``attribute_map``:
+#: Qwen3-MoE's ``num_experts`` is saved as ``num_local_experts``, OLMoE's the other way round ...)
+_EXPERTS_KEYS = {
+    "mixtral": ("num_local_experts", "num_experts"),
+    "qwen2_moe": ("num_experts",),
+    "qwen3_moe": ("num_experts", "num_local_experts"),
+    "olmoe": ("num_experts", "num_local_experts"),
+    "deepseek_v2": ("n_routed_experts", "num_experts"),
+    **dict.fromkeys(("deepseek_v3", "kimi_k2", "glm4_moe"), ("n_routed_experts", "num_local_experts")),
+}
+_ESCORE = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe")
+_MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+_LAYER = re.compile(r"\d+\.(?P<rel>.+)$")
+
+
+def param_shape_problems(config: dict, tensors: dict[str, TensorInfo], mods: dict[str, Module]) -> list[Problem]:
+    """One error per stored parameter of the decoder stack whose size is not the one vLLM 0.33 builds from
+    ``config`` (module docstring), naming its shard file, the tensor, the size stored, the size built and the config
+    keys it comes from. ``tensors``: the checkpoint's tensors by name; ``mods``: its modules (a quantized router's dense
+    shape). Empty for a family not judged, a broken config, or no decoder stack found."""
+    if not isinstance(config, dict):
+        return []
+    family = next((t for t in reversed(model_types(config)) if t in _FAMILIES), None)
+    stack = decoder_layers_prefix(tensors)
+    if family is None or stack is None:
+        return []
+    cfg = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    rules = _rules(family, cfg)
+    out = []
+    for name in sorted(tensors):
+        m = _LAYER.fullmatch(name[len(stack) :]) if name.startswith(stack) else None
+        rule = rules.get(m["rel"].removesuffix("_packed")) if m else None  # a quantized router: its dense shape
+        if rule is None:
+            continue
+        want, keys = rule
+        have = _stored(name, tensors[name], mods)
+        if have is not None and have != want:
+            file, attn, moe = _FAMILIES[family][:3]
+            cls = moe if ".gate." in f".{m['rel']}" else attn
+            msg = f"{name} is {have}, where vLLM 0.33 {file} {cls} builds {keys[0]} = {want} (config.json {keys[1]}): vLLM refuses the checkpoint"
+            out.append(Problem("error", msg, str(tensors[name].file), name))
+    return out
+
+
+def _stored(name: str, info: TensorInfo, mods: dict[str, Module]) -> list[int] | None:
+    """The parameter's size: a 1-D tensor's, a dense router weight's; a quantized router's dense ``[N, K]``."""
+    if name.endswith(".weight_packed") or name.endswith(".weight") and info.dtype not in ("BF16", "F16", "F32"):
+        dims = dense_dims(mods[name.rpartition(".")[0]]) if name.rpartition(".")[0] in mods else None
+        return list(dims) if dims is not None else None
+    return [int(d) for d in info.shape]
+
+
+def _rules(family: str, cfg: dict) -> dict[str, tuple[list[int], tuple[str, str]]]:
+    """Relative name in a layer -> (the size vLLM builds, (its formula, the config keys read))."""
+    out: dict[str, tuple[list[int], tuple[str, str]]] = {}
+    hidden, heads, kv = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads"), _int(cfg, "num_key_value_heads")
+    hd, hd_keys = _head_dim(_FAMILIES[family][3], cfg, hidden, heads)
+    if hd is not None and family in _PER_HEAD_NORM and _built(family, cfg, "qk_norm"):
+        for p in ("q_norm", "k_norm"):
+            out[f"self_attn.{p}.weight"] = ([hd], ("[head_dim]", hd_keys))
+    if hd is not None and heads is not None and family == "olmoe":
+        out["self_attn.q_norm.weight"] = ([heads * hd], ("[num_attention_heads * head_dim]", f"num_attention_heads, {hd_keys}"))
+        if kv is not None:
+            out["self_attn.k_norm.weight"] = ([kv * hd], ("[num_key_value_heads * head_dim]", f"num_key_value_heads, {hd_keys}"))
+    if hd is not None and family in _QKV_BIAS and _built(family, cfg, "qkv_bias"):
+        if heads is not None:
+            out["self_attn.q_proj.bias"] = ([heads * hd], ("[num_attention_heads * head_dim]", f"num_attention_heads, {hd_keys}"))
+        if kv is not None:
+            for p in ("k_proj", "v_proj"):
+                out[f"self_attn.{p}.bias"] = ([kv * hd], ("[num_key_value_heads * head_dim]", f"num_key_value_heads, {hd_keys}"))
+    if hidden is not None and family in _O_BIAS and cfg.get("attention_bias") is True:
+        out["self_attn.o_proj.bias"] = ([hidden], ("[hidden_size]", "hidden_size"))
+    key = next((k for k in _EXPERTS_KEYS.get(family, ()) if k in cfg), None)
+    if key is not None and (experts := _int(cfg, key)) is not None:
+        root = "block_sparse_moe" if family == "mixtral" else "mlp"
+        if hidden is not None:
+            out[f"{root}.gate.weight"] = ([experts, hidden], (f"[{key}, hidden_size]", f"{key}, hidden_size"))
+        if family == "glm4_moe" or family in _ESCORE and cfg.get("topk_method") == "noaux_tc":  # else none built: expected.py
+            out[f"{root}.gate.e_score_correction_bias"] = ([experts], (f"[{key}]", key))
+    if family in _MLA:
+        for p, key in (("kv_a_layernorm", "kv_lora_rank"), ("q_a_layernorm", "q_lora_rank")):
+            if (n := _int(cfg, key)) is not None:
+                out[f"self_attn.{p}.weight"] = ([n], (f"[{key}]", key))
+    return out
+
+
+def _built(family: str, cfg: dict, what: str) -> bool:
+    """Whether the family's vLLM file builds the q/k norms (``qk_norm``) or the q/k/v biases (``qkv_bias``) under this
+    config: Qwen2 its norms only with ``qk_norm`` (``qwen2.py``), GLM-4.5 only with ``use_qk_norm``; Qwen2 and
+    Qwen2-MoE their biases always, the others only with ``attention_bias`` true (Llama: ``qkv_bias`` where present).
+    One stored where none is built is :mod:`.expected`'s (an extra tensor), not a size."""
+    if what == "qk_norm":
+        return cfg.get("qk_norm") is True if family == "qwen2" else cfg.get("use_qk_norm") is True if family == "glm4_moe" else True
+    if family in ("qwen2", "qwen2_moe"):
+        return True
+    return cfg.get("qkv_bias", cfg.get("attention_bias")) is True if family in _O_BIAS else cfg.get("attention_bias") is True
+
+
+def _head_dim(how: str | None, cfg: dict, hidden: int | None, heads: int | None) -> tuple[int | None, str]:
+    """``head_dim`` as the family's vLLM file reads it (:data:`_FAMILIES`), and the config keys it comes from."""
+    if how in ("cfg", "key") and _int(cfg, "head_dim") is not None:
+        return _int(cfg, "head_dim"), "head_dim"
+    if how in ("cfg", "hidden") and hidden is not None and heads and hidden % heads == 0:
+        return hidden // heads, "hidden_size / num_attention_heads"
+    return None, ""
+
+
+def _int(cfg: dict, key: str) -> int | None:
+    v = cfg.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None

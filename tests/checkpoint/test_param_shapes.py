@@ -1,0 +1,166 @@
+"""verify, no reference: the sizes of the non-quantized per-layer parameters (q/k norms, MoE routers, attention biases,
+DeepSeek's router bias and MLA norms) against config.json, as vLLM 0.33 builds them (ctconvert/checkpoint/param_shapes.py),
+and a DeepSeek router bias stored where vLLM builds none (expected.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ctconvert import api
+from ctconvert.checkpoint.param_shapes import PARAM_SHAPES_CHECK
+
+from .test_expected import TINY, TINY_MLA, TINY_MOE, _saved_model, damaged, transformers_or_skip
+from helpers import randomized
+
+L = "model.layers."
+
+
+def _model(family: str):
+    t = transformers_or_skip()
+    if family == "qwen3":
+        return t.Qwen3ForCausalLM(t.Qwen3Config(**TINY, head_dim=64))
+    if family == "qwen2":
+        return t.Qwen2ForCausalLM(t.Qwen2Config(**TINY))
+    if family == "mixtral":
+        return t.MixtralForCausalLM(t.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2))
+    if family == "deepseek_v3_greedy":  # the router bias transformers stores, under a config vLLM builds none for
+        cfg = dict(**TINY_MOE, **TINY_MLA, q_lora_rank=128, n_shared_experts=1, topk_method="greedy")
+        return t.DeepseekV3ForCausalLM(t.DeepseekV3Config(**dict(TINY, num_key_value_heads=2), **cfg))
+    return _saved_model(family)  # olmoe, deepseek_v3 (topk_method noaux_tc), glm4_moe
+
+
+FAMILIES = ("qwen3", "qwen2", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "deepseek_v3_greedy")
+
+
+@pytest.fixture(scope="module")
+def outs(tmp_path_factory):
+    """family -> ctconvert's W4A16 output of a checkpoint transformers' own class saved (3 layers)."""
+    tmp = tmp_path_factory.mktemp("shapes")
+    out = {}
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        randomized(_model(family).to(torch.bfloat16)).save_pretrained(str(tmp / family))
+        api.quantize(tmp / family, tmp / f"{family}-W4A16", "W4A16", device="cpu")
+        out[family] = tmp / f"{family}-W4A16"
+    out["tmp"] = tmp
+    return out
+
+
+def _resized(outs, family: str, tensor: str, size: int):
+    """A foreign copy of the family's output whose ``tensor`` is cut to (or padded with zeros to) ``size`` rows."""
+    t = load_file(outs[family] / "model.safetensors")[tensor]
+    new = t[:size] if size <= t.shape[0] else torch.cat([t, torch.zeros(size - t.shape[0], *t.shape[1:], dtype=t.dtype)])
+    return damaged(outs[family], outs["tmp"] / f"{family}-{tensor}-{size}", add={tensor: new.contiguous()})
+
+
+def _shape_errors(path) -> list[dict]:
+    return [p for p in api.verify(path)["problems"] if p["severity"] == "error" and " builds [" in p["message"]]
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "deepseek_v3_greedy"])
+def test_correct_outputs_have_no_size_error(outs, family):
+    """No false failure: each correct output (and its foreign copy) passes verify, the size check listed."""
+    for path in (outs[family], damaged(outs[family], outs["tmp"] / f"{family}-foreign")):
+        rep = api.verify(path)
+        assert rep["ok"], rep["problems"]
+        assert PARAM_SHAPES_CHECK in rep["checked"]["checks"]
+        assert _shape_errors(path) == []
+
+
+#: (family, tensor, size written, the message expected)
+DAMAGED = [
+    (
+        "qwen3",
+        f"{L}0.self_attn.k_norm.weight",
+        32,
+        f"{L}0.self_attn.k_norm.weight is [32], where vLLM 0.33 qwen3.py Qwen3Attention builds [head_dim] = [64] (config.json head_dim)",
+    ),
+    (
+        "qwen3",
+        f"{L}1.self_attn.q_norm.weight",
+        96,
+        f"{L}1.self_attn.q_norm.weight is [96], where vLLM 0.33 qwen3.py Qwen3Attention builds [head_dim] = [64] (config.json head_dim)",
+    ),
+    (
+        "olmoe",
+        f"{L}2.self_attn.q_norm.weight",
+        64,
+        f"{L}2.self_attn.q_norm.weight is [64], where vLLM 0.33 olmoe.py OlmoeAttention builds [num_attention_heads * head_dim] = [128] "
+        "(config.json num_attention_heads, hidden_size / num_attention_heads)",
+    ),
+    (
+        "qwen2",
+        f"{L}0.self_attn.q_proj.bias",
+        64,
+        f"{L}0.self_attn.q_proj.bias is [64], where vLLM 0.33 qwen2.py Qwen2Attention builds [num_attention_heads * head_dim] = [128] "
+        "(config.json num_attention_heads, hidden_size / num_attention_heads)",
+    ),
+    (
+        "qwen2",
+        f"{L}1.self_attn.v_proj.bias",
+        128,
+        f"{L}1.self_attn.v_proj.bias is [128], where vLLM 0.33 qwen2.py Qwen2Attention builds [num_key_value_heads * head_dim] = [64] "
+        "(config.json num_key_value_heads, hidden_size / num_attention_heads)",
+    ),
+    (
+        "mixtral",
+        f"{L}0.block_sparse_moe.gate.weight",
+        3,
+        f"{L}0.block_sparse_moe.gate.weight is [3, 128], where vLLM 0.33 mixtral.py MixtralMoE builds [num_local_experts, hidden_size] = [4, 128] "
+        "(config.json num_local_experts, hidden_size)",
+    ),
+    (
+        "deepseek_v3",
+        f"{L}1.mlp.gate.e_score_correction_bias",
+        8,
+        f"{L}1.mlp.gate.e_score_correction_bias is [8], where vLLM 0.33 deepseek_v2.py DeepseekV2MoE builds [n_routed_experts] = [4] "
+        "(config.json n_routed_experts)",
+    ),
+    (
+        "deepseek_v3",
+        f"{L}0.self_attn.kv_a_layernorm.weight",
+        64,
+        f"{L}0.self_attn.kv_a_layernorm.weight is [64], where vLLM 0.33 deepseek_v2.py DeepseekV2MLAAttention builds [kv_lora_rank] = [128] "
+        "(config.json kv_lora_rank)",
+    ),
+    (
+        "glm4_moe",
+        f"{L}2.mlp.gate.e_score_correction_bias",
+        3,
+        f"{L}2.mlp.gate.e_score_correction_bias is [3], where vLLM 0.33 glm4_moe.py Glm4MoE builds [n_routed_experts] = [4] (config.json n_routed_experts)",
+    ),
+]
+
+
+@pytest.mark.parametrize("family,tensor,size,message", DAMAGED, ids=[f"{d[0]}-{d[1].split('.', 3)[3]}-{d[2]}" for d in DAMAGED])
+def test_resized_parameter_is_an_error(outs, family, tensor, size, message):
+    """A parameter cut short or padded fails verify with one error naming its shard, the tensor, both sizes and the
+    config keys; nothing else of the checkpoint is blamed by this check."""
+    path = _resized(outs, family, tensor, size)
+    found = _shape_errors(path)
+    assert [(p["tensor"], p["file"]) for p in found] == [(tensor, str(path / "model.safetensors"))]
+    assert found[0]["message"] == message + ": vLLM refuses the checkpoint"
+    assert not api.verify(path)["ok"]
+
+
+def test_router_bias_without_noaux_tc_is_an_error(outs):
+    """DeepSeek-V3 saved with topk_method "greedy" stores e_score_correction_bias, which vLLM 0.33 deepseek_v2.py builds
+    only where topk_method is noaux_tc: an error for every MoE layer's (1 and 2; layer 0 is dense)."""
+    rep = api.verify(outs["deepseek_v3_greedy"])
+    found = [p for p in rep["problems"] if p["severity"] == "error" and "e_score_correction_bias" in p["message"]]
+    assert [p["tensor"] for p in found] == [f"{L}{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)]
+    assert found[0]["message"].startswith(f"extra: {L}1.mlp.gate.e_score_correction_bias is stored, but vLLM 0.33 deepseek_v2.py DeepseekV2MoE")
+    assert "(config.json topk_method: 'greedy';" in found[0]["message"] and "KeyError" in found[0]["message"]
+    assert not rep["ok"]
+
+
+def test_parameter_vllm_does_not_build_is_not_sized(outs):
+    """A q_proj.bias stored where Qwen3's attention_bias is false (qwen3.py builds none) is not a size error: its error
+    is expected.py's extra tensor, which verify reports instead."""
+    tensor = f"{L}0.self_attn.q_proj.bias"
+    path = damaged(outs["qwen3"], outs["tmp"] / "qwen3-add-qbias", add={tensor: torch.zeros(64, dtype=torch.bfloat16)})
+    assert _shape_errors(path) == []
+    rep = api.verify(path)
+    assert not rep["ok"] and any(p["tensor"] == tensor and p["message"].startswith("extra") for p in rep["problems"])
