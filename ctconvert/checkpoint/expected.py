@@ -146,7 +146,8 @@ _ROUTER_BIAS = {
 _NO_ROUTER_BIAS = (
     'vLLM 0.33 deepseek_v2.py DeepseekV2MoE builds that parameter only where getattr(config, "topk_method", None) == "noaux_tc" '
     "(config.json topk_method: {}; transformers' DeepseekV3Config has no such key, so a config without it reads None), "
-    "and its load_weights has no parameter to load it into (KeyError): vLLM refuses the checkpoint"
+    "and its load_weights has no parameter to load it into (KeyError): vLLM refuses the checkpoint (the DeepSeek-V3 and Kimi-K2 "
+    'configs on the Hub hold "topk_method": "noaux_tc", which a transformers-saved config leaves out)'
 )
 #: the text decoder stacks looked for when no token embedding names one (a deleted embedding)
 _STACKS = ("model.layers.", "model.language_model.layers.", "language_model.model.layers.")

@@ -153,6 +153,7 @@ def test_router_bias_without_noaux_tc_is_an_error(outs):
     assert [p["tensor"] for p in found] == [f"{L}{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)]
     assert found[0]["message"].startswith(f"extra: {L}1.mlp.gate.e_score_correction_bias is stored, but vLLM 0.33 deepseek_v2.py DeepseekV2MoE")
     assert "(config.json topk_method: 'greedy';" in found[0]["message"] and "KeyError" in found[0]["message"]
+    assert found[0]["message"].endswith('configs on the Hub hold "topk_method": "noaux_tc", which a transformers-saved config leaves out)')
     assert not rep["ok"]
 
 
