@@ -145,10 +145,11 @@ _ROUTER_BIAS = {
 #: why a DeepSeek router's stored e_score_correction_bias is refused where topk_method is not noaux_tc
 _NO_ROUTER_BIAS = (
     'vLLM 0.33 deepseek_v2.py DeepseekV2MoE builds that parameter only where getattr(config, "topk_method", None) == "noaux_tc" '
-    "(config.json topk_method: {}; transformers' DeepseekV3Config has no such key, so a config without it reads None), "
-    "and its load_weights has no parameter to load it into (KeyError): vLLM refuses the checkpoint (the DeepSeek-V3 and Kimi-K2 "
-    'configs on the Hub hold "topk_method": "noaux_tc", which a transformers-saved config leaves out)'
+    "(config.json topk_method: {}), so its load_weights has no parameter for it (KeyError) and vLLM refuses the checkpoint{}: "
+    'set "topk_method": "noaux_tc" in the source\'s config.json if its router was trained with that bias, then convert again'
 )
+#: what the message adds where config.json has no topk_method (a transformers-saved DeepSeek-V3: its config class has none)
+_NO_TOPK_METHOD = "; transformers' DeepseekV3Config saves none, while the Hub's DeepSeek-V3 and Kimi-K2 configs hold noaux_tc"
 #: the text decoder stacks looked for when no token embedding names one (a deleted embedding)
 _STACKS = ("model.layers.", "model.language_model.layers.", "language_model.model.layers.")
 _MLP_ROOTS = ("mlp", "block_sparse_moe", "feed_forward")
@@ -439,8 +440,8 @@ def _router_problems(params: dict[str, str], stack: str, family: str, cfg: dict,
             why = f"vLLM 0.33 {JUDGED[family]} builds (topk_method {cfg.get('topk_method')!r}) and refuses unfilled"
             out.append(Problem("error", f"missing: the router lacks e_score_correction_bias, which {why}", file_of(name), name))
         elif rule is not None and not rule(cfg) and f"{router}.e_score_correction_bias" in rels:
-            method = repr(cfg["topk_method"]) if "topk_method" in cfg else "absent"
-            out.append(Problem("error", f"extra: {name} is stored, but {_NO_ROUTER_BIAS.format(method)}", file_of(name), name))
+            method, why = (repr(cfg["topk_method"]), "") if "topk_method" in cfg else ("absent", _NO_TOPK_METHOD)
+            out.append(Problem("error", f"extra: {name} is stored, but {_NO_ROUTER_BIAS.format(method, why)}", file_of(name), name))
     return out
 
 
