@@ -90,6 +90,14 @@ def randomized(model):
     return model
 
 
+def save_tiny(make, src: Path) -> Path:
+    """A tiny checkpoint saved by transformers' own class: ``make()`` (the model, built after ``torch.manual_seed(0)``)
+    in bf16, :func:`randomized`, written to ``src`` by ``save_pretrained``; returns ``src``."""
+    torch.manual_seed(0)
+    randomized(make().to(torch.bfloat16)).save_pretrained(str(src))
+    return src
+
+
 def scalar_build(monkeypatch, tmp_path: Path, src, signatures, stem: str):
     """A native library (``src`` with its ``signatures``, as ``cbuild.Library`` takes them) built without the vector
     flags (``-m...``: AVX2/F16C/FMA/AVX-512, another CPU) into ``tmp_path`` (the cache), for the rest of the test;

@@ -21,7 +21,7 @@ from ctconvert.checkpoint.reader import INDEX_NAME, open_checkpoint
 from ctconvert.cli import main
 
 from conftest import LLAMA_CONFIG, llama_tensors, moe_checkpoint, write_checkpoint
-from helpers import randomized
+from helpers import save_tiny
 
 LLAMA3 = dict(LLAMA_CONFIG, num_hidden_layers=3)
 L = "model.layers."
@@ -331,9 +331,7 @@ def saved_families(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("saved")
     out = {}
     for family in SAVED:
-        torch.manual_seed(0)
-        src = tmp / family
-        randomized(_saved_model(family).to(torch.bfloat16)).save_pretrained(str(src))
+        src = save_tiny(lambda: _saved_model(family), tmp / family)  # noqa: B023 - called at once
         out[family] = {"src": src, "tmp": tmp}
         for scheme in ("W4A16", "NVFP4A16"):
             api.quantize(src, tmp / f"{family}-{scheme}", scheme, device="cpu")

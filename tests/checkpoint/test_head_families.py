@@ -5,14 +5,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ctconvert import api
 from ctconvert.checkpoint.families import VLLM_HEAD, vllm_head
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.checkpoint.widths import tied_head_problems
 
-from helpers import randomized
+from helpers import save_tiny
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2, vocab_size=256)
 
@@ -34,9 +33,7 @@ def saved(tmp_path_factory):
     out = {}
     for family in ("gemma2", "olmoe", "llama"):
         for tied in (True, False):
-            torch.manual_seed(0)
-            src = tmp / f"{family}-{'tied' if tied else 'untied'}"
-            randomized(_model(family, tied).to(torch.bfloat16)).save_pretrained(str(src))
+            src = save_tiny(lambda: _model(family, tied), tmp / f"{family}-{'tied' if tied else 'untied'}")  # noqa: B023 - called at once
             api.quantize(src, tmp / f"{src.name}-W4A16", "W4A16", device="cpu")
             out[family, tied] = tmp / f"{src.name}-W4A16"
     return out

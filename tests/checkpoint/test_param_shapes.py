@@ -12,7 +12,7 @@ from ctconvert import api
 from ctconvert.checkpoint.param_shapes import PARAM_SHAPES_CHECK
 
 from .test_expected import TINY, TINY_MLA, TINY_MOE, _saved_model, damaged, transformers_or_skip
-from helpers import randomized
+from helpers import save_tiny
 
 L = "model.layers."
 
@@ -40,9 +40,7 @@ def outs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shapes")
     out = {}
     for family in FAMILIES:
-        torch.manual_seed(0)
-        randomized(_model(family).to(torch.bfloat16)).save_pretrained(str(tmp / family))
-        api.quantize(tmp / family, tmp / f"{family}-W4A16", "W4A16", device="cpu")
+        api.quantize(save_tiny(lambda: _model(family), tmp / family), tmp / f"{family}-W4A16", "W4A16", device="cpu")  # noqa: B023
         out[family] = tmp / f"{family}-W4A16"
     out["tmp"] = tmp
     return out
