@@ -64,7 +64,7 @@ from .modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module
 from .naming import dense_kind, natural_key
 from .reader import Checkpoint, Problem
 
-__all__ = ["EXPECTED_CHECK", "JUDGED", "expected_problems", "expert_problems", "layer_problems", "parameters", "set_problems"]
+__all__ = ["EXPECTED_CHECK", "JUDGED", "builds_bias", "expected_problems", "expert_problems", "layer_problems", "parameters", "set_problems"]
 
 #: the line ``verify`` lists among its checks
 EXPECTED_CHECK = "every tensor the architecture builds is stored and none it lacks (decoder layers, experts, routers, biases; judged families)"
@@ -348,7 +348,7 @@ def set_problems(params: dict[str, str], stack: str, family: str, cfg: dict, n: 
                 missing.setdefault(rel, []).append(i)
         for rel, names in held[i].items():
             bias = _ATTN_LEAF.match(rel) or _MLP_LEAF.match(rel)
-            judged = bias is not None and bias[2] == "bias" and rule is not None and _wants_bias(rule, bias, cfg) is not None
+            judged = bias is not None and bias[2] == "bias" and rule is not None and _wants_bias(rule, bias[1], cfg) is not None
             if rel in want or judged or rel.startswith(delegated) or _FUSED_EXPERTS.search(rel) or all(x in skip for x in names):
                 continue
             extra.setdefault(rel, []).append(i)
@@ -382,7 +382,7 @@ def _bias_problems(params: dict[str, str], stack: str, family: str, cfg: dict, f
     for name in sorted(params, key=natural_key):
         m = pat.match(name)
         leaf = (_ATTN_LEAF.match(m[1]) or _MLP_LEAF.match(m[1])) if m else None
-        want = None if leaf is None else _wants_bias(rule, leaf, cfg)
+        want = None if leaf is None else _wants_bias(rule, leaf[1], cfg)
         if want is None:
             continue
         key, where = _bias_key(family, leaf), f"vLLM 0.33 {JUDGED[family]}"
@@ -395,9 +395,16 @@ def _bias_problems(params: dict[str, str], stack: str, family: str, cfg: dict, f
     return out
 
 
-def _wants_bias(rule: _Biases, leaf: re.Match, cfg: dict) -> bool | None:
-    """Whether the family builds ``leaf``'s projection with a bias (None: not judged)."""
-    member = leaf[1]
+def builds_bias(family: str | None, member: str, cfg: dict) -> bool | None:
+    """Whether the vLLM 0.33 file of ``family`` (a ``model_type``) builds projection ``member`` (``q_proj``, ``o_proj``,
+    ``gate_proj`` ...) of a decoder layer with a bias under the text config ``cfg`` (:data:`_BIASES`); None: not judged."""
+    return _wants_bias(_BIASES.get(family), member, cfg)
+
+
+def _wants_bias(rule: _Biases | None, member: str, cfg: dict) -> bool | None:
+    """Whether the family of ``rule`` builds projection ``member`` with a bias (None: not judged)."""
+    if rule is None:
+        return None
     fn = rule.mlp if member in ("gate_proj", "up_proj", "gate_up_proj", "down_proj") else rule.o if member == "o_proj" else rule.qkv
     return None if fn is None else fn(cfg)
 

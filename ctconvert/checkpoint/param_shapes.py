@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import re
 
+from .expected import builds_bias
 from .families import model_types
 from .modules import Module
 from .naming import decoder_layers_prefix
@@ -139,7 +140,7 @@ def _rules(family: str, cfg: dict) -> dict[str, tuple[list[int], tuple[str, str]
         if kv is not None:
             for p in ("k_proj", "v_proj"):
                 out[f"self_attn.{p}.bias"] = ([kv * hd], ("[num_key_value_heads * head_dim]", f"num_key_value_heads, {hd_keys}"))
-    if hidden is not None and family in _O_BIAS and cfg.get("attention_bias") is True:
+    if hidden is not None and family in _O_BIAS and _built(family, cfg, "o_bias"):
         out["self_attn.o_proj.bias"] = ([hidden], ("[hidden_size]", "hidden_size"))
     key = next((k for k in _EXPERTS_KEYS.get(family, ()) if k in cfg), None)
     if key is not None and (experts := _int(cfg, key)) is not None:
@@ -156,15 +157,13 @@ def _rules(family: str, cfg: dict) -> dict[str, tuple[list[int], tuple[str, str]
 
 
 def _built(family: str, cfg: dict, what: str) -> bool:
-    """Whether the family's vLLM file builds the q/k norms (``qk_norm``) or the q/k/v biases (``qkv_bias``) under this
-    config: Qwen2 its norms only with ``qk_norm`` (``qwen2.py``), GLM-4.5 only with ``use_qk_norm``; Qwen2 and
-    Qwen2-MoE their biases always, the others only with ``attention_bias`` true (Llama: ``qkv_bias`` where present).
-    One stored where none is built is :mod:`.expected`'s (an extra tensor), not a size."""
+    """Whether the family's vLLM file builds the q/k norms (``qk_norm``: Qwen2 only with ``qk_norm``, ``qwen2.py``;
+    GLM-4.5 only with ``use_qk_norm``) or the q/k/v biases (``qkv_bias``) or o's (``o_bias``) under this config (the
+    biases as :func:`.expected.builds_bias` reads the family's file). One stored where none is built is
+    :mod:`.expected`'s (an extra tensor), not a size."""
     if what == "qk_norm":
         return cfg.get("qk_norm") is True if family == "qwen2" else cfg.get("use_qk_norm") is True if family == "glm4_moe" else True
-    if family in ("qwen2", "qwen2_moe"):
-        return True
-    return cfg.get("qkv_bias", cfg.get("attention_bias")) is True if family in _O_BIAS else cfg.get("attention_bias") is True
+    return builds_bias(family, "o_proj" if what == "o_bias" else "q_proj", cfg) is True
 
 
 def _head_dim(how: str | None, cfg: dict, hidden: int | None, heads: int | None) -> tuple[int | None, str]:
