@@ -34,6 +34,7 @@ __all__ = [
     "fused_key",
     "fused_set_name",
     "is_generative",
+    "is_lm_head",
     "is_linear_weight",
     "is_multimodal",
     "loader_patterns",
@@ -166,6 +167,11 @@ def decoder_layer_index(name: str) -> int | None:
     """N of a plain decoder model's ``model.layers.N.`` tensor, else None."""
     m = _DECODER_LAYER.match(name)
     return int(m.group(1)) if m else None
+
+
+def is_lm_head(module: str) -> bool:
+    """Whether ``module`` is a language model's head: ``lm_head``, or one nested in a wrapper (``language_model.lm_head``)."""
+    return module == "lm_head" or module.endswith(".lm_head")
 
 
 def find_embedding(tensors: dict[str, TensorInfo]) -> str | None:

@@ -64,7 +64,7 @@ from .comparison import same_bytes
 from .conformance import conforms
 from .families import FAMILIES, is_fused_expert, model_types, vllm_head
 from .modules import Module, dense_shape
-from .naming import DEFAULT_IGNORE_PATTERNS, decoder_layers_prefix, find_embedding, natural_key
+from .naming import DEFAULT_IGNORE_PATTERNS, decoder_layers_prefix, find_embedding, is_lm_head, natural_key
 from .reader import CONFIG_NAME, Problem
 from .safetensors_io import TensorInfo
 
@@ -112,7 +112,7 @@ def size_problems(config: dict, tensors: dict[str, TensorInfo], mods: dict[str, 
         return []
     cfg, where = (config["text_config"], "text_config.") if isinstance(config.get("text_config"), dict) else (config, "")
     qcfg = config["quantization_config"] if isinstance(config.get("quantization_config"), dict) else {}
-    judged = {name: m for name, m in mods.items() if (name.startswith(stack) or _is_head(name)) and conforms(m, qcfg)}  # (module docstring)
+    judged = {name: m for name, m in mods.items() if (name.startswith(stack) or is_lm_head(name)) and conforms(m, qcfg)}  # (module docstring)
     dims = {name: d for name, m in judged.items() if (d := dense_dims(m)) is not None}
     found = _hidden_found(cfg, stack, tensors, dims) + _vocab_found(config, cfg, stack, tensors, dims)
     found += _mlp_found(cfg, stack, dims) + _fused_found(config, cfg, stack, tensors)
@@ -142,7 +142,7 @@ def tied_head_problems(config: dict, tensors: dict[str, TensorInfo], file: str |
     if tied is None and isinstance(config.get("text_config"), dict):
         tied = config["text_config"].get("tie_word_embeddings")
     heads: dict[str, list[str]] = {}  # lm_head module -> its tensors
-    for name in sorted((n for n in tensors if _is_head(n.rpartition(".")[0])), key=natural_key):
+    for name in sorted((n for n in tensors if is_lm_head(n.rpartition(".")[0])), key=natural_key):
         heads.setdefault(name.rpartition(".")[0], []).append(name)
     head = vllm_head(config)
     if head is not None and head[0] == "embedding":  # vLLM builds no lm_head: logits from the embedding, whatever the flag
@@ -231,7 +231,7 @@ def _vocab_found(config: dict, cfg: dict, stack: str, tensors: dict[str, TensorI
         claim = f"vocab_size is {v}" + (f" (the embedding: {v} + {extra} = {v + extra} rows in vLLM 0.33 mllama.py)" if extra else "")
         out.append((claim, _VOCAB_WHY, emb.name, f"holds {emb.shape[0]} rows"))
     if "draft_vocab_size" not in cfg:
-        out += [(f"vocab_size is {v}", _VOCAB_WHY, name, f"has {n} output rows") for name, (n, _) in dims.items() if _is_head(name) and n != v]
+        out += [(f"vocab_size is {v}", _VOCAB_WHY, name, f"has {n} output rows") for name, (n, _) in dims.items() if is_lm_head(name) and n != v]
     return out
 
 
@@ -307,10 +307,6 @@ def _linear(stack: str, name: str) -> tuple[str | None, str | None, str | None]:
     attn = block == "self_attn" and group is None and leaf in (*_ATTN_IN, "o_proj")
     mlp = block != "self_attn" and (block or group) and leaf in (*_MLP_IN, *_DOWN)
     return (block, group, leaf) if attn or mlp else (None, None, None)
-
-
-def _is_head(module: str) -> bool:
-    return module == "lm_head" or module.endswith(".lm_head")
 
 
 def _holds(what: str, n: int) -> str:

@@ -12,7 +12,7 @@ import dataclasses
 from ..checkpoint.config import build_quantization_config
 from ..checkpoint.conformance import mixed_expert_blocks, vllm_expert_mismatches
 from ..checkpoint.families import is_expert, split_fused_experts, vllm_head
-from ..checkpoint.naming import is_generative, matches, tie_word_embeddings
+from ..checkpoint.naming import is_generative, is_lm_head, matches, tie_word_embeddings
 from ..checkpoint.reader import Checkpoint
 from ..errors import UnsupportedError, UsageError, agree, plural
 from ..pipeline.options import QuantizeOptions
@@ -206,7 +206,7 @@ def _no_head_note(plan: Plan, ckpt: Checkpoint, lm_head: str) -> None:
     while the output would store one (the source's, or ``--lm-head``'s untied head): a note that vLLM refuses the
     output (and ``verify`` fails it); it is still written, for other loaders (transformers builds the untied head)."""
     head = vllm_head(ckpt.config)
-    stored = next((n for n in ckpt.tensors if n.startswith("lm_head.") or ".lm_head." in n), None)
+    stored = next((n for n in ckpt.tensors if is_lm_head(n.rpartition(".")[0])), None)
     if head is None or head[0] != "embedding" or (stored is None and lm_head.lower() == "none"):
         return
     what = f"the source stores {stored}" if stored else f"--lm-head {lm_head} writes lm_head"
