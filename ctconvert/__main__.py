@@ -31,8 +31,9 @@ most of ``verify --reference``'s time (the 1.2B benchmark model's W4A16 output o
 system time and 24 s of wall time; with it 0.9M faults and ~15 s). The calibration process inherits both.
 
 For a command that may launch kernels (``quantize``, ``repack``, ``batch``) on a machine with an NVIDIA device node
-(and without ``--device cpu``), Triton's cache key is computed on a thread as soon as the imports are done
-(:mod:`ctconvert.formats.triton_key`): the first kernel launch of a process spent 1.4 s making it.
+(and without ``--device cpu``), Triton is imported before torch and its cache key computed on a thread beside torch's
+import (:mod:`ctconvert.formats.triton_key`): the first kernel launch of a process spent 1.4 s making it, and begun
+after the imports it still held a MoE run's first batch back by 0.3-0.4 s.
 
 ``quantize`` reads its source ahead during those imports (:mod:`ctconvert.checkpoint.readahead`: the shard
 headers, then the tensor bytes into the page cache, until the engine is imported; ``CTCONVERT_READAHEAD=0``
@@ -224,6 +225,11 @@ def main() -> None:
             ahead = _read_ahead(sys.argv[1:], trace)
             join_ray_early(sys.argv[1:], trace)
             start_calibration_early(sys.argv[1:], trace)
+            from .cli import command_word
+            from .formats import triton_key  # torch-free
+
+            if triton_key.wanted(command_word(sys.argv[1:]), sys.argv[1:]):
+                triton_key.begin()  # Triton imported here, its cache key hashed beside torch's import (the first launch needs it)
             from . import api
 
             os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS, loaded by torch and never used
@@ -235,11 +241,6 @@ def main() -> None:
                 gc.enable()
             if trace is not None:
                 trace.stamp("engine")
-            from .cli import command_word
-            from .formats import triton_key  # torch-free
-
-            if triton_key.wanted(command_word(sys.argv[1:]), sys.argv[1:]):
-                triton_key.begin()  # Triton's cache key, made while the command plans (its first launch needs it)
         from .cli import run
     finally:
         if ahead is not None:

@@ -9,6 +9,8 @@ interleaved, each output compared file for file, the minimum call and process se
 separated by ``;``; every output compared with the first's; a word starting ``--`` or without ``=`` is a quantize
 option of that setting, e.g. ``"one:;four:--max-shard-size 1GB"``; ``OUTDIR=DIR`` writes that setting's output under
 ``DIR`` instead of ``--workdir``, e.g. ``"disk:;tmpfs:OUTDIR=/dev/shm/bb"``: a run without the disk's writeback);
+``--settle`` waits before each run until the disk has written back what the runs before it left (``os.sync``,
+then ``/proc/meminfo``), so that no run pays for another's writeback; ``--rotate`` puts each setting first in turn;
 a label ``NAME@DIR`` runs the ctconvert package found in
 ``DIR`` (another tree of the project, e.g. ``git archive`` of an earlier commit), as ``python -m ctconvert`` there.
 ``--family``/``--size``/``--scale`` generate the
@@ -25,6 +27,7 @@ import filecmp
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -43,6 +46,27 @@ def _differ(a: Path, b: Path) -> list[str]:
     return sorted({*cmp.left_only, *cmp.right_only, *cmp.funny_files, *mismatch, *errors})
 
 
+def _dirty_bytes() -> int:
+    """Dirty and under-writeback page-cache bytes of the machine (``/proc/meminfo``; 0 where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("Dirty", "Writeback")}
+    except (OSError, ValueError):
+        return 0
+    return sum(kb.values()) * 1024
+
+
+def settle(limit_s: float = 20.0) -> float:
+    """Wait until the disk has written back what earlier runs left dirty: ``os.sync()``, then until ``/proc/meminfo``'s
+    Dirty + Writeback is under 64 MiB (at most ``limit_s``). So a run does not pay for its predecessor's writeback, which
+    moved runs by up to 2.4 s depending on their place in a repeat. Returns the seconds it waited."""
+    t0 = time.monotonic()
+    os.sync()
+    while _dirty_bytes() > 64 * 2**20 and time.monotonic() - t0 < limit_s:
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path)
@@ -53,6 +77,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-batches"))
+    ap.add_argument("--settle", action="store_true", help="before each run, wait until the disk has written back every dirty page (os.sync, then /proc/meminfo)")
+    ap.add_argument("--rotate", action="store_true", help="rotate the settings' order from one repeat to the next")
     ap.add_argument("--variants", default="0:CTCONVERT_BATCH=0;1:CTCONVERT_BATCH=1", help="LABEL:NAME=VALUE NAME=VALUE;LABEL:... (the settings compared)")
     a = ap.parse_args()
     variants = {}
@@ -71,10 +97,15 @@ def main() -> int:
     identical = True
     outs: dict[str, Path] = {}
     for rep in range(a.repeat):
-        for b in variants:
+        order = list(variants)
+        if a.rotate:  # each setting first in turn: no setting always runs right after the same one
+            order = order[rep % len(order) :] + order[: rep % len(order)]
+        for b in order:
             env = dict(x.split("=", 1) for x in variants[b] if "=" in x and not x.startswith("-"))
             out = Path(env.pop("OUTDIR", a.workdir)) / f"out-{b.partition('@')[0]}"
             shutil.rmtree(out, ignore_errors=True)
+            if a.settle:
+                settle()
             outs[b] = out
             args = [x for x in variants[b] if "=" not in x or x.startswith("-")]  # quantize options of this setting
             cmd = [sys.executable, "-m", "ctconvert", "--json", "quantize", str(src), "-o", str(out), "--scheme", a.scheme, "--device", a.device, *extra, *args]
@@ -102,7 +133,9 @@ def main() -> int:
         **{
             f"batch_{b}" if a.variants == ap.get_default("variants") else b: {
                 "min_call": min(c for c, _ in r),
+                "median_call": statistics.median(c for c, _ in r),
                 "min_process": min(w for _, w in r),
+                "median_process": statistics.median(w for _, w in r),
                 "gb_per_s": round(nbytes / 1e9 / min(c for c, _ in r), 3),
             }
             for b, r in runs.items()

@@ -14,6 +14,11 @@ pipeline's classes, each wrapper noting ``(what, thread, start, end, bytes)`` (`
   ``c_flags``, ``c_stage`` (the staging copy, its budget wait included); inside ``c_quantize``: ``c_rows`` (the
   scheme's ``quantize_rows``: the quantizer's kernels alone);
 * ``write``: a writer's ``ShardFile.write_many`` (bytes: the pieces' bytes), ``fsync``: ``ShardFile.close``;
+* ``warm``: the GPU warm-up thread's work (``WarmUp._work``), ``warm_batch``: its launch of one batch key,
+  ``key``: the making of Triton's cache key (``triton_key._compute``; begun here by the quantize stage, by the console
+  script just before the call), ``key_wait``: a wait for it (``triton_key.wait``); ``c_eager``: a batch run without a graph,
+  ``c_capture``: a graph's capture (both inside ``compute``);
+* ``s_source``, ``s_plan``, ``s_write``: the source, plan and write stages' ``prepare`` (headers: before the executor);
 * ``hash_wait``: waits for the source hashes (``SourceHashes.all``), ``finish``: ``OutputFolder.finish`` and
   ``commit``; ``executor``: ``Executor.run``; ``call``: the API call.
 
@@ -37,6 +42,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's package, run from anywhere
 
 EVENTS: list[tuple[str, str, float, float, int]] = []
+#: kinds listed one by one in time order (the first of each run: what a run waits for before its stream flows)
+EARLY = ("s_source", "s_plan", "s_write", "warm", "key", "key_wait", "warm_batch", "c_eager", "c_capture")
 
 
 def _wrap(cls, name: str, kind: str, nbytes=None, info=None):
@@ -126,6 +133,24 @@ def _patch() -> None:
     _wrap(OutputFolder, "commit", "finish")
     _wrap(Executor, "run", "executor")
     _wrap(api, "quantize", "call")
+    from ctconvert.formats import triton_key
+    from ctconvert.pipeline import warm
+    from ctconvert.pipeline.graphs import BatchGraphs
+    from ctconvert.pipeline.warm import WarmUp
+
+    _wrap(WarmUp, "_work", "warm")  # the warm-up thread's whole work (GPU)
+    _wrap(triton_key, "_compute", "key")  # the making of Triton's cache key on its own thread (begun before the call)
+    _wrap(triton_key, "wait", "key_wait")  # a wait for Triton's cache key (warm.py imports the module: patched there too)
+    _wrap(warm, "warm_batch", "warm_batch")
+    _wrap(Executor, "_batch_eager", "c_eager")  # inside compute: a batch run without a graph
+    _wrap(BatchGraphs, "_capture", "c_capture")  # inside compute: a graph's capture
+    from ctconvert.stages.source import SourceStage
+    from ctconvert.stages.plan import PlanStage
+    from ctconvert.stages.write import WriteStage
+
+    _wrap(SourceStage, "prepare", "s_source")  # before the executor: opening the source, planning, opening the output
+    _wrap(PlanStage, "prepare", "s_plan")
+    _wrap(WriteStage, "prepare", "s_write")
 
 
 def _union(spans: list[tuple[float, float]]) -> float:
@@ -182,6 +207,7 @@ def main() -> None:
     ap.add_argument("--bins", type=int, default=20, help="slices of the call in the table (default 20)")
     ap.add_argument("--sync-debug", action="store_true", help="count the computing thread's CUDA synchronisations by site (torch.cuda.set_sync_debug_mode)")
     ap.add_argument("--longest", type=int, default=12, help="list the N longest compute events")
+    ap.add_argument("--key-ready", action="store_true", help="make Triton's cache key before the call (as if made during the imports)")
     a = ap.parse_args(argv[:cut])
     if cut + 1 >= len(argv):
         ap.error("give the ctconvert command after --, e.g. -- quantize SRC -o OUT --scheme NVFP4A16")
@@ -207,6 +233,12 @@ def main() -> None:
         warnings.showwarning = note
         warnings.simplefilter("always")
     from ctconvert.cli import main as cli_main
+
+    if a.key_ready:
+        from ctconvert.formats import triton_key
+
+        triton_key.begin()
+        triton_key.wait()
 
     try:
         cli_main.main(args=argv[cut + 1 :], standalone_mode=False)
@@ -234,6 +266,10 @@ def _print(a, syncs: dict[str, int]) -> None:
     print("longest compute events (start, seconds, job):", file=sys.stderr)
     for e in comp:
         print(f"  {e[2] - t0:6.3f} {e[3] - e[2]:6.3f}  {e[5] if len(e) > 5 else ''}", file=sys.stderr)
+    early = sorted((e for e in EVENTS if e[0] in EARLY), key=lambda e: e[2])[: a.longest * 2]
+    print("start-up events (start, seconds, kind, thread):", file=sys.stderr)
+    for e in early:
+        print(f"  {e[2] - t0:6.3f} {e[3] - e[2]:6.3f}  {e[0]:10} {e[1]}", file=sys.stderr)
     if syncs:
         print("CUDA synchronisations by site:", file=sys.stderr)
         for k, v in sorted(syncs.items(), key=lambda kv: -kv[1]):

@@ -259,3 +259,46 @@ def test_the_read_ahead_hashes_the_sources_of_a_local_run_only(tiny_llama, tmp_p
         ahead.stop(wait=30)
         got[k] = ahead.hash_sources
     assert got == {"local": True, "ray": False, "ray=": False, "dry": False}
+
+
+#: the console script's main() for a ``quantize`` that may launch kernels, with a stand-in ``triton`` package (first
+#: on the path) that records, as JSON in TRITON_RECORD, whether torch was imported when it was, and on which threads
+#: it was imported and its key made
+_TRITON_WRAPPER = """
+import os, sys
+sys.path.insert(0, os.environ["FAKE_TRITON_PATH"])
+sys.argv = ["ctconvert", *sys.argv[1:]]
+from ctconvert.formats import triton_key
+triton_key.wanted = lambda command, argv: command == "quantize"  # as on a machine with an NVIDIA device node
+from ctconvert.__main__ import main
+main()
+"""
+
+_FAKE_CACHE = """
+import json, os, sys, threading
+RECORD = {"torch_at_import": "torch" in sys.modules, "imported_on": threading.current_thread().name}
+def triton_key():
+    RECORD["key_on"] = threading.current_thread().name
+    RECORD["torch_at_key"] = "torch" in sys.modules
+    with open(os.environ["TRITON_RECORD"], "w") as f:
+        json.dump(RECORD, f)
+    return "key"
+"""
+
+
+def test_quantize_imports_triton_before_torch_and_makes_its_key_on_a_thread(tmp_path):
+    """Triton's import runs on the main thread before torch's; its cache key is made on its own thread (beside
+    torch's import): a MoE run's first batch no longer waits for it (formats/triton_key.py)."""
+    pkg = tmp_path / "fake" / "triton"
+    (pkg / "runtime").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "runtime" / "__init__.py"):
+        init.write_text("")
+    (pkg / "runtime" / "cache.py").write_text(_FAKE_CACHE)
+    record = tmp_path / "record.json"
+    env = {**os.environ, "FAKE_TRITON_PATH": str(tmp_path / "fake"), "TRITON_RECORD": str(record), "CTCONVERT_READAHEAD": "0"}
+    args = ["quantize", str(tmp_path / "missing"), "-o", str(tmp_path / "out"), "--scheme", "W4A16"]
+    r = subprocess.run([sys.executable, "-c", _TRITON_WRAPPER, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stderr[-2000:]  # the missing source, after the imports
+    seen = json.loads(record.read_text())
+    assert seen["torch_at_import"] is False and seen["imported_on"] == "MainThread", seen
+    assert seen["key_on"] == "ctconvert-triton-key", seen

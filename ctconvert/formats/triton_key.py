@@ -7,11 +7,16 @@ pays it at its first kernel launch, cache or no cache: on an H100 machine the fi
 1.40 s there (most of it sha256 of the library), while the computing thread's first MoE batch waited 0.47-0.57 s
 for the warm-up's launch to finish (a cProfile of the run's threads; ``scripts/trace_timeline.py``).
 
-:func:`begin` computes it on a daemon thread as soon as the engine is imported, while the command plans, opens its
-output and copies the first tensors; the first launch then finds it made. The key is Triton's own function's
-result, so nothing about which kernel is used changes; where Triton is missing, or has no such function, nothing
-happens, and an error there is kept (:data:`ERROR`) and otherwise ignored: the launch computes the key itself, as it
-would have.
+:func:`begin` imports Triton on the calling thread (~0.35 s on an H100 host) and computes the key on a daemon
+thread (~0.5 s there, mostly hashing with the GIL released). The console script calls it *before* it imports torch
+(:mod:`ctconvert.__main__`), so that the hashing runs beside torch's import (1.5 s or more) and the key is made
+before the command starts: begun after torch's import instead, the key took 0.7-0.9 s of the call, the warm-up
+waited 0.56-0.62 s for it, and a Qwen3-MoE run's first batch of experts 0.29-0.39 s (an H100, 2026-12-07;
+``scripts/trace_timeline.py``, "start-up events"). Only the hashing is on the other thread, never an import: the
+key made after ``import triton`` imports no module (checked on that machine), so no import runs on two threads
+at once. The key is Triton's own function's result, so nothing about which kernel is used changes; where Triton is
+missing, or has no such function, nothing happens, and an error there (its import's too) is kept (:data:`ERROR`)
+and otherwise ignored: the launch computes the key itself, as it would have.
 """
 
 from __future__ import annotations
@@ -28,31 +33,43 @@ _LOCK = threading.Lock()
 ERROR: BaseException | None = None
 
 
-def _compute() -> None:
+def _key_function():
+    """Triton's ``triton_key`` (imported here, on the calling thread), or None where this Triton has none."""
+    import triton.runtime.cache as cache
+
+    fn = getattr(cache, "triton_key", None)
+    if fn is None:  # Triton 2.x kept it in the compiler module
+        import triton.compiler.compiler as compiler
+
+        fn = getattr(compiler, "triton_key", None)
+    return fn
+
+
+def _compute(fn) -> None:
     global ERROR
     try:
-        import triton.runtime.cache as cache
-
-        fn = getattr(cache, "triton_key", None)
-        if fn is None:  # Triton 2.x kept it in the compiler module
-            import triton.compiler.compiler as compiler
-
-            fn = getattr(compiler, "triton_key", None)
-        if fn is not None:
-            fn()
+        fn()
     except BaseException as e:  # noqa: BLE001 - the launch computes the key itself and reports its own errors
         ERROR = e
 
 
 def begin() -> threading.Thread | None:
-    """Start computing Triton's cache key on a daemon thread (once per process); the thread, or None where Triton
-    is not installed. Call it after torch is imported: Triton's import then runs beside no other import of torch."""
-    global _THREAD
+    """Import Triton here, then make its cache key on a daemon thread (once per process); the thread, or None where
+    Triton is not installed, cannot be imported (:data:`ERROR` says why) or has no key function. Call it before
+    torch's import (the console script) or after it, never while another thread imports."""
+    global _THREAD, ERROR
     with _LOCK:
         if _THREAD is None:
             if importlib.util.find_spec("triton") is None:
                 return None
-            _THREAD = threading.Thread(target=_compute, daemon=True, name="ctconvert-triton-key")
+            try:
+                fn = _key_function()
+            except Exception as e:  # noqa: BLE001 - a broken Triton: its first launch says so, as it would have
+                ERROR = e
+                return None
+            if fn is None:
+                return None
+            _THREAD = threading.Thread(target=_compute, args=(fn,), daemon=True, name="ctconvert-triton-key")
             _THREAD.start()
         return _THREAD
 

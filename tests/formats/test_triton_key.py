@@ -1,11 +1,13 @@
-"""triton_key: Triton's cache key made once on a thread of its own, only where a command may launch kernels; a
-Triton without the function, or one whose function raises, changes nothing."""
+"""triton_key: Triton imported on the calling thread and its cache key made once on a thread of its own, only where
+a command may launch kernels; a Triton without the function, or one whose function or import raises, changes
+nothing."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -35,9 +37,10 @@ def fake_triton(tmp_path, monkeypatch):
     return make
 
 
-def test_the_key_is_made_once_on_its_own_thread(fake_triton):
+def test_the_key_is_made_once_on_its_own_thread_after_triton_is_imported_here(fake_triton):
     fake_triton("""
         import threading
+        IMPORTED_ON = threading.current_thread().name
         CALLS = []
         def triton_key():
             CALLS.append(threading.current_thread().name)
@@ -45,23 +48,28 @@ def test_the_key_is_made_once_on_its_own_thread(fake_triton):
     """)
     t = triton_key.begin()
     assert t is not None and t.name == "ctconvert-triton-key"
-    t.join(10)
-    assert triton_key.begin() is t  # once per process
     import triton.runtime.cache as cache
 
+    # the import ran here, before the thread began: the thread only hashes (no import on two threads at once)
+    assert cache.IMPORTED_ON == threading.current_thread().name != t.name
+    t.join(10)
+    assert triton_key.begin() is t  # once per process
     assert cache.CALLS == ["ctconvert-triton-key"] and triton_key.ERROR is None
 
 
-def test_a_triton_without_the_function_or_whose_function_raises_changes_nothing(fake_triton):
+def test_a_triton_without_the_function_or_whose_function_or_import_raises_changes_nothing(fake_triton):
     fake_triton("X = 1  # no triton_key here, nor in the compiler module\n")
-    triton_key.begin().join(10)
-    assert triton_key.ERROR is None
+    assert triton_key.begin() is None and triton_key.ERROR is None
     fake_triton("""
         def triton_key():
             raise OSError("no libtriton here")
     """)
     triton_key.begin().join(10)
     assert isinstance(triton_key.ERROR, OSError)
+    fake_triton("raise ImportError('libtriton.so: cannot open shared object file')\n")
+    assert triton_key.begin() is None
+    assert isinstance(triton_key.ERROR, ImportError) and "libtriton" in str(triton_key.ERROR)
+    triton_key.wait()  # nothing begun: at once
 
 
 def test_no_triton_no_thread(monkeypatch):
