@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench-batches"))
-    ap.add_argument("--settle", action="store_true", help="before each run, wait until the disk has written back every dirty page (os.sync, then /proc/meminfo)")
+    ap.add_argument("--settle", action="store_true", help="before each run, wait until the disk has written back what runs left dirty (os.sync, /proc/meminfo)")
     ap.add_argument("--rotate", action="store_true", help="rotate the settings' order from one repeat to the next")
     ap.add_argument("--variants", default="0:CTCONVERT_BATCH=0;1:CTCONVERT_BATCH=1", help="LABEL:NAME=VALUE NAME=VALUE;LABEL:... (the settings compared)")
     a = ap.parse_args()

@@ -144,8 +144,8 @@ def _patch() -> None:
     _wrap(warm, "warm_batch", "warm_batch")
     _wrap(Executor, "_batch_eager", "c_eager")  # inside compute: a batch run without a graph
     _wrap(BatchGraphs, "_capture", "c_capture")  # inside compute: a graph's capture
-    from ctconvert.stages.source import SourceStage
     from ctconvert.stages.plan import PlanStage
+    from ctconvert.stages.source import SourceStage
     from ctconvert.stages.write import WriteStage
 
     _wrap(SourceStage, "prepare", "s_source")  # before the executor: opening the source, planning, opening the output
