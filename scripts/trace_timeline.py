@@ -232,7 +232,11 @@ def main() -> None:
 
         warnings.showwarning = note
         warnings.simplefilter("always")
+    import gc
+
     from ctconvert.cli import main as cli_main
+
+    gc.freeze()  # as the console script does after its imports: a collection then walks none of torch's objects
 
     if a.key_ready:
         from ctconvert.formats import triton_key

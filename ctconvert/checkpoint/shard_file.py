@@ -4,7 +4,8 @@ The header is computed from the plan before any data exists (safetensors, https:
 "Format": an 8-byte little-endian header length, the JSON header, then the data section), so each tensor, or a row
 range of it, is written at its final offset with ``os.pwrite``/``os.pwritev`` as soon as it is computed: a shard
 never has to be assembled in memory. Each output tensor is hashed as its pieces come
-(:class:`~.hashing.StreamHash`), and the shard's dirty pages are handed to the disk as it fills.
+(:class:`~.hashing.StreamHash`), and the shard's dirty pages are handed to the disk as it fills (by one thread of
+the process, :class:`Writeback`, so that no writer waits for the disk's queue).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..errors import CTConvertError, OutputError
 from .hashing import RangeHash, StreamHash, combine_shard_hash
 from .safetensors_io import DTYPES
 
-__all__ = ["IOV_MAX", "WRITEBACK_BYTES", "PlannedTensor", "ShardFile", "start_writeback"]
+__all__ = ["IOV_MAX", "WRITEBACK", "WRITEBACK_BYTES", "PlannedTensor", "ShardFile", "Writeback", "start_writeback", "writeback_default"]
 
 
 @dataclass
@@ -79,10 +80,60 @@ def host_bytes(tensor: torch.Tensor | np.ndarray) -> np.ndarray:
 
 
 def start_writeback(fd: int) -> None:
-    """Start writing a file's dirty pages to disk without waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``),
-    so that the disk works while the conversion goes on and the final fsync has little left; elsewhere nothing."""
+    """Start writing a file's dirty pages to disk (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so that the disk
+    works while the conversion goes on and the final fsync has little left; elsewhere nothing. It does not wait for
+    the pages to be written, but it does wait for room in the disk's request queue: with the queue full it blocked
+    for seconds (below, :class:`Writeback`)."""
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd, 0, 0, 2)
+
+
+def writeback_default() -> bool:
+    """Whether shards hand their dirty pages to the disk on a thread of their own (:class:`Writeback`): yes, unless
+    the environment says ``CTCONVERT_WRITEBACK_THREAD=0`` (each writer then starts it itself, as before)."""
+    return os.environ.get("CTCONVERT_WRITEBACK_THREAD", "1") != "0"
+
+
+class Writeback:
+    """One thread that starts the writeback of the shards that asked for it (:func:`start_writeback`), so that the
+    writer threads never wait in it.
+
+    Started by each writer after every :data:`WRITEBACK_BYTES` of a shard, ``sync_file_range`` blocks while the
+    disk's request queue is full: in a slow run of the dense 8B on an H100 the four writers spent 3.0 of their 4.5 s
+    there (``scripts/profile_site``), and the computing thread waited for them. Here a request only marks the shard
+    (a shard asked twice before its turn is started once) and the thread starts it; a shard that closed meanwhile is
+    skipped (its ``fd_lock`` keeps the descriptor open while the thread uses it). Process-wide, started on first
+    use; a daemon."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: dict[int, ShardFile] = {}  # id -> shard, in the order asked
+        self._thread: threading.Thread | None = None
+        self.started = 0  # writebacks started (tests)
+
+    def request(self, shard: ShardFile) -> None:
+        with self._cond:
+            self._pending.setdefault(id(shard), shard)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="ctconvert-writeback")
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending:
+                    self._cond.wait()
+                key = next(iter(self._pending))
+                shard = self._pending.pop(key)
+            with shard.fd_lock:
+                if not shard.closed:
+                    start_writeback(shard.fd)
+                    self.started += 1
+
+
+#: the process's writeback thread (:class:`Writeback`)
+WRITEBACK = Writeback()
 
 
 class ShardFile:
@@ -102,6 +153,8 @@ class ShardFile:
         self.kept = False
         self.closed = False
         self._lock = threading.Lock()
+        self.fd_lock = threading.Lock()  # held while the writeback thread uses the descriptor, and to close it
+        self._writeback = WRITEBACK if writeback_default() else None
         order = sorted(range(len(tensors)), key=lambda i: -DTYPES[tensors[i].dtype][1])
         existing = metadata == "__existing__"
         meta = {"format": "pt"} if existing or not metadata else dict(metadata)
@@ -206,7 +259,10 @@ class ShardFile:
                 self._unflushed = 0
             done = self.remaining == 0 and self.on_complete is not None
         if kick:
-            start_writeback(self.fd)
+            if self._writeback is not None:
+                self._writeback.request(self)
+            else:
+                start_writeback(self.fd)
         if done:
             self.on_complete(self)
 
@@ -259,13 +315,15 @@ class ShardFile:
         except OSError as e:
             raise OutputError(f"cannot flush: {e.strerror or e}", file=self.path) from e
         finally:
-            os.close(self.fd)
+            with self.fd_lock:
+                os.close(self.fd)
 
     def abort(self) -> None:
         """Close the file without flushing or checking (a failed conversion; once)."""
         if not self._mark_closed():
             return
         try:
-            os.close(self.fd)
+            with self.fd_lock:
+                os.close(self.fd)
         except OSError:
             pass

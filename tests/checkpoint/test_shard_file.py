@@ -107,3 +107,78 @@ def test_host_bytes_views_contiguous_tensors_and_arrays():
     arr = np.arange(6, dtype=np.float32).reshape(2, 3)
     assert host_bytes(arr).tobytes() == arr.tobytes() and np.shares_memory(host_bytes(arr), arr)
     assert host_bytes(torch.zeros(0, 5)).shape == (0,)
+
+
+def _shard_of_pieces(path, n: int, piece: int):
+    """A shard of one U8 tensor of ``n`` pieces of ``piece`` bytes, each a fresh random value (seed 0)."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (n * piece,), generator=g, dtype=torch.uint8)
+    return ShardFile(path, [PlannedTensor("w", "U8", (n * piece,))], metadata={"format": "pt"}), data
+
+
+@pytest.mark.parametrize("threaded", ["1", "0"])
+def test_writeback_is_started_on_its_own_thread_and_changes_no_byte(tmp_path, monkeypatch, threaded):
+    """Every WRITEBACK_BYTES of a shard its writeback is started (sync_file_range) by the process's writeback
+    thread, never by the writer (which it blocked for seconds when the disk's queue was full), unless
+    CTCONVERT_WRITEBACK_THREAD=0; the file's bytes and hash are the same either way."""
+    import threading
+
+    from ctconvert.checkpoint import shard_file as sf
+
+    monkeypatch.setenv("CTCONVERT_WRITEBACK_THREAD", threaded)
+    monkeypatch.setattr(sf, "WRITEBACK_BYTES", 4096)
+    monkeypatch.setattr(sf, "WRITEBACK", sf.Writeback())
+    seen = []
+    real = sf.start_writeback
+    monkeypatch.setattr(sf, "start_writeback", lambda fd: (seen.append(threading.current_thread().name), real(fd)))
+    f, data = _shard_of_pieces(tmp_path / "a.safetensors", 16, 4096)
+    for i in range(16):
+        f.write("w", data[i * 4096 : (i + 1) * 4096], i * 4096)
+        if threaded == "1":  # each request started before the next (a request made while one is pending merges into it)
+            for _ in range(200):
+                if sf.WRITEBACK.started == len(seen) == i + (i < 15):
+                    break
+                threading.Event().wait(0.005)
+    f.close()
+    want = "ctconvert-writeback" if threaded == "1" else threading.current_thread().name
+    assert seen == [want] * 15  # not after the last piece (the final fsync writes the rest)
+    with safe_open(str(tmp_path / "a.safetensors"), "pt") as s:
+        assert torch.equal(s.get_tensor("w"), data)
+
+
+def test_writeback_skips_a_closed_shard_and_holds_its_descriptor_open_while_it_works(tmp_path, monkeypatch):
+    """A shard closed before the writeback thread comes to it is skipped; one being worked on is closed only after
+    (the thread's call still finds its descriptor open)."""
+    import os
+    import threading
+
+    from ctconvert.checkpoint import shard_file as sf
+
+    monkeypatch.setattr(sf, "WRITEBACK", sf.Writeback())
+    inside, go, fds = threading.Event(), threading.Event(), []
+
+    def slow(fd):
+        inside.set()
+        go.wait(10)
+        fds.append(os.fstat(fd).st_size)  # raises (EBADF) had close() closed it meanwhile
+
+    monkeypatch.setattr(sf, "start_writeback", slow)
+    f, data = _shard_of_pieces(tmp_path / "a.safetensors", 2, 4096)
+    f.write_many([("w", data, 0)])
+    sf.WRITEBACK.request(f)
+    assert inside.wait(10)
+    closer = threading.Thread(target=f.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # close waits for the thread's call
+    go.set()
+    closer.join(10)
+    assert not closer.is_alive() and fds == [f.size]
+    done = sf.WRITEBACK.started
+    sf.WRITEBACK.request(f)  # closed: skipped
+    for _ in range(100):
+        if not sf.WRITEBACK._pending:
+            break
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.05)
+    assert sf.WRITEBACK.started == done and fds == [f.size]
