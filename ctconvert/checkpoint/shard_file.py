@@ -134,6 +134,8 @@ class Writeback:
 
 #: the process's writeback thread (:class:`Writeback`)
 WRITEBACK = Writeback()
+if hasattr(os, "register_at_fork"):  # a forked child has no such thread: its first request starts its own
+    os.register_at_fork(after_in_child=WRITEBACK.__init__)
 
 
 class ShardFile:

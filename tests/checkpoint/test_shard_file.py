@@ -182,3 +182,34 @@ def test_writeback_skips_a_closed_shard_and_holds_its_descriptor_open_while_it_w
         threading.Event().wait(0.01)
     threading.Event().wait(0.05)
     assert sf.WRITEBACK.started == done and fds == [f.size]
+
+
+def test_a_forked_child_starts_its_own_writeback_thread(tmp_path):
+    """The writeback thread does not survive a fork: a child that writes a shard after its parent started the thread
+    gets one of its own (else its requests would wait for a thread that is not there)."""
+    import os
+
+    from ctconvert.checkpoint import shard_file as sf
+
+    f, data = _shard_of_pieces(tmp_path / "parent.safetensors", 1, 4096)
+    sf.WRITEBACK.request(f)  # the parent's thread exists now
+    f.write_many([("w", data, 0)])
+    f.close()
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 only if its own thread started the writeback
+        code, before = 1, sf.WRITEBACK.started
+        try:
+            g, d = _shard_of_pieces(tmp_path / "child.safetensors", 2, 4096)
+            g.write_many([("w", d[:4096], 0)])
+            sf.WRITEBACK.request(g)
+            for _ in range(500):
+                if sf.WRITEBACK.started > before:
+                    code = 0
+                    break
+                __import__("time").sleep(0.01)
+            g.write_many([("w", d[4096:], 4096)])
+            g.close()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
