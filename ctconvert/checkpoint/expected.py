@@ -447,9 +447,28 @@ def _router_problems(params: dict[str, str], stack: str, family: str, cfg: dict,
             why = f"vLLM 0.33 {JUDGED[family]} builds (topk_method {cfg.get('topk_method')!r}) and refuses unfilled"
             out.append(Problem("error", f"missing: the router lacks e_score_correction_bias, which {why}", file_of(name), name))
         elif rule is not None and not rule(cfg) and f"{router}.e_score_correction_bias" in rels:
-            method, why = (repr(cfg["topk_method"]), "") if "topk_method" in cfg else ("absent", _NO_TOPK_METHOD)
-            out.append(Problem("error", f"extra: {name} is stored, but {_NO_ROUTER_BIAS.format(method, why)}", file_of(name), name))
+            out.append(Problem("error", f"extra: {_unbuilt_router_bias(name, cfg)}", file_of(name), name))
     return out
+
+
+def _unbuilt_router_bias(name: str, cfg: dict) -> str:
+    """Why router bias ``name`` (stored) has no parameter in vLLM 0.33 under text config ``cfg`` (:data:`_NO_ROUTER_BIAS`)."""
+    method, why = (repr(cfg["topk_method"]), "") if "topk_method" in cfg else ("absent", _NO_TOPK_METHOD)
+    return f"{name} is stored, but {_NO_ROUTER_BIAS.format(method, why)}"
+
+
+def unbuilt_router_bias(config: dict, names) -> str | None:
+    """The first router ``e_score_correction_bias`` among tensor ``names`` for which the family's vLLM 0.33 file builds
+    no parameter (DeepSeek-V2/V3, Kimi-K2 with ``topk_method`` not ``noaux_tc``, absent included), with why (the
+    text of :func:`expected_problems`' error); None where there is none. Scans the names once: ``quantize`` asks it of
+    its source before any work (a plan note), where the whole check would cost a MoE's plan as much again."""
+    family = _family(config) if isinstance(config, dict) else None
+    rule = _ROUTER_BIAS.get(family)
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if rule is None or rule(cfg):
+        return None
+    name = next((n for n in names if n.endswith(".e_score_correction_bias")), None)
+    return None if name is None else _unbuilt_router_bias(name, cfg)
 
 
 def _expert_leaves(family: str | None, cfg: dict) -> set[str] | None:

@@ -11,6 +11,7 @@ import dataclasses
 
 from ..checkpoint.config import build_quantization_config
 from ..checkpoint.conformance import mixed_expert_blocks, vllm_expert_mismatches
+from ..checkpoint.expected import unbuilt_router_bias
 from ..checkpoint.families import is_expert, split_fused_experts, vllm_head
 from ..checkpoint.naming import is_generative, is_lm_head, matches, tie_word_embeddings
 from ..checkpoint.reader import Checkpoint
@@ -67,6 +68,7 @@ class PlanStage(Stage):
         plan, job.dry_error = plan_or_error(job.ckpt, self.scheme, o.dry_run, o.skip_incompatible, plan_kw)
         apply_dense_dtype(plan, o.dense_dtype, job.ckpt.config)
         _no_head_note(plan, job.ckpt, o.lm_head)
+        _router_bias_note(plan, job.ckpt)
         if plan.views:  # per-expert parts of fused 3-D experts: read as tensors of their own from here on
             job.ckpt = dataclasses.replace(job.ckpt, tensors={**job.ckpt.tensors, **plan.views})
         if source.quantized:
@@ -214,6 +216,15 @@ def _no_head_note(plan: Plan, ckpt: Checkpoint, lm_head: str) -> None:
         f"{what}, but vLLM 0.33 {head[1]} {head[2]} builds no lm_head (it computes logits with the embedding): "
         "vLLM refuses this output and verify fails it; it is written for other loaders"
     )
+
+
+def _router_bias_note(plan: Plan, ckpt: Checkpoint) -> None:
+    """A DeepSeek/Kimi source that stores a router ``e_score_correction_bias`` its config gives vLLM 0.33 no parameter
+    for (:func:`.expected.unbuilt_router_bias`: ``topk_method`` not ``noaux_tc``, as transformers saves a DeepSeek-V3):
+    a note that vLLM refuses the output and ``verify`` fails it, said before any work; the bias is still copied."""
+    why = unbuilt_router_bias(ckpt.config, ckpt.tensors)
+    if why is not None:
+        plan.notes.append(f"the source's {why}; vLLM refuses this output and verify fails it (it is written for other loaders)")
 
 
 def describe_source(plan: Plan, source) -> None:

@@ -165,3 +165,18 @@ def test_parameter_vllm_does_not_build_is_not_sized(outs):
     assert _shape_errors(path) == []
     rep = api.verify(path)
     assert not rep["ok"] and any(p["tensor"] == tensor and p["message"].startswith("extra") for p in rep["problems"])
+
+
+def test_quantize_notes_the_router_bias_before_any_work(outs):
+    """quantize says in its plan (a dry run too) that a DeepSeek source stores a router bias vLLM 0.33 builds no
+    parameter for: the text of verify's error on the output, with what follows; nothing where topk_method is
+    noaux_tc (the Hub's configs) or for another family."""
+    tmp = outs["tmp"]
+    for dry in (True, False):
+        res = api.quantize(tmp / "deepseek_v3_greedy", tmp / f"greedy-note-{dry}", "W4A16", device="cpu", dry_run=dry)
+        (note,) = [n for n in res.notes if "e_score_correction_bias" in n]
+        err = next(p for p in api.verify(outs["deepseek_v3_greedy"])["problems"] if "e_score_correction_bias" in p["message"])
+        assert note == f"the source's {err['message'].removeprefix('extra: ')}; vLLM refuses this output and verify fails it (it is written for other loaders)"
+    for family in ("deepseek_v3", "glm4_moe", "qwen3"):
+        res = api.quantize(tmp / family, tmp / f"{family}-note", "W4A16", device="cpu", dry_run=True)
+        assert not [n for n in res.notes if "e_score_correction_bias" in n], family
