@@ -72,9 +72,10 @@ def provenance(ckpt: Checkpoint, units: list, options: dict, src_hashes: dict[st
     dense bytes and also names the stored tensors and format it was dequantized from (``dequantized_from``);
     ``derived_from`` (:meth:`.sources.Source.derived_from`) says which quantized checkpoint the output was made from."""
     tensors = {}
+    entries: dict[str, dict] = {}  # source -> its entry, one dict for every output made from it (NVFP4A16: three)
     for u in units:
         for name, sources in u.output_sources().items():
-            tensors[name] = [_entry(ckpt.tensors[s], src_hashes[s]) for s in sources]
+            tensors[name] = [entries.get(s) or entries.setdefault(s, _entry(ckpt.tensors[s], src_hashes[s])) for s in sources]
     doc = {
         "ctconvert": __version__,
         "provenance_format": PROVENANCE_FORMAT,

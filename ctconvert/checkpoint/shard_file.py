@@ -16,6 +16,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_str  # json.dumps(s) of a str s
 from pathlib import Path
 
 import numpy as np
@@ -162,7 +163,8 @@ class ShardFile:
         meta = {"format": "pt"} if existing or not metadata else dict(metadata)
         self.offsets: dict[str, tuple[int, int]] = {}
         # the header's JSON, entry by entry (what json.dumps(separators=(",", ":")) writes for the same dict, without
-        # building it: a MoE shard holds tens of thousands of tensors); names and dtypes escaped by json.dumps
+        # building it: a MoE shard holds tens of thousands of tensors); names and dtypes escaped by the C escaper that
+        # json.dumps of a str calls (the same text, without json.dumps' own overhead 112,000 times)
         parts = ['{"__metadata__":' + json.dumps(meta, separators=(",", ":"))]
         pos = 0
         for i in order:
@@ -170,7 +172,7 @@ class ShardFile:
             if t.name in self.offsets or t.name == "__metadata__":
                 raise ValueError(f"tensor {t.name!r} planned twice in {self.path.name}")
             shape = ",".join(str(int(d)) for d in t.shape)
-            parts.append(f'{json.dumps(t.name)}:{{"dtype":{json.dumps(t.dtype)},"shape":[{shape}],"data_offsets":[{pos},{pos + t.nbytes}]}}')
+            parts.append(f'{_json_str(t.name)}:{{"dtype":{_json_str(t.dtype)},"shape":[{shape}],"data_offsets":[{pos},{pos + t.nbytes}]}}')
             self.offsets[t.name] = (pos, t.nbytes)
             pos += t.nbytes
         raw = (",".join(parts) + "}").encode("utf-8")
