@@ -229,7 +229,7 @@ def main() -> None:
             from .formats import triton_key  # torch-free
 
             if triton_key.wanted(command_word(sys.argv[1:]), sys.argv[1:]):
-                triton_key.begin()  # Triton imported here, its cache key hashed beside torch's import (the first launch needs it)
+                triton_key.begin(import_here=True)  # Triton imported here, its cache key hashed beside torch's import (the first launch needs it)
             from . import api
 
             os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's BLAS, loaded by torch and never used

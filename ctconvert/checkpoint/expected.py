@@ -462,8 +462,9 @@ def unbuilt_router_bias(config: dict, names) -> str | None:
     no parameter (DeepSeek-V2/V3, Kimi-K2 with ``topk_method`` not ``noaux_tc``, absent included), with why (the
     text of :func:`expected_problems`' error); None where there is none. Scans the names once: ``quantize`` asks it of
     its source before any work (a plan note), where the whole check would cost a MoE's plan as much again."""
-    family = _family(config) if isinstance(config, dict) else None
-    rule = _ROUTER_BIAS.get(family)
+    if not isinstance(config, dict):
+        return None
+    rule = _ROUTER_BIAS.get(_family(config))
     cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     if rule is None or rule(cfg):
         return None

@@ -504,3 +504,22 @@ def test_mtp_layer_past_num_hidden_layers_is_not_judged(saved_families, family):
     t[f"{L}3.eh_proj.weight"] = torch.zeros(128, 256, dtype=torch.bfloat16)
     cfg = dict(json.loads((got["src"] / "config.json").read_text()), num_nextn_predict_layers=1)
     assert errors_of(write_checkpoint(got["tmp"] / f"{family}-mtp", t, cfg)) == []
+
+
+def test_unbuilt_router_bias_names_the_first_stored_bias_vllm_builds_no_parameter_for():
+    """quantize's plan note: DeepSeek-V2/V3 and Kimi-K2 with topk_method not noaux_tc (absent included) and a stored
+    router bias; nothing for noaux_tc, GLM-4.5 (always built), another family, no bias, or a config that is no dict."""
+    from ctconvert.checkpoint.expected import unbuilt_router_bias
+
+    names = ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.2.mlp.gate.e_score_correction_bias"]
+    for family in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
+        absent = unbuilt_router_bias({"model_type": family}, names)
+        assert absent.startswith("model.layers.1.mlp.gate.e_score_correction_bias is stored, but vLLM 0.33 deepseek_v2.py")
+        assert "(config.json topk_method: absent)" in absent and "DeepseekV3Config saves none" in absent
+        greedy = unbuilt_router_bias({"model_type": family, "topk_method": "greedy"}, names)
+        assert "(config.json topk_method: 'greedy')" in greedy and "DeepseekV3Config" not in greedy
+        assert unbuilt_router_bias({"model_type": family, "topk_method": "noaux_tc"}, names) is None
+        assert unbuilt_router_bias({"model_type": family}, names[:1]) is None
+    assert unbuilt_router_bias({"model_type": "glm4_moe"}, names) is None
+    assert unbuilt_router_bias({"model_type": "qwen3_moe"}, names) is None
+    assert unbuilt_router_bias(None, names) is None and unbuilt_router_bias([], names) is None

@@ -38,6 +38,8 @@ def fake_triton(tmp_path, monkeypatch):
 
 
 def test_the_key_is_made_once_on_its_own_thread_after_triton_is_imported_here(fake_triton):
+    """``import_here`` (the console script, before torch's import): the import on the calling thread, the key's
+    hashing alone on the key's thread."""
     fake_triton("""
         import threading
         IMPORTED_ON = threading.current_thread().name
@@ -46,7 +48,7 @@ def test_the_key_is_made_once_on_its_own_thread_after_triton_is_imported_here(fa
             CALLS.append(threading.current_thread().name)
             return "key"
     """)
-    t = triton_key.begin()
+    t = triton_key.begin(import_here=True)
     assert t is not None and t.name == "ctconvert-triton-key"
     import triton.runtime.cache as cache
 
@@ -57,9 +59,29 @@ def test_the_key_is_made_once_on_its_own_thread_after_triton_is_imported_here(fa
     assert cache.CALLS == ["ctconvert-triton-key"] and triton_key.ERROR is None
 
 
+def test_without_import_here_the_thread_imports_triton_and_makes_the_key(fake_triton):
+    """The API's quantize stage begins it after torch's import: Triton's import and the key both on the key's thread,
+    beside the plan."""
+    fake_triton("""
+        import threading
+        IMPORTED_ON = threading.current_thread().name
+        CALLS = []
+        def triton_key():
+            CALLS.append(threading.current_thread().name)
+    """)
+    t = triton_key.begin()
+    t.join(10)
+    import triton.runtime.cache as cache
+
+    assert cache.IMPORTED_ON == cache.CALLS[0] == t.name == "ctconvert-triton-key"
+
+
 def test_a_triton_without_the_function_or_whose_function_or_import_raises_changes_nothing(fake_triton):
     fake_triton("X = 1  # no triton_key here, nor in the compiler module\n")
-    assert triton_key.begin() is None and triton_key.ERROR is None
+    assert triton_key.begin(import_here=True) is None and triton_key.ERROR is None
+    fake_triton("X = 1\n")
+    triton_key.begin().join(10)  # the import on the key's thread: nothing to make there either
+    assert triton_key.ERROR is None
     fake_triton("""
         def triton_key():
             raise OSError("no libtriton here")
@@ -67,8 +89,11 @@ def test_a_triton_without_the_function_or_whose_function_or_import_raises_change
     triton_key.begin().join(10)
     assert isinstance(triton_key.ERROR, OSError)
     fake_triton("raise ImportError('libtriton.so: cannot open shared object file')\n")
-    assert triton_key.begin() is None
+    assert triton_key.begin(import_here=True) is None
     assert isinstance(triton_key.ERROR, ImportError) and "libtriton" in str(triton_key.ERROR)
+    fake_triton("raise ImportError('libtriton.so: cannot open shared object file')\n")
+    triton_key.begin().join(10)  # the same import on the key's thread: kept there
+    assert isinstance(triton_key.ERROR, ImportError)
     triton_key.wait()  # nothing begun: at once
 
 
