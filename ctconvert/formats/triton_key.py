@@ -96,9 +96,9 @@ KERNEL_COMMANDS = ("quantize", "repack", "batch")
 
 def wanted(command: str | None, argv: list[str]) -> bool:
     """Whether command line ``argv``, of command ``command`` (its first word that names one), may launch Triton
-    kernels: one of :data:`KERNEL_COMMANDS`, not ``--device cpu``, on a machine with an NVIDIA device node (the test
-    :func:`ctconvert.calibration.worker.has_room` makes; torch-free)."""
-    if command not in KERNEL_COMMANDS:
+    kernels: one of :data:`KERNEL_COMMANDS`, not ``--device cpu`` nor ``--dry-run`` (which computes nothing), on a
+    machine with an NVIDIA device node (the test :func:`ctconvert.calibration.worker.has_room` makes; torch-free)."""
+    if command not in KERNEL_COMMANDS or "--dry-run" in argv:
         return False
     for i, a in enumerate(argv):
         if a == "--device" and i + 1 < len(argv) and argv[i + 1] == "cpu" or a == "--device=cpu":

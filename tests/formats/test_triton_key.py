@@ -109,6 +109,7 @@ def test_no_triton_no_thread(monkeypatch):
         (["quantize", "m", "-o", "o", "--device", "cpu"], True, False),
         (["quantize", "m", "-o", "o", "--device=cpu"], True, False),
         (["quantize", "m", "-o", "o"], True, True),
+        (["quantize", "m", "-o", "o", "--dry-run"], True, False),
         (["--json", "quantize", "m", "-o", "o", "--device", "cuda:1"], True, True),
         (["repack", "m", "-o", "o", "--target", "marlin"], True, True),
         (["batch", "jobs.yaml"], True, True),
