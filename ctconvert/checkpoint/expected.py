@@ -444,32 +444,45 @@ def _router_problems(params: dict[str, str], stack: str, family: str, cfg: dict,
             out.append(Problem("error", msg, file_of(block), f"{block}.experts"))
         rule, name = _ROUTER_BIAS.get(family), f"{block}.{router}.e_score_correction_bias"
         if routed and rule is not None and rule(cfg) and f"{router}.e_score_correction_bias" not in rels:
-            why = f"vLLM 0.33 {JUDGED[family]} builds (topk_method {cfg.get('topk_method')!r}) and refuses unfilled"
-            out.append(Problem("error", f"missing: the router lacks e_score_correction_bias, which {why}", file_of(name), name))
+            out.append(Problem("error", f"missing: {_router_bias_missing(family, cfg)}", file_of(name), name))
         elif rule is not None and not rule(cfg) and f"{router}.e_score_correction_bias" in rels:
-            out.append(Problem("error", f"extra: {_unbuilt_router_bias(name, cfg)}", file_of(name), name))
+            out.append(Problem("error", f"extra: {_router_bias_unbuilt(name, cfg)}", file_of(name), name))
     return out
 
 
-def _unbuilt_router_bias(name: str, cfg: dict) -> str:
+def _router_bias_missing(family: str, cfg: dict) -> str:
+    """Why a router without ``e_score_correction_bias`` is refused where the family's vLLM 0.33 file builds one."""
+    return f"the router lacks e_score_correction_bias, which vLLM 0.33 {JUDGED[family]} builds (topk_method {cfg.get('topk_method')!r}) and refuses unfilled"
+
+
+def _router_bias_unbuilt(name: str, cfg: dict) -> str:
     """Why router bias ``name`` (stored) has no parameter in vLLM 0.33 under text config ``cfg`` (:data:`_NO_ROUTER_BIAS`)."""
     method, why = (repr(cfg["topk_method"]), "") if "topk_method" in cfg else ("absent", _NO_TOPK_METHOD)
     return f"{name} is stored, but {_NO_ROUTER_BIAS.format(method, why)}"
 
 
-def unbuilt_router_bias(config: dict, names) -> str | None:
-    """The first router ``e_score_correction_bias`` among tensor ``names`` for which the family's vLLM 0.33 file builds
-    no parameter (DeepSeek-V2/V3, Kimi-K2 with ``topk_method`` not ``noaux_tc``, absent included), with why (the
-    text of :func:`expected_problems`' error); None where there is none. Scans the names once: ``quantize`` asks it of
-    its source before any work (a plan note), where the whole check would cost a MoE's plan as much again."""
-    if not isinstance(config, dict):
+def router_bias_problem(config: dict, names) -> str | None:
+    """What :func:`expected_problems` will say of the first MoE router among tensor ``names`` whose
+    ``e_score_correction_bias`` disagrees with the family's vLLM 0.33 file: one stored where it builds none (DeepSeek-V2/V3,
+    Kimi-K2 with ``topk_method`` not ``noaux_tc``, absent included) or none stored where it builds one (those with
+    ``noaux_tc``, GLM-4.5); None where every router agrees or the family has no such rule. Scans the names once:
+    ``quantize`` asks it of its source before any work (a plan note), where the whole check would cost a MoE's plan
+    as much again."""
+    if not isinstance(config, dict) or (rule := _ROUTER_BIAS.get(family := _family(config))) is None:
         return None
-    rule = _ROUTER_BIAS.get(_family(config))
     cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    if rule is None or rule(cfg):
-        return None
-    name = next((n for n in names if n.endswith(".e_score_correction_bias")), None)
-    return None if name is None else _unbuilt_router_bias(name, cfg)
+    router = "." + _ROUTER_NAME.get(family, "gate") + "."
+    routers, biases = [], set()
+    for n in names:
+        if n.endswith(router + "weight") and ".experts." not in n:
+            routers.append(n[: -len("weight")])
+        elif n.endswith(router + "e_score_correction_bias"):
+            biases.add(n[: -len("e_score_correction_bias")])
+    if not rule(cfg):
+        stored = sorted(biases, key=natural_key)
+        return f"extra: {_router_bias_unbuilt(stored[0] + 'e_score_correction_bias', cfg)}" if stored else None
+    bare = sorted((r for r in routers if r not in biases), key=natural_key)
+    return f"missing: {bare[0]}e_score_correction_bias: {_router_bias_missing(family, cfg)}" if bare else None
 
 
 def _expert_leaves(family: str | None, cfg: dict) -> set[str] | None:

@@ -11,7 +11,7 @@ import dataclasses
 
 from ..checkpoint.config import build_quantization_config
 from ..checkpoint.conformance import mixed_expert_blocks, vllm_expert_mismatches
-from ..checkpoint.expected import unbuilt_router_bias
+from ..checkpoint.expected import router_bias_problem
 from ..checkpoint.families import is_expert, split_fused_experts, vllm_head
 from ..checkpoint.naming import is_generative, is_lm_head, matches, tie_word_embeddings
 from ..checkpoint.reader import Checkpoint
@@ -219,12 +219,13 @@ def _no_head_note(plan: Plan, ckpt: Checkpoint, lm_head: str) -> None:
 
 
 def _router_bias_note(plan: Plan, ckpt: Checkpoint) -> None:
-    """A DeepSeek/Kimi source that stores a router ``e_score_correction_bias`` its config gives vLLM 0.33 no parameter
-    for (:func:`.expected.unbuilt_router_bias`: ``topk_method`` not ``noaux_tc``, as transformers saves a DeepSeek-V3):
-    a note that vLLM refuses the output and ``verify`` fails it, said before any work; the bias is still copied."""
-    why = unbuilt_router_bias(ckpt.config, ckpt.tensors)
+    """A MoE source whose router ``e_score_correction_bias`` disagrees with what its config makes vLLM 0.33 build
+    (:func:`.expected.router_bias_problem`: DeepSeek/Kimi storing one while ``topk_method`` is not ``noaux_tc``, as
+    transformers saves a DeepSeek-V3, or lacking one while it is): a note, before any work, that vLLM refuses the
+    output and plain ``verify`` fails it; the output is still written as the source is."""
+    why = router_bias_problem(ckpt.config, ckpt.tensors)
     if why is not None:
-        plan.notes.append(f"the source's {why}; vLLM refuses this output and verify fails it (it is written for other loaders)")
+        plan.notes.append(f"the source's router: {why}; vLLM refuses this output and `ctconvert verify OUT` fails it (it is written for other loaders)")
 
 
 def describe_source(plan: Plan, source) -> None:

@@ -506,20 +506,28 @@ def test_mtp_layer_past_num_hidden_layers_is_not_judged(saved_families, family):
     assert errors_of(write_checkpoint(got["tmp"] / f"{family}-mtp", t, cfg)) == []
 
 
-def test_unbuilt_router_bias_names_the_first_stored_bias_vllm_builds_no_parameter_for():
+def test_router_bias_problem_names_the_first_router_whose_bias_disagrees_with_vllm():
     """quantize's plan note: DeepSeek-V2/V3 and Kimi-K2 with topk_method not noaux_tc (absent included) and a stored
-    router bias; nothing for noaux_tc, GLM-4.5 (always built), another family, no bias, or a config that is no dict."""
-    from ctconvert.checkpoint.expected import unbuilt_router_bias
+    router bias (extra), or with noaux_tc and a router without one (missing; GLM-4.5 always builds it); nothing where
+    they agree, for another family, or for a config that is no dict."""
+    from ctconvert.checkpoint.expected import router_bias_problem
 
-    names = ["model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.2.mlp.gate.e_score_correction_bias"]
+    L = "model.layers."
+    routers = [f"{L}{i}.mlp.gate.weight" for i in (1, 2, 10)] + [f"{L}1.mlp.experts.0.gate_proj.weight", f"{L}0.mlp.gate_proj.weight"]
+    biases = [f"{L}{i}.mlp.gate.e_score_correction_bias" for i in (10, 2)]  # layer 1's missing; stored out of order
+    names = routers + biases
     for family in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
-        absent = unbuilt_router_bias({"model_type": family}, names)
-        assert absent.startswith("model.layers.1.mlp.gate.e_score_correction_bias is stored, but vLLM 0.33 deepseek_v2.py")
+        absent = router_bias_problem({"model_type": family}, names)
+        assert absent.startswith(f"extra: {L}2.mlp.gate.e_score_correction_bias is stored, but vLLM 0.33 deepseek_v2.py")
         assert "(config.json topk_method: absent)" in absent and "DeepseekV3Config saves none" in absent
-        greedy = unbuilt_router_bias({"model_type": family, "topk_method": "greedy"}, names)
+        greedy = router_bias_problem({"model_type": family, "topk_method": "greedy"}, names)
         assert "(config.json topk_method: 'greedy')" in greedy and "DeepseekV3Config" not in greedy
-        assert unbuilt_router_bias({"model_type": family, "topk_method": "noaux_tc"}, names) is None
-        assert unbuilt_router_bias({"model_type": family}, names[:1]) is None
-    assert unbuilt_router_bias({"model_type": "glm4_moe"}, names) is None
-    assert unbuilt_router_bias({"model_type": "qwen3_moe"}, names) is None
-    assert unbuilt_router_bias(None, names) is None and unbuilt_router_bias([], names) is None
+        assert router_bias_problem({"model_type": family}, routers) is None
+        noaux = {"model_type": family, "topk_method": "noaux_tc"}
+        missing = router_bias_problem(noaux, names)
+        why = "the router lacks e_score_correction_bias, which vLLM 0.33 deepseek_v2.py builds (topk_method 'noaux_tc') and refuses unfilled"
+        assert missing == f"missing: {L}1.mlp.gate.e_score_correction_bias: {why}"
+        assert router_bias_problem(noaux, names + [f"{L}1.mlp.gate.e_score_correction_bias"]) is None
+    assert router_bias_problem({"model_type": "glm4_moe"}, names).startswith(f"missing: {L}1.mlp.gate.e_score_correction_bias: the router lacks")
+    assert router_bias_problem({"model_type": "qwen3_moe"}, names) is None
+    assert router_bias_problem(None, names) is None and router_bias_problem([], names) is None

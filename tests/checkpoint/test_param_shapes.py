@@ -167,16 +167,26 @@ def test_parameter_vllm_does_not_build_is_not_sized(outs):
     assert not rep["ok"] and any(p["tensor"] == tensor and p["message"].startswith("extra") for p in rep["problems"])
 
 
+#: how quantize's router-bias note ends
+TAIL = "vLLM refuses this output and `ctconvert verify OUT` fails it (it is written for other loaders)"
+
+
 def test_quantize_notes_the_router_bias_before_any_work(outs):
     """quantize says in its plan (a dry run too) that a DeepSeek source stores a router bias vLLM 0.33 builds no
-    parameter for: the text of verify's error on the output, with what follows; nothing where topk_method is
-    noaux_tc (the Hub's configs) or for another family."""
+    parameter for (verify's error on the output, in its words), or lacks one it builds (noaux_tc, the bias tensors
+    removed); nothing where they agree (the Hub's configs) or for another family."""
     tmp = outs["tmp"]
     for dry in (True, False):
         res = api.quantize(tmp / "deepseek_v3_greedy", tmp / f"greedy-note-{dry}", "W4A16", device="cpu", dry_run=dry)
         (note,) = [n for n in res.notes if "e_score_correction_bias" in n]
         err = next(p for p in api.verify(outs["deepseek_v3_greedy"])["problems"] if "e_score_correction_bias" in p["message"])
-        assert note == f"the source's {err['message'].removeprefix('extra: ')}; vLLM refuses this output and verify fails it (it is written for other loaders)"
+        assert note == f"the source's router: {err['message']}; {TAIL}"
+    bare = damaged(tmp / "deepseek_v3", tmp / "deepseek_v3-no-bias", drop=[f"{L}{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)])
+    res = api.quantize(bare, tmp / "no-bias-note", "W4A16", device="cpu")
+    (note,) = [n for n in res.notes if "e_score_correction_bias" in n]
+    assert note.startswith(f"the source's router: missing: {L}1.mlp.gate.e_score_correction_bias: the router lacks e_score_correction_bias, which vLLM")
+    err = next(p for p in api.verify(tmp / "no-bias-note")["problems"] if "e_score_correction_bias" in p["message"])
+    assert err["tensor"] == f"{L}1.mlp.gate.e_score_correction_bias" and note.endswith(f"{err['tensor']}: {err['message'].removeprefix('missing: ')}; {TAIL}")
     for family in ("deepseek_v3", "glm4_moe", "qwen3"):
         res = api.quantize(tmp / family, tmp / f"{family}-note", "W4A16", device="cpu", dry_run=True)
         assert not [n for n in res.notes if "e_score_correction_bias" in n], family
