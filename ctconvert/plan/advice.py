@@ -49,23 +49,38 @@ def refusal_hint(module: str, shape: tuple, scheme, unloadable: bool, modules, f
     def dense(entry: str) -> str:
         return f"an entry in the recipe's ignore ('{entry}')" if flag != "--ignore" else f"--ignore '{entry}'"
 
+    group = _fitting_group(shape, scheme)
     if is_expert(module) and not unloadable:  # (an expert vLLM cannot load: every expert alike, --skip-incompatible works)
         why = "vLLM loads every expert of a MoE block, every projection, with one scheme"
         hint = f"leave the block's experts dense in every layer with {dense(every_layer(module))} ({why})"
-        k = shape[-1] if len(shape) == 2 else 0
-        group = scheme.weights.group_size
-        if group and k % group and (scheme.base or scheme.name).upper() in GROUP_SIZE_SCHEMES:
-            fits = [g for g in GROUP_SIZES if g < group and k % g == 0]
-            if fits:
-                hint += f", or quantize them with a group size that divides K={k}: --group-size {fits[0]}"
-        return hint
-    entry = every_layer(module) if unloadable else module  # one entry for every layer (and expert) vLLM cannot load
+        return hint + (f", or quantize them with a group size that divides K={shape[-1]}: --group-size {group}" if group else "")
+    # one entry for every layer (and expert) vLLM cannot load; for a shape, for every layer that holds the module too
+    # (its shape comes from the config: the next run would refuse the next layer's)
+    entry = every_layer(module) if unloadable or _in_other_layers(module, modules) else module
+    fit = f", quantize with a group size that divides K={shape[-1]} (--group-size {group})," if group else ""
     key = fused_key(module)
     present = [m for m in key[1] if f"{key[0]}.{m}" in modules] if key else []
     if len(present) > 1:  # vLLM loads a fused layer with one scheme: the whole set stays dense, or none of it
         others = ", ".join(m for m in present if m != module.rpartition(".")[2])
         return (
             f"leave it dense with {dense(entry)} and its fused set's other members ({others}; vLLM loads "
-            f"{fused_set_name(key[0], present)} with one scheme), or pass --skip-incompatible (keeps the whole set dense)"
+            f"{fused_set_name(key[0], present)} with one scheme){fit or ','} or pass --skip-incompatible (keeps the whole set dense)"
         )
-    return f"leave it dense with {dense(entry)} or pass --skip-incompatible"
+    return f"leave it dense with {dense(entry)}{fit} or pass --skip-incompatible"
+
+
+def _fitting_group(shape: tuple, scheme) -> int | None:
+    """A group size below the scheme's that divides the weight's K, where K is what the scheme's group does not divide
+    and ``--group-size`` sets it (:data:`GROUP_SIZE_SCHEMES`); None otherwise."""
+    k = shape[-1] if len(shape) == 2 else 0
+    group = scheme.weights.group_size
+    if not (group and k % group and (scheme.base or scheme.name).upper() in GROUP_SIZE_SCHEMES):
+        return None
+    return next((g for g in GROUP_SIZES if g < group and k % g == 0), None)
+
+
+def _in_other_layers(module: str, modules) -> bool:
+    """Whether another numbered layer holds ``module``'s path too (``model.layers.0.self_attn.kv_b_proj`` and
+    ``model.layers.1.self_attn.kv_b_proj``)."""
+    pattern = re.compile(every_layer(module)[3:])
+    return any(m != module and pattern.match(m) for m in modules) if re.search(r"\.\d+\.", module) else False
