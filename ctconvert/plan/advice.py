@@ -74,7 +74,8 @@ def _fitting_group(shape: tuple, scheme) -> int | None:
     and ``--group-size`` sets it (:data:`GROUP_SIZE_SCHEMES`); None otherwise."""
     k = shape[-1] if len(shape) == 2 else 0
     group = scheme.weights.group_size
-    if not (group and k % group and (scheme.base or scheme.name).upper() in GROUP_SIZE_SCHEMES):
+    base = scheme.base or scheme.name  # (a 2:4 scheme's base is a scheme: --group-size does not set its group)
+    if not (group and k % group and isinstance(base, str) and base.upper() in GROUP_SIZE_SCHEMES):
         return None
     return next((g for g in GROUP_SIZES if g < group and k % g == 0), None)
 

@@ -109,8 +109,11 @@ class ParallelReport:
             model_bad = [m["problem"] for m in self.model if "problem" in m]
             if bad or model_bad:
                 names = ", ".join(r.name for r in bad[:3]) + (" ..." if len(bad) > 3 else "")
-                split = f"{plural(len(bad), 'tensor')} {agree(len(bad), 'does', 'do')} not split" if bad else "every tensor splits"
-                line += f"; at {at}: {split}" + (f" ({names})" if bad else "") + "".join(f"; {p}" for p in model_bad)
+                if bad:
+                    split = f"{plural(len(bad), 'tensor')} {agree(len(bad), 'does', 'do')} not split ({names})"
+                    line += f"; at {at}: {split}" + "".join(f"; {p}" for p in model_bad)
+                else:  # the tensors split, the model does not (its heads, its experts): one clause, not two that disagree
+                    line += f"; at {at}: every tensor splits, but " + "; ".join(model_bad)
             else:
                 line += f"; at {at}: every tensor splits"
             line += "".join(f"; {w}" for w in self.uneven)

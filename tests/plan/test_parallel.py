@@ -59,7 +59,7 @@ def test_expert_parallel_uneven_and_too_few_experts():
     assert "first 2 ranks hold 2, the others 1" in m["warning"]
     r = report(experts, tp=8, ep=8)
     assert not r.ok and "cannot fill --ep 8" in r.model[0]["problem"]
-    assert r.summary().endswith("at --tp 8 --ep 8: every tensor splits; 6 experts cannot fill --ep 8 ranks (ranks without experts)")
+    assert r.summary().endswith("at --tp 8 --ep 8: every tensor splits, but 6 experts cannot fill --ep 8 ranks (ranks without experts)")
     r = report(experts[:5], tp=4, ep=4)  # 5 over 4: one rank holds one more
     assert "5 experts over --ep 4: the first rank holds 2, the others 1" in r.model[0]["warning"]
 
