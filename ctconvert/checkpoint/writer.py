@@ -74,13 +74,17 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
-def check_output_path(src: Path, out: Path, overwrite: bool) -> None:
-    """Refuse an output that is, contains or lies inside the input, or exists without ``overwrite``."""
+def check_output_path(src: Path, out: Path, overwrite: bool, resume: bool = False) -> None:
+    """Refuse an output that is, contains or lies inside the input, or exists without ``overwrite`` (``resume``: the
+    run was asked to resume, and an earlier output of this source there is a finished one: nothing to resume)."""
     s, o = src.resolve(), out.resolve()
     if o == s or s in o.parents or o in s.parents:
         raise UsageError(f"output {out} overlaps the input {src}; ctconvert never writes into its input")
     if o.exists() and not overwrite:
         if o.is_dir() and replaceable(o) and not not_written_here(o, s):
+            if resume:
+                why = "output path holds a finished conversion: nothing to resume; --refresh brings it up to date, --overwrite replaces it"
+                raise OutputError(why, file=out)
             raise OutputError("output path exists; pass --overwrite (overwrite=True in the API and batch jobs) to replace it", file=out)
         raise OutputError("output path exists and is not an earlier ctconvert output (which --overwrite replaces); choose another -o", file=out)
     if o.exists() and not o.is_dir():

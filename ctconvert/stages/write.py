@@ -71,7 +71,7 @@ class WriteStage(Stage):
             raise UsageError(job.refresh_refused)
         job.old_prov = load_provenance(out, job.fingerprint) if job.refresh else None
         if not job.refresh:
-            check_output_path(job.src_path, out, self.o.overwrite)
+            check_output_path(job.src_path, out, self.o.overwrite, resume=self.o.resume)
         self.executor.connect()  # a missing extra or an unreachable cluster fails before the output folder exists
 
     def report(self, job: QuantizeJob) -> None:

@@ -148,3 +148,18 @@ def test_an_interrupt_between_the_folder_and_its_with_leaves_nothing(tiny_llama,
     with pytest.raises((KeyboardInterrupt, CTConvertError)):
         api.quantize(tiny_llama, out, "W4A16")
     assert not out.exists() and not list(tmp_path.glob(".o.ctconvert-*"))
+
+
+def test_resume_over_a_finished_output_says_there_is_nothing_to_resume(tiny_llama, tmp_path):
+    """--resume where a finished conversion of the source is: exit 6, saying there is nothing to resume and what
+    would update or replace it; without --resume the usual --overwrite advice; the output is left as it was."""
+    from ctconvert.errors import OutputError
+
+    out = tmp_path / "o"
+    api.quantize(tiny_llama, out, "W8A16")
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir())
+    with pytest.raises(OutputError, match="holds a finished conversion: nothing to resume; --refresh brings it up to date, --overwrite replaces it"):
+        api.quantize(tiny_llama, out, "W8A16", resume=True)
+    with pytest.raises(OutputError, match=r"output path exists; pass --overwrite"):
+        api.quantize(tiny_llama, out, "W8A16")
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.iterdir()) == before
