@@ -682,3 +682,22 @@ def test_dry_run_reports_the_output_size(tiny_llama, tmp_path):
     res = api.quantize(tiny_llama, None, "W4A16", dry_run=True)
     real = api.quantize(tiny_llama, tmp_path / "o", "W4A16")
     assert res.output_bytes == real.output_bytes > 0
+
+
+def test_refresh_checks_room_for_the_shards_it_copies_too(tiny_llama, tmp_path, monkeypatch):
+    """--refresh with nothing changed copies every shard of the earlier output into its partial folder: without room
+    for them it stops before any file is made (exit 6, what it needs), the earlier output intact; with room it runs."""
+    import shutil
+
+    from ctconvert.checkpoint import writer
+
+    assert run_cli("quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "o", "--max-shard-size", "200KB")[0] == 0
+    before = tree_hash(tmp_path / "o")
+    real = writer.shutil.disk_usage
+    monkeypatch.setattr(writer.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    c, _, err = run_cli("quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "o", "--max-shard-size", "200KB", "--refresh")
+    assert c == 6 and "not enough free space: the output needs 980.72 KiB" in err, err
+    assert tree_hash(tmp_path / "o") == before and not list(tmp_path.glob(".o.ctconvert-*"))
+    monkeypatch.setattr(writer.shutil, "disk_usage", real)
+    assert run_cli("quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "o", "--max-shard-size", "200KB", "--refresh")[0] == 0
+    assert tree_hash(tmp_path / "o") == before

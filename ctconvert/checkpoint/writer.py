@@ -380,11 +380,11 @@ class OutputFolder:
         Shards already completed (resume) are kept as they are; those named in
         ``reuse_from`` (refresh) are copied from there and journaled. Writes
         aimed at kept shards are dropped. Raises :class:`OutputError` before creating any
-        file when the disk cannot hold the shards still to write (:func:`free_space_problem`).
+        file when the disk cannot hold the shards still to write or copy (:func:`free_space_problem`).
         """
         by_tensor: dict[str, ShardFile] = {}
         reuse_from = reuse_from or {}
-        kept = self.completed | set(reuse_from)
+        kept = self.completed  # already here; a shard reused by refresh is copied here, so it needs its room too
         needed = sum(t.nbytes for name, ts in zip(shard_names(len(shards)), shards) if name not in kept for t in ts)
         if (problem := free_space_problem(self.out, needed)) is not None:
             raise OutputError(problem, file=self.out)
