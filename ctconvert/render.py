@@ -292,6 +292,8 @@ def verify(ctx, report: dict, reference) -> None:
         ep_note = f", largest even EP degree {par['max_ep']}" if par["max_ep"] else ""
         con.print(f"tensor parallel: largest TP degree {par['max_tp']}{ep_note}", markup=False)
     problems(con, report["problems"])
+    if reference is not None:  # (what the README says: --reference compares values, the plain run judges loadability)
+        con.print("with --reference the parameters vLLM builds are not judged: `ctconvert verify OUT` without it judges them", markup=False)
     con.print("[green]verify: passed[/]" if report["ok"] else "[red]verify: FAILED[/]")
 
 

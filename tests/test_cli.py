@@ -79,6 +79,8 @@ def test_quiet_verify_prints_what_failed_and_the_verdict(tiny_llama, tmp_path):
     assert run("quantize", tiny_llama, "-s", "w4a16", "-o", out)[0] == 0
     code, loud, _ = run("verify", out, "--reference", tiny_llama)
     assert code == 0 and "checked " in loud and "error against" in loud and "tensor parallel" in loud
+    said = "with --reference the parameters vLLM builds are not judged: `ctconvert verify OUT` without it judges them"
+    assert said in loud and said not in run("verify", out)[1]  # (the plain run judges them)
     code, stdout, _ = run("-q", "verify", out, "--reference", tiny_llama)
     assert code == 0 and stdout.strip() == "verify: passed"
     code, stdout, _ = run("-q", "verify", out, "--tp", "4")
