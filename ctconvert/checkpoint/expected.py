@@ -461,13 +461,13 @@ def _router_bias_unbuilt(name: str, cfg: dict) -> str:
     return f"{name} is stored, but {_NO_ROUTER_BIAS.format(method, why)}"
 
 
-def router_bias_problem(config: dict, names) -> str | None:
+def router_bias_problem(config: dict, names) -> tuple[str, int] | None:
     """What :func:`expected_problems` will say of the first MoE router among tensor ``names`` whose
-    ``e_score_correction_bias`` disagrees with the family's vLLM 0.33 file: one stored where it builds none (DeepSeek-V2/V3,
-    Kimi-K2 with ``topk_method`` not ``noaux_tc``, absent included) or none stored where it builds one (those with
-    ``noaux_tc``, GLM-4.5); None where every router agrees or the family has no such rule. Scans the names once:
-    ``quantize`` asks it of its source before any work (a plan note), where the whole check would cost a MoE's plan
-    as much again."""
+    ``e_score_correction_bias`` disagrees with the family's vLLM 0.33 file, and how many routers do: one stored where it
+    builds none (DeepSeek-V2/V3, Kimi-K2 with ``topk_method`` not ``noaux_tc``, absent included) or none stored where it
+    builds one (those with ``noaux_tc``, GLM-4.5); None where every router agrees or the family has no such rule. Scans
+    the names once: ``quantize`` asks it of its source in its plan (a note), where the whole check would cost a MoE's
+    plan as much again."""
     if not isinstance(config, dict) or (rule := _ROUTER_BIAS.get(family := _family(config))) is None:
         return None
     cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
@@ -480,9 +480,9 @@ def router_bias_problem(config: dict, names) -> str | None:
             biases.add(n[: -len("e_score_correction_bias")])
     if not rule(cfg):
         stored = sorted(biases, key=natural_key)
-        return f"extra: {_router_bias_unbuilt(stored[0] + 'e_score_correction_bias', cfg)}" if stored else None
+        return (f"extra: {_router_bias_unbuilt(stored[0] + 'e_score_correction_bias', cfg)}", len(stored)) if stored else None
     bare = sorted((r for r in routers if r not in biases), key=natural_key)
-    return f"missing: {bare[0]}e_score_correction_bias: {_router_bias_missing(family, cfg)}" if bare else None
+    return (f"missing: {bare[0]}e_score_correction_bias: {_router_bias_missing(family, cfg)}", len(bare)) if bare else None
 
 
 def _expert_leaves(family: str | None, cfg: dict) -> set[str] | None:

@@ -221,11 +221,13 @@ def _no_head_note(plan: Plan, ckpt: Checkpoint, lm_head: str) -> None:
 def _router_bias_note(plan: Plan, ckpt: Checkpoint) -> None:
     """A MoE source whose router ``e_score_correction_bias`` disagrees with what its config makes vLLM 0.33 build
     (:func:`.expected.router_bias_problem`: DeepSeek/Kimi storing one while ``topk_method`` is not ``noaux_tc``, as
-    transformers saves a DeepSeek-V3, or lacking one while it is): a note, before any work, that vLLM refuses the
-    output and plain ``verify`` fails it; the output is still written as the source is."""
-    why = router_bias_problem(ckpt.config, ckpt.tensors)
-    if why is not None:
-        plan.notes.append(f"the source's router: {why}; vLLM refuses this output and `ctconvert verify OUT` fails it (it is written for other loaders)")
+    transformers saves a DeepSeek-V3, or lacking one while it is): a plan note (a dry run shows it before any work)
+    that vLLM refuses the output and plain ``verify`` fails it; the output is still written as the source is."""
+    found = router_bias_problem(ckpt.config, ckpt.tensors)
+    if found is not None:
+        why, n = found
+        routers = "router" if n == 1 else f"routers ({n}; the first)"
+        plan.notes.append(f"the source's {routers}: {why}; vLLM refuses this output and `ctconvert verify OUT` fails it (it is written for other loaders)")
 
 
 def describe_source(plan: Plan, source) -> None:

@@ -508,8 +508,8 @@ def test_mtp_layer_past_num_hidden_layers_is_not_judged(saved_families, family):
 
 def test_router_bias_problem_names_the_first_router_whose_bias_disagrees_with_vllm():
     """quantize's plan note: DeepSeek-V2/V3 and Kimi-K2 with topk_method not noaux_tc (absent included) and a stored
-    router bias (extra), or with noaux_tc and a router without one (missing; GLM-4.5 always builds it); nothing where
-    they agree, for another family, or for a config that is no dict."""
+    router bias (extra), or with noaux_tc and a router without one (missing; GLM-4.5 always builds it), with how many
+    routers are so; nothing where they agree, for another family, or for a config that is no dict."""
     from ctconvert.checkpoint.expected import router_bias_problem
 
     L = "model.layers."
@@ -517,17 +517,18 @@ def test_router_bias_problem_names_the_first_router_whose_bias_disagrees_with_vl
     biases = [f"{L}{i}.mlp.gate.e_score_correction_bias" for i in (10, 2)]  # layer 1's missing; stored out of order
     names = routers + biases
     for family in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
-        absent = router_bias_problem({"model_type": family}, names)
-        assert absent.startswith(f"extra: {L}2.mlp.gate.e_score_correction_bias is stored, but vLLM 0.33 deepseek_v2.py")
+        absent, n = router_bias_problem({"model_type": family}, names)
+        assert absent.startswith(f"extra: {L}2.mlp.gate.e_score_correction_bias is stored, but vLLM 0.33 deepseek_v2.py") and n == 2
         assert "(config.json topk_method: absent)" in absent and "DeepseekV3Config saves none" in absent
-        greedy = router_bias_problem({"model_type": family, "topk_method": "greedy"}, names)
+        greedy, _ = router_bias_problem({"model_type": family, "topk_method": "greedy"}, names)
         assert "(config.json topk_method: 'greedy')" in greedy and "DeepseekV3Config" not in greedy
         assert router_bias_problem({"model_type": family}, routers) is None
         noaux = {"model_type": family, "topk_method": "noaux_tc"}
-        missing = router_bias_problem(noaux, names)
         why = "the router lacks e_score_correction_bias, which vLLM 0.33 deepseek_v2.py builds (topk_method 'noaux_tc') and refuses unfilled"
-        assert missing == f"missing: {L}1.mlp.gate.e_score_correction_bias: {why}"
+        assert router_bias_problem(noaux, names) == (f"missing: {L}1.mlp.gate.e_score_correction_bias: {why}", 1)
         assert router_bias_problem(noaux, names + [f"{L}1.mlp.gate.e_score_correction_bias"]) is None
-    assert router_bias_problem({"model_type": "glm4_moe"}, names).startswith(f"missing: {L}1.mlp.gate.e_score_correction_bias: the router lacks")
+    glm, n = router_bias_problem({"model_type": "glm4_moe"}, names)
+    assert glm.startswith(f"missing: {L}1.mlp.gate.e_score_correction_bias: the router lacks") and n == 1
+    assert router_bias_problem({"model_type": "glm4_moe"}, routers)[1] == 3
     assert router_bias_problem({"model_type": "qwen3_moe"}, names) is None
     assert router_bias_problem(None, names) is None and router_bias_problem([], names) is None

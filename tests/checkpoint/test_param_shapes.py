@@ -180,11 +180,11 @@ def test_quantize_notes_the_router_bias_before_any_work(outs):
         res = api.quantize(tmp / "deepseek_v3_greedy", tmp / f"greedy-note-{dry}", "W4A16", device="cpu", dry_run=dry)
         (note,) = [n for n in res.notes if "e_score_correction_bias" in n]
         err = next(p for p in api.verify(outs["deepseek_v3_greedy"])["problems"] if "e_score_correction_bias" in p["message"])
-        assert note == f"the source's router: {err['message']}; {TAIL}"
+        assert note == f"the source's routers (2; the first): {err['message']}; {TAIL}"  # layers 1 and 2 (0 is dense)
     bare = damaged(tmp / "deepseek_v3", tmp / "deepseek_v3-no-bias", drop=[f"{L}{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)])
     res = api.quantize(bare, tmp / "no-bias-note", "W4A16", device="cpu")
     (note,) = [n for n in res.notes if "e_score_correction_bias" in n]
-    assert note.startswith(f"the source's router: missing: {L}1.mlp.gate.e_score_correction_bias: the router lacks e_score_correction_bias, which vLLM")
+    assert note.startswith(f"the source's routers (2; the first): missing: {L}1.mlp.gate.e_score_correction_bias: the router lacks e_score_correction_bias")
     err = next(p for p in api.verify(tmp / "no-bias-note")["problems"] if "e_score_correction_bias" in p["message"])
     assert err["tensor"] == f"{L}1.mlp.gate.e_score_correction_bias" and note.endswith(f"{err['tensor']}: {err['message'].removeprefix('missing: ')}; {TAIL}")
     for family in ("deepseek_v3", "glm4_moe", "qwen3"):
