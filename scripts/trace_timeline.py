@@ -15,9 +15,10 @@ pipeline's classes, each wrapper noting ``(what, thread, start, end, bytes)`` (`
   scheme's ``quantize_rows``: the quantizer's kernels alone);
 * ``write``: a writer's ``ShardFile.write_many`` (bytes: the pieces' bytes), ``fsync``: ``ShardFile.close``;
 * ``warm``: the GPU warm-up thread's work (``WarmUp._work``), ``warm_batch``: its launch of one batch key,
-  ``key``: the making of Triton's cache key (``triton_key._compute``; begun here by the quantize stage, by the console
-  script just before the call), ``key_wait``: a wait for it (``triton_key.wait``); ``c_eager``: a batch run without a graph,
-  ``c_capture``: a graph's capture (both inside ``compute``);
+  ``key``: the making of Triton's cache key (``triton_key._compute``; begun here by the quantize stage, or before the
+  call with ``--key-ready`` as the console script begins it before torch's import), ``key_wait``: a wait for it
+  (``triton_key.wait``); ``c_eager``: a batch run without a graph, ``c_capture``: a graph's capture (both inside
+  ``compute``);
 * ``s_source``, ``s_plan``, ``s_write``: the source, plan and write stages' ``prepare`` (headers: before the executor);
 * ``hash_wait``: waits for the source hashes (``SourceHashes.all``), ``finish``: ``OutputFolder.finish`` and
   ``commit``; ``executor``: ``Executor.run``; ``call``: the API call.
@@ -139,7 +140,7 @@ def _patch() -> None:
     from ctconvert.pipeline.warm import WarmUp
 
     _wrap(WarmUp, "_work", "warm")  # the warm-up thread's whole work (GPU)
-    _wrap(triton_key, "_compute", "key")  # the making of Triton's cache key on its own thread (begun before the call)
+    _wrap(triton_key, "_compute", "key")  # the making of Triton's cache key on its own thread
     _wrap(triton_key, "wait", "key_wait")  # a wait for Triton's cache key (warm.py imports the module: patched there too)
     _wrap(warm, "warm_batch", "warm_batch")
     _wrap(Executor, "_batch_eager", "c_eager")  # inside compute: a batch run without a graph
@@ -241,7 +242,7 @@ def main() -> None:
     if a.key_ready:
         from ctconvert.formats import triton_key
 
-        triton_key.begin()
+        triton_key.begin(import_here=True)  # as the console script does (Triton imported here, the key on its thread)
         triton_key.wait()
 
     try:
