@@ -19,6 +19,9 @@ import json
 import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's package, run from anywhere
 
 
 def main() -> None:

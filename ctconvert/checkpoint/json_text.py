@@ -13,7 +13,10 @@ containers); anything else (keys that are not strings, objects ``json`` would re
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
+from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _string
 
 _INF = float("inf")
@@ -108,3 +111,45 @@ def dumps_indented(obj, indent: int = 2, sort_keys: bool = False) -> str:
     except (_Other, TypeError, RecursionError):
         return json.dumps(obj, indent=indent, sort_keys=sort_keys)
     return "".join(out)
+
+
+def canonical_digest(doc) -> str:
+    """The sha256 (hex) of ``doc`` as canonical JSON: ``json.dumps(doc, sort_keys=True, separators=(",", ":"))``, UTF-8.
+    Raises what ``json.dumps`` raises."""
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A JSON document made ahead of its writing: ``doc``, its indented text (:func:`dumps_indented`, indent 2, keys
+    in order) and its :func:`canonical_digest`."""
+
+    doc: dict
+    text: str
+    digest: str
+
+    @classmethod
+    def of(cls, doc: dict) -> Encoded:
+        return cls(doc, dumps_indented(doc, 2), canonical_digest(doc))
+
+
+class EncodeAhead:
+    """:meth:`Encoded.of` the document ``make()`` returns, on a thread of its own started here, while the caller goes on
+    (a conversion's provenance: made once the source hashes it waits for are done, while the last writes drain, instead
+    of after them). :meth:`result` joins it: the :class:`Encoded`, or None where ``make`` or the encoding raised (the
+    caller then makes the document itself, and meets the error where it always did)."""
+
+    def __init__(self, make) -> None:
+        self._make, self._got = make, None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="ctconvert-encode")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._got = Encoded.of(self._make())
+        except BaseException:  # noqa: BLE001 - the caller makes it again and raises there
+            self._got = None
+
+    def result(self) -> Encoded | None:
+        self._thread.join()
+        return self._got

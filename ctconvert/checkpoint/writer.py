@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -25,7 +24,7 @@ from pathlib import Path
 from .. import __version__
 from ..errors import STOP_SIGNALS, OutputError, UsageError, human_bytes, plural
 from .hashing import HASH_NAME, HASH_SCHEME, shard_hash
-from .json_text import dumps_indented
+from .json_text import Encoded, canonical_digest, dumps_indented
 from .reader import CONFIG_NAME, INDEX_NAME
 from .shard_file import PlannedTensor, ShardFile
 
@@ -152,8 +151,8 @@ RECORDS_KEY = "ctconvert_records"
 
 def config_digest(cfg: dict) -> str:
     """The sha256 (hex) of a ``quantization_config`` (or of a whole config) as canonical JSON (keys sorted, no spaces):
-    the same for the dict a run writes and for the one read back from ``config.json``."""
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    the same for the dict a run writes and for the one read back from ``config.json`` (:func:`.json_text.canonical_digest`)."""
+    return canonical_digest(cfg)
 
 
 def record_mismatch(path: Path, rec: dict) -> str | None:
@@ -433,12 +432,13 @@ class OutputFolder:
             self.journal["shards"][name] = rec
         self._save_journal()
 
-    def write_json(self, name: str, data: dict, sort_keys: bool = False) -> None:
+    def write_json(self, name: str, data: dict | Encoded, sort_keys: bool = False) -> None:
         """``data`` as ``json.dump(data, f, indent=2, sort_keys=sort_keys)`` writes it, and a newline, into the
-        folder's file ``name`` (:func:`.json_text.dumps_indented`: the same text, twice as fast)."""
+        folder's file ``name`` (:func:`.json_text.dumps_indented`: the same text, twice as fast; an :class:`Encoded`: its text)."""
+        text = data.text if isinstance(data, Encoded) else dumps_indented(data, 2, sort_keys=sort_keys)
         try:
             with open(self.tmp / name, "w", encoding="utf-8") as f:
-                f.write(dumps_indented(data, 2, sort_keys=sort_keys) + "\n")
+                f.write(text + "\n")
         except OSError as e:
             raise OutputError(f"cannot write: {e.strerror or e}", file=self.tmp / name) from e
 
@@ -466,10 +466,10 @@ class OutputFolder:
             copied.append(str(rel))
         return copied
 
-    def finish(self, config: dict, total_size: int, extra_json: dict[str, dict] | None = None) -> None:
+    def finish(self, config: dict, total_size: int, extra_json: dict[str, dict | Encoded] | None = None) -> None:
         """Close shards, write the index (its records: the shards', the ``quantization_config``'s, ``config.json``'s and the
-        provenance's hashes, :data:`RECORDS_KEY`), extra JSON files and ``config.json`` (last), and flush every file and folder of
-        the output to disk (before :meth:`commit` renames it into place)."""
+        provenance's hashes, :data:`RECORDS_KEY`), extra JSON files (a dict, or one :class:`.json_text.Encoded` ahead) and
+        ``config.json`` (last), and flush every file and folder of the output to disk (before :meth:`commit` renames it into place)."""
         for f in self.shards:
             f.close()
         names = {str(p.relative_to(self.tmp)) for p in self.tmp.rglob("*") if p.is_file()} - {JOURNAL, JOURNAL + ".new", ".lock"}
@@ -477,7 +477,7 @@ class OutputFolder:
         meta = {"total_size": total_size, MARKER: __version__, FILES_KEY: sorted(names), SHARDS_KEY: self._shard_records()}
         prov = (extra_json or {}).get(PROVENANCE) or _json_object(self.tmp / PROVENANCE)  # one copied (repack) too
         digests = {QCFG_KEY: config.get("quantization_config"), CONFIG_KEY: config, PROVENANCE_KEY: prov or None}
-        meta.update({key: config_digest(doc) for key, doc in digests.items() if isinstance(doc, dict)})
+        meta.update({key: doc.digest if isinstance(doc, Encoded) else config_digest(doc) for key, doc in digests.items() if isinstance(doc, (dict, Encoded))})
         meta[RECORDS_KEY] = [k for k in (SHARDS_KEY, *digests) if k in meta]
         self.write_json(INDEX_NAME, {"metadata": meta, "weight_map": dict(sorted(self.weight_map.items()))})
         for name, data in (extra_json or {}).items():

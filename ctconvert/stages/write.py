@@ -12,6 +12,7 @@ and the provenance are written, and the folder is renamed into place.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from ..checkpoint.config import updated_config
 from ..checkpoint.hashing import SourceHashes, hash_tensors
+from ..checkpoint.json_text import EncodeAhead
 from ..checkpoint.model_card import CARD, append_conversion_section, conversion_section
 from ..checkpoint.provenance import PROVENANCE, fingerprint, load_provenance, provenance, refresh_plan, shard_map, sources_by_shard
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint
@@ -149,6 +151,9 @@ class WriteStage(Stage):
         order = [s for u in todo for s in u.sources] + [s for u in plan.units if id(u) not in todo_ids for s in u.sources]
         # (on Ray the workers hash the sources they read: none here)
         hashes.hashing = SourceHashes([ckpt.tensors[s] for s in order if s not in hashes.known] if self.executor.hashes_sources else [])
+        if self.executor.hashes_sources:  # the provenance made and encoded once the hashes are done, while the last writes drain
+            options = copy.deepcopy(job.fingerprint)  # as it is now: _complete checks that it did not change since
+            hashes.ahead = EncodeAhead(lambda: _provenance(job, hashes.all(ckpt, plan.units), options))
         folder.keep_partial = job.layout is None  # an interrupted run is kept for --resume, which --target does not offer
         opts = job.exec
         out = ShardOutput(folder, dict(zip(shard_names(len(assignment)), assignment)), hashes.known)
@@ -163,7 +168,6 @@ class WriteStage(Stage):
     def _complete(self, job: QuantizeJob, folder: OutputFolder, planned: list[PlannedTensor], hashes: _Hashes) -> int:
         """The other files, the model card, the config and the provenance; the folder renamed into place. The tensor bytes."""
         ckpt, plan, result, source = job.ckpt, job.plan, job.result, job.source
-        src_hashes = hashes.all(ckpt, plan.units)
         skip = {CONFIG_NAME, PROVENANCE, *(SOURCE_CONFIG_FILES if source.quantized else ())}
         folder.copy_files(ckpt.path, skip=skip, keep_other_weights=self.o.keep_other_weights)
         derived = source.derived_from() if source.quantized else None
@@ -174,9 +178,9 @@ class WriteStage(Stage):
         cfg = updated_config(ckpt.config, job.qconfig, plan.config_updates)
         if job.layout is not None:
             cfg["quantization_config"] = job.layout.config(cfg["quantization_config"])
-        prov = provenance(ckpt, plan.units, job.fingerprint, src_hashes, derived_from=derived)
-        if casts := {r.name: r.cast for r in plan.rows if r.cast}:  # --dense-dtype: what inspect reports
-            prov["cast"] = casts
+        prov = hashes.ahead.result() if hashes.ahead is not None else None
+        if prov is None or prov.doc["options"] != job.fingerprint:
+            prov = _provenance(job, hashes.all(ckpt, plan.units), job.fingerprint)
         folder.finish(cfg, total, {PROVENANCE: prov})
         result.shards = sorted(set(folder.weight_map.values()))
         result.reused_shards = sorted(folder.reused)  # kept from the interrupted run (--resume) or the old output (--refresh)
@@ -192,6 +196,7 @@ class _Hashes:
 
     known: dict[str, str] = field(default_factory=dict)
     hashing: SourceHashes | None = None
+    ahead: EncodeAhead | None = None  # the provenance, made on a thread once the hashes are done
 
     def journaled(self, names) -> dict[str, str]:
         return {s: self.known[s] if s in self.known else self.hashing.get(s) for s in sorted(names)}
@@ -201,6 +206,16 @@ class _Hashes:
         missing = [ckpt.tensors[s] for u in units for s in u.sources if s not in src_hashes]
         src_hashes.update(hash_tensors(missing))
         return src_hashes
+
+
+def _provenance(job: QuantizeJob, src_hashes: dict[str, str], options: dict) -> dict:
+    """The output's provenance document (:func:`.provenance.provenance` of the run's ``options``), with the tensors
+    ``--dense-dtype`` cast."""
+    derived = job.source.derived_from() if job.source.quantized else None
+    prov = provenance(job.ckpt, job.plan.units, options, src_hashes, derived_from=derived)
+    if casts := {r.name: r.cast for r in job.plan.rows if r.cast}:  # --dense-dtype: what inspect reports
+        prov["cast"] = casts
+    return prov
 
 
 def _card_section(job: QuantizeJob, derived: dict | None) -> str:

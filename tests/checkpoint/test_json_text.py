@@ -62,3 +62,23 @@ def test_what_it_leaves_to_json_comes_out_as_json_writes_it_or_raises_as_json_do
         dumps_indented(loop)
     with pytest.raises(TypeError):
         dumps_indented({"a": 1, 2: 3}, sort_keys=True)  # json cannot order mixed keys either
+
+
+def test_encoded_ahead_holds_the_text_and_canonical_digest_or_none_where_making_it_raised():
+    import hashlib
+
+    from ctconvert.checkpoint.json_text import EncodeAhead, Encoded, canonical_digest
+
+    rng = random.Random(7)
+    doc = {"b": _value(rng, 0), "a": [1.5, "é", None, {"z": float("inf")}]}
+    enc = EncodeAhead(lambda: doc).result()
+    assert enc == Encoded.of(doc) and enc.doc is doc and enc.text == json.dumps(doc, indent=2)
+    canon = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    assert enc.digest == canonical_digest(doc) == hashlib.sha256(canon).hexdigest()
+    assert canonical_digest({"a": 1, "b": 2}) == canonical_digest({"b": 2, "a": 1}) != canonical_digest({"a": 1, "b": 3})
+
+    def fails():
+        raise OSError("a source read failed")
+
+    assert EncodeAhead(fails).result() is None
+    assert EncodeAhead(lambda: {"x": {1, 2}}).result() is None  # what json refuses: made again by the caller, who meets it
