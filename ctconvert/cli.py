@@ -273,6 +273,8 @@ def quantize(ctx: _Ctx, src, output, scheme, all_layers, **given):
             click.echo(f"error: {result.error}", err=True)
     elif not ctx.quiet:
         render.quantized(result, given["refresh"])
+    else:
+        render.warnings(result)
     if result.error is not None and (ctx.json or dry_run):  # a dry run that found what the real run would stop at
         sys.exit(result.error.exit_code)
 

@@ -151,7 +151,7 @@ def plan(ctx, result, target=None, all_rows: bool = False) -> None:
         if len(failing) > 10:
             con.print(f"  ... and {len(failing) - 10} more (--json lists every tensor)", markup=False)
     for n in plan.notes + (parallel.notes if parallel is not None else []):
-        con.print(f"note: {n}", markup=False)
+        con.print(f"{'warning' if n in getattr(plan, 'warnings', ()) else 'note'}: {n}", markup=False)
 
 
 def _cell_format(row: dict) -> str:
@@ -258,7 +258,13 @@ def quantized(result, refresh: bool) -> None:
         if not why.startswith("lm_head (default"):  # the one every run has: in the count above, and --dry-run lists it
             click.echo(f"note: kept dense: {plural(n, 'weight')}: {why}", err=True)
     for n in result.notes:
-        click.echo(f"note: {n}", err=True)
+        click.echo(f"{'warning' if n in result.warnings else 'note'}: {n}", err=True)
+
+
+def warnings(result) -> None:
+    """``-q``: what a quantize run still says, on stderr: the warnings that vLLM refuses the output."""
+    for n in result.warnings:
+        click.echo(f"warning: {n}", err=True)
 
 
 def verify(ctx, report: dict, reference) -> None:

@@ -81,6 +81,11 @@ def test_quiet_verify_prints_what_failed_and_the_verdict(tiny_llama, tmp_path):
     assert code == 0 and "checked " in loud and "error against" in loud and "tensor parallel" in loud
     said = "with --reference the parameters vLLM builds are not judged: `ctconvert verify OUT` without it judges them"
     assert said in loud and said not in run("verify", out)[1]  # (the plain run judges them)
+    from ctconvert.checkpoint.expected import EXPECTED_CHECK
+
+    for ref, left in (([], []), (["--reference", tiny_llama], [EXPECTED_CHECK])):  # --json: what the run left out, by name
+        checked = json.loads(run("--json", "verify", out, *ref)[1])["checked"]
+        assert checked["not_checked"] == left and (EXPECTED_CHECK in checked["checks"]) == (not left)
     code, stdout, _ = run("-q", "verify", out, "--reference", tiny_llama)
     assert code == 0 and stdout.strip() == "verify: passed"
     code, stdout, _ = run("-q", "verify", out, "--tp", "4")

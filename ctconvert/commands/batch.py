@@ -69,6 +69,7 @@ LINE_KEYS = (
     "error",
     "exit_code",
     "notes",
+    "warnings",
 )
 
 
@@ -82,7 +83,8 @@ def load_jobs(path: str | Path, emit: Callable | None = None) -> list[dict]:
         return _load_jobs(path)
     except CTConvertError as e:
         if emit is not None:
-            emit(jsonout.dumps({**dict.fromkeys(LINE_KEYS), "status": "error", "dry_run": False, "error": str(e), "exit_code": e.exit_code, "notes": []}))
+            line = {"status": "error", "dry_run": False, "error": str(e), "exit_code": e.exit_code, "notes": [], "warnings": []}
+            emit(jsonout.dumps({**dict.fromkeys(LINE_KEYS), **line}))
             counts = {"ok": 0, "error": 1, "skipped": 0, "interrupted": 0}
             message = "0 ok, 1 failed, 0 skipped: the jobs file was refused, no job ran"
             seconds = round(time.perf_counter() - t0, 3)
@@ -184,6 +186,7 @@ def _done_line(i: int, job: dict, r, t0: float) -> dict:
         seconds=round(time.perf_counter() - t0, 3),
         exit_code=0,
         notes=list(r.notes),
+        warnings=list(r.warnings),
     )
     if r.nodes is not None:  # --executor ray (a local job's line has no nodes key, as its quantize --json has none)
         line["nodes"] = list(r.nodes)

@@ -91,7 +91,6 @@ __all__ = ["verify"]
 
 _FLOAT_OR_E4M3 = ("BF16", "F16", "F32", "F64", "F8_E4M3")
 
-
 #: what each check is called in the report's ``checked.checks``
 _STRUCTURE_CHECKS = [
     "folder (index, shards, duplicates)",
@@ -183,9 +182,10 @@ def _bar(progress, total: int):
 
 
 def _checked(ckpt: Checkpoint, checks: list[str], compared: int) -> dict:
-    """What verify looked at (the report's ``checked``)."""
+    """What verify looked at (the report's ``checked``), and what it left out (``not_checked``: with ``--reference``, what vLLM builds)."""
     checks = [*shards_checks(ckpt), COUNTS_CHECK, WIDTHS_CHECK, PARAM_SHAPES_CHECK, *checks]
-    return dict(shards=len(ckpt.files), tensors=len(ckpt.tensors), bytes=ckpt.total_bytes, checks=checks, compared_modules=compared)
+    left = [c for c in (EXPECTED_CHECK,) if c not in checks]
+    return dict(shards=len(ckpt.files), tensors=len(ckpt.tensors), bytes=ckpt.total_bytes, checks=checks, not_checked=left, compared_modules=compared)
 
 
 def _summary(rows: list[dict]) -> dict | None:

@@ -98,6 +98,7 @@ class Plan:
     views: dict[str, TensorInfo] = field(default_factory=dict)  # per-expert parts of split fused tensors, by name
     defaults: dict[str, int] = field(default_factory=dict)  # default rule -> modules it kept dense
     observers: dict[str, str] = field(default_factory=dict)  # config group -> its weight observer, where not minmax (--observer)
+    warnings: list[str] = field(default_factory=list)  # the notes saying vLLM 0.33 refuses the output (shown as warnings, -q too)
 
     @property
     def quantized_modules(self) -> int:
@@ -124,6 +125,7 @@ class Plan:
             "quantized_modules": self.quantized_modules,
             "ignore": self.ignore,
             "notes": self.notes,
+            "warnings": self.warnings,
             "defaults_applied": self.defaults,
             "tensors": [{k: v for k, v in r.__dict__.items() if v is not None} for r in self.rows],
         }

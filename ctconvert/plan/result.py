@@ -37,6 +37,7 @@ class ConversionResult:
     kept_dense: dict[str, int] = field(default_factory=dict)  # reason -> Linear weights kept dense for it (Plan.kept_dense)
     ignore: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # those of the notes that say vLLM 0.33 refuses the output
     device: str = "cpu"
     reused_shards: list[str] = field(default_factory=list)
     error: Exception | None = None  # dry run only: why the real run would stop
@@ -62,6 +63,7 @@ class ConversionResult:
             kept_dense={why: len(names) for why, names in plan.kept_dense.items()},
             ignore=plan.ignore,
             notes=plan.notes,
+            warnings=plan.warnings,
             device=",".join(map(str, devs)),
             plan=plan,
         )

@@ -212,10 +212,7 @@ def _no_head_note(plan: Plan, ckpt: Checkpoint, lm_head: str) -> None:
     if head is None or head[0] != "embedding" or (stored is None and lm_head.lower() == "none"):
         return
     what = f"the source stores {stored}" if stored else f"--lm-head {lm_head} writes lm_head"
-    plan.notes.append(
-        f"{what}, but vLLM 0.33 {head[1]} {head[2]} builds no lm_head (it computes logits with the embedding): "
-        "vLLM refuses this output and verify fails it; it is written for other loaders"
-    )
+    _unloadable_note(plan, f"{what}, but vLLM 0.33 {head[1]} {head[2]} builds no lm_head (it computes logits with the embedding)")
 
 
 def _router_bias_note(plan: Plan, ckpt: Checkpoint) -> None:
@@ -227,7 +224,15 @@ def _router_bias_note(plan: Plan, ckpt: Checkpoint) -> None:
     if found is not None:
         why, n = found
         routers = "router" if n == 1 else f"routers ({n}; the first)"
-        plan.notes.append(f"the source's {routers}: {why}; vLLM refuses this output and `ctconvert verify OUT` fails it (it is written for other loaders)")
+        _unloadable_note(plan, f"the source's {routers}: {why}")
+
+
+def _unloadable_note(plan: Plan, why: str) -> None:
+    """A note that vLLM 0.33 refuses the output for ``why`` (written all the same, for other loaders), also one of the
+    plan's ``warnings``: a run prints it as a warning, ``-q`` too, and ``--json`` lists it under ``warnings``."""
+    note = f"{why}; vLLM refuses this output and `ctconvert verify OUT` fails it (it is written for other loaders)"
+    plan.notes.append(note)
+    plan.warnings.append(note)
 
 
 def describe_source(plan: Plan, source) -> None:

@@ -126,11 +126,12 @@ def test_quantize_notes_a_head_gemma2_refuses(saved):
 
     untied, tied = open_checkpoint(saved["gemma2", False]), open_checkpoint(saved["gemma2", True])
     for ckpt, lm_head, start in ((untied, "none", "the source stores lm_head.weight"), (tied, "fp8", "--lm-head fp8 writes lm_head")):
-        plan = SimpleNamespace(notes=[])
+        plan = SimpleNamespace(notes=[], warnings=[])
         _no_head_note(plan, ckpt, lm_head)
         (note,) = plan.notes
         assert note.startswith(start) and "vLLM 0.33 gemma2.py Gemma2ForCausalLM builds no lm_head" in note
+        assert plan.warnings == [note] and note.endswith("vLLM refuses this output and `ctconvert verify OUT` fails it (it is written for other loaders)")
     for ckpt, lm_head in ((tied, "none"), (open_checkpoint(saved["llama", False]), "none"), (open_checkpoint(saved["llama", True]), "fp8")):
-        plan = SimpleNamespace(notes=[])
+        plan = SimpleNamespace(notes=[], warnings=[])
         _no_head_note(plan, ckpt, lm_head)
-        assert plan.notes == []
+        assert plan.notes == [] == plan.warnings

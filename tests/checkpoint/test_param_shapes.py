@@ -181,12 +181,34 @@ def test_quantize_notes_the_router_bias_before_any_work(outs):
         (note,) = [n for n in res.notes if "e_score_correction_bias" in n]
         err = next(p for p in api.verify(outs["deepseek_v3_greedy"])["problems"] if "e_score_correction_bias" in p["message"])
         assert note == f"the source's routers (2; the first): {err['message']}; {TAIL}"  # layers 1 and 2 (0 is dense)
+        assert res.warnings == [note] and res.to_dict()["warnings"] == [note]  # a warning: shown with -q too
     bare = damaged(tmp / "deepseek_v3", tmp / "deepseek_v3-no-bias", drop=[f"{L}{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)])
     res = api.quantize(bare, tmp / "no-bias-note", "W4A16", device="cpu")
     (note,) = [n for n in res.notes if "e_score_correction_bias" in n]
     assert note.startswith(f"the source's routers (2; the first): missing: {L}1.mlp.gate.e_score_correction_bias: the router lacks e_score_correction_bias")
     err = next(p for p in api.verify(tmp / "no-bias-note")["problems"] if "e_score_correction_bias" in p["message"])
     assert err["tensor"] == f"{L}1.mlp.gate.e_score_correction_bias" and note.endswith(f"{err['tensor']}: {err['message'].removeprefix('missing: ')}; {TAIL}")
+    assert res.warnings == [note]
     for family in ("deepseek_v3", "glm4_moe", "qwen3"):
         res = api.quantize(tmp / family, tmp / f"{family}-note", "W4A16", device="cpu", dry_run=True)
-        assert not [n for n in res.notes if "e_score_correction_bias" in n], family
+        assert not [n for n in res.notes if "e_score_correction_bias" in n] and res.warnings == [], family
+
+
+def test_quiet_quantize_still_warns_that_vllm_refuses_the_output(outs):
+    """-q drops the summary and the notes, not the warning that vLLM refuses the output (stderr, exit 0: it is
+    written for other loaders); a run with nothing to warn about stays silent; the full run says warning, not note."""
+    from click.testing import CliRunner
+
+    from ctconvert.cli import main
+
+    tmp = outs["tmp"]
+    for src, warned in (("deepseek_v3_greedy", True), ("deepseek_v3", False)):
+        for quiet in (True, False):
+            out = tmp / f"quiet-{src}-{quiet}"
+            r = CliRunner().invoke(main, [*(["-q"] if quiet else []), "quantize", str(tmp / src), "-o", str(out), "--scheme", "W4A16", "--device", "cpu"])
+            assert r.exit_code == 0 and (out / "config.json").exists(), r.output
+            warnings = [line for line in r.stderr.splitlines() if line.startswith("warning: ")]
+            assert len(warnings) == warned and all(w.endswith(TAIL) and "e_score_correction_bias" in w for w in warnings)
+            assert (r.stdout == "") == quiet and not [ln for ln in r.stderr.splitlines() if "e_score_correction_bias" in ln and ln.startswith("note")]
+            if quiet:
+                assert r.stderr.strip() == (warnings[0] if warned else "")
