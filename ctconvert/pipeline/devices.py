@@ -8,7 +8,7 @@ import torch
 
 from ..errors import UsageError
 
-__all__ = ["begin_contexts", "resolve_device", "resolve_devices"]
+__all__ = ["DevicesAhead", "begin_contexts", "resolve_device", "resolve_devices"]
 
 
 def resolve_devices(spec: str | None) -> list[torch.device]:
@@ -72,3 +72,40 @@ def begin_contexts(devices: list[torch.device]) -> threading.Thread | None:
     t = threading.Thread(target=work, daemon=True, name="ctconvert-cuda-init")
     t.start()
     return t
+
+
+class DevicesAhead:
+    """:func:`resolve_devices` of ``spec`` on a daemon thread, then ``then(devices)`` there (the quantize stage's: begin
+    Triton's key and the CUDA contexts): asking whether CUDA is there initialises its driver, ~0.2 s of an H100 machine's
+    call that the run otherwise spent before it opened its source. ``cpu`` (no driver) is resolved at once, here.
+    :meth:`result` joins: the devices, or the :class:`UsageError` (or other error) resolving them raised, re-raised;
+    an error ``then`` raises is dropped (the executor's own first CUDA call meets it)."""
+
+    def __init__(self, spec: str | None, then=None) -> None:
+        self._got: list[torch.device] | None = None
+        self._error: BaseException | None = None
+        self._then, self._thread = then, None
+        if (spec or "auto").strip().lower() == "cpu":
+            self._work(spec)
+        else:
+            self._thread = threading.Thread(target=self._work, args=(spec,), daemon=True, name="ctconvert-devices")
+            self._thread.start()
+
+    def _work(self, spec) -> None:
+        try:
+            self._got = resolve_devices(spec)
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            self._error = e
+            return
+        if self._then is not None:
+            try:
+                self._then(self._got)
+            except Exception:  # noqa: BLE001 - met again by the executor's first CUDA call
+                pass
+
+    def result(self) -> list[torch.device]:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return list(self._got or [])

@@ -24,7 +24,7 @@ from ..errors import UsageError, plural
 from ..formats import triton_key
 from ..formats.observers import WeightObserver, args_refusal, get_observer
 from ..layouts.versions import DEFAULT_LAYOUT_VERSION
-from ..pipeline.devices import begin_contexts, resolve_devices
+from ..pipeline.devices import DevicesAhead, begin_contexts
 from ..pipeline.executor import ExecOptions, map_input_default
 from ..pipeline.options import QuantizeOptions
 from ..pipeline.zeros import ZeroTracker
@@ -36,21 +36,31 @@ __all__ = ["QuantizeStage"]
 
 
 class QuantizeStage(Stage):
-    """The options ``device`` (resolved here: :func:`~ctconvert.pipeline.devices.resolve_devices` raises
-    :class:`~ctconvert.errors.UsageError`), ``chunk_elems``, ``hold_bytes``, ``impl``, ``map_input``,
-    ``allow_nonfinite``; ``tp``/``ep`` and ``target``/``layout_version`` for the tensor-parallel plan (a
+    """The options ``device`` (resolved on a thread from here, :class:`~ctconvert.pipeline.devices.DevicesAhead`, while
+    the run opens its source and plans; :meth:`prepare` raises its :class:`~ctconvert.errors.UsageError`), ``chunk_elems``,
+    ``hold_bytes``, ``impl``, ``map_input``, ``allow_nonfinite``; ``tp``/``ep`` and ``target``/``layout_version`` for the tensor-parallel plan (a
     :class:`~ctconvert.errors.UsageError` for a degree it cannot take); ``targets`` for a 2:4 config."""
 
     def __init__(self, o: QuantizeOptions):
-        self.devices = resolve_devices(o.device)
-        if not o.dry_run and any(d.type == "cuda" for d in self.devices):
-            triton_key.begin()  # Triton's cache key, made while the run plans (the console script begins it earlier)
-            if o.executor == "local":  # (a Ray driver computes nothing on its own GPUs)
-                begin_contexts(self.devices)  # the CUDA contexts, opened while the run plans and opens its output
         self.o = o
+        self._devices = DevicesAhead(o.device, then=None if o.dry_run else self._begin)  # resolved while the run plans
         observer = get_observer(o.observer)
         self.observer: WeightObserver | None = None if observer.name == "minmax" else observer
         self.group_observers: dict[str, WeightObserver] = {}  # config group -> its observer other than min/max
+
+    def _begin(self, devices: list) -> None:
+        """A real run on CUDA devices: Triton's cache key (the console script begins it earlier) and, for a local run,
+        the CUDA contexts (a Ray driver computes nothing on its own GPUs), made while the run plans and opens its output."""
+        if any(d.type == "cuda" for d in devices):
+            triton_key.begin()
+            if self.o.executor == "local":
+                begin_contexts(devices)
+
+    @property
+    def devices(self) -> list:
+        """The resolved ``--device`` (:func:`~ctconvert.pipeline.devices.resolve_devices`; waits for the thread resolving
+        it and raises its :class:`~ctconvert.errors.UsageError`)."""
+        return self._devices.result()
 
     def prepare(self, job: QuantizeJob) -> None:
         o = self.o
