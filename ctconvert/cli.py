@@ -167,7 +167,10 @@ def _progress_factory(ctx: _Ctx, desc: str = "quantize"):
     return factory
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+_HELP = {"help_option_names": ["-h", "--help"]}
+
+
+@click.group(context_settings=_HELP)
 @click.version_option(__version__, prog_name="ctconvert")
 @click.option("--json", "as_json", is_flag=True, help="Print one machine-readable JSON document on stdout.")
 @click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
@@ -228,7 +231,7 @@ def _command(name: str, argument: str | None = None, **path):
             f = _options(name)(f)
         if argument:
             f = click.argument(argument, type=click.Path(path_type=str, **path))(f)
-        return main.command(name)(f)
+        return main.command(name, context_settings=_HELP)(f)  # -h on the command itself: the same help however it is invoked
 
     return wrap
 

@@ -237,7 +237,7 @@ def inspect(ctx, report: dict, all_layers: bool) -> None:
     if report["problems"]:
         problems(con, report["problems"])
     else:
-        con.print("no problems found in the headers and config that inspect reads (`ctconvert verify` judges more: what vLLM builds and loads, and the values)")
+        con.print("no problems found in the headers and config that inspect reads (`ctconvert verify` also judges the bytes and the values)")
 
 
 def quantized(result, refresh: bool) -> None:

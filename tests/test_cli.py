@@ -86,6 +86,11 @@ def test_quiet_verify_prints_what_failed_and_the_verdict(tiny_llama, tmp_path):
     for ref, left in (([], []), (["--reference", tiny_llama], [EXPECTED_CHECK])):  # --json: what the run left out, by name
         checked = json.loads(run("--json", "verify", out, *ref)[1])["checked"]
         assert checked["not_checked"] == left and (EXPECTED_CHECK in checked["checks"]) == (not left)
+    from ctconvert.checkpoint.expected import EXPECTED_CHECK
+
+    for ref, left in (([], []), (["--reference", tiny_llama], [EXPECTED_CHECK])):  # --json: what the run left out, by name
+        checked = json.loads(run("--json", "verify", out, *ref)[1])["checked"]
+        assert checked["not_checked"] == left and (EXPECTED_CHECK in checked["checks"]) == (not left)
     code, stdout, _ = run("-q", "verify", out, "--reference", tiny_llama)
     assert code == 0 and stdout.strip() == "verify: passed"
     code, stdout, _ = run("-q", "verify", out, "--tp", "4")
@@ -148,11 +153,14 @@ def test_inspect_reports_missing_shard_and_stale_index(tiny_llama, tmp_path):
 
 
 def test_inspect_warns_of_missing_decoder_layers(tmp_path):
-    """config.json names 4 layers, the tensors hold 2 (a partial copy): a warning naming layers 2 and 3."""
+    """config.json names 4 layers, the tensors hold 2 (a partial copy): a warning naming layers 2 and 3, and one for
+    each saying that vLLM refuses it and verify fails it (verify's own check, from the headers; inspect exits 0)."""
     m = write_checkpoint(tmp_path / "m", llama_tensors(LLAMA_CONFIG), dict(LLAMA_CONFIG, num_hidden_layers=4))
     code, stdout, _ = run("--json", "inspect", m)
     warn = [p for p in json.loads(stdout)["problems"] if p["severity"] == "warning"]
-    assert code == 0 and len(warn) == 1 and "num_hidden_layers=4" in warn[0]["message"] and "2, 3 (2 missing)" in warn[0]["message"]
+    assert code == 0 and len(warn) == 3 and "num_hidden_layers=4" in warn[0]["message"] and "2, 3 (2 missing)" in warn[0]["message"]
+    assert [p["tensor"] for p in warn[1:]] == ["model.layers.2", "model.layers.3"]
+    assert all("vLLM refuses" in p["message"] and p["message"].endswith("(`ctconvert verify` fails it)") for p in warn[1:])
     full = write_checkpoint(tmp_path / "full", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG)
     assert json.loads(run("--json", "inspect", full)[1])["problems"] == []
 

@@ -19,17 +19,21 @@ row per Linear layer -> fused-set checks -> totals.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 from ..checkpoint.conformance import contradictions, linear_module_files, missing_fused_members, partial_block_problems
+from ..checkpoint.expected import expected_problems
 from ..checkpoint.families import split_fused_experts
 from ..checkpoint.kernel_native import is_kernel_native, missing_tensors
 from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import BLOCK, decoder_layer_index, is_linear_weight, natural_key
+from ..checkpoint.param_shapes import param_shape_problems
 from ..checkpoint.provenance import PROVENANCE, cast_tensors
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
+from ..checkpoint.widths import width_problems
 from ..errors import CTConvertError, agree, plural
 from ..formats import CompressionFormat
 from ..sources import SOURCE_CONFIG_FILES, Source, SourceModule, open_source
@@ -158,6 +162,7 @@ def inspect_checkpoint(path: Path) -> dict:
     if qcfg.get("quant_method") == "compressed-tensors":
         problems += contradictions(mods, qcfg) + partial_block_problems(mods)
     problems += unexplained_dense(ckpt, mods)
+    problems += _vllm_problems(ckpt, mods, path)
     casts = cast_tensors(path)
     for row in layers:
         if (c := casts.get(row["module"] + ".weight")) is not None:
@@ -183,6 +188,18 @@ def inspect_checkpoint(path: Path) -> dict:
         "totals": _totals(ckpt, layers),
         "problems": [p.to_dict() for p in problems],
     }
+
+
+def _vllm_problems(ckpt: Checkpoint, mods: dict[str, Module], path: Path) -> list[Problem]:
+    """What verify's architecture checks find, from the headers (widths, parameter sizes, missing and extra tensors:
+    :func:`.widths.width_problems`, :func:`.param_shapes.param_shape_problems`, :func:`.expected.expected_problems`),
+    as warnings: inspect describes a checkpoint (a partial copy or a test's slice too) and keeps exit 3 for one it cannot
+    read consistently, while ``verify`` fails these (exit 5). None where a shard could not be read (its error says why)."""
+    if any(p.severity == "error" for p in ckpt.problems):
+        return []
+    found = width_problems(ckpt.config, ckpt.tensors, mods, str(path)) + param_shape_problems(ckpt.config, ckpt.tensors, mods)
+    found += [p for p in expected_problems(ckpt, mods) if p.severity != "note"]  # (its note: a family it does not judge)
+    return [dataclasses.replace(p, severity="warning", message=f"{p.message} (`ctconvert verify` fails it)") if p.severity == "error" else p for p in found]
 
 
 def _foreign_source(ckpt: Checkpoint) -> tuple[Source | None, Problem | None] | None:

@@ -263,6 +263,9 @@ def test_verify_fails_a_config_whose_widths_the_tensors_contradict(outputs, tmp_
     errors = _errors(api.verify(out))
     assert any(p["message"].startswith(message) and p["file"].endswith("config.json") for p in errors), errors
     assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 5
+    seen = [p for p in api.inspect(out)["problems"] if p["message"].startswith(message)]  # inspect: the same, a warning (exit 0)
+    want = [dict(p, severity="warning", message=p["message"] + " (`ctconvert verify` fails it)") for p in errors if p["message"].startswith(message)]
+    assert seen == want and CliRunner().invoke(main, ["inspect", str(out)]).exit_code == 0
 
 
 def test_verify_fails_an_edited_moe_size_and_a_head_tied_again(outputs, tmp_path):
