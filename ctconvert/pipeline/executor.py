@@ -136,6 +136,7 @@ class ExecOptions:
     group_observers: dict = field(default_factory=dict)  # config group -> its WeightObserver other than minmax (wins over observer)
     read_ahead: int = READ_AHEAD_BYTES  # input bytes the kernel is asked to read ahead of the readers (pipeline/readahead.py; 0: none)
     batch: bool | None = field(default_factory=batch_default)  # quantize small units together (pipeline/batches.py); None: on a GPU
+    computed: threading.Event | None = None  # set when a computing thread's loop ends (the write stage's provenance waits for it)
 
 
 @dataclass
@@ -340,6 +341,8 @@ class Executor:
                         self.calibrated.flush(self._write, wait=False)
                 self.calibrated.flush(self._write, wait=True)
         finally:
+            if self.opts.computed is not None:  # (a failed run too: nothing waits on it for ever)
+                self.opts.computed.set()
             stop.set()
             for p in (self.pool, self.budget):
                 if p is not None:

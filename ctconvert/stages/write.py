@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,11 +152,17 @@ class WriteStage(Stage):
         order = [s for u in todo for s in u.sources] + [s for u in plan.units if id(u) not in todo_ids for s in u.sources]
         # (on Ray the workers hash the sources they read: none here)
         hashes.hashing = SourceHashes([ckpt.tensors[s] for s in order if s not in hashes.known] if self.executor.hashes_sources else [])
-        if self.executor.hashes_sources:  # the provenance made and encoded once the hashes are done, while the last writes drain
-            options = copy.deepcopy(job.fingerprint)  # as it is now: _complete checks that it did not change since
-            hashes.ahead = EncodeAhead(lambda: _provenance(job, hashes.all(ckpt, plan.units), options))
-        folder.keep_partial = job.layout is None  # an interrupted run is kept for --resume, which --target does not offer
         opts = job.exec
+        if self.executor.hashes_sources:  # the provenance made and encoded once the computing is done, while the last writes drain
+            options = copy.deepcopy(job.fingerprint)  # as it is now: _complete checks that it did not change since
+            opts.computed = computed = threading.Event()
+
+            def make() -> dict:
+                computed.wait()  # not beside the computing thread (the GIL): beside the writers' last bytes and the flushes
+                return _provenance(job, hashes.all(ckpt, plan.units), options)
+
+            hashes.ahead = EncodeAhead(make)
+        folder.keep_partial = job.layout is None  # an interrupted run is kept for --resume, which --target does not offer
         out = ShardOutput(folder, dict(zip(shard_names(len(assignment)), assignment)), hashes.known)
         result.nodes = _execute(ckpt, dataclasses.replace(plan, units=todo), shards, opts, job.devices, job.progress, self.executor, out)
         cast = {u.outputs[0][0]: u.cast for u in plan.units if u.kind == "copy" and u.cast}  # --dense-dtype
@@ -178,6 +185,8 @@ class WriteStage(Stage):
         cfg = updated_config(ckpt.config, job.qconfig, plan.config_updates)
         if job.layout is not None:
             cfg["quantization_config"] = job.layout.config(cfg["quantization_config"])
+        if job.exec.computed is not None:
+            job.exec.computed.set()  # (an executor that ran no unit: the thread goes on)
         prov = hashes.ahead.result() if hashes.ahead is not None else None
         if prov is None or prov.doc["options"] != job.fingerprint:
             prov = _provenance(job, hashes.all(ckpt, plan.units), job.fingerprint)
