@@ -135,8 +135,8 @@ class Encoded:
 
 class EncodeAhead:
     """:meth:`Encoded.of` the document ``make()`` returns, on a thread of its own started here, while the caller goes on
-    (a conversion's provenance: made once the source hashes it waits for are done, while the last writes drain, instead
-    of after them). :meth:`result` joins it: the :class:`Encoded`, or None where ``make`` or the encoding raised (the
+    (a conversion's provenance: ``make`` waits until the computing is done and the source hashes are, then it is made
+    while the last writes drain and flush, instead of after them). :meth:`result` joins it: the :class:`Encoded`, or None where ``make`` or the encoding raised (the
     caller then makes the document itself, and meets the error where it always did)."""
 
     def __init__(self, make) -> None:
