@@ -300,6 +300,9 @@ def verify(ctx, report: dict, reference) -> None:
     problems(con, report["problems"])
     if reference is not None:  # (what the README says: --reference compares values, the plain run judges loadability)
         con.print("with --reference the parameters vLLM builds are not judged: `ctconvert verify OUT` without it judges them", markup=False)
+    elif report.get("checked", {}).get("not_checked"):  # a kernel-native output: its compressed-tensors form is judged
+        said = "the parameters vLLM builds are not judged in a kernel-native output: plain `ctconvert verify` of its compressed-tensors form judges them"
+        con.print(said, markup=False)
     con.print("[green]verify: passed[/]" if report["ok"] else "[red]verify: FAILED[/]")
 
 

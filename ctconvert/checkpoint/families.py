@@ -452,14 +452,19 @@ def is_mtp(name: str, config: dict) -> bool:
     """Whether a tensor belongs to a multi-token-prediction (MTP) layer.
 
     DeepSeek-V3 / Kimi-K2 / GLM-4.5 store it as a decoder layer past the model's
-    ``num_hidden_layers`` (``model.layers.61.`` of a 61-layer model; vLLM deepseek_mtp.py
-    ``get_spec_layer_idx_from_weight_name``); Qwen3-Next, Qwen3.5 and MiMo under ``mtp.`` /
-    ``mtp_layers.`` (vLLM qwen3_next_mtp.py)."""
+    ``num_hidden_layers``, one of the ``num_nextn_predict_layers`` their config declares (``model.layers.61.`` of a
+    61-layer model; vLLM deepseek_mtp.py ``get_spec_layer_idx_from_weight_name``, which counts them from that key);
+    Qwen3-Next, Qwen3.5 and MiMo under ``mtp.`` / ``mtp_layers.`` (vLLM qwen3_next_mtp.py). A layer past
+    ``num_hidden_layers`` where the config declares none is not one: a config that contradicts the tensors, which
+    ``verify`` fails (:func:`.depth.layer_count_problems`), not a layer to keep dense quietly."""
     if _MTP_NAME.search(name):
         return True
     m = _LAYER.match(name)
     n = config_value(config, "num_hidden_layers")
-    return m is not None and n is not None and int(m.group(1)) >= n
+    if m is None or not isinstance(n, int):
+        return False
+    extra = config_value(config, "num_nextn_predict_layers")
+    return n <= int(m.group(1)) < n + (extra if isinstance(extra, int) else 0)
 
 
 #: MTP modules that vLLM 0.33 builds without a quantization method, so only their dense weight loads

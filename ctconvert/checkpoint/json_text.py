@@ -136,8 +136,9 @@ class Encoded:
 class EncodeAhead:
     """:meth:`Encoded.of` the document ``make()`` returns, on a thread of its own started here, while the caller goes on
     (a conversion's provenance: ``make`` waits until the computing is done and the source hashes are, then it is made
-    while the last writes drain and flush, instead of after them). :meth:`result` joins it: the :class:`Encoded`, or None where ``make`` or the encoding raised (the
-    caller then makes the document itself, and meets the error where it always did)."""
+    while the last writes drain and flush, instead of after them). :meth:`result` joins it: the :class:`Encoded`, or None
+    where ``make`` or the encoding raised (the caller then makes the document itself, and meets the error where it always
+    did)."""
 
     def __init__(self, make) -> None:
         self._make, self._got = make, None

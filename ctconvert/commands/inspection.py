@@ -25,15 +25,13 @@ import math
 from pathlib import Path
 
 from ..checkpoint.conformance import contradictions, linear_module_files, missing_fused_members, partial_block_problems
-from ..checkpoint.expected import expected_problems
 from ..checkpoint.families import split_fused_experts
 from ..checkpoint.kernel_native import is_kernel_native, missing_tensors
+from ..checkpoint.loadable import loadability_problems
 from ..checkpoint.modules import ACT_PARTS, QUANT_PARTS, Module, dense_shape, fused_global_scales, modules_of, unexplained_dense
 from ..checkpoint.naming import BLOCK, decoder_layer_index, is_linear_weight, natural_key
-from ..checkpoint.param_shapes import param_shape_problems
 from ..checkpoint.provenance import PROVENANCE, cast_tensors
 from ..checkpoint.reader import Checkpoint, Problem, open_checkpoint
-from ..checkpoint.widths import width_problems
 from ..errors import CTConvertError, agree, plural
 from ..formats import CompressionFormat
 from ..sources import SOURCE_CONFIG_FILES, Source, SourceModule, open_source
@@ -144,9 +142,7 @@ def inspect_checkpoint(path: Path) -> dict:
         return _inspect_kernel_native(ckpt, path)
     if (foreign := _foreign_source(ckpt)) is not None:
         return _inspect_source(ckpt, path, *foreign)
-    problems: list[Problem] = list(ckpt.problems)
-    if (missing := _missing_layers(ckpt, path)) is not None:
-        problems.append(missing)
+    problems: list[Problem] = list(ckpt.problems)  # (missing decoder layers: _vllm_problems' count)
     qcfg = ckpt.quantization_config or {}
     groups = qcfg.get("config_groups") or {}
     mods = modules_of(ckpt)
@@ -191,14 +187,10 @@ def inspect_checkpoint(path: Path) -> dict:
 
 
 def _vllm_problems(ckpt: Checkpoint, mods: dict[str, Module], path: Path) -> list[Problem]:
-    """What verify's architecture checks find, from the headers (widths, parameter sizes, missing and extra tensors:
-    :func:`.widths.width_problems`, :func:`.param_shapes.param_shape_problems`, :func:`.expected.expected_problems`),
-    as warnings: inspect describes a checkpoint (a partial copy or a test's slice too) and keeps exit 3 for one it cannot
-    read consistently, while ``verify`` fails these (exit 5). None where a shard could not be read (its error says why)."""
-    if any(p.severity == "error" for p in ckpt.problems):
-        return []
-    found = width_problems(ckpt.config, ckpt.tensors, mods, str(path)) + param_shape_problems(ckpt.config, ckpt.tensors, mods)
-    found += [p for p in expected_problems(ckpt, mods) if p.severity != "note"]  # (its note: a family it does not judge)
+    """What verify's architecture checks find, from the headers (:func:`.loadable.loadability_problems`), as warnings:
+    inspect describes a checkpoint (a partial copy or a test's slice too) and keeps exit 3 for one it cannot read
+    consistently, while ``verify`` fails these (exit 5)."""
+    found = loadability_problems(ckpt, mods, path)
     return [dataclasses.replace(p, severity="warning", message=f"{p.message} (`ctconvert verify` fails it)") if p.severity == "error" else p for p in found]
 
 

@@ -8,11 +8,14 @@ describes a quantized source (requantize) and starts the result.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 from ..checkpoint.config import build_quantization_config
 from ..checkpoint.conformance import mixed_expert_blocks, vllm_expert_mismatches
 from ..checkpoint.expected import router_bias_problem
 from ..checkpoint.families import is_expert, split_fused_experts, vllm_head
+from ..checkpoint.loadable import loadability_problems
+from ..checkpoint.modules import modules_of
 from ..checkpoint.naming import is_generative, is_lm_head, matches, tie_word_embeddings
 from ..checkpoint.reader import Checkpoint
 from ..errors import UnsupportedError, UsageError, agree, plural
@@ -67,8 +70,14 @@ class PlanStage(Stage):
             plan_kw.update(sparsity=o.sparsity, sparsity_target=o.target)
         plan, job.dry_error = plan_or_error(job.ckpt, self.scheme, o.dry_run, o.skip_incompatible, plan_kw)
         apply_dense_dtype(plan, o.dense_dtype, job.ckpt.config)
-        _no_head_note(plan, job.ckpt, o.lm_head)
-        _router_bias_note(plan, job.ckpt)
+        _no_head_note(plan, job.ckpt, o.lm_head, o.target)
+        _router_bias_note(plan, job.ckpt, o.target)
+        if source.kind in ("dense", "compressed-tensors"):  # (another tool's names are not what the checks read)
+            checks = SourceChecks(job.ckpt, plan, o.target)  # on a thread: a 9,400-tensor MoE's checks take ~0.15 s
+            if o.dry_run:
+                checks.join()
+            else:
+                job.before_commit.append(checks.join)  # its warning: with the result, before the output is committed
         if plan.views:  # per-expert parts of fused 3-D experts: read as tensors of their own from here on
             job.ckpt = dataclasses.replace(job.ckpt, tensors={**job.ckpt.tensors, **plan.views})
         if source.quantized:
@@ -203,7 +212,7 @@ def vllm_expert_error(plan: Plan, allow_unloadable: bool = False) -> UsageError 
     return UsageError(f"{found[0].experts}: {found[0].message()}{more}")
 
 
-def _no_head_note(plan: Plan, ckpt: Checkpoint, lm_head: str) -> None:
+def _no_head_note(plan: Plan, ckpt: Checkpoint, lm_head: str, target: str | None = None) -> None:
     """A family whose vLLM 0.33 class builds no ``lm_head`` (:data:`.families.VLLM_HEAD` ``"embedding"``: Gemma 2)
     while the output would store one (the source's, or ``--lm-head``'s untied head): a note that vLLM refuses the
     output (and ``verify`` fails it); it is still written, for other loaders (transformers builds the untied head)."""
@@ -212,10 +221,10 @@ def _no_head_note(plan: Plan, ckpt: Checkpoint, lm_head: str) -> None:
     if head is None or head[0] != "embedding" or (stored is None and lm_head.lower() == "none"):
         return
     what = f"the source stores {stored}" if stored else f"--lm-head {lm_head} writes lm_head"
-    _unloadable_note(plan, f"{what}, but vLLM 0.33 {head[1]} {head[2]} builds no lm_head (it computes logits with the embedding)")
+    _unloadable_note(plan, f"{what}, but vLLM 0.33 {head[1]} {head[2]} builds no lm_head (it computes logits with the embedding)", target)
 
 
-def _router_bias_note(plan: Plan, ckpt: Checkpoint) -> None:
+def _router_bias_note(plan: Plan, ckpt: Checkpoint, target: str | None = None) -> None:
     """A MoE source whose router ``e_score_correction_bias`` disagrees with what its config makes vLLM 0.33 build
     (:func:`.expected.router_bias_problem`: DeepSeek/Kimi storing one while ``topk_method`` is not ``noaux_tc``, as
     transformers saves a DeepSeek-V3, or lacking one while it is): a plan note (a dry run shows it before any work)
@@ -224,15 +233,47 @@ def _router_bias_note(plan: Plan, ckpt: Checkpoint) -> None:
     if found is not None:
         why, n = found
         routers = "router" if n == 1 else f"routers ({n}; the first)"
-        _unloadable_note(plan, f"the source's {routers}: {why}")
+        _unloadable_note(plan, f"the source's {routers}: {why}", target)
 
 
-def _unloadable_note(plan: Plan, why: str) -> None:
+def _unloadable_note(plan: Plan, why: str, target: str | None = None) -> None:
     """A note that vLLM 0.33 refuses the output for ``why`` (written all the same, for other loaders), also one of the
-    plan's ``warnings``: a run prints it as a warning, ``-q`` too, and ``--json`` lists it under ``warnings``."""
-    note = f"{why}; vLLM refuses this output and `ctconvert verify OUT` fails it (it is written for other loaders)"
+    plan's ``warnings``: a run prints it as a warning, ``-q`` too, and ``--json`` lists it under ``warnings``. A
+    ``--target`` output's verify does not judge what vLLM builds (``checked.not_checked``): the note says which does."""
+    judge = "`ctconvert verify OUT` fails it" if target is None else "plain `ctconvert verify` fails its compressed-tensors form"
+    note = f"{why}; vLLM refuses this output and {judge} (it is written for other loaders)"
     plan.notes.append(note)
     plan.warnings.append(note)
+
+
+class SourceChecks:
+    """What verify's architecture checks find in the source (:func:`.loadable.loadability_problems`: its output carries
+    it, so vLLM refuses the output and verify fails it), run on a thread from here; :meth:`join` (before the output is
+    committed, or at once in a dry run) adds one warning naming the first problem and counting the others (the router
+    bias note's own excepted). A check that raises adds nothing: verify, the judge, still runs them on the output."""
+
+    def __init__(self, ckpt: Checkpoint, plan: Plan, target: str | None) -> None:
+        self.found: list = []
+        self._plan, self._target = plan, target
+        self._said = any("e_score_correction_bias" in n for n in plan.warnings)  # the router note, said already
+        self._thread = threading.Thread(target=self._run, args=(ckpt,), daemon=True, name="ctconvert-source-checks")
+        self._thread.start()
+
+    def _run(self, ckpt: Checkpoint) -> None:
+        try:
+            found = loadability_problems(ckpt, modules_of(ckpt), ckpt.path)
+        except Exception:  # noqa: BLE001 - verify judges the output all the same
+            return
+        self.found = [p for p in found if p.severity == "error" and not (self._said and "e_score_correction_bias" in p.message)]
+
+    def join(self) -> None:
+        self._thread.join()
+        if not self.found:
+            return
+        first, more = self.found[0], len(self.found) - 1
+        where = f"{first.tensor}: " if first.tensor else ""  # (a config problem names config.json in its message)
+        others = f" (and {plural(more, 'more problem')}: `ctconvert inspect SRC` lists them)" if more else ""
+        _unloadable_note(self._plan, f"the source: {where}{first.message}{others}", self._target)
 
 
 def describe_source(plan: Plan, source) -> None:

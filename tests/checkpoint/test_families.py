@@ -112,8 +112,14 @@ def test_shapes_that_disagree_with_the_config_are_refused(tmp_path, cfg, why):
 
 
 def test_mtp_layers():
-    cfg = {"num_hidden_layers": 61}
+    """A layer past num_hidden_layers is an MTP layer only within the num_nextn_predict_layers the config declares (a
+    Llama whose config counts fewer layers than it stores has none: verify fails it, the plan keeps nothing quietly)."""
+    cfg = {"num_hidden_layers": 61, "num_nextn_predict_layers": 1}
     assert is_mtp("model.layers.61.mlp.experts.3.up_proj.weight", cfg) and not is_mtp("model.layers.60.mlp.gate.weight", cfg)
+    assert not is_mtp("model.layers.62.mlp.gate.weight", cfg)  # past the one declared
+    for undeclared in ({"num_hidden_layers": 61}, {"num_hidden_layers": 61, "num_nextn_predict_layers": 0}):
+        assert not is_mtp("model.layers.61.mlp.experts.3.up_proj.weight", undeclared)
     assert is_mtp("mtp.layers.0.self_attn.q_proj.weight", {}) and is_mtp("mtp.fc.weight", {}) and is_mtp("model.mtp_layers.0.eh_proj.weight", {})
-    assert not is_mtp("model.layers.3.mlp.gate_proj.weight", {"text_config": {"num_hidden_layers": 4}})
-    assert is_mtp("model.language_model.layers.4.mlp.gate_proj.weight", {"text_config": {"num_hidden_layers": 4}})
+    text = {"text_config": {"num_hidden_layers": 4, "num_nextn_predict_layers": 1}}
+    assert not is_mtp("model.layers.3.mlp.gate_proj.weight", text)
+    assert is_mtp("model.language_model.layers.4.mlp.gate_proj.weight", text)

@@ -217,3 +217,21 @@ def test_quiet_quantize_still_warns_that_vllm_refuses_the_output(outs):
             assert (r.stdout == "") == quiet and not [ln for ln in r.stderr.splitlines() if "e_score_correction_bias" in ln and ln.startswith("note")]
             if quiet:
                 assert r.stderr.strip() == (warnings[0] if warned else "")
+
+
+def test_a_target_outputs_warning_names_the_verify_that_judges_it(outs, tmp_path):
+    """With --target, verify of the kernel-native output does not judge what vLLM builds (``checked.not_checked``, and a
+    line saying so): quantize's warning names plain verify of the compressed-tensors form instead of ``verify OUT``."""
+    from click.testing import CliRunner
+
+    from ctconvert.checkpoint.expected import EXPECTED_CHECK
+    from ctconvert.cli import main
+
+    src, out = outs["tmp"] / "deepseek_v3_greedy", tmp_path / "marlin"
+    res = api.quantize(src, out, "W4A16", device="cpu", target="marlin", group_size=32)
+    (note,) = [n for n in res.warnings if "e_score_correction_bias" in n]
+    assert note.endswith("; vLLM refuses this output and plain `ctconvert verify` fails its compressed-tensors form (it is written for other loaders)")
+    rep = api.verify(out)
+    assert rep["checked"]["not_checked"] == [EXPECTED_CHECK]
+    r = CliRunner().invoke(main, ["verify", str(out)])
+    assert "the parameters vLLM builds are not judged in a kernel-native output" in r.stdout

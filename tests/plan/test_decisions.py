@@ -19,7 +19,7 @@ def bf(*shape):
     return torch.zeros(*shape, dtype=torch.bfloat16)
 
 
-def _gpt_oss(tmp_path, **extra):
+def _gpt_oss(tmp_path, config: dict | None = None, **extra):
     t = {"model.embed_tokens.weight": bf(256, H), "model.norm.weight": bf(H), "lm_head.weight": bf(256, H)}
     for layer in range(2):
         p = f"model.layers.{layer}."
@@ -34,7 +34,7 @@ def _gpt_oss(tmp_path, **extra):
         t[p + "mlp.experts.down_proj_bias"] = bf(E, H)
     t.update(extra)
     cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": H, "num_local_experts": E, "num_hidden_layers": 2}
-    return open_checkpoint(write_checkpoint(tmp_path / "m", t, cfg))
+    return open_checkpoint(write_checkpoint(tmp_path / "m", t, {**cfg, **(config or {})}))
 
 
 #: gpt-oss experts stay dense by default (vLLM 0.33 cannot load them quantized): the split tests name them explicitly
@@ -135,10 +135,10 @@ def test_no_default_ignore_drops_every_default(tmp_path):
         "model.layers.0.mlp.gate.weight": bf(128, H),
         "model.layers.0.mlp.gate_proj.weight": bf(I, H),
         "model.visual.blocks.0.attn.qkv.weight": bf(3 * H, H),
-        "model.layers.2.mlp.gate_proj.weight": bf(I, H),  # MTP: past num_hidden_layers
+        "model.layers.2.mlp.gate_proj.weight": bf(I, H),  # MTP: past num_hidden_layers, one of num_nextn_predict_layers
         "proj_out.weight": bf(H, H),  # outside the blocks
     }
-    ck = open_checkpoint(write_checkpoint(tmp_path / "m", t, {"num_hidden_layers": 2}))
+    ck = open_checkpoint(write_checkpoint(tmp_path / "m", t, {"num_hidden_layers": 2, "num_nextn_predict_layers": 1}))
     plan = make_plan(ck, "FP8_DYNAMIC")
     assert plan.quantized_modules == 1
     assert plan.defaults == {"lm_head": 1, "router": 1, "vision": 1, "MTP layer; --quantize-mtp quantizes it": 1, "Linear outside the transformer blocks": 1}
@@ -251,7 +251,8 @@ def test_cli_options(tmp_path):
 
     from ctconvert.cli import main
 
-    ck = _gpt_oss(tmp_path, **{"model.layers.0.mlp.mystery": bf(4, H), "model.layers.2.mlp.gate_proj.weight": bf(I, H)})
+    mtp = {"num_nextn_predict_layers": 1}  # (layer 2: an MTP layer the config declares)
+    ck = _gpt_oss(tmp_path, mtp, **{"model.layers.0.mlp.mystery": bf(4, H), "model.layers.2.mlp.gate_proj.weight": bf(I, H)})
 
     def run(*args):
         r = CliRunner().invoke(main, ["--json", "quantize", str(ck.path), "-s", "FP8_DYNAMIC", "--dry-run", *args])

@@ -1,0 +1,36 @@
+"""What vLLM 0.33 builds, judged from a checkpoint's headers: the checks ``verify`` runs without a reference.
+
+:func:`loadability_problems` is the one list: the decoder layer count (:func:`.depth.count_problems`), the widths
+(:func:`.widths.width_problems`), the sizes of the small parameters (:func:`.param_shapes.param_shape_problems`), the
+tensors each layer stores (:func:`.expected.expected_problems`) and the attention projections' rows
+(:func:`.files_check.attention_shape_problems`). ``inspect`` shows them as warnings, and ``quantize`` warns of them in a
+dense or compressed-tensors source (its output carries them: vLLM refuses it and ``verify`` fails it). Only a tied
+head's bytes are read (:func:`.widths.tied_head_problems`), not the weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .depth import count_problems
+from .expected import expected_problems
+from .files_check import attention_shape_problems
+from .modules import Module
+from .param_shapes import param_shape_problems
+from .reader import Checkpoint, Problem
+from .widths import width_problems
+
+__all__ = ["loadability_problems"]
+
+
+def loadability_problems(ckpt: Checkpoint, mods: dict[str, Module], folder: str | Path) -> list[Problem]:
+    """The errors (and their notes) the checks of the module docstring find in ``ckpt`` (its modules ``mods``:
+    :func:`.modules.modules_of`; ``folder``: the path a config problem names); [] where a shard could not be read
+    (``ckpt.problems`` holds an error: its own message says why, and every check would follow from it). The notes of
+    families not judged are left out."""
+    if any(p.severity == "error" for p in ckpt.problems) or not isinstance(ckpt.config, dict):
+        return []
+    config, tensors = ckpt.config, ckpt.tensors
+    found = count_problems(config, tensors, str(folder)) + width_problems(config, tensors, mods, str(folder))
+    found += param_shape_problems(config, tensors, mods) + attention_shape_problems(mods, config, tensors)
+    return found + [p for p in expected_problems(ckpt, mods) if p.severity != "note"]
