@@ -99,14 +99,12 @@ WRITERS = {"cuda": 4, "cpu": 2}  # writer threads, taking from one queue (a larg
 
 
 def map_input_default() -> bool:
-    """Whether CPU runs map the input files (chunks are views of the page cache, not copies): yes, unless
-    the environment says ``CTCONVERT_MMAP=0``."""
+    """Whether CPU runs map the input files (chunks are views of the page cache, not copies): yes, unless ``CTCONVERT_MMAP=0``."""
     return os.environ.get("CTCONVERT_MMAP", "1") != "0"
 
 
 def batch_default() -> bool | None:
-    """Whether runs batch small units (:mod:`.batches`): as the environment says (``CTCONVERT_BATCH=1``/``0``), else
-    None (on a GPU)."""
+    """Whether runs batch small units (:mod:`.batches`): as ``CTCONVERT_BATCH=1``/``0`` says, else None (on a GPU)."""
     v = os.environ.get("CTCONVERT_BATCH", "")
     return None if v == "" else v != "0"
 
