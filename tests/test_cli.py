@@ -153,12 +153,13 @@ def test_inspect_reports_missing_shard_and_stale_index(tiny_llama, tmp_path):
 
 
 def test_inspect_warns_of_missing_decoder_layers(tmp_path):
-    """config.json names 4 layers, the tensors hold 2 (a partial copy): a warning naming layers 2 and 3, and one for
-    each saying that vLLM refuses it and verify fails it (verify's own check, from the headers; inspect exits 0)."""
+    """config.json names 4 layers, the tensors hold 2 (a partial copy): verify's count, naming layers 2 and 3, and one
+    warning for each saying that vLLM refuses it and verify fails it (verify's own checks, from the headers; exit 0)."""
     m = write_checkpoint(tmp_path / "m", llama_tensors(LLAMA_CONFIG), dict(LLAMA_CONFIG, num_hidden_layers=4))
     code, stdout, _ = run("--json", "inspect", m)
     warn = [p for p in json.loads(stdout)["problems"] if p["severity"] == "warning"]
-    assert code == 0 and len(warn) == 3 and "num_hidden_layers=4" in warn[0]["message"] and "2, 3 (2 missing)" in warn[0]["message"]
+    assert code == 0 and len(warn) == 3 and warn[0]["message"].startswith("config.json's num_hidden_layers is 4 (model.layers.0 .. model.layers.3)")
+    assert "but 2 of them (2..3) have no tensors" in warn[0]["message"] and warn[0]["file"].endswith("config.json")
     assert [p["tensor"] for p in warn[1:]] == ["model.layers.2", "model.layers.3"]
     assert all("vLLM refuses" in p["message"] and p["message"].endswith("(`ctconvert verify` fails it)") for p in warn[1:])
     full = write_checkpoint(tmp_path / "full", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG)
