@@ -158,6 +158,7 @@ def layer_count_problems(config: dict, tensors: dict[str, TensorInfo], file: str
     missing = sorted(set(range(n)) - stored)
     extra = sorted(i for i in stored if i >= n + mtp)
     counted = sorted(i for i in mtp_like if i < n)
+    unlike = sorted(i for i in stored if n <= i < n + mtp and i not in mtp_like)  # a decoder layer the count left out
     out = []
     if missing:
         out.append(f"{len(missing)} of them ({_indices(missing)}) {agree(len(missing), 'has', 'have')} no tensors: vLLM would run them with random weights")
@@ -165,6 +166,12 @@ def layer_count_problems(config: dict, tensors: dict[str, TensorInfo], file: str
         allowed = f" (after the decoder, num_nextn_predict_layers {mtp} MTP layers may be stored)" if mtp else ""
         past = f"the checkpoint stores {plural(len(extra), 'layer')} past them ({_indices(extra)}){allowed}"
         out.append(f"{past}: vLLM has no parameter for {agree(len(extra), 'it', 'them')} and refuses the checkpoint")
+    if unlike:
+        which = f"{agree(len(unlike), 'layer', 'layers')} {_indices(unlike)} past them {agree(len(unlike), 'holds', 'hold')}"
+        out.append(
+            f"{which} no eh_proj/enorm/hnorm/shared_head, so {agree(len(unlike), 'it is', 'they are')} no MTP layer but a decoder layer the count "
+            "leaves out: vLLM 0.33 deepseek_v2.py skips the layers past num_hidden_layers that it does not load as MTP layers (a shallower model)"
+        )
     if counted:
         which = f"{agree(len(counted), 'layer', 'layers')} {_indices(counted)} {agree(len(counted), 'holds', 'hold')}"
         out.append(f"{which} an MTP layer's eh_proj/enorm/hnorm/shared_head, which a decoder layer has no parameter for")

@@ -25,7 +25,8 @@ __all__ = ["loadability_problems"]
 
 def loadability_problems(ckpt: Checkpoint, mods: dict[str, Module], folder: str | Path) -> list[Problem]:
     """The errors (and their notes) the checks of the module docstring find in ``ckpt`` (its modules ``mods``:
-    :func:`.modules.modules_of`; ``folder``: the path a config problem names); [] where a shard could not be read
+    :func:`.modules.modules_of`, or {} for a kernel-native checkpoint, which leaves the count, widths and sizes;
+    ``folder``: the path a config problem names); [] where a shard could not be read
     (``ckpt.problems`` holds an error: its own message says why, and every check would follow from it). The notes of
     families not judged are left out."""
     if any(p.severity == "error" for p in ckpt.problems) or not isinstance(ckpt.config, dict):

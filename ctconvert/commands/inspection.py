@@ -42,7 +42,7 @@ __all__ = ["describe_weights", "inspect_checkpoint"]
 
 def _inspect_kernel_native(ckpt, path: Path) -> dict:
     q = ckpt.quantization_config
-    problems = list(ckpt.problems)
+    problems = list(ckpt.problems) + _vllm_problems(ckpt, {}, path)  # (no dense modules: verify's count, widths and sizes)
     layers = []
     for mod, rec in (q.get("modules") or {}).items():
         if (problem := missing_tensors(ckpt, mod, rec)) is not None:

@@ -236,12 +236,13 @@ def _router_bias_note(plan: Plan, ckpt: Checkpoint, target: str | None = None) -
         _unloadable_note(plan, f"the source's {routers}: {why}", target)
 
 
-def _unloadable_note(plan: Plan, why: str, target: str | None = None) -> None:
-    """A note that vLLM 0.33 refuses the output for ``why`` (written all the same, for other loaders), also one of the
-    plan's ``warnings``: a run prints it as a warning, ``-q`` too, and ``--json`` lists it under ``warnings``. A
-    ``--target`` output's verify does not judge what vLLM builds (``checked.not_checked``): the note says which does."""
+def _unloadable_note(plan: Plan, why: str, target: str | None = None, refused: bool = True) -> None:
+    """A note that vLLM 0.33 refuses the output for ``why`` (``refused``; else ``why`` says what vLLM makes of it) and
+    that verify fails it, written all the same (for other loaders); also one of the plan's ``warnings``: a run prints it
+    as a warning, ``-q`` too, and ``--json`` lists it under ``warnings``. A ``--target`` output's verify does not judge
+    what vLLM builds (``checked.not_checked``): the note says which does."""
     judge = "`ctconvert verify OUT` fails it" if target is None else "plain `ctconvert verify` fails its compressed-tensors form"
-    note = f"{why}; vLLM refuses this output and {judge} (it is written for other loaders)"
+    note = f"{why}; {'vLLM refuses this output and ' if refused else ''}{judge} (it is written for other loaders)"
     plan.notes.append(note)
     plan.warnings.append(note)
 
@@ -273,7 +274,7 @@ class SourceChecks:
         first, more = self.found[0], len(self.found) - 1
         where = f"{first.tensor}: " if first.tensor else ""  # (a config problem names config.json in its message)
         others = f" (and {plural(more, 'more problem')}: `ctconvert inspect SRC` lists them)" if more else ""
-        _unloadable_note(self._plan, f"the source: {where}{first.message}{others}", self._target)
+        _unloadable_note(self._plan, f"the source: {where}{first.message}{others}", self._target, refused=False)  # (it says what vLLM does)
 
 
 def describe_source(plan: Plan, source) -> None:

@@ -46,12 +46,13 @@ def test_layer_counts(prefix):
     (p,) = layer_count_problems({"num_hidden_layers": n + 1}, _infos(_stack(prefix, range(n))))
     assert f"1 of them ({n}) has no tensors" in p.message and "random weights" in p.message
     mtp = {"num_hidden_layers": n - 1, "num_nextn_predict_layers": 1}  # DeepSeek-V3's MTP layer after the decoder: stored or not
-    assert layer_count_problems(mtp, _infos(_stack(prefix, range(n)))) == layer_count_problems(mtp, _infos(_stack(prefix, range(n - 1)))) == []
-    (p,) = layer_count_problems(dict(mtp, num_hidden_layers=n - 2), _infos(_stack(prefix, range(n))))
-    assert f"1 layer past them ({n - 1}) (after the decoder, num_nextn_predict_layers 1 MTP layers may be stored)" in p.message
     names = _stack(prefix, range(n))
-    names[f"{prefix}layers.{n - 1}.eh_proj.weight"] = (8, 16)  # an MTP layer stored after the decoder
-    assert layer_count_problems(mtp, _infos(names)) == []
+    names[f"{prefix}layers.{n - 1}.eh_proj.weight"] = (8, 16)  # an MTP layer stored after the decoder (its own eh_proj)
+    assert layer_count_problems(mtp, _infos(names)) == layer_count_problems(mtp, _infos(_stack(prefix, range(n - 1)))) == []
+    (p,) = layer_count_problems(dict(mtp, num_hidden_layers=n - 2), _infos(names))
+    assert f"1 layer past them ({n - 1}) (after the decoder, num_nextn_predict_layers 1 MTP layers may be stored)" in p.message
+    (p,) = layer_count_problems(mtp, _infos(_stack(prefix, range(n))))  # the count shrunk by one: a decoder layer, no MTP layer
+    assert f"layer {n - 1} past them holds no eh_proj/enorm/hnorm/shared_head, so it is no MTP layer" in p.message
     (p,) = layer_count_problems(dict(mtp, num_hidden_layers=n, num_nextn_predict_layers=0), _infos(names))  # counted as a decoder layer
     assert f"layer {n - 1} holds an MTP layer's eh_proj" in p.message
     (p,) = layer_count_problems({"num_hidden_layers": 0}, _infos(_stack(prefix, range(2))))

@@ -186,3 +186,20 @@ def test_partial_fp8_blocks_are_an_error_in_inspect_and_verify(tmp_path):
     whole = tmp_path / "whole"
     api.quantize(write_checkpoint(tmp_path / "src2", llama_tensors(LLAMA_CONFIG, seed=3), LLAMA_CONFIG), whole, "FP8_BLOCK")
     assert not any("blocks of scales" in p["message"] for p in api.inspect(whole)["problems"] + api.verify(whole)["problems"])
+
+
+def test_inspect_of_a_kernel_native_output_warns_of_what_verify_fails(tmp_path):
+    """A kernel-native output whose config contradicts its tensors (hidden_size edited in the source): inspect warns of
+    it as verify's count/width/size checks judge it (exit 0), where verify fails it; an unedited one has no warning."""
+    from tests.conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+
+    for wide, warned in ((LLAMA_CONFIG["hidden_size"], False), (2 * LLAMA_CONFIG["hidden_size"], True)):
+        cfg = {**LLAMA_CONFIG, "hidden_size": wide}
+        src = write_checkpoint(tmp_path / f"src-{wide}", llama_tensors(LLAMA_CONFIG), cfg)
+        out = tmp_path / f"marlin-{wide}"
+        api.quantize(src, out, "W4A16", device="cpu", target="marlin")
+        said = [p for p in api.inspect(out)["problems"] if p["message"].endswith("(`ctconvert verify` fails it)")]
+        assert bool(said) == warned and all(p["severity"] == "warning" for p in said)
+        assert api.verify(out)["ok"] != warned
+        if warned:
+            assert f"config.json's hidden_size is {wide}, but model.embed_tokens.weight holds {LLAMA_CONFIG['hidden_size']} columns" in said[0]["message"]

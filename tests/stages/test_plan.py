@@ -45,7 +45,7 @@ def test_the_real_run_still_stops_at_the_shape_error(narrow_kv, tmp_path):
 
 
 #: how quantize's warning of a source vLLM refuses ends (the output carries it)
-REFUSED = "vLLM refuses this output and `ctconvert verify OUT` fails it (it is written for other loaders)"
+REFUSED = "; `ctconvert verify OUT` fails it (it is written for other loaders)"
 
 
 @pytest.mark.parametrize(
