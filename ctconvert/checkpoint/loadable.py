@@ -4,7 +4,7 @@
 (:func:`.widths.width_problems`), the sizes of the small parameters (:func:`.param_shapes.param_shape_problems`), the
 tensors each layer stores (:func:`.expected.expected_problems`) and the attention projections' rows
 (:func:`.files_check.attention_shape_problems`). ``inspect`` shows them as warnings, and ``quantize`` warns of them in a
-dense or compressed-tensors source (its output carries them: vLLM refuses it and ``verify`` fails it). Only a tied
+dense or compressed-tensors source (its output carries them, and ``verify`` fails it). Only a tied
 head's bytes are read (:func:`.widths.tied_head_problems`), not the weights.
 """
 

@@ -249,7 +249,7 @@ def _unloadable_note(plan: Plan, why: str, target: str | None = None, refused: b
 
 class SourceChecks:
     """What verify's architecture checks find in the source (:func:`.loadable.loadability_problems`: its output carries
-    it, so vLLM refuses the output and verify fails it), run on a thread from here; :meth:`join` (before the output is
+    it, so verify fails the output; each problem says what vLLM 0.33 makes of it), run on a thread from here; :meth:`join` (before the output is
     committed, or at once in a dry run) adds one warning naming the first problem and counting the others (the router
     bias note's own excepted). A check that raises adds nothing: verify, the judge, still runs them on the output."""
 

@@ -205,7 +205,7 @@ class _Hashes:
 
     known: dict[str, str] = field(default_factory=dict)
     hashing: SourceHashes | None = None
-    ahead: EncodeAhead | None = None  # the provenance, made on a thread once the hashes are done
+    ahead: EncodeAhead | None = None  # the provenance, made on a thread once the computing and the hashes are done
 
     def journaled(self, names) -> dict[str, str]:
         return {s: self.known[s] if s in self.known else self.hashing.get(s) for s in sorted(names)}
