@@ -448,7 +448,16 @@ _MTP_NAME = re.compile(r"(^|\.)(mtp|mtp_layers)(\.|$)")
 _LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
 
 
-def is_mtp(name: str, config: dict) -> bool:
+_MTP_PART = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.(?:eh_proj|enorm|hnorm|shared_head)\.")
+
+
+def mtp_part_layers(names) -> frozenset[int]:
+    """The decoder layer indices among tensor ``names`` that hold an MTP layer's own modules (``eh_proj``, ``enorm``,
+    ``hnorm``, ``shared_head``: vLLM 0.33 deepseek_mtp.py DeepSeekMultiTokenPredictorLayer), for :func:`is_mtp`."""
+    return frozenset(int(m.group(1)) for m in map(_MTP_PART.match, names) if m)
+
+
+def is_mtp(name: str, config: dict, parts: frozenset[int] | None = None) -> bool:
     """Whether a tensor belongs to a multi-token-prediction (MTP) layer.
 
     DeepSeek-V3 / Kimi-K2 / GLM-4.5 store it as a decoder layer past the model's
@@ -456,15 +465,17 @@ def is_mtp(name: str, config: dict) -> bool:
     61-layer model; vLLM deepseek_mtp.py ``get_spec_layer_idx_from_weight_name``, which counts them from that key);
     Qwen3-Next, Qwen3.5 and MiMo under ``mtp.`` / ``mtp_layers.`` (vLLM qwen3_next_mtp.py). A layer past
     ``num_hidden_layers`` where the config declares none is not one: a config that contradicts the tensors, which
-    ``verify`` fails (:func:`.depth.layer_count_problems`), not a layer to keep dense quietly."""
+    ``verify`` fails (:func:`.depth.layer_count_problems`), not a layer to keep dense quietly; nor, where ``parts``
+    (:func:`mtp_part_layers` of the checkpoint) is given, one that holds none of an MTP layer's own modules (a decoder
+    layer the count leaves out, which vLLM skips)."""
     if _MTP_NAME.search(name):
         return True
     m = _LAYER.match(name)
     n = config_value(config, "num_hidden_layers")
     if m is None or not isinstance(n, int):
         return False
-    extra = config_value(config, "num_nextn_predict_layers")
-    return n <= int(m.group(1)) < n + (extra if isinstance(extra, int) else 0)
+    extra, i = config_value(config, "num_nextn_predict_layers"), int(m.group(1))
+    return n <= i < n + (extra if isinstance(extra, int) else 0) and (parts is None or i in parts)
 
 
 #: MTP modules that vLLM 0.33 builds without a quantization method, so only their dense weight loads

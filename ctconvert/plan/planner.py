@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..checkpoint.families import FusedExperts, dense_experts_reason, is_mtp, mtp_dense_reason, vllm_dense_reason
+from ..checkpoint.families import FusedExperts, dense_experts_reason, is_mtp, mtp_dense_reason, mtp_part_layers, vllm_dense_reason
 from ..checkpoint.naming import (
     BLOCK,
     DEFAULT_IGNORE_PATTERNS,
@@ -147,6 +147,7 @@ class _Rules:
     skip_incompatible: bool = False
     modules: frozenset = frozenset()  # the checkpoint's weight modules (which members of a fused set are present)
     allow_unloadable: bool = False  # quantize modules vLLM 0.33 cannot load quantized (families.vllm_dense_reason)
+    mtp_parts: frozenset | None = None  # layers holding an MTP layer's own modules (families.mtp_part_layers)
 
 
 def make_plan(
@@ -202,10 +203,10 @@ def make_plan(
     fused = fused_experts(ckpt, keep_unclassified, d)
     tensors = _with_parts(ckpt.tensors, fused)
     modules = frozenset(n[: -len(".weight")] for n in tensors if n.endswith(".weight"))
-    rules = _Rules(ckpt.config, default_ignore, quantize_mtp, head_scheme is not None, skip_incompatible, modules, allow_unloadable)
+    rules = _Rules(ckpt.config, default_ignore, quantize_mtp, head_scheme is not None, skip_incompatible, modules, allow_unloadable, mtp_part_layers(tensors))
     for name in _file_order(tensors):
         _decide(d, name, tensors[name], assign, user_ignore, rules)
-    _refuse_uncalibratable_mtp(d, scheme, ckpt.config)
+    _refuse_uncalibratable_mtp(d, scheme, ckpt.config, rules.mtp_parts)
     fused = settle_experts(d, fused, ckpt.tensors)
     tensors = _with_parts(ckpt.tensors, fused)
     order = _file_order(tensors)
@@ -398,7 +399,7 @@ def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
         return default
     if (why := dense_experts_reason(module, rules.config)) is not None:
         return f"{why}; kept dense by default (targets naming them, with --allow-unloadable, quantize them)"
-    if not rules.quantize_mtp and is_mtp(name, rules.config):
+    if not rules.quantize_mtp and is_mtp(name, rules.config, rules.mtp_parts):
         return "MTP layer; --quantize-mtp quantizes it"
     if (why := mtp_dense_reason(module, rules.config)) is not None:
         return why
@@ -407,10 +408,10 @@ def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
     return None
 
 
-def _refuse_uncalibratable_mtp(d: Decisions, scheme: Scheme, config: dict) -> None:
+def _refuse_uncalibratable_mtp(d: Decisions, scheme: Scheme, config: dict, parts: frozenset | None = None) -> None:
     """A quantized MTP layer cannot take a scheme with calibrated activation scales: calibration runs the model's
     decoder layers (transformers' forward), which never run the MTP layer, so no token reaches it."""
-    mtp = [n for n in d.to_quantize if is_mtp(n, config)]
+    mtp = [n for n in d.to_quantize if is_mtp(n, config, parts)]
     if mtp and scheme.needs_calibration:
         raise UsageError(
             f"--quantize-mtp with {scheme.name}: the MTP layer ({mtp[0]} ...) needs calibrated activation scales, but calibration runs "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctconvert.checkpoint.families import FAMILIES, is_mtp, split_fused_experts
+from ctconvert.checkpoint.families import FAMILIES, is_mtp, mtp_part_layers, split_fused_experts
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.checkpoint.safetensors_io import iter_row_chunks, map_rows, read_bytes, read_rows, read_tensor
 from ctconvert.errors import UnsupportedError
@@ -113,13 +113,17 @@ def test_shapes_that_disagree_with_the_config_are_refused(tmp_path, cfg, why):
 
 def test_mtp_layers():
     """A layer past num_hidden_layers is an MTP layer only within the num_nextn_predict_layers the config declares (a
-    Llama whose config counts fewer layers than it stores has none: verify fails it, the plan keeps nothing quietly)."""
+    Llama whose config counts fewer layers than it stores has none: verify fails it, the plan keeps nothing quietly),
+    and, where the checkpoint's layers are given, only one holding an MTP layer's own modules (eh_proj, enorm, ...)."""
     cfg = {"num_hidden_layers": 61, "num_nextn_predict_layers": 1}
     assert is_mtp("model.layers.61.mlp.experts.3.up_proj.weight", cfg) and not is_mtp("model.layers.60.mlp.gate.weight", cfg)
     assert not is_mtp("model.layers.62.mlp.gate.weight", cfg)  # past the one declared
     for undeclared in ({"num_hidden_layers": 61}, {"num_hidden_layers": 61, "num_nextn_predict_layers": 0}):
         assert not is_mtp("model.layers.61.mlp.experts.3.up_proj.weight", undeclared)
     assert is_mtp("mtp.layers.0.self_attn.q_proj.weight", {}) and is_mtp("mtp.fc.weight", {}) and is_mtp("model.mtp_layers.0.eh_proj.weight", {})
+    parts = mtp_part_layers(["model.layers.61.eh_proj.weight", "model.layers.61.mlp.gate.weight", "model.layers.3.enorm.weight", "lm_head.weight"])
+    assert parts == {61, 3} and mtp_part_layers(["model.layers.61.mlp.gate.weight"]) == frozenset()
+    assert is_mtp("model.layers.61.mlp.gate.weight", cfg, parts) and not is_mtp("model.layers.61.mlp.gate.weight", cfg, frozenset())
     text = {"text_config": {"num_hidden_layers": 4, "num_nextn_predict_layers": 1}}
     assert not is_mtp("model.layers.3.mlp.gate_proj.weight", text)
     assert is_mtp("model.language_model.layers.4.mlp.gate_proj.weight", text)

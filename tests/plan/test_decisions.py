@@ -136,6 +136,7 @@ def test_no_default_ignore_drops_every_default(tmp_path):
         "model.layers.0.mlp.gate_proj.weight": bf(I, H),
         "model.visual.blocks.0.attn.qkv.weight": bf(3 * H, H),
         "model.layers.2.mlp.gate_proj.weight": bf(I, H),  # MTP: past num_hidden_layers, one of num_nextn_predict_layers
+        "model.layers.2.enorm.weight": bf(H),  # (an MTP layer's own norm: without it, a decoder layer the count left out)
         "proj_out.weight": bf(H, H),  # outside the blocks
     }
     ck = open_checkpoint(write_checkpoint(tmp_path / "m", t, {"num_hidden_layers": 2, "num_nextn_predict_layers": 1}))
@@ -252,7 +253,8 @@ def test_cli_options(tmp_path):
     from ctconvert.cli import main
 
     mtp = {"num_nextn_predict_layers": 1}  # (layer 2: an MTP layer the config declares)
-    ck = _gpt_oss(tmp_path, mtp, **{"model.layers.0.mlp.mystery": bf(4, H), "model.layers.2.mlp.gate_proj.weight": bf(I, H)})
+    extra = {"model.layers.0.mlp.mystery": bf(4, H), "model.layers.2.mlp.gate_proj.weight": bf(I, H), "model.layers.2.enorm.weight": bf(H)}
+    ck = _gpt_oss(tmp_path, mtp, **extra)
 
     def run(*args):
         r = CliRunner().invoke(main, ["--json", "quantize", str(ck.path), "-s", "FP8_DYNAMIC", "--dry-run", *args])
