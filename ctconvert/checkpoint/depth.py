@@ -66,7 +66,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import agree, plural
-from .families import config_value, is_fused_expert
+from .families import MTP_PARTS, config_value, is_fused_expert
 from .naming import decoder_layers_prefix
 from .reader import CONFIG_NAME, Problem
 from .safetensors_io import TensorInfo
@@ -145,7 +145,7 @@ def layer_count_problems(config: dict, tensors: dict[str, TensorInfo], file: str
     stack = decoder_layers_prefix(tensors)
     if n is None or stack is None:
         return []
-    pattern = re.compile(re.escape(stack) + r"(\d+)\.(?:(eh_proj|enorm|hnorm|shared_head)\.)?")
+    pattern = re.compile(re.escape(stack) + rf"(\d+)\.(?:({MTP_PARTS})\.)?")
     stored, mtp_like = set(), set()
     for m in map(pattern.match, tensors):
         if m:

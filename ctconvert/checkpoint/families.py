@@ -448,7 +448,9 @@ _MTP_NAME = re.compile(r"(^|\.)(mtp|mtp_layers)(\.|$)")
 _LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")
 
 
-_MTP_PART = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.(?:eh_proj|enorm|hnorm|shared_head)\.")
+#: an MTP layer's own modules, beside its decoder block (vLLM 0.33 deepseek_mtp.py DeepSeekMultiTokenPredictorLayer)
+MTP_PARTS = "eh_proj|enorm|hnorm|shared_head"
+_MTP_PART = re.compile(_LAYER.pattern + rf"(?:{MTP_PARTS})\.")
 
 
 def mtp_part_layers(names) -> frozenset[int]:
