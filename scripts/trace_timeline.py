@@ -26,8 +26,11 @@ pipeline's classes, each wrapper noting ``(what, thread, start, end, bytes)`` (`
 Prints, per kind, the first start, the last end, the summed time, the time covered by at least one of them
 (their union) and the bytes; then a table of ``--bins`` equal slices of the call, each with the share of the slice
 that each kind covered and the GB written in it; the ``--longest`` compute jobs; with ``--sync-debug`` (CUDA) the
-synchronisations torch's sync debug mode reports, counted by thread and ctconvert call site. ``--out`` keeps it all,
-every event included, as JSON. No GPU is needed; nothing of the package changes.
+synchronisations torch's sync debug mode reports, counted by thread and ctconvert call site; with ``--wchan HZ``
+(Linux) where each kind of thread was in the kernel: ``HZ`` times a second, each thread's state and wait channel
+(``/proc/self/task/TID/stat`` and ``wchan``: ``R`` running, else the kernel function it sleeps in, such as an inode
+lock's ``rwsem_down_write_slowpath``; a futex in a function that made a system call is a wait for the GIL) and its
+innermost Python function, counted by thread name. ``--out`` keeps it all, every event included, as JSON. No GPU is needed; nothing of the package changes.
 """
 
 from __future__ import annotations
@@ -208,6 +211,7 @@ def main() -> None:
     ap.add_argument("--bins", type=int, default=20, help="slices of the call in the table (default 20)")
     ap.add_argument("--sync-debug", action="store_true", help="count the computing thread's CUDA synchronisations by site (torch.cuda.set_sync_debug_mode)")
     ap.add_argument("--longest", type=int, default=12, help="list the N longest compute events")
+    ap.add_argument("--wchan", type=float, default=0, help="sample every thread's kernel state and wait channel HZ times a second (Linux)")
     ap.add_argument("--key-ready", action="store_true", help="make Triton's cache key before the call (as if made during the imports)")
     a = ap.parse_args(argv[:cut])
     if cut + 1 >= len(argv):
@@ -245,10 +249,55 @@ def main() -> None:
         triton_key.begin(import_here=True)  # as the console script does (Triton imported here, the key on its thread)
         triton_key.wait()
 
+    waits = KernelWaits(a.wchan) if a.wchan > 0 else None
     try:
         cli_main.main(args=argv[cut + 1 :], standalone_mode=False)
     finally:
+        if waits is not None:
+            waits.stop()
         _print(a, syncs)
+        if waits is not None:
+            waits.print()
+
+
+class KernelWaits:
+    """A thread sampling, ``hz`` times a second, every Python thread's kernel state and wait channel (Linux ``/proc``):
+    counts per (thread name without its number, state or wait channel)."""
+
+    def __init__(self, hz: float):
+        self.period, self.counts, self.samples = 1.0 / hz, {}, {}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True, name="trace-wchan")
+        self._t.start()
+
+    def _run(self) -> None:
+        me = threading.get_native_id()
+        while not self._stop.wait(self.period):
+            frames = sys._current_frames()
+            for t in threading.enumerate():
+                tid = t.native_id
+                if tid is None or tid == me:
+                    continue
+                try:
+                    state = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                    where = "R" if state == "R" else f"{state}:{Path(f'/proc/self/task/{tid}/wchan').read_text() or '?'}"
+                except OSError:
+                    continue
+                name = t.name.rstrip("0123456789-_") or t.name
+                f = frames.get(t.ident)
+                where += f" in {f.f_code.co_name}" if f is not None else ""
+                self.samples[name] = self.samples.get(name, 0) + 1
+                self.counts[(name, where)] = self.counts.get((name, where), 0) + 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+    def print(self) -> None:
+        print("kernel states by thread (share of its samples; R: running):", file=sys.stderr)
+        for (name, where), n in sorted(self.counts.items(), key=lambda kv: (kv[0][0], -kv[1])):
+            if n / self.samples[name] >= 0.01:
+                print(f"  {name:22} {where:56} {n / self.samples[name]:5.2f}  ({n})", file=sys.stderr)
 
 
 def _print(a, syncs: dict[str, int]) -> None:
