@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import UnsupportedError
+from ..errors import BadInputError, UnsupportedError
 from .safetensors_io import SliceView, TensorInfo
 
 __all__ = [
@@ -372,15 +372,17 @@ def _parts(name: str, info: TensorInfo, parent: str, member: str, bias: bool, la
     hidden = config_value(config, "hidden_size")
     experts = config_value(config, "num_experts", "num_local_experts", "n_routed_experts")
 
-    def refuse(why: str):
-        raise UnsupportedError(
-            f"fused experts {list(info.shape)} do not fit this family's layout ({_LAYOUT_WORDS[layout.transposed]}): {why}",
+    def refuse(why: str, contradicts: bool = False):
+        """A layout the family does not have (unsupported, exit 4), or a config the tensor contradicts (bad input, exit 3)."""
+        cls, words = (BadInputError, "; the config and the checkpoint describe different models") if contradicts else (UnsupportedError, "")
+        raise cls(
+            f"fused experts {list(info.shape)} do not fit this family's layout ({_LAYOUT_WORDS[layout.transposed]}): {why}{words}",
             file=str(info.file),
             tensor=name,
         )
 
     if experts is not None and e != experts:
-        refuse(f"{e} experts, config says {experts}")
+        refuse(f"{e} experts, config says {experts}", contradicts=True)
     transposed = _orientation(info, member, layout, hidden, refuse)
     gate, up, down = layout.names
     leaves = {"gate_up_proj": (gate, up), "gate_proj": (gate,), "up_proj": (up,), "down_proj": (down,)}[member]
@@ -407,7 +409,7 @@ def _parts(name: str, info: TensorInfo, parent: str, member: str, bias: bool, la
     if member == "down_proj":
         in_dim = b if transposed else a
     if hidden is not None and in_dim != hidden:
-        refuse(f"hidden size {in_dim} where the config's hidden_size is {hidden}")
+        refuse(f"hidden size {in_dim} where the config's hidden_size is {hidden}", contradicts=True)
     wide = b if transposed else a  # the axis that holds the experts' outputs (gate+up) or down's K
     if len(leaves) == 2 and wide % 2:
         refuse("odd gate/up width")

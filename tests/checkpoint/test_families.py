@@ -9,7 +9,7 @@ import torch
 from ctconvert.checkpoint.families import FAMILIES, is_mtp, mtp_part_layers, split_fused_experts
 from ctconvert.checkpoint.reader import open_checkpoint
 from ctconvert.checkpoint.safetensors_io import iter_row_chunks, map_rows, read_bytes, read_rows, read_tensor
-from ctconvert.errors import UnsupportedError
+from ctconvert.errors import BadInputError, UnsupportedError
 
 from conftest import write_checkpoint
 
@@ -105,10 +105,12 @@ def test_unknown_family_is_refused_naming_file_and_tensor(tmp_path):
 
 @pytest.mark.parametrize("cfg,why", [({"num_experts": 8}, "4 experts, config says 8"), ({"hidden_size": 7}, "hidden size 24 where the config")])
 def test_shapes_that_disagree_with_the_config_are_refused(tmp_path, cfg, why):
+    """A config the fused tensor contradicts is bad input (exit 3), naming the tensor and saying so."""
     t = {"model.layers.0.mlp.experts.gate_up_proj": _rand(E, 2 * I, H)}
     ck = open_checkpoint(write_checkpoint(tmp_path / "m", t, {"model_type": "gemma4_text", **cfg}))
-    with pytest.raises(UnsupportedError, match=why):
+    with pytest.raises(BadInputError, match=why + ".*describe different models") as e:
         split_fused_experts(ck.tensors, ck.config)
+    assert e.value.exit_code == 3 and e.value.tensor == "model.layers.0.mlp.experts.gate_up_proj"
 
 
 def test_mtp_layers():
