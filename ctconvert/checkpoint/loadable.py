@@ -1,10 +1,11 @@
-"""What vLLM 0.33 builds, judged from a checkpoint's headers: the checks ``verify`` runs without a reference.
+"""What vLLM 0.33 builds, judged from a checkpoint's headers: the checks ``verify`` runs without a reference, from here.
 
 :func:`loadability_problems` is the one list: the decoder layer count (:func:`.depth.count_problems`), the widths
 (:func:`.widths.width_problems`), the sizes of the small parameters (:func:`.param_shapes.param_shape_problems`), the
 tensors each layer stores (:func:`.expected.expected_problems`) and the attention projections' rows
 (:func:`.files_check.attention_shape_problems`). ``inspect`` shows them as warnings, and ``quantize`` warns of them in a
-dense or compressed-tensors source (its output carries them, and ``verify`` fails it). Only a tied
+dense or compressed-tensors source (its output carries them, and ``verify`` fails it); ``verify`` runs the same two
+parts (:func:`header_problems`, :func:`architecture_problems`), so the three commands cannot drift apart. Only a tied
 head's bytes are read (:func:`.widths.tied_head_problems`), not the weights.
 """
 
@@ -20,18 +21,31 @@ from .param_shapes import param_shape_problems
 from .reader import Checkpoint, Problem
 from .widths import width_problems
 
-__all__ = ["loadability_problems"]
+__all__ = ["architecture_problems", "header_problems", "loadability_problems"]
+
+
+def header_problems(ckpt: Checkpoint, mods: dict[str, Module], folder: str | Path) -> list[Problem]:
+    """The decoder layer count, the widths and the sizes of the small parameters against ``config.json`` (any
+    checkpoint: a kernel-native one with ``mods`` {}); ``folder``: the path a config problem names. ``verify`` runs them
+    first, whatever else it finds."""
+    config, tensors = ckpt.config, ckpt.tensors
+    found = count_problems(config, tensors, str(folder)) + width_problems(config, tensors, mods, str(folder))
+    return found + param_shape_problems(config, tensors, mods)
+
+
+def architecture_problems(ckpt: Checkpoint, mods: dict[str, Module], expected: bool = True) -> list[Problem]:
+    """The attention projections' rows against ``config.json`` and, with ``expected``, the tensors each layer stores
+    against what the family's vLLM 0.33 class builds (its notes included: the families it does not judge)."""
+    found = attention_shape_problems(mods, ckpt.config, ckpt.tensors)
+    return found + (expected_problems(ckpt, mods) if expected else [])
 
 
 def loadability_problems(ckpt: Checkpoint, mods: dict[str, Module], folder: str | Path) -> list[Problem]:
     """The errors (and their notes) the checks of the module docstring find in ``ckpt`` (its modules ``mods``:
     :func:`.modules.modules_of`, or {} for a kernel-native checkpoint, which leaves the count, widths and sizes;
-    ``folder``: the path a config problem names); [] where a shard could not be read
-    (``ckpt.problems`` holds an error: its own message says why, and every check would follow from it). The notes of
-    families not judged are left out."""
+    ``folder``: the path a config problem names): :func:`header_problems`, then :func:`architecture_problems`; [] where
+    a shard could not be read (``ckpt.problems`` holds an error: its own message says why, and every check would follow
+    from it). The notes of families not judged are left out."""
     if any(p.severity == "error" for p in ckpt.problems) or not isinstance(ckpt.config, dict):
         return []
-    config, tensors = ckpt.config, ckpt.tensors
-    found = count_problems(config, tensors, str(folder)) + width_problems(config, tensors, mods, str(folder))
-    found += param_shape_problems(config, tensors, mods) + attention_shape_problems(mods, config, tensors)
-    return found + [p for p in expected_problems(ckpt, mods) if p.severity != "note"]
+    return header_problems(ckpt, mods, folder) + [p for p in architecture_problems(ckpt, mods) if p.severity != "note"]

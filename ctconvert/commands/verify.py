@@ -65,20 +65,21 @@ from ..checkpoint.conformance import (
     partial_block_problems,
     vllm_unloadable_problems,
 )
-from ..checkpoint.depth import COUNTS_CHECK, count_problems
-from ..checkpoint.expected import EXPECTED_CHECK, expected_problems
+from ..checkpoint.depth import COUNTS_CHECK
+from ..checkpoint.expected import EXPECTED_CHECK
 from ..checkpoint.families import transformers_per_expert_reason
-from ..checkpoint.files_check import attention_shape_problems, reference_problems
+from ..checkpoint.files_check import reference_problems
 from ..checkpoint.grid import GridCheck, grid_problems, rounded_elsewhere, unchecked_note
 from ..checkpoint.integrity import record_problems, shards_checks
 from ..checkpoint.kernel_native import is_kernel_native
+from ..checkpoint.loadable import architecture_problems, header_problems
 from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense, with_files
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
-from ..checkpoint.param_shapes import PARAM_SHAPES_CHECK, param_shape_problems
+from ..checkpoint.param_shapes import PARAM_SHAPES_CHECK
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint, Problem, open_checkpoint
 from ..checkpoint.rows import RowErrors, row_limit, row_problems, rows_ok
 from ..checkpoint.safetensors_io import TORCH_TO_ST, iter_row_chunks, read_rows, read_tensor
-from ..checkpoint.widths import WIDTHS_CHECK, width_problems
+from ..checkpoint.widths import WIDTHS_CHECK
 from ..errors import UsageError
 from ..formats import CompressionFormat, WeightArgs, get_format
 from ..formats.sparse24 import SPARSE_PREFIX, prune24
@@ -119,9 +120,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         raise UsageError("--reference is the checkpoint being verified, which measures nothing: give the source it was made from", file=path)
     ckpt = open_checkpoint(path, strict=False)
     mods = {} if is_kernel_native(ckpt.quantization_config) else modules_of(ckpt)  # kernel-native modules have no dense shapes
-    found = count_problems(ckpt.config, ckpt.tensors, str(path)) + width_problems(ckpt.config, ckpt.tensors, mods, str(path))
-    found += param_shape_problems(ckpt.config, ckpt.tensors, mods)
-    ckpt.problems.extend(record_problems(ckpt) + found)  # every branch below reports ckpt.problems
+    ckpt.problems.extend(record_problems(ckpt) + header_problems(ckpt, mods, path))  # every branch below reports ckpt.problems
     if is_kernel_native(ckpt.quantization_config):
         report = _verify_kernel_native(ckpt, path, reference)
         return _with_parallel(report, kernel_native_modules(ckpt.quantization_config, ckpt.tensors), ckpt, tp, ep)
@@ -136,11 +135,11 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
     found += vllm_unloadable_problems(mods, ckpt.config) + partial_block_problems(mods)
     problems += found
     problems += unexplained_dense(ckpt, mods)
-    problems += missing_fused_members(linear_module_files(mods), ckpt.config) + attention_shape_problems(mods, ckpt.config, ckpt.tensors)
+    problems += missing_fused_members(linear_module_files(mods), ckpt.config) + architecture_problems(ckpt, mods, expected=reference is None)
     rows: list[dict] = []
     checks = [*_STRUCTURE_CHECKS, *([EXPECTED_CHECK] if reference is None else [])]
     if reference is None:
-        problems += _value_problems(ckpt) + expected_problems(ckpt, mods)  # no records to compare with: what the architecture builds
+        problems += _value_problems(ckpt)
         problems += _all_zero_problems({n: m for n, m in mods.items() if n not in contradicted}, ckpt)  # (said: their tensors contradict the config)
     elif not ckpt.tensors:  # no shard could be read (truncated, say): the errors above say why, not a wrong --reference
         problems.append(unread_note(ckpt))
@@ -263,7 +262,7 @@ def _verify_dense(ckpt: Checkpoint, mods: dict, path: Path, reference, progress)
         first = next(n for n in ref.tensors if n not in split.tensors)
         problems.append(_error(f"the reference stores these experts fused and this dense checkpoint holds them per expert: {why}", tensor=first))
     ref = split
-    problems += _value_problems(ckpt, ref) + reference_problems(ckpt, ref_ckpt) + attention_shape_problems(mods, ckpt.config, ckpt.tensors)
+    problems += _value_problems(ckpt, ref) + reference_problems(ckpt, ref_ckpt) + architecture_problems(ckpt, mods, expected=False)
     loose = max(THRESHOLDS.values())
     rows = []
     emb = find_embedding(ref.tensors)
