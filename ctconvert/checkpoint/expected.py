@@ -64,7 +64,7 @@ from .modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module
 from .naming import dense_kind, natural_key
 from .reader import Checkpoint, Problem
 
-__all__ = ["EXPECTED_CHECK", "JUDGED", "builds_bias", "expected_problems", "expert_problems", "layer_problems", "parameters", "set_problems"]
+__all__ = ["EXPECTED_CHECK", "JUDGED", "builds_bias", "expected_problems", "expert_problems", "is_router_bias", "layer_problems", "parameters", "set_problems"]
 
 #: the line ``verify`` lists among its checks
 EXPECTED_CHECK = "every tensor the architecture builds is stored and none it lacks (decoder layers, experts, routers, biases; judged families)"
@@ -459,6 +459,12 @@ def _router_bias_unbuilt(name: str, cfg: dict) -> str:
     """Why router bias ``name`` (stored) has no parameter in vLLM 0.33 under text config ``cfg`` (:data:`_NO_ROUTER_BIAS`)."""
     method, why = (repr(cfg["topk_method"]), "") if "topk_method" in cfg else ("absent", _NO_TOPK_METHOD)
     return f"{name} is stored, but {_NO_ROUTER_BIAS.format(method, why)}"
+
+
+def is_router_bias(problem: Problem) -> bool:
+    """Whether ``problem`` is one :func:`expected_problems` gives of a router's ``e_score_correction_bias`` (stored
+    where vLLM 0.33 builds none, or missing where it builds one): what :func:`router_bias_problem` says of the source."""
+    return (problem.tensor or "").endswith(".e_score_correction_bias") and problem.message.startswith(("missing: ", "extra: "))
 
 
 def router_bias_problem(config: dict, names) -> tuple[str, int] | None:

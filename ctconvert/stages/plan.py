@@ -12,7 +12,7 @@ import threading
 
 from ..checkpoint.config import build_quantization_config
 from ..checkpoint.conformance import mixed_expert_blocks, vllm_expert_mismatches
-from ..checkpoint.expected import router_bias_problem
+from ..checkpoint.expected import is_router_bias, router_bias_problem
 from ..checkpoint.families import is_expert, split_fused_experts, vllm_head
 from ..checkpoint.loadable import loadability_problems
 from ..checkpoint.modules import modules_of
@@ -256,16 +256,16 @@ class SourceChecks:
     def __init__(self, ckpt: Checkpoint, plan: Plan, target: str | None) -> None:
         self.found: list = []
         self._plan, self._target = plan, target
-        self._said = any("e_score_correction_bias" in n for n in plan.warnings)  # the router note, said already
         self._thread = threading.Thread(target=self._run, args=(ckpt,), daemon=True, name="ctconvert-source-checks")
         self._thread.start()
 
     def _run(self, ckpt: Checkpoint) -> None:
         try:
             found = loadability_problems(ckpt, modules_of(ckpt), ckpt.path)
+            said = router_bias_problem(ckpt.config, ckpt.tensors) is not None  # the router note (_router_bias_note) says it
         except Exception:  # noqa: BLE001 - verify judges the output all the same
             return
-        self.found = [p for p in found if p.severity == "error" and not (self._said and "e_score_correction_bias" in p.message)]
+        self.found = [p for p in found if p.severity == "error" and not (said and is_router_bias(p))]
 
     def join(self) -> None:
         self._thread.join()

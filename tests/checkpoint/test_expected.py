@@ -532,3 +532,17 @@ def test_router_bias_problem_names_the_first_router_whose_bias_disagrees_with_vl
     assert router_bias_problem({"model_type": "glm4_moe"}, routers)[1] == 3
     assert router_bias_problem({"model_type": "qwen3_moe"}, names) is None
     assert router_bias_problem(None, names) is None and router_bias_problem([], names) is None
+
+
+def test_is_router_bias_tells_the_router_bias_problems_from_others_of_the_same_tensor():
+    """quantize's source warning leaves out what the router note says already: expected_problems' missing/extra router
+    bias, found by its tensor and kind, not another problem of the same tensor (its size) or of another tensor."""
+    from ctconvert.checkpoint.expected import is_router_bias
+    from ctconvert.checkpoint.reader import Problem
+
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert is_router_bias(Problem("error", f"extra: {bias} is stored, but vLLM 0.33 ...", "m.safetensors", bias))
+    assert is_router_bias(Problem("error", "missing: the router lacks e_score_correction_bias, ...", "m.safetensors", bias))
+    assert not is_router_bias(Problem("error", "config.json's n_routed_experts is 8, but it holds 4 values", "m.safetensors", bias))
+    assert not is_router_bias(Problem("error", "extra: model.layers.1.mlp.gate.bias is stored, ...", "m.safetensors", "model.layers.1.mlp.gate.bias"))
+    assert not is_router_bias(Problem("error", "missing: e_score_correction_bias", None, None))
