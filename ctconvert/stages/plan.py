@@ -71,9 +71,9 @@ class PlanStage(Stage):
         plan, job.dry_error = plan_or_error(job.ckpt, self.scheme, o.dry_run, o.skip_incompatible, plan_kw)
         apply_dense_dtype(plan, o.dense_dtype, job.ckpt.config)
         _no_head_note(plan, job.ckpt, o.lm_head, o.target)
-        _router_bias_note(plan, job.ckpt, o.target)
+        said = _router_bias_note(plan, job.ckpt, o.target)
         if source.kind in ("dense", "compressed-tensors"):  # (another tool's names are not what the checks read)
-            checks = SourceChecks(job.ckpt, plan, o.target)  # on a thread: a 9,400-tensor MoE's checks take ~0.15 s
+            checks = SourceChecks(job.ckpt, plan, o.target, said)  # on a thread: a 9,400-tensor MoE's checks take ~0.15 s
             if o.dry_run:
                 checks.join()
             else:
@@ -224,16 +224,18 @@ def _no_head_note(plan: Plan, ckpt: Checkpoint, lm_head: str, target: str | None
     _unloadable_note(plan, f"{what}, but vLLM 0.33 {head[1]} {head[2]} builds no lm_head (it computes logits with the embedding)", target)
 
 
-def _router_bias_note(plan: Plan, ckpt: Checkpoint, target: str | None = None) -> None:
+def _router_bias_note(plan: Plan, ckpt: Checkpoint, target: str | None = None) -> bool:
     """A MoE source whose router ``e_score_correction_bias`` disagrees with what its config makes vLLM 0.33 build
     (:func:`.expected.router_bias_problem`: DeepSeek/Kimi storing one while ``topk_method`` is not ``noaux_tc``, as
     transformers saves a DeepSeek-V3, or lacking one while it is): a plan note (a dry run shows it before any work)
-    that vLLM refuses the output and plain ``verify`` fails it; the output is still written as the source is."""
+    that vLLM refuses the output and plain ``verify`` fails it; the output is still written as the source is. Whether it
+    said so."""
     found = router_bias_problem(ckpt.config, ckpt.tensors)
     if found is not None:
         why, n = found
         routers = "router" if n == 1 else f"routers ({n}; the first)"
         _unloadable_note(plan, f"the source's {routers}: {why}", target)
+    return found is not None
 
 
 def _unloadable_note(plan: Plan, why: str, target: str | None = None, refused: bool = True) -> None:
@@ -253,19 +255,18 @@ class SourceChecks:
     committed, or at once in a dry run) adds one warning naming the first problem and counting the others (the router
     bias note's own excepted). A check that raises adds nothing: verify, the judge, still runs them on the output."""
 
-    def __init__(self, ckpt: Checkpoint, plan: Plan, target: str | None) -> None:
+    def __init__(self, ckpt: Checkpoint, plan: Plan, target: str | None, router_said: bool = False) -> None:
         self.found: list = []
-        self._plan, self._target = plan, target
+        self._plan, self._target, self._router_said = plan, target, router_said  # (router_said: the router note is in the plan)
         self._thread = threading.Thread(target=self._run, args=(ckpt,), daemon=True, name="ctconvert-source-checks")
         self._thread.start()
 
     def _run(self, ckpt: Checkpoint) -> None:
         try:
             found = loadability_problems(ckpt, modules_of(ckpt), ckpt.path)
-            said = router_bias_problem(ckpt.config, ckpt.tensors) is not None  # the router note (_router_bias_note) says it
         except Exception:  # noqa: BLE001 - verify judges the output all the same
             return
-        self.found = [p for p in found if p.severity == "error" and not (said and is_router_bias(p))]
+        self.found = [p for p in found if p.severity == "error" and not (self._router_said and is_router_bias(p))]
 
     def join(self) -> None:
         self._thread.join()
