@@ -23,6 +23,11 @@ checkpoint vLLM refuses, which neither the quantized modules nor :mod:`.widths` 
   ``e_score_correction_bias`` ``[n_routed_experts]`` (the last two).
 - DeepSeek's MLA norms (``deepseek_v2.py`` ``DeepseekV2MLAAttention``): ``kv_a_layernorm`` ``[kv_lora_rank]``,
   ``q_a_layernorm`` ``[q_lora_rank]``.
+- gpt-oss (``gpt_oss.py`` ``MLPBlock``): its router ``mlp.router`` (``torch.nn.Linear(hidden_size,
+  num_local_experts)``: weight ``[num_local_experts, hidden_size]``, bias ``[num_local_experts]``) and the biases of its
+  fused experts (``FusedMoE`` with biases, ``fused_moe/layer.py``: ``w13_bias`` ``[num_local_experts, 2 *
+  intermediate_size]`` from ``experts.gate_up_proj_bias``, ``w2_bias`` ``[num_local_experts, hidden_size]`` from
+  ``experts.down_proj_bias``), stored fused as transformers saves them.
 
 Each only where the family builds the parameter under this config (:func:`_built`; DeepSeek's router bias where
 ``topk_method`` is ``noaux_tc``): one stored where vLLM builds none is :mod:`.expected`'s error (extra), not a size.
@@ -66,6 +71,7 @@ _FAMILIES = {
     "deepseek_v2": ("deepseek_v2.py", "DeepseekV2MLAAttention", "DeepseekV2MoE", None),
     "deepseek_v3": ("deepseek_v2.py", "DeepseekV2MLAAttention", "DeepseekV2MoE", None),
     "kimi_k2": ("deepseek_v2.py", "DeepseekV2MLAAttention", "DeepseekV2MoE", None),
+    "gpt_oss": ("gpt_oss.py", "OAIAttention", "MLPBlock", None),
 }
 _PER_HEAD_NORM = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "glm4_moe", "qwen2")
 _QKV_BIAS = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "gemma2", "glm4_moe", "qwen2", "qwen2_moe", "llama", "mistral")
@@ -108,7 +114,7 @@ def param_shape_problems(config: dict, tensors: dict[str, TensorInfo], mods: dic
         have = _stored(name, tensors[name], mods)
         if have is not None and have != want:
             file, attn, moe = _FAMILIES[family][:3]
-            cls = moe if ".gate." in f".{m['rel']}" else attn
+            cls = attn if m["rel"].startswith("self_attn.") else moe
             msg = f"{name} is {have}, where vLLM 0.33 {file} {cls} builds {keys[0]} = {want} (config.json {keys[1]}): vLLM refuses the checkpoint"
             out.append(Problem("error", msg, str(tensors[name].file), name))
     return out
@@ -149,10 +155,26 @@ def _rules(family: str, cfg: dict) -> dict[str, tuple[list[int], tuple[str, str]
             out[f"{root}.gate.weight"] = ([experts, hidden], (f"[{key}, hidden_size]", f"{key}, hidden_size"))
         if family == "glm4_moe" or family in _ESCORE and cfg.get("topk_method") == "noaux_tc":  # else none built: expected.py
             out[f"{root}.gate.e_score_correction_bias"] = ([experts], (f"[{key}]", key))
+    if family == "gpt_oss":
+        out.update(_gpt_oss_rules(cfg, hidden))
     if family in _MLA:
         for p, key in (("kv_a_layernorm", "kv_lora_rank"), ("q_a_layernorm", "q_lora_rank")):
             if (n := _int(cfg, key)) is not None:
                 out[f"self_attn.{p}.weight"] = ([n], (f"[{key}]", key))
+    return out
+
+
+def _gpt_oss_rules(cfg: dict, hidden: int | None) -> dict[str, tuple[list[int], tuple[str, str]]]:
+    """gpt-oss's router and fused expert biases (module docstring), where ``config.json`` holds the sizes."""
+    out: dict[str, tuple[list[int], tuple[str, str]]] = {}
+    if (experts := _int(cfg, "num_local_experts")) is None:
+        return out
+    out["mlp.router.bias"] = ([experts], ("[num_local_experts]", "num_local_experts"))
+    if hidden is not None:
+        for rel in ("mlp.router.weight", "mlp.experts.down_proj_bias"):
+            out[rel] = ([experts, hidden], ("[num_local_experts, hidden_size]", "num_local_experts, hidden_size"))
+    if (inter := _int(cfg, "intermediate_size")) is not None:
+        out["mlp.experts.gate_up_proj_bias"] = ([experts, 2 * inter], ("[num_local_experts, 2 * intermediate_size]", "num_local_experts, intermediate_size"))
     return out
 
 

@@ -235,3 +235,36 @@ def test_a_target_outputs_warning_names_the_verify_that_judges_it(outs, tmp_path
     assert rep["checked"]["not_checked"] == [EXPECTED_CHECK]
     r = CliRunner().invoke(main, ["verify", str(out)])
     assert "the parameters vLLM builds are not judged in a kernel-native output" in r.stdout
+
+
+GPT_OSS_CUTS = [
+    (f"{L}1.mlp.experts.down_proj_bias", 1, "[num_local_experts, hidden_size] = [4, 128] (config.json num_local_experts, hidden_size)"),
+    (f"{L}0.mlp.experts.gate_up_proj_bias", 1, "[num_local_experts, 2 * intermediate_size] = [4, 128] (config.json num_local_experts, intermediate_size)"),
+    (f"{L}0.mlp.router.bias", 0, "[num_local_experts] = [4] (config.json num_local_experts)"),
+    (f"{L}1.mlp.router.weight", 0, "[num_local_experts, hidden_size] = [4, 128] (config.json num_local_experts, hidden_size)"),
+]
+
+
+@pytest.mark.parametrize("tensor,dim,built", GPT_OSS_CUTS, ids=[c[0].split(".", 3)[3] for c in GPT_OSS_CUTS])
+def test_gpt_oss_router_and_fused_expert_biases_are_sized(tmp_path, tensor, dim, built):
+    """gpt-oss (transformers' own class saved it; experts kept dense, as by default): its router and the biases of its
+    fused experts as vLLM 0.33 gpt_oss.py MLPBlock builds them. A correct output has no size error; one of them cut in
+    half along ``dim`` fails verify naming shard, tensor, both sizes and the config keys, and quantize warns of such a
+    source (the new-user trial's down_proj_bias of [4, 64] had passed every check and vLLM refused it)."""
+    t = transformers_or_skip()
+    layers = ["sliding_attention", "full_attention", "sliding_attention"]  # (TINY's 3 layers)
+    cfg = t.GptOssConfig(**dict(TINY, intermediate_size=64), num_local_experts=4, num_experts_per_tok=2, layer_types=layers)
+    src = save_tiny(lambda: t.GptOssForCausalLM(cfg), tmp_path / "gpt-oss")
+    good = tmp_path / "good"
+    assert api.quantize(src, good, "W4A16", device="cpu").warnings == []
+    assert _shape_errors(good) == [] and api.verify(good)["ok"]
+    w = load_file(good / "model.safetensors")[tensor]
+    cut = w.narrow(dim, 0, w.shape[dim] // 2).contiguous()
+    path = damaged(good, tmp_path / "cut", add={tensor: cut})
+    found = _shape_errors(path)
+    assert [(p["tensor"], p["file"]) for p in found] == [(tensor, str(path / "model.safetensors"))]
+    assert found[0]["message"] == f"{tensor} is {list(cut.shape)}, where vLLM 0.33 gpt_oss.py MLPBlock builds {built}: vLLM refuses the checkpoint"
+    bad_src = damaged(src, tmp_path / "cut-src", add={tensor: cut})
+    (warning,) = api.quantize(bad_src, tmp_path / "cut-out", "W4A16", device="cpu").warnings
+    assert warning.startswith(f"the source: {tensor}: {found[0]['message']}")
+    assert not api.verify(tmp_path / "cut-out")["ok"]
