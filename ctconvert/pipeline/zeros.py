@@ -23,6 +23,7 @@ import functools
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..checkpoint.safetensors_io import TensorInfo, read_rows
@@ -210,15 +211,15 @@ class ZeroTracker:
             entries = self.pending.pop(_key(torch.device(device)), [])
         if not entries:
             return
-        flags = torch.cat([e[2] for e in entries]).cpu()  # one transfer for the whole run
-        pos = 0
-        for info, r0, mask, scheme, gs, set_amax in entries:
-            part = flags[pos : pos + mask.numel()]
-            pos += mask.numel()
-            if bool(part.any()):
-                idx = part.nonzero().flatten()
-                rows = torch.cat([read_rows(info, r0 + a, r0 + b) for a, b in _runs(idx.tolist())])
-                self._examine(info, idx + r0, rows, scheme, gs.cpu() if gs is not None else None, set_amax)
+        # one transfer for the whole run, and one search for the candidate rows (rare): no torch call per entry
+        flags = torch.cat([e[2].reshape(-1) for e in entries]).cpu().numpy()
+        ends = np.cumsum([e[2].numel() for e in entries])
+        for k in np.unique(np.searchsorted(ends, np.flatnonzero(flags), side="right")).tolist():
+            info, r0, mask, scheme, gs, set_amax = entries[k]
+            start = int(ends[k]) - mask.numel()
+            idx = torch.from_numpy(np.flatnonzero(flags[start : int(ends[k])]))
+            rows = torch.cat([read_rows(info, r0 + a, r0 + b) for a, b in _runs(idx.tolist())])
+            self._examine(info, idx + r0, rows, scheme, gs.cpu() if gs is not None else None, set_amax)
 
     def _examine(self, info: TensorInfo, idx: torch.Tensor, w: torch.Tensor, scheme, gs: torch.Tensor | None, set_amax=None) -> None:
         """Quantize the candidate rows again on the CPU (torch reference: the same bytes) and count the

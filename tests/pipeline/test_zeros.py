@@ -86,7 +86,10 @@ def test_deferred_path_counts_as_the_direct_one(tmp_path, name):
         out = scheme.quantize_rows(rows, gs, impl="torch")
         direct.observe(info, r0, rows, out, scheme, gs, amax)
         mask = candidate_rows(out, scheme.weight_format, scheme.weights, w.dtype, rows.shape[0])
-        deferred.pending.setdefault("cuda:0", []).append((info, r0, mask, scheme, gs, amax))  # what observe keeps for a GPU chunk
+        clean = torch.zeros(int(mask.numel()) // 3 + r0 // 128 * 5, dtype=torch.bool)  # other tensors' entries, no candidate
+        empty = torch.zeros(0, dtype=torch.bool)
+        for m in (clean, mask, empty):  # what observe keeps for a GPU chunk, between entries without candidates
+            deferred.pending.setdefault("cuda:0", []).append((info, r0, m, scheme, gs, amax))
     deferred.resolve(torch.device("cuda:0"))
     assert [r.to_dict() for r in direct.reports()] == [r.to_dict() for r in deferred.reports()]
     (rep,) = direct.reports()
