@@ -4,8 +4,8 @@
 (:func:`.widths.width_problems`), the sizes of the small parameters (:func:`.param_shapes.param_shape_problems`), the
 tensors each layer stores (:func:`.expected.expected_problems`) and the attention projections' rows
 (:func:`.files_check.attention_shape_problems`; DeepSeek's MLA projections: :func:`.mla_shapes.mla_shape_problems`).
-``inspect`` shows them as warnings, and ``quantize`` warns of them in a dense or compressed-tensors source (its output
-carries them, and ``verify`` fails it); ``verify`` runs the same two parts (:func:`header_problems`,
+``inspect`` shows them as warnings, and ``quantize`` warns of them in a source (its output carries them, and ``verify``
+fails it; another tool's checkpoint: its dense view); ``verify`` runs the same two parts (:func:`header_problems`,
 :func:`architecture_problems`), so the three commands cannot drift apart. Only a tied head's bytes are read
 (:func:`.widths.tied_head_problems`), not the weights.
 """

@@ -237,13 +237,15 @@ def _source_row(m: SourceModule) -> dict:
 
 def _inspect_source(ckpt: Checkpoint, path: Path, source: Source | None, refused: Problem | None) -> dict:
     """The report of a checkpoint of another tool's quantization (:func:`_foreign_source`): one row per quantized
-    module as its reader sees it, the dense Linear layers, the tool's config."""
+    module as its reader sees it, the dense Linear layers, the tool's config, and what verify's architecture checks
+    find in its dense view (:func:`_vllm_problems`: an output made from it carries them)."""
     problems: list[Problem] = list(ckpt.problems)
-    if (missing := _missing_layers(ckpt, path)) is not None:
+    if source is None and (missing := _missing_layers(ckpt, path)) is not None:  # (else _vllm_problems' count)
         problems.append(missing)
     layers = []
     qcfg = ckpt.quantization_config
     if source is not None:
+        problems += _vllm_problems(source.view, modules_of(source.view), path)  # the dense view: what an output carries
         qcfg = source.quantization_config
         layers = [_source_row(m) for m in sorted(source.modules.values(), key=lambda m: (str(m.anchor.file), natural_key(m.name)))]
         stored = {i.name for m in source.modules.values() for i in m.parts.values()}

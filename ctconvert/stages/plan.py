@@ -72,12 +72,11 @@ class PlanStage(Stage):
         apply_dense_dtype(plan, o.dense_dtype, job.ckpt.config)
         _no_head_note(plan, job.ckpt, o.lm_head, o.target)
         said = _router_bias_note(plan, job.ckpt, o.target)
-        if source.kind in ("dense", "compressed-tensors"):  # (another tool's names are not what the checks read)
-            checks = SourceChecks(job.ckpt, plan, o.target, said)  # on a thread: a 9,400-tensor MoE's checks take ~0.15 s
-            if o.dry_run:
-                checks.join()
-            else:
-                job.before_commit.append(checks.join)  # its warning: with the result, before the output is committed
+        checks = SourceChecks(job.ckpt, plan, o.target, said)  # on a thread: a 9,400-tensor MoE's checks take ~0.15 s
+        if o.dry_run:  # (another tool's source: its dense view, job.ckpt, what the output carries)
+            checks.join()
+        else:
+            job.before_commit.append(checks.join)  # its warning: with the result, before the output is committed
         if plan.views:  # per-expert parts of fused 3-D experts: read as tensors of their own from here on
             job.ckpt = dataclasses.replace(job.ckpt, tensors={**job.ckpt.tensors, **plan.views})
         if source.quantized:

@@ -203,3 +203,24 @@ def test_inspect_of_a_kernel_native_output_warns_of_what_verify_fails(tmp_path):
         assert api.verify(out)["ok"] != warned
         if warned:
             assert f"config.json's hidden_size is {wide}, but model.embed_tokens.weight holds {LLAMA_CONFIG['hidden_size']} columns" in said[0]["message"]
+
+
+@pytest.mark.parametrize("kind", ["awq", "gptq", "modelopt", "fp8-block"])
+def test_a_foreign_source_gets_the_loadability_list_of_its_dense_view(tmp_path, kind):
+    """inspect and quantize of another tool's checkpoint judge its dense view as verify judges the output made from it:
+    none of verify's architecture problems in a valid source;
+    with config.json's hidden_size edited, inspect warns of the widths, quantize warns of the source, and
+    verify fails the output with the same message."""
+    src = _build(kind, tmp_path / kind)
+    said = [p for p in api.inspect(src)["problems"] if p["message"].endswith("(`ctconvert verify` fails it)")]
+    assert bool(said) == (kind == "fp8-block"), said  # (that fixture: a partial DeepSeek copy its config does not describe)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["hidden_size"] += 64
+    (src / "config.json").write_text(json.dumps(cfg))
+    width = f"config.json's hidden_size is {cfg['hidden_size']}"
+    said = [p for p in api.inspect(src)["problems"] if p["severity"] == "warning" and width in p["message"]]
+    assert len(said) == 1 and said[0]["message"].endswith("(`ctconvert verify` fails it)"), api.inspect(src)["problems"]
+    r = api.quantize(src, tmp_path / "out", "FP8_DYNAMIC", device="cpu")
+    assert any(w.startswith("the source: ") and width in w for w in r.warnings), r.warnings
+    rep = api.verify(tmp_path / "out")
+    assert not rep["ok"] and any(width in p["message"] and p["severity"] == "error" for p in rep["problems"])
