@@ -21,6 +21,8 @@ checkpoint vLLM refuses, which neither the quantized modules nor :mod:`.widths` 
   ``olmoe.py`` ``OlmoeMoE`` (``num_experts``), ``deepseek_v2.py`` ``DeepseekV2MoE`` and ``glm4_moe.py`` ``Glm4MoE``
   (``n_routed_experts``), or the alias transformers saved it under (:data:`_EXPERTS_KEYS`); its
   ``e_score_correction_bias`` ``[n_routed_experts]`` (the last two).
+- Qwen2-MoE's ``mlp.shared_expert_gate.weight`` ``[1, hidden_size]`` (``qwen2_moe.py`` ``Qwen2MoeSparseMoeBlock``:
+  ``ReplicatedLinear(hidden_size, 1)``, built whatever ``shared_expert_intermediate_size`` says).
 - DeepSeek's MLA norms (``deepseek_v2.py`` ``DeepseekV2MLAAttention``): ``kv_a_layernorm`` ``[kv_lora_rank]``,
   ``q_a_layernorm`` ``[q_lora_rank]``.
 - gpt-oss (``gpt_oss.py`` ``MLPBlock``): its router ``mlp.router`` (``torch.nn.Linear(hidden_size,
@@ -155,6 +157,8 @@ def _rules(family: str, cfg: dict) -> dict[str, tuple[list[int], tuple[str, str]
             out[f"{root}.gate.weight"] = ([experts, hidden], (f"[{key}, hidden_size]", f"{key}, hidden_size"))
         if family == "glm4_moe" or family in _ESCORE and cfg.get("topk_method") == "noaux_tc":  # else none built: expected.py
             out[f"{root}.gate.e_score_correction_bias"] = ([experts], (f"[{key}]", key))
+    if family == "qwen2_moe" and hidden is not None:  # ReplicatedLinear(hidden_size, 1), in every MoE block
+        out["mlp.shared_expert_gate.weight"] = ([1, hidden], ("[1, hidden_size]", "hidden_size"))
     if family == "gpt_oss":
         out.update(_gpt_oss_rules(cfg, hidden))
     if family in _MLA:

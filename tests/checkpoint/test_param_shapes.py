@@ -268,3 +268,22 @@ def test_gpt_oss_router_and_fused_expert_biases_are_sized(tmp_path, tensor, dim,
     (warning,) = api.quantize(bad_src, tmp_path / "cut-out", "W4A16", device="cpu").warnings
     assert warning.startswith(f"the source: {tensor}: {found[0]['message']}")
     assert not api.verify(tmp_path / "cut-out")["ok"]
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 128), (2, 128), (1, 64)])
+def test_qwen2_moe_shared_expert_gate_is_sized(tmp_path, rows, cols):
+    """Qwen2-MoE's shared_expert_gate (vLLM 0.33 qwen2_moe.py Qwen2MoeSparseMoeBlock: ReplicatedLinear(hidden_size, 1)):
+    the saved one passes; one of another size fails verify, naming it and [1, hidden_size]."""
+    t = transformers_or_skip()
+    cfg = t.Qwen2MoeConfig(**TINY, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2)
+    out = tmp_path / "out"
+    api.quantize(save_tiny(lambda: t.Qwen2MoeForCausalLM(cfg), tmp_path / "src"), out, "W4A16", device="cpu")
+    name = f"{L}1.mlp.shared_expert_gate.weight"
+    gate = load_file(out / "model.safetensors")[name]
+    assert list(gate.shape) == [1, TINY["hidden_size"]]
+    path = damaged(out, tmp_path / "cut", add={name: torch.zeros(rows, cols, dtype=gate.dtype)}) if [rows, cols] != list(gate.shape) else out
+    found = _shape_errors(path)
+    built = "vLLM 0.33 qwen2_moe.py Qwen2MoeSparseMoeBlock builds [1, hidden_size] = [1, 128] (config.json hidden_size)"
+    want = [] if path == out else [f"{name} is [{rows}, {cols}], where {built}: vLLM refuses the checkpoint"]
+    assert [p["message"] for p in found] == want
+    assert api.verify(path)["ok"] == (path == out)
