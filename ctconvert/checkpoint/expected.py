@@ -6,7 +6,9 @@ is refused (``model_loader/default_loader.py`` ``DefaultModelLoader.load_weights
 initialized from checkpoint"), and a stored name the model has no parameter for raises in the model's ``load_weights``
 (``params_dict[name]``: KeyError) or is dropped unused (llama.py skips "extra bias for GPTQ models"). Neither shows in
 any tensor's values. Without a model, these rules judge the stored names of the families in :data:`JUDGED` (read in
-each family's vLLM 0.33 file, ``vllm/model_executor/models/``); every other family is not judged (a note says so):
+each family's vLLM 0.33 file, ``vllm/model_executor/models/``); every other family is not judged (a note says so).
+The family is that of the class vLLM builds: ``architectures``' where it names one, else ``model_type``'s
+(:func:`.architectures.resolve`, which tells how vLLM 0.33 picks it):
 
 - **Top level**: the text model's token embedding ``<P>embed_tokens.weight`` and final norm ``<P>norm.weight`` are
   stored, ``<P>layers.N.`` being the decoder stack (every judged family's ``...Model`` builds ``embed_tokens``, its
@@ -58,6 +60,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import agree, plural
+from .architectures import vllm_types
 from .families import FAMILIES, config_value, model_types
 from .layer_params import LAYER_FILES, has_layer_set, layer_parameters, stored_form
 from .modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module
@@ -67,7 +70,10 @@ from .reader import Checkpoint, Problem
 __all__ = ["EXPECTED_CHECK", "JUDGED", "builds_bias", "expected_problems", "expert_problems", "is_router_bias", "layer_problems", "parameters", "set_problems"]
 
 #: the line ``verify`` lists among its checks
-EXPECTED_CHECK = "every tensor the architecture builds is stored and none it lacks (decoder layers, experts, routers, biases; judged families)"
+EXPECTED_CHECK = (
+    "every tensor the architecture builds is stored and none it lacks (decoder layers, experts, routers, biases; "
+    "judged families, as architectures names the class)"
+)
 
 
 def _attr(key: str, default: bool = False):
@@ -179,7 +185,8 @@ def parameters(mods: dict[str, Module]) -> dict[str, str]:
 
 
 def _family(config: dict) -> str | None:
-    return next((t for t in model_types(config) if t in JUDGED), None)
+    """The judged family of the class vLLM 0.33 builds for ``config`` (:func:`.architectures.vllm_types`), or None."""
+    return next((t for t in vllm_types(config) if t in JUDGED), None)
 
 
 def _stack(params: dict[str, str]) -> str | None:
@@ -516,7 +523,7 @@ def expert_problems(params: dict[str, str], config: dict, file_of, judged: bool,
             blocks.setdefault(m[1], {}).setdefault(int(m[2]), set()).add(m[3])
         elif (f := re.match(r"^(.*(?:^|\.)experts)\.(.+)$", name)) and (member := _FUSED_MEMBER.match(f[2])):
             fused.setdefault(f[1], set()).add(member[1] + ("_bias" if member[2] in ("_bias", ".bias") else ""))
-    layout = next((FAMILIES[t] for t in model_types(config) if t in FAMILIES), None)
+    layout = next((FAMILIES[t] for t in vllm_types(config) if t in FAMILIES), None)
     wanted = {f"{leaf}.weight" for leaf in layout.names} if judged and layout is not None else set()
     major = {b: {leaf for leaf in set().union(*ex.values()) if 2 * sum(leaf in s for s in ex.values()) >= len(ex)} for b, ex in blocks.items()}
     model_wide = set().union(*major.values()) if judged and blocks else set()
