@@ -13,7 +13,10 @@ The family is that of the class vLLM builds: ``architectures``' where it names o
 - **Top level**: the text model's token embedding ``<P>embed_tokens.weight`` and final norm ``<P>norm.weight`` are
   stored, ``<P>layers.N.`` being the decoder stack (every judged family's ``...Model`` builds ``embed_tokens``, its
   layers and ``norm``); not judged where the checkpoint stores decoder layers and nothing else (a slice of a model,
-  not one to serve). A missing untied ``lm_head`` is :func:`.widths.tied_head_problems`' error.
+  not one to serve). A missing untied ``lm_head`` is :func:`.widths.tied_head_problems`' error. Every other tensor
+  outside the decoder layers is one the class builds (its head, a VLM's tower) or its loader drops (RoPE buffers),
+  else an error: :func:`.top_level.top_level_problems`; not judged where the class is one verify does not know (a
+  note says so).
 - **Decoder layers alike** (:func:`layer_problems`): a judged family builds every decoder layer below
   ``num_hidden_layers`` with the same attention and norms, and every MLP of one kind (dense, or MoE: DeepSeek's
   ``first_k_dense_replace``, Qwen-MoE's ``mlp_only_layers``/``decoder_sparse_step`` make some layers dense) alike
@@ -60,18 +63,19 @@ import re
 from dataclasses import dataclass
 
 from ..errors import agree, plural
-from .architectures import vllm_types
+from .architectures import family_class, resolve, vllm_types
 from .families import FAMILIES, config_value, model_types
 from .layer_params import LAYER_FILES, has_layer_set, layer_parameters, stored_form
 from .modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module
 from .naming import dense_kind, natural_key
 from .reader import Checkpoint, Problem
+from .top_level import top_level_problems
 
 __all__ = ["EXPECTED_CHECK", "JUDGED", "builds_bias", "expected_problems", "expert_problems", "is_router_bias", "layer_problems", "parameters", "set_problems"]
 
 #: the line ``verify`` lists among its checks
 EXPECTED_CHECK = (
-    "every tensor the architecture builds is stored and none it lacks (decoder layers, experts, routers, biases; "
+    "every tensor the architecture builds is stored and none it lacks (decoder layers and outside them, experts, routers, biases; "
     "judged families, as architectures names the class)"
 )
 
@@ -226,11 +230,24 @@ def expected_problems(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem
         if top + leaf not in params and not fragment:
             why = f"missing: the {what}, which vLLM 0.33 {JUDGED[family]} builds, is not stored: vLLM refuses a parameter no tensor fills"
             out.append(Problem("error", why, file_of(top + leaf), top + leaf))
+    cls = family_class(family, config)
+    if cls is not None and not fragment:
+        out += top_level_problems(params, stack, cls, file_of)
+    elif not fragment:
+        out.append(Problem("note", f"the tensors outside the decoder layers are not judged: {_unknown_class(config)}"))
     out += _bias_problems(params, stack, family, cfg, file_of) + _router_problems(params, stack, family, cfg, file_of)
     n = config_value(config, "num_hidden_layers")
     if has_layer_set(family, cfg) and not fragment:  # a slice of decoder layers (a test's, a shard's): alike only
         return out + set_problems(params, stack, family, cfg, n, file_of, {p.tensor for p in out})
     return out + layer_problems(params, stack, n, file_of, {p.tensor for p in out})
+
+
+def _unknown_class(config: dict) -> str:
+    """Why the class vLLM 0.33 builds for ``config`` is not known (:func:`.architectures.family_class` None)."""
+    r = resolve(config)
+    if r.architecture is not None:
+        return f"architectures' first entry {r.architecture!r} is not a class whose modules verify knows (vLLM 0.33 builds it if its registry holds it)"
+    return f"model_type {config.get('model_type')!r} wraps the {_family(config)!r} text model in a class verify does not know"
 
 
 def _file_namer(ckpt: Checkpoint, params: dict[str, str]):

@@ -6,10 +6,11 @@ failed verify while vLLM loaded it as Llama."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ctconvert import api
 from ctconvert.checkpoint.architectures import ARCHITECTURES, family_class, mismatch_problems, resolve, vllm_types
-from ctconvert.checkpoint.expected import JUDGED
+from ctconvert.checkpoint.expected import JUDGED, expected_problems
 from ctconvert.checkpoint.families import vllm_head
 from ctconvert.checkpoint.loadable import loadability_problems
 from ctconvert.checkpoint.modules import modules_of
@@ -131,3 +132,20 @@ def test_correct_llama_has_no_problem(tmp_path):
     assert not [w for w in res.warnings if "architectures" in w]
     assert _found(tmp_path / "out") == []
     assert api.verify(tmp_path / "out")["ok"]
+
+
+def test_unknown_first_architecture_keeps_model_type(tmp_path):
+    """architectures' first entry a class verify does not know: the decoder layers judged by model_type as before, and
+    nothing outside them (a note says why), so no false failure for a tensor the class may build."""
+    cfg = dict(LLAMA_CONFIG, architectures=["CohereForCausalLM", "LlamaForCausalLM"])
+    t = llama_tensors(cfg)
+    del t[f"{L}1.input_layernorm.weight"]
+    src = write_checkpoint(tmp_path / "src", {**t, "model.foo": torch.ones(8, dtype=torch.bfloat16)}, cfg)
+    ck = open_checkpoint(src)
+    found = expected_problems(ck, modules_of(ck))
+    assert [p.tensor for p in found if p.severity == "error"] == [f"{L}1.input_layernorm.weight"]
+    (note,) = [p.message for p in found if p.severity == "note"]
+    assert note == (
+        "the tensors outside the decoder layers are not judged: architectures' first entry 'CohereForCausalLM' is not a class whose modules "
+        "verify knows (vLLM 0.33 builds it if its registry holds it)"
+    )
