@@ -67,9 +67,9 @@ from .architectures import family_class, resolve, vllm_types
 from .families import FAMILIES, config_value, model_types
 from .layer_params import LAYER_FILES, has_layer_set, layer_parameters, stored_form
 from .modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module
-from .naming import dense_kind, natural_key
+from .naming import natural_key
 from .reader import Checkpoint, Problem
-from .top_level import top_level_problems
+from .top_level import rotary_dropped, top_level_problems
 
 __all__ = ["EXPECTED_CHECK", "JUDGED", "builds_bias", "expected_problems", "expert_problems", "is_router_bias", "layer_problems", "parameters", "set_problems"]
 
@@ -173,8 +173,9 @@ _FUSED_MEMBER = re.compile(r"^(gate_up_proj|down_proj)(_bias|\.bias|\.weight)?$"
 def parameters(mods: dict[str, Module]) -> dict[str, str]:
     """The model parameters a checkpoint stores, each with one stored tensor's name: a quantized module's
     :data:`.modules.QUANT_PARTS` (and FP8's ``weight``) stand for its ``weight``, activation and KV-cache scales
-    (:data:`.modules.ACT_PARTS`, :data:`.modules.KV_PARTS`; the quantization's, not the architecture's) and RoPE
-    buffers an old checkpoint saved (:func:`.naming.dense_kind`) are left out; every other tensor is itself."""
+    (:data:`.modules.ACT_PARTS`, :data:`.modules.KV_PARTS`; the quantization's, not the architecture's) and the RoPE
+    buffers vLLM 0.33's loader drops (:func:`.top_level.rotary_dropped`: ``rotary_emb.inv_freq`` ... exactly; a
+    ``rope.inv_freq`` it has no parameter for, and refuses) are left out; every other tensor is itself."""
     out: dict[str, str] = {}
     for m in mods.values():
         for part in m.parts:
@@ -182,7 +183,7 @@ def parameters(mods: dict[str, Module]) -> dict[str, str]:
                 continue
             leaf = "weight" if m.quantized and (part in QUANT_PARTS or part == "weight") else part
             name = f"{m.name}.{leaf}" if m.name else leaf
-            if dense_kind(f"{m.name}.{part}") == "rotary embedding buffer":
+            if rotary_dropped(f"{m.name}.{part}"):
                 continue
             out.setdefault(name, f"{m.name}.{part}" if m.name else part)
     return out

@@ -83,6 +83,13 @@ def test_what_vllm_skips_passes(tmp_path):
     assert rotary_dropped("model.rotary_pos_emb.inv_freq") and not rotary_dropped("model.rope.inv_freq")
 
 
+def test_a_rope_buffer_vllm_does_not_drop_fails(tmp_path):
+    """``rope.inv_freq``: no name of vLLM 0.33's REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER, so LlamaModel refuses it."""
+    out = _output(tmp_path, {"model.rope.inv_freq": torch.ones(32)})
+    msg = f"extra: model.rope.inv_freq is stored outside the decoder layers, {NO_PARAM.format('llama.py LlamaModel')}"
+    assert _found(out) == [("error", str(out / "model.safetensors"), "model.rope.inv_freq", msg)]
+
+
 def test_correct_outputs_have_no_top_level_problem(tmp_path):
     """Untied and tied heads: nothing outside the layers is reported."""
     assert _found(_output(tmp_path / "untied", {})) == []
