@@ -6,12 +6,17 @@ is refused (``model_loader/default_loader.py`` ``DefaultModelLoader.load_weights
 initialized from checkpoint"), and a stored name the model has no parameter for raises in the model's ``load_weights``
 (``params_dict[name]``: KeyError) or is dropped unused (llama.py skips "extra bias for GPTQ models"). Neither shows in
 any tensor's values. Without a model, these rules judge the stored names of the families in :data:`JUDGED` (read in
-each family's vLLM 0.33 file, ``vllm/model_executor/models/``); every other family is not judged (a note says so):
+each family's vLLM 0.33 file, ``vllm/model_executor/models/``); every other family is not judged (a note says so).
+The family is that of the class vLLM builds: ``architectures``' where it names one, else ``model_type``'s
+(:func:`.architectures.resolve`, which tells how vLLM 0.33 picks it):
 
 - **Top level**: the text model's token embedding ``<P>embed_tokens.weight`` and final norm ``<P>norm.weight`` are
   stored, ``<P>layers.N.`` being the decoder stack (every judged family's ``...Model`` builds ``embed_tokens``, its
   layers and ``norm``); not judged where the checkpoint stores decoder layers and nothing else (a slice of a model,
-  not one to serve). A missing untied ``lm_head`` is :func:`.widths.tied_head_problems`' error.
+  not one to serve). A missing untied ``lm_head`` is :func:`.widths.tied_head_problems`' error. Every other tensor
+  outside the decoder layers is one the class builds (its head, a VLM's tower) or its loader drops (RoPE buffers),
+  else an error: :func:`.top_level.top_level_problems`; not judged where the class is one verify does not know (a
+  note says so).
 - **Decoder layers alike** (:func:`layer_problems`): a judged family builds every decoder layer below
   ``num_hidden_layers`` with the same attention and norms, and every MLP of one kind (dense, or MoE: DeepSeek's
   ``first_k_dense_replace``, Qwen-MoE's ``mlp_only_layers``/``decoder_sparse_step`` make some layers dense) alike
@@ -58,16 +63,21 @@ import re
 from dataclasses import dataclass
 
 from ..errors import agree, plural
+from .architectures import family_class, resolve, vllm_types
 from .families import FAMILIES, config_value, model_types
 from .layer_params import LAYER_FILES, has_layer_set, layer_parameters, stored_form
 from .modules import ACT_PARTS, KV_PARTS, QUANT_PARTS, Module
-from .naming import dense_kind, natural_key
+from .naming import natural_key
 from .reader import Checkpoint, Problem
+from .top_level import rotary_dropped, top_level_problems
 
 __all__ = ["EXPECTED_CHECK", "JUDGED", "builds_bias", "expected_problems", "expert_problems", "is_router_bias", "layer_problems", "parameters", "set_problems"]
 
 #: the line ``verify`` lists among its checks
-EXPECTED_CHECK = "every tensor the architecture builds is stored and none it lacks (decoder layers, experts, routers, biases; judged families)"
+EXPECTED_CHECK = (
+    "every tensor the architecture builds is stored and none it lacks (decoder layers and outside them, experts, routers, biases; "
+    "judged families, as architectures names the class)"
+)
 
 
 def _attr(key: str, default: bool = False):
@@ -163,8 +173,9 @@ _FUSED_MEMBER = re.compile(r"^(gate_up_proj|down_proj)(_bias|\.bias|\.weight)?$"
 def parameters(mods: dict[str, Module]) -> dict[str, str]:
     """The model parameters a checkpoint stores, each with one stored tensor's name: a quantized module's
     :data:`.modules.QUANT_PARTS` (and FP8's ``weight``) stand for its ``weight``, activation and KV-cache scales
-    (:data:`.modules.ACT_PARTS`, :data:`.modules.KV_PARTS`; the quantization's, not the architecture's) and RoPE
-    buffers an old checkpoint saved (:func:`.naming.dense_kind`) are left out; every other tensor is itself."""
+    (:data:`.modules.ACT_PARTS`, :data:`.modules.KV_PARTS`; the quantization's, not the architecture's) and the RoPE
+    buffers vLLM 0.33's loader drops (:func:`.top_level.rotary_dropped`: ``rotary_emb.inv_freq`` ... exactly; a
+    ``rope.inv_freq`` it has no parameter for, and refuses) are left out; every other tensor is itself."""
     out: dict[str, str] = {}
     for m in mods.values():
         for part in m.parts:
@@ -172,14 +183,15 @@ def parameters(mods: dict[str, Module]) -> dict[str, str]:
                 continue
             leaf = "weight" if m.quantized and (part in QUANT_PARTS or part == "weight") else part
             name = f"{m.name}.{leaf}" if m.name else leaf
-            if dense_kind(f"{m.name}.{part}") == "rotary embedding buffer":
+            if rotary_dropped(f"{m.name}.{part}"):
                 continue
             out.setdefault(name, f"{m.name}.{part}" if m.name else part)
     return out
 
 
 def _family(config: dict) -> str | None:
-    return next((t for t in model_types(config) if t in JUDGED), None)
+    """The judged family of the class vLLM 0.33 builds for ``config`` (:func:`.architectures.vllm_types`), or None."""
+    return next((t for t in vllm_types(config) if t in JUDGED), None)
 
 
 def _stack(params: dict[str, str]) -> str | None:
@@ -219,11 +231,24 @@ def expected_problems(ckpt: Checkpoint, mods: dict[str, Module]) -> list[Problem
         if top + leaf not in params and not fragment:
             why = f"missing: the {what}, which vLLM 0.33 {JUDGED[family]} builds, is not stored: vLLM refuses a parameter no tensor fills"
             out.append(Problem("error", why, file_of(top + leaf), top + leaf))
+    cls = family_class(family, config)
+    if cls is not None and not fragment:
+        out += top_level_problems(params, stack, cls, file_of)
+    elif not fragment:
+        out.append(Problem("note", f"the tensors outside the decoder layers are not judged: {_unknown_class(config)}"))
     out += _bias_problems(params, stack, family, cfg, file_of) + _router_problems(params, stack, family, cfg, file_of)
     n = config_value(config, "num_hidden_layers")
     if has_layer_set(family, cfg) and not fragment:  # a slice of decoder layers (a test's, a shard's): alike only
         return out + set_problems(params, stack, family, cfg, n, file_of, {p.tensor for p in out})
     return out + layer_problems(params, stack, n, file_of, {p.tensor for p in out})
+
+
+def _unknown_class(config: dict) -> str:
+    """Why the class vLLM 0.33 builds for ``config`` is not known (:func:`.architectures.family_class` None)."""
+    r = resolve(config)
+    if r.architecture is not None:
+        return f"architectures' first entry {r.architecture!r} is not a class whose modules verify knows (vLLM 0.33 builds it if its registry holds it)"
+    return f"model_type {config.get('model_type')!r} wraps the {_family(config)!r} text model in a class verify does not know"
 
 
 def _file_namer(ckpt: Checkpoint, params: dict[str, str]):
@@ -516,7 +541,7 @@ def expert_problems(params: dict[str, str], config: dict, file_of, judged: bool,
             blocks.setdefault(m[1], {}).setdefault(int(m[2]), set()).add(m[3])
         elif (f := re.match(r"^(.*(?:^|\.)experts)\.(.+)$", name)) and (member := _FUSED_MEMBER.match(f[2])):
             fused.setdefault(f[1], set()).add(member[1] + ("_bias" if member[2] in ("_bias", ".bias") else ""))
-    layout = next((FAMILIES[t] for t in model_types(config) if t in FAMILIES), None)
+    layout = next((FAMILIES[t] for t in vllm_types(config) if t in FAMILIES), None)
     wanted = {f"{leaf}.weight" for leaf in layout.names} if judged and layout is not None else set()
     major = {b: {leaf for leaf in set().union(*ex.values()) if 2 * sum(leaf in s for s in ex.values()) >= len(ex)} for b, ex in blocks.items()}
     model_wide = set().union(*major.values()) if judged and blocks else set()

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import BadInputError, UnsupportedError
+from .architectures import model_types, vllm_types
 from .safetensors_io import SliceView, TensorInfo
 
 __all__ = [
@@ -160,15 +161,6 @@ def is_fused_expert(name: str) -> bool:
     return _FUSED.match(name) is not None
 
 
-def model_types(config: dict) -> list[str]:
-    """The ``model_type`` of a config and of its ``text_config`` (outer first)."""
-    out = [config.get("model_type")]
-    tc = config.get("text_config")
-    if isinstance(tc, dict):
-        out.append(tc.get("model_type"))
-    return [t for t in out if isinstance(t, str)]
-
-
 def transformers_per_expert_reason(config: dict) -> str | None:
     """Why transformers cannot load this family's experts written one Linear per expert (``experts.{e}.gate_proj``
     ...) into its fused 3-D expert parameters, or None where it can (or cannot be asked). transformers 5 maps
@@ -210,10 +202,11 @@ def dense_experts_reason(module: str, config: dict) -> str | None:
 
 
 #: How vLLM 0.33 builds a family's ``lm_head`` (its CausalLM class, read in ``vllm/model_executor/models/``), by
-#: config ``model_type`` (outer first, :func:`model_types`): ``"embedding"``, no ``lm_head`` parameter at all (the
-#: logits are computed with ``embed_tokens``, so any stored ``lm_head.`` tensor is refused); ``"config"``, a head tied to
-#: ``embed_tokens`` iff ``tie_word_embeddings`` (``tie_weights``; ``utils.py`` ``AutoWeightsLoader`` skips the aliased
-#: ``lm_head.weight``); ``"own"``, always its own head whatever ``tie_word_embeddings`` says (it must be stored).
+#: config ``model_type`` (outer first; the family of the class ``architectures`` names where it names another:
+#: :func:`.architectures.vllm_types`): ``"embedding"``, no ``lm_head`` parameter at all (the logits are computed with
+#: ``embed_tokens``, so any stored ``lm_head.`` tensor is refused); ``"config"``, a head tied to ``embed_tokens`` iff
+#: ``tie_word_embeddings`` (``tie_weights``; ``utils.py`` ``AutoWeightsLoader`` skips the aliased ``lm_head.weight``);
+#: ``"own"``, always its own head whatever ``tie_word_embeddings`` says (it must be stored).
 #: A model_type not listed is judged by the ``"config"`` rule. The one table of these choices: data, not branches.
 VLLM_HEAD: dict[str, tuple[str, str, str]] = {
     "llama": ("config", "llama.py", "LlamaForCausalLM"),
@@ -239,8 +232,9 @@ VLLM_HEAD: dict[str, tuple[str, str, str]] = {
 
 
 def vllm_head(config: dict) -> tuple[str, str, str] | None:
-    """``(kind, vLLM file, class)`` of :data:`VLLM_HEAD` for the config's first listed model_type, else None."""
-    return next((VLLM_HEAD[t] for t in model_types(config) if t in VLLM_HEAD), None)
+    """``(kind, vLLM file, class)`` of :data:`VLLM_HEAD` for the first listed model type of the class vLLM 0.33 builds
+    (:func:`.architectures.vllm_types`: ``architectures`` before ``model_type``), else None."""
+    return next((VLLM_HEAD[t] for t in vllm_types(config) if t in VLLM_HEAD), None)
 
 
 #: model_type -> the vLLM 0.33 model file (``vllm/model_executor/models/``) that builds the family's MoE router

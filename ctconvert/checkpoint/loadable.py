@@ -3,24 +3,26 @@
 :func:`loadability_problems` is the one list: the decoder layer count (:func:`.depth.count_problems`), the widths
 (:func:`.widths.width_problems`), the sizes of the small parameters (:func:`.param_shapes.param_shape_problems`), the
 tensors each layer stores (:func:`.expected.expected_problems`) and the attention projections' rows
-(:func:`.files_check.attention_shape_problems`; DeepSeek's MLA projections: :func:`.mla_shapes.mla_shape_problems`).
-``inspect`` shows them as warnings, and ``quantize`` warns of them in a source (its output carries them, and ``verify``
-fails it; another tool's checkpoint: its dense view); ``verify`` runs the same two parts (:func:`header_problems`,
-:func:`architecture_problems`), so the three commands cannot drift apart. Only a tied head's bytes are read
-(:func:`.widths.tied_head_problems`), not the weights.
+(:func:`.files_check.attention_shape_problems`; DeepSeek's MLA projections: :func:`.mla_shapes.mla_shape_problems`), each
+judged as the class vLLM builds from ``architectures`` (:func:`.architectures.mismatch_problems` warns where
+``model_type`` names another). ``inspect`` shows them as warnings, and ``quantize`` warns of them in a source (its
+output carries them, and ``verify`` fails it; another tool's checkpoint: its dense view); ``verify`` runs the same two
+parts (:func:`header_problems`, :func:`architecture_problems`), so the three commands cannot drift apart. Only a tied
+head's bytes are read (:func:`.widths.tied_head_problems`), not the weights.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from .architectures import mismatch_problems
 from .depth import count_problems
 from .expected import expected_problems
 from .files_check import attention_shape_problems
 from .mla_shapes import mla_shape_problems
 from .modules import Module
 from .param_shapes import param_shape_problems
-from .reader import Checkpoint, Problem
+from .reader import CONFIG_NAME, Checkpoint, Problem
 from .widths import width_problems
 
 __all__ = ["architecture_problems", "header_problems", "loadability_problems"]
@@ -36,9 +38,12 @@ def header_problems(ckpt: Checkpoint, mods: dict[str, Module], folder: str | Pat
 
 
 def architecture_problems(ckpt: Checkpoint, mods: dict[str, Module], expected: bool = True) -> list[Problem]:
-    """The attention projections' rows (MLA's sizes) against ``config.json`` and, with ``expected``, the tensors each layer stores
-    against what the family's vLLM 0.33 class builds (its notes included: the families it does not judge)."""
-    found = attention_shape_problems(mods, ckpt.config, ckpt.tensors) + mla_shape_problems(mods, ckpt.config, ckpt.tensors)
+    """A warning where ``config.json``'s ``architectures`` and ``model_type`` name different families
+    (:func:`.architectures.mismatch_problems`: vLLM builds the class ``architectures`` names, and the checks judge by
+    it), the attention projections' rows (MLA's sizes) against ``config.json`` and, with ``expected``, the tensors each
+    layer stores against what the family's vLLM 0.33 class builds (its notes included: the families it does not judge)."""
+    found = mismatch_problems(ckpt.config, str(ckpt.path / CONFIG_NAME)) + attention_shape_problems(mods, ckpt.config, ckpt.tensors)
+    found += mla_shape_problems(mods, ckpt.config, ckpt.tensors)
     return found + (expected_problems(ckpt, mods) if expected else [])
 
 

@@ -15,7 +15,8 @@ qk_rope_head_dim``. Its Linears, ``[N, K]`` as stored (``linear.py`` ``weight_lo
 
 The ``hidden_size`` sides are :mod:`.widths`' (judged there); this module judges the others, in every layer of the
 decoder stack (:func:`.naming.decoder_layers_prefix`; the MTP layers after it are built alike). Not judged: a family
-other than DeepSeek-V2/V3 and Kimi-K2 (by ``model_type``, as :mod:`.param_shapes` reads it), a layer vLLM builds
+other than DeepSeek-V2/V3 and Kimi-K2 (the class vLLM builds from ``architectures``, as :mod:`.param_shapes` reads
+it: :func:`.architectures.vllm_types`), a layer vLLM builds
 without MLA (``qk_nope_head_dim`` and ``qk_rope_head_dim`` both 0: ``DeepseekAttention``), a config key that is absent
 or not an integer (each size that needs it), and a quantized module whose dense shape cannot be read
 (:func:`.widths.dense_dims`). One error per projection and disagreeing side, naming the shard file, the module, both
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import re
 
-from .families import model_types
+from .architectures import vllm_types
 from .modules import Module
 from .naming import decoder_layers_prefix
 from .reader import Problem
@@ -44,7 +45,7 @@ def mla_shape_problems(mods: dict[str, Module], config: dict, tensors: dict[str,
     """One error per MLA projection side (N rows or K columns) whose size is not the one vLLM 0.33 builds from
     ``config`` (module docstring). ``mods``: the checkpoint's modules (:func:`.modules.modules_of`); ``tensors``: its
     tensors by name. Empty for a family not judged, a layer built without MLA, or no decoder stack found."""
-    if not isinstance(config, dict) or not any(t in MLA_FAMILIES for t in model_types(config)):
+    if not isinstance(config, dict) or not any(t in MLA_FAMILIES for t in vllm_types(config)):
         return []
     cfg = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     stack = decoder_layers_prefix(tensors)

@@ -4,7 +4,8 @@ builds them (``verify``, no reference needed).
 vLLM 0.33 builds each of these parameters from the config and its weight loaders assert the stored shape
 (``default_weight_loader``, ``linear.py`` ``weight_loader``), so a norm, a router or a bias of another size is a
 checkpoint vLLM refuses, which neither the quantized modules nor :mod:`.widths` see. Read in each model file
-(``vllm/model_executor/models/``), per ``model_type`` (the ``text_config``'s sizes where there is one):
+(``vllm/model_executor/models/``), per family: the class vLLM builds from ``architectures``, else ``model_type``
+(:func:`.architectures.vllm_types`; the ``text_config``'s sizes where there is one):
 
 - ``self_attn.q_norm``/``k_norm`` ``[head_dim]``: ``qwen3.py`` ``Qwen3Attention``, ``qwen3_moe.py``
   ``Qwen3MoeAttention``, ``gemma3.py`` ``Gemma3Attention`` and ``glm4_moe.py`` ``Glm4MoeAttention`` (``config.head_dim``,
@@ -41,8 +42,8 @@ from __future__ import annotations
 
 import re
 
+from .architectures import vllm_types
 from .expected import builds_bias
-from .families import model_types
 from .modules import Module
 from .naming import decoder_layers_prefix
 from .reader import Problem
@@ -100,7 +101,7 @@ def param_shape_problems(config: dict, tensors: dict[str, TensorInfo], mods: dic
     shape). Empty for a family not judged, a broken config, or no decoder stack found."""
     if not isinstance(config, dict):
         return []
-    family = next((t for t in reversed(model_types(config)) if t in _FAMILIES), None)
+    family = next((t for t in reversed(vllm_types(config)) if t in _FAMILIES), None)  # architectures' class, as vLLM builds it
     stack = decoder_layers_prefix(tensors)
     if family is None or stack is None:
         return []

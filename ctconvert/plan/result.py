@@ -37,7 +37,7 @@ class ConversionResult:
     kept_dense: dict[str, int] = field(default_factory=dict)  # reason -> Linear weights kept dense for it (Plan.kept_dense)
     ignore: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)  # those of the notes that say vLLM 0.33 refuses the output
+    warnings: list[str] = field(default_factory=list)  # those of the notes that say vLLM 0.33 refuses the output or builds another class
     device: str = "cpu"
     reused_shards: list[str] = field(default_factory=list)
     error: Exception | None = None  # dry run only: why the real run would stop

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+from ..checkpoint.architectures import mismatch_problems
 from ..checkpoint.config import build_quantization_config
 from ..checkpoint.conformance import mixed_expert_blocks, vllm_expert_mismatches
 from ..checkpoint.expected import is_router_bias, router_bias_problem
@@ -71,6 +72,7 @@ class PlanStage(Stage):
         plan, job.dry_error = plan_or_error(job.ckpt, self.scheme, o.dry_run, o.skip_incompatible, plan_kw)
         apply_dense_dtype(plan, o.dense_dtype, job.ckpt.config)
         _no_head_note(plan, job.ckpt, o.lm_head, o.target)
+        _architecture_warning(plan, job.ckpt)
         said = _router_bias_note(plan, job.ckpt, o.target)
         checks = SourceChecks(job.ckpt, plan, o.target, said)  # on a thread: a 9,400-tensor MoE's checks take ~0.15 s
         if o.dry_run:  # (another tool's source: its dense view, job.ckpt, what the output carries)
@@ -221,6 +223,16 @@ def _no_head_note(plan: Plan, ckpt: Checkpoint, lm_head: str, target: str | None
         return
     what = f"the source stores {stored}" if stored else f"--lm-head {lm_head} writes lm_head"
     _unloadable_note(plan, f"{what}, but vLLM 0.33 {head[1]} {head[2]} builds no lm_head (it computes logits with the embedding)", target)
+
+
+def _architecture_warning(plan: Plan, ckpt: Checkpoint) -> None:
+    """A source whose ``architectures`` and ``model_type`` name different families (:func:`.architectures.mismatch_problems`):
+    a plan note and warning that vLLM 0.33 builds the class ``architectures`` names, which the output's config (the
+    source's) keeps, so verify judges the output as that class builds it."""
+    for p in mismatch_problems(ckpt.config):
+        note = f"the source: {p.message}; the output keeps this config.json"
+        plan.notes.append(note)
+        plan.warnings.append(note)
 
 
 def _router_bias_note(plan: Plan, ckpt: Checkpoint, target: str | None = None) -> bool:

@@ -257,6 +257,13 @@ def test_rope_buffers_pass(outputs):
     assert api.verify(path)["ok"]
 
 
+def test_rope_buffers_vllm_keeps_fail(outputs):
+    """A RoPE buffer under a name vLLM 0.33's loader does not drop (utils.py REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER names
+    rotary_emb and rotary_pos_emb only): its attention has no parameter for it, and vllm_accept refuses it; an error."""
+    path = damaged(outputs["llama-W4A16"], outputs["tmp"] / "rope-kept", add={f"{L}{i}.self_attn.rope.inv_freq": torch.ones(32) for i in range(2)})
+    assert errors_of(path) == [(f"{L}0.self_attn.rope.inv_freq", "extra")]
+
+
 def test_layer_rule_message_agrees():
     """Two layers that disagree (a family without a parameter set): the count agrees with its verb, the holder is named a layer."""
     names = [f"{L}0.input_layernorm.weight", f"{L}0.self_attn.q_proj.weight", f"{L}1.self_attn.q_proj.weight"]

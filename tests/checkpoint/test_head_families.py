@@ -81,7 +81,8 @@ def test_gemma2_tied_head_equal_to_embedding_refused(saved):
     tensors = dict(ckpt.tensors, **{"lm_head.weight": ckpt.tensors["model.embed_tokens.weight"]})
     (p,) = tied_head_problems(ckpt.config, tensors, "config.json")
     assert p.tensor == "lm_head.weight" and "Gemma2ForCausalLM builds no lm_head" in p.message
-    assert tied_head_problems(dict(ckpt.config, model_type="llama"), tensors) == []  # the generic rule: skipped, loads
+    assert tied_head_problems(dict(ckpt.config, model_type="llama"), tensors, "config.json") == [p]  # vLLM builds architectures' Gemma2ForCausalLM
+    assert tied_head_problems(dict(ckpt.config, model_type="llama", architectures=["LlamaForCausalLM"]), tensors) == []  # the generic rule: skipped
 
 
 def test_olmoe_tied_without_head_refused(saved):
