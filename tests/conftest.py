@@ -110,6 +110,20 @@ def moe_checkpoint(tmp_path: Path, experts: int = 4, inter: int = 640) -> Path:
     return write_checkpoint(tmp_path / "moe", t, cfg)
 
 
+def gpt_oss_checkpoint(path: Path, **config) -> Path:
+    """A 2-layer gpt-oss of 4 experts (hidden 128) as transformers saves it (fused experts and their biases, the router's
+    bias, the attention sinks), bf16, seed 0; ``config``: keys set in its config.json over transformers' own."""
+    import transformers
+
+    torch.manual_seed(0)
+    text = dict(hidden_size=128, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_hidden_layers=2)
+    cfg = transformers.GptOssConfig(**text, vocab_size=256, num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
+    transformers.GptOssForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(path))
+    saved = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**saved, **config}))
+    return path
+
+
 def save_shard(tensors: dict, path: Path) -> None:
     """Rewrite the output shard ``path`` with ``tensors`` as a writer would have written them: the bytes, and the shard's
     size and hash in its folder's index record (``writer.SHARDS_KEY``, what verify compares). For the tests that model

@@ -178,9 +178,12 @@ def test_family_every_expert_quantized_routers_dense(saved, tmp_path, family, sc
     if family in _EXPERT_TARGETS:  # written with allow_unloadable: verify says vLLM 0.33 cannot load them, nothing else
         assert not report["ok"] and len(errors) == 1 and "quantized, but gpt-oss experts: vLLM 0.33 cannot load them" in errors[0]["message"]
         assert errors[0]["tensor"] == "model.layers.0.mlp.experts.0.down_proj" and f"(and {2 * 3 * E - 1} more such modules)" in errors[0]["message"]
+        said = [(p["message"], p["tensor"]) for p in api.inspect(out)["problems"] if p["severity"] == "warning"]  # inspect shows it too
+        assert said == [(errors[0]["message"] + " (`ctconvert verify` fails it)", errors[0]["tensor"])]
+        assert [w for w in res.warnings if w.startswith("--allow-unloadable quantized model.layers.0.mlp.experts.0.down_proj")]
     else:
         assert report["ok"], report["problems"]
-    assert not api.inspect(out)["problems"]
+        assert not api.inspect(out)["problems"] and not res.warnings
     if scheme == "NVFP4A16":  # gate and up of one expert: one fused set, one global scale
         for x in layers:
             for e in range(E):

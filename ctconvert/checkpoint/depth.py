@@ -15,9 +15,11 @@ random weights (a layer or expert the model has but no tensor fills). Neither sh
   ``get_spec_layer_idx_from_weight_name``), which an output may hold or leave out.
 - **Experts** (:func:`expert_count_problems`): every ``...experts`` module stored one Linear per expert
   (``experts.E.<leaf>``) holds experts ``0 .. n-1`` exactly, and every fused 3-D expert weight
-  (``experts.gate_up_proj`` ...) has ``n`` rows in its first dimension, ``n`` being the config's
-  ``num_experts``, ``num_local_experts`` or ``n_routed_experts`` (``text_config`` first; Qwen-MoE, Mixtral/gpt-oss/Llama-4,
-  DeepSeek spell it so).
+  (``experts.gate_up_proj`` ...) has ``n`` rows in its first dimension, ``n`` being the count vLLM 0.33 builds: the
+  key its family's model reads, with transformers 5.20's precedence where ``config.json`` holds it under two names
+  (:func:`.expert_count.expert_count`: a Qwen3-MoE's ``num_local_experts`` over its ``num_experts``, a gpt-oss's
+  ``num_experts`` over its ``num_local_experts``); for a family :data:`.expert_count.EXPERT_COUNT` does not list, each of
+  ``num_experts``, ``num_local_experts`` and ``n_routed_experts`` it holds (``text_config`` first).
 - **Vision blocks** (:func:`vision_depth_problems`): the vision tower's block stack, found by the tensor names each
   family's HF checkpoints store (:data:`_TOWERS`, by the config's ``model_type``), holds exactly the blocks vLLM 0.33
   builds from ``n``, ``vision_config``'s ``depth`` (else its ``num_hidden_layers``; transformers maps the one onto
@@ -52,9 +54,8 @@ random weights (a layer or expert the model has but no tensor fills). Neither sh
   extraction).
 
 A decoder layer index below ``num_hidden_layers`` holding an MTP layer's own modules (``eh_proj``, ``enorm``,
-``hnorm``, ``shared_head``) is an error too: the config counts the MTP layer as a decoder layer. Every expert key the
-config holds is compared (transformers maps one onto another through a config's ``attribute_map``, so either may be
-the one read), and a count that is not an integer (``"4"``, ``4.0``, ``true``) is an error of its own
+``hnorm``, ``shared_head``) is an error too: the config counts the MTP layer as a decoder layer. A count that is not an
+integer (``"4"``, ``4.0``, ``true``) is an error of its own
 (:func:`count_type_problems`). A config without these keys, or a checkpoint whose decoder stack cannot be found, is
 not judged (nothing is said).
 """
@@ -66,6 +67,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import agree, plural
+from .expert_count import EXPERT_KEYS, expert_count, expert_family
 from .families import MTP_PARTS, config_value, is_fused_expert
 from .naming import decoder_layers_prefix
 from .reader import CONFIG_NAME, Problem
@@ -86,8 +88,6 @@ __all__ = [
 #: the line ``verify`` lists among its checks
 COUNTS_CHECK = "decoder layers, experts and vision blocks against config.json's counts"
 
-#: the config keys naming the routed experts of each MoE block, in the order they are looked up
-EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _PER_EXPERT = re.compile(r"^(?P<parent>.*(?:^|\.)experts)\.(?P<e>\d+)\.")
 _SHOWN = 3  # runs of indices shown in a message
 #: the config's size keys vLLM 0.33 reads as integers (the widths :mod:`.widths` compares, and the attention's)
@@ -180,13 +180,14 @@ def layer_count_problems(config: dict, tensors: dict[str, TensorInfo], file: str
 
 
 def expert_count_problems(config: dict, tensors: dict[str, TensorInfo], file: str | None = None) -> list[Problem]:
-    """An error for each way the stored experts disagree with the config's expert count (:data:`EXPERT_KEYS`): an
-    ``...experts`` module stored per expert whose indices are not ``0 .. n-1``, and a fused 3-D expert weight whose
-    first dimension is not ``n``. Each error names up to three such modules and how many there are.
+    """An error for each way the stored experts disagree with the config's expert count (the count vLLM 0.33 builds
+    for the family, :func:`.expert_count.expert_count`; each key of :data:`EXPERT_KEYS` for a family it does not
+    list): an ``...experts`` module stored per expert whose indices are not ``0 .. n-1``, and a fused 3-D expert weight
+    whose first dimension is not ``n``. Each error names up to three such modules and how many there are.
 
     ``config``, ``tensors``, ``file``: as :func:`layer_count_problems`. Empty where the config has no integer
     expert count or the checkpoint stores no experts."""
-    keys = {k: v for k in EXPERT_KEYS if (v := _count(config, k)) is not None}
+    keys = _expert_counts(config)
     if not keys:
         return []
     per_expert: dict[str, set[int]] = {}
@@ -198,7 +199,7 @@ def expert_count_problems(config: dict, tensors: dict[str, TensorInfo], file: st
         elif len(info.shape) == 3 and is_fused_expert(name):
             fused[name] = int(info.shape[0])
     out = []
-    for key, n in keys.items():  # every key the config holds: transformers maps one onto another (attribute_map), either may be read
+    for key, n in keys.items():  # (several only for a family expert_count does not list: which one its loader reads is not known)
         wrong = {p: sorted(s) for p, s in per_expert.items() if s != set(range(n))}
         if wrong:
             p = min(wrong)
@@ -289,6 +290,16 @@ def _llava_built(config: dict, n: int, default: int) -> int | None:
 
 def _type_error(key: str, value, what: str, file: str | None) -> Problem:
     return Problem("error", f"config.json's {key} is {json.dumps(value)}, not an integer: vLLM cannot build {what} from it", file)
+
+
+def _expert_counts(config: dict) -> dict[str, int]:
+    """Expert key -> the count to judge: for a family :data:`.expert_count.EXPERT_COUNT` lists, the one vLLM 0.33 builds
+    (:func:`.expert_count.expert_count`; none where it is not an integer); else each of :data:`EXPERT_KEYS` the config
+    holds as an integer (``text_config`` first)."""
+    if expert_family(config) is not None:
+        counted = expert_count(config)
+        return {counted[0]: counted[1]} if counted is not None else {}
+    return {k: v for k in EXPERT_KEYS if (v := _count(config, k)) is not None}
 
 
 def _count(config: dict, key: str) -> int | None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ..errors import BadInputError, UnsupportedError
 from .architectures import model_types, vllm_types
+from .expert_count import expert_count
 from .safetensors_io import SliceView, TensorInfo
 
 __all__ = [
@@ -364,7 +365,8 @@ def _parts(name: str, info: TensorInfo, parent: str, member: str, bias: bool, la
     """The per-expert derived tensors of one fused tensor, expert-major (gate before up), and whether it is stored transposed."""
     e = info.shape[0]
     hidden = config_value(config, "hidden_size")
-    experts = config_value(config, "num_experts", "num_local_experts", "n_routed_experts")
+    counted = expert_count(config)  # the count vLLM 0.33 builds (every FAMILIES type is listed there)
+    experts = counted[1] if counted is not None else None
 
     def refuse(why: str, contradicts: bool = False):
         """A layout the family does not have (unsupported, exit 4), or a config the tensor contradicts (bad input, exit 3)."""

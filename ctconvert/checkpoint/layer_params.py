@@ -64,6 +64,8 @@ KV-cache scales too (:func:`.expected.parameters`).
 
 from __future__ import annotations
 
+from .expert_count import expert_count
+
 __all__ = ["FUSED_FORMS", "LAYER_FILES", "has_layer_set", "layer_parameters", "stored_form"]
 
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
@@ -110,17 +112,22 @@ LAYER_FILES = {
 }
 
 
-def _sparse(cfg: dict, layer: int) -> bool:
-    """qwen3_moe.py / qwen2_moe.py ``...DecoderLayer``: whether layer ``layer`` builds the sparse MoE block."""
-    step = cfg.get("decoder_sparse_step") or 1
-    experts = cfg.get("num_experts", cfg.get("num_local_experts", 1))  # transformers 5 saves Qwen3-MoE's as num_local_experts
-    return layer not in (cfg.get("mlp_only_layers") or []) and (experts or 0) > 0 and (layer + 1) % step == 0
+def _sparse(cfg: dict, layer: int, family: str) -> bool:
+    """qwen3_moe.py / qwen2_moe.py ``...DecoderLayer``: whether layer ``layer`` builds the sparse MoE block. The expert
+    count as vLLM reads it (:func:`.expert_count.expert_count`: a Qwen3-MoE's ``num_local_experts`` over its
+    ``num_experts``); a value of another type than the config class declares (which vLLM refuses:
+    :mod:`.config_types`) is read as its class default would be, so that the other checks still run."""
+    step = cfg.get("decoder_sparse_step")
+    step = step if isinstance(step, int) and not isinstance(step, bool) and step > 0 else 1
+    counted = expert_count({**cfg, "model_type": family})
+    only = cfg.get("mlp_only_layers")
+    return layer not in (only if isinstance(only, list) else []) and (counted is None or counted[1] > 0) and (layer + 1) % step == 0
 
 
 def _qwen_moe(cfg: dict, layer: int, always_shared_gate: bool) -> set[str]:
     """Layer ``layer``'s MLP; ``always_shared_gate``: qwen2_moe.py (whose config defaults a shared expert: transformers'
     ``Qwen2MoeConfig`` ``shared_expert_intermediate_size`` 5632; Qwen3-MoE's has none, vLLM's getattr default 0)."""
-    if not _sparse(cfg, layer):
+    if not _sparse(cfg, layer, "qwen2_moe" if always_shared_gate else "qwen3_moe"):
         return set(_DENSE)
     out = {"mlp.gate.weight"} | {f"mlp.experts.*.{p}_proj.weight" for p in ("gate", "up", "down")}
     shared = (cfg.get("shared_expert_intermediate_size", 5632 if always_shared_gate else 0) or 0) > 0

@@ -1,6 +1,9 @@
 """What vLLM 0.33 builds, judged from a checkpoint's headers: the checks ``verify`` runs without a reference, from here.
 
-:func:`loadability_problems` is the one list: the decoder layer count (:func:`.depth.count_problems`), the widths
+:func:`loadability_problems` is the one list: the config values vLLM refuses when it parses the config
+(:func:`.config_types.parse_problems`: a string ``rms_norm_eps``, a ``layer_types`` of another length than the
+layers; alone where there are any, since vLLM then builds nothing from the config and the checks below would read
+values of another type), the decoder layer count (:func:`.depth.count_problems`), the widths
 (:func:`.widths.width_problems`), the sizes of the small parameters (:func:`.param_shapes.param_shape_problems`), the
 tensors each layer stores (:func:`.expected.expected_problems`) and the attention projections' rows
 (:func:`.files_check.attention_shape_problems`; DeepSeek's MLA projections: :func:`.mla_shapes.mla_shape_problems`), each
@@ -16,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .architectures import mismatch_problems
+from .config_types import PARSE_CHECK, parse_problems
 from .depth import count_problems
 from .expected import expected_problems
 from .files_check import attention_shape_problems
@@ -25,14 +29,16 @@ from .param_shapes import param_shape_problems
 from .reader import CONFIG_NAME, Checkpoint, Problem
 from .widths import width_problems
 
-__all__ = ["architecture_problems", "header_problems", "loadability_problems"]
+__all__ = ["PARSE_CHECK", "architecture_problems", "header_problems", "loadability_problems"]
 
 
 def header_problems(ckpt: Checkpoint, mods: dict[str, Module], folder: str | Path) -> list[Problem]:
-    """The decoder layer count, the widths and the sizes of the small parameters against ``config.json`` (any
-    checkpoint: a kernel-native one with ``mods`` {}); ``folder``: the path a config problem names. ``verify`` runs them
-    first, whatever else it finds."""
+    """The config values vLLM refuses when it parses the config (alone where there are any), else the decoder layer
+    count, the widths and the sizes of the small parameters against ``config.json`` (any checkpoint: a kernel-native one
+    with ``mods`` {}); ``folder``: the path a config problem names. ``verify`` runs them first, whatever else it finds."""
     config, tensors = ckpt.config, ckpt.tensors
+    if refused := parse_problems(config, str(folder)):
+        return refused
     found = count_problems(config, tensors, str(folder)) + width_problems(config, tensors, mods, str(folder))
     return found + param_shape_problems(config, tensors, mods)
 
@@ -41,7 +47,10 @@ def architecture_problems(ckpt: Checkpoint, mods: dict[str, Module], expected: b
     """A warning where ``config.json``'s ``architectures`` and ``model_type`` name different families
     (:func:`.architectures.mismatch_problems`: vLLM builds the class ``architectures`` names, and the checks judge by
     it), the attention projections' rows (MLA's sizes) against ``config.json`` and, with ``expected``, the tensors each
-    layer stores against what the family's vLLM 0.33 class builds (its notes included: the families it does not judge)."""
+    layer stores against what the family's vLLM 0.33 class builds (its notes included: the families it does not judge);
+    none where vLLM refuses the config when it parses it (:func:`header_problems` says why)."""
+    if parse_problems(ckpt.config, ckpt.path):
+        return []
     found = mismatch_problems(ckpt.config, str(ckpt.path / CONFIG_NAME)) + attention_shape_problems(mods, ckpt.config, ckpt.tensors)
     found += mla_shape_problems(mods, ckpt.config, ckpt.tensors)
     return found + (expected_problems(ckpt, mods) if expected else [])

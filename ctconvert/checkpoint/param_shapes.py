@@ -20,14 +20,15 @@ checkpoint vLLM refuses, which neither the quantized modules nor :mod:`.widths` 
 - The MoE router ``gate.weight`` ``[experts, hidden_size]`` (``GateLinear``): ``mixtral.py`` ``MixtralMoE``
   (``num_local_experts``), ``qwen2_moe.py`` ``Qwen2MoeSparseMoeBlock``, ``qwen3_moe.py`` ``Qwen3MoeSparseMoeBlock``,
   ``olmoe.py`` ``OlmoeMoE`` (``num_experts``), ``deepseek_v2.py`` ``DeepseekV2MoE`` and ``glm4_moe.py`` ``Glm4MoE``
-  (``n_routed_experts``), or the alias transformers saved it under (:data:`_EXPERTS_KEYS`); its
-  ``e_score_correction_bias`` ``[n_routed_experts]`` (the last two).
+  (``n_routed_experts``), the count read from ``config.json`` as transformers 5.20 resolves its aliases
+  (:func:`.expert_count.expert_count`); its ``e_score_correction_bias`` ``[n_routed_experts]`` (the last two).
 - Qwen2-MoE's ``mlp.shared_expert_gate.weight`` ``[1, hidden_size]`` (``qwen2_moe.py`` ``Qwen2MoeSparseMoeBlock``:
   ``ReplicatedLinear(hidden_size, 1)``, built whatever ``shared_expert_intermediate_size`` says).
 - DeepSeek's MLA norms (``deepseek_v2.py`` ``DeepseekV2MLAAttention``): ``kv_a_layernorm`` ``[kv_lora_rank]``,
   ``q_a_layernorm`` ``[q_lora_rank]``.
 - gpt-oss (``gpt_oss.py`` ``MLPBlock``): its router ``mlp.router`` (``torch.nn.Linear(hidden_size,
-  num_local_experts)``: weight ``[num_local_experts, hidden_size]``, bias ``[num_local_experts]``) and the biases of its
+  num_local_experts)``: weight ``[num_local_experts, hidden_size]``, bias ``[num_local_experts]``; the count as
+  :func:`.expert_count.expert_count` reads it: a ``num_experts`` key wins over ``num_local_experts``) and the biases of its
   fused experts (``FusedMoE`` with biases, ``fused_moe/layer.py``: ``w13_bias`` ``[num_local_experts, 2 *
   intermediate_size]`` from ``experts.gate_up_proj_bias``, ``w2_bias`` ``[num_local_experts, hidden_size]`` from
   ``experts.down_proj_bias``), stored fused as transformers saves them.
@@ -44,6 +45,7 @@ import re
 
 from .architectures import vllm_types
 from .expected import builds_bias
+from .expert_count import expert_count
 from .modules import Module
 from .naming import decoder_layers_prefix
 from .reader import Problem
@@ -79,16 +81,8 @@ _FAMILIES = {
 _PER_HEAD_NORM = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "glm4_moe", "qwen2")
 _QKV_BIAS = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "gemma2", "glm4_moe", "qwen2", "qwen2_moe", "llama", "mistral")
 _O_BIAS = ("llama", "mistral")
-#: model_type -> the config key vLLM reads for the experts, then its aliases (transformers 5.20's ``attribute_map``:
-#: Qwen3-MoE's ``num_experts`` is saved as ``num_local_experts``, OLMoE's the other way round ...)
-_EXPERTS_KEYS = {
-    "mixtral": ("num_local_experts", "num_experts"),
-    "qwen2_moe": ("num_experts",),
-    "qwen3_moe": ("num_experts", "num_local_experts"),
-    "olmoe": ("num_experts", "num_local_experts"),
-    "deepseek_v2": ("n_routed_experts", "num_experts"),
-    **dict.fromkeys(("deepseek_v3", "kimi_k2", "glm4_moe"), ("n_routed_experts", "num_local_experts")),
-}
+#: the families whose MoE router ``gate.weight`` is judged (module docstring)
+_ROUTERS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe")
 _ESCORE = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe")
 _MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 _LAYER = re.compile(r"\d+\.(?P<rel>.+)$")
@@ -106,7 +100,8 @@ def param_shape_problems(config: dict, tensors: dict[str, TensorInfo], mods: dic
     if family is None or stack is None:
         return []
     cfg = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-    rules = _rules(family, cfg)
+    counted = expert_count(config)
+    rules = _rules(family, cfg, counted if counted is not None and counted[1] > 0 else None)
     out = []
     for name in sorted(tensors):
         m = _LAYER.fullmatch(name[len(stack) :]) if name.startswith(stack) else None
@@ -131,8 +126,9 @@ def _stored(name: str, info: TensorInfo, mods: dict[str, Module]) -> list[int] |
     return [int(d) for d in info.shape]
 
 
-def _rules(family: str, cfg: dict) -> dict[str, tuple[list[int], tuple[str, str]]]:
-    """Relative name in a layer -> (the size vLLM builds, (its formula, the config keys read))."""
+def _rules(family: str, cfg: dict, counted: tuple[str, int] | None) -> dict[str, tuple[list[int], tuple[str, str]]]:
+    """Relative name in a layer -> (the size vLLM builds, (its formula, the config keys read)); ``counted``: the
+    routed experts vLLM builds and the key they come from (:func:`.expert_count.expert_count`)."""
     out: dict[str, tuple[list[int], tuple[str, str]]] = {}
     hidden, heads, kv = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads"), _int(cfg, "num_key_value_heads")
     hd, hd_keys = _head_dim(_FAMILIES[family][3], cfg, hidden, heads)
@@ -151,8 +147,8 @@ def _rules(family: str, cfg: dict) -> dict[str, tuple[list[int], tuple[str, str]
                 out[f"self_attn.{p}.bias"] = ([kv * hd], ("[num_key_value_heads * head_dim]", f"num_key_value_heads, {hd_keys}"))
     if hidden is not None and family in _O_BIAS and _built(family, cfg, "o_bias"):
         out["self_attn.o_proj.bias"] = ([hidden], ("[hidden_size]", "hidden_size"))
-    key = next((k for k in _EXPERTS_KEYS.get(family, ()) if k in cfg), None)
-    if key is not None and (experts := _int(cfg, key)) is not None:
+    if counted is not None and family in _ROUTERS:
+        key, experts = counted
         root = "block_sparse_moe" if family == "mixtral" else "mlp"
         if hidden is not None:
             out[f"{root}.gate.weight"] = ([experts, hidden], (f"[{key}, hidden_size]", f"{key}, hidden_size"))
@@ -160,8 +156,8 @@ def _rules(family: str, cfg: dict) -> dict[str, tuple[list[int], tuple[str, str]
             out[f"{root}.gate.e_score_correction_bias"] = ([experts], (f"[{key}]", key))
     if family == "qwen2_moe" and hidden is not None:  # ReplicatedLinear(hidden_size, 1), in every MoE block
         out["mlp.shared_expert_gate.weight"] = ([1, hidden], ("[1, hidden_size]", "hidden_size"))
-    if family == "gpt_oss":
-        out.update(_gpt_oss_rules(cfg, hidden))
+    if family == "gpt_oss" and counted is not None:
+        out.update(_gpt_oss_rules(cfg, hidden, counted))
     if family in _MLA:
         for p, key in (("kv_a_layernorm", "kv_lora_rank"), ("q_a_layernorm", "q_lora_rank")):
             if (n := _int(cfg, key)) is not None:
@@ -169,17 +165,16 @@ def _rules(family: str, cfg: dict) -> dict[str, tuple[list[int], tuple[str, str]
     return out
 
 
-def _gpt_oss_rules(cfg: dict, hidden: int | None) -> dict[str, tuple[list[int], tuple[str, str]]]:
-    """gpt-oss's router and fused expert biases (module docstring), where ``config.json`` holds the sizes."""
-    out: dict[str, tuple[list[int], tuple[str, str]]] = {}
-    if (experts := _int(cfg, "num_local_experts")) is None:
-        return out
-    out["mlp.router.bias"] = ([experts], ("[num_local_experts]", "num_local_experts"))
+def _gpt_oss_rules(cfg: dict, hidden: int | None, counted: tuple[str, int]) -> dict[str, tuple[list[int], tuple[str, str]]]:
+    """gpt-oss's router and fused expert biases (module docstring), where ``config.json`` holds the sizes; ``counted``:
+    the experts and the key they come from (``num_local_experts``, or ``num_experts`` where it holds both)."""
+    key, experts = counted
+    out: dict[str, tuple[list[int], tuple[str, str]]] = {"mlp.router.bias": ([experts], (f"[{key}]", key))}
     if hidden is not None:
         for rel in ("mlp.router.weight", "mlp.experts.down_proj_bias"):
-            out[rel] = ([experts, hidden], ("[num_local_experts, hidden_size]", "num_local_experts, hidden_size"))
+            out[rel] = ([experts, hidden], (f"[{key}, hidden_size]", f"{key}, hidden_size"))
     if (inter := _int(cfg, "intermediate_size")) is not None:
-        out["mlp.experts.gate_up_proj_bias"] = ([experts, 2 * inter], ("[num_local_experts, 2 * intermediate_size]", "num_local_experts, intermediate_size"))
+        out["mlp.experts.gate_up_proj_bias"] = ([experts, 2 * inter], (f"[{key}, 2 * intermediate_size]", f"{key}, intermediate_size"))
     return out
 
 

@@ -24,7 +24,14 @@ import json
 import math
 from pathlib import Path
 
-from ..checkpoint.conformance import contradictions, linear_module_files, missing_fused_members, partial_block_problems
+from ..checkpoint.conformance import (
+    contradictions,
+    linear_module_files,
+    missing_fused_members,
+    partial_block_problems,
+    vllm_expert_problems,
+    vllm_unloadable_problems,
+)
 from ..checkpoint.families import split_fused_experts
 from ..checkpoint.kernel_native import is_kernel_native, missing_tensors
 from ..checkpoint.loadable import loadability_problems
@@ -159,6 +166,8 @@ def inspect_checkpoint(path: Path) -> dict:
         problems += contradictions(mods, qcfg) + partial_block_problems(mods)
     problems += unexplained_dense(ckpt, mods)
     problems += _vllm_problems(ckpt, mods, path)
+    if qcfg.get("quant_method") == "compressed-tensors":  # quantized so for other loaders (--allow-unloadable): verify fails it
+        problems += _verify_fails(vllm_expert_problems(mods, qcfg) + vllm_unloadable_problems(mods, ckpt.config))
     casts = cast_tensors(path)
     for row in layers:
         if (c := casts.get(row["module"] + ".weight")) is not None:
@@ -190,7 +199,12 @@ def _vllm_problems(ckpt: Checkpoint, mods: dict[str, Module], path: Path) -> lis
     """What verify's architecture checks find, from the headers (:func:`.loadable.loadability_problems`), as warnings:
     inspect describes a checkpoint (a partial copy or a test's slice too) and keeps exit 3 for one it cannot read
     consistently, while ``verify`` fails these (exit 5)."""
-    found = loadability_problems(ckpt, mods, path)
+    return _verify_fails(loadability_problems(ckpt, mods, path))
+
+
+def _verify_fails(found: list[Problem]) -> list[Problem]:
+    """``found``'s errors as warnings that say ``verify`` fails them (what vLLM 0.33 makes of the checkpoint: inspect
+    keeps its exit 3 for a checkpoint it cannot read consistently)."""
     return [dataclasses.replace(p, severity="warning", message=f"{p.message} (`ctconvert verify` fails it)") if p.severity == "error" else p for p in found]
 
 

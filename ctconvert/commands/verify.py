@@ -72,7 +72,7 @@ from ..checkpoint.files_check import reference_problems
 from ..checkpoint.grid import GridCheck, grid_problems, rounded_elsewhere, unchecked_note
 from ..checkpoint.integrity import record_problems, shards_checks
 from ..checkpoint.kernel_native import is_kernel_native
-from ..checkpoint.loadable import architecture_problems, header_problems
+from ..checkpoint.loadable import PARSE_CHECK, architecture_problems, header_problems
 from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense, with_files
 from ..checkpoint.naming import find_embedding, is_linear_weight, natural_key, resolve_group
 from ..checkpoint.param_shapes import PARAM_SHAPES_CHECK
@@ -182,7 +182,7 @@ def _bar(progress, total: int):
 
 def _checked(ckpt: Checkpoint, checks: list[str], compared: int) -> dict:
     """What verify looked at (the report's ``checked``), and what it left out (``not_checked``: with ``--reference``, what vLLM builds)."""
-    checks = [*shards_checks(ckpt), COUNTS_CHECK, WIDTHS_CHECK, PARAM_SHAPES_CHECK, *checks]
+    checks = [*shards_checks(ckpt), PARSE_CHECK, COUNTS_CHECK, WIDTHS_CHECK, PARAM_SHAPES_CHECK, *checks]
     left = [c for c in (EXPECTED_CHECK,) if c not in checks]
     return dict(shards=len(ckpt.files), tensors=len(ckpt.tensors), bytes=ckpt.total_bytes, checks=checks, not_checked=left, compared_modules=compared)
 

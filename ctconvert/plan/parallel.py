@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..checkpoint.expert_count import EXPERT_KEYS, expert_count, expert_family
 from ..checkpoint.modules import Module, dense_shape
 from ..checkpoint.naming import resolve_group
 from ..errors import agree, plural
@@ -131,16 +132,22 @@ def _largest(works) -> int:
 
 
 def _count_experts(names: list[str], config: dict) -> dict[str, int]:
-    """Experts per MoE layer (the prefix before ``experts.``), counted from the names; the config's
-    ``num_experts``/``num_local_experts``/``n_routed_experts`` where a layer's names do not say."""
+    """Experts per MoE layer (the prefix before ``experts.``), counted from the names; the config's count where a
+    layer's names do not say (the key vLLM 0.33 reads for the family, :func:`~ctconvert.checkpoint.expert_count.expert_count`;
+    the first integer of ``num_experts``/``num_local_experts``/``n_routed_experts`` for a family it does not list)."""
     seen: dict[str, set[int]] = {}
     for name in names:
         mt = EXPERT.search(name)
         if mt:
             seen.setdefault(name[: mt.start(2)], set()).add(int(mt.group(2)))
     c = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    from_cfg = next((int(c[k]) for k in ("num_experts", "num_local_experts", "n_routed_experts") if c.get(k)), None)
+    counted = expert_count(config) if expert_family(config) is not None else next(((k, c[k]) for k in EXPERT_KEYS if _positive(c.get(k))), None)
+    from_cfg = counted[1] if counted is not None and _positive(counted[1]) else None
     return {p: max(len(ix), max(ix) + 1, from_cfg or 0) for p, ix in seen.items()}
+
+
+def _positive(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 def parallel_report(modules: list[ParallelModule], config: dict | None = None, tp: int = 1, ep: int | None = None) -> ParallelReport:

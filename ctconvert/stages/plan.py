@@ -14,7 +14,7 @@ from ..checkpoint.architectures import mismatch_problems
 from ..checkpoint.config import build_quantization_config
 from ..checkpoint.conformance import mixed_expert_blocks, vllm_expert_mismatches
 from ..checkpoint.expected import is_router_bias, router_bias_problem
-from ..checkpoint.families import is_expert, split_fused_experts, vllm_head
+from ..checkpoint.families import is_expert, split_fused_experts, vllm_dense_reason, vllm_head
 from ..checkpoint.loadable import loadability_problems
 from ..checkpoint.modules import modules_of
 from ..checkpoint.naming import is_generative, is_lm_head, matches, tie_word_embeddings
@@ -29,7 +29,7 @@ from ..plan.result import ConversionResult
 from ..plan.schemes import resolve_scheme
 from .job import QuantizeJob, Stage
 
-__all__ = ["PlanErrorStage", "PlanStage", "describe_source", "plan_or_error", "vllm_expert_error"]
+__all__ = ["PlanErrorStage", "PlanStage", "allowed_unloadable_notes", "describe_source", "plan_or_error", "vllm_expert_error"]
 
 
 class PlanStage(Stage):
@@ -87,6 +87,8 @@ class PlanStage(Stage):
             plan.observers.update({g: name for g, name in self.recipe.observers.items() if g in plan.config_groups})
             plan.ignore += [p for p in self.recipe.ignore if p not in plan.ignore]
         job.dry_error = job.dry_error or vllm_expert_error(plan, o.allow_unloadable)
+        if o.allow_unloadable:
+            allowed_unloadable_notes(plan, job.ckpt.config, o.target)
         job.plan = plan
         job.result = ConversionResult.of_plan(plan, job.out, o.dry_run, source.original.total_bytes, ())  # the device: the quantize stage's
         if self.recipe is not None:  # the result names every scheme of the recipe's groups: W4A16+FP8_DYNAMIC
@@ -211,6 +213,30 @@ def vllm_expert_error(plan: Plan, allow_unloadable: bool = False) -> UsageError 
     blocks, projs = sorted({f.block for f in found}), sorted({f.proj for f in found})
     more = f" ({len(found)} in all: {plural(len(blocks), 'MoE block')} x {', '.join(projs)})" if len(found) > 1 else ""
     return UsageError(f"{found[0].experts}: {found[0].message()}{more}")
+
+
+def allowed_unloadable_notes(plan: Plan, config: dict, target: str | None = None) -> None:
+    """``--allow-unloadable``: what the plan quantizes that vLLM 0.33 cannot load, as ``verify`` finds it in the output,
+    one warning each (:func:`_unloadable_note`): the modules quantized though vLLM cannot load them quantized, per reason
+    (:func:`~ctconvert.checkpoint.families.vllm_dense_reason` with each group's arguments: gpt-oss's experts, experts
+    with static INT8 inputs, most MoE routers; verify's :func:`~ctconvert.checkpoint.conformance.vllm_unloadable_problems`),
+    and the MoE blocks whose experts are not quantized alike (:func:`~ctconvert.checkpoint.conformance.mixed_expert_blocks`).
+    The option writes them for other loaders; without these warnings a run said nothing of it but a note."""
+    groups = build_quantization_config(plan.config_groups, plan.format, plan.ignore)["config_groups"]
+    found: dict[str, list[str]] = {}
+    for u in (u for u in plan.units if u.kind == "quantize"):
+        args = groups.get(u.group) or {}
+        for m in u.modules:
+            if (why := vllm_dense_reason(m, config, args.get("weights"), args.get("input_activations"))) is not None:
+                found.setdefault(why, []).append(m)
+    for why, ms in found.items():
+        more = f" (and {plural(len(ms) - 1, 'more such module')})" if len(ms) > 1 else ""
+        _unloadable_note(plan, f"--allow-unloadable quantized {ms[0]}{more}, but {why}", target)
+    dense = {r.name.removesuffix(".weight"): None for r in plan.rows if r.action != "quantize" and r.name.endswith(".weight")}
+    mixed = mixed_expert_blocks({**dense, **{m: u.group for u in plan.units if u.kind == "quantize" for m in u.modules}})
+    if mixed:
+        more = f" (and {plural(len(mixed) - 1, 'more such MoE block')})" if len(mixed) > 1 else ""
+        _unloadable_note(plan, f"--allow-unloadable wrote {mixed[0].experts}{more} so: {mixed[0].message()}", target)
 
 
 def _no_head_note(plan: Plan, ckpt: Checkpoint, lm_head: str, target: str | None = None) -> None:

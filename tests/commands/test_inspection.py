@@ -224,3 +224,21 @@ def test_a_foreign_source_gets_the_loadability_list_of_its_dense_view(tmp_path, 
     assert any(w.startswith("the source: ") and width in w for w in r.warnings), r.warnings
     rep = api.verify(tmp_path / "out")
     assert not rep["ok"] and any(width in p["message"] and p["severity"] == "error" for p in rep["problems"])
+
+
+def test_inspect_shows_what_verify_fails_in_an_output_for_other_loaders(tmp_path):
+    """Written with --allow-unloadable: gpt-oss experts quantized (vLLM 0.33 cannot load them quantized) and a MoE block
+    whose experts are quantized unlike each other. inspect said "no problems found" of the first (a new-user trial);
+    it now shows every error verify fails such an output with, as a warning saying so, exit 0."""
+    from tests.conftest import gpt_oss_checkpoint, moe_checkpoint
+
+    outs = [tmp_path / "gpt-oss", tmp_path / "mixed"]
+    api.quantize(gpt_oss_checkpoint(tmp_path / "src"), outs[0], "W4A16", targets=["Linear", r"re:.*mlp\.experts\.\d+\..*"], allow_unloadable=True)
+    api.quantize(moe_checkpoint(tmp_path, inter=128), outs[1], "W4A16", ignore=["model.layers.1.mlp.experts.0.down_proj"], allow_unloadable=True)
+    for out in outs:
+        failed = [p for p in api.verify(out)["problems"] if p["severity"] == "error"]
+        assert len(failed) == 1, failed
+        shown = [{**p, "severity": "error", "message": p["message"].removesuffix(" (`ctconvert verify` fails it)")} for p in api.inspect(out)["problems"]]
+        assert shown == failed and all(p["severity"] == "warning" for p in api.inspect(out)["problems"])
+        r = CliRunner().invoke(main, ["inspect", str(out)])
+        assert r.exit_code == 0 and "warning:" in r.output and "no problems found" not in r.output

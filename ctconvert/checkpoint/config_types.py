@@ -1,0 +1,220 @@
+"""``config.json`` values vLLM 0.33 refuses when it parses the config, before it builds anything (``verify``, no reference).
+
+vLLM 0.33 parses ``config.json`` into transformers 5.20's config class for its ``model_type`` (``vllm/transformers_utils/
+config.py`` ``get_config``: ``AutoConfig``, the class of ``CONFIG_MAPPING``). Those classes are strict dataclasses
+(``configuration_utils.py`` ``PreTrainedConfig``, ``@strict`` of huggingface_hub 2.4 ``dataclasses.py``): each declared
+field's value is checked against its annotation as it is set (``type_validator``: ``int`` takes no boolean, ``float``
+takes no integer, ``bool`` no ``0``/``1``, a ``list[int]`` no ``"1"`` item; ``None`` only where the annotation admits it),
+and after ``__init__`` the class validators run. A failure is ``StrictDataclassFieldValidationError`` or
+``StrictDataclassClassValidationError``, and ``vllm serve`` stops there (a new-user trial: ``rms_norm_eps: "1e-6"``,
+"Field 'rms_norm_eps' expected float, got str"). Two rules are judged here, one error per value, naming config.json, the
+key, the value and what vLLM requires:
+
+- **Types** (:func:`config_type_problems`): the keys ctconvert reads, and ``rms_norm_eps``, as the class of each family
+  ctconvert knows declares them (:data:`DECLARED`, read from transformers 5.20's ``models/<family>/configuration_*.py``;
+  ``tests/checkpoint/test_config_types.py`` compares it with the installed transformers' classes). A key the class does
+  not declare is set without a check (an ``attribute_map`` alias such as Qwen3-MoE's ``num_local_experts`` too), so it is
+  not judged here; :func:`.depth.count_type_problems` judges the counts and sizes of every family, and its keys are left
+  to it where their value is not null.
+- **Layer types** (:func:`layer_types_problems`): ``PreTrainedConfig.validate_layer_type``, which every strict class
+  runs, whether or not it declares ``layer_types``: ``layer_types``, where it is not null, is a list of names of
+  ``ALLOWED_ATTN_LAYER_TYPES`` (after ``_LEGACY_LAYER_TYPE_REMAP``: ``"attention"`` is ``"full_attention"``) with one entry
+  per layer, ``num_hidden_layers`` (a trial's gpt-oss with one of two: "`num_hidden_layers` (2) must be equal to the
+  number of `layer_types` (1)").
+
+The levels judged: the config itself where its ``model_type`` is a listed family (DeepSeek-V3.2's and Kimi-K2's as
+``DeepseekV3Config``, which vLLM parses them with: :data:`_PARSED_AS`), and its ``text_config`` as the class
+the composite builds it with (:data:`_TEXT_CLASS`: Gemma 3's ``Gemma3TextConfig`` whatever its ``model_type`` says;
+LLaVA's by its ``model_type``, ``llama`` where absent); Qwen2-VL and Qwen2.5-VL without a ``text_config`` pass their
+flat keys to their text class (``Qwen2VLConfig.__post_init__``). A family not listed, a ``vision_config``, and the
+other class validators (Llama's ``hidden_size % num_attention_heads``) are not judged.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import plural
+from .depth import EXPERT_KEYS, SIZE_KEYS, count_type_problems
+from .reader import CONFIG_NAME, Problem
+
+__all__ = ["DECLARED", "PARSE_CHECK", "config_type_problems", "declared", "layer_types_problems", "parse_problems"]
+
+#: the line ``verify`` lists among its checks
+PARSE_CHECK = "config.json's values of the types transformers 5.20 declares and its layer_types, as vLLM 0.33 parses them"
+
+#: what a type code requires, in words (a trailing ``?`` admits null: ``int | None``)
+_WORDS = {"i": "an integer", "f": "a float", "b": "a boolean", "s": "a string", "I": "a list of integers"}
+_ANNOTATION = {"i": "int", "f": "float", "b": "bool", "s": "str", "I": "list[int]"}
+#: declared by every listed class but where its entry removes one (``-key``)
+_CORE = "hidden_size:i intermediate_size:i vocab_size:i num_attention_heads:i num_hidden_layers:i rms_norm_eps:f tie_word_embeddings:b"
+_KV_OPT = "num_key_value_heads:i?"
+_QWEN3_MOE = "moe_intermediate_size:i num_key_value_heads:i num_experts:i decoder_sparse_step:i mlp_only_layers:I? attention_bias:b"
+_GLM4_MOE = "moe_intermediate_size:i num_key_value_heads:i n_routed_experts:i n_shared_experts:i first_k_dense_replace:i attention_bias:b"
+_MLA = "kv_lora_rank:i qk_rope_head_dim:i qk_nope_head_dim:i"
+#: model_type -> (transformers 5.20's class, the keys it declares beyond :data:`_CORE` as ``key:code``): the keys
+#: ctconvert reads and ``rms_norm_eps`` (``layer_types``: :func:`layer_types_problems`), read in each class's fields
+DECLARED: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", f"{_KV_OPT} head_dim:i? attention_bias:b mlp_bias:b"),
+    "mistral": ("MistralConfig", "num_key_value_heads:i head_dim:i?"),
+    "phi3": ("Phi3Config", _KV_OPT),
+    "qwen2": ("Qwen2Config", _KV_OPT),
+    "qwen3": ("Qwen3Config", f"{_KV_OPT} head_dim:i attention_bias:b"),
+    "gemma2": ("Gemma2Config", "num_key_value_heads:i head_dim:i attention_bias:b"),
+    "gemma3_text": ("Gemma3TextConfig", "num_key_value_heads:i head_dim:i attention_bias:b"),
+    "gemma4_text": ("Gemma4TextConfig", "moe_intermediate_size:i? num_experts:i? num_key_value_heads:i head_dim:i attention_bias:b"),
+    "qwen2_vl_text": ("Qwen2VLTextConfig", f"-tie_word_embeddings {_KV_OPT}"),
+    "qwen2_5_vl_text": ("Qwen2_5_VLTextConfig", f"-tie_word_embeddings {_KV_OPT}"),
+    "qwen3_vl_text": ("Qwen3VLTextConfig", f"-tie_word_embeddings {_KV_OPT} head_dim:i attention_bias:b"),
+    "mixtral": ("MixtralConfig", "num_key_value_heads:i num_local_experts:i head_dim:i?"),
+    "minimax": ("MiniMaxConfig", "num_key_value_heads:i num_local_experts:i head_dim:i?"),
+    "minimax_m2": ("MiniMaxM2Config", "num_key_value_heads:i head_dim:i num_local_experts:i"),
+    "phimoe": ("PhimoeConfig", "num_key_value_heads:i num_local_experts:i attention_bias:b"),
+    "granitemoe": ("GraniteMoeConfig", f"{_KV_OPT} num_local_experts:i? attention_bias:b"),
+    "jamba": ("JambaConfig", "num_key_value_heads:i num_experts:i"),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        f"moe_intermediate_size:i num_experts:i shared_expert_intermediate_size:i decoder_sparse_step:i {_KV_OPT} mlp_only_layers:I?",
+    ),
+    "qwen3_moe": ("Qwen3MoeConfig", _QWEN3_MOE),
+    "qwen3_vl_moe_text": ("Qwen3VLMoeTextConfig", f"{_QWEN3_MOE} head_dim:i?"),
+    "qwen3_next": ("Qwen3NextConfig", f"{_QWEN3_MOE} head_dim:i shared_expert_intermediate_size:i"),
+    "qwen3_5_moe_text": (
+        "Qwen3_5MoeTextConfig",
+        "-intermediate_size moe_intermediate_size:i num_key_value_heads:i head_dim:i num_experts:i shared_expert_intermediate_size:i attention_bias:b",
+    ),
+    "olmoe": ("OlmoeConfig", f"{_KV_OPT} num_experts:i attention_bias:b"),
+    "flex_olmo": ("FlexOlmoConfig", f"{_KV_OPT} num_experts:i attention_bias:b"),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", f"{_KV_OPT} head_dim:i? num_experts:i attention_bias:b"),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", f"moe_intermediate_size:i {_KV_OPT} moe_num_experts:i?"),
+    "gpt_oss": ("GptOssConfig", "num_key_value_heads:i head_dim:i num_local_experts:i attention_bias:b"),
+    "llama4_text": ("Llama4TextConfig", "num_key_value_heads:i head_dim:i num_local_experts:i attention_bias:b use_qk_norm:b"),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        f"moe_intermediate_size:i n_routed_experts:i n_shared_experts:i first_k_dense_replace:i {_MLA} {_KV_OPT} head_dim:i? q_lora_rank:i? "
+        "topk_method:s? attention_bias:b mlp_bias:b",
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        f"moe_intermediate_size:i n_routed_experts:i n_shared_experts:i {_MLA} {_KV_OPT} first_k_dense_replace:i? q_lora_rank:i? attention_bias:b",
+    ),
+    "dots1": ("Dots1Config", f"moe_intermediate_size:i {_KV_OPT} n_routed_experts:i? n_shared_experts:i? first_k_dense_replace:i? attention_bias:b"),
+    "glm4_moe": ("Glm4MoeConfig", f"{_GLM4_MOE} use_qk_norm:b"),
+    "glm4v_moe_text": ("Glm4vMoeTextConfig", _GLM4_MOE),
+    "glm4_moe_lite": (
+        "Glm4MoeLiteConfig",
+        f"moe_intermediate_size:i num_key_value_heads:i n_routed_experts:i n_shared_experts:i {_MLA} q_lora_rank:i? attention_bias:b",
+    ),
+}
+#: model_types vLLM 0.33 parses with another type's class (transformers_utils/config.py ``_CONFIG_REGISTRY``:
+#: ``deepseek_v32`` and ``kimi_k2`` as transformers' ``DeepseekV3Config``)
+_PARSED_AS = {"deepseek_v32": "deepseek_v3", "kimi_k2": "deepseek_v3"}
+#: a composite's ``model_type`` -> the class its ``text_config`` is built with (transformers 5.20
+#: ``sub_configs_defaults["text_config"]``: a fixed class; LLaVA's is ``AutoConfig``, by the text config's model_type)
+_TEXT_CLASS = {
+    "gemma3": "gemma3_text",
+    "gemma4": "gemma4_text",
+    "llama4": "llama4_text",
+    "qwen2_vl": "qwen2_vl_text",
+    "qwen2_5_vl": "qwen2_5_vl_text",
+    "qwen3_vl": "qwen3_vl_text",
+    "qwen3_vl_moe": "qwen3_vl_moe_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    "glm4v_moe": "glm4v_moe_text",
+}
+_AUTO_TEXT = {"llava": "llama", "llava_next": "llama", "llava_next_video": "llama", "llava_onevision": "qwen2"}
+#: transformers 5.20 configuration_utils.py ``ALLOWED_ATTN_LAYER_TYPES`` and ``_LEGACY_LAYER_TYPE_REMAP``
+_LAYER_TYPES = (
+    "full_attention sliding_attention chunked_attention window_attention indexed_attention compressed_sparse_attention "
+    "heavily_compressed_attention minimax_m3_sparse conv moe hybrid hybrid_sliding reference_sliding_attention linear_attention"
+).split()
+_LEGACY = {"mamba": "linear_attention", "attention": "full_attention", "deepseek_sparse_attention": "indexed_attention"}
+_LEGACY["qwen_sparse_attention"] = "indexed_attention"
+#: the keys :func:`.depth.count_type_problems` judges (any family, any value but null)
+_COUNTED = frozenset(("num_hidden_layers", "num_nextn_predict_layers", *EXPERT_KEYS, *SIZE_KEYS))
+
+
+def declared(family: str) -> dict[str, str]:
+    """The keys :data:`DECLARED`'s class of ``family`` declares -> their type code (``"i"``, ``"f?"`` ...)."""
+    spec = f"{_CORE} {DECLARED[family][1]}".split()
+    gone = {t[1:] for t in spec if t.startswith("-")}
+    return {k: code for k, _, code in (t.partition(":") for t in spec if not t.startswith("-")) if k not in gone}
+
+
+def _levels(config: dict) -> list[tuple[str, dict, str]]:
+    """``(key prefix, level, listed family)`` of each level of ``config`` a listed class parses (module docstring)."""
+    outer, tc = config.get("model_type"), config.get("text_config")
+    outer = _PARSED_AS.get(outer, outer) if isinstance(outer, str) else outer
+    out = [("", config, outer)] if outer in DECLARED else []
+    text = _TEXT_CLASS.get(outer) if isinstance(outer, str) else None
+    if isinstance(tc, dict) and isinstance(outer, str) and (outer in _TEXT_CLASS or outer in _AUTO_TEXT):
+        family = text or tc.get("model_type", _AUTO_TEXT[outer])
+        if family in DECLARED:
+            out.append(("text_config.", tc, family))
+    elif outer in ("qwen2_vl", "qwen2_5_vl"):
+        out.append(("", config, text))
+    return out
+
+
+def _fits(value, code: str) -> bool:
+    """Whether ``value`` passes huggingface_hub's ``type_validator`` for the annotation of ``code``."""
+    if value is None:
+        return code.endswith("?")
+    base = code.rstrip("?")
+    if base == "I":
+        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    kind = {"i": int, "f": float, "b": bool, "s": str}[base]
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def config_type_problems(config: dict, file: str | None = None) -> list[Problem]:
+    """An error for each value of a key a listed class declares (:data:`DECLARED`) whose type its annotation refuses
+    (module docstring), at each level of the config a listed class parses; ``file``: the config's path, named by the
+    error. Empty for a family not listed or a config that is not a dict."""
+    out = []
+    for prefix, level, family in _levels(config) if isinstance(config, dict) else []:
+        cls = DECLARED[family][0]
+        for key, code in declared(family).items():
+            value = level.get(key)
+            if key not in level or _fits(value, code) or (key in _COUNTED and value is not None):
+                continue
+            want = _WORDS[code.rstrip("?")] + (" or null" if code.endswith("?") else "")
+            note = f" (write {float(value)!r})" if code.rstrip("?") == "f" and isinstance(value, int) and not isinstance(value, bool) else ""
+            annotation = _ANNOTATION[code.rstrip("?")] + (" | None" if code.endswith("?") else "")
+            why = f"vLLM 0.33 refuses the config when it parses it (transformers 5.20 {cls} declares {key}: {annotation}; its strict validation fails)"
+            out.append(Problem("error", f"config.json's {prefix}{key} is {json.dumps(value)}, not {want}{note}: {why}", file))
+    return out
+
+
+def layer_types_problems(config: dict, file: str | None = None) -> list[Problem]:
+    """An error for a ``layer_types`` that transformers 5.20's ``PreTrainedConfig.validate_layer_type`` refuses, at each
+    level of the config a listed class parses (module docstring): not a list, an entry that is not a layer type it
+    knows, or another number of entries than ``num_hidden_layers`` (judged where that is an integer)."""
+    out = []
+    why = "vLLM 0.33 refuses the config when it parses it (transformers 5.20 PreTrainedConfig.validate_layer_type)"
+    for prefix, level, _ in _levels(config) if isinstance(config, dict) else []:
+        types, n = level.get("layer_types"), level.get("num_hidden_layers")
+        key = f"config.json's {prefix}layer_types"
+        if types is None:
+            continue
+        if not isinstance(types, list):
+            out.append(Problem("error", f"{key} is {json.dumps(types)}, not a list of layer types or null: {why}", file))
+            continue
+        bad = next(((i, t) for i, t in enumerate(types) if not isinstance(t, str) or _LEGACY.get(t, t) not in _LAYER_TYPES), None)
+        if bad is not None:
+            known = ", ".join(_LAYER_TYPES[:3])
+            out.append(Problem("error", f"{key}[{bad[0]}] is {json.dumps(bad[1])}, not a layer type transformers 5.20 knows ({known} ...): {why}", file))
+        if isinstance(n, int) and not isinstance(n, bool) and len(types) != n:
+            entries = plural(len(types), "entry", "entries")
+            out.append(Problem("error", f"{key} has {entries}, but {prefix}num_hidden_layers is {n}: one per layer: {why}", file))
+    return out
+
+
+def parse_problems(config: dict, folder: str) -> list[Problem]:
+    """Every value of ``config`` that vLLM 0.33 refuses when it parses it: :func:`.depth.count_type_problems`,
+    :func:`config_type_problems`, :func:`layer_types_problems`; ``folder``: the checkpoint's path (the errors name its
+    config.json). Empty where the config is not a dict (a broken config.json, reported by the reader)."""
+    if not isinstance(config, dict):
+        return []
+    file = f"{folder}/{CONFIG_NAME}"
+    return count_type_problems(config, file) + config_type_problems(config, file) + layer_types_problems(config, file)

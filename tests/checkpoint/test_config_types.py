@@ -1,0 +1,168 @@
+"""Config values vLLM 0.33 refuses when it parses config.json (:mod:`ctconvert.checkpoint.config_types`): a value of
+another type than transformers 5.20's class declares, a ``layer_types`` of another length than the layers. quantize
+warns of such a source, inspect shows it, verify fails the output naming config.json, the key, the value and what vLLM
+requires; a correct config has none. Each refusal was confirmed with ``vllm_accept.py`` (vLLM 0.33, 2026-12-07)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from ctconvert import api
+from ctconvert.checkpoint.config_types import DECLARED, config_type_problems, declared, layer_types_problems, parse_problems
+
+from conftest import LLAMA_CONFIG, llama_tensors, moe_checkpoint, write_checkpoint
+
+_WHY = "vLLM 0.33 refuses the config when it parses it"
+
+
+def _llama(tmp_path, **edits):
+    return write_checkpoint(tmp_path / "src", llama_tensors(LLAMA_CONFIG), {**LLAMA_CONFIG, **edits})
+
+
+def _edited_moe(tmp_path, **edits):
+    src = moe_checkpoint(tmp_path, inter=128)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, **edits}))
+    return src
+
+
+def _errors(report: dict) -> list[str]:
+    return [p["message"] for p in report["problems"] if p["severity"] == "error"]
+
+
+def _declared(what: str, cls: str, annotation: str) -> str:
+    return f"config.json's {what}: {_WHY} (transformers 5.20 {cls} declares {annotation}; its strict validation fails)"
+
+
+_LAYER_TYPES = f"{_WHY} (transformers 5.20 PreTrainedConfig.validate_layer_type)"
+
+
+@pytest.mark.parametrize(
+    "family, edits, message",
+    [
+        ("llama", {"rms_norm_eps": "1e-6"}, _declared('rms_norm_eps is "1e-6", not a float', "LlamaConfig", "rms_norm_eps: float")),
+        ("llama", {"rms_norm_eps": 1}, _declared("rms_norm_eps is 1, not a float (write 1.0)", "LlamaConfig", "rms_norm_eps: float")),
+        ("llama", {"tie_word_embeddings": 0}, _declared("tie_word_embeddings is 0, not a boolean", "LlamaConfig", "tie_word_embeddings: bool")),
+        ("llama", {"attention_bias": "false"}, _declared('attention_bias is "false", not a boolean', "LlamaConfig", "attention_bias: bool")),
+        ("llama", {"layer_types": ["full_attention"]}, f"config.json's layer_types has 1 entry, but num_hidden_layers is 2: one per layer: {_LAYER_TYPES}"),
+        (
+            "llama",
+            {"layer_types": ["full_attention", "bogus_attention"]},
+            'config.json\'s layer_types[1] is "bogus_attention", not a layer type transformers 5.20 knows (full_attention, sliding_attention, '
+            f"chunked_attention ...): {_LAYER_TYPES}",
+        ),
+        (
+            "qwen3_moe",
+            {"num_key_value_heads": None},
+            _declared("num_key_value_heads is null, not an integer", "Qwen3MoeConfig", "num_key_value_heads: int"),
+        ),
+        (
+            "qwen3_moe",
+            {"mlp_only_layers": ["1"]},
+            _declared('mlp_only_layers is ["1"], not a list of integers or null', "Qwen3MoeConfig", "mlp_only_layers: list[int] | None"),
+        ),
+        (
+            "qwen3_moe",
+            {"decoder_sparse_step": 1.0},
+            _declared("decoder_sparse_step is 1.0, not an integer", "Qwen3MoeConfig", "decoder_sparse_step: int"),
+        ),
+    ],
+)
+def test_a_config_value_vllm_refuses_is_warned_of_shown_and_fails_verify(tmp_path, family, edits, message):
+    """The source's config carries the value to the output: quantize warns of it (exit 0, the output is written for
+    other loaders), inspect shows it, verify fails the output with it, naming the output's config.json; it is reported
+    alone (vLLM builds nothing from the config, and the other checks would read a value of another type)."""
+    src = _llama(tmp_path, **edits) if family == "llama" else _edited_moe(tmp_path, **edits)
+    res = api.quantize(src, tmp_path / "out", "W4A16")
+    assert [w for w in res.warnings if message in w] == [f"the source: {message}; `ctconvert verify OUT` fails it (it is written for other loaders)"]
+    out = tmp_path / "out"
+    assert _errors(api.verify(out)) == [message]
+    (p,) = [p for p in api.verify(out)["problems"] if p["message"] == message]
+    assert p["file"] == f"{out}/config.json"
+    shown = [p["message"] for p in api.inspect(out)["problems"] if p["severity"] == "warning"]
+    assert shown == [f"{message} (`ctconvert verify` fails it)"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_correct_config_has_no_such_problem(tmp_path, family):
+    """The unedited sources, and values the classes admit (a null where the annotation does, legacy layer type names,
+    one layer type per layer): nothing to say, and verify passes."""
+    if family == "llama":
+        src = _llama(tmp_path, head_dim=64, layer_types=["attention", "full_attention"], rms_norm_eps=1e-6)
+    else:
+        src = _edited_moe(tmp_path, mlp_only_layers=None, attention_bias=False)
+    cfg = json.loads((src / "config.json").read_text())
+    assert parse_problems(cfg, str(src)) == []
+    api.quantize(src, tmp_path / "out", "W4A16")
+    assert api.verify(tmp_path / "out")["ok"]
+
+
+def test_levels_judged():
+    """A composite's text_config is judged as the class it is built with (Gemma 3's Gemma3TextConfig whatever its
+    model_type says); Qwen2-VL's flat keys as its text class's; Kimi-K2 and DeepSeek-V3.2 as the DeepseekV3Config vLLM
+    0.33 parses them with; a family not listed, and a key the class does not declare (an attribute_map alias such as
+    Qwen3-MoE's num_local_experts), are not judged here."""
+    (p,) = config_type_problems({"model_type": "gemma3", "text_config": {"model_type": "x", "rms_norm_eps": "1"}}, "f")
+    assert p.message.startswith('config.json\'s text_config.rms_norm_eps is "1", not a float') and "Gemma3TextConfig" in p.message
+    (p,) = config_type_problems({"model_type": "qwen2_vl", "tie_word_embeddings": True, "rms_norm_eps": "1"})
+    assert p.message.startswith('config.json\'s rms_norm_eps is "1"') and "Qwen2VLTextConfig" in p.message
+    (p,) = config_type_problems({"model_type": "llava", "text_config": {"attention_bias": None, "head_dim": None}})
+    assert p.message.startswith("config.json's text_config.attention_bias is null, not a boolean:") and "LlamaConfig" in p.message
+    assert config_type_problems({"model_type": "some_new_model", "rms_norm_eps": "1"}) == []
+    assert config_type_problems({"model_type": "kimi_k2", "q_lora_rank": None}) == []  # parsed as DeepseekV3Config: int | None
+    (p,) = config_type_problems({"model_type": "deepseek_v32", "kv_lora_rank": None})
+    assert "DeepseekV3Config declares kv_lora_rank: int;" in p.message
+    assert config_type_problems({"model_type": "qwen3_moe", "num_local_experts": None, "head_dim": None}) == []
+    (p,) = layer_types_problems({"model_type": "gemma3", "text_config": {"num_hidden_layers": 3, "layer_types": "full_attention"}})
+    assert p.message.startswith('config.json\'s text_config.layer_types is "full_attention", not a list of layer types or null')
+    assert layer_types_problems({"model_type": "llama", "layer_types": ["full_attention"]}) == []  # no num_hidden_layers: not judged
+    # a count that is no integer is depth.count_type_problems' error (any family), not a second one here
+    found = parse_problems({"model_type": "llama", "num_hidden_layers": "2"}, "o")
+    assert [p.message for p in found] == ['config.json\'s num_hidden_layers is "2", not an integer: vLLM cannot build the model from it']
+
+
+def _code(annotation) -> str:
+    text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    base = {"int": "i", "float": "f", "bool": "b", "str": "s", "list[int]": "I"}[text.removesuffix(" | None")]
+    return base + ("?" if text.endswith(" | None") else "")
+
+
+@pytest.mark.parametrize("family", sorted(DECLARED))
+def test_the_table_is_the_classes_own(family):
+    """Every key the table holds for a family is a field of the installed transformers' class with that annotation, and
+    every field of the class among the keys the table judges is in it; a value of another type is refused, one of the
+    declared type is not (transformers >= 5 strict config classes; the table is 5.20's, what vLLM 0.33 runs)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[family]
+    if not dataclasses.is_dataclass(cls):
+        pytest.skip(f"transformers {transformers.__version__}: config classes are no strict dataclasses")
+    assert cls.__name__ == DECLARED[family][0]
+    universe = {k for f in DECLARED for k in declared(f)}
+    fields = {f.name: f.type for f in dataclasses.fields(cls) if f.name in universe}
+    assert {k: _code(t) for k, t in fields.items()} == declared(family)
+    refused = pytest.importorskip("huggingface_hub.errors").StrictDataclassFieldValidationError
+    with pytest.raises(refused):
+        cls(rms_norm_eps="1e-6")
+    cls(rms_norm_eps=1e-6)
+
+
+def test_layer_types_as_transformers_validates_them():
+    """The rule agrees with the installed transformers' PreTrainedConfig.validate_layer_type on Llama's class."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    if not hasattr(LlamaConfig, "validate_layer_type"):
+        pytest.skip("transformers without validate_layer_type")
+    for types in (["full_attention"], ["full_attention", "bogus"], ["attention", "sliding_attention"], ["full_attention"] * 2, "full"):
+        try:
+            LlamaConfig(num_hidden_layers=2, layer_types=types)
+            refused = False
+        except Exception:  # noqa: BLE001 - StrictDataclassClassValidationError (or a TypeError on a string)
+            refused = True
+        found = layer_types_problems({"model_type": "llama", "num_hidden_layers": 2, "layer_types": types})
+        assert bool(found) == refused, (types, found)
