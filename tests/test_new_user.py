@@ -193,7 +193,7 @@ def test_text_lines_are_not_wrapped_on_a_pipe_without_columns(tiny_llama, tmp_pa
     env = {"COLUMNS": None}
     code, stdout, _ = run("verify", tmp_path / "o", env=env)
     first = stdout.splitlines()[0]
-    assert code == 0 and len(first) > 160 and first.endswith(f"{EXPECTED_CHECK})")  # the last check listed, unwrapped
+    assert code == 0 and len(first) > 160 and first.endswith(EXPECTED_CHECK)  # the last check listed, unwrapped
     code, stdout, _ = run("verify", tmp_path / "o", env={"COLUMNS": "80"})  # COLUMNS: everything fits it
     assert code == 0 and max(len(line) for line in stdout.splitlines()) <= 80
 
