@@ -149,3 +149,37 @@ def test_towers_of_any_naming_are_not_the_decoders_attention(prefix):
     lm = {"model.language_model.embed_tokens.weight": None}  # a VLM's text model under model.language_model.
     vlm = {m.name: m for m in (_module("model.language_model.layers.0.self_attn.k_proj", 64),)}
     assert [p.tensor for p in attention_shape_problems(vlm, {"text_config": cfg}, lm)] == ["model.language_model.layers.0.self_attn.k_proj"]
+
+
+#: (model_type, num_key_value_heads in config.json: "absent", None or a number, the number judged or None, the words)
+KV_CASES = [
+    ("llama", "absent", 4, "num_key_value_heads (absent: transformers' LlamaConfig takes num_attention_heads)"),
+    ("llama", None, 4, "num_key_value_heads (null: transformers' LlamaConfig takes num_attention_heads)"),
+    ("qwen2", None, 4, "num_key_value_heads (null: transformers' Qwen2Config takes num_attention_heads)"),
+    ("qwen2", "absent", 32, "num_key_value_heads (absent: transformers' Qwen2Config default)"),
+    ("mistral", "absent", 8, "num_key_value_heads (absent: transformers' MistralConfig default)"),
+    ("mistral", None, None, None),  # a null MistralConfig refuses: config_types.py's error
+    ("qwen2_moe", None, None, None),  # kept null by Qwen2MoeConfig: not judged
+    ("starcoder2", "absent", None, None),  # a family not listed: not judged
+    ("llama", 2, 2, "num_key_value_heads"),
+]
+
+
+@pytest.mark.parametrize("model_type,kv,judged,words", KV_CASES)
+def test_key_value_heads_absent_or_null_are_read_as_transformers_reads_them(model_type, kv, judged, words):
+    """vLLM 0.33 builds the k/v projections from the num_key_value_heads transformers 5.20's class holds: a Llama whose
+    config.json says null (or nothing) has num_attention_heads of them (a new-user trial: a Llama with null passed verify
+    while vLLM built 4 heads where 2 are stored), a Qwen2 without the key 32. Stored rows of 2 heads are judged so."""
+    cfg = {"model_type": model_type, "num_attention_heads": 4, "head_dim": 64}
+    if kv != "absent":
+        cfg["num_key_value_heads"] = kv
+    tensors = {"model.embed_tokens.weight": None, "model.layers.0.self_attn.k_proj.weight": None}
+    k = Module(
+        "model.layers.0.self_attn.k_proj", {"weight": TensorInfo("model.layers.0.self_attn.k_proj.weight", Path("m.safetensors"), "BF16", (128, 256), 0, 0)}
+    )
+    found = attention_shape_problems({k.name: k}, cfg, tensors)
+    if judged in (None, 2):
+        assert found == []
+    else:
+        (p,) = found
+        assert p.message == f"config.json's {words} {judged} x head_dim 64 = {judged * 64} output rows, but k_proj has 128"
