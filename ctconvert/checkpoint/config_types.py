@@ -38,7 +38,7 @@ from ..errors import plural
 from .depth import EXPERT_KEYS, SIZE_KEYS, count_type_problems
 from .reader import CONFIG_NAME, Problem
 
-__all__ = ["DECLARED", "PARSE_CHECK", "config_type_problems", "declared", "layer_types_problems", "parse_problems"]
+__all__ = ["DECLARED", "PARSE_CHECK", "config_type_problems", "declared", "kv_heads", "layer_types_problems", "parse_problems"]
 
 #: the line ``verify`` lists among its checks
 PARSE_CHECK = "config.json's values of the types transformers 5.20 declares and its layer_types, as vLLM 0.33 parses them"
@@ -218,3 +218,45 @@ def parse_problems(config: dict, folder: str) -> list[Problem]:
         return []
     file = f"{folder}/{CONFIG_NAME}"
     return count_type_problems(config, file) + config_type_problems(config, file) + layer_types_problems(config, file)
+
+
+#: transformers 5.20 (which vLLM 0.33 parses config.json with), per model_type: its config class, the
+#: ``num_key_value_heads`` it holds where config.json has none (None: ``num_attention_heads``), and whether a null is
+#: read as ``num_attention_heads`` (``__post_init__``; elsewhere a null is refused, :func:`config_type_problems`, or kept).
+#: Read in each ``models/<family>/configuration_*.py`` and by building the class with and without the key.
+_KV_DEFAULTS = {
+    "llama": ("LlamaConfig", None, True),
+    "mistral": ("MistralConfig", 8, False),
+    "qwen2": ("Qwen2Config", 32, True),
+    "qwen3": ("Qwen3Config", 32, True),
+    "phi3": ("Phi3Config", None, True),
+    "olmoe": ("OlmoeConfig", None, True),
+    "mixtral": ("MixtralConfig", 8, False),
+    "qwen2_moe": ("Qwen2MoeConfig", 16, False),
+    "qwen3_moe": ("Qwen3MoeConfig", 4, False),
+    "gemma2": ("Gemma2Config", 4, False),
+    "gemma3_text": ("Gemma3TextConfig", 4, False),
+    "glm4_moe": ("Glm4MoeConfig", 8, False),
+    "gpt_oss": ("GptOssConfig", 8, False),
+}
+
+
+def kv_heads(cfg: dict, model_type: str | None, heads: int | None) -> tuple[str, int | None]:
+    """``(how config.json gives it, the number)`` of key/value heads vLLM 0.33 builds from ``cfg`` (a config, or its
+    ``text_config``, parsed as ``model_type``'s class; ``heads``: its ``num_attention_heads``): ``num_key_value_heads``
+    where it is an integer; where it is null or absent, the value transformers 5.20's class gives it
+    (:data:`_KV_DEFAULTS`: a Llama without the key, or with null, has ``num_attention_heads`` of them; a Qwen2 without
+    it 32), else None (not judged: another type is :func:`config_type_problems`')."""
+    n = cfg.get("num_key_value_heads")
+    if isinstance(n, int) and not isinstance(n, bool):
+        return "num_key_value_heads", n
+    mt = model_type
+    cls, default, null_is_heads = _KV_DEFAULTS.get(mt, (None, 0, False))
+    if cls is None or (n is not None) or ("num_key_value_heads" in cfg and not null_is_heads):
+        return "num_key_value_heads", None
+    if heads is None:
+        return "num_key_value_heads", None
+    if "num_key_value_heads" in cfg or default is None:
+        what = "null" if "num_key_value_heads" in cfg else "absent"
+        return f"num_key_value_heads ({what}: transformers' {cls} takes num_attention_heads)", heads
+    return f"num_key_value_heads (absent: transformers' {cls} default)", default

@@ -130,7 +130,7 @@ def count_problems(config: dict, tensors: dict[str, TensorInfo], folder: str) ->
     if not isinstance(config, dict):
         return []
     file = f"{folder}/{CONFIG_NAME}"
-    found = count_type_problems(config, file) + layer_count_problems(config, tensors, file) + expert_count_problems(config, tensors, file)
+    found = layer_count_problems(config, tensors, file) + expert_count_problems(config, tensors, file)  # (types: config_types.parse_problems, first)
     return found + vision_depth_problems(config, tensors, file)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .config_types import kv_heads
 from .conformance import conforms
 from .model_card import CARD, HEADING
 from .modules import Module
@@ -237,7 +238,7 @@ def attention_shape_problems(mods: dict[str, Module], config: dict, tensors: dic
         return []
     if {cfg.get("model_type"), config.get("model_type")} & set(_OTHER_MODEL_TYPES):
         return []
-    want = {"q_proj": ("num_attention_heads", heads), "k_proj": _kv_heads(cfg, config, heads)}
+    want = {"q_proj": ("num_attention_heads", heads), "k_proj": kv_heads(cfg, cfg.get("model_type") or config.get("model_type"), heads)}
     want["v_proj"] = want["k_proj"]
     out, qcfg = [], config["quantization_config"] if isinstance(config.get("quantization_config"), dict) else {}
     for name in sorted(mods):
@@ -253,45 +254,6 @@ def attention_shape_problems(mods: dict[str, Module], config: dict, tensors: dic
             msg = f"config.json's {key} {n} x head_dim {hd}{how} = {n * hd} output rows, but {leaf} has {rows}"
             out.append(Problem("error", msg, mods[name].file, name))
     return out
-
-
-#: transformers 5.20 (which vLLM 0.33 parses config.json with), per model_type: its config class, the
-#: ``num_key_value_heads`` it holds where config.json has none (None: ``num_attention_heads``), and whether a null is
-#: read as ``num_attention_heads`` (``__post_init__``; elsewhere a null is refused, :mod:`.config_types`, or kept).
-#: Read in each ``models/<family>/configuration_*.py`` and by building the class with and without the key.
-_KV_DEFAULTS = {
-    "llama": ("LlamaConfig", None, True),
-    "mistral": ("MistralConfig", 8, False),
-    "qwen2": ("Qwen2Config", 32, True),
-    "qwen3": ("Qwen3Config", 32, True),
-    "phi3": ("Phi3Config", None, True),
-    "olmoe": ("OlmoeConfig", None, True),
-    "mixtral": ("MixtralConfig", 8, False),
-    "qwen2_moe": ("Qwen2MoeConfig", 16, False),
-    "qwen3_moe": ("Qwen3MoeConfig", 4, False),
-    "gemma2": ("Gemma2Config", 4, False),
-    "gemma3_text": ("Gemma3TextConfig", 4, False),
-    "glm4_moe": ("Glm4MoeConfig", 8, False),
-    "gpt_oss": ("GptOssConfig", 8, False),
-}
-
-
-def _kv_heads(cfg: dict, config: dict, heads: int) -> tuple[str, int | None]:
-    """``(how config.json gives it, the number)`` of key/value heads vLLM 0.33 builds: ``num_key_value_heads`` where it
-    is an integer; where it is null or absent, the value transformers 5.20's class of the model_type gives it
-    (:data:`_KV_DEFAULTS`: a Llama without the key, or with null, has ``num_attention_heads`` of them; a Qwen2 without
-    it 32), else None (not judged)."""
-    n = cfg.get("num_key_value_heads")
-    if isinstance(n, int) and not isinstance(n, bool):
-        return "num_key_value_heads", n
-    mt = cfg.get("model_type") or config.get("model_type")
-    cls, default, null_is_heads = _KV_DEFAULTS.get(mt, (None, 0, False))
-    if cls is None or (n is not None) or ("num_key_value_heads" in cfg and not null_is_heads):
-        return "num_key_value_heads", None
-    if "num_key_value_heads" in cfg or default is None:
-        what = "null" if "num_key_value_heads" in cfg else "absent"
-        return f"num_key_value_heads ({what}: transformers' {cls} takes num_attention_heads)", heads
-    return f"num_key_value_heads (absent: transformers' {cls} default)", default
 
 
 def _head_dim(cfg: dict) -> int | None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import re
 
 from .architectures import vllm_types
+from .config_types import kv_heads
 from .expected import builds_bias
 from .expert_count import expert_count
 from .modules import Module
@@ -101,7 +102,7 @@ def param_shape_problems(config: dict, tensors: dict[str, TensorInfo], mods: dic
         return []
     cfg = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     counted = expert_count(config)
-    rules = _rules(family, cfg, counted if counted is not None and counted[1] > 0 else None)
+    rules = _rules(family, cfg, counted if counted is not None and counted[1] > 0 else None, cfg.get("model_type") or config.get("model_type"))
     out = []
     for name in sorted(tensors):
         m = _LAYER.fullmatch(name[len(stack) :]) if name.startswith(stack) else None
@@ -126,11 +127,13 @@ def _stored(name: str, info: TensorInfo, mods: dict[str, Module]) -> list[int] |
     return [int(d) for d in info.shape]
 
 
-def _rules(family: str, cfg: dict, counted: tuple[str, int] | None) -> dict[str, tuple[list[int], tuple[str, str]]]:
+def _rules(family: str, cfg: dict, counted: tuple[str, int] | None, model_type: str | None) -> dict[str, tuple[list[int], tuple[str, str]]]:
     """Relative name in a layer -> (the size vLLM builds, (its formula, the config keys read)); ``counted``: the
-    routed experts vLLM builds and the key they come from (:func:`.expert_count.expert_count`)."""
+    routed experts vLLM builds and the key they come from (:func:`.expert_count.expert_count`); ``model_type``: the
+    class ``cfg`` is parsed as (its ``num_key_value_heads`` where null or absent: :func:`.config_types.kv_heads`)."""
     out: dict[str, tuple[list[int], tuple[str, str]]] = {}
-    hidden, heads, kv = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads"), _int(cfg, "num_key_value_heads")
+    hidden, heads = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads")
+    kv_words, kv = kv_heads(cfg, model_type, heads)
     hd, hd_keys = _head_dim(_FAMILIES[family][3], cfg, hidden, heads)
     if hd is not None and family in _PER_HEAD_NORM and _built(family, cfg, "qk_norm"):
         for p in ("q_norm", "k_norm"):
@@ -138,13 +141,13 @@ def _rules(family: str, cfg: dict, counted: tuple[str, int] | None) -> dict[str,
     if hd is not None and heads is not None and family == "olmoe":
         out["self_attn.q_norm.weight"] = ([heads * hd], ("[num_attention_heads * head_dim]", f"num_attention_heads, {hd_keys}"))
         if kv is not None:
-            out["self_attn.k_norm.weight"] = ([kv * hd], ("[num_key_value_heads * head_dim]", f"num_key_value_heads, {hd_keys}"))
+            out["self_attn.k_norm.weight"] = ([kv * hd], ("[num_key_value_heads * head_dim]", f"{kv_words}, {hd_keys}"))
     if hd is not None and family in _QKV_BIAS and _built(family, cfg, "qkv_bias"):
         if heads is not None:
             out["self_attn.q_proj.bias"] = ([heads * hd], ("[num_attention_heads * head_dim]", f"num_attention_heads, {hd_keys}"))
         if kv is not None:
             for p in ("k_proj", "v_proj"):
-                out[f"self_attn.{p}.bias"] = ([kv * hd], ("[num_key_value_heads * head_dim]", f"num_key_value_heads, {hd_keys}"))
+                out[f"self_attn.{p}.bias"] = ([kv * hd], ("[num_key_value_heads * head_dim]", f"{kv_words}, {hd_keys}"))
     if hidden is not None and family in _O_BIAS and _built(family, cfg, "o_bias"):
         out["self_attn.o_proj.bias"] = ([hidden], ("[hidden_size]", "hidden_size"))
     if counted is not None and family in _ROUTERS:

@@ -287,3 +287,24 @@ def test_qwen2_moe_shared_expert_gate_is_sized(tmp_path, rows, cols):
     want = [] if path == out else [f"{name} is [{rows}, {cols}], where {built}: vLLM refuses the checkpoint"]
     assert [p["message"] for p in found] == want
     assert api.verify(path)["ok"] == (path == out)
+
+
+def test_kv_biases_follow_the_key_value_heads_transformers_reads():
+    """A Qwen2 config without num_key_value_heads: transformers 5.20's Qwen2Config holds 32, so vLLM builds k/v biases of
+    32 heads; with null, num_attention_heads (config_types.kv_heads, as the q/k/v rows are judged)."""
+    from pathlib import Path
+
+    from ctconvert.checkpoint.param_shapes import param_shape_problems
+    from ctconvert.checkpoint.safetensors_io import TensorInfo
+
+    cfg = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 256, "num_attention_heads": 4}
+    names = ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.bias")
+    tensors = {n: TensorInfo(n, Path("m.safetensors"), "BF16", (128,), 0, 256) for n in names}
+    (p,) = param_shape_problems(cfg, tensors, {})
+    assert "builds [num_key_value_heads * head_dim] = [2048] (config.json num_key_value_heads (absent: transformers' Qwen2Config default)" in p.message
+    assert [p.message for p in param_shape_problems(dict(cfg, num_key_value_heads=None), tensors, {})] == [
+        "model.layers.0.self_attn.k_proj.bias is [128], where vLLM 0.33 qwen2.py Qwen2Attention builds [num_key_value_heads * head_dim] = [256] "
+        "(config.json num_key_value_heads (null: transformers' Qwen2Config takes num_attention_heads), hidden_size / num_attention_heads): "
+        "vLLM refuses the checkpoint"
+    ]
+    assert param_shape_problems(dict(cfg, num_key_value_heads=2), tensors, {}) == []
