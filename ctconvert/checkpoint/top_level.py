@@ -22,6 +22,7 @@ The loader skips on purpose (``AutoWeightsLoader.load_weights``), and so does th
 - an unexpected ``.bias`` of a module it builds (it adds ``.bias`` to ``ignore_unexpected_suffixes``, which
   ``_load_module`` asks of a name below a module it has): the embedding's, the final norm's or the head's bias is
   dropped while the module's weight loads, so the checkpoint holds values vLLM never runs, an error here all the same.
+  Another name below such a module (``lm_head.foo``, ``model.norm.weight2``) has no parameter, an error as any other.
   The bias of a module it does not build is refused as any other name (``model.foo.bias``: no module named 'foo');
 - the quantization's activation and KV-cache scales (``_ignore_unexpected_suffixes``; left out before this rule by
   :func:`.expected.parameters`, :mod:`.conformance` judges them).
@@ -60,7 +61,7 @@ def top_level_problems(params: dict[str, str], stack: str, cls: VllmClass, file_
         module, _, leaf = name.rpartition(".")
         if name.startswith(stack) or name.startswith(cls.towers):  # (the RoPE buffers vLLM drops: not in params)
             continue
-        if module in built or module in cls.heads:
+        if (module in built or module in cls.heads) and leaf in ("weight", "bias"):  # (another leaf: no parameter, below)
             if leaf == "bias":  # a bias of a module vLLM builds without one: dropped while its weight loads
                 owner = cls.where if module in cls.heads else cls.model
                 msg = f"extra: {name} is stored, but vLLM 0.33 {owner} builds {module} without a bias: its loader drops this one "

@@ -72,6 +72,24 @@ def test_biases_outside_the_layers_fail(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("name,owner", [("lm_head.foo", "LlamaForCausalLM"), ("model.norm.weight2", "LlamaModel"), ("model.embed_tokens.foo", "LlamaModel")])
+def test_other_names_on_the_modules_built_outside_the_layers_fail(tmp_path, name, owner):
+    """A name below the head, the final norm or the embedding that is neither its weight nor its bias: vLLM 0.33 has no
+    parameter for it ("There is no module or parameter named 'lm_head.foo'", a new-user trial), an error as any other."""
+    out = _output(tmp_path, {name: torch.ones(256, dtype=BF)})
+    msg = f"extra: {name} is stored outside the decoder layers, {NO_PARAM.format('llama.py ' + owner)}"
+    assert _found(out) == [("error", str(out / "model.safetensors"), name, msg)]
+    assert not api.verify(out)["ok"]
+
+
+def test_a_quantized_head_passes(tmp_path):
+    """The head quantized (--lm-head nvfp4a16: weight_packed, weight_scale, weight_global_scale stand for its weight)."""
+    cfg = dict(LLAMA_CONFIG)
+    src = write_checkpoint(tmp_path / "src", llama_tensors(cfg), cfg)
+    api.quantize(src, tmp_path / "out", "NVFP4A16", device="cpu", lm_head="nvfp4a16")
+    assert _found(tmp_path / "out") == [] and api.verify(tmp_path / "out")["ok"]
+
+
 def test_what_vllm_skips_passes(tmp_path):
     """RoPE buffers (utils.py AutoWeightsLoader REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER), at the top level and in every
     layer (the trial's m-llama-inv-freq, which vLLM 0.33 loads): no problem, verify passes."""
