@@ -23,7 +23,8 @@ checkpoint vLLM refuses, which neither the quantized modules nor :mod:`.widths` 
   (``n_routed_experts``), the count read from ``config.json`` as transformers 5.20 resolves its aliases
   (:func:`.expert_count.expert_count`); its ``e_score_correction_bias`` ``[n_routed_experts]`` (the last two).
 - Qwen2-MoE's ``mlp.shared_expert_gate.weight`` ``[1, hidden_size]`` (``qwen2_moe.py`` ``Qwen2MoeSparseMoeBlock``:
-  ``ReplicatedLinear(hidden_size, 1)``, built whatever ``shared_expert_intermediate_size`` says).
+  ``ReplicatedLinear(hidden_size, 1)``, built whatever ``shared_expert_intermediate_size`` says; a 1-D
+  ``[hidden_size]`` loads too: its ``load_weights`` reshapes a 1-D gate, ``_maybe_reshape``).
 - DeepSeek's MLA norms (``deepseek_v2.py`` ``DeepseekV2MLAAttention``): ``kv_a_layernorm`` ``[kv_lora_rank]``,
   ``q_a_layernorm`` ``[q_lora_rank]``.
 - gpt-oss (``gpt_oss.py`` ``MLPBlock``): its router ``mlp.router`` (``torch.nn.Linear(hidden_size,
@@ -111,7 +112,8 @@ def param_shape_problems(config: dict, tensors: dict[str, TensorInfo], mods: dic
             continue
         want, keys = rule
         have = _stored(name, tensors[name], mods)
-        if have is not None and have != want:
+        loaded = [1, *have] if family == "qwen2_moe" and rule is rules.get("mlp.shared_expert_gate.weight") and have and len(have) == 1 else have
+        if have is not None and loaded != want:  # (loaded: qwen2_moe.py load_weights makes a 1-D gate [1, hidden_size])
             file, attn, moe = _FAMILIES[family][:3]
             cls = attn if m["rel"].startswith("self_attn.") else moe
             msg = f"{name} is {have}, where vLLM 0.33 {file} {cls} builds {keys[0]} = {want} (config.json {keys[1]}): vLLM refuses the checkpoint"
