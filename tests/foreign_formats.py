@@ -287,6 +287,7 @@ def deepseek_checkpoint(path: Path, seed=0, static=False, partial=True) -> Path:
         if static:
             tensors[mod + ".input_scale"] = torch.tensor(0.05)
     cfg = json.loads(json.dumps(DEEPSEEK_CONFIG))
+    cfg.update(q_lora_rank=qa, kv_lora_rank=kva - 32, qk_rope_head_dim=32)  # the MLA ranks of these tensors (else transformers' defaults)
     if static:
         cfg["quantization_config"]["activation_scheme"] = "static"
     return save(path, tensors, cfg)

@@ -18,7 +18,8 @@ decoder stack (:func:`.naming.decoder_layers_prefix`; the MTP layers after it ar
 other than DeepSeek-V2/V3 and Kimi-K2 (the class vLLM builds from ``architectures``, as :mod:`.param_shapes` reads
 it: :func:`.architectures.vllm_types`), a layer vLLM builds
 without MLA (``qk_nope_head_dim`` and ``qk_rope_head_dim`` both 0: ``DeepseekAttention``), a config key that is absent
-or not an integer (each size that needs it), and a quantized module whose dense shape cannot be read
+or not an integer (each size that needs it; a key left out is transformers 5.20's default, as vLLM reads it),
+and a quantized module whose dense shape cannot be read
 (:func:`.widths.dense_dims`). One error per projection and disagreeing side, naming the shard file, the module, both
 sizes and the config keys.
 """
@@ -70,25 +71,36 @@ def mla_shape_problems(mods: dict[str, Module], config: dict, tensors: dict[str,
     return out
 
 
+#: transformers 5.20's DeepseekV2Config and DeepseekV3Config (Kimi-K2's too) defaults, which vLLM 0.33 builds from where
+#: config.json leaves a key out (``deepseek_v2.py`` reads them with ``getattr``; ``q_lora_rank`` null: ``q_proj``)
+_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+
+
 def _sizes(cfg: dict) -> dict[tuple[str, str], tuple[int, str]]:
-    """(projection, "rows" or "columns") -> (the size vLLM builds, its formula of config keys with their values)."""
-    heads, nope, rope, v = (_int(cfg, k) for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
-    q_rank, kv_rank = _int(cfg, "q_lora_rank"), _int(cfg, "kv_lora_rank")
+    """(projection, "rows" or "columns") -> (the size vLLM builds, its formula of config keys with their values; a key
+    config.json leaves out is transformers' default, :data:`_DEFAULTS`, and says so)."""
+    v: dict[str, int | None] = {"num_attention_heads": _int(cfg, "num_attention_heads")}
+    w: dict[str, str] = {"num_attention_heads": f"num_attention_heads {v['num_attention_heads']}"}
+    for key, default in _DEFAULTS.items():
+        v[key] = _int(cfg, key) if key in cfg else default
+        w[key] = f"{key} {v[key]}" + ("" if key in cfg else " (absent: transformers' default)")
+    keys = ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank", "kv_lora_rank")
+    heads, nope, rope, vd, q_rank, kv_rank = (v[k] for k in keys)
     out: dict[tuple[str, str], tuple[int, str]] = {}
-    h = f"num_attention_heads {heads}"
+    h = w["num_attention_heads"]
     if heads is not None and nope is not None and rope is not None:
-        qk = (heads * (nope + rope), f"{h} x (qk_nope_head_dim {nope} + qk_rope_head_dim {rope})")
+        qk = (heads * (nope + rope), f"{h} x ({w['qk_nope_head_dim']} + {w['qk_rope_head_dim']})")
         out[("q_b_proj" if q_rank is not None else "q_proj", "rows")] = qk
     if q_rank is not None:
-        out[("q_a_proj", "rows")] = out[("q_b_proj", "columns")] = (q_rank, f"q_lora_rank {q_rank}")
+        out[("q_a_proj", "rows")] = out[("q_b_proj", "columns")] = (q_rank, w["q_lora_rank"])
     if kv_rank is not None:
-        out[("kv_b_proj", "columns")] = (kv_rank, f"kv_lora_rank {kv_rank}")
+        out[("kv_b_proj", "columns")] = (kv_rank, w["kv_lora_rank"])
         if rope is not None:
-            out[("kv_a_proj_with_mqa", "rows")] = (kv_rank + rope, f"kv_lora_rank {kv_rank} + qk_rope_head_dim {rope}")
-    if heads is not None and nope is not None and v is not None:
-        out[("kv_b_proj", "rows")] = (heads * (nope + v), f"{h} x (qk_nope_head_dim {nope} + v_head_dim {v})")
-    if heads is not None and v is not None:
-        out[("o_proj", "columns")] = (heads * v, f"{h} x v_head_dim {v}")
+            out[("kv_a_proj_with_mqa", "rows")] = (kv_rank + rope, f"{w['kv_lora_rank']} + {w['qk_rope_head_dim']}")
+    if heads is not None and nope is not None and vd is not None:
+        out[("kv_b_proj", "rows")] = (heads * (nope + vd), f"{h} x ({w['qk_nope_head_dim']} + {w['v_head_dim']})")
+    if heads is not None and vd is not None:
+        out[("o_proj", "columns")] = (heads * vd, f"{h} x {w['v_head_dim']}")
     return out
 
 

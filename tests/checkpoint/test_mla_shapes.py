@@ -119,3 +119,25 @@ def test_other_families_and_layers_without_mla_are_not_judged(source):
     assert mla_shape_problems(mods, dict(ck.config, model_type="llama"), ck.tensors) == []
     assert mla_shape_problems(mods, dict(ck.config, qk_nope_head_dim=0, qk_rope_head_dim=0), ck.tensors) == []
     assert mla_shape_problems(mods, dict(ck.config, num_attention_heads=3), ck.tensors) != []
+
+
+@pytest.mark.parametrize("key", list(SIZED_BY)[1:])
+def test_a_key_left_out_is_transformers_default(source, key, tmp_path):
+    """vLLM 0.33 builds from the config transformers 5.20 parses: a head size or rank config.json leaves out is
+    DeepseekV3Config's default (v_head_dim 128, qk_rope_head_dim 64, kv_lora_rank 512, q_lora_rank 1536, qk_nope_head_dim
+    128), which these tiny projections do not have: each projection it sizes is named, the default said."""
+    src, q_rank = source
+    if key == "q_lora_rank" and q_rank is None:
+        pytest.skip("q_lora_rank null: q_proj (a left-out key would be 1536)")
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (folder / f.name).symlink_to(f)
+    c = json.loads((src / "config.json").read_text())
+    del c[key]
+    (folder / "config.json").write_text(json.dumps(c))
+    found = _problems(folder)
+    want = {(p.replace("q_b_proj", "q_proj"), s) if q_rank is None else (p, s) for p, s in SIZED_BY[key]}
+    sides = {(re.fullmatch(WORDING, p.message)[2], re.fullmatch(WORDING, p.message)[4]) for p in found}
+    assert sides == want and all(f"{key} " in p.message and "(absent: transformers' default)" in p.message for p in found), found
