@@ -17,20 +17,23 @@ transformers' class of the model_type in its place (``get_config``, ``MODEL_MAPP
 each with the text model class that builds ``embed_tokens``, the decoder layers and ``norm`` and the top-level towers
 it also builds (a VLM's). Left out: the pooling adapters (``...Model``, ``...ForSequenceClassification``: another
 class around the layers) and the registry's aliases for other model types (``InternLM3ForCausalLM``,
-``TeleChat3ForCausalLM`` ... are built as Llama from configs verify does not know). :func:`resolve` applies vLLM's rule
-to them: the first entry of ``architectures`` is the class where it is one of them (the registry holds it, so vLLM
-builds it whatever follows); where it is any other name, verify cannot tell whether vLLM's registry holds it (vLLM then
-builds that class) or not (vLLM tries the next entry), so the decoder layers are judged by ``model_type`` as before and
-nothing outside them (:mod:`.expected` says so in a note).
+``TeleChat3ForCausalLM`` ... are built as Llama from configs verify does not know). :func:`resolve` applies vLLM's rule:
+the entry built is the first one vLLM 0.33's registry holds (:func:`registered`, from the release's list of its 415
+names: an unknown ``FooForCausalLM`` before ``Qwen3ForCausalLM`` is skipped, as vLLM skips it, and Qwen3 is judged),
+else the first entry. Where that entry is one of :data:`ARCHITECTURES`, its class is judged; where it is any other
+name, the decoder layers are judged by ``model_type`` as before and nothing outside them (:mod:`.expected` says so in a
+note).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 from .reader import Problem
 
-__all__ = ["ARCHITECTURES", "Resolved", "VllmClass", "family_class", "mismatch_problems", "model_types", "resolve", "vllm_types"]
+__all__ = ["ARCHITECTURES", "Resolved", "VllmClass", "family_class", "mismatch_problems", "model_types", "registered", "resolve", "vllm_types"]
 
 
 @dataclass(frozen=True)
@@ -135,13 +138,41 @@ def resolve(config: dict) -> Resolved:
     types = model_types(config) if isinstance(config, dict) else []
     declared = next((t for t in types if t in _KNOWN), None)
     archs = config.get("architectures") if isinstance(config, dict) else None
-    first = next((a for a in archs if isinstance(a, str)), None) if isinstance(archs, list) else None
+    names = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    first = next((a for a in names if registered(a)), names[0] if names else None)  # vLLM skips a name it does not hold
     if first is None:  # vLLM puts transformers' class of the model_type in its place: judged by model_type, as before
         return Resolved(None, _own_class(config.get("model_type")) if types else None, declared, tuple(types))
     cls = ARCHITECTURES.get(first)
     if cls is None:  # a class verify does not know (or one vLLM skips): the decoder layers judged by model_type, as before
         return Resolved(first, None, declared, tuple(types))
     return Resolved(first, cls, declared, tuple(types) if declared in cls.families else (cls.families[0],))
+
+
+#: the suffixes vLLM 0.33 swaps for one another to find a registered class (``config/model.py``
+#: ``iter_architecture_defaults``, used by ``registry.py`` ``_ModelRegistry._normalize_arch``)
+_SUFFIXES = (
+    "ForCausalLM", "ForConditionalGeneration", "ChatModel", "LMHeadModel", "ForTextEncoding", "EmbeddingModel", "ForSequenceClassification",
+    "ForTokenClassification", "ForAudioClassification", "ForImageClassification", "ForVideoClassification", "ClassificationModel",
+    "ForRewardModeling", "RewardModel", "Model",
+)  # fmt: skip
+
+
+@functools.cache
+def _registry() -> frozenset[str]:
+    """vLLM 0.33.0's registered architecture names (``registry.py`` ``_VLLM_MODELS``, 415 names, listed from the release
+    in ``vllm_033_architectures.txt``)."""
+    return frozenset((Path(__file__).with_name("vllm_033_architectures.txt")).read_text().split())
+
+
+def registered(name: str) -> bool:
+    """Whether vLLM 0.33's registry holds ``name`` (an ``architectures`` entry), as ``_normalize_arch`` finds it: the
+    name itself, or the name with its suffix (:data:`_SUFFIXES`, the first that ends it) swapped for another. vLLM tries
+    the entries in order and skips one it does not hold (``resolve_model_cls``)."""
+    reg = _registry()
+    if name in reg:
+        return True
+    suffix = next((s for s in _SUFFIXES if name.endswith(s)), None)
+    return suffix is not None and any(name.replace(suffix, other) in reg for other in _SUFFIXES)
 
 
 def vllm_types(config: dict) -> list[str]:
@@ -160,8 +191,17 @@ def family_class(family: str, config: dict) -> VllmClass | None:
 def mismatch_problems(config: dict, file: str | None = None) -> list[Problem]:
     """A warning where ``architectures`` and ``model_type`` name different families (:attr:`Resolved.mismatch`): vLLM
     0.33 builds the class ``architectures`` names, and verify judges the tensors as that class builds them (a failure
-    only where they are wrong for it). ``file``: the config's path, which the warning names."""
+    only where they are wrong for it); or where it names no class vLLM's registry holds (:func:`registered`: vLLM then
+    tries the Transformers backend, which needs transformers' own class of that name). ``file``: the config's path,
+    which the warning names."""
     r = resolve(config) if isinstance(config, dict) else None
+    if r is not None and r.architecture is not None and not registered(r.architecture):
+        msg = (
+            f"config.json's architectures {config['architectures']} names no class vLLM 0.33's registry holds (registry.py "
+            f"resolve_model_cls): vLLM builds transformers' own {r.architecture} through its Transformers backend if "
+            "transformers has one, else refuses the model"
+        )
+        return [Problem("warning", msg, file)]
     if r is None or not r.mismatch:
         return []
     msg = (

@@ -51,6 +51,9 @@ def test_every_judged_family_has_its_class():
         ({"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}, ["kimi_k2"], False),  # one class, two model types
         ({"architectures": ["Qwen3ForCausalLM"]}, ["qwen3"], False),  # no model_type: vLLM reads it from the architecture
         ({"model_type": "llama", "architectures": ["CohereForCausalLM"]}, ["llama"], False),  # a class verify does not know: as before
+        ({"model_type": "llama", "architectures": ["FooBarForCausalLM", "Qwen3ForCausalLM"]}, ["qwen3"], True),  # vLLM skips what it does not hold
+        ({"model_type": "llama", "architectures": ["FooBarForCausalLM"]}, ["llama"], False),  # none held: the first, unknown: as before
+        ({"model_type": "llama", "architectures": ["LlamaForSequenceClassification", "Qwen3ForCausalLM"]}, ["llama"], False),  # held (an adapter)
         ({"model_type": "cohere", "architectures": ["CohereForCausalLM"]}, ["cohere"], False),
         (
             {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}, "architectures": ["Gemma3ForConditionalGeneration"]},
@@ -63,7 +66,7 @@ def test_resolve_follows_vllm(config, types, mismatch):
     """vLLM 0.33 registry.py resolve_model_cls: the first entry of architectures it holds; model_type where there is none."""
     assert vllm_types(config) == types
     assert resolve(config).mismatch == mismatch
-    assert bool(mismatch_problems(config)) == mismatch
+    assert bool([p for p in mismatch_problems(config) if "name different families" in p.message]) == mismatch
 
 
 def test_head_follows_architectures():
@@ -149,3 +152,21 @@ def test_unknown_first_architecture_keeps_model_type(tmp_path):
         "the tensors outside the decoder layers are not judged: architectures' first entry 'CohereForCausalLM' is not a class whose modules "
         "verify knows (vLLM 0.33 builds it if its registry holds it)"
     )
+
+
+def test_registered_names_are_vllms():
+    """The registry list (vLLM 0.33.0 registry.py _VLLM_MODELS): every class verify judges is in it, a name with another
+    of vLLM's suffixes is found through its base (_normalize_arch), an unknown name is not."""
+    from ctconvert.checkpoint.architectures import ARCHITECTURES, registered
+
+    assert all(registered(a) for a in ARCHITECTURES)
+    assert registered("Qwen2ForSequenceClassification") and registered("MistralModel")
+    assert not registered("FooBarForCausalLM") and not registered("LlamaForCausalLMX")
+
+
+def test_architectures_vllm_does_not_hold_are_warned_of():
+    """No entry vLLM 0.33 registers (a new-user trial's FooBarForCausalLM, which vLLM refused): one warning naming them."""
+    (p,) = mismatch_problems({"model_type": "llama", "architectures": ["FooBarForCausalLM"]}, "config.json")
+    assert p.severity == "warning" and p.file == "config.json"
+    assert p.message.startswith("config.json's architectures ['FooBarForCausalLM'] names no class vLLM 0.33's registry holds")
+    assert mismatch_problems({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}) == []
