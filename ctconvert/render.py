@@ -353,7 +353,7 @@ def convert(res) -> None:
         f"{human(res.input_bytes)} -> {human(res.output_bytes)} in {res.seconds:.1f} s"
     )
     for n in res.notes:
-        click.echo(f"note: {n}", err=True)
+        click.echo(f"{'warning' if n in res.warnings else 'note'}: {n}", err=True)
 
 
 def repack(res: dict, target: str, layout_version: str) -> None:

@@ -49,6 +49,7 @@ from ..pipeline.tasks import Compute, CopyTensor, run_tasks
 from ..plan.planner import Plan, TensorDecision
 from ..plan.result import ConversionResult
 from ..sources import SOURCE_CONFIG_FILES, GroupSpec, Source, SourceModule, open_source
+from ..stages.plan import SourceChecks
 
 __all__ = ["ConvertResult", "convert", "lossless_target"]
 
@@ -103,6 +104,7 @@ def convert(
     planned, tasks, rows, ignore = _plan(source, spec, extra)
     groups = {"group_0": (spec, ["Linear"])}
     plan = Plan(scheme=spec, units=[], rows=rows, ignore=ignore, config_groups=groups, config_updates={}, notes=notes, input_bytes=source.original.total_bytes)
+    SourceChecks(source.view, plan, None).join()  # what verify fails the output for, found in the source's dense view: a warning
     result = ConversionResult(
         output=str(out) if out is not None else None,
         scheme=spec.name,
@@ -115,6 +117,7 @@ def convert(
         ignore=ignore,
         notes=notes,
         plan=plan,
+        warnings=plan.warnings,
     )
     if source.dropped:
         n = len(source.dropped)

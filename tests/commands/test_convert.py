@@ -15,6 +15,7 @@ import sys
 import foreign_formats as ff
 import pytest
 import torch
+from click.testing import CliRunner
 from compressed_tensors.compressors.base import BaseCompressor
 from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
 from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
@@ -22,6 +23,7 @@ from compressed_tensors.quantization import QuantizationConfig, QuantizationSche
 from safetensors.torch import load_file, save_file
 
 from ctconvert import api
+from ctconvert.cli import main
 from ctconvert.errors import BadInputError, UnsupportedError, UsageError
 
 from helpers import bitwise_equal
@@ -261,3 +263,22 @@ def test_bad_sources_are_one_line_errors_naming_the_file(tmp_path, make, edit, w
             fn()
         assert "\n" not in str(e.value) and str(src) in str(e.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_warns_of_what_verify_fails_in_the_source(tmp_path):
+    """convert of an AWQ source whose config contradicts its tensors (hidden_size edited): the same warning quantize
+    gives (the dense view's loadability list), printed as `warning:`; verify fails the output with that problem. An
+    unedited source gets none."""
+    src, _ = ff.awq_checkpoint(tmp_path / "awq")
+    assert api.convert(src, tmp_path / "ok").warnings == []
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["hidden_size"] += 64
+    (src / "config.json").write_text(json.dumps(cfg))
+    width = f"config.json's hidden_size is {cfg['hidden_size']}"
+    res = api.convert(src, tmp_path / "out")
+    assert len(res.warnings) == 1 and res.warnings[0].startswith("the source: ") and width in res.warnings[0], res.warnings
+    assert res.warnings[0] in res.notes
+    rep = api.verify(tmp_path / "out")
+    assert not rep["ok"] and any(width in p["message"] for p in rep["problems"] if p["severity"] == "error")
+    r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "cli")])
+    assert r.exit_code == 0 and f"warning: {res.warnings[0]}" in r.output
