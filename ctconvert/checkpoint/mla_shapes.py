@@ -33,7 +33,7 @@ from .modules import Module
 from .naming import decoder_layers_prefix
 from .reader import Problem
 from .safetensors_io import TensorInfo
-from .widths import dense_dims
+from .widths import config_size, dense_dims
 
 __all__ = ["MLA_FAMILIES", "mla_shape_problems"]
 
@@ -79,10 +79,10 @@ _DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "
 def _sizes(cfg: dict) -> dict[tuple[str, str], tuple[int, str]]:
     """(projection, "rows" or "columns") -> (the size vLLM builds, its formula of config keys with their values; a key
     config.json leaves out is transformers' default, :data:`_DEFAULTS`, and says so)."""
-    v: dict[str, int | None] = {"num_attention_heads": _int(cfg, "num_attention_heads")}
+    v: dict[str, int | None] = {"num_attention_heads": config_size(cfg, "num_attention_heads")}
     w: dict[str, str] = {"num_attention_heads": f"num_attention_heads {v['num_attention_heads']}"}
     for key, default in _DEFAULTS.items():
-        v[key] = _int(cfg, key) if key in cfg else default
+        v[key] = config_size(cfg, key) if key in cfg else default
         w[key] = f"{key} {v[key]}" + ("" if key in cfg else " (absent: transformers' default)")
     keys = ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank", "kv_lora_rank")
     heads, nope, rope, vd, q_rank, kv_rank = (v[k] for k in keys)
@@ -102,8 +102,3 @@ def _sizes(cfg: dict) -> dict[tuple[str, str], tuple[int, str]]:
     if heads is not None and vd is not None:
         out[("o_proj", "columns")] = (heads * vd, f"{h} x {w['v_head_dim']}")
     return out
-
-
-def _int(cfg: dict, key: str) -> int | None:
-    v = cfg.get(key)
-    return v if isinstance(v, int) and not isinstance(v, bool) else None

@@ -48,6 +48,7 @@ from .architectures import vllm_types
 from .config_types import kv_heads
 from .expected import builds_bias
 from .expert_count import expert_count
+from .mla_shapes import MLA_FAMILIES
 from .modules import Module
 from .naming import decoder_layers_prefix
 from .reader import Problem
@@ -86,7 +87,6 @@ _O_BIAS = ("llama", "mistral")
 #: the families whose MoE router ``gate.weight`` is judged (module docstring)
 _ROUTERS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe")
 _ESCORE = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe")
-_MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 _LAYER = re.compile(r"\d+\.(?P<rel>.+)$")
 
 
@@ -163,7 +163,7 @@ def _rules(family: str, cfg: dict, counted: tuple[str, int] | None, model_type: 
         out["mlp.shared_expert_gate.weight"] = ([1, hidden], ("[1, hidden_size]", "hidden_size"))
     if family == "gpt_oss" and counted is not None:
         out.update(_gpt_oss_rules(cfg, hidden, counted))
-    if family in _MLA:
+    if family in MLA_FAMILIES:
         for p, key in (("kv_a_layernorm", "kv_lora_rank"), ("q_a_layernorm", "q_lora_rank")):
             if (n := _int(cfg, key)) is not None:
                 out[f"self_attn.{p}.weight"] = ([n], (f"[{key}]", key))

@@ -68,7 +68,7 @@ from .naming import DEFAULT_IGNORE_PATTERNS, decoder_layers_prefix, find_embeddi
 from .reader import CONFIG_NAME, Problem
 from .safetensors_io import TensorInfo
 
-__all__ = ["WIDTHS_CHECK", "dense_dims", "size_problems", "tied_head_problems", "width_problems"]
+__all__ = ["WIDTHS_CHECK", "config_size", "dense_dims", "size_problems", "tied_head_problems", "width_problems"]
 
 #: the line ``verify`` lists among its checks
 WIDTHS_CHECK = "embedding, norm, MLP and expert widths and a tied lm_head against config.json"
@@ -201,7 +201,7 @@ def dense_dims(m: Module) -> tuple[int, int] | None:
 
 
 def _hidden_found(cfg: dict, stack: str, tensors: dict[str, TensorInfo], dims: dict[str, tuple[int, int]]) -> list[tuple[str, str, str, str]]:
-    h = _size(cfg, "hidden_size")
+    h = config_size(cfg, "hidden_size")
     if h is None:
         return []
     base, have = stack[: -len("layers.")], []  # (tensor, its width, what it holds)
@@ -221,7 +221,7 @@ def _hidden_found(cfg: dict, stack: str, tensors: dict[str, TensorInfo], dims: d
 
 
 def _vocab_found(config: dict, cfg: dict, stack: str, tensors: dict[str, TensorInfo], dims: dict[str, tuple[int, int]]) -> list[tuple[str, str, str, str]]:
-    v = _size(cfg, "vocab_size")
+    v = config_size(cfg, "vocab_size")
     if v is None:
         return []
     out = []
@@ -236,7 +236,7 @@ def _vocab_found(config: dict, cfg: dict, stack: str, tensors: dict[str, TensorI
 
 
 def _mlp_found(cfg: dict, stack: str, dims: dict[str, tuple[int, int]]) -> list[tuple[str, str, str, str]]:
-    dense = None if cfg.get("use_double_wide_mlp") or "block_configs" in cfg else _size(cfg, "intermediate_size")
+    dense = None if cfg.get("use_double_wide_mlp") or "block_configs" in cfg else config_size(cfg, "intermediate_size")
     expert = _expert_size(cfg)
     shared = _shared_size(cfg)
     out = []
@@ -262,7 +262,7 @@ def _fused_found(config: dict, cfg: dict, stack: str, tensors: dict[str, TensorI
     layout = next((FAMILIES[t] for t in model_types(config) if t in FAMILIES), None)
     if layout is None or layout.transposed is None:  # Qwen3-VL-MoE: the orientation is told by hidden_size itself
         return []
-    h, expert, out = _size(cfg, "hidden_size"), _expert_size(cfg), []
+    h, expert, out = config_size(cfg, "hidden_size"), _expert_size(cfg), []
     for name, info in tensors.items():
         if len(info.shape) != 3 or not name.startswith(stack) or not is_fused_expert(name) or info.dtype not in ("BF16", "F16", "F32"):
             continue
@@ -282,18 +282,18 @@ def _expert_size(cfg: dict) -> tuple[str, int] | None:
     """``(claim, size)`` of the routed experts: ``moe_intermediate_size`` where the config has that key, else
     ``intermediate_size``; None where the one read is not an integer."""
     key = "moe_intermediate_size" if "moe_intermediate_size" in cfg else "intermediate_size"
-    n = _size(cfg, key)
+    n = config_size(cfg, key)
     return None if n is None else (f"{key} is {n}", n)
 
 
 def _shared_size(cfg: dict) -> tuple[str, int] | None:
     """``(claim, size)`` of the shared experts, or None where the config does not say it (module docstring)."""
     if "shared_expert_intermediate_size" in cfg:
-        n = _size(cfg, "shared_expert_intermediate_size")
+        n = config_size(cfg, "shared_expert_intermediate_size")
         return None if n is None else (f"shared_expert_intermediate_size is {n}", n)
     if any("shared" in k and "intermediate" in k for k in cfg):  # another family's own key (dots3, Nemotron-H ...)
         return None
-    moe, count = _size(cfg, "moe_intermediate_size"), _size(cfg, "n_shared_experts")
+    moe, count = config_size(cfg, "moe_intermediate_size"), config_size(cfg, "n_shared_experts")
     return None if moe is None or count is None else (f"moe_intermediate_size x n_shared_experts is {moe} x {count} = {moe * count}", moe * count)
 
 
@@ -313,7 +313,7 @@ def _holds(what: str, n: int) -> str:
     return what.format(n) if what.startswith(("takes", "has")) else "holds " + what.format(n)
 
 
-def _size(cfg: dict, key: str) -> int | None:
-    """An integer size of the config, None where absent or not an integer (``"4"``, ``4.0``, ``true``, a list)."""
+def config_size(cfg: dict, key: str) -> int | None:
+    """An integer size of the config (``cfg[key]``), None where absent or not an integer (``"4"``, ``4.0``, ``true``, a list)."""
     v = cfg.get(key)
     return v if isinstance(v, int) and not isinstance(v, bool) else None
