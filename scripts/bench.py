@@ -34,7 +34,8 @@ so every run finds it in the page cache (warm).
 
 ``--family qwen3_moe`` generates a Qwen3-MoE-shaped checkpoint (per-expert
 ``experts.N.{gate,up,down}_proj``, ~10 GB at ``--scale 1``: 8 layers of 128
-experts of Qwen3-30B-A3B's shape), ``--family gpt_oss`` a gpt-oss-shaped one
+experts of Qwen3-30B-A3B's shape), ``--family qwen3_moe_fused`` the same experts fused as transformers 5 saves
+them (``experts.gate_up_proj [E, 2I, H]`` gate first, ``down_proj [E, H, I]``), ``--family gpt_oss`` a gpt-oss-shaped one
 (fused 3-D ``experts.gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]`` with
 biases, quantized with ``--targets`` naming the experts and ``--allow-unloadable``: vLLM 0.33 cannot load them); ``--scale`` shrinks
 the experts and the vocabulary for a CPU run (0.125: ~1.4 GB).
@@ -248,9 +249,10 @@ def model_config(family: str, size: str, scale: float) -> dict:
     c = dict(CONFIG_MOE, vocab_size=max(1024, int(CONFIG_MOE["vocab_size"] * scale) // 64 * 64))
     experts = max(4, int(MOE_EXPERTS * scale))
     c["num_experts_per_tok"] = min(c["num_experts_per_tok"], experts)  # a scaled-down MoE routes to the experts it has
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "qwen3_moe_fused"):
         extra = {"num_experts": experts, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
-        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **c, **extra}
+        fused = {"fused_experts": True} if family == "qwen3_moe_fused" else {}  # read by model_tensors only; dropped from config.json
+        return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **c, **extra, **fused}
     c["intermediate_size"] = c.pop("moe_intermediate_size")
     c["layer_types"] = ["sliding_attention", "full_attention"] * (c["num_hidden_layers"] // 2)
     return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **c, "num_local_experts": experts, "sliding_window": 128}
@@ -272,6 +274,9 @@ def model_tensors(c: dict) -> list[tuple[str, tuple[int, ...]]]:
         elif c["model_type"] == "qwen3_moe":
             e, i = c["num_experts"], c["moe_intermediate_size"]
             names += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,)), (p + "mlp.gate.weight", (e, h))]
+            if c.get("fused_experts"):  # transformers 5's own save (save_original_format=False): [E, 2I, H] gate first, [E, H, I]
+                names += [(p + "mlp.experts.gate_up_proj", (e, 2 * i, h)), (p + "mlp.experts.down_proj", (e, h, i))]
+                continue
             for x in range(e):
                 x = f"{p}mlp.experts.{x}."
                 names += [(x + "gate_proj.weight", (i, h)), (x + "up_proj.weight", (i, h)), (x + "down_proj.weight", (h, i))]
@@ -337,6 +342,7 @@ def make_model(path: Path, shards: int = 4, size: str = "1b", family: str = "lla
             new = old.name.replace(f"-of-{shards:05d}", f"-of-{s:05d}")
             old.rename(tmp / new)
         weight_map = {n: f.replace(f"-of-{shards:05d}", f"-of-{s:05d}") for n, f in weight_map.items()}
+    c.pop("fused_experts", None)
     (tmp / "config.json").write_text(json.dumps(c, indent=2))
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     os.replace(tmp, path)
@@ -433,7 +439,7 @@ def _args():
     ap.add_argument("--workdir", default="/tmp/ctbench")
     ap.add_argument("--model", default=None, help="an existing checkpoint instead of the generated one")
     ap.add_argument("--size", default="1b", choices=("1b", "8b"), help="the generated Llama: ~1.2B parameters or Llama-3-8B's shape")
-    ap.add_argument("--family", default="llama", choices=("llama", "qwen3_moe", "gpt_oss"), help="the generated checkpoint's family (MoE: see above)")
+    ap.add_argument("--family", default="llama", choices=("llama", "qwen3_moe", "qwen3_moe_fused", "gpt_oss"), help="the generated checkpoint's family (MoE: see above)")
     ap.add_argument("--scale", type=float, default=1.0, help="MoE families: the share of the 128 experts and of the vocabulary (0.125 for a CPU run)")
     ap.add_argument("--source-scheme", default="", help="benchmark requantizing: the generated checkpoint quantized to this scheme first (FP8_BLOCK)")
     ap.add_argument("--device", default="cpu")

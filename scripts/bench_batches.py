@@ -70,7 +70,7 @@ def settle(limit_s: float = 20.0) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path)
-    ap.add_argument("--family", default="qwen3_moe", choices=("llama", "qwen3_moe", "gpt_oss"))
+    ap.add_argument("--family", default="qwen3_moe", choices=("llama", "qwen3_moe", "qwen3_moe_fused", "gpt_oss"))
     ap.add_argument("--size", default="8b", choices=("1b", "8b"))
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--scheme", default="NVFP4A16")
