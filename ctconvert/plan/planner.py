@@ -273,7 +273,8 @@ def _ignore_list(d: Decisions, order: list[str], tensors: dict[str, TensorInfo],
 
 def _file_order(tensors: dict[str, TensorInfo]) -> list[str]:
     """Tensor names in the order their bytes lie in the files (per-expert parts within their fused tensor)."""
-    return sorted(tensors, key=lambda n: (str(tensors[n].file), tensors[n].start, n))
+    files: dict = {}  # one str() per file, not per tensor
+    return sorted(tensors, key=lambda n: (files.get(f := tensors[n].file) or files.setdefault(f, str(f)), tensors[n].start, n))
 
 
 def _with_parts(tensors: dict[str, TensorInfo], fused: dict[str, FusedExperts]) -> dict[str, TensorInfo]:
@@ -411,8 +412,10 @@ def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
 def _refuse_uncalibratable_mtp(d: Decisions, scheme: Scheme, config: dict, parts: frozenset | None = None) -> None:
     """A quantized MTP layer cannot take a scheme with calibrated activation scales: calibration runs the model's
     decoder layers (transformers' forward), which never run the MTP layer, so no token reaches it."""
+    if not scheme.needs_calibration:
+        return
     mtp = [n for n in d.to_quantize if is_mtp(n, config, parts)]
-    if mtp and scheme.needs_calibration:
+    if mtp:
         raise UsageError(
             f"--quantize-mtp with {scheme.name}: the MTP layer ({mtp[0]} ...) needs calibrated activation scales, but calibration runs "
             "the model's own decoder layers and the MTP layer is not one of them (no token reaches it); leave out --quantize-mtp "
