@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checkpoint.config_types import kv_head_count
 from ..checkpoint.naming import is_generative
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.safetensors_io import TORCH_TO_ST
@@ -100,7 +101,7 @@ def add_outputs(plan: Plan, ckpt: Checkpoint, kv_cache: str = "none") -> None:
             "--kv-cache calibrates the k/v projections (k_proj, v_proj) of decoder self-attention, and this plan quantizes none "
             "(an encoder has no KV cache; MLA attention has no k_proj/v_proj)"
         )
-    heads = _text_config(ckpt.config).get("num_key_value_heads") or _text_config(ckpt.config).get("num_attention_heads")
+    heads = kv_head_count(ckpt.config)  # null/absent: the class's default (a Qwen2's 32), as vLLM builds the attention
     shape = (1,) if kv_cache == "fp8" else (int(heads), 1, 1)
     for a, i in attn.items():
         plan.units[i].outputs += [(f"{a}.k_scale", dt, shape), (f"{a}.v_scale", dt, shape)]

@@ -38,7 +38,7 @@ from ..errors import plural
 from .depth import EXPERT_KEYS, SIZE_KEYS, count_type_problems
 from .reader import CONFIG_NAME, Problem
 
-__all__ = ["DECLARED", "PARSE_CHECK", "config_type_problems", "declared", "kv_heads", "layer_types_problems", "parse_problems"]
+__all__ = ["DECLARED", "PARSE_CHECK", "config_type_problems", "declared", "kv_head_count", "kv_heads", "layer_types_problems", "parse_problems"]
 
 #: the line ``verify`` lists among its checks
 PARSE_CHECK = "config.json's values of the types transformers 5.20 declares and its layer_types, as vLLM 0.33 parses them"
@@ -239,6 +239,18 @@ _KV_DEFAULTS = {
     "glm4_moe": ("Glm4MoeConfig", 8, False),
     "gpt_oss": ("GptOssConfig", 8, False),
 }
+
+
+def kv_head_count(config: dict) -> int | None:
+    """The key/value heads of a model's attention (its ``text_config``'s where it has one): ``num_key_value_heads``, or
+    where that is null or absent the number transformers 5.20's class gives (:func:`kv_heads`: a Qwen2 without it has
+    32, not ``num_attention_heads``), else ``num_attention_heads`` (a type whose default is not known here); None where
+    neither is an integer. For the TP plan and the KV-cache scales' shape, which must count the heads vLLM builds."""
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    heads = cfg.get("num_attention_heads")
+    heads = heads if isinstance(heads, int) and not isinstance(heads, bool) else None
+    _, n = kv_heads(cfg, cfg.get("model_type") or config.get("model_type"), heads)
+    return n if n is not None else heads
 
 
 def kv_heads(cfg: dict, model_type: str | None, heads: int | None) -> tuple[str, int | None]:

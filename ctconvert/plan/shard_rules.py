@@ -85,6 +85,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..checkpoint.config_types import kv_head_count
 from ..formats import CompressionFormat, WeightArgs
 from ..layouts import marlin_base
 from ..layouts.versions import DEFAULT_LAYOUT_VERSION
@@ -207,9 +208,7 @@ def kernel_problems(n_r: int, k_r: int, args: WeightArgs | None, kernel: str | N
 
 def heads_of(config: dict) -> tuple[int | None, int | None]:
     c = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    heads = c.get("num_attention_heads")
-    kv = c.get("num_key_value_heads") or heads
-    return heads, kv
+    return c.get("num_attention_heads"), kv_head_count(config)  # null/absent: the class's default (a Qwen2's 32)
 
 
 def column_parts(m: ParallelModule, t: int, config: dict, warn: list[str]) -> list[int] | str:

@@ -166,3 +166,16 @@ def test_layer_types_as_transformers_validates_them():
             refused = True
         found = layer_types_problems({"model_type": "llama", "num_hidden_layers": 2, "layer_types": types})
         assert bool(found) == refused, (types, found)
+
+
+def test_kv_head_count_reads_the_class_default_where_the_key_is_null_or_absent():
+    from ctconvert.checkpoint.config_types import kv_head_count
+
+    assert kv_head_count({"model_type": "qwen2", "num_attention_heads": 28}) == 32  # Qwen2Config's default, not the heads
+    assert kv_head_count({"model_type": "qwen2", "num_attention_heads": 28, "num_key_value_heads": None}) == 28
+    assert kv_head_count({"model_type": "llama", "num_attention_heads": 28}) == 28
+    assert kv_head_count({"model_type": "llama", "num_attention_heads": 28, "num_key_value_heads": 4}) == 4
+    assert kv_head_count({"model_type": "qwen3_moe", "num_attention_heads": 32}) == 4
+    assert kv_head_count({"model_type": "unknown_type", "num_attention_heads": 12}) == 12  # no known default: the heads
+    assert kv_head_count({"model_type": "llava", "text_config": {"model_type": "qwen2", "num_attention_heads": 28}}) == 32
+    assert kv_head_count({"model_type": "llama"}) is None

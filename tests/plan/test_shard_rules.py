@@ -39,6 +39,11 @@ def test_experts_share_the_intermediate_split():
 def test_heads_from_the_text_config():
     assert heads_of({"text_config": {"num_attention_heads": 32, "num_key_value_heads": 8}}) == (32, 8)
     assert heads_of({"num_attention_heads": 16}) == (16, 16)
+    # null or absent num_key_value_heads: the count transformers 5.20's class gives, as vLLM builds it
+    assert heads_of({"model_type": "qwen2", "num_attention_heads": 28}) == (28, 32)
+    assert heads_of({"model_type": "llama", "num_attention_heads": 28, "num_key_value_heads": None}) == (28, 28)
+    assert heads_of({"model_type": "mixtral", "num_attention_heads": 32}) == (32, 8)
+    assert heads_of({"model_type": "llava", "text_config": {"model_type": "qwen2", "num_attention_heads": 28}}) == (28, 32)
 
 
 def test_parallel_keeps_the_names_it_exported():
