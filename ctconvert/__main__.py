@@ -229,6 +229,9 @@ def main() -> None:
             from .formats import triton_key  # torch-free
 
             if triton_key.wanted(command_word(sys.argv[1:]), sys.argv[1:]):
+                from .pipeline import driver  # torch-free
+
+                driver.begin(driver.device_spec(sys.argv[1:]))  # CUDA's driver initialised beside the imports, without the GIL
                 triton_key.begin(import_here=True)  # Triton imported here, its cache key hashed beside torch's import (the first launch needs it)
             from . import api
 

@@ -7,6 +7,7 @@ import threading
 import torch
 
 from ..errors import UsageError
+from . import driver
 
 __all__ = ["DevicesAhead", "begin_contexts", "resolve_device", "resolve_devices"]
 
@@ -92,6 +93,8 @@ class DevicesAhead:
             self._thread.start()
 
     def _work(self, spec) -> None:
+        if (early := driver.begin(spec)) is not None:  # the driver and contexts first, without the GIL (.driver)
+            early.join()
         try:
             self._got = resolve_devices(spec)
         except BaseException as e:  # noqa: BLE001 - re-raised by result()
