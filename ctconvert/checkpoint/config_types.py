@@ -38,10 +38,20 @@ from ..errors import plural
 from .depth import EXPERT_KEYS, SIZE_KEYS, count_type_problems
 from .reader import CONFIG_NAME, Problem
 
-__all__ = ["DECLARED", "PARSE_CHECK", "config_type_problems", "declared", "kv_head_count", "kv_heads", "layer_types_problems", "parse_problems"]
+__all__ = [
+    "DECLARED",
+    "PARSE_CHECK",
+    "architectures_problems",
+    "config_type_problems",
+    "declared",
+    "kv_head_count",
+    "kv_heads",
+    "layer_types_problems",
+    "parse_problems",
+]
 
 #: the line ``verify`` lists among its checks
-PARSE_CHECK = "config.json's values of the types transformers 5.20 declares and its layer_types, as vLLM 0.33 parses them"
+PARSE_CHECK = "config.json's values of the types transformers 5.20 declares, its layer_types and architectures, as vLLM 0.33 parses them"
 
 #: what a type code requires, in words (a trailing ``?`` admits null: ``int | None``)
 _WORDS = {"i": "an integer", "f": "a float", "b": "a boolean", "s": "a string", "I": "a list of integers"}
@@ -210,14 +220,33 @@ def layer_types_problems(config: dict, file: str | None = None) -> list[Problem]
     return out
 
 
+def architectures_problems(config: dict, file: str | None = None) -> list[Problem]:
+    """An error for a top-level ``architectures`` that vLLM 0.33 refuses when it builds its model config: anything but a
+    list of strings, null or absent (``vllm/config/model_arch.py`` ``ModelArchitectureConfig.architectures:
+    list[str]``, a pydantic dataclass, given ``hf_config.architectures or []`` by
+    ``model_arch_config_convertor.py`` ``get_architectures``; a string is "not a valid list", a number in the list "not
+    a valid string"). An empty list passes: vLLM then takes the class from ``model_type``."""
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    if not archs:
+        return []
+    why = "vLLM 0.33 refuses the config (ModelArchitectureConfig.architectures is a list of class names)"
+    if not isinstance(archs, list):
+        hint = f"; write [{json.dumps(archs)}]" if isinstance(archs, str) else ""
+        return [Problem("error", f"config.json's architectures is {json.dumps(archs)}, not a list of strings: {why}{hint}", file)]
+    bad = next(((i, a) for i, a in enumerate(archs) if not isinstance(a, str)), None)
+    if bad is not None:
+        return [Problem("error", f"config.json's architectures[{bad[0]}] is {json.dumps(bad[1])}, not a string: {why}", file)]
+    return []
+
+
 def parse_problems(config: dict, folder: str) -> list[Problem]:
     """Every value of ``config`` that vLLM 0.33 refuses when it parses it: :func:`.depth.count_type_problems`,
-    :func:`config_type_problems`, :func:`layer_types_problems`; ``folder``: the checkpoint's path (the errors name its
+    :func:`config_type_problems`, :func:`layer_types_problems`, :func:`architectures_problems`; ``folder``: the checkpoint's path (the errors name its
     config.json). Empty where the config is not a dict (a broken config.json, reported by the reader)."""
     if not isinstance(config, dict):
         return []
     file = f"{folder}/{CONFIG_NAME}"
-    return count_type_problems(config, file) + config_type_problems(config, file) + layer_types_problems(config, file)
+    return count_type_problems(config, file) + config_type_problems(config, file) + layer_types_problems(config, file) + architectures_problems(config, file)
 
 
 #: transformers 5.20 (which vLLM 0.33 parses config.json with), per model_type: its config class, the

@@ -179,3 +179,30 @@ def test_kv_head_count_reads_the_class_default_where_the_key_is_null_or_absent()
     assert kv_head_count({"model_type": "unknown_type", "num_attention_heads": 12}) == 12  # no known default: the heads
     assert kv_head_count({"model_type": "llava", "text_config": {"model_type": "qwen2", "num_attention_heads": 28}}) == 32
     assert kv_head_count({"model_type": "llama"}) is None
+
+
+@pytest.mark.parametrize(
+    ("archs", "words"),
+    [
+        ("Qwen3ForCausalLM", 'architectures is "Qwen3ForCausalLM", not a list of strings'),
+        ({"a": 1}, "not a list of strings"),
+        (["LlamaForCausalLM", None], "architectures[1] is null, not a string"),
+        ([1], "architectures[0] is 1, not a string"),
+    ],
+)
+def test_architectures_vllm_refuses_are_errors(archs, words):
+    from ctconvert.checkpoint.config_types import architectures_problems, parse_problems
+
+    cfg = {"model_type": "llama", "architectures": archs}
+    got = architectures_problems(cfg, "m/config.json")
+    assert len(got) == 1 and words in got[0].message and got[0].severity == "error"
+    assert "ModelArchitectureConfig" in got[0].message
+    assert [p.message for p in parse_problems(cfg, "m") if "architectures" in p.message] == [got[0].message]
+
+
+@pytest.mark.parametrize("archs", [["LlamaForCausalLM"], [], None, ["FooBarForCausalLM", "LlamaForCausalLM"]])
+def test_architectures_vllm_takes_pass(archs):
+    from ctconvert.checkpoint.config_types import architectures_problems
+
+    assert architectures_problems({"model_type": "llama", "architectures": archs}) == []
+    assert architectures_problems({"model_type": "llama"}) == []
