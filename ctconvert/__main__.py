@@ -31,7 +31,9 @@ most of ``verify --reference``'s time (the 1.2B benchmark model's W4A16 output o
 system time and 24 s of wall time; with it 0.9M faults and ~15 s). The calibration process inherits both.
 
 For a command that may launch kernels (``quantize``, ``repack``, ``batch``) on a machine with an NVIDIA device node
-(and without ``--device cpu``), Triton is imported before torch and its cache key computed on a thread beside torch's
+(and without ``--device cpu``), CUDA's driver and the primary context of each device ``--device`` names are initialised
+on a thread through ctypes (:mod:`ctconvert.pipeline.driver`: without the GIL, beside the imports), and Triton is
+imported before torch and its cache key computed on a thread beside torch's
 import (:mod:`ctconvert.formats.triton_key`): the first kernel launch of a process spent 1.4 s making it, and begun
 after the imports it still held a MoE run's first batch back by 0.3-0.4 s.
 

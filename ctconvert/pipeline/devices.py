@@ -78,7 +78,9 @@ def begin_contexts(devices: list[torch.device]) -> threading.Thread | None:
 class DevicesAhead:
     """:func:`resolve_devices` of ``spec`` on a daemon thread, then ``then(devices)`` there (the quantize stage's: begin
     Triton's key and the CUDA contexts): asking whether CUDA is there initialises its driver, ~0.2 s of an H100 machine's
-    call that the run otherwise spent before it opened its source. ``cpu`` (no driver) is resolved at once, here.
+    call that the run otherwise spent before it opened its source. The driver and the primary contexts are made first
+    through :mod:`.driver` (without the GIL, which torch's initialisation keeps: the plan runs meanwhile; the console
+    script began that at its start). ``cpu`` (no driver) is resolved at once, here.
     :meth:`result` joins: the devices, or the :class:`UsageError` (or other error) resolving them raised, re-raised;
     an error ``then`` raises is dropped (the executor's own first CUDA call meets it)."""
 
