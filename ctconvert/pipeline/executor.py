@@ -135,6 +135,7 @@ class ExecOptions:
     read_ahead: int = READ_AHEAD_BYTES  # input bytes the kernel is asked to read ahead of the readers (pipeline/readahead.py; 0: none)
     batch: bool | None = field(default_factory=batch_default)  # quantize small units together (pipeline/batches.py); None: on a GPU
     computed: threading.Event | None = None  # set when a computing thread's loop ends (the write stage's provenance waits for it)
+    warm: object | None = None  # a .warm.WarmUp begun ahead (the quantize stage's, while the output is opened): its device's executor adopts it
 
 
 @dataclass
@@ -295,6 +296,10 @@ class Executor:
         """GPU: the run's kernels launched once on a thread of their own while the first units are read (:mod:`.warm`)."""
         if not self.cuda or self.opts.impl == "torch":
             return None
+        ahead = self.opts.warm
+        if ahead is not None and ahead.dev == self.dev and ahead.thread is not None:  # begun before this executor (a superset of its units)
+            self.warm = ahead
+            return ahead.thread
         self.warm = WarmUp(self.ckpt, self.plan, self.opts, self.dev)
         return self.warm.start()
 

@@ -40,11 +40,12 @@ class WarmUp:
         self.ckpt, self.plan, self.opts, self.dev = ckpt, plan, opts, dev
         self.warmed, self.error = 0, None
         self.done = False  # the thread's work is over (a CUDA graph may be captured: .graphs)
+        self.thread: threading.Thread | None = None
 
     def start(self) -> threading.Thread:
-        t = threading.Thread(target=self._work, daemon=True, name="ctconvert-warmup")
-        t.start()
-        return t
+        self.thread = threading.Thread(target=self._work, daemon=True, name="ctconvert-warmup")
+        self.thread.start()
+        return self.thread
 
     def _work(self) -> None:
         opts, dev = self.opts, self.dev
