@@ -172,7 +172,7 @@ def config_type_problems(config: dict, file: str | None = None) -> list[Problem]
             value = level.get(key)
             if key not in level or _fits(value, code) or (key in _COUNTED and value is not None):
                 continue
-            want = _WORDS[code.rstrip("?")] + (" or null" if code.endswith("?") else "")
+            want = _WORDS[code.rstrip("?")].replace(" or ", ", ") + " or null" if code.endswith("?") else _WORDS[code]
             note = f" (write {float(value)!r})" if code.rstrip("?") == "f" and isinstance(value, int) and not isinstance(value, bool) else ""
             annotation = _ANNOTATION[code.rstrip("?")] + (" | None" if code.endswith("?") else "")
             why = f"vLLM 0.33 refuses the config when it parses it (transformers 5.20 {cls} declares {key}: {annotation}; its strict validation fails)"
