@@ -6,16 +6,24 @@ config.py`` ``get_config``: ``AutoConfig``, the class of ``CONFIG_MAPPING``). Th
 field's value is checked against its annotation as it is set (``type_validator``: ``int`` takes no boolean, ``float``
 takes no integer, ``bool`` no ``0``/``1``, a ``list[int]`` no ``"1"`` item; ``None`` only where the annotation admits it),
 and after ``__init__`` the class validators run. A failure is ``StrictDataclassFieldValidationError`` or
-``StrictDataclassClassValidationError``, and ``vllm serve`` stops there (a new-user trial: ``rms_norm_eps: "1e-6"``,
-"Field 'rms_norm_eps' expected float, got str"). Two rules are judged here, one error per value, naming config.json, the
-key, the value and what vLLM requires:
+``StrictDataclassClassValidationError``, and ``vllm serve`` stops there (new-user trials: ``rms_norm_eps: "1e-6"``,
+"Field 'rms_norm_eps' expected float, got str"; ``hidden_act: 5``, ``max_position_embeddings: "512"``,
+``initializer_range: "0.02"``, gpt-oss ``sliding_window: "128"``). Two rules are judged here, one error per value,
+naming config.json, the key, the value and what vLLM requires:
 
-- **Types** (:func:`config_type_problems`): the keys ctconvert reads, and ``rms_norm_eps``, as the class of each family
-  ctconvert knows declares them (:data:`DECLARED`, read from transformers 5.20's ``models/<family>/configuration_*.py``;
-  ``tests/checkpoint/test_config_types.py`` compares it with the installed transformers' classes). A key the class does
-  not declare is set without a check (an ``attribute_map`` alias such as Qwen3-MoE's ``num_local_experts`` too), so it is
-  not judged here; :func:`.depth.count_type_problems` judges the counts and sizes of every family, and its keys are left
-  to it where their value is not null.
+- **Types** (:func:`config_type_problems`): every field the class of each family ctconvert knows declares
+  (:data:`DECLARED`, written from transformers 5.20.2's ``models/<family>/configuration_*.py`` classes into the
+  package data :data:`FIELDS_FILE` by ``scripts/config_fields.py``, which builds each class with a wrong and a right
+  value of every key) whose annotation is one judged exactly here: ``int``, ``float``, ``bool``, ``str``, ``list[int]``,
+  ``list[str]``, ``float | int`` (a number, no boolean) and the token ids' ``int | list[int]``, each with or without
+  ``| None``. ``float`` takes no integer (``rms_norm_eps: 1`` is refused: write ``1.0``), ``int`` and ``float | int``
+  no boolean, ``bool`` no ``0``/``1``, ``str`` no number. The other fields are not judged: a dict (``rope_parameters``),
+  a ``Literal``, Jamba's ``mamba_dt_rank: int | str``, and ``PreTrainedConfig``'s own fields (``dtype``,
+  ``architectures``, ``transformers_version`` ...: ``configuration_utils.py`` has ``from __future__ import
+  annotations``, and huggingface_hub's ``type_validator`` skips a string annotation). A key the class does not
+  declare is set without a check (an ``attribute_map`` alias such as DeepSeek-V3's ``num_local_experts`` too), so it
+  is not judged here; :func:`.depth.count_type_problems` judges the counts and sizes of every family, and its keys
+  are left to it where their value is not null.
 - **Layer types** (:func:`layer_types_problems`): ``PreTrainedConfig.validate_layer_type``, which every strict class
   runs, whether or not it declares ``layer_types``: ``layer_types``, where it is not null, is a list of names of
   ``ALLOWED_ATTN_LAYER_TYPES`` (after ``_LEGACY_LAYER_TYPE_REMAP``: ``"attention"`` is ``"full_attention"``) with one entry
@@ -33,6 +41,7 @@ other class validators (Llama's ``hidden_size % num_attention_heads``) are not j
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from ..errors import plural
 from .depth import EXPERT_KEYS, SIZE_KEYS, count_type_problems
@@ -40,6 +49,7 @@ from .reader import CONFIG_NAME, Problem
 
 __all__ = [
     "DECLARED",
+    "FIELDS_FILE",
     "PARSE_CHECK",
     "architectures_problems",
     "config_type_problems",
@@ -53,69 +63,32 @@ __all__ = [
 #: the line ``verify`` lists among its checks
 PARSE_CHECK = "config.json's values of the types transformers 5.20 declares, its layer_types and architectures, as vLLM 0.33 parses them"
 
-#: what a type code requires, in words (a trailing ``?`` admits null: ``int | None``)
-_WORDS = {"i": "an integer", "f": "a float", "b": "a boolean", "s": "a string", "I": "a list of integers"}
-_ANNOTATION = {"i": "int", "f": "float", "b": "bool", "s": "str", "I": "list[int]"}
-#: declared by every listed class but where its entry removes one (``-key``)
-_CORE = "hidden_size:i intermediate_size:i vocab_size:i num_attention_heads:i num_hidden_layers:i rms_norm_eps:f tie_word_embeddings:b"
-_KV_OPT = "num_key_value_heads:i?"
-_QWEN3_MOE = "moe_intermediate_size:i num_key_value_heads:i num_experts:i decoder_sparse_step:i mlp_only_layers:I? attention_bias:b"
-_GLM4_MOE = "moe_intermediate_size:i num_key_value_heads:i n_routed_experts:i n_shared_experts:i first_k_dense_replace:i attention_bias:b"
-_MLA = "kv_lora_rank:i qk_rope_head_dim:i qk_nope_head_dim:i"
-#: model_type -> (transformers 5.20's class, the keys it declares beyond :data:`_CORE` as ``key:code``): the keys
-#: ctconvert reads and ``rms_norm_eps`` (``layer_types``: :func:`layer_types_problems`), read in each class's fields
-DECLARED: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaConfig", f"{_KV_OPT} head_dim:i? attention_bias:b mlp_bias:b"),
-    "mistral": ("MistralConfig", "num_key_value_heads:i head_dim:i?"),
-    "phi3": ("Phi3Config", _KV_OPT),
-    "qwen2": ("Qwen2Config", _KV_OPT),
-    "qwen3": ("Qwen3Config", f"{_KV_OPT} head_dim:i attention_bias:b"),
-    "gemma2": ("Gemma2Config", "num_key_value_heads:i head_dim:i attention_bias:b"),
-    "gemma3_text": ("Gemma3TextConfig", "num_key_value_heads:i head_dim:i attention_bias:b"),
-    "gemma4_text": ("Gemma4TextConfig", "moe_intermediate_size:i? num_experts:i? num_key_value_heads:i head_dim:i attention_bias:b"),
-    "qwen2_vl_text": ("Qwen2VLTextConfig", f"-tie_word_embeddings {_KV_OPT}"),
-    "qwen2_5_vl_text": ("Qwen2_5_VLTextConfig", f"-tie_word_embeddings {_KV_OPT}"),
-    "qwen3_vl_text": ("Qwen3VLTextConfig", f"-tie_word_embeddings {_KV_OPT} head_dim:i attention_bias:b"),
-    "mixtral": ("MixtralConfig", "num_key_value_heads:i num_local_experts:i head_dim:i?"),
-    "minimax": ("MiniMaxConfig", "num_key_value_heads:i num_local_experts:i head_dim:i?"),
-    "minimax_m2": ("MiniMaxM2Config", "num_key_value_heads:i head_dim:i num_local_experts:i"),
-    "phimoe": ("PhimoeConfig", "num_key_value_heads:i num_local_experts:i attention_bias:b"),
-    "granitemoe": ("GraniteMoeConfig", f"{_KV_OPT} num_local_experts:i? attention_bias:b"),
-    "jamba": ("JambaConfig", "num_key_value_heads:i num_experts:i"),
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        f"moe_intermediate_size:i num_experts:i shared_expert_intermediate_size:i decoder_sparse_step:i {_KV_OPT} mlp_only_layers:I?",
-    ),
-    "qwen3_moe": ("Qwen3MoeConfig", _QWEN3_MOE),
-    "qwen3_vl_moe_text": ("Qwen3VLMoeTextConfig", f"{_QWEN3_MOE} head_dim:i?"),
-    "qwen3_next": ("Qwen3NextConfig", f"{_QWEN3_MOE} head_dim:i shared_expert_intermediate_size:i"),
-    "qwen3_5_moe_text": (
-        "Qwen3_5MoeTextConfig",
-        "-intermediate_size moe_intermediate_size:i num_key_value_heads:i head_dim:i num_experts:i shared_expert_intermediate_size:i attention_bias:b",
-    ),
-    "olmoe": ("OlmoeConfig", f"{_KV_OPT} num_experts:i attention_bias:b"),
-    "flex_olmo": ("FlexOlmoConfig", f"{_KV_OPT} num_experts:i attention_bias:b"),
-    "hunyuan_v1_moe": ("HunYuanMoEV1Config", f"{_KV_OPT} head_dim:i? num_experts:i attention_bias:b"),
-    "ernie4_5_moe": ("Ernie4_5_MoeConfig", f"moe_intermediate_size:i {_KV_OPT} moe_num_experts:i?"),
-    "gpt_oss": ("GptOssConfig", "num_key_value_heads:i head_dim:i num_local_experts:i attention_bias:b"),
-    "llama4_text": ("Llama4TextConfig", "num_key_value_heads:i head_dim:i num_local_experts:i attention_bias:b use_qk_norm:b"),
-    "deepseek_v2": (
-        "DeepseekV2Config",
-        f"moe_intermediate_size:i n_routed_experts:i n_shared_experts:i first_k_dense_replace:i {_MLA} {_KV_OPT} head_dim:i? q_lora_rank:i? "
-        "topk_method:s? attention_bias:b mlp_bias:b",
-    ),
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        f"moe_intermediate_size:i n_routed_experts:i n_shared_experts:i {_MLA} {_KV_OPT} first_k_dense_replace:i? q_lora_rank:i? attention_bias:b",
-    ),
-    "dots1": ("Dots1Config", f"moe_intermediate_size:i {_KV_OPT} n_routed_experts:i? n_shared_experts:i? first_k_dense_replace:i? attention_bias:b"),
-    "glm4_moe": ("Glm4MoeConfig", f"{_GLM4_MOE} use_qk_norm:b"),
-    "glm4v_moe_text": ("Glm4vMoeTextConfig", _GLM4_MOE),
-    "glm4_moe_lite": (
-        "Glm4MoeLiteConfig",
-        f"moe_intermediate_size:i num_key_value_heads:i n_routed_experts:i n_shared_experts:i {_MLA} q_lora_rank:i? attention_bias:b",
-    ),
-}
+#: what a type code of :data:`FIELDS_FILE` requires, in words, and the annotation it stands for (a trailing ``?``
+#: admits null: ``int | None``); ``n`` is transformers' ``float | int`` (or ``int | float``), ``t`` a token id's ``int | list[int]``
+_WORDS = {"i": "an integer", "f": "a float", "b": "a boolean", "s": "a string", "I": "a list of integers", "S": "a list of strings"}
+_WORDS |= {"n": "a number", "t": "an integer or a list of integers"}
+_ANNOTATION = {"i": "int", "f": "float", "b": "bool", "s": "str", "I": "list[int]", "S": "list[str]", "n": "float | int", "t": "int | list[int]"}
+#: the table, package data: one line per listed family, ``model_type class key:code ...``, every field of transformers
+#: 5.20.2's class whose annotation is one of :data:`_WORDS`' (written by ``scripts/config_fields.py``, which confirms
+#: each by building the class)
+FIELDS_FILE = "transformers_520_fields.txt"
+
+
+def _load_declared() -> dict[str, tuple[str, dict[str, str]]]:
+    """:data:`FIELDS_FILE` read: model_type -> (its class's name, its judged keys -> their codes)."""
+    out = {}
+    for line in Path(__file__).with_name(FIELDS_FILE).read_text().splitlines():
+        if line and not line.startswith("#"):
+            family, cls, *fields = line.split()
+            out[family] = (cls, dict(f.split(":") for f in fields))
+    return out
+
+
+#: model_type -> (transformers 5.20's class, the keys it declares with an annotation :func:`_fits` judges exactly ->
+#: their code): every such field of the class, those inherited included (``PreTrainedConfig``'s own are string
+#: annotations, which huggingface_hub's ``type_validator`` skips: not listed), but ``layer_types``
+#: (:func:`layer_types_problems`); read from :data:`FIELDS_FILE`
+DECLARED: dict[str, tuple[str, dict[str, str]]] = _load_declared()
 #: model_types vLLM 0.33 parses with another type's class (transformers_utils/config.py ``_CONFIG_REGISTRY``:
 #: ``deepseek_v32`` and ``kimi_k2`` as transformers' ``DeepseekV3Config``)
 _PARSED_AS = {"deepseek_v32": "deepseek_v3", "kimi_k2": "deepseek_v3"}
@@ -146,9 +119,7 @@ _COUNTED = frozenset(("num_hidden_layers", "num_nextn_predict_layers", *EXPERT_K
 
 def declared(family: str) -> dict[str, str]:
     """The keys :data:`DECLARED`'s class of ``family`` declares -> their type code (``"i"``, ``"f?"`` ...)."""
-    spec = f"{_CORE} {DECLARED[family][1]}".split()
-    gone = {t[1:] for t in spec if t.startswith("-")}
-    return {k: code for k, _, code in (t.partition(":") for t in spec if not t.startswith("-")) if k not in gone}
+    return dict(DECLARED[family][1])
 
 
 def _levels(config: dict) -> list[tuple[str, dict, str]]:
@@ -166,15 +137,28 @@ def _levels(config: dict) -> list[tuple[str, dict, str]]:
     return out
 
 
-def _fits(value, code: str) -> bool:
-    """Whether ``value`` passes huggingface_hub's ``type_validator`` for the annotation of ``code``."""
-    if value is None:
-        return code.endswith("?")
-    base = code.rstrip("?")
-    if base == "I":
-        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+#: configuration_utils.py ``_FLOAT_TAG_KEY`` / ``_FLOAT_TAG_VALUES``: ``{"__float__": "NaN"}`` is read as a float
+#: (``_decode_special_floats``) before the class sees it
+_FLOAT_TAGS = ("NaN", "Infinity", "-Infinity")
+
+
+def _is(value, base: str) -> bool:
+    """Whether ``value`` (not null) is of the kind of ``base``, a code of :data:`_WORDS` without ``?``, as
+    huggingface_hub 2.4's ``type_validator`` checks it (``_validate_simple_type``: ``int`` takes no boolean, ``float``
+    no integer; ``_validate_list`` each item; ``_validate_union`` any member)."""
+    if base in "IS":
+        return isinstance(value, list) and all(_is(v, base.lower()) for v in value)
+    if base in "nt":
+        return _is(value, "i") or _is(value, "f" if base == "n" else "I")
+    if base == "f" and isinstance(value, dict) and len(value) == 1 and value.get("__float__") in _FLOAT_TAGS:
+        return True
     kind = {"i": int, "f": float, "b": bool, "s": str}[base]
     return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def _fits(value, code: str) -> bool:
+    """Whether ``value`` passes huggingface_hub's ``type_validator`` for the annotation of ``code``."""
+    return code.endswith("?") if value is None else _is(value, code.rstrip("?"))
 
 
 def config_type_problems(config: dict, file: str | None = None) -> list[Problem]:
@@ -188,7 +172,7 @@ def config_type_problems(config: dict, file: str | None = None) -> list[Problem]
             value = level.get(key)
             if key not in level or _fits(value, code) or (key in _COUNTED and value is not None):
                 continue
-            want = _WORDS[code.rstrip("?")] + (" or null" if code.endswith("?") else "")
+            want = _WORDS[code.rstrip("?")].replace(" or ", ", ") + " or null" if code.endswith("?") else _WORDS[code]
             note = f" (write {float(value)!r})" if code.rstrip("?") == "f" and isinstance(value, int) and not isinstance(value, bool) else ""
             annotation = _ANNOTATION[code.rstrip("?")] + (" | None" if code.endswith("?") else "")
             why = f"vLLM 0.33 refuses the config when it parses it (transformers 5.20 {cls} declares {key}: {annotation}; its strict validation fails)"
