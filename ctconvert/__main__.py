@@ -230,10 +230,12 @@ def main() -> None:
             from .cli import command_word
             from .formats import triton_key  # torch-free
 
-            if triton_key.wanted(command_word(sys.argv[1:]), sys.argv[1:]):
-                from .pipeline import driver  # torch-free
+            word = command_word(sys.argv[1:])
+            if triton_key.wanted(word, sys.argv[1:]):
+                if word != "batch" and not _names_ray(sys.argv[1:]):  # (a batch's jobs name their devices; a Ray driver computes nothing)
+                    from .pipeline import driver  # torch-free
 
-                driver.begin(driver.device_spec(sys.argv[1:]))  # CUDA's driver initialised beside the imports, without the GIL
+                    driver.begin(driver.device_spec(sys.argv[1:]))  # CUDA's driver initialised beside the imports, without the GIL
                 triton_key.begin(import_here=True)  # Triton imported here, its cache key hashed beside torch's import (the first launch needs it)
             from . import api
 

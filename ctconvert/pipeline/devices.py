@@ -84,7 +84,8 @@ class DevicesAhead:
     :meth:`result` joins: the devices, or the :class:`UsageError` (or other error) resolving them raised, re-raised;
     an error ``then`` raises is dropped (the executor's own first CUDA call meets it)."""
 
-    def __init__(self, spec: str | None, then=None) -> None:
+    def __init__(self, spec: str | None, then=None, contexts: bool = True) -> None:
+        self._contexts = contexts  # make the driver's contexts first (.driver; not for a run that computes nothing here)
         self._got: list[torch.device] | None = None
         self._error: BaseException | None = None
         self._then, self._thread = then, None
@@ -95,7 +96,7 @@ class DevicesAhead:
             self._thread.start()
 
     def _work(self, spec) -> None:
-        if (early := driver.begin(spec)) is not None:  # the driver and contexts first, without the GIL (.driver)
+        if self._contexts and (early := driver.begin(spec)) is not None:  # the driver and contexts first, without the GIL (.driver)
             early.join()
         try:
             self._got = resolve_devices(spec)

@@ -44,7 +44,8 @@ class QuantizeStage(Stage):
 
     def __init__(self, o: QuantizeOptions):
         self.o = o
-        self._devices = DevicesAhead(o.device, then=None if o.dry_run else self._begin)  # resolved while the run plans
+        local = not o.dry_run and o.executor == "local"  # (a Ray driver computes nothing on its own GPUs)
+        self._devices = DevicesAhead(o.device, then=None if o.dry_run else self._begin, contexts=local)  # resolved while the run plans
         observer = get_observer(o.observer)
         self.observer: WeightObserver | None = None if observer.name == "minmax" else observer
         self.group_observers: dict[str, WeightObserver] = {}  # config group -> its observer other than min/max

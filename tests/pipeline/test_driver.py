@@ -80,3 +80,16 @@ def test_init_without_a_driver_library_is_quiet(monkeypatch):
 
 def test_begin_names_no_thread_for_the_cpu():
     assert driver.begin("cpu") is None
+
+
+@pytest.mark.parametrize("contexts", [True, False])
+def test_devices_ahead_makes_the_driver_contexts_first_only_for_a_run_that_computes_here(monkeypatch, contexts):
+    from ctconvert.pipeline import devices
+
+    asked = []
+    monkeypatch.setattr(devices.driver, "begin", lambda spec: asked.append(spec))
+    got = devices.DevicesAhead("auto", contexts=contexts).result()
+    assert got and got[0].type in ("cpu", "cuda")
+    assert asked == (["auto"] if contexts else [])
+    assert devices.DevicesAhead("cpu", contexts=contexts).result()[0].type == "cpu"
+    assert asked == (["auto", "cpu"] if contexts else [])  # cpu: begin() itself names no thread for it
