@@ -83,6 +83,8 @@ class Scheme:
     #: the preset it was derived from (== name for a preset); its config group gets ``weights_args``
     base: str = ""
     weights_args: dict | None = field(default=None, compare=False, hash=False)
+    #: :meth:`outputs`' parts per (shape, dtype), made once
+    _outputs: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     @property
     def weight_format(self) -> WeightFormat:
@@ -121,9 +123,13 @@ class Scheme:
 
     def outputs(self, module: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, str, tuple[int, ...]]]:
         """Output tensors ``(name, safetensors dtype, shape)`` replacing ``module.weight`` ``[N, K]`` of ``dtype``."""
-        outs = self.weight_format.outputs(tuple(shape), dtype, self.weights)
-        to_st = _tables().torch_to_st
-        return [(f"{module}.{part}", to_st[dt], tuple(s)) for part, (dt, s) in outs.items()]
+        key = (tuple(shape), dtype)
+        parts = self._outputs.get(key)  # one format call per shape (a MoE plans thousands of experts of one shape)
+        if parts is None:
+            to_st = _tables().torch_to_st
+            outs = self.weight_format.outputs(key[0], dtype, self.weights)
+            parts = self._outputs[key] = [(f".{part}", to_st[dt], tuple(s)) for part, (dt, s) in outs.items()]
+        return [(module + part, st, s) for part, st, s in parts]
 
     def quantize_rows(
         self,
