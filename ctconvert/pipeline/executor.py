@@ -296,12 +296,8 @@ class Executor:
         """GPU: the run's kernels launched once on a thread of their own while the first units are read (:mod:`.warm`)."""
         if not self.cuda or self.opts.impl == "torch":
             return None
-        ahead = self.opts.warm
-        if ahead is not None and ahead.dev == self.dev and ahead.thread is not None:  # begun before this executor (a superset of its units)
-            self.warm = ahead
-            return ahead.thread
-        self.warm = WarmUp(self.ckpt, self.plan, self.opts, self.dev)
-        return self.warm.start()
+        self.warm = WarmUp.adopt_or_start(self.opts.warm, self.ckpt, self.plan, self.opts, self.dev)
+        return self.warm.thread
 
     def _warm_done(self) -> bool:
         return self.warm is None or self.warm.done

@@ -42,6 +42,16 @@ class WarmUp:
         self.done = False  # the thread's work is over (a CUDA graph may be captured: .graphs)
         self.thread: threading.Thread | None = None
 
+    @classmethod
+    def adopt_or_start(cls, ahead: WarmUp | None, ckpt, plan, opts, dev: torch.device) -> WarmUp:
+        """An executor's warm-up: ``ahead`` where it was begun before the executor on its device ``dev`` (the quantize
+        stage's, of the whole plan: a superset of the executor's units), else a new one, started."""
+        if ahead is not None and ahead.dev == dev and ahead.thread is not None:
+            return ahead
+        warm = cls(ckpt, plan, opts, dev)
+        warm.start()
+        return warm
+
     def start(self) -> threading.Thread:
         self.thread = threading.Thread(target=self._work, daemon=True, name="ctconvert-warmup")
         self.thread.start()

@@ -131,3 +131,28 @@ def test_warm_up_also_compiles_the_batches_per_row_kernel(tiny_llama, monkeypatc
     per_row = [s[0] for s in seen if s is not None and len(s) == 2 and s[0] >= 2 and s[1] == 1]
     assert per_row == [rows for _, _, rows in warm_up_batches(ckpt, plan, ex.opts)]  # the batches' own rows
     assert bool(per_row) == batch
+
+
+def test_an_executor_adopts_the_warm_up_begun_ahead_on_its_own_device_only(monkeypatch):
+    import torch
+
+    from ctconvert.pipeline.warm import WarmUp
+
+    started = []
+
+    def fake_start(self):
+        started.append(self)
+        self.thread = f"thread of {self.dev}"
+        return self.thread
+
+    monkeypatch.setattr(WarmUp, "start", fake_start)
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    ahead = WarmUp("ckpt", "whole plan", "opts", cuda0)
+    assert WarmUp.adopt_or_start(ahead, "ckpt", "plan", "opts", cuda0) is not ahead  # never started: a new one
+    ahead.start()
+    started.clear()
+    assert WarmUp.adopt_or_start(ahead, "ckpt", "plan", "opts", cuda0) is ahead and started == []
+    other = WarmUp.adopt_or_start(ahead, "ckpt", "part", "opts", cuda1)  # another device's executor makes its own
+    assert other is not ahead and started == [other] and other.dev == cuda1 and other.plan == "part"
+    fresh = WarmUp.adopt_or_start(None, "ckpt", "plan", "opts", cuda0)
+    assert started == [other, fresh] and fresh.thread == "thread of cuda:0"
