@@ -54,6 +54,7 @@ __all__ = [
     "architectures_problems",
     "config_type_problems",
     "declared",
+    "head_dim",
     "kv_head_count",
     "kv_heads",
     "layer_types_problems",
@@ -252,6 +253,44 @@ _KV_DEFAULTS = {
     "glm4_moe": ("Glm4MoeConfig", 8, False),
     "gpt_oss": ("GptOssConfig", 8, False),
 }
+
+
+#: transformers 5.20's class value of ``head_dim`` where config.json has none, for the classes whose value is a fixed
+#: number and not ``hidden_size // num_attention_heads`` (read by building each class with ``hidden_size=256,
+#: num_attention_heads=8`` and no ``head_dim``); vLLM 0.33 builds attention with the class's value (``qwen3.py``,
+#: ``qwen3_moe.py``: ``getattr(config, "head_dim", None) or hidden_size // num_heads``; ``gemma2.py``, ``gemma3.py``,
+#: ``gpt_oss.py``: ``config.head_dim``). Classes not listed give ``hidden_size // num_attention_heads`` or nothing, which
+#: vLLM's files then compute.
+_HEAD_DIM_DEFAULTS = {
+    "qwen3": ("Qwen3Config", 128),
+    "qwen3_vl_text": ("Qwen3VLTextConfig", 128),
+    "minimax_m2": ("MiniMaxM2Config", 128),
+    "llama4_text": ("Llama4TextConfig", 128),
+    "gemma2": ("Gemma2Config", 256),
+    "gemma3_text": ("Gemma3TextConfig", 256),
+    "qwen3_next": ("Qwen3NextConfig", 256),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", 256),
+    "gpt_oss": ("GptOssConfig", 64),
+}
+
+
+def head_dim(cfg: dict, model_type: str | None) -> tuple[int | None, str]:
+    """``(head_dim, how config.json gives it)`` as vLLM 0.33 builds attention from ``cfg`` (a config or its
+    ``text_config``) parsed as ``model_type``'s class: ``head_dim`` where it is a positive integer; where config.json
+    has none, the class's fixed value (:data:`_HEAD_DIM_DEFAULTS`: a Qwen3 without it has 128, a gpt-oss 64, a Gemma 2
+    or 3 256), else ``hidden_size // num_attention_heads``; ``(None, "")`` where none of these is known."""
+    n = cfg.get("head_dim")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+        return n, "head_dim"
+    mt = _PARSED_AS.get(model_type, model_type) if model_type else None
+    mt = _TEXT_CLASS.get(mt, mt) if mt else None
+    if "head_dim" not in cfg and mt in _HEAD_DIM_DEFAULTS:
+        cls, default = _HEAD_DIM_DEFAULTS[mt]
+        return default, f"head_dim, absent: transformers' {cls} default"
+    h, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if isinstance(h, int) and isinstance(heads, int) and not isinstance(h, bool) and not isinstance(heads, bool) and heads > 0 and h % heads == 0:
+        return h // heads, "hidden_size / num_attention_heads"
+    return None, ""
 
 
 def kv_head_count(config: dict) -> int | None:

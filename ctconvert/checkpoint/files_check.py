@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config_types import kv_heads
+from .config_types import head_dim, kv_heads
 from .conformance import conforms
 from .model_card import CARD, HEADING
 from .modules import Module
@@ -223,8 +223,9 @@ _OTHER_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "q
 
 def attention_shape_problems(mods: dict[str, Module], config: dict, tensors: dict) -> list[Problem]:
     """Each ``q_proj``/``k_proj``/``v_proj`` of the language model's decoder layers has the rows its config says:
-    ``num_attention_heads * head_dim`` and ``num_key_value_heads * head_dim`` (``head_dim`` from the config, else
-    ``hidden_size / num_attention_heads``). The decoder layers are ``<P>layers.N.`` where ``<P>embed_tokens.weight`` is
+    ``num_attention_heads * head_dim`` and ``num_key_value_heads * head_dim`` (``head_dim`` from the config, else the
+    class's fixed default where transformers 5.20 has one, else ``hidden_size / num_attention_heads``:
+    :func:`.config_types.head_dim`). The decoder layers are ``<P>layers.N.`` where ``<P>embed_tokens.weight`` is
     the checkpoint's token embedding (``tensors``: the checkpoint's, by name): towers and resamplers of any naming
     (MiniCPM-V's ``vpm.``, Idefics2's perceiver) are not the text model's and are skipped, as is everything when no
     such embedding is found. Architectures whose rows follow other rules are not checked, nor a quantized module whose
@@ -233,12 +234,13 @@ def attention_shape_problems(mods: dict[str, Module], config: dict, tensors: dic
     if stack is None:
         return []
     cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    heads, hd = cfg.get("num_attention_heads"), _head_dim(cfg)
+    mt = cfg.get("model_type") or config.get("model_type")
+    heads, (hd, hd_words) = cfg.get("num_attention_heads"), head_dim(cfg, mt)
     if not isinstance(heads, int) or hd is None or any(k in cfg or k in config for k in _OTHER_ATTENTION):
         return []
     if {cfg.get("model_type"), config.get("model_type")} & set(_OTHER_MODEL_TYPES):
         return []
-    want = {"q_proj": ("num_attention_heads", heads), "k_proj": kv_heads(cfg, cfg.get("model_type") or config.get("model_type"), heads)}
+    want = {"q_proj": ("num_attention_heads", heads), "k_proj": kv_heads(cfg, mt, heads)}
     want["v_proj"] = want["k_proj"]
     out, qcfg = [], config["quantization_config"] if isinstance(config.get("quantization_config"), dict) else {}
     for name in sorted(mods):
@@ -250,17 +252,12 @@ def attention_shape_problems(mods: dict[str, Module], config: dict, tensors: dic
             continue
         rows = _rows(mods[name])
         if rows is not None and rows != n * hd:
-            how = "" if "head_dim" in cfg else f" (config.json has no head_dim: hidden_size {cfg.get('hidden_size')} / num_attention_heads {heads})"
+            how = "" if hd_words == "head_dim" else f" (config.json has no head_dim: {hd_words.partition('absent: ')[2]})"
+            if hd_words.startswith("hidden_size"):
+                how = f" (config.json has no head_dim: hidden_size {cfg.get('hidden_size')} / num_attention_heads {heads})"
             msg = f"config.json's {key} {n} x head_dim {hd}{how} = {n * hd} output rows, but {leaf} has {rows}"
             out.append(Problem("error", msg, mods[name].file, name))
     return out
-
-
-def _head_dim(cfg: dict) -> int | None:
-    if isinstance(cfg.get("head_dim"), int):
-        return cfg["head_dim"]
-    h, n = cfg.get("hidden_size"), cfg.get("num_attention_heads")
-    return h // n if isinstance(h, int) and isinstance(n, int) and n > 0 and h % n == 0 else None
 
 
 def _rows(m: Module) -> int | None:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import re
 
 from .architectures import vllm_types
-from .config_types import kv_heads
+from .config_types import head_dim, kv_heads
 from .expected import builds_bias
 from .expert_count import expert_count
 from .mla_shapes import MLA_FAMILIES
@@ -136,7 +136,7 @@ def _rules(family: str, cfg: dict, counted: tuple[str, int] | None, model_type: 
     out: dict[str, tuple[list[int], tuple[str, str]]] = {}
     hidden, heads = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads")
     kv_words, kv = kv_heads(cfg, model_type, heads)
-    hd, hd_keys = _head_dim(_FAMILIES[family][3], cfg, hidden, heads)
+    hd, hd_keys = _head_dim(_FAMILIES[family][3], cfg, hidden, heads, model_type)
     if hd is not None and family in _PER_HEAD_NORM and _built(family, cfg, "qk_norm"):
         for p in ("q_norm", "k_norm"):
             out[f"self_attn.{p}.weight"] = ([hd], ("[head_dim]", hd_keys))
@@ -193,11 +193,14 @@ def _built(family: str, cfg: dict, what: str) -> bool:
     return builds_bias(family, "o_proj" if what == "o_bias" else "q_proj", cfg) is True
 
 
-def _head_dim(how: str | None, cfg: dict, hidden: int | None, heads: int | None) -> tuple[int | None, str]:
-    """``head_dim`` as the family's vLLM file reads it (:data:`_FAMILIES`), and the config keys it comes from."""
-    if how in ("cfg", "key") and _int(cfg, "head_dim") is not None:
-        return _int(cfg, "head_dim"), "head_dim"
-    if how in ("cfg", "hidden") and hidden is not None and heads and hidden % heads == 0:
+def _head_dim(how: str | None, cfg: dict, hidden: int | None, heads: int | None, model_type: str | None) -> tuple[int | None, str]:
+    """``head_dim`` as the family's vLLM file reads it (:data:`_FAMILIES`), and the config keys it comes from: ``key``
+    and ``cfg``, the config's value or, where it has none, the class's (``head_dim or hidden_size // num_heads`` of the
+    config transformers 5.20 builds: :func:`.config_types.head_dim`; a Qwen3 without it has 128); ``hidden``, always
+    ``hidden_size / num_attention_heads``."""
+    if how in ("cfg", "key"):
+        return head_dim(cfg, model_type)
+    if how == "hidden" and hidden is not None and heads and hidden % heads == 0:
         return hidden // heads, "hidden_size / num_attention_heads"
     return None, ""
 

@@ -341,3 +341,18 @@ def test_architectures_vllm_takes_pass(archs):
 
     assert architectures_problems({"model_type": "llama", "architectures": archs}) == []
     assert architectures_problems({"model_type": "llama"}) == []
+
+
+def test_head_dim_is_the_class_default_where_config_json_has_none():
+    from ctconvert.checkpoint.config_types import head_dim
+
+    base = {"hidden_size": 256, "num_attention_heads": 8}
+    assert head_dim(dict(base, head_dim=48), "qwen3") == (48, "head_dim")
+    assert head_dim(base, "qwen3")[0] == 128 and "Qwen3Config" in head_dim(base, "qwen3")[1]
+    assert head_dim(base, "gpt_oss")[0] == 64
+    assert head_dim(base, "gemma2")[0] == 256
+    assert head_dim(base, "gemma3")[0] == 256  # a composite's text level: Gemma3TextConfig
+    assert head_dim(base, "llama") == (32, "hidden_size / num_attention_heads")
+    assert head_dim(base, "qwen3_moe") == (32, "hidden_size / num_attention_heads")  # Qwen3MoeConfig has none: vLLM divides
+    assert head_dim(dict(base, head_dim=None), "qwen3") == (32, "hidden_size / num_attention_heads")  # null: a type error elsewhere
+    assert head_dim({"hidden_size": 250, "num_attention_heads": 8}, "llama") == (None, "")

@@ -311,3 +311,27 @@ def test_kv_biases_follow_the_key_value_heads_transformers_reads():
         "vLLM refuses the checkpoint"
     ]
     assert param_shape_problems(dict(cfg, num_key_value_heads=2), tensors, {}) == []
+
+
+@pytest.mark.parametrize(
+    ("model_type", "arch", "default"),
+    [("qwen3", "Qwen3ForCausalLM", 128), ("gemma3_text", "Gemma3ForCausalLM", 256), ("qwen3_moe", "Qwen3MoeForCausalLM", None)],
+)
+def test_q_k_norms_follow_the_head_dim_transformers_reads(model_type, arch, default):
+    """A config without head_dim: transformers 5.20's Qwen3Config holds 128 and Gemma3TextConfig 256 (not hidden_size /
+    num_attention_heads), and vLLM builds the q/k norms with it; Qwen3MoeConfig has none, and vLLM computes
+    hidden_size / num_attention_heads (config_types.head_dim; the new-user trial's q3-headdim-absent passed verify)."""
+    from pathlib import Path
+
+    from ctconvert.checkpoint.param_shapes import param_shape_problems
+    from ctconvert.checkpoint.safetensors_io import TensorInfo
+
+    cfg = {"model_type": model_type, "architectures": [arch], "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2}
+    names = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight")
+    tensors = {n: TensorInfo(n, Path("m.safetensors"), "BF16", (32,), 0, 64) for n in names}  # sized hidden_size / heads = 32
+    got = [p.message for p in param_shape_problems(cfg, tensors, {})]
+    if default is None:
+        assert got == []
+    else:
+        assert len(got) == 2 and all(f"builds [head_dim] = [{default}] (config.json head_dim, absent: transformers'" in m for m in got)
+    assert param_shape_problems(dict(cfg, head_dim=32), tensors, {}) == []  # the config's own value wins
