@@ -59,10 +59,11 @@ __all__ = [
     "kv_heads",
     "layer_types_problems",
     "parse_problems",
+    "rope_problems",
 ]
 
 #: the line ``verify`` lists among its checks
-PARSE_CHECK = "config.json's values of the types transformers 5.20 declares, its layer_types and architectures, as vLLM 0.33 parses them"
+PARSE_CHECK = "config.json's values of the types transformers 5.20 declares, its layer_types, architectures and RoPE base, as vLLM 0.33 parses them"
 
 #: what a type code of :data:`FIELDS_FILE` requires, in words, and the annotation it stands for (a trailing ``?``
 #: admits null: ``int | None``); ``n`` is transformers' ``float | int`` (or ``int | float``), ``t`` a token id's ``int | list[int]``
@@ -224,6 +225,30 @@ def architectures_problems(config: dict, file: str | None = None) -> list[Proble
     return []
 
 
+def rope_problems(config: dict, file: str | None = None) -> list[Problem]:
+    """An error for a RoPE base that is not a number, in the config or its ``text_config``: ``rope_parameters.rope_theta``
+    (of each layer type where ``rope_parameters`` holds one dict per type), else the top-level ``rope_theta`` that
+    transformers 5.20 moves into ``rope_parameters`` (``PreTrainedConfig`` rope handling; the dict is not type-checked
+    when the config is parsed). vLLM 0.33 computes its rotary frequencies from it and fails building the model on a
+    string (the new-user trial: ``rope_parameters.rope_theta: "10000"``, "unsupported operand type(s) for ** or pow():
+    'str' and 'Tensor'")."""
+    out = []
+    levels = [("", config)] + ([("text_config.", config["text_config"])] if isinstance(config.get("text_config"), dict) else [])
+    for prefix, level in levels:
+        rp = level.get("rope_parameters")
+        dicts = {"": rp} if isinstance(rp, dict) and "rope_theta" in rp else {}
+        if isinstance(rp, dict) and not dicts:
+            dicts = {f"{k}.": v for k, v in rp.items() if isinstance(v, dict) and "rope_theta" in v}  # one per layer type
+        found = [(f"{prefix}rope_parameters.{k}rope_theta", d["rope_theta"]) for k, d in dicts.items()]
+        if not found and "rope_theta" in level:
+            found = [(f"{prefix}rope_theta", level["rope_theta"])]
+        for key, v in found:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                why = "vLLM 0.33 computes the rotary frequencies from it and fails building the model"
+                out.append(Problem("error", f"config.json's {key} is {json.dumps(v)}, not a number: {why}", file))
+    return out
+
+
 def parse_problems(config: dict, folder: str) -> list[Problem]:
     """Every value of ``config`` that vLLM 0.33 refuses when it parses it: :func:`.depth.count_type_problems`,
     :func:`config_type_problems`, :func:`layer_types_problems`, :func:`architectures_problems`; ``folder``: the checkpoint's path (the errors name its
@@ -231,7 +256,13 @@ def parse_problems(config: dict, folder: str) -> list[Problem]:
     if not isinstance(config, dict):
         return []
     file = f"{folder}/{CONFIG_NAME}"
-    return count_type_problems(config, file) + config_type_problems(config, file) + layer_types_problems(config, file) + architectures_problems(config, file)
+    return (
+        count_type_problems(config, file)
+        + config_type_problems(config, file)
+        + layer_types_problems(config, file)
+        + architectures_problems(config, file)
+        + rope_problems(config, file)
+    )
 
 
 #: transformers 5.20 (which vLLM 0.33 parses config.json with), per model_type: its config class, the

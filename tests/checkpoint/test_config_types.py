@@ -356,3 +356,36 @@ def test_head_dim_is_the_class_default_where_config_json_has_none():
     assert head_dim(base, "qwen3_moe") == (32, "hidden_size / num_attention_heads")  # Qwen3MoeConfig has none: vLLM divides
     assert head_dim(dict(base, head_dim=None), "qwen3") == (32, "hidden_size / num_attention_heads")  # null: a type error elsewhere
     assert head_dim({"hidden_size": 250, "num_attention_heads": 8}, "llama") == (None, "")
+
+
+@pytest.mark.parametrize(
+    ("cfg", "key"),
+    [
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": "10000"}}, "rope_parameters.rope_theta"),
+        ({"rope_theta": "10000"}, "rope_theta"),  # transformers moves it into rope_parameters
+        ({"rope_parameters": {"full_attention": {"rope_theta": True}, "sliding_attention": {"rope_theta": 1e4}}}, "rope_parameters.full_attention.rope_theta"),
+        ({"text_config": {"rope_parameters": {"rope_theta": [1]}}}, "text_config.rope_parameters.rope_theta"),
+    ],
+)
+def test_a_rope_base_that_is_not_a_number_is_an_error(cfg, key):
+    from ctconvert.checkpoint.config_types import parse_problems, rope_problems
+
+    (p,) = rope_problems(dict(cfg, model_type="llama"), "m/config.json")
+    assert p.severity == "error" and p.message.startswith(f"config.json's {key} is ") and "not a number" in p.message
+    assert p.message in [q.message for q in parse_problems(dict(cfg, model_type="llama"), "m")]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 10000}},
+        {"rope_parameters": {"rope_theta": 1e6}, "rope_theta": "10000"},  # the dict's own value is the one used
+        {"rope_theta": 500000.0},
+        {"rope_parameters": None},
+        {},
+    ],
+)
+def test_a_numeric_rope_base_passes(cfg):
+    from ctconvert.checkpoint.config_types import rope_problems
+
+    assert rope_problems(dict(cfg, model_type="llama")) == []
