@@ -149,6 +149,8 @@ def _identity(path) -> tuple:
 
 def _spans(start: int, nbytes: int) -> list[tuple[int, int]]:
     """The blocks ``(offset, nbytes)`` of a range: :data:`HASH_BLOCK_BYTES` each from its start, the last one shorter."""
+    if 0 < nbytes <= HASH_BLOCK_BYTES:  # most tensors: one block
+        return [(start, nbytes)]
     return [(start + b, min(HASH_BLOCK_BYTES, nbytes - b)) for b in range(0, nbytes, HASH_BLOCK_BYTES)]
 
 
@@ -272,7 +274,8 @@ class SourceHashes:
         for f, _, _ in unique:
             if f not in paths:
                 paths[f] = f if isinstance(f, Path) else Path(f)
-        spans = [(paths[f], sp) for f, start, nbytes in unique for sp in _spans(start, nbytes)]
+        blocks_of = [_spans(start, nbytes) for _, start, nbytes in unique]  # each range's blocks, made once
+        spans = [(paths[r[0]], sp) for r, bl in zip(unique, blocks_of) for sp in bl]
         blocks: list = []
         i = 0
         while i < len(spans):  # runs of one file
@@ -282,7 +285,7 @@ class SourceHashes:
             blocks += _blocks(spans[i][0], [sp for _, sp in spans[i:j]])
             i = j
         at = iter(blocks)
-        by_range = {(f, start, nbytes): RangeHash(f, start, nbytes, blocks=[next(at) for _ in _spans(start, nbytes)]) for f, start, nbytes in unique}
+        by_range = {r: RangeHash(*r, blocks=[next(at) for _ in bl]) for r, bl in zip(unique, blocks_of)}
         for name, ranges, own in todo:  # a derived tensor: the hash of the stored ranges it comes from (docs above)
             hs = [by_range[r] for r in ranges]
             self._hashes[name] = hs[0] if own else _Combined(hs)

@@ -145,7 +145,8 @@ class WriteStage(Stage):
         if self.o.resume and (damaged := getattr(folder, "damaged_partial", [])):
             them = "them" if len(damaged) > 1 else "it"
             result.notes.append(f"--resume: {', '.join(damaged)} changed or damaged since the interrupted run finished {them}; written again")
-        todo = [u for u in units if any(folder.weight_map[o[0]] not in folder.completed for o in u.outputs)]
+        done = folder.completed  # (a set made per access: once here, not per output tensor)
+        todo = [u for u in units if any(folder.weight_map[o[0]] not in done for o in u.outputs)] if done else list(units)
         # every source not hashed yet, in the order the executor reads them (units kept from an interrupted run or by
         # --refresh last): block hashes on the hashing threads, off the executor's path
         todo_ids = {id(u) for u in todo}
