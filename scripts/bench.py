@@ -2,7 +2,7 @@
 
     python scripts/bench.py [--workdir /tmp/ctbench] [--size 1b|8b] [--model DIR] [--device cpu|cuda]
                             [--repeat 2] [--schemes FP8_DYNAMIC,W4A16,NVFP4A16] [--peer-python /work/venvs/llmc/bin/python]
-                            [--cold [--drop-caches]] [--family llama|qwen3_moe|gpt_oss [--scale 1.0]] [--source-scheme FP8_BLOCK]
+                            [--cold [--drop-caches]] [--family llama|qwen3_moe|qwen3_moe_fused|gpt_oss [--scale 1.0]] [--source-scheme FP8_BLOCK]
                             [--peer-cache FILE]
 
 Generates (once, cached in --workdir) a Llama-shaped bf16 checkpoint, ~1.2B

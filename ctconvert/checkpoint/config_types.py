@@ -283,7 +283,23 @@ _KV_DEFAULTS = {
     "gemma3_text": ("Gemma3TextConfig", 4, False),
     "glm4_moe": ("Glm4MoeConfig", 8, False),
     "gpt_oss": ("GptOssConfig", 8, False),
+    "qwen2_vl_text": ("Qwen2VLTextConfig", 8, True),
+    "qwen2_5_vl_text": ("Qwen2_5_VLTextConfig", 8, True),
+    "qwen3_vl_text": ("Qwen3VLTextConfig", 32, True),
+    "qwen3_next": ("Qwen3NextConfig", 2, False),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", 2, False),
+    "llama4_text": ("Llama4TextConfig", 8, False),
+    "glm4v_moe_text": ("Glm4vMoeTextConfig", 8, False),
+    "gemma4_text": ("Gemma4TextConfig", 4, False),
+    "minimax_m2": ("MiniMaxM2Config", 8, False),
 }
+
+
+def _class_type(model_type: str | None) -> str | None:
+    """The model_type of the class vLLM 0.33 parses a level of a config with: another type's (:data:`_PARSED_AS`), a
+    composite's text class (:data:`_TEXT_CLASS`), else its own."""
+    mt = _PARSED_AS.get(model_type, model_type) if model_type else None
+    return _TEXT_CLASS.get(mt, mt) if mt else None
 
 
 #: transformers 5.20's class value of ``head_dim`` where config.json has none, for the classes whose value is a fixed
@@ -313,8 +329,7 @@ def head_dim(cfg: dict, model_type: str | None) -> tuple[int | None, str]:
     n = cfg.get("head_dim")
     if isinstance(n, int) and not isinstance(n, bool) and n > 0:
         return n, "head_dim"
-    mt = _PARSED_AS.get(model_type, model_type) if model_type else None
-    mt = _TEXT_CLASS.get(mt, mt) if mt else None
+    mt = _class_type(model_type)
     if "head_dim" not in cfg and mt in _HEAD_DIM_DEFAULTS:
         cls, default = _HEAD_DIM_DEFAULTS[mt]
         return default, f"head_dim, absent: transformers' {cls} default"
@@ -345,11 +360,10 @@ def kv_heads(cfg: dict, model_type: str | None, heads: int | None) -> tuple[str,
     n = cfg.get("num_key_value_heads")
     if isinstance(n, int) and not isinstance(n, bool):
         return "num_key_value_heads", n
-    mt = model_type
-    cls, default, null_is_heads = _KV_DEFAULTS.get(mt, (None, 0, False))
+    cls, default, null_is_heads = _KV_DEFAULTS.get(_class_type(model_type), (None, 0, False))
     if cls is None or (n is not None) or ("num_key_value_heads" in cfg and not null_is_heads):
         return "num_key_value_heads", None
-    if heads is None:
+    if heads is None and ("num_key_value_heads" in cfg or default is None):  # the class takes num_attention_heads: unknown here
         return "num_key_value_heads", None
     if "num_key_value_heads" in cfg or default is None:
         what = "null" if "num_key_value_heads" in cfg else "absent"

@@ -60,9 +60,9 @@ __all__ = ["PARAM_SHAPES_CHECK", "param_shape_problems"]
 #: the line ``verify`` lists among its checks
 PARAM_SHAPES_CHECK = "q/k norms, MoE routers, attention biases and MLA norms sized as config.json says"
 
-#: model_type -> (vLLM 0.33 file, attention class, MoE class, how head_dim is read: "cfg" head_dim else hidden/heads,
-#: "hidden" hidden/heads only, "key" config.head_dim only: judged only where config.json has it, since transformers
-#: fills a class default (Qwen3's 128, Gemma 3's 256) that vLLM's ``getattr(config, "head_dim", None)`` then reads)
+#: model_type -> (vLLM 0.33 file, attention class, MoE class, how head_dim is read: "cfg" and "key", the config's
+#: ``head_dim``, where config.json has none the class's value (Qwen3's 128, Gemma 3's 256: :func:`.config_types.head_dim`,
+#: which vLLM's ``getattr(config, "head_dim", None)`` reads), else hidden/heads; "hidden" hidden/heads only)
 _FAMILIES = {
     "qwen3": ("qwen3.py", "Qwen3Attention", None, "key"),
     "qwen3_moe": ("qwen3_moe.py", "Qwen3MoeAttention", "Qwen3MoeSparseMoeBlock", "key"),

@@ -36,18 +36,20 @@ def device_spec(argv: list[str]) -> str:
 
 def ordinals(spec: str | None) -> list[int] | None:
     """The CUDA device ordinals ``--device`` ``spec`` names (:func:`ctconvert.pipeline.devices.resolve_devices`'
-    grammar): ``[0]`` for ``auto``/``cuda``, ``[N]`` for ``cuda:N`` or ``N``, each of a list; None for ``all`` (every
-    device); ``[]`` for ``cpu`` or a word that is not a device (the run's own parse refuses it)."""
+    grammar): ``[0]`` for ``auto``/``cuda`` (the device a new process's torch uses first), ``[N]`` for ``cuda:N``, each
+    of a list, where a bare ``N`` is ``cuda:N`` too; None for ``all`` (every device); ``[]`` for ``cpu`` or a word that
+    is not a device (the run's own parse refuses it)."""
     s = (spec or "auto").strip().lower()
     if s == "all":
         return None
     out = []
-    for p in (p.strip() for p in s.split(",")):
+    parts = [p.strip() for p in s.split(",")]
+    for p in parts:
         if p in ("auto", "cuda"):
             out.append(0)
         elif p.startswith("cuda:") and p[5:].isdigit():
             out.append(int(p[5:]))
-        elif p.isdigit():
+        elif p.isdigit() and len(parts) > 1:  # a bare ordinal only inside a list (resolve_devices)
             out.append(int(p))
     return list(dict.fromkeys(out))
 

@@ -135,7 +135,7 @@ class ExecOptions:
     read_ahead: int = READ_AHEAD_BYTES  # input bytes the kernel is asked to read ahead of the readers (pipeline/readahead.py; 0: none)
     batch: bool | None = field(default_factory=batch_default)  # quantize small units together (pipeline/batches.py); None: on a GPU
     computed: threading.Event | None = None  # set when a computing thread's loop ends (the write stage's provenance waits for it)
-    warm: object | None = None  # a .warm.WarmUp begun ahead (the quantize stage's, while the output is opened): its device's executor adopts it
+    warm: WarmUp | None = None  # begun ahead (the quantize stage's, while the output is opened): its device's executor adopts it
 
 
 @dataclass

@@ -169,9 +169,19 @@ class QuantizeStage(Stage):
     def _warm_ahead(self, job: QuantizeJob) -> None:
         """A local GPU run: begin the warm-up (:class:`~ctconvert.pipeline.warm.WarmUp`, the run's kernels launched once on
         zeros) now, while the write stage opens the output (its shards' headers, the source hashes: ~0.2 s of a MoE's
-        12,000 tensors on an H200), instead of when the executor starts; the executor of that device adopts it."""
-        dev = self.devices[0]
-        if self.o.executor != "local" or dev.type != "cuda" or self.o.impl == "torch":
+        12,000 tensors on an H200), instead of when the executor starts; the executor of that device adopts it. Not
+        where the plan or the options change after this stage (``--target``: the layout stage replaces the plan and
+        sets the repack) or the executor runs a part of the plan (``--resume``, ``--refresh``): the executor warms up
+        what it runs, as before."""
+        o, dev = self.o, job.exec.device
+        if o.executor != "local" or dev.type != "cuda" or o.impl == "torch" or o.target is not None or o.resume or job.refresh:
             return
         job.exec.warm = WarmUp(job.ckpt, job.plan, job.exec, dev)
         job.exec.warm.start()
+
+    def close(self, job: QuantizeJob, stopped: bool = False) -> None:
+        """A run that failed before its executor adopted the warm-up begun here: wait for it (its device work on zeros),
+        unless the run was ``stopped``; the thread does nothing else, and a finished run's executor joined it."""
+        warm = getattr(job.exec, "warm", None) if job.exec is not None else None
+        if warm is not None and warm.thread is not None and not stopped:
+            warm.thread.join()

@@ -389,3 +389,15 @@ def test_a_numeric_rope_base_passes(cfg):
     from ctconvert.checkpoint.config_types import rope_problems
 
     assert rope_problems(dict(cfg, model_type="llama")) == []
+
+
+def test_kv_head_count_of_composites_and_text_classes():
+    """The class a level is parsed with decides the default: a flat Qwen2-VL config is Qwen2VLTextConfig's (8), a
+    Gemma 3 text_config without any head count Gemma3TextConfig's (4; transformers 5.20.2, built without the key)."""
+    from ctconvert.checkpoint.config_types import kv_head_count
+
+    assert kv_head_count({"model_type": "qwen2_vl", "num_attention_heads": 28}) == 8
+    assert kv_head_count({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "hidden_size": 2560}}) == 4
+    assert kv_head_count({"model_type": "qwen3_vl", "text_config": {"num_attention_heads": 16}}) == 32
+    assert kv_head_count({"model_type": "llama4", "text_config": {"num_attention_heads": 40}}) == 8
+    assert kv_head_count({"model_type": "qwen2_vl", "num_attention_heads": 28, "num_key_value_heads": None}) == 28  # null: the heads

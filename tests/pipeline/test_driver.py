@@ -17,7 +17,8 @@ from ctconvert.pipeline import driver
         ("CUDA:3", [3]),
         ("cuda:0,1", [0, 1]),
         ("cuda:1,cuda:1", [1]),
-        ("2", [2]),
+        ("2", []),  # a bare ordinal alone is no device (resolve_devices refuses it)
+        ("0,2", [0, 2]),
         ("all", None),
         ("cpu", []),
         ("tpu", []),

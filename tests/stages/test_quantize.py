@@ -185,3 +185,46 @@ def test_moe_experts_fused_gate_up(tmp_path):
                 want.update(scheme.weight_format.whole_tensor_outputs(tuple(w.shape), gs))
                 for key, t in want.items():
                     assert torch.equal(_bits(got.get_tensor(f"{base}{p}.{key}")), _bits(t)), f"{base}{p}.{key}"
+
+
+@pytest.mark.parametrize(
+    ("options", "refresh", "begun"),
+    [
+        ({}, False, True),
+        ({"target": "marlin"}, False, False),  # the layout stage replaces the plan and sets the repack after this stage
+        ({"resume": True}, False, False),  # the executor runs a part of the plan
+        ({}, True, False),  # --refresh: the same
+        ({"executor": "ray"}, False, False),
+        ({"impl": "torch"}, False, False),
+    ],
+)
+def test_the_warm_up_is_begun_ahead_only_where_the_plan_and_options_are_final(monkeypatch, options, refresh, begun):
+    """A local GPU run begins its warm-up in the quantize stage (stages/quantize.py _warm_ahead), which the executor
+    adopts; a failed run waits for it in close() unless stopped. No GPU is used: WarmUp's start is replaced."""
+    from types import SimpleNamespace
+
+    from ctconvert.pipeline.options import QuantizeOptions
+    from ctconvert.pipeline.warm import WarmUp
+    from ctconvert.stages.quantize import QuantizeStage
+
+    joined = []
+
+    class FakeThread:
+        def join(self):
+            joined.append(True)
+
+    monkeypatch.setattr(WarmUp, "start", lambda self: setattr(self, "thread", FakeThread()) or self.thread)
+    stage = QuantizeStage(QuantizeOptions(device="cpu", **options))
+    job = SimpleNamespace(ckpt="ckpt", plan="plan", refresh=refresh, exec=SimpleNamespace(device=torch.device("cuda", 0), warm=None))
+    stage._warm_ahead(job)
+    assert (job.exec.warm is not None) == begun
+    if begun:
+        assert job.exec.warm.dev == torch.device("cuda", 0) and job.exec.warm.plan == "plan"
+    stage.close(job, stopped=True)
+    assert joined == []  # stopped: the process is ending
+    stage.close(job)
+    assert joined == ([True] if begun else [])
+    job.exec.device = torch.device("cpu")
+    job.exec.warm = None
+    stage._warm_ahead(job)
+    assert job.exec.warm is None  # a CPU run warms up nothing
