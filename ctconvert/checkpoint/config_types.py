@@ -251,8 +251,8 @@ def rope_problems(config: dict, file: str | None = None) -> list[Problem]:
 
 def parse_problems(config: dict, folder: str) -> list[Problem]:
     """Every value of ``config`` that vLLM 0.33 refuses when it parses it: :func:`.depth.count_type_problems`,
-    :func:`config_type_problems`, :func:`layer_types_problems`, :func:`architectures_problems`; ``folder``: the checkpoint's path (the errors name its
-    config.json). Empty where the config is not a dict (a broken config.json, reported by the reader)."""
+    :func:`config_type_problems`, :func:`layer_types_problems`, :func:`architectures_problems`, :func:`rope_problems`;
+    ``folder``: the checkpoint's path (the errors name its config.json). Empty where the config is not a dict (a broken config.json, reported by the reader)."""
     if not isinstance(config, dict):
         return []
     file = f"{folder}/{CONFIG_NAME}"
