@@ -237,16 +237,22 @@ CONFIG_MOE = {
 MOE_EXPERTS = 128
 
 
-SCALE_LLAMA = "--scale shrinks the MoE families' experts and vocabulary; a Llama is sized by --size 1b|8b"
+SCALE_LLAMA = "--scale and --layers size the MoE families; a Llama is sized by --size 1b|8b"
 
 
-def model_config(family: str, size: str, scale: float) -> dict:
-    """The config.json of the generated checkpoint. Raises ``ValueError`` for a Llama with a ``scale`` (it has none)."""
+def model_config(family: str, size: str, scale: float, layers: int | None = None) -> dict:
+    """The config.json of the generated checkpoint; ``layers`` the MoE families' decoder layers (default 8; each ~1.25 GB
+    of bf16 at ``scale`` 1: 12 layers make ~16.2 GB, the dense 8B's size). Raises ``ValueError`` for a Llama with a
+    ``scale`` or ``layers`` (it has neither), or an odd ``layers`` for gpt-oss (its sliding and full layers alternate)."""
     if family == "llama":
-        if scale != 1.0:
+        if scale != 1.0 or layers is not None:
             raise ValueError(SCALE_LLAMA)
         return CONFIG_8B if size == "8b" else CONFIG
     c = dict(CONFIG_MOE, vocab_size=max(1024, int(CONFIG_MOE["vocab_size"] * scale) // 64 * 64))
+    if layers is not None:
+        if layers < 2 or (family == "gpt_oss" and layers % 2):
+            raise ValueError(f"--layers {layers}: a MoE family needs at least 2 layers, gpt-oss an even count")
+        c["num_hidden_layers"] = layers
     experts = max(4, int(MOE_EXPERTS * scale))
     c["num_experts_per_tok"] = min(c["num_experts_per_tok"], experts)  # a scaled-down MoE routes to the experts it has
     if family in ("qwen3_moe", "qwen3_moe_fused"):
@@ -289,7 +295,7 @@ def model_tensors(c: dict) -> list[tuple[str, tuple[int, ...]]]:
     return names
 
 
-def make_model(path: Path, shards: int = 4, size: str = "1b", family: str = "llama", scale: float = 1.0) -> Path:
+def make_model(path: Path, shards: int = 4, size: str = "1b", family: str = "llama", scale: float = 1.0, layers: int | None = None) -> Path:
     """A random bf16 checkpoint, written shard by shard: Llama-shaped with ~1.2B parameters (``1b``: every weight
     drawn from N(0, 0.02), seed 0) or Llama-3-8B's shape (``8b``), or a MoE (``family``: :func:`model_config`); the
     8B's and the MoE's weights are cut from one 256 MiB N(0, 0.02) pool at random offsets and scales, so that
@@ -302,7 +308,7 @@ def make_model(path: Path, shards: int = 4, size: str = "1b", family: str = "lla
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    c = model_config(family, size, scale)
+    c = model_config(family, size, scale, layers)
     pooled = size == "8b" or family != "llama"
     pool = (torch.randn(2**27, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16) if pooled else None
     rng = torch.Generator().manual_seed(2)
@@ -422,10 +428,16 @@ def _source(a, work: Path, py: str, env: dict) -> Path:
     if a.model:
         src = Path(a.model)
     else:
-        name = {"llama": "llama-1b-bf16" if a.size == "1b" else "llama3-8b-bf16"}.get(a.family, f"{a.family}-x{a.scale:g}-bf16")
+        name = {"llama": "llama-1b-bf16" if a.size == "1b" else "llama3-8b-bf16"}.get(
+            a.family, f"{a.family}-x{a.scale:g}{f'-l{a.layers}' if a.layers else ''}-bf16"
+        )
         src = work / name
         if not (src / "model.safetensors.index.json").exists():
-            subprocess.run([py, __file__, "--make-model", str(src), "--size", a.size, "--family", a.family, "--scale", str(a.scale)], check=True)
+            subprocess.run(
+                [py, __file__, "--make-model", str(src), "--size", a.size, "--family", a.family, "--scale", str(a.scale)]
+                + (["--layers", str(a.layers)] if a.layers else []),
+                check=True,
+            )
     if not a.source_scheme:
         return src
     q = work / f"{src.name}-{a.source_scheme.lower()}"
@@ -442,6 +454,7 @@ def _args():
     families = ("llama", "qwen3_moe", "qwen3_moe_fused", "gpt_oss")
     ap.add_argument("--family", default="llama", choices=families, help="the generated checkpoint's family (MoE: see above)")
     ap.add_argument("--scale", type=float, default=1.0, help="MoE families: the share of the 128 experts and of the vocabulary (0.125 for a CPU run)")
+    ap.add_argument("--layers", type=int, default=None, help="MoE families: decoder layers (default 8, ~11.2 GB; 12: ~16.2 GB, the dense 8B's size)")
     ap.add_argument("--source-scheme", default="", help="benchmark requantizing: the generated checkpoint quantized to this scheme first (FP8_BLOCK)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=2)
@@ -469,10 +482,10 @@ WHO = ("read", "write", "concurrent", "kernels", "ctconvert", "peer")
 
 def main() -> None:
     a = _args()
-    if a.scale != 1.0 and a.family == "llama":
+    if (a.scale != 1.0 or a.layers is not None) and a.family == "llama":
         sys.exit(f"bench.py: {SCALE_LLAMA}")
     if a.make_model:  # run in a child so that this process stays small (children inherit its peak RSS)
-        make_model(Path(a.make_model), size=a.size, family=a.family, scale=a.scale)
+        make_model(Path(a.make_model), size=a.size, family=a.family, scale=a.scale, layers=a.layers)
         return
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)

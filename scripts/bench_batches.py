@@ -13,7 +13,7 @@ option of that setting, e.g. ``"one:;four:--max-shard-size 1GB"``; ``OUTDIR=DIR`
 then ``/proc/meminfo``), so that no run pays for another's writeback; ``--rotate`` puts each setting first in turn;
 a label ``NAME@DIR`` runs the ctconvert package found in
 ``DIR`` (another tree of the project, e.g. ``git archive`` of an earlier commit), as ``python -m ctconvert`` there.
-``--family``/``--size``/``--scale`` generate the
+``--family``/``--size``/``--scale``/``--layers`` generate the
 checkpoint as ``scripts/bench.py --make-model`` does (gpt-oss with its experts targeted, as bench.py runs it);
 ``--model`` takes one. The page cache is warmed by reading the source once first. Each setting's output folder
 (``out-LABEL``) is replaced by its next run. Prints one line per run and a JSON
@@ -73,6 +73,7 @@ def main() -> int:
     ap.add_argument("--family", default="qwen3_moe", choices=("llama", "qwen3_moe", "qwen3_moe_fused", "gpt_oss"))
     ap.add_argument("--size", default="8b", choices=("1b", "8b"))
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--layers", type=int, default=None, help="MoE families: decoder layers (bench.py --layers; 12: the dense 8B's size)")
     ap.add_argument("--scheme", default="NVFP4A16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeat", type=int, default=3)
@@ -86,7 +87,9 @@ def main() -> int:
         label, _, kv = part.partition(":")
         variants[label] = kv.split()
     a.workdir.mkdir(parents=True, exist_ok=True)
-    src = a.model or make_model(a.workdir / f"src-{a.family}-{a.size}-{a.scale}", size=a.size, family=a.family, scale=a.scale)
+    src = a.model or make_model(
+        a.workdir / f"src-{a.family}-{a.size}-{a.scale}{f'-l{a.layers}' if a.layers else ''}", size=a.size, family=a.family, scale=a.scale, layers=a.layers
+    )
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     for f in src.glob("*.safetensors"):  # warm the page cache
         with open(f, "rb") as h:
