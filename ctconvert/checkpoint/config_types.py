@@ -23,7 +23,8 @@ naming config.json, the key, the value and what vLLM requires:
   annotations``, and huggingface_hub's ``type_validator`` skips a string annotation). A key the class does not
   declare is set without a check (an ``attribute_map`` alias such as DeepSeek-V3's ``num_local_experts`` too), so it
   is not judged here; :func:`.depth.count_type_problems` judges the counts and sizes of every family, and its keys
-  are left to it where their value is not null.
+  are left to it where their value is not null, but ``head_dim``, worded here from the class that declares it (an
+  integer: ``head_dim: 32.0`` is refused as ``max_position_embeddings: "512"`` is).
 - **Layer types** (:func:`layer_types_problems`): ``PreTrainedConfig.validate_layer_type``, which every strict class
   runs, whether or not it declares ``layer_types``: ``layer_types``, where it is not null, is a list of names of
   ``ALLOWED_ATTN_LAYER_TYPES`` (after ``_LEGACY_LAYER_TYPE_REMAP``: ``"attention"`` is ``"full_attention"``) with one entry
@@ -115,8 +116,12 @@ _LAYER_TYPES = (
 ).split()
 _LEGACY = {"mamba": "linear_attention", "attention": "full_attention", "deepseek_sparse_attention": "indexed_attention"}
 _LEGACY["qwen_sparse_attention"] = "indexed_attention"
-#: the keys :func:`.depth.count_type_problems` judges (any family, any value but null)
-_COUNTED = frozenset(("num_hidden_layers", "num_nextn_predict_layers", *EXPERT_KEYS, *SIZE_KEYS))
+#: the count and size keys a class declaring them judges here, worded from the class as the other typed fields are
+#: (``head_dim: 32.0``: "LlamaConfig declares head_dim: int | None", as ``max_position_embeddings: "512"``); where the
+#: class declares it an integer, :func:`.depth.count_type_problems` (which refuses the same values) leaves it to this
+_CLASS_WORDED = frozenset(("head_dim",))
+#: the keys :func:`.depth.count_type_problems` judges (any family, any value but null), :data:`_CLASS_WORDED`'s aside
+_COUNTED = frozenset(("num_hidden_layers", "num_nextn_predict_layers", *EXPERT_KEYS, *SIZE_KEYS)) - _CLASS_WORDED
 
 
 def declared(family: str) -> dict[str, str]:
@@ -250,14 +255,16 @@ def rope_problems(config: dict, file: str | None = None) -> list[Problem]:
 
 
 def parse_problems(config: dict, folder: str) -> list[Problem]:
-    """Every value of ``config`` that vLLM 0.33 refuses when it parses it: :func:`.depth.count_type_problems`,
+    """Every value of ``config`` that vLLM 0.33 refuses when it parses it: :func:`.depth.count_type_problems` (but a key
+    of :data:`_CLASS_WORDED` its level's class declares an integer: :func:`config_type_problems` words it),
     :func:`config_type_problems`, :func:`layer_types_problems`, :func:`architectures_problems`, :func:`rope_problems`;
     ``folder``: the checkpoint's path (the errors name its config.json). Empty where the config is not a dict (a broken config.json, reported by the reader)."""
     if not isinstance(config, dict):
         return []
     file = f"{folder}/{CONFIG_NAME}"
+    worded = {f"{prefix}{k}" for prefix, _, family in _levels(config) for k in _CLASS_WORDED if declared(family).get(k, "").rstrip("?") == "i"}
     return (
-        count_type_problems(config, file)
+        count_type_problems(config, file, worded)
         + config_type_problems(config, file)
         + layer_types_problems(config, file)
         + architectures_problems(config, file)
@@ -356,7 +363,8 @@ def kv_heads(cfg: dict, model_type: str | None, heads: int | None) -> tuple[str,
     ``text_config``, parsed as ``model_type``'s class; ``heads``: its ``num_attention_heads``): ``num_key_value_heads``
     where it is an integer; where it is null or absent, the value transformers 5.20's class gives it
     (:data:`_KV_DEFAULTS`: a Llama without the key, or with null, has ``num_attention_heads`` of them; a Qwen2 without
-    it 32), else None (not judged: another type is :func:`config_type_problems`')."""
+    it 32, worded with the number: ``num_key_value_heads (absent: transformers' Qwen2Config default, 32)``), else None
+    (not judged: another type is :func:`config_type_problems`')."""
     n = cfg.get("num_key_value_heads")
     if isinstance(n, int) and not isinstance(n, bool):
         return "num_key_value_heads", n
@@ -368,4 +376,4 @@ def kv_heads(cfg: dict, model_type: str | None, heads: int | None) -> tuple[str,
     if "num_key_value_heads" in cfg or default is None:
         what = "null" if "num_key_value_heads" in cfg else "absent"
         return f"num_key_value_heads ({what}: transformers' {cls} takes num_attention_heads)", heads
-    return f"num_key_value_heads (absent: transformers' {cls} default)", default
+    return f"num_key_value_heads (absent: transformers' {cls} default, {default})", default  # (the number: in no config.json)

@@ -216,17 +216,21 @@ def expert_count_problems(config: dict, tensors: dict[str, TensorInfo], file: st
     return out
 
 
-def count_type_problems(config: dict, file: str | None = None) -> list[Problem]:
+def count_type_problems(config: dict, file: str | None = None, worded: set[str] | frozenset[str] = frozenset()) -> list[Problem]:
     """An error for each count or size key (``num_hidden_layers``, ``num_nextn_predict_layers``, :data:`EXPERT_KEYS`,
     :data:`SIZE_KEYS`, at the top level or in ``text_config``) whose value is not an integer (``"4"``, ``4.0``,
     ``true``): vLLM refuses such a config (a trial's ``hidden_size: 256.0``: "expected int, got float"), and the checks
-    here and in :mod:`.widths` read integers only (a float width equal to the tensors' passed them)."""
+    here and in :mod:`.widths` read integers only (a float width equal to the tensors' passed them). ``worded``: the
+    keys (``text_config.head_dim``) another check judges and words (:func:`.config_types.parse_problems`: the class
+    declaring them an integer), left out here."""
     out = []
     for prefix, cfg in (("", config), ("text_config.", config.get("text_config"))):
         if not isinstance(cfg, dict):
             continue
         for key in ("num_hidden_layers", "num_nextn_predict_layers", *EXPERT_KEYS, *SIZE_KEYS):
             v = cfg.get(key)
+            if f"{prefix}{key}" in worded:
+                continue
             if key in cfg and v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 out.append(_type_error(f"{prefix}{key}", v, "the model", file))
     return out

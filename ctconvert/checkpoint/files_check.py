@@ -255,7 +255,8 @@ def attention_shape_problems(mods: dict[str, Module], config: dict, tensors: dic
             how = "" if hd_words == "head_dim" else f" (config.json has no head_dim: {hd_words.partition('absent: ')[2]})"
             if hd_words.startswith("hidden_size"):
                 how = f" (config.json has no head_dim: hidden_size {cfg.get('hidden_size')} / num_attention_heads {heads})"
-            msg = f"config.json's {key} {n} x head_dim {hd}{how} = {n * hd} output rows, but {leaf} has {rows}"
+            count = "" if key.endswith(f", {n})") else f" {n}"  # (a class default's words carry its number: kv_heads)
+            msg = f"config.json's {key}{count} x head_dim {hd}{how} = {n * hd} output rows, but {leaf} has {rows}"
             out.append(Problem("error", msg, mods[name].file, name))
     return out
 

@@ -254,9 +254,10 @@ def _no_head_note(plan: Plan, ckpt: Checkpoint, lm_head: str, target: str | None
 def _architecture_warning(plan: Plan, ckpt: Checkpoint) -> None:
     """A source whose ``architectures`` and ``model_type`` name different families (:func:`.architectures.mismatch_problems`):
     a plan note and warning that vLLM 0.33 builds the class ``architectures`` names, which the output's config (the
-    source's) keeps, so verify judges the output as that class builds it."""
+    source's) keeps, so verify judges the output as that class builds it. It names the source's folder (a user running
+    several conversions tells which source it is about)."""
     for p in mismatch_problems(ckpt.config):
-        note = f"the source: {p.message}; the output keeps this config.json"
+        note = f"the source {ckpt.path}: {p.message}; the output keeps this config.json"
         plan.notes.append(note)
         plan.warnings.append(note)
 
@@ -289,12 +290,14 @@ def _unloadable_note(plan: Plan, why: str, target: str | None = None, refused: b
 class SourceChecks:
     """What verify's architecture checks find in the source (:func:`.loadable.loadability_problems`: its output carries
     it, so verify fails the output; each problem says what vLLM 0.33 makes of it), run on a thread from here; :meth:`join` (before the output is
-    committed, or at once in a dry run) adds one warning naming the first problem and counting the others (the router
-    bias note's own excepted). A check that raises adds nothing: verify, the judge, still runs them on the output."""
+    committed, or at once in a dry run) adds one warning naming the source's folder and the first problem and counting
+    the others (the router bias note's own excepted). A check that raises adds nothing: verify, the judge, still runs
+    them on the output."""
 
     def __init__(self, ckpt: Checkpoint, plan: Plan, target: str | None, router_said: bool = False) -> None:
         self.found: list = []
         self._plan, self._target, self._router_said = plan, target, router_said  # (router_said: the router note is in the plan)
+        self._path = ckpt.path  # (the warning names it)
         self._thread = threading.Thread(target=self._run, args=(ckpt,), daemon=True, name="ctconvert-source-checks")
         self._thread.start()
 
@@ -312,7 +315,7 @@ class SourceChecks:
         first, more = self.found[0], len(self.found) - 1
         where = f"{first.tensor}: " if first.tensor else ""  # (a config problem names config.json in its message)
         others = f" (and {plural(more, 'more problem')}: `ctconvert inspect SRC` lists them)" if more else ""
-        _unloadable_note(self._plan, f"the source: {where}{first.message}{others}", self._target, refused=False)  # (it says what vLLM does)
+        _unloadable_note(self._plan, f"the source {self._path}: {where}{first.message}{others}", self._target, refused=False)  # (it says what vLLM does)
 
 
 def describe_source(plan: Plan, source) -> None:

@@ -92,7 +92,7 @@ def test_llama_named_qwen3_fails(tmp_path):
     src = _source(tmp_path, architectures=["Qwen3ForCausalLM"])
     warning = _warning("Qwen3ForCausalLM", "llama", "qwen3.py Qwen3ForCausalLM")
     res = api.quantize(src, tmp_path / "out", "W4A16", device="cpu")
-    assert f"the source: {warning}; the output keeps this config.json" in res.warnings
+    assert f"the source {src}: {warning}; the output keeps this config.json" in res.warnings
     missing = "missing: 2 decoder layers (0, 1) of 2 lack self_attn.{}_norm.weight, which vLLM 0.33 qwen3.py Qwen3DecoderLayer builds in every such layer: "
     missing += "vLLM refuses a parameter no tensor fills"
     assert _found(tmp_path / "out") == [
@@ -113,7 +113,7 @@ def test_llama_tensors_under_model_type_qwen3_pass(tmp_path):
     src = _source(tmp_path, model_type="qwen3")
     warning = _warning("LlamaForCausalLM", "qwen3", "llama.py LlamaForCausalLM")
     res = api.quantize(src, tmp_path / "out", "W4A16", device="cpu")
-    assert f"the source: {warning}; the output keeps this config.json" in res.warnings
+    assert f"the source {src}: {warning}; the output keeps this config.json" in res.warnings
     assert _found(tmp_path / "out") == [("warning", None, warning)]
     rep = api.verify(tmp_path / "out")
     assert rep["ok"], rep["problems"]

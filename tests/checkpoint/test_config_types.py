@@ -61,6 +61,7 @@ _LAYER_TYPES = f"{_WHY} (transformers 5.20 PreTrainedConfig.validate_layer_type)
             _declared('max_position_embeddings is "512", not an integer', "LlamaConfig", "max_position_embeddings: int"),
         ),
         ("llama", {"initializer_range": "0.02"}, _declared('initializer_range is "0.02", not a float', "LlamaConfig", "initializer_range: float")),
+        ("llama", {"head_dim": 32.0}, _declared("head_dim is 32.0, not an integer or null", "LlamaConfig", "head_dim: int | None")),
         (
             "qwen3_moe",
             {"router_aux_loss_coef": 0},
@@ -94,7 +95,7 @@ def test_a_config_value_vllm_refuses_is_warned_of_shown_and_fails_verify(tmp_pat
     alone (vLLM builds nothing from the config, and the other checks would read a value of another type)."""
     src = _llama(tmp_path, **edits) if family == "llama" else _edited_moe(tmp_path, **edits)
     res = api.quantize(src, tmp_path / "out", "W4A16")
-    assert [w for w in res.warnings if message in w] == [f"the source: {message}; `ctconvert verify OUT` fails it (it is written for other loaders)"]
+    assert [w for w in res.warnings if message in w] == [f"the source {src}: {message}; `ctconvert verify OUT` fails it (it is written for other loaders)"]
     out = tmp_path / "out"
     assert _errors(api.verify(out)) == [message]
     (p,) = [p for p in api.verify(out)["problems"] if p["message"] == message]
@@ -140,6 +141,22 @@ def test_levels_judged():
     # a count that is no integer is depth.count_type_problems' error (any family), not a second one here
     found = parse_problems({"model_type": "llama", "num_hidden_layers": "2"}, "o")
     assert [p.message for p in found] == ['config.json\'s num_hidden_layers is "2", not an integer: vLLM cannot build the model from it']
+
+
+def test_head_dim_is_worded_from_the_class_that_declares_it():
+    """head_dim: 32.0 (a new-user trial): the class's wording where the level's class declares head_dim (its type, as
+    max_position_embeddings: "512" gets), one error, not the generic count wording as well; where no listed class
+    declares it (Qwen2Config, a Gemma 3's top level), the count check's wording, as before. The same values fail."""
+    why = f"{_WHY} (transformers 5.20 Qwen3Config declares head_dim: int; its strict validation fails)"
+    for value in (32.0, "32", True):
+        found = parse_problems({"model_type": "qwen3", "head_dim": value}, "o")
+        assert [p.message for p in found] == [f"config.json's head_dim is {json.dumps(value)}, not an integer: {why}"]
+    (p,) = parse_problems({"model_type": "gemma3", "text_config": {"head_dim": 32.0}}, "o")
+    assert p.message == f"config.json's text_config.head_dim is 32.0, not an integer: {why.replace('Qwen3Config', 'Gemma3TextConfig')}"
+    generic = "config.json's head_dim is 32.0, not an integer: vLLM cannot build the model from it"
+    assert [p.message for p in parse_problems({"model_type": "qwen2", "head_dim": 32.0}, "o")] == [generic]
+    assert [p.message for p in parse_problems({"model_type": "gemma3", "head_dim": 32.0, "text_config": {}}, "o")] == [generic]
+    assert parse_problems({"model_type": "llama", "head_dim": None}, "o") == parse_problems({"model_type": "qwen3", "head_dim": 32}, "o") == []
 
 
 #: annotation (``str()``, class brackets dropped) -> the table's code, as scripts/config_fields.py writes it

@@ -151,17 +151,18 @@ def test_towers_of_any_naming_are_not_the_decoders_attention(prefix):
     assert [p.tensor for p in attention_shape_problems(vlm, {"text_config": cfg}, lm)] == ["model.language_model.layers.0.self_attn.k_proj"]
 
 
-#: (model_type, num_key_value_heads in config.json: "absent", None or a number, the number judged or None, the words)
+#: (model_type, num_key_value_heads in config.json: "absent", None or a number, the number judged or None, the words
+#: and number the error gives: a class default's words carry its number, which no config.json holds)
 KV_CASES = [
-    ("llama", "absent", 4, "num_key_value_heads (absent: transformers' LlamaConfig takes num_attention_heads)"),
-    ("llama", None, 4, "num_key_value_heads (null: transformers' LlamaConfig takes num_attention_heads)"),
-    ("qwen2", None, 4, "num_key_value_heads (null: transformers' Qwen2Config takes num_attention_heads)"),
-    ("qwen2", "absent", 32, "num_key_value_heads (absent: transformers' Qwen2Config default)"),
-    ("mistral", "absent", 8, "num_key_value_heads (absent: transformers' MistralConfig default)"),
+    ("llama", "absent", 4, "num_key_value_heads (absent: transformers' LlamaConfig takes num_attention_heads) 4"),
+    ("llama", None, 4, "num_key_value_heads (null: transformers' LlamaConfig takes num_attention_heads) 4"),
+    ("qwen2", None, 4, "num_key_value_heads (null: transformers' Qwen2Config takes num_attention_heads) 4"),
+    ("qwen2", "absent", 32, "num_key_value_heads (absent: transformers' Qwen2Config default, 32)"),
+    ("mistral", "absent", 8, "num_key_value_heads (absent: transformers' MistralConfig default, 8)"),
     ("mistral", None, None, None),  # a null MistralConfig refuses: config_types.py's error
     ("qwen2_moe", None, None, None),  # kept null by Qwen2MoeConfig: not judged
     ("starcoder2", "absent", None, None),  # a family not listed: not judged
-    ("llama", 2, 2, "num_key_value_heads"),
+    ("llama", 2, 2, "num_key_value_heads 2"),
 ]
 
 
@@ -182,4 +183,4 @@ def test_key_value_heads_absent_or_null_are_read_as_transformers_reads_them(mode
         assert found == []
     else:
         (p,) = found
-        assert p.message == f"config.json's {words} {judged} x head_dim 64 = {judged * 64} output rows, but k_proj has 128"
+        assert p.message == f"config.json's {words} x head_dim 64 = {judged * 64} output rows, but k_proj has 128"

@@ -266,7 +266,7 @@ def test_gpt_oss_router_and_fused_expert_biases_are_sized(tmp_path, tensor, dim,
     assert found[0]["message"] == f"{tensor} is {list(cut.shape)}, where vLLM 0.33 gpt_oss.py MLPBlock builds {built}: vLLM refuses the checkpoint"
     bad_src = damaged(src, tmp_path / "cut-src", add={tensor: cut})
     (warning,) = api.quantize(bad_src, tmp_path / "cut-out", "W4A16", device="cpu").warnings
-    assert warning.startswith(f"the source: {tensor}: {found[0]['message']}")
+    assert warning.startswith(f"the source {bad_src}: {tensor}: {found[0]['message']}")
     assert not api.verify(tmp_path / "cut-out")["ok"]
 
 
@@ -294,7 +294,8 @@ def test_qwen2_moe_shared_expert_gate_is_sized(tmp_path, rows, cols):
 
 def test_kv_biases_follow_the_key_value_heads_transformers_reads():
     """A Qwen2 config without num_key_value_heads: transformers 5.20's Qwen2Config holds 32, so vLLM builds k/v biases of
-    32 heads; with null, num_attention_heads (config_types.kv_heads, as the q/k/v rows are judged)."""
+    32 heads, and the error gives that number; with null, num_attention_heads (config_types.kv_heads, as the q/k/v rows
+    are judged)."""
     from pathlib import Path
 
     from ctconvert.checkpoint.param_shapes import param_shape_problems
@@ -304,7 +305,11 @@ def test_kv_biases_follow_the_key_value_heads_transformers_reads():
     names = ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.bias")
     tensors = {n: TensorInfo(n, Path("m.safetensors"), "BF16", (128,), 0, 256) for n in names}
     (p,) = param_shape_problems(cfg, tensors, {})
-    assert "builds [num_key_value_heads * head_dim] = [2048] (config.json num_key_value_heads (absent: transformers' Qwen2Config default)" in p.message
+    assert p.message == (  # the default's number, which no config.json holds, as the k/v rows' error gives it (files_check)
+        "model.layers.0.self_attn.k_proj.bias is [128], where vLLM 0.33 qwen2.py Qwen2Attention builds [num_key_value_heads * head_dim] = [2048] "
+        "(config.json num_key_value_heads (absent: transformers' Qwen2Config default, 32), hidden_size / num_attention_heads): "
+        "vLLM refuses the checkpoint"
+    )
     assert [p.message for p in param_shape_problems(dict(cfg, num_key_value_heads=None), tensors, {})] == [
         "model.layers.0.self_attn.k_proj.bias is [128], where vLLM 0.33 qwen2.py Qwen2Attention builds [num_key_value_heads * head_dim] = [256] "
         "(config.json num_key_value_heads (null: transformers' Qwen2Config takes num_attention_heads), hidden_size / num_attention_heads): "

@@ -276,7 +276,7 @@ def test_convert_warns_of_what_verify_fails_in_the_source(tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     width = f"config.json's hidden_size is {cfg['hidden_size']}"
     res = api.convert(src, tmp_path / "out")
-    assert len(res.warnings) == 1 and res.warnings[0].startswith("the source: ") and width in res.warnings[0], res.warnings
+    assert len(res.warnings) == 1 and res.warnings[0].startswith(f"the source {src}: ") and width in res.warnings[0], res.warnings
     assert res.warnings[0] in res.notes
     rep = api.verify(tmp_path / "out")
     assert not rep["ok"] and any(width in p["message"] for p in rep["problems"] if p["severity"] == "error")

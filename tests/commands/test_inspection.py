@@ -221,7 +221,7 @@ def test_a_foreign_source_gets_the_loadability_list_of_its_dense_view(tmp_path, 
     said = [p for p in api.inspect(src)["problems"] if p["severity"] == "warning" and width in p["message"]]
     assert len(said) == 1 and said[0]["message"].endswith("(`ctconvert verify` fails it)"), api.inspect(src)["problems"]
     r = api.quantize(src, tmp_path / "out", "FP8_DYNAMIC", device="cpu")
-    assert any(w.startswith("the source: ") and width in w for w in r.warnings), r.warnings
+    assert any(w.startswith(f"the source {src}: ") and width in w for w in r.warnings), r.warnings
     rep = api.verify(tmp_path / "out")
     assert not rep["ok"] and any(width in p["message"] and p["severity"] == "error" for p in rep["problems"])
 

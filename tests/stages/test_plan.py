@@ -51,21 +51,26 @@ REFUSED = "; `ctconvert verify OUT` fails it (it is written for other loaders)"
 @pytest.mark.parametrize(
     "edit,first",
     [
-        ({"hidden_size": 512}, "the source: model.embed_tokens.weight: config.json's hidden_size is 512, but model.embed_tokens.weight holds 256 columns"),
-        ({"num_hidden_layers": 1}, "the source: config.json's num_hidden_layers is 1 (model.layers.0 .. model.layers.0), but the checkpoint stores 1"),
-        ({"head_dim": 32}, "the source: model.layers.0.self_attn.k_proj: config.json's num_key_value_heads 2 x head_dim 32 = 64 output rows, but k_proj"),
+        (
+            {"hidden_size": 512},
+            "the source {src}: model.embed_tokens.weight: config.json's hidden_size is 512, but model.embed_tokens.weight holds 256 columns",
+        ),
+        ({"num_hidden_layers": 1}, "the source {src}: config.json's num_hidden_layers is 1 (model.layers.0 .. model.layers.0), but the checkpoint stores 1"),
+        ({"head_dim": 32}, "the source {src}: model.layers.0.self_attn.k_proj: config.json's num_key_value_heads 2 x head_dim 32 = 64 output rows, but k_proj"),
     ],
     ids=["hidden_size", "layer-past-the-count", "head_dim"],
 )
 def test_a_source_verify_would_fail_is_warned_of_by_quantize(tmp_path, edit, first):
-    """A config that contradicts the source's tensors (which the output carries): one warning naming the first problem
-    and counting the rest, in a dry run and a real run (-q too), exit 0, and the output fails verify as it says; the
-    same source unedited gets none. A Llama's layer past num_hidden_layers is not taken for an MTP layer kept dense."""
+    """A config that contradicts the source's tensors (which the output carries): one warning naming the source's folder
+    and the first problem and counting the rest, in a dry run and a real run (-q too), exit 0, and the output fails
+    verify as it says; the same source unedited gets none. A Llama's layer past num_hidden_layers is not taken for an
+    MTP layer kept dense."""
     cfg = {**LLAMA_CONFIG, **edit}
     src = write_checkpoint(tmp_path / "src", llama_tensors(LLAMA_CONFIG), cfg)
     good = write_checkpoint(tmp_path / "good", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG)
     dry = api.quantize(src, None, "W8A16", device="cpu", dry_run=True)
     (warning,) = dry.warnings
+    first = first.format(src=src)  # (it names the source's folder: which of several conversions it is about)
     assert warning.startswith(first) and warning.endswith(REFUSED) and warning in dry.notes
     assert not [r for r in dry.plan.rows if (r.reason or "").startswith("MTP layer")]  # (num_hidden_layers 1: layer 1 is no MTP layer)
     r = CliRunner().invoke(main, ["-q", "quantize", str(src), "-o", str(tmp_path / "out"), "-s", "W8A16", "--device", "cpu"])
