@@ -658,6 +658,17 @@ def _failing_pwrite(monkeypatch, err: int, after: int) -> None:
 
     monkeypatch.setattr(shard_file.os, "pwrite", failing(pwrite))
     monkeypatch.setattr(shard_file.os, "pwritev", failing(pwritev))
+    native = shard_file.write_item  # a writer's item in one C call (native_write): it fails as its pwritev would
+
+    def failing_item(fd, whole, runs):
+        calls.append(1)
+        if len(calls) > after:
+            e = OSError(err, _os.strerror(err))
+            e.run = len(runs) - 1
+            raise e
+        return native(fd, whole, runs)
+
+    monkeypatch.setattr(shard_file, "write_item", failing_item)
 
 
 def test_disk_full_while_writing_removes_the_partial_output(tiny_llama, tmp_path, monkeypatch):

@@ -316,6 +316,16 @@ def file_hash(path: Path) -> str:
     return RangeHash(path, 0, Path(path).stat().st_size).hexdigest()
 
 
+class _Digested:
+    """A block's hasher whose digest was computed elsewhere (:meth:`StreamHash.set_whole`)."""
+
+    def __init__(self, digest: bytes) -> None:
+        self._digest = digest
+
+    def digest(self) -> bytes:
+        return self._digest
+
+
 class StreamHash:
     """The block hash of a byte range fed piece by piece, in any order (an output tensor as its chunks are written,
     by several writer threads).
@@ -372,6 +382,23 @@ class StreamHash:
             piece = self._early.pop(off, None)
             if piece is None:
                 return
+
+    def set_whole(self, digest: bytes, nbytes: int) -> None:
+        """Record the range as one piece of ``nbytes`` (at most :data:`HASH_BLOCK_BYTES`: one block) whose block digest
+        ``digest`` was computed elsewhere (:func:`.native_write.write_item`, the XXH3-128 of those bytes, as
+        :meth:`update_at` would compute it). Where bytes were fed already (another piece of the range), the hash is
+        unknown (:attr:`ok` False), as for overlapping pieces."""
+        if not 0 < nbytes <= HASH_BLOCK_BYTES:
+            raise ValueError(f"set_whole takes one block's range, not {nbytes} bytes")
+        with self._lock:
+            if self.pos or self._open or self._done or self._early:
+                self.ok = False
+                return
+            if nbytes == HASH_BLOCK_BYTES:
+                self._done[0] = digest
+            else:
+                self._open[0] = [_Digested(digest), nbytes]
+            self.pos = nbytes
 
     def complete(self, nbytes: int) -> bool:
         """Whether the hash covers exactly bytes ``[0, nbytes)``, each once."""

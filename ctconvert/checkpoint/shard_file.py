@@ -23,7 +23,9 @@ import numpy as np
 import torch
 
 from ..errors import CTConvertError, OutputError
-from .hashing import RangeHash, StreamHash, combine_shard_hash
+from .hashing import HASH_BLOCK_BYTES, RangeHash, StreamHash, combine_shard_hash
+from .native_write import available as native_available
+from .native_write import write_item
 from .safetensors_io import DTYPES
 
 __all__ = ["IOV_MAX", "WRITEBACK", "WRITEBACK_BYTES", "PlannedTensor", "ShardFile", "Writeback", "start_writeback", "writeback_default"]
@@ -158,6 +160,7 @@ class ShardFile:
         self._lock = threading.Lock()
         self.fd_lock = threading.Lock()  # held while the writeback thread uses the descriptor, and to close it
         self._writeback = WRITEBACK if writeback_default() else None
+        self._native = native_available()  # a write item's hashes and pwritevs in one call without the GIL (native_write)
         order = sorted(range(len(tensors)), key=lambda i: -DTYPES[tensors[i].dtype][1])
         existing = metadata == "__existing__"
         meta = {"format": "pt"} if existing or not metadata else dict(metadata)
@@ -223,11 +226,13 @@ class ShardFile:
         """Write several pieces ``(name, CPU tensor or uint8 array of its bytes, byte offset into the tensor)`` (as
         :meth:`write` each), pieces that lie back to back in the file by one ``pwritev`` (a batch of MoE experts: each
         expert's ``weight_packed`` and ``weight_scale`` are neighbours in the file, their global scales too), up to
-        :data:`IOV_MAX` buffers a call. Raises :class:`OutputError` naming the shard and tensor on an I/O error or a piece that overflows its
-        tensor."""
+        :data:`IOV_MAX` buffers a call. Where :func:`.native_write.available`, the whole small tensors' hashes and
+        every ``pwritev`` are one call that lets the GIL go once (a MoE batch's dozens of pieces); else piece by piece.
+        Raises :class:`OutputError` naming the shard and tensor on an I/O error or a piece that overflows its tensor."""
         if self.kept:
             return
-        spans = []  # (file offset, bytes, name)
+        spans, whole = [], []  # (file offset, bytes, name); (hash, bytes) of whole one-block tensors, hashed natively
+        native = self._native
         for name, tensor, byte_offset in pieces:
             start, nbytes = self.offsets[name]
             raw = host_bytes(tensor)
@@ -236,22 +241,35 @@ class ShardFile:
                 raise OutputError(f"internal: write of {n} bytes at {byte_offset} overflows {nbytes}", file=self.path, tensor=name)
             if n:
                 h = self._hashes.get(name)
+                claimed = False
                 if h is None:  # setdefault: writers of one file share it (atomic under the GIL)
-                    h = self._hashes.setdefault(name, StreamHash())
-                h.update_at(byte_offset, raw)
+                    new = StreamHash()
+                    h = self._hashes.setdefault(name, new)
+                    claimed = h is new
+                if native and claimed and n == nbytes and n <= HASH_BLOCK_BYTES:  # the tensor's one piece
+                    whole.append((h, raw))
+                else:
+                    h.update_at(byte_offset, raw)
                 spans.append((self.data_start + start + byte_offset, raw, name))
         spans.sort(key=lambda x: x[0])
-        i = 0
+        runs, i = [], 0
         while i < len(spans):  # runs of pieces back to back in the file: one pwritev each
             j, end = i + 1, spans[i][0] + len(spans[i][1])
             while j < len(spans) and j - i < IOV_MAX and spans[j][0] == end:
                 end += len(spans[j][1])
                 j += 1
-            try:
-                self._pwritev([raw for _, raw, _ in spans[i:j]], spans[i][0])
-            except OSError as e:
-                raise OutputError(f"write failed: {e.strerror or e}", file=self.path, tensor=spans[i][2]) from e
+            runs.append((i, j))
             i = j
+        try:
+            if native and spans:
+                digests = write_item(self.fd, [raw for _, raw in whole], [(spans[a][0], [raw for _, raw, _ in spans[a:b]]) for a, b in runs])
+                for (h, raw), d in zip(whole, digests):
+                    h.set_whole(d, len(raw))
+            else:
+                for k, (a, b) in enumerate(runs):
+                    self._pwritev([raw for _, raw, _ in spans[a:b]], spans[a][0], k)
+        except OSError as e:
+            raise OutputError(f"write failed: {e.strerror or e}", file=self.path, tensor=spans[runs[getattr(e, "run", 0)][0]][2]) from e
         total = sum(len(raw) for _, raw, _ in spans)
         with self._lock:
             for _, raw, name in spans:
@@ -270,9 +288,16 @@ class ShardFile:
         if done:
             self.on_complete(self)
 
-    def _pwritev(self, bufs: list, offset: int) -> None:
+    def _pwritev(self, bufs: list, offset: int, run: int = 0) -> None:
         """All of ``bufs`` (uint8 arrays) back to back from ``offset``: one ``pwritev``, the rest of a short write piece
-        by piece."""
+        by piece. An ``OSError`` raised carries ``run`` (the caller's index of this run) as its attribute ``run``."""
+        try:
+            self._pwritev_all(bufs, offset)
+        except OSError as e:
+            e.run = run
+            raise
+
+    def _pwritev_all(self, bufs: list, offset: int) -> None:
         if len(bufs) == 1:
             self._pwrite(bufs[0], offset)
             return

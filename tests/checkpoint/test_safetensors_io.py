@@ -158,11 +158,14 @@ def test_map_bytes_of_a_derived_tensor_reads_its_own_bytes(tmp_path):
     assert torch.equal(map_bytes(part, 2, want.numel() - 2), want[2:])
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
 @pytest.mark.parametrize("short", [False, True], ids=["whole", "short-writes"])
-def test_write_many_writes_neighbours_by_one_pwritev_and_the_file_reads_back(tmp_path, monkeypatch, short):
+def test_write_many_writes_neighbours_by_one_pwritev_and_the_file_reads_back(tmp_path, monkeypatch, short, native):
     """ShardFile.write_many: pieces in any order, empty ones, pieces of one tensor and neighbours in the file, give the
     same file and the same content hash as writing each alone, read back independently (safetensors' own loader); runs
-    of neighbours go by one pwritev (counted), and a pwritev that writes less than asked (``short``) is finished."""
+    of neighbours go by one pwritev (counted), and a pwritev that writes less than asked (``short``) is finished.
+    ``native``: each write_many is one call of :func:`.native_write.write_item` (counted; ``short``: at most 5 bytes a
+    pwritev), else ``os.pwritev`` from Python."""
     import os
     import random
 
@@ -188,6 +191,19 @@ def test_write_many_writes_neighbours_by_one_pwritev_and_the_file_reads_back(tmp
         return real(fd, bufs, offset)
 
     monkeypatch.setattr(os, "pwritev", pwritev)
+    from ctconvert.checkpoint import native_write, shard_file
+
+    if native and not native_write.available():
+        pytest.skip("no C compiler, CTCONVERT_NATIVE=0, or xxhash without XXH3_128bits")
+    monkeypatch.setattr(shard_file, "native_available", lambda: native)
+    items = []
+    real_item = shard_file.write_item
+
+    def write_item(fd, whole, runs, cap=0):
+        items.append([len(bufs) for _, bufs in runs])
+        return real_item(fd, whole, runs, cap=5 if short else 0)
+
+    monkeypatch.setattr(shard_file, "write_item", write_item)
     one = ShardFile(tmp_path / "one.safetensors", planned)
     for n in order:
         one.write(n, tensors[n])
@@ -203,4 +219,8 @@ def test_write_many_writes_neighbours_by_one_pwritev_and_the_file_reads_back(tmp
     assert many.content_hash() == one.content_hash() == shard_hash(tmp_path / "many.safetensors")
     back = load_file(tmp_path / "many.safetensors")
     assert set(back) == set(tensors) and all(torch.equal(back[n], tensors[n]) for n in tensors)
-    assert calls and max(calls) > 1  # neighbours went together
+    if native:
+        assert not calls and len(items) == len(order) + 1  # one call a write_many of bytes (not the empty tensor's)
+        assert max(max(r, default=0) for r in items) > 1  # neighbours went together
+    else:
+        assert calls and max(calls) > 1 and not items  # neighbours went together
