@@ -76,6 +76,7 @@ def build(src: Path) -> ctypes.CDLL | None:
     key = hashlib.sha256(source + " ".join([cc, *fl, platform.machine()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("CTCONVERT_CACHE") or Path.home() / ".cache" / "ctconvert")
     so = cache / f"{src.stem}-{key}.so"
+    tmp = None
     try:
         if not so.exists():
             cache.mkdir(parents=True, exist_ok=True)
@@ -83,9 +84,13 @@ def build(src: Path) -> ctypes.CDLL | None:
             os.close(fd)
             subprocess.run([cc, *fl, str(src), "-o", tmp, "-lm"], check=True, capture_output=True)
             os.replace(tmp, so)
+            tmp = None
         return ctypes.CDLL(str(so))
     except (OSError, subprocess.CalledProcessError):
         return None
+    finally:
+        if tmp is not None:  # a failed build leaves no half-made library in the cache
+            Path(tmp).unlink(missing_ok=True)
 
 
 class Library:

@@ -4,6 +4,7 @@ worker threads started once per process, not per call."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 
 import pytest
@@ -136,3 +137,19 @@ def test_a_missing_source_gives_no_library_not_an_error(tmp_path):
     assert lib.get() is None
     (tmp_path / "inc.c").write_text('#include "gone.h"\nint f(void) { return 1; }\n')
     assert cbuild.Library(tmp_path / "inc.c", {"f": ([], None)}).get() is None  # a missing local header too
+
+
+@pytest.mark.parametrize("cc", ["/bin/false", "broken-source"])
+def test_a_failed_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch, cc):
+    """A compiler that fails (or a source it cannot build) gives no library and leaves no half-made file behind: a
+    trial's cache gained two empty ``tmp*.so`` a run with ``CC=/bin/false``."""
+    monkeypatch.setenv("CTCONVERT_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "k.c"
+    src.write_text("int ct_value(void) { return 1; }\n" if cc != "broken-source" else "int ct_value(void) { return }\n")
+    if cc == "/bin/false":
+        monkeypatch.setenv("CC", cc)
+    elif cbuild.build(tmp_path / "none.c") is None and not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler")
+    for _ in range(2):
+        assert cbuild.build(src) is None
+    assert list((tmp_path / "cache").iterdir()) == []

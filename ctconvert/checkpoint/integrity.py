@@ -21,9 +21,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import CTConvertError
 from .hashing import HASH_SCHEME
 from .provenance import RECORDS_SINCE_FORMAT
 from .reader import INDEX_NAME, Checkpoint, Problem
+from .safetensors_io import read_header
 from .writer import CONFIG_KEY, MARKER, PROVENANCE, PROVENANCE_KEY, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest, record_mismatch
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "record_problems",
     "recorded_provenance",
     "shard_hash_problems",
+    "total_size_problems",
     "shards_checks",
     "stripped_records_problems",
 ]
@@ -63,7 +66,35 @@ def record_problems(ckpt: Checkpoint) -> list[Problem]:
     stripped = stripped_records_problems(ckpt)
     if any(p.severity == "error" for p in stripped):
         return stripped + provenance_module_problems(ckpt)
-    return stripped + shard_hash_problems(ckpt) + config_record_problems(ckpt) + provenance_record_problems(ckpt) + provenance_module_problems(ckpt)
+    return (
+        stripped
+        + shard_hash_problems(ckpt)
+        + total_size_problems(ckpt)
+        + config_record_problems(ckpt)
+        + provenance_record_problems(ckpt)
+        + provenance_module_problems(ckpt)
+    )
+
+
+def total_size_problems(ckpt: Checkpoint) -> list[Problem]:
+    """An error where the ``metadata.total_size`` of ctconvert's index (its :data:`~.writer.MARKER`) is not the bytes
+    of the tensors its shards hold (what the writer records there, as transformers' ``save_pretrained`` does): it was
+    edited after the run (a trial's ``+4`` passed verify), and a loader that sizes or checks the download by it reads
+    a wrong number. Nothing for another tool's index, one without the key, or shards that cannot be read (the
+    reader's errors name them)."""
+    meta = _metadata(ckpt)
+    if MARKER not in meta or "total_size" not in meta:
+        return []
+    try:
+        held = sum(info.nbytes for path in ckpt.files for info in read_header(path)[0].values())
+    except (OSError, CTConvertError):
+        return []
+    recorded = meta["total_size"]
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded == held:
+        return []
+    why = f"the index's total_size is {recorded!r}, but its shards hold {held} bytes of tensors (what ctconvert wrote there): edited after the run"
+    why += "; convert again"
+    return [Problem("error", why, str(Path(ckpt.path) / INDEX_NAME))]
 
 
 def _provenance(folder: Path) -> tuple[bool, dict | None]:

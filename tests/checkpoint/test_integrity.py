@@ -435,3 +435,24 @@ def test_an_edited_provenance_fails_and_switches_no_check_off(tiny_llama, tmp_pa
     assert report["ok"] and all(r["values_checked"] > 0 for r in report["tensors"])
     notes = [x for x in report["problems"] if x["severity"] == "note" and "requantized from /elsewhere" in x["message"]]
     assert len(notes) == 1 and "does not take it on trust" in notes[0]["message"] and notes[0]["file"] == str(p)
+
+
+@pytest.mark.parametrize("edit", [4, -1, "str", None, True, 0.5])
+def test_an_edited_total_size_fails_and_the_written_one_passes(tiny_llama, tmp_path, edit):
+    """The index's ``total_size`` is the bytes of the tensors the shards hold (each header's data ranges, summed here
+    independently of ctconvert's reader); a changed one (a trial's ``+4`` passed verify) is an error naming the index,
+    with or without a reference."""
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "NVFP4A16", max_shard_size="300KB")
+    index = _index(out)
+    held = 0
+    for name in sorted(set(index["weight_map"].values())):
+        _, header = _header(out / name)
+        held += sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in header.items() if k != "__metadata__")
+    assert index["metadata"]["total_size"] == held and not _errors(api.verify(out))
+    index["metadata"]["total_size"] = held + edit if isinstance(edit, int) and not isinstance(edit, bool) else edit
+    (out / INDEX_NAME).write_text(json.dumps(index))
+    for report in (api.verify(out), api.verify(out, reference=tiny_llama)):
+        errs = [e for e in _errors(report) if "total_size" in e["message"]]
+        assert len(errs) == 1 and errs[0]["file"] == str(out / INDEX_NAME), report["problems"]
+        assert f"its shards hold {held} bytes" in errs[0]["message"]
