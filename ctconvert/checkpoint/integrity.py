@@ -80,11 +80,17 @@ def total_size_problems(ckpt: Checkpoint) -> list[Problem]:
     """An error where the ``metadata.total_size`` of ctconvert's index (its :data:`~.writer.MARKER`) is not the bytes
     of the tensors its shards hold (what the writer records there, as transformers' ``save_pretrained`` does): it was
     edited after the run (a trial's ``+4`` passed verify), and a loader that sizes or checks the download by it reads
-    a wrong number. Nothing for another tool's index, one without the key, or shards that cannot be read (the
-    reader's errors name them)."""
+    a wrong number. Nothing for another tool's index, one without the key, shards that cannot be read, or a shard
+    missing from the folder or not in the index's ``weight_map`` (the reader's and the shard record's errors name
+    them, not a ``total_size`` edited)."""
     meta = _metadata(ckpt)
     if MARKER not in meta or "total_size" not in meta:
         return []
+    weight_map = (ckpt.index or {}).get("weight_map")
+    if not isinstance(weight_map, dict) or {p.name for p in ckpt.files} != set(weight_map.values()):
+        return []  # a shard missing or not listed: its own error says so, not a total_size edited
+    if any(p.severity == "error" and p.file in {str(f) for f in ckpt.files} for p in ckpt.problems):
+        return []  # a shard the reader could not read (truncated, bad header): said once, by the reader
     try:
         held = sum(info.nbytes for path in ckpt.files for info in read_header(path)[0].values())
     except (OSError, CTConvertError):

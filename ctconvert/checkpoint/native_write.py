@@ -58,6 +58,8 @@ def available() -> bool:
 
 
 def _address(a: np.ndarray) -> int:
+    if not a.flags.c_contiguous:  # its nbytes from its first byte would be other bytes
+        raise ValueError("native_write takes C-contiguous arrays only")
     return a.__array_interface__["data"][0]
 
 

@@ -456,3 +456,14 @@ def test_an_edited_total_size_fails_and_the_written_one_passes(tiny_llama, tmp_p
         errs = [e for e in _errors(report) if "total_size" in e["message"]]
         assert len(errs) == 1 and errs[0]["file"] == str(out / INDEX_NAME), report["problems"]
         assert f"its shards hold {held} bytes" in errs[0]["message"]
+
+
+def test_a_missing_shard_is_not_called_an_edited_total_size(tiny_llama, tmp_path):
+    """A shard deleted from the folder: verify names it, and says nothing of total_size (the review's case)."""
+    out = tmp_path / "out"
+    api.quantize(tiny_llama, out, "W4A16", max_shard_size="300KB")
+    shards = sorted(set(_index(out)["weight_map"].values()))
+    assert len(shards) > 1
+    (out / shards[-1]).unlink()
+    errs = _errors(api.verify(out))
+    assert any(shards[-1] in e["message"] for e in errs) and not any("total_size" in e["message"] for e in errs), errs

@@ -143,3 +143,22 @@ def test_set_whole_after_other_bytes_makes_the_hash_unknown():
     assert not g.ok
     with pytest.raises(ValueError, match="one block"):
         StreamHash().set_whole(b"x" * 16, HASH_BLOCK_BYTES + 1)
+
+
+@needs_native
+def test_a_strided_array_is_written_as_its_elements(tmp_path):
+    """A strided uint8 array given to write_many is copied, never read from its address as nbytes contiguous bytes
+    (the review's case: every other byte of 0..19 must be 0, 2, 4 ..., not 0..9); write_item refuses one."""
+    f = ShardFile(tmp_path / "a.safetensors", [PlannedTensor("w", "U8", (10,))])
+    f.write_many([("w", np.arange(20, dtype=np.uint8)[::2], 0)])
+    h = f.content_hash()
+    f.close()
+    assert h == shard_hash(tmp_path / "a.safetensors")
+    data = (tmp_path / "a.safetensors").read_bytes()
+    assert data[-10:] == bytes(range(0, 20, 2))
+    fd = os.open(tmp_path / "b", os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(ValueError, match="C-contiguous"):
+            native_write.write_item(fd, [np.arange(20, dtype=np.uint8)[::2]], [])
+    finally:
+        os.close(fd)

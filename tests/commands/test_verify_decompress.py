@@ -213,7 +213,15 @@ def _add_tensor(folder, name, t):
     if index.is_file():
         doc = json.loads(index.read_text())
         doc["weight_map"][name] = shard.name
-        index.write_text(json.dumps(doc))
+        index.write_text(json.dumps(_with_total_size(folder, doc)))
+
+
+def _with_total_size(folder, doc: dict) -> dict:
+    """``doc`` (an index) with ``metadata.total_size`` the bytes of the tensors the folder's shards now hold, as a
+    writer records it (verify compares a ctconvert index's with the shards)."""
+    if "total_size" in doc.get("metadata", {}):
+        doc["metadata"]["total_size"] = sum(t.numel() * t.element_size() for f in sorted(folder.glob("*.safetensors")) for t in load_file(f).values())
+    return doc
 
 
 def _edit_config(folder, fn):
@@ -350,7 +358,7 @@ def _drop_tensor(folder, name):
     if index.is_file():
         doc = json.loads(index.read_text())
         doc["weight_map"].pop(name, None)
-        index.write_text(json.dumps(doc))
+        index.write_text(json.dumps(_with_total_size(folder, doc)))
 
 
 def test_verify_of_a_kernel_native_output_fails_on_a_tensor_left_out_or_added(tmp_path):
