@@ -73,14 +73,14 @@ def write_item(fd: int, whole: list[np.ndarray], runs: list[tuple[int, list[np.n
     lib, fn = _LIB.get(), _xxh3_128_address()
     if lib is None or fn is None:
         raise RuntimeError("native_write.write_item called where it is not available")
-    hs = np.array([(_address(a), a.nbytes) for a in whole], dtype=np.uint64).reshape(-1, 2)
+    hp = np.array([_address(a) for a in whole], dtype=np.uint64)
+    hl = np.array([a.nbytes for a in whole], dtype=np.uint64)
     digests = np.empty(16 * max(1, len(whole)), dtype=np.uint8)
     bufs = [b for _, bs in runs for b in bs]
     iov = np.array([(_address(b), b.nbytes) for b in bufs], dtype=np.uint64).reshape(-1, 2)
     offsets = np.array([o for o, _ in runs], dtype=np.int64)
     counts = np.array([len(bs) for _, bs in runs], dtype=np.int32)
     failed = np.zeros(1, dtype=np.int32)
-    hp, hl = np.ascontiguousarray(hs[:, 0]), np.ascontiguousarray(hs[:, 1])
     rc = lib.ct_write_item(
         fd, fn, len(whole), _address(hp), _address(hl), _address(digests), len(runs), _address(offsets), _address(counts), _address(iov), _address(failed), cap
     )

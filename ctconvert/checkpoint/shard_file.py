@@ -267,7 +267,11 @@ class ShardFile:
                     h.set_whole(d, len(raw))
             else:
                 for k, (a, b) in enumerate(runs):
-                    self._pwritev([raw for _, raw, _ in spans[a:b]], spans[a][0], k)
+                    try:
+                        self._pwritev([raw for _, raw, _ in spans[a:b]], spans[a][0])
+                    except OSError as e:
+                        e.run = k  # (as write_item's error says which run failed)
+                        raise
         except OSError as e:
             raise OutputError(f"write failed: {e.strerror or e}", file=self.path, tensor=spans[runs[getattr(e, "run", 0)][0]][2]) from e
         total = sum(len(raw) for _, raw, _ in spans)
@@ -288,16 +292,9 @@ class ShardFile:
         if done:
             self.on_complete(self)
 
-    def _pwritev(self, bufs: list, offset: int, run: int = 0) -> None:
+    def _pwritev(self, bufs: list, offset: int) -> None:
         """All of ``bufs`` (uint8 arrays) back to back from ``offset``: one ``pwritev``, the rest of a short write piece
-        by piece. An ``OSError`` raised carries ``run`` (the caller's index of this run) as its attribute ``run``."""
-        try:
-            self._pwritev_all(bufs, offset)
-        except OSError as e:
-            e.run = run
-            raise
-
-    def _pwritev_all(self, bufs: list, offset: int) -> None:
+        by piece."""
         if len(bufs) == 1:
             self._pwrite(bufs[0], offset)
             return
