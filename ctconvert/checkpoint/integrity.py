@@ -22,11 +22,12 @@ import json
 from pathlib import Path
 
 from ..errors import CTConvertError
+from .file_records import FILE_HASHES_KEY, FILES_CHECK, mismatch, record_mismatch
 from .hashing import HASH_SCHEME
 from .provenance import RECORDS_SINCE_FORMAT
 from .reader import INDEX_NAME, Checkpoint, Problem
 from .safetensors_io import read_header
-from .writer import CONFIG_KEY, MARKER, PROVENANCE, PROVENANCE_KEY, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest, record_mismatch
+from .writer import CONFIG_KEY, MARKER, PROVENANCE, PROVENANCE_KEY, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest
 
 __all__ = [
     "CONFIG_CHECK",
@@ -34,6 +35,7 @@ __all__ = [
     "SHARDS_CHECK",
     "WHOLE_CONFIG_CHECK",
     "config_record_problems",
+    "file_hash_problems",
     "provenance_module_problems",
     "provenance_record_problems",
     "record_problems",
@@ -69,6 +71,7 @@ def record_problems(ckpt: Checkpoint) -> list[Problem]:
     return (
         stripped
         + shard_hash_problems(ckpt)
+        + file_hash_problems(ckpt)
         + total_size_problems(ckpt)
         + config_record_problems(ckpt)
         + provenance_record_problems(ckpt)
@@ -211,7 +214,8 @@ def shards_checks(ckpt: Checkpoint) -> list[str]:
     shards = [SHARDS_CHECK] if isinstance(record, dict) and record.get("hash") == HASH_SCHEME else []
     recorded = ((CONFIG_CHECK, QCFG_KEY), (WHOLE_CONFIG_CHECK, CONFIG_KEY), (PROVENANCE_CHECK, PROVENANCE_KEY))
     configs = [c for c, key in recorded if isinstance(meta.get(key), str)]
-    return shards + configs
+    files = meta.get(FILE_HASHES_KEY)
+    return shards + configs + ([FILES_CHECK] if isinstance(files, dict) and files.get("hash") == HASH_SCHEME else [])
 
 
 def _removed(meta: dict, key: str, index: str, required: bool) -> list[Problem]:
@@ -310,6 +314,29 @@ def shard_hash_problems(ckpt: Checkpoint) -> list[Problem]:
             continue  # unreadable: reported by the checks that read it
         if why is not None:
             problems.append(Problem("error", f"{why}: the shard was changed or damaged after it was written", str(path)))
+    return problems
+
+
+def file_hash_problems(ckpt: Checkpoint) -> list[Problem]:
+    """An error for each file of the output's :data:`~.file_records.FILE_HASHES_KEY` record (the files the run copied
+    or wrote beside its shards: tokenizer, ``generation_config.json``, chat template, model card) that is missing or
+    differs from it (:func:`.file_records.mismatch`): vLLM and transformers read them as they are, and no tensor shows an
+    edit (a trial's edited ``generation_config.json`` passed a plain verify). An error too where an index that lists the
+    record lacks it, or holds it under another hash scheme; nothing for an index without it (an earlier release's,
+    another tool's)."""
+    meta, index = _metadata(ckpt), str(Path(ckpt.path) / INDEX_NAME)
+    record = meta.get(FILE_HASHES_KEY)
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        return _removed(meta, FILE_HASHES_KEY, index, required=False)
+    if record.get("hash") != HASH_SCHEME:
+        why = f"the other files' hashes were taken with {record.get('hash')!r}, this installation hashes with {HASH_SCHEME!r}"
+        return [Problem("error" if RECORDS_KEY in meta else "warning", f"{why}: not compared", index)]
+    problems, after = [], "changed after the run, and vLLM and transformers read it as it is; restore it or convert again"
+    for name, rec in sorted(record["files"].items()):
+        if Path(name).is_absolute() or ".." in Path(name).parts:  # (verify reads no file outside the folder)
+            problems.append(Problem("error", f"the index's {FILE_HASHES_KEY} record names {name!r}, outside the folder: the record was edited", index))
+        elif (why := mismatch(Path(ckpt.path) / name, rec)) is not None:
+            problems.append(Problem("error", f"{name}: {why}: {after}", str(Path(ckpt.path) / name)))
     return problems
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import STOP_SIGNALS, OutputError, UsageError, human_bytes, plural
+from .file_records import FILE_HASHES_KEY, file_records, record_mismatch
 from .hashing import HASH_NAME, HASH_SCHEME, shard_hash
 from .json_text import Encoded, canonical_digest, dumps_indented
 from .reader import CONFIG_NAME, INDEX_NAME
@@ -153,18 +154,6 @@ def config_digest(cfg: dict) -> str:
     """The sha256 (hex) of a ``quantization_config`` (or of a whole config) as canonical JSON (keys sorted, no spaces):
     the same for the dict a run writes and for the one read back from ``config.json`` (:func:`.json_text.canonical_digest`)."""
     return canonical_digest(cfg)
-
-
-def record_mismatch(path: Path, rec: dict) -> str | None:
-    """How the shard ``path`` differs from its record (a journal's or the index's :data:`SHARDS_KEY`: ``size`` and
-    content hash, :func:`.hashing.shard_hash`), or None when it matches: the size first (no read), then the hash
-    (reads every byte). Raises ``OSError`` for a file that cannot be read."""
-    size = path.stat().st_size
-    if size != rec.get("size"):
-        return f"size {size} bytes differs from the {rec.get('size')} written"
-    if shard_hash(path) != rec.get(HASH_NAME):
-        return "bytes differ from those written (content hash)"
-    return None
 
 
 def not_written_here(folder: Path, src: Path) -> list[str]:
@@ -467,8 +456,8 @@ class OutputFolder:
         return copied
 
     def finish(self, config: dict, total_size: int, extra_json: dict[str, dict | Encoded] | None = None) -> None:
-        """Close shards, write the index (its records: the shards', the ``quantization_config``'s, ``config.json``'s and the
-        provenance's hashes, :data:`RECORDS_KEY`), extra JSON files (a dict, or one :class:`.json_text.Encoded` ahead) and
+        """Close shards, write the index (its records: the shards', the ``quantization_config``'s, ``config.json``'s, the
+        provenance's and the other files' hashes, :data:`RECORDS_KEY`), extra JSON files (a dict, or one :class:`.json_text.Encoded` ahead) and
         ``config.json`` (last), and flush every file and folder of the output to disk (before :meth:`commit` renames it into place)."""
         for f in self.shards:
             f.close()
@@ -478,7 +467,9 @@ class OutputFolder:
         prov = (extra_json or {}).get(PROVENANCE) or _json_object(self.tmp / PROVENANCE)  # one copied (repack) too
         digests = {QCFG_KEY: config.get("quantization_config"), CONFIG_KEY: config, PROVENANCE_KEY: prov or None}
         meta.update({key: doc.digest if isinstance(doc, Encoded) else config_digest(doc) for key, doc in digests.items() if isinstance(doc, (dict, Encoded))})
-        meta[RECORDS_KEY] = [k for k in (SHARDS_KEY, *digests) if k in meta]
+        own = {INDEX_NAME, CONFIG_NAME, PROVENANCE, *(extra_json or {}), *self.weight_map.values(), *(f.path.name for f in self.shards)}
+        meta[FILE_HASHES_KEY] = file_records(self.tmp, sorted(names - own))  # the copied files, the card: as written now
+        meta[RECORDS_KEY] = [k for k in (SHARDS_KEY, *digests, FILE_HASHES_KEY) if k in meta]
         self.write_json(INDEX_NAME, {"metadata": meta, "weight_map": dict(sorted(self.weight_map.items()))})
         for name, data in (extra_json or {}).items():
             self.write_json(name, data)

@@ -112,13 +112,14 @@ def test_an_index_without_the_record_is_not_judged_and_says_so(tiny_llama, tmp_p
     (exit 5). An index without the record and without the listing (an earlier release) is not judged: a warning."""
     from click.testing import CliRunner
 
+    from ctconvert.checkpoint.file_records import FILE_HASHES_KEY
     from ctconvert.checkpoint.writer import CONFIG_KEY, PROVENANCE_KEY, QCFG_KEY, RECORDS_KEY
     from ctconvert.cli import main
 
     out = tmp_path / "out"
     api.quantize(tiny_llama, out, "W4A16")
     index = _index(out)
-    assert index["metadata"][RECORDS_KEY] == [SHARDS_KEY, QCFG_KEY, CONFIG_KEY, PROVENANCE_KEY]
+    assert index["metadata"][RECORDS_KEY] == [SHARDS_KEY, QCFG_KEY, CONFIG_KEY, PROVENANCE_KEY, FILE_HASHES_KEY]
     del index["metadata"][SHARDS_KEY]
     (out / INDEX_NAME).write_text(json.dumps(index))
     (e,) = [p for p in _errors(api.verify(out)) if "record was removed" in p["message"]]

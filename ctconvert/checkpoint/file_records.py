@@ -1,0 +1,72 @@
+"""The hashes of an output's other files, taken as the run wrote them: what it copied from its source (the tokenizer,
+``generation_config.json``, the chat template, the model card with its conversion section ...) beside the shards.
+
+vLLM and transformers read those files as they are: an edited ``generation_config.json`` (sampling defaults, the end
+token) or tokenizer changes what a served model says while every tensor still matches its record. The index's metadata
+keeps ``{"hash": HASH_SCHEME, "files": {relative path: {"size": bytes, HASH_NAME: hex}}}`` under :data:`FILE_HASHES_KEY`
+(the block hash of :func:`.hashing.file_hash`, the shards' scheme); ``verify`` compares each file with it
+(:func:`.integrity.file_hash_problems`). The shards, the index, ``config.json`` and ``ctconvert-provenance.json`` have
+records of their own and are not listed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import OutputError
+from .hashing import HASH_NAME, HASH_SCHEME, RangeHash, file_hash, shard_hash
+
+__all__ = ["FILE_HASHES_KEY", "FILES_CHECK", "file_records", "mismatch", "record_mismatch"]
+
+#: the index metadata key of the record (a release that writes it also lists it in ``ctconvert_records``)
+FILE_HASHES_KEY = "ctconvert_file_hashes"
+#: the line ``verify`` lists among its checks where the index holds the record
+FILES_CHECK = "the other files (tokenizer, generation_config.json ...) against the hashes recorded as they were written"
+
+
+def file_records(folder: Path, names: list[str]) -> dict:
+    """The record of the files ``names`` (paths relative to ``folder``, as on disk now): their sizes and block hashes,
+    hashed in parallel on the hashing threads. Raises :class:`~ctconvert.errors.OutputError` naming a file that cannot
+    be read (a run's own folder: it was removed or its disk failed under the run)."""
+    begun = {}
+    for name in sorted(names):
+        path = Path(folder) / name
+        try:
+            size = path.stat().st_size
+            begun[name] = (size, RangeHash(path, 0, size))
+        except OSError as e:
+            raise OutputError(f"cannot hash a copied file: {e.strerror or e}", file=path) from e
+    files = {}
+    for name, (size, h) in begun.items():
+        try:
+            files[name] = {"size": size, HASH_NAME: h.hexdigest()}
+        except OSError as e:
+            raise OutputError(f"cannot hash a copied file: {e.strerror or e}", file=Path(folder) / name) from e
+    return {"hash": HASH_SCHEME, "files": files}
+
+
+def record_mismatch(path: Path, rec: dict, digest: Callable[[Path], str] = shard_hash) -> str | None:
+    """How the file ``path`` differs from its record (``size`` and content hash ``HASH_NAME``: a shard's in a journal or
+    the index's ``ctconvert_shards``, :func:`.hashing.shard_hash`; another file's here, ``digest`` :func:`.hashing.file_hash`),
+    or None when it matches: the size first (no read), then the hash (reads every byte). Raises ``OSError`` for a file
+    that cannot be read."""
+    size = path.stat().st_size
+    if size != rec.get("size"):
+        return f"size {size} bytes differs from the {rec.get('size')} written"
+    if digest(path) != rec.get(HASH_NAME):
+        return "bytes differ from those written (content hash)"
+    return None
+
+
+def mismatch(path: Path, rec: object) -> str | None:
+    """:func:`record_mismatch` of a file of the record (:func:`.hashing.file_hash`), also where ``path`` is missing or
+    unreadable (a message, not an error) or its record is not a dict (the record was edited)."""
+    if not isinstance(rec, dict):
+        return "its record in the index is not a size and a hash (the record was edited)"
+    if not path.exists():
+        return "missing: the run wrote it (the index records its hash)"
+    try:
+        return record_mismatch(path, rec, file_hash)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
