@@ -11,6 +11,7 @@ use their torch reference.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import itertools
@@ -61,21 +62,32 @@ def _source_bytes(src: Path) -> bytes:
     return b"".join(p.read_bytes() for p in seen)
 
 
+#: why the last :func:`build` of each source gave no library (source path -> a clause), for :meth:`Library.why_not`
+_WHY_NOT: dict[str, str] = {}
+
+
 def build(src: Path) -> ctypes.CDLL | None:
-    """The compiled library of ``src`` (built now if not cached), or None."""
+    """The compiled library of ``src`` (built now if not cached), or None (:data:`_WHY_NOT` then says why). A build
+    that fails leaves a marker, ``<stem>-<key>.failed`` holding the compiler's first error line, beside where the library
+    would be: later runs with the same source, compiler and flags do not try again (each run compiled in vain before)."""
     if os.environ.get("CTCONVERT_NATIVE", "1") == "0":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
+        _WHY_NOT[str(src)] = "no C compiler was found (cc, gcc or clang on PATH, or $CC)"
         return None
     fl = flags()
     try:
         source = _source_bytes(src)
     except OSError:  # an install without the C sources (a wheel that left them out): the torch fallbacks run
+        _WHY_NOT[str(src)] = f"this installation lacks the C source {src.name}"
         return None
     key = hashlib.sha256(source + " ".join([cc, *fl, platform.machine()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("CTCONVERT_CACHE") or Path.home() / ".cache" / "ctconvert")
-    so = cache / f"{src.stem}-{key}.so"
+    so, failed = cache / f"{src.stem}-{key}.so", cache / f"{src.stem}-{key}.failed"
+    if failed.is_file() and not so.exists():
+        _WHY_NOT[str(src)] = f"{src.name} did not compile with {cc} (not tried again while {failed} exists)"
+        return None
     tmp = None
     try:
         if not so.exists():
@@ -86,7 +98,14 @@ def build(src: Path) -> ctypes.CDLL | None:
             os.replace(tmp, so)
             tmp = None
         return ctypes.CDLL(str(so))
-    except (OSError, subprocess.CalledProcessError):
+    except subprocess.CalledProcessError as e:
+        _WHY_NOT[str(src)] = f"{src.name} did not compile with {cc}"
+        first = next((line for line in (e.stderr or b"").decode(errors="replace").splitlines() if line.strip()), f"exit {e.returncode}")
+        with contextlib.suppress(OSError):  # (a cache that cannot be written: the next run tries again)
+            failed.write_text(f"{cc} {' '.join(fl)} {src}: {first}\n")
+        return None
+    except OSError as e:
+        _WHY_NOT[str(src)] = f"{src.name} could not be built or loaded ({e.strerror or e})"
         return None
     finally:
         if tmp is not None:  # a failed build leaves no half-made library in the cache
@@ -121,6 +140,13 @@ class Library:
                             fn.restype = restype
                 self._lib = lib
         return self._lib
+
+    def why_not(self) -> str | None:
+        """Why :meth:`get` gives no library (a clause: no compiler, a failed build and its marker file ...), or None
+        where it gives one or ``CTCONVERT_NATIVE=0`` asked for none."""
+        if os.environ.get("CTCONVERT_NATIVE", "1") == "0" or self.get() is not None:
+            return None
+        return _WHY_NOT.get(str(self.src), "the library did not build")
 
 
 def threads() -> int:

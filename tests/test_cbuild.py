@@ -140,16 +140,46 @@ def test_a_missing_source_gives_no_library_not_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("cc", ["/bin/false", "broken-source"])
-def test_a_failed_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch, cc):
-    """A compiler that fails (or a source it cannot build) gives no library and leaves no half-made file behind: a
-    trial's cache gained two empty ``tmp*.so`` a run with ``CC=/bin/false``."""
+def test_a_failed_build_leaves_only_its_marker_and_is_not_tried_again(tmp_path, monkeypatch, cc):
+    """A compiler that fails (or a source it cannot build) gives no library and leaves no half-made file behind (a
+    trial's cache gained two empty ``tmp*.so`` a run with ``CC=/bin/false``), only the marker that keeps later runs
+    from compiling in vain (each run compiled again before), whose text names the compiler; ``why_not`` says so."""
     monkeypatch.setenv("CTCONVERT_CACHE", str(tmp_path / "cache"))
     src = tmp_path / "k.c"
     src.write_text("int ct_value(void) { return 1; }\n" if cc != "broken-source" else "int ct_value(void) { return }\n")
-    if cc == "/bin/false":
-        monkeypatch.setenv("CC", cc)
-    elif cbuild.build(tmp_path / "none.c") is None and not (shutil.which("cc") or shutil.which("gcc")):
+    real = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc == "broken-source" and not real:
         pytest.skip("no C compiler")
-    for _ in range(2):
+    log = tmp_path / "calls"
+    wrapper = tmp_path / "cc.sh"  # counts the compiler's runs, then runs it
+    wrapper.write_text(f'#!/bin/sh\necho x >> {log}\nexec {cc if cc == "/bin/false" else real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    for _ in range(3):
         assert cbuild.build(src) is None
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert log.read_text().count("x") == 1  # tried once
+    (marker,) = list((tmp_path / "cache").iterdir())
+    assert marker.suffix == ".failed" and marker.name.startswith("k-") and str(wrapper) in marker.read_text()
+    lib = cbuild.Library(src, {"ct_value": ([], None)})
+    assert lib.get() is None and lib.why_not() == f"k.c did not compile with {wrapper} (not tried again while {marker} exists)"
+    marker.unlink()  # what the user does to try again
+    src.write_text("int ct_value(void) { return 1; }\n")
+    if real:
+        monkeypatch.setenv("CC", real)
+        assert cbuild.build(src) is not None
+
+
+def test_why_not_names_a_missing_compiler_and_is_silent_where_native_is_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("CTCONVERT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    src = tmp_path / "k.c"
+    src.write_text("int ct_value(void) { return 1; }\n")
+    lib = cbuild.Library(src, {"ct_value": ([], None)})
+    assert lib.why_not() == "no C compiler was found (cc, gcc or clang on PATH, or $CC)"
+    monkeypatch.setenv("CTCONVERT_NATIVE", "0")
+    assert lib.why_not() is None
+    assert cbuild.Library(tmp_path / "gone.c", {"f": ([], None)}).why_not() is None  # (native off: no reason to give)
+    monkeypatch.delenv("CTCONVERT_NATIVE")
+    monkeypatch.setenv("CC", "/bin/false")  # a compiler: the missing source is what stops it
+    assert cbuild.Library(tmp_path / "gone.c", {"f": ([], None)}).why_not() == "this installation lacks the C source gone.c"

@@ -57,6 +57,17 @@ def available() -> bool:
     return _LIB.get() is not None and _xxh3_128_address() is not None
 
 
+def why_not() -> str | None:
+    """Why :func:`available` is false here (a clause for a note: the shards are then written and hashed from Python,
+    which waits for the GIL after each write and hash while the computing thread runs Python), or None where it is
+    true or ``CTCONVERT_NATIVE=0`` asked for the Python path."""
+    if os.environ.get("CTCONVERT_NATIVE", "1") == "0" or available():
+        return None
+    if HASH_NAME != "xxh3_128":
+        return "the xxhash package is not installed (the hashes are SHA-256)"
+    return _LIB.why_not() or "python-xxhash's extension does not export XXH3_128bits"
+
+
 def _address(a: np.ndarray) -> int:
     if not a.flags.c_contiguous:  # its nbytes from its first byte would be other bytes
         raise ValueError("native_write takes C-contiguous arrays only")

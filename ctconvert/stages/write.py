@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint import native_write
 from ..checkpoint.config import updated_config
 from ..checkpoint.hashing import SourceHashes, hash_tensors
 from ..checkpoint.json_text import EncodeAhead
@@ -182,6 +183,8 @@ class WriteStage(Stage):
         append_conversion_section(folder.tmp / CARD, _card_section(job, derived))
         if folder.skipped:
             result.notes.append(f"not copied, weights in other formats (--keep-other-weights copies them): {', '.join(folder.skipped)}")
+        if isinstance(self.executor, LocalExecutor) and (why := native_write.why_not()) is not None:  # (Ray: the workers write)
+            result.notes.append(f"the shards were written and hashed from Python, slower beside a GPU: {why}; see CTCONVERT_NATIVE in the README")
         total = sum(t.nbytes for t in planned)
         cfg = updated_config(ckpt.config, job.qconfig, plan.config_updates)
         if job.layout is not None:

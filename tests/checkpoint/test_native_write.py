@@ -162,3 +162,31 @@ def test_a_strided_array_is_written_as_its_elements(tmp_path):
             native_write.write_item(fd, [np.arange(20, dtype=np.uint8)[::2]], [])
     finally:
         os.close(fd)
+
+
+def test_a_run_without_the_c_writer_says_so_in_a_note_and_writes_the_same_bytes(tiny_llama, tmp_path, monkeypatch):
+    """Where the C writer did not build (here: a compiler that fails, a fresh cache), quantize's notes say the shards
+    were written from Python and why; the output is the same as with it, and ``CTCONVERT_NATIVE=0`` (asked for) gives
+    no note."""
+    from pathlib import Path
+
+    from ctconvert import api, cbuild
+
+    def run(name: str) -> tuple[list[str], Path]:
+        out = tmp_path / name
+        return api.quantize(tiny_llama, out, "W4A16").notes, out
+
+    notes, fast = run("default")
+    assert not [n for n in notes if "written and hashed from Python" in n] or not native_write.available()
+    monkeypatch.setenv("CTCONVERT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setattr(native_write, "_LIB", cbuild.Library(native_write._LIB.src, native_write._LIB.signatures))
+    notes, slow = run("python")
+    (note,) = [n for n in notes if "written and hashed from Python" in n]
+    assert "write_item.c did not compile with /bin/false" in note and "CTCONVERT_NATIVE" in note
+    for f in sorted(p.name for p in fast.iterdir()):
+        if f.endswith(".safetensors"):
+            assert (fast / f).read_bytes() == (slow / f).read_bytes(), f
+    monkeypatch.setenv("CTCONVERT_NATIVE", "0")
+    notes, _ = run("asked")
+    assert not [n for n in notes if "written and hashed from Python" in n]
