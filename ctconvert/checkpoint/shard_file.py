@@ -232,7 +232,7 @@ class ShardFile:
         if self.kept:
             return
         spans, whole = [], []  # (file offset, bytes, name); (hash, bytes) of whole one-block tensors, hashed natively
-        native = self._native
+        native = self._native and native_available()  # (CTCONVERT_NATIVE=0 set since this file opened: Python from here)
         for name, tensor, byte_offset in pieces:
             start, nbytes = self.offsets[name]
             raw = host_bytes(tensor)

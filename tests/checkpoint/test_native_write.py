@@ -190,3 +190,25 @@ def test_a_run_without_the_c_writer_says_so_in_a_note_and_writes_the_same_bytes(
     monkeypatch.setenv("CTCONVERT_NATIVE", "0")
     notes, _ = run("asked")
     assert not [n for n in notes if "written and hashed from Python" in n]
+
+
+@needs_native
+def test_native_turned_off_while_a_shard_is_open_writes_the_rest_from_python(tmp_path, monkeypatch):
+    """``CTCONVERT_NATIVE=0`` set after a ShardFile opened (an embedder's switch): its next writes go through Python
+    (they raised before), and the shard equals one written wholly either way."""
+    tensors = _tensors(random.Random(5))
+    b = _write(tmp_path / "b.safetensors", tensors, 5, False, monkeypatch)
+    hb = b.content_hash()
+    b.close()
+    monkeypatch.delenv("CTCONVERT_NATIVE", raising=False)
+    rng = np.random.default_rng(5)
+    data = {t.name: _bytes(rng, t.nbytes) for t in tensors}
+    f = ShardFile(tmp_path / "a.safetensors", tensors)
+    half = len(tensors) // 2
+    f.write_many([(t.name, data[t.name], 0) for t in tensors[:half]])
+    monkeypatch.setenv("CTCONVERT_NATIVE", "0")
+    f.write_many([(t.name, data[t.name], 0) for t in tensors[half:]])
+    ha = f.content_hash()
+    f.close()
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    assert ha == hb == shard_hash(tmp_path / "a.safetensors")
