@@ -712,3 +712,18 @@ def test_refresh_checks_room_for_the_shards_it_copies_too(tiny_llama, tmp_path, 
     monkeypatch.setattr(writer.shutil, "disk_usage", real)
     assert run_cli("quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "o", "--max-shard-size", "200KB", "--refresh")[0] == 0
     assert tree_hash(tmp_path / "o") == before
+
+
+def test_resume_keeps_no_file_put_in_the_partial_folder_meanwhile(tmp_path):
+    """Interrupt after a shard, put files into the partial folder (a generation config the source lacks, a stray in a
+    subfolder), resume: they are removed, the run names them in a note, and the output is the uninterrupted run's (a
+    trial's planted ``generation_config.json`` was recorded as the run's and passed verify)."""
+    m, out, partial, args = _killed_after_a_shard(tmp_path)
+    (partial / "generation_config.json").write_text('{"temperature": 5.0}')
+    (partial / "sub").mkdir()
+    (partial / "sub" / "evil.txt").write_text("x")
+    doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
+    assert not (out / "generation_config.json").exists() and not (out / "sub").exists()
+    (note,) = [n for n in doc["notes"] if n.startswith("--resume: removed from the interrupted run's folder")]
+    assert note.endswith("generation_config.json, sub"), note
+    assert api.verify(out)["ok"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import OutputError
 from .hashing import HASH_NAME, HASH_SCHEME, RangeHash, file_hash, shard_hash
 
-__all__ = ["FILE_HASHES_KEY", "FILES_CHECK", "file_records", "mismatch", "record_mismatch"]
+__all__ = ["FILE_HASHES_KEY", "FILES_CHECK", "file_records", "mismatch", "record_mismatch", "well_formed"]
 
 #: the index metadata key of the record (a release that writes it also lists it in ``ctconvert_records``)
 FILE_HASHES_KEY = "ctconvert_file_hashes"
@@ -59,11 +59,18 @@ def record_mismatch(path: Path, rec: dict, digest: Callable[[Path], str] = shard
     return None
 
 
-def mismatch(path: Path, rec: object) -> str | None:
-    """:func:`record_mismatch` of a file of the record (:func:`.hashing.file_hash`), also where ``path`` is missing or
-    unreadable (a message, not an error) or its record is not a dict (the record was edited)."""
-    if not isinstance(rec, dict):
-        return "its record in the index is not a size and a hash (the record was edited)"
+def well_formed(rec: object) -> bool:
+    """Whether ``rec`` is a record a run writes: ``{"size": int >= 0, HASH_NAME: lower-case hex of 32 or 64 digits}``
+    (one that is not was edited: its file is not to blame)."""
+    digest = rec.get(HASH_NAME) if isinstance(rec, dict) else None
+    size = rec.get("size") if isinstance(rec, dict) else None
+    hex_ok = isinstance(digest, str) and len(digest) in (32, 64) and all(c in "0123456789abcdef" for c in digest)
+    return hex_ok and type(size) is int and size >= 0
+
+
+def mismatch(path: Path, rec: dict) -> str | None:
+    """:func:`record_mismatch` of a file of the record (:func:`.hashing.file_hash`; ``rec`` :func:`well_formed`), also
+    where ``path`` is missing or unreadable (a message, not an error)."""
     if not path.exists():
         return "missing: the run wrote it (the index records its hash)"
     try:

@@ -183,8 +183,9 @@ def _files(folder: Path) -> list[str]:
 
 
 def _own(rel: str) -> bool:
-    """A file every conversion writes itself: shards, the index, ``config.json``, the provenance."""
-    return rel.endswith(".safetensors") or Path(rel).name == INDEX_NAME or rel in (CONFIG_NAME, PROVENANCE)
+    """A file every conversion writes itself: shards (top-level safetensors; a subfolder's, a sentence-transformers
+    module's, is copied), the index, ``config.json``, the provenance."""
+    return (rel.endswith(".safetensors") and len(Path(rel).parts) == 1) or Path(rel).name == INDEX_NAME or rel in (CONFIG_NAME, PROVENANCE)
 
 
 def _hidden(rel: str) -> bool:

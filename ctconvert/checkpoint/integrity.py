@@ -22,12 +22,12 @@ import json
 from pathlib import Path
 
 from ..errors import CTConvertError
-from .file_records import FILE_HASHES_KEY, FILES_CHECK, mismatch, record_mismatch
-from .hashing import HASH_SCHEME
-from .provenance import RECORDS_SINCE_FORMAT
+from .file_records import FILE_HASHES_KEY, FILES_CHECK, mismatch, record_mismatch, well_formed
+from .hashing import HASH_NAME, HASH_SCHEME
+from .provenance import FILE_HASHES_SINCE_FORMAT, RECORDS_SINCE_FORMAT
 from .reader import INDEX_NAME, Checkpoint, Problem
 from .safetensors_io import read_header
-from .writer import CONFIG_KEY, MARKER, PROVENANCE, PROVENANCE_KEY, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest
+from .writer import CONFIG_KEY, FILES_KEY, MARKER, PROVENANCE, PROVENANCE_KEY, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest
 
 __all__ = [
     "CONFIG_CHECK",
@@ -321,23 +321,58 @@ def file_hash_problems(ckpt: Checkpoint) -> list[Problem]:
     """An error for each file of the output's :data:`~.file_records.FILE_HASHES_KEY` record (the files the run copied
     or wrote beside its shards: tokenizer, ``generation_config.json``, chat template, model card) that is missing or
     differs from it (:func:`.file_records.mismatch`): vLLM and transformers read them as they are, and no tensor shows an
-    edit (a trial's edited ``generation_config.json`` passed a plain verify). An error too where an index that lists the
-    record lacks it, or holds it under another hash scheme; nothing for an index without it (an earlier release's,
-    another tool's)."""
+    edit (a trial's edited ``generation_config.json`` passed a plain verify). An error too for a file the index lists
+    as written (:data:`~.writer.FILES_KEY`) that the record lacks, and where the record is gone from an index that
+    lists it or beside a provenance of format :data:`.provenance.FILE_HASHES_SINCE_FORMAT` (the record, or an entry,
+    deleted to hide an edit), or holds another hash scheme. A warning names the files of the folder the run did not
+    write (added afterwards: not judged). Nothing for an index without the record of an earlier release or another tool."""
     meta, index = _metadata(ckpt), str(Path(ckpt.path) / INDEX_NAME)
     record = meta.get(FILE_HASHES_KEY)
     if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
-        return _removed(meta, FILE_HASHES_KEY, index, required=False)
+        exists, doc = _provenance(ckpt.path)
+        return _removed(meta, FILE_HASHES_KEY, index, required=exists and _format(doc) >= FILE_HASHES_SINCE_FORMAT)
     if record.get("hash") != HASH_SCHEME:
         why = f"the other files' hashes were taken with {record.get('hash')!r}, this installation hashes with {HASH_SCHEME!r}"
         return [Problem("error" if RECORDS_KEY in meta else "warning", f"{why}: not compared", index)]
     problems, after = [], "changed after the run, and vLLM and transformers read it as it is; restore it or convert again"
     for name, rec in sorted(record["files"].items()):
         if Path(name).is_absolute() or ".." in Path(name).parts:  # (verify reads no file outside the folder)
-            problems.append(Problem("error", f"the index's {FILE_HASHES_KEY} record names {name!r}, outside the folder: the record was edited", index))
+            problems.append(Problem("error", f"the index's {FILE_HASHES_KEY} record names {_shown(name)}, outside the folder: the record was edited", index))
+        elif not well_formed(rec):
+            problems.append(Problem("error", f"{_shown(name)}: its record in the index is not a size and a {HASH_NAME} hash: the record was edited", index))
         elif (why := mismatch(Path(ckpt.path) / name, rec)) is not None:
-            problems.append(Problem("error", f"{name}: {why}: {after}", str(Path(ckpt.path) / name)))
+            problems.append(Problem("error", f"{_shown(name)}: {why}: {after}", str(Path(ckpt.path) / name)))
+    return problems + _unrecorded(ckpt, meta, set(record["files"]), index)
+
+
+def _unrecorded(ckpt: Checkpoint, meta: dict, recorded: set[str], index: str) -> list[Problem]:
+    """An error for the files :data:`~.writer.FILES_KEY` lists as written that the record lacks (beside the shards, the
+    index, ``config.json`` and the provenance, which have records of their own); a warning for the files of the folder
+    that neither lists (hidden ones aside)."""
+    listed = meta.get(FILES_KEY)
+    if not isinstance(listed, list):
+        return []
+    weight_map = (ckpt.index or {}).get("weight_map")
+    own = {INDEX_NAME, "config.json", PROVENANCE, *(weight_map.values() if isinstance(weight_map, dict) else ())}
+    lacking = sorted({str(n) for n in listed} - own - recorded)
+    problems = []
+    if lacking:
+        shown = ", ".join(_shown(n) for n in lacking)
+        why = f"the index's {FILE_HASHES_KEY} record lacks files the run wrote ({FILES_KEY} lists them: {shown}): the record was edited; convert again"
+        problems.append(Problem("error", why, index))
+    root = Path(ckpt.path)
+    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(root).parts)}
+    added = sorted(on_disk - {str(n) for n in listed} - own - recorded)
+    if added:
+        shown = ", ".join(_shown(n) for n in added)
+        why = f"files the run did not write (added afterwards; vLLM and transformers may read them, and verify does not judge them): {shown}"
+        problems.append(Problem("warning", why, str(root)))
     return problems
+
+
+def _shown(name: str) -> str:
+    """A file name for a one-line message: as it is, or quoted (JSON) where it holds a line break or another control character."""
+    return name if name.isprintable() else json.dumps(name)
 
 
 def provenance_module_problems(ckpt: Checkpoint) -> list[Problem]:

@@ -287,13 +287,15 @@ class OutputFolder:
                 raise OutputError("another ctconvert run is writing this output", file=self.out) from None
             old = _json_object(self.tmp / JOURNAL)
             self.discarded_partial = bool(old.get("shards")) and old.get("fingerprint") != fingerprint
+            keep = {".lock"}
             if resume and old.get("fingerprint") == fingerprint:
                 self.journal["shards"] = {k: v for k, v in old.get("shards", {}).items() if self._still_valid(k, v)}
                 self.damaged_partial = sorted(set(old.get("shards", {})) - set(self.journal["shards"]))  # written again
-            else:
-                for p in self.tmp.iterdir():
-                    if p.name != ".lock":
-                        shutil.rmtree(p) if p.is_dir() else p.unlink()
+                keep |= {JOURNAL, *self.journal["shards"]}  # the rest is written again, and nothing else may ride along as the run's
+                self.removed_partial = sorted(p.name for p in self.tmp.iterdir() if p.name not in keep | {JOURNAL + ".new"} and p.suffix != ".safetensors")
+            for p in self.tmp.iterdir():
+                if p.name not in keep:
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
             self._save_journal()
         except BaseException as e:  # an error or a Ctrl-C before the caller holds the folder: nothing of this run stays
             self._undo(created)
@@ -432,16 +434,21 @@ class OutputFolder:
             raise OutputError(f"cannot write: {e.strerror or e}", file=self.tmp / name) from e
 
     def copy_files(self, src: Path, skip: set[str], keep_other_weights: bool = False) -> list[str]:
-        """Copy every file of ``src`` (recursively) except safetensors, the index, ``skip`` and, unless
+        """Copy every file of ``src`` (recursively) except its own shards (top-level safetensors; those of a subfolder, a
+        sentence-transformers module's, are copied), the index, ``skip`` and, unless
         ``keep_other_weights``, weights in other formats (:func:`is_other_weights`; listed in
-        :attr:`skipped`). Returns the copied paths (relative)."""
+        :attr:`skipped`); symlinks to a folder or to nothing are not followed (listed in :attr:`links`). Returns the
+        copied paths (relative)."""
         copied = []
         self.skipped: list[str] = []
+        self.links: list[str] = []
         for p in sorted(src.rglob("*")):
             rel = p.relative_to(src)
-            if not p.is_file() or p.suffix == ".safetensors" or rel.name == INDEX_NAME or str(rel) in skip:
-                continue
             if any(part.startswith(".") and part != ".gitattributes" for part in rel.parts):
+                continue
+            if not p.is_file() or (p.suffix == ".safetensors" and len(rel.parts) == 1) or rel.name == INDEX_NAME or str(rel) in skip:
+                if p.is_symlink() and not p.is_file():  # to a folder (not followed) or to nothing
+                    self.links.append(str(rel))
                 continue
             if not keep_other_weights and is_other_weights(rel):
                 self.skipped.append(str(rel))

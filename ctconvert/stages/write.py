@@ -146,6 +146,10 @@ class WriteStage(Stage):
         if self.o.resume and (damaged := getattr(folder, "damaged_partial", [])):
             them = "them" if len(damaged) > 1 else "it"
             result.notes.append(f"--resume: {', '.join(damaged)} changed or damaged since the interrupted run finished {them}; written again")
+        if self.o.resume and (removed := getattr(folder, "removed_partial", [])):
+            result.notes.append(
+                f"--resume: removed from the interrupted run's folder what it had not finished (copied again where the source has it): {', '.join(removed)}"
+            )
         done = folder.completed  # (a set made per access: once here, not per output tensor)
         todo = [u for u in units if any(folder.weight_map[o[0]] not in done for o in u.outputs)] if done else list(units)
         # every source not hashed yet, in the order the executor reads them (units kept from an interrupted run or by
@@ -183,6 +187,8 @@ class WriteStage(Stage):
         append_conversion_section(folder.tmp / CARD, _card_section(job, derived))
         if folder.skipped:
             result.notes.append(f"not copied, weights in other formats (--keep-other-weights copies them): {', '.join(folder.skipped)}")
+        if folder.links:
+            result.notes.append(f"not copied, symlinks to a folder or to nothing: {', '.join(folder.links)}")
         if isinstance(self.executor, LocalExecutor) and (why := native_write.why_not()) is not None:  # (Ray: the workers write)
             result.notes.append(f"the shards were written and hashed from Python, slower beside a GPU: {why}; see CTCONVERT_NATIVE in the README")
         total = sum(t.nbytes for t in planned)

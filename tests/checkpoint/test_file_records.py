@@ -144,8 +144,70 @@ def test_an_edited_record_fails(out):
     files["tokenizer.json"] = "not a record"
     _write_meta(out, meta)
     messages = [p["message"] for p in _errors(out)]
-    assert any("'../outside.json', outside the folder" in m for m in messages), messages
-    assert any(m.startswith("tokenizer.json: its record in the index is not a size and a hash") for m in messages), messages
+    assert any("names ../outside.json, outside the folder" in m for m in messages), messages
+    assert any(m.startswith(f"tokenizer.json: its record in the index is not a size and a {HASH_NAME} hash") for m in messages), messages
+
+
+@pytest.mark.parametrize(
+    "edit",
+    ["upper-case hash", "no hash", "size a string", "negative size"],
+)
+def test_a_malformed_entry_is_called_an_edited_record_not_an_edited_file(out, edit):
+    meta = _meta(out)
+    rec = meta[FILE_HASHES_KEY]["files"]["README.md"]
+    if edit == "upper-case hash":
+        rec[HASH_NAME] = rec[HASH_NAME].upper()
+    elif edit == "no hash":
+        del rec[HASH_NAME]
+    elif edit == "size a string":
+        rec["size"] = str(rec["size"])
+    else:
+        rec["size"] = -1
+    _write_meta(out, meta)
+    (e,) = _errors(out)
+    assert e["message"].startswith("README.md: its record in the index is not a size and a") and "the record was edited" in e["message"]
+
+
+@pytest.mark.parametrize("edit", ["entry deleted", "files emptied", "entry renamed, a copy added"])
+def test_a_record_that_lacks_a_file_the_run_wrote_fails(out, edit):
+    """The index lists every file the run wrote (``ctconvert_files``): an entry taken out of the record (to hide an
+    edit of its file) is an error naming the index, and the edited file is not vouched for."""
+    meta = _meta(out)
+    files = meta[FILE_HASHES_KEY]["files"]
+    if edit == "entry deleted":
+        del files["generation_config.json"]
+    elif edit == "files emptied":
+        files.clear()
+    else:
+        files["copy_generation_config.json"] = files.pop("generation_config.json")
+        (out / "copy_generation_config.json").write_bytes((out / "generation_config.json").read_bytes())
+    _write_meta(out, meta)
+    (out / "generation_config.json").write_text('{"temperature": 9.0}')
+    errors = _errors(out)
+    (e,) = [p for p in errors if "record lacks files the run wrote" in p["message"]]
+    assert "generation_config.json" in e["message"] and e["file"] == str(out / INDEX_NAME)
+
+
+def test_the_record_and_its_listing_removed_fail_beside_a_provenance_that_promises_it(out):
+    from ctconvert.checkpoint.provenance import FILE_HASHES_SINCE_FORMAT, PROVENANCE_FORMAT
+
+    assert json.loads((out / "ctconvert-provenance.json").read_text())["provenance_format"] == PROVENANCE_FORMAT >= FILE_HASHES_SINCE_FORMAT
+    meta = _meta(out)
+    meta.pop(FILE_HASHES_KEY)
+    meta[RECORDS_KEY].remove(FILE_HASHES_KEY)
+    _write_meta(out, meta)
+    (out / "generation_config.json").write_text("{}")
+    assert any(FILE_HASHES_KEY in p["message"] and "removed" in p["message"] for p in _errors(out))
+
+
+def test_files_added_afterwards_are_named_in_a_warning_not_judged(out):
+    (out / "hf_quant_config.json").write_text("{}")
+    (out / "extra").mkdir()
+    (out / "extra" / "new\nline.txt").write_text("x")
+    report = api.verify(out)
+    assert report["ok"], report["problems"]
+    (w,) = [p for p in report["problems"] if p["severity"] == "warning" and "files the run did not write" in p["message"]]
+    assert "hf_quant_config.json" in w["message"] and '"extra/new\\nline.txt"' in w["message"] and "\n" not in w["message"].replace("\\n", "")
 
 
 def test_a_removed_or_other_scheme_record_fails_where_the_index_lists_it(out):
@@ -159,10 +221,16 @@ def test_a_removed_or_other_scheme_record_fails_where_the_index_lists_it(out):
 
 
 def test_an_index_of_an_earlier_release_without_the_record_is_not_judged(out):
-    """No record and no list of records naming it: nothing is compared, and the check is not claimed."""
+    """No record, no list of records naming it, and a provenance of the format before it (the nineteenth session's
+    release): nothing is compared, and the check is not claimed."""
     meta = _meta(out)
     meta.pop(FILE_HASHES_KEY)
     meta[RECORDS_KEY] = [k for k in meta[RECORDS_KEY] if k != FILE_HASHES_KEY]
+    prov = json.loads((out / "ctconvert-provenance.json").read_text())
+    (out / "ctconvert-provenance.json").write_text(json.dumps(dict(prov, provenance_format=3), indent=2))
+    from ctconvert.checkpoint.writer import PROVENANCE_KEY, config_digest
+
+    meta[PROVENANCE_KEY] = config_digest(dict(prov, provenance_format=3))
     _write_meta(out, meta)
     (out / "generation_config.json").write_text("{}")
     report = api.verify(out)
@@ -181,3 +249,32 @@ def test_a_decompress_output_records_its_files(converted, tmp_path):
     errors = [p for p in api.verify(dense, reference=converted)["problems"] if p["severity"] == "error"]
     assert {p["file"] for p in errors} == {str(dense / "tokenizer.json")}
     assert any(p["message"].startswith("tokenizer.json: size 2 bytes differs") for p in errors)
+
+
+def test_a_subfolder_safetensors_is_copied_and_links_it_cannot_follow_are_named(tmp_path):
+    """A sentence-transformers module's ``2_Dense/model.safetensors`` is the model's, not a shard: it is copied,
+    recorded and judged (a trial's was dropped without a word, and verify --reference passed); symlinks to a folder
+    or to nothing are named in a note."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from conftest import LLAMA_CONFIG, llama_tensors, write_checkpoint
+
+    src = write_checkpoint(tmp_path / "st", llama_tensors(LLAMA_CONFIG), LLAMA_CONFIG, extra_files={"2_Dense/config.json": "{}"})
+    import torch
+
+    save_file({"linear.weight": torch.randn(8, 16, generator=torch.Generator().manual_seed(0))}, src / "2_Dense" / "model.safetensors")
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", src / "linkdir")
+    os.symlink(tmp_path / "nothing", src / "dangling")
+    out = tmp_path / "out"
+    notes = api.quantize(src, out, "W4A16").notes
+    assert (out / "2_Dense" / "model.safetensors").read_bytes() == (src / "2_Dense" / "model.safetensors").read_bytes()
+    assert "2_Dense/model.safetensors" in _meta(out)[FILE_HASHES_KEY]["files"]
+    assert "not copied, symlinks to a folder or to nothing: dangling, linkdir" in notes, notes
+    assert api.verify(out, reference=src)["ok"]
+    (out / "2_Dense" / "model.safetensors").unlink()
+    assert str(out / "2_Dense" / "model.safetensors") in {p["file"] for p in _errors(out)}
+    errors = [p for p in api.verify(out, reference=src)["problems"] if p["severity"] == "error"]
+    assert any("2_Dense/model.safetensors of the reference is missing from the output" in p["message"] for p in errors), errors
