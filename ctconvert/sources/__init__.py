@@ -68,7 +68,11 @@ def open_source(ckpt: Checkpoint) -> Source:
         groups[mod][part] = info
     mods, dropped = fmt.read(ckpt, qcfg, where, groups)
     if not mods:
-        raise BadInputError(f"quant_method {fmt.quant_method!r} but no quantized module was found", file=where)
+        if where.name == CONFIG_NAME or json.loads(where.read_text()).get("quant_method"):  # (from_config_file adds the method)
+            raise BadInputError(f"quant_method {fmt.quant_method!r} but no quantized module was found", file=where)
+        why = f"read as {fmt.quant_method!r} for its name (it names no quant_method), but no quantized module was found: "
+        why += f"a dense checkpoint with a stray {where.name}? move it away"
+        raise BadInputError(why, file=where)
     return assemble(fmt, ckpt, qcfg, where, mods, dropped)
 
 

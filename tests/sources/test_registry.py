@@ -74,3 +74,20 @@ def test_an_unknown_quant_method_is_refused_by_name(tmp_path):
 def test_the_tools_config_files_in_the_order_they_are_read():
     assert SOURCE_CONFIG_FILES == ("hf_quant_config.json", "quantize_config.json", "quant_config.json")
     assert [f.quant_method for f in FORMATS] == ["compressed-tensors", "fp8", "awq", "gptq", "modelopt"]
+
+
+@pytest.mark.parametrize(
+    "doc, says", [("{}", "read as 'gptq' for its name (it names no quant_method)"), ('{"quant_method": "gptq"}', "quant_method 'gptq' but")]
+)
+def test_a_config_file_with_no_quantized_module_says_what_named_the_format(tiny_llama, doc, says):
+    """A dense checkpoint with a stray ``quantize_config.json``: the error says the file was read as GPTQ for its name
+    (a trial's ``{}`` was reported as "quant_method 'gptq'", which the file does not say), and suggests moving it."""
+    from ctconvert.checkpoint.reader import open_checkpoint
+    from ctconvert.errors import BadInputError
+    from ctconvert.sources import open_source
+
+    (tiny_llama / "quantize_config.json").write_text(doc)
+    with pytest.raises(BadInputError) as e:
+        open_source(open_checkpoint(tiny_llama))
+    assert says in str(e.value) and e.value.file == tiny_llama / "quantize_config.json"
+    assert ("stray quantize_config.json? move it away" in str(e.value)) == (doc == "{}")
