@@ -61,17 +61,18 @@ def _metadata(ckpt: Checkpoint) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
-def record_problems(ckpt: Checkpoint) -> list[Problem]:
+def record_problems(ckpt: Checkpoint, added: bool = True) -> list[Problem]:
     """The output of ``ckpt`` against every record of it taken as it was written: :func:`shard_hash_problems`,
-    :func:`config_record_problems`, :func:`provenance_record_problems`, :func:`provenance_module_problems`; where the
-    records were stripped from the index (:func:`stripped_records_problems`), that error instead of the comparisons."""
+    :func:`file_hash_problems` (``added``: with its warning on files the run did not write), :func:`config_record_problems`,
+    :func:`provenance_record_problems`, :func:`provenance_module_problems`; where the records were stripped from the
+    index (:func:`stripped_records_problems`), that error instead of the comparisons."""
     stripped = stripped_records_problems(ckpt)
     if any(p.severity == "error" for p in stripped):
         return stripped + provenance_module_problems(ckpt)
     return (
         stripped
         + shard_hash_problems(ckpt)
-        + file_hash_problems(ckpt)
+        + file_hash_problems(ckpt, added)
         + total_size_problems(ckpt)
         + config_record_problems(ckpt)
         + provenance_record_problems(ckpt)
@@ -317,15 +318,16 @@ def shard_hash_problems(ckpt: Checkpoint) -> list[Problem]:
     return problems
 
 
-def file_hash_problems(ckpt: Checkpoint) -> list[Problem]:
+def file_hash_problems(ckpt: Checkpoint, added: bool = True) -> list[Problem]:
     """An error for each file of the output's :data:`~.file_records.FILE_HASHES_KEY` record (the files the run copied
     or wrote beside its shards: tokenizer, ``generation_config.json``, chat template, model card) that is missing or
     differs from it (:func:`.file_records.mismatch`): vLLM and transformers read them as they are, and no tensor shows an
     edit (a trial's edited ``generation_config.json`` passed a plain verify). An error too for a file the index lists
     as written (:data:`~.writer.FILES_KEY`) that the record lacks, and where the record is gone from an index that
     lists it or beside a provenance of format :data:`.provenance.FILE_HASHES_SINCE_FORMAT` (the record, or an entry,
-    deleted to hide an edit), or holds another hash scheme. A warning names the files of the folder the run did not
-    write (added afterwards: not judged). Nothing for an index without the record of an earlier release or another tool."""
+    deleted to hide an edit), or holds another hash scheme. With ``added``, a warning names the files of the folder the
+    run did not write (added afterwards: not judged; ``verify --reference`` names them itself). Nothing for an index
+    without the record of an earlier release or another tool."""
     meta, index = _metadata(ckpt), str(Path(ckpt.path) / INDEX_NAME)
     record = meta.get(FILE_HASHES_KEY)
     if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
@@ -342,10 +344,10 @@ def file_hash_problems(ckpt: Checkpoint) -> list[Problem]:
             problems.append(Problem("error", f"{_shown(name)}: its record in the index is not a size and a {HASH_NAME} hash: the record was edited", index))
         elif (why := mismatch(Path(ckpt.path) / name, rec)) is not None:
             problems.append(Problem("error", f"{_shown(name)}: {why}: {after}", str(Path(ckpt.path) / name)))
-    return problems + _unrecorded(ckpt, meta, set(record["files"]), index)
+    return problems + _unrecorded(ckpt, meta, set(record["files"]), index, added)
 
 
-def _unrecorded(ckpt: Checkpoint, meta: dict, recorded: set[str], index: str) -> list[Problem]:
+def _unrecorded(ckpt: Checkpoint, meta: dict, recorded: set[str], index: str, added: bool) -> list[Problem]:
     """An error for the files :data:`~.writer.FILES_KEY` lists as written that the record lacks (beside the shards, the
     index, ``config.json`` and the provenance, which have records of their own); a warning for the files of the folder
     that neither lists (hidden ones aside)."""
@@ -361,6 +363,8 @@ def _unrecorded(ckpt: Checkpoint, meta: dict, recorded: set[str], index: str) ->
         why = f"the index's {FILE_HASHES_KEY} record lacks files the run wrote ({FILES_KEY} lists them: {shown}): the record was edited; convert again"
         problems.append(Problem("error", why, index))
     root = Path(ckpt.path)
+    if not added:
+        return problems
     on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(root).parts)}
     added = sorted(on_disk - {str(n) for n in listed} - own - recorded)
     if added:

@@ -120,7 +120,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         raise UsageError("--reference is the checkpoint being verified, which measures nothing: give the source it was made from", file=path)
     ckpt = open_checkpoint(path, strict=False)
     mods = {} if is_kernel_native(ckpt.quantization_config) else modules_of(ckpt)  # kernel-native modules have no dense shapes
-    ckpt.problems.extend(record_problems(ckpt) + header_problems(ckpt, mods, path))  # every branch below reports ckpt.problems
+    ckpt.problems.extend(record_problems(ckpt, added=reference is None) + header_problems(ckpt, mods, path))  # (--reference names added files itself)
     if is_kernel_native(ckpt.quantization_config):
         report = _verify_kernel_native(ckpt, path, reference)
         return _with_parallel(report, kernel_native_modules(ckpt.quantization_config, ckpt.tensors), ckpt, tp, ep)

@@ -389,7 +389,7 @@ def test_records_stripped_beside_a_provenance_of_this_format_fail_verify(tiny_ll
         report = api.verify(out)
         (e,) = _errors(report)
         assert e["file"] == str(out / INDEX_NAME) and e["message"].startswith("the index holds none of the records ctconvert writes")
-        assert "ctconvert-provenance.json is of format 3" in e["message"] and "removed after the run" in e["message"]
+        assert f"ctconvert-provenance.json is of format {PROVENANCE_FORMAT}" in e["message"] and "removed after the run" in e["message"]
         assert not [p for p in report["problems"] if "earlier" in p["message"]]  # not taken for an earlier release's output
         assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 5
     index["metadata"] = {"total_size": index["metadata"]["total_size"], MARKER: "0.1.0"}
