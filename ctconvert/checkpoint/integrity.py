@@ -25,7 +25,7 @@ from ..errors import CTConvertError
 from .file_records import FILE_HASHES_KEY, FILES_CHECK, mismatch, record_mismatch, well_formed
 from .hashing import HASH_NAME, HASH_SCHEME
 from .provenance import FILE_HASHES_SINCE_FORMAT, RECORDS_SINCE_FORMAT
-from .reader import INDEX_NAME, Checkpoint, Problem
+from .reader import CONFIG_NAME, INDEX_NAME, Checkpoint, Problem
 from .safetensors_io import read_header
 from .writer import CONFIG_KEY, FILES_KEY, MARKER, PROVENANCE, PROVENANCE_KEY, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest
 
@@ -355,20 +355,20 @@ def _unrecorded(ckpt: Checkpoint, meta: dict, recorded: set[str], index: str, ad
     if not isinstance(listed, list):
         return []
     weight_map = (ckpt.index or {}).get("weight_map")
-    own = {INDEX_NAME, "config.json", PROVENANCE, *(weight_map.values() if isinstance(weight_map, dict) else ())}
+    own = {INDEX_NAME, CONFIG_NAME, PROVENANCE, *(weight_map.values() if isinstance(weight_map, dict) else ())}
     lacking = sorted({str(n) for n in listed} - own - recorded)
     problems = []
     if lacking:
         shown = ", ".join(_shown(n) for n in lacking)
         why = f"the index's {FILE_HASHES_KEY} record lacks files the run wrote ({FILES_KEY} lists them: {shown}): the record was edited; convert again"
         problems.append(Problem("error", why, index))
-    root = Path(ckpt.path)
     if not added:
         return problems
-    on_disk = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(root).parts)}
-    added = sorted(on_disk - {str(n) for n in listed} - own - recorded)
-    if added:
-        shown = ", ".join(_shown(n) for n in added)
+    root = Path(ckpt.path)
+    on_disk = {p.relative_to(root) for p in root.rglob("*") if p.is_file()}
+    extra = sorted({str(r) for r in on_disk if not any(x.startswith(".") for x in r.parts)} - {str(n) for n in listed} - own - recorded)
+    if extra:
+        shown = ", ".join(_shown(n) for n in extra)
         why = f"files the run did not write (added afterwards; vLLM and transformers may read them, and verify does not judge them): {shown}"
         problems.append(Problem("warning", why, str(root)))
     return problems
