@@ -133,7 +133,7 @@ def _run(ctx: _Ctx, fn, hint=None, last: bool = True):
             traceback.print_exc()
         if ctx.json:
             ctx.emit_json({"ok": False, "error": str(e), "exit_code": e.exit_code, "type": type(e).__name__})
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {errors.one_line(e)}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         _interrupted(hint, ctx)
@@ -143,7 +143,7 @@ def _run(ctx: _Ctx, fn, hint=None, last: bool = True):
         msg = f"internal error: {type(e).__name__}: {str(e).removeprefix('error: ')}" + ("" if ctx.debug else " (run with --debug for the traceback)")
         if ctx.json:
             ctx.emit_json({"ok": False, "error": msg, "exit_code": errors.EXIT_INTERNAL, "type": type(e).__name__})
-        click.echo(f"error: {msg}", err=True)
+        click.echo(f"error: {errors.one_line(msg)}", err=True)
         sys.exit(errors.EXIT_INTERNAL)
 
 
@@ -273,7 +273,7 @@ def quantize(ctx: _Ctx, src, output, scheme, all_layers, **given):
     elif dry_run:
         render.plan(ctx, result, target=layout, all_rows=all_layers)
         if result.error is not None:
-            click.echo(f"error: {result.error}", err=True)
+            click.echo(f"error: {errors.one_line(result.error)}", err=True)
     elif not ctx.quiet:
         render.quantized(result, given["refresh"])
     else:
@@ -452,7 +452,7 @@ def run() -> None:
             click.echo(jsonout.dumps({"ok": False, "error": msg, "exit_code": e.exit_code, "type": type(e).__name__}, indent=2))
         ctx = getattr(e, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None and isinstance(e, click.UsageError) else ""
-        click.echo(f"error: {msg}{hint}", err=True)
+        click.echo(f"error: {errors.one_line(msg)}{hint}", err=True)
         code = e.exit_code
     except click.exceptions.Exit as e:
         code = e.exit_code

@@ -113,3 +113,10 @@ class OutputError(CTConvertError):
     """The output path cannot be written (exists, read-only, disk full)."""
 
     exit_code = EXIT_OUTPUT
+
+
+def one_line(text: object) -> str:
+    """``text`` on one line: a line break, tab or other control character (a file name may hold one) written as its
+    escape (``\\n``), so that a message stays one line on a terminal and in a log."""
+    s = str(text)
+    return s if s.isprintable() else "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)

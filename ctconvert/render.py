@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from .errors import human_bytes, plural
+from .errors import human_bytes, one_line, plural
 
 __all__ = ["convert", "decompress", "human", "inspect", "plan", "problems", "quantized", "repack", "schemes", "table", "verify"]
 
@@ -25,7 +25,7 @@ def problems(con, found: list[dict]) -> None:
     """The problems of an inspect or verify report, one line each (``error: file: tensor: what``)."""
     for p in found:
         where = ": ".join(x for x in (p.get("file"), p.get("tensor")) if x)  # "file: tensor: what", as the error lines
-        text = _escape(f"{where + ': ' if where else ''}{p['message']}")  # names and patterns hold [...]: not markup
+        text = _escape(one_line(f"{where + ': ' if where else ''}{p['message']}"))  # names and patterns hold [...]: not markup
         con.print(f"[{'red' if p['severity'] == 'error' else 'yellow'}]{p['severity']}[/]: {text}")
 
 
@@ -258,13 +258,13 @@ def quantized(result, refresh: bool) -> None:
         if not why.startswith("lm_head (default"):  # the one every run has: in the count above, and --dry-run lists it
             click.echo(f"note: kept dense: {plural(n, 'weight')}: {why}", err=True)
     for n in result.notes:
-        click.echo(f"{'warning' if n in result.warnings else 'note'}: {n}", err=True)
+        click.echo(f"{'warning' if n in result.warnings else 'note'}: {one_line(n)}", err=True)
 
 
 def warnings(result) -> None:
     """``-q``: what a quantize run still says, on stderr: the warnings that vLLM refuses the output."""
     for n in result.warnings:
-        click.echo(f"warning: {n}", err=True)
+        click.echo(f"warning: {one_line(n)}", err=True)
 
 
 def verify(ctx, report: dict, reference) -> None:

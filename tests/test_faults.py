@@ -727,3 +727,17 @@ def test_resume_keeps_no_file_put_in_the_partial_folder_meanwhile(tmp_path):
     (note,) = [n for n in doc["notes"] if n.startswith("--resume: removed from the interrupted run's folder")]
     assert note.endswith("generation_config.json, sub"), note
     assert api.verify(out)["ok"]
+
+
+def test_resume_writes_again_a_finished_shard_replaced_by_a_link(tmp_path):
+    """A finished shard in the partial folder replaced by a symlink to the same bytes elsewhere is not kept: it is
+    written again and named (a trial's link ended up in the output, pointing outside it, and verify passed)."""
+    m, out, partial, args = _killed_after_a_shard(tmp_path)
+    first = sorted(json.loads((partial / JOURNAL).read_text())["shards"])[0]
+    outside = tmp_path / "outside.safetensors"
+    shutil.copyfile(partial / first, outside)
+    (partial / first).unlink()
+    (partial / first).symlink_to(outside)
+    doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
+    assert not (out / first).is_symlink() and first in doc["rewritten_shards"]
+    assert any(n.startswith(f"--resume: {first}") and "changed or damaged" in n for n in doc["notes"]), doc["notes"]

@@ -36,6 +36,7 @@ __all__ = [
     "WHOLE_CONFIG_CHECK",
     "config_record_problems",
     "file_hash_problems",
+    "link_problems",
     "provenance_module_problems",
     "provenance_record_problems",
     "record_problems",
@@ -73,6 +74,7 @@ def record_problems(ckpt: Checkpoint, added: bool = True) -> list[Problem]:
         stripped
         + shard_hash_problems(ckpt)
         + file_hash_problems(ckpt, added)
+        + link_problems(ckpt)
         + total_size_problems(ckpt)
         + config_record_problems(ckpt)
         + provenance_record_problems(ckpt)
@@ -339,12 +341,29 @@ def file_hash_problems(ckpt: Checkpoint, added: bool = True) -> list[Problem]:
     problems, after = [], "changed after the run, and vLLM and transformers read it as it is; restore it or convert again"
     for name, rec in sorted(record["files"].items()):
         if Path(name).is_absolute() or ".." in Path(name).parts:  # (verify reads no file outside the folder)
-            problems.append(Problem("error", f"the index's {FILE_HASHES_KEY} record names {_shown(name)}, outside the folder: the record was edited", index))
+            problems.append(Problem("error", f"the index's {FILE_HASHES_KEY} record names {name}, outside the folder: the record was edited", index))
         elif not well_formed(rec):
-            problems.append(Problem("error", f"{_shown(name)}: its record in the index is not a size and a {HASH_NAME} hash: the record was edited", index))
+            problems.append(Problem("error", f"{name}: its record in the index is not a size and a {HASH_NAME} hash: the record was edited", index))
         elif (why := mismatch(Path(ckpt.path) / name, rec)) is not None:
-            problems.append(Problem("error", f"{_shown(name)}: {why}: {after}", str(Path(ckpt.path) / name)))
+            problems.append(Problem("error", f"{why}: {after}", str(Path(ckpt.path) / name)))
     return problems + _unrecorded(ckpt, meta, set(record["files"]), index, added)
+
+
+def link_problems(ckpt: Checkpoint) -> list[Problem]:
+    """A warning naming the shards and recorded files of a ctconvert output (its :data:`~.writer.MARKER`) that are
+    symlinks: ctconvert writes none, their bytes may change without the folder changing, and a copy or upload of the
+    folder may not carry them (a trial's ``--resume`` kept a shard replaced by a link to a file outside)."""
+    meta = _metadata(ckpt)
+    if MARKER not in meta:
+        return []
+    record = meta.get(FILE_HASHES_KEY)
+    files = record.get("files") if isinstance(record, dict) and isinstance(record.get("files"), dict) else {}
+    names = [p.name for p in ckpt.files] + [n for n in files if not Path(n).is_absolute() and ".." not in Path(n).parts]
+    links = sorted(n for n in set(names) if (Path(ckpt.path) / n).is_symlink())
+    if not links:
+        return []
+    why = f"symlinks where ctconvert wrote files ({', '.join(links)}): their bytes can change without the folder, and a copy or upload may not carry them"
+    return [Problem("warning", why, str(ckpt.path))]
 
 
 def _unrecorded(ckpt: Checkpoint, meta: dict, recorded: set[str], index: str, added: bool) -> list[Problem]:
@@ -359,7 +378,7 @@ def _unrecorded(ckpt: Checkpoint, meta: dict, recorded: set[str], index: str, ad
     lacking = sorted({str(n) for n in listed} - own - recorded)
     problems = []
     if lacking:
-        shown = ", ".join(_shown(n) for n in lacking)
+        shown = ", ".join(lacking)
         why = f"the index's {FILE_HASHES_KEY} record lacks files the run wrote ({FILES_KEY} lists them: {shown}): the record was edited; convert again"
         problems.append(Problem("error", why, index))
     if not added:
@@ -368,15 +387,10 @@ def _unrecorded(ckpt: Checkpoint, meta: dict, recorded: set[str], index: str, ad
     on_disk = {p.relative_to(root) for p in root.rglob("*") if p.is_file()}
     extra = sorted({str(r) for r in on_disk if not any(x.startswith(".") for x in r.parts)} - {str(n) for n in listed} - own - recorded)
     if extra:
-        shown = ", ".join(_shown(n) for n in extra)
+        shown = ", ".join(extra)
         why = f"files the run did not write (added afterwards; vLLM and transformers may read them, and verify does not judge them): {shown}"
         problems.append(Problem("warning", why, str(root)))
     return problems
-
-
-def _shown(name: str) -> str:
-    """A file name for a one-line message: as it is, or quoted (JSON) where it holds a line break or another control character."""
-    return name if name.isprintable() else json.dumps(name)
 
 
 def provenance_module_problems(ckpt: Checkpoint) -> list[Problem]:

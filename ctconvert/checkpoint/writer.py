@@ -317,7 +317,7 @@ class OutputFolder:
 
     def _still_valid(self, name: str, rec: dict) -> bool:
         p = self.tmp / name
-        return p.is_file() and record_mismatch(p, rec) is None
+        return p.is_file() and not p.is_symlink() and record_mismatch(p, rec) is None  # (a link planted meanwhile: written again)
 
     def _save_journal(self) -> None:
         with self._lock:

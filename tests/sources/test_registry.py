@@ -77,17 +77,25 @@ def test_the_tools_config_files_in_the_order_they_are_read():
 
 
 @pytest.mark.parametrize(
-    "doc, says", [("{}", "read as 'gptq' for its name (it names no quant_method)"), ('{"quant_method": "gptq"}', "quant_method 'gptq' but")]
+    "name, doc, says",
+    [
+        ("quantize_config.json", '{"bits": 4}', "read as 'gptq' for its name (it names no quant_method)"),
+        ("quantize_config.json", '{"quant_method": "gptq"}', "quant_method 'gptq' but"),
+        ("quantize_config.json", "{}", "quantize_config.json is empty ({})"),
+        ("hf_quant_config.json", "{}", "hf_quant_config.json is empty ({})"),
+        ("quant_config.json", "{}", "quant_config.json is empty ({})"),
+    ],
 )
-def test_a_config_file_with_no_quantized_module_says_what_named_the_format(tiny_llama, doc, says):
-    """A dense checkpoint with a stray ``quantize_config.json``: the error says the file was read as GPTQ for its name
-    (a trial's ``{}`` was reported as "quant_method 'gptq'", which the file does not say), and suggests moving it."""
+def test_a_config_file_with_no_quantized_module_says_what_named_the_format(tiny_llama, name, doc, says):
+    """A dense checkpoint with a stray tool config file: the error says the file was read for its name (a trial's
+    ``{}`` was reported as "quant_method 'gptq'", which the file does not say; ModelOpt's as an unsupported
+    ``quant_algo None``), and suggests moving it; a file that names its method is not called stray."""
     from ctconvert.checkpoint.reader import open_checkpoint
     from ctconvert.errors import BadInputError
     from ctconvert.sources import open_source
 
-    (tiny_llama / "quantize_config.json").write_text(doc)
+    (tiny_llama / name).write_text(doc)
     with pytest.raises(BadInputError) as e:
         open_source(open_checkpoint(tiny_llama))
-    assert says in str(e.value) and e.value.file == tiny_llama / "quantize_config.json"
-    assert ("stray quantize_config.json? move it away" in str(e.value)) == (doc == "{}")
+    assert says in str(e.value) and e.value.file == tiny_llama / name
+    assert (f"stray {name}? move it away" in str(e.value)) == ("quant_method" not in doc)
