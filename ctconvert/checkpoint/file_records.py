@@ -73,6 +73,8 @@ def mismatch(path: Path, rec: dict) -> str | None:
     where ``path`` is missing or unreadable (a message, not an error)."""
     if not path.exists():
         return "missing: the run wrote it (the index records its hash)"
+    if path.is_dir():
+        return "a folder (or a link to one) where the run wrote a file"
     try:
         return record_mismatch(path, rec, file_hash)
     except OSError as e:

@@ -358,7 +358,8 @@ def link_problems(ckpt: Checkpoint) -> list[Problem]:
         return []
     record = meta.get(FILE_HASHES_KEY)
     files = record.get("files") if isinstance(record, dict) and isinstance(record.get("files"), dict) else {}
-    names = [p.name for p in ckpt.files] + [n for n in files if not Path(n).is_absolute() and ".." not in Path(n).parts]
+    own = [INDEX_NAME, CONFIG_NAME, PROVENANCE, *(p.name for p in ckpt.files)]
+    names = own + [n for n in files if not Path(n).is_absolute() and ".." not in Path(n).parts]
     links = sorted(n for n in set(names) if (Path(ckpt.path) / n).is_symlink())
     if not links:
         return []
@@ -384,7 +385,7 @@ def _unrecorded(ckpt: Checkpoint, meta: dict, recorded: set[str], index: str, ad
     if not added:
         return problems
     root = Path(ckpt.path)
-    on_disk = {p.relative_to(root) for p in root.rglob("*") if p.is_file()}
+    on_disk = {p.relative_to(root) for p in root.rglob("*") if p.is_file() or p.is_symlink()}  # (a link to nothing or to a folder too)
     extra = sorted({str(r) for r in on_disk if not any(x.startswith(".") for x in r.parts)} - {str(n) for n in listed} - own - recorded)
     if extra:
         shown = ", ".join(extra)

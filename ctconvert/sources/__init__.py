@@ -103,12 +103,13 @@ def _quant_config(ckpt: Checkpoint) -> tuple[dict | None, Path | None]:
         if not p.is_file():
             continue
         try:
-            d = json.loads(p.read_text())
+            text = p.read_text()
+            d = json.loads(text) if text.strip() else {}  # (an empty file: the stray-file error below)
         except (OSError, ValueError) as e:
             raise BadInputError(f"cannot read {fmt.config_file}: {e}", file=p) from e
         if not isinstance(d, dict):
             raise BadInputError(f"{fmt.config_file} is not a JSON object", file=p)
         if not d:  # (ModelOpt's file then failed on its quant_algo None, exit 4)
-            raise BadInputError(f"{fmt.config_file} is empty ({{}}): a dense checkpoint with a stray {fmt.config_file}? move it away", file=p)
+            raise BadInputError(f"{fmt.config_file} is empty: a dense checkpoint with a stray {fmt.config_file}? move it away", file=p)
         return fmt.from_config_file(d), p
     return None, None

@@ -280,7 +280,7 @@ def test_a_file_or_shard_replaced_by_a_link_to_the_same_bytes_is_named_in_a_warn
     import shutil
 
     shard = sorted(p for p in out.iterdir() if p.suffix == ".safetensors")[0]
-    for victim in (out / "tokenizer.json", shard):
+    for victim in (out / "tokenizer.json", shard, out / "config.json", out / INDEX_NAME):
         copy = tmp_path / f"elsewhere-{victim.name}"
         shutil.copyfile(victim, copy)
         victim.unlink()
@@ -288,7 +288,17 @@ def test_a_file_or_shard_replaced_by_a_link_to_the_same_bytes_is_named_in_a_warn
     report = api.verify(out)
     assert report["ok"], report["problems"]  # the same bytes: not an error
     (w,) = [p for p in report["problems"] if "symlinks where ctconvert wrote files" in p["message"]]
-    assert f"({shard.name}, tokenizer.json)" in w["message"]
+    assert f"({', '.join(sorted(['config.json', INDEX_NAME, shard.name, 'tokenizer.json']))})" in w["message"]
+
+
+def test_a_recorded_file_turned_into_a_folder_link_and_added_links_are_named(out, tmp_path):
+    (out / "tokenizer.json").unlink()
+    (out / "tokenizer.json").symlink_to(tmp_path)
+    (out / "added-link.json").symlink_to(tmp_path / "nothing")
+    report = api.verify(out)
+    (e,) = [p for p in report["problems"] if p["severity"] == "error"]
+    assert e["file"] == str(out / "tokenizer.json") and e["message"].startswith("a folder (or a link to one) where the run wrote a file")
+    assert any("files the run did not write" in p["message"] and "added-link.json" in p["message"] for p in report["problems"])
 
 
 def test_a_note_or_error_naming_a_file_with_a_line_break_stays_one_line(tmp_path):

@@ -81,9 +81,10 @@ def test_the_tools_config_files_in_the_order_they_are_read():
     [
         ("quantize_config.json", '{"bits": 4}', "read as 'gptq' for its name (it names no quant_method)"),
         ("quantize_config.json", '{"quant_method": "gptq"}', "quant_method 'gptq' but"),
-        ("quantize_config.json", "{}", "quantize_config.json is empty ({})"),
-        ("hf_quant_config.json", "{}", "hf_quant_config.json is empty ({})"),
-        ("quant_config.json", "{}", "quant_config.json is empty ({})"),
+        ("quantize_config.json", "{}", "quantize_config.json is empty"),
+        ("hf_quant_config.json", "{}", "hf_quant_config.json is empty"),
+        ("hf_quant_config.json", "", "hf_quant_config.json is empty"),
+        ("quant_config.json", " \n", "quant_config.json is empty"),
     ],
 )
 def test_a_config_file_with_no_quantized_module_says_what_named_the_format(tiny_llama, name, doc, says):
