@@ -331,22 +331,22 @@ def file_hash_problems(ckpt: Checkpoint, added: bool = True) -> list[Problem]:
     run did not write (added afterwards: not judged; ``verify --reference`` names them itself). Nothing for an index
     without the record of an earlier release or another tool."""
     meta, index = _metadata(ckpt), str(Path(ckpt.path) / INDEX_NAME)
-    record = meta.get(FILE_HASHES_KEY)
-    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+    record, files = meta.get(FILE_HASHES_KEY), _recorded_files(meta)
+    if files is None:
         exists, doc = _provenance(ckpt.path)
         return _removed(meta, FILE_HASHES_KEY, index, required=exists and _format(doc) >= FILE_HASHES_SINCE_FORMAT)
     if record.get("hash") != HASH_SCHEME:
         why = f"the other files' hashes were taken with {record.get('hash')!r}, this installation hashes with {HASH_SCHEME!r}"
         return [Problem("error" if RECORDS_KEY in meta else "warning", f"{why}: not compared", index)]
     problems, after = [], "changed after the run, and vLLM and transformers read it as it is; restore it or convert again"
-    for name, rec in sorted(record["files"].items()):
-        if Path(name).is_absolute() or ".." in Path(name).parts:  # (verify reads no file outside the folder)
+    for name, rec in sorted(files.items()):
+        if not _inside(name):  # (verify reads no file outside the folder)
             problems.append(Problem("error", f"the index's {FILE_HASHES_KEY} record names {name}, outside the folder: the record was edited", index))
         elif not well_formed(rec):
             problems.append(Problem("error", f"{name}: its record in the index is not a size and a {HASH_NAME} hash: the record was edited", index))
         elif (why := mismatch(Path(ckpt.path) / name, rec)) is not None:
             problems.append(Problem("error", f"{why}: {after}", str(Path(ckpt.path) / name)))
-    return problems + _unrecorded(ckpt, meta, set(record["files"]), index, added)
+    return problems + _unrecorded(ckpt, meta, set(files), index, added)
 
 
 def link_problems(ckpt: Checkpoint) -> list[Problem]:
@@ -356,11 +356,8 @@ def link_problems(ckpt: Checkpoint) -> list[Problem]:
     meta = _metadata(ckpt)
     if MARKER not in meta:
         return []
-    record = meta.get(FILE_HASHES_KEY)
-    files = record.get("files") if isinstance(record, dict) and isinstance(record.get("files"), dict) else {}
-    own = [INDEX_NAME, CONFIG_NAME, PROVENANCE, *(p.name for p in ckpt.files)]
-    names = own + [n for n in files if not Path(n).is_absolute() and ".." not in Path(n).parts]
-    links = sorted(n for n in set(names) if (Path(ckpt.path) / n).is_symlink())
+    names = _own_files(ckpt) | {n for n in _recorded_files(meta) or {} if _inside(n)}
+    links = sorted(n for n in names if (Path(ckpt.path) / n).is_symlink())
     if not links:
         return []
     why = f"symlinks where ctconvert wrote files ({', '.join(links)}): their bytes can change without the folder, and a copy or upload may not carry them"
@@ -374,8 +371,7 @@ def _unrecorded(ckpt: Checkpoint, meta: dict, recorded: set[str], index: str, ad
     listed = meta.get(FILES_KEY)
     if not isinstance(listed, list):
         return []
-    weight_map = (ckpt.index or {}).get("weight_map")
-    own = {INDEX_NAME, CONFIG_NAME, PROVENANCE, *(weight_map.values() if isinstance(weight_map, dict) else ())}
+    own = _own_files(ckpt)
     lacking = sorted({str(n) for n in listed} - own - recorded)
     problems = []
     if lacking:
@@ -392,6 +388,25 @@ def _unrecorded(ckpt: Checkpoint, meta: dict, recorded: set[str], index: str, ad
         why = f"files the run did not write (added afterwards; vLLM and transformers may read them, and verify does not judge them): {shown}"
         problems.append(Problem("warning", why, str(root)))
     return problems
+
+
+def _recorded_files(meta: dict) -> dict | None:
+    """The ``files`` of the index's :data:`~.file_records.FILE_HASHES_KEY` record (relative path -> record), or None
+    where there is no such record or it is not of that shape."""
+    record = meta.get(FILE_HASHES_KEY)
+    files = record.get("files") if isinstance(record, dict) else None
+    return files if isinstance(files, dict) else None
+
+
+def _inside(name: str) -> bool:
+    """Whether a recorded relative path stays inside the folder (not absolute, no ``..``)."""
+    return not Path(name).is_absolute() and ".." not in Path(name).parts
+
+
+def _own_files(ckpt: Checkpoint) -> set[str]:
+    """The files with records of their own: the index, ``config.json``, the provenance and the shards."""
+    weight_map = (ckpt.index or {}).get("weight_map")
+    return {INDEX_NAME, CONFIG_NAME, PROVENANCE, *(weight_map.values() if isinstance(weight_map, dict) else ()), *(p.name for p in ckpt.files)}
 
 
 def provenance_module_problems(ckpt: Checkpoint) -> list[Problem]:
