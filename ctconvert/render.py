@@ -300,9 +300,11 @@ def verify(ctx, report: dict, reference) -> None:
     problems(con, report["problems"])
     if reference is not None:  # (what the README says: --reference compares values, the plain run judges loadability)
         con.print("with --reference the parameters vLLM builds are not judged: `ctconvert verify OUT` without it judges them", markup=False)
-    elif report.get("checked", {}).get("not_checked"):  # a kernel-native output: its compressed-tensors form is judged
+    elif (left := report.get("checked", {}).get("not_checked")) and not report.get("values_uncompared"):  # kernel-native: its compressed-tensors form is judged
         said = "the parameters vLLM builds are not judged in a kernel-native output: plain `ctconvert verify` of its compressed-tensors form judges them"
         con.print(said, markup=False)
+    elif left:  # a dense output judged by its records: its values need the checkpoint it came from
+        con.print(f"not compared: {'; '.join(left)} (`ctconvert verify DENSE --reference SRC` compares every tensor)", markup=False)
     con.print("[green]verify: passed[/]" if report["ok"] else "[red]verify: FAILED[/]")
 
 

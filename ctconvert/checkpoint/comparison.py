@@ -38,6 +38,7 @@ __all__ = [
     "copy_of",
     "effective_values",
     "error_stats",
+    "error_summary",
     "error_threshold",
     "gain_limit",
     "gain_message",
@@ -316,3 +317,32 @@ def loose_row(row: dict, info, src, loose: float) -> dict:
         rel = math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else (0.0 if sums[0] == 0 else math.inf)
         return {"against": "2:4-pruned reference", "rel_l2_dense": row["rel_l2"], "rel_l2": rel, "threshold": loose, "ok": rel <= loose}
     return {"threshold": loose, "ok": row["rel_l2"] <= loose}
+
+
+def error_summary(rows: list[dict]) -> dict | None:
+    """The summary of ``verify``'s error rows (its report's ``summary``, above its error table; None without rows): how
+    many modules were compared, how many failed, the worst one, the gains' range."""
+    if not rows:
+        return None
+    worst = max(rows, key=lambda r: r["rel_l2"])
+    return {
+        "modules": len(rows),
+        "failed": sum(not r["ok"] for r in rows),
+        "worst_module": worst["module"],
+        "worst_rel_l2": worst["rel_l2"],
+        "worst_threshold": worst["threshold"],
+        "min_snr_db": min(r["snr_db"] for r in rows),
+        "gain_failed": sum(not r.get("gain_ok", True) and r["rel_l2"] <= r["threshold"] for r in rows),  # failed on the gain alone
+        "values_failed": sum(not r.get("grid_ok", True) for r in rows),  # with values off the grid (checkpoint/grid.py)
+        "min_gain": min((r["gain"] for r in rows if "gain" in r), default=None),  # dense rows (a decompress output) have none
+        "max_gain": max((r["gain"] for r in rows if "gain" in r), default=None),
+        **_sparse_summary(rows),
+    }
+
+
+def _sparse_summary(rows: list[dict]) -> dict:
+    """The worst error against the dense reference of the 2:4 modules (their pruning), when there are any."""
+    sparse = [r for r in rows if "rel_l2_dense" in r]
+    if (worst := max(sparse, key=lambda r: r["rel_l2_dense"], default=None)) is None:
+        return {}
+    return {"sparse_modules": len(sparse), "worst_dense_module": worst["module"], "worst_rel_l2_dense": worst["rel_l2_dense"]}

@@ -36,6 +36,7 @@ __all__ = [
     "WHOLE_CONFIG_CHECK",
     "config_record_problems",
     "file_hash_problems",
+    "judged_by_records",
     "link_problems",
     "provenance_module_problems",
     "provenance_record_problems",
@@ -206,6 +207,18 @@ def provenance_record_problems(ckpt: Checkpoint) -> list[Problem]:
     else:
         return []
     return [Problem("error", why, str(path))]
+
+
+def judged_by_records(ckpt: Checkpoint) -> bool:
+    """Whether a checkpoint without a ``quantization_config`` (a ``decompress`` output) gets a plain ``verify``'s verdict
+    from its records alone: its index is ctconvert's (:data:`~.writer.MARKER` or :data:`~.writer.RECORDS_KEY`) and
+    either its shard record can be compared here (this installation's hash scheme) or a record check already failed
+    (``ckpt.problems``: an edited or removed record). Otherwise (a dense model of another tool, an index of an earlier
+    release, a record in another hash scheme: nothing could be compared) ``verify`` asks for ``--reference``."""
+    meta = _metadata(ckpt)
+    if MARKER not in meta and RECORDS_KEY not in meta:
+        return False
+    return SHARDS_CHECK in shards_checks(ckpt) or any(p.severity == "error" for p in ckpt.problems)
 
 
 def shards_checks(ckpt: Checkpoint) -> list[str]:

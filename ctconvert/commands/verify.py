@@ -25,6 +25,9 @@ A kernel-native checkpoint is verified by its round trip: every module is invert
 the stored bytes (and, with a reference, the compressed-tensors source, whose every other tensor must be stored
 unchanged).
 
+A dense checkpoint (a ``decompress`` output) is compared value for value with ``reference``; without one, where its index
+holds ctconvert's records, it is judged by them and by NaN/inf alone (:func:`.integrity.judged_by_records`).
+
 Reads top to bottom: structure -> values -> reference errors -> the report.
 """
 
@@ -46,6 +49,7 @@ from ..checkpoint.comparison import (
     copy_of,
     effective_values,
     error_stats,
+    error_summary,
     error_threshold,
     gain_limit,
     gain_message,
@@ -70,7 +74,7 @@ from ..checkpoint.expected import EXPECTED_CHECK
 from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.files_check import reference_problems
 from ..checkpoint.grid import GridCheck, grid_problems, rounded_elsewhere, unchecked_note
-from ..checkpoint.integrity import record_problems, shards_checks
+from ..checkpoint.integrity import judged_by_records, record_problems, shards_checks
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.loadable import PARSE_CHECK, architecture_problems, header_problems
 from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense, with_files
@@ -88,7 +92,7 @@ from ..plan import kernel_targets as kernels
 from ..plan.parallel import checkpoint_modules, kernel_native_modules, parallel_report
 from ..sources import open_source
 
-__all__ = ["verify"]
+__all__ = ["VALUES_UNCOMPARED", "verify"]
 
 _FLOAT_OR_E4M3 = ("BF16", "F16", "F32", "F64", "F8_E4M3")
 
@@ -106,6 +110,8 @@ _STRUCTURE_CHECKS = [
     "NaN/inf",
 ]
 _FILES_CHECK = "config.json and the copied files against the reference"
+#: what a plain verify of a dense output (``decompress``) leaves out: it judges the bytes by their records alone
+VALUES_UNCOMPARED = "the values against the checkpoint they were made from"
 _NO_BAR = SimpleNamespace(update=lambda n: None)
 
 
@@ -126,6 +132,9 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         return _with_parallel(report, kernel_native_modules(ckpt.quantization_config, ckpt.tensors), ckpt, tp, ep)
     if reference is not None and not ckpt.quantization_config:
         return _verify_dense(ckpt, mods, path, reference, progress)
+    if not ckpt.quantization_config and judged_by_records(ckpt):  # a decompress output: its records and NaN/inf, not its values
+        problems = ckpt.problems + _value_problems(ckpt) + architecture_problems(ckpt, mods, expected=False)
+        return _report(path, None, problems, [], checked=_checked(ckpt, ["NaN/inf"], 0, left=[VALUES_UNCOMPARED]), values_uncompared=True)
     if not any(p.file and Path(p.file).name == CONFIG_NAME for p in ckpt.problems):  # a missing or broken config.json is reported as such
         fix = "to compare a dense checkpoint (a decompress output) with its source, give --reference SRC; `ctconvert inspect` describes any checkpoint"
         require_compressed_tensors(ckpt.quantization_config, path / CONFIG_NAME, "verify", fix)
@@ -180,39 +189,12 @@ def _bar(progress, total: int):
     return contextlib.nullcontext(_NO_BAR) if progress is None else progress(total)
 
 
-def _checked(ckpt: Checkpoint, checks: list[str], compared: int) -> dict:
-    """What verify looked at (the report's ``checked``), and what it left out (``not_checked``: with ``--reference``, what vLLM builds)."""
+def _checked(ckpt: Checkpoint, checks: list[str], compared: int, left: list[str] | None = None) -> dict:
+    """What verify looked at (the report's ``checked``), and what it left out (``not_checked``: with ``--reference``, what
+    vLLM builds; ``left``: a dense output's values without one, :data:`VALUES_UNCOMPARED`)."""
     checks = [*shards_checks(ckpt), PARSE_CHECK, COUNTS_CHECK, WIDTHS_CHECK, PARAM_SHAPES_CHECK, *checks]
-    left = [c for c in (EXPECTED_CHECK,) if c not in checks]
+    left = left if left is not None else [c for c in (EXPECTED_CHECK,) if c not in checks]
     return dict(shards=len(ckpt.files), tensors=len(ckpt.tensors), bytes=ckpt.total_bytes, checks=checks, not_checked=left, compared_modules=compared)
-
-
-def _summary(rows: list[dict]) -> dict | None:
-    """Above the error table: how many modules were compared, how many failed, the worst one."""
-    if not rows:
-        return None
-    worst = max(rows, key=lambda r: r["rel_l2"])
-    return {
-        "modules": len(rows),
-        "failed": sum(not r["ok"] for r in rows),
-        "worst_module": worst["module"],
-        "worst_rel_l2": worst["rel_l2"],
-        "worst_threshold": worst["threshold"],
-        "min_snr_db": min(r["snr_db"] for r in rows),
-        "gain_failed": sum(not r.get("gain_ok", True) and r["rel_l2"] <= r["threshold"] for r in rows),  # failed on the gain alone
-        "values_failed": sum(not r.get("grid_ok", True) for r in rows),  # with values off the grid (checkpoint/grid.py)
-        "min_gain": min((r["gain"] for r in rows if "gain" in r), default=None),  # dense rows (a decompress output) have none
-        "max_gain": max((r["gain"] for r in rows if "gain" in r), default=None),
-        **_dense_summary(rows),
-    }
-
-
-def _dense_summary(rows: list[dict]) -> dict:
-    """The worst error against the dense reference of the 2:4 modules (their pruning), when there are any."""
-    sparse = [r for r in rows if "rel_l2_dense" in r]
-    if (worst := max(sparse, key=lambda r: r["rel_l2_dense"], default=None)) is None:
-        return {}
-    return {"sparse_modules": len(sparse), "worst_dense_module": worst["module"], "worst_rel_l2_dense": worst["rel_l2_dense"]}
 
 
 def _report(path: Path, reference, problems: list[Problem], tensors: list[dict], **extra) -> dict:
@@ -221,7 +203,7 @@ def _report(path: Path, reference, problems: list[Problem], tensors: list[dict],
         "path": str(path),
         "reference": str(reference) if reference else None,
         "ok": not any(p.severity == "error" for p in problems),
-        "summary": _summary(tensors),
+        "summary": error_summary(tensors),
         "problems": [p.to_dict() for p in problems],
         "tensors": tensors,
         **extra,

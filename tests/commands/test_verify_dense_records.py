@@ -1,0 +1,90 @@
+"""A plain ``verify`` of a dense ``decompress`` output: judged by the records its index holds (shard, file and config
+hashes) and NaN/inf, with its values left to ``--reference``; a dense folder without ctconvert's records still asks for one."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from click.testing import CliRunner
+
+from ctconvert import api
+from ctconvert.checkpoint.integrity import SHARDS_CHECK
+from ctconvert.cli import main
+from ctconvert.commands.verify import VALUES_UNCOMPARED
+
+
+@pytest.fixture
+def dense(tiny_llama, tmp_path):
+    q, d = tmp_path / "q", tmp_path / "d"
+    api.quantize(tiny_llama, q, "W4A16")
+    api.decompress(q, d)
+    return d
+
+
+def _poke(folder, tensor: str, value: bytes, at: int = 0) -> None:
+    """Write ``value`` over the bytes of ``tensor`` from element byte ``at``, in place (the header unchanged)."""
+    f = folder / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    start = 8 + n + json.loads(data[8 : 8 + n])[tensor]["data_offsets"][0] + at
+    data[start : start + len(value)] = value
+    f.write_bytes(bytes(data))
+
+
+def _run(*args):
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    return r.exit_code, r.stdout, r.stderr
+
+
+def test_plain_verify_of_a_decompress_output_passes_on_its_records(dense):
+    rep = api.verify(dense)
+    assert rep["ok"] and rep["problems"] == [] and rep["summary"] is None and rep["tensors"] == []
+    assert SHARDS_CHECK in rep["checked"]["checks"] and "NaN/inf" in rep["checked"]["checks"]
+    assert rep["checked"]["not_checked"] == [VALUES_UNCOMPARED] and rep["checked"]["tensors"] > 0
+    code, out, _ = _run("verify", dense)
+    assert code == 0 and f"not compared: {VALUES_UNCOMPARED} (`ctconvert verify DENSE --reference SRC`" in out and "verify: passed" in out
+    assert "kernel-native" not in out
+
+
+def test_a_flipped_bit_in_a_decompress_output_fails_a_plain_verify(dense):
+    _poke(dense, "model.layers.0.mlp.down_proj.weight", bytes([0x01]), at=7)
+    code, out, _ = _run("verify", dense)
+    assert code == 5 and f"error: {dense / 'model.safetensors'}: bytes differ from those written (content hash)" in out and "verify: FAILED" in out
+
+
+def test_nan_written_into_a_decompress_output_is_named_with_the_edit(dense):
+    _poke(dense, "model.norm.weight", bytes([0xC0, 0x7F]))  # bf16 NaN in the first element
+    rep = api.verify(dense)
+    said = {(p["severity"], p.get("tensor"), p["message"].split(":")[0]) for p in rep["problems"]}
+    assert not rep["ok"] and ("error", "model.norm.weight", "1 NaN/inf values") in said
+    assert any("bytes differ from those written" in p["message"] for p in rep["problems"])
+
+
+def test_an_edited_config_of_a_decompress_output_fails_a_plain_verify(dense):
+    cfg = json.loads((dense / "config.json").read_text())
+    cfg["rms_norm_eps"] = 0.5
+    (dense / "config.json").write_text(json.dumps(cfg))
+    rep = api.verify(dense)
+    assert not rep["ok"] and any(p.get("file") == str(dense / "config.json") and p["severity"] == "error" for p in rep["problems"])
+
+
+def test_a_quantized_output_whose_quantization_config_was_removed_is_called_edited(tiny_llama, tmp_path):
+    """Before, this was "not a quantized checkpoint" (exit 3): its records say the config was edited (exit 5)."""
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, "FP8_DYNAMIC")
+    cfg = json.loads((q / "config.json").read_text())
+    del cfg["quantization_config"]
+    (q / "config.json").write_text(json.dumps(cfg))
+    code, out, _ = _run("verify", q)
+    assert code == 5 and f"error: {q / 'config.json'}: the quantization_config was removed" in out
+
+
+def test_a_dense_folder_without_ctconvert_records_still_asks_for_a_reference(dense):
+    index = dense / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["metadata"] = {"total_size": doc["metadata"]["total_size"]}  # another tool's index: nothing to compare with
+    index.write_text(json.dumps(doc))
+    code, _, err = _run("verify", dense)
+    assert code == 3 and "give --reference SRC" in err
