@@ -538,7 +538,7 @@ def test_resume_says_which_finished_shard_it_writes_again_because_its_bytes_chan
     doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
     assert first not in doc["reused_shards"] and first in doc["rewritten_shards"]
     assert sorted(doc["reused_shards"] + doc["rewritten_shards"]) == sorted(doc["shards"]), doc
-    assert any(n.startswith(f"--resume: {first}") and "changed or damaged" in n for n in doc["notes"]), doc["notes"]
+    assert any(n.startswith(f"--resume: {first}") and "changed, damaged or linked" in n for n in doc["notes"]), doc["notes"]
 
 
 @pytest.mark.parametrize("tensor", ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight"])
@@ -740,4 +740,27 @@ def test_resume_writes_again_a_finished_shard_replaced_by_a_link(tmp_path):
     (partial / first).symlink_to(outside)
     doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
     assert not (out / first).is_symlink() and first in doc["rewritten_shards"]
-    assert any(n.startswith(f"--resume: {first}") and "changed or damaged" in n for n in doc["notes"]), doc["notes"]
+    assert any(n.startswith(f"--resume: {first}") and "changed, damaged or linked" in n for n in doc["notes"]), doc["notes"]
+
+
+def test_resume_writes_again_a_finished_shard_hard_linked_outside(tmp_path):
+    """A finished shard that gained a hard link outside the partial folder shares its bytes with that file (an edit there
+    would edit the output): it is written again, named, and the outside file is left as it is."""
+    m, out, partial, args = _killed_after_a_shard(tmp_path)
+    first = sorted(json.loads((partial / JOURNAL).read_text())["shards"])[0]
+    outside = tmp_path / "outside.safetensors"
+    os.link(partial / first, outside)
+    doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
+    assert first in doc["rewritten_shards"] and (out / first).stat().st_nlink == 1 and outside.stat().st_nlink == 1
+    assert any(n.startswith(f"--resume: {first}") and "changed, damaged or linked" in n for n in doc["notes"]), doc["notes"]
+
+
+def test_resume_names_a_removed_file_named_like_a_shard_that_the_run_does_not_write(tmp_path):
+    """A ``.safetensors`` file in the partial folder that is none of the run's shards is removed and named in the note
+    (the run's own unfinished shards are removed without a word: they are written again)."""
+    m, out, partial, args = _killed_after_a_shard(tmp_path)
+    (partial / "model-00099-of-00099.safetensors").write_bytes(b"\0" * 16)
+    doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
+    (note,) = [n for n in doc["notes"] if n.startswith("--resume: removed from the interrupted run's folder")]
+    assert note.endswith(": model-00099-of-00099.safetensors"), note
+    assert not (out / "model-00099-of-00099.safetensors").exists() and api.verify(out)["ok"]

@@ -292,7 +292,9 @@ class OutputFolder:
                 self.journal["shards"] = {k: v for k, v in old.get("shards", {}).items() if self._still_valid(k, v)}
                 self.damaged_partial = sorted(set(old.get("shards", {})) - set(self.journal["shards"]))  # written again
                 keep |= {JOURNAL, *self.journal["shards"]}  # the rest is written again, and nothing else may ride along as the run's
-                self.removed_partial = sorted(p.name for p in self.tmp.iterdir() if p.name not in keep | {JOURNAL + ".new"} and p.suffix != ".safetensors")
+                gone = sorted(p.name for p in self.tmp.iterdir() if p.name not in keep | {JOURNAL + ".new"})
+                self.removed_partial = [n for n in gone if not n.endswith(".safetensors")]
+                self.removed_shards = [n for n in gone if n.endswith(".safetensors")]  # unfinished, or put there (the plan tells)
             for p in self.tmp.iterdir():
                 if p.name not in keep:
                     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
@@ -317,7 +319,8 @@ class OutputFolder:
 
     def _still_valid(self, name: str, rec: dict) -> bool:
         p = self.tmp / name
-        return p.is_file() and not p.is_symlink() and record_mismatch(p, rec) is None  # (a link planted meanwhile: written again)
+        # a link planted meanwhile (symbolic, or a hard link that shares the shard's bytes with a file outside): written again
+        return p.is_file() and not p.is_symlink() and p.stat().st_nlink == 1 and record_mismatch(p, rec) is None
 
     def _save_journal(self) -> None:
         with self._lock:

@@ -145,8 +145,10 @@ class WriteStage(Stage):
             result.notes.append("--resume: the interrupted run used other inputs or options; starting over")
         if self.o.resume and (damaged := getattr(folder, "damaged_partial", [])):
             them = "them" if len(damaged) > 1 else "it"
-            result.notes.append(f"--resume: {', '.join(damaged)} changed or damaged since the interrupted run finished {them}; written again")
-        if self.o.resume and (removed := getattr(folder, "removed_partial", [])):
+            result.notes.append(f"--resume: {', '.join(damaged)} changed, damaged or linked since the interrupted run finished {them}; written again")
+        planned = set(shard_names(len(assignment)))
+        foreign = [n for n in getattr(folder, "removed_shards", []) if n not in planned]  # not this run's shards: named too
+        if self.o.resume and (removed := sorted(getattr(folder, "removed_partial", []) + foreign)):
             result.notes.append(
                 f"--resume: removed from the interrupted run's folder what it had not finished (copied again where the source has it): {', '.join(removed)}"
             )
