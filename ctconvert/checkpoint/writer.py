@@ -292,9 +292,8 @@ class OutputFolder:
                 self.journal["shards"] = {k: v for k, v in old.get("shards", {}).items() if self._still_valid(k, v)}
                 self.damaged_partial = sorted(set(old.get("shards", {})) - set(self.journal["shards"]))  # written again
                 keep |= {JOURNAL, *self.journal["shards"]}  # the rest is written again, and nothing else may ride along as the run's
-                gone = sorted(p.name for p in self.tmp.iterdir() if p.name not in keep | {JOURNAL + ".new"})
-                self.removed_partial = [n for n in gone if not n.endswith(".safetensors")]
-                self.removed_shards = [n for n in gone if n.endswith(".safetensors")]  # unfinished, or put there (the plan tells)
+                # (the run's unfinished shards among them: the plan tells them from files put there, stages.write)
+                self.removed_partial = sorted(p.name for p in self.tmp.iterdir() if p.name not in keep | {JOURNAL + ".new"})
             for p in self.tmp.iterdir():
                 if p.name not in keep:
                     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()

@@ -146,9 +146,8 @@ class WriteStage(Stage):
         if self.o.resume and (damaged := getattr(folder, "damaged_partial", [])):
             them = "them" if len(damaged) > 1 else "it"
             result.notes.append(f"--resume: {', '.join(damaged)} changed, damaged or linked since the interrupted run finished {them}; written again")
-        planned = set(shard_names(len(assignment)))
-        foreign = [n for n in getattr(folder, "removed_shards", []) if n not in planned]  # not this run's shards: named too
-        if self.o.resume and (removed := sorted(getattr(folder, "removed_partial", []) + foreign)):
+        planned = set(shard_names(len(assignment)))  # (its unfinished shards, written again, go unnamed; a file put there is named)
+        if self.o.resume and (removed := [n for n in getattr(folder, "removed_partial", []) if n not in planned]):
             result.notes.append(
                 f"--resume: removed from the interrupted run's folder what it had not finished (copied again where the source has it): {', '.join(removed)}"
             )
