@@ -36,6 +36,8 @@ __all__ = [
     "WHOLE_CONFIG_CHECK",
     "config_record_problems",
     "file_hash_problems",
+    "DENSE_RECORDS",
+    "dense_record_problems",
     "judged_by_records",
     "link_problems",
     "provenance_module_problems",
@@ -209,16 +211,34 @@ def provenance_record_problems(ckpt: Checkpoint) -> list[Problem]:
     return [Problem("error", why, str(path))]
 
 
+#: the records every dense output (``decompress``) of a release that lists its records holds, and what each guards
+DENSE_RECORDS = {SHARDS_KEY: "the shards' bytes", CONFIG_KEY: "config.json", FILE_HASHES_KEY: "the other files"}
+
+
 def judged_by_records(ckpt: Checkpoint) -> bool:
     """Whether a checkpoint without a ``quantization_config`` (a ``decompress`` output) gets a plain ``verify``'s verdict
-    from its records alone: its index is ctconvert's (:data:`~.writer.MARKER` or :data:`~.writer.RECORDS_KEY`) and
-    either its shard record can be compared here (this installation's hash scheme) or a record check already failed
-    (``ckpt.problems``: an edited or removed record). Otherwise (a dense model of another tool, an index of an earlier
-    release, a record in another hash scheme: nothing could be compared) ``verify`` asks for ``--reference``."""
-    meta = _metadata(ckpt)
-    if MARKER not in meta and RECORDS_KEY not in meta:
-        return False
-    return SHARDS_CHECK in shards_checks(ckpt) or any(p.severity == "error" for p in ckpt.problems)
+    from its records alone (:func:`dense_record_problems`): its index lists its records (:data:`~.writer.RECORDS_KEY`,
+    this release). Otherwise (a dense model of another tool, an index of an earlier release or with that list removed:
+    what was written cannot be told) ``verify`` asks for ``--reference``."""
+    return isinstance(_metadata(ckpt).get(RECORDS_KEY), list)
+
+
+def dense_record_problems(ckpt: Checkpoint) -> list[Problem]:
+    """What a plain ``verify`` of a dense output (:func:`judged_by_records`) needs beside the record comparisons: an
+    error for each record of :data:`DENSE_RECORDS` its index's list lacks (removed with its listing after the run, so
+    what it guards is not compared: a trial's edited config.json passed so), and for a ``ctconvert-provenance.json``,
+    which only a quantized output holds (its ``quantization_config`` and the config's records were removed)."""
+    meta, index = _metadata(ckpt), str(Path(ckpt.path) / INDEX_NAME)
+    listed = meta.get(RECORDS_KEY) or []
+    found = [
+        Problem("error", f"the index's {RECORDS_KEY} lacks {key}, which every dense output holds: removed after the run, so {what} cannot be compared", index)
+        for key, what in DENSE_RECORDS.items()
+        if key not in listed
+    ]
+    if (Path(ckpt.path) / PROVENANCE).is_file():
+        why = f"config.json has no quantization_config, but {PROVENANCE} is there, which only a quantized output holds: the config was edited after the run"
+        found.append(Problem("error", why, str(Path(ckpt.path) / CONFIG_NAME)))
+    return found
 
 
 def shards_checks(ckpt: Checkpoint) -> list[str]:
@@ -317,7 +337,8 @@ def shard_hash_problems(ckpt: Checkpoint) -> list[Problem]:
         if RECORDS_KEY in meta:  # a release that lists its records hashes with this scheme: the record was edited
             return [Problem("error", f"{taken}, the only scheme of a release that lists its records: the record was edited", index)]
         return [Problem("warning", f"{taken}: not compared", index)]
-    files = record.get("files") if isinstance(record.get("files"), dict) else {}
+    if not isinstance(files := record.get("files"), dict):  # (not "no hash for this shard", repeated for each)
+        return [Problem("error", f"the index's {SHARDS_KEY} record is malformed (its files are not a table): the record was edited", index)]
     problems, unread = [], {p.file for p in ckpt.problems if p.severity == "error"}  # (a truncated shard: said once, by the reader)
     for path in sorted(p for p in ckpt.files if str(p) not in unread):
         rec = files.get(path.name)

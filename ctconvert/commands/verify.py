@@ -74,7 +74,7 @@ from ..checkpoint.expected import EXPECTED_CHECK
 from ..checkpoint.families import transformers_per_expert_reason
 from ..checkpoint.files_check import reference_problems
 from ..checkpoint.grid import GridCheck, grid_problems, rounded_elsewhere, unchecked_note
-from ..checkpoint.integrity import judged_by_records, record_problems, shards_checks
+from ..checkpoint.integrity import dense_record_problems, judged_by_records, record_problems, shards_checks
 from ..checkpoint.kernel_native import is_kernel_native
 from ..checkpoint.loadable import PARSE_CHECK, architecture_problems, header_problems
 from ..checkpoint.modules import FUSED_SHARED, Module, dense_row_chunks, dense_shape, fused_scalars, modules_of, unexplained_dense, with_files
@@ -132,9 +132,17 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         return _with_parallel(report, kernel_native_modules(ckpt.quantization_config, ckpt.tensors), ckpt, tp, ep)
     if reference is not None and not ckpt.quantization_config:
         return _verify_dense(ckpt, mods, path, reference, progress)
-    if not ckpt.quantization_config and judged_by_records(ckpt):  # a decompress output: its records and NaN/inf, not its values
-        problems = ckpt.problems + _value_problems(ckpt) + architecture_problems(ckpt, mods, expected=False)
-        return _report(path, None, problems, [], checked=_checked(ckpt, ["NaN/inf"], 0, left=[VALUES_UNCOMPARED]), values_uncompared=True)
+    quantized = [m for m in mods.values() if m.quantized] if not ckpt.quantization_config else []
+    if not ckpt.quantization_config and ((listed := judged_by_records(ckpt)) or quantized):  # a decompress output: records, NaN/inf
+        problems = ckpt.problems + (dense_record_problems(ckpt) if listed else [])
+        if quantized:  # (the quantization_config and its records removed: vLLM cannot load such tensors)
+            why = (
+                f"config.json has no quantization_config, but {len(quantized)} modules are stored quantized (e.g. {quantized[0].name}): removed after the run?"
+            )
+            problems.append(_error(why, file=str(path / CONFIG_NAME)))
+        problems += _value_problems(ckpt) + architecture_problems(ckpt, mods)
+        checks = [_STRUCTURE_CHECKS[0], "no quantized module", EXPECTED_CHECK, "NaN/inf"]
+        return _report(path, None, problems, [], checked=_checked(ckpt, checks, 0, left=[VALUES_UNCOMPARED]), values_uncompared=True)
     if not any(p.file and Path(p.file).name == CONFIG_NAME for p in ckpt.problems):  # a missing or broken config.json is reported as such
         fix = "to compare a dense checkpoint (a decompress output) with its source, give --reference SRC; `ctconvert inspect` describes any checkpoint"
         require_compressed_tensors(ckpt.quantization_config, path / CONFIG_NAME, "verify", fix)

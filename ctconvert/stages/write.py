@@ -149,7 +149,8 @@ class WriteStage(Stage):
         planned = set(shard_names(len(assignment)))  # (its unfinished shards, written again, go unnamed; a file put there is named)
         if self.o.resume and (removed := [n for n in getattr(folder, "removed_partial", []) if n not in planned]):
             result.notes.append(
-                f"--resume: removed from the interrupted run's folder what it had not finished (copied again where the source has it): {', '.join(removed)}"
+                "--resume: removed from the interrupted run's folder what the run did not finish or did not write "
+                f"(written or copied again where the source has it): {', '.join(removed)}"
             )
         done = folder.completed  # (a set made per access: once here, not per output tensor)
         todo = [u for u in units if any(folder.weight_map[o[0]] not in done for o in u.outputs)] if done else list(units)

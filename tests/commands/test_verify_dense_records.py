@@ -88,3 +88,82 @@ def test_a_dense_folder_without_ctconvert_records_still_asks_for_a_reference(den
     index.write_text(json.dumps(doc))
     code, _, err = _run("verify", dense)
     assert code == 3 and "give --reference SRC" in err
+
+
+def _drop_records(folder, *keys) -> None:
+    """Remove ``keys`` from the index's metadata and from its list of records, as a hand edit would."""
+    index = folder / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    meta = doc["metadata"]
+    for k in keys:
+        meta.pop(k, None)
+    if "ctconvert_records" in meta:
+        meta["ctconvert_records"] = [r for r in meta["ctconvert_records"] if r not in keys]
+    index.write_text(json.dumps(doc))
+
+
+def test_a_quantized_output_stripped_of_its_config_and_its_records_is_not_taken_for_a_dense_one(tiny_llama, tmp_path):
+    """A trial removed the quantization_config and the two config records (no hash to compute): it passed as a dense
+    output. The provenance (only quantized outputs have one) and the quantized modules say what it is."""
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, "W4A16")
+    cfg = json.loads((q / "config.json").read_text())
+    del cfg["quantization_config"]
+    (q / "config.json").write_text(json.dumps(cfg))
+    _drop_records(q, "ctconvert_quantization_config", "ctconvert_config")
+    rep = api.verify(q)
+    said = [p["message"] for p in rep["problems"] if p["severity"] == "error"]
+    assert not rep["ok"] and any("ctconvert-provenance.json is there, which only a quantized output holds" in m for m in said), said
+    assert any(m.startswith("config.json has no quantization_config, but ") and "modules are stored quantized" in m for m in said), said
+    (q / "ctconvert-provenance.json").unlink()  # and the provenance, its record and the list of records too
+    _drop_records(q, "ctconvert_provenance", "ctconvert_records")
+    code, out, _ = _run("verify", q)
+    assert code == 5 and "modules are stored quantized (e.g. model.layers.0." in out and "): removed after the run?" in out, out
+
+
+@pytest.mark.parametrize("key", ["ctconvert_config", "ctconvert_file_hashes", "ctconvert_shards"])
+def test_a_record_removed_from_a_dense_output_with_its_listing_is_an_error(dense, key):
+    """Every dense output lists its shard, config and file records: one removed with its listing would leave what it
+    guards unjudged (a trial then edited config.json and passed)."""
+    _drop_records(dense, key)
+    cfg = json.loads((dense / "config.json").read_text())
+    cfg["rms_norm_eps"] = 0.5
+    (dense / "config.json").write_text(json.dumps(cfg))
+    rep = api.verify(dense)
+    errors = [p for p in rep["problems"] if p["severity"] == "error"]
+    assert not rep["ok"] and any(f"ctconvert_records lacks {key}, which every dense output holds" in p["message"] for p in errors), errors
+
+
+def test_a_dense_output_missing_a_whole_shard_fails_on_what_the_architecture_builds(tiny_llama, tmp_path):
+    """The last shard removed with its index entries, records and bytes of total_size: the records agree with what is
+    left, but the final norm the model builds is gone."""
+    q, d = tmp_path / "q", tmp_path / "d"
+    api.quantize(tiny_llama, q, "W4A16")
+    api.decompress(q, d, max_shard_size="200KB")
+    index = d / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    last = doc["weight_map"]["model.norm.weight"]
+    gone = [n for n, f in doc["weight_map"].items() if f == last]
+    header = json.loads((d / last).read_bytes()[8 : 8 + struct.unpack("<Q", (d / last).read_bytes()[:8])[0]])
+    doc["metadata"]["total_size"] -= sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    doc["weight_map"] = {n: f for n, f in doc["weight_map"].items() if n not in gone}
+    for key in ("ctconvert_shards", "ctconvert_files"):
+        rec = doc["metadata"][key]
+        if isinstance(rec, dict):
+            rec["files"].pop(last)
+        else:
+            doc["metadata"][key] = [f for f in rec if f != last]
+    index.write_text(json.dumps(doc))
+    (d / last).unlink()
+    rep = api.verify(d)
+    assert not rep["ok"] and any(p.get("tensor") == "model.norm.weight" and "missing" in p["message"] for p in rep["problems"]), rep["problems"]
+
+
+def test_a_malformed_shard_record_is_called_edited_once(dense):
+    index = dense / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["metadata"]["ctconvert_shards"]["files"] = "oops"
+    index.write_text(json.dumps(doc))
+    errors = [p for p in api.verify(dense)["problems"] if p["severity"] == "error"]
+    assert [p["message"] for p in errors] == ["the index's ctconvert_shards record is malformed (its files are not a table): the record was edited"]
+    assert errors[0]["file"] == str(index)
