@@ -538,7 +538,7 @@ def test_resume_says_which_finished_shard_it_writes_again_because_its_bytes_chan
     doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
     assert first not in doc["reused_shards"] and first in doc["rewritten_shards"]
     assert sorted(doc["reused_shards"] + doc["rewritten_shards"]) == sorted(doc["shards"]), doc
-    assert any(n.startswith(f"--resume: {first}") and "changed, damaged or linked" in n for n in doc["notes"]), doc["notes"]
+    assert any(n.startswith(f"--resume: {first}") and "changed, damaged, linked or removed" in n for n in doc["notes"]), doc["notes"]
 
 
 @pytest.mark.parametrize("tensor", ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.norm.weight"])
@@ -740,7 +740,7 @@ def test_resume_writes_again_a_finished_shard_replaced_by_a_link(tmp_path):
     (partial / first).symlink_to(outside)
     doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
     assert not (out / first).is_symlink() and first in doc["rewritten_shards"]
-    assert any(n.startswith(f"--resume: {first}") and "changed, damaged or linked" in n for n in doc["notes"]), doc["notes"]
+    assert any(n.startswith(f"--resume: {first}") and "changed, damaged, linked or removed" in n for n in doc["notes"]), doc["notes"]
 
 
 def test_resume_writes_again_a_finished_shard_hard_linked_outside(tmp_path):
@@ -752,7 +752,7 @@ def test_resume_writes_again_a_finished_shard_hard_linked_outside(tmp_path):
     os.link(partial / first, outside)
     doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
     assert first in doc["rewritten_shards"] and (out / first).stat().st_nlink == 1 and outside.stat().st_nlink == 1
-    assert any(n.startswith(f"--resume: {first}") and "changed, damaged or linked" in n for n in doc["notes"]), doc["notes"]
+    assert any(n.startswith(f"--resume: {first}") and "changed, damaged, linked or removed" in n for n in doc["notes"]), doc["notes"]
 
 
 def test_resume_names_a_removed_file_named_like_a_shard_that_the_run_does_not_write(tmp_path):
@@ -764,3 +764,20 @@ def test_resume_names_a_removed_file_named_like_a_shard_that_the_run_does_not_wr
     (note,) = [n for n in doc["notes"] if n.startswith("--resume: removed from the interrupted run's folder")]
     assert note.endswith(": model-00099-of-00099.safetensors"), note
     assert not (out / "model-00099-of-00099.safetensors").exists() and api.verify(out)["ok"]
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_symlink_in_place_of_the_partial_folder_is_removed_never_written_through(tiny_llama, tmp_path, resume):
+    """A symlink at the partial folder's name pointing at another folder (a user's model, say): before, the run emptied
+    that folder (it removes what it did not write) and the output became a link into it. Now the link is removed, its
+    target left as it is, and the run writes a folder of its own, with a note."""
+    target = tmp_path / "precious"
+    target.mkdir()
+    (target / "weights.safetensors").write_bytes(b"keep me")
+    (tmp_path / ".o.ctconvert-partial").symlink_to(target)
+    args = ["--json", "quantize", tiny_llama, "-s", "W4A16", "-o", tmp_path / "o", *(["--resume"] if resume else [])]
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    assert (target / "weights.safetensors").read_bytes() == b"keep me" and sorted(p.name for p in target.iterdir()) == ["weights.safetensors"]
+    assert not (tmp_path / "o").is_symlink() and (tmp_path / "o").is_dir() and api.verify(tmp_path / "o")["ok"]
+    assert any("was a symlink: removed (its target left as it is); starting over" in n for n in json.loads(out)["notes"])

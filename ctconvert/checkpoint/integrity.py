@@ -277,7 +277,7 @@ def config_record_problems(ckpt: Checkpoint) -> list[Problem]:
     qcfg = ckpt.config.get("quantization_config") if isinstance(ckpt.config, dict) else None
     if not isinstance(recorded, str):
         if removed := _removed(meta, QCFG_KEY, str(Path(ckpt.path) / INDEX_NAME), required=qcfg is not None):
-            return removed
+            return removed + _whole_config_problems(ckpt, meta)  # (a dense output's config replaced by a quantized one: said too)
         if MARKER in meta and SHARDS_KEY in meta and qcfg is not None:  # ctconvert's index of this release, the record gone
             why = "the index records no hash of the quantization_config: config.json is not compared with what was written"
             return [Problem("warning", why, str(Path(ckpt.path) / INDEX_NAME))] + _whole_config_problems(ckpt, meta)

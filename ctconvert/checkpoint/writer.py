@@ -274,7 +274,9 @@ class OutputFolder:
         self._journal_closed = False  # set by commit and abort: no journal is written after them
         self._aborted = False
         self._pending: list = []
-        created = not self.tmp.exists()
+        if linked := self.tmp.is_symlink():  # a link put in its place is removed, never written through (the output would be a link)
+            self.tmp.unlink()
+        self.linked_partial, created = linked, not self.tmp.exists()
         try:
             parent.mkdir(parents=True, exist_ok=True)
             for stale in parent.glob(f".{self.out.name}.ctconvert-tmp-*"):
@@ -555,10 +557,8 @@ class OutputFolder:
             done.wait(5)
         if not keep:
             _remove_folder(self.tmp)
-        try:
+        with contextlib.suppress(OSError):
             os.close(self._lockfd)
-        except OSError:
-            pass
 
 
 def _remove_folder(folder: Path, tries: int = 5) -> None:

@@ -134,7 +134,7 @@ def verify(path: str | Path, reference: str | Path | None = None, *, tp: int = 1
         return _verify_dense(ckpt, mods, path, reference, progress)
     quantized = [m for m in mods.values() if m.quantized] if not ckpt.quantization_config else []
     if not ckpt.quantization_config and ((listed := judged_by_records(ckpt)) or quantized):  # a decompress output: records, NaN/inf
-        problems = ckpt.problems + (dense_record_problems(ckpt) if listed else [])
+        problems = ckpt.problems + (dense_record_problems(ckpt) if listed and not quantized else [])  # (a quantized one: not a dense output's list)
         if quantized:  # (the quantization_config and its records removed: vLLM cannot load such tensors)
             why = (
                 f"config.json has no quantization_config, but {len(quantized)} modules are stored quantized (e.g. {quantized[0].name}): removed after the run?"

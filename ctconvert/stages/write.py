@@ -141,11 +141,13 @@ class WriteStage(Stage):
         if self.o.resume:
             _drop_stale_shards(ckpt, folder, by_shard, hashes.known, result)
         shards = folder.open_shards(assignment, reuse_from=reuse_from)
+        if getattr(folder, "linked_partial", False):
+            result.notes.append(f"the interrupted run's folder {folder.tmp.name} was a symlink: removed (its target left as it is); starting over")
         if self.o.resume and getattr(folder, "discarded_partial", False):
             result.notes.append("--resume: the interrupted run used other inputs or options; starting over")
         if self.o.resume and (damaged := getattr(folder, "damaged_partial", [])):
             them = "them" if len(damaged) > 1 else "it"
-            result.notes.append(f"--resume: {', '.join(damaged)} changed, damaged or linked since the interrupted run finished {them}; written again")
+            result.notes.append(f"--resume: {', '.join(damaged)} changed, damaged, linked or removed since the interrupted run finished {them}; written again")
         planned = set(shard_names(len(assignment)))  # (its unfinished shards, written again, go unnamed; a file put there is named)
         if self.o.resume and (removed := [n for n in getattr(folder, "removed_partial", []) if n not in planned]):
             result.notes.append(

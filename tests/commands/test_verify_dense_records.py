@@ -104,7 +104,7 @@ def _drop_records(folder, *keys) -> None:
 
 def test_a_quantized_output_stripped_of_its_config_and_its_records_is_not_taken_for_a_dense_one(tiny_llama, tmp_path):
     """A trial removed the quantization_config and the two config records (no hash to compute): it passed as a dense
-    output. The provenance (only quantized outputs have one) and the quantized modules say what it is."""
+    output. Its quantized modules say what it is."""
     q = tmp_path / "q"
     api.quantize(tiny_llama, q, "W4A16")
     cfg = json.loads((q / "config.json").read_text())
@@ -113,8 +113,9 @@ def test_a_quantized_output_stripped_of_its_config_and_its_records_is_not_taken_
     _drop_records(q, "ctconvert_quantization_config", "ctconvert_config")
     rep = api.verify(q)
     said = [p["message"] for p in rep["problems"] if p["severity"] == "error"]
-    assert not rep["ok"] and any("ctconvert-provenance.json is there, which only a quantized output holds" in m for m in said), said
+    assert not rep["ok"]
     assert any(m.startswith("config.json has no quantization_config, but ") and "modules are stored quantized" in m for m in said), said
+    assert not any("every dense output holds" in m for m in said), said  # (not called a dense output)
     (q / "ctconvert-provenance.json").unlink()  # and the provenance, its record and the list of records too
     _drop_records(q, "ctconvert_provenance", "ctconvert_records")
     code, out, _ = _run("verify", q)
@@ -167,3 +168,12 @@ def test_a_malformed_shard_record_is_called_edited_once(dense):
     errors = [p for p in api.verify(dense)["problems"] if p["severity"] == "error"]
     assert [p["message"] for p in errors] == ["the index's ctconvert_shards record is malformed (its files are not a table): the record was edited"]
     assert errors[0]["file"] == str(index)
+
+
+def test_a_quantized_config_copied_into_a_dense_output_is_named_as_not_the_one_written(tiny_llama, tmp_path):
+    q, d = tmp_path / "q", tmp_path / "d"
+    api.quantize(tiny_llama, q, "W4A16")
+    api.decompress(q, d)
+    (d / "config.json").write_bytes((q / "config.json").read_bytes())
+    said = [p["message"] for p in api.verify(d)["problems"] if p["severity"] == "error" and p.get("file") == str(d / "config.json")]
+    assert any(m.startswith("config.json is not the one ctconvert wrote (the index records its hash)") for m in said), said
