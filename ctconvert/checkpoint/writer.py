@@ -271,14 +271,14 @@ class OutputFolder:
         self.journal: dict = {"fingerprint": fingerprint, "shards": {}}
         self.reused: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._journal_closed = False  # set by commit and abort: no journal is written after them
-        self._aborted = False
+        self._journal_closed = self._aborted = False  # (the first set by commit and abort: no journal is written after them)
         self._pending: list = []
-        if linked := self.tmp.is_symlink():  # a link put in its place is removed, never written through (the output would be a link)
-            self.tmp.unlink()
-        self.linked_partial, created = linked, not self.tmp.exists()
+        self.linked_partial = self.tmp.is_symlink()  # a link put in its place is removed, never written through (the output would be a link)
+        created = self.linked_partial or not self.tmp.exists()
         try:
             parent.mkdir(parents=True, exist_ok=True)
+            if self.linked_partial:
+                self.tmp.unlink()
             for stale in parent.glob(f".{self.out.name}.ctconvert-tmp-*"):
                 shutil.rmtree(stale, ignore_errors=True)
             self.tmp.mkdir(exist_ok=True)
