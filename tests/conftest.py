@@ -139,7 +139,18 @@ def save_shard(tensors: dict, path: Path) -> None:
     files = (doc.get("metadata") or {}).get(SHARDS_KEY, {}).get("files", {})
     if path.name in files:
         files[path.name] = {"size": path.stat().st_size, HASH_NAME: shard_hash(path)}
-        index.write_text(json.dumps(doc))
+        write_index(index, doc)
+
+
+def write_index(index: Path, doc: dict) -> None:
+    """Write the index ``doc`` to ``index`` as a writer would have written it: with its digest of itself
+    (``file_records.INDEX_DIGEST_KEY``) made anew where it holds one. For the tests that model records a writer wrote so."""
+    from ctconvert.checkpoint.file_records import INDEX_DIGEST_KEY, index_digest
+
+    meta = doc.get("metadata")
+    if isinstance(meta, dict) and INDEX_DIGEST_KEY in meta:
+        meta[INDEX_DIGEST_KEY] = index_digest(doc)
+    Path(index).write_text(json.dumps(doc))
 
 
 def save_config(folder: Path, config: dict) -> None:
@@ -160,7 +171,7 @@ def save_config(folder: Path, config: dict) -> None:
     if CONFIG_KEY in meta:
         meta[CONFIG_KEY] = config_digest(config)
     if QCFG_KEY in meta or CONFIG_KEY in meta:
-        index.write_text(json.dumps(doc))
+        write_index(index, doc)
 
 
 def edited_copy(out: Path, dst: Path, module: str, fn) -> Path:

@@ -16,11 +16,15 @@ from pathlib import Path
 
 from ..errors import OutputError
 from .hashing import HASH_NAME, HASH_SCHEME, RangeHash, file_hash, shard_hash
+from .json_text import canonical_digest
 
-__all__ = ["FILE_HASHES_KEY", "FILES_CHECK", "file_records", "mismatch", "record_mismatch", "well_formed"]
+__all__ = ["FILE_HASHES_KEY", "FILES_CHECK", "INDEX_DIGEST_KEY", "file_records", "index_digest", "mismatch", "record_mismatch", "well_formed"]
 
 #: the index metadata key of the record (a release that writes it also lists it in ``ctconvert_records``)
 FILE_HASHES_KEY = "ctconvert_file_hashes"
+#: the index metadata key of the index's digest of itself (:func:`index_digest`; a release that writes it lists it in
+#: ``ctconvert_records`` and writes provenance format 5 or later)
+INDEX_DIGEST_KEY = "ctconvert_index_digest"
 #: the line ``verify`` lists among its checks where the index holds the record
 FILES_CHECK = "the other files (tokenizer, generation_config.json ...) against the hashes recorded as they were written"
 
@@ -44,6 +48,18 @@ def file_records(folder: Path, names: list[str]) -> dict:
         except OSError as e:
             raise OutputError(f"cannot hash a copied file: {e.strerror or e}", file=Path(folder) / name) from e
     return {"hash": HASH_SCHEME, "files": files}
+
+
+def index_digest(index: dict) -> str:
+    """The digest an index records of itself (:data:`INDEX_DIGEST_KEY`): the sha256 (hex) of the whole index as canonical
+    JSON (:func:`.json_text.canonical_digest`: keys sorted, so indentation and key order do not count) with that key left
+    out of its ``metadata``. The records in the index guard the shards, config.json and the other files, but nothing
+    guarded the records: a file deleted with its entries removed from both ``ctconvert_files`` and
+    ``ctconvert_file_hashes`` passed a plain ``verify`` (a new user's trial). Any entry edited, added or removed now
+    shows. ``index`` is the parsed ``model.safetensors.index.json`` (``metadata`` a dict); raises ``TypeError`` or
+    ``ValueError`` where it holds what JSON cannot write."""
+    meta = {k: v for k, v in index["metadata"].items() if k != INDEX_DIGEST_KEY}
+    return canonical_digest({**index, "metadata": meta})
 
 
 def record_mismatch(path: Path, rec: dict, digest: Callable[[Path], str] = shard_hash) -> str | None:

@@ -13,7 +13,9 @@ afterwards, which no tensor may contradict. It records the hash of the output's 
 (:data:`~.writer.PROVENANCE_KEY`): :func:`provenance_record_problems` fails one edited afterwards, and only a provenance
 that matches its record may steer ``verify`` (:func:`recorded_provenance`: an added ``derived_from`` turned the value
 check off). A provenance of a format that a release writing these records wrote (:data:`.provenance.RECORDS_SINCE_FORMAT`)
-beside an index without them is an error (:func:`stripped_records_problems`), not an earlier release's output.
+beside an index without them is an error (:func:`stripped_records_problems`), not an earlier release's output. The
+index holds a digest of itself too (:data:`~.file_records.INDEX_DIGEST_KEY`): :func:`index_digest_problems` fails an
+index whose records were edited together (a file deleted with its entries removed from two records).
 """
 
 from __future__ import annotations
@@ -22,20 +24,22 @@ import json
 from pathlib import Path
 
 from ..errors import CTConvertError
-from .file_records import FILE_HASHES_KEY, FILES_CHECK, mismatch, record_mismatch, well_formed
+from .file_records import FILE_HASHES_KEY, FILES_CHECK, INDEX_DIGEST_KEY, index_digest, mismatch, record_mismatch, well_formed
 from .hashing import HASH_NAME, HASH_SCHEME
-from .provenance import FILE_HASHES_SINCE_FORMAT, RECORDS_SINCE_FORMAT
+from .provenance import FILE_HASHES_SINCE_FORMAT, INDEX_DIGEST_SINCE_FORMAT, RECORDS_SINCE_FORMAT
 from .reader import CONFIG_NAME, INDEX_NAME, Checkpoint, Problem
 from .safetensors_io import read_header
 from .writer import CONFIG_KEY, FILES_KEY, MARKER, PROVENANCE, PROVENANCE_KEY, QCFG_KEY, RECORDS_KEY, SHARDS_KEY, config_digest
 
 __all__ = [
     "CONFIG_CHECK",
+    "INDEX_CHECK",
     "PROVENANCE_CHECK",
     "SHARDS_CHECK",
     "WHOLE_CONFIG_CHECK",
     "config_record_problems",
     "file_hash_problems",
+    "index_digest_problems",
     "DENSE_RECORDS",
     "dense_record_problems",
     "judged_by_records",
@@ -57,6 +61,8 @@ CONFIG_CHECK = "config.json's quantization_config against the hash recorded as i
 WHOLE_CONFIG_CHECK = "config.json against the hash recorded as it was written"
 #: the line ``verify`` lists where it compares ``ctconvert-provenance.json`` with its record (:data:`~.writer.PROVENANCE_KEY`)
 PROVENANCE_CHECK = "ctconvert-provenance.json against the hash recorded as it was written"
+#: the line ``verify`` lists where it compares the index with its digest of itself (:data:`~.file_records.INDEX_DIGEST_KEY`)
+INDEX_CHECK = "the index and its records against the digest recorded as it was written"
 
 
 def _metadata(ckpt: Checkpoint) -> dict:
@@ -68,12 +74,13 @@ def _metadata(ckpt: Checkpoint) -> dict:
 def record_problems(ckpt: Checkpoint, added: bool = True) -> list[Problem]:
     """The output of ``ckpt`` against every record of it taken as it was written: :func:`shard_hash_problems`,
     :func:`file_hash_problems` (``added``: with its warning on files the run did not write), :func:`config_record_problems`,
-    :func:`provenance_record_problems`, :func:`provenance_module_problems`; where the records were stripped from the
-    index (:func:`stripped_records_problems`), that error instead of the comparisons."""
+    :func:`provenance_record_problems`, :func:`provenance_module_problems`, and :func:`index_digest_problems` where no
+    error of those or of the reader names the index already; where the records were stripped from the index
+    (:func:`stripped_records_problems`), that error instead of the comparisons."""
     stripped = stripped_records_problems(ckpt)
     if any(p.severity == "error" for p in stripped):
         return stripped + provenance_module_problems(ckpt)
-    return (
+    found = (
         stripped
         + shard_hash_problems(ckpt)
         + file_hash_problems(ckpt, added)
@@ -83,6 +90,38 @@ def record_problems(ckpt: Checkpoint, added: bool = True) -> list[Problem]:
         + provenance_record_problems(ckpt)
         + provenance_module_problems(ckpt)
     )
+    index = str(Path(ckpt.path) / INDEX_NAME)
+    said = any(p.severity == "error" and p.file == index for p in found + ckpt.problems)  # (the reader's: a weight_map entry)
+    return found + ([] if said else index_digest_problems(ckpt))
+
+
+def index_digest_problems(ckpt: Checkpoint) -> list[Problem]:
+    """An error naming the index where it is not the one the run wrote: its digest of itself
+    (:data:`~.file_records.INDEX_DIGEST_KEY`, :func:`~.file_records.index_digest`) no longer matches it (an entry edited,
+    added or removed after the run: a file deleted with its entries removed from ``ctconvert_files`` and
+    ``ctconvert_file_hashes`` passed a plain verify), or the digest was removed from an index that lists it, or beside a
+    provenance of format :data:`.provenance.INDEX_DIGEST_SINCE_FORMAT` or later. Nothing for an index of an earlier
+    release or another tool (no digest, no such provenance)."""
+    meta, index = _metadata(ckpt), str(Path(ckpt.path) / INDEX_NAME)
+    recorded = meta.get(INDEX_DIGEST_KEY)
+    if not isinstance(recorded, str):
+        exists, doc = _provenance(ckpt.path)
+        required = exists and _format(doc) >= INDEX_DIGEST_SINCE_FORMAT
+        if INDEX_DIGEST_KEY not in meta and not (required and RECORDS_KEY in meta):
+            return _removed(meta, INDEX_DIGEST_KEY, index, required=False)
+        why = f"the index's {INDEX_DIGEST_KEY} (its digest of itself, which this release always writes) was removed or emptied after the run"
+        return [Problem("error", f"{why}: its records cannot be trusted; convert again", index)]
+    try:
+        same = index_digest(ckpt.index) == recorded
+    except (TypeError, ValueError):
+        same = False
+    if same:
+        return []
+    why = (
+        f"the index is not the one ctconvert wrote (its {INDEX_DIGEST_KEY} no longer matches it): an entry was edited, added or removed "
+        "after the run, so the records it holds (the shards', the config's and the other files' hashes) cannot be trusted; convert again"
+    )
+    return [Problem("error", why, index)]
 
 
 def total_size_problems(ckpt: Checkpoint) -> list[Problem]:
@@ -151,6 +190,9 @@ def stripped_records_problems(ckpt: Checkpoint) -> list[Problem]:
             "was written (judged as another tool's checkpoint)"
         )
         return [Problem("warning", why, str(Path(ckpt.path) / INDEX_NAME))]
+    if INDEX_DIGEST_KEY in meta:  # (the records may be there: their list is gone, which the digest shows)
+        why = f"the index's list of its records ({RECORDS_KEY}) was removed after the run, which its {INDEX_DIGEST_KEY} shows: convert again"
+        return [Problem("error", why, str(Path(ckpt.path) / INDEX_NAME))]
     why = (
         f"the index holds none of the records ctconvert writes ({RECORDS_KEY}: the shards', the config's and the provenance's "
         f"hashes), though {PROVENANCE} is of format {_format(doc)}, which only a release that writes them writes: they were "
@@ -218,9 +260,11 @@ DENSE_RECORDS = {SHARDS_KEY: "the shards' bytes", CONFIG_KEY: "config.json", FIL
 def judged_by_records(ckpt: Checkpoint) -> bool:
     """Whether a checkpoint without a ``quantization_config`` (a ``decompress`` output) gets a plain ``verify``'s verdict
     from its records alone (:func:`dense_record_problems`): its index lists its records (:data:`~.writer.RECORDS_KEY`,
-    this release). Otherwise (a dense model of another tool, an index of an earlier release or with that list removed:
-    what was written cannot be told) ``verify`` asks for ``--reference``."""
-    return isinstance(_metadata(ckpt).get(RECORDS_KEY), list)
+    this release), or its digest of itself (:data:`~.file_records.INDEX_DIGEST_KEY`: the list removed, which the
+    digest shows). Otherwise (a dense model of another tool, an index of an earlier release or with both removed: what
+    was written cannot be told) ``verify`` asks for ``--reference``."""
+    meta = _metadata(ckpt)
+    return isinstance(meta.get(RECORDS_KEY), list) or INDEX_DIGEST_KEY in meta
 
 
 def dense_record_problems(ckpt: Checkpoint) -> list[Problem]:
@@ -229,11 +273,11 @@ def dense_record_problems(ckpt: Checkpoint) -> list[Problem]:
     what it guards is not compared: a trial's edited config.json passed so), and for a ``ctconvert-provenance.json``,
     which only a quantized output holds (its ``quantization_config`` and the config's records were removed)."""
     meta, index = _metadata(ckpt), str(Path(ckpt.path) / INDEX_NAME)
-    listed = meta.get(RECORDS_KEY) or []
+    listed = meta.get(RECORDS_KEY)
     found = [
         Problem("error", f"the index's {RECORDS_KEY} lacks {key}, which every dense output holds: removed after the run, so {what} cannot be compared", index)
         for key, what in DENSE_RECORDS.items()
-        if key not in listed
+        if isinstance(listed, list) and key not in listed  # (the list itself removed: the index's digest says so)
     ]
     if (Path(ckpt.path) / PROVENANCE).is_file():
         why = f"config.json has no quantization_config, but {PROVENANCE} is there, which only a quantized output holds: the config was edited after the run"
@@ -251,7 +295,8 @@ def shards_checks(ckpt: Checkpoint) -> list[str]:
     recorded = ((CONFIG_CHECK, QCFG_KEY), (WHOLE_CONFIG_CHECK, CONFIG_KEY), (PROVENANCE_CHECK, PROVENANCE_KEY))
     configs = [c for c, key in recorded if isinstance(meta.get(key), str)]
     files = meta.get(FILE_HASHES_KEY)
-    return shards + configs + ([FILES_CHECK] if isinstance(files, dict) and files.get("hash") == HASH_SCHEME else [])
+    files_check = [FILES_CHECK] if isinstance(files, dict) and files.get("hash") == HASH_SCHEME else []
+    return shards + configs + files_check + ([INDEX_CHECK] if isinstance(meta.get(INDEX_DIGEST_KEY), str) else [])
 
 
 def _removed(meta: dict, key: str, index: str, required: bool) -> list[Problem]:

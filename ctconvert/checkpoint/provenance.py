@@ -3,7 +3,7 @@
 Every output holds ``ctconvert-provenance.json``: for every output tensor the
 source file, tensor and content hash (:data:`.hashing.HASH_NAME` in block form,
 :mod:`.hashing`) of the bytes it was derived from, and the options of the run.
-The document carries ``provenance_format`` (:data:`PROVENANCE_FORMAT`, 4) and
+The document carries ``provenance_format`` (:data:`PROVENANCE_FORMAT`, 5) and
 ``hash_block_bytes``; an output of an earlier release (format 1: no such key,
 one XXH3-128 over each tensor's bytes) is still understood by ``--refresh``,
 which then compares the sources with format-1 hashes and writes the current format. Format 2 hashes as 3 does; from
@@ -11,7 +11,9 @@ format 3 (:data:`RECORDS_SINCE_FORMAT`) the output's index also lists its record
 shards', config's and this document's hashes), so ``verify`` fails such a provenance beside an index without them
 (:mod:`.integrity`) instead of taking the output for an earlier release's; from format 4
 (:data:`FILE_HASHES_SINCE_FORMAT`) the index also records the other files' hashes (:mod:`.file_records`), so a
-provenance of format 4 beside an index without them is failed the same way. ``--resume`` compares a run's
+provenance of format 4 beside an index without them is failed the same way; from format 5
+(:data:`INDEX_DIGEST_SINCE_FORMAT`) the index also holds its digest of itself (:func:`.file_records.index_digest`), so
+an edit of the index's records shows, and a provenance of format 5 beside an index without it fails. ``--resume`` compares a run's
 :func:`fingerprint` with the interrupted one's; ``--refresh`` compares the
 source hashes with an earlier output's provenance (:func:`refresh_plan`) and
 redoes only what changed.
@@ -40,6 +42,7 @@ __all__ = [
     "PROVENANCE_FORMAT",
     "RECORDS_SINCE_FORMAT",
     "FILE_HASHES_SINCE_FORMAT",
+    "INDEX_DIGEST_SINCE_FORMAT",
     "fingerprint",
     "load_provenance",
     "provenance",
@@ -49,14 +52,16 @@ __all__ = [
 ]
 
 
-#: the provenance document's format: 4 = as 3, and the index records the other files' hashes too; 3 = block hashes
-#: (:data:`.hashing.HASH_SCHEME`), and the output's index lists its records, this document's hash among them; 2 = block
-#: hashes, an index without that promise; 1 (no key) = flat XXH3-128
-PROVENANCE_FORMAT = 4
+#: the provenance document's format: 5 = as 4, and the index holds its digest of itself; 4 = as 3, and the index records
+#: the other files' hashes too; 3 = block hashes (:data:`.hashing.HASH_SCHEME`), and the output's index lists its records,
+#: this document's hash among them; 2 = block hashes, an index without that promise; 1 (no key) = flat XXH3-128
+PROVENANCE_FORMAT = 5
 #: the first format written only beside an index that lists its records (:data:`.writer.RECORDS_KEY`)
 RECORDS_SINCE_FORMAT = 3
 #: the first format written only beside an index that records the other files' hashes (:mod:`.file_records`)
 FILE_HASHES_SINCE_FORMAT = 4
+#: the first format written only beside an index that holds its digest of itself (:data:`.file_records.INDEX_DIGEST_KEY`)
+INDEX_DIGEST_SINCE_FORMAT = 5
 
 
 def fingerprint(ckpt: Checkpoint, options: dict, planned: list[PlannedTensor]) -> str:
@@ -137,7 +142,7 @@ def load_provenance(out: Path, options: dict) -> dict:
     if prov.get("hash") != HASH_NAME:
         raise UsageError(f"earlier provenance uses {prov.get('hash')}, this install {HASH_NAME}; run a full conversion", file=p)
     fmt = prov.get("provenance_format", 1)
-    if fmt not in (1, 2, 3, PROVENANCE_FORMAT) or (fmt != 1 and prov.get("hash_block_bytes") != HASH_BLOCK_BYTES):  # 2 and 3 hash as 4
+    if fmt not in (1, 2, 3, 4, PROVENANCE_FORMAT) or (fmt != 1 and prov.get("hash_block_bytes") != HASH_BLOCK_BYTES):  # 2 to 4 hash as 5
         raise UsageError(
             f"earlier provenance is format {fmt} (block size {prov.get('hash_block_bytes')}), which this release cannot compare; run a full conversion",
             file=p,

@@ -1,11 +1,9 @@
 """Write a checkpoint folder atomically: shards, index, config.json, copied files.
 
-Everything goes into a hidden folder next to the output
-(``.<name>.ctconvert-partial``); only when every shard is flushed, the index
-and ``config.json`` written and the other files copied is that folder renamed
-to the output path. A run that dies leaves only the hidden folder, which no
-loader takes for a checkpoint (it has no ``config.json`` or index); a later
-run either resumes from it (``--resume``) or clears it.
+Everything goes into a hidden folder next to the output (``.<name>.ctconvert-partial``); only when every shard is
+flushed, the index and ``config.json`` written and the other files copied is that folder renamed to the output path. A
+run that dies leaves only the hidden folder, which no loader takes for a checkpoint (it has no ``config.json`` or
+index); a later run either resumes from it (``--resume``) or clears it.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import STOP_SIGNALS, OutputError, UsageError, human_bytes, plural
-from .file_records import FILE_HASHES_KEY, file_records, record_mismatch
+from .file_records import FILE_HASHES_KEY, INDEX_DIGEST_KEY, file_records, index_digest, record_mismatch
 from .hashing import HASH_NAME, HASH_SCHEME, shard_hash
 from .json_text import Encoded, canonical_digest, dumps_indented
 from .reader import CONFIG_NAME, INDEX_NAME
@@ -467,9 +465,10 @@ class OutputFolder:
         return copied
 
     def finish(self, config: dict, total_size: int, extra_json: dict[str, dict | Encoded] | None = None) -> None:
-        """Close shards, write the index (its records: the shards', the ``quantization_config``'s, ``config.json``'s, the
-        provenance's and the other files' hashes, :data:`RECORDS_KEY`), extra JSON files (a dict, or one :class:`.json_text.Encoded` ahead) and
-        ``config.json`` (last), and flush every file and folder of the output to disk (before :meth:`commit` renames it into place)."""
+        """Close shards, write the index (its records: the shards', the ``quantization_config``'s, ``config.json``'s, the provenance's
+        and the other files' hashes, and its digest of itself, :data:`RECORDS_KEY`), extra JSON files (a dict, or one
+        :class:`.json_text.Encoded` ahead) and ``config.json`` (last), and flush every file and folder of the output to disk
+        (before :meth:`commit` renames it into place)."""
         for f in self.shards:
             f.close()
         names = {str(p.relative_to(self.tmp)) for p in self.tmp.rglob("*") if p.is_file()} - {JOURNAL, JOURNAL + ".new", ".lock"}
@@ -480,14 +479,15 @@ class OutputFolder:
         meta.update({key: doc.digest if isinstance(doc, Encoded) else config_digest(doc) for key, doc in digests.items() if isinstance(doc, (dict, Encoded))})
         own = {INDEX_NAME, CONFIG_NAME, PROVENANCE, *(extra_json or {}), *self.weight_map.values(), *(f.path.name for f in self.shards)}
         meta[FILE_HASHES_KEY] = file_records(self.tmp, sorted(names - own))  # the copied files, the card: as written now
-        meta[RECORDS_KEY] = [k for k in (SHARDS_KEY, *digests, FILE_HASHES_KEY) if k in meta]
-        self.write_json(INDEX_NAME, {"metadata": meta, "weight_map": dict(sorted(self.weight_map.items()))})
+        meta[RECORDS_KEY] = [k for k in (SHARDS_KEY, *digests, FILE_HASHES_KEY) if k in meta] + [INDEX_DIGEST_KEY]
+        index = {"metadata": meta, "weight_map": dict(sorted(self.weight_map.items()))}
+        meta[INDEX_DIGEST_KEY] = index_digest(index)  # (of the index without it: the records themselves guarded)
+        self.write_json(INDEX_NAME, index)
         for name, data in (extra_json or {}).items():
             self.write_json(name, data)
         self.write_json(CONFIG_NAME, config, sort_keys=True)
-        # every other file on disk before the folder is renamed into place (the shards this run wrote: ShardFile.close;
-        # those --refresh copied are not yet), else a crash just after the rename could leave a complete-looking output
-        # with an empty config.json or index
+        # every other file on disk before the folder is renamed into place (the shards this run wrote: ShardFile.close; those
+        # --refresh copied are not yet), else a crash just after the rename could leave a complete-looking output with an empty config.json or index
         closed = {f.path.name for f in self.shards if not f.kept}
         for name in sorted(names - closed):
             _fsync(self.tmp / name)

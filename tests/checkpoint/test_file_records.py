@@ -219,9 +219,11 @@ def test_files_added_afterwards_are_named_in_a_warning_not_judged(out):
 def test_an_index_of_an_earlier_release_without_the_record_is_not_judged(out):
     """No record, no list of records naming it, and a provenance of the format before it (the nineteenth session's
     release): nothing is compared, and the check is not claimed."""
+    from ctconvert.checkpoint.file_records import INDEX_DIGEST_KEY
+
     meta = _meta(out)
-    meta.pop(FILE_HASHES_KEY)
-    meta[RECORDS_KEY] = [k for k in meta[RECORDS_KEY] if k != FILE_HASHES_KEY]
+    meta.pop(FILE_HASHES_KEY), meta.pop(INDEX_DIGEST_KEY)  # (that release wrote no digest of its index either)
+    meta[RECORDS_KEY] = [k for k in meta[RECORDS_KEY] if k not in (FILE_HASHES_KEY, INDEX_DIGEST_KEY)]
     prov = json.loads((out / "ctconvert-provenance.json").read_text())
     (out / "ctconvert-provenance.json").write_text(json.dumps(dict(prov, provenance_format=3), indent=2))
     from ctconvert.checkpoint.writer import PROVENANCE_KEY, config_digest

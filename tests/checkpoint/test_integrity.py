@@ -47,13 +47,30 @@ def _errors(report: dict) -> list[dict]:
 def _as_earlier_release(out: Path, index: dict) -> None:
     """Make ``out`` look written by release 0.1.0: no list of records (nor the provenance's record) in ``index``,
     written back, and a provenance of format 2 (the format before the one that promises the records)."""
+    from ctconvert.checkpoint.file_records import INDEX_DIGEST_KEY
     from ctconvert.checkpoint.writer import PROVENANCE_KEY, RECORDS_KEY
 
     index["metadata"].pop(RECORDS_KEY, None)
     index["metadata"].pop(PROVENANCE_KEY, None)
+    index["metadata"].pop(INDEX_DIGEST_KEY, None)
     (out / INDEX_NAME).write_text(json.dumps(index))
     prov = json.loads((out / "ctconvert-provenance.json").read_text())
     (out / "ctconvert-provenance.json").write_text(json.dumps(dict(prov, provenance_format=2)))
+
+
+def _as_release_before_the_digest(out: Path, index: dict) -> None:
+    """Make ``out`` look written by the release before the index's digest of itself: ``index`` without the digest or its
+    listing, written back, and the provenance of format 4 (the one before), its record in the index made anew."""
+    from ctconvert.checkpoint.file_records import INDEX_DIGEST_KEY
+    from ctconvert.checkpoint.writer import PROVENANCE_KEY, RECORDS_KEY, config_digest
+
+    meta = index["metadata"]
+    meta.pop(INDEX_DIGEST_KEY, None)
+    meta[RECORDS_KEY] = [k for k in meta[RECORDS_KEY] if k != INDEX_DIGEST_KEY]
+    prov = dict(json.loads((out / "ctconvert-provenance.json").read_text()), provenance_format=4)
+    (out / "ctconvert-provenance.json").write_text(json.dumps(prov))
+    meta[PROVENANCE_KEY] = config_digest(prov)
+    (out / INDEX_NAME).write_text(json.dumps(index))
 
 
 def test_every_output_records_each_shard_as_written(tiny_llama, tmp_path):
@@ -112,14 +129,14 @@ def test_an_index_without_the_record_is_not_judged_and_says_so(tiny_llama, tmp_p
     (exit 5). An index without the record and without the listing (an earlier release) is not judged: a warning."""
     from click.testing import CliRunner
 
-    from ctconvert.checkpoint.file_records import FILE_HASHES_KEY
+    from ctconvert.checkpoint.file_records import FILE_HASHES_KEY, INDEX_DIGEST_KEY
     from ctconvert.checkpoint.writer import CONFIG_KEY, PROVENANCE_KEY, QCFG_KEY, RECORDS_KEY
     from ctconvert.cli import main
 
     out = tmp_path / "out"
     api.quantize(tiny_llama, out, "W4A16")
     index = _index(out)
-    assert index["metadata"][RECORDS_KEY] == [SHARDS_KEY, QCFG_KEY, CONFIG_KEY, PROVENANCE_KEY, FILE_HASHES_KEY]
+    assert index["metadata"][RECORDS_KEY] == [SHARDS_KEY, QCFG_KEY, CONFIG_KEY, PROVENANCE_KEY, FILE_HASHES_KEY, INDEX_DIGEST_KEY]
     del index["metadata"][SHARDS_KEY]
     (out / INDEX_NAME).write_text(json.dumps(index))
     (e,) = [p for p in _errors(api.verify(out)) if "record was removed" in p["message"]]
@@ -186,8 +203,9 @@ def test_a_shard_missing_from_the_record_fails(tiny_llama, tmp_path):
     first = sorted(index["metadata"][SHARDS_KEY]["files"])[0]
     del index["metadata"][SHARDS_KEY]["files"][first]
     (out / INDEX_NAME).write_text(json.dumps(index))
-    errors = _errors(api.verify(out))
-    assert [e["file"] for e in errors] == [str(out / first)] and "no hash recorded" in errors[0]["message"]
+    errors = _errors(api.verify(out))  # (and the index, edited so, no longer matches its digest)
+    assert [e["file"] for e in errors] == [str(out / first), str(out / INDEX_NAME)] and "no hash recorded" in errors[0]["message"]
+    assert "its ctconvert_index_digest no longer matches it" in errors[1]["message"]
 
 
 def test_decompress_and_resumed_outputs_record_their_own_shards(tiny_llama, tmp_path):
@@ -361,7 +379,7 @@ def test_the_whole_config_record_is_judged_only_where_the_index_holds_or_lists_i
     (e,) = [p for p in _errors(api.verify(out)) if "record was removed" in p["message"]]
     assert CONFIG_KEY in e["message"] and e["file"] == str(out / INDEX_NAME)
     index["metadata"][RECORDS_KEY].remove(CONFIG_KEY)  # as the release before this record wrote its index
-    (out / INDEX_NAME).write_text(json.dumps(index))
+    _as_release_before_the_digest(out, index)
     report = api.verify(out)
     assert report["ok"] and WHOLE_CONFIG_CHECK not in report["checked"]["checks"], report["problems"]
 
@@ -388,8 +406,12 @@ def test_records_stripped_beside_a_provenance_of_this_format_fail_verify(tiny_ll
         (out / INDEX_NAME).write_text(json.dumps(dict(index, metadata=kept)))
         report = api.verify(out)
         (e,) = _errors(report)
-        assert e["file"] == str(out / INDEX_NAME) and e["message"].startswith("the index holds none of the records ctconvert writes")
-        assert f"ctconvert-provenance.json is of format {PROVENANCE_FORMAT}" in e["message"] and "removed after the run" in e["message"]
+        assert e["file"] == str(out / INDEX_NAME) and "removed after the run" in e["message"]
+        if "ctconvert_index_digest" in kept:  # (the records kept, their list removed: the digest shows it)
+            assert e["message"].startswith(f"the index's list of its records ({RECORDS_KEY}) was removed after the run")
+        else:
+            assert e["message"].startswith("the index holds none of the records ctconvert writes")
+            assert f"ctconvert-provenance.json is of format {PROVENANCE_FORMAT}" in e["message"]
         assert not [p for p in report["problems"] if "earlier" in p["message"]]  # not taken for an earlier release's output
         assert CliRunner().invoke(main, ["verify", str(out)]).exit_code == 5
     index["metadata"] = {"total_size": index["metadata"]["total_size"], MARKER: "0.1.0"}

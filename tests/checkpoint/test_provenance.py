@@ -11,14 +11,15 @@ from ctconvert import api
 from ctconvert.checkpoint.provenance import PROVENANCE_FORMAT, RECORDS_SINCE_FORMAT
 
 
-@pytest.mark.parametrize("earlier", [2, 3])
+@pytest.mark.parametrize("earlier", [2, 3, 4])
 def test_an_earlier_block_hash_provenance_still_refreshes_and_becomes_the_current_format(tiny_llama, tmp_path, earlier):
     out = tmp_path / "out"
     api.quantize(tiny_llama, out, "W4A16")
     p = out / "ctconvert-provenance.json"
     prov = json.loads(p.read_text())
-    assert prov["provenance_format"] == PROVENANCE_FORMAT == RECORDS_SINCE_FORMAT + 1 == 4
-    p.write_text(json.dumps(dict(prov, provenance_format=earlier)))  # 2: release 0.1.0's, 3: before the file hashes; same block hashes
+    assert prov["provenance_format"] == PROVENANCE_FORMAT == RECORDS_SINCE_FORMAT + 2 == 5
+    # 2: release 0.1.0's, 3: before the file hashes, 4: before the index's digest; the same block hashes
+    p.write_text(json.dumps(dict(prov, provenance_format=earlier)))
     res = api.quantize(tiny_llama, out, "W4A16", refresh=True)
     assert res.reused_shards == res.shards and not res.rewritten_shards  # its hashes compared: nothing changed
     assert json.loads(p.read_text())["provenance_format"] == PROVENANCE_FORMAT

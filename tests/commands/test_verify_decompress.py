@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from ctconvert import api
 from ctconvert.cli import main
 
-from conftest import LLAMA_CONFIG, llama_tensors, save_config, save_shard, write_checkpoint
+from conftest import LLAMA_CONFIG, llama_tensors, save_config, save_shard, write_checkpoint, write_index
 from ct_reference import PRESET_FORMAT
 
 SCHEMES = ["FP8_DYNAMIC", "FP8_BLOCK", "W8A8", "W4A16", "W4A16_ASYM", "W8A16", "NVFP4A16", "MXFP4A16", "MXFP4", "MXFP8A16", "MXFP8"]
@@ -213,7 +213,7 @@ def _add_tensor(folder, name, t):
     if index.is_file():
         doc = json.loads(index.read_text())
         doc["weight_map"][name] = shard.name
-        index.write_text(json.dumps(_with_total_size(folder, doc)))
+        write_index(index, _with_total_size(folder, doc))
 
 
 def _with_total_size(folder, doc: dict) -> dict:
@@ -319,7 +319,7 @@ def test_verify_finds_a_dense_dtype_cast_without_the_output_provenance(tmp_path)
     index = json.loads((q / "model.safetensors.index.json").read_text())  # and its record: an output without a provenance
     del index["metadata"]["ctconvert_provenance"]
     index["metadata"]["ctconvert_records"].remove("ctconvert_provenance")
-    (q / "model.safetensors.index.json").write_text(json.dumps(index))
+    write_index(q / "model.safetensors.index.json", index)  # (as a writer without a provenance writes it)
     rep = api.verify(q, m)
     assert rep["ok"], rep["problems"]
     assert any("hold the reference's values cast to another float dtype" in p["message"] for p in rep["problems"] if p["severity"] == "note")
@@ -358,7 +358,7 @@ def _drop_tensor(folder, name):
     if index.is_file():
         doc = json.loads(index.read_text())
         doc["weight_map"].pop(name, None)
-        index.write_text(json.dumps(_with_total_size(folder, doc)))
+        write_index(index, _with_total_size(folder, doc))
 
 
 def test_verify_of_a_kernel_native_output_fails_on_a_tensor_left_out_or_added(tmp_path):
