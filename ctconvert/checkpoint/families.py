@@ -33,6 +33,7 @@ __all__ = [
     "FusedExperts",
     "config_value",
     "dense_experts_reason",
+    "indexer_dense_reason",
     "is_expert",
     "is_fused_expert",
     "is_mtp",
@@ -192,6 +193,31 @@ def is_expert(name: str) -> bool:
     return _EXPERT_MODULE.search(name) is not None
 
 
+#: the DeepSeek V3.2 (and GLM-5 DSA) sparse-attention indexer's key and head-weight projections
+_INDEXER_DENSE = re.compile(r"(^|\.)indexer\.(wk|weights_proj)$")
+
+
+def indexer_dense_reason(module: str, config: dict, weights: dict | None = None, inputs: dict | None = None) -> str | None:
+    """Why ``module`` stays dense for vLLM 0.33: the indexer's ``wk`` or ``weights_proj`` of a model whose config has
+    ``index_topk`` (DeepSeek V3.2, GLM-5 DSA). vLLM fuses the two into one ``wk_weights_proj`` built without a
+    quantization config (vllm 0.33 ``vllm/models/deepseek_v32/attention.py`` ``Indexer``; ``deepseek_v2.py`` likewise),
+    so a quantized ``weights_proj`` cannot be loaded (its scale has no parameter; its FP8 codes would be taken as bf16
+    values), nor a packed ``wk``. An 8-bit float ``wk`` with dynamic or no input scales is the one exception: the
+    loader dequantizes it to bf16 (``deepseek_v2.py`` ``_try_load_fp8_indexer_wk``). ``weights``/``inputs``: the
+    module's ``QuantizationArgs`` dicts; None for the module-only rule (the plan's default: both stay dense, since
+    vLLM would only dequantize ``wk`` again). None for any other module or config."""
+    found = _INDEXER_DENSE.search(module)
+    if found is None or not any(isinstance(c, dict) and "index_topk" in c for c in (config, config.get("text_config"))):
+        return None
+    fp8 = isinstance(weights, dict) and weights.get("type") == "float" and weights.get("num_bits") == 8
+    if found.group(2) == "wk" and fp8 and (not isinstance(inputs, dict) or inputs.get("dynamic") is True):
+        return None
+    return (
+        "DeepSeek V3.2 indexer's wk/weights_proj: vLLM 0.33 fuses them into wk_weights_proj, built unquantized "
+        "(models/deepseek_v32/attention.py Indexer), so it cannot load them quantized (only an FP8 wk, which it dequantizes)"
+    )
+
+
 def dense_experts_reason(module: str, config: dict) -> str | None:
     """Why ``module``, a per-expert Linear (``...experts.<e>.<leaf>``, stored so or split from fused 3-D
     experts), stays dense by default: its family's :attr:`ExpertLayout.vllm_dense`; None for any other
@@ -286,11 +312,14 @@ def vllm_dense_reason(module: str, config: dict, weights: dict | None = None, in
     experts of a family whose :attr:`ExpertLayout.vllm_dense` says so (:func:`dense_experts_reason`), experts of any
     family quantized with a scheme vLLM has no fused-MoE method for (``weights``/``inputs``: the module's
     ``QuantizationArgs`` dicts, :func:`vllm_expert_scheme_reason`), and the MoE router of a family
-    :data:`VLLM_DENSE_ROUTER` lists. The plan refuses to quantize such a module unless ``--allow-unloadable``;
+    :data:`VLLM_DENSE_ROUTER` lists, and the DeepSeek V3.2 indexer's ``wk``/``weights_proj``
+    (:func:`indexer_dense_reason`). The plan refuses to quantize such a module unless ``--allow-unloadable``;
     ``verify`` reports one that is quantized."""
     if (why := dense_experts_reason(module, config)) is not None:
         return why
     if is_expert(module) and (why := vllm_expert_scheme_reason(weights, inputs)) is not None:
+        return why
+    if (why := indexer_dense_reason(module, config, weights, inputs)) is not None:
         return why
     if _ROUTER.search(module):
         t = next((t for t in model_types(config) if t in VLLM_DENSE_ROUTER), None)

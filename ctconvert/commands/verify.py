@@ -103,7 +103,8 @@ _STRUCTURE_CHECKS = [
     "tensors agree with their group's format (parts, dtypes, shapes; 2:4 and KV cache claims)",
     "dense Linear in ignore",
     "MoE experts' group as vLLM 0.33 matches them, alike within each block",
-    "modules vLLM 0.33 cannot load quantized (gpt-oss experts, experts with static INT8 inputs, most MoE routers, partial FP8 blocks)",
+    "modules vLLM 0.33 cannot load quantized (gpt-oss experts, experts with static INT8 inputs, most MoE routers, "
+    "the DeepSeek V3.2 indexer's wk/weights_proj, partial FP8 blocks)",
     "fused sets complete",
     "attention shapes against config.json",
     "fused global scales and input scales",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..checkpoint.families import FusedExperts, dense_experts_reason, is_mtp, mtp_dense_reason, mtp_part_layers, vllm_dense_reason
+from ..checkpoint.families import FusedExperts, dense_experts_reason, indexer_dense_reason, is_mtp, mtp_dense_reason, mtp_part_layers, vllm_dense_reason
 from ..checkpoint.naming import (
     BLOCK,
     DEFAULT_IGNORE_PATTERNS,
@@ -394,12 +394,14 @@ def _unloadable(module: str, scheme: Scheme, rules) -> str | None:
 
 def _default_rule(module: str, name: str, rules: _Rules) -> str | None:
     """The default that keeps a ``Linear``-matched module dense (router, vision tower, MTP layer, outside the blocks,
-    experts of a family vLLM cannot load quantized), or None."""
+    experts of a family vLLM cannot load quantized, the DeepSeek V3.2 indexer's wk/weights_proj), or None."""
     default = next((k for k, p in DEFAULT_IGNORE_PATTERNS.items() if k != "lm_head" and p.search(module)), None)
     if default is not None:
         return default
     if (why := dense_experts_reason(module, rules.config)) is not None:
         return f"{why}; kept dense by default (targets naming them, with --allow-unloadable, quantize them)"
+    if (why := indexer_dense_reason(module, rules.config)) is not None:
+        return f"{why}; kept dense by default"
     if not rules.quantize_mtp and is_mtp(name, rules.config, rules.mtp_parts):
         return "MTP layer; --quantize-mtp quantizes it"
     if (why := mtp_dense_reason(module, rules.config)) is not None:

@@ -517,8 +517,10 @@ def test_residents_serve_a_new_driver_with_the_same_bytes_and_end_when_idle(clus
     ray = no_residents
     r = api.quantize(src, tmp_path / "a", "W4A16", max_shard_size=SHARD, executor="ray", ray_keep_workers=120)
     assert tree_hash(tmp_path / "a") == tree_hash(local["W4A16"]) and sum(n["shards"] for n in r.nodes) == len(r.shards)
-    before = _residents(ray)  # one per live node (each with its one CPU), placed as the node's CPU came free
-    assert before and sum(c for _, _, c in before.values()) >= 1
+    # one per live node (each with its one CPU), placed as the node's CPU came free: on a loaded 2-core machine one may
+    # still be starting when the run returns (the test once read none there), and may have converted nothing yet
+    _wait_until(lambda: bool(_residents(ray)))
+    before = _residents(ray)
     assert len({node for _, node, _ in before.values()}) == len(before)  # one per node
     args = ["--json", "quantize", src, "-o", tmp_path / "b", "-s", "W4A16", "--max-shard-size", SHARD, "--executor", "ray"]
     p = _cli(*args, "--ray-address", cluster.address, "--ray-keep-workers", "120", entry="console")
