@@ -766,6 +766,23 @@ def test_resume_names_a_removed_file_named_like_a_shard_that_the_run_does_not_wr
     assert not (out / "model-00099-of-00099.safetensors").exists() and api.verify(out)["ok"]
 
 
+def test_resume_names_a_link_at_an_unfinished_shards_name_and_leaves_its_target(tmp_path):
+    """A symlink at the name of a shard the run had not finished is removed (the shard is written again), named in the
+    note as a link, and its target is left as it is: before, it went unnamed with the run's unfinished shards."""
+    m, out, partial, args = _killed_after_a_shard(tmp_path)
+    finished = sorted(json.loads((partial / JOURNAL).read_text())["shards"])
+    total = int(finished[0].split("-of-")[1].split(".")[0])
+    unfinished = next(n for n in (f"model-{k:05d}-of-{total:05d}.safetensors" for k in range(1, total + 1)) if n not in finished)
+    (partial / unfinished).unlink(missing_ok=True)
+    target = tmp_path / "elsewhere.bin"
+    target.write_bytes(b"keep me")
+    (partial / unfinished).symlink_to(target)
+    doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
+    (note,) = [n for n in doc["notes"] if n.startswith("--resume: removed from the interrupted run's folder")]
+    assert note.endswith(f": {unfinished} (a symlink; its target left as it is)"), note
+    assert target.read_bytes() == b"keep me" and not (out / unfinished).is_symlink() and api.verify(out)["ok"]
+
+
 @pytest.mark.parametrize("resume", [False, True])
 def test_a_symlink_in_place_of_the_partial_folder_is_removed_never_written_through(tiny_llama, tmp_path, resume):
     """A symlink at the partial folder's name pointing at another folder (a user's model, say): before, the run emptied

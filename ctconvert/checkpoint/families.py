@@ -287,6 +287,9 @@ VLLM_DENSE_ROUTER: dict[str, str] = {
     "jamba": "jamba.py",
 }
 _ROUTER = re.compile(r"(^|\.)(mlp|block_sparse_moe|feed_forward|moe)\.(gate|router)$")
+#: the shared expert's gate (one output row): every vLLM 0.33 file that builds one builds it as a ``ReplicatedLinear``
+#: without ``quant_config`` (``qwen2_moe.py``, ``qwen3_moe.py``, ``qwen3_next.py``, ``interns2_mobius.py``, ``alice_ai.py``)
+_SHARED_EXPERT_GATE = re.compile(r"(^|\.)shared_expert_gate$")
 
 
 def vllm_expert_scheme_reason(weights: dict | None, inputs: dict | None) -> str | None:
@@ -312,7 +315,7 @@ def vllm_dense_reason(module: str, config: dict, weights: dict | None = None, in
     experts of a family whose :attr:`ExpertLayout.vllm_dense` says so (:func:`dense_experts_reason`), experts of any
     family quantized with a scheme vLLM has no fused-MoE method for (``weights``/``inputs``: the module's
     ``QuantizationArgs`` dicts, :func:`vllm_expert_scheme_reason`), and the MoE router of a family
-    :data:`VLLM_DENSE_ROUTER` lists, and the DeepSeek V3.2 indexer's ``wk``/``weights_proj``
+    :data:`VLLM_DENSE_ROUTER` lists, the shared expert's gate, and the DeepSeek V3.2 indexer's ``wk``/``weights_proj``
     (:func:`indexer_dense_reason`). The plan refuses to quantize such a module unless ``--allow-unloadable``;
     ``verify`` reports one that is quantized."""
     if (why := dense_experts_reason(module, config)) is not None:
@@ -321,6 +324,11 @@ def vllm_dense_reason(module: str, config: dict, weights: dict | None = None, in
         return why
     if (why := indexer_dense_reason(module, config, weights, inputs)) is not None:
         return why
+    if _SHARED_EXPERT_GATE.search(module):
+        return (
+            "the shared expert's gate: vLLM 0.33 builds it unquantized (qwen2_moe.py, qwen3_next.py: ReplicatedLinear "
+            "without quant_config), so it cannot load it quantized"
+        )
     if _ROUTER.search(module):
         t = next((t for t in model_types(config) if t in VLLM_DENSE_ROUTER), None)
         if t is not None:

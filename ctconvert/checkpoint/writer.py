@@ -50,10 +50,7 @@ def parse_size(text: str | int) -> int:
 
 
 def assign_shards(tensors: list[PlannedTensor], max_shard_size: int) -> list[list[PlannedTensor]]:
-    """Split tensors, in order, into shards of at most ``max_shard_size`` bytes.
-
-    A tensor larger than the limit gets a shard of its own (as transformers does).
-    """
+    """Split tensors, in order, into shards of at most ``max_shard_size`` bytes (a larger tensor gets a shard of its own, as transformers does)."""
     shards: list[list[PlannedTensor]] = [[]]
     size = 0
     for t in tensors:
@@ -293,7 +290,8 @@ class OutputFolder:
                 self.damaged_partial = sorted(set(old.get("shards", {})) - set(self.journal["shards"]))  # written again
                 keep |= {JOURNAL, *self.journal["shards"]}  # the rest is written again, and nothing else may ride along as the run's
                 # (the run's unfinished shards among them: the plan tells them from files put there, stages.write)
-                self.removed_partial = sorted(p.name for p in self.tmp.iterdir() if p.name not in keep | {JOURNAL + ".new"})
+                gone = [p for p in self.tmp.iterdir() if p.name not in keep | {JOURNAL + ".new"}]  # (a link named so: its target stays)
+                self.removed_partial = sorted(p.name + (" (a symlink; its target left as it is)" if p.is_symlink() else "") for p in gone)
             for p in self.tmp.iterdir():
                 if p.name not in keep:
                     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
@@ -486,8 +484,8 @@ class OutputFolder:
         for name, data in (extra_json or {}).items():
             self.write_json(name, data)
         self.write_json(CONFIG_NAME, config, sort_keys=True)
-        # every other file on disk before the folder is renamed into place (the shards this run wrote: ShardFile.close; those
-        # --refresh copied are not yet), else a crash just after the rename could leave a complete-looking output with an empty config.json or index
+        # every other file on disk before the folder is renamed into place (the shards this run wrote: ShardFile.close; those --refresh
+        # copied are not yet), else a crash just after the rename could leave a complete-looking output with an empty config.json or index
         closed = {f.path.name for f in self.shards if not f.kept}
         for name in sorted(names - closed):
             _fsync(self.tmp / name)

@@ -53,20 +53,23 @@ def test_only_a_config_with_index_topk_builds_the_indexer():
     assert indexer_dense_reason(f"{LAYER}.wk_weights_proj", V32) is None
 
 
-@pytest.fixture(scope="module")
-def v32(tmp_path_factory):
+@pytest.fixture(scope="module", params=["DeepseekV32Config", "GlmMoeDsaConfig"])
+def v32(request, tmp_path_factory):
+    """A tiny DeepSeek-V3.2 or GLM-5 (DSA) checkpoint as transformers saves it (every layer with an indexer)."""
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    if not hasattr(transformers, "DeepseekV32Config"):
-        pytest.skip(f"transformers {transformers.__version__} has no DeepseekV32Config")
+    if not hasattr(transformers, request.param):
+        pytest.skip(f"transformers {transformers.__version__} has no {request.param}")
     torch.manual_seed(0)
-    cfg = transformers.DeepseekV32Config(
+    extra = {"indexer_types": ["full", "full"]} if request.param == "GlmMoeDsaConfig" else {}
+    cfg = getattr(transformers, request.param)(
+        **extra,
         num_hidden_layers=2, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=4,
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
         kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, index_topk=16,
         index_head_dim=64, index_n_heads=4, vocab_size=512, n_group=1, topk_group=1, max_position_embeddings=512,
     )  # fmt: skip
-    path = tmp_path_factory.mktemp("v32") / "src"
+    path = tmp_path_factory.mktemp(request.param) / "src"
     transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(str(path))
     return path
 
