@@ -53,6 +53,8 @@ FAMILIES = [
     "qwen2_5_vl",
     "llava",
     "glm4_moe_mtp",
+    "deepseek_v32",
+    "glm_moe_dsa",
 ]
 #: families whose architecture vLLM 0.33 cannot build on a CPU machine, and what was read in its model file instead
 NOT_BUILDABLE = {
@@ -78,6 +80,19 @@ NOT_BUILDABLE = {
         "Glm4MoeMultiTokenPredictorLayer builds eh_proj as a torch nn.Linear and "
         "SharedHead.head as a ParallelLMHead named <layer>.head (ctconvert keeps both dense with --quantize-mtp), "
         "and the decoder block with the model's quantization config under the checkpoint's names"
+    ),
+    "deepseek_v32": (
+        "DeepSeek sparse attention (the indexer): no backend builds without a GPU (vllm_accept's model stage). Read instead: "
+        "vLLM 0.33 models/deepseek_v32/attention.py Indexer builds wq_b with the model's quantization config and fuses wk and "
+        "weights_proj into wk_weights_proj, a MergedColumnParallelLinear with quant_config=None (nvidia/model.py load_weights "
+        "stacks wk as shard 0, weights_proj as shard 1; deepseek_v2.py _try_load_fp8_indexer_wk dequantizes an FP8 wk with "
+        "its weight_scale): ctconvert keeps both dense, lists them in ignore, and refuses a target naming them; the MLA, "
+        "router and expert names are DeepSeek-V3's (see deepseek_v3)"
+    ),
+    "glm_moe_dsa": (
+        "GLM-5 (GlmMoeDsaForCausalLM) is built by vLLM 0.33 from models/deepseek_v32 (registry.py), with the same Indexer: "
+        "no backend builds it without a GPU. Read instead: as deepseek_v32 (wk and weights_proj fused into an unquantized "
+        "wk_weights_proj, kept dense by ctconvert; wq_b quantized)"
     ),
 }
 
@@ -120,6 +135,17 @@ def _builders():
         )
         return transformers.Glm4MoeForCausalLM(cfg)
 
+    def dsa(config_class, **extra):
+        def make():
+            mla = dict(q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64)
+            moe = dict(moe_intermediate_size=t.I, n_routed_experts=t.E, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1)
+            moe.update(n_group=1, topk_group=1, topk_method="noaux_tc")
+            dsa = dict(index_topk=16, index_head_dim=64, index_n_heads=2)
+            cfg = getattr(transformers, config_class)(**{**text, "num_key_value_heads": 2}, **moe, **mla, **dsa, **extra)
+            return transformers.AutoModelForCausalLM.from_config(cfg)
+
+        return make
+
     return (
         torch,
         randomized,
@@ -136,6 +162,8 @@ def _builders():
             "qwen2_5_vl": t._qwen2_5_vl,
             "llava": llava,
             "glm4_moe_mtp": glm4_moe,
+            "deepseek_v32": dsa("DeepseekV32Config"),
+            "glm_moe_dsa": dsa("GlmMoeDsaConfig", indexer_types=["full", "full"]),
         },
     )
 

@@ -16,7 +16,8 @@
    run through it (forward-pre hooks on every ``nn.Linear`` record the input min/max; an
    attention function registered with transformers' ``AttentionInterface`` records the key and
    value states as the KV cache would store them, after RoPE), its output is the next layer's
-   input, and the layer goes back to ``meta``.
+   input, and the layer goes back to ``meta``. A value a layer hands the next one beside its hidden states
+   (:data:`CARRIED`: GLM-5's DSA top-k selection) is passed on as the model's forward passes it.
 
 Every module is loaded as ``from_pretrained`` loads it (:meth:`CalibrationModel._materialize`): each parameter
 and persistent buffer from its checkpoint tensor, each non-persistent buffer computed by the model's own
@@ -35,6 +36,7 @@ hooks and micro-batches through the fully loaded model (the reference the tests 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -60,6 +62,20 @@ class _Stop(Exception):
     pass
 
 
+#: keyword arguments a decoder layer takes from the layer before it, which returns ``(hidden_states, value)``: GLM-5's
+#: ``prev_topk_indices`` (transformers 5.25 ``models/glm_moe_dsa/modeling_glm_moe_dsa.py``: ``GlmMoeDsaModel.forward``
+#: passes each layer's top-k token selection to the next, whose "shared" indexer reuses it). The stand-ins of
+#: :meth:`CalibrationModel.capture` return the same shape, and :meth:`CalibrationModel.run_layer` hands each layer's
+#: value to the next (calibration of a GLM-5 failed at the first layer: its forward unpacks two values).
+CARRIED = ("prev_topk_indices",)
+
+
+def _carried(layer: nn.Module) -> str | None:
+    """The :data:`CARRIED` keyword ``layer``'s forward takes, or None."""
+    params = inspect.signature(type(layer).forward).parameters
+    return next((k for k in CARRIED if k in params), None)
+
+
 @dataclass
 class _Recorded:
     """One micro-batch's arguments to a decoder layer (the hidden states are kept apart)."""
@@ -80,6 +96,8 @@ class CalibrationModel:
         model, self.attention = self._build(tf, archs[0], attention)
         self.model = model.eval()
         self.layers_name, self.layers = self._find_layers(model, archs[0])
+        self.carried = _carried(self.layers[0]) if len(self.layers) else None
+        self._carry: list | None = None  # the last layer's carried value per micro-batch
         for name, m in list(model.named_modules()):
             if is_fused_experts(m):
                 self._unfuse(name, m)
@@ -373,7 +391,8 @@ class CalibrationModel:
         recs: list[list[_Recorded]] = [[] for _ in self.layers]
         hidden: list[torch.Tensor] = []
         originals = list(self.layers)
-        last = len(self.layers) - 1
+        last, carried = len(self.layers) - 1, self.carried
+        self._carry = None
 
         class Catcher(nn.Module):
             def __init__(self, i):
@@ -386,7 +405,7 @@ class CalibrationModel:
                 recs[self.i].append(_Recorded(args, kwargs))
                 if self.i == last:
                     raise _Stop
-                return hidden_states
+                return (hidden_states, kwargs.get(carried)) if carried else hidden_states
 
         for i in range(len(self.layers)):
             self.layers[i] = Catcher(i)
@@ -411,10 +430,13 @@ class CalibrationModel:
         handles = self._hooks(layer, prefix)
         try:
             with torch.no_grad():
-                out = []
-                for h, r in zip(hidden, recs):
-                    y = layer(h, *r.args, **r.kwargs)
+                out, carry = [], []
+                for j, (h, r) in enumerate(zip(hidden, recs)):
+                    kwargs = r.kwargs if self._carry is None else {**r.kwargs, self.carried: self._carry[j]}
+                    y = layer(h, *r.args, **kwargs)
                     out.append(y[0] if isinstance(y, tuple) else y)
+                    carry.append(y[1] if self.carried and isinstance(y, tuple) and len(y) > 1 else None)
+                self._carry = carry if self.carried else None
         finally:
             for hd in handles:
                 hd.remove()

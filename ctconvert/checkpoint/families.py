@@ -285,8 +285,10 @@ VLLM_DENSE_ROUTER: dict[str, str] = {
     "minimax_m2": "minimax_m2.py",
     "ernie4_5_moe": "ernie45_moe.py",
     "jamba": "jamba.py",
+    "gemma4": "gemma4.py",  # (its router's Linear is ``router.proj``)
+    "gemma4_text": "gemma4.py",
 }
-_ROUTER = re.compile(r"(^|\.)(mlp|block_sparse_moe|feed_forward|moe)\.(gate|router)$")
+_ROUTER = re.compile(r"(^|\.)((mlp|block_sparse_moe|feed_forward|moe)\.(gate|router)|router\.proj)$")
 #: the shared expert's gate (one output row): every vLLM 0.33 file that builds one builds it as a ``ReplicatedLinear``
 #: without ``quant_config`` (``qwen2_moe.py``, ``qwen3_moe.py``, ``qwen3_next.py``, ``interns2_mobius.py``, ``alice_ai.py``)
 _SHARED_EXPERT_GATE = re.compile(r"(^|\.)shared_expert_gate$")

@@ -153,6 +153,9 @@ def test_which_expert_schemes_vllm_has_a_fused_moe_method_for(scheme, refused):
     assert (vllm_dense_reason("model.layers.3.mlp.experts.7.up_proj", cfg, g["weights"], g["input_activations"]) is not None) is refused
     assert vllm_dense_reason("model.layers.3.mlp.shared_expert.up_proj", cfg, g["weights"], g["input_activations"]) is None  # a plain Linear in vLLM
     assert vllm_dense_reason("model.layers.3.self_attn.q_proj", cfg, g["weights"], g["input_activations"]) is None
+    gemma4 = {"model_type": "gemma4", "text_config": {"model_type": "gemma4_text"}}  # its router's Linear: router.proj, a GateLinear
+    assert "gemma4.py" in vllm_dense_reason("model.language_model.layers.3.router.proj", gemma4, g["weights"], g["input_activations"])
+    assert vllm_dense_reason("model.layers.3.router.proj", {"model_type": "llama"}, g["weights"], g["input_activations"]) is None
     for t in ("qwen2_moe", "qwen3_moe", "qwen3_next"):  # built without quant_config wherever vLLM builds one
         why = vllm_dense_reason("model.layers.3.mlp.shared_expert_gate", {"model_type": t}, g["weights"], g["input_activations"])
         assert why is not None and "shared expert's gate" in why
