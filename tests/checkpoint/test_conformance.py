@@ -132,9 +132,11 @@ def test_routers_vllm_builds_unquantized_are_refused_unless_allowed_and_verify_r
     assert {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate"} <= set(kept.ignore) and api.verify(tmp_path / "b")["ok"]
     api.quantize(q2, tmp_path / "c", "W4A16", default_ignore=False, ignore=["lm_head"], allow_unloadable=True)
     report = api.verify(tmp_path / "c")
-    errors = [p for p in report["problems"] if p["severity"] == "error"]
-    assert not report["ok"] and len(errors) == 1 and errors[0]["tensor"] == "model.layers.0.mlp.gate"
-    assert "qwen2_moe router: vLLM 0.33 builds it unquantized" in errors[0]["message"] and "(and 1 more such module)" in errors[0]["message"]
+    errors = {p["tensor"]: p["message"] for p in report["problems"] if p["severity"] == "error"}  # one per reason
+    assert not report["ok"] and set(errors) == {"model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"}
+    assert "qwen2_moe router: vLLM 0.33 builds it unquantized" in errors["model.layers.0.mlp.gate"]
+    assert "the shared expert's gate: vLLM 0.33 builds it unquantized" in errors["model.layers.0.mlp.shared_expert_gate"]
+    assert all("(and 1 more such module)" in m for m in errors.values())
 
 
 @pytest.mark.parametrize(
