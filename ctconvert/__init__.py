@@ -1,3 +1,3 @@
 """ctconvert: offline conversion of Hugging Face checkpoints to compressed-tensors."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

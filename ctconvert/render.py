@@ -59,7 +59,7 @@ def table(ctx, columns: list[tuple[str, int]], rows: list[list[str]], title: str
     if dropped:
         note = f"not shown at this width: {', '.join(dropped)} (--plain or --json show every column)"
         caption = f"{caption}; {note}" if caption else note
-    table = Table(title=title, caption=caption, show_lines=False)
+    table = Table(title=Text(title) if title else None, caption=Text(caption) if caption else None, show_lines=False)  # ([...] not markup)
     for i in keep:
         if i == last and columns[i][1] > 0:
             table.add_column(columns[i][0], overflow="fold", min_width=min(widths[i], word))
@@ -102,7 +102,7 @@ def plan(ctx, result, target=None, all_rows: bool = False) -> None:
     ]
     styles = [{"quantize": "green", "convert": "green", "ignore": "yellow", "drop": "red"}.get(r.action) for r in plan.rows]
     con = ctx.console()
-    title = f"plan: {result.scheme if grouped else plan.scheme.name} ({plan.format})"
+    title = f"plan: {result.scheme or plan.scheme.name} ({plan.format})"  # (with its arguments: W4A16[group_size=64])
     if observers := getattr(plan, "observers", None):
         title += ", observer " + ", ".join(f"{name} (config group {g})" for g, name in observers.items())
     if target:

@@ -766,6 +766,15 @@ def test_resume_names_a_removed_file_named_like_a_shard_that_the_run_does_not_wr
     assert not (out / "model-00099-of-00099.safetensors").exists() and api.verify(out)["ok"]
 
 
+def test_resume_says_when_the_interrupted_runs_journal_is_gone(tmp_path):
+    """Without its journal no finished shard can be trusted: the run starts over and says why (before, silently)."""
+    m, out, partial, args = _killed_after_a_shard(tmp_path)
+    (partial / JOURNAL).unlink()
+    doc = _resumed_as_uninterrupted(m, out, args, tmp_path)
+    assert any(n.startswith(f"--resume: the interrupted run's journal ({JOURNAL}) is missing or unreadable") for n in doc["notes"]), doc["notes"]
+    assert not doc["reused_shards"]
+
+
 def test_resume_names_a_link_at_an_unfinished_shards_name_and_leaves_its_target(tmp_path):
     """A symlink at the name of a shard the run had not finished is removed (the shard is written again), named in the
     note as a link, and its target is left as it is: before, it went unnamed with the run's unfinished shards."""

@@ -213,7 +213,7 @@ def indexer_dense_reason(module: str, config: dict, weights: dict | None = None,
     if found.group(2) == "wk" and fp8 and (not isinstance(inputs, dict) or inputs.get("dynamic") is True):
         return None
     return (
-        "DeepSeek V3.2 indexer's wk/weights_proj: vLLM 0.33 fuses them into wk_weights_proj, built unquantized "
+        "the sparse-attention indexer's wk/weights_proj (DeepSeek-V3.2, GLM-5): vLLM 0.33 fuses them into wk_weights_proj, built unquantized "
         "(models/deepseek_v32/attention.py Indexer), so it cannot load them quantized (only an FP8 wk, which it dequantizes)"
     )
 

@@ -167,6 +167,21 @@ def _format(doc: dict | None) -> int:
     return fmt if isinstance(fmt, int) and not isinstance(fmt, bool) else 1
 
 
+#: the first ctconvert release whose version an output names (its index's :data:`~.writer.MARKER`, its provenance's
+#: ``ctconvert``) where every output holds the records: an output naming it or a later one without them was stripped
+RECORDS_SINCE_RELEASE = (0, 2)
+
+
+def _records_release(meta: dict, doc: dict | None) -> str | None:
+    """The ctconvert version that wrote the folder, named by its index's marker or its provenance, where it is
+    :data:`RECORDS_SINCE_RELEASE` or later (a release that always writes its records); else None."""
+    for v in (meta.get(MARKER), (doc or {}).get("ctconvert")):
+        parts = str(v).split(".")[:2] if isinstance(v, str) else []
+        if len(parts) == 2 and all(p.isdigit() for p in parts) and tuple(map(int, parts)) >= RECORDS_SINCE_RELEASE:
+            return v
+    return None
+
+
 def stripped_records_problems(ckpt: Checkpoint) -> list[Problem]:
     """An error naming the index where the folder's ``ctconvert-provenance.json`` is of a format that only a release
     writing the index's records writes (``provenance_format`` >= :data:`.provenance.RECORDS_SINCE_FORMAT`) while the
@@ -174,13 +189,23 @@ def stripped_records_problems(ckpt: Checkpoint) -> list[Problem]:
     deleted them, and the output passed as an earlier release's, unjudged), so the shards, ``config.json`` and the
     provenance cannot be compared with what was written. A warning where a provenance of an earlier format sits beside an
     index without ctconvert's marker either (an earlier release's index rewritten, or every ctconvert key stripped and
-    the format edited back: a trial's output passed silently). Empty for an index that lists its records, a provenance of
+    the format edited back: a trial's output passed silently). An error too where the index's marker or the provenance
+    names a release that always writes the records (:data:`RECORDS_SINCE_RELEASE`: a trial stripped them and set the
+    provenance's format back to 2, and the output passed as an earlier release's). Empty for an index that lists its records, a provenance of
     an earlier format beside a marked index (release 0.1.0 wrote format 2 and no records: the warning of
     :func:`shard_hash_problems`), no provenance, or no index (:func:`shard_hash_problems` reports a deleted one)."""
     meta = _metadata(ckpt)
     if ckpt.index is None or RECORDS_KEY in meta:
         return []
     held, doc = _provenance(ckpt.path)
+    release = _records_release(meta, doc)
+    if release is not None and INDEX_DIGEST_KEY not in meta and _format(doc) < RECORDS_SINCE_FORMAT:  # (its format edited back)
+        why = (
+            f"the index holds none of the records ctconvert writes ({RECORDS_KEY}), though ctconvert {release} wrote this output "
+            "(its index's marker or its provenance says so), a release that always writes them: they were removed after the run, "
+            "so nothing can be compared with what was written; convert again"
+        )
+        return [Problem("error", why, str(Path(ckpt.path) / INDEX_NAME))]
     if _format(doc) < RECORDS_SINCE_FORMAT:
         if not held or MARKER in meta:  # (an earlier release's index, marked: shard_hash_problems warns)
             return []
@@ -261,10 +286,12 @@ def judged_by_records(ckpt: Checkpoint) -> bool:
     """Whether a checkpoint without a ``quantization_config`` (a ``decompress`` output) gets a plain ``verify``'s verdict
     from its records alone (:func:`dense_record_problems`): its index lists its records (:data:`~.writer.RECORDS_KEY`,
     this release), or its digest of itself (:data:`~.file_records.INDEX_DIGEST_KEY`: the list removed, which the
-    digest shows). Otherwise (a dense model of another tool, an index of an earlier release or with both removed: what
-    was written cannot be told) ``verify`` asks for ``--reference``."""
+    digest shows), or its marker names a release that writes them (:data:`RECORDS_SINCE_RELEASE`: all removed).
+    Otherwise (a dense model of another tool, an index of an earlier release or with all of these removed: what was
+    written cannot be told) ``verify`` asks for ``--reference``."""
     meta = _metadata(ckpt)
-    return isinstance(meta.get(RECORDS_KEY), list) or INDEX_DIGEST_KEY in meta
+    listed = isinstance(meta.get(RECORDS_KEY), list) or INDEX_DIGEST_KEY in meta
+    return listed or _records_release(meta, None) is not None
 
 
 def dense_record_problems(ckpt: Checkpoint) -> list[Problem]:

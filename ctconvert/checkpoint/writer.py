@@ -283,6 +283,7 @@ class OutputFolder:
             except BlockingIOError:
                 raise OutputError("another ctconvert run is writing this output", file=self.out) from None
             old = _json_object(self.tmp / JOURNAL)
+            self.lost_journal = resume and not old.get("shards") and any(p.suffix == ".safetensors" for p in self.tmp.iterdir())
             self.discarded_partial = bool(old.get("shards")) and old.get("fingerprint") != fingerprint
             keep = {".lock"}
             if resume and old.get("fingerprint") == fingerprint:

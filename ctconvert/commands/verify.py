@@ -104,7 +104,7 @@ _STRUCTURE_CHECKS = [
     "dense Linear in ignore",
     "MoE experts' group as vLLM 0.33 matches them, alike within each block",
     "modules vLLM 0.33 cannot load quantized (gpt-oss experts, experts with static INT8 inputs, most MoE routers, "
-    "the DeepSeek V3.2 indexer's wk/weights_proj, partial FP8 blocks)",
+    "the DSA indexer's wk/weights_proj (DeepSeek-V3.2, GLM-5), partial FP8 blocks)",
     "fused sets complete",
     "attention shapes against config.json",
     "fused global scales and input scales",

@@ -102,6 +102,9 @@ _COLUMN = {
 _ROW = {"o_proj", "down_proj", "w2", "out_proj", "fc2", "dense_4h_to_h", "wo"}
 _REPLICATED = {"q_a_proj", "kv_a_proj_with_mqa", "gate", "router", "shared_expert_gate"}
 _VOCAB = {"lm_head", "embed_tokens", "word_embeddings", "wte"}
+#: DeepSeek-V3.2/GLM-5's sparse-attention indexer: never split (vLLM 0.33 models/deepseek_v32/attention.py ``Indexer``:
+#: ``wq_b`` a ReplicatedLinear, ``wk`` and ``weights_proj`` one ``wk_weights_proj`` built with ``disable_tp=True``)
+_INDEXER = {"wq_b", "wk", "weights_proj"}
 _HEADS = {"q_proj": "q", "query": "q", "k_proj": "kv", "key": "kv", "v_proj": "kv", "value": "kv"}
 EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
 
@@ -111,7 +114,8 @@ def layer_kind(module: str) -> str:
 
     ``dense`` is told by its parent: ``...attention.output.dense`` and ``...output.dense`` (BERT) and
     ``self_attn.dense``/``attention.dense`` (Phi, Falcon, GPT-NeoX) are row-parallel, ``intermediate.dense``
-    column-parallel, ``pooler.dense`` replicated; elsewhere ``dense`` is unknown."""
+    column-parallel, ``pooler.dense`` replicated; elsewhere ``dense`` is unknown. The DSA indexer's ``wq_b``, ``wk`` and
+    ``weights_proj`` are replicated (:data:`_INDEXER`)."""
     parent, _, leaf = module.rpartition(".")
     if module == "output" or leaf in _VOCAB:
         return "vocab"
@@ -120,6 +124,8 @@ def layer_kind(module: str) -> str:
     if leaf in _ROW:
         return "row"
     if leaf in _REPLICATED or (leaf == "proj" and parent.endswith("router")):
+        return "replicated"
+    if leaf in _INDEXER and parent.rpartition(".")[2] == "indexer":
         return "replicated"
     if leaf == "dense":
         up = parent.rpartition(".")[2]

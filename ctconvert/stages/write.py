@@ -27,7 +27,7 @@ from ..checkpoint.model_card import CARD, append_conversion_section, conversion_
 from ..checkpoint.provenance import PROVENANCE, fingerprint, load_provenance, provenance, refresh_plan, shard_map, sources_by_shard
 from ..checkpoint.reader import CONFIG_NAME, Checkpoint
 from ..checkpoint.shard_file import PlannedTensor
-from ..checkpoint.writer import OutputFolder, assign_shards, check_output_path, disk_full, parse_size, partial_output, shard_names
+from ..checkpoint.writer import JOURNAL, OutputFolder, assign_shards, check_output_path, disk_full, parse_size, partial_output, shard_names
 from ..errors import OutputError, UsageError, agree, plural
 from ..pipeline.executor import ExecOptions
 from ..pipeline.local import LocalExecutor
@@ -144,7 +144,11 @@ class WriteStage(Stage):
         if getattr(folder, "linked_partial", False):
             result.notes.append(f"the interrupted run's folder {folder.tmp.name} was a symlink: removed (its target left as it is); starting over")
         if self.o.resume and getattr(folder, "discarded_partial", False):
-            result.notes.append("--resume: the interrupted run used other inputs or options; starting over")
+            why = "a source file's size or modification time, an option or the ctconvert release differs"
+            result.notes.append(f"--resume: the interrupted run used other inputs or options ({why}); starting over")
+        if self.o.resume and getattr(folder, "lost_journal", False):
+            lost = f"--resume: the interrupted run's journal ({JOURNAL}) is missing or unreadable"
+            result.notes.append(f"{lost}, so none of its shards can be trusted; starting over")
         if self.o.resume and (damaged := getattr(folder, "damaged_partial", [])):
             them = "them" if len(damaged) > 1 else "it"
             result.notes.append(f"--resume: {', '.join(damaged)} changed, damaged, linked or removed since the interrupted run finished {them}; written again")

@@ -222,9 +222,10 @@ def test_a_negative_scale_fails_verify_naming_the_tensor(tiny_llama, tmp_path, s
     del index["metadata"][SHARDS_KEY]
     del index["metadata"]["ctconvert_records"], index["metadata"]["ctconvert_provenance"]  # as a release without the records wrote it
     del index["metadata"]["ctconvert_index_digest"]
+    index["metadata"]["ctconvert"] = "0.1.0"  # (the release before the records)
     (out / INDEX_NAME).write_text(json.dumps(index))
     prov = json.loads((out / "ctconvert-provenance.json").read_text())  # and its provenance: format 2, which promises no records
-    (out / "ctconvert-provenance.json").write_text(json.dumps(dict(prov, provenance_format=2)))
+    (out / "ctconvert-provenance.json").write_text(json.dumps(dict(prov, provenance_format=2, ctconvert="0.1.0")))
     name = f"model.layers.1.mlp.down_proj.{part}"
     shard = out / index["weight_map"][name]
     t = load_file(shard)

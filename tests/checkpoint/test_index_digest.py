@@ -178,3 +178,46 @@ def test_an_output_of_the_release_before_the_digest_is_judged_as_before(tiny_lla
     assert INDEX_CHECK not in rep["checked"]["checks"]
     (q / "generation_config.json").write_text("{}")
     assert any(p["file"] == str(q / "generation_config.json") for p in _errors(q))
+
+
+def _strip_every_record(folder, keep_marker: bool) -> None:
+    """Every ctconvert key removed from the index (the marker kept or not), as a new user's trial did."""
+    index = _index(folder)
+    index["metadata"] = {k: v for k, v in index["metadata"].items() if not k.startswith("ctconvert_") and (keep_marker or k != "ctconvert")}
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("keep_marker", [True, False])
+def test_records_stripped_and_the_provenance_format_set_back_fail_where_the_release_writes_them(tiny_llama, tmp_path, keep_marker):
+    """The trial's downgrade: every record removed, the provenance's format set back to 2 (release 0.1.0's), and a
+    weight's bit flipped: it passed as an earlier release's output. The marker (or, without it, the provenance) names
+    the release that wrote it, which always writes the records: exit 5. An output naming 0.1.0 is judged as before."""
+    from ctconvert.checkpoint.integrity import RECORDS_SINCE_RELEASE
+
+    from ctconvert import __version__
+
+    assert tuple(map(int, __version__.split(".")[:2])) >= RECORDS_SINCE_RELEASE
+    q = tmp_path / "q"
+    api.quantize(tiny_llama, q, "W4A16")
+    _strip_every_record(q, keep_marker)
+    prov = json.loads((q / "ctconvert-provenance.json").read_text())
+    (q / "ctconvert-provenance.json").write_text(json.dumps(dict(prov, provenance_format=2)))
+    (q / "generation_config.json").write_text('{"temperature": 9.0}')
+    (e,) = _errors(q)
+    assert e["file"] == str(q / INDEX_NAME) and f"though ctconvert {__version__} wrote this output" in e["message"]
+    assert _verify(q)[0] == 5
+    (q / "ctconvert-provenance.json").write_text(json.dumps(dict(prov, provenance_format=2, ctconvert="0.1.0")))
+    index = _index(q)
+    if keep_marker:
+        index["metadata"]["ctconvert"] = "0.1.0"
+    (q / INDEX_NAME).write_text(json.dumps(index))
+    assert api.verify(q)["ok"]  # (an output of release 0.1.0: its shards and files were never recorded)
+
+
+def test_a_dense_output_stripped_of_every_record_is_judged_not_sent_for_a_reference(tiny_llama, tmp_path):
+    q, d = tmp_path / "q", tmp_path / "d"
+    api.quantize(tiny_llama, q, "W4A16")
+    api.decompress(q, d)
+    _strip_every_record(d, keep_marker=True)
+    (e,) = _errors(d)
+    assert "though ctconvert" in e["message"] and _verify(d)[0] == 5

@@ -53,9 +53,11 @@ def _as_earlier_release(out: Path, index: dict) -> None:
     index["metadata"].pop(RECORDS_KEY, None)
     index["metadata"].pop(PROVENANCE_KEY, None)
     index["metadata"].pop(INDEX_DIGEST_KEY, None)
+    if "ctconvert" in index["metadata"]:
+        index["metadata"]["ctconvert"] = "0.1.0"  # its marker and its provenance name that release
     (out / INDEX_NAME).write_text(json.dumps(index))
     prov = json.loads((out / "ctconvert-provenance.json").read_text())
-    (out / "ctconvert-provenance.json").write_text(json.dumps(dict(prov, provenance_format=2)))
+    (out / "ctconvert-provenance.json").write_text(json.dumps(dict(prov, provenance_format=2, ctconvert="0.1.0")))
 
 
 def _as_release_before_the_digest(out: Path, index: dict) -> None:

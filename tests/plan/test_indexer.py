@@ -83,15 +83,17 @@ def test_a_v32_checkpoint_keeps_the_indexers_wk_and_weights_proj_dense_and_verif
             assert f"model.layers.{layer}.self_attn.indexer.{leaf}" in ignore
         assert f"model.layers.{layer}.self_attn.indexer.wq_b" not in ignore
     (why,) = [w for w in res.kept_dense if "indexer" in w]
-    assert res.kept_dense[why] == 4 and why.startswith("DeepSeek V3.2 indexer's wk/weights_proj") and why.endswith("kept dense by default")
+    assert res.kept_dense[why] == 4 and why.startswith("the sparse-attention indexer's wk/weights_proj") and why.endswith("kept dense by default")
     r = CliRunner().invoke(main, ["quantize", str(v32), "-o", str(tmp_path / "cli"), "--scheme", "W4A16", "--group-size", "64"])
-    assert r.exit_code == 0 and "note: kept dense: 4 weights: DeepSeek V3.2 indexer's wk/weights_proj" in r.stderr, r.output
+    assert r.exit_code == 0 and "note: kept dense: 4 weights: the sparse-attention indexer's wk/weights_proj" in r.stderr, r.output
+    r = CliRunner().invoke(main, ["quantize", str(v32), "-o", str(tmp_path / "dry"), "--scheme", "W4A16", "--group-size", "64", "--dry-run"])
+    assert "plan: W4A16[group_size=64] (pack-quantized)" in r.stdout  # (its arguments were read as rich markup and dropped)
     assert api.verify(out)["ok"] and api.verify(out, v32)["ok"]
 
 
 def test_a_target_naming_them_is_refused_and_with_allow_unloadable_verify_fails(v32, tmp_path):
     targets = ["Linear", r"re:.*indexer\.(wk|weights_proj)$"]
-    with pytest.raises(UnsupportedError, match=r"indexer's wk/weights_proj: vLLM 0\.33 fuses them"):
+    with pytest.raises(UnsupportedError, match=r"indexer's wk/weights_proj \(DeepSeek-V3\.2, GLM-5\): vLLM 0\.33 fuses them"):
         api.quantize(v32, tmp_path / "refused", "W4A16", group_size=64, targets=targets)
     assert not (tmp_path / "refused").exists()
     out = tmp_path / "q"

@@ -175,6 +175,10 @@ def test_unknown_kind_is_stated_and_checked_both_ways():
         ("model.layers.0.router.proj", "replicated"),
         ("model.layers.0.mlp.shared_expert_gate", "replicated"),
         ("model.layers.0.mlp.frobnicate", "unknown"),
+        ("model.layers.0.self_attn.indexer.wq_b", "replicated"),  # DeepSeek-V3.2/GLM-5: vLLM's Indexer splits none of these
+        ("model.layers.0.self_attn.indexer.wk", "replicated"),
+        ("model.layers.0.self_attn.indexer.weights_proj", "replicated"),
+        ("model.layers.0.attn.wq_b", "unknown"),  # (not an indexer's)
     ],
 )
 def test_layer_kinds(name, kind):
