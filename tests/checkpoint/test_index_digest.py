@@ -192,9 +192,8 @@ def test_records_stripped_and_the_provenance_format_set_back_fail_where_the_rele
     """The trial's downgrade: every record removed, the provenance's format set back to 2 (release 0.1.0's), and a
     weight's bit flipped: it passed as an earlier release's output. The marker (or, without it, the provenance) names
     the release that wrote it, which always writes the records: exit 5. An output naming 0.1.0 is judged as before."""
-    from ctconvert.checkpoint.integrity import RECORDS_SINCE_RELEASE
-
     from ctconvert import __version__
+    from ctconvert.checkpoint.integrity import RECORDS_SINCE_RELEASE
 
     assert tuple(map(int, __version__.split(".")[:2])) >= RECORDS_SINCE_RELEASE
     q = tmp_path / "q"
