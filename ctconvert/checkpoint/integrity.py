@@ -21,11 +21,13 @@ index whose records were edited together (a file deleted with its entries remove
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from ..errors import CTConvertError
 from .file_records import FILE_HASHES_KEY, FILES_CHECK, INDEX_DIGEST_KEY, index_digest, mismatch, record_mismatch, well_formed
 from .hashing import HASH_NAME, HASH_SCHEME
+from .model_card import CARD, HEADING
 from .provenance import FILE_HASHES_SINCE_FORMAT, INDEX_DIGEST_SINCE_FORMAT, RECORDS_SINCE_FORMAT
 from .reader import CONFIG_NAME, INDEX_NAME, Checkpoint, Problem
 from .safetensors_io import read_header
@@ -182,6 +184,19 @@ def _records_release(meta: dict, doc: dict | None) -> str | None:
     return None
 
 
+def _card_release(folder: Path) -> str | None:
+    """The ctconvert release the folder's model card names in its conversion section (:data:`.model_card.HEADING`,
+    "by ctconvert X.Y.Z"), where it is one that always writes the records (:data:`RECORDS_SINCE_RELEASE`); else None."""
+    try:
+        text = (folder / CARD).read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.search(r"by ctconvert (\d+)\.(\d+)(\.\d+)?", text.partition(HEADING)[2]) if HEADING in text else None
+    if found is None or (int(found.group(1)), int(found.group(2))) < RECORDS_SINCE_RELEASE:
+        return None
+    return found.group(0).removeprefix("by ctconvert ")
+
+
 def stripped_records_problems(ckpt: Checkpoint) -> list[Problem]:
     """An error naming the index where the folder's ``ctconvert-provenance.json`` is of a format that only a release
     writing the index's records writes (``provenance_format`` >= :data:`.provenance.RECORDS_SINCE_FORMAT`) while the
@@ -207,6 +222,13 @@ def stripped_records_problems(ckpt: Checkpoint) -> list[Problem]:
         )
         return [Problem("error", why, str(Path(ckpt.path) / INDEX_NAME))]
     if _format(doc) < RECORDS_SINCE_FORMAT:
+        if not held and MARKER not in meta and (card := _card_release(Path(ckpt.path))) is not None:
+            why = (
+                f"{CARD} says ctconvert {card} converted this checkpoint, but its index holds no ctconvert marker or record and the folder "
+                f"no {PROVENANCE}: if ctconvert wrote it, they were removed after the run and nothing is compared with what was "
+                "written (judged as another tool's checkpoint); `verify --reference SRC` compares its values"
+            )
+            return [Problem("warning", why, str(Path(ckpt.path) / INDEX_NAME))]
         if not held or MARKER in meta:  # (an earlier release's index, marked: shard_hash_problems warns)
             return []
         why = (

@@ -220,3 +220,22 @@ def test_a_dense_output_stripped_of_every_record_is_judged_not_sent_for_a_refere
     _strip_every_record(d, keep_marker=True)
     (e,) = _errors(d)
     assert "though ctconvert" in e["message"] and _verify(d)[0] == 5
+
+
+def test_every_trace_but_the_model_card_removed_is_named_in_a_warning(tiny_llama, tmp_path):
+    """Marker, records and provenance all removed: nothing ctconvert reads says it wrote the folder, so it is judged as
+    another tool's (another tool may copy a ctconvert output's card: not an error), but the card's conversion section
+    still names the release, and a warning says what was not compared (the second trial's passing case was silent)."""
+    import shutil
+
+    src, q = tmp_path / "src", tmp_path / "q"
+    shutil.copytree(tiny_llama, src)
+    (src / "README.md").write_text("# a model card\n")
+    api.quantize(src, q, "W4A16")
+    _strip_every_record(q, keep_marker=False)
+    (q / "ctconvert-provenance.json").unlink()
+    rep = api.verify(q)
+    (w,) = [p for p in rep["problems"] if p["severity"] == "warning" and "README.md says ctconvert" in p["message"]]
+    assert "no ctconvert marker or record" in w["message"] and "--reference SRC" in w["message"]
+    (q / "README.md").write_text("# another tool's card\n")
+    assert not [p for p in api.verify(q)["problems"] if "README.md says" in p["message"]]
