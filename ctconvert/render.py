@@ -102,7 +102,7 @@ def plan(ctx, result, target=None, all_rows: bool = False) -> None:
     ]
     styles = [{"quantize": "green", "convert": "green", "ignore": "yellow", "drop": "red"}.get(r.action) for r in plan.rows]
     con = ctx.console()
-    title = f"plan: {result.scheme or plan.scheme.name} ({plan.format})"  # (with its arguments: W4A16[group_size=64])
+    title = f"plan: {result.scheme if grouped else plan.scheme.name} ({plan.format})"
     if observers := getattr(plan, "observers", None):
         title += ", observer " + ", ".join(f"{name} (config group {g})" for g, name in observers.items())
     if target:

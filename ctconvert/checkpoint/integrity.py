@@ -174,14 +174,16 @@ def _format(doc: dict | None) -> int:
 RECORDS_SINCE_RELEASE = (0, 2)
 
 
+def _writes_records(version: object) -> bool:
+    """Whether ``version`` (``"X.Y[.Z]"``) names :data:`RECORDS_SINCE_RELEASE` or a later release."""
+    found = re.match(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
+    return found is not None and (int(found.group(1)), int(found.group(2))) >= RECORDS_SINCE_RELEASE
+
+
 def _records_release(meta: dict, doc: dict | None) -> str | None:
     """The ctconvert version that wrote the folder, named by its index's marker or its provenance, where it is
     :data:`RECORDS_SINCE_RELEASE` or later (a release that always writes its records); else None."""
-    for v in (meta.get(MARKER), (doc or {}).get("ctconvert")):
-        parts = str(v).split(".")[:2] if isinstance(v, str) else []
-        if len(parts) == 2 and all(p.isdigit() for p in parts) and tuple(map(int, parts)) >= RECORDS_SINCE_RELEASE:
-            return v
-    return None
+    return next((v for v in (meta.get(MARKER), (doc or {}).get("ctconvert")) if _writes_records(v)), None)
 
 
 def _card_release(folder: Path) -> str | None:
@@ -191,10 +193,8 @@ def _card_release(folder: Path) -> str | None:
         text = (folder / CARD).read_text(errors="replace")
     except OSError:
         return None
-    found = re.search(r"by ctconvert (\d+)\.(\d+)(\.\d+)?", text.partition(HEADING)[2]) if HEADING in text else None
-    if found is None or (int(found.group(1)), int(found.group(2))) < RECORDS_SINCE_RELEASE:
-        return None
-    return found.group(0).removeprefix("by ctconvert ")
+    found = re.search(r"by ctconvert (\d+\.\d+(\.\d+)?)", text.partition(HEADING)[2]) if HEADING in text else None
+    return found.group(1) if found is not None and _writes_records(found.group(1)) else None
 
 
 def stripped_records_problems(ckpt: Checkpoint) -> list[Problem]:
